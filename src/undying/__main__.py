@@ -1,0 +1,5 @@
+import sys
+
+from undying.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,253 @@
+"""The agent: one per node. Starts and watches the node's workers.
+
+It spawns each worker with the torchrun environment plus undying's own, sees a
+worker exit the moment it happens (an asyncio child watch), relays the
+workers' reports to the manager, and carries out the manager's commands: kill
+a rank, arm a fault, stop everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from undying.config import ENV_PREFIX, JobConfig
+from undying.messages import ArmFault, Hello, Message, decode, encode
+from undying.rendezvous import GenerationRecord
+
+__all__ = ["Agent", "ManagerLink"]
+
+log = logging.getLogger("undying.agent")
+
+
+class ManagerLink(Protocol):
+    """What the agent reports to the manager (in-process when standalone)."""
+
+    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None: ...
+
+    def on_message(self, message: Message) -> None: ...
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: _PopenProcess
+    writer: asyncio.StreamWriter | None = None
+    pending: list[Message] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class Agent:
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        node: int,
+        script: str,
+        script_args: list[str],
+        manager: ManagerLink,
+        control_port: int,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self._script = script
+        self._script_args = script_args
+        self._manager = manager
+        self._control_port = control_port
+        self._workers: dict[int, _Worker] = {}
+        self._by_pid: dict[int, _Worker] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._port = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
+        self._port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    # --- processes ------------------------------------------------------------
+
+    def _environment(self, rank: int, record: GenerationRecord, joining: bool) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank % self.config.nproc_per_node),
+                "GROUP_RANK": str(self.node),
+                "WORLD_SIZE": str(record.world_size),
+                "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
+                "MASTER_ADDR": record.store_host,
+                "MASTER_PORT": str(record.store_port),
+                # The launcher hosts the store: ranks must connect, never host (as with torchrun).
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": str(record.generation),
+                f"{ENV_PREFIX}JOB_ID": self.config.job_id,
+                f"{ENV_PREFIX}JOB_DIR": self.config.job_dir,
+                f"{ENV_PREFIX}CONTROL_ADDR": f"{self.config.host}:{self._control_port}",
+                f"{ENV_PREFIX}AGENT_ADDR": f"127.0.0.1:{self._port}",
+                f"{ENV_PREFIX}AGENT_PID": str(os.getpid()),
+                f"{ENV_PREFIX}GENERATION": str(record.generation),
+                f"{ENV_PREFIX}JOINING": "1" if joining else "0",
+                f"{ENV_PREFIX}BACKEND": self.config.backend,
+            }
+        )
+        env.update(self.config.timeout_env())
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> int:
+        """Start the process for ``rank`` (called on the loop); returns its PID."""
+        argv = [sys.executable, "-u", "-m", "undying.worker.boot", self._script, *self._script_args]
+        popen = subprocess.Popen(
+            argv,
+            env=self._environment(rank, record, joining),
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
+        )
+        worker = _Worker(rank=rank, process=_PopenProcess(popen))
+        old = self._workers.get(rank)
+        if old is not None:
+            self._by_pid.pop(old.pid, None)
+        self._workers[rank] = worker
+        self._by_pid[popen.pid] = worker
+        task = asyncio.get_running_loop().create_task(self._watch(worker))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        log.info("node %d: started rank %d as pid %d (generation %d%s)",
+                 self.node, rank, popen.pid, record.generation, ", replacement" if joining else "")
+        return popen.pid
+
+    async def _watch(self, worker: _Worker) -> None:
+        returncode = await worker.process.wait()
+        t = time.time()
+        self._by_pid.pop(worker.pid, None)
+        self._manager.on_exit(worker.rank, worker.pid, returncode, t)
+
+    def kill(self, rank: int, sig: signal.Signals) -> bool:
+        worker = self._workers.get(rank)
+        if worker is None or worker.process.returncode is not None:
+            return False
+        try:
+            os.kill(worker.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def arm(self, rank: int, fault: ArmFault) -> None:
+        worker = self._workers.get(rank)
+        if worker is None:
+            return
+        if worker.writer is None:
+            worker.pending.append(fault)
+        else:
+            worker.writer.write(encode(fault))
+
+    async def stop_all(self, grace_s: float) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``."""
+        live = [w for w in self._workers.values() if w.process.returncode is None]
+        for worker in live:
+            _signal_group(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for worker in live:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(worker.process.wait(), remaining)
+            except asyncio.TimeoutError:
+                _signal_group(worker.pid, signal.SIGKILL)
+                await worker.process.wait()
+
+    def live_pids(self) -> list[int]:
+        return [w.pid for w in self._workers.values() if w.process.returncode is None]
+
+    # --- the worker channel ---------------------------------------------------
+
+    async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        worker: _Worker | None = None
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                try:
+                    message = decode(line)
+                except ValueError as e:
+                    log.warning("node %d: dropped a bad message from a worker: %s", self.node, e)
+                    continue
+                if isinstance(message, Hello):
+                    worker = self._by_pid.get(message.pid)
+                    if worker is not None:
+                        worker.writer = writer
+                        for pending in worker.pending:
+                            writer.write(encode(pending))
+                        worker.pending.clear()
+                self._manager.on_message(message)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            if worker is not None and worker.writer is writer:
+                worker.writer = None
+            writer.close()
+
+
+class _PopenProcess:
+    """A ``subprocess.Popen`` with an awaitable ``wait`` (a pidfd watched by the loop)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self._done = asyncio.get_running_loop().create_future()
+        self._watch()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            loop.create_task(self._poll())
+            return
+
+        def ready() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            self._popen.wait()
+            if not self._done.done():
+                self._done.set_result(self._popen.returncode)
+
+        loop.add_reader(fd, ready)
+
+    async def _poll(self) -> None:
+        while self._popen.poll() is None:
+            await asyncio.sleep(0.01)
+        self._done.set_result(self._popen.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._done)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,106 @@
+"""``undying run`` standalone: the manager and the node's agent in one process.
+
+Nothing to install or start beside it: the manager's TCPStore, SQLite log and
+HTTP API live in the launcher. Ctrl-C (or SIGTERM) stops the job in order; if
+the launcher is killed outright, its workers die with it (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from undying.agent.agent import Agent
+from undying.config import JobConfig
+from undying.errors import UsageError
+from undying.jobdir import JobDir
+from undying.manager.events import EventLog
+from undying.manager.http import start_http
+from undying.manager.manager import Manager
+from undying.manager.state import JobState
+
+__all__ = ["launch", "EXIT_CODES"]
+
+log = logging.getLogger("undying.launcher")
+
+EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 130}
+
+
+def _check_script(script: str) -> None:
+    path = Path(script)
+    if not path.is_file():
+        raise UsageError(f"training script {script} does not exist; pass the path of a Python file")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"training script {script} is not readable; check its permissions")
+
+
+async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int:
+    job_dir = JobDir(Path(config.job_dir))
+    job_dir.prepare()
+    events = EventLog(job_dir.events_db)
+    manager = Manager(config, events)
+    try:
+        control_port = manager.start_control_store()
+        agent = Agent(
+            config, node=config.node_rank, script=script, script_args=script_args,
+            manager=manager, control_port=control_port,
+        )
+        await agent.start()
+        manager.add_agent(agent)
+        runner, url = await start_http(manager, config.host, config.http_port)
+    except BaseException:
+        manager.close()
+        raise
+    job_dir.write_manager(
+        {"url": url, "pid": os.getpid(), "job_id": config.job_id, "control_port": control_port, "started_at": time.time()}
+    )
+    events.set_job("url", url, flush=True)
+    log.info("job %s: %d ranks, manager at %s, job dir %s", config.job_id, config.world_size, url, config.job_dir)
+    loop = asyncio.get_running_loop()
+    interrupted: list[int] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        interrupted.append(sig)
+        log.warning("job %s: %s received, stopping the workers", config.job_id, sig.name)
+        manager.stop(f"stopped by {sig.name}")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        final = await manager.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await agent.stop_all(config.timeouts.stop_grace)
+        await agent.close()
+        await runner.cleanup()
+        job_dir.clear_manager()
+        manager.close()
+    _report(config, manager, final)
+    if final is JobState.STOPPED and interrupted and interrupted[0] == signal.SIGTERM:
+        return 143
+    return EXIT_CODES.get(final, 1)
+
+
+def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
+    recovered = [i for i in manager.incidents if i.status == "recovered"]
+    if final is JobState.SUCCEEDED:
+        log.warning(
+            "job %s succeeded: %d ranks, generation %d, %d incident(s) recovered, %d step(s) re-run",
+            config.job_id, config.world_size, manager.generation, len(recovered), len(manager.rerun_steps),
+        )
+    elif final is JobState.FAILED:
+        log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
+    else:
+        log.warning("job %s stopped: %s", config.job_id, manager.exit_reason)
+
+
+def launch(config: JobConfig, script: str, script_args: list[str]) -> int:
+    """Run the job to its end; returns the launcher's exit code."""
+    config.validate()
+    _check_script(script)
+    return asyncio.run(_launch(config, script, script_args))

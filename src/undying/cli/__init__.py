@@ -1,0 +1,1 @@
+"""The command line: ``undying run | status | inject | demo``."""

@@ -1,0 +1,191 @@
+"""``undying demo``: the same seeded job twice, without and with a fault, compared.
+
+The front door of the project. With ``--json`` it prints exactly one JSON
+object on stdout (logs go to stderr):
+
+    {"fault", "identical", "steps", "lost_steps", "incidents": [{"kind", "rank",
+     "action", "mttr_s", "phases": {...}}], ...}
+
+and exits 0 only when every per-step loss is identical and nothing was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from undying.cli.client import api_post
+from undying.demo import TRAIN_SCRIPT
+from undying.errors import UsageError
+from undying.jobdir import JobDir
+from undying.oracle import compare_runs, load_run
+
+__all__ = ["add_parser", "FAULTS", "run_job"]
+
+RANKS = 4
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """How the demo injects one kind of fault into the seeded job."""
+
+    kind: str
+    rank: int
+    at_step: int
+    phase: str
+    description: str
+
+
+FAULTS: dict[str, FaultPlan] = {
+    "crash": FaultPlan("crash", rank=2, at_step=12, phase="backward",
+                       description="SIGKILL of rank 2 during step 12's gradient all-reduce"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a seeded 4-rank job without and with a fault and compare",
+        description="Run a small seeded 4-rank CPU job twice, without and with a fault, and print "
+        "the incidents, the recovery-time breakdown and whether every per-step loss is identical. "
+        "Exit 0 only when identical and no step was lost.",
+    )
+    p.add_argument("--fault", default="crash", help=f"the fault to inject: {', '.join(FAULTS)} (default crash)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--epochs", type=int, default=3, help="epochs of the seeded job (16 steps each; default 3)")
+    p.add_argument("--keep", action="store_true", help="keep the two job dirs (their paths are printed)")
+    p.set_defaults(func=run)
+
+
+def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault: FaultPlan | None = None,
+            timeout_s: float = 120.0, extra_run_args: list[str] | None = None,
+            log_file: Path | None = None) -> int:
+    """Run ``undying run`` on the demo script to its end; inject ``fault`` once the manager is up."""
+    argv = [
+        sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0",
+        "--job-dir", str(job_dir), "--job-id", job_dir.name, "--stop-grace", "3",
+        *(extra_run_args or []), str(TRAIN_SCRIPT), *script_args,
+    ]
+    log_path = log_file or job_dir.parent / f"{job_dir.name}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if fault is not None:
+                _inject_when_up(JobDir(job_dir), process, fault, deadline=time.monotonic() + timeout_s)
+            return process.wait(timeout=timeout_s)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+
+
+def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], fault: FaultPlan, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the job exited ({process.returncode}) before the fault could be injected")
+        info = job_dir.read_manager()
+        if info is not None:
+            api_post(info["url"], "/api/inject",
+                     {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step, "phase": fault.phase})
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the job's manager did not come up in time")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.fault not in FAULTS:
+        raise UsageError(f"unknown fault {args.fault!r}; choose one of {', '.join(FAULTS)}")
+    if args.epochs < 1:
+        raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
+    fault = FAULTS[args.fault]
+    console = Console(stderr=True)
+    root = Path(tempfile.mkdtemp(prefix="undying-demo-"))
+    script_args = ["--epochs", str(args.epochs)]
+    started = time.monotonic()
+    try:
+        console.print(f"[bold]undying demo[/bold]: seeded {RANKS}-rank CPU job, fault: {fault.description}")
+        console.print("  run 1/2: without the fault ...")
+        rc_base = run_job(root / "fault-free", script_args)
+        console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
+        rc_fault = run_job(root / "with-fault", script_args, fault=fault)
+        baseline = load_run(root / "fault-free" / "events.db")
+        faulty = load_run(root / "with-fault" / "events.db")
+        comparison = compare_runs(baseline, faulty)
+        incidents = [_incident_view(i) for i in faulty.incidents]
+        reasons = list(comparison.reasons)
+        if not any(i["kind"] == fault.kind or fault.kind == "crash" and i["kind"] in ("crash",) for i in incidents):
+            reasons.append(f"no {fault.kind} incident was recorded: the fault did not happen")
+        ok = not reasons and rc_base == 0 and rc_fault == 0
+        result: dict[str, Any] = {
+            "fault": fault.kind,
+            "identical": comparison.identical,
+            "steps": comparison.steps,
+            "lost_steps": comparison.lost_steps,
+            "incidents": incidents,
+            "ranks": RANKS,
+            "final_state_identical": comparison.digests_equal,
+            "exit_codes": {"fault_free": rc_base, "with_fault": rc_fault},
+            "wall_s": round(time.monotonic() - started, 2),
+            "ok": ok,
+            "reasons": reasons,
+        }
+        if args.keep:
+            result["job_dirs"] = {"fault_free": str(root / "fault-free"), "with_fault": str(root / "with-fault")}
+        if args.json:
+            sys.stdout.write(json.dumps(result) + "\n")
+        else:
+            _render(result, Console())
+        return 0 if ok else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _incident_view(incident: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kind": incident["kind"],
+        "rank": incident["rank"],
+        "step": incident["step"],
+        "action": incident["action"],
+        "status": incident["status"],
+        "mttr_s": incident["mttr_s"],
+        "phases": incident["phases"],
+    }
+
+
+def _render(result: dict[str, Any], console: Console) -> None:
+    table = Table("kind", "rank", "step", "action", "status", "mttr s", *(
+        p for p in ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done")
+    ), title="incidents (timeline in seconds since the fault)")
+    for i in result["incidents"]:
+        phases = i["phases"]
+        table.add_row(
+            i["kind"], str(i["rank"]), str(i["step"]), i["action"], i["status"],
+            "-" if i["mttr_s"] is None else f"{i['mttr_s']:.3f}",
+            *(f"{phases[p]:.3f}" if p in phases else "-" for p in
+              ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done")),
+        )
+    console.print(table)
+    verdict = "[green]identical[/green]" if result["identical"] else "[red]DIFFERENT[/red]"
+    console.print(
+        f"per-step losses over {result['steps']} steps: {verdict}; final state identical: "
+        f"{result['final_state_identical']}; steps lost: {result['lost_steps']}; demo took {result['wall_s']}s"
+    )
+    for reason in result["reasons"]:
+        console.print(f"  [red]- {reason}[/red]")
+    if "job_dirs" in result:
+        console.print(f"job dirs: {result['job_dirs']}")
+    if os.environ.get("UNDYING_DEMO_QUIET") is None:
+        console.print("[bold green]OK[/bold green]" if result["ok"] else "[bold red]FAILED[/bold red]")

@@ -1,0 +1,53 @@
+"""``undying inject``: real faults into a running job, for chaos drills."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from undying.cli.client import api_post, manager_url
+from undying.errors import UsageError
+from undying.manager.manager import INJECT_KINDS
+from undying.messages import INJECT_PHASES
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "inject",
+        help="inject a real fault into a running job",
+        description="Inject a real fault into a rank of a running job. `crash` sends SIGKILL to the "
+        "rank's process: now, or when it reaches --at-step (optionally at --phase of that step).",
+    )
+    p.add_argument("kind", choices=INJECT_KINDS, help="the fault: crash (SIGKILL)")
+    p.add_argument("--rank", type=int, required=True, help="the rank to fault")
+    p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
+    p.add_argument(
+        "--phase", choices=INJECT_PHASES, default=None,
+        help="where in the step: step (its start, the default with --at-step), forward, "
+        "backward (during the gradient all-reduce), optimizer, recovery",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
+    where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rank < 0:
+        raise UsageError(f"--rank must be >= 0, got {args.rank}")
+    if args.at_step is not None and args.at_step < 1:
+        raise UsageError(f"--at-step must be >= 1, got {args.at_step}")
+    url = manager_url(args.manager, args.job_dir)
+    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase}
+    answer = api_post(url, "/api/inject", body)
+    if args.json:
+        sys.stdout.write(json.dumps(answer) + "\n")
+    elif "at_step" in answer:
+        print(f"armed: {args.kind} of rank {args.rank} (pid {answer['pid']}) at step {answer['at_step']}, phase {answer['phase']}")
+    else:
+        print(f"injected: {args.kind} of rank {args.rank} (pid {answer['pid']})")
+    return 0

@@ -1,0 +1,54 @@
+"""The ``undying`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from undying import __version__
+from undying.cli import demo, inject, run, status
+from undying.errors import UsageError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="undying",
+        description="Fault-tolerant distributed PyTorch training: survivors keep their state, "
+        "dead ranks are replaced, only the step in flight is re-run.",
+    )
+    parser.add_argument("--version", action="version", version=f"undying {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (to stderr)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run.add_parser(sub)
+    status.add_parser(sub)
+    inject.add_parser(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="[undying %(asctime)s %(levelname)s] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        sys.stderr.write(f"undying: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

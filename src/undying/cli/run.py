@@ -1,0 +1,101 @@
+"""``undying run``: like torchrun, with faults recovered in place."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+
+from undying.agent.launcher import launch
+from undying.config import JobConfig, Timeouts
+from undying.errors import UsageError
+from undying.jobdir import default_job_dir
+
+__all__ = ["add_parser"]
+
+_DEFAULTS = Timeouts()
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on N ranks, recovering from faults",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Run SCRIPT on --nproc-per-node ranks with the torchrun environment (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). When a rank
+dies, the others keep their state in memory, a new process takes its place, its
+state comes from a peer, and only the step in flight is re-run.
+
+The manager runs inside this launcher: its event log is <job dir>/events.db and
+its HTTP API address is in <job dir>/manager.json (see `undying status`).
+Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
+    )
+    p.add_argument("-n", "--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
+    p.add_argument("--job-id", default=None, help="the job's name (default: job-<date>-<time>-<random>)")
+    p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
+    p.add_argument(
+        "--max-restarts", type=int, default=3,
+        help="recoveries allowed for faults at the same step before the job stops; a fault that "
+        "repeats at one step is a bug (default 3)",
+    )
+    p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
+    p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node: coming; only 1 today)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node: coming)")
+    p.add_argument("--manager", default=None, help="HOST:PORT of a separate manager (multi-node: coming)")
+    t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
+    t.add_argument("--rendezvous-timeout", type=float, default=_DEFAULTS.rendezvous,
+                   help=f"a worker's wait for the next generation (default {_DEFAULTS.rendezvous:.0f})")
+    t.add_argument("--connect-timeout", type=float, default=_DEFAULTS.connect,
+                   help=f"building a process group (default {_DEFAULTS.connect:.0f})")
+    t.add_argument("--collective-timeout", type=float, default=_DEFAULTS.collective,
+                   help=f"one collective making no progress (default {_DEFAULTS.collective:.0f})")
+    t.add_argument("--recovery-timeout", type=float, default=_DEFAULTS.recovery,
+                   help=f"a recovery's deadline to its first step before the job fails (default {_DEFAULTS.recovery:.0f})")
+    t.add_argument("--comm-error-grace", type=float, default=_DEFAULTS.comm_error_grace,
+                   help=f"wait for a process exit before calling a collective error transient (default {_DEFAULTS.comm_error_grace:g})")
+    t.add_argument("--stop-grace", type=float, default=_DEFAULTS.stop_grace,
+                   help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    if args.nnodes != 1 or args.node_rank != 0 or args.manager is not None:
+        raise UsageError(
+            "multi-node runs (--nnodes > 1, --node-rank, --manager) are not available yet; "
+            "run a single node with -n"
+        )
+    job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if not job_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"--job-id {job_id!r} may hold only letters, digits, '-', '_' and '.'")
+    timeouts = Timeouts(
+        rendezvous=args.rendezvous_timeout,
+        connect=args.connect_timeout,
+        collective=args.collective_timeout,
+        recovery=args.recovery_timeout,
+        comm_error_grace=args.comm_error_grace,
+        stop_grace=args.stop_grace,
+    )
+    return JobConfig(
+        job_id=job_id,
+        job_dir=str(args.job_dir or default_job_dir(job_id)),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        port=args.port,
+        http_port=args.http_port,
+        backend=args.backend,
+        max_restarts=args.max_restarts,
+        timeouts=timeouts,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    return launch(config_from_args(args), args.script, script_args)

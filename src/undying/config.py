@@ -1,0 +1,112 @@
+"""The job's configuration: one dataclass, one environment prefix (``UNDYING_``).
+
+Every timeout is positive and bounded; defaults suit a real cluster, tests pass
+short ones. Workers receive the values through their environment so that a
+replacement process sees exactly what the first one saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from undying.errors import UsageError
+
+__all__ = ["JobConfig", "ENV_PREFIX", "Timeouts", "timeouts_from_env"]
+
+ENV_PREFIX = "UNDYING_"
+_MAX_TIMEOUT_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. Each must be > 0 and <= one day."""
+
+    # A worker waits this long for the manager to open the next generation.
+    rendezvous: float = 300.0
+    # Building a process group (connecting every pair of ranks).
+    connect: float = 120.0
+    # A collective that makes no progress (gloo's own timeout).
+    collective: float = 600.0
+    # A recovery that has not completed its first step by then escalates.
+    recovery: float = 600.0
+    # A collective error with every process alive waits this long for a
+    # process exit before it is treated as a transient communication error.
+    comm_error_grace: float = 1.0
+    # Graceful stop: SIGTERM, then SIGKILL after this.
+    stop_grace: float = 10.0
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (0 < value <= _MAX_TIMEOUT_S):
+                raise UsageError(
+                    f"timeout {f.name} must be > 0 and <= {_MAX_TIMEOUT_S:.0f} seconds, got {value}"
+                )
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job_id: str
+    job_dir: str
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    host: str = "127.0.0.1"
+    port: int = 29500
+    http_port: int = 0
+    backend: str = "gloo"
+    max_restarts: int = 3
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(
+                f"--nproc-per-node must be at least 1, got {self.nproc_per_node}; "
+                "pass the number of worker processes to start on this node"
+            )
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
+            )
+        if not 0 <= self.port < 65536:
+            raise UsageError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.backend not in ("gloo", "nccl"):
+            raise UsageError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        self.timeouts.validate()
+
+    def timeout_env(self) -> dict[str, str]:
+        """The timeouts a worker needs, as environment variables."""
+        return {
+            f"{ENV_PREFIX}TIMEOUT_{f.name.upper()}": repr(getattr(self.timeouts, f.name))
+            for f in dataclasses.fields(self.timeouts)
+        }
+
+
+def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> Timeouts:
+    """Read every ``UNDYING_TIMEOUT_*`` override; unknown values fall back to defaults."""
+    env = os.environ if env is None else env
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(Timeouts):
+        raw = env.get(f"{ENV_PREFIX}TIMEOUT_{f.name.upper()}")
+        if raw is None:
+            continue
+        try:
+            kwargs[f.name] = float(raw)
+        except ValueError as e:
+            raise UsageError(
+                f"{ENV_PREFIX}TIMEOUT_{f.name.upper()}={raw!r} is not a number of seconds"
+            ) from e
+    timeouts = Timeouts(**kwargs)
+    timeouts.validate()
+    return timeouts

@@ -1,0 +1,45 @@
+"""One exception tree for every part of undying.
+
+User-facing errors say what was wrong and what to do; the CLI prints them as a
+single line and exits with code 2 (bad input) or 1 (the job failed).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "UndyingError",
+    "UsageError",
+    "JobNotRunningError",
+    "RecoveryError",
+    "NoStateSourceError",
+    "GenerationSupersededError",
+    "JobFailedError",
+]
+
+
+class UndyingError(Exception):
+    """Base of every error undying raises on purpose."""
+
+
+class UsageError(UndyingError):
+    """Bad input from the user: a flag, a path, a port. Exit code 2."""
+
+
+class JobNotRunningError(UsageError):
+    """A command needed a running job and found none."""
+
+
+class RecoveryError(UndyingError):
+    """A worker could not rejoin the job after a fault."""
+
+
+class NoStateSourceError(RecoveryError):
+    """No surviving rank holds a complete state to restore from."""
+
+
+class GenerationSupersededError(RecoveryError):
+    """The generation a worker was joining was replaced by a newer one."""
+
+
+class JobFailedError(UndyingError):
+    """The job stopped for good: the recovery policy gave up."""

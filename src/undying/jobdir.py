@@ -1,0 +1,93 @@
+"""A job's folder: its event log, the address of its running manager, its logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from undying.errors import JobNotRunningError, UsageError
+
+__all__ = ["JobDir", "default_job_dir"]
+
+
+def default_job_dir(job_id: str) -> Path:
+    return Path.cwd() / "undying-jobs" / job_id
+
+
+@dataclass(frozen=True)
+class JobDir:
+    path: Path
+
+    @property
+    def events_db(self) -> Path:
+        return self.path / "events.db"
+
+    @property
+    def manager_file(self) -> Path:
+        return self.path / "manager.json"
+
+    def prepare(self) -> None:
+        """Create the folder and prove it is writable, or say why not."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
+                pass
+        except OSError as e:
+            raise UsageError(
+                f"job dir {self.path} is not writable ({e.strerror or e}); pass --job-dir with a folder you can write"
+            ) from e
+        if self.manager_file.exists():
+            info = self.read_manager()
+            if info and _alive(int(info.get("pid", 0))):
+                raise UsageError(
+                    f"job dir {self.path} belongs to a running job (launcher pid {info['pid']}); "
+                    "pass another --job-dir or --job-id"
+                )
+        if self.events_db.exists():
+            # A new run of a finished job starts a new log; keep the old one beside it.
+            self.events_db.rename(self.path / f"events.{int(self.events_db.stat().st_mtime)}.db")
+            for suffix in ("-wal", "-shm"):
+                stale = Path(str(self.events_db) + suffix)
+                if stale.exists():
+                    stale.unlink()
+
+    def write_manager(self, info: dict[str, Any]) -> None:
+        tmp = self.manager_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.manager_file)
+
+    def read_manager(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.manager_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def running_manager_url(self) -> str:
+        info = self.read_manager()
+        if info is None or not _alive(int(info.get("pid", 0))):
+            raise JobNotRunningError(
+                f"no running job in {self.path}; start one with `undying run`, or pass the --job-dir of a running job"
+            )
+        return str(info["url"])
+
+    def clear_manager(self) -> None:
+        try:
+            self.manager_file.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

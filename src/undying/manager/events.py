@@ -1,0 +1,116 @@
+"""The manager's SQLite event log: every event, incident, commit and the job's state.
+
+Written by the manager's loop thread only; read by ``undying status`` and the
+demo, also after the job ended. WAL mode lets readers run beside the writer.
+Commits of steps are frequent, so writes are grouped and flushed on a short
+timer and at once for anything a person would look for (incidents, states).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from undying.manager.state import Incident
+
+__all__ = ["EventLog", "read_job", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, t REAL NOT NULL, generation INTEGER,
+    rank INTEGER, kind TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS incidents (
+    id INTEGER PRIMARY KEY, kind TEXT NOT NULL, rank INTEGER, step INTEGER,
+    action TEXT, status TEXT, fault_t REAL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    rank INTEGER NOT NULL, step INTEGER NOT NULL, generation INTEGER NOT NULL,
+    t REAL NOT NULL, metrics TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS steps_by_step ON steps (step, rank);
+CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
+"""
+
+
+class EventLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("BEGIN")
+        self._dirty = False
+        self.set_job("schema_version", SCHEMA_VERSION)
+
+    def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None, **data: Any) -> None:
+        self._db.execute(
+            "INSERT INTO events (t, generation, rank, kind, data) VALUES (?, ?, ?, ?, ?)",
+            (time.time(), generation, rank, name, json.dumps(data, default=str)),
+        )
+        self._dirty = True
+
+    def step(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
+        self._db.execute(
+            "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
+            (rank, step, generation, t, json.dumps(metrics)),
+        )
+        self._dirty = True
+
+    def incident(self, incident: Incident) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO incidents (id, kind, rank, step, action, status, fault_t, data) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                incident.id, incident.kind, incident.rank, incident.step, incident.action,
+                incident.status, incident.fault_t, json.dumps(incident.to_dict(), default=str),
+            ),
+        )
+        self.flush()
+
+    def rank(self, rank: int, data: dict[str, Any]) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)", (rank, json.dumps(data))
+        )
+        self._dirty = True
+
+    def set_job(self, key: str, value: Any, *, flush: bool = False) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO job (key, value) VALUES (?, ?)", (key, json.dumps(value, default=str))
+        )
+        self._dirty = True
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._dirty:
+            self._db.execute("COMMIT")
+            self._db.execute("BEGIN")
+            self._dirty = False
+
+    def close(self) -> None:
+        self.flush()
+        self._db.execute("COMMIT")
+        self._db.close()
+
+
+def read_job(path: Path) -> dict[str, Any]:
+    """Everything ``undying status`` shows, read from the log of a job (running or not)."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        job = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
+        ranks = [json.loads(d) for (d,) in db.execute("SELECT data FROM ranks ORDER BY rank")]
+        incidents = [json.loads(d) for (d,) in db.execute("SELECT data FROM incidents ORDER BY id")]
+        steps = [
+            {"rank": r, "step": s, "generation": g, "t": t, "metrics": json.loads(m)}
+            for r, s, g, t, m in db.execute(
+                "SELECT rank, step, generation, t, metrics FROM steps ORDER BY t"
+            )
+        ]
+    finally:
+        db.close()
+    return {"job": job, "ranks": ranks, "incidents": incidents, "steps": steps}

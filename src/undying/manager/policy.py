@@ -1,0 +1,59 @@
+"""The recovery policy: a pure function from an incident and its history to an action.
+
+Faults are bad luck and are recovered; the same fault at the same step again
+and again is a bug, and the job stops with a report instead of looping.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from undying.manager.state import Incident
+
+__all__ = ["Action", "Decision", "PolicyContext", "decide"]
+
+
+class Action(str, enum.Enum):
+    RETRY = "retry"  # same processes, new process groups, re-run the step
+    REPLACE = "replace"  # new processes for the dead ranks, state from peers
+    FAIL = "fail"  # stop the job with a report
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    max_restarts: int
+    # Ranks whose processes are alive and hold state (not replacements waiting for it).
+    holders_alive: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
+    earlier_rounds = {
+        i.recovery
+        for i in history
+        if i.step == incident.step and i.recovery != incident.recovery and i.status != "ignored"
+    }
+    if len(earlier_rounds) >= ctx.max_restarts:
+        what = "raised" if incident.kind == "error" else "failed"
+        return Decision(
+            Action.FAIL,
+            f"rank {incident.rank} {what} at step {incident.step} again after "
+            f"{len(earlier_rounds)} recoveries at that step (--max-restarts {ctx.max_restarts}); "
+            "a fault that repeats at the same step is a bug, not bad luck",
+        )
+    if ctx.holders_alive == 0:
+        return Decision(
+            Action.FAIL,
+            "every rank that held the training state is gone, so there is no peer to restore "
+            "from; restart the job",
+        )
+    if incident.kind == "comm-error":
+        return Decision(Action.RETRY, "collective failed with every process alive")
+    return Decision(Action.REPLACE, f"rank {incident.rank} exited; a new process takes its place")

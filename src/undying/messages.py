@@ -1,0 +1,168 @@
+"""Typed messages between the worker library, the agent and the manager.
+
+One newline-delimited JSON object per message with a ``type`` field naming the
+dataclass. Both ends decode into these classes, so a field added here is seen
+by every part at once, and an unknown or malformed message is an error rather
+than a silently ignored dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "Message",
+    "Hello",
+    "StepCommitted",
+    "Progress",
+    "CommFailure",
+    "FaultInjected",
+    "Fatal",
+    "Done",
+    "ArmFault",
+    "encode",
+    "decode",
+    "RECOVERY_PHASES",
+    "INJECT_PHASES",
+]
+
+# The timeline of an incident, in order (DESIGN.md §3).
+RECOVERY_PHASES = (
+    "detected",
+    "decided",
+    "replacement_ready",
+    "group_rebuilt",
+    "state_restored",
+    "first_step_done",
+)
+
+# Where a worker can be made to fault: at the start of a step (between steps),
+# in the forward pass, in backward's gradient all-reduce, in the optimizer
+# step, or when it starts a recovery.
+INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery")
+
+
+@dataclass(frozen=True)
+class Message:
+    registry: ClassVar[dict[str, type[Message]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Message.registry[cls.__name__] = cls
+
+
+# --- worker -> agent -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """First message on a worker's channel: who it is."""
+
+    rank: int
+    pid: int
+    generation: int
+    joining: bool
+    t: float
+
+
+@dataclass(frozen=True)
+class StepCommitted(Message):
+    """A rank finished a step's body: its state is now at ``step``."""
+
+    rank: int
+    generation: int
+    step: int
+    t: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress(Message):
+    """A recovery milestone of one rank (``group_rebuilt``, ``state_restored``)."""
+
+    rank: int
+    generation: int
+    phase: str
+    t: float
+    step: int = -1
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommFailure(Message):
+    """A collective failed on this rank; it left ``generation`` and waits for the next."""
+
+    rank: int
+    generation: int
+    step: int
+    error: str
+    t: float
+
+
+@dataclass(frozen=True)
+class FaultInjected(Message):
+    """Sent right before a worker faults itself on request (the fault's time)."""
+
+    rank: int
+    kind: str
+    step: int
+    phase: str
+    t: float
+
+
+@dataclass(frozen=True)
+class Fatal(Message):
+    """The user's code raised: a bug, not a fault. Carries the traceback."""
+
+    rank: int
+    step: int
+    error: str
+    traceback: str
+    t: float
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """The rank finished its last step; ``digest`` fingerprints its final state."""
+
+    rank: int
+    step: int
+    digest: str
+    t: float
+
+
+# --- agent -> worker -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmFault(Message):
+    """Fault this worker when it reaches ``at_step`` (and ``phase``)."""
+
+    kind: str
+    at_step: int
+    phase: str = "step"
+
+
+def encode(message: Message) -> bytes:
+    body = dataclasses.asdict(message)
+    body["type"] = type(message).__name__
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes | str) -> Message:
+    try:
+        body = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed message: {line!r:.200}") from e
+    if not isinstance(body, dict) or "type" not in body:
+        raise ValueError(f"message without a type: {line!r:.200}")
+    cls = Message.registry.get(body.pop("type"))
+    if cls is None:
+        raise ValueError(f"unknown message type in {line!r:.200}")
+    try:
+        return cls(**body)
+    except TypeError as e:
+        raise ValueError(f"bad fields for {cls.__name__}: {e}") from e

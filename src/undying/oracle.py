@@ -1,0 +1,105 @@
+"""The project's oracle for "no work lost": compare a run with a fault to one without.
+
+Reads two jobs' event logs and checks that every step's logged loss is the
+same, bit for bit, and that no rank completed a step twice. Used by
+``undying demo``, the benchmarks and the test suite.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from undying.manager.events import read_job
+
+__all__ = ["RunRecord", "Comparison", "load_run", "compare_runs"]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    state: str
+    losses: dict[int, float]  # step -> the job's logged loss
+    inconsistent_steps: list[int]  # steps where ranks logged different values
+    rerun_steps: list[int]  # steps some rank completed more than once
+    digests: dict[int, str]  # rank -> fingerprint of its final state
+    incidents: list[dict[str, Any]]
+    commits: int
+
+
+@dataclass(frozen=True)
+class Comparison:
+    identical: bool
+    steps: int
+    lost_steps: int
+    mismatched_steps: list[int] = field(default_factory=list)
+    missing_steps: list[int] = field(default_factory=list)
+    digests_equal: bool = True
+    reasons: list[str] = field(default_factory=list)
+
+
+def load_run(events_db: Path, metric: str = "loss") -> RunRecord:
+    data = read_job(events_db)
+    values: dict[int, set[float]] = defaultdict(set)
+    completed: dict[tuple[int, int], int] = defaultdict(int)
+    for commit in data["steps"]:
+        completed[(commit["rank"], commit["step"])] += 1
+        if metric in commit["metrics"]:
+            values[commit["step"]].add(commit["metrics"][metric])
+    losses = {step: next(iter(v)) for step, v in values.items() if len(v) == 1}
+    digests: dict[int, str] = {}
+    db = sqlite3.connect(f"file:{events_db}?mode=ro", uri=True)
+    try:
+        for rank, raw in db.execute("SELECT rank, data FROM events WHERE kind = 'done'"):
+            digests[rank] = json.loads(raw)["digest"]
+    finally:
+        db.close()
+    return RunRecord(
+        state=str(data["job"].get("state")),
+        losses=losses,
+        inconsistent_steps=sorted(s for s, v in values.items() if len(v) > 1),
+        rerun_steps=sorted({step for (_, step), n in completed.items() if n > 1}),
+        digests=digests,
+        incidents=data["incidents"],
+        commits=len(data["steps"]),
+    )
+
+
+def compare_runs(baseline: RunRecord, faulty: RunRecord) -> Comparison:
+    reasons: list[str] = []
+    steps = sorted(baseline.losses)
+    missing = [s for s in steps if s not in faulty.losses]
+    mismatched = [s for s in steps if s in faulty.losses and faulty.losses[s] != baseline.losses[s]]
+    extra = sorted(set(faulty.losses) - set(baseline.losses))
+    if baseline.state != "succeeded":
+        reasons.append(f"the fault-free run ended {baseline.state}")
+    if faulty.state != "succeeded":
+        reasons.append(f"the run with the fault ended {faulty.state}")
+    if not steps:
+        reasons.append("the fault-free run logged no loss")
+    if missing:
+        reasons.append(f"steps missing from the run with the fault: {missing[:10]}")
+    if extra:
+        reasons.append(f"steps only in the run with the fault: {extra[:10]}")
+    if mismatched:
+        reasons.append(f"losses differ at steps {mismatched[:10]}")
+    for run, name in ((baseline, "fault-free"), (faulty, "faulty")):
+        if run.inconsistent_steps:
+            reasons.append(f"ranks of the {name} run logged different losses at steps {run.inconsistent_steps[:10]}")
+    digests_equal = bool(baseline.digests) and baseline.digests == faulty.digests
+    if not digests_equal:
+        reasons.append("the final model/optimizer state differs between the runs")
+    if faulty.rerun_steps:
+        reasons.append(f"completed steps were re-run: {faulty.rerun_steps[:10]}")
+    return Comparison(
+        identical=not reasons,
+        steps=len(steps),
+        lost_steps=len(faulty.rerun_steps),
+        mismatched_steps=mismatched,
+        missing_steps=missing,
+        digests_equal=digests_equal,
+        reasons=reasons,
+    )

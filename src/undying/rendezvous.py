@@ -1,0 +1,41 @@
+"""The generation protocol on the manager's control store (a c10d TCPStore).
+
+The manager opens generation ``n`` by writing ``gen/<n>``: the members' world
+size and the port of a TCPStore created for that generation alone, on which
+the workers build their process group. A generation that must be abandoned
+(a member died while it was forming) is marked superseded and its store is
+closed, which makes every wait on it fail at once: that is the fence that
+keeps a stale member out of a newer generation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+__all__ = ["GenerationRecord", "generation_key", "CURRENT_KEY"]
+
+CURRENT_KEY = "gen/current"
+
+
+def generation_key(generation: int) -> str:
+    return f"gen/{generation}"
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    generation: int
+    world_size: int
+    store_host: str
+    store_port: int
+    # "open" while it forms or runs; "superseded" once a newer one replaced it.
+    status: str = "open"
+    superseded_by: int = -1
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> GenerationRecord:
+        return cls(**json.loads(raw))

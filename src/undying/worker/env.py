@@ -1,0 +1,51 @@
+"""What the agent tells a worker through its environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from undying.config import ENV_PREFIX, Timeouts, timeouts_from_env
+
+__all__ = ["WorkerEnv"]
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    control_host: str
+    control_port: int
+    agent_host: str
+    agent_port: int
+    generation: int
+    joining: bool
+    backend: str
+    timeouts: Timeouts
+
+    @classmethod
+    def from_environ(cls) -> WorkerEnv | None:
+        """None when this process was not started by ``undying run``."""
+        env = os.environ
+        if f"{ENV_PREFIX}CONTROL_ADDR" not in env:
+            return None
+        control_host, control_port = env[f"{ENV_PREFIX}CONTROL_ADDR"].rsplit(":", 1)
+        agent_host, agent_port = env[f"{ENV_PREFIX}AGENT_ADDR"].rsplit(":", 1)
+        return cls(
+            job_id=env[f"{ENV_PREFIX}JOB_ID"],
+            rank=int(env["RANK"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_world_size=int(env["LOCAL_WORLD_SIZE"]),
+            control_host=control_host,
+            control_port=int(control_port),
+            agent_host=agent_host,
+            agent_port=int(agent_port),
+            generation=int(env[f"{ENV_PREFIX}GENERATION"]),
+            joining=env.get(f"{ENV_PREFIX}JOINING", "0") == "1",
+            backend=env.get(f"{ENV_PREFIX}BACKEND", "gloo"),
+            timeouts=timeouts_from_env(env),
+        )

@@ -1,0 +1,46 @@
+"""Faults a worker inflicts on itself on request: real signals, at a chosen point.
+
+The agent arms a fault ("crash at step 12 in backward"); the worker library
+checks the switch at its own seams (step start, forward, gradient all-reduce,
+optimizer step, recovery). When off, a check is one attribute test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from undying.messages import ArmFault, FaultInjected, Message
+
+__all__ = ["FaultSwitch", "FAULT_SIGNALS"]
+
+# What each fault kind does to the process.
+FAULT_SIGNALS: dict[str, signal.Signals] = {"crash": signal.SIGKILL}
+
+
+class FaultSwitch:
+    def __init__(self, rank: int, report: Callable[[Message], None]) -> None:
+        self._rank = rank
+        self._report = report
+        self._armed: ArmFault | None = None
+        self._lock = threading.Lock()
+
+    def arm(self, fault: ArmFault) -> None:
+        with self._lock:
+            self._armed = fault
+
+    def check(self, phase: str, step: int) -> None:
+        armed = self._armed
+        if armed is None:
+            return
+        if armed.phase != phase or step < armed.at_step:
+            return
+        with self._lock:
+            if self._armed is not armed:
+                return
+            self._armed = None
+        self._report(FaultInjected(self._rank, armed.kind, step, phase, time.time()))
+        os.kill(os.getpid(), FAULT_SIGNALS[armed.kind])

@@ -1,0 +1,195 @@
+"""Joining a generation: read its record, build the default process group on its store.
+
+The default group is the one user code reaches through ``torch.distributed``
+calls without a ``group=`` argument, so it is rebuilt in place for every
+generation: a script's own ``dist.all_reduce`` keeps working after recovery.
+The store prefix matches what ``init_process_group("env://")`` uses, so a
+replacement whose script calls ``init_process_group`` itself meets the
+survivors in the same group.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from undying.errors import GenerationSupersededError, RecoveryError
+from undying.rendezvous import GenerationRecord, generation_key
+
+__all__ = ["read_generation", "join_generation", "leave_group", "break_connections", "is_comm_failure"]
+
+log = logging.getLogger(__name__)
+
+# Substrings of the errors gloo and c10d raise when a peer or a link fails.
+_COMM_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Write error",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out",
+    "timed out",
+    "Connection refused",
+    "gloo",
+    "ProcessGroupGloo",
+    "NCCL",
+    "DistBackendError",
+)
+
+
+def is_comm_failure(error: BaseException) -> bool:
+    """True for an error that a failed peer or link causes, not the user's code."""
+    if isinstance(error, dist.DistError):
+        return True
+    if isinstance(error, RuntimeError):
+        text = str(error)
+        return any(marker in text for marker in _COMM_ERROR_MARKERS)
+    return False
+
+
+def read_generation(control: dist.Store, generation: int, deadline: float) -> GenerationRecord:
+    key = generation_key(generation)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise RecoveryError(f"timed out waiting for the manager to open generation {generation}")
+    try:
+        control.wait([key], timedelta(seconds=remaining))
+    except dist.DistError as e:
+        raise RecoveryError(
+            f"the manager did not open generation {generation} within the rendezvous timeout "
+            f"({remaining:.0f}s): {e}"
+        ) from e
+    return GenerationRecord.from_json(control.get(key))
+
+
+# The sockets each group opened (fd -> "socket:[inode]"), to break them on leaving.
+_group_sockets: dict[int, str] = {}
+
+
+def _sockets() -> dict[int, str]:
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: leaving relies on the group being collected
+        return found
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+def break_connections() -> int:
+    """Shut down the current group's connections: peers blocked on us fail at once.
+
+    Checks each descriptor still names the same socket, so a number reused
+    since is never touched. Returns how many connections were broken.
+    """
+    current = _sockets()
+    broken = 0
+    for fd, link in list(_group_sockets.items()):
+        if current.get(fd) != link:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue  # gloo's listener: shutting it down aborts the process
+                s.shutdown(socket.SHUT_RDWR)
+            broken += 1
+        except OSError:
+            pass
+    _group_sockets.clear()
+    return broken
+
+
+def leave_group() -> None:
+    """Destroy the default group and, with it, its connections.
+
+    Closing the connections matters as much as leaving: a peer blocked in a
+    collective on a live rank only fails when that rank's sockets close, so
+    every survivor that leaves passes the failure on at once. The group closes
+    only when nothing references it, hence the collection around the destroy
+    (DDP reducers and failed futures hold it in reference cycles).
+    """
+    break_connections()
+    if dist.is_initialized():
+        gc.collect()
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a broken group may complain on the way out
+            log.debug("destroying the old process group: %s", e)
+        gc.collect()
+
+
+def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, collective_s: float) -> None:
+    before = _sockets()
+    store = dist.TCPStore(
+        record.store_host,
+        record.store_port,
+        None,
+        False,
+        timeout=timedelta(seconds=connect_s),
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=record.world_size,
+        timeout=timedelta(seconds=collective_s),
+    )
+    _group_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+    os.environ["MASTER_ADDR"] = record.store_host
+    os.environ["MASTER_PORT"] = str(record.store_port)
+    os.environ["WORLD_SIZE"] = str(record.world_size)
+
+
+def join_generation(
+    control: dist.Store,
+    first: int,
+    *,
+    rank: int,
+    backend: str,
+    rendezvous_s: float,
+    connect_s: float,
+    collective_s: float,
+) -> GenerationRecord:
+    """Join generation ``first`` or, if it was superseded, the one that replaced it."""
+    deadline = time.monotonic() + rendezvous_s
+    generation = first
+    while True:
+        record = read_generation(control, generation, deadline)
+        if record.status == "superseded":
+            generation = record.superseded_by
+            continue
+        leave_group()
+        try:
+            _build(record, rank, backend, connect_s, collective_s)
+            return record
+        except Exception as e:
+            if not is_comm_failure(e):
+                raise
+            leave_group()
+            log.info("rank %d: generation %d failed to form (%s); waiting for the next", rank, generation, e)
+            generation = _wait_superseded(control, generation, deadline)
+
+
+def _wait_superseded(control: dist.Store, generation: int, deadline: float) -> int:
+    """A generation that failed to form is superseded by the manager soon; follow it."""
+    while time.monotonic() < deadline:
+        record = GenerationRecord.from_json(control.get(generation_key(generation)))
+        if record.status == "superseded":
+            return record.superseded_by
+        time.sleep(0.02)
+    raise GenerationSupersededError(
+        f"generation {generation} failed to form and the manager opened no replacement in time"
+    )

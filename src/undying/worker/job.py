@@ -1,0 +1,358 @@
+"""The worker library's entry points: ``init``, ``Job.steps`` and the step transaction.
+
+A step is a transaction. Its body runs inside ``with step:``; if a peer fails
+the body's collective raises, the transaction swallows the error, and the step
+loop recovers in place: it leaves the broken process group, joins the next
+generation, agrees with the other members on the newest state someone holds
+cleanly, receives it if it lacks it, and runs the next step. The process never
+exits and never reads a checkpoint from disk. An exception that is not a
+communication failure is the user's bug: it is reported with its traceback and
+propagates, so the process exits and the manager's policy decides.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from undying.errors import UsageError
+from undying.messages import (
+    ArmFault,
+    CommFailure,
+    Done,
+    Fatal,
+    Hello,
+    Message,
+    Progress,
+    StepCommitted,
+)
+from undying.rendezvous import generation_key
+from undying.worker import rng
+from undying.worker.channel import AgentChannel
+from undying.worker.data import DataCursor
+from undying.worker.ddp import GenerationalDDP
+from undying.worker.env import WorkerEnv
+from undying.worker.faults import FaultSwitch
+from undying.worker.group import is_comm_failure, join_generation, leave_group
+from undying.worker.restore import RankStatus, plan_restore, recv_state, send_state
+from undying.worker.state import State
+
+__all__ = ["init", "Job", "Step"]
+
+log = logging.getLogger("undying.worker")
+
+_job: Job | None = None
+
+
+def init() -> Job:
+    """Join the job and set up ``torch.distributed`` for its current generation.
+
+    Call it once, near the top of the script, before building samplers that
+    ask ``torch.distributed`` for the rank. Safe to call after the script's own
+    ``init_process_group``. Outside ``undying run`` it returns an unmanaged job
+    (plain ``torchrun`` or ``python``) that trains without fault tolerance.
+    """
+    global _job
+    if _job is None:
+        env = WorkerEnv.from_environ()
+        _job = Job(env)
+    return _job
+
+
+class Outcome(enum.Enum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class Step:
+    """One training step as a transaction: ``with step:`` around its body."""
+
+    def __init__(self, job: Job, index: int, epoch: int, batch: Any) -> None:
+        self.index = index
+        self.epoch = epoch
+        self.batch = batch
+        self.generation = job.generation
+        self.metrics: dict[str, float] = {}
+        self.outcome = Outcome.PENDING
+        self.optimizer_stepped = False
+        self._job = job
+
+    def log(self, **metrics: float | torch.Tensor) -> None:
+        """Record values of this step (e.g. ``loss=loss``); committed with the step."""
+        for name, value in metrics.items():
+            self.metrics[name] = float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            self.outcome = Outcome.COMMITTED
+            self._job._commit(self)
+            return False
+        if self._job.managed and is_comm_failure(exc):
+            self.outcome = Outcome.ABORTED
+            self._job._abort_reason = f"{type(exc).__name__}: {exc}"
+            return True
+        self.outcome = Outcome.FAILED
+        if isinstance(exc, Exception):
+            self._job._report_fatal(self.index, exc)
+        return False
+
+    def __repr__(self) -> str:
+        return f"Step(index={self.index}, epoch={self.epoch}, generation={self.generation})"
+
+
+class Job:
+    """This process's membership in an undying job."""
+
+    def __init__(self, env: WorkerEnv | None) -> None:
+        self.env = env
+        self.managed = env is not None
+        self.current_step = 0
+        self._wrappers: list[GenerationalDDP] = []
+        self._stash: tuple[int, dict[str, Any]] | None = None
+        self._abort_reason = ""
+        self._attached: State | None = None
+        if env is None:
+            self._start_unmanaged()
+            return
+        self.rank = env.rank
+        self.local_rank = env.local_rank
+        self.world_size = env.world_size
+        self.generation = env.generation
+        self._faults = FaultSwitch(self.rank, self._send)
+        self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
+        self._control = dist.TCPStore(
+            env.control_host,
+            env.control_port,
+            None,
+            False,
+            timeout=timedelta(seconds=env.timeouts.rendezvous),
+        )
+        self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
+        if env.joining:
+            self._join_as_replacement()
+        elif dist.is_initialized():
+            self._adopt_user_group()
+        else:
+            self._join(self.generation)
+
+    # --- public API --------------------------------------------------------
+
+    def state(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+              scheduler: Any = None, loader: Any = None, **extras: Any) -> State:
+        """Declare what must survive a fault (see ``undying.State``)."""
+        return State(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, **extras)
+
+    def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> GenerationalDDP:
+        """A DDP wrapper rebuilt on every new process-group generation."""
+        wrapper = GenerationalDDP(self, module, **ddp_kwargs)
+        self._wrappers.append(wrapper)
+        return wrapper
+
+    def steps(
+        self,
+        state: State,
+        *,
+        total: int | None = None,
+        epochs: int | None = None,
+        seed: int = 0,
+    ) -> Iterator[Step]:
+        """Yield the job's steps from where it is, each a transaction.
+
+        ``total`` counts steps; ``epochs`` counts passes over ``state.loader``
+        (the loop calls ``sampler.set_epoch``). ``seed`` seeds the random state
+        of every step (derived per rank and step, see ``undying.worker.rng``).
+        """
+        if not isinstance(state, State):
+            raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
+        cursor = DataCursor(state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs)
+        self._attach(state)
+        committed = 0
+        if self._stash is not None:
+            committed, payload = self._stash
+            state.load_state_dict(payload)
+            self._stash = None
+        while True:
+            while committed < cursor.total_steps:
+                index = committed + 1
+                self.current_step = index
+                batch = cursor.batch_for(index)
+                rng.reseed(seed, self.rank, "body", index)
+                if self.managed:
+                    self._faults.check("step", index)
+                step = Step(self, index, cursor.epoch_of(index), batch)
+                self._current = step
+                yield step
+                if step.outcome is Outcome.COMMITTED:
+                    committed = index
+                    cursor.forget_through(index)
+                elif step.outcome is Outcome.ABORTED:
+                    committed = self._recover(state, committed, clean=not step.optimizer_stepped)
+                else:
+                    raise UsageError(
+                        f"step {index} was not run as a transaction: put its body inside `with step:`"
+                    )
+            if self._finished(state, committed):
+                break
+            committed = self._recover(state, committed, clean=True)
+        if self.managed:
+            self._send(Done(self.rank, committed, state.digest(), time.time()))
+
+    # --- the transaction's hooks --------------------------------------------
+
+    def _attach(self, state: State) -> None:
+        self._attached = state
+        if state.optimizer is not None:
+            state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        step = getattr(self, "_current", None)
+        if step is not None and step.outcome is Outcome.PENDING:
+            step.optimizer_stepped = True
+        if self.managed:
+            self._faults.check("optimizer", self.current_step)
+
+    def _commit(self, step: Step) -> None:
+        if self.managed:
+            self._send(StepCommitted(self.rank, self.generation, step.index, time.time(), step.metrics))
+
+    def _report_fatal(self, index: int, exc: Exception) -> None:
+        if self.managed:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self._send(Fatal(self.rank, index, f"{type(exc).__name__}: {exc}", text, time.time()))
+
+    def _finished(self, state: State, committed: int) -> bool:
+        """Every member must reach the end: a barrier, recovered like any step."""
+        if not self.managed or not dist.is_initialized():
+            return True
+        try:
+            dist.barrier()
+            return True
+        except Exception as e:
+            if not is_comm_failure(e):
+                raise
+            self._abort_reason = f"{type(e).__name__}: {e}"
+            return False
+
+    # --- recovery -----------------------------------------------------------
+
+    def _recover(self, state: State, committed: int, *, clean: bool) -> int:
+        """Leave the broken generation, join the next, restore; returns the step now held."""
+        assert self.env is not None
+        self._faults.check("recovery", self.current_step)
+        log.warning(
+            "job %s gen %d rank %d step %d: collective failed (%s); recovering",
+            self.env.job_id, self.generation, self.rank, self.current_step, self._abort_reason,
+        )
+        self._send(CommFailure(self.rank, self.generation, self.current_step, self._abort_reason, time.time()))
+        state.discard_gradients()
+        status = RankStatus(self.rank, committed, clean=clean, has_state=True)
+        return self._rejoin(status, state)
+
+    def _join_as_replacement(self) -> None:
+        assert self.env is not None
+        status = RankStatus(self.rank, committed=0, clean=False, has_state=False)
+        self._rejoin(status, None, first=self.generation)
+
+    def _rejoin(self, status: RankStatus, state: State | None, first: int | None = None) -> int:
+        """Join generations until one forms and the state is restored in it."""
+        generation = self.generation + 1 if first is None else first
+        while True:
+            for wrapper in self._wrappers:
+                wrapper.invalidate()
+            leave_group()  # now, not when the next generation opens: peers wait on our sockets
+            self._join(generation)
+            self._send(Progress(self.rank, self.generation, "group_rebuilt", time.time()))
+            try:
+                statuses: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(statuses, status)
+                plan = plan_restore(statuses)
+                if self.rank == plan.donor and plan.receivers:
+                    assert state is not None
+                    send_state(state.state_dict(), plan.receivers)
+                elif self.rank in plan.receivers:
+                    payload = recv_state(plan.donor)
+                    if state is not None:
+                        state.load_state_dict(payload)
+                    else:
+                        self._stash = (plan.target, payload)
+                    status = RankStatus(self.rank, plan.target, clean=True, has_state=True)
+            except Exception as e:
+                if not is_comm_failure(e):
+                    raise
+                self._abort_reason = f"{type(e).__name__}: {e}"
+                self._send(CommFailure(self.rank, self.generation, self.current_step, self._abort_reason, time.time()))
+                generation = self.generation + 1
+                continue
+            self._send(
+                Progress(
+                    self.rank, self.generation, "state_restored", time.time(), step=plan.target,
+                    detail={"donor": plan.donor, "receivers": list(plan.receivers)},
+                )
+            )
+            self.current_step = plan.target
+            return plan.target
+
+    def _join(self, generation: int) -> None:
+        assert self.env is not None
+        t = self.env.timeouts
+        record = join_generation(
+            self._control,
+            generation,
+            rank=self.rank,
+            backend=self.env.backend,
+            rendezvous_s=t.rendezvous,
+            connect_s=t.connect,
+            collective_s=t.collective,
+        )
+        self.generation = record.generation
+
+    def _adopt_user_group(self) -> None:
+        """The script called ``init_process_group`` itself (env:// on this generation's store)."""
+        if dist.get_world_size() != self.world_size:
+            raise UsageError(
+                f"the script's process group has {dist.get_world_size()} ranks but the job has "
+                f"{self.world_size}; let undying.init() create it or use the launcher's WORLD_SIZE"
+            )
+        self._control.get(generation_key(self.generation))  # the generation exists
+
+    def _start_unmanaged(self) -> None:
+        """Outside ``undying run``: plain torchrun or a single process, no fault tolerance."""
+        if not dist.is_initialized() and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group("gloo")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.generation = 0
+        self._faults = FaultSwitch(self.rank, lambda message: None)
+
+    # --- agent channel ------------------------------------------------------
+
+    def _send(self, message: Message) -> None:
+        if self.managed:
+            self._channel.send(message)
+
+    def _on_command(self, message: Message) -> None:
+        if isinstance(message, ArmFault):
+            self._faults.arm(message)
+        else:
+            log.warning("rank %d: ignoring unexpected command %r", self.rank, message)

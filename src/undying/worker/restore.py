@@ -1,0 +1,95 @@
+"""Where each rank's state comes from after a fault, and moving it there.
+
+Planning is a pure function of what every member reports about itself, so all
+ranks compute the same plan without asking anyone. The state moves from one
+surviving holder to each rank that lacks it over the new process group
+(point-to-point), with a checksum the receiver verifies before loading.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from undying.errors import NoStateSourceError, RecoveryError
+
+__all__ = ["RankStatus", "RestorePlan", "plan_restore", "send_state", "recv_state"]
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    # Last step whose body this rank completed (0: none yet, the initial state).
+    committed: int
+    # False when the live state may be half-updated (the optimizer stepped
+    # in a step that then failed) or when the process holds no state at all.
+    clean: bool
+    # False for a replacement process that has not received state yet.
+    has_state: bool
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    target: int
+    donor: int
+    receivers: tuple[int, ...]
+
+
+def plan_restore(statuses: list[RankStatus]) -> RestorePlan:
+    """The newest step some member holds cleanly; everyone else receives it.
+
+    Taking the newest clean step means no completed work is thrown away: a rank
+    that finished step s+1 before a peer died keeps it and shares it.
+    """
+    holders = [s for s in statuses if s.has_state and s.clean]
+    if not holders:
+        raise NoStateSourceError(
+            "no surviving rank holds a complete state "
+            f"(members: {', '.join(f'rank {s.rank}: committed {s.committed}, clean={s.clean}, has_state={s.has_state}' for s in statuses)})"
+        )
+    target = max(s.committed for s in holders)
+    donor = min(s.rank for s in holders if s.committed == target)
+    receivers = tuple(
+        sorted(
+            s.rank
+            for s in statuses
+            if not (s.has_state and s.clean and s.committed == target)
+        )
+    )
+    return RestorePlan(target=target, donor=donor, receivers=receivers)
+
+
+def _serialize(state: dict[str, Any]) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> int:
+    payload = _serialize(state)
+    checksum = zlib.crc32(bytes(payload.untyped_storage()))
+    header = torch.tensor([payload.numel(), checksum], dtype=torch.int64)
+    for rank in receivers:
+        dist.send(header, dst=rank)
+        dist.send(payload, dst=rank)
+    return int(payload.numel())
+
+
+def recv_state(donor: int) -> dict[str, Any]:
+    header = torch.zeros(2, dtype=torch.int64)
+    dist.recv(header, src=donor)
+    size, expected = int(header[0]), int(header[1])
+    payload = torch.empty(size, dtype=torch.uint8)
+    dist.recv(payload, src=donor)
+    raw = bytes(payload.untyped_storage())
+    actual = zlib.crc32(raw)
+    if actual != expected:
+        raise RecoveryError(
+            f"state from rank {donor} failed its checksum (crc32 {actual:#x}, expected {expected:#x})"
+        )
+    return torch.load(io.BytesIO(raw), weights_only=False)
