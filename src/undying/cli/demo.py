@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ class FaultPlan:
     rank: int
     at_step: int
     phase: str
-    description: str
+    description: str = ""
 
 
 FAULTS: dict[str, FaultPlan] = {
@@ -70,20 +71,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault: FaultPlan | None = None,
-            timeout_s: float = 120.0, extra_run_args: list[str] | None = None,
-            log_file: Path | None = None) -> int:
-    """Run ``undying run`` on the demo script to its end; inject ``fault`` once the manager is up."""
+            faults: Sequence[FaultPlan] = (), timeout_s: float = 120.0,
+            extra_run_args: list[str] | None = None, log_file: Path | None = None,
+            script: Path = TRAIN_SCRIPT) -> int:
+    """Run ``undying run`` on the demo script to its end; arm the faults once the manager is up."""
+    planned = [*([fault] if fault is not None else []), *faults]
     argv = [
         sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0",
         "--job-dir", str(job_dir), "--job-id", job_dir.name, "--stop-grace", "3",
-        *(extra_run_args or []), str(TRAIN_SCRIPT), *script_args,
+        *(extra_run_args or []), str(script), *script_args,
     ]
     log_path = log_file or job_dir.parent / f"{job_dir.name}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            if fault is not None:
-                _inject_when_up(JobDir(job_dir), process, fault, deadline=time.monotonic() + timeout_s)
+            if planned:
+                _inject_when_up(JobDir(job_dir), process, planned, deadline=time.monotonic() + timeout_s)
             return process.wait(timeout=timeout_s)
         except BaseException:
             process.kill()
@@ -91,14 +94,16 @@ def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault:
             raise
 
 
-def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], fault: FaultPlan, deadline: float) -> None:
+def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: list[FaultPlan],
+                    deadline: float) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the job exited ({process.returncode}) before the fault could be injected")
         info = job_dir.read_manager()
         if info is not None:
-            api_post(info["url"], "/api/inject",
-                     {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step, "phase": fault.phase})
+            for fault in faults:
+                api_post(info["url"], "/api/inject",
+                         {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step, "phase": fault.phase})
             return
         time.sleep(0.05)
     raise RuntimeError("the job's manager did not come up in time")

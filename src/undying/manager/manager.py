@@ -98,6 +98,7 @@ class Manager:
         self._injected: dict[int, tuple[float, str]] = {}
         self._fatal: dict[int, Fatal] = {}
         self._finished = asyncio.Event()
+        self._finished_ranks: set[int] = set()
         self._grace_tasks: set[asyncio.Task[None]] = set()
         events.set_job("job_id", config.job_id)
         events.set_job("world_size", config.world_size)
@@ -218,21 +219,20 @@ class Manager:
         self.events.event("exited", generation=self.generation, rank=rank, pid=pid, returncode=returncode)
         if pid != info.pid:
             return  # a process already replaced; its exit is old news
-        info.state = RankState.DONE if returncode == 0 and info.state is RankState.DONE else RankState.EXITED
+        finished_steps = info.state is RankState.DONE
+        info.state = RankState.EXITED
         info.last_seen = t
         self._persist_rank(info)
         if self.state in (JobState.STOPPING,) or self.state.terminal:
-            self._maybe_all_stopped()
             return
-        if returncode == 0:
+        # A rank is finished when it exits cleanly, or when the job's final
+        # barrier completed on some rank: then this one passed it too.
+        if returncode == 0 or finished_steps or any(r.state is RankState.DONE for r in self.ranks.values()):
+            if returncode != 0:
+                self.events.event("exit_after_done", rank=rank, returncode=returncode)
             info.state = RankState.DONE
+            self._finished_ranks.add(rank)
             self._persist_rank(info)
-            self._maybe_succeeded()
-            return
-        if any(r.state is RankState.DONE for r in self.ranks.values()):
-            # The final barrier completed on some rank, so the training is complete.
-            self.events.event("exit_after_done", rank=rank, returncode=returncode)
-            info.state = RankState.DONE
             self._maybe_succeeded()
             return
         fatal = self._fatal.pop(pid, None)
@@ -466,13 +466,10 @@ class Manager:
     # --- ending ---------------------------------------------------------------
 
     def _maybe_succeeded(self) -> None:
-        if all(r.state is RankState.DONE for r in self.ranks.values()):
+        if len(self._finished_ranks) == len(self.ranks):
             self.exit_reason = "every rank finished its last step"
             self._move(JobState.STOPPING)
             self._end(JobState.SUCCEEDED)
-
-    def _maybe_all_stopped(self) -> None:
-        pass  # stop() and fail() wait for the agents themselves
 
     def fail(self, reason: str) -> None:
         if self.state.terminal or self.state is JobState.STOPPING:

@@ -1,0 +1,38 @@
+"""Shared fixtures: the oracle's fault-free baselines are computed once per session."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.oracle import Oracle
+
+
+@pytest.fixture(scope="session")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> Oracle:
+    return Oracle(tmp_path_factory.mktemp("baselines"))
+
+
+@pytest.fixture
+def reap() -> Iterator[list[int]]:
+    """PIDs a test started outside run_job; every one still alive is killed at the end."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)

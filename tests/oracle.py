@@ -1,0 +1,101 @@
+"""The oracle for "no work lost": run the same seeded job with and without a fault.
+
+``Oracle.assert_survives`` runs the demo job with the given faults and asserts
+that every per-step loss is bit-identical to the fault-free run of the same
+arguments, that the final model and optimizer state are identical, that no step
+completed twice, and that each injected fault was recorded and recovered.
+Every fault the project claims to survive has a test built on this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from undying.cli.demo import FaultPlan, run_job
+from undying.manager.events import read_job
+from undying.oracle import Comparison, RunRecord, compare_runs, load_run
+
+__all__ = ["Oracle", "Outcome", "crash"]
+
+
+def crash(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
+    return FaultPlan(kind="crash", rank=rank, at_step=at_step, phase=phase)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    comparison: Comparison
+    run: RunRecord
+    job_dir: Path
+    returncode: int
+
+    @property
+    def incidents(self) -> list[dict[str, Any]]:
+        return self.run.incidents
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        import json
+        import sqlite3
+
+        db = sqlite3.connect(f"file:{self.job_dir / 'events.db'}?mode=ro", uri=True)
+        try:
+            return [
+                {"rank": rank, "generation": generation, **json.loads(data)}
+                for rank, generation, data in db.execute(
+                    "SELECT rank, generation, data FROM events WHERE kind = ? ORDER BY id", (kind,)
+                )
+            ]
+        finally:
+            db.close()
+
+    def log(self) -> str:
+        path = self.job_dir.parent / f"{self.job_dir.name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class Oracle:
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._baselines: dict[tuple[Any, ...], RunRecord] = {}
+
+    def baseline(self, script_args: Sequence[str], ranks: int) -> RunRecord:
+        key = (ranks, tuple(script_args))
+        if key not in self._baselines:
+            job_dir = self._root / f"baseline-{len(self._baselines)}"
+            rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180)
+            assert rc == 0, f"the fault-free run failed ({rc}); log: {job_dir}.log"
+            self._baselines[key] = load_run(job_dir / "events.db")
+        return self._baselines[key]
+
+    def run(self, job_dir: Path, script_args: Sequence[str], ranks: int,
+            faults: Sequence[FaultPlan] = (), extra_run_args: Sequence[str] = ()) -> Outcome:
+        rc = run_job(job_dir, list(script_args), ranks=ranks, faults=faults, timeout_s=180,
+                     extra_run_args=list(extra_run_args))
+        run = load_run(job_dir / "events.db")
+        return Outcome(compare_runs(self.baseline(script_args, ranks), run), run, job_dir, rc)
+
+    def assert_survives(self, job_dir: Path, faults: Sequence[FaultPlan], *,
+                        script_args: Sequence[str] = ("--epochs", "2"), ranks: int = 4,
+                        extra_run_args: Sequence[str] = ()) -> Outcome:
+        outcome = self.run(job_dir, script_args, ranks, faults, extra_run_args)
+        log_tail = outcome.log()[-3000:]
+        assert outcome.returncode == 0, f"the run with faults exited {outcome.returncode}\n{log_tail}"
+        assert outcome.comparison.identical, f"{outcome.comparison.reasons}\n{log_tail}"
+        assert outcome.comparison.lost_steps == 0
+        crashes = [i for i in outcome.incidents if i["kind"] == "crash"]
+        assert len(crashes) >= len(faults), f"expected {len(faults)} crash incidents, got {outcome.incidents}"
+        for incident in outcome.incidents:
+            assert incident["status"] == "recovered", incident
+        injected = {(e["rank"], e["step"], e["phase"]) for e in outcome.events("fault_injected")}
+        for fault in faults:
+            assert any(r == fault.rank and p == fault.phase and s >= fault.at_step for r, s, p in injected), (
+                f"fault {fault} did not fire: {injected}"
+            )
+        return outcome
+
+
+def job_summary(job_dir: Path) -> dict[str, Any]:
+    return read_job(job_dir / "events.db")
