@@ -12,9 +12,11 @@ Run it with::
 
 It writes to ``DIR``, one JSON object per line:
 
-* ``steps.rank<R>.jsonl``: ``{"event": "start", "attempt", "pid", "resumed_from", "t"}``
-  when the process starts, then ``{"event": "step", "attempt", "step", "t", "loss"}``
-  for every completed step (``t`` is ``time.time()`` after the optimizer step);
+* ``steps.rank<R>.jsonl``: ``{"event": "start", "attempt", "pid", "t"}`` once Python
+  and torch are loaded, ``{"event": "ready", "attempt", "resumed_from", "t"}`` once the
+  process group is up and the checkpoint loaded, then ``{"event": "step", "attempt",
+  "step", "t", "loss"}`` for every completed step (``t``: ``time.time()`` after the
+  optimizer step);
 * ``kill.json``: ``{"rank", "step", "attempt", "t"}``, written just before the
   process SIGKILLs itself at the start of step ``--kill-at-step`` on rank
   ``--kill-rank``, in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` == 0).
@@ -51,8 +53,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--run-dir", type=Path, required=True, help="records and checkpoints go here")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: never)")
-    p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL a rank at the start of this step (0: never)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="steps between checkpoints (0: never)")
+    p.add_argument("--kill-at-step", type=int, default=0,
+                   help="SIGKILL a rank at the start of this step (0: never)")
     p.add_argument("--kill-rank", type=int, default=2, help="the rank that --kill-at-step kills")
     return p.parse_args()
 
@@ -76,7 +80,8 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: Any,
+                    scheduler: Any) -> None:
     """Write atomically: a temporary file, fsynced, renamed over the previous checkpoint."""
     tmp = path.with_suffix(".tmp")
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -115,23 +120,25 @@ def kill_self(run_dir: Path, rank: int, step: int, attempt: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     log = open(args.run_dir / f"steps.rank{rank}.jsonl", "a")  # noqa: SIM115 (open for the whole run)
+    record(log, event="start", attempt=attempt, pid=os.getpid(), t=time.time())
+    dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
 
     torch.manual_seed(1234)
     dataset = build_data(args)
-    sampler = DistributedSampler(dataset, seed=7)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, seed=7)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     model = build_model(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     checkpoint = args.run_dir / CHECKPOINT
     resumed = load_checkpoint(checkpoint, model, optimizer, scheduler)
-    record(log, event="start", attempt=attempt, pid=os.getpid(), resumed_from=resumed, t=time.time())
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model)  # a collective: every rank is up and restored
+    record(log, event="ready", attempt=attempt, resumed_from=resumed, t=time.time())
 
     steps_per_epoch = len(loader)
     step = resumed
@@ -151,7 +158,7 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             record(log, event="step", attempt=attempt, step=step, t=time.time(),
-                   loss=float(mean_loss.item()) / world_size)
+                   loss=(mean_loss / world_size).item())
             if rank == 0 and args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
                 save_checkpoint(checkpoint, step, model, optimizer, scheduler)
     log.close()

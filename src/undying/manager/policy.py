@@ -35,17 +35,20 @@ class Decision:
 
 
 def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
-    earlier_rounds = {
-        i.recovery
+    repeats = sum(
+        1
         for i in history
-        if i.step == incident.step and i.recovery != incident.recovery and i.status != "ignored"
-    }
-    if len(earlier_rounds) >= ctx.max_restarts:
+        if i is not incident
+        and i.rank == incident.rank
+        and i.step == incident.step
+        and i.action in (Action.REPLACE.value, Action.RETRY.value)
+    )
+    if repeats >= ctx.max_restarts:
         what = "raised" if incident.kind == "error" else "failed"
         return Decision(
             Action.FAIL,
             f"rank {incident.rank} {what} at step {incident.step} again after "
-            f"{len(earlier_rounds)} recoveries at that step (--max-restarts {ctx.max_restarts}); "
+            f"{repeats} recoveries at that step (--max-restarts {ctx.max_restarts}); "
             "a fault that repeats at the same step is a bug, not bad luck",
         )
     if ctx.holders_alive == 0:
