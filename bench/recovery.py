@@ -457,11 +457,13 @@ def summarize(system: str, reps: list[dict[str, dict[str, Any]]]) -> dict[str, A
     phase_names = UNDYING_PHASES if system == "undying" else TORCHRUN_PHASES
     summary: dict[str, Any] = {
         "recovery_s": median(f["recovery_s"] for f in faulty),
+        "recovery_s_each": [f["recovery_s"] for f in faulty],
         "phases": {p: median(f["phases"].get(p) for f in faulty) for p in phase_names},
         "catch_up_s": median(f["catch_up_s"] for f in faulty),
         "lost_steps": median(f["lost_steps"] for f in faulty),
         "lost_steps_max": max(f["lost_steps"] for f in faulty),
         "step_ms": median(r["step_ms"] for r in free),
+        "step_ms_each": [r["step_ms"] for r in free],
         "wall_fault_free_s": median(r["wall_s"] for r in free),
         "wall_with_fault_s": median(f["wall_s"] for f in faulty),
         "fault_wall_cost_s": median(f["wall_s"] - r["wall_s"]
@@ -550,6 +552,9 @@ def render(result: dict[str, Any], out: TextIO) -> None:
     for name, system in (("undying", und), ("torchrun", tr)):
         phases = ", ".join(f"{p} {_fmt(v, '{:.2f}')}" for p, v in system["phases"].items())
         print(f"\n{name} recovery, seconds after the kill: {phases}", file=out)
+        if w["repeats"] > 1:
+            print(f"{name} per repetition: recovery s {system['recovery_s_each']}, "
+                  f"step ms {system['step_ms_each']}", file=out)
     print(f"undying per-step losses identical to its fault-free run: {und['identical_losses']}",
           file=out)
     print("\nratios (targets in brackets):", file=out)

@@ -22,7 +22,10 @@ import torch.distributed as dist
 from undying.errors import GenerationSupersededError, RecoveryError
 from undying.rendezvous import GenerationRecord, generation_key
 
-__all__ = ["read_generation", "join_generation", "leave_group", "break_connections", "is_comm_failure"]
+__all__ = [
+    "read_generation", "join_generation", "leave_group", "break_connections", "claim_existing_sockets",
+    "is_comm_failure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,14 @@ def _sockets() -> dict[int, str]:
         if link.startswith("socket:"):
             found[int(name)] = link
     return found
+
+
+def claim_existing_sockets() -> None:
+    """The script built its own group before ``undying.init()``: its sockets are those open now.
+
+    Called first thing in ``init()``, before undying opens any socket of its own.
+    """
+    _group_sockets.update(_sockets())
 
 
 def break_connections() -> int:

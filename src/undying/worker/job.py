@@ -43,7 +43,7 @@ from undying.worker.data import DataCursor
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
 from undying.worker.faults import FaultSwitch
-from undying.worker.group import is_comm_failure, join_generation, leave_group
+from undying.worker.group import claim_existing_sockets, is_comm_failure, join_generation, leave_group
 from undying.worker.restore import RankStatus, plan_restore, recv_state, send_state
 from undying.worker.state import State
 
@@ -134,6 +134,8 @@ class Job:
         if env is None:
             self._start_unmanaged()
             return
+        if dist.is_initialized():
+            claim_existing_sockets()
         self.rank = env.rank
         self.local_rank = env.local_rank
         self.world_size = env.world_size
@@ -149,7 +151,8 @@ class Job:
         )
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         if env.joining:
-            self._join_as_replacement()
+            # A script that built its own group joined this generation already.
+            self._join_as_replacement(adopt=dist.is_initialized())
         elif dist.is_initialized():
             self._adopt_user_group()
         else:
@@ -268,19 +271,24 @@ class Job:
         status = RankStatus(self.rank, committed, clean=clean, has_state=True)
         return self._rejoin(status, state)
 
-    def _join_as_replacement(self) -> None:
+    def _join_as_replacement(self, *, adopt: bool) -> None:
         assert self.env is not None
+        if adopt:
+            self._adopt_user_group()
         status = RankStatus(self.rank, committed=0, clean=False, has_state=False)
-        self._rejoin(status, None, first=self.generation)
+        self._rejoin(status, None, first=self.generation, joined=adopt)
 
-    def _rejoin(self, status: RankStatus, state: State | None, first: int | None = None) -> int:
+    def _rejoin(self, status: RankStatus, state: State | None, first: int | None = None,
+                joined: bool = False) -> int:
         """Join generations until one forms and the state is restored in it."""
         generation = self.generation + 1 if first is None else first
         while True:
-            for wrapper in self._wrappers:
-                wrapper.invalidate()
-            leave_group()  # now, not when the next generation opens: peers wait on our sockets
-            self._join(generation)
+            if not joined:
+                for wrapper in self._wrappers:
+                    wrapper.invalidate()
+                leave_group()  # now, not when the next generation opens: peers wait on our sockets
+                self._join(generation)
+            joined = False
             self._send(Progress(self.rank, self.generation, "group_rebuilt", time.time()))
             try:
                 statuses: list[Any] = [None] * dist.get_world_size()

@@ -1,0 +1,99 @@
+"""The recovery policy: replace crashes, retry comm errors, stop on a fault that repeats."""
+
+from __future__ import annotations
+
+import pytest
+
+from undying.manager.policy import Action, PolicyContext, decide
+from undying.manager.state import Incident
+
+_ids = iter(range(1, 10**6))
+
+
+def incident(kind: str = "crash", rank: int = 1, step: int = 5, action: str = "") -> Incident:
+    return Incident(id=next(_ids), kind=kind, rank=rank, step=step, fault_t=100.0, recovery=1, action=action)
+
+
+def ctx(max_restarts: int = 3, holders_alive: int = 3) -> PolicyContext:
+    return PolicyContext(max_restarts=max_restarts, holders_alive=holders_alive)
+
+
+def test_a_crash_is_replaced() -> None:
+    d = decide(incident("crash", rank=2), [], ctx())
+    assert d.action is Action.REPLACE
+    assert "rank 2" in d.reason
+
+
+def test_a_comm_error_is_retried() -> None:
+    assert decide(incident("comm-error"), [], ctx()).action is Action.RETRY
+
+
+def test_a_user_error_is_replaced_the_first_time() -> None:
+    # A bug that happens once may be a bad input; it stops the job once it repeats.
+    assert decide(incident("error"), [], ctx()).action is Action.REPLACE
+
+
+@pytest.mark.parametrize("max_restarts", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind", ["crash", "comm-error", "error"])
+def test_fails_once_the_same_fault_repeated_max_restarts_times(max_restarts: int, kind: str) -> None:
+    history: list[Incident] = []
+    for n in range(max_restarts):
+        current = incident(kind)
+        history.append(current)
+        d = decide(current, history, ctx(max_restarts))
+        assert d.action is not Action.FAIL, f"failed after {n} recoveries"
+        current.action = d.action.value
+    current = incident(kind)
+    history.append(current)
+    d = decide(current, history, ctx(max_restarts))
+    assert d.action is Action.FAIL
+    assert "step 5" in d.reason and f"--max-restarts {max_restarts}" in d.reason
+    assert f"after {max_restarts} recoveries" in d.reason
+    assert ("raised" if kind == "error" else "failed") in d.reason
+
+
+def test_with_max_restarts_zero_the_first_fault_fails() -> None:
+    d = decide(incident(step=9), [], ctx(max_restarts=0))
+    assert d.action is Action.FAIL
+    assert "step 9" in d.reason and "--max-restarts 0" in d.reason
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"rank": 2, "step": 5},  # another rank at that step
+        {"rank": 1, "step": 6},  # the same rank at another step
+        {"rank": 1, "step": 4},
+    ],
+)
+def test_faults_elsewhere_do_not_count_as_repeats(other: dict[str, int]) -> None:
+    history = [incident(action="replace", **other) for _ in range(5)]
+    assert decide(incident(rank=1, step=5), history, ctx(max_restarts=1)).action is Action.REPLACE
+
+
+@pytest.mark.parametrize("action", ["", "fail"])
+def test_only_recovered_incidents_count(action: str) -> None:
+    history = [incident(action=action) for _ in range(5)]
+    assert decide(incident(), history, ctx(max_restarts=1)).action is Action.REPLACE
+
+
+def test_retries_and_replacements_both_count() -> None:
+    history = [incident(action="retry"), incident(action="replace")]
+    assert decide(incident(), history, ctx(max_restarts=3)).action is Action.REPLACE
+    assert decide(incident(), history, ctx(max_restarts=2)).action is Action.FAIL
+
+
+def test_the_incident_itself_in_the_history_is_not_a_repeat() -> None:
+    current = incident(action="replace")  # as if decided before and re-decided
+    assert decide(current, [current], ctx(max_restarts=1)).action is Action.REPLACE
+
+
+@pytest.mark.parametrize("kind", ["crash", "comm-error", "error"])
+def test_fails_when_no_holder_of_the_state_is_alive(kind: str) -> None:
+    d = decide(incident(kind), [], ctx(holders_alive=0))
+    assert d.action is Action.FAIL
+    assert "restart the job" in d.reason
+
+
+def test_action_values_are_the_strings_stored_on_incidents() -> None:
+    assert {a.value for a in Action} == {"retry", "replace", "fail"}
