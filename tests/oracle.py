@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+import json
 from typing import Any
 
 from undying.cli.demo import FaultPlan, run_job
-from undying.manager.events import read_job
+from undying.manager.events import connect_readonly, read_job
 from undying.oracle import Comparison, RunRecord, compare_runs, load_run
 
 __all__ = ["Oracle", "Outcome", "crash"]
@@ -37,10 +38,7 @@ class Outcome:
         return self.run.incidents
 
     def events(self, kind: str) -> list[dict[str, Any]]:
-        import json
-        import sqlite3
-
-        db = sqlite3.connect(f"file:{self.job_dir / 'events.db'}?mode=ro", uri=True)
+        db = connect_readonly(self.job_dir / "events.db")
         try:
             return [
                 {"rank": rank, "generation": generation, **json.loads(data)}

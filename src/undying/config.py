@@ -79,6 +79,8 @@ class JobConfig:
             )
         if not 0 <= self.port < 65536:
             raise UsageError(f"--port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.http_port < 65536:
+            raise UsageError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.backend not in ("gloo", "nccl"):

@@ -159,7 +159,8 @@ def decode(line: bytes | str) -> Message:
         raise ValueError(f"malformed message: {line!r:.200}") from e
     if not isinstance(body, dict) or "type" not in body:
         raise ValueError(f"message without a type: {line!r:.200}")
-    cls = Message.registry.get(body.pop("type"))
+    kind = body.pop("type")
+    cls = Message.registry.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"unknown message type in {line!r:.200}")
     try:

@@ -8,13 +8,12 @@ same, bit for bit, and that no rank completed a step twice. Used by
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undying.manager.events import read_job
+from undying.manager.events import connect_readonly, read_job
 
 __all__ = ["RunRecord", "Comparison", "load_run", "compare_runs"]
 
@@ -51,7 +50,7 @@ def load_run(events_db: Path, metric: str = "loss") -> RunRecord:
             values[commit["step"]].add(commit["metrics"][metric])
     losses = {step: next(iter(v)) for step, v in values.items() if len(v) == 1}
     digests: dict[int, str] = {}
-    db = sqlite3.connect(f"file:{events_db}?mode=ro", uri=True)
+    db = connect_readonly(events_db)
     try:
         for rank, raw in db.execute("SELECT rank, data FROM events WHERE kind = 'done'"):
             digests[rank] = json.loads(raw)["digest"]

@@ -152,8 +152,6 @@ def test_status_with_a_missing_job_dir(capsys: pytest.CaptureFixture[str], tmp_p
     fails(capsys, ["status", "--job-dir", str(tmp_path / "nope")], "does not exist")
 
 
-@pytest.mark.xfail(strict=True, reason="status on a folder without events.db falls through to read_job, whose "
-                   "sqlite3.OperationalError escapes as a traceback with exit code 1")
 def test_status_of_a_folder_that_holds_no_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     fails(capsys, ["status", "--job-dir", str(tmp_path)], str(tmp_path))
 

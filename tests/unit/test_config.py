@@ -63,8 +63,6 @@ def test_edge_values_are_fine(changes: dict[str, Any]) -> None:
     JobConfig(job_id="j", job_dir="d", **changes).validate()
 
 
-@pytest.mark.xfail(strict=True, reason="JobConfig.validate checks --port but not --http-port: `undying run "
-                   "--http-port 70000` ends in an OverflowError traceback (exit 1) instead of exit 2")
 @pytest.mark.parametrize("http_port", [-1, 65536, 70000])
 def test_a_bad_http_port_is_a_usage_error(http_port: int) -> None:
     with pytest.raises(UsageError, match="--http-port"):

@@ -156,11 +156,6 @@ def test_random_transforms_repeat_on_replay() -> None:
     assert not torch.equal(reference[0][1][0], reference[1][1][0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sampler's own torch.Generator advances on every iter(); replaying into a later "
-    "epoch in a fresh process gives the first epoch's order",
-)
 @pytest.mark.parametrize("name", sorted(GENERATOR_LOADERS))
 def test_generator_sampler_replacement_jumps_into_a_later_epoch(name: str) -> None:
     make = GENERATOR_LOADERS[name]
@@ -169,11 +164,6 @@ def test_generator_sampler_replacement_jumps_into_a_later_epoch(name: str) -> No
     assert same(c.batch_for(2 * SPE + 3), reference[2 * SPE + 2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sampler's own torch.Generator advances on every iter(); re-running a step after "
-    "the epoch's iterator restarts reads a different permutation",
-)
 @pytest.mark.parametrize("name", sorted(GENERATOR_LOADERS))
 def test_generator_sampler_rerun_of_a_forgotten_step(name: str) -> None:
     make = GENERATOR_LOADERS[name]

@@ -48,7 +48,7 @@ def test_fails_once_the_same_fault_repeated_max_restarts_times(max_restarts: int
     d = decide(current, history, ctx(max_restarts))
     assert d.action is Action.FAIL
     assert "step 5" in d.reason and f"--max-restarts {max_restarts}" in d.reason
-    assert f"after {max_restarts} recoveries" in d.reason
+    assert f"already recovered {max_restarts} time(s)" in d.reason
     assert ("raised" if kind == "error" else "failed") in d.reason
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from undying.errors import UsageError
 from undying.manager.state import Incident
 
-__all__ = ["EventLog", "read_job", "SCHEMA_VERSION"]
+__all__ = ["EventLog", "read_job", "connect_readonly", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
@@ -70,6 +72,7 @@ class EventLog:
                 incident.status, incident.fault_t, json.dumps(incident.to_dict(), default=str),
             ),
         )
+        self._dirty = True
         self.flush()
 
     def rank(self, rank: int, data: dict[str, Any]) -> None:
@@ -98,9 +101,16 @@ class EventLog:
         self._db.close()
 
 
+def connect_readonly(path: Path) -> sqlite3.Connection:
+    """Open an event log for reading only; never creates a file."""
+    if not path.is_file():
+        raise UsageError(f"{path} is not an undying event log; pass the --job-dir of a job")
+    return sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
+
+
 def read_job(path: Path) -> dict[str, Any]:
     """Everything ``undying status`` shows, read from the log of a job (running or not)."""
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db = connect_readonly(path)
     try:
         job = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
         ranks = [json.loads(d) for (d,) in db.execute("SELECT data FROM ranks ORDER BY rank")]

@@ -281,6 +281,7 @@ class Manager:
             log.warning("unexpected message %r", message)
 
     def _on_hello(self, message: Hello) -> None:
+        self.events.event("joined", generation=message.generation, rank=message.rank, pid=message.pid, joining=message.joining)
         info = self.ranks[message.rank]
         info.pid = message.pid
         info.last_seen = message.t

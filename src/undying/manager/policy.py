@@ -47,8 +47,8 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
         what = "raised" if incident.kind == "error" else "failed"
         return Decision(
             Action.FAIL,
-            f"rank {incident.rank} {what} at step {incident.step} again after "
-            f"{repeats} recoveries at that step (--max-restarts {ctx.max_restarts}); "
+            f"rank {incident.rank} {what} at step {incident.step}, which was already recovered "
+            f"{repeats} time(s) at that step (--max-restarts {ctx.max_restarts}); "
             "a fault that repeats at the same step is a bug, not bad luck",
         )
     if ctx.holders_alive == 0:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from undying.errors import UsageError
 from undying.worker import rng
 
@@ -54,6 +56,13 @@ class DataCursor:
         else:
             assert total is not None
             self.total_steps = total
+        # Samplers that shuffle with a generator of their own advance it every
+        # pass; reset it per epoch (from the seed it was created with) so a
+        # replayed epoch shuffles exactly as it did the first time.
+        self._generators = {
+            id(g): (g, g.initial_seed())
+            for g in _generators_of(loader)
+        }
         self._epoch = -1
         self._iterator: Any = None
         self._next_index = 0
@@ -95,6 +104,8 @@ class DataCursor:
         }
         for sampler in samplers.values():
             sampler.set_epoch(epoch)
+        for generator, initial in self._generators.values():
+            generator.manual_seed(rng.derived_seed(initial, 0, "sampler", epoch))
         self._iterator = iter(self._loader)
         self._epoch = epoch
         self._next_index = 0
@@ -111,3 +122,18 @@ class DataCursor:
             ) from e
         self._next_index += 1
         return batch
+
+
+def _generators_of(loader: Any) -> list[torch.Generator]:
+    if loader is None:
+        return []
+    holders = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(loader, "batch_sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    return [
+        g for g in (getattr(h, "generator", None) for h in holders if h is not None)
+        if isinstance(g, torch.Generator)
+    ]

@@ -194,6 +194,7 @@ class Job:
             committed, payload = self._stash
             state.load_state_dict(payload)
             self._stash = None
+            self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
         while True:
             while committed < cursor.total_steps:
                 index = committed + 1
