@@ -9,10 +9,10 @@ Every fault the project claims to survive has a test built on this.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-import json
 from typing import Any
 
 from undying.cli.demo import FaultPlan, run_job

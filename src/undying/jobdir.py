@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -75,10 +76,8 @@ class JobDir:
         return str(info["url"])
 
     def clear_manager(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.manager_file.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _alive(pid: int) -> bool:

@@ -49,7 +49,7 @@ def main() -> None:
     w = torch.randn(args.features, 1, generator=data)
     y = torch.tanh(x @ w) + 0.1 * torch.randn(args.samples, 1, generator=data)
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, seed=7)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(dataset, seed=7)
     if args.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -79,7 +79,5 @@ async def start_http(manager: Manager, host: str, port: int) -> tuple[web.AppRun
     except OSError as e:
         await runner.cleanup()
         raise UsageError(f"cannot serve the manager API on {host}:{port} ({e.strerror}); pass another --http-port") from e
-    server = site._server
-    assert server is not None
-    bound = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    bound = runner.addresses[0][1]
     return runner, f"http://{host}:{bound}"

@@ -30,8 +30,8 @@ from undying.messages import (
     ArmFault,
     CommFailure,
     Done,
-    FaultInjected,
     Fatal,
+    FaultInjected,
     Hello,
     Message,
     Progress,
@@ -180,7 +180,7 @@ class Manager:
             reason=reason,
         )
         self._gen_stores[self.generation] = store
-        self._control.set(generation_key(self.generation), record.to_json())
+        self._control.set(generation_key(self.generation), record.to_json().decode())
         self._control.set(CURRENT_KEY, str(self.generation))
         if previous >= 0:
             self._supersede(previous, self.generation)
@@ -195,7 +195,7 @@ class Manager:
         raw = self._control.get(generation_key(old))
         record = GenerationRecord.from_json(raw)
         superseded = GenerationRecord(**{**record.__dict__, "status": "superseded", "superseded_by": new})
-        self._control.set(generation_key(old), superseded.to_json())
+        self._control.set(generation_key(old), superseded.to_json().decode())
         store = self._gen_stores.pop(old, None)
         del store
 

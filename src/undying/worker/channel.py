@@ -7,6 +7,7 @@ crash is never lost in a queue. Commands are read by a daemon thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -45,10 +46,8 @@ class AgentChannel:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._sock.close()
 
     def _read_loop(self) -> None:

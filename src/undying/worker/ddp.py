@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.distributed_c10d import _get_default_group
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
@@ -84,13 +85,13 @@ class GenerationalDDP:
         return getattr(self.module, name)
 
 
-def _allreduce_with_faults(job, bucket):  # type: ignore[no-untyped-def]
+def _allreduce_with_faults(job, bucket):
     """DDP's own all-reduce, with the fault-injection seam for backward.
 
     Unannotated on purpose: DDP checks the hook's annotations against the real
     classes, and postponed (string) annotations would fail that check.
     """
-    future = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    future = default_hooks.allreduce_hook(_get_default_group(), bucket)
     # After launching: a fault here leaves the peers mid-collective.
     job._faults.check("backward", job.current_step)
     return future

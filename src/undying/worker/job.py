@@ -43,7 +43,12 @@ from undying.worker.data import DataCursor
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
 from undying.worker.faults import FaultSwitch
-from undying.worker.group import claim_existing_sockets, is_comm_failure, join_generation, leave_group
+from undying.worker.group import (
+    claim_existing_sockets,
+    is_comm_failure,
+    join_generation,
+    leave_group,
+)
 from undying.worker.restore import RankStatus, plan_restore, recv_state, send_state
 from undying.worker.state import State
 
