@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.distributed_c10d import _get_default_group
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
@@ -31,14 +29,11 @@ class GenerationalDDP:
     def __init__(self, job: Job, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
         self.module = module
         self._job = job
-        # DDP regroups its gradient buckets after the first iteration, in the
-        # order gradients became ready. A DDP rebuilt after a fault would run
-        # one iteration with the first layout while the fault-free run used the
-        # regrouped one, and the all-reduce would sum in a different order: the
-        # same numbers, different last bits. Tracking unused parameters keeps
-        # the first layout for good, in every DDP this wrapper builds.
-        ddp_kwargs.setdefault("find_unused_parameters", True)
         self._ddp_kwargs = ddp_kwargs
+        first = next(module.parameters(), None)
+        if first is not None and first.requires_grad:
+            # Computed last in backward, while the other gradients' all-reduce runs.
+            first.register_hook(self._in_backward)
         self._ddp: DistributedDataParallel | None = None
         self._generation = -1
 
@@ -51,10 +46,21 @@ class GenerationalDDP:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.module
         if self._ddp is None or self._generation != self._job.generation:
-            self._ddp = DistributedDataParallel(self.module, **self._ddp_kwargs)
-            self._ddp.register_comm_hook(self._job, _allreduce_with_faults)
+            ddp = DistributedDataParallel(self.module, **self._ddp_kwargs)
+            # DDP regroups its gradient buckets after its first iteration, in
+            # the order gradients became ready. A DDP rebuilt after a fault
+            # would run one iteration in the first grouping while the
+            # fault-free run used the second, and the all-reduce would sum in
+            # another order: the same numbers, other last bits. Asking for the
+            # regrouping now, in parameter order, gives every DDP this wrapper
+            # builds one and the same layout from its first iteration on.
+            ddp.reducer._push_all_rebuilt_params()
+            self._ddp = ddp
             self._generation = self._job.generation
         return self._ddp
+
+    def _in_backward(self, grad: torch.Tensor) -> None:
+        self._job._faults.check("backward", self._job.current_step)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._job._faults.check("forward", self._job.current_step)
@@ -83,15 +89,3 @@ class GenerationalDDP:
         if name in _DDP_ATTRIBUTES:
             return getattr(self.current(), name)
         return getattr(self.module, name)
-
-
-def _allreduce_with_faults(job, bucket):
-    """DDP's own all-reduce, with the fault-injection seam for backward.
-
-    Unannotated on purpose: DDP checks the hook's annotations against the real
-    classes, and postponed (string) annotations would fail that check.
-    """
-    future = default_hooks.allreduce_hook(_get_default_group(), bucket)
-    # After launching: a fault here leaves the peers mid-collective.
-    job._faults.check("backward", job.current_step)
-    return future

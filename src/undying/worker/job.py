@@ -13,8 +13,10 @@ propagates, so the process exits and the manager's policy decides.
 from __future__ import annotations
 
 import enum
+import importlib
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -72,6 +74,23 @@ def init() -> Job:
         env = WorkerEnv.from_environ()
         _job = Job(env)
     return _job
+
+
+def _prewarm_imports() -> None:
+    """Import in the background what a replacement's first restore and step import lazily.
+
+    ``optimizer.load_state_dict`` and the first optimizer step import
+    ``torch._dynamo`` (seconds on a small machine); started now, the import
+    overlaps the rendezvous and the transfer, which wait on the network.
+    """
+
+    def target() -> None:
+        try:
+            importlib.import_module("torch._dynamo")
+        except Exception as e:  # only an optimization
+            log.debug("prewarming torch._dynamo failed: %s", e)
+
+    threading.Thread(target=target, name="undying-prewarm", daemon=True).start()
 
 
 class Outcome(enum.Enum):
@@ -156,6 +175,7 @@ class Job:
         )
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         if env.joining:
+            _prewarm_imports()
             # A script that built its own group joined this generation already.
             self._join_as_replacement(adopt=dist.is_initialized())
         elif dist.is_initialized():

@@ -8,6 +8,7 @@ surviving holder to each rank that lacks it over the new process group
 
 from __future__ import annotations
 
+import ctypes
 import io
 import zlib
 from dataclasses import dataclass
@@ -64,15 +65,12 @@ def plan_restore(statuses: list[RankStatus]) -> RestorePlan:
     return RestorePlan(target=target, donor=donor, receivers=receivers)
 
 
-def _serialize(state: dict[str, Any]) -> torch.Tensor:
+def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> int:
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> int:
-    payload = _serialize(state)
-    checksum = zlib.crc32(bytes(payload.untyped_storage()))
+    view = buffer.getbuffer()
+    checksum = zlib.crc32(view)
+    payload = torch.frombuffer(view, dtype=torch.uint8)  # no copy
     header = torch.tensor([payload.numel(), checksum], dtype=torch.int64)
     for rank in receivers:
         dist.send(header, dst=rank)
@@ -86,7 +84,7 @@ def recv_state(donor: int) -> dict[str, Any]:
     size, expected = int(header[0]), int(header[1])
     payload = torch.empty(size, dtype=torch.uint8)
     dist.recv(payload, src=donor)
-    raw = bytes(payload.untyped_storage())
+    raw = ctypes.string_at(payload.data_ptr(), size)  # one memcpy
     actual = zlib.crc32(raw)
     if actual != expected:
         raise RecoveryError(
