@@ -447,7 +447,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 def median(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
+    return round(statistics.median(present), 4) if present else None
 
 
 def summarize(system: str, reps: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
