@@ -63,22 +63,25 @@ class Oracle:
         key = (ranks, tuple(script_args))
         if key not in self._baselines:
             job_dir = self._root / f"baseline-{len(self._baselines)}"
-            rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180)
+            rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180, extra_run_args=["--spares", "0"])
             assert rc == 0, f"the fault-free run failed ({rc}); log: {job_dir}.log"
             self._baselines[key] = load_run(job_dir / "events.db")
         return self._baselines[key]
 
     def run(self, job_dir: Path, script_args: Sequence[str], ranks: int,
-            faults: Sequence[FaultPlan] = (), extra_run_args: Sequence[str] = ()) -> Outcome:
+            faults: Sequence[FaultPlan] = (), extra_run_args: Sequence[str] = ("--spares", "0"),
+            when_warm: bool = False) -> Outcome:
         rc = run_job(job_dir, list(script_args), ranks=ranks, faults=faults, timeout_s=180,
-                     extra_run_args=list(extra_run_args))
+                     extra_run_args=list(extra_run_args), when_warm=when_warm)
         run = load_run(job_dir / "events.db")
         return Outcome(compare_runs(self.baseline(script_args, ranks), run), run, job_dir, rc)
 
     def assert_survives(self, job_dir: Path, faults: Sequence[FaultPlan], *,
                         script_args: Sequence[str] = ("--epochs", "2"), ranks: int = 4,
-                        extra_run_args: Sequence[str] = ()) -> Outcome:
-        outcome = self.run(job_dir, script_args, ranks, faults, extra_run_args)
+                        extra_run_args: Sequence[str] = ("--spares", "0"),
+                        when_warm: bool = False) -> Outcome:
+        """Run with ``faults`` (cold replacements unless ``extra_run_args`` asks for spares)."""
+        outcome = self.run(job_dir, script_args, ranks, faults, extra_run_args, when_warm)
         log_tail = outcome.log()[-3000:]
         assert outcome.returncode == 0, f"the run with faults exited {outcome.returncode}\n{log_tail}"
         assert outcome.comparison.identical, f"{outcome.comparison.reasons}\n{log_tail}"

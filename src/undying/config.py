@@ -59,6 +59,8 @@ class JobConfig:
     http_port: int = 0
     backend: str = "gloo"
     max_restarts: int = 3
+    # Hot spares per node: processes with torch imported, waiting to replace a rank.
+    spares: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     @property
@@ -81,6 +83,11 @@ class JobConfig:
             raise UsageError(f"--port must be in [0, 65535], got {self.port}")
         if not 0 <= self.http_port < 65536:
             raise UsageError(f"--http-port must be in [0, 65535], got {self.http_port}")
+        if not 0 <= self.spares <= max(8, self.nproc_per_node):
+            raise UsageError(
+                f"--spares must be between 0 and {max(8, self.nproc_per_node)} (a spare per local rank "
+                f"at most), got {self.spares}"
+            )
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.backend not in ("gloo", "nccl"):

@@ -23,6 +23,8 @@ __all__ = [
     "Fatal",
     "Done",
     "ArmFault",
+    "SpareReady",
+    "Assign",
     "encode",
     "decode",
     "RECOVERY_PHASES",
@@ -134,7 +136,22 @@ class Done(Message):
     t: float
 
 
+@dataclass(frozen=True)
+class SpareReady(Message):
+    """A hot spare finished importing and waits for a rank."""
+
+    pid: int
+    t: float
+
+
 # --- agent -> worker -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    """Turn a hot spare into a rank: its environment, as a fresh worker would get it."""
+
+    env: dict[str, str]
 
 
 @dataclass(frozen=True)

@@ -61,3 +61,16 @@ def test_second_kill_while_a_recovery_is_under_way(oracle: Oracle, tmp_path: Pat
     outcome = oracle.assert_survives(tmp_path / "job", [crash(1, 6, "backward"), crash(2, 1, "recovery")])
     assert sorted(i["rank"] for i in outcome.incidents) == [1, 2]
     assert len({i["detail"].get("generation") for i in outcome.incidents}) == 1, "one recovery handled both"
+
+
+def test_a_warm_spare_replaces_the_dead_rank(oracle: Oracle, tmp_path: Path) -> None:
+    """With a spare warm, the replacement is that process: no interpreter start, no torch import."""
+    outcome = oracle.assert_survives(
+        tmp_path / "job", [crash(1, 6, "optimizer")], script_args=("--epochs", "6", "--samples", "4096"),
+        extra_run_args=("--spares", "1"), when_warm=True,
+    )
+    (incident,) = outcome.incidents
+    assert incident["detail"]["replacement"] == "warm spare"
+    spawned = [e for e in outcome.events("spawned") if e["joining"]]
+    assert [e["spare"] for e in spawned] == [True]
+    assert incident["phases"]["replacement_ready"] < 1.5

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from undying.config import ENV_PREFIX, JobConfig
-from undying.messages import ArmFault, Hello, Message, decode, encode
+from undying.messages import ArmFault, Assign, Hello, Message, SpareReady, decode, encode
 from undying.rendezvous import GenerationRecord
 
 __all__ = ["Agent", "ManagerLink"]
@@ -42,6 +42,18 @@ class _Worker:
     process: _PopenProcess
     writer: asyncio.StreamWriter | None = None
     pending: list[Message] = field(default_factory=list)
+
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass
+class _Spare:
+    process: _PopenProcess
+    writer: asyncio.StreamWriter | None = None
+    ready_t: float = 0.0
 
     @property
     def pid(self) -> int:
@@ -70,6 +82,8 @@ class Agent:
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._spares: dict[int, _Spare] = {}
+        self._stopping = False
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -83,28 +97,14 @@ class Agent:
 
     # --- processes ------------------------------------------------------------
 
-    def _environment(self, rank: int, record: GenerationRecord, joining: bool) -> dict[str, str]:
+    def _base_environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank % self.config.nproc_per_node),
-                "GROUP_RANK": str(self.node),
-                "WORLD_SIZE": str(record.world_size),
-                "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
-                "MASTER_ADDR": record.store_host,
-                "MASTER_PORT": str(record.store_port),
-                # The launcher hosts the store: ranks must connect, never host (as with torchrun).
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "TORCHELASTIC_RESTART_COUNT": str(record.generation),
                 f"{ENV_PREFIX}JOB_ID": self.config.job_id,
                 f"{ENV_PREFIX}JOB_DIR": self.config.job_dir,
-                f"{ENV_PREFIX}CONTROL_ADDR": f"{self.config.host}:{self._control_port}",
                 f"{ENV_PREFIX}AGENT_ADDR": f"127.0.0.1:{self._port}",
                 f"{ENV_PREFIX}AGENT_PID": str(os.getpid()),
-                f"{ENV_PREFIX}GENERATION": str(record.generation),
-                f"{ENV_PREFIX}JOINING": "1" if joining else "0",
-                f"{ENV_PREFIX}BACKEND": self.config.backend,
             }
         )
         env.update(self.config.timeout_env())
@@ -112,32 +112,94 @@ class Agent:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> int:
-        """Start the process for ``rank`` (called on the loop); returns its PID."""
-        argv = [sys.executable, "-u", "-m", "undying.worker.boot", self._script, *self._script_args]
+    def _rank_environment(self, rank: int, record: GenerationRecord, joining: bool) -> dict[str, str]:
+        """What makes a process rank ``rank`` of ``record``'s generation."""
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % self.config.nproc_per_node),
+            "GROUP_RANK": str(self.node),
+            "WORLD_SIZE": str(record.world_size),
+            "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
+            "MASTER_ADDR": record.store_host,
+            "MASTER_PORT": str(record.store_port),
+            # The launcher hosts the store: ranks must connect, never host (as with torchrun).
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(record.generation),
+            f"{ENV_PREFIX}CONTROL_ADDR": f"{self.config.host}:{self._control_port}",
+            f"{ENV_PREFIX}GENERATION": str(record.generation),
+            f"{ENV_PREFIX}JOINING": "1" if joining else "0",
+            f"{ENV_PREFIX}BACKEND": self.config.backend,
+        }
+
+    def _start_process(self, env: dict[str, str], *, spare: bool) -> _PopenProcess:
+        argv = [sys.executable, "-u", "-m", "undying.worker.boot", *(["--spare"] if spare else []),
+                self._script, *self._script_args]
         popen = subprocess.Popen(
             argv,
-            env=self._environment(rank, record, joining),
+            env=env,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
         )
-        worker = _Worker(rank=rank, process=_PopenProcess(popen))
+        process = _PopenProcess(popen)
+        task = asyncio.get_running_loop().create_task(self._watch(process))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return process
+
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> tuple[int, bool]:
+        """Give ``rank`` a process (called on the loop): a warm spare if one is ready.
+
+        Returns the PID and whether it was a spare.
+        """
+        rank_env = self._rank_environment(rank, record, joining)
+        spare = self._take_spare() if joining else None
+        if spare is not None:
+            assert spare.writer is not None
+            spare.writer.write(encode(Assign(env=rank_env)))
+            process = spare.process
+            self.keep_spares()
+        else:
+            process = self._start_process({**self._base_environment(), **rank_env}, spare=False)
+        worker = _Worker(rank=rank, process=process)
         old = self._workers.get(rank)
         if old is not None:
             self._by_pid.pop(old.pid, None)
         self._workers[rank] = worker
-        self._by_pid[popen.pid] = worker
-        task = asyncio.get_running_loop().create_task(self._watch(worker))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        log.info("node %d: started rank %d as pid %d (generation %d%s)",
-                 self.node, rank, popen.pid, record.generation, ", replacement" if joining else "")
-        return popen.pid
+        self._by_pid[process.pid] = worker
+        log.info("node %d: rank %d is pid %d (generation %d%s)", self.node, rank, process.pid,
+                 record.generation, ", a warm spare" if spare else ", replacement" if joining else "")
+        return process.pid, spare is not None
 
-    async def _watch(self, worker: _Worker) -> None:
-        returncode = await worker.process.wait()
+    # --- hot spares -----------------------------------------------------------
+
+    def keep_spares(self) -> None:
+        """Start spares until ``config.spares`` are ready or warming up."""
+        if self._stopping:
+            return
+        while len(self._spares) < self.config.spares:
+            process = self._start_process(self._base_environment(), spare=True)
+            self._spares[process.pid] = _Spare(process)
+            log.info("node %d: warming a spare, pid %d", self.node, process.pid)
+
+    def _take_spare(self) -> _Spare | None:
+        ready = [s for s in self._spares.values() if s.writer is not None and s.process.returncode is None]
+        if not ready:
+            return None
+        spare = min(ready, key=lambda s: s.ready_t)
+        del self._spares[spare.pid]
+        return spare
+
+    def spares_ready(self) -> int:
+        return sum(1 for s in self._spares.values() if s.writer is not None)
+
+    async def _watch(self, process: _PopenProcess) -> None:
+        returncode = await process.wait()
         t = time.time()
-        self._by_pid.pop(worker.pid, None)
-        self._manager.on_exit(worker.rank, worker.pid, returncode, t)
+        if self._spares.pop(process.pid, None) is not None:
+            log.warning("node %d: spare pid %d exited (%d)", self.node, process.pid, returncode)
+            return
+        worker = self._by_pid.pop(process.pid, None)
+        if worker is not None:
+            self._manager.on_exit(worker.rank, worker.pid, returncode, t)
 
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         worker = self._workers.get(rank)
@@ -159,21 +221,27 @@ class Agent:
             worker.writer.write(encode(fault))
 
     async def stop_all(self, grace_s: float) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``."""
-        live = [w for w in self._workers.values() if w.process.returncode is None]
-        for worker in live:
-            _signal_group(worker.pid, signal.SIGTERM)
+        """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``; spares go at once."""
+        self._stopping = True
+        for spare in list(self._spares.values()):
+            _signal_group(spare.pid, signal.SIGKILL)
+        live = [w.process for w in self._workers.values() if w.process.returncode is None]
+        for process in live:
+            _signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for worker in live:
+        for process in live:
             remaining = max(0.0, deadline - time.monotonic())
             try:
-                await asyncio.wait_for(worker.process.wait(), remaining)
+                await asyncio.wait_for(process.wait(), remaining)
             except asyncio.TimeoutError:
-                _signal_group(worker.pid, signal.SIGKILL)
-                await worker.process.wait()
+                _signal_group(process.pid, signal.SIGKILL)
+                await process.wait()
+        for spare in list(self._spares.values()):
+            await spare.process.wait()
 
     def live_pids(self) -> list[int]:
-        return [w.pid for w in self._workers.values() if w.process.returncode is None]
+        workers = [w.pid for w in self._workers.values() if w.process.returncode is None]
+        return workers + [s.pid for s in self._spares.values() if s.process.returncode is None]
 
     # --- the worker channel ---------------------------------------------------
 
@@ -188,6 +256,14 @@ class Agent:
                     message = decode(line)
                 except ValueError as e:
                     log.warning("node %d: dropped a bad message from a worker: %s", self.node, e)
+                    continue
+                if isinstance(message, SpareReady):
+                    spare = self._spares.get(message.pid)
+                    if spare is None:
+                        return  # not ours, or already let go: closing the line ends it
+                    spare.writer = writer
+                    spare.ready_t = message.t
+                    log.info("node %d: spare pid %d is warm", self.node, message.pid)
                     continue
                 if isinstance(message, Hello):
                     worker = self._by_pid.get(message.pid)

@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from undying.cli.client import api_post
+from undying.cli.client import api_get, api_post
 from undying.demo import TRAIN_SCRIPT
 from undying.errors import UsageError
 from undying.jobdir import JobDir
@@ -49,10 +49,14 @@ class FaultPlan:
     description: str = ""
 
 
+# at_step counts from the step the job is at once it runs with a warm spare.
 FAULTS: dict[str, FaultPlan] = {
-    "crash": FaultPlan("crash", rank=2, at_step=12, phase="backward",
-                       description="SIGKILL of rank 2 during step 12's gradient all-reduce"),
+    "crash": FaultPlan("crash", rank=2, at_step=10, phase="backward",
+                       description="SIGKILL of rank 2 during a step's gradient all-reduce"),
 }
+
+# The seeded job: 4 ranks, 128 steps an epoch.
+JOB_ARGS = ["--samples", "8192"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--fault", default="crash", help=f"the fault to inject: {', '.join(FAULTS)} (default crash)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    p.add_argument("--epochs", type=int, default=3, help="epochs of the seeded job (16 steps each; default 3)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs of the seeded job (128 steps each; default 3)")
     p.add_argument("--keep", action="store_true", help="keep the two job dirs (their paths are printed)")
     p.set_defaults(func=run)
 
@@ -73,8 +77,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault: FaultPlan | None = None,
             faults: Sequence[FaultPlan] = (), timeout_s: float = 120.0,
             extra_run_args: list[str] | None = None, log_file: Path | None = None,
-            script: Path = TRAIN_SCRIPT) -> int:
-    """Run ``undying run`` on the demo script to its end; arm the faults once the manager is up."""
+            script: Path = TRAIN_SCRIPT, when_warm: bool = False) -> int:
+    """Run ``undying run`` on the demo script to its end; arm the faults once the manager is up.
+
+    With ``when_warm`` the faults wait until the job runs with a warm spare, and
+    their ``at_step`` counts from the step the job is at then.
+    """
     planned = [*([fault] if fault is not None else []), *faults]
     argv = [
         sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0",
@@ -86,7 +94,8 @@ def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             if planned:
-                _inject_when_up(JobDir(job_dir), process, planned, deadline=time.monotonic() + timeout_s)
+                _inject_when_up(JobDir(job_dir), process, planned, deadline=time.monotonic() + timeout_s,
+                                when_warm=when_warm)
             return process.wait(timeout=timeout_s)
         except BaseException:
             process.kill()
@@ -95,15 +104,22 @@ def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault:
 
 
 def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: list[FaultPlan],
-                    deadline: float) -> None:
+                    deadline: float, when_warm: bool) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the job exited ({process.returncode}) before the fault could be injected")
         info = job_dir.read_manager()
         if info is not None:
+            offset = 0
+            if when_warm:
+                status = api_get(info["url"], "/api/status")
+                if status["state"] != "running" or status["spares_ready"] < 1:
+                    time.sleep(0.05)
+                    continue
+                offset = status["step"]
             for fault in faults:
-                api_post(info["url"], "/api/inject",
-                         {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step, "phase": fault.phase})
+                api_post(info["url"], "/api/inject", {"kind": fault.kind, "rank": fault.rank,
+                                                      "at_step": fault.at_step + offset, "phase": fault.phase})
             return
         time.sleep(0.05)
     raise RuntimeError("the job's manager did not come up in time")
@@ -117,14 +133,14 @@ def run(args: argparse.Namespace) -> int:
     fault = FAULTS[args.fault]
     console = Console(stderr=True)
     root = Path(tempfile.mkdtemp(prefix="undying-demo-"))
-    script_args = ["--epochs", str(args.epochs)]
+    script_args = [*JOB_ARGS, "--epochs", str(args.epochs)]
     started = time.monotonic()
     try:
         console.print(f"[bold]undying demo[/bold]: seeded {RANKS}-rank CPU job, fault: {fault.description}")
         console.print("  run 1/2: without the fault ...")
         rc_base = run_job(root / "fault-free", script_args)
         console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
-        rc_fault = run_job(root / "with-fault", script_args, fault=fault)
+        rc_fault = run_job(root / "with-fault", script_args, fault=fault, when_warm=True)
         baseline = load_run(root / "fault-free" / "events.db")
         faulty = load_run(root / "with-fault" / "events.db")
         comparison = compare_runs(baseline, faulty)
@@ -167,6 +183,7 @@ def _incident_view(incident: dict[str, Any]) -> dict[str, Any]:
         "status": incident["status"],
         "mttr_s": incident["mttr_s"],
         "phases": incident["phases"],
+        "replacement": incident["detail"].get("replacement"),
     }
 
 

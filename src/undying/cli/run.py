@@ -39,6 +39,11 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
         help="recoveries allowed for faults at the same step before the job stops; a fault that "
         "repeats at one step is a bug (default 3)",
     )
+    p.add_argument(
+        "--spares", type=int, default=1,
+        help="hot spares per node: processes with Python and torch already loaded that replace a "
+        "dead rank without a cold start; started once the job runs (default 1, 0 for none)",
+    )
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
@@ -90,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         http_port=args.http_port,
         backend=args.backend,
         max_restarts=args.max_restarts,
+        spares=args.spares,
         timeouts=timeouts,
     )
 

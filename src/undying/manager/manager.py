@@ -51,11 +51,15 @@ class AgentHandle(Protocol):
 
     node: int
 
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> int: ...
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> tuple[int, bool]: ...
 
     def kill(self, rank: int, sig: signal.Signals) -> bool: ...
 
     def arm(self, rank: int, fault: ArmFault) -> None: ...
+
+    def keep_spares(self) -> None: ...
+
+    def spares_ready(self) -> int: ...
 
     async def stop_all(self, grace_s: float) -> None: ...
 
@@ -144,6 +148,8 @@ class Manager:
         record = self._open_generation("start")
         for info in self.ranks.values():
             self._spawn(info.rank, record, joining=False)
+        for agent in self._agents.values():
+            agent.keep_spares()
         watchdog = asyncio.create_task(self._watch_recovery())
         flusher = asyncio.create_task(self._flush_periodically())
         try:
@@ -199,18 +205,20 @@ class Manager:
         store = self._gen_stores.pop(old, None)
         del store
 
-    def _spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> None:
+    def _spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> bool:
+        """Give ``rank`` a process; True when it was a warm spare."""
         info = self.ranks[rank]
         agent = self._agents[info.node]
-        pid = agent.spawn(rank, record, joining=joining)
+        pid, warm = agent.spawn(rank, record, joining=joining)
         info.pid = pid
         info.state = RankState.STARTING
         info.generation = record.generation
         info.last_seen = time.time()
         if joining:
             info.restarts += 1
-        self.events.event("spawned", generation=record.generation, rank=rank, pid=pid, joining=joining)
+        self.events.event("spawned", generation=record.generation, rank=rank, pid=pid, joining=joining, spare=warm)
         self._persist_rank(info)
+        return warm
 
     # --- reports from agents --------------------------------------------------
 
@@ -412,7 +420,9 @@ class Manager:
         if decision.action is Action.REPLACE:
             self._recovery.replaced.add(incident.rank)
             self._recovery.ready.pop(incident.rank, None)
-            self._spawn(incident.rank, record, joining=True)
+            warm = self._spawn(incident.rank, record, joining=True)
+            incident.detail["replacement"] = "warm spare" if warm else "new process"
+            self.events.incident(incident)
 
     def _maybe_finish_recovery(self, rank: int, t: float, *, message_generation: int) -> None:
         recovery = self._recovery
@@ -549,6 +559,7 @@ class Manager:
             "started_at": self.started_at,
             "step": min((r.step for r in self.ranks.values()), default=0),
             "rerun_steps": sorted(self.rerun_steps),
+            "spares_ready": sum(a.spares_ready() for a in self._agents.values()),
             "exit_reason": self.exit_reason,
             "ranks": [r.to_dict() for r in self.ranks.values()],
             "incidents": [i.to_dict() for i in self.incidents],

@@ -3,15 +3,28 @@
 ``python -m undying.worker.boot SCRIPT ARGS...`` behaves like ``python SCRIPT
 ARGS...`` except that the process dies with its agent (Linux parent-death
 signal), so a killed launcher never leaves orphans.
+
+``python -m undying.worker.boot --spare SCRIPT ARGS...`` is a hot spare: it
+imports torch, the worker library and the installed packages the script
+imports, tells the agent it is ready, and waits. When the agent assigns it a
+rank it takes that rank's environment and runs the script: a replacement with
+no interpreter start and no torch import on the recovery's critical path.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import ctypes
+import importlib
+import importlib.util
 import os
 import runpy
 import signal
+import socket
 import sys
+import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -26,14 +39,66 @@ def _die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
+def _installed_imports(script: Path) -> list[str]:
+    """Top-level modules the script imports that are installed packages, not the script's own."""
+    try:
+        tree = ast.parse(script.read_text(), str(script))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    local = script.resolve().parent
+    found = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name.split(".")[0])
+        except (ImportError, ValueError):
+            continue
+        origin = spec.origin if spec else None
+        if origin and not Path(origin).resolve().is_relative_to(local):
+            found.append(name)
+    return found
+
+
+def _wait_as_spare(script: Path) -> None:
+    """Import what a worker needs, announce readiness, and block until assigned a rank."""
+    from undying.messages import Assign, SpareReady, decode, encode
+
+    for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
+        with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
+            importlib.import_module(name)
+    host, port = os.environ["UNDYING_AGENT_ADDR"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as channel:
+        channel.settimeout(None)
+        channel.sendall(encode(SpareReady(os.getpid(), time.time())))
+        reader = channel.makefile("rb")
+        line = reader.readline()
+        if not line:
+            os._exit(0)  # the agent let the spare go
+        message = decode(line)
+        if not isinstance(message, Assign):
+            raise RuntimeError(f"a spare expected a rank, got {message!r}")
+        os.environ.update(message.env)
+
+
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.stderr.write("usage: python -m undying.worker.boot SCRIPT [ARGS...]\n")
+    args = sys.argv[1:]
+    spare = bool(args) and args[0] == "--spare"
+    if spare:
+        args = args[1:]
+    if not args:
+        sys.stderr.write("usage: python -m undying.worker.boot [--spare] SCRIPT [ARGS...]\n")
         sys.exit(2)
     parent = int(os.environ.get("UNDYING_AGENT_PID", os.getppid()))
     _die_with_parent(parent)
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+    script = args[0]
+    if spare:
+        _wait_as_spare(Path(script))
+    sys.argv = args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
 
