@@ -25,6 +25,8 @@ def _sample(cls: type[Message]) -> Message:
             values[f.name] = True
         elif kind == "str":
             values[f.name] = f"{f.name} \u2713 \"quoted\"\n"
+        elif kind.startswith("dict[str, str]"):
+            values[f.name] = {"RANK": "3", "UNDYING_JOB_ID": "job \u2713"}
         elif kind.startswith("dict[str, float]"):
             values[f.name] = {"loss": 0.1 + 0.2, "lr": 1e-3}
         elif kind.startswith("dict[str, Any]"):
