@@ -293,11 +293,13 @@ def torchrun_phases(records: list[dict[str, Any]], commits: list[Commit],
 # --- undying ---------------------------------------------------------------------
 
 
-def run_undying(workload: Workload, fault: Fault | None, run_dir: Path, timeout_s: float) -> Run:
+def run_undying(workload: Workload, fault: Fault | None, run_dir: Path, timeout_s: float,
+                spares: int = 1) -> Run:
     run_dir.mkdir(parents=True)
     job_dir = run_dir / "job"
     argv = [sys.executable, "-m", "undying", "run", "-n", str(RANKS), "--port", "0",
             "--job-dir", str(job_dir), "--job-id", run_dir.name, "--stop-grace", "3",
+            "--spares", str(spares),
             str(TRAIN_SCRIPT), *workload.script_args()]
     events_db = job_dir / "events.db"
     started = time.monotonic()
@@ -326,7 +328,8 @@ def run_undying(workload: Workload, fault: Fault | None, run_dir: Path, timeout_
         run.fault_t = incident["fault_t"]
         run.phases = dict(incident["phases"])
         run.extra.update(mttr_s=incident["mttr_s"], action=incident["action"],
-                         status=incident["status"], incidents=len(job["incidents"]))
+                         status=incident["status"], incidents=len(job["incidents"]),
+                         replacement=incident["detail"].get("replacement"))
     return run
 
 
@@ -494,7 +497,7 @@ def run_repeat(index: int, args: argparse.Namespace, workload: Workload, fault: 
             if system == "torchrun":
                 run = run_torchrun(workload, plan, run_dir, args.checkpoint_every, args.run_timeout)
             else:
-                run = run_undying(workload, plan, run_dir, args.run_timeout)
+                run = run_undying(workload, plan, run_dir, args.run_timeout, args.spares)
             print(f"rc {run.rc}, {run.wall_s:.1f}s", file=progress, flush=True)
             runs[system][label] = run
     result = {s: {label: run_metrics(run, fault, args.warmup) for label, run in by_label.items()}
@@ -583,6 +586,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=26, help="SIGKILL at the start of this step")
     p.add_argument("--kill-rank", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's checkpoint period")
+    p.add_argument("--spares", type=int, default=1, help="undying's hot spares per node")
     p.add_argument("--warmup", type=int, default=5, help="steps of each generation not timed")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one run")
     p.add_argument("--json", action="store_true",

@@ -114,3 +114,22 @@ def test_a_bug_is_not_a_fault(tmp_path: Path) -> None:
     assert "ValueError: a bug in the training script at step 5" in errors[-1]["traceback"]
     log = (tmp_path / "job.log").read_text()
     assert "FAILED" in log and "--max-restarts 2" in log and "ValueError" in log
+
+
+def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        script = tmp_path / "train.py"
+        script.write_text("print('never runs')\n")
+        cli = subprocess.run(
+            [sys.executable, "-m", "undying", "run", "-n", "2", "--port", str(port), "--job-dir",
+             str(tmp_path / "job"), str(script)],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert cli.returncode == 2
+    assert f"port {port} is in use" in cli.stderr and "--port" in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr

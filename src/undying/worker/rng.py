@@ -27,9 +27,15 @@ def derived_seed(seed: int, rank: int, purpose: str, number: int) -> int:
 
 
 def reseed(seed: int, rank: int, purpose: str, number: int) -> None:
-    """Seed torch (every device), Python's ``random`` and NumPy if it is loaded."""
+    """Seed torch (CPU, and CUDA once in use), Python's ``random`` and NumPy if it is loaded.
+
+    Not ``torch.manual_seed``: before CUDA is initialized it queues a lazy call
+    and captures a stack trace every time, a few percent of a small step.
+    """
     value = derived_seed(seed, rank, purpose, number)
-    torch.manual_seed(value)
+    torch.default_generator.manual_seed(value)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(value)
     random.seed(value)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
