@@ -51,7 +51,13 @@ from undying.worker.group import (
     join_generation,
     leave_group,
 )
-from undying.worker.restore import RankStatus, plan_restore, recv_state, send_state
+from undying.worker.restore import (
+    RankStatus,
+    exchange_statuses,
+    plan_restore,
+    recv_state,
+    send_state,
+)
 from undying.worker.state import State
 
 __all__ = ["init", "Job", "Step"]
@@ -317,9 +323,7 @@ class Job:
             joined = False
             self._send(Progress(self.rank, self.generation, "group_rebuilt", time.time()))
             try:
-                statuses: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(statuses, status)
-                plan = plan_restore(statuses)
+                plan = plan_restore(exchange_statuses(status))
                 if self.rank == plan.donor and plan.receivers:
                     assert state is not None
                     send_state(state.state_dict(), plan.receivers)

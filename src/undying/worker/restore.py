@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from undying.errors import NoStateSourceError, RecoveryError
 
-__all__ = ["RankStatus", "RestorePlan", "plan_restore", "send_state", "recv_state"]
+__all__ = [
+    "RankStatus", "RestorePlan", "exchange_statuses", "plan_restore", "send_state", "recv_state",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,18 @@ class RestorePlan:
     target: int
     donor: int
     receivers: tuple[int, ...]
+
+
+def exchange_statuses(status: RankStatus) -> list[RankStatus]:
+    """Every member's status, gathered over the default group (plain tensors, no pickling)."""
+    mine = torch.tensor([status.rank, status.committed, int(status.clean), int(status.has_state)],
+                        dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [
+        RankStatus(rank=int(t[0]), committed=int(t[1]), clean=bool(t[2]), has_state=bool(t[3]))
+        for t in gathered
+    ]
 
 
 def plan_restore(statuses: list[RankStatus]) -> RestorePlan:
