@@ -74,3 +74,12 @@ def test_a_warm_spare_replaces_the_dead_rank(oracle: Oracle, tmp_path: Path) -> 
     spawned = [e for e in outcome.events("spawned") if e["joining"]]
     assert [e["spare"] for e in spawned] == [True]
     assert incident["phases"]["replacement_ready"] < 1.5
+
+
+def test_recovery_needs_no_numpy(oracle: Oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch does not install NumPy; a fresh environment must recover without it."""
+    hidden = tmp_path / "no-numpy" / "numpy"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError('NumPy is hidden by this test', name='numpy')\n")
+    monkeypatch.setenv("PYTHONPATH", str(hidden.parent))
+    oracle.assert_survives(tmp_path / "job", [crash(3, 7, "backward")])
