@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import urllib.error
 import urllib.request
@@ -11,7 +12,14 @@ from typing import Any
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobdir import JobDir
 
-__all__ = ["resolve_job_dir", "manager_url", "api_get", "api_post"]
+__all__ = ["add_job_arguments", "resolve_job_dir", "manager_url", "api_get", "api_post"]
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """--job-dir or --manager: how a command finds its job."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
+    where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
 
 
 def resolve_job_dir(job_dir: str | None) -> JobDir:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from undying.cli.client import api_post, manager_url
+from undying.cli.client import add_job_arguments, api_post, manager_url
 from undying.errors import UsageError
 from undying.manager.manager import INJECT_KINDS
 from undying.messages import INJECT_PHASES
@@ -29,9 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="where in the step: step (its start, the default with --at-step), forward, "
         "backward (during the gradient all-reduce), optimizer, recovery",
     )
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
-    where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
+    add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=run)
 

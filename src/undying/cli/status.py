@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from undying.cli.client import api_get, manager_url, resolve_job_dir
+from undying.cli.client import add_job_arguments, api_get, manager_url, resolve_job_dir
 from undying.errors import JobNotRunningError
 from undying.manager.events import read_job
 
@@ -25,9 +25,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Show a job's state, generation, ranks (step, PID) and every incident with its "
         "recovery timeline. Reads the running manager's API, or the job's SQLite log once it ended.",
     )
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
-    where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
+    add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
