@@ -19,11 +19,15 @@ from undying.cli.demo import FaultPlan, run_job
 from undying.manager.events import connect_readonly, read_job
 from undying.oracle import Comparison, RunRecord, compare_runs, load_run
 
-__all__ = ["Oracle", "Outcome", "crash"]
+__all__ = ["Oracle", "Outcome", "crash", "comm_error"]
 
 
 def crash(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
     return FaultPlan(kind="crash", rank=rank, at_step=at_step, phase=phase)
+
+
+def comm_error(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
+    return FaultPlan(kind="comm-error", rank=rank, at_step=at_step, phase=phase)
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,10 @@ class Oracle:
         assert outcome.returncode == 0, f"the run with faults exited {outcome.returncode}\n{log_tail}"
         assert outcome.comparison.identical, f"{outcome.comparison.reasons}\n{log_tail}"
         assert outcome.comparison.lost_steps == 0
-        crashes = [i for i in outcome.incidents if i["kind"] == "crash"]
-        assert len(crashes) >= len(faults), f"expected {len(faults)} crash incidents, got {outcome.incidents}"
+        for fault in faults:
+            assert any(i["kind"] == fault.kind and i["rank"] == fault.rank for i in outcome.incidents), (
+                f"no {fault.kind} incident of rank {fault.rank}: {outcome.incidents}"
+            )
         for incident in outcome.incidents:
             assert incident["status"] == "recovered", incident
         injected = {(e["rank"], e["step"], e["phase"]) for e in outcome.events("fault_injected")}

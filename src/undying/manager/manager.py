@@ -43,7 +43,9 @@ __all__ = ["Manager", "AgentHandle", "INJECT_KINDS"]
 
 log = logging.getLogger("undying.manager")
 
-INJECT_KINDS = ("crash",)
+# crash: SIGKILL of the rank's process. comm-error: the rank breaks its
+# process group's connections, so a real collective fails while every process lives.
+INJECT_KINDS = ("crash", "comm-error")
 
 
 class AgentHandle(Protocol):
@@ -345,14 +347,21 @@ class Manager:
         await asyncio.sleep(self.config.timeouts.comm_error_grace)
         if self.generation != message.generation or self.state not in (JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):
             return
+        # An injected link fault names its rank and time; otherwise the first to report.
+        injected = [(t, r) for r, (t, kind) in self._injected.items() if kind == "comm-error"]
+        rank, fault_t = message.rank, message.t
+        if injected:
+            fault_t, rank = min(injected)
+            del self._injected[rank]
         incident = self._new_incident(
             kind="comm-error",
-            rank=message.rank,
+            rank=rank,
             step=message.step,
-            fault_t=message.t,
+            fault_t=fault_t,
             detected_t=time.time(),
             error=message.error,
         )
+        incident.detail["injected"] = bool(injected)
         self._handle(incident)
 
     # --- decisions ------------------------------------------------------------
@@ -536,7 +545,7 @@ class Manager:
             raise UsageError(f"job {self.config.job_id} is {self.state.value}; nothing to inject into")
         info = self.ranks[rank]
         agent = self._agents[info.node]
-        if at_step is None and phase is None:
+        if at_step is None and phase is None and kind == "crash":
             t = time.time()
             if not agent.kill(rank, signal.SIGKILL):
                 raise UsageError(f"rank {rank} has no running process right now; try again in a moment")

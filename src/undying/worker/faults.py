@@ -11,20 +11,25 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from undying.messages import ArmFault, FaultInjected, Message
 
-__all__ = ["FaultSwitch", "FAULT_SIGNALS"]
+__all__ = ["FaultSwitch", "crash_self"]
 
-# What each fault kind does to the process.
-FAULT_SIGNALS: dict[str, signal.Signals] = {"crash": signal.SIGKILL}
+
+def crash_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FaultSwitch:
-    def __init__(self, rank: int, report: Callable[[Message], None]) -> None:
+    """``actions`` says what each fault kind does: crash (SIGKILL), comm-error (break links)."""
+
+    def __init__(self, rank: int, report: Callable[[Message], None],
+                 actions: Mapping[str, Callable[[], object]]) -> None:
         self._rank = rank
         self._report = report
+        self._actions = actions
         self._armed: ArmFault | None = None
         self._lock = threading.Lock()
 
@@ -43,4 +48,4 @@ class FaultSwitch:
                 return
             self._armed = None
         self._report(FaultInjected(self._rank, armed.kind, step, phase, time.time()))
-        os.kill(os.getpid(), FAULT_SIGNALS[armed.kind])
+        self._actions[armed.kind]()

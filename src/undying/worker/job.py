@@ -44,8 +44,9 @@ from undying.worker.channel import AgentChannel
 from undying.worker.data import DataCursor
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
-from undying.worker.faults import FaultSwitch
+from undying.worker.faults import FaultSwitch, crash_self
 from undying.worker.group import (
+    break_connections,
     claim_existing_sockets,
     is_comm_failure,
     join_generation,
@@ -170,7 +171,9 @@ class Job:
         self.local_rank = env.local_rank
         self.world_size = env.world_size
         self.generation = env.generation
-        self._faults = FaultSwitch(self.rank, self._send)
+        self._faults = FaultSwitch(
+            self.rank, self._send, {"crash": crash_self, "comm-error": break_connections}
+        )
         self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
         self._control = dist.TCPStore(
             env.control_host,
@@ -381,7 +384,7 @@ class Job:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.generation = 0
-        self._faults = FaultSwitch(self.rank, lambda message: None)
+        self._faults = FaultSwitch(self.rank, lambda message: None, {})
 
     # --- agent channel ------------------------------------------------------
 
