@@ -19,11 +19,15 @@ from undying.cli.demo import FaultPlan, run_job
 from undying.manager.events import connect_readonly, read_job
 from undying.oracle import Comparison, RunRecord, compare_runs, load_run
 
-__all__ = ["Oracle", "Outcome", "crash", "comm_error"]
+__all__ = ["Oracle", "Outcome", "crash", "hang", "comm_error"]
 
 
 def crash(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
     return FaultPlan(kind="crash", rank=rank, at_step=at_step, phase=phase)
+
+
+def hang(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
+    return FaultPlan(kind="hang", rank=rank, at_step=at_step, phase=phase)
 
 
 def comm_error(rank: int, at_step: int, phase: str = "step") -> FaultPlan:

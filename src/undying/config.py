@@ -37,6 +37,11 @@ class Timeouts:
     comm_error_grace: float = 1.0
     # Graceful stop: SIGTERM, then SIGKILL after this.
     stop_grace: float = 10.0
+    # A started rank that sends no heartbeat for this long is hung (stopped,
+    # or stuck with the interpreter locked): it is killed and replaced.
+    heartbeat: float = 30.0
+    # From spawning a rank to its first word (the script's imports run meanwhile).
+    init: float = 600.0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

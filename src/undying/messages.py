@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 __all__ = [
     "Message",
     "Hello",
+    "Heartbeat",
     "StepCommitted",
     "Progress",
     "CommFailure",
@@ -67,6 +68,14 @@ class Hello(Message):
     pid: int
     generation: int
     joining: bool
+    t: float
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Sent by a worker thread every few seconds: the process is alive and scheduled."""
+
+    rank: int
     t: float
 
 

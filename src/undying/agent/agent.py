@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from undying.config import ENV_PREFIX, JobConfig
-from undying.messages import ArmFault, Assign, Hello, Message, SpareReady, decode, encode
+from undying.messages import ArmFault, Assign, Heartbeat, Hello, Message, SpareReady, decode, encode
 from undying.rendezvous import GenerationRecord
 
 __all__ = ["Agent", "ManagerLink"]
@@ -35,6 +35,8 @@ class ManagerLink(Protocol):
 
     def on_message(self, message: Message) -> None: ...
 
+    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
+
 
 @dataclass
 class _Worker:
@@ -42,6 +44,9 @@ class _Worker:
     process: _PopenProcess
     writer: asyncio.StreamWriter | None = None
     pending: list[Message] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    last_seen: float = 0.0  # the last message of any kind; 0 before the first
+    hang_reported: bool = False
 
 
     @property
@@ -88,6 +93,33 @@ class Agent:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
+        task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_heartbeats(self) -> None:
+        """A rank silent past its timeout is hung; the manager is told once per process.
+
+        Heartbeats stay here: the manager hears of hangs, not of every beat, so
+        its load grows with nodes rather than ranks.
+        """
+        timeouts = self.config.timeouts
+        while True:
+            await asyncio.sleep(min(0.2, timeouts.heartbeat / 5))
+            now = time.time()
+            for worker in list(self._workers.values()):
+                if worker.hang_reported or worker.process.returncode is not None or self._stopping:
+                    continue
+                if worker.last_seen:
+                    phase, silent, limit = "heartbeat", now - worker.last_seen, timeouts.heartbeat
+                else:
+                    phase, silent, limit = "init", now - worker.started, timeouts.init
+                if silent > limit:
+                    worker.hang_reported = True
+                    log.warning("node %d: rank %d (pid %d) silent for %.1fs (%s timeout %.1fs)",
+                                self.node, worker.rank, worker.pid, silent, phase, limit)
+                    self._manager.on_hang(worker.rank, worker.pid, phase,
+                                          worker.last_seen or worker.started, now)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -159,7 +191,7 @@ class Agent:
             self.keep_spares()
         else:
             process = self._start_process({**self._base_environment(), **rank_env}, spare=False)
-        worker = _Worker(rank=rank, process=process)
+        worker = _Worker(rank=rank, process=process, started=time.time())
         old = self._workers.get(rank)
         if old is not None:
             self._by_pid.pop(old.pid, None)
@@ -228,6 +260,7 @@ class Agent:
         live = [w.process for w in self._workers.values() if w.process.returncode is None]
         for process in live:
             _signal_group(process.pid, signal.SIGTERM)
+            _signal_group(process.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         deadline = time.monotonic() + grace_s
         for process in live:
             remaining = max(0.0, deadline - time.monotonic())
@@ -272,6 +305,10 @@ class Agent:
                         for pending in worker.pending:
                             writer.write(encode(pending))
                         worker.pending.clear()
+                if worker is not None:
+                    worker.last_seen = time.time()
+                if isinstance(message, Heartbeat):
+                    continue
                 self._manager.on_message(message)
         except (ConnectionError, asyncio.IncompleteReadError):
             return

@@ -47,6 +47,7 @@ class FaultPlan:
     at_step: int
     phase: str
     description: str = ""
+    run_args: tuple[str, ...] = ()  # what `undying run` needs for this fault
 
 
 # at_step counts from the step the job is at once it runs with a warm spare.
@@ -55,6 +56,9 @@ FAULTS: dict[str, FaultPlan] = {
                        description="SIGKILL of rank 2 during a step's gradient all-reduce"),
     "comm-error": FaultPlan("comm-error", rank=1, at_step=10, phase="backward",
                             description="rank 1's connections broken during a step's gradient all-reduce"),
+    "hang": FaultPlan("hang", rank=3, at_step=10, phase="forward",
+                      description="SIGSTOP of rank 3 in a step's forward pass (heartbeat timeout 3 s)",
+                      run_args=("--heartbeat-timeout", "3")),
 }
 
 # The seeded job: 4 ranks, 128 steps an epoch.
@@ -142,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         console.print("  run 1/2: without the fault ...")
         rc_base = run_job(root / "fault-free", script_args)
         console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
-        rc_fault = run_job(root / "with-fault", script_args, fault=fault, when_warm=True)
+        rc_fault = run_job(root / "with-fault", script_args, fault=fault, when_warm=True,
+                           extra_run_args=list(fault.run_args))
         baseline = load_run(root / "fault-free" / "events.db")
         faulty = load_run(root / "with-fault" / "events.db")
         comparison = compare_runs(baseline, faulty)

@@ -20,13 +20,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="inject a real fault into a running job",
         description="Inject a real fault into a rank of a running job: now, or when it reaches "
         "--at-step (optionally at --phase of that step). `crash` sends SIGKILL to the rank's "
-        "process; `comm-error` makes the rank shut down its process group's connections, so its "
+        "process; `hang` sends SIGSTOP; `comm-error` makes the rank shut down its process group's connections, so its "
         "next collective fails on every rank while all processes live (a comm-error without "
         "--at-step happens at the rank's next step).",
     )
     p.add_argument("kind", choices=INJECT_KINDS,
-                   help="the fault: crash (SIGKILL of the rank's process) or comm-error (the rank "
-                   "breaks its process group's connections, so a real collective fails)")
+                   help="the fault: crash (SIGKILL of the rank's process), hang (SIGSTOP of it: "
+                   "found by its missing heartbeats, then killed and replaced) or comm-error (the "
+                   "rank breaks its process group's connections, so a real collective fails)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
     p.add_argument(

@@ -61,6 +61,11 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
                    help=f"a recovery's deadline to its first step before the job fails (default {_DEFAULTS.recovery:.0f})")
     t.add_argument("--comm-error-grace", type=float, default=_DEFAULTS.comm_error_grace,
                    help=f"wait for a process exit before calling a collective error transient (default {_DEFAULTS.comm_error_grace:g})")
+    t.add_argument("--heartbeat-timeout", type=float, default=_DEFAULTS.heartbeat,
+                   help=f"a rank silent this long (stopped, or stuck holding the interpreter) is "
+                   f"hung: killed and replaced (default {_DEFAULTS.heartbeat:.0f})")
+    t.add_argument("--init-timeout", type=float, default=_DEFAULTS.init,
+                   help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
     t.add_argument("--stop-grace", type=float, default=_DEFAULTS.stop_grace,
                    help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
     p.add_argument("script", help="the training script")
@@ -84,6 +89,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         recovery=args.recovery_timeout,
         comm_error_grace=args.comm_error_grace,
         stop_grace=args.stop_grace,
+        heartbeat=args.heartbeat_timeout,
+        init=args.init_timeout,
     )
     return JobConfig(
         job_id=job_id,

@@ -45,7 +45,9 @@ log = logging.getLogger("undying.manager")
 
 # crash: SIGKILL of the rank's process. comm-error: the rank breaks its
 # process group's connections, so a real collective fails while every process lives.
-INJECT_KINDS = ("crash", "comm-error")
+# hang: SIGSTOP of the rank's process (found by its missing heartbeats).
+INJECT_KINDS = ("crash", "hang", "comm-error")
+_INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
 class AgentHandle(Protocol):
@@ -102,6 +104,7 @@ class Manager:
         self._recovery: Recovery | None = None
         self._recovery_count = 0
         self._injected: dict[int, tuple[float, str]] = {}
+        self._hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
         self._fatal: dict[int, Fatal] = {}
         self._finished = asyncio.Event()
         self._finished_ranks: set[int] = set()
@@ -247,14 +250,20 @@ class Manager:
             return
         fatal = self._fatal.pop(pid, None)
         injected = self._injected.pop(rank, None)
-        kind = "error" if fatal is not None else "crash"
+        hung = self._hung.pop(pid, None)
+        kind = "hang" if hung else "error" if fatal is not None else "crash"
+        if hung:
+            last_heard, detected, phase = hung
+            error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
+        else:
+            detected, error = t, fatal.error if fatal else _describe_exit(returncode)
         incident = self._new_incident(
             kind=kind,
             rank=rank,
             step=info.step + 1,
-            fault_t=injected[0] if injected else t,
-            detected_t=t,
-            error=fatal.error if fatal else _describe_exit(returncode),
+            fault_t=injected[0] if injected else hung[0] if hung else t,
+            detected_t=detected,
+            error=error,
             traceback=fatal.traceback if fatal else "",
         )
         incident.detail["returncode"] = returncode
@@ -289,6 +298,18 @@ class Manager:
             self._maybe_finish_recovery(message.rank, message.t, message_generation=self.generation)
         else:
             log.warning("unexpected message %r", message)
+
+    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
+        """A rank fell silent: kill it; its exit is then recovered as a hang (replace)."""
+        info = self.ranks[rank]
+        if pid != info.pid or self.state is JobState.STOPPING or self.state.terminal:
+            return
+        if info.state is RankState.DONE:
+            return  # finished its steps; a slow interpreter shutdown is not a hang
+        self._hung[pid] = (last_seen, t, phase)
+        self.events.event("hang_detected", generation=self.generation, rank=rank, pid=pid, phase=phase,
+                          silent_s=round(t - last_seen, 3))
+        self._agents[info.node].kill(rank, signal.SIGKILL)
 
     def _on_hello(self, message: Hello) -> None:
         self.events.event("joined", generation=message.generation, rank=message.rank, pid=message.pid, joining=message.joining)
@@ -545,9 +566,9 @@ class Manager:
             raise UsageError(f"job {self.config.job_id} is {self.state.value}; nothing to inject into")
         info = self.ranks[rank]
         agent = self._agents[info.node]
-        if at_step is None and phase is None and kind == "crash":
+        if at_step is None and phase is None and kind in _INJECT_SIGNALS:
             t = time.time()
-            if not agent.kill(rank, signal.SIGKILL):
+            if not agent.kill(rank, _INJECT_SIGNALS[kind]):
                 raise UsageError(f"rank {rank} has no running process right now; try again in a moment")
             self._injected[rank] = (t, kind)
             self.events.event("fault_injected", rank=rank, kind=kind, pid=info.pid, phase="now")

@@ -15,11 +15,16 @@ from collections.abc import Callable, Mapping
 
 from undying.messages import ArmFault, FaultInjected, Message
 
-__all__ = ["FaultSwitch", "crash_self"]
+__all__ = ["FaultSwitch", "crash_self", "stop_self"]
 
 
 def crash_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_self() -> None:
+    """A hang: SIGSTOP, the whole process, heartbeat thread included."""
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class FaultSwitch:

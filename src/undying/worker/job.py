@@ -33,6 +33,7 @@ from undying.messages import (
     CommFailure,
     Done,
     Fatal,
+    Heartbeat,
     Hello,
     Message,
     Progress,
@@ -44,7 +45,7 @@ from undying.worker.channel import AgentChannel
 from undying.worker.data import DataCursor
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
-from undying.worker.faults import FaultSwitch, crash_self
+from undying.worker.faults import FaultSwitch, crash_self, stop_self
 from undying.worker.group import (
     break_connections,
     claim_existing_sockets,
@@ -172,7 +173,8 @@ class Job:
         self.world_size = env.world_size
         self.generation = env.generation
         self._faults = FaultSwitch(
-            self.rank, self._send, {"crash": crash_self, "comm-error": break_connections}
+            self.rank, self._send,
+            {"crash": crash_self, "hang": stop_self, "comm-error": break_connections},
         )
         self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
         self._control = dist.TCPStore(
@@ -183,6 +185,7 @@ class Job:
             timeout=timedelta(seconds=env.timeouts.rendezvous),
         )
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
+        threading.Thread(target=self._beat, name="undying-heartbeat", daemon=True).start()
         if env.joining:
             _prewarm_imports()
             # A script that built its own group joined this generation already.
@@ -387,6 +390,14 @@ class Job:
         self._faults = FaultSwitch(self.rank, lambda message: None, {})
 
     # --- agent channel ------------------------------------------------------
+
+    def _beat(self) -> None:
+        """Heartbeats: stop when the process is stopped or its interpreter is stuck."""
+        assert self.env is not None
+        interval = min(5.0, max(0.05, self.env.timeouts.heartbeat / 5))
+        while True:
+            time.sleep(interval)
+            self._send(Heartbeat(self.rank, time.time()))
 
     def _send(self, message: Message) -> None:
         if self.managed:
