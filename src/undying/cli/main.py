@@ -7,7 +7,7 @@ import logging
 import sys
 
 from undying import __version__
-from undying.cli import demo, inject, run, status
+from undying.cli import chaos, demo, inject, run, status
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(sub)
     inject.add_parser(sub)
     demo.add_parser(sub)
+    chaos.add_parser(sub)
     return parser
 
 
