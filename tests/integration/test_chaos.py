@@ -11,7 +11,7 @@ from tests.integration.jobs import manager_url, start_job, wait_running
 from tests.oracle import Oracle
 from undying.oracle import compare_runs, load_run
 
-ARGS = ["--epochs", "24", "--samples", "4096"]
+ARGS = ["--epochs", "48", "--samples", "4096"]
 
 
 def test_chaos_faults_are_all_recovered_with_identical_losses(
@@ -23,13 +23,16 @@ def test_chaos_faults_are_all_recovered_with_identical_losses(
                          run_args=["--spares", "1", "--heartbeat-timeout", "2"])
     wait_running(manager_url(job_dir), min_step=50)
     chaos = subprocess.run(
-        [sys.executable, "-m", "undying", "chaos", "--every", "2", "--count", "3", "--seed", "7",
+        [sys.executable, "-m", "undying", "chaos", "--every", "4.5", "--count", "3", "--seed", "8",
          "--kinds", "crash,hang,comm-error", "--json", "--job-dir", str(job_dir)],
         capture_output=True, text=True, timeout=120,
     )
     assert chaos.returncode == 0, chaos.stderr
     faults = [json.loads(line) for line in chaos.stdout.splitlines()]
     assert len(faults) == 3, chaos.stdout + chaos.stderr
+    # Seed 8 draws one of each kind; 2.25-6.75 s apart, each fault is found (hangs after the
+    # 2 s heartbeat timeout) and recovered before the next, so none absorbs another.
+    assert {f["kind"] for f in faults} <= {"crash", "hang", "comm-error"}
     assert launcher.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
     run = load_run(job_dir / "events.db")
     comparison = compare_runs(baseline, run)

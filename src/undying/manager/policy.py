@@ -59,4 +59,5 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
         )
     if incident.kind == "comm-error":
         return Decision(Action.RETRY, "collective failed with every process alive")
-    return Decision(Action.REPLACE, f"rank {incident.rank} exited; a new process takes its place")
+    what = "stopped answering and was killed" if incident.kind == "hang" else "exited"
+    return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
