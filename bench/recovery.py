@@ -505,6 +505,13 @@ def run_repeat(index: int, args: argparse.Namespace, workload: Workload, fault: 
     undying_runs = runs["undying"]
     result["undying"]["with_fault"]["identical_losses"] = losses_identical(
         undying_runs["fault_free"], undying_runs["with_fault"])
+    if args.spares > 0:  # the same fault with no spare warm: a cold replacement process
+        run_dir = root / f"rep{index}-undying-no-spare-with-fault"
+        print(f"[{index}/{args.repeats}] undying (no spare) with_fault ...", end=" ", file=progress,
+              flush=True)
+        cold = run_undying(workload, fault, run_dir, args.run_timeout, spares=0)
+        print(f"rc {cold.rc}, {cold.wall_s:.1f}s", file=progress, flush=True)
+        result["undying_no_spare"] = {"with_fault": run_metrics(cold, fault, args.warmup)}
     return result
 
 
@@ -516,7 +523,22 @@ def report(args: argparse.Namespace, workload: Workload, fault: Fault,
                 if und["step_ms"] and tr["step_ms"] else None)
     ratio = (und["recovery_s"] / tr["recovery_s"]
              if und["recovery_s"] is not None and tr["recovery_s"] else None)
+    cold = [r["undying_no_spare"]["with_fault"] for r in reps if "undying_no_spare" in r]
+    cold_recovery = median(c.get("recovery_s") for c in cold) if cold else None
+    spares = {
+        "spares": args.spares,
+        "recovery_s_with_spare": und["recovery_s"],
+        "recovery_s_without_spare": _round(cold_recovery),
+        "recovery_s_without_spare_each": [c.get("recovery_s") for c in cold],
+        "phases_without_spare": {
+            p: median(c.get("phases", {}).get(p) for c in cold)
+            for p in (cold[0].get("phases", {}) if cold else {})
+        },
+        "ratio": _round(und["recovery_s"] / cold_recovery, 4)
+        if und["recovery_s"] is not None and cold_recovery else None,
+    }
     return {
+        "spares": spares,
         "workload": {**asdict(workload), "ranks": RANKS, "steps": workload.total_steps,
                      "steps_per_epoch": workload.steps_per_epoch, "kill_rank": fault.rank,
                      "kill_step": fault.step, "checkpoint_every": args.checkpoint_every,
@@ -534,6 +556,14 @@ def report(args: argparse.Namespace, workload: Workload, fault: Fault,
 
 def render(result: dict[str, Any], out: TextIO) -> None:
     w, und, tr = result["workload"], result["undying"], result["torchrun"]
+    sp = result["spares"]
+    if sp["recovery_s_without_spare"] is not None:
+        print(f"\nundying recovery with {sp['spares']} warm spare(s) {_fmt(sp['recovery_s_with_spare'], '{:.2f}')} s, "
+              f"without {_fmt(sp['recovery_s_without_spare'], '{:.2f}')} s "
+              f"(ratio {_fmt(sp['ratio'], '{:.2f}')}; per repetition {sp['recovery_s_without_spare_each']}); "
+              "without, seconds after the kill: "
+              + ", ".join(f"{p} {_fmt(v, '{:.2f}')}" for p, v in sp["phases_without_spare"].items()),
+              file=out)
     print(f"\nworkload: {w['ranks']} ranks (gloo, CPU), MLP {w['features']}->"
           f"{w['hidden']}x{w['layers']}->1, batch {w['batch_size']}/rank, {w['steps']} steps; "
           f"SIGKILL of rank {w['kill_rank']} at the start of step {w['kill_step']}; torchrun "
