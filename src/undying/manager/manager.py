@@ -167,9 +167,7 @@ class Manager:
         return self.state
 
     def close(self) -> None:
-        for store in self._gen_stores.values():
-            del store
-        self._gen_stores.clear()
+        self._gen_stores.clear()  # the last references: their servers stop
         self._control = None
         self.events.close()
 

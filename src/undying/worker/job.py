@@ -162,7 +162,7 @@ class Job:
         self._wrappers: list[GenerationalDDP] = []
         self._stash: tuple[int, dict[str, Any]] | None = None
         self._abort_reason = ""
-        self._attached: State | None = None
+        self._current: Step | None = None
         if env is None:
             self._start_unmanaged()
             return
@@ -261,12 +261,12 @@ class Job:
     # --- the transaction's hooks --------------------------------------------
 
     def _attach(self, state: State) -> None:
-        self._attached = state
+        """Know when the optimizer steps: a step that fails after it leaves the state torn."""
         if state.optimizer is not None:
             state.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        step = getattr(self, "_current", None)
+        step = self._current
         if step is not None and step.outcome is Outcome.PENDING:
             step.optimizer_stepped = True
         if self.managed:
