@@ -64,6 +64,8 @@ class JobConfig:
     http_port: int = 0
     backend: str = "gloo"
     max_restarts: int = 3
+    # In-place retries of a communication error at one step before the rank is replaced.
+    max_retries: int = 3
     # Hot spares per node: processes with torch imported, waiting to replace a rank.
     spares: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -93,6 +95,8 @@ class JobConfig:
                 f"--spares must be between 0 and {max(8, self.nproc_per_node)} (a spare per local rank "
                 f"at most), got {self.spares}"
             )
+        if self.max_retries < 0:
+            raise UsageError(f"--max-retries must be >= 0, got {self.max_retries}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.backend not in ("gloo", "nccl"):

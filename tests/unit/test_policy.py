@@ -34,7 +34,29 @@ def test_a_user_error_is_replaced_the_first_time() -> None:
 
 
 @pytest.mark.parametrize("max_restarts", [1, 2, 3, 5])
-@pytest.mark.parametrize("kind", ["crash", "comm-error", "error"])
+@pytest.mark.parametrize("max_retries", [0, 1, 3])
+def test_a_repeating_comm_error_climbs_the_ladder(max_restarts: int, max_retries: int) -> None:
+    """Retry max_retries times, then replace the rank max_restarts times, then fail."""
+    history: list[Incident] = []
+    actions = []
+    for _ in range(max_retries + max_restarts + 1):
+        current = incident("comm-error")
+        history.append(current)
+        d = decide(current, history, PolicyContext(max_restarts, 3, max_retries))
+        current.action = d.action.value
+        actions.append(d.action)
+    assert actions == [Action.RETRY] * max_retries + [Action.REPLACE] * max_restarts + [Action.FAIL]
+    assert f"--max-restarts {max_restarts}" in d.reason
+
+
+def test_retries_of_other_steps_do_not_use_up_this_steps_retries() -> None:
+    history = [incident("comm-error", step=s, action="retry") for s in (1, 2, 3, 4)]
+    d = decide(incident("comm-error", step=5), history, PolicyContext(3, 3, max_retries=1))
+    assert d.action is Action.RETRY
+
+
+@pytest.mark.parametrize("max_restarts", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind", ["crash", "hang", "error"])
 def test_fails_once_the_same_fault_repeated_max_restarts_times(max_restarts: int, kind: str) -> None:
     history: list[Incident] = []
     for n in range(max_restarts):
@@ -77,10 +99,11 @@ def test_only_recovered_incidents_count(action: str) -> None:
     assert decide(incident(), history, ctx(max_restarts=1)).action is Action.REPLACE
 
 
-def test_retries_and_replacements_both_count() -> None:
+def test_only_replacements_count_toward_max_restarts() -> None:
+    """Retries have their own bound (--max-retries); a restart is a replaced process."""
     history = [incident(action="retry"), incident(action="replace")]
-    assert decide(incident(), history, ctx(max_restarts=3)).action is Action.REPLACE
-    assert decide(incident(), history, ctx(max_restarts=2)).action is Action.FAIL
+    assert decide(incident(), history, ctx(max_restarts=2)).action is Action.REPLACE
+    assert decide(incident(), history, ctx(max_restarts=1)).action is Action.FAIL
 
 
 def test_the_incident_itself_in_the_history_is_not_a_repeat() -> None:

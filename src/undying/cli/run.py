@@ -40,6 +40,11 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
         "repeats at one step is a bug (default 3)",
     )
     p.add_argument(
+        "--max-retries", type=int, default=3,
+        help="in-place retries of a communication error at the same step; then the rank whose "
+        "collective failed is replaced (default 3)",
+    )
+    p.add_argument(
         "--spares", type=int, default=1,
         help="hot spares per node: processes with Python and torch already loaded that replace a "
         "dead rank without a cold start; started once the job runs (default 1, 0 for none)",
@@ -102,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         http_port=args.http_port,
         backend=args.backend,
         max_restarts=args.max_restarts,
+        max_retries=args.max_retries,
         spares=args.spares,
         timeouts=timeouts,
     )

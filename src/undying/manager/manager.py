@@ -23,7 +23,7 @@ import torch.distributed as dist
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog
-from undying.manager.policy import Action, PolicyContext, decide
+from undying.manager.policy import Action, Decision, PolicyContext, decide
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
 from undying.messages import (
     INJECT_PHASES,
@@ -105,6 +105,7 @@ class Manager:
         self._recovery_count = 0
         self._injected: dict[int, tuple[float, str]] = {}
         self._hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
+        self._condemned: dict[int, tuple[Incident, Decision]] = {}  # pid -> what its exit carries on
         self._fatal: dict[int, Fatal] = {}
         self._finished = asyncio.Event()
         self._finished_ranks: set[int] = set()
@@ -246,6 +247,10 @@ class Manager:
             self._persist_rank(info)
             self._maybe_succeeded()
             return
+        condemned = self._condemned.pop(pid, None)
+        if condemned is not None:
+            self._execute(*condemned)
+            return
         fatal = self._fatal.pop(pid, None)
         injected = self._injected.pop(rank, None)
         hung = self._hung.pop(pid, None)
@@ -366,6 +371,8 @@ class Manager:
         await asyncio.sleep(self.config.timeouts.comm_error_grace)
         if self.generation != message.generation or self.state not in (JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):
             return
+        if any(pid for pid, (i, _) in self._condemned.items() if i.step == message.step):
+            return  # already escalated: a rank of this failure is being replaced
         # An injected link fault names its rank and time; otherwise the first to report.
         injected = [(t, r) for r, (t, kind) in self._injected.items() if kind == "comm-error"]
         rank, fault_t = message.rank, message.t
@@ -418,7 +425,8 @@ class Manager:
         decision = decide(
             incident,
             self.incidents,
-            PolicyContext(self.config.max_restarts, self._holders_alive(incident.rank)),
+            PolicyContext(self.config.max_restarts, self._holders_alive(incident.rank),
+                          self.config.max_retries),
         )
         incident.action = decision.action.value
         incident.phases["decided"] = time.time()
@@ -439,6 +447,15 @@ class Manager:
             return
         self.events.incident(incident)
         self._move(JobState.RECOVERING)
+        info = self.ranks[incident.rank]
+        if decision.action is Action.REPLACE and info.state is not RankState.EXITED:
+            # Escalated from retries: the process lives. Kill it; its exit carries on here.
+            self._condemned[info.pid] = (incident, decision)
+            self._agents[info.node].kill(incident.rank, signal.SIGKILL)
+            return
+        self._execute(incident, decision)
+
+    def _execute(self, incident: Incident, decision: Decision) -> None:
         record = self._open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
         assert self._recovery is not None
         self._recovery.generation = record.generation

@@ -26,6 +26,8 @@ class PolicyContext:
     max_restarts: int
     # Ranks whose processes are alive and hold state (not replacements waiting for it).
     holders_alive: int
+    # In-place retries of a communication error at one step before escalating.
+    max_retries: int = 3
 
 
 @dataclass(frozen=True)
@@ -35,29 +37,33 @@ class Decision:
 
 
 def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
-    repeats = sum(
-        1
-        for i in history
-        if i is not incident
-        and i.rank == incident.rank
-        and i.step == incident.step
-        and i.action in (Action.REPLACE.value, Action.RETRY.value)
-    )
-    if repeats >= ctx.max_restarts:
-        what = "raised" if incident.kind == "error" else "failed"
-        return Decision(
-            Action.FAIL,
-            f"rank {incident.rank} {what} at step {incident.step}, which was already recovered "
-            f"{repeats} time(s) at that step (--max-restarts {ctx.max_restarts}); "
-            "a fault that repeats at the same step is a bug, not bad luck",
-        )
+    """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank
+    (up to ``max_restarts`` times for one rank at one step) -> fail with a report."""
     if ctx.holders_alive == 0:
         return Decision(
             Action.FAIL,
             "every rank that held the training state is gone, so there is no peer to restore "
             "from; restart the job",
         )
+    earlier = [i for i in history if i is not incident and i.step == incident.step]
     if incident.kind == "comm-error":
-        return Decision(Action.RETRY, "collective failed with every process alive")
+        retries = sum(1 for i in earlier if i.kind == "comm-error" and i.action == Action.RETRY.value)
+        if retries < ctx.max_retries:
+            return Decision(Action.RETRY, "collective failed with every process alive")
+    replacements = sum(1 for i in earlier if i.rank == incident.rank and i.action == Action.REPLACE.value)
+    if replacements >= ctx.max_restarts:
+        what = "raised" if incident.kind == "error" else "failed"
+        return Decision(
+            Action.FAIL,
+            f"rank {incident.rank} {what} at step {incident.step}, which was already recovered "
+            f"{replacements} time(s) at that step (--max-restarts {ctx.max_restarts}); "
+            "a fault that repeats at the same step is a bug, not bad luck",
+        )
+    if incident.kind == "comm-error":
+        return Decision(
+            Action.REPLACE,
+            f"collective failed at step {incident.step} again after {ctx.max_retries} retries "
+            f"(--max-retries {ctx.max_retries}); rank {incident.rank} is replaced",
+        )
     what = "stopped answering and was killed" if incident.kind == "hang" else "exited"
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")

@@ -35,22 +35,21 @@ class FaultSwitch:
         self._rank = rank
         self._report = report
         self._actions = actions
-        self._armed: ArmFault | None = None
+        self._armed: tuple[ArmFault, ...] = ()
         self._lock = threading.Lock()
 
     def arm(self, fault: ArmFault) -> None:
         with self._lock:
-            self._armed = fault
+            self._armed = (*self._armed, fault)
 
     def check(self, phase: str, step: int) -> None:
-        armed = self._armed
-        if armed is None:
-            return
-        if armed.phase != phase or step < armed.at_step:
+        if not self._armed:
             return
         with self._lock:
-            if self._armed is not armed:
+            due = next((f for f in self._armed if f.phase == phase and step >= f.at_step), None)
+            if due is None:
                 return
-            self._armed = None
+            self._armed = tuple(f for f in self._armed if f is not due)
+        armed = due
         self._report(FaultInjected(self._rank, armed.kind, step, phase, time.time()))
         self._actions[armed.kind]()
