@@ -272,9 +272,6 @@ class Agent:
         for spare in list(self._spares.values()):
             await spare.process.wait()
 
-    def live_pids(self) -> list[int]:
-        workers = [w.pid for w in self._workers.values() if w.process.returncode is None]
-        return workers + [s.pid for s in self._spares.values() if s.process.returncode is None]
 
     # --- the worker channel ---------------------------------------------------
 

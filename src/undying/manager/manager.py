@@ -371,7 +371,7 @@ class Manager:
         await asyncio.sleep(self.config.timeouts.comm_error_grace)
         if self.generation != message.generation or self.state not in (JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):
             return
-        if any(pid for pid, (i, _) in self._condemned.items() if i.step == message.step):
+        if any(i.step == message.step for i, _ in self._condemned.values()):
             return  # already escalated: a rank of this failure is being replaced
         # An injected link fault names its rank and time; otherwise the first to report.
         injected = [(t, r) for r, (t, kind) in self._injected.items() if kind == "comm-error"]
