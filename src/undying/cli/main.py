@@ -7,7 +7,7 @@ import logging
 import sys
 
 from undying import __version__
-from undying.cli import chaos, demo, inject, run, status
+from undying.cli import chaos, checkpoints, demo, inject, run, status
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run.add_parser(sub)
     status.add_parser(sub)
+    checkpoints.add_parser(sub)
     inject.add_parser(sub)
     demo.add_parser(sub)
     chaos.add_parser(sub)

@@ -1,0 +1,88 @@
+"""Persistent checkpoints: atomic, checksummed, discoverable; replicated (DDP) or sharded (DCP).
+
+The storage layer only: the job loop decides when to save (periodic, dying
+gasp) and what to restore; it calls this API. See DESIGN.md §4.
+
+- ``save_replicated`` / ``load_replicated``: one rank writes the whole state.
+- ``save_sharded`` / ``load_sharded``: every rank writes its shard through
+  torch.distributed.checkpoint; a save on N ranks loads on M.
+- ``AsyncCheckpointer``: blocks only for the CPU copy, writes in a thread.
+- ``latest_valid``, ``verify``, ``scan``, ``prune``: discovery and retention.
+- ``measure``, ``recent_dying_gasp``: sizing and reusing a dying gasp.
+"""
+
+from undying.checkpoint.gasp import (
+    Measurement,
+    measure,
+    measure_write_speed,
+    recent_dying_gasp,
+    state_nbytes,
+)
+from undying.checkpoint.manifest import (
+    KINDS,
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    parse_step_dirname,
+    step_dirname,
+)
+from undying.checkpoint.sharded import latest_valid_shared, load_sharded, save_sharded
+from undying.checkpoint.store import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointExistsError,
+    Latest,
+    PendingCheckpoint,
+    Store,
+    latest_valid,
+    prune,
+    scan,
+    verify,
+)
+from undying.checkpoint.writer import (
+    AsyncCheckpointer,
+    CheckpointWriteError,
+    SaveResult,
+    SaveTicket,
+    cpu_copy,
+    load_replicated,
+    save_replicated,
+)
+
+__all__ = [
+    "AsyncCheckpointer",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointWriteError",
+    "FileEntry",
+    "KINDS",
+    "Latest",
+    "MANIFEST_NAME",
+    "Manifest",
+    "ManifestError",
+    "Measurement",
+    "PendingCheckpoint",
+    "SCHEMA_VERSION",
+    "SaveResult",
+    "SaveTicket",
+    "Store",
+    "cpu_copy",
+    "latest_valid",
+    "latest_valid_shared",
+    "load_replicated",
+    "load_sharded",
+    "measure",
+    "measure_write_speed",
+    "parse_step_dirname",
+    "prune",
+    "recent_dying_gasp",
+    "save_replicated",
+    "save_sharded",
+    "scan",
+    "state_nbytes",
+    "step_dirname",
+    "verify",
+]

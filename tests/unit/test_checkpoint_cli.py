@@ -1,0 +1,98 @@
+"""``undying checkpoints list|verify|show`` on real folders, and its answers to bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from undying.checkpoint import save_replicated
+from undying.cli.main import main
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    job_dir = tmp_path / "job"
+    root = job_dir / "checkpoints"
+    save_replicated(root, 10, {"w": torch.ones(100)}, job_id="j", world_size=4)
+    save_replicated(root, 20, {"w": torch.ones(100)}, job_id="j", world_size=4, kind="dying-gasp")
+    return job_dir
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(["checkpoints", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_list(capsys: pytest.CaptureFixture[str], job: Path) -> None:
+    rc, out, _ = run(capsys, "list", "--job-dir", str(job))
+    assert rc == 0
+    assert "dying-gasp" in out and "periodic" in out and "yes" in out
+    rc, out, _ = run(capsys, "list", "--root", str(job / "checkpoints"), "--json")
+    rows = json.loads(out)["checkpoints"]
+    assert [(r["step"], r["kind"], r["world_size"], r["valid"]) for r in rows] == [
+        (10, "periodic", 4, True),
+        (20, "dying-gasp", 4, True),
+    ]
+    assert all(r["bytes"] > 400 and 0 <= r["age_s"] < 60 for r in rows)
+
+
+def test_verify_names_every_problem(capsys: pytest.CaptureFixture[str], job: Path) -> None:
+    rc, out, _ = run(capsys, "verify", "--job-dir", str(job))
+    assert rc == 0 and out.count("ok ") == 2
+    state = job / "checkpoints" / "step-000000020" / "state.pt"
+    size = state.stat().st_size
+    with open(state, "r+b") as f:
+        f.truncate(10)
+    (job / "checkpoints" / "step-000000010" / "manifest.json").unlink()
+    rc, out, _ = run(capsys, "verify", "--job-dir", str(job))
+    assert rc == 1
+    assert f"step-000000020: file state.pt has size 10, manifest says {size}" in out
+    assert "step-000000010: no manifest.json" in out
+    assert "2 of 2 checkpoints invalid" in out
+    rc, out, _ = run(capsys, "verify", "--job-dir", str(job), "--json")
+    assert rc == 1 and json.loads(out)["ok"] is False
+    rc, out, _ = run(capsys, "list", "--job-dir", str(job))
+    assert rc == 0 and "no" in out
+
+
+def test_show(capsys: pytest.CaptureFixture[str], job: Path) -> None:
+    rc, out, _ = run(capsys, "show", "--job-dir", str(job), "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["valid"] and data["manifest"]["step"] == 20
+    assert data["manifest"]["files"][0]["path"] == "state.pt"
+    rc, out, _ = run(capsys, "show", "--job-dir", str(job), "--step", "10")
+    assert rc == 0 and '"kind": "periodic"' in out and "valid" in out.splitlines()[0]
+
+
+def bad(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2, (out, err)
+    assert err.startswith("undying: error: ") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_bad_input(capsys: pytest.CaptureFixture[str], job: Path, tmp_path: Path) -> None:
+    assert "job dir" in bad(capsys, "list", "--job-dir", str(tmp_path / "missing"))
+    empty = tmp_path / "empty-job"
+    empty.mkdir()
+    err = bad(capsys, "list", "--job-dir", str(empty))
+    assert "has no checkpoints folder" in err and "--root" in err
+    assert f"checkpoint root {tmp_path / 'nope'} does not exist" in bad(capsys, "verify", "--root", str(tmp_path / "nope"))
+    assert "nosuchproto://x" in bad(capsys, "list", "--root", "nosuchproto://x")
+    assert "no checkpoint at step 99" in bad(capsys, "show", "--job-dir", str(job), "--step", "99")
+
+
+def test_subprocess_entry_point(job: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "undying", "checkpoints", "verify", "--job-dir", str(job)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ok ") == 2
