@@ -26,8 +26,8 @@ def crash(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
     return FaultPlan(kind="crash", rank=rank, at_step=at_step, phase=phase)
 
 
-def hang(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
-    return FaultPlan(kind="hang", rank=rank, at_step=at_step, phase=phase)
+def hang(rank: int, at_step: int, phase: str = "step", how: str | None = None) -> FaultPlan:
+    return FaultPlan(kind="hang", rank=rank, at_step=at_step, phase=phase, how=how)
 
 
 def comm_error(rank: int, at_step: int, phase: str = "step") -> FaultPlan:

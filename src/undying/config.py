@@ -14,7 +14,7 @@ from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["JobConfig", "ENV_PREFIX", "Timeouts", "timeouts_from_env"]
+__all__ = ["JobConfig", "ENV_PREFIX", "Timeouts", "timeouts_from_env", "step_timeout"]
 
 ENV_PREFIX = "UNDYING_"
 _MAX_TIMEOUT_S = 24 * 3600.0
@@ -40,16 +40,38 @@ class Timeouts:
     # A started rank that sends no heartbeat for this long is hung (stopped,
     # or stuck with the interpreter locked): it is killed and replaced.
     heartbeat: float = 30.0
-    # From spawning a rank to its first word (the script's imports run meanwhile).
+    # From spawning a rank to its first word (the script's imports run meanwhile),
+    # and from then to its first completed step.
     init: float = 600.0
+    # A rank that beats but makes no progress in a step (enters no collective,
+    # completes no step) for this long is stuck. 0: derived from the observed
+    # step time (see ``step_timeout``).
+    step: float = 0.0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "step" and value == 0:
+                continue  # auto
             if not (0 < value <= _MAX_TIMEOUT_S):
                 raise UsageError(
                     f"timeout {f.name} must be > 0 and <= {_MAX_TIMEOUT_S:.0f} seconds, got {value}"
                 )
+
+
+# With --step-timeout auto: the slowest recent step times this, but never
+# less than the floor (a step that needs a minute now and then is not a hang).
+AUTO_STEP_TIMEOUT_FLOOR_S = 30.0
+AUTO_STEP_TIMEOUT_FACTOR = 10.0
+
+
+def step_timeout(configured: float, slowest_recent_step_s: float | None) -> float:
+    """The stall limit in a step: as configured, or derived from observed step times."""
+    if configured > 0:
+        return configured
+    if slowest_recent_step_s is None:
+        return AUTO_STEP_TIMEOUT_FLOOR_S
+    return max(AUTO_STEP_TIMEOUT_FLOOR_S, AUTO_STEP_TIMEOUT_FACTOR * slowest_recent_step_s)
 
 
 @dataclass(frozen=True)

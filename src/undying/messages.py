@@ -24,6 +24,9 @@ __all__ = [
     "Fatal",
     "Done",
     "ArmFault",
+    "Abort",
+    "RankProgress",
+    "WORKER_PHASES",
     "SpareReady",
     "Assign",
     "encode",
@@ -71,12 +74,43 @@ class Hello(Message):
     t: float
 
 
+# What a worker is doing, as its heartbeats say: starting up (imports, the
+# first step), running steps, or rejoining after a fault, or finished.
+WORKER_PHASES = ("init", "step", "recovery", "done")
+
+
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Sent by a worker thread every few seconds: the process is alive and scheduled."""
+    """Sent by a worker thread about once a second: the process is alive, and how far it got.
+
+    ``collectives`` counts the collectives this rank entered in ``generation``
+    (the process group's sequence number); ``progress_t`` is when the worker
+    last saw its (generation, phase, step, collectives) change. A rank alive
+    but stuck keeps beating with an old ``progress_t``; of ranks stuck
+    together the one that entered fewer collectives is the one the others
+    wait for.
+    """
 
     rank: int
     t: float
+    generation: int = -1
+    phase: str = "init"
+    step: int = 0
+    collectives: int = -1
+    progress_t: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankProgress(Message):
+    """One rank's progress as its agent last heard it (agent -> manager, on a stall)."""
+
+    rank: int
+    pid: int
+    generation: int
+    phase: str
+    step: int
+    collectives: int
+    progress_t: float
 
 
 @dataclass(frozen=True)
@@ -161,6 +195,14 @@ class Assign(Message):
     """Turn a hot spare into a rank: its environment, as a fresh worker would get it."""
 
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Leave the current process group now (its collective is stuck): break its connections."""
+
+    generation: int
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,38 @@ def test_a_stopped_rank_is_detected_killed_and_replaced(
 
 def test_a_slow_job_is_not_a_hang(oracle: Oracle, tmp_path: Path) -> None:
     """Every rank slow alike keeps beating: no incident even with steps longer than the timeout."""
-    outcome = oracle.run(tmp_path / "job", ["--epochs", "1", "--samples", "96", "--hidden", "2048",
-                                            "--layers", "12", "--batch-size", "16"], ranks=2,
+    outcome = oracle.run(tmp_path / "job", ["--epochs", "1", "--samples", "96", "--batch-size", "16",
+                                            "--step-seconds", "0.8"], ranks=2,
                          extra_run_args=("--spares", "0", "--heartbeat-timeout", "0.5"))
     assert outcome.returncode == 0
     assert outcome.incidents == [] and outcome.events("hang_detected") == []
     done = {c["step"]: c["t"] for c in job_summary(outcome.job_dir)["steps"]}
     assert max(done[s] - done[s - 1] for s in done if s - 1 in done) > 0.5, "steps outlasted the timeout"
+
+
+STEP_TIMEOUT_S = 2.0
+
+
+@pytest.mark.parametrize(("rank", "step", "phase", "how"), [
+    (1, 7, "forward", "spin"),   # an endless loop while the others wait in the loss all-reduce
+    (2, 8, "backward", "block"),  # a deadlock in backward: the others are stuck in the gradient all-reduce
+    (0, 6, "optimizer", "spin"),  # after the step's collectives: the others wait in the next step's
+])
+def test_a_rank_stuck_while_alive_is_found_by_its_progress_and_replaced(
+    oracle: Oracle, tmp_path: Path, rank: int, step: int, phase: str, how: str
+) -> None:
+    """The process lives and beats; only its progress stops. The rank the others wait for is the one killed."""
+    outcome = oracle.assert_survives(
+        tmp_path / "job", [hang(rank, step, phase, how)],
+        extra_run_args=("--spares", "0", "--step-timeout", str(STEP_TIMEOUT_S)),
+    )
+    (incident,) = outcome.incidents
+    assert incident["kind"] == "hang" and incident["action"] == "replace" and incident["rank"] == rank
+    assert STEP_TIMEOUT_S * 0.5 <= incident["phases"]["detected"] <= STEP_TIMEOUT_S + 1.0, incident["phases"]
+    assert "no progress" in incident["error"], incident["error"]
+    (stall,) = outcome.events("stall_detected")
+    assert stall["culprits"] == [rank], stall
+    (detected,) = outcome.events("hang_detected")
+    assert detected["rank"] == rank and detected["phase"] == "step"
+    killed = [e for e in outcome.events("exited") if e["returncode"] == -9]
+    assert [e["rank"] for e in killed] == [rank], "only the stuck rank is killed; the ones waiting for it live"

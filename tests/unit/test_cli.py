@@ -76,6 +76,8 @@ def test_run_with_a_bad_timeout(capsys: pytest.CaptureFixture[str], script: Path
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--step-timeout", "0"], "must be > 0 seconds (or 'auto')"),
+    (["--step-timeout", "soon"], "expected seconds or 'auto'"),
     (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
     (["--job-id", "a/b"], "--job-id 'a/b'"),
     (["--job-id", ".."], "--job-id '..'"),

@@ -21,6 +21,8 @@ def test_defaults_are_valid() -> None:
 @pytest.mark.parametrize("name", FIELDS)
 @pytest.mark.parametrize("value", [0, 0.0, -1.0, 86400.001, 1e9, float("inf"), float("nan")])
 def test_bad_timeouts_are_rejected_naming_the_field(name: str, value: float) -> None:
+    if name == "step" and value == 0:
+        pytest.skip("a step timeout of 0 means auto (see the test below)")
     with pytest.raises(UsageError, match=rf"timeout {name} must be > 0"):
         Timeouts(**{name: value}).validate()
 
@@ -108,3 +110,18 @@ def test_timeouts_from_env_rejects_non_numbers(raw: str) -> None:
 def test_timeouts_from_env_rejects_out_of_range(raw: str) -> None:
     with pytest.raises(UsageError, match="timeout recovery must be > 0"):
         timeouts_from_env({"UNDYING_TIMEOUT_RECOVERY": raw})
+
+
+def test_the_step_timeout_is_as_configured_or_derived_from_the_slowest_recent_step() -> None:
+    from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S, step_timeout
+
+    assert step_timeout(2.5, 100.0) == 2.5
+    assert step_timeout(0.0, None) == AUTO_STEP_TIMEOUT_FLOOR_S
+    assert step_timeout(0.0, 0.01) == AUTO_STEP_TIMEOUT_FLOOR_S
+    assert step_timeout(0.0, 12.0) == 12.0 * AUTO_STEP_TIMEOUT_FACTOR
+
+
+def test_a_step_timeout_of_zero_means_auto_and_a_negative_one_is_refused() -> None:
+    Timeouts(step=0.0).validate()
+    with pytest.raises(UsageError, match="step"):
+        Timeouts(step=-1.0).validate()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from undying.manager.policy import Action, PolicyContext, decide
+from undying.manager.policy import Action, PolicyContext, decide, stall_culprits
 from undying.manager.state import Incident
+from undying.messages import RankProgress
 
 _ids = iter(range(1, 10**6))
 
@@ -120,3 +121,31 @@ def test_fails_when_no_holder_of_the_state_is_alive(kind: str) -> None:
 
 def test_action_values_are_the_strings_stored_on_incidents() -> None:
     assert {a.value for a in Action} == {"retry", "replace", "fail"}
+
+
+def _progress(rank: int, collectives: int, *, phase: str = "step", generation: int = 2) -> RankProgress:
+    return RankProgress(rank=rank, pid=1000 + rank, generation=generation, phase=phase, step=7,
+                        collectives=collectives, progress_t=100.0)
+
+
+def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
+    assert stall_culprits([_progress(0, 18), _progress(1, 17), _progress(2, 18), _progress(3, 18)]) == [1]
+
+
+def test_every_rank_that_lags_is_a_culprit() -> None:
+    assert stall_culprits([_progress(0, 17), _progress(1, 18), _progress(2, 17)]) == [0, 2]
+
+
+def test_every_rank_inside_the_same_collective_blames_no_rank() -> None:
+    assert stall_culprits([_progress(r, 18) for r in range(4)]) == []
+
+
+def test_ranks_not_running_steps_or_of_an_older_generation_do_not_count() -> None:
+    progress = [_progress(0, 18), _progress(1, 18), _progress(2, 3, phase="recovery"),
+                _progress(3, 1, generation=1)]
+    assert stall_culprits(progress) == []
+
+
+def test_a_job_of_one_rank_blames_that_rank() -> None:
+    assert stall_culprits([_progress(0, 5)]) == [0]
+    assert stall_culprits([_progress(0, 5, phase="init")]) == []

@@ -16,11 +16,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from undying.config import ENV_PREFIX, JobConfig
-from undying.messages import ArmFault, Assign, Heartbeat, Hello, Message, SpareReady, decode, encode
+from undying.config import ENV_PREFIX, JobConfig, step_timeout
+from undying.messages import (
+    Abort,
+    ArmFault,
+    Assign,
+    Heartbeat,
+    Hello,
+    Message,
+    RankProgress,
+    SpareReady,
+    StepCommitted,
+    decode,
+    encode,
+)
 from undying.rendezvous import GenerationRecord
 
 __all__ = ["Agent", "ManagerLink"]
@@ -37,6 +50,8 @@ class ManagerLink(Protocol):
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
 
+    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None: ...
+
 
 @dataclass
 class _Worker:
@@ -47,7 +62,16 @@ class _Worker:
     started: float = field(default_factory=time.time)
     last_seen: float = 0.0  # the last message of any kind; 0 before the first
     hang_reported: bool = False
+    beat: Heartbeat | None = None  # the latest, with the rank's progress
+    stall_reported_t: float = 0.0  # the progress time of the stall last reported
+    last_commit: tuple[int, int, float] = (-1, -1, 0.0)  # generation, step, time
 
+    def progress(self) -> RankProgress:
+        beat = self.beat
+        if beat is None:
+            return RankProgress(self.rank, self.pid, -1, "init", 0, -1, self.started)
+        return RankProgress(self.rank, self.pid, beat.generation, beat.phase, beat.step,
+                            beat.collectives, beat.progress_t)
 
     @property
     def pid(self) -> int:
@@ -89,6 +113,8 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._spares: dict[int, _Spare] = {}
         self._stopping = False
+        # Durations of this node's recent steps: what an automatic step timeout is derived from.
+        self._step_times: deque[float] = deque(maxlen=100)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -97,18 +123,27 @@ class Agent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _watch_heartbeats(self) -> None:
-        """A rank silent past its timeout is hung; the manager is told once per process.
+    def step_timeout(self) -> float:
+        return step_timeout(self.config.timeouts.step, max(self._step_times, default=None))
 
-        Heartbeats stay here: the manager hears of hangs, not of every beat, so
-        its load grows with nodes rather than ranks.
+    async def _watch_heartbeats(self) -> None:
+        """Watch every rank's beats and progress; tell the manager of hangs and stalls.
+
+        A rank silent past its timeout is hung (stopped, or its interpreter
+        stuck); a rank beating without progress past its step timeout is
+        stalled (an endless loop, a deadlock, a collective that never
+        completes). Beats stay here: the manager hears of hangs and stalls, not
+        of every beat, so its load grows with nodes rather than ranks.
         """
         timeouts = self.config.timeouts
         while True:
             await asyncio.sleep(min(0.2, timeouts.heartbeat / 5))
+            if self._stopping:
+                continue
             now = time.time()
+            stalled: list[_Worker] = []
             for worker in list(self._workers.values()):
-                if worker.hang_reported or worker.process.returncode is not None or self._stopping:
+                if worker.hang_reported or worker.process.returncode is not None:
                     continue
                 if worker.last_seen:
                     phase, silent, limit = "heartbeat", now - worker.last_seen, timeouts.heartbeat
@@ -120,6 +155,28 @@ class Agent:
                                 self.node, worker.rank, worker.pid, silent, phase, limit)
                     self._manager.on_hang(worker.rank, worker.pid, phase,
                                           worker.last_seen or worker.started, now)
+                    continue
+                beat = worker.beat
+                if beat is None or beat.progress_t == worker.stall_reported_t:
+                    continue
+                # The beat's own word, not the agent's clock: beats queued behind a busy loop are not a stall.
+                limit = self.step_timeout() if beat.phase == "step" else timeouts.init if beat.phase == "init" else 0
+                if limit and beat.t - beat.progress_t > limit:
+                    stalled.append(worker)
+            if stalled:
+                self._report_stall(stalled, now)
+
+    def _report_stall(self, stalled: list[_Worker], now: float) -> None:
+        """Report every local rank's progress: the manager picks the one the others wait for."""
+        for worker in stalled:
+            assert worker.beat is not None
+            worker.stall_reported_t = worker.beat.progress_t
+            log.warning("node %d: rank %d (pid %d) made no progress for %.1fs in %s of step %d "
+                        "(%d collectives entered)", self.node, worker.rank, worker.pid,
+                        now - worker.beat.progress_t, worker.beat.phase, worker.beat.step,
+                        worker.beat.collectives)
+        live = [w for w in self._workers.values() if w.process.returncode is None and not w.hang_reported]
+        self._manager.on_stall([w.progress() for w in live], self.step_timeout(), now)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -243,6 +300,14 @@ class Agent:
             return False
         return True
 
+    def abort(self, rank: int, generation: int, reason: str) -> bool:
+        """Have ``rank`` leave ``generation`` now: its stuck collective fails, it rejoins."""
+        worker = self._workers.get(rank)
+        if worker is None or worker.writer is None or worker.process.returncode is not None:
+            return False
+        worker.writer.write(encode(Abort(generation, reason)))
+        return True
+
     def arm(self, rank: int, fault: ArmFault) -> None:
         worker = self._workers.get(rank)
         if worker is None:
@@ -305,7 +370,14 @@ class Agent:
                 if worker is not None:
                     worker.last_seen = time.time()
                 if isinstance(message, Heartbeat):
+                    if worker is not None:
+                        worker.beat = message
                     continue
+                if isinstance(message, StepCommitted) and worker is not None:
+                    generation, step, t = worker.last_commit
+                    if (message.generation, message.step) == (generation, step + 1):
+                        self._step_times.append(message.t - t)  # a plain step, no recovery inside
+                    worker.last_commit = (message.generation, message.step, message.t)
                 self._manager.on_message(message)
         except (ConnectionError, asyncio.IncompleteReadError):
             return

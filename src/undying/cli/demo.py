@@ -48,6 +48,7 @@ class FaultPlan:
     phase: str
     description: str = ""
     run_args: tuple[str, ...] = ()  # what `undying run` needs for this fault
+    how: str | None = None  # for hang: stop, spin or block
 
 
 # at_step counts from the step the job is at once it runs with a warm spare.
@@ -125,7 +126,8 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
                 offset = status["step"]
             for fault in faults:
                 api_post(info["url"], "/api/inject", {"kind": fault.kind, "rank": fault.rank,
-                                                      "at_step": fault.at_step + offset, "phase": fault.phase})
+                                                      "at_step": fault.at_step + offset, "phase": fault.phase,
+                                                      "how": fault.how})
             return
         time.sleep(0.05)
     raise RuntimeError("the job's manager did not come up in time")

@@ -8,7 +8,7 @@ import sys
 
 from undying.cli.client import add_job_arguments, api_post, manager_url
 from undying.errors import UsageError
-from undying.manager.manager import INJECT_KINDS
+from undying.manager.manager import HANG_HOWS, INJECT_KINDS
 from undying.messages import INJECT_PHASES
 
 __all__ = ["add_parser"]
@@ -20,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="inject a real fault into a running job",
         description="Inject a real fault into a rank of a running job: now, or when it reaches "
         "--at-step (optionally at --phase of that step). `crash` sends SIGKILL to the rank's "
-        "process; `hang` sends SIGSTOP; `comm-error` makes the rank shut down its process group's connections, so its "
+        "process; `hang` sends SIGSTOP (or, with --how spin|block, makes the rank's training "
+        "thread loop forever or block forever while the process lives); `comm-error` makes the rank shut down its process group's connections, so its "
         "next collective fails on every rank while all processes live (a comm-error without "
         "--at-step happens at the rank's next step).",
     )
@@ -35,6 +36,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="where in the step: step (its start, the default with --at-step), forward, "
         "backward (during the gradient all-reduce), optimizer, recovery",
     )
+    p.add_argument(
+        "--how", choices=HANG_HOWS, default=None,
+        help="for hang: stop (SIGSTOP, the default: heartbeats stop), spin (an endless loop in "
+        "Python) or block (a deadlock); spin and block keep the process beating and are found by "
+        "the step timeout; they happen at a step (the next one without --at-step)",
+    )
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=run)
@@ -46,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     if args.at_step is not None and args.at_step < 1:
         raise UsageError(f"--at-step must be >= 1, got {args.at_step}")
     url = manager_url(args.manager, args.job_dir)
-    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase}
+    if args.how is not None and args.kind != "hang":
+        raise UsageError(f"--how applies to hang only, not {args.kind}")
+    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how}
     answer = api_post(url, "/api/inject", body)
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")

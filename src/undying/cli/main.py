@@ -33,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:  # raised by an argument's own type check
+        sys.stderr.write(f"undying: error: {e}\n")
+        return 2
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

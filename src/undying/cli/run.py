@@ -7,7 +7,7 @@ import time
 import uuid
 
 from undying.agent.launcher import launch
-from undying.config import JobConfig, Timeouts
+from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S, JobConfig, Timeouts
 from undying.errors import UsageError
 from undying.jobdir import default_job_dir
 
@@ -69,6 +69,13 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
     t.add_argument("--heartbeat-timeout", type=float, default=_DEFAULTS.heartbeat,
                    help=f"a rank silent this long (stopped, or stuck holding the interpreter) is "
                    f"hung: killed and replaced (default {_DEFAULTS.heartbeat:.0f})")
+    t.add_argument("--step-timeout", type=_step_timeout, default=_DEFAULTS.step, metavar="SECONDS|auto",
+                   help="a rank that keeps beating but makes no progress in a step (enters no "
+                   "collective, finishes no step) this long is stuck (an endless loop, a deadlock, a "
+                   "collective its peers wait in): the rank the others wait for is killed and "
+                   "replaced; when every rank is stuck in the same collective, the link is retried. "
+                   f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
+                   f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
     t.add_argument("--init-timeout", type=float, default=_DEFAULTS.init,
                    help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
     t.add_argument("--stop-grace", type=float, default=_DEFAULTS.stop_grace,
@@ -76,6 +83,18 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
+
+
+def _step_timeout(raw: str) -> float:
+    if raw == "auto":
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"--step-timeout: expected seconds or 'auto', got {raw!r}") from None
+    if value <= 0:
+        raise UsageError(f"--step-timeout must be > 0 seconds (or 'auto'), got {raw!r}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
@@ -96,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         stop_grace=args.stop_grace,
         heartbeat=args.heartbeat_timeout,
         init=args.init_timeout,
+        step=args.step_timeout,
     )
     return JobConfig(
         job_id=job_id,

@@ -9,6 +9,7 @@ one without.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--init-process-group", action="store_true",
                    help="call torch.distributed.init_process_group before undying.init(), as old scripts do")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="make every step last at least this long on every rank (a slow job, not a hang)")
     p.add_argument("--fail-at-step", type=int, default=0,
                    help="raise a ValueError at this step (a bug, not a fault)")
     p.add_argument("--fail-rank", type=int, default=-1, help="with --fail-at-step: only on this rank (-1: every rank)")
@@ -71,6 +74,7 @@ def main() -> None:
     state = job.state(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     for step in job.steps(state, epochs=args.epochs):
         with step:
+            started = time.monotonic()
             inputs, targets = step.batch
             if step.index == args.fail_at_step and args.fail_rank in (-1, job.rank):
                 raise ValueError(f"a bug in the training script at step {step.index}")
@@ -82,6 +86,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
+            time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
 
 
 if __name__ == "__main__":

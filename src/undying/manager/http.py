@@ -3,7 +3,7 @@
 GET  /api/status      the job: state, generation, step, ranks, incidents
 GET  /api/ranks       ranks with their step, state and PID
 GET  /api/incidents   incidents with their timelines
-POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?}
+POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?}
 POST /api/stop        stop the job
 """
 
@@ -50,10 +50,11 @@ def build_app(manager: Manager) -> web.Application:
             rank = int(body["rank"])
             at_step = None if body.get("at_step") is None else int(body["at_step"])
             phase = None if body.get("phase") is None else str(body["phase"])
+            how = None if body.get("how") is None else str(body["how"])
         except (KeyError, TypeError, ValueError):
             return _error(400, "inject needs an integer \"rank\" (and optionally integer \"at_step\")")
         try:
-            return _json(manager.inject(kind, rank, at_step, phase))
+            return _json(manager.inject(kind, rank, at_step, phase, how))
         except UsageError as e:
             return _error(400, str(e))
 

@@ -11,6 +11,7 @@ loop, so the handlers below never race each other.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog
-from undying.manager.policy import Action, Decision, PolicyContext, decide
+from undying.manager.policy import Action, Decision, PolicyContext, decide, stall_culprits
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
 from undying.messages import (
     INJECT_PHASES,
@@ -35,6 +36,7 @@ from undying.messages import (
     Hello,
     Message,
     Progress,
+    RankProgress,
     StepCommitted,
 )
 from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key
@@ -45,8 +47,11 @@ log = logging.getLogger("undying.manager")
 
 # crash: SIGKILL of the rank's process. comm-error: the rank breaks its
 # process group's connections, so a real collective fails while every process lives.
-# hang: SIGSTOP of the rank's process (found by its missing heartbeats).
+# hang: SIGSTOP of the rank's process (found by its missing heartbeats), or with
+# `how`, the rank's training thread spins in an endless loop or blocks forever
+# while its process lives and beats (found by its missing progress).
 INJECT_KINDS = ("crash", "hang", "comm-error")
+HANG_HOWS = ("stop", "spin", "block")
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
@@ -60,6 +65,8 @@ class AgentHandle(Protocol):
     def kill(self, rank: int, sig: signal.Signals) -> bool: ...
 
     def arm(self, rank: int, fault: ArmFault) -> None: ...
+
+    def abort(self, rank: int, generation: int, reason: str) -> bool: ...
 
     def keep_spares(self) -> None: ...
 
@@ -257,7 +264,10 @@ class Manager:
         kind = "hang" if hung else "error" if fatal is not None else "crash"
         if hung:
             last_heard, detected, phase = hung
-            error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
+            if phase == "step":
+                error = f"no progress in step {info.step + 1} for {detected - last_heard:.1f}s (step timeout); killed"
+            else:
+                error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
         else:
             detected, error = t, fatal.error if fatal else _describe_exit(returncode)
         incident = self._new_incident(
@@ -309,10 +319,52 @@ class Manager:
             return
         if info.state is RankState.DONE:
             return  # finished its steps; a slow interpreter shutdown is not a hang
+        if pid in self._hung:
+            return  # already being killed
         self._hung[pid] = (last_seen, t, phase)
         self.events.event("hang_detected", generation=self.generation, rank=rank, pid=pid, phase=phase,
-                          silent_s=round(t - last_seen, 3))
+                          silent_s=round(t - last_seen, 3), step=info.step + 1)
         self._agents[info.node].kill(rank, signal.SIGKILL)
+
+    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
+        """Ranks beat but make no progress for ``limit`` seconds: kill the ones the others wait for.
+
+        When no rank lags (every one is inside the same collective), no process
+        is to blame: it is the link, and the collective is retried in place.
+        While a recovery runs, ranks look stuck until they hear of it; then
+        only a rank still in a step of the old generation ``limit`` seconds
+        after the recovery began is stuck.
+        """
+        if self.state is JobState.STOPPING or self.state.terminal:
+            return
+        recovery = self._recovery
+        if recovery is not None:
+            culprits = sorted(p.rank for p in progress if p.phase == "step" and p.generation < self.generation
+                              and t - max(p.progress_t, recovery.started) > limit)
+        elif self._hung:
+            return  # a stuck rank is being killed; the ones waiting for it are not stuck
+        else:
+            culprits = stall_culprits(progress)
+        by_rank = {p.rank: p for p in progress}
+        stuck_ranks = [p for p in progress if p.phase == "step" and p.generation == self.generation]
+        if not culprits and (recovery is not None or not stuck_ranks):
+            log.debug("stall report explained by the recovery under way: %s", progress)
+            return
+        self.events.event("stall_detected", generation=self.generation, culprits=culprits, limit_s=round(limit, 3),
+                          progress=[dataclasses.asdict(p) for p in progress])
+        for rank in culprits:
+            stuck = by_rank[rank]
+            self.on_hang(rank, stuck.pid, "step", stuck.progress_t, t)
+        if culprits:
+            return
+        first = min(stuck_ranks, key=lambda p: (p.progress_t, p.rank))
+        incident = self._new_incident(
+            kind="comm-error", rank=first.rank, step=first.step, fault_t=first.progress_t, detected_t=t,
+            error=f"every rank is stuck in the same collective (#{first.collectives} of generation "
+                  f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link is to blame",
+        )
+        incident.detail["stuck_collective"] = True
+        self._handle(incident)
 
     def _on_hello(self, message: Hello) -> None:
         self.events.event("joined", generation=message.generation, rank=message.rank, pid=message.pid, joining=message.joining)
@@ -456,7 +508,13 @@ class Manager:
         self._execute(incident, decision)
 
     def _execute(self, incident: Incident, decision: Decision) -> None:
+        previous = self.generation
         record = self._open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+        if incident.detail.get("stuck_collective"):
+            # Nothing failed by itself: every rank is told to leave the stuck group.
+            for info in self.ranks.values():
+                if info.state is not RankState.EXITED:
+                    self._agents[info.node].abort(info.rank, previous, f"stuck collective: {decision.action.value}")
         assert self._recovery is not None
         self._recovery.generation = record.generation
         self._recovery.group_rebuilt.clear()
@@ -567,10 +625,13 @@ class Manager:
 
     # --- commands -------------------------------------------------------------
 
-    def inject(self, kind: str, rank: int, at_step: int | None, phase: str | None) -> dict[str, Any]:
+    def inject(self, kind: str, rank: int, at_step: int | None, phase: str | None,
+               how: str | None = None) -> dict[str, Any]:
         """Fault a rank now, or arm it to fault itself when it reaches ``at_step``."""
         if kind not in INJECT_KINDS:
             raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(INJECT_KINDS)}")
+        if how is not None and (kind != "hang" or how not in HANG_HOWS):
+            raise UsageError(f"how={how!r} applies to hang only, as one of {', '.join(HANG_HOWS)}")
         if rank not in self.ranks:
             raise UsageError(
                 f"rank {rank} does not exist; this job has ranks 0..{self.config.world_size - 1}"
@@ -581,6 +642,8 @@ class Manager:
             raise UsageError(f"job {self.config.job_id} is {self.state.value}; nothing to inject into")
         info = self.ranks[rank]
         agent = self._agents[info.node]
+        if how in ("spin", "block"):
+            kind = f"hang:{how}"  # done by the rank's own training thread, at a step
         if at_step is None and phase is None and kind in _INJECT_SIGNALS:
             t = time.time()
             if not agent.kill(rank, _INJECT_SIGNALS[kind]):

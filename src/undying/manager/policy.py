@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from undying.manager.state import Incident
+from undying.messages import RankProgress
 
-__all__ = ["Action", "Decision", "PolicyContext", "decide"]
+__all__ = ["Action", "Decision", "PolicyContext", "decide", "stall_culprits"]
 
 
 class Action(str, enum.Enum):
@@ -67,3 +68,26 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
         )
     what = "stopped answering and was killed" if incident.kind == "hang" else "exited"
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
+
+
+def stall_culprits(progress: Sequence[RankProgress]) -> list[int]:
+    """Of ranks stuck in a step together, the ones the others wait for.
+
+    A collective counts on a rank when the rank enters it, so the ranks
+    waiting in collective n have entered n, and a rank that never got there
+    (an endless loop, a deadlock, a stop outside a collective) shows fewer.
+    Those with the fewest are the culprits. When every rank entered as many,
+    all are inside the same collective and no rank is to blame: ``[]``.
+    Only ranks running steps in the newest generation count.
+    """
+    running = [p for p in progress if p.phase == "step"]
+    if not running:
+        return []
+    newest = max(p.generation for p in running)
+    running = [p for p in running if p.generation == newest]
+    if len(running) == 1 and len(progress) == 1:
+        return [running[0].rank]  # a job of one rank has nobody else to wait for
+    fewest = min(p.collectives for p in running)
+    if fewest == max(p.collectives for p in running):
+        return []
+    return sorted(p.rank for p in running if p.collectives == fewest)

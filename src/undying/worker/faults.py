@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from undying.messages import ArmFault, FaultInjected, Message
 
-__all__ = ["FaultSwitch", "crash_self", "stop_self"]
+__all__ = ["FaultSwitch", "crash_self", "stop_self", "spin_forever", "block_forever"]
 
 
 def crash_self() -> None:
@@ -25,6 +25,21 @@ def crash_self() -> None:
 def stop_self() -> None:
     """A hang: SIGSTOP, the whole process, heartbeat thread included."""
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def spin_forever() -> None:
+    """A hang with the process alive and busy: an endless loop in Python (heartbeats go on)."""
+    while True:
+        pass
+
+
+def block_forever() -> None:
+    """A hang with the process alive and idle: a deadlock (heartbeats go on).
+
+    Left in a step's forward pass or backward, the rank never joins the next
+    collective, and its peers are stuck in it.
+    """
+    threading.Event().wait()
 
 
 class FaultSwitch:

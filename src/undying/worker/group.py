@@ -23,6 +23,7 @@ from undying.errors import GenerationSupersededError, RecoveryError
 from undying.rendezvous import GenerationRecord, generation_key
 
 __all__ = [
+    "collectives_entered",
     "read_generation", "join_generation", "leave_group", "break_connections", "claim_existing_sockets",
     "is_comm_failure",
 ]
@@ -121,6 +122,22 @@ def break_connections() -> int:
             pass
     _group_sockets.clear()
     return broken
+
+
+def collectives_entered() -> int:
+    """How many collectives this rank entered in the current group (-1: no group).
+
+    The process group's sequence number counts a collective when a rank calls
+    it, before it completes, so of ranks stuck together the one the others
+    wait for shows the smallest count. Safe to read from another thread.
+    """
+    try:
+        if not dist.is_initialized():
+            return -1
+        group = dist.distributed_c10d._get_default_group()
+        return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
+    except Exception:  # a group being torn down, or a backend without sequence numbers
+        return -1
 
 
 def leave_group() -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from undying.errors import UsageError
 from undying.messages import (
+    Abort,
     ArmFault,
     CommFailure,
     Done,
@@ -45,10 +46,11 @@ from undying.worker.channel import AgentChannel
 from undying.worker.data import DataCursor
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
-from undying.worker.faults import FaultSwitch, crash_self, stop_self
+from undying.worker.faults import FaultSwitch, block_forever, crash_self, spin_forever, stop_self
 from undying.worker.group import (
     break_connections,
     claim_existing_sockets,
+    collectives_entered,
     is_comm_failure,
     join_generation,
     leave_group,
@@ -163,6 +165,11 @@ class Job:
         self._stash: tuple[int, dict[str, Any]] | None = None
         self._abort_reason = ""
         self._current: Step | None = None
+        # What the heartbeats report: init until this process completes a step,
+        # and the collectives entered since the group's state was restored
+        # (the transfer's point-to-point sends count on their two ends only).
+        self._phase = "init"
+        self._collectives_base = 0
         if env is None:
             self._start_unmanaged()
             return
@@ -174,7 +181,8 @@ class Job:
         self.generation = env.generation
         self._faults = FaultSwitch(
             self.rank, self._send,
-            {"crash": crash_self, "hang": stop_self, "comm-error": break_connections},
+            {"crash": crash_self, "hang": stop_self, "hang:spin": spin_forever,
+             "hang:block": block_forever, "comm-error": break_connections},
         )
         self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
         self._control = dist.TCPStore(
@@ -256,6 +264,7 @@ class Job:
                 break
             committed = self._recover(state, committed, clean=True)
         if self.managed:
+            self._phase = "done"
             self._send(Done(self.rank, committed, state.digest(), time.time()))
 
     # --- the transaction's hooks --------------------------------------------
@@ -273,6 +282,7 @@ class Job:
             self._faults.check("optimizer", self.current_step)
 
     def _commit(self, step: Step) -> None:
+        self._phase = "step"
         if self.managed:
             self._send(StepCommitted(self.rank, self.generation, step.index, time.time(), step.metrics))
 
@@ -320,6 +330,8 @@ class Job:
                 joined: bool = False) -> int:
         """Join generations until one forms and the state is restored in it."""
         generation = self.generation + 1 if first is None else first
+        resume_phase = "init" if first is not None else self._phase
+        self._phase = "recovery"
         while True:
             if not joined:
                 for wrapper in self._wrappers:
@@ -354,6 +366,8 @@ class Job:
                 )
             )
             self.current_step = plan.target
+            self._collectives_base = max(0, collectives_entered())
+            self._phase = resume_phase
             return plan.target
 
     def _join(self, generation: int) -> None:
@@ -392,12 +406,28 @@ class Job:
     # --- agent channel ------------------------------------------------------
 
     def _beat(self) -> None:
-        """Heartbeats: stop when the process is stopped or its interpreter is stuck."""
+        """Heartbeats with progress: they stop when the process is stopped or its
+        interpreter is stuck, and their progress stops when the training thread is.
+
+        Progress is sampled four times a second, so its time is exact to a
+        quarter second whatever the beat interval.
+        """
         assert self.env is not None
-        interval = min(5.0, max(0.05, self.env.timeouts.heartbeat / 5))
+        interval = min(0.5, max(0.05, self.env.timeouts.heartbeat / 5))
+        sample = min(0.25, interval)
+        last: tuple[int, str, int, int] | None = None
+        progress_t = time.time()
+        next_beat = 0.0
         while True:
-            time.sleep(interval)
-            self._send(Heartbeat(self.rank, time.time()))
+            time.sleep(sample)
+            now = time.time()
+            key = (self.generation, self._phase, self.current_step, collectives_entered() - self._collectives_base)
+            changed_phase = last is not None and key[:2] != last[:2]
+            if key != last:
+                last, progress_t = key, now
+            if now >= next_beat or changed_phase:  # a new phase is told at once: "I left the stuck group"
+                next_beat = now + interval - sample / 2
+                self._send(Heartbeat(self.rank, now, *key, progress_t=progress_t))
 
     def _send(self, message: Message) -> None:
         if self.managed:
@@ -406,5 +436,9 @@ class Job:
     def _on_command(self, message: Message) -> None:
         if isinstance(message, ArmFault):
             self._faults.arm(message)
+        elif isinstance(message, Abort):
+            if message.generation == self.generation:
+                log.warning("rank %d: leaving generation %d: %s", self.rank, message.generation, message.reason)
+                break_connections()
         else:
             log.warning("rank %d: ignoring unexpected command %r", self.rank, message)
