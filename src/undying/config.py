@@ -14,7 +14,16 @@ from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["JobConfig", "ENV_PREFIX", "Timeouts", "timeouts_from_env", "step_timeout"]
+__all__ = [
+    "JobConfig",
+    "CheckpointConfig",
+    "ENV_PREFIX",
+    "Timeouts",
+    "timeouts_from_env",
+    "checkpoint_from_env",
+    "step_timeout",
+    "EXIT_PREEMPTED",
+]
 
 ENV_PREFIX = "UNDYING_"
 _MAX_TIMEOUT_S = 24 * 3600.0
@@ -74,6 +83,68 @@ def step_timeout(configured: float, slowest_recent_step_s: float | None) -> floa
     return max(AUTO_STEP_TIMEOUT_FLOOR_S, AUTO_STEP_TIMEOUT_FACTOR * slowest_recent_step_s)
 
 
+# The launcher's (and a worker's) exit code after a preemption (SIGTERM) whose
+# dying-gasp checkpoint, or an earlier one, stands: run the same command again
+# to resume. 75 is EX_TEMPFAIL ("try again later"); 143 stays a plain SIGTERM stop.
+EXIT_PREEMPTED = 75
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Persistent checkpoints: where, how often, how many; and the dying gasp on SIGTERM."""
+
+    # A folder or fsspec URL; "" means <job dir>/checkpoints.
+    dir: str = ""
+    # Save after every N committed steps (0: not by steps).
+    save_every: int = 0
+    # Save when this many seconds passed since the last save (0: not by time).
+    save_interval: float = 0.0
+    # Checkpoints kept (the latest valid one is always kept).
+    keep: int = 3
+    # Seconds from SIGTERM to every process gone; 0: sized from the measured checkpoint.
+    grace_period: float = 0.0
+    # A second SIGTERM within this many seconds of a dying gasp reuses it.
+    gasp_reuse_s: float = 60.0
+
+    def validate(self) -> None:
+        if self.save_every < 0:
+            raise UsageError(f"--save-every must be >= 0 steps, got {self.save_every}")
+        if self.save_interval < 0:
+            raise UsageError(f"--save-interval must be >= 0 seconds, got {self.save_interval}")
+        if self.keep < 1:
+            raise UsageError(f"--keep must be at least 1, got {self.keep}")
+        if self.grace_period < 0 or self.grace_period > _MAX_TIMEOUT_S:
+            raise UsageError(f"--grace-period must be between 0 (auto) and {_MAX_TIMEOUT_S:.0f}, got {self.grace_period}")
+        if self.gasp_reuse_s < 0:
+            raise UsageError(f"--gasp-reuse-within must be >= 0 seconds, got {self.gasp_reuse_s}")
+
+    def env(self, job_dir: str) -> dict[str, str]:
+        return {
+            f"{ENV_PREFIX}CHECKPOINT_DIR": self.resolved_dir(job_dir),
+            f"{ENV_PREFIX}SAVE_EVERY": str(self.save_every),
+            f"{ENV_PREFIX}SAVE_INTERVAL": repr(self.save_interval),
+            f"{ENV_PREFIX}KEEP": str(self.keep),
+        }
+
+    def resolved_dir(self, job_dir: str) -> str:
+        if self.dir:
+            return self.dir if "://" in self.dir else os.path.abspath(self.dir)
+        return os.path.join(os.path.abspath(job_dir), "checkpoints")
+
+
+def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> CheckpointConfig:
+    env = os.environ if env is None else env
+    try:
+        return CheckpointConfig(
+            dir=env.get(f"{ENV_PREFIX}CHECKPOINT_DIR", ""),
+            save_every=int(env.get(f"{ENV_PREFIX}SAVE_EVERY", "0")),
+            save_interval=float(env.get(f"{ENV_PREFIX}SAVE_INTERVAL", "0")),
+            keep=int(env.get(f"{ENV_PREFIX}KEEP", "3")),
+        )
+    except ValueError as e:
+        raise UsageError(f"bad {ENV_PREFIX}SAVE_*/KEEP value in the environment: {e}") from e
+
+
 @dataclass(frozen=True)
 class JobConfig:
     job_id: str
@@ -91,6 +162,11 @@ class JobConfig:
     # Hot spares per node: processes with torch imported, waiting to replace a rank.
     spares: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.resolved_dir(self.job_dir)
 
     @property
     def world_size(self) -> int:
@@ -124,6 +200,7 @@ class JobConfig:
         if self.backend not in ("gloo", "nccl"):
             raise UsageError(f"--backend must be gloo or nccl, got {self.backend!r}")
         self.timeouts.validate()
+        self.checkpoint.validate()
 
     def timeout_env(self) -> dict[str, str]:
         """The timeouts a worker needs, as environment variables."""

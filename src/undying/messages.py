@@ -29,6 +29,12 @@ __all__ = [
     "WORKER_PHASES",
     "SpareReady",
     "Assign",
+    "CheckpointSaved",
+    "Terminated",
+    "StopProposal",
+    "Preempt",
+    "StopAt",
+    "Stop",
     "encode",
     "decode",
     "RECOVERY_PHASES",
@@ -187,7 +193,71 @@ class SpareReady(Message):
     t: float
 
 
+@dataclass(frozen=True)
+class CheckpointSaved(Message):
+    """A checkpoint of ``step`` was committed (or, with ``error``, failed).
+
+    ``blocking_s`` is the training loop's stall (the CPU copy), ``write_s`` the
+    write beside training; ``kind`` periodic or dying-gasp.
+    """
+
+    rank: int
+    step: int
+    kind: str
+    path: str
+    blocking_s: float
+    write_s: float
+    bytes: int
+    t: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Terminated(Message):
+    """This worker received SIGTERM (a kill of its process group): the job should take its dying gasp."""
+
+    rank: int
+    t: float
+
+
+@dataclass(frozen=True)
+class StopProposal(Message):
+    """Answer to Preempt: the newest step this rank has started (or committed, between steps).
+
+    The rank runs no step past it until it hears StopAt.
+    """
+
+    rank: int
+    generation: int
+    step: int
+    t: float
+
+
 # --- agent -> worker -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preempt(Message):
+    """The job is preempted: say where you are (StopProposal) and start no new step until StopAt."""
+
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StopAt(Message):
+    """Finish steps up to ``step``, then stop; rank 0 writes the dying-gasp checkpoint of ``step`` first."""
+
+    step: int
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    """Exit now (an ordered stop, not a preemption): the SIGTERM that follows is not a dying gasp."""
+
+    reason: str
+
 
 
 @dataclass(frozen=True)

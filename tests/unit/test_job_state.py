@@ -22,6 +22,7 @@ EXPECTED = {
     (S.RUNNING, S.RECOVERING), (S.RUNNING, S.STOPPING),
     (S.RECOVERING, S.RUNNING), (S.RECOVERING, S.RECOVERING), (S.RECOVERING, S.STOPPING),
     (S.STOPPING, S.SUCCEEDED), (S.STOPPING, S.FAILED), (S.STOPPING, S.STOPPED),
+    (S.STOPPING, S.PREEMPTED),
 }
 PATHS = {
     S.STARTING: [],
@@ -31,6 +32,7 @@ PATHS = {
     S.SUCCEEDED: [S.STOPPING, S.SUCCEEDED],
     S.FAILED: [S.STOPPING, S.FAILED],
     S.STOPPED: [S.STOPPING, S.STOPPED],
+    S.PREEMPTED: [S.STOPPING, S.PREEMPTED],
 }
 
 
@@ -61,7 +63,7 @@ def test_every_move(old: JobState, new: JobState) -> None:
 
 @pytest.mark.parametrize("state", list(JobState))
 def test_terminal_states_have_no_exits(state: JobState) -> None:
-    assert state.terminal == (state in (S.SUCCEEDED, S.FAILED, S.STOPPED))
+    assert state.terminal == (state in (S.SUCCEEDED, S.FAILED, S.STOPPED, S.PREEMPTED))
     if state.terminal:
         m = machine_in(state)
         for new in JobState:

@@ -120,7 +120,27 @@ def test_fails_when_no_holder_of_the_state_is_alive(kind: str) -> None:
 
 
 def test_action_values_are_the_strings_stored_on_incidents() -> None:
-    assert {a.value for a in Action} == {"retry", "replace", "fail"}
+    assert {a.value for a in Action} == {"retry", "replace", "restart", "fail"}
+
+
+@pytest.mark.parametrize("kind", ["crash", "comm-error", "error", "hang"])
+def test_restarts_from_the_checkpoint_when_no_holder_is_alive(kind: str) -> None:
+    c = PolicyContext(max_restarts=2, holders_alive=0, checkpoint_step=40, restarts=0)
+    d = decide(incident(kind), [], c)
+    assert d.action is Action.RESTART
+    assert "checkpoint of step 40" in d.reason and "every rank that held the training state is gone" in d.reason
+
+
+def test_restarts_are_bounded_by_max_restarts() -> None:
+    assert decide(incident(), [], PolicyContext(2, 0, checkpoint_step=5, restarts=1)).action is Action.RESTART
+    d = decide(incident(), [], PolicyContext(2, 0, checkpoint_step=5, restarts=2))
+    assert d.action is Action.FAIL and "--max-restarts 2" in d.reason
+
+
+def test_a_checkpoint_does_not_change_the_rungs_below_restart() -> None:
+    c = PolicyContext(max_restarts=3, holders_alive=2, checkpoint_step=10)
+    assert decide(incident("crash"), [], c).action is Action.REPLACE
+    assert decide(incident("comm-error"), [], c).action is Action.RETRY
 
 
 def _progress(rank: int, collectives: int, *, phase: str = "step", generation: int = 2) -> RankProgress:

@@ -31,6 +31,7 @@ from undying.messages import (
     RankProgress,
     SpareReady,
     StepCommitted,
+    Stop,
     decode,
     encode,
 )
@@ -197,13 +198,16 @@ class Agent:
             }
         )
         env.update(self.config.timeout_env())
+        env.update(self.config.checkpoint.env(self.config.job_dir))
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
-    def _rank_environment(self, rank: int, record: GenerationRecord, joining: bool) -> dict[str, str]:
+    def _rank_environment(self, rank: int, record: GenerationRecord, joining: bool,
+                          resume_from: str = "") -> dict[str, str]:
         """What makes a process rank ``rank`` of ``record``'s generation."""
         return {
+            f"{ENV_PREFIX}RESUME_FROM": resume_from,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank % self.config.nproc_per_node),
             "GROUP_RANK": str(self.node),
@@ -234,12 +238,14 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
         return process
 
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> tuple[int, bool]:
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
+              resume_from: str = "") -> tuple[int, bool]:
         """Give ``rank`` a process (called on the loop): a warm spare if one is ready.
 
-        Returns the PID and whether it was a spare.
+        ``resume_from``: a checkpoint the new process starts from. Returns the
+        PID and whether it was a spare.
         """
-        rank_env = self._rank_environment(rank, record, joining)
+        rank_env = self._rank_environment(rank, record, joining, resume_from)
         spare = self._take_spare() if joining else None
         if spare is not None:
             assert spare.writer is not None
@@ -308,6 +314,20 @@ class Agent:
         worker.writer.write(encode(Abort(generation, reason)))
         return True
 
+    def tell(self, rank: int, message: Message) -> bool:
+        """Send a command to ``rank``'s worker (queued until it says hello); False if it has no process."""
+        worker = self._workers.get(rank)
+        if worker is None or worker.process.returncode is not None:
+            return False
+        if worker.writer is None:
+            worker.pending.append(message)
+        else:
+            worker.writer.write(encode(message))
+        return True
+
+    def live_ranks(self) -> list[int]:
+        return [r for r, w in self._workers.items() if w.process.returncode is None]
+
     def arm(self, rank: int, fault: ArmFault) -> None:
         worker = self._workers.get(rank)
         if worker is None:
@@ -323,6 +343,10 @@ class Agent:
         for spare in list(self._spares.values()):
             _signal_group(spare.pid, signal.SIGKILL)
         live = [w.process for w in self._workers.values() if w.process.returncode is None]
+        for worker in self._workers.values():
+            if worker.writer is not None and worker.process.returncode is None:
+                # Said first: the SIGTERM that follows is a stop, not a preemption to take a dying gasp for.
+                worker.writer.write(encode(Stop("stopped by the agent")))
         for process in live:
             _signal_group(process.pid, signal.SIGTERM)
             _signal_group(process.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued

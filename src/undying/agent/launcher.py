@@ -1,8 +1,11 @@
 """``undying run`` standalone: the manager and the node's agent in one process.
 
 Nothing to install or start beside it: the manager's TCPStore, SQLite log and
-HTTP API live in the launcher. Ctrl-C (or SIGTERM) stops the job in order; if
-the launcher is killed outright, its workers die with it (parent-death signal).
+HTTP API live in the launcher. Ctrl-C stops the job in order. SIGTERM (what
+Kubernetes sends before it deletes a pod) is a preemption: the ranks agree on a
+stop step, finish it, rank 0 writes a dying-gasp checkpoint of it, and the
+launcher exits with EXIT_PREEMPTED (75); the same command resumes. If the
+launcher is killed outright, its workers die with it (parent-death signal).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from pathlib import Path
 
 from undying.agent.agent import Agent
-from undying.config import JobConfig
+from undying.config import EXIT_PREEMPTED, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.events import EventLog
@@ -65,6 +68,10 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
 
     def on_signal(sig: signal.Signals) -> None:
         interrupted.append(sig)
+        if sig == signal.SIGTERM:
+            log.warning("job %s: SIGTERM received: preempted, taking the dying gasp", config.job_id)
+            manager.preempt("SIGTERM to the launcher")
+            return
         log.warning("job %s: %s received, stopping the workers", config.job_id, sig.name)
         manager.stop(f"stopped by {sig.name}")
 
@@ -81,6 +88,9 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         job_dir.clear_manager()
         manager.close()
     _report(config, manager, final)
+    if final is JobState.PREEMPTED:
+        has_checkpoint = (manager.preemption or {}).get("checkpoint_step", -1) >= 0
+        return EXIT_PREEMPTED if has_checkpoint else 143
     if final is JobState.STOPPED and interrupted and interrupted[0] == signal.SIGTERM:
         return 143
     return EXIT_CODES.get(final, 1)
@@ -95,6 +105,8 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
         )
     elif final is JobState.FAILED:
         log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
+    elif final is JobState.PREEMPTED:
+        log.warning("job %s %s", config.job_id, manager.exit_reason)
     else:
         log.warning("job %s stopped: %s", config.job_id, manager.exit_reason)
 

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -252,6 +253,7 @@ class AsyncCheckpointer:
         if_busy: Literal["wait", "skip"] = "wait",
         checksum: Checksum = "crc32",
         layout_extra: dict[str, Any] | None = None,
+        on_done: Callable[[SaveResult | None, CheckpointWriteError | None], None] | None = None,
     ) -> None:
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
@@ -262,6 +264,7 @@ class AsyncCheckpointer:
         self.if_busy = if_busy
         self.checksum: Checksum = checksum
         self.layout_extra = layout_extra
+        self.on_done = on_done  # called from the writer thread with the result or the error
         self.last_result: SaveResult | None = None
         self.last_error: CheckpointWriteError | None = None
         self.errors: list[CheckpointWriteError] = []
@@ -339,9 +342,19 @@ class AsyncCheckpointer:
                 self.last_error = err
                 self._unreported = err
                 self.errors.append(err)
+            self._notify(None, err)
             return
         with self._lock:
             self.last_result = result
+        self._notify(result, None)
+
+    def _notify(self, result: SaveResult | None, error: CheckpointWriteError | None) -> None:
+        if self.on_done is None:
+            return
+        try:
+            self.on_done(result, error)
+        except Exception:  # a report must never break the writer
+            log.exception("checkpoint on_done callback failed")
 
     def _join(self, timeout: float | None = None) -> bool:
         thread = self._thread

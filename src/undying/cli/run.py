@@ -7,7 +7,14 @@ import time
 import uuid
 
 from undying.agent.launcher import launch
-from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S, JobConfig, Timeouts
+from undying.config import (
+    AUTO_STEP_TIMEOUT_FACTOR,
+    AUTO_STEP_TIMEOUT_FLOOR_S,
+    EXIT_PREEMPTED,
+    CheckpointConfig,
+    JobConfig,
+    Timeouts,
+)
 from undying.errors import UsageError
 from undying.jobdir import default_job_dir
 
@@ -21,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "run",
         help="run a training script on N ranks, recovering from faults",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""\
+        description=f"""\
 Run SCRIPT on --nproc-per-node ranks with the torchrun environment (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). When a rank
 dies, the others keep their state in memory, a new process takes its place, its
@@ -29,7 +36,19 @@ state comes from a peer, and only the step in flight is re-run.
 
 The manager runs inside this launcher: its event log is <job dir>/events.db and
 its HTTP API address is in <job dir>/manager.json (see `undying status`).
-Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
+
+Checkpoints: with --save-every/--save-interval rank 0 writes the state beside
+training (the loop stalls only for the copy to CPU) under --checkpoint-dir.
+When the job starts and a valid checkpoint is there, every rank resumes from
+the newest one (broken ones are skipped, and the log says why).
+
+SIGTERM (a preemption, as Kubernetes sends it): the ranks agree on a stop step,
+finish it, rank 0 writes a dying-gasp checkpoint of it within --grace-period,
+and everything exits; run the same command to resume with no step lost.
+
+Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
+{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint to resume from, 143 SIGTERM with
+no checkpoint at all.""",
     )
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
     p.add_argument("--job-id", default=None, help="the job's name (default: job-<date>-<time>-<random>)")
@@ -49,6 +68,20 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C.""",
         help="hot spares per node: processes with Python and torch already loaded that replace a "
         "dead rank without a cold start; started once the job runs (default 1, 0 for none)",
     )
+    c = p.add_argument_group("checkpoints and preemption")
+    c.add_argument("--checkpoint-dir", default="", metavar="PATH_OR_URL",
+                   help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
+    c.add_argument("--save-every", type=int, default=0, metavar="STEPS",
+                   help="write a checkpoint after every N committed steps (default 0: never by steps)")
+    c.add_argument("--save-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="write a checkpoint when this long passed since the last (default 0: never by time)")
+    c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    c.add_argument("--grace-period", type=float, default=0.0, metavar="SECONDS",
+                   help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
+                   "still running then are killed (default: sized from the measured checkpoint size and "
+                   "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
+    c.add_argument("--gasp-reuse-within", type=float, default=60.0, metavar="SECONDS",
+                   help="a SIGTERM this soon after a dying gasp reuses it instead of writing again (default 60)")
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
@@ -130,6 +163,14 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         max_retries=args.max_retries,
         spares=args.spares,
         timeouts=timeouts,
+        checkpoint=CheckpointConfig(
+            dir=args.checkpoint_dir,
+            save_every=args.save_every,
+            save_interval=args.save_interval,
+            keep=args.keep,
+            grace_period=args.grace_period,
+            gasp_reuse_s=args.gasp_reuse_within,
+        ),
     )
 
 

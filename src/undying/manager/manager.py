@@ -15,12 +15,19 @@ import dataclasses
 import logging
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from undying.checkpoint import (
+    Checkpoint,
+    Measurement,
+    latest_valid,
+    recent_dying_gasp,
+)
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog
@@ -29,15 +36,20 @@ from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo,
 from undying.messages import (
     INJECT_PHASES,
     ArmFault,
+    CheckpointSaved,
     CommFailure,
     Done,
     Fatal,
     FaultInjected,
     Hello,
     Message,
+    Preempt,
     Progress,
     RankProgress,
     StepCommitted,
+    StopAt,
+    StopProposal,
+    Terminated,
 )
 from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key
 
@@ -60,7 +72,12 @@ class AgentHandle(Protocol):
 
     node: int
 
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> tuple[int, bool]: ...
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
+              resume_from: str = "") -> tuple[int, bool]: ...
+
+    def tell(self, rank: int, message: Message) -> bool: ...
+
+    def live_ranks(self) -> list[int]: ...
 
     def kill(self, rank: int, sig: signal.Signals) -> bool: ...
 
@@ -117,7 +134,23 @@ class Manager:
         self._finished = asyncio.Event()
         self._finished_ranks: set[int] = set()
         self._grace_tasks: set[asyncio.Task[None]] = set()
+        # Persistent checkpoints and the dying gasp.
+        self.checkpoint_dir = config.checkpoint_dir
+        self.resumed_from: dict[str, Any] | None = None
+        self.last_checkpoint: dict[str, Any] | None = None
+        self.preemption: dict[str, Any] | None = None
+        self._restarts = 0
+        self._restart_from: Checkpoint | None = None
+        self._last_skipped: list[tuple[str, str]] = []
+        self._state_bytes = 0
+        self._write_bytes_per_s = 0.0
+        self._step_s: deque[float] = deque(maxlen=50)
+        self._last_commit_t: dict[int, tuple[int, float]] = {}
+        self._proposals: dict[int, int] = {}
+        self._gasp: CheckpointSaved | None = None
+        self._preempt_task: asyncio.Task[None] | None = None
         events.set_job("job_id", config.job_id)
+        events.set_job("checkpoint_dir", self.checkpoint_dir)
         events.set_job("world_size", config.world_size)
         events.set_job("started_at", self.started_at)
         self._persist_state()
@@ -157,10 +190,11 @@ class Manager:
         self._agents[agent.node] = agent
 
     async def run(self) -> JobState:
-        """Start every rank in generation 0 and wait until the job ends."""
-        record = self._open_generation("start")
+        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait until the job ends."""
+        resume = await self._find_resume_point()
+        record = self._open_generation("start" if resume is None else f"resume from step {resume.step}")
         for info in self.ranks.values():
-            self._spawn(info.rank, record, joining=False)
+            self._spawn(info.rank, record, joining=False, resume_from=resume.url if resume else "")
         for agent in self._agents.values():
             agent.keep_spares()
         watchdog = asyncio.create_task(self._watch_recovery())
@@ -216,11 +250,11 @@ class Manager:
         store = self._gen_stores.pop(old, None)
         del store
 
-    def _spawn(self, rank: int, record: GenerationRecord, *, joining: bool) -> bool:
+    def _spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "") -> bool:
         """Give ``rank`` a process; True when it was a warm spare."""
         info = self.ranks[rank]
         agent = self._agents[info.node]
-        pid, warm = agent.spawn(rank, record, joining=joining)
+        pid, warm = agent.spawn(rank, record, joining=joining, resume_from=resume_from)
         info.pid = pid
         info.state = RankState.STARTING
         info.generation = record.generation
@@ -301,6 +335,14 @@ class Manager:
             info = self.ranks[message.rank]
             self._fatal[info.pid] = message
             self.events.event("user_error", rank=message.rank, step=message.step, error=message.error, traceback=message.traceback)
+        elif isinstance(message, CheckpointSaved):
+            self._on_checkpoint(message)
+        elif isinstance(message, StopProposal):
+            self._proposals[message.rank] = message.step
+            self.events.event("stop_proposed", generation=message.generation, rank=message.rank, step=message.step)
+        elif isinstance(message, Terminated):
+            self.events.event("sigterm", rank=message.rank)
+            self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
         elif isinstance(message, Done):
             info = self.ranks[message.rank]
             info.state = RankState.DONE
@@ -382,6 +424,10 @@ class Manager:
             self.rerun_steps.add(message.step)
             self.events.event("step_rerun", rank=message.rank, step=message.step)
         self._committed[message.rank].add(message.step)
+        previous = self._last_commit_t.get(message.rank)
+        if previous is not None and previous[0] == message.step - 1:
+            self._step_s.append(message.t - previous[1])
+        self._last_commit_t[message.rank] = (message.step, message.t)
         info.step = message.step
         info.generation = message.generation
         info.state = RankState.RUNNING
@@ -397,6 +443,8 @@ class Manager:
         info.generation = message.generation
         info.last_seen = message.t
         self.events.event(message.phase, generation=message.generation, rank=message.rank, step=message.step, **message.detail)
+        if message.phase == "state_size":
+            self._state_bytes = int(message.detail.get("bytes", 0))
         recovery = self._recovery
         if recovery is None or message.generation != recovery.generation:
             return
@@ -474,11 +522,15 @@ class Manager:
         )
 
     def _handle(self, incident: Incident) -> None:
+        holders = self._holders_alive(incident.rank)
+        # The restart rung needs the latest valid checkpoint; only looked for when no peer holds the state.
+        self._restart_from = self._latest_checkpoint() if holders == 0 else None
         decision = decide(
             incident,
             self.incidents,
-            PolicyContext(self.config.max_restarts, self._holders_alive(incident.rank),
-                          self.config.max_retries),
+            PolicyContext(self.config.max_restarts, holders, self.config.max_retries,
+                          checkpoint_step=self._restart_from.step if self._restart_from else None,
+                          restarts=self._restarts),
         )
         incident.action = decision.action.value
         incident.phases["decided"] = time.time()
@@ -526,6 +578,195 @@ class Manager:
             warm = self._spawn(incident.rank, record, joining=True)
             incident.detail["replacement"] = "warm spare" if warm else "new process"
             self.events.incident(incident)
+        elif decision.action is Action.RESTART:
+            self._restart_all(incident, record)
+
+    def _restart_all(self, incident: Incident, record: GenerationRecord) -> None:
+        """The restart rung: new processes for every rank, all starting from the latest valid checkpoint.
+
+        Replacements already started for the dead ranks wait for a donor that no
+        longer exists: they are killed too. The steps since the checkpoint are
+        re-run (and counted as lost).
+        """
+        assert self._recovery is not None and self._restart_from is not None
+        ckpt = self._restart_from
+        self._restarts += 1
+        newest = max((r.step for r in self.ranks.values()), default=0)
+        for info in self.ranks.values():
+            if info.state is not RankState.EXITED:
+                self._agents[info.node].kill(info.rank, signal.SIGKILL)
+        for info in self.ranks.values():
+            self._recovery.replaced.add(info.rank)
+            self._recovery.ready.pop(info.rank, None)
+            self._spawn(info.rank, record, joining=False, resume_from=ckpt.url)
+        incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
+                                "lost_steps": max(0, newest - ckpt.step), "restart": self._restarts})
+        self.events.event("restarted", generation=record.generation, step=ckpt.step, path=ckpt.url,
+                          kind=ckpt.kind, lost_steps=max(0, newest - ckpt.step), restart=self._restarts)
+        self.events.incident(incident)
+        log.warning("job %s gen %d: every rank restarts from %s (step %d); steps %d..%d are re-run",
+                    self.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
+
+    # --- checkpoints ----------------------------------------------------------
+
+    def _latest_checkpoint(self) -> Checkpoint | None:
+        """The newest valid checkpoint; every newer one skipped is logged with why."""
+        try:
+            latest = latest_valid(self.checkpoint_dir)
+        except Exception as e:  # an unreachable store is no checkpoint, said once
+            self.events.event("checkpoint_unreadable", path=self.checkpoint_dir, error=f"{type(e).__name__}: {e}")
+            return None
+        self._last_skipped = list(latest.skipped)
+        for name, reason in latest.skipped:
+            self.events.event("checkpoint_skipped", name=name, reason=reason)
+        return latest.checkpoint
+
+    async def _find_resume_point(self) -> Checkpoint | None:
+        ckpt = await asyncio.to_thread(self._latest_checkpoint)
+        if ckpt is None:
+            return None
+        skipped = [{"name": n, "reason": r} for n, r in self._last_skipped]
+        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind, "skipped": skipped}
+        self.events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped)
+        self.events.set_job("resumed_from", self.resumed_from, flush=True)
+        log.warning("job %s: resuming from checkpoint %s (step %d, %s)%s", self.config.job_id, ckpt.url, ckpt.step,
+                    ckpt.kind, "".join(f"; skipped {d['name']}: {d['reason']}" for d in skipped))
+        return ckpt
+
+    def _on_checkpoint(self, message: CheckpointSaved) -> None:
+        if message.error:
+            self.events.event("checkpoint_failed", rank=message.rank, step=message.step, kind=message.kind,
+                              error=message.error)
+            log.error("job %s: checkpoint of step %d failed: %s", self.config.job_id, message.step, message.error)
+        else:
+            self.events.event("checkpoint_saved", rank=message.rank, step=message.step, kind=message.kind,
+                              path=message.path, blocking_s=round(message.blocking_s, 6),
+                              write_s=round(message.write_s, 6), bytes=message.bytes)
+            if message.bytes > 0 and message.write_s > 0:
+                self._state_bytes = message.bytes
+                self._write_bytes_per_s = message.bytes / message.write_s
+            self.last_checkpoint = {"step": message.step, "kind": message.kind, "path": message.path,
+                                    "blocking_s": message.blocking_s, "write_s": message.write_s,
+                                    "bytes": message.bytes, "t": message.t}
+            self.events.set_job("last_checkpoint", self.last_checkpoint)
+        if self.preemption is not None and message.kind in ("dying-gasp", "existing"):
+            self._gasp = message
+
+    def grace_period(self) -> tuple[float, str]:
+        """Seconds from SIGTERM to every process gone, and how the figure was reached."""
+        if self.config.checkpoint.grace_period > 0:
+            return self.config.checkpoint.grace_period, "--grace-period"
+        step_s = max(self._step_s, default=0.0)
+        if self._state_bytes and self._write_bytes_per_s:
+            m = Measurement(self._state_bytes, self._write_bytes_per_s, "the last checkpoint written")
+            return m.grace_period_s() + 2 * step_s, (
+                f"{m.bytes} bytes at {m.write_bytes_per_s / 1e6:.1f} MB/s ({m.source}): write {m.write_s:.3f}s, "
+                f"x2 margin, at least 5s, plus 2 steps of {step_s:.3f}s")
+        return 5.0 + 2 * step_s, "no checkpoint measured yet: 5s plus 2 steps"
+
+    # --- the dying gasp -------------------------------------------------------
+
+    def preempt(self, reason: str, *, rank: int = -1, t: float | None = None) -> None:
+        """SIGTERM (to the launcher, or to a worker): agree on a stop step, persist it, leave.
+
+        A second SIGTERM while the dying gasp runs changes nothing: the one under way stands.
+        """
+        t = time.time() if t is None else t
+        if self.preemption is not None:
+            self.events.event("sigterm_again", reason=reason)
+            log.warning("job %s: %s: the dying gasp under way stands", self.config.job_id, reason)
+            return
+        if self.state.terminal or self.state is JobState.STOPPING:
+            return
+        grace, how = self.grace_period()
+        self.preemption = {"reason": reason, "t": t, "grace_period_s": round(grace, 3), "grace_basis": how}
+        self.exit_reason = f"preempted ({reason})"
+        self._move(JobState.STOPPING)
+        log.warning("job %s: %s: dying gasp within a grace period of %.1fs (%s)", self.config.job_id, reason, grace, how)
+        self._preempt_task = asyncio.get_running_loop().create_task(self._dying_gasp(rank, t, grace))
+
+    async def _dying_gasp(self, rank: int, t0: float, grace: float) -> None:
+        assert self.preemption is not None
+        newest = max((r.step for r in self.ranks.values()), default=0)
+        incident = Incident(id=len(self.incidents) + 1, kind="preempt", rank=rank, step=newest, fault_t=t0,
+                            recovery=0, action="dump", error=self.preemption["reason"])
+        incident.phases["detected"] = time.time()
+        incident.detail["grace_period_s"] = self.preemption["grace_period_s"]
+        self.incidents.append(incident)
+        self.events.event("preempt", reason=self.preemption["reason"], rank=rank,
+                          grace_period_s=self.preemption["grace_period_s"], grace_basis=self.preemption["grace_basis"])
+        deadline = t0 + grace
+        reused = None
+        if self.config.checkpoint.gasp_reuse_s > 0:
+            reused = await asyncio.to_thread(recent_dying_gasp, self.checkpoint_dir,
+                                             within_s=self.config.checkpoint.gasp_reuse_s)
+        live = {r for a in self._agents.values() for r in a.live_ranks()}
+        stop_step = -1
+        if reused is not None:
+            incident.detail["reused"] = reused.url
+            self.events.event("dying_gasp_reused", step=reused.step, path=reused.url,
+                              age_s=round(time.time() - (reused.manifest.created_at if reused.manifest else 0), 3))
+            await asyncio.gather(*(a.stop_all(self.config.timeouts.stop_grace) for a in self._agents.values()))
+        else:
+            # Where is every rank? None runs a step past its answer until told the stop step.
+            for r in live:
+                self._agents[self.ranks[r].node].tell(r, Preempt(self.generation, self.preemption["reason"]))
+            answer_by = time.monotonic() + min(2.0, grace / 4)
+            while time.monotonic() < answer_by and not live <= set(self._proposals):
+                await asyncio.sleep(0.01)
+            stop_step = max(self._proposals.values(), default=newest)
+            incident.phases["decided"] = time.time()
+            self.events.event("stop_step", step=stop_step, proposals=dict(self._proposals),
+                              missing=sorted(live - set(self._proposals)))
+            for r in live:
+                self._agents[self.ranks[r].node].tell(r, StopAt(stop_step, max(0.5, deadline - time.time())))
+            while time.time() < deadline and any(a.live_ranks() for a in self._agents.values()):
+                await asyncio.sleep(0.02)
+            if any(a.live_ranks() for a in self._agents.values()):
+                self.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop_step)
+                log.error("job %s: the grace period of %.1fs passed before every rank finished step %d; killing "
+                          "what remains", self.config.job_id, grace, stop_step)
+                await asyncio.gather(*(a.stop_all(0.0) for a in self._agents.values()))
+        gasp = self._gasp
+        took = round(time.time() - t0, 3)
+        if all(r.state is RankState.DONE for r in self.ranks.values()):
+            incident.status = "ignored"
+            self.events.incident(incident)
+            self.exit_reason = "every rank finished its last step (a SIGTERM came at the end)"
+            self._end(JobState.SUCCEEDED)
+            return
+        if reused is not None:
+            step, path, what = reused.step, reused.url, f"reused the dying gasp written at most " \
+                f"{self.config.checkpoint.gasp_reuse_s:.0f}s earlier"
+        elif gasp is not None and gasp.step == stop_step and not gasp.error:
+            step, path = gasp.step, gasp.path
+            what = (f"dying gasp written in {gasp.write_s:.3f}s, {gasp.t - t0:.3f}s after SIGTERM"
+                    if gasp.kind == "dying-gasp" else "the checkpoint of that step already existed")
+            incident.phases["checkpoint_written"] = gasp.t
+        else:
+            latest = await asyncio.to_thread(self._latest_checkpoint)
+            why = gasp.error if gasp is not None and gasp.error else f"not written within the grace period of {grace:.1f}s"
+            if latest is None:
+                step, path, what = -1, "", f"the dying gasp of step {stop_step} failed ({why}) and there is no checkpoint"
+            else:
+                step, path = latest.step, latest.url
+                what = (f"the dying gasp of step {stop_step} failed ({why}); the latest valid checkpoint "
+                        f"({latest.kind}) stands: steps {latest.step + 1}..{stop_step} will be re-run")
+        incident.phases["exited"] = time.time()
+        incident.status = "dumped" if step >= 0 else "failed"
+        incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
+                                "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
+                                "sigterm_to_exit_s": took})
+        self.events.incident(incident)
+        self.preemption.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
+                                "detail": what, "sigterm_to_exit_s": took,
+                                "dying_gasp_write_s": gasp.write_s if gasp is not None else None})
+        self.exit_reason = (f"preempted, checkpoint at step {step} ({what}); run the same command to resume"
+                            if step >= 0 else f"preempted, no checkpoint: {what}")
+        self.events.event("preempted", step=step, path=path, detail=what, sigterm_to_exit_s=took)
+        self.events.set_job("preemption", self.preemption)
+        log.warning("job %s: %s", self.config.job_id, self.exit_reason)
+        self._end(JobState.PREEMPTED)
 
     def _maybe_finish_recovery(self, rank: int, t: float, *, message_generation: int) -> None:
         recovery = self._recovery
@@ -669,6 +910,15 @@ class Manager:
             "rerun_steps": sorted(self.rerun_steps),
             "spares_ready": sum(a.spares_ready() for a in self._agents.values()),
             "exit_reason": self.exit_reason,
+            "checkpoints": {
+                "dir": self.checkpoint_dir,
+                "last": self.last_checkpoint,
+                "resumed_from": self.resumed_from,
+                "grace_period_s": round(self.grace_period()[0], 3),
+                "grace_basis": self.grace_period()[1],
+                "restarts": self._restarts,
+            },
+            "preemption": self.preemption,
             "ranks": [r.to_dict() for r in self.ranks.values()],
             "incidents": [i.to_dict() for i in self.incidents],
         }

@@ -19,6 +19,7 @@ __all__ = ["Action", "Decision", "PolicyContext", "decide", "stall_culprits"]
 class Action(str, enum.Enum):
     RETRY = "retry"  # same processes, new process groups, re-run the step
     REPLACE = "replace"  # new processes for the dead ranks, state from peers
+    RESTART = "restart"  # no peer holds the state: every rank restarts from the latest valid checkpoint
     FAIL = "fail"  # stop the job with a report
 
 
@@ -29,6 +30,10 @@ class PolicyContext:
     holders_alive: int
     # In-place retries of a communication error at one step before escalating.
     max_retries: int = 3
+    # The step of the latest valid persisted checkpoint (None: none), for the restart rung.
+    checkpoint_step: int | None = None
+    # Whole-job restarts from a checkpoint so far (bounded by max_restarts).
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,23 @@ class Decision:
 
 def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
     """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank
-    (up to ``max_restarts`` times for one rank at one step) -> fail with a report."""
+    (up to ``max_restarts`` times for one rank at one step) -> restart every rank from the
+    latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
+    fail with a report."""
     if ctx.holders_alive == 0:
+        gone = "every rank that held the training state is gone, so there is no peer to restore from"
+        if ctx.checkpoint_step is None:
+            return Decision(Action.FAIL, f"{gone}, and there is no valid checkpoint to restart from; restart the job")
+        if ctx.restarts >= ctx.max_restarts:
+            return Decision(
+                Action.FAIL,
+                f"{gone}, and the job was already restarted from a checkpoint {ctx.restarts} time(s) "
+                f"(--max-restarts {ctx.max_restarts})",
+            )
         return Decision(
-            Action.FAIL,
-            "every rank that held the training state is gone, so there is no peer to restore "
-            "from; restart the job",
+            Action.RESTART,
+            f"{gone}; every rank restarts from the checkpoint of step {ctx.checkpoint_step} "
+            f"(restart {ctx.restarts + 1} of at most {ctx.max_restarts})",
         )
     earlier = [i for i in history if i is not incident and i.step == incident.step]
     if incident.kind == "comm-error":

@@ -17,21 +17,23 @@ class JobState(str, enum.Enum):
     STOPPING = "stopping"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
-    STOPPED = "stopped"  # by the user (Ctrl-C, SIGTERM to the launcher)
+    STOPPED = "stopped"  # by the user (Ctrl-C, the API's stop)
+    PREEMPTED = "preempted"  # SIGTERM: the dying gasp was taken; run the same command again to resume
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED)
 
 
 _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING}),
     JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.STOPPING}),
     JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING}),
-    JobState.STOPPING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}),
+    JobState.STOPPING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.STOPPED: frozenset(),
+    JobState.PREEMPTED: frozenset(),
 }
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from undying.config import ENV_PREFIX, Timeouts, timeouts_from_env
+from undying.config import (
+    ENV_PREFIX,
+    CheckpointConfig,
+    Timeouts,
+    checkpoint_from_env,
+    timeouts_from_env,
+)
 
 __all__ = ["WorkerEnv"]
 
@@ -25,6 +31,9 @@ class WorkerEnv:
     joining: bool
     backend: str
     timeouts: Timeouts
+    checkpoint: CheckpointConfig
+    # A checkpoint to start from (a fresh start of a job that has one, or a whole-job restart).
+    resume_from: str = ""
 
     @classmethod
     def from_environ(cls) -> WorkerEnv | None:
@@ -48,4 +57,6 @@ class WorkerEnv:
             joining=env.get(f"{ENV_PREFIX}JOINING", "0") == "1",
             backend=env.get(f"{ENV_PREFIX}BACKEND", "gloo"),
             timeouts=timeouts_from_env(env),
+            checkpoint=checkpoint_from_env(env),
+            resume_from=env.get(f"{ENV_PREFIX}RESUME_FROM", ""),
         )

@@ -12,10 +12,13 @@ propagates, so the process exits and the manager's policy decides.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import logging
 import os
+import pickle
+import signal
 import threading
 import time
 import traceback
@@ -27,18 +30,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from undying.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointWriteError,
+    SaveResult,
+    load_replicated,
+    save_replicated,
+    state_nbytes,
+)
+from undying.config import EXIT_PREEMPTED
 from undying.errors import UsageError
 from undying.messages import (
     Abort,
     ArmFault,
+    CheckpointSaved,
     CommFailure,
     Done,
     Fatal,
     Heartbeat,
     Hello,
     Message,
+    Preempt,
     Progress,
     StepCommitted,
+    Stop,
+    StopAt,
+    StopProposal,
+    Terminated,
 )
 from undying.rendezvous import generation_key
 from undying.worker import rng
@@ -170,6 +188,19 @@ class Job:
         # (the transfer's point-to-point sends count on their two ends only).
         self._phase = "init"
         self._collectives_base = 0
+        # Persistent checkpoints (rank 0 writes; the state is replicated under DDP).
+        self._ckpt: AsyncCheckpointer | None = None
+        self._last_save_t = time.monotonic()
+        self._size_sent = False
+        self._resumed: tuple[int, str] | None = None  # (step, path) of the checkpoint this process loaded
+        # The dying gasp: Preempt -> StopProposal -> StopAt(step) -> finish it, rank 0 saves, exit.
+        self._preempt_lock = threading.Lock()
+        self._preempted = False
+        self._stop_at: int | None = None
+        self._stop_heard = threading.Event()
+        self._stop_grace_s = 30.0
+        self._stopping = False  # an ordered stop (Stop), not a preemption
+        self._terminated = False
         if env is None:
             self._start_unmanaged()
             return
@@ -194,6 +225,10 @@ class Job:
         )
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         threading.Thread(target=self._beat, name="undying-heartbeat", daemon=True).start()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        if env.resume_from and not env.joining:
+            self._load_checkpoint(env.resume_from)
         if env.joining:
             _prewarm_imports()
             # A script that built its own group joined this generation already.
@@ -239,11 +274,17 @@ class Job:
             committed, payload = self._stash
             state.load_state_dict(payload)
             self._stash = None
-            self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
+            self.current_step = committed
+            if self._resumed is not None and self._resumed[0] == committed:
+                self._send(Progress(self.rank, self.generation, "state_restored", time.time(), step=committed,
+                                    detail={"checkpoint": self._resumed[1]}))
+            else:
+                self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
         while True:
             while committed < cursor.total_steps:
                 index = committed + 1
-                self.current_step = index
+                if not self._may_start(index, committed):
+                    self._dying_gasp(state, committed)
                 batch = cursor.batch_for(index)
                 rng.reseed(seed, self.rank, "body", index)
                 if self.managed:
@@ -254,6 +295,8 @@ class Job:
                 if step.outcome is Outcome.COMMITTED:
                     committed = index
                     cursor.forget_through(index)
+                    if self.managed:
+                        self._maybe_save(state, index)
                 elif step.outcome is Outcome.ABORTED:
                     committed = self._recover(state, committed, clean=not step.optimizer_stepped)
                 else:
@@ -265,6 +308,8 @@ class Job:
             committed = self._recover(state, committed, clean=True)
         if self.managed:
             self._phase = "done"
+            if self._ckpt is not None:
+                self._finish_writes()
             self._send(Done(self.rank, committed, state.digest(), time.time()))
 
     # --- the transaction's hooks --------------------------------------------
@@ -303,6 +348,122 @@ class Job:
                 raise
             self._abort_reason = f"{type(e).__name__}: {e}"
             return False
+
+    # --- persistent checkpoints ---------------------------------------------
+
+    def _load_checkpoint(self, path: str) -> None:
+        """Start from a checkpoint (verified again here: every checksum, before anything is loaded)."""
+        try:
+            payload, manifest = load_replicated(path)
+        except pickle.UnpicklingError:
+            # The state holds Python objects beyond tensors and containers; the job's own checkpoint.
+            payload, manifest = load_replicated(path, weights_only=False)
+        self._stash = (manifest.step, payload)
+        self._resumed = (manifest.step, path)
+        log.warning("rank %d: resuming from checkpoint %s (step %d)", self.rank, path, manifest.step)
+
+    def _checkpointer(self) -> AsyncCheckpointer:
+        assert self.env is not None
+        if self._ckpt is None:
+            cfg = self.env.checkpoint
+            self._ckpt = AsyncCheckpointer(
+                cfg.dir, job_id=self.env.job_id, world_size=self.world_size, keep=cfg.keep,
+                if_busy="skip", on_done=self._report_save,
+            )
+        return self._ckpt
+
+    def _report_save(self, result: SaveResult | None, error: CheckpointWriteError | None) -> None:
+        """From the writer thread: the manager logs every save and every failed one."""
+        if result is not None:
+            self._send(CheckpointSaved(self.rank, result.step, result.kind, result.path, result.blocking_s,
+                                       result.write_s, result.bytes, time.time()))
+        elif error is not None:
+            self._send(CheckpointSaved(self.rank, error.step, "periodic", "", 0.0, 0.0, 0, time.time(),
+                                       error=str(error)))
+
+    def _maybe_save(self, state: State, index: int) -> None:
+        """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training."""
+        assert self.env is not None
+        cfg = self.env.checkpoint
+        if self.rank != 0:
+            return
+        if not self._size_sent:  # what the manager sizes the dying gasp's grace period from
+            self._size_sent = True
+            self._send(Progress(self.rank, self.generation, "state_size", time.time(), step=index,
+                                detail={"bytes": state_nbytes(state.state_dict())}))
+        due = (cfg.save_every > 0 and index % cfg.save_every == 0) or (
+            cfg.save_interval > 0 and time.monotonic() - self._last_save_t >= cfg.save_interval
+        )
+        if not due:
+            return
+        self._last_save_t = time.monotonic()
+        self._checkpointer().save(index, state.state_dict(), generation=self.generation)
+
+    def _finish_writes(self) -> SaveResult | None:
+        """Wait for the write in flight; a failure was reported when it happened."""
+        assert self._ckpt is not None
+        try:
+            return self._ckpt.wait()
+        except CheckpointWriteError:
+            return self._ckpt.last_result
+
+    # --- the dying gasp -----------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM to this worker (a kill of its group): tell the agent; the job takes its dying gasp."""
+        if self._stopping:
+            os._exit(128 + signal.SIGTERM)
+        if self._terminated or self._preempted:
+            return  # a dying gasp is under way
+        self._terminated = True
+        log.warning("rank %d: SIGTERM received; asking the job for its dying gasp", self.rank)
+        # Not from the handler itself: the training thread may hold the channel's lock.
+        threading.Thread(target=self._send, args=(Terminated(self.rank, time.time()),), daemon=True).start()
+
+    def _may_start(self, index: int, committed: int) -> bool:
+        """Start step ``index`` unless the job is preempted and agreed to stop at ``committed``."""
+        with self._preempt_lock:
+            if not self._preempted:
+                self.current_step = index
+                return True
+        if not self._stop_heard.wait(self._stop_grace_s):
+            log.warning("rank %d: no stop step heard; stopping at step %d", self.rank, committed)
+            self._stop_at = committed
+        assert self._stop_at is not None
+        if committed < self._stop_at:
+            self.current_step = index
+            return True
+        return False
+
+    def _dying_gasp(self, state: State, step: int) -> None:
+        """Every rank stopped at the agreed ``step``; rank 0 persists it, synchronously. Then exit."""
+        assert self.env is not None
+        self._phase = "done"
+        if self.rank == 0:
+            ckpt = self._checkpointer()
+            last = self._finish_writes()
+            if last is not None and last.step == step:
+                reused: tuple[int, str] | None = (step, last.path)
+            else:
+                reused = self._resumed if self._resumed is not None and self._resumed[0] == step else None
+            t = time.time()
+            if reused is not None:
+                log.warning("rank 0: dying gasp: the checkpoint of step %d already exists: %s", step, reused[1])
+                self._send(CheckpointSaved(0, step, "existing", reused[1], 0.0, 0.0, 0, t))
+            else:
+                try:
+                    result = save_replicated(
+                        ckpt.store, step, state.state_dict(), job_id=self.env.job_id, generation=self.generation,
+                        world_size=self.world_size, kind="dying-gasp", keep=self.env.checkpoint.keep,
+                    )
+                    self._send(CheckpointSaved(0, step, "dying-gasp", result.path, 0.0, result.write_s,
+                                               result.bytes, time.time()))
+                except Exception as e:
+                    log.error("rank 0: dying-gasp checkpoint of step %d failed: %s", step, e)
+                    self._send(CheckpointSaved(0, step, "dying-gasp", "", 0.0, time.time() - t, 0, time.time(),
+                                               error=f"{type(e).__name__}: {e}"))
+        self._send(Progress(self.rank, self.generation, "preempted", time.time(), step=step))
+        raise SystemExit(EXIT_PREEMPTED)
 
     # --- recovery -----------------------------------------------------------
 
@@ -436,6 +597,22 @@ class Job:
     def _on_command(self, message: Message) -> None:
         if isinstance(message, ArmFault):
             self._faults.arm(message)
+        elif isinstance(message, Preempt):
+            with self._preempt_lock:
+                self._preempted = True
+                proposal = self.current_step
+            self._send(StopProposal(self.rank, self.generation, proposal, time.time()))
+        elif isinstance(message, StopAt):
+            self._stop_grace_s = message.grace_s
+            with self._preempt_lock:
+                self._preempted = True
+                self._stop_at = message.step
+            self._stop_heard.set()
+        elif isinstance(message, Stop):
+            self._stopping = True
+            with contextlib.suppress(Exception):
+                self._channel.close()
+            os._exit(128 + signal.SIGTERM)
         elif isinstance(message, Abort):
             if message.generation == self.generation:
                 log.warning("rank %d: leaving generation %d: %s", self.rank, message.generation, message.reason)
