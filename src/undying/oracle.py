@@ -15,7 +15,7 @@ from typing import Any
 
 from undying.manager.events import connect_readonly, read_job
 
-__all__ = ["RunRecord", "Comparison", "load_run", "compare_runs"]
+__all__ = ["RunRecord", "Comparison", "load_run", "compare_runs", "merge_runs"]
 
 
 @dataclass(frozen=True)
@@ -101,4 +101,29 @@ def compare_runs(baseline: RunRecord, faulty: RunRecord) -> Comparison:
         missing_steps=missing,
         digests_equal=digests_equal,
         reasons=reasons,
+    )
+
+
+def merge_runs(first: RunRecord, second: RunRecord) -> RunRecord:
+    """One record of a job run in two launches (preempted, then resumed with the same command).
+
+    A step logged by both launches was completed twice: its work was lost and
+    re-run, and it counts in ``rerun_steps``. The final state is the second's.
+    """
+    losses = dict(first.losses)
+    inconsistent = set(first.inconsistent_steps) | set(second.inconsistent_steps)
+    for step, loss in second.losses.items():
+        if step in losses and losses[step] != loss:
+            inconsistent.add(step)
+        losses[step] = loss
+    for step in inconsistent:
+        losses.pop(step, None)
+    return RunRecord(
+        state=second.state,
+        losses=losses,
+        inconsistent_steps=sorted(inconsistent),
+        rerun_steps=sorted(set(first.rerun_steps) | set(second.rerun_steps) | (set(first.losses) & set(second.losses))),
+        digests=second.digests,
+        incidents=[*first.incidents, *second.incidents],
+        commits=first.commits + second.commits,
     )

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,12 +29,14 @@ from rich.console import Console
 from rich.table import Table
 
 from undying.cli.client import api_get, api_post
+from undying.config import EXIT_PREEMPTED
 from undying.demo import TRAIN_SCRIPT
 from undying.errors import UsageError
 from undying.jobdir import JobDir
-from undying.oracle import compare_runs, load_run
+from undying.manager.events import connect_readonly
+from undying.oracle import RunRecord, compare_runs, load_run, merge_runs
 
-__all__ = ["add_parser", "FAULTS", "run_job"]
+__all__ = ["add_parser", "FAULTS", "run_job", "run_preempted", "load_preempted"]
 
 RANKS = 4
 
@@ -60,6 +63,9 @@ FAULTS: dict[str, FaultPlan] = {
     "hang": FaultPlan("hang", rank=3, at_step=10, phase="forward",
                       description="SIGSTOP of rank 3 in a step's forward pass (heartbeat timeout 3 s)",
                       run_args=("--heartbeat-timeout", "3")),
+    "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
+                         description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
+                         "the same command again resumes"),
 }
 
 # The seeded job: 4 ranks, 128 steps an epoch.
@@ -81,6 +87,87 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
+def _run_argv(job_dir: Path, ranks: int, extra_run_args: list[str] | None, script: Path,
+              script_args: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0",
+        "--job-dir", str(job_dir), "--job-id", job_dir.name, "--stop-grace", "3",
+        *(extra_run_args or []), str(script), *script_args,
+    ]
+
+
+def run_preempted(job_dir: Path, script_args: list[str], *, at_step: int, ranks: int = RANKS,
+                  timeout_s: float = 120.0, extra_run_args: list[str] | None = None,
+                  script: Path = TRAIN_SCRIPT) -> tuple[int, float]:
+    """Run ``undying run`` and send its launcher SIGTERM once the job reached ``at_step``.
+
+    Returns the launcher's exit code and when SIGTERM was sent (unix time).
+    """
+    argv = _run_argv(job_dir, ranks, extra_run_args, script, script_args)
+    deadline = time.monotonic() + timeout_s
+    with open(job_dir.parent / f"{job_dir.name}.preempted.log", "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the job ended ({process.returncode}) before it reached step {at_step}")
+                info = JobDir(job_dir).read_manager()
+                if info is not None:
+                    try:
+                        if api_get(info["url"], "/api/status")["step"] >= at_step:
+                            break
+                    except Exception:  # the API is starting or stopping
+                        pass
+                time.sleep(0.02)
+            sigterm_t = time.time()
+            os.kill(process.pid, signal.SIGTERM)
+            return process.wait(timeout=max(1.0, deadline - time.monotonic())), sigterm_t
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+
+
+def load_preempted(job_dir: Path, sigterm_t: float) -> tuple[RunRecord, dict[str, Any]]:
+    """The two launches of a preempted-then-resumed job as one record, and the preempt incident.
+
+    The incident's ``mttr_s`` runs from SIGTERM to the first step completed by
+    every rank in the resumed launch; its phases add the relaunch and the restore.
+    """
+    older = sorted(job_dir.glob("events.*.db"), key=lambda p: p.stat().st_mtime)
+    if not older:
+        raise RuntimeError(f"{job_dir} holds one launch only: the job was not relaunched")
+    first, second = load_run(older[-1]), load_run(job_dir / "events.db")
+    merged = merge_runs(first, second)
+    preempts = [i for i in first.incidents if i["kind"] == "preempt"]
+    incident: dict[str, Any] = dict(preempts[-1]) if preempts else {
+        "kind": "preempt", "rank": -1, "step": 0, "action": "dump", "status": "failed", "phases": {},
+        "detail": {}, "mttr_s": None, "fault_t": sigterm_t,
+    }
+    db = connect_readonly(job_dir / "events.db")
+    try:
+        started = db.execute("SELECT value FROM job WHERE key = 'started_at'").fetchone()
+        restored = db.execute("SELECT MAX(t) FROM events WHERE kind = 'state_restored'").fetchone()[0]
+        resumed = db.execute("SELECT data FROM events WHERE kind = 'resumed'").fetchone()
+        firsts = db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank").fetchall()
+    finally:
+        db.close()
+    phases = {k: v for k, v in incident["phases"].items()}
+    if started is not None:
+        phases["relaunched"] = round(float(json.loads(started[0])) - sigterm_t, 4)
+    if restored is not None:
+        phases["state_restored"] = round(restored - sigterm_t, 4)
+    resumed_ok = resumed is not None and len(firsts) == len(second.digests or firsts)
+    if firsts:
+        phases["first_step_done"] = round(max(t for _, t in firsts) - sigterm_t, 4)
+    incident["phases"] = phases
+    incident["mttr_s"] = phases.get("first_step_done")
+    incident["status"] = "recovered" if resumed_ok and incident["status"] == "dumped" else incident["status"]
+    incident["detail"] = {**incident.get("detail", {}),
+                          "resumed_from": json.loads(resumed[0]) if resumed is not None else None}
+    return merged, incident
+
+
 def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault: FaultPlan | None = None,
             faults: Sequence[FaultPlan] = (), timeout_s: float = 120.0,
             extra_run_args: list[str] | None = None, log_file: Path | None = None,
@@ -91,11 +178,7 @@ def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault:
     their ``at_step`` counts from the step the job is at then.
     """
     planned = [*([fault] if fault is not None else []), *faults]
-    argv = [
-        sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0",
-        "--job-dir", str(job_dir), "--job-id", job_dir.name, "--stop-grace", "3",
-        *(extra_run_args or []), str(script), *script_args,
-    ]
+    argv = _run_argv(job_dir, ranks, extra_run_args, script, script_args)
     log_path = log_file or job_dir.parent / f"{job_dir.name}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -148,16 +231,32 @@ def run(args: argparse.Namespace) -> int:
         console.print("  run 1/2: without the fault ...")
         rc_base = run_job(root / "fault-free", script_args)
         console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
-        rc_fault = run_job(root / "with-fault", script_args, fault=fault, when_warm=True,
-                           extra_run_args=list(fault.run_args))
         baseline = load_run(root / "fault-free" / "events.db")
-        faulty = load_run(root / "with-fault" / "events.db")
+        exit_codes = {"fault_free": rc_base}
+        if fault.kind == "preempt":
+            rc_term, sigterm_t = run_preempted(root / "with-fault", script_args, at_step=fault.at_step)
+            console.print(f"    SIGTERM at step >= {fault.at_step}: the launcher exited {rc_term}; "
+                          "running the same command again ...")
+            rc_fault = run_job(root / "with-fault", script_args)
+            faulty, preempt_incident = load_preempted(root / "with-fault", sigterm_t)
+            faulty_incidents = [*[i for i in faulty.incidents if i["kind"] != "preempt"], preempt_incident]
+            exit_codes["preempted"] = rc_term
+            rc_ok = rc_term == EXIT_PREEMPTED
+        else:
+            rc_fault = run_job(root / "with-fault", script_args, fault=fault, when_warm=True,
+                               extra_run_args=list(fault.run_args))
+            faulty = load_run(root / "with-fault" / "events.db")
+            faulty_incidents = faulty.incidents
+            rc_ok = True
+        exit_codes["with_fault"] = rc_fault
         comparison = compare_runs(baseline, faulty)
-        incidents = [_incident_view(i) for i in faulty.incidents]
+        incidents = [_incident_view(i) for i in faulty_incidents]
         reasons = list(comparison.reasons)
+        if not rc_ok:
+            reasons.append(f"the preempted launcher exited {exit_codes['preempted']}, not {EXIT_PREEMPTED}")
         if not any(i["kind"] == fault.kind for i in incidents):
             reasons.append(f"no {fault.kind} incident was recorded: the fault did not happen")
-        ok = not reasons and rc_base == 0 and rc_fault == 0
+        ok = not reasons and rc_base == 0 and rc_fault == 0 and rc_ok
         result: dict[str, Any] = {
             "fault": fault.kind,
             "identical": comparison.identical,
@@ -166,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             "incidents": incidents,
             "ranks": RANKS,
             "final_state_identical": comparison.digests_equal,
-            "exit_codes": {"fault_free": rc_base, "with_fault": rc_fault},
+            "exit_codes": exit_codes,
             "wall_s": round(time.monotonic() - started, 2),
             "ok": ok,
             "reasons": reasons,
@@ -192,21 +291,23 @@ def _incident_view(incident: dict[str, Any]) -> dict[str, Any]:
         "status": incident["status"],
         "mttr_s": incident["mttr_s"],
         "phases": incident["phases"],
-        "replacement": incident["detail"].get("replacement"),
+        "replacement": incident.get("detail", {}).get("replacement"),
     }
 
 
 def _render(result: dict[str, Any], console: Console) -> None:
-    table = Table("kind", "rank", "step", "action", "status", "mttr s", *(
-        p for p in ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done")
-    ), title="incidents (timeline in seconds since the fault)")
+    names = ["detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done"]
+    if any(i["kind"] == "preempt" for i in result["incidents"]):
+        names = ["detected", "decided", "checkpoint_written", "exited", "relaunched", "state_restored",
+                 "first_step_done"]
+    table = Table("kind", "rank", "step", "action", "status", "mttr s", *names,
+                  title="incidents (timeline in seconds since the fault)")
     for i in result["incidents"]:
         phases = i["phases"]
         table.add_row(
             i["kind"], str(i["rank"]), str(i["step"]), i["action"], i["status"],
             "-" if i["mttr_s"] is None else f"{i['mttr_s']:.3f}",
-            *(f"{phases[p]:.3f}" if p in phases else "-" for p in
-              ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done")),
+            *(f"{phases[p]:.3f}" if p in phases else "-" for p in names),
         )
     console.print(table)
     verdict = "[green]identical[/green]" if result["identical"] else "[red]DIFFERENT[/red]"

@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -462,8 +463,15 @@ class Job:
                     log.error("rank 0: dying-gasp checkpoint of step %d failed: %s", step, e)
                     self._send(CheckpointSaved(0, step, "dying-gasp", "", 0.0, time.time() - t, 0, time.time(),
                                                error=f"{type(e).__name__}: {e}"))
-        self._send(Progress(self.rank, self.generation, "preempted", time.time(), step=step))
-        raise SystemExit(EXIT_PREEMPTED)
+        self._send(Progress(self.rank, self.generation, "preempt_exit", time.time(), step=step))
+        # Out at once: the state is safe, and an orderly interpreter teardown (process groups,
+        # loader workers) can take seconds of a grace period that Kubernetes ends with SIGKILL.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(Exception):
+            self._channel.close()
+        os._exit(EXIT_PREEMPTED)
 
     # --- recovery -----------------------------------------------------------
 
