@@ -53,8 +53,9 @@ RECOVERY_PHASES = (
 
 # Where a worker can be made to fault: at the start of a step (between steps),
 # in the forward pass, in backward's gradient all-reduce, in the optimizer
-# step, or when it starts a recovery.
-INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery")
+# step, when it starts a recovery, or (for the rank's next replacement
+# process) once it has joined and received its state.
+INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery", "rejoin")
 
 
 @dataclass(frozen=True)

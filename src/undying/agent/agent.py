@@ -116,6 +116,7 @@ class Agent:
         self._stopping = False
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
         self._step_times: deque[float] = deque(maxlen=100)
+        self._for_replacement: dict[int, list[ArmFault]] = {}  # faults armed for a rank's next replacement
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -123,6 +124,7 @@ class Agent:
         task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_report_crash)
 
     def step_timeout(self) -> float:
         return step_timeout(self.config.timeouts.step, max(self._step_times, default=None))
@@ -254,7 +256,8 @@ class Agent:
             self.keep_spares()
         else:
             process = self._start_process({**self._base_environment(), **rank_env}, spare=False)
-        worker = _Worker(rank=rank, process=process, started=time.time())
+        worker = _Worker(rank=rank, process=process, started=time.time(),
+                         pending=[*self._for_replacement.pop(rank, [])] if joining else [])
         old = self._workers.get(rank)
         if old is not None:
             self._by_pid.pop(old.pid, None)
@@ -329,6 +332,9 @@ class Agent:
         return [r for r, w in self._workers.items() if w.process.returncode is None]
 
     def arm(self, rank: int, fault: ArmFault) -> None:
+        if fault.phase == "rejoin":  # for the rank's next replacement process, not this one
+            self._for_replacement.setdefault(rank, []).append(fault)
+            return
         worker = self._workers.get(rank)
         if worker is None:
             return
@@ -448,6 +454,12 @@ class _PopenProcess:
 
     async def wait(self) -> int:
         return await asyncio.shield(self._done)
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    """A watch task that dies takes the job's hang detection with it: say so loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("agent task %s died", task.get_name(), exc_info=task.exception())
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -34,7 +34,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--phase", choices=INJECT_PHASES, default=None,
         help="where in the step: step (its start, the default with --at-step), forward, "
-        "backward (during the gradient all-reduce), optimizer, recovery",
+        "backward (during the gradient all-reduce), optimizer, recovery (when the rank starts "
+        "recovering from another fault), rejoin (the rank's next replacement process, once it "
+        "joined and received its state: a fault of the replacement itself)",
     )
     p.add_argument(
         "--how", choices=HANG_HOWS, default=None,

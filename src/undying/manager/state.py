@@ -114,6 +114,7 @@ class Incident:
             "step": self.step,
             "action": self.action,
             "status": self.status,
+            "recovery": self.recovery,
             "fault_t": self.fault_t,
             "mttr_s": self.mttr_s,
             "phases": {k: round(v - self.fault_t, 4) for k, v in self.phases.items()},

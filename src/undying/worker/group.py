@@ -161,6 +161,12 @@ def leave_group() -> None:
 
 def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, collective_s: float) -> None:
     before = _sockets()
+    # The default group's name ("0") prefixes its keys in the store. A failed
+    # init_process_group used the name without resetting the counter behind it
+    # (only destroy_process_group does), so a rank that failed to form one
+    # generation would name the next group "1" and wait forever for keys its
+    # peers wrote under "0".
+    dist.distributed_c10d._world.group_count = 0
     store = dist.TCPStore(
         record.store_host,
         record.store_port,

@@ -535,6 +535,8 @@ class Job:
                 )
             )
             self.current_step = plan.target
+            if first is not None:
+                self._faults.check("rejoin", plan.target)
             self._collectives_base = max(0, collectives_entered())
             self._phase = resume_phase
             return plan.target
