@@ -86,7 +86,8 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, oracle
     assert rc == EXIT_PREEMPTED
     found = scan(job_dir / "checkpoints")
     newest, previous = found[-1], found[-2]
-    assert newest.kind == "dying-gasp" and previous.kind == "periodic"
+    # The newest is the dying gasp, or the periodic checkpoint of the stop step when one was due there.
+    assert newest.valid and previous.valid and newest.step > previous.step
     state = Path(newest.path) / "state.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, wrong checksum
