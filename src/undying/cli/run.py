@@ -81,7 +81,8 @@ no checkpoint at all.""",
                    "still running then are killed (default: sized from the measured checkpoint size and "
                    "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
     c.add_argument("--gasp-reuse-within", type=float, default=60.0, metavar="SECONDS",
-                   help="a SIGTERM this soon after a dying gasp reuses it instead of writing again (default 60)")
+                   help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
+                   "step was trained since (default 60)")
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")

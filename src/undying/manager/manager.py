@@ -700,6 +700,10 @@ class Manager:
         if self.config.checkpoint.gasp_reuse_s > 0:
             reused = await asyncio.to_thread(recent_dying_gasp, self.checkpoint_dir,
                                              within_s=self.config.checkpoint.gasp_reuse_s)
+            if reused is not None and reused.step < newest:
+                # Steps were trained since: reusing it would lose them. Write a new one.
+                self.events.event("dying_gasp_not_reused", step=reused.step, newest_step=newest)
+                reused = None
         live = {r for a in self._agents.values() for r in a.live_ranks()}
         stop_step = -1
         if reused is not None:

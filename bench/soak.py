@@ -1,0 +1,294 @@
+"""Soak: one long seeded job under a stream of random real faults, then the oracle.
+
+Method
+------
+The demo job (4 ranks, gloo on CPU) runs under ``undying run`` with one warm
+spare, short detection limits (``--heartbeat-timeout`` and ``--step-timeout``,
+2 s each) and ``--max-restarts`` 3. A driver injects faults through the job's
+HTTP API, one scenario at a time: it arms the scenario a few steps ahead of
+the job, waits until every incident it caused is recovered (or failed), and
+goes on until ``--faults`` faults were injected. The scenarios, drawn with a
+seeded RNG:
+
+* crash: SIGKILL of a rank, at the start of a step, in forward, in backward's
+  gradient all-reduce or in the optimizer step;
+* hang (stop): SIGSTOP of a rank (missing heartbeats);
+* hang (spin) / hang (block): the rank's training thread loops or blocks
+  forever in forward or backward while the process lives and beats (missing
+  progress: the step timeout);
+* comm-error: the rank breaks its process group's connections (retry in place);
+* overlap (two at once): two ranks crash at the same step;
+* overlap (during recovery): a rank crashes, and another hangs (SIGSTOP) as it
+  starts recovering from it;
+* overlap (replacement dies): a rank crashes, and its replacement crashes once
+  it has joined.
+
+Then the same job runs fault-free and the two are compared step by step
+(``undying.oracle``): every per-step loss identical, no step completed twice,
+the final states equal. Reported: faults injected and recovered, per incident
+kind the median and p95 recovery time (fault to the first step every rank
+completed after the recovery), and the scenarios that ended otherwise.
+
+Run it from the repository root::
+
+    python bench/soak.py                  # 100 faults, text report
+    python bench/soak.py --faults 20 --json
+
+It asserts nothing; it reports. Every process started is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
+    STOP_GRACE_S,
+    Workload,
+    bench_env,
+    launch,
+    stop,
+    undying_worker_pids,
+    wait_for,
+)
+
+from undying.cli.client import api_get, api_post  # noqa: E402
+from undying.demo import TRAIN_SCRIPT  # noqa: E402
+from undying.errors import JobNotRunningError, UsageError  # noqa: E402
+from undying.jobdir import JobDir  # noqa: E402
+from undying.oracle import compare_runs, load_run  # noqa: E402
+
+RANKS = 4
+LIMIT_S = 2.0
+STEP_PHASES = ("step", "forward", "backward", "optimizer")
+# (scenario, weight): single faults most of the time, overlaps one time in five.
+SCENARIOS = (
+    ("crash", 4), ("hang-stop", 2), ("hang-spin", 1), ("hang-block", 1), ("comm-error", 3),
+    ("overlap-two-at-once", 1), ("overlap-during-recovery", 1), ("overlap-replacement-dies", 1),
+)
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    rank: int
+    phase: str
+    how: str | None = None
+    offset: int = 0  # steps after the scenario's base step ("rejoin" and "recovery" use 1)
+
+
+def plan(scenario: str, rng: random.Random) -> list[Injection]:
+    a, b = rng.sample(range(RANKS), 2)
+    if scenario == "crash":
+        return [Injection("crash", a, rng.choice(STEP_PHASES))]
+    if scenario.startswith("hang-"):
+        how = scenario.removeprefix("hang-")
+        phase = "step" if how == "stop" else rng.choice(("forward", "backward"))
+        return [Injection("hang", a, phase, how=how)]
+    if scenario == "comm-error":
+        return [Injection("comm-error", a, rng.choice(("forward", "backward")))]
+    if scenario == "overlap-two-at-once":
+        return [Injection("crash", a, "backward"), Injection("crash", b, "backward")]
+    if scenario == "overlap-during-recovery":
+        return [Injection("crash", a, "backward"), Injection("hang", b, "recovery", how="stop", offset=-10**6)]
+    if scenario == "overlap-replacement-dies":
+        return [Injection("crash", a, "forward"), Injection("crash", a, "rejoin", offset=-10**6)]
+    raise ValueError(scenario)
+
+
+def _status(url: str) -> dict[str, Any]:
+    return api_get(url, "/api/status")
+
+
+def drive(url: str, args: argparse.Namespace, total_steps: int, log: Any) -> list[dict[str, Any]]:
+    """Inject scenarios until ``args.faults`` faults are in; returns what was injected."""
+    rng = random.Random(args.seed)
+    names = [name for name, _ in SCENARIOS]
+    weights = [w for _, w in SCENARIOS]
+    injected: list[dict[str, Any]] = []
+    count = 0
+    while count < args.faults:
+        status = _status(url)
+        if status["state"] in ("succeeded", "failed", "stopped", "stopping"):
+            print(f"soak: the job ended ({status['state']}) after {count} faults", file=log)
+            break
+        if status["state"] != "running" or any(i["status"] == "open" for i in status["incidents"]):
+            time.sleep(0.1)
+            continue
+        base = status["step"] + 3
+        if base > total_steps - 10:
+            print(f"soak: the job is near its end (step {status['step']}); {count} faults", file=log)
+            break
+        scenario = rng.choices(names, weights)[0]
+        before = len(status["incidents"])
+        t = time.time()
+        faults = plan(scenario, rng)
+        for injection in faults:
+            at_step = max(1, base + injection.offset)
+            api_post(url, "/api/inject", {"kind": injection.kind, "rank": injection.rank,
+                                          "at_step": at_step, "phase": injection.phase, "how": injection.how})
+            count += 1
+        injected.append({"scenario": scenario, "t": t, "base_step": base, "faults": len(faults)})
+        _wait_recovered(url, before, deadline=time.monotonic() + 90)
+        print(f"soak: [{count}/{args.faults}] {scenario} at step {base}", file=log, flush=True)
+    return injected
+
+
+def _wait_recovered(url: str, before: int, deadline: float) -> None:
+    """Until the scenario's incidents exist and none is open (or the job ended)."""
+    while time.monotonic() < deadline:
+        try:
+            status = _status(url)
+        except JobNotRunningError:
+            return
+        incidents = status["incidents"][before:]
+        if status["state"] in ("succeeded", "failed", "stopped"):
+            return
+        if incidents and all(i["status"] != "open" for i in incidents) and status["state"] == "running":
+            time.sleep(0.3)  # a second fault of the scenario may still be on its way
+            status = _status(url)
+            if all(i["status"] != "open" for i in status["incidents"][before:]) and status["state"] == "running":
+                return
+        time.sleep(0.1)
+
+
+def run_job(workload: Workload, run_dir: Path, args: argparse.Namespace, log: Any,
+            with_faults: bool) -> tuple[int, list[dict[str, Any]]]:
+    job_dir = run_dir / "job"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "undying", "run", "-n", str(RANKS), "--port", "0",
+            "--job-dir", str(job_dir), "--job-id", run_dir.name, "--spares", "1" if with_faults else "0",
+            "--heartbeat-timeout", str(LIMIT_S), "--step-timeout", str(LIMIT_S),
+            "--max-restarts", "3", "--stop-grace", "3", str(TRAIN_SCRIPT), *workload.script_args()]
+    process = launch(argv, bench_env(), run_dir / "launcher.log")
+    injected: list[dict[str, Any]] = []
+    try:
+        if with_faults:
+            deadline = time.monotonic() + 60
+            url = None
+            while url is None and time.monotonic() < deadline:
+                info = JobDir(job_dir).read_manager()
+                if info is not None:
+                    try:
+                        if _status(info["url"])["spares_ready"] >= 1:
+                            url = info["url"]
+                    except (JobNotRunningError, UsageError):
+                        pass
+                time.sleep(0.1)
+            if url is None:
+                raise RuntimeError(f"the job did not come up with a warm spare; see {run_dir / 'launcher.log'}")
+            injected = drive(url, args, workload.total_steps, log)
+        return wait_for(process, time.monotonic() + args.timeout), injected
+    finally:
+        stop(process, lambda: undying_worker_pids(job_dir / "events.db"), STOP_GRACE_S)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarize(faulty_dir: Path, baseline_dir: Path, injected: list[dict[str, Any]],
+              returncode: int) -> dict[str, Any]:
+    faulty = load_run(faulty_dir / "job" / "events.db")
+    baseline = load_run(baseline_dir / "job" / "events.db")
+    comparison = compare_runs(baseline, faulty)
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    statuses = Counter(i["status"] for i in faulty.incidents)
+    actions = Counter(f"{i['kind']}:{i['action']}" for i in faulty.incidents)
+    for incident in faulty.incidents:
+        if incident["status"] == "recovered" and incident.get("mttr_s") is not None:
+            replacement = incident.get("detail", {}).get("replacement")
+            how = {"warm spare": " (warm spare)", "new process": " (new process)"}.get(replacement, "")
+            by_kind[incident["kind"] + how].append(incident["mttr_s"])
+    rounds = Counter(i["recovery"] for i in faulty.incidents)
+    overlapped = sum(1 for n in rounds.values() if n > 1)
+    return {
+        "scenarios": len(injected),
+        "scenario_counts": dict(Counter(s["scenario"] for s in injected)),
+        "incidents": len(faulty.incidents),
+        "incident_status": dict(statuses),
+        "incident_actions": dict(actions),
+        "recovery_rounds_with_several_incidents": overlapped,
+        "recovery_s_by_kind": {
+            kind: {"n": len(v), "median": round(statistics.median(v), 3), "p95": round(percentile(v, 0.95), 3),
+                   "max": round(max(v), 3)}
+            for kind, v in sorted(by_kind.items())
+        },
+        "job_state": faulty.state,
+        "returncode": returncode,
+        "identical": comparison.identical,
+        "steps": comparison.steps,
+        "lost_steps": comparison.lost_steps,
+        "reasons": comparison.reasons,
+    }
+
+
+def render(result: dict[str, Any], out: Any) -> None:
+    print(f"soak: {result['faults_injected']} faults in {result['scenarios']} scenarios "
+          f"({result['scenario_counts']})", file=out)
+    print(f"  incidents: {result['incidents']} {result['incident_status']}; actions {result['incident_actions']}; "
+          f"recovery rounds that handled several: {result['recovery_rounds_with_several_incidents']}", file=out)
+    for kind, s in result["recovery_s_by_kind"].items():
+        print(f"  {kind:<26} n={s['n']:<3} median {s['median']:.2f} s  p95 {s['p95']:.2f} s  max {s['max']:.2f} s",
+              file=out)
+    print(f"  job {result['job_state']} (exit {result['returncode']}); {result['steps']} steps; losses identical: "
+          f"{result['identical']}; lost steps: {result['lost_steps']}; wall {result['wall_s']:.0f} s "
+          f"(fault-free {result['baseline_wall_s']:.0f} s)", file=out)
+    for reason in result["reasons"]:
+        print(f"  ! {reason}", file=out)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through run_job's cleanup: every process started is stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", type=int, default=100, help="faults to inject (an overlap counts its faults)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule")
+    p.add_argument("--epochs", type=int, default=24, help="epochs of the demo job (128 steps each)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
+    p.add_argument("--keep", default=None, help="keep the runs' folders here")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout; the report on stderr")
+    args = p.parse_args(argv)
+    workload = Workload(epochs=args.epochs, samples=8192, features=32, hidden=64, layers=2, batch_size=16)
+    out = sys.stderr if args.json else sys.stdout
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="undying-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    rc, injected = run_job(workload, root / "faulty", args, out, with_faults=True)
+    wall = time.monotonic() - started
+    started = time.monotonic()
+    baseline_rc, _ = run_job(workload, root / "baseline", args, out, with_faults=False)
+    baseline_wall = time.monotonic() - started
+    result = summarize(root / "faulty", root / "baseline", injected, rc)
+    result.update({
+        "date": time.strftime("%Y-%m-%d"),
+        "faults_injected": sum(s["faults"] for s in injected),
+        "seed": args.seed, "workload": vars(workload), "total_steps": workload.total_steps,
+        "wall_s": round(wall, 1), "baseline_wall_s": round(baseline_wall, 1), "baseline_returncode": baseline_rc,
+        "limits_s": {"heartbeat": LIMIT_S, "step": LIMIT_S}, "runs": str(root),
+    })
+    render(result, out)
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
