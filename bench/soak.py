@@ -195,6 +195,21 @@ def run_job(workload: Workload, run_dir: Path, args: argparse.Namespace, log: An
         stop(process, lambda: undying_worker_pids(job_dir / "events.db"), STOP_GRACE_S)
 
 
+def leaked_processes(job_dir: Path) -> list[int]:
+    """Processes still alive that belong to the job (workers and spares carry its dir in their environment)."""
+    marker = f"UNDYING_JOB_DIR={job_dir}".encode()
+    leaked = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                leaked.append(int(entry.name))
+        except OSError:
+            continue
+    return leaked
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
@@ -248,6 +263,7 @@ def render(result: dict[str, Any], out: Any) -> None:
     print(f"  job {result['job_state']} (exit {result['returncode']}); {result['steps']} steps; losses identical: "
           f"{result['identical']}; lost steps: {result['lost_steps']}; wall {result['wall_s']:.0f} s "
           f"(fault-free {result['baseline_wall_s']:.0f} s)", file=out)
+    print(f"  processes left behind: {len(result['leaked_processes'])} {result['leaked_processes'] or ''}", file=out)
     for reason in result["reasons"]:
         print(f"  ! {reason}", file=out)
 
@@ -277,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline_rc, _ = run_job(workload, root / "baseline", args, out, with_faults=False)
     baseline_wall = time.monotonic() - started
     result = summarize(root / "faulty", root / "baseline", injected, rc)
+    result["leaked_processes"] = leaked_processes(root / "faulty" / "job") + leaked_processes(root / "baseline" / "job")
     result.update({
         "date": time.strftime("%Y-%m-%d"),
         "faults_injected": sum(s["faults"] for s in injected),
