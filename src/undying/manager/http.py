@@ -1,5 +1,7 @@
 """The manager's HTTP API on localhost: one endpoint per resource.
 
+GET  /                the status web page (polls /api/status once a second)
+GET  /metrics         Prometheus metrics of the job (text exposition format)
 GET  /api/status      the job: state, generation, step, ranks, incidents
 GET  /api/ranks       ranks with their step, state and PID
 GET  /api/incidents   incidents with their timelines
@@ -16,8 +18,10 @@ from aiohttp import web
 
 from undying.errors import UsageError
 from undying.manager.manager import Manager
+from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
+from undying.manager.page import status_page
 
-__all__ = ["start_http"]
+__all__ = ["start_http", "build_app"]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -29,6 +33,17 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def build_app(manager: Manager) -> web.Application:
+    # One registry per app: several managers in one process (tests) must not share metrics.
+    registry = new_registry(manager.status)
+
+    async def page(request: web.Request) -> web.Response:
+        # no-store: a browser kept open across a manager upgrade gets the new page on reload.
+        return web.Response(body=status_page(), content_type="text/html", charset="utf-8",
+                            headers={"Cache-Control": "no-store"})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=exposition(registry), headers={"Content-Type": CONTENT_TYPE})
+
     async def status(request: web.Request) -> web.Response:
         return _json(manager.status())
 
@@ -63,6 +78,8 @@ def build_app(manager: Manager) -> web.Application:
         return _json({"stopping": True})
 
     app = web.Application()
+    app.router.add_get("/", page)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/status", status)
     app.router.add_get("/api/ranks", ranks)
     app.router.add_get("/api/incidents", incidents)

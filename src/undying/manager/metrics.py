@@ -1,0 +1,180 @@
+"""Prometheus metrics of one job, read from the manager's status on every scrape.
+
+The manager already keeps the job's truth (``Manager.status()``), so the metrics
+are a view of it rather than a second set of counters updated at each event:
+a custom collector turns the status dict into metric families when Prometheus
+scrapes ``GET /metrics``. Nothing drifts between what the page, the CLI and
+Prometheus show, and a manager restarted from its SQLite log exposes the same
+totals as before (they are recomputed from the incidents it reloaded).
+
+Each app gets its own ``CollectorRegistry``: the process-wide default registry
+would mix several managers in one process (tests run many) and carries the
+Python process collectors, which say nothing about the job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from undying.manager.state import JobState, RankState
+
+__all__ = ["StatusCollector", "RECOVERY_BUCKETS", "CONTENT_TYPE", "new_registry", "exposition"]
+
+# Recovery (fault to first completed step) takes about a second with a warm
+# spare, a few without one, and up to the recovery timeout (600 s by default)
+# when something is badly wrong: buckets cover all three.
+RECOVERY_BUCKETS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Ranks in these states have a process that is (or is about to be) training.
+_ALIVE = {RankState.STARTING.value, RankState.RUNNING.value, RankState.RECOVERING.value}
+
+StatusSource = Callable[[], Mapping[str, Any]]
+
+
+class StatusCollector(Collector):
+    """Metric families computed from one status dict per scrape.
+
+    ``status`` is ``Manager.status`` or anything returning the same shape; keys
+    added later (``trace``, ``step_times``) are read with defaults so that an
+    older manager still yields every other metric.
+    """
+
+    def __init__(self, status: StatusSource) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        status = self._status()
+        job_id = str(status.get("job_id") or "")
+        yield from _job(status, job_id)
+        yield from _ranks(status.get("ranks") or [])
+        yield from _steps(status)
+        yield from _incidents(status.get("incidents") or [])
+        yield from _trace(status.get("trace") or {})
+
+
+def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
+    info = GaugeMetricFamily("undying_job_info", "The job this manager runs (always 1).", labels=["job_id"])
+    info.add_metric([job_id], 1)
+    yield info
+    state = GaugeMetricFamily(
+        "undying_job_state", "1 for the job's current state, 0 for the others.", labels=["state"]
+    )
+    current = str(status.get("state") or "")
+    for s in JobState:
+        state.add_metric([s.value], 1.0 if s.value == current else 0.0)
+    yield state
+    yield GaugeMetricFamily(
+        "undying_generation", "The current process-group generation (one more per recovery).",
+        value=float(status.get("generation") or 0),
+    )
+    yield GaugeMetricFamily("undying_world_size", "Ranks the job trains on.", value=float(status.get("world_size") or 0))
+    yield GaugeMetricFamily(
+        "undying_spares_ready", "Hot spare processes warm and ready to replace a rank.",
+        value=float(status.get("spares_ready") or 0),
+    )
+    restarts = (status.get("checkpoints") or {}).get("restarts") or 0
+    yield CounterMetricFamily(
+        "undying_job_restarts", "Whole-job restarts from a checkpoint (the last rung before failing).",
+        value=float(restarts),
+    )
+
+
+def _ranks(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+    alive = sum(1 for r in ranks if r.get("state") in _ALIVE and r.get("pid"))
+    yield GaugeMetricFamily("undying_ranks_alive", "Ranks with a live process (starting, running or recovering).",
+                            value=float(alive))
+    by_state = Counter(str(r.get("state")) for r in ranks)
+    states = GaugeMetricFamily("undying_ranks", "Ranks in each state.", labels=["state"])
+    for s in RankState:
+        states.add_metric([s.value], float(by_state.get(s.value, 0)))
+    yield states
+    step = GaugeMetricFamily("undying_rank_step", "The last step each rank committed.", labels=["rank"])
+    restarts = CounterMetricFamily("undying_rank_restarts", "Times each rank was replaced.", labels=["rank"])
+    for r in ranks:
+        step.add_metric([str(r.get("rank"))], float(r.get("step") or 0))
+        restarts.add_metric([str(r.get("rank"))], float(r.get("restarts") or 0))
+    yield step
+    yield restarts
+
+
+def _steps(status: Mapping[str, Any]) -> Iterator[Metric]:
+    # A gauge, not a counter: a whole-job restart from a checkpoint moves it back.
+    yield GaugeMetricFamily("undying_step", "Steps completed by every rank (the job's step).",
+                            value=float(status.get("step") or 0))
+    yield CounterMetricFamily("undying_rerun_steps", "Steps run again after a fault (the step in flight).",
+                              value=float(len(status.get("rerun_steps") or [])))
+    times = [t for t in (status.get("step_times") or []) if len(t) == 2 and t[1] is not None]
+    if times:
+        yield GaugeMetricFamily("undying_step_seconds", "Duration of the last step every rank committed.",
+                                value=float(times[-1][1]))
+
+
+def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+    counts = Counter((str(i.get("kind") or ""), str(i.get("action") or "")) for i in incidents)
+    total = CounterMetricFamily("undying_incidents", "Incidents by fault kind and the action taken.",
+                                labels=["kind", "action"])
+    for (kind, action), n in sorted(counts.items()):
+        total.add_metric([kind, action], float(n))
+    yield total
+    open_now = sum(1 for i in incidents if i.get("status") == "open")
+    yield GaugeMetricFamily("undying_incidents_open", "Incidents whose recovery has not finished.",
+                            value=float(open_now))
+    mttrs = [float(i["mttr_s"]) for i in incidents if isinstance(i.get("mttr_s"), (int, float))]
+    yield _histogram(
+        "undying_recovery_seconds", "Seconds from a fault to the job's first completed step after it (MTTR).",
+        mttrs, RECOVERY_BUCKETS,
+    )
+
+
+def _histogram(name: str, doc: str, values: Sequence[float], bounds: Sequence[float]) -> HistogramMetricFamily:
+    buckets: list[tuple[str, float]] = [
+        (_le(b), float(sum(1 for v in values if v <= b))) for b in bounds
+    ]
+    buckets.append(("+Inf", float(len(values))))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(math.fsum(values)))
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
+    enabled = GaugeMetricFamily(
+        "undying_trace_enabled",
+        "1 while the trace markers are on: step (with ckpt, fp and data) and comm switch separately.",
+        labels=["markers"],
+    )
+    for markers in ("step", "comm"):
+        enabled.add_metric([markers], 1.0 if trace.get(markers) else 0.0)
+    yield enabled
+    yield GaugeMetricFamily(
+        "undying_trace_switch_error", "1 while the watched switch file is malformed (the last good setting holds).",
+        value=1.0 if trace.get("error") else 0.0,
+    )
+
+
+def new_registry(status: StatusSource) -> CollectorRegistry:
+    """A registry of its own holding one collector over ``status``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(status))
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format (served as ``CONTENT_TYPE``)."""
+    return generate_latest(registry)
