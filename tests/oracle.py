@@ -19,7 +19,7 @@ from undying.cli.demo import FaultPlan, run_job
 from undying.manager.events import connect_readonly, read_job
 from undying.oracle import Comparison, RunRecord, compare_runs, load_run
 
-__all__ = ["Oracle", "Outcome", "crash", "hang", "comm_error"]
+__all__ = ["Oracle", "Outcome", "crash", "hang", "comm_error", "slow"]
 
 
 def crash(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
@@ -32,6 +32,11 @@ def hang(rank: int, at_step: int, phase: str = "step", how: str | None = None) -
 
 def comm_error(rank: int, at_step: int, phase: str = "step") -> FaultPlan:
     return FaultPlan(kind="comm-error", rank=rank, at_step=at_step, phase=phase)
+
+
+def slow(rank: int, at_step: int, phase: str = "compute", factor: float = 1.5) -> FaultPlan:
+    """A slowdown is found (a slow_rank incident), not recovered: the job trains on."""
+    return FaultPlan(kind="slow", rank=rank, at_step=at_step, phase=phase, factor=factor, expect="slow_rank")
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,13 @@ class Oracle:
         assert outcome.comparison.identical, f"{outcome.comparison.reasons}\n{log_tail}"
         assert outcome.comparison.lost_steps == 0
         for fault in faults:
-            assert any(i["kind"] == fault.kind and i["rank"] == fault.rank for i in outcome.incidents), (
-                f"no {fault.kind} incident of rank {fault.rank}: {outcome.incidents}"
+            assert any(i["kind"] == fault.incident_kind and i["rank"] == fault.rank for i in outcome.incidents), (
+                f"no {fault.incident_kind} incident of rank {fault.rank}: {outcome.incidents}"
             )
         for incident in outcome.incidents:
-            assert incident["status"] == "recovered", incident
+            # A slow rank or node is observed and reported; every fault is recovered.
+            expected = "observed" if incident["kind"] in ("slow_rank", "slow_node") else "recovered"
+            assert incident["status"] == expected, incident
         injected = {(e["rank"], e["step"], e["phase"]) for e in outcome.events("fault_injected")}
         for fault in faults:
             assert any(r == fault.rank and p == fault.phase and s >= fault.at_step for r, s, p in injected), (

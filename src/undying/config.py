@@ -21,6 +21,9 @@ __all__ = [
     "Timeouts",
     "timeouts_from_env",
     "checkpoint_from_env",
+    "TraceConfig",
+    "TRACE_INITIAL",
+    "trace_from_env",
     "step_timeout",
     "EXIT_PREEMPTED",
 ]
@@ -146,6 +149,59 @@ def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) ->
 
 
 @dataclass(frozen=True)
+class TraceConfig:
+    """Lightweight tracing (undying.trace): where records go, how big they may grow, the first setting."""
+
+    # A folder; "" means <job dir>/traces. Records go to <dir>/<job id>/<rank>/.
+    dir: str = ""
+    # A new record file when the newest passes this size.
+    max_file_mb: float = 10.0
+    # The oldest 20% of the trace files are deleted when the folder passes this size.
+    max_dir_mb: float = 1000.0
+    # The switch at start: off, on (step, ckpt, fp and data markers) or comm (those and collectives).
+    initial: str = "off"
+    # A JSON file watched for the switch (a mounted Kubernetes ConfigMap), e.g. {"step": "on", "comm": "off"}.
+    switch_file: str = ""
+
+    def validate(self) -> None:
+        if self.initial not in TRACE_INITIAL:
+            raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, got {self.initial!r}")
+        if not 0 < self.max_file_mb <= 100_000:
+            raise UsageError(f"--trace-max-file-mb must be > 0, got {self.max_file_mb}")
+        if not 0 < self.max_dir_mb <= 100_000_000:
+            raise UsageError(f"--trace-max-dir-mb must be > 0, got {self.max_dir_mb}")
+        if self.max_dir_mb < self.max_file_mb:
+            raise UsageError(
+                f"--trace-max-dir-mb ({self.max_dir_mb}) must be at least --trace-max-file-mb ({self.max_file_mb})"
+            )
+
+    def resolved_dir(self, job_dir: str) -> str:
+        return os.path.abspath(self.dir) if self.dir else os.path.join(os.path.abspath(job_dir), "traces")
+
+    def env(self, job_dir: str) -> dict[str, str]:
+        return {
+            f"{ENV_PREFIX}TRACE_DIR": self.resolved_dir(job_dir),
+            f"{ENV_PREFIX}TRACE_MAX_FILE_MB": repr(self.max_file_mb),
+            f"{ENV_PREFIX}TRACE_MAX_DIR_MB": repr(self.max_dir_mb),
+        }
+
+
+TRACE_INITIAL = ("off", "on", "comm")
+
+
+def trace_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> TraceConfig:
+    env = os.environ if env is None else env
+    try:
+        return TraceConfig(
+            dir=env.get(f"{ENV_PREFIX}TRACE_DIR", ""),
+            max_file_mb=float(env.get(f"{ENV_PREFIX}TRACE_MAX_FILE_MB", "10")),
+            max_dir_mb=float(env.get(f"{ENV_PREFIX}TRACE_MAX_DIR_MB", "1000")),
+        )
+    except ValueError as e:
+        raise UsageError(f"bad {ENV_PREFIX}TRACE_MAX_* value in the environment: {e}") from e
+
+
+@dataclass(frozen=True)
 class JobConfig:
     job_id: str
     job_dir: str
@@ -163,6 +219,7 @@ class JobConfig:
     spares: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -201,6 +258,7 @@ class JobConfig:
             raise UsageError(f"--backend must be gloo or nccl, got {self.backend!r}")
         self.timeouts.validate()
         self.checkpoint.validate()
+        self.trace.validate()
 
     def timeout_env(self) -> dict[str, str]:
         """The timeouts a worker needs, as environment variables."""

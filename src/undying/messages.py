@@ -35,6 +35,9 @@ __all__ = [
     "Preempt",
     "StopAt",
     "Stop",
+    "TraceSet",
+    "TraceSummary",
+    "SLOW_PHASES",
     "encode",
     "decode",
     "RECOVERY_PHASES",
@@ -56,6 +59,10 @@ RECOVERY_PHASES = (
 # step, when it starts a recovery, or (for the rank's next replacement
 # process) once it has joined and received its state.
 INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery", "rejoin")
+
+# Where an injected slowdown puts its extra time: the forward/backward compute,
+# the wait for the next batch, or the training loop's checkpoint stall.
+SLOW_PHASES = ("compute", "data", "ckpt")
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,15 @@ class Fatal(Message):
 
 
 @dataclass(frozen=True)
+class TraceSummary(Message):
+    """A rank's compact trace summary over a window of steps (undying.trace.summary), for slow-rank detection."""
+
+    rank: int
+    generation: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Done(Message):
     """The rank finished its last step; ``digest`` fingerprints its final state."""
 
@@ -278,11 +294,26 @@ class Abort(Message):
 
 @dataclass(frozen=True)
 class ArmFault(Message):
-    """Fault this worker when it reaches ``at_step`` (and ``phase``)."""
+    """Fault this worker when it reaches ``at_step`` (and ``phase``).
+
+    For kind ``slow``, ``phase`` is one of SLOW_PHASES and every step from
+    ``at_step`` on takes ``factor`` times as long, the extra time spent there.
+    """
 
     kind: str
     at_step: int
     phase: str = "step"
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class TraceSet(Message):
+    """The trace switch: step/ckpt/fp/data markers on or off together, comm markers alone."""
+
+    step: bool
+    comm: bool
+    by: str
+    t: float
 
 
 def encode(message: Message) -> bytes:

@@ -32,10 +32,12 @@ from undying.messages import (
     SpareReady,
     StepCommitted,
     Stop,
+    TraceSet,
     decode,
     encode,
 )
 from undying.rendezvous import GenerationRecord
+from undying.trace.switch import SwitchFileWatcher, TraceSwitch
 
 __all__ = ["Agent", "ManagerLink"]
 
@@ -52,6 +54,10 @@ class ManagerLink(Protocol):
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
 
     def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None: ...
+
+    def on_trace_file(self, switch: TraceSwitch) -> None: ...
+
+    def on_trace_file_error(self, message: str) -> None: ...
 
 
 @dataclass
@@ -117,6 +123,7 @@ class Agent:
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
         self._step_times: deque[float] = deque(maxlen=100)
         self._for_replacement: dict[int, list[ArmFault]] = {}  # faults armed for a rank's next replacement
+        self._trace: TraceSet | None = None  # the switch every worker of this node follows
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -125,6 +132,21 @@ class Agent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_report_crash)
+        if self.config.trace.switch_file:
+            # Where a mounted Kubernetes ConfigMap lands on this node; the manager spreads a change to every node.
+            watcher = SwitchFileWatcher(self.config.trace.switch_file, self._manager.on_trace_file,
+                                        self._manager.on_trace_file_error)
+            task = asyncio.get_running_loop().create_task(watcher.run())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(_report_crash)
+
+    def set_trace(self, switch: TraceSet) -> None:
+        """Every worker of this node, and every later one, follows this trace switch."""
+        self._trace = switch
+        for worker in self._workers.values():
+            if worker.writer is not None and worker.process.returncode is None:
+                worker.writer.write(encode(switch))
 
     def step_timeout(self) -> float:
         return step_timeout(self.config.timeouts.step, max(self._step_times, default=None))
@@ -201,6 +223,7 @@ class Agent:
         )
         env.update(self.config.timeout_env())
         env.update(self.config.checkpoint.env(self.config.job_dir))
+        env.update(self.config.trace.env(self.config.job_dir))
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
@@ -331,6 +354,10 @@ class Agent:
     def live_ranks(self) -> list[int]:
         return [r for r, w in self._workers.items() if w.process.returncode is None]
 
+    def phases(self) -> dict[int, str]:
+        """Each live rank's phase from its latest heartbeat (init, step, recovery, done)."""
+        return {r: w.progress().phase for r, w in self._workers.items() if w.process.returncode is None}
+
     def arm(self, rank: int, fault: ArmFault) -> None:
         if fault.phase == "rejoin":  # for the rank's next replacement process, not this one
             self._for_replacement.setdefault(rank, []).append(fault)
@@ -397,6 +424,8 @@ class Agent:
                         for pending in worker.pending:
                             writer.write(encode(pending))
                         worker.pending.clear()
+                        if self._trace is not None:
+                            writer.write(encode(self._trace))
                 if worker is not None:
                     worker.last_seen = time.time()
                 if isinstance(message, Heartbeat):

@@ -52,6 +52,12 @@ class FaultPlan:
     description: str = ""
     run_args: tuple[str, ...] = ()  # what `undying run` needs for this fault
     how: str | None = None  # for hang: stop, spin or block
+    factor: float | None = None  # for slow: how much longer the rank's steps take
+    expect: str = ""  # the incident kind the fault must produce (default: its own kind)
+
+    @property
+    def incident_kind(self) -> str:
+        return self.expect or self.kind
 
 
 # at_step counts from the step the job is at once it runs with a warm spare.
@@ -63,6 +69,9 @@ FAULTS: dict[str, FaultPlan] = {
     "hang": FaultPlan("hang", rank=3, at_step=10, phase="forward",
                       description="SIGSTOP of rank 3 in a step's forward pass (heartbeat timeout 3 s)",
                       run_args=("--heartbeat-timeout", "3")),
+    "slow": FaultPlan("slow", rank=2, at_step=10, phase="compute", factor=1.5, expect="slow_rank",
+                      description="rank 2's compute 1.5x slower from step 10, tracing on (found as a slow rank; "
+                      "the job trains on)", run_args=("--trace", "on")),
     "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
                          description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
                          "the same command again resumes"),
@@ -210,7 +219,7 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
             for fault in faults:
                 api_post(info["url"], "/api/inject", {"kind": fault.kind, "rank": fault.rank,
                                                       "at_step": fault.at_step + offset, "phase": fault.phase,
-                                                      "how": fault.how})
+                                                      "how": fault.how, "factor": fault.factor})
             return
         time.sleep(0.05)
     raise RuntimeError("the job's manager did not come up in time")
@@ -254,8 +263,11 @@ def run(args: argparse.Namespace) -> int:
         reasons = list(comparison.reasons)
         if not rc_ok:
             reasons.append(f"the preempted launcher exited {exit_codes['preempted']}, not {EXIT_PREEMPTED}")
-        if not any(i["kind"] == fault.kind for i in incidents):
-            reasons.append(f"no {fault.kind} incident was recorded: the fault did not happen")
+        # A found fault (slow) must name the rank it was put in; a recovered one is checked by the oracle.
+        named = fault.rank if fault.expect else None
+        if not any(i["kind"] == fault.incident_kind and named in (None, i["rank"]) for i in incidents):
+            who = f" naming rank {named}" if named is not None else ""
+            reasons.append(f"no {fault.incident_kind} incident{who} was recorded: the fault was not found")
         ok = not reasons and rc_base == 0 and rc_fault == 0 and rc_ok
         result: dict[str, Any] = {
             "fault": fault.kind,

@@ -9,7 +9,7 @@ import sys
 from undying.cli.client import add_job_arguments, api_post, manager_url
 from undying.errors import UsageError
 from undying.manager.manager import HANG_HOWS, INJECT_KINDS
-from undying.messages import INJECT_PHASES
+from undying.messages import INJECT_PHASES, SLOW_PHASES
 
 __all__ = ["add_parser"]
 
@@ -23,21 +23,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "process; `hang` sends SIGSTOP (or, with --how spin|block, makes the rank's training "
         "thread loop forever or block forever while the process lives); `comm-error` makes the rank shut down its process group's connections, so its "
         "next collective fails on every rank while all processes live (a comm-error without "
-        "--at-step happens at the rank's next step).",
+        "--at-step happens at the rank's next step); `slow --factor F --phase compute|data|ckpt` "
+        "makes the rank's steps F times as long from then on, the extra time spent in that phase "
+        "(found by slow-rank detection when tracing is on; the job trains on).",
     )
     p.add_argument("kind", choices=INJECT_KINDS,
                    help="the fault: crash (SIGKILL of the rank's process), hang (SIGSTOP of it: "
                    "found by its missing heartbeats, then killed and replaced) or comm-error (the "
-                   "rank breaks its process group's connections, so a real collective fails)")
+                   "rank breaks its process group's connections, so a real collective fails) or slow "
+                   "(the rank's steps take --factor times as long)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
     p.add_argument(
-        "--phase", choices=INJECT_PHASES, default=None,
+        "--phase", choices=(*INJECT_PHASES, *SLOW_PHASES), default=None,
         help="where in the step: step (its start, the default with --at-step), forward, "
         "backward (during the gradient all-reduce), optimizer, recovery (when the rank starts "
         "recovering from another fault), rejoin (the rank's next replacement process, once it "
-        "joined and received its state: a fault of the replacement itself)",
+        "joined and received its state: a fault of the replacement itself); for slow: compute "
+        "(the default: forward and backward), data (the wait for the next batch) or ckpt (the "
+        "training loop's checkpoint stall, at steps that save)",
     )
+    p.add_argument("--factor", type=float, default=None,
+                   help="for slow: how much longer the rank's steps take, e.g. 1.2 for 20%% slower")
     p.add_argument(
         "--how", choices=HANG_HOWS, default=None,
         help="for hang: stop (SIGSTOP, the default: heartbeats stop), spin (an endless loop in "
@@ -57,12 +64,25 @@ def run(args: argparse.Namespace) -> int:
     url = manager_url(args.manager, args.job_dir)
     if args.how is not None and args.kind != "hang":
         raise UsageError(f"--how applies to hang only, not {args.kind}")
-    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how}
+    if args.kind == "slow":
+        if args.factor is None:
+            raise UsageError("slow needs --factor F (e.g. --factor 1.2 for steps 20% slower)")
+        if args.phase is not None and args.phase not in SLOW_PHASES:
+            raise UsageError(f"slow's --phase must be one of {', '.join(SLOW_PHASES)}, got {args.phase}")
+    elif args.factor is not None:
+        raise UsageError(f"--factor applies to slow only, not {args.kind}")
+    elif args.phase in SLOW_PHASES:
+        raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one of "
+                         f"{', '.join(INJECT_PHASES)}")
+    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how,
+            "factor": args.factor}
     answer = api_post(url, "/api/inject", body)
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")
     elif "at_step" in answer:
-        print(f"armed: {args.kind} of rank {args.rank} (pid {answer['pid']}) at step {answer['at_step']}, phase {answer['phase']}")
+        factor = f" x{answer['factor']}" if "factor" in answer else ""
+        print(f"armed: {args.kind}{factor} of rank {args.rank} (pid {answer['pid']}) at step {answer['at_step']}, "
+              f"phase {answer['phase']}")
     else:
         print(f"injected: {args.kind} of rank {args.rank} (pid {answer['pid']})")
     return 0

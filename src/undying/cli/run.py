@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 
@@ -11,9 +12,11 @@ from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
     EXIT_PREEMPTED,
+    TRACE_INITIAL,
     CheckpointConfig,
     JobConfig,
     Timeouts,
+    TraceConfig,
 )
 from undying.errors import UsageError
 from undying.jobdir import default_job_dir
@@ -83,6 +86,20 @@ no checkpoint at all.""",
     c.add_argument("--gasp-reuse-within", type=float, default=60.0, metavar="SECONDS",
                    help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
                    "step was trained since (default 60)")
+    tr = p.add_argument_group("tracing (switch it while the job runs: `undying trace on|off [--comm]`)")
+    tr.add_argument("--trace", choices=TRACE_INITIAL, default="off",
+                    help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
+                    "markers) or comm (those and every gradient collective)")
+    tr.add_argument("--trace-dir", default="", metavar="PATH",
+                    help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job dir>/traces)")
+    tr.add_argument("--trace-switch-file", default="", metavar="PATH",
+                    help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
+                    "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
+    tr.add_argument("--trace-max-file-mb", type=float, default=10.0, metavar="MB",
+                    help="start a new record file when the newest passes this size (default 10)")
+    tr.add_argument("--trace-max-dir-mb", type=float, default=1000.0, metavar="MB",
+                    help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
+                    "(default 1000)")
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
@@ -171,6 +188,13 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             keep=args.keep,
             grace_period=args.grace_period,
             gasp_reuse_s=args.gasp_reuse_within,
+        ),
+        trace=TraceConfig(
+            dir=args.trace_dir,
+            max_file_mb=args.trace_max_file_mb,
+            max_dir_mb=args.trace_max_dir_mb,
+            initial=args.trace,
+            switch_file=os.path.abspath(args.trace_switch_file) if args.trace_switch_file else "",
         ),
     )
 

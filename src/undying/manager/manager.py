@@ -35,6 +35,7 @@ from undying.manager.policy import Action, Decision, PolicyContext, decide, stal
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
 from undying.messages import (
     INJECT_PHASES,
+    SLOW_PHASES,
     ArmFault,
     CheckpointSaved,
     CommFailure,
@@ -50,8 +51,12 @@ from undying.messages import (
     StopAt,
     StopProposal,
     Terminated,
+    TraceSet,
+    TraceSummary,
 )
 from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key
+from undying.trace.detect import Finding, SlowDetector
+from undying.trace.switch import TraceSwitch
 
 __all__ = ["Manager", "AgentHandle", "INJECT_KINDS"]
 
@@ -62,7 +67,9 @@ log = logging.getLogger("undying.manager")
 # hang: SIGSTOP of the rank's process (found by its missing heartbeats), or with
 # `how`, the rank's training thread spins in an endless loop or blocks forever
 # while its process lives and beats (found by its missing progress).
-INJECT_KINDS = ("crash", "hang", "comm-error")
+# slow: the rank's steps take `factor` times as long from then on, the extra time
+# spent in one phase (compute, data or ckpt); found by slow-rank detection, not recovered.
+INJECT_KINDS = ("crash", "hang", "comm-error", "slow")
 HANG_HOWS = ("stop", "spin", "block")
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
 
@@ -90,6 +97,10 @@ class AgentHandle(Protocol):
     def spares_ready(self) -> int: ...
 
     async def stop_all(self, grace_s: float) -> None: ...
+
+    def set_trace(self, switch: TraceSet) -> None: ...
+
+    def phases(self) -> dict[int, str]: ...
 
 
 @dataclass
@@ -149,6 +160,16 @@ class Manager:
         self._proposals: dict[int, int] = {}
         self._gasp: CheckpointSaved | None = None
         self._preempt_task: asyncio.Task[None] | None = None
+        # Tracing: the switch every rank follows, and what the job's steps took (every rank committed).
+        initial = config.trace.initial
+        self.trace = TraceSwitch(step=initial != "off", comm=initial == "comm",
+                                 by="start" if initial != "off" else "", t=self.started_at)
+        self.trace_error = ""
+        self.trace_summaries: dict[int, dict[str, Any]] = {}  # rank -> its latest summary
+        self._detector = SlowDetector(world_size=config.world_size)
+        self._step_commits: dict[int, dict[int, float]] = {}  # step -> rank -> commit time
+        self._step_done: dict[int, float] = {}  # step -> when its last rank committed it
+        self.step_times: deque[tuple[int, float]] = deque(maxlen=200)
         events.set_job("job_id", config.job_id)
         events.set_job("checkpoint_dir", self.checkpoint_dir)
         events.set_job("world_size", config.world_size)
@@ -188,6 +209,7 @@ class Manager:
 
     def add_agent(self, agent: AgentHandle) -> None:
         self._agents[agent.node] = agent
+        agent.set_trace(self._trace_message())
 
     async def run(self) -> JobState:
         """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait until the job ends."""
@@ -328,8 +350,11 @@ class Manager:
             self._on_progress(message)
         elif isinstance(message, CommFailure):
             self._on_comm_failure(message)
+        elif isinstance(message, TraceSummary):
+            self._on_trace_summary(message)
         elif isinstance(message, FaultInjected):
-            self._injected[message.rank] = (message.t, message.kind)
+            if message.kind != "slow":  # a slowdown is no fault a later exit should be timed from
+                self._injected[message.rank] = (message.t, message.kind)
             self.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step, phase=message.phase)
         elif isinstance(message, Fatal):
             info = self.ranks[message.rank]
@@ -428,6 +453,7 @@ class Manager:
         if previous is not None and previous[0] == message.step - 1:
             self._step_s.append(message.t - previous[1])
         self._last_commit_t[message.rank] = (message.step, message.t)
+        self._note_step_time(message)
         info.step = message.step
         info.generation = message.generation
         info.state = RankState.RUNNING
@@ -437,6 +463,42 @@ class Manager:
         if self.state is JobState.STARTING:
             self._move(JobState.RUNNING)
         self._maybe_finish_recovery(message.rank, message.t, message_generation=message.generation)
+
+    def _on_trace_summary(self, message: TraceSummary) -> None:
+        """A rank's window of step phases; slow-rank detection runs on them (no raw records here)."""
+        self.trace_summaries[message.rank] = message.summary
+        for finding in self._detector.add(message.summary):
+            self._on_slow(finding)
+
+    def _on_slow(self, finding: Finding) -> None:
+        """A slow rank or node: an incident to see and act on; nothing is recovered, the job trains on."""
+        now = time.time()
+        incident = Incident(
+            id=len(self.incidents) + 1, kind=finding.kind, rank=finding.rank, step=finding.since_step,
+            fault_t=now, recovery=0, action="report", status="observed", error=finding.describe(),
+            detail={**finding.to_dict(), "node": finding.node},
+        )
+        incident.phases["detected"] = now
+        self.incidents.append(incident)
+        self.events.incident(incident)
+        log.warning("job %s gen %d: %s", self.config.job_id, self.generation, finding.describe())
+
+    def _note_step_time(self, message: StepCommitted) -> None:
+        """A step is done when every rank committed it; its time is from the previous step's done."""
+        commits = self._step_commits.setdefault(message.step, {})
+        commits[message.rank] = message.t
+        if len(commits) < self.config.world_size:
+            return
+        done = max(commits.values())
+        del self._step_commits[message.step]
+        previous = self._step_done.get(message.step - 1)
+        self._step_done[message.step] = done
+        if previous is not None and done > previous:
+            self.step_times.append((message.step, round(done - previous, 6)))
+        for old in [s for s in self._step_done if s < message.step - 2]:
+            del self._step_done[old]
+        for old in [s for s in self._step_commits if s < message.step - 100]:
+            del self._step_commits[old]
 
     def _on_progress(self, message: Progress) -> None:
         info = self.ranks[message.rank]
@@ -871,10 +933,14 @@ class Manager:
     # --- commands -------------------------------------------------------------
 
     def inject(self, kind: str, rank: int, at_step: int | None, phase: str | None,
-               how: str | None = None) -> dict[str, Any]:
+               how: str | None = None, *, factor: float | None = None) -> dict[str, Any]:
         """Fault a rank now, or arm it to fault itself when it reaches ``at_step``."""
         if kind not in INJECT_KINDS:
             raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(INJECT_KINDS)}")
+        if kind == "slow":
+            return self._inject_slow(rank, at_step, phase or "compute", factor)
+        if factor is not None:
+            raise UsageError("factor applies to slow only (undying inject slow --factor F)")
         if how is not None and (kind != "hang" or how not in HANG_HOWS):
             raise UsageError(f"how={how!r} applies to hang only, as one of {', '.join(HANG_HOWS)}")
         if rank not in self.ranks:
@@ -901,6 +967,60 @@ class Manager:
         self.events.event("fault_armed", rank=rank, kind=kind, at_step=fault.at_step, phase=fault.phase)
         return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": fault.phase}
 
+    # --- the trace switch -------------------------------------------------------
+
+    def _trace_message(self) -> TraceSet:
+        return TraceSet(self.trace.step, self.trace.comm, self.trace.by, self.trace.t)
+
+    def set_trace(self, switch: TraceSwitch) -> dict[str, Any]:
+        """Every rank of every node follows ``switch`` (the agents pass it on at once)."""
+        previous = self.trace
+        self.trace = switch
+        self.trace_error = ""
+        self.events.event("trace_switch", step=switch.step, comm=switch.comm, by=switch.by)
+        if (previous.step, previous.comm) != (switch.step, switch.comm):
+            log.warning("job %s: tracing %s, by %s", self.config.job_id, switch.describe(), switch.by)
+        message = self._trace_message()
+        for agent in self._agents.values():
+            agent.set_trace(message)
+        return self.trace_status()
+
+    def change_trace(self, *, on: bool, comm_only: bool, by: str) -> dict[str, Any]:
+        """``undying trace on|off [--comm]``: the change, and a line saying what it did."""
+        switch, said = self.trace.changed(on=on, comm_only=comm_only, by=by, t=time.time())
+        result = self.set_trace(switch)
+        result["message"] = said
+        return result
+
+    def on_trace_file(self, switch: TraceSwitch) -> None:
+        self.set_trace(switch)
+
+    def on_trace_file_error(self, message: str) -> None:
+        """A malformed switch file: reported, ignored; the last good setting stays."""
+        self.trace_error = message
+        self.events.event("trace_switch_error", error=message)
+        log.warning("job %s: %s; the trace switch stays %s", self.config.job_id, message, self.trace.describe())
+
+    def trace_status(self) -> dict[str, Any]:
+        return {**self.trace.to_dict(), "error": self.trace_error}
+
+    def _inject_slow(self, rank: int, at_step: int | None, phase: str, factor: float | None) -> dict[str, Any]:
+        if factor is None or not 1.0 < factor <= 100.0:
+            raise UsageError(f"slow needs a factor above 1 and at most 100 (1.2: steps 20% slower), got {factor}")
+        if phase not in SLOW_PHASES:
+            raise UsageError(f"slow's phase must be one of {', '.join(SLOW_PHASES)}, got {phase!r}")
+        if rank not in self.ranks:
+            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{self.config.world_size - 1}")
+        if self.state.terminal or self.state is JobState.STOPPING:
+            raise UsageError(f"job {self.config.job_id} is {self.state.value}; nothing to inject into")
+        info = self.ranks[rank]
+        fault = ArmFault(kind="slow", at_step=at_step if at_step is not None else info.step + 1, phase=phase,
+                         factor=factor)
+        self._agents[info.node].arm(rank, fault)
+        self.events.event("fault_armed", rank=rank, kind="slow", at_step=fault.at_step, phase=phase, factor=factor)
+        return {"injected": "slow", "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": phase,
+                "factor": factor}
+
     # --- views ----------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -923,9 +1043,25 @@ class Manager:
                 "restarts": self._restarts,
             },
             "preemption": self.preemption,
-            "ranks": [r.to_dict() for r in self.ranks.values()],
+            "trace": self.trace_status(),
+            "step_times": [list(p) for p in self.step_times],
+            "ranks": self._rank_views(),
             "incidents": [i.to_dict() for i in self.incidents],
         }
+
+
+    def _rank_views(self) -> list[dict[str, Any]]:
+        """The ranks, each with its phase as its agent last heard it (exited ranks have none)."""
+        phases: dict[int, str] = {}
+        for agent in self._agents.values():
+            phases.update(agent.phases())
+        views = []
+        for info in self.ranks.values():
+            view = info.to_dict()
+            if info.state is not RankState.EXITED and info.rank in phases:
+                view["phase"] = phases[info.rank]
+            views.append(view)
+        return views
 
 
 def _describe_exit(returncode: int) -> str:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from undying.worker.tracing import CommHookState, traced_allreduce_hook
+
 if TYPE_CHECKING:
     from undying.worker.job import Job
 
@@ -55,6 +57,12 @@ class GenerationalDDP:
             # regrouping now, in parameter order, gives every DDP this wrapper
             # builds one and the same layout from its first iteration on.
             ddp.reducer._push_all_rebuilt_params()
+            # Comm markers can be switched on while the job runs, but DDP takes a
+            # hook only before its first step: every DDP gets one (no bit changes).
+            ddp.register_comm_hook(
+                CommHookState(self._job.tracing, ddp.process_group, dist.get_world_size(ddp.process_group)),
+                traced_allreduce_hook,
+            )
             self._ddp = ddp
             self._generation = self._job.generation
         return self._ddp
@@ -64,7 +72,11 @@ class GenerationalDDP:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._job._faults.check("forward", self._job.current_step)
-        return self.current()(*args, **kwargs)
+        tracing = self._job.tracing
+        if not tracing.active:
+            return self.current()(*args, **kwargs)
+        with tracing.forward():
+            return self.current()(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Any:
         return self.module.parameters(recurse)

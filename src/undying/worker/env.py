@@ -9,8 +9,10 @@ from undying.config import (
     ENV_PREFIX,
     CheckpointConfig,
     Timeouts,
+    TraceConfig,
     checkpoint_from_env,
     timeouts_from_env,
+    trace_from_env,
 )
 
 __all__ = ["WorkerEnv"]
@@ -34,6 +36,7 @@ class WorkerEnv:
     checkpoint: CheckpointConfig
     # A checkpoint to start from (a fresh start of a job that has one, or a whole-job restart).
     resume_from: str = ""
+    trace: TraceConfig = TraceConfig()
 
     @classmethod
     def from_environ(cls) -> WorkerEnv | None:
@@ -59,4 +62,5 @@ class WorkerEnv:
             timeouts=timeouts_from_env(env),
             checkpoint=checkpoint_from_env(env),
             resume_from=env.get(f"{ENV_PREFIX}RESUME_FROM", ""),
+            trace=trace_from_env(env),
         )

@@ -58,6 +58,7 @@ from undying.messages import (
     StopAt,
     StopProposal,
     Terminated,
+    TraceSet,
 )
 from undying.rendezvous import generation_key
 from undying.worker import rng
@@ -82,6 +83,7 @@ from undying.worker.restore import (
     send_state,
 )
 from undying.worker.state import State
+from undying.worker.tracing import WorkerTracing
 
 __all__ = ["init", "Job", "Step"]
 
@@ -211,6 +213,7 @@ class Job:
         self.local_rank = env.local_rank
         self.world_size = env.world_size
         self.generation = env.generation
+        self.tracing = WorkerTracing(env, self.rank, self._send)
         self._faults = FaultSwitch(
             self.rank, self._send,
             {"crash": crash_self, "hang": stop_self, "hang:spin": spin_forever,
@@ -252,6 +255,14 @@ class Job:
         self._wrappers.append(wrapper)
         return wrapper
 
+    def span(self, kind: str, **fields: Any) -> contextlib.AbstractContextManager[Any]:
+        """A marker around user code: ``with job.span("comm", name="all_gather", bytes=n):``.
+
+        ``kind`` is one of step, comm, ckpt, fp, data; it records only while that
+        kind is switched on (``undying trace``), and costs a flag test otherwise.
+        """
+        return self.tracing.tracer.span(kind, **fields)
+
     def steps(
         self,
         state: State,
@@ -286,7 +297,9 @@ class Job:
                 index = committed + 1
                 if not self._may_start(index, committed):
                     self._dying_gasp(state, committed)
-                batch = cursor.batch_for(index)
+                self.tracing.step_started(index, self.generation)
+                batch = self.tracing.batch(cursor.batch_for, index) if self.tracing.active \
+                    else cursor.batch_for(index)
                 rng.reseed(seed, self.rank, "body", index)
                 if self.managed:
                     self._faults.check("step", index)
@@ -311,6 +324,7 @@ class Job:
             self._phase = "done"
             if self._ckpt is not None:
                 self._finish_writes()
+            self.tracing.close()
             self._send(Done(self.rank, committed, state.digest(), time.time()))
 
     # --- the transaction's hooks --------------------------------------------
@@ -329,6 +343,7 @@ class Job:
 
     def _commit(self, step: Step) -> None:
         self._phase = "step"
+        self.tracing.committed(step.index)
         if self.managed:
             self._send(StepCommitted(self.rank, self.generation, step.index, time.time(), step.metrics))
 
@@ -376,6 +391,7 @@ class Job:
     def _report_save(self, result: SaveResult | None, error: CheckpointWriteError | None) -> None:
         """From the writer thread: the manager logs every save and every failed one."""
         if result is not None:
+            self.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
             self._send(CheckpointSaved(self.rank, result.step, result.kind, result.path, result.blocking_s,
                                        result.write_s, result.bytes, time.time()))
         elif error is not None:
@@ -385,20 +401,29 @@ class Job:
     def _maybe_save(self, state: State, index: int) -> None:
         """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training."""
         assert self.env is not None
-        cfg = self.env.checkpoint
         if self.rank != 0:
+            # Replicated state: rank 0 writes; the others' stall is recorded (about zero) so ranks compare.
+            if self.tracing.active and self._save_due(index):
+                self._last_save_t = time.monotonic()
+                with self.tracing.checkpoint_stall():
+                    pass
             return
         if not self._size_sent:  # what the manager sizes the dying gasp's grace period from
             self._size_sent = True
             self._send(Progress(self.rank, self.generation, "state_size", time.time(), step=index,
                                 detail={"bytes": state_nbytes(state.state_dict())}))
-        due = (cfg.save_every > 0 and index % cfg.save_every == 0) or (
-            cfg.save_interval > 0 and time.monotonic() - self._last_save_t >= cfg.save_interval
-        )
-        if not due:
+        if not self._save_due(index):
             return
         self._last_save_t = time.monotonic()
-        self._checkpointer().save(index, state.state_dict(), generation=self.generation)
+        with self.tracing.checkpoint_stall():
+            self._checkpointer().save(index, state.state_dict(), generation=self.generation)
+
+    def _save_due(self, index: int) -> bool:
+        assert self.env is not None
+        cfg = self.env.checkpoint
+        return (cfg.save_every > 0 and index % cfg.save_every == 0) or (
+            cfg.save_interval > 0 and time.monotonic() - self._last_save_t >= cfg.save_interval
+        )
 
     def _finish_writes(self) -> SaveResult | None:
         """Wait for the write in flight; a failure was reported when it happened."""
@@ -573,6 +598,7 @@ class Job:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.generation = 0
         self._faults = FaultSwitch(self.rank, lambda message: None, {})
+        self.tracing = WorkerTracing(None, self.rank, lambda message: None)
 
     # --- agent channel ------------------------------------------------------
 
@@ -605,8 +631,12 @@ class Job:
             self._channel.send(message)
 
     def _on_command(self, message: Message) -> None:
-        if isinstance(message, ArmFault):
+        if isinstance(message, ArmFault) and message.kind == "slow":
+            self.tracing.arm_slowdown(message)
+        elif isinstance(message, ArmFault):
             self._faults.arm(message)
+        elif isinstance(message, TraceSet):
+            self.tracing.apply(message)
         elif isinstance(message, Preempt):
             with self._preempt_lock:
                 self._preempted = True

@@ -1,0 +1,93 @@
+"""Tracing on a live job: the switch from the CLI and from a watched file, records on every rank,
+and a slowed rank found online while the job trains on with identical losses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.integration.jobs import manager_url, start_job, status, wait_for, wait_running
+from tests.oracle import Oracle, slow
+from undying.trace.writer import is_trace_file
+
+
+def _records(trace_dir: Path) -> list[dict[str, object]]:
+    records = []
+    for path in trace_dir.glob("*/*/*"):
+        if is_trace_file(path.name):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    records.append(json.loads(line))
+    return records
+
+
+def _undying(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "undying", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_the_switch_reaches_every_rank_while_the_job_runs(tmp_path: Path, reap: list[int]) -> None:
+    job_dir = tmp_path / "job"
+    switch_file = tmp_path / "switch.json"
+    job_dir.mkdir()
+    process = start_job(job_dir, ["--epochs", "400", "--step-seconds", "0.05"], ranks=2, reap=reap,
+                        run_args=["--spares", "0", "--trace-switch-file", str(switch_file)])
+    url = manager_url(job_dir)
+    wait_running(url, min_step=2)
+    trace_dir = job_dir / "traces"
+    assert _records(trace_dir) == [], "tracing is off by default"
+
+    # The CLI: on with collectives; every rank writes step and comm records within a second.
+    on = _undying("trace", "on", "--comm", "--job-dir", str(job_dir))
+    switched_t = time.time()
+    assert on.returncode == 0, on.stderr
+    assert "step on, comm on" in on.stdout
+    first_seen: dict[tuple[object, object], float] = {}
+
+    def every_rank_traces() -> bool:
+        for r in _records(trace_dir):
+            key = (r["rank"], r["kind"])
+            first_seen[key] = min(first_seen.get(key, float("inf")), float(r["t"]))  # type: ignore[arg-type]
+        return all((rank, kind) in first_seen for rank in (0, 1) for kind in ("step", "comm", "fp", "data"))
+
+    wait_for(every_rank_traces, 10, "step, comm, fp and data records from both ranks")
+    for rank in (0, 1):
+        assert first_seen[(rank, "fp")] - switched_t < 1.0, first_seen
+    trace = status(url)["trace"]
+    assert (trace["step"], trace["comm"]) == (True, True) and trace["by"].startswith("cli ")
+
+    # Off: comm goes with it (it needs the step markers), and no records are written after that.
+    off = _undying("trace", "off", "--job-dir", str(job_dir))
+    assert off.returncode == 0 and "comm markers turned off too" in off.stdout, off.stdout + off.stderr
+    off_t = time.time()
+    time.sleep(1.5)
+    late = [r for r in _records(trace_dir) if float(r["t"]) > off_t + 1.0]  # type: ignore[arg-type]
+    assert late == [], late[:3]
+
+    # The watched file (a ConfigMap's form): on, then a malformed one is reported and ignored.
+    switch_file.write_text(json.dumps({"step": "on", "comm": "off"}))
+    wait_for(lambda: status(url)["trace"]["step"], 5, "the switch file to turn tracing on")
+    assert status(url)["trace"]["by"] == f"file {switch_file}"
+    switch_file.write_text('{"step": "maybe"')
+    error = wait_for(lambda: status(url)["trace"]["error"], 5, "the malformed switch file to be reported")
+    assert str(switch_file) in error
+    trace = status(url)["trace"]
+    assert (trace["step"], trace["comm"]) == (True, False), "the last good setting stays"
+    bad = _undying("trace", "on", "--comm", "--job-id", "no-such-job")
+    assert bad.returncode == 2 and "no-such-job" in bad.stderr
+
+    _undying("trace", "off", "--job-dir", str(job_dir))
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_a_slowed_rank_is_found_while_the_job_trains_on(oracle: Oracle, tmp_path: Path) -> None:
+    outcome = oracle.assert_survives(
+        tmp_path / "job", [slow(2, 10, "compute", 1.5)], script_args=("--epochs", "6", "--samples", "4096"),
+        extra_run_args=("--spares", "0", "--trace", "on"),
+    )
+    (incident,) = [i for i in outcome.incidents if i["kind"] == "slow_rank"]
+    assert incident["rank"] == 2 and incident["detail"]["phase"] == "compute"
+    assert 10 <= incident["step"] <= 60, incident
