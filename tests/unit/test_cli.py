@@ -136,6 +136,31 @@ def test_inject_bad_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path, fl
     fails(capsys, ["inject", "crash", *flags, "--job-dir", str(tmp_path)], words)
 
 
+@pytest.mark.parametrize(("argv", "words"), [
+    (["slow", "--rank", "1"], "slow needs --factor F"),
+    (["slow", "--rank", "1", "--factor", "1.2", "--phase", "backward"], "slow's --phase must be one of compute"),
+    (["crash", "--rank", "1", "--factor", "1.2"], "--factor applies to slow only"),
+    (["crash", "--rank", "1", "--phase", "data"], "--phase data applies to slow only"),
+])
+def test_inject_slow_bad_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str],
+                               words: str) -> None:
+    fails(capsys, ["inject", *argv, "--job-dir", str(tmp_path)], words)
+
+
+def test_trace_without_a_running_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fails(capsys, ["trace", "on", "--job-dir", str(tmp_path / "nope")], "does not exist")
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--trace-max-file-mb", "0"], "--trace-max-file-mb must be > 0"),
+    (["--trace-max-file-mb", "50", "--trace-max-dir-mb", "10"], "--trace-max-dir-mb (10.0) must be at least"),
+])
+def test_run_with_bad_trace_flags(capsys: pytest.CaptureFixture[str], script: Path, job_dir: Path,
+                                  flags: list[str], words: str) -> None:
+    fails(capsys, ["run", *flags, "--job-dir", str(job_dir), str(script)], words)
+    assert not job_dir.exists()
+
+
 def test_inject_no_job_found_here(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -61,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rank must be >= 0, got {args.rank}")
     if args.at_step is not None and args.at_step < 1:
         raise UsageError(f"--at-step must be >= 1, got {args.at_step}")
-    url = manager_url(args.manager, args.job_dir)
     if args.how is not None and args.kind != "hang":
         raise UsageError(f"--how applies to hang only, not {args.kind}")
     if args.kind == "slow":
@@ -74,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.phase in SLOW_PHASES:
         raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one of "
                          f"{', '.join(INJECT_PHASES)}")
+    url = manager_url(args.manager, args.job_dir)
     body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how,
             "factor": args.factor}
     answer = api_post(url, "/api/inject", body)
