@@ -7,7 +7,7 @@ import logging
 import sys
 
 from undying import __version__
-from undying.cli import chaos, checkpoints, demo, inject, run, status, trace
+from undying.cli import chaos, checkpoints, demo, diagnose, inject, run, status, trace
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     chaos.add_parser(sub)
     trace.add_parser(sub)
+    diagnose.add_parser(sub)
     return parser
 
 

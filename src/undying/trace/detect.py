@@ -50,9 +50,13 @@ Corroboration and special cases:
   on *other* nodes, of its least slow rank; it reports at half a bar less than
   a rank (noise rarely lifts all its ranks at once), and a rank ready to be
   reported waits up to ``patience + 1`` windows while its node's evidence
-  rises, so that a slow node is not first reported rank by rank.
+  rises, so that a slow node is not first reported rank by rank. A node one
+  of whose ranks is already reported in that phase is not reported: that rank
+  explains the node's numbers (a slightly slow node-mate would otherwise turn
+  one slow rank into a slow node after a while).
 - each (rank or node, phase) is reported once; it may be reported again after
-  it recovered: ``patience`` windows in a row with no evidence left.
+  it recovered: ``patience`` windows in a row that added no evidence (its
+  evidence then starts again from 0).
 
 The numbers: at the default threshold and patience, over simulated jobs with
 realistic noise (per-rank step jitter of 10-15% plus occasional 2x steps, 2 to
@@ -167,7 +171,7 @@ class _Track:
     run_sum: float = 0.0  # excess (seconds) summed over the windows since then
     run_n: int = 0
     active: bool = False  # reported and not recovered
-    calm: int = 0  # consecutive windows with no evidence
+    calm: int = 0  # consecutive windows that added no evidence
     deferred: int = 0  # windows this rank's report waited for its node-mates
     # Sums of the numbers shown as evidence, over the windows that added to it.
     sums: dict[str, float] = field(default_factory=dict)
@@ -185,9 +189,11 @@ class SlowDetector:
     ``add`` takes one rank's summary (the dict ``StepSummarizer`` makes) and
     returns the findings that windows completed by it produced. A window is
     judged once every expected rank sent it: ``world_size`` ranks when given,
-    else every rank seen so far; a rank still missing when summaries of
-    ``lag`` later windows arrived is left out of it (it may be dead or
-    replaced). ``flush`` judges whatever is left (offline, at the end).
+    else every rank seen so far, once a later window was seen (one window
+    later than with ``world_size``: pass it when it is known); a rank
+    still missing when summaries of ``lag`` later windows arrived is left out
+    of it (it may be dead or replaced). ``flush`` judges whatever is left
+    (offline, at the end).
 
     ``threshold`` is the bar, a fraction of the median step time; ``patience``
     the number of windows a rank at twice the bar needs to be reported (more
@@ -286,7 +292,11 @@ class SlowDetector:
         while self._pending:
             window = min(self._pending)
             slot = self._pending[window]
-            complete = len(slot) >= self._expected()
+            complete = len(slot) >= self._expected() and (
+                # Without a world size, "every rank seen so far" means little until
+                # the job moved on: wait for a later window before trusting it.
+                self.world_size is not None or self._max_seen > window
+            )
             if not (final or complete or self._max_seen >= window + self.lag):
                 break
             del self._pending[window]
@@ -332,15 +342,18 @@ class SlowDetector:
         """Add one window's excess (``z`` in bars, ``x`` in seconds) to a rank's or node's evidence."""
         before = track.evidence
         gain = min(z, 2.0) - 0.5
-        # Capped, so that a long slow spell is forgotten in a few windows once it ends.
+        # Capped, so that evidence piled up by a long slow spell does not outlast it.
         track.evidence = min(2 * self.report_at, max(0.0, before + gain))
+        track.calm = 0 if gain > 0 else track.calm + 1
+        if track.active and track.calm >= self.patience:
+            track.active = False  # recovered: it may be reported again, on fresh evidence
+            track.evidence = 0.0
         if track.evidence > 0:
             if before == 0:
                 track.since, track.run_sum, track.run_n = first, 0.0, 0
                 track.sums, track.counts = {}, {}
             track.run_sum += x
             track.run_n += 1
-            track.calm = 0
             if gain > 0:  # the numbers of the windows that were slow, not of those in between
                 track.basis = ev.get("basis", track.basis)
                 for key, value in ev.items():
@@ -349,9 +362,6 @@ class SlowDetector:
                         track.counts[key] = track.counts.get(key, 0) + 1
         else:
             track.run_sum, track.run_n, track.deferred = 0.0, 0, 0
-            track.calm += 1
-            if track.active and track.calm >= self.patience:
-                track.active = False  # recovered: it may be reported again
 
     def _decide(
         self, phase: str, per_rank: dict[int, tuple[float, dict[str, Any]]], groups: dict[str, list[int]]
@@ -364,7 +374,12 @@ class SlowDetector:
             nt = self._node_track(node, phase)
             if nt.active:
                 covered.update(ranks)
-            elif nt.evidence >= self.node_report_at and len(ranks) < len(per_rank):
+            elif (
+                nt.evidence >= self.node_report_at
+                and len(ranks) < len(per_rank)
+                # One of its ranks already reported explains the node's numbers.
+                and not any(self._track(r, phase).active for r in ranks)
+            ):
                 nt.active = True
                 covered.update(ranks)
                 for r in ranks:
@@ -396,6 +411,32 @@ class SlowDetector:
             mc = median(out_comm)
             zs = [z if comm[r] < mc else 0.0 for z, r in zip(zs, ranks, strict=True)]
         return zs, xs
+
+    def phase_excess(
+        self,
+        phase: str,
+        rows: dict[int, dict[str, Any]],
+        step: float,
+        comm: dict[int, float],
+        comm_others: dict[int, float],
+    ) -> dict[int, tuple[float, dict[str, Any]]]:
+        """One window's numbers for one phase, as the detector compares them.
+
+        ``rows`` maps rank to summary, ``step`` is the window's median step time,
+        ``comm`` each rank's collective wait (empty when not all ranks have
+        one) and ``comm_others`` the median of the others' waits. Returns, per
+        rank, its excess in seconds per step over the others' median and the
+        evidence (basis, value, others' median, comm...); empty when the phase
+        cannot be judged in this window. For reports and benches: ``add`` does
+        the same arithmetic.
+        """
+        basis = self._basis(phase, rows, step, comm)
+        if basis is None:
+            return {}
+        values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
+        return self._excess(phase, basis, values, step, comm, comm_others)
+
+    _phase_excess = phase_excess  # the name bench/slow_detection.py knew it by
 
     def _basis(
         self, phase: str, rows: dict[int, dict[str, Any]], step: float, comm: dict[int, float]

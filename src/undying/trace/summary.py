@@ -42,7 +42,7 @@ from collections import deque
 from statistics import median
 from typing import Any, NamedTuple
 
-__all__ = ["StepPhases", "StepAccumulator", "StepSummarizer", "PHASE_KINDS", "robust_mean"]
+__all__ = ["StepPhases", "StepAccumulator", "StepSummarizer", "PHASE_KINDS", "robust_mean", "window_summary"]
 
 # Record kinds that carry a duration attributed to a step.
 PHASE_KINDS = ("step", "fp", "data", "ckpt", "comm")
@@ -124,11 +124,13 @@ class StepAccumulator:
         """How much of a phase [t, t+dur] lies within the step's interval."""
         if t is None or self.t is None or self.dur is None:
             return dur
-        lo = max(t, self.t)
-        hi = min(t + dur, self.t + self.dur)
+        overlap = min(t + dur, self.t + self.dur) - max(t, self.t)
         # Clock stamps are rounded to microseconds: a phase that starts with the
-        # step may appear to start a hair before it.
-        return max(0.0, min(dur, hi - lo + 2e-6))
+        # step may appear to start a hair before it, and one that follows the
+        # step may appear to touch it.
+        if overlap < 5e-6:
+            return 0.0
+        return min(dur, overlap + 2e-6)
 
     def values(self) -> StepPhases:
         """The step's phases in seconds; ``comm`` None when the step has no comm record."""
@@ -235,27 +237,41 @@ class StepSummarizer:
             self._ready.append(summary)
 
     def _summarize(self) -> dict[str, Any] | None:
-        """The window's summary: robust means over its completed steps; None if none completed."""
+        """The window's summary over its completed steps; None if none completed."""
         done = sorted((s, a) for s, a in self._steps.items() if a.done)
         if not done or self._bucket is None:
             return None
-        rows = [a.values() for _, a in done]
-        comms = [r.comm for r in rows if r.comm is not None]
-        return {
-            "rank": self._rank,
-            "node": self._node,
-            "gen": max(a.gen for _, a in done),
-            "window": self._bucket,
-            "first_step": done[0][0],
-            "last_step": done[-1][0],
-            "steps": len(rows),
-            "step": robust_mean([r.step for r in rows]),
-            "fp": robust_mean([r.fp for r in rows]),
-            "data": robust_mean([r.data for r in rows]),
-            "ckpt": robust_mean([r.ckpt for r in rows]),
-            "comm": robust_mean(comms) if comms else None,
-            "compute": robust_mean([r.compute for r in rows]),
-        }
+        return window_summary(self._rank, self._node, self._bucket, [(s, a.gen, a.values()) for s, a in done])
+
+
+def window_summary(
+    rank: int | None, node: str | None, window: int, steps: list[tuple[int, int, StepPhases]]
+) -> dict[str, Any]:
+    """The compact summary of one rank's window: robust means over ``steps`` (step, generation, phases).
+
+    The one place the summary's numbers are made, online (``StepSummarizer``)
+    and offline (``undying.trace.analyze``).
+    """
+    if not steps:
+        raise ValueError("a window summary needs at least one step")
+    steps = sorted(steps, key=lambda item: item[0])
+    rows = [p for _, _, p in steps]
+    comms = [r.comm for r in rows if r.comm is not None]
+    return {
+        "rank": rank,
+        "node": node,
+        "gen": max(g for _, g, _ in steps),
+        "window": window,
+        "first_step": steps[0][0],
+        "last_step": steps[-1][0],
+        "steps": len(rows),
+        "step": robust_mean([r.step for r in rows]),
+        "fp": robust_mean([r.fp for r in rows]),
+        "data": robust_mean([r.data for r in rows]),
+        "ckpt": robust_mean([r.ckpt for r in rows]),
+        "comm": robust_mean(comms) if comms else None,
+        "compute": robust_mean([r.compute for r in rows]),
+    }
 
 
 def robust_mean(values: list[float]) -> float:

@@ -1,0 +1,377 @@
+"""Offline diagnosis: read a job's trace files, find slow ranks and nodes, rank the ranks.
+
+``load_trace`` reads every rank folder of a job (``<trace dir>/<job>/<rank>/``),
+rebuilds each (rank, step)'s phases with the worker's own code
+(``StepAccumulator``: the latest generation of a step wins, as a step re-run
+after a recovery replaces the first attempt), makes the same window summaries
+the workers send the manager (``window_summary``) and runs the same detector
+(``SlowDetector``) over them, so the offline findings are the ones the
+manager raised online, or would have. It adds what only the files can give:
+a table of the ranks ranked by how far each is from the others, and the steps
+whose data-loader wait or checkpoint stall stood far above that rank's usual.
+
+Trace files are read as they are: a file still being written ends in a
+partial line, a disk that filled may have cut one short; such lines are
+counted, not fatal. Files not named like trace files (a user's notes, a
+report written into the folder) are skipped and listed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from undying.errors import UsageError
+from undying.trace.detect import PHASES, Finding, SlowDetector
+from undying.trace.summary import StepAccumulator, StepPhases, robust_mean, window_summary
+from undying.trace.writer import is_trace_file
+
+__all__ = [
+    "TraceDirError",
+    "StepRow",
+    "RankRow",
+    "TraceTable",
+    "load_trace",
+    "find_job_dir",
+    "OUTLIER_LIST_MAX",
+]
+
+# At most this many outlier steps are listed per rank and kind (the count says how many in all).
+OUTLIER_LIST_MAX = 50
+
+
+class TraceDirError(UsageError):
+    """The path given does not hold a job's trace files."""
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step of one rank: when it started (wall clock) and its phases in seconds."""
+
+    rank: int
+    step: int
+    gen: int
+    t: float | None
+    phases: StepPhases
+
+
+@dataclass
+class RankRow:
+    """One rank over the whole trace: its typical phases and how far it stands from the others.
+
+    Phase values are robust means over all its steps (``comm`` None without
+    comm records). ``score`` is its largest excess over the other ranks'
+    median in any phase, as a fraction of the median step time (0.2: a fifth of
+    a step slower than the others there), and ``worst`` that phase. ``outliers``
+    lists steps whose data wait or checkpoint stall stood far above the rank's
+    own usual (``outlier_counts`` says how many in all).
+    """
+
+    rank: int
+    node: str
+    steps: int
+    first_step: int
+    last_step: int
+    step: float
+    compute: float
+    fp: float
+    data: float
+    ckpt: float
+    comm: float | None
+    score: float = 0.0
+    worst: str = ""
+    outliers: dict[str, list[int]] = field(default_factory=dict)
+    outlier_counts: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "node": self.node, "steps": self.steps,
+            "first_step": self.first_step, "last_step": self.last_step,
+            "step_s": self.step, "compute_s": self.compute, "fp_s": self.fp, "data_s": self.data,
+            "ckpt_s": self.ckpt, "comm_wait_s": self.comm, "score": self.score, "worst_phase": self.worst,
+            "outliers": self.outliers, "outlier_counts": self.outlier_counts,
+        }  # fmt: skip
+
+
+@dataclass
+class TraceTable:
+    """What ``load_trace`` found: per-step rows, per-rank rows (ranked), findings and reading stats."""
+
+    path: Path  # the job folder read
+    job: str
+    other_jobs: list[str]  # further job folders under the path given, not read
+    steps: dict[int, list[StepRow]]  # rank -> its steps in order
+    ranks: list[RankRow]  # highest score first
+    findings: list[Finding]
+    summaries: list[dict[str, Any]]  # the window summaries the detector was given
+    files: int = 0
+    records: int = 0
+    bad_lines: int = 0
+    rerun_steps: int = 0  # (rank, step)s whose first run a later generation's replaced
+    skipped: list[str] = field(default_factory=list)  # files that are not trace files
+    window: int = 10
+    threshold: float = 0.08
+    patience: int = 2
+
+    @property
+    def comm_known(self) -> bool:
+        return any(r.comm is not None for r in self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, without the per-step rows (``diagnose --json``)."""
+        return {
+            "path": str(self.path),
+            "job": self.job,
+            "other_jobs": self.other_jobs,
+            "findings": [f.to_dict() | {"text": f.describe()} for f in self.findings],
+            "ranks": [r.to_dict() for r in self.ranks],
+            "files": self.files,
+            "records": self.records,
+            "bad_lines": self.bad_lines,
+            "rerun_steps": self.rerun_steps,
+            "skipped_files": self.skipped,
+            "window": self.window,
+            "threshold": self.threshold,
+            "patience": self.patience,
+        }
+
+
+def _rank_dirs(job_dir: Path) -> dict[int, Path]:
+    """The rank folders of a job folder (named by a rank number, holding at least one trace file)."""
+    out: dict[int, Path] = {}
+    try:
+        children = sorted(job_dir.iterdir())
+    except OSError:
+        return out
+    for child in children:
+        if child.is_dir() and child.name.isdigit() and any(is_trace_file(p.name) for p in child.iterdir()):
+            out[int(child.name)] = child
+    return out
+
+
+def _newest(job_dir: Path) -> float:
+    return max((p.stat().st_mtime for d in _rank_dirs(job_dir).values() for p in d.iterdir()), default=0.0)
+
+
+def find_job_dir(path: Path) -> tuple[Path, dict[int, Path], list[str]]:
+    """The job folder ``path`` points at, its rank folders, and other jobs' names beside it.
+
+    ``path`` may be a rank folder (its job is read whole), a job folder, or a
+    trace dir holding job folders (the one written most recently is read).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise TraceDirError(f"{path} does not exist: pass the trace dir (the job's --trace-dir, "
+                            "by default <job dir>/traces), a job folder in it, or a rank folder")
+    if not path.is_dir():
+        raise TraceDirError(f"{path} is a file, not a folder: pass the folder that holds the job's "
+                            "rank folders (<trace dir>/<job id>), or the trace dir")
+    if path.name.isdigit() and any(is_trace_file(p.name) for p in path.iterdir()):
+        path = path.parent  # a rank folder: read its whole job
+    ranks = _rank_dirs(path)
+    if ranks:
+        return path, ranks, []
+    jobs = [d for d in sorted(path.iterdir()) if d.is_dir() and _rank_dirs(d)]
+    if not jobs:
+        raise TraceDirError(
+            f"no trace files under {path}: expected <job id>/<rank>/<timestamp>.ndjson below it. "
+            "Was the job run with tracing on (undying run --trace on, or undying trace on while it runs)?"
+        )
+    jobs.sort(key=_newest)
+    chosen = jobs[-1]
+    return chosen, _rank_dirs(chosen), [d.name for d in jobs[:-1]]
+
+
+def _read_lines(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from f
+
+
+def load_trace(
+    trace_dir: Path,
+    *,
+    window: int = 10,
+    threshold: float = 0.08,
+    patience: int = 2,
+) -> TraceTable:
+    """Read a job's traces and diagnose them (see the module doc). ``TraceDirError`` for bad paths."""
+    job_dir, rank_dirs, others = find_job_dir(Path(trace_dir))
+    files = records = bad = rerun = 0
+    skipped: list[str] = []
+    accs: dict[int, dict[int, StepAccumulator]] = {}
+    nodes: dict[int, str] = {}
+    job = job_dir.name
+    for rank, rdir in sorted(rank_dirs.items()):
+        steps = accs.setdefault(rank, {})
+        for p in sorted(rdir.iterdir()):
+            if not p.is_file() or not is_trace_file(p.name):
+                skipped.append(str(p.relative_to(job_dir)))
+                continue
+            files += 1
+            for line in _read_lines(p):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    bad += 1  # a partial last line, or a line cut short by a full disk
+                    continue
+                if not isinstance(record, dict):
+                    bad += 1
+                    continue
+                records += 1
+                step = record.get("step")
+                if isinstance(step, bool) or not isinstance(step, int):
+                    continue
+                gen = record.get("gen", 0)
+                gen = gen if isinstance(gen, int) and not isinstance(gen, bool) else 0
+                node = record.get("node")
+                if isinstance(node, str) and node:
+                    nodes[rank] = node
+                acc = steps.get(step)
+                if acc is None or gen > acc.gen:
+                    if acc is not None:
+                        rerun += 1  # the step was run again in a later generation: that run counts
+                    acc = steps[step] = StepAccumulator(gen)
+                elif gen < acc.gen:
+                    continue  # a record of a run that a later generation replaced
+                acc.add(record)
+    # Anything else in the job folder: a user's notes, a report written there.
+    read = {d.name for d in rank_dirs.values()}
+    skipped += [p.name for p in sorted(job_dir.iterdir()) if p.name not in read]
+    skipped = sorted(set(skipped))
+    step_rows: dict[int, list[StepRow]] = {}
+    for rank, steps in accs.items():
+        step_rows[rank] = [
+            StepRow(rank, s, a.gen, a.t, a.values()) for s, a in sorted(steps.items()) if a.done
+        ]
+    if not any(step_rows.values()):
+        raise TraceDirError(
+            f"the trace files under {job_dir} hold no completed step (no 'step' records): "
+            "were the step markers on (undying trace on)?"
+        )
+    summaries = _summaries(step_rows, nodes, window)
+    detector = SlowDetector(threshold, patience, world_size=sum(1 for rows in step_rows.values() if rows))
+    findings: list[Finding] = []
+    for s in summaries:
+        findings.extend(detector.add(s))
+    findings.extend(detector.flush())
+    ranks = _rank_rows(step_rows, nodes)
+    return TraceTable(
+        path=job_dir, job=job, other_jobs=others, steps=step_rows, ranks=ranks, findings=findings,
+        summaries=summaries, files=files, records=records, bad_lines=bad, rerun_steps=rerun,
+        skipped=skipped, window=window, threshold=threshold, patience=patience,
+    )  # fmt: skip
+
+
+def _summaries(step_rows: dict[int, list[StepRow]], nodes: dict[int, str], window: int) -> list[dict[str, Any]]:
+    """Every rank's window summaries, window by window (all ranks' window k before any k+1)."""
+    buckets: dict[int, dict[int, list[tuple[int, int, StepPhases]]]] = {}
+    for rank, rows in step_rows.items():
+        for row in rows:
+            buckets.setdefault((row.step - 1) // window, {}).setdefault(rank, []).append(
+                (row.step, row.gen, row.phases)
+            )
+    out = []
+    for w in sorted(buckets):
+        for rank in sorted(buckets[w]):
+            out.append(window_summary(rank, nodes.get(rank), w, buckets[w][rank]))
+    return out
+
+
+def _others_median(values: dict[int, float], rank: int) -> float | None:
+    rest = [v for r, v in values.items() if r != rank]
+    return median(rest) if rest else None
+
+
+def _rank_rows(step_rows: dict[int, list[StepRow]], nodes: dict[int, str]) -> list[RankRow]:
+    rows: list[RankRow] = []
+    for rank, steps in sorted(step_rows.items()):
+        if not steps:
+            continue
+        ph = [s.phases for s in steps]
+        comms = [p.comm for p in ph if p.comm is not None]
+        row = RankRow(
+            rank=rank, node=nodes.get(rank, ""), steps=len(steps),
+            first_step=steps[0].step, last_step=steps[-1].step,
+            step=robust_mean([p.step for p in ph]), compute=robust_mean([p.compute for p in ph]),
+            fp=robust_mean([p.fp for p in ph]), data=robust_mean([p.data for p in ph]),
+            ckpt=robust_mean([p.ckpt for p in ph]), comm=robust_mean(comms) if comms else None,
+        )  # fmt: skip
+        row.outliers, row.outlier_counts = _outliers(steps, row.step)
+        rows.append(row)
+    _score(rows)
+    rows.sort(key=lambda r: (-r.score, r.rank))
+    return rows
+
+
+def _score(rows: list[RankRow]) -> None:
+    """Each rank's largest excess over the others' median, in any phase, as a share of the step time.
+
+    Compute counts only with comm markers (without them every rank's compute
+    holds the same wait for the slowest); the forward pass stands in for it.
+    """
+    if len(rows) < 2:
+        return
+    step = median(r.step for r in rows)
+    if step <= 0:
+        return
+    comm_known = all(r.comm is not None for r in rows)
+    waits = {x.rank: float(x.comm or 0.0) for x in rows}
+    best: dict[int, tuple[float, str]] = {}
+    for phase in PHASES:
+        attr = "fp" if phase == "compute" and not comm_known else phase
+        values = {r.rank: float(getattr(r, attr)) for r in rows}
+        for r in rows:
+            m = _others_median(values, r.rank)
+            if m is None:
+                continue
+            excess = (values[r.rank] - m) / step
+            if comm_known and phase == "compute":
+                mc = _others_median(waits, r.rank)
+                if mc is not None and waits[r.rank] >= mc:
+                    excess = min(excess, 0.0)  # computes longer but waits as long: not the one waited for
+            if excess > best.get(r.rank, (-math.inf, ""))[0]:
+                best[r.rank] = (excess, phase)
+    for r in rows:
+        excess, phase = best.get(r.rank, (0.0, ""))
+        r.score = round(excess, 4)
+        r.worst = phase if excess > 0 else ""  # no phase where it is slower than the others
+
+
+def _outliers(steps: list[StepRow], step_s: float) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Steps whose data wait or checkpoint stall stood far above this rank's usual.
+
+    "Far above": more than the rank's median for that phase plus the larger of
+    5 robust standard deviations (1.4826 x the median absolute deviation) and
+    a quarter of its step time; one long wait in a thousand steps is what a
+    person wants to see, the usual jitter is not. Checkpoint stalls are judged
+    among the steps that had one (a rank that saves every 100 steps has a
+    median stall of 0 over all steps).
+    """
+    lists: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
+    for kind in ("data", "ckpt"):
+        pairs = [(s.step, float(getattr(s.phases, kind))) for s in steps]
+        if kind == "ckpt":
+            pairs = [(n, v) for n, v in pairs if v > 0]
+        if len(pairs) < 3:
+            continue
+        values = [v for _, v in pairs]
+        m = median(values)
+        mad = median(abs(v - m) for v in values)
+        limit = m + max(5 * 1.4826 * mad, 0.25 * step_s)
+        hits = [n for n, v in pairs if v > limit and math.isfinite(v)]
+        if hits:
+            counts[kind] = len(hits)
+            worst = sorted(pairs, key=lambda p: -p[1])
+            keep = {n for n, v in worst if v > limit}
+            lists[kind] = sorted(keep)[:OUTLIER_LIST_MAX] if len(keep) <= OUTLIER_LIST_MAX else sorted(
+                n for n, _ in worst[:OUTLIER_LIST_MAX]
+            )
+    return lists, counts
