@@ -24,13 +24,16 @@ by about half a bar (measured on real 4-rank traces on a 2-core machine:
 noisy (N=2 raised false findings in most simulated 1,000-step jobs at that
 noise) or slow (N=3 misses the 50-step target). So each (rank, phase) keeps
 *evidence*, a one-sided CUSUM: every window adds its excess in bars, at most
-2, minus 0.5, and the evidence never goes below 0 (nor above twice the level
-that reports). ``patience + 0.5`` bars of evidence (2.5 by default) make a
-finding: ``patience`` windows at twice the bar, three windows of a rank slowed
-by 15% of the step (whose excess is about 1.6 bars once the step itself grew),
-while a rank whose excess merely wobbles around 0 loses half a bar per window
-and almost never gets there. Capping each window at 2 bars keeps one freak
-window from making a finding alone.
+2, minus a slack of 0.75, and the evidence never goes below 0 (nor above
+twice the level that reports). ``patience + 0.5`` bars of evidence (2.5 by
+default) make a finding: two windows at twice the bar, two or three of a rank
+slowed by 15% of the step (whose excess is about 1.6 bars once the step itself
+grew), while a rank whose excess wobbles around 0 loses 0.75 a window and
+almost never gets there. Capping each window at 2 bars keeps one freak window
+from making a finding alone; the slack of 0.75 (rather than the textbook half
+of the shift to detect) keeps a rank that sits persistently a little under
+the bar (a CPU it shares with something else) from adding up to a finding
+over hundreds of steps.
 
 Corroboration and special cases:
 
@@ -38,6 +41,12 @@ Corroboration and special cases:
   in the collectives (a rank that computes longer but also waits longer is not
   the one the job waits for); a window where it does not adds no evidence.
   The evidence says whether it had the longest compute and the shortest wait.
+  The forward pass is a second witness, and the larger of the two excesses
+  counts: on a machine with fewer cores than ranks the others' "wait" burns
+  CPU (gloo polls) that the slow rank then lacks, and the compute/wait
+  balance hides a slowdown the forward pass shows plainly (measured: a rank
+  sleeping 7.5 ms per forward showed no compute excess at all, and 2.5x the
+  others' forward time).
 - compute, with comm markers off: ``compute`` then still contains the wait
   for the slowest rank, so every rank shows about the same; the forward pass,
   the one piece of compute measured alone, is compared instead, by its own
@@ -139,7 +148,7 @@ def describe_finding(f: dict[str, Any]) -> str:
     if ev.get("comm") is not None and ev.get("others_comm") is not None:
         extra.append(f"comm wait {_ms(ev['comm'])} vs {_ms(ev['others_comm'])}")
     if ev.get("basis") == "fp":
-        extra.append("judged by the forward pass: comm markers off")
+        extra.append("judged by the forward pass" + (": comm markers off" if ev.get("comm") is None else ""))
     return f"{text} ({'; '.join(extra)})"
 
 
@@ -226,6 +235,9 @@ class SlowDetector:
         # reported before its ranks' patience with it runs out.
         self.node_report_at = self.report_at - 0.5
         self.max_defer = patience + 1  # windows a ready rank waits for its node
+        # Bars taken off every window's excess: a rank must stand well over half
+        # a bar above the others, window after window, to gather evidence.
+        self.slack = 0.75
         self.nodes: dict[int, str] = {}  # rank -> node, learned from the summaries
         self.late = 0  # summaries that came after their window was judged
         self.windows = 0  # windows judged
@@ -327,8 +339,19 @@ class SlowDetector:
                 continue
             values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
             per_rank = self._excess(phase, basis, values, step, comm, comm_others)
+            fp_excess: dict[int, tuple[float, dict[str, Any]]] = {}
+            if phase == "compute" and basis == "compute":
+                # With comm markers too, the forward pass is a second witness (see the module doc).
+                fpb = self._basis(phase, rows, step, {})
+                if fpb == "fp":
+                    fpv = {r: float(s.get("fp") or 0.0) for r, s in rows.items()}
+                    fp_excess = self._excess(phase, "fp", fpv, step, {}, {})
             for rank, (x, ev) in per_rank.items():
                 z = x / bar if ev.get("corroborated", True) else 0.0
+                if rank in fp_excess and fp_excess[rank][0] / bar > z:
+                    x = fp_excess[rank][0]
+                    ev = {**fp_excess[rank][1], "comm": ev.get("comm"), "others_comm": ev.get("others_comm")}
+                    z = x / bar
                 self._update(self._track(rank, phase), z, x, first, ev)
             for node, ranks in groups.items():
                 zs, xs = self._node_excess(ranks, values, comm, bar)
@@ -341,7 +364,7 @@ class SlowDetector:
     def _update(self, track: _Track, z: float, x: float, first: int, ev: dict[str, Any]) -> None:
         """Add one window's excess (``z`` in bars, ``x`` in seconds) to a rank's or node's evidence."""
         before = track.evidence
-        gain = min(z, 2.0) - 0.5
+        gain = min(z, 2.0) - self.slack
         # Capped, so that evidence piled up by a long slow spell does not outlast it.
         track.evidence = min(2 * self.report_at, max(0.0, before + gain))
         track.calm = 0 if gain > 0 else track.calm + 1
