@@ -97,6 +97,11 @@ class WorkerTracing:
             self.tracer.writer = self._writer
 
     def close(self) -> None:
+        """At the end of the steps: the last (partial) window's summary, then the files."""
+        if self.tracer.step_on:
+            summary = self._summarizer.flush()
+            if summary is not None:
+                self._send(TraceSummary(self._rank, self._generation, summary))
         if self._writer is not None:
             self._writer.close()
 
