@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,45 @@ def test_recent_dying_gasp_is_reused(tmp_path: Path) -> None:
     assert recent_dying_gasp(tmp_path, within_s=60, now=later) is None
     (tmp_path / "step-000000007" / "state.pt").write_bytes(b"torn")
     assert recent_dying_gasp(tmp_path, within_s=60) is None  # a corrupt one is never reused
+
+
+def test_one_writer_thread_started_up_front_and_stopped_by_close(tmp_path: Path) -> None:
+    """Starting a thread inside save would stall the caller; the writer lives as long as the checkpointer."""
+    ckpt = AsyncCheckpointer(tmp_path / "a")
+    writer = ckpt._thread
+    assert writer is not None and writer.is_alive()  # started by the constructor
+    for step in (1, 2, 3):
+        ckpt.save(step, {"x": torch.ones(2)})
+        assert ckpt.wait(timeout=30) is not None
+    assert ckpt._thread is writer and writer.is_alive()  # the same thread wrote all three
+    assert ckpt.close(timeout=30) is not None
+    assert not writer.is_alive()
+    ckpt.save(4, {"x": torch.ones(2)})  # a save after close starts it again
+    result = ckpt.close(timeout=30)
+    assert result is not None and result.step == 4
+    dropped = AsyncCheckpointer(tmp_path / "b")
+    orphan = dropped._thread
+    assert orphan is not None
+    dropped.save(1, {"x": torch.ones(2)})
+    dropped.wait(timeout=30)
+    del dropped  # never closed: its thread notices and ends
+    gc.collect()
+    orphan.join(10)
+    assert not orphan.is_alive()
+
+
+def test_state_file_skips_torchs_second_checksum_and_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest's checksum covers every byte; torch's per-record CRCs would hash them all again."""
+    sd: dict[str, Any] = {"w": torch.randn(64, 8), "nested": [torch.arange(5), {"k": 2}]}
+    assert torch.serialization.get_crc32_options()
+    result = save_replicated(tmp_path / "a", 1, sd)
+    assert torch.serialization.get_crc32_options()  # torch's switch is back as it was
+    with zipfile.ZipFile(Path(result.path) / "state.pt") as z:
+        assert {info.CRC for info in z.infolist()} == {0}
+    loaded = torch.load(Path(result.path) / "state.pt", weights_only=True)
+    assert torch.equal(loaded["w"], sd["w"]) and loaded["nested"][1] == {"k": 2}
+    # A torch without the internals it uses: plain torch.save, same contents.
+    monkeypatch.setattr(writer_mod, "_torch_internals", lambda: None)
+    fallback = save_replicated(tmp_path / "b", 1, sd)
+    state, _ = load_replicated(fallback.path)
+    assert torch.equal(state["w"], sd["w"])

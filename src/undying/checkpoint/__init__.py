@@ -9,8 +9,20 @@ gasp) and what to restore; it calls this API. See DESIGN.md §4.
 - ``AsyncCheckpointer``: blocks only for the CPU copy, writes in a thread.
 - ``latest_valid``, ``verify``, ``scan``, ``prune``: discovery and retention.
 - ``measure``, ``recent_dying_gasp``: sizing and reusing a dying gasp.
+- ``check_writable``, ``check_compatible``: refuse a bad location or a
+  checkpoint of another job or model up front, by name.
+- ``plan_restore``, ``plan_for_ddp``: where every rank's state comes from
+  after a fault (self, a peer, a ring replica, or the checkpoint).
 """
 
+from undying.checkpoint.checks import (
+    CheckpointLocationError,
+    IncompatibleCheckpointError,
+    check_compatible,
+    check_writable,
+    tensor_shapes,
+    tensor_specs,
+)
 from undying.checkpoint.gasp import (
     Measurement,
     measure,
@@ -27,6 +39,17 @@ from undying.checkpoint.manifest import (
     ManifestError,
     parse_step_dirname,
     step_dirname,
+)
+from undying.checkpoint.planner import (
+    Layout,
+    LayoutError,
+    MissingShardsError,
+    PersistedState,
+    RestorePlan,
+    Shard,
+    Source,
+    plan_for_ddp,
+    plan_restore,
 )
 from undying.checkpoint.sharded import latest_valid_shared, load_sharded, save_sharded
 from undying.checkpoint.store import (
@@ -56,19 +79,30 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointLocationError",
     "CheckpointWriteError",
     "FileEntry",
+    "IncompatibleCheckpointError",
     "KINDS",
     "Latest",
+    "Layout",
+    "LayoutError",
     "MANIFEST_NAME",
     "Manifest",
     "ManifestError",
     "Measurement",
+    "MissingShardsError",
     "PendingCheckpoint",
+    "PersistedState",
+    "RestorePlan",
     "SCHEMA_VERSION",
     "SaveResult",
     "SaveTicket",
+    "Shard",
+    "Source",
     "Store",
+    "check_compatible",
+    "check_writable",
     "cpu_copy",
     "latest_valid",
     "latest_valid_shared",
@@ -77,6 +111,8 @@ __all__ = [
     "measure",
     "measure_write_speed",
     "parse_step_dirname",
+    "plan_for_ddp",
+    "plan_restore",
     "prune",
     "recent_dying_gasp",
     "save_replicated",
@@ -84,5 +120,7 @@ __all__ = [
     "scan",
     "state_nbytes",
     "step_dirname",
+    "tensor_shapes",
+    "tensor_specs",
     "verify",
 ]

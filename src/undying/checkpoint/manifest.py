@@ -127,6 +127,20 @@ def _need(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
+def _check_tensors(tensors: Mapping[str, Any]) -> None:
+    """Each entry must be {"shape": [ints >= 0], "dtype": str}; the message names the first bad one."""
+    for name, spec in tensors.items():
+        if not isinstance(name, str) or not isinstance(spec, Mapping):
+            raise ManifestError(f"manifest tensor {name!r} must map a name to an object, got {spec!r}")
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        if not isinstance(shape, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        ):
+            raise ManifestError(f"manifest tensor {name!r} has a bad shape {shape!r}")
+        if not isinstance(dtype, str):
+            raise ManifestError(f"manifest tensor {name!r} has a bad dtype {dtype!r}")
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a committed checkpoint holds. Immutable: a checkpoint is never edited in place.
@@ -136,6 +150,12 @@ class Manifest:
     for torch.distributed.checkpoint (loadable on another world size). ``digest`` is the
     caller's fingerprint of the state (e.g. ``State.digest()``) so a resume can prove it
     restored exactly what was saved. ``meta`` is free-form caller data.
+
+    ``tensors`` maps every tensor of the saved state, by path
+    (``model/fc.weight``), to ``{"shape": [...], "dtype": "float32"}``, so a
+    load can refuse a checkpoint of another model by name before reading
+    gigabytes. Optional: manifests written before it existed have None, and it
+    is left out of the JSON when None, so older readers see the old schema.
     """
 
     step: int
@@ -149,6 +169,7 @@ class Manifest:
     digest: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+    tensors: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -164,13 +185,15 @@ class Manifest:
             raise ManifestError("manifest lists a file twice")
         if MANIFEST_NAME in paths:
             raise ManifestError("manifest lists itself")
+        if self.tensors is not None:
+            _check_tensors(self.tensors)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": self.schema,
             "step": self.step,
             "world_size": self.world_size,
@@ -183,6 +206,9 @@ class Manifest:
             "files": [f.to_dict() for f in self.files],
             "meta": dict(self.meta),
         }
+        if self.tensors is not None:
+            out["tensors"] = {name: dict(spec) for name, spec in self.tensors.items()}
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
@@ -203,6 +229,9 @@ class Manifest:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise ManifestError(f"manifest 'meta' must be an object, got {meta!r}")
+        tensors = d.get("tensors")
+        if tensors is not None and not isinstance(tensors, dict):
+            raise ManifestError(f"manifest 'tensors' must be an object or absent, got {type(tensors).__name__}")
         return cls(
             step=_need(d, "step", int),
             world_size=_need(d, "world_size", int),
@@ -215,6 +244,7 @@ class Manifest:
             digest=digest,
             meta=dict(meta),
             schema=schema,
+            tensors=None if tensors is None else {k: dict(v) if isinstance(v, dict) else v for k, v in tensors.items()},
         )
 
     @classmethod

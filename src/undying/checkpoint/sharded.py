@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from undying.checkpoint.checks import tensor_specs
 from undying.checkpoint.manifest import (
     MANIFEST_NAME,
     Checksum,
@@ -158,11 +159,20 @@ def save_sharded(
         mine = hashed
     except OSError as e:
         mine = f"rank {rank} could not checksum its files: {e}"
-    gathered: list[Any] = [None] * world
+    # With the checksums, every rank's tensor specs: a rank may hold keys no other rank has.
+    report = (mine, tensor_specs(state_dict))
+    reports: list[Any] = [None] * world
     if distributed:
-        dist.gather_object(mine, gathered if rank == coordinator else None, group=group, group_dst=coordinator)
+        dist.gather_object(report, reports if rank == coordinator else None, group=group, group_dst=coordinator)
     else:
-        gathered = [mine]
+        reports = [report]
+    gathered: list[Any] = [r[0] for r in reports] if rank == coordinator else []
+    specs: dict[str, Any] = {}
+    if rank == coordinator:
+        for _, theirs in reports:
+            for name, spec in theirs.items():
+                specs.setdefault(name, spec)
+        specs.update(report[1])  # the coordinator's view wins where ranks disagree
     outcome: tuple[str, int] | str = ""
     if rank == coordinator:
         assert pending is not None
@@ -185,10 +195,14 @@ def save_sharded(
                 files=tuple(entries),
                 digest=digest,
                 meta=dict(meta or {}),
+                tensors=specs,
             )
             ckpt = pending.commit(manifest)
             if keep is not None:
-                prune(store, keep)
+                try:
+                    prune(store, keep)
+                except OSError as e:  # committed: retention tries again after the next save
+                    log.warning("pruning %s after step %d failed: %s", store.url_of(store.root), step, e)
             outcome = (ckpt.url, manifest.total_bytes)
         except Exception as e:
             pending.abort()

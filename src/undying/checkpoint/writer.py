@@ -12,17 +12,22 @@ read by the writer, so training may mutate them right after ``save`` returns.
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import os
+import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from undying.checkpoint.checks import tensor_specs
 from undying.checkpoint.manifest import Checksum, FileEntry, Hasher, Manifest
 from undying.checkpoint.store import (
     Checkpoint,
@@ -30,6 +35,7 @@ from undying.checkpoint.store import (
     PendingCheckpoint,
     Store,
     prune,
+    start_writeback,
     verify,
 )
 
@@ -42,6 +48,7 @@ __all__ = [
     "save_replicated",
     "load_replicated",
     "AsyncCheckpointer",
+    "os_error_of",
 ]
 
 log = logging.getLogger("undying.checkpoint")
@@ -50,11 +57,28 @@ STATE_FILE = "state.pt"
 
 
 class CheckpointWriteError(CheckpointError):
-    """A background checkpoint write failed; ``__cause__`` is the original exception."""
+    """A background checkpoint write failed; ``__cause__`` is the original exception.
 
-    def __init__(self, step: int, cause: BaseException) -> None:
-        super().__init__(f"checkpoint write of step {step} failed: {type(cause).__name__}: {cause}")
+    ``attempt`` of ``attempts`` says which try this was; ``retry_in`` is the
+    delay before the next one, None when no retry follows.
+    """
+
+    def __init__(
+        self, step: int, cause: BaseException, *, attempt: int = 1, attempts: int = 1,
+        retry_in: float | None = None, note: str = "",
+    ) -> None:
+        if retry_in is not None:
+            how = f" (attempt {attempt} of {attempts}; retrying in {retry_in:g}s, training goes on)"
+        elif attempts > 1 or note:
+            how = f" (attempt {attempt} of {attempts}{'; ' + note if note else ''})"
+        else:
+            how = ""
+        super().__init__(f"checkpoint write of step {step} failed{how}: {type(cause).__name__}: {cause}")
+        self.__cause__ = cause
         self.step = step
+        self.attempt = attempt
+        self.attempts = attempts
+        self.retry_in = retry_in
 
 
 @dataclass(frozen=True)
@@ -84,18 +108,94 @@ class SaveTicket:
 
 
 class _HashingWriter:
-    """Passes writes through to a file while checksumming them, for torch.save."""
+    """Passes writes through to a file while checksumming them, for torch.save.
 
-    def __init__(self, f: Any, algorithm: Checksum) -> None:
+    The checksum of a large write is computed in a helper thread while the
+    write itself runs (zlib and hashlib release the GIL on large buffers, the
+    write syscall too), so with a core free it costs no wall time; each write
+    waits for its own checksum before returning, so the buffer torch.save
+    passed is never read after it reclaims it, and updates stay in order.
+    With ``writeback`` (a local file), each large write also starts the
+    kernel writing it to disk (``start_writeback``), so disk and CPU overlap.
+    """
+
+    PARALLEL_MIN = 1 << 20
+
+    def __init__(self, f: Any, algorithm: Checksum, *, writeback: bool = False) -> None:
         self._f = f
         self.hasher = Hasher(algorithm)
+        self._pool: ThreadPoolExecutor | None = None
+        self._writeback = writeback
+        self._kicked = 0  # bytes already handed to start_writeback
 
-    def write(self, data: bytes) -> int:
-        self.hasher.update(data)
-        return int(self._f.write(data))
+    def write(self, data: Any) -> int:
+        if len(data) < self.PARALLEL_MIN:
+            self.hasher.update(data)
+            return int(self._f.write(data))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="undying-ckpt-hash")
+        hashing = self._pool.submit(self.hasher.update, data)
+        try:
+            written = self._f.write(data)
+        finally:
+            hashing.result()
+        if self._writeback:
+            self._f.flush()  # what BufferedWriter still holds must reach the kernel first
+            end = self.hasher.size
+            if start_writeback(self._f.fileno(), self._kicked, end - self._kicked):
+                self._kicked = end
+            else:
+                self._writeback = False  # not supported here: fsync alone it is
+        return int(written)
 
     def flush(self) -> None:
         self._f.flush()
+
+    def close(self) -> None:
+        """Stop the helper thread (the file itself is the caller's)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+_CRC_TOGGLE = threading.Lock()
+
+
+def _torch_save(obj: Any, w: _HashingWriter) -> None:
+    """``torch.save(obj, w)`` without torch's own per-record CRC32 when torch allows it.
+
+    Every byte is already checksummed once on its way out (the manifest's
+    whole-file checksum, verified before any load); torch's zip records would
+    checksum it a second time on the writer thread's CPU, which a training
+    loop on the same cores pays for. The switch is global in torch and read
+    only when the zip writer is made, so it is off for microseconds, under a
+    lock. torch.load does not need the record CRCs. On a torch without these
+    internals this is plain ``torch.save``.
+    """
+    parts = _torch_internals()
+    if parts is None:
+        torch.save(obj, w)  # type: ignore[arg-type]
+        return
+    opener, save_records, get_crc, set_crc = parts
+    with _CRC_TOGGLE:
+        before = get_crc()
+        set_crc(False)
+        try:
+            zip_writer = opener(w)
+        finally:
+            set_crc(before)
+    with zip_writer as z:
+        save_records(obj, z, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+
+
+def _torch_internals() -> tuple[Any, Any, Any, Any] | None:
+    """torch.save's zip writer, record writer and CRC switch, or None where this torch lacks one."""
+    ser: Any = torch.serialization
+    parts = tuple(
+        getattr(ser, name, None)
+        for name in ("_open_zipfile_writer_buffer", "_save", "get_crc32_options", "set_crc32_options")
+    )
+    return None if any(p is None for p in parts) else (parts[0], parts[1], parts[2], parts[3])
 
 
 def cpu_copy(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
@@ -130,6 +230,18 @@ def cpu_copy(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
     return out
 
 
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (itself, or in its cause/context chain), if any: a storage failure."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _replicated_layout(extra: dict[str, Any] | None) -> dict[str, Any]:
     return {**(extra or {}), "kind": "replicated", "file": STATE_FILE}
 
@@ -162,8 +274,12 @@ def save_replicated(
     pending = PendingCheckpoint(store, step, overwrite=overwrite)
     try:
         with store.open_write(pending.file_path(STATE_FILE)) as f:
-            w = _HashingWriter(f, checksum)
-            torch.save(state_dict, w)  # type: ignore[arg-type]
+            w = _HashingWriter(f, checksum, writeback=store.local)
+            try:
+                _torch_save(state_dict, w)
+                w.flush()
+            finally:
+                w.close()
         entry = FileEntry(STATE_FILE, w.hasher.size, w.hasher.hexdigest(), checksum)
         manifest = Manifest(
             step=step,
@@ -176,19 +292,24 @@ def save_replicated(
             files=(entry,),
             digest=digest,
             meta=dict(meta or {}),
+            tensors=tensor_specs(state_dict),
         )
         ckpt = pending.commit(manifest)
-    except OSError as e:
+    except BaseException as e:
         pending.abort()
-        raise CheckpointError(
-            f"cannot write checkpoint {store.url_of(pending.final_path)} ({e.strerror or e})"
-        ) from e
-    except BaseException:
-        pending.abort()
+        os_error = os_error_of(e)
+        if os_error is not None:
+            # torch.save reports a failed write as a RuntimeError about stream positions; say what the OS said.
+            raise CheckpointError(
+                f"cannot write checkpoint {store.url_of(pending.final_path)} ({os_error.strerror or os_error})"
+            ) from e
         raise
     write_s = time.perf_counter() - started
     if keep is not None:
-        prune(store, keep)
+        try:
+            prune(store, keep)
+        except OSError as e:  # the checkpoint is committed; retention tries again after the next save
+            log.warning("pruning %s after step %d failed: %s", store.url_of(store.root), step, e)
     log.info("checkpoint %s written: %d bytes in %.3fs", ckpt.url, entry.size, write_s)
     return SaveResult(step, ckpt.url, kind, blocking_s, write_s, entry.size)
 
@@ -222,6 +343,52 @@ def load_replicated(
     return state, manifest
 
 
+@dataclass
+class _Job:
+    """One save: the private snapshot and what its manifest needs, plus its retry state."""
+
+    step: int
+    snapshot: Any
+    kind: str
+    generation: int
+    digest: str | None
+    meta: dict[str, Any] | None
+    blocking: float
+    # Set to end the job's retries: by a newer save ("superseded") or by wait(retries=False).
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = ""
+    superseded: bool = False
+    phase: Literal["writing", "backoff", "done"] = "writing"
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _writer_loop(ref: weakref.ReferenceType[AsyncCheckpointer], cond: threading.Condition,
+                 queue: collections.deque[_Job | None]) -> None:
+    """The writer thread: runs queued saves until told to stop or its checkpointer is gone.
+
+    It holds its checkpointer only weakly while idle, so an AsyncCheckpointer
+    that is dropped without ``close()`` does not keep a thread alive forever.
+    """
+    while True:
+        with cond:
+            while not queue:
+                if ref() is None:
+                    return
+                cond.wait(1.0)
+            job = queue.popleft()
+        if job is None:
+            return
+        owner = ref()
+        if owner is None:
+            job.done.set()
+            return
+        try:
+            owner._run(job)
+        finally:
+            job.done.set()
+        del owner
+
+
 class AsyncCheckpointer:
     """Replicated checkpoints written in a background thread; the caller blocks only for the CPU copy.
 
@@ -232,11 +399,22 @@ class AsyncCheckpointer:
     and a log line, so training never stalls beyond the copy. A dying-gasp
     save always waits: it is the last chance.
 
-    A failed write is logged at ERROR when it happens, kept in ``errors`` and
-    ``last_error``, and raised by the next ``wait()`` as CheckpointWriteError;
-    ``save`` itself does not raise for an earlier failure, so training goes on
-    and the next save is the retry. Previous checkpoints are never touched by a
-    failed write.
+    A write that fails on storage (an OSError anywhere in its cause chain: an
+    unwritable or vanished folder, a full disk, a network store that refused)
+    is retried on the same snapshot, up to ``max_attempts`` attempts in all,
+    after ``retry_delay_s``, doubling each time (at most ``retry_delay_max_s``),
+    while training goes on. A ``save`` that comes while a retry is pending
+    supersedes it: the newer state is worth more than the older one. A failure
+    that is not a storage error (a state that cannot be pickled) is not retried.
+
+    Every failed attempt is logged at ERROR, kept in ``errors`` and
+    ``last_error``, and passed to ``on_done(None, error)`` (``error.retry_in``
+    says whether a retry follows); a save that fails for good (attempts spent,
+    not retryable, or its retry dropped by ``wait(retries=False)``) is raised
+    once by the next ``wait()`` as CheckpointWriteError. ``save`` itself never
+    raises for an earlier failure. A failed write never touches the previous
+    checkpoints: it writes aside and commits by rename, and retention runs only
+    after a successful commit and always keeps the latest valid checkpoint.
 
     The thread is a daemon: call ``close()`` (or ``wait()``) before the process
     exits, or the last write may be cut short (it would then be skipped as
@@ -254,9 +432,16 @@ class AsyncCheckpointer:
         checksum: Checksum = "crc32",
         layout_extra: dict[str, Any] | None = None,
         on_done: Callable[[SaveResult | None, CheckpointWriteError | None], None] | None = None,
+        max_attempts: int = 3,
+        retry_delay_s: float = 1.0,
+        retry_delay_max_s: float = 30.0,
     ) -> None:
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if retry_delay_s < 0 or retry_delay_max_s < 0:
+            raise ValueError("retry delays must be >= 0")
         self.store = root if isinstance(root, Store) else Store.open(root)
         self.job_id = job_id
         self.world_size = world_size
@@ -265,16 +450,55 @@ class AsyncCheckpointer:
         self.checksum: Checksum = checksum
         self.layout_extra = layout_extra
         self.on_done = on_done  # called from the writer thread with the result or the error
+        self.max_attempts = max_attempts
+        self.retry_delay_s = retry_delay_s
+        self.retry_delay_max_s = retry_delay_max_s
         self.last_result: SaveResult | None = None
         self.last_error: CheckpointWriteError | None = None
         self.errors: list[CheckpointWriteError] = []
         self._thread: threading.Thread | None = None
+        self._queue: collections.deque[_Job | None] = collections.deque()
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
         self._unreported: CheckpointWriteError | None = None
         self._lock = threading.Lock()
 
+        # Started now, not in the first save: starting a thread makes its caller wait for it to run
+        # and then for the GIL back, a few ms of stall that a long-lived writer pays only once.
+        self._start_writer()
+
+    def _start_writer(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            return
+        self._thread = threading.Thread(
+            target=_writer_loop, args=(weakref.ref(self), self._cond, self._queue),
+            name="undying-ckpt-writer", daemon=True,
+        )
+        self._thread.start()
+
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """A save is being written or waits for its retry."""
+        job = self._job
+        return job is not None and not job.done.is_set()
+
+    @property
+    def retry_pending(self) -> bool:
+        """A failed save waits for its next attempt (a new ``save`` would supersede it)."""
+        with self._lock:
+            return self.busy and self._job is not None and self._job.phase == "backoff"
+
+    def retry_delay(self, attempt: int) -> float:
+        """Seconds before attempt ``attempt + 1``: ``retry_delay_s`` doubled per failed attempt, capped."""
+        return float(min(self.retry_delay_max_s, self.retry_delay_s * 2 ** (attempt - 1)))
+
+    def _cancel(self, job: _Job, reason: str, *, superseded: bool) -> None:
+        """End ``job``'s retries (call under the lock); ``superseded``: a newer save replaces it."""
+        if not job.cancel.is_set():
+            job.cancel_reason = reason
+            job.superseded = superseded
+            job.cancel.set()
 
     def save(
         self,
@@ -289,7 +513,13 @@ class AsyncCheckpointer:
         """Copy ``state_dict`` to CPU (blocking, measured) and write it in the background."""
         waited = 0.0
         if self.busy:
-            if self.if_busy == "skip" and kind != "dying-gasp":
+            with self._lock:
+                job = self._job
+                writing = job is not None and job.phase == "writing"
+                if job is not None and (not writing or self.if_busy == "wait" or kind == "dying-gasp"):
+                    # A pending retry ends now; a write in progress finishes its attempt, no retry after.
+                    self._cancel(job, f"superseded by the save of step {step}", superseded=True)
+            if writing and self.if_busy == "skip" and kind != "dying-gasp":
                 log.info("checkpoint of step %d skipped: the previous write is still running", step)
                 return SaveTicket(step, 0.0, 0.0, True)
             t0 = time.perf_counter()
@@ -298,55 +528,86 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         snapshot = cpu_copy(state_dict)
         blocking = time.perf_counter() - t0
-        thread = threading.Thread(
-            target=self._write,
-            args=(step, snapshot, kind, generation, digest, meta, blocking),
-            name=f"undying-ckpt-{step}",
-            daemon=True,
-        )
-        self._thread = thread
-        thread.start()
+        job = _Job(step, snapshot, kind, generation, digest, meta, blocking)
+        with self._lock:
+            self._job = job
+        self._start_writer()  # only if it was stopped by close()
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify()
         return SaveTicket(step, blocking, waited, False)
 
-    def _write(
-        self,
-        step: int,
-        snapshot: Any,
-        kind: str,
-        generation: int,
-        digest: str | None,
-        meta: dict[str, Any] | None,
-        blocking: float,
-    ) -> None:
-        try:
-            result = save_replicated(
-                self.store,
-                step,
-                snapshot,
-                job_id=self.job_id,
-                generation=generation,
-                world_size=self.world_size,
-                kind=kind,
-                digest=digest,
-                meta=meta,
-                layout_extra=self.layout_extra,
-                checksum=self.checksum,
-                keep=self.keep,
-                blocking_s=blocking,
-            )
-        except BaseException as e:  # kept and re-raised by wait(): never lost
-            err = CheckpointWriteError(step, e)
-            err.__cause__ = e
-            log.error("%s", err)
+    def _run(self, job: _Job) -> None:
+        """The writer thread: attempt, and on a storage error wait and attempt again, until done."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                result = save_replicated(
+                    self.store,
+                    job.step,
+                    job.snapshot,
+                    job_id=self.job_id,
+                    generation=job.generation,
+                    world_size=self.world_size,
+                    kind=job.kind,
+                    digest=job.digest,
+                    meta=job.meta,
+                    layout_extra=self.layout_extra,
+                    checksum=self.checksum,
+                    keep=self.keep,
+                    blocking_s=job.blocking,
+                )
+            except BaseException as e:  # kept, reported and re-raised by wait(): never lost
+                storage = os_error_of(e) is not None
+                retry = storage and attempt < self.max_attempts and not job.cancel.is_set()
+                delay = self.retry_delay(attempt) if retry else None
+                if retry:
+                    note = ""
+                elif job.cancel.is_set():
+                    note = f"not retried: {job.cancel_reason}"
+                elif not storage:
+                    note = "not retried: not a storage error"
+                else:
+                    note = "giving up" if self.max_attempts > 1 else ""
+                err = CheckpointWriteError(
+                    job.step, e, attempt=attempt, attempts=self.max_attempts, retry_in=delay, note=note
+                )
+                log.error("%s", err)
+                with self._lock:
+                    self.last_error = err
+                    self.errors.append(err)
+                    job.phase = "backoff" if retry else "done"
+                    if not retry and not job.superseded:
+                        self._unreported = err  # failed for good, and nothing newer replaces it
+                self._notify(None, err)
+                if not retry:
+                    self._finish(job)
+                    return
+                assert delay is not None
+                if job.cancel.wait(delay):
+                    log.warning("retry of the checkpoint of step %d dropped: %s", job.step, job.cancel_reason)
+                    with self._lock:
+                        if not job.superseded:
+                            self._unreported = err
+                    self._finish(job)
+                    return
+                with self._lock:
+                    job.phase = "writing"
+                log.warning("checkpoint of step %d: attempt %d of %d", job.step, attempt + 1, self.max_attempts)
+                continue
             with self._lock:
-                self.last_error = err
-                self._unreported = err
-                self.errors.append(err)
-            self._notify(None, err)
+                self.last_result = result
+            if attempt > 1:
+                log.warning("checkpoint of step %d written on attempt %d", job.step, attempt)
+            self._notify(result, None)
+            self._finish(job)
             return
+
+    def _finish(self, job: _Job) -> None:
         with self._lock:
-            self.last_result = result
-        self._notify(result, None)
+            job.phase = "done"
+            job.snapshot = None  # the copy can be freed even while this object lives on
 
     def _notify(self, result: SaveResult | None, error: CheckpointWriteError | None) -> None:
         if self.on_done is None:
@@ -357,17 +618,22 @@ class AsyncCheckpointer:
             log.exception("checkpoint on_done callback failed")
 
     def _join(self, timeout: float | None = None) -> bool:
-        thread = self._thread
-        if thread is None:
+        job = self._job
+        if job is None:
             return True
-        thread.join(timeout)
-        return not thread.is_alive()
+        return job.done.wait(timeout)
 
-    def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Wait for the write in flight; raise CheckpointWriteError if a write failed since the last wait.
+    def wait(self, timeout: float | None = None, *, retries: bool = True) -> SaveResult | None:
+        """Wait for the save in flight, its retries included; raise CheckpointWriteError if a save failed for good.
 
+        ``retries=False`` drops a pending retry (an attempt already writing
+        finishes): for a dying gasp that is about to write a newer state itself.
         Raises TimeoutError when ``timeout`` passes first (the write goes on).
         """
+        if not retries:
+            with self._lock:
+                if self._job is not None and self._job.phase != "done":
+                    self._cancel(self._job, "dropped by wait(retries=False)", superseded=False)
         if not self._join(timeout):
             raise TimeoutError(f"checkpoint write still running after {timeout}s")
         with self._lock:
@@ -377,14 +643,33 @@ class AsyncCheckpointer:
         return self.last_result
 
     def close(self, timeout: float | None = None) -> SaveResult | None:
-        """``wait`` under another name, for ``with`` blocks and shutdown paths."""
-        return self.wait(timeout)
+        """``wait``, then stop the writer thread (a later ``save`` starts it again)."""
+        try:
+            return self.wait(timeout)
+        finally:
+            self._stop_writer()
+
+    def _stop_writer(self) -> None:
+        """End the idle writer thread; not while a save is in flight (a timed-out wait leaves it be)."""
+        thread = self._thread
+        if thread is None or self.busy:
+            return
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify()
+        thread.join()
+        self._thread = None
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if exc_type is None:
-            self.wait()  # a failed write surfaces here
-        else:
-            self._join()  # do not mask the exception already in flight
+            self.close()  # a failed write surfaces here
+            return
+        # Do not mask the exception in flight, nor hold it up for backoffs: drop a pending retry.
+        with self._lock:
+            if self._job is not None and self._job.phase != "done":
+                self._cancel(self._job, "dropped: the with block raised", superseded=False)
+        self._join()
+        self._stop_writer()
