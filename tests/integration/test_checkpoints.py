@@ -160,6 +160,7 @@ def test_every_rank_killed_at_once_restarts_the_job_from_the_checkpoint(tmp_path
     restarts = [i for i in run.incidents if i["action"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["status"] == "recovered", run.incidents
     detail = restarts[0]["detail"]
+    assert f"rolls back to step {detail['checkpoint_step']}" in detail["restore_plan"], detail
     (restarted,) = _events(job_dir / "events.db", "restarted")
     assert restarted["step"] == detail["checkpoint_step"] and detail["checkpoint_step"] % 5 == 0
     comparison = compare_runs(oracle.baseline(ARGS, 2), run)

@@ -26,6 +26,7 @@ def test_crash_at_any_part_of_a_step(oracle: Oracle, tmp_path: Path, rank: int, 
     outcome = oracle.assert_survives(tmp_path / "job", [crash(rank, step, phase)])
     (incident,) = outcome.incidents
     assert incident["rank"] == rank and incident["action"] == "replace"
+    assert incident["detail"]["restore_plan"].startswith(f"rank {rank} <- peer rank "), incident["detail"]
     phases = incident["phases"]
     for name in ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done"):
         assert name in phases, phases

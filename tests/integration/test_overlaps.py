@@ -62,3 +62,5 @@ def test_every_rank_killed_at_once_without_a_checkpoint_fails_with_a_report(orac
     summary = job_summary(outcome.job_dir)["job"]
     assert summary["state"] == "failed"
     assert "no peer to restore from" in summary["exit_reason"], summary["exit_reason"]
+    # The restore planner names what is missing.
+    assert any("no complete state" in i["detail"].get("restore_plan", "") for i in outcome.incidents), outcome.incidents

@@ -28,6 +28,7 @@ from undying.checkpoint import (
     latest_valid,
     recent_dying_gasp,
 )
+from undying.checkpoint.planner import MissingShardsError, plan_for_ddp
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog
@@ -574,6 +575,27 @@ class Manager:
         self._recovery.incidents.append(incident)
         return incident
 
+    def _plan_restore(self, incident: Incident) -> None:
+        """Where every rank's state comes from after this incident (the restore planner), for the record.
+
+        Under DDP every survivor holds the whole state, so any one is a peer of
+        every rank; with none left the checkpoint is the source and the job
+        rolls back to it, or no complete state exists and the planner says so.
+        """
+        recovery = self._recovery
+        replaced = recovery.replaced if recovery else set()
+        failed = {r.rank for r in self.ranks.values()
+                  if r.rank == incident.rank or r.state is RankState.EXITED or r.rank in replaced}
+        ckpt = self._restart_from
+        try:
+            plan = plan_for_ddp(self.config.world_size, failed, ckpt.step if ckpt else None,
+                                current_step=max((r.step for r in self.ranks.values()), default=0),
+                                checkpoint_path=ckpt.url if ckpt else "")
+        except MissingShardsError as e:
+            incident.detail["restore_plan"] = str(e)
+            return
+        incident.detail["restore_plan"] = plan.describe()
+
     def _holders_alive(self, excluding: int) -> int:
         recovery = self._recovery
         replaced = recovery.replaced if recovery else set()
@@ -587,6 +609,7 @@ class Manager:
         holders = self._holders_alive(incident.rank)
         # The restart rung needs the latest valid checkpoint; only looked for when no peer holds the state.
         self._restart_from = self._latest_checkpoint() if holders == 0 else None
+        self._plan_restore(incident)
         decision = decide(
             incident,
             self.incidents,
