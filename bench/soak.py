@@ -55,7 +55,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
-    STOP_GRACE_S,
     Workload,
     bench_env,
     launch,
@@ -192,7 +191,7 @@ def run_job(workload: Workload, run_dir: Path, args: argparse.Namespace, log: An
             injected = drive(url, args, workload.total_steps, log)
         return wait_for(process, time.monotonic() + args.timeout), injected
     finally:
-        stop(process, lambda: undying_worker_pids(job_dir / "events.db"), STOP_GRACE_S)
+        stop(process, lambda: undying_worker_pids(job_dir / "events.db"), str(TRAIN_SCRIPT))
 
 
 def leaked_processes(job_dir: Path) -> list[int]:
