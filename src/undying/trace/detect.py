@@ -459,7 +459,6 @@ class SlowDetector:
         values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
         return self._excess(phase, basis, values, step, comm, comm_others)
 
-
     def _basis(
         self, phase: str, rows: dict[int, dict[str, Any]], step: float, comm: dict[int, float]
     ) -> str | None:
