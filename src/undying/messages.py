@@ -308,12 +308,19 @@ class ArmFault(Message):
 
 @dataclass(frozen=True)
 class TraceSet(Message):
-    """The trace switch: step/ckpt/fp/data markers on or off together, comm markers alone."""
+    """The trace switch: step/ckpt/fp/data markers on or off together, comm markers alone.
+
+    Comm markers come from a DDP communication hook, and a DDP takes a hook only
+    when it is built: every rank rebuilds its DDP, with or without the hook, at
+    the first step ``>= comm_from_step``, a step the manager picked far enough
+    ahead that every rank hears of it first (building a DDP is a collective).
+    """
 
     step: bool
     comm: bool
     by: str
     t: float
+    comm_from_step: int = 0
 
 
 def encode(message: Message) -> bytes:

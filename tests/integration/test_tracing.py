@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tests.integration.jobs import manager_url, start_job, status, wait_for, wait_running
 from tests.oracle import Oracle, slow
+from undying.oracle import compare_runs, load_run
 from undying.trace.writer import is_trace_file
 
 
@@ -28,11 +29,15 @@ def _undying(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "undying", *args], capture_output=True, text=True, timeout=30)
 
 
-def test_the_switch_reaches_every_rank_while_the_job_runs(tmp_path: Path, reap: list[int]) -> None:
+SWITCHED_JOB = ["--epochs", "10", "--samples", "4096", "--step-seconds", "0.02"]
+
+
+def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
+    """On, off, from the CLI and from a file, while the job trains: every loss stays what it is untraced."""
     job_dir = tmp_path / "job"
     switch_file = tmp_path / "switch.json"
     job_dir.mkdir()
-    process = start_job(job_dir, ["--epochs", "400", "--step-seconds", "0.05"], ranks=2, reap=reap,
+    process = start_job(job_dir, SWITCHED_JOB, ranks=2, reap=reap,
                         run_args=["--spares", "0", "--trace-switch-file", str(switch_file)])
     url = manager_url(job_dir)
     wait_running(url, min_step=2)
@@ -78,9 +83,13 @@ def test_the_switch_reaches_every_rank_while_the_job_runs(tmp_path: Path, reap: 
     bad = _undying("trace", "on", "--comm", "--job-id", "no-such-job")
     assert bad.returncode == 2 and "no-such-job" in bad.stderr
 
-    _undying("trace", "off", "--job-dir", str(job_dir))
-    process.terminate()
-    process.wait(timeout=30)
+    # Comm on and off again (each rebuilds every rank's DDP at one agreed step), then the job ends.
+    assert _undying("trace", "on", "--comm", "--job-dir", str(job_dir)).returncode == 0
+    wait_for(lambda: status(url)["step"] > status(url)["trace"]["comm_from_step"] + 5, 20, "the comm switch step")
+    assert _undying("trace", "off", "--job-dir", str(job_dir)).returncode == 0
+    assert process.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    comparison = compare_runs(oracle.baseline(SWITCHED_JOB, 2), load_run(job_dir / "events.db"))
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
 
 
 def test_a_slowed_rank_is_found_while_the_job_trains_on(oracle: Oracle, tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import signal
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,6 +75,10 @@ log = logging.getLogger("undying.manager")
 INJECT_KINDS = ("crash", "hang", "comm-error", "slow")
 HANG_HOWS = ("stop", "spin", "block")
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
+# How far ahead a comm-marker switch takes effect (see Manager._comm_switch_step).
+_COMM_SWITCH_AHEAD_S = 0.5
+_COMM_SWITCH_MIN_STEPS = 5
+_COMM_SWITCH_MAX_STEPS = 1000
 
 
 class AgentHandle(Protocol):
@@ -166,6 +172,7 @@ class Manager:
         self.trace = TraceSwitch(step=initial != "off", comm=initial == "comm",
                                  by="start" if initial != "off" else "", t=self.started_at)
         self.trace_error = ""
+        self._comm_from_step = 0
         self.trace_summaries: dict[int, dict[str, Any]] = {}  # rank -> its latest summary
         self._detector = SlowDetector(world_size=config.world_size)
         self._step_commits: dict[int, dict[int, float]] = {}  # step -> rank -> commit time
@@ -993,14 +1000,30 @@ class Manager:
     # --- the trace switch -------------------------------------------------------
 
     def _trace_message(self) -> TraceSet:
-        return TraceSet(self.trace.step, self.trace.comm, self.trace.by, self.trace.t)
+        return TraceSet(self.trace.step, self.trace.comm, self.trace.by, self.trace.t,
+                        comm_from_step=self._comm_from_step)
+
+    def _comm_switch_step(self) -> int:
+        """The step from which every rank's DDP has (or drops) the comm hook: far enough ahead to hear of it.
+
+        Ranks of a synchronous job are within a step or two of the newest
+        commit; the switch reaches them in milliseconds. Half a second of steps
+        (at least 5) ahead leaves a wide margin and still switches within a second.
+        """
+        newest = max((r.step for r in self.ranks.values()), default=0)
+        step_s = statistics.median(self._step_s) if self._step_s else 0.0
+        ahead = max(_COMM_SWITCH_MIN_STEPS, math.ceil(_COMM_SWITCH_AHEAD_S / step_s) if step_s > 0 else 0)
+        return newest + min(ahead, _COMM_SWITCH_MAX_STEPS)
 
     def set_trace(self, switch: TraceSwitch) -> dict[str, Any]:
         """Every rank of every node follows ``switch`` (the agents pass it on at once)."""
         previous = self.trace
         self.trace = switch
         self.trace_error = ""
-        self.events.event("trace_switch", step=switch.step, comm=switch.comm, by=switch.by)
+        if (previous.comm and previous.step) != (switch.comm and switch.step):
+            self._comm_from_step = self._comm_switch_step()
+        self.events.event("trace_switch", step=switch.step, comm=switch.comm, by=switch.by,
+                          comm_from_step=self._comm_from_step)
         if (previous.step, previous.comm) != (switch.step, switch.comm):
             log.warning("job %s: tracing %s, by %s", self.config.job_id, switch.describe(), switch.by)
         message = self._trace_message()
@@ -1025,7 +1048,7 @@ class Manager:
         log.warning("job %s: %s; the trace switch stays %s", self.config.job_id, message, self.trace.describe())
 
     def trace_status(self) -> dict[str, Any]:
-        return {**self.trace.to_dict(), "error": self.trace_error}
+        return {**self.trace.to_dict(), "error": self.trace_error, "comm_from_step": self._comm_from_step}
 
     def _inject_slow(self, rank: int, at_step: int | None, phase: str, factor: float | None) -> dict[str, Any]:
         if factor is None or not 1.0 < factor <= 100.0:

@@ -38,6 +38,7 @@ class GenerationalDDP:
             first.register_hook(self._in_backward)
         self._ddp: DistributedDataParallel | None = None
         self._generation = -1
+        self._hooked = False  # whether the live DDP carries the comm-marker hook
 
     def invalidate(self) -> None:
         """Drop the DDP bound to a group that is going away."""
@@ -47,7 +48,8 @@ class GenerationalDDP:
     def current(self) -> torch.nn.Module:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.module
-        if self._ddp is None or self._generation != self._job.generation:
+        hooked = self._job.tracing.comm_hook_at(self._job.current_step)
+        if self._ddp is None or self._generation != self._job.generation or self._hooked != hooked:
             ddp = DistributedDataParallel(self.module, **self._ddp_kwargs)
             # DDP regroups its gradient buckets after its first iteration, in
             # the order gradients became ready. A DDP rebuilt after a fault
@@ -57,14 +59,17 @@ class GenerationalDDP:
             # regrouping now, in parameter order, gives every DDP this wrapper
             # builds one and the same layout from its first iteration on.
             ddp.reducer._push_all_rebuilt_params()
-            # Comm markers can be switched on while the job runs, but DDP takes a
-            # hook only before its first step: every DDP gets one (no bit changes).
-            ddp.register_comm_hook(
-                CommHookState(self._job.tracing, ddp.process_group, dist.get_world_size(ddp.process_group)),
-                traced_allreduce_hook,
-            )
+            if hooked:
+                # Comm markers: DDP's own all-reduce, done by a hook that times it (no bit changes).
+                # A DDP takes a hook only before its first step, so switching comm rebuilds it,
+                # on every rank at the same step (see TraceSet.comm_from_step).
+                ddp.register_comm_hook(
+                    CommHookState(self._job.tracing, ddp.process_group, dist.get_world_size(ddp.process_group)),
+                    traced_allreduce_hook,
+                )
             self._ddp = ddp
             self._generation = self._job.generation
+            self._hooked = hooked
         return self._ddp
 
     def _in_backward(self, grad: torch.Tensor) -> None:

@@ -68,6 +68,8 @@ class WorkerTracing:
         self._slow_pending: ArmFault | None = None
         # Read at every seam of every step: when False (no markers, no slowdown) a seam costs this one test.
         self.active = False
+        # The comm hook's plan: (from step, hooked before it, hooked from it on).
+        self._hook_plan: tuple[int, bool, bool] = (0, False, False)
 
     # --- the switch -----------------------------------------------------------
 
@@ -76,9 +78,16 @@ class WorkerTracing:
         if message.step and self._writer is None and self._env is not None:
             self._open_writer()
         self.tracer.apply(TraceSwitch(step=message.step, comm=message.comm, by=message.by, t=message.t))
+        before = self.comm_hook_at(message.comm_from_step - 1)
+        self._hook_plan = (message.comm_from_step, before, message.comm and message.step)
         self.active = self.tracer.step_on or self._slow is not None
         log.info("rank %d: tracing %s (comm %s), by %s", self._rank, "on" if message.step else "off",
                  "on" if message.comm else "off", message.by)
+
+    def comm_hook_at(self, step: int) -> bool:
+        """Whether the DDP running ``step`` carries the comm-marker hook (the same answer on every rank)."""
+        from_step, before, after = self._hook_plan
+        return after if step >= from_step else before
 
     def _open_writer(self) -> None:
         assert self._env is not None
@@ -212,8 +221,8 @@ def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torc
 
     The bucket is scaled by 1/world size element by element before the sum, as
     DDP's built-in path does, so registering the hook changes no bit of the
-    result; it is registered on every DDP so that comm markers can be switched
-    on while the job runs (DDP takes a hook only before its first step).
+    result. It is registered only while comm markers are wanted: with them off
+    a DDP runs its built-in all-reduce and tracing costs nothing there.
     """
     buffer = bucket.buffer()
     buffer.mul_(1.0 / state.world_size)
