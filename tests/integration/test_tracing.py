@@ -29,7 +29,10 @@ def _undying(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "undying", *args], capture_output=True, text=True, timeout=30)
 
 
-SWITCHED_JOB = ["--epochs", "10", "--samples", "4096", "--step-seconds", "0.02"]
+# The slowed-rank test's job, each step stretched by a sleep (which changes no number): its
+# fault-free baseline serves both.
+JOB = ["--epochs", "6", "--samples", "4096"]
+SWITCHED_JOB = [*JOB, "--step-seconds", "0.08"]
 
 
 def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
@@ -37,7 +40,7 @@ def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_pa
     job_dir = tmp_path / "job"
     switch_file = tmp_path / "switch.json"
     job_dir.mkdir()
-    process = start_job(job_dir, SWITCHED_JOB, ranks=2, reap=reap,
+    process = start_job(job_dir, SWITCHED_JOB, ranks=4, reap=reap,
                         run_args=["--spares", "0", "--trace-switch-file", str(switch_file)])
     url = manager_url(job_dir)
     wait_running(url, min_step=2)
@@ -55,10 +58,10 @@ def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_pa
         for r in _records(trace_dir):
             key = (r["rank"], r["kind"])
             first_seen[key] = min(first_seen.get(key, float("inf")), float(r["t"]))  # type: ignore[arg-type]
-        return all((rank, kind) in first_seen for rank in (0, 1) for kind in ("step", "comm", "fp", "data"))
+        return all((rank, kind) in first_seen for rank in range(4) for kind in ("step", "comm", "fp", "data"))
 
-    wait_for(every_rank_traces, 10, "step, comm, fp and data records from both ranks")
-    for rank in (0, 1):
+    wait_for(every_rank_traces, 10, "step, comm, fp and data records from every rank")
+    for rank in range(4):
         assert first_seen[(rank, "fp")] - switched_t < 1.0, first_seen
     trace = status(url)["trace"]
     assert (trace["step"], trace["comm"]) == (True, True) and trace["by"].startswith("cli ")
@@ -88,13 +91,13 @@ def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_pa
     wait_for(lambda: status(url)["step"] > status(url)["trace"]["comm_from_step"] + 5, 20, "the comm switch step")
     assert _undying("trace", "off", "--job-dir", str(job_dir)).returncode == 0
     assert process.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    comparison = compare_runs(oracle.baseline(SWITCHED_JOB, 2), load_run(job_dir / "events.db"))
+    comparison = compare_runs(oracle.baseline(JOB, 4), load_run(job_dir / "events.db"))
     assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
 
 
 def test_a_slowed_rank_is_found_while_the_job_trains_on(oracle: Oracle, tmp_path: Path) -> None:
     outcome = oracle.assert_survives(
-        tmp_path / "job", [slow(2, 10, "compute", 1.5)], script_args=("--epochs", "6", "--samples", "4096"),
+        tmp_path / "job", [slow(2, 10, "compute", 1.5)], script_args=JOB,
         extra_run_args=("--spares", "0", "--trace", "on"),
     )
     # Four ranks share two cores here, so a rank the scheduler starves for a while may be named
