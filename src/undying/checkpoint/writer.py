@@ -124,7 +124,6 @@ class _HashingWriter:
     def __init__(self, f: Any, algorithm: Checksum, *, writeback: bool = False) -> None:
         self._f = f
         self.hasher = Hasher(algorithm)
-        self._pool: ThreadPoolExecutor | None = None
         self._writeback = writeback
         self._kicked = 0  # bytes already handed to start_writeback
 
@@ -132,9 +131,7 @@ class _HashingWriter:
         if len(data) < self.PARALLEL_MIN:
             self.hasher.update(data)
             return int(self._f.write(data))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="undying-ckpt-hash")
-        hashing = self._pool.submit(self.hasher.update, data)
+        hashing = _hash_pool().submit(self.hasher.update, data)
         try:
             written = self._f.write(data)
         finally:
@@ -152,10 +149,20 @@ class _HashingWriter:
         self._f.flush()
 
     def close(self) -> None:
-        """Stop the helper thread (the file itself is the caller's)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Nothing is left running: every write waited for its checksum (the file is the caller's)."""
+
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Checksum helpers shared by every write of this process, started once (a thread per save costs ms)."""
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            _HASH_POOL = ThreadPoolExecutor(2, thread_name_prefix="undying-ckpt-hash")
+        return _HASH_POOL
 
 
 _CRC_TOGGLE = threading.Lock()
