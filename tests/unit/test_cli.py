@@ -161,6 +161,22 @@ def test_run_with_bad_trace_flags(capsys: pytest.CaptureFixture[str], script: Pa
     assert not job_dir.exists()
 
 
+@pytest.mark.parametrize(("where", "words"), [
+    ("s3:bucket/ckpt", "s3://"),
+    ("nosuchproto://x/y", "nosuchproto"),
+])
+def test_run_with_a_bad_checkpoint_location(capsys: pytest.CaptureFixture[str], script: Path, job_dir: Path,
+                                            where: str, words: str) -> None:
+    fails(capsys, ["run", "--checkpoint-dir", where, "--job-dir", str(job_dir), str(script)], words)
+
+
+def test_run_with_a_checkpoint_dir_under_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                script: Path, job_dir: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    fails(capsys, ["run", "--checkpoint-dir", str(tmp_path / "afile" / "ckpt"), "--job-dir", str(job_dir),
+                   str(script)], "afile")
+
+
 def test_inject_no_job_found_here(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

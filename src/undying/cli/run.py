@@ -8,6 +8,7 @@ import time
 import uuid
 
 from undying.agent.launcher import launch
+from undying.checkpoint import check_writable
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
@@ -203,4 +204,9 @@ def run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    return launch(config_from_args(args), args.script, script_args)
+    config = config_from_args(args)
+    if args.checkpoint_dir:
+        # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
+        config.validate()
+        check_writable(args.checkpoint_dir)
+    return launch(config, args.script, script_args)

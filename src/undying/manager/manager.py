@@ -30,7 +30,7 @@ from undying.checkpoint import (
     latest_valid,
     recent_dying_gasp,
 )
-from undying.checkpoint.planner import MissingShardsError, plan_for_ddp
+from undying.checkpoint.planner import LayoutError, MissingShardsError, plan_for_ddp
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog
@@ -594,12 +594,17 @@ class Manager:
         failed = {r.rank for r in self.ranks.values()
                   if r.rank == incident.rank or r.state is RankState.EXITED or r.rank in replaced}
         ckpt = self._restart_from
+        newest = max((r.step for r in self.ranks.values()), default=0)
+        if ckpt is not None:
+            newest = max(newest, ckpt.step)  # ranks that resumed from it and committed nothing yet report 0
         try:
             plan = plan_for_ddp(self.config.world_size, failed, ckpt.step if ckpt else None,
-                                current_step=max((r.step for r in self.ranks.values()), default=0),
-                                checkpoint_path=ckpt.url if ckpt else "")
-        except MissingShardsError as e:
+                                current_step=newest, checkpoint_path=ckpt.url if ckpt else "")
+        except (MissingShardsError, LayoutError) as e:
             incident.detail["restore_plan"] = str(e)
+            return
+        except Exception:  # the plan is for the record: a planner bug must never stop a recovery
+            log.exception("job %s: the restore planner failed on incident %d", self.config.job_id, incident.id)
             return
         incident.detail["restore_plan"] = plan.describe()
 

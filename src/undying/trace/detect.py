@@ -340,6 +340,7 @@ class SlowDetector:
             values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
             per_rank = self._excess(phase, basis, values, step, comm, comm_others)
             fp_excess: dict[int, tuple[float, dict[str, Any]]] = {}
+            fpv: dict[int, float] | None = None
             if phase == "compute" and basis == "compute":
                 # With comm markers too, the forward pass is a second witness (see the module doc).
                 fpb = self._basis(phase, rows, step, {})
@@ -355,6 +356,10 @@ class SlowDetector:
                 self._update(self._track(rank, phase), z, x, first, ev)
             for node, ranks in groups.items():
                 zs, xs = self._node_excess(ranks, values, comm, bar)
+                if fpv is not None:  # the forward pass witnesses for a node as it does for its ranks
+                    fzs, fxs = self._node_excess(ranks, fpv, {}, bar)
+                    if min(fzs) > min(zs):
+                        zs, xs = fzs, fxs
                 z = min(zs)  # the node is as slow as its least slow rank: all of them, or it is not the node
                 ev = {f"rank{r}": x for r, x in zip(ranks, xs, strict=True)}
                 self._update(self._node_track(node, phase), z, sum(xs) / len(xs), first, ev)

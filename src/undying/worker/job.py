@@ -34,10 +34,13 @@ import torch.distributed as dist
 from undying.checkpoint import (
     AsyncCheckpointer,
     CheckpointWriteError,
+    Manifest,
     SaveResult,
+    check_compatible,
     load_replicated,
     save_replicated,
     state_nbytes,
+    tensor_shapes,
 )
 from undying.config import EXIT_PREEMPTED
 from undying.errors import UsageError
@@ -196,6 +199,7 @@ class Job:
         self._last_save_t = time.monotonic()
         self._size_sent = False
         self._resumed: tuple[int, str] | None = None  # (step, path) of the checkpoint this process loaded
+        self._resumed_manifest: Manifest | None = None
         # The dying gasp: Preempt -> StopProposal -> StopAt(step) -> finish it, rank 0 saves, exit.
         self._preempt_lock = threading.Lock()
         self._preempted = False
@@ -284,6 +288,14 @@ class Job:
         committed = 0
         if self._stash is not None:
             committed, payload = self._stash
+            if self._resumed_manifest is not None and self._resumed is not None and self._resumed[0] == committed:
+                # Another model, or another job's checkpoint: said by name, never half-loaded.
+                try:
+                    check_compatible(self._resumed_manifest, path=self._resumed[1],
+                                     state_shapes=tensor_shapes(state.state_dict()))
+                except UsageError as e:
+                    self._report_fatal(committed, e)
+                    raise
             state.load_state_dict(payload)
             self._stash = None
             self.current_step = committed
@@ -376,6 +388,7 @@ class Job:
             payload, manifest = load_replicated(path, weights_only=False)
         self._stash = (manifest.step, payload)
         self._resumed = (manifest.step, path)
+        self._resumed_manifest = manifest
         log.warning("rank %d: resuming from checkpoint %s (step %d)", self.rank, path, manifest.step)
 
     def _checkpointer(self) -> AsyncCheckpointer:
@@ -425,11 +438,12 @@ class Job:
             cfg.save_interval > 0 and time.monotonic() - self._last_save_t >= cfg.save_interval
         )
 
-    def _finish_writes(self) -> SaveResult | None:
-        """Wait for the write in flight; a failure was reported when it happened."""
+    def _finish_writes(self, *, retries: bool = True) -> SaveResult | None:
+        """Wait for the write in flight (and its retries, unless a dying gasp is about to write anyway);
+        a failure was reported when it happened."""
         assert self._ckpt is not None
         try:
-            return self._ckpt.wait()
+            return self._ckpt.wait(retries=retries)
         except CheckpointWriteError:
             return self._ckpt.last_result
 
@@ -467,7 +481,7 @@ class Job:
         self._phase = "done"
         if self.rank == 0:
             ckpt = self._checkpointer()
-            last = self._finish_writes()
+            last = self._finish_writes(retries=False)
             if last is not None and last.step == step:
                 reused: tuple[int, str] | None = (step, last.path)
             else:
