@@ -168,3 +168,18 @@ def test_every_rank_killed_at_once_restarts_the_job_from_the_checkpoint(tmp_path
     # The steps since the checkpoint were re-run: lost, and said so.
     assert comparison.lost_steps == len(run.rerun_steps) == detail["lost_steps"]
     assert run.rerun_steps == list(range(detail["checkpoint_step"] + 1, detail["checkpoint_step"] + 1 + detail["lost_steps"]))
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> None:
+    """Resuming a job dir whose checkpoint holds other tensor shapes: the job fails and names the mismatch."""
+    job_dir = tmp_path / "job"
+    run_args = ["--spares", "0", "--save-every", "5", "--max-restarts", "1"]
+    assert run_job(job_dir, ["--epochs", "1"], ranks=2, extra_run_args=run_args) == 0
+    latest = [c for c in scan(str(job_dir / "checkpoints")) if c.valid][-1]
+    rc = run_job(job_dir, ["--epochs", "1", "--hidden", "32"], ranks=2, extra_run_args=run_args)
+    assert rc == 1
+    reason = _job(job_dir / "events.db")["exit_reason"]
+    assert f"{latest.name} does not fit this model" in reason, reason
+    assert "model/0.weight has shape [64, 32] there, [32, 32] here" in reason, reason
+    # Nothing was loaded or written over: the refused checkpoint is still the latest valid one.
+    assert [c.name for c in scan(str(job_dir / "checkpoints")) if c.valid][-1] == latest.name
