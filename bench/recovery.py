@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--kill-step must be in 2..{workload.total_steps} "
                  f"and --kill-rank in 0..{RANKS - 1}")
     fault = Fault(rank=args.kill_rank, step=args.kill_step)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     text = sys.stderr if args.json else sys.stdout
     root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-recovery-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -651,15 +651,21 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     result = report(args, workload, fault, reps)
     render(result, text)
-    if args.out is not None:
-        (args.out / "result.json").write_text(json.dumps(result, indent=2))
-        print(f"\nlogs and records: {args.out}", file=text)
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
+    publish(result, args.out, args.json, text, "logs and records")
     return 0
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def publish(result: dict[str, Any], out: Path | None, as_json: bool, text: TextIO, kept: str) -> None:
+    """Every bench's ending: result.json beside the kept logs, and the one JSON line on stdout when asked."""
+    if out is not None:
+        (out / "result.json").write_text(json.dumps(result, indent=2))
+        print(f"\n{kept}: {out}", file=text)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: the bench's finally-blocks stop every process it started."""
     raise KeyboardInterrupt
 
 

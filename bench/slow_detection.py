@@ -83,7 +83,9 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     RANKS,
     Workload,
     bench_env,
+    interrupt,
     launch,
+    publish,
     stop,
     undying_worker_pids,
     wait_for,
@@ -582,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             sys.exit(f"unknown case(s) {sorted(unknown)}; cases: {', '.join(c.name for c in cases)}")
         cases = [c for c in cases if c.name in wanted]
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     text = sys.stderr if args.json else sys.stdout
     root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-slow-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -603,16 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         result["code_changed_during_run"] = True
         print("warning: the detection code changed on disk while the benchmark ran", file=text)
     render(result, text)
-    if args.out is not None:
-        (args.out / "result.json").write_text(json.dumps(result, indent=2))
-        print(f"\nlogs, traces and records: {args.out}", file=text)
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
+    publish(result, args.out, args.json, text, "logs, traces and records")
     return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     Workload,
     bench_env,
+    interrupt,
     launch,
     stop,
     undying_worker_pids,
@@ -267,12 +268,8 @@ def render(result: dict[str, Any], out: Any) -> None:
         print(f"  ! {reason}", file=out)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # unwinds through run_job's cleanup: every process started is stopped
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", type=int, default=100, help="faults to inject (an overlap counts its faults)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule")

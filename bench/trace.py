@@ -83,7 +83,9 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     Commit,
     Workload,
     bench_env,
+    interrupt,
     launch,
+    publish,
     run_torchrun,
     step_times,
     stop,
@@ -699,7 +701,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload = Workload(args.epochs, args.samples, args.features, args.hidden, args.layers, args.batch_size)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     text = sys.stderr if args.json else sys.stdout
     root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-trace-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -720,16 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     result = report(args, workload, reps, switched, seams, hooks)
     result["wall_s"] = round(time.monotonic() - started, 1)
     render(result, text)
-    if args.out is not None:
-        (args.out / "result.json").write_text(json.dumps(result, indent=2))
-        print(f"\nlogs, traces and records: {args.out}", file=text)
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
+    publish(result, args.out, args.json, text, "logs, traces and records")
     return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
