@@ -173,7 +173,6 @@ class Manager:
                                  by="start" if initial != "off" else "", t=self.started_at)
         self.trace_error = ""
         self._comm_from_step = 0
-        self.trace_summaries: dict[int, dict[str, Any]] = {}  # rank -> its latest summary
         self._detector = SlowDetector(world_size=config.world_size)
         self._step_commits: dict[int, dict[int, float]] = {}  # step -> rank -> commit time
         self._step_done: dict[int, float] = {}  # step -> when its last rank committed it
@@ -474,7 +473,6 @@ class Manager:
 
     def _on_trace_summary(self, message: TraceSummary) -> None:
         """A rank's window of step phases; slow-rank detection runs on them (no raw records here)."""
-        self.trace_summaries[message.rank] = message.summary
         for finding in self._detector.add(message.summary):
             self._on_slow(finding)
 

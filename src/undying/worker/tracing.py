@@ -197,10 +197,6 @@ class WorkerTracing:
                     self._rank, index, extra * 1e3, fault.phase, fault.factor, base * 1e3)
         self._send(FaultInjected(self._rank, "slow", index, fault.phase, time.time()))
 
-    @property
-    def slowed(self) -> bool:
-        return self._slow is not None or self._slow_pending is not None
-
     def _maybe_sleep(self, phase: str) -> None:
         slow = self._slow
         if slow is not None and slow[0] == phase:
