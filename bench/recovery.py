@@ -603,16 +603,23 @@ def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def add_workload_arguments(p: argparse.ArgumentParser, *, epochs: int | None, hidden: int = 768,
+                           layers: int = 4) -> None:
+    """The demo job's size, as every benchmark takes it (``epochs=None``: the bench sizes the job itself)."""
+    if epochs is not None:
+        p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--features", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Recovery benchmark: undying vs torchrun + checkpoints",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="repetitions (medians are reported)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--samples", type=int, default=4096)
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    add_workload_arguments(p, epochs=2)
     p.add_argument("--kill-step", type=int, default=26, help="SIGKILL at the start of this step")
     p.add_argument("--kill-rank", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's checkpoint period")

@@ -82,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     RANKS,
     Workload,
+    add_workload_arguments,
     bench_env,
     interrupt,
     launch,
@@ -559,11 +560,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node-factor", type=float, default=1.3, help="the slow-node case's factor")
     p.add_argument("--uniform-steps", type=int, default=1000, help="steps of the uniform jobs (at least)")
     p.add_argument("--cases", default="", help="run only these cases (comma-separated names)")
-    p.add_argument("--samples", type=int, default=4096)
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    add_workload_arguments(p, epochs=None, hidden=512, layers=3)
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one job")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout, the report on stderr")
     p.add_argument("--out", type=Path, default=None, help="keep every job's logs, traces and result.json")

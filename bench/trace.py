@@ -82,6 +82,7 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     RANKS,
     Commit,
     Workload,
+    add_workload_arguments,
     bench_env,
     interrupt,
     launch,
@@ -675,12 +676,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Tracing overhead: off, on, comm, against plain DDP",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--repeats", type=int, default=5, help="repetitions of the four whole jobs")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--samples", type=int, default=4096)
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    add_workload_arguments(p, epochs=3)
     p.add_argument("--spares", type=int, default=0, help="undying's hot spares (not on the step path)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of a run not timed")
     p.add_argument("--ab-epochs", type=int, default=30, help="epochs of the switched job (0: skip it)")
