@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from undying.cli.client import add_job_arguments, api_get, api_post, manager_url
+from undying.cli.client import AccessDeniedError, add_job_arguments, connect
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.manager import INJECT_KINDS
 
@@ -53,14 +53,14 @@ def run(args: argparse.Namespace) -> int:
     if args.count < 0:
         raise UsageError(f"--count must be >= 0, got {args.count}")
     kinds = _parse_kinds(args.kinds)
-    url = manager_url(args.manager, args.job_dir)
+    api = connect(args.manager, args.job_dir, args.token_file)
     rng = random.Random(args.seed)
     injected = 0
     try:
         while args.count == 0 or injected < args.count:
             time.sleep(args.every * rng.uniform(0.5, 1.5))
             try:
-                status = api_get(url, "/api/status")
+                status = api.get("/api/status")
             except JobNotRunningError:
                 break
             if status["state"] in ("succeeded", "failed", "stopped", "stopping"):
@@ -69,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
                 continue
             kind, rank = rng.choice(kinds), rng.randrange(status["world_size"])
             try:
-                answer: dict[str, Any] = api_post(url, "/api/inject", {"kind": kind, "rank": rank})
+                answer: dict[str, Any] = api.post("/api/inject", {"kind": kind, "rank": rank})
             except JobNotRunningError:
                 break
+            except AccessDeniedError:  # not a passing moment: say it once and stop (exit 2)
+                raise
             except UsageError as e:  # e.g. the rank is between processes: try another moment
                 print(f"skipped {kind} of rank {rank}: {e}", file=sys.stderr)
                 continue

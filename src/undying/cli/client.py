@@ -1,4 +1,13 @@
-"""Finding a job and talking to its manager, for the CLI commands."""
+"""Finding a job and talking to its manager, for the CLI commands.
+
+A command finds its job with ``--job-dir`` (default: the newest under
+./undying-jobs) or ``--manager HOST:PORT``, and the job's token with
+``--token-file``, env ``UNDYING_TOKEN``, or the job dir's ``token`` file, in
+that order (``undying.manager.auth.find_token``). ``connect`` puts the three
+together; every request then carries the token and, when the job is known
+from its job dir, the job's id, so a manager of another job refuses instead
+of obeying.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +15,41 @@ import argparse
 import json
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobdir import JobDir
+from undying.manager.auth import auth_headers, find_token
 
-__all__ = ["add_job_arguments", "resolve_job_dir", "manager_url", "api_get", "api_post"]
+__all__ = [
+    "add_job_arguments",
+    "resolve_job_dir",
+    "manager_url",
+    "connect",
+    "api_for",
+    "Api",
+    "AccessDeniedError",
+    "api_get",
+    "api_post",
+]
+
+
+class AccessDeniedError(UsageError):
+    """The manager refused the request (401): no token, a wrong one, or another job's manager."""
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """--job-dir or --manager: how a command finds its job."""
+    """--job-dir or --manager: how a command finds its job; --token-file: how it proves it may."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
     where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
+    parser.add_argument(
+        "--token-file", metavar="PATH",
+        help="file holding the job's token (default: env UNDYING_TOKEN, else <job dir>/token, "
+        "which the manager writes readable only by you)",
+    )
 
 
 def resolve_job_dir(job_dir: str | None) -> JobDir:
@@ -40,8 +70,48 @@ def resolve_job_dir(job_dir: str | None) -> JobDir:
 
 def manager_url(manager: str | None, job_dir: str | None) -> str:
     if manager is not None:
-        return manager if manager.startswith("http") else f"http://{manager}"
+        return _base(manager)
     return resolve_job_dir(job_dir).running_manager_url()
+
+
+def _base(manager: str) -> str:
+    return (manager if manager.startswith("http") else f"http://{manager}").rstrip("/")
+
+
+@dataclass(frozen=True)
+class Api:
+    """A running job's manager, as a command talks to it: its URL, the token to show, the job meant."""
+
+    url: str
+    token: str | None = None
+    job_id: str | None = None
+
+    def get(self, path: str, timeout: float = 5.0) -> Any:
+        return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
+        return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id)
+
+
+def connect(manager: str | None, job_dir: str | None, token_file: str | None) -> Api:
+    """The running job's manager: by ``--manager``, else by the job dir (given or newest); and its token.
+
+    The address comes first, so "no running job" is said before any word
+    about tokens. With ``--manager`` alone the token comes from
+    ``--token-file`` or env; none at all is not an error here: a manager with
+    open status answers reads without one, and one that needs it says so.
+    """
+    if manager is not None:
+        return Api(_base(manager), find_token(None, token_file))
+    jd = resolve_job_dir(job_dir)
+    return api_for(jd, token_file)
+
+
+def api_for(jd: JobDir, token_file: str | None = None) -> Api:
+    """The manager of the job in ``jd`` (JobNotRunningError when none runs), with its token and job id."""
+    url = jd.running_manager_url()
+    job_id = (jd.read_manager() or {}).get("job_id")
+    return Api(url, find_token(jd.path, token_file), str(job_id) if job_id is not None else None)
 
 
 def _request(request: urllib.request.Request, timeout: float) -> Any:
@@ -51,8 +121,10 @@ def _request(request: urllib.request.Request, timeout: float) -> Any:
     except urllib.error.HTTPError as e:
         try:
             message = json.loads(e.read()).get("error", str(e))
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
             message = str(e)
+        if e.code == 401:
+            raise AccessDeniedError(message) from None
         raise UsageError(message) from e
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         raise JobNotRunningError(
@@ -60,12 +132,22 @@ def _request(request: urllib.request.Request, timeout: float) -> Any:
         ) from e
 
 
-def api_get(url: str, path: str, timeout: float = 5.0) -> Any:
-    return _request(urllib.request.Request(url + path), timeout)
+def api_get(url: str, path: str, timeout: float = 5.0, *, token: str | None = None,
+            job_id: str | None = None) -> Any:
+    """GET ``path`` of the manager at ``url``; ``token`` None: env UNDYING_TOKEN if set, else none."""
+    return _request(urllib.request.Request(url + path, headers=_headers(token, job_id)), timeout)
 
 
-def api_post(url: str, path: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
+def api_post(url: str, path: str, body: dict[str, Any], timeout: float = 5.0, *, token: str | None = None,
+             job_id: str | None = None) -> Any:
+    """POST ``body`` as JSON to ``path``; ``token`` as for ``api_get``."""
     request = urllib.request.Request(
-        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        url + path, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", **_headers(token, job_id)},
     )
     return _request(request, timeout)
+
+
+def _headers(token: str | None, job_id: str | None) -> dict[str, str]:
+    # Env as the last resort: scripts that only know the URL (bench, a test harness) set UNDYING_TOKEN.
+    return auth_headers(token if token is not None else find_token(None, None), job_id)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from undying.cli.client import add_job_arguments, api_post, manager_url
+from undying.cli.client import add_job_arguments, connect
 from undying.errors import UsageError
 from undying.manager.manager import HANG_HOWS, INJECT_KINDS
 from undying.messages import INJECT_PHASES, SLOW_PHASES
@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.phase in SLOW_PHASES:
         raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one of "
                          f"{', '.join(INJECT_PHASES)}")
-    url = manager_url(args.manager, args.job_dir)
+    api = connect(args.manager, args.job_dir, args.token_file)
     body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how,
             "factor": args.factor}
-    answer = api_post(url, "/api/inject", body)
+    answer = api.post("/api/inject", body)
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")
     elif "at_step" in answer:

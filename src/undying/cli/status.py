@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from undying.cli.client import add_job_arguments, api_get, manager_url, resolve_job_dir
+from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobdir import JobDir
 from undying.manager.events import read_job
@@ -61,18 +61,18 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
-def collect_status(job_dir: str | None, manager: str | None) -> dict[str, Any]:
+def collect_status(job_dir: str | None, manager: str | None, token_file: str | None = None) -> dict[str, Any]:
+    """The running job from its manager (with the job's token); a finished one from its log (no token)."""
     try:
-        url = manager_url(manager, job_dir)
-        return _live_status(url)
+        return _live_status(connect(manager, job_dir, token_file))
     except JobNotRunningError:
         if manager is not None:
             raise
     return _logged_status(resolve_job_dir(job_dir))
 
 
-def _live_status(url: str) -> dict[str, Any]:
-    status = dict(api_get(url, "/api/status"))
+def _live_status(api: Api) -> dict[str, Any]:
+    status = dict(api.get("/api/status"))
     status["live"] = True
     return status
 
@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.watch:
         if args.json:
             raise UsageError("--watch redraws a view in the terminal; for JSON, poll `undying status --json`")
-        return watch(args.job_dir, args.manager, Console(), interval=args.interval)
-    status = collect_status(args.job_dir, args.manager)
+        return watch(args.job_dir, args.manager, Console(), interval=args.interval, token_file=args.token_file)
+    status = collect_status(args.job_dir, args.manager, args.token_file)
     if args.json:
         sys.stdout.write(json.dumps(status, default=str) + "\n")
         return 0
@@ -208,28 +208,30 @@ def _incidents_table(incidents: Sequence[dict[str, Any]]) -> Table:
 # --- --watch -------------------------------------------------------------------
 
 
-def watch(job_dir: str | None, manager: str | None, console: Console, *, interval: float = 1.0) -> int:
+def watch(job_dir: str | None, manager: str | None, console: Console, *, interval: float = 1.0,
+          token_file: str | None = None) -> int:
     """Follow a running job until it ends; 0 once it ended, 1 when its launcher vanished mid-run.
 
     A job that is not running is refused up front with the usual one-line error
     (``JobNotRunningError``), naming its final state when its log has one.
     """
     jd = None if manager is not None else resolve_job_dir(job_dir)
-    url = _running_url(jd, manager)
-    status = _live_status(url)
+    api = _running_api(jd, manager, token_file)
+    status = _live_status(api)
     with Live(view(status), console=console, auto_refresh=False, transient=False) as live:
-        code = _follow(live, url, jd, status, interval)
+        code = _follow(live, api, jd, status, interval)
     if not console.is_terminal:
         console.line()  # Live leaves its last frame unterminated on a file or a pipe
     return code
 
 
-def _follow(live: Live, url: str, jd: JobDir | None, status: dict[str, Any], interval: float) -> int:
+def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], interval: float) -> int:
+    url = api.url
     misses = 0
     while status.get("state") not in TERMINAL:
         time.sleep(interval)
         try:
-            status = _live_status(url)
+            status = _live_status(api)
             misses = 0
             live.update(view(status), refresh=True)
             continue
@@ -253,11 +255,11 @@ def _follow(live: Live, url: str, jd: JobDir | None, status: dict[str, Any], int
     return 0
 
 
-def _running_url(jd: JobDir | None, manager: str | None) -> str:
+def _running_api(jd: JobDir | None, manager: str | None, token_file: str | None) -> Api:
     if jd is None:
-        return manager_url(manager, None)
+        return connect(manager, None, token_file)
     try:
-        return jd.running_manager_url()
+        return api_for(jd, token_file)
     except JobNotRunningError:
         if jd.events_db.exists():
             state = _logged_status(jd).get("state")

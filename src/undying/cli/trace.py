@@ -13,7 +13,7 @@ import json
 import socket
 import sys
 
-from undying.cli.client import add_job_arguments, api_get, api_post, manager_url
+from undying.cli.client import add_job_arguments, connect
 
 __all__ = ["add_parser"]
 
@@ -36,12 +36,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    url = manager_url(args.manager, args.job_dir)
+    api = connect(args.manager, args.job_dir, args.token_file)
     if args.action == "show":
-        answer = api_get(url, "/api/trace")
+        answer = api.get("/api/trace")
     else:
         who = f"cli {getpass.getuser()}@{socket.gethostname()}"
-        answer = api_post(url, "/api/trace", {"on": args.action == "on", "comm": args.comm, "by": who})
+        answer = api.post("/api/trace", {"on": args.action == "on", "comm": args.comm, "by": who})
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")
         return 0

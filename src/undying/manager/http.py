@@ -1,50 +1,128 @@
-"""The manager's HTTP API on localhost: one endpoint per resource.
+"""The manager's HTTP API: one endpoint per resource, each behind the job's token.
 
 GET  /                the status web page (polls /api/status once a second)
 GET  /metrics         Prometheus metrics of the job (text exposition format)
 GET  /api/status      the job: state, generation, step, ranks, incidents
 GET  /api/ranks       ranks with their step, state and PID
 GET  /api/incidents   incidents with their timelines
-POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?}
+POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?, "factor": F?}
 POST /api/stop        stop the job
 GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, "t": when, "error": ""}
 PUT  /api/trace       set it whole, as the switch file does: {"step": "on", "comm": "off"}
 POST /api/trace       change it as the CLI does: {"on": true, "comm": false}
+
+Access. Every request shows the job's token (``undying.manager.auth``) as
+``Authorization: Bearer <token>`` or ``X-Undying-Token: <token>``; without it,
+or with a wrong one, the answer is 401 with a JSON error that says where the
+token is, and the handler never runs, so nothing changes. A request may name
+its job in ``X-Undying-Job``: a manager of another job answers 401 instead of
+faulting the wrong job. The job check comes first: a job id is no secret (it is
+in process lists and pod names) and "wrong manager" is the more useful answer.
+With ``open_status`` the read-only endpoints (GET of /, /metrics, /api/status,
+/api/ranks, /api/incidents, /api/trace) answer anyone, for a dashboard or a
+Prometheus without the token; inject, stop and trace changes still need it.
+
+The page in a browser. A browser cannot add a header to the address bar, so
+``GET /`` also takes the token as ``/?token=<token>`` (only there: the API takes
+headers only). The page's script reads it from its own address and sends it
+as an ``Authorization`` header on each poll; no cookie is set, so no other
+site can make a browser send it (no CSRF), and the token leaves the page in
+no ``Referer`` (``Referrer-Policy: no-referrer``). Bookmark the address with
+the token; the server keeps no access log, so it is written nowhere.
+
+A malformed body is 400 naming the field, checked whole before anything is
+done. Nothing is changed by any refused request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from undying.errors import UsageError
+from undying.manager.auth import (
+    JOB_HEADER,
+    ensure_token,
+    token_from_headers,
+    tokens_match,
+    where_the_token_is,
+)
 from undying.manager.manager import Manager
 from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
 from undying.manager.page import status_page
 from undying.trace.switch import TraceSwitch
 
-__all__ = ["start_http", "build_app"]
+__all__ = ["start_http", "build_app", "READ_ONLY_PATHS"]
+
+log = logging.getLogger("undying.manager.http")
+
+# What open_status opens to anyone, for GET (and HEAD) only.
+READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/trace"})
+_READ_METHODS = frozenset({"GET", "HEAD"})
+_INJECT_EXAMPLE = '{"kind": "crash", "rank": 0}'
+_INJECT_FIELDS = ("kind", "rank", "at_step", "phase", "how", "factor")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, default=str))
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=str))
 
 
-def _error(status: int, message: str) -> web.Response:
-    return _json({"error": message}, status=status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return _json({"error": message}, status=status, headers=headers)
 
 
-def build_app(manager: Manager) -> web.Application:
+def build_app(manager: Manager, token: str | None = None, *, open_status: bool = False) -> web.Application:
+    """The API of ``manager``; ``token`` defaults to the job's (``ensure_token`` of its job dir)."""
+    expected = token if token is not None else ensure_token(Path(manager.config.job_dir))
+    job_id = manager.config.job_id
+    where = where_the_token_is(manager.config.job_dir)
     # One registry per app: several managers in one process (tests) must not share metrics.
     registry = new_registry(manager.status)
 
+    def refusal(request: web.Request) -> web.Response | None:
+        """Why ``request`` may not reach its handler, as the 401 to send; None when it may."""
+        meant = request.headers.get(JOB_HEADER)
+        if meant is not None and meant != job_id:
+            return _error(401, f"this manager runs job {job_id}, the request is for job {meant}; "
+                               f"check --job-dir or --manager")
+        if open_status and request.method in _READ_METHODS and request.path in READ_ONLY_PATHS:
+            return None
+        given = token_from_headers(request.headers)
+        if given is None and request.path == "/" and request.method in _READ_METHODS:
+            given = request.query.get("token")
+        if tokens_match(given, expected):
+            return None
+        problem = "no token" if not given else "a wrong token"
+        page = " (a browser: open /?token=<token>)" if request.path == "/" else ""
+        return _error(
+            401,
+            f"the manager of job {job_id} refused a request with {problem}: send the job's token as "
+            f"'Authorization: Bearer <token>'{page}; {where}",
+            headers={"WWW-Authenticate": f'Bearer realm="undying job {job_id}"'},
+        )
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        refused = refusal(request)
+        if refused is not None:
+            log.warning("job %s: refused %s %s from %s (401)", job_id, request.method, request.path,
+                        request.remote or "?")
+            return refused
+        return await handler(request)
+
     async def page(request: web.Request) -> web.Response:
         # no-store: a browser kept open across a manager upgrade gets the new page on reload.
+        # no-referrer: the token in this page's address goes nowhere else.
         return web.Response(body=status_page(), content_type="text/html", charset="utf-8",
-                            headers={"Cache-Control": "no-store"})
+                            headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=exposition(registry), headers={"Content-Type": CONTENT_TYPE})
@@ -59,22 +137,13 @@ def build_app(manager: Manager) -> web.Application:
         return _json(manager.status()["incidents"])
 
     async def inject(request: web.Request) -> web.Response:
+        body = await _body(request, _INJECT_EXAMPLE)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return _error(400, "the body must be a JSON object like {\"kind\": \"crash\", \"rank\": 0}")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
-        try:
-            kind = str(body.get("kind", "crash"))
-            rank = int(body["rank"])
-            at_step = None if body.get("at_step") is None else int(body["at_step"])
-            phase = None if body.get("phase") is None else str(body["phase"])
-            how = None if body.get("how") is None else str(body["how"])
-            factor = None if body.get("factor") is None else float(body["factor"])
-        except (KeyError, TypeError, ValueError):
-            return _error(400, "inject needs an integer \"rank\" (and optionally integer \"at_step\", "
-                               "number \"factor\")")
+            kind, rank, at_step, phase, how, factor = _inject_fields(body)
+        except _Malformed as e:
+            return _error(400, str(e))
         try:
             return _json(manager.inject(kind, rank, at_step, phase, how, factor=factor))
         except UsageError as e:
@@ -98,9 +167,10 @@ def build_app(manager: Manager) -> web.Application:
         if isinstance(body, web.Response):
             return body
         on, comm = body.get("on"), body.get("comm", False)
-        if not isinstance(on, bool) or not isinstance(comm, bool):
-            return _error(400, 'trace needs a boolean "on" (and optionally a boolean "comm"), '
-                               'e.g. {"on": true, "comm": false}')
+        if not isinstance(on, bool):
+            return _error(400, f'trace needs a boolean "on", got {_short(on)}; e.g. {{"on": true, "comm": false}}')
+        if not isinstance(comm, bool):
+            return _error(400, f'"comm" must be a boolean, got {_short(comm)}; e.g. {{"on": true, "comm": false}}')
         try:
             return _json(manager.change_trace(on=on, comm_only=comm, by=_who(request, body)))
         except UsageError as e:
@@ -110,7 +180,7 @@ def build_app(manager: Manager) -> web.Application:
         manager.stop("stopped through the API")
         return _json({"stopping": True})
 
-    app = web.Application()
+    app = web.Application(middlewares=[guard])
     app.router.add_get("/", page)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/status", status)
@@ -127,11 +197,57 @@ def build_app(manager: Manager) -> web.Application:
 async def _body(request: web.Request, example: str) -> dict[str, Any] | web.Response:
     try:
         body = await request.json()
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(400, f"the body must be a JSON object like {example}")
     if not isinstance(body, dict):
-        return _error(400, f"the body must be a JSON object like {example}")
+        return _error(400, f"the body must be a JSON object like {example}, got {type(body).__name__}")
     return body
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Malformed(Exception):
+    """A request body field that is missing or of the wrong type; the message names it."""
+
+
+def _inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | None, str | None, float | None]:
+    """The inject request's fields, each checked on its own; ``_Malformed`` names the first bad one.
+
+    Strict on purpose: ``int()`` would quietly turn a rank of 1.7 into 1 and
+    fault a rank nobody asked for, and a misspelt field would be dropped.
+    """
+    unknown = sorted(k for k in body if k not in _INJECT_FIELDS)
+    if unknown:
+        raise _Malformed(f"unknown field {_short(unknown[0])} in the inject body; the fields are "
+                         f"{', '.join(_INJECT_FIELDS)}, e.g. {_INJECT_EXAMPLE}")
+
+    def whole(name: str) -> int | None:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _Malformed(f'"{name}" must be a whole number, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
+        return value
+
+    def text(name: str) -> str | None:
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _Malformed(f'"{name}" must be a string, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
+        return value
+
+    def number(name: str) -> float | None:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise _Malformed(f'"{name}" must be a number, got {_short(value)}; e.g. 1.2 for steps 20% slower')
+        return None if value is None else float(value)
+
+    rank = whole("rank")
+    if rank is None:
+        raise _Malformed(f'inject needs a "rank" (a whole number), e.g. {_INJECT_EXAMPLE}')
+    kind = text("kind")
+    return (kind if kind is not None else "crash", rank, whole("at_step"), text("phase"), text("how"),
+            number("factor"))
 
 
 def _who(request: web.Request, body: dict[str, Any]) -> str:
@@ -142,8 +258,15 @@ def _who(request: web.Request, body: dict[str, Any]) -> str:
     return f"api {request.remote or ''}".strip()
 
 
-async def start_http(manager: Manager, host: str, port: int) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(build_app(manager), access_log=None)
+async def start_http(manager: Manager, host: str, port: int, *,
+                     open_status: bool = False) -> tuple[web.AppRunner, str]:
+    """Serve the API of ``manager`` on ``host:port`` with the job's token (``<job dir>/token``).
+
+    Returns the runner (``cleanup()`` stops it) and the base URL. ``host`` is
+    what the caller chose: 127.0.0.1 unless the user asked for more.
+    """
+    token = ensure_token(Path(manager.config.job_dir))
+    runner = web.AppRunner(build_app(manager, token, open_status=open_status), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

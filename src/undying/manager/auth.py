@@ -1,0 +1,210 @@
+"""The job's token: who may talk to its manager.
+
+The manager's API can kill ranks and stop the job, so it answers only callers
+that show the job's token. The manager takes the token from env
+``UNDYING_TOKEN`` when it is set (a Kubernetes Secret, a scheduler's secret
+store), else keeps the one already in ``<job dir>/token`` (a restarted manager
+keeps its callers working), else makes a new one; either way it writes it to
+``<job dir>/token`` with mode 0600, so the user who started the job, and only
+that user, can read it there.
+
+Callers find it (``find_token``) in ``--token-file PATH``, env
+``UNDYING_TOKEN``, or the job dir's token file, in that order: the most
+explicit first. They send it as ``Authorization: Bearer <token>`` (or, where a
+proxy eats ``Authorization``, as ``X-Undying-Token``), and may name the job
+they mean in ``X-Undying-Job`` so that a command aimed at the wrong manager is
+refused instead of faulting someone else's job.
+
+This module is pure (no aiohttp): the server, the CLI and the agents share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import secrets
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from undying.errors import UsageError
+
+__all__ = [
+    "TOKEN_FILE",
+    "TOKEN_ENV",
+    "AUTH_HEADER",
+    "TOKEN_HEADER",
+    "JOB_HEADER",
+    "ensure_token",
+    "find_token",
+    "read_token_file",
+    "tokens_match",
+    "auth_headers",
+    "token_from_headers",
+    "where_the_token_is",
+]
+
+TOKEN_FILE = "token"
+TOKEN_ENV = "UNDYING_TOKEN"
+AUTH_HEADER = "Authorization"
+TOKEN_HEADER = "X-Undying-Token"
+JOB_HEADER = "X-Undying-Job"
+_BEARER = "bearer "
+# A token travels in an HTTP header: printable ASCII without spaces, and not a novel.
+_MAX_TOKEN = 4096
+
+
+def _check(token: str, source: str) -> str:
+    token = token.strip()
+    if not token:
+        raise UsageError(f"the token in {source} is empty; put the job's token there, or remove it to get a new one")
+    if len(token) > _MAX_TOKEN or not all("!" <= c <= "~" for c in token):
+        raise UsageError(
+            f"the token in {source} is not a header-safe token (printable ASCII, no spaces, at most "
+            f"{_MAX_TOKEN} characters); use e.g. the output of `python -c 'import secrets; "
+            f"print(secrets.token_urlsafe(32))'`"
+        )
+    return token
+
+
+def _env_token() -> str | None:
+    """The token from env, or None when unset or empty (``UNDYING_TOKEN=`` means "not given")."""
+    value = os.environ.get(TOKEN_ENV, "")
+    return _check(value, f"env {TOKEN_ENV}") if value.strip() else None
+
+
+def read_token_file(path: Path, *, private: bool = True) -> str:
+    """The token kept in ``path``.
+
+    ``private``: refuse a file that group or others can read, as ssh refuses a
+    loose private key: its token may already be known to others. The job dir's
+    file is ours and must stay 0600. A ``--token-file`` the user names is read
+    as it is (a Kubernetes Secret mounted with fsGroup is 0440, and refusing it
+    would only push people to copy the token somewhere worse).
+    """
+    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)) if private else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise UsageError(f"token file {path} does not exist; pass the --token-file the manager wrote") from None
+    except OSError as e:
+        raise UsageError(f"cannot read token file {path} ({e.strerror or e}); check its owner and permissions") from e
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"token file {path} is not a regular file; pass the file that holds the token")
+        if private and mode & 0o077:
+            raise UsageError(
+                f"token file {path} is readable by group or others (mode {stat.S_IMODE(mode):04o}), so its "
+                f"token may be known to others: run `chmod 600 {path}` if it is still secret, or delete it and "
+                "restart the manager to get a new token"
+            )
+        raw = f.read(_MAX_TOKEN + 1)
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise UsageError(f"token file {path} does not hold a token (not ASCII text)") from None
+    return _check(text, f"token file {path}")
+
+
+def _write_private(path: Path, token: str) -> None:
+    """Write ``token`` to ``path`` so that no other user can ever read it, not even for an instant.
+
+    The file is created 0600 under a temporary name (``O_EXCL``: never one
+    that somebody else prepared), fsynced, and renamed over ``path``: a
+    reader sees the old token or the new one, never half of one.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # a umask can only take bits away; make it exactly 0600
+            f.write(token.encode("ascii") + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def ensure_token(job_dir: Path) -> str:
+    """The manager's token for the job in ``job_dir``, written to ``<job dir>/token`` (mode 0600).
+
+    Env ``UNDYING_TOKEN`` wins (and is written there, so commands given the
+    job dir find it); else an existing token file is kept, so a restarted
+    manager does not lock out the agents and users holding its token; else a
+    new random one is made.
+    """
+    path = Path(job_dir) / TOKEN_FILE
+    try:
+        Path(job_dir).mkdir(parents=True, exist_ok=True)
+        token = _env_token()
+        if token is None:
+            if path.exists() or path.is_symlink():
+                return read_token_file(path)
+            token = secrets.token_urlsafe(32)
+        elif path.exists() and not path.is_symlink():
+            with contextlib.suppress(UsageError):
+                if read_token_file(path) == token:
+                    return token
+        _write_private(path, token)
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the job's token to {path} ({e.strerror or e}); pass a --job-dir you can write"
+        ) from e
+    return token
+
+
+def find_token(job_dir: Path | None, token_file: str | None) -> str | None:
+    """The token a command sends: ``--token-file``, else env ``UNDYING_TOKEN``, else ``<job dir>/token``.
+
+    None when there is none: the request goes without one, and a manager
+    that needs one says so (a manager with open status does not, for reads).
+    """
+    if token_file is not None:
+        return read_token_file(Path(token_file), private=False)
+    token = _env_token()
+    if token is not None:
+        return token
+    if job_dir is not None:
+        path = Path(job_dir) / TOKEN_FILE
+        if path.exists() or path.is_symlink():
+            return read_token_file(path)
+    return None
+
+
+def tokens_match(given: str | None, expected: str) -> bool:
+    """Whether ``given`` is the token, in time that does not depend on where they differ."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8"))
+
+
+def auth_headers(token: str | None, job_id: str | None = None) -> dict[str, str]:
+    """The headers a request carries: the token (if any) and the job it is meant for (if known)."""
+    headers: dict[str, str] = {}
+    if token is not None:
+        headers[AUTH_HEADER] = f"Bearer {token}"
+    if job_id is not None:
+        headers[JOB_HEADER] = job_id
+    return headers
+
+
+def token_from_headers(headers: Mapping[str, str]) -> str | None:
+    """The token a request shows, from ``Authorization: Bearer`` or ``X-Undying-Token``; None if neither."""
+    auth = headers.get(AUTH_HEADER, "")
+    if auth[: len(_BEARER)].lower() == _BEARER:
+        return auth[len(_BEARER):].strip()
+    other = headers.get(TOKEN_HEADER)
+    return other.strip() if other is not None else None
+
+
+def where_the_token_is(job_dir: Path | str) -> str:
+    """One sentence for error messages: where a caller finds the token."""
+    return (
+        f"the token is in {Path(job_dir) / TOKEN_FILE} (readable only by the user who started the job); "
+        f"`undying` commands read it from there with --job-dir, or pass --token-file PATH or set {TOKEN_ENV}"
+    )
