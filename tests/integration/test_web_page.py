@@ -3,7 +3,10 @@
 It loads, shows the job's ranks with their PIDs, loads nothing from outside the
 manager, raises no script error, and a crash injected through the API shows up
 as an incident (and then as recovered) while the page stays the same document:
-it updates itself, no reload.
+it updates itself, no reload. The manager wants the job's token: the test takes
+it from the job dir (where the launcher wrote it, 0600), opens the page as
+``/?token=...``, and checks that the page's polls carry it as a header, never
+in an address, and that the page and the API refuse a caller without it.
 
 Needs Debian's ``chromium`` and the ``playwright`` package (the ``test`` extra);
 playwright drives the system's Chromium over the DevTools protocol, so no
@@ -16,14 +19,18 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.jobs import manager_url, start_job, status, wait_for, wait_running
-from undying.cli.client import api_post
+from tests.integration.jobs import manager_url, start_job, wait_for
+from undying.cli.client import api_get, api_post
+from undying.manager.auth import TOKEN_FILE, read_token_file
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -78,23 +85,44 @@ def browser_page() -> Iterator[Any]:
                 os.kill(pid, signal.SIGKILL)
 
 
+def refused(address: str) -> int | None:
+    """The HTTP status of a GET with no token at all (not even env's); None if it was let in."""
+    try:
+        with urllib.request.urlopen(address, timeout=5):
+            return None
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path: Path, reap: list[int]) -> None:
     job_dir = tmp_path / "job"
     launcher = start_job(job_dir, JOB_ARGS, ranks=2, reap=reap)
     url = manager_url(job_dir)
-    running = wait_running(url, min_step=2)
+    assert stat.S_IMODE((job_dir / TOKEN_FILE).stat().st_mode) == 0o600
+    token = read_token_file(job_dir / TOKEN_FILE)
+
+    def status() -> dict[str, Any]:
+        return dict(api_get(url, "/api/status", token=token))
+
+    running = wait_for(lambda: (s := status())["state"] == "running" and s["step"] >= 2 and s, 60,
+                       "the job to run past step 2")
     pids = {r["rank"]: r["pid"] for r in running["ranks"]}
+    assert refused(url + "/") == 401 and refused(url + "/api/status") == 401
+    assert refused(url + "/?token=wrong") == 401
 
     with browser_page() as page:
         errors: list[str] = []
         outside: list[str] = []
         loads: list[str] = []
+        polls: list[tuple[str, str | None]] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
+        page.on("request", lambda r: polls.append((r.url, r.headers.get("authorization")))
+                if "/api/" in r.url else None)
         page.on("load", lambda p: loads.append(p.url))
 
-        page.goto(url + "/")
+        page.goto(f"{url}/?token={token}")
         page.wait_for_selector("#ranks tbody tr[data-rank='1']", timeout=15_000)
         assert page.text_content("#job-state") == "running"
         rows = page.locator("#ranks tbody tr")
@@ -108,7 +136,7 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
         page.wait_for_function(f"Number(document.getElementById('step').textContent) > {first}", timeout=10_000)
         page.evaluate("window.stillTheSamePage = true")
 
-        injected = api_post(url, "/api/inject", {"kind": "crash", "rank": 1})
+        injected = api_post(url, "/api/inject", {"kind": "crash", "rank": 1}, token=token)
         assert injected["pid"] == pids[1]
         incident = page.wait_for_selector("#incidents tbody tr[data-kind='crash'][data-rank='1']", timeout=20_000)
         assert incident is not None and "replace" in incident.inner_text()
@@ -118,7 +146,7 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
             " return r && r.innerText.includes('recovered') && r.innerText.includes('first_step_done'); })()",
             timeout=30_000,
         )
-        new_pid = wait_for(lambda: (p := status(url)["ranks"][1]["pid"]) != pids[1] and p, 10, "the replacement")
+        new_pid = wait_for(lambda: (p := status()["ranks"][1]["pid"]) != pids[1] and p, 10, "the replacement")
         page.wait_for_function(
             f"document.querySelector(\"#ranks tbody tr[data-rank='1']\").innerText.includes('{new_pid}')",
             timeout=10_000,
@@ -127,6 +155,9 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
         assert len(loads) == 1, loads
         assert not outside, f"the page loaded from outside the manager: {outside}"
         assert not errors, errors
+        # Every poll showed the token as a header; none put it in an address (where logs and history keep it).
+        assert polls and all(auth == f"Bearer {token}" for _, auth in polls), polls[:3]
+        assert not [u for u, _ in polls if "token" in u], polls[:3]
 
-    api_post(url, "/api/stop", {})
+    api_post(url, "/api/stop", {}, token=token)
     launcher.wait(timeout=30)
