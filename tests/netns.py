@@ -13,7 +13,9 @@ kill it by PID and process group; they also kill, by PID, any other process
 found inside the host's namespace (a child that left the group still dies
 with its host). :meth:`Hosts.cut` / :meth:`Hosts.heal` take a host's bridge
 port down and up: a partition, with the host's own interface and addresses
-left as they were.
+left as they were. :meth:`Hosts.inside` runs the test's own code in a host
+(sockets opened there belong to it: to call a manager's HTTP API from the
+test), :meth:`Hosts.add_host` plugs in one more host (a replacement node).
 
 Setup is a handful of ``ip -batch`` runs (tens of milliseconds for four hosts).
 Root, ``ip`` and namespace support are required: :data:`requires_netns` and
@@ -23,6 +25,7 @@ the fixtures skip with the reason where they are missing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import ipaddress
@@ -49,6 +52,8 @@ __all__ = [
     "requires_netns",
 ]
 
+IP = shutil.which("ip") or "ip"  # absolute: a caller's env= without PATH must still find it
+CLONE_NEWNET = 0x40000000
 PREFIX = "udn"
 NETNS_DIR = "/run/netns"
 BRIDGE = "br0"
@@ -62,7 +67,7 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-")
 
 def _ip(args: Sequence[str], batch: str | None = None) -> None:
     """Run ``ip``; a failure raises with the commands and ip's own message, which say what broke."""
-    argv = ["ip", *args] + (["-batch", "-"] if batch is not None else [])
+    argv = [IP, *args] + (["-batch", "-"] if batch is not None else [])
     done = subprocess.run(argv, input=batch, capture_output=True, text=True, timeout=SETUP_TIMEOUT)
     if done.returncode != 0:
         shown = f"\n{batch}" if batch else ""
@@ -95,9 +100,20 @@ def netns_pids(name: str) -> list[int]:
 
 def our_namespaces(pid: int | None = None) -> list[str]:
     """The namespaces this harness made (for one owner PID, or any), as ``ip netns list`` shows them."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=SETUP_TIMEOUT).stdout
+    out = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=SETUP_TIMEOUT).stdout
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
     return [n for n in names if (m := _NAME.match(n)) and (pid is None or int(m.group(1)) == pid)]
+
+
+def _setns(fd: int, what: str) -> None:
+    setns = getattr(os, "setns", None)  # Python 3.12+
+    if setns is not None:
+        setns(fd, CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot enter the network namespace of {what}: {os.strerror(err)}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -149,9 +165,9 @@ requires_netns = pytest.mark.skipif(
 
 
 def _root_subnets() -> list[ipaddress.IPv4Network]:
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+    out = subprocess.run([IP, "-o", "-4", "addr", "show"], capture_output=True, text=True,
                          timeout=SETUP_TIMEOUT).stdout
-    return [ipaddress.ip_interface(m).network for m in re.findall(r"inet (\S+)", out)]
+    return [ipaddress.IPv4Interface(m).network for m in re.findall(r"inet (\S+)", out)]
 
 
 def _pick_subnet(tag: str) -> ipaddress.IPv4Network:
@@ -224,7 +240,7 @@ class Hosts:
         jobs += [(["-n", self.name(i)],
                   f"link set lo up\naddr add {self.addr(i)}/{self.subnet.prefixlen} dev {self.ifname(i)}\n"
                   f"link set {self.ifname(i)} up\n") for i in new]
-        running = [(a, b, subprocess.Popen(["ip", *a, "-batch", "-"], stdin=subprocess.PIPE,
+        running = [(a, b, subprocess.Popen([IP, *a, "-batch", "-"], stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
                    for a, b in jobs]
         failures = []
@@ -286,9 +302,26 @@ class Hosts:
             raise ValueError("popen starts every process in a session of its own (so kills reach its "
                              "children); drop start_new_session=False / preexec_fn / process_group")
         kwargs["start_new_session"] = True
-        proc: subprocess.Popen[Any] = subprocess.Popen(["ip", "netns", "exec", self.name(i), *argv], **kwargs)
+        proc: subprocess.Popen[Any] = subprocess.Popen([IP, "netns", "exec", self.name(i), *argv], **kwargs)
         self._procs[i].append(proc)
         return proc
+
+    @contextlib.contextmanager
+    def inside(self, i: int) -> Iterator[None]:
+        """Run the test's own code in host i: sockets the calling thread opens in this block live there.
+
+        For a test that talks to a server in a host (the manager's HTTP API)
+        without a subprocess. Only the calling thread switches (setns), and it
+        switches back on exit; a socket keeps its host after the block, so a
+        connection made inside may be used outside.
+        """
+        self._check(i)
+        with open(os.path.join(NETNS_DIR, self.name(i))) as target, open("/proc/thread-self/ns/net") as home:
+            _setns(target.fileno(), self.name(i))
+            try:
+                yield
+            finally:
+                _setns(home.fileno(), "the test's own network namespace")
 
     def pids(self, i: int) -> list[int]:
         """Every live process inside host i, whoever started it."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -133,7 +134,7 @@ class Lines:
 
     def drain(self) -> list[str]:
         """The lines that came since the last look, without waiting."""
-        new = []
+        new: list[str] = []
         while True:
             try:
                 line = self._queue.get_nowait()
@@ -164,6 +165,10 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _net_inode_of_thread() -> int:
+    return os.stat("/proc/thread-self/ns/net").st_ino
 
 
 def _net_inode(pid: int) -> int:
@@ -238,21 +243,34 @@ time.sleep(600)
     assert netns_pids(hosts.name(0)) == [other.proc.pid]
 
 
-@pytest.mark.parametrize("iface", ["given", "derived"])
-def test_gloo_all_reduce_across_hosts(make_hosts: Callable[[int], Hosts], iface: str) -> None:
+def test_the_test_talks_to_a_host_from_inside_and_a_new_host_joins(make_hosts: Callable[[int], Hosts]) -> None:
+    hosts = make_hosts(2)
+    home = _net_inode_of_thread()
+    new = hosts.add_host()
+    assert new == 2 and len(hosts) == 3 and hosts.addr(2) not in (hosts.addr(0), hosts.addr(1))
+    server = _python(hosts, new, ECHO_SERVER, "7000")
+    server.expect("^listening$", 30)
+    with hosts.inside(0):
+        assert _net_inode_of_thread() == os.stat(os.path.join(NETNS_DIR, hosts.name(0))).st_ino
+        conn = socket.create_connection((hosts.addr(new), 7000), timeout=10)
+    assert _net_inode_of_thread() == home
+    with conn:  # the socket stays in host 0 after the block
+        assert conn.getsockname()[0] == hosts.addr(0)
+        conn.sendall(b"hello\n")
+        assert conn.recv(100) == b"hello\n"
+    assert server.expect(r"^accepted ", 10).string.split()[1] == hosts.addr(0)
+
+
+def test_gloo_all_reduce_across_hosts(make_hosts: Callable[[int], Hosts]) -> None:
+    """Rank 0 is told its interface; rank 1 finds its own with netif, as the agent will."""
     hosts = make_hosts(3)
     store = _python(hosts, 0, STORE, str(STORE_PORT))
     store.expect("^ready$", 60)
-    ranks = []
-    for rank in (0, 1):
-        host = rank + 1
-        arg = hosts.ifname(host) if iface == "given" else "derive"
-        ranks.append(_python(hosts, host, RANK, hosts.addr(0), str(STORE_PORT), str(rank), "2", arg))
-    for rank, lines in enumerate(ranks):
-        if iface == "derived":
-            assert lines.expect(r"^derived (\S+)$", 60).group(1) == hosts.ifname(rank + 1)
-        m = lines.expect(r"^result ", 60)
-        assert m.string.split()[1:] == ["3.0", "30.0"]
+    ranks = [_python(hosts, rank + 1, RANK, hosts.addr(0), str(STORE_PORT), str(rank), "2", iface)
+             for rank, iface in enumerate([hosts.ifname(1), "derive"])]
+    assert ranks[1].expect(r"^derived (\S+)$", 60).group(1) == hosts.ifname(2)
+    for lines in ranks:
+        assert lines.expect(r"^result ", 60).string.split()[1:] == ["3.0", "30.0"]
         assert lines.proc.wait(timeout=30) == 0, lines.seen
 
 
