@@ -244,10 +244,16 @@ class Hosts:
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
                    for a, b in jobs]
         failures = []
-        for args, batch, p in running:
-            _, err = p.communicate(batch, timeout=SETUP_TIMEOUT)
-            if p.returncode != 0:
-                failures.append(f"`ip {' '.join(args)} -batch -` failed ({p.returncode}): {err.strip()}\n{batch}")
+        try:
+            for args, batch, p in running:
+                _, err = p.communicate(batch, timeout=SETUP_TIMEOUT)
+                if p.returncode != 0:
+                    failures.append(f"`ip {' '.join(args)} -batch -` failed ({p.returncode}): {err.strip()}\n{batch}")
+        finally:
+            for _, _, p in running:  # after a timeout: none of them outlives the failed setup
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         if failures:
             raise RuntimeError("\n".join(failures))
         return new
