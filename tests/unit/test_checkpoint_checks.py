@@ -1,4 +1,8 @@
-"""Bad input, clear errors: unusable locations and checkpoints of another job or model, refused by name."""
+"""Bad input, clear errors: unusable locations and checkpoints of another job or model, refused by name.
+
+And the job check on resume (``check_same_job``): another job's checkpoint is refused when the user
+named the job, resumed (and said so) when the id is the random default.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,18 @@ from undying.checkpoint import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointLocationError,
+    CheckpointOfAnotherJobError,
     IncompatibleCheckpointError,
     Manifest,
+    ManifestError,
     Store,
     check_compatible,
+    check_same_job,
     check_writable,
     latest_valid,
     load_replicated,
     save_replicated,
+    scan,
     tensor_shapes,
     tensor_specs,
 )
@@ -207,3 +215,92 @@ def test_manifest_alone_is_named_by_path_and_layout_world_size() -> None:
         check_compatible(m, path="/x/step-3", world_size=2)
     check_compatible(m, world_size=4)
     check_compatible(Manifest(3, 4, {"kind": "replicated"}, "periodic", "j", 0, 0.0, ()), world_size=2)
+
+
+# -- check_same_job: the job check on resume ----------------------------------------
+
+
+def test_this_jobs_own_checkpoint_resumes_with_nothing_to_say(tmp_path: Path) -> None:
+    save_replicated(tmp_path, 5, model_state(), job_id="job-a")
+    found, _ = latest_valid(tmp_path)
+    assert found is not None
+    assert check_same_job(found, "job-a", job_id_given=True) is None
+    assert check_same_job(found, "job-a", job_id_given=False) is None
+
+
+def test_another_jobs_checkpoint_is_refused_when_the_job_id_was_given(tmp_path: Path) -> None:
+    save_replicated(tmp_path, 5, model_state(), job_id="job-a")
+    found, _ = latest_valid(tmp_path)
+    assert found is not None
+    with pytest.raises(CheckpointOfAnotherJobError) as info:
+        check_same_job(found, "job-b", job_id_given=True)
+    text = str(info.value)
+    assert text == (
+        f"checkpoint {found.url} (step 5) belongs to job 'job-a', not to this job 'job-b'; "
+        "pass --job-id job-a to resume it, or another --checkpoint-dir to start fresh"
+    )
+    # Bad input: the CLI prints it as one line and exits 2; callers that catch the older class still do.
+    assert isinstance(info.value, IncompatibleCheckpointError) and isinstance(info.value, UsageError)
+
+
+def test_without_a_job_id_another_jobs_checkpoint_is_resumed_and_said(tmp_path: Path) -> None:
+    """The id is random per launch then: the same command run again must resume, and the log says whose."""
+    save_replicated(tmp_path, 7, model_state(), job_id="job-a")
+    found, _ = latest_valid(tmp_path)
+    assert found is not None
+    note = check_same_job(found, "job-20261123-101500-3f2a1b", job_id_given=False)
+    assert note == (
+        f"resuming job job-a's checkpoint at step 7 ({found.url}) as job job-20261123-101500-3f2a1b "
+        "(no --job-id given)"
+    )
+
+
+def test_a_manifest_alone_is_named_by_its_path() -> None:
+    m = Manifest(9, 2, {"kind": "replicated"}, "dying-gasp", "job-a", 0, 0.0, ())
+    with pytest.raises(CheckpointOfAnotherJobError, match=r"^checkpoint /ck/step-000000009 \(step 9\) belongs"):
+        check_same_job(m, "job-b", True, path="/ck/step-000000009")
+    with pytest.raises(CheckpointOfAnotherJobError, match=r"^checkpoint of step 9 \(step 9\) belongs to job 'job-a'"):
+        check_same_job(m, "job-b", True)
+    assert check_same_job(m, "job-b", False, path="/ck/step-000000009") == (
+        "resuming job job-a's checkpoint at step 9 (/ck/step-000000009) as job job-b (no --job-id given)"
+    )
+
+
+def test_a_checkpoint_that_records_no_job_is_resumed_by_any(tmp_path: Path) -> None:
+    save_replicated(tmp_path, 3, model_state(), job_id="")  # written outside a job
+    found, _ = latest_valid(tmp_path)
+    assert found is not None
+    assert check_same_job(found, "job-b", job_id_given=True) is None
+
+
+@pytest.mark.parametrize("stored", ["absent", None])
+def test_old_manifests_without_a_job_id_still_load_and_resume(tmp_path: Path, stored: str | None) -> None:
+    result = save_replicated(tmp_path, 4, {"w": torch.ones(2)}, job_id="job-a")
+    path = Path(result.path) / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    if stored == "absent":
+        del data["job_id"]  # what a manifest that never recorded it looks like
+    else:
+        data["job_id"] = stored
+    path.write_text(json.dumps(data))
+    found, skipped = latest_valid(tmp_path)
+    assert found is not None and found.manifest is not None and not skipped
+    assert found.manifest.job_id == ""
+    assert check_same_job(found, "job-b", job_id_given=True) is None
+    payload, manifest = load_replicated(found.path)
+    assert torch.equal(payload["w"], torch.ones(2)) and manifest.job_id == ""
+
+
+def test_a_job_id_that_is_not_a_string_is_refused_by_name(tmp_path: Path) -> None:
+    data = json.loads(Manifest(1, 1, {"kind": "replicated"}, "periodic", "j", 0, 0.0, ()).to_json())
+    with pytest.raises(ManifestError, match=r"manifest 'job_id' must be a string, got 7"):
+        Manifest.from_dict({**data, "job_id": 7})
+
+
+def test_a_checkpoint_without_a_readable_manifest_is_refused(tmp_path: Path) -> None:
+    result = save_replicated(tmp_path, 2, {"w": torch.ones(2)}, job_id="job-a")
+    (Path(result.path) / MANIFEST_NAME).unlink()
+    (broken,) = scan(tmp_path)
+    assert broken.manifest is None
+    with pytest.raises(IncompatibleCheckpointError, match="has no readable manifest"):
+        check_same_job(broken, "job-a", job_id_given=False)

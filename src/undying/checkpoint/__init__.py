@@ -9,16 +9,18 @@ gasp) and what to restore; it calls this API. See DESIGN.md §4.
 - ``AsyncCheckpointer``: blocks only for the CPU copy, writes in a thread.
 - ``latest_valid``, ``verify``, ``scan``, ``prune``: discovery and retention.
 - ``measure``, ``recent_dying_gasp``: sizing and reusing a dying gasp.
-- ``check_writable``, ``check_compatible``: refuse a bad location or a
-  checkpoint of another job or model up front, by name.
+- ``check_writable``, ``check_compatible``, ``check_same_job``: refuse a bad
+  location or a checkpoint of another job or model up front, by name.
 - ``plan_restore``, ``plan_for_ddp``: where every rank's state comes from
   after a fault (self, a peer, a ring replica, or the checkpoint).
 """
 
 from undying.checkpoint.checks import (
     CheckpointLocationError,
+    CheckpointOfAnotherJobError,
     IncompatibleCheckpointError,
     check_compatible,
+    check_same_job,
     check_writable,
     tensor_shapes,
     tensor_specs,
@@ -80,6 +82,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointLocationError",
+    "CheckpointOfAnotherJobError",
     "CheckpointWriteError",
     "FileEntry",
     "IncompatibleCheckpointError",
@@ -102,6 +105,7 @@ __all__ = [
     "Source",
     "Store",
     "check_compatible",
+    "check_same_job",
     "check_writable",
     "cpu_copy",
     "latest_valid",

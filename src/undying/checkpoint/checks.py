@@ -27,6 +27,8 @@ from undying.errors import UsageError
 __all__ = [
     "CheckpointLocationError",
     "IncompatibleCheckpointError",
+    "CheckpointOfAnotherJobError",
+    "check_same_job",
     "TensorSpec",
     "tensor_specs",
     "tensor_shapes",
@@ -52,6 +54,45 @@ class CheckpointLocationError(CheckpointError, UsageError):
 
 class IncompatibleCheckpointError(CheckpointError, UsageError):
     """A checkpoint that does not belong to this job or does not fit this model."""
+
+
+class CheckpointOfAnotherJobError(IncompatibleCheckpointError):
+    """The newest checkpoint was written by another job than the one the user named with --job-id."""
+
+
+def check_same_job(checkpoint: Checkpoint | Manifest, job_id: str, job_id_given: bool, *,
+                   path: str = "") -> str | None:
+    """May a job starting as ``job_id`` resume ``checkpoint``? Raise if not; else what to log, if anything.
+
+    The rule (one folder, two jobs): a user who named the job (``--job-id``,
+    ``job_id_given``) and finds another job's checkpoint in the folder has
+    most likely pointed two jobs at one folder, and resuming would silently
+    continue the other job's training: refuse, naming both ids and the fix.
+    Without ``--job-id`` the id is random per launch, so every relaunch of the
+    same command is "another job": the checkpoint is resumed, and the line
+    returned ("resuming job A's checkpoint at step S ...") is for the log.
+
+    Returns None when the checkpoint is this job's own, or records no job (a
+    manifest written outside a job or before job ids were recorded).
+    ``path`` names the checkpoint when only a Manifest is given.
+    """
+    if isinstance(checkpoint, Checkpoint):
+        if checkpoint.manifest is None:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {checkpoint.url} has no readable manifest; run `undying checkpoints verify` on it"
+            )
+        manifest, where = checkpoint.manifest, checkpoint.url
+    else:
+        manifest, where = checkpoint, path or f"of step {checkpoint.step}"
+    theirs = manifest.job_id
+    if not theirs or theirs == job_id:
+        return None
+    if job_id_given:
+        raise CheckpointOfAnotherJobError(
+            f"checkpoint {where} (step {manifest.step}) belongs to job {theirs!r}, not to this job {job_id!r}; "
+            f"pass --job-id {theirs} to resume it, or another --checkpoint-dir to start fresh"
+        )
+    return f"resuming job {theirs}'s checkpoint at step {manifest.step} ({where}) as job {job_id} (no --job-id given)"
 
 
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:

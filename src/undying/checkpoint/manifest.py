@@ -156,6 +156,10 @@ class Manifest:
     load can refuse a checkpoint of another model by name before reading
     gigabytes. Optional: manifests written before it existed have None, and it
     is left out of the JSON when None, so older readers see the old schema.
+
+    ``job_id`` names the job that wrote the checkpoint, so a resume can tell a
+    checkpoint of another job (``checks.check_same_job``). "" when unknown: a
+    checkpoint written outside a job, or a manifest without the field.
     """
 
     step: int
@@ -229,6 +233,11 @@ class Manifest:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise ManifestError(f"manifest 'meta' must be an object, got {meta!r}")
+        job_id = d.get("job_id")  # absent or null: a manifest that never recorded it; no job to compare
+        if job_id is None:
+            job_id = ""
+        elif not isinstance(job_id, str):
+            raise ManifestError(f"manifest 'job_id' must be a string, got {job_id!r}")
         tensors = d.get("tensors")
         if tensors is not None and not isinstance(tensors, dict):
             raise ManifestError(f"manifest 'tensors' must be an object or absent, got {type(tensors).__name__}")
@@ -237,7 +246,7 @@ class Manifest:
             world_size=_need(d, "world_size", int),
             layout=dict(_need(d, "layout", dict)),
             kind=_need(d, "kind", str),
-            job_id=_need(d, "job_id", str),
+            job_id=job_id,
             generation=_need(d, "generation", int),
             created_at=float(_need(d, "created_at", (int, float))),
             files=tuple(FileEntry.from_dict(f) for f in files),
