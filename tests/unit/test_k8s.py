@@ -142,7 +142,7 @@ OPTION_SETS = {
     "gpus-pvc-secret-pod": (*BASE, "--gpus", "8", "--cpu", "64", "--memory", "512Gi", "--checkpoint-pvc", "ckpt",
                             "--job-pvc", "llama-job", "--token-secret", "llama-token", "--manager-kind", "pod",
                             "--namespace", "training", "--grace-period", "42.5", "--save-every", "500",
-                            "--trace", "comm", "--image-pull-policy", "Always", "--port", "31000",
+                            "--trace", "comm", "--image-pull-policy", "Always", "--port", "31000", "--open-status",
                             "--run-args", "--heartbeat-timeout 60 --trace-dir /ckpt/traces",
                             "--", "train.py", "--lr", "0.1", "--nodes", "on"),
     "one-node-url": ("--job-id", "a", "--nodes", "1", "-n", "1", "--image", "x", "--checkpoint-dir",
@@ -377,7 +377,10 @@ def test_manager_command_parses_with_undying_manager() -> None:
     p = argparse.ArgumentParser(prog="undying")
     manager_cli.add_parser(p.add_subparsers(dest="command"))
     args = p.parse_args(c["command"][1:])
-    assert (args.port, args.http_port, args.host, args.job_id) == (spec.port, spec.port + 2, "0.0.0.0", spec.job_id)
+    assert (args.port, args.http_port, args.host, args.job_id, args.job_dir, args.open_status) == (
+        spec.port, spec.port + 2, "0.0.0.0", spec.job_id, "/job", True)
+    [c] = pod_spec(manager_doc(generate(*OPTION_SETS["minimal"])[0]))["containers"]
+    assert p.parse_args(c["command"][1:]).open_status is False
 
 
 def test_checkpoints_on_a_pvc_or_an_empty_dir_with_a_warning() -> None:

@@ -96,6 +96,9 @@ Write them once and keep them: each run generates a new token (or pass
     m.add_argument("--port", type=int, default=29400,
                    help="the manager's agent port; the c10d store is on port+1, the HTTP API on port+2 "
                    "(default 29400)")
+    m.add_argument("--open-status", action="store_true",
+                   help="`undying manager --open-status`: GET /, /api/status and /metrics without the token "
+                   "(e.g. for a Prometheus scrape inside the cluster); changes still need it")
     m.add_argument("--manager-cpu", default="500m", help="the manager's CPU request (default 500m)")
     m.add_argument("--manager-memory", default="1Gi", help="the manager's memory request (default 1Gi)")
     w = p.add_argument_group("workers (`undying run` flags passed to every agent)")
@@ -142,7 +145,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         command=command, grace=grace, namespace=args.namespace, token_secret=args.token_secret,
         cpu=args.cpu, memory=args.memory, gpus=args.gpus, shm_size=args.shm_size,
         checkpoint_pvc=args.checkpoint_pvc, checkpoint_url=args.checkpoint_dir, job_pvc=args.job_pvc,
-        manager_kind=args.manager_kind, port=args.port, manager_cpu=args.manager_cpu,
+        manager_kind=args.manager_kind, open_status=args.open_status, port=args.port, manager_cpu=args.manager_cpu,
         manager_memory=args.manager_memory, node_retries=args.node_retries,
         image_pull_policy=args.image_pull_policy, backend=args.backend, trace=args.trace,
         save_every=args.save_every, save_interval=args.save_interval, keep=args.keep, spares=args.spares,

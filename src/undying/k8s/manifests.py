@@ -106,6 +106,7 @@ class Spec:
     checkpoint_url: str = ""  # an fsspec URL instead of a volume
     job_pvc: str = ""  # the manager's job dir (its SQLite event log)
     manager_kind: str = "deployment"
+    open_status: bool = False  # the manager serves read-only status without the token
     port: int = 29400
     manager_cpu: str = "500m"
     manager_memory: str = "1Gi"
@@ -199,8 +200,9 @@ class Spec:
     # --- commands -----------------------------------------------------------
 
     def manager_argv(self) -> list[str]:
-        return ["undying", "manager", "--job-id", self.job_id, "--host", "0.0.0.0", "--port", str(self.port),
+        argv = ["undying", "manager", "--job-id", self.job_id, "--host", "0.0.0.0", "--port", str(self.port),
                 "--http-port", str(self.http_port), "--job-dir", JOB_DIR]
+        return argv + (["--open-status"] if self.open_status else [])
 
     def worker_argv(self, node_rank: str = "$(JOB_COMPLETION_INDEX)") -> list[str]:
         argv = ["undying", "run", "--nnodes", str(self.nodes), "--node-rank", node_rank,
