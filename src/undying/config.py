@@ -26,6 +26,8 @@ __all__ = [
     "trace_from_env",
     "step_timeout",
     "EXIT_PREEMPTED",
+    "EXIT_FENCED",
+    "DEFAULT_MANAGER_PORT",
 ]
 
 ENV_PREFIX = "UNDYING_"
@@ -90,6 +92,10 @@ def step_timeout(configured: float, slowest_recent_step_s: float | None) -> floa
 # dying-gasp checkpoint, or an earlier one, stands: run the same command again
 # to resume. 75 is EX_TEMPFAIL ("try again later"); 143 stays a plain SIGTERM stop.
 EXIT_PREEMPTED = 75
+# A worker whose rank was given to a newer process (its host was declared lost) exits with this.
+EXIT_FENCED = 76
+# `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one after.
+DEFAULT_MANAGER_PORT = 29400
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,29 @@ class JobConfig:
         self.checkpoint.validate()
         self.trace.validate()
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        """The inverse of ``to_dict`` (an agent's flags, sent to a manager on another host)."""
+        try:
+            known = {f.name for f in dataclasses.fields(cls)}
+            body = {k: v for k, v in data.items() if k in known}
+            body["timeouts"] = Timeouts(**body.get("timeouts", {}))
+            body["checkpoint"] = CheckpointConfig(**body.get("checkpoint", {}))
+            body["trace"] = TraceConfig(**body.get("trace", {}))
+            return cls(**body)
+        except TypeError as e:
+            raise UsageError(f"a job configuration this version cannot read: {e}") from e
+
+    def differences(self, other: JobConfig) -> list[str]:
+        """The flags in which two nodes of one job disagree (per-node ones aside)."""
+        mine, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
+        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.switch_file", "job_id_given"}
+        return sorted(k for k in mine.keys() | theirs.keys()
+                      if k not in per_node and mine.get(k) != theirs.get(k))
+
     def timeout_env(self) -> dict[str, str]:
         """The timeouts a worker needs, as environment variables."""
         return {
@@ -285,3 +314,13 @@ def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> T
     timeouts = Timeouts(**kwargs)
     timeouts.validate()
     return timeouts
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

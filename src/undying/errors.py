@@ -13,6 +13,8 @@ __all__ = [
     "RecoveryError",
     "NoStateSourceError",
     "GenerationSupersededError",
+    "FencedError",
+    "ControlStoreLostError",
     "JobFailedError",
 ]
 
@@ -39,6 +41,14 @@ class NoStateSourceError(RecoveryError):
 
 class GenerationSupersededError(RecoveryError):
     """The generation a worker was joining was replaced by a newer one."""
+
+
+class FencedError(RecoveryError):
+    """This process no longer holds its rank: the manager gave it to a newer process (its host was lost)."""
+
+
+class ControlStoreLostError(RecoveryError):
+    """The connection to the manager's control store broke (the manager restarted): connect again."""
 
 
 class JobFailedError(UndyingError):

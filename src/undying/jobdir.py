@@ -31,8 +31,11 @@ class JobDir:
     def manager_file(self) -> Path:
         return self.path / "manager.json"
 
-    def prepare(self) -> None:
-        """Create the folder and prove it is writable, or say why not."""
+    def prepare(self, *, keep_log: bool = False) -> None:
+        """Create the folder and prove it is writable, or say why not.
+
+        ``keep_log``: a restarted manager carries on the job's log instead of starting a new one.
+        """
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
@@ -48,7 +51,7 @@ class JobDir:
                     f"job dir {self.path} belongs to a running job (launcher pid {info['pid']}); "
                     "pass another --job-dir or --job-id"
                 )
-        if self.events_db.exists():
+        if self.events_db.exists() and not keep_log:
             # A new run of a finished job starts a new log; keep the old one beside it.
             self.events_db.rename(self.path / f"events.{int(self.events_db.stat().st_mtime)}.db")
             for suffix in ("-wal", "-shm"):

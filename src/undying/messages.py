@@ -38,6 +38,31 @@ __all__ = [
     "TraceSet",
     "TraceSummary",
     "SLOW_PHASES",
+    "AgentJoin",
+    "AgentWelcome",
+    "AgentRefused",
+    "AgentFenced",
+    "AgentState",
+    "ManagerBeat",
+    "SpawnRank",
+    "RankSpawned",
+    "KillRank",
+    "TellRank",
+    "ArmRank",
+    "AbortRank",
+    "KeepSpares",
+    "StopNode",
+    "NodeStopped",
+    "NodeLeaving",
+    "RankExited",
+    "RankReport",
+    "RankHung",
+    "RanksStalled",
+    "TraceFileSet",
+    "TraceFileError",
+    "JobEnded",
+    "Numbered",
+    "Acked",
     "encode",
     "decode",
     "RECOVERY_PHASES",
@@ -321,6 +346,223 @@ class TraceSet(Message):
     by: str
     t: float
     comm_from_step: int = 0
+
+
+# --- agent <-> manager, across hosts (undying/manager/nodes.py, undying/agent/remote.py) ---
+#
+# With the manager in the launcher the agent calls it directly; on separate
+# hosts the same calls travel as these messages on one TCP connection per
+# node. A worker's own message crosses inside RankReport/TellRank unchanged.
+
+
+@dataclass(frozen=True)
+class AgentJoin(Message):
+    """First message of an agent: the job it is for, its node, its flags, and its session.
+
+    ``session`` is empty for a new agent; an agent that lost its connection
+    rejoins with the session it was given, and is fenced if the manager gave
+    its node to another agent since.
+    """
+
+    job_id: str
+    node: int
+    nnodes: int
+    nproc_per_node: int
+    token: str
+    session: str
+    pid: int
+    host: str
+    config: dict[str, Any]
+    live: dict[str, int]
+    t: float
+
+
+@dataclass(frozen=True)
+class AgentWelcome(Message):
+    """The node is in: its session, where the control store is, the job's dir."""
+
+    session: str
+    node: int
+    control_port: int
+    job_dir: str
+    trace: dict[str, Any] = field(default_factory=dict)
+    acked: int = 0  # the newest of this session's reports the manager holds: the agent resends the rest
+
+
+@dataclass(frozen=True)
+class AgentRefused(Message):
+    """The agent cannot join (wrong token, another job, a bad node rank, flags that differ); it exits."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class AgentFenced(Message):
+    """The node was declared lost and its ranks given away: kill every worker, then join afresh."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class AgentState(Message):
+    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm spares."""
+
+    node: int
+    live: dict[str, int]
+    phases: dict[str, str]
+    spares_ready: int
+    t: float
+
+
+@dataclass(frozen=True)
+class ManagerBeat(Message):
+    """The manager's beat to each agent: an agent that stops hearing it reconnects."""
+
+    t: float
+
+
+@dataclass(frozen=True)
+class SpawnRank(Message):
+    rank: int
+    record: dict[str, Any]
+    joining: bool
+    resume_from: str
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class RankSpawned(Message):
+    rank: int
+    pid: int
+    warm: bool
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class KillRank(Message):
+    rank: int
+    signal: int
+
+
+@dataclass(frozen=True)
+class TellRank(Message):
+    """A message for one worker (Preempt, StopAt, ...), encoded as the worker reads it."""
+
+    rank: int
+    body: str
+
+
+@dataclass(frozen=True)
+class ArmRank(Message):
+    rank: int
+    fault: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AbortRank(Message):
+    rank: int
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeepSpares(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class StopNode(Message):
+    """Stop every worker of the node (SIGTERM, SIGKILL after ``grace_s``); answered by NodeStopped."""
+
+    grace_s: float
+    seq: int
+
+
+@dataclass(frozen=True)
+class NodeStopped(Message):
+    seq: int
+
+
+@dataclass(frozen=True)
+class NodeLeaving(Message):
+    """The agent got SIGTERM (its pod is being deleted): its node leaves the job."""
+
+    node: int
+    reason: str
+    t: float
+
+
+@dataclass(frozen=True)
+class RankExited(Message):
+    rank: int
+    pid: int
+    returncode: int
+    t: float
+
+
+@dataclass(frozen=True)
+class RankReport(Message):
+    """A worker's message, as the agent received it."""
+
+    body: str
+
+
+@dataclass(frozen=True)
+class RankHung(Message):
+    rank: int
+    pid: int
+    phase: str
+    last_seen: float
+    t: float
+
+
+@dataclass(frozen=True)
+class RanksStalled(Message):
+    progress: list[dict[str, Any]]
+    limit: float
+    t: float
+
+
+@dataclass(frozen=True)
+class TraceFileSet(Message):
+    step: bool
+    comm: bool
+    by: str
+    t: float
+
+
+@dataclass(frozen=True)
+class TraceFileError(Message):
+    message: str
+
+
+@dataclass(frozen=True)
+class Numbered(Message):
+    """An agent's report with its number in the session, so none is lost or taken twice.
+
+    The agent keeps every report until the manager says it is in the log
+    (Acked); a manager that died before writing some is sent them again by
+    number, and one that already has them drops the copies.
+    """
+
+    seq: int
+    body: str
+
+
+@dataclass(frozen=True)
+class Acked(Message):
+    """Every report of the session up to ``seq`` is in the manager's log (committed)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class JobEnded(Message):
+    """The job is over (succeeded, failed, stopped, preempted): the agent exits with ``exit_code``."""
+
+    state: str
+    reason: str
+    exit_code: int
 
 
 def encode(message: Message) -> bytes:

@@ -4,8 +4,9 @@ The manager opens generation ``n`` by writing ``gen/<n>``: the members' world
 size and the port of a TCPStore created for that generation alone, on which
 the workers build their process group. A generation that must be abandoned
 (a member died while it was forming) is marked superseded and its store is
-closed, which makes every wait on it fail at once: that is the fence that
-keeps a stale member out of a newer generation.
+closed, which makes every wait on it fail at once. A process also reads
+``rank/<r>/owner`` before it joins: a rank given to a newer process (its host
+was lost, or cut off and back) leaves rather than join beside its successor.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-__all__ = ["GenerationRecord", "generation_key", "CURRENT_KEY"]
+__all__ = ["GenerationRecord", "generation_key", "rank_owner_key", "CURRENT_KEY"]
 
 CURRENT_KEY = "gen/current"
 
 
 def generation_key(generation: int) -> str:
     return f"gen/{generation}"
+
+
+def rank_owner_key(rank: int) -> str:
+    """The incarnation (a number the manager counts up) of the process that holds ``rank`` now."""
+    return f"rank/{rank}/owner"
 
 
 @dataclass(frozen=True)

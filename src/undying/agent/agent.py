@@ -18,7 +18,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from undying.config import ENV_PREFIX, JobConfig, step_timeout
 from undying.messages import (
@@ -112,7 +112,7 @@ class Agent:
         self._script = script
         self._script_args = script_args
         self._manager = manager
-        self._control_port = control_port
+        self.control_port = control_port
         self._workers: dict[int, _Worker] = {}
         self._by_pid: dict[int, _Worker] = {}
         self._server: asyncio.AbstractServer | None = None
@@ -124,6 +124,9 @@ class Agent:
         self._step_times: deque[float] = deque(maxlen=100)
         self._for_replacement: dict[int, list[ArmFault]] = {}  # faults armed for a rank's next replacement
         self._trace: TraceSet | None = None  # the switch every worker of this node follows
+        # Set when the manager is on another host: its address, as this node reaches it.
+        self.manager_host = ""
+        self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -224,26 +227,30 @@ class Agent:
         env.update(self.config.timeout_env())
         env.update(self.config.checkpoint.env(self.config.job_dir))
         env.update(self.config.trace.env(self.config.job_dir))
+        for key, value in self.extra_env.items():
+            env.setdefault(key, value)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
     def _rank_environment(self, rank: int, record: GenerationRecord, joining: bool,
-                          resume_from: str = "") -> dict[str, str]:
+                          resume_from: str = "", incarnation: int = 0) -> dict[str, str]:
         """What makes a process rank ``rank`` of ``record``'s generation."""
         return {
+            f"{ENV_PREFIX}INCARNATION": str(incarnation),
             f"{ENV_PREFIX}RESUME_FROM": resume_from,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank % self.config.nproc_per_node),
             "GROUP_RANK": str(self.node),
             "WORLD_SIZE": str(record.world_size),
             "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
-            "MASTER_ADDR": record.store_host,
+            # The generation's store lives in the manager: across hosts, where this agent reached it.
+            "MASTER_ADDR": self.manager_host or record.store_host,
             "MASTER_PORT": str(record.store_port),
             # The launcher hosts the store: ranks must connect, never host (as with torchrun).
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": str(record.generation),
-            f"{ENV_PREFIX}CONTROL_ADDR": f"{self.config.host}:{self._control_port}",
+            f"{ENV_PREFIX}CONTROL_ADDR": f"{self.manager_host or self.config.host}:{self.control_port}",
             f"{ENV_PREFIX}GENERATION": str(record.generation),
             f"{ENV_PREFIX}JOINING": "1" if joining else "0",
             f"{ENV_PREFIX}BACKEND": self.config.backend,
@@ -264,13 +271,14 @@ class Agent:
         return process
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
-              resume_from: str = "") -> tuple[int, bool]:
+              resume_from: str = "", incarnation: int = 0) -> tuple[int, bool]:
         """Give ``rank`` a process (called on the loop): a warm spare if one is ready.
 
-        ``resume_from``: a checkpoint the new process starts from. Returns the
-        PID and whether it was a spare.
+        ``resume_from``: a checkpoint the new process starts from;
+        ``incarnation``: the manager's number for it (the rank's owner key).
+        Returns the PID and whether it was a spare.
         """
-        rank_env = self._rank_environment(rank, record, joining, resume_from)
+        rank_env = self._rank_environment(rank, record, joining, resume_from, incarnation)
         spare = self._take_spare() if joining else None
         if spare is not None:
             assert spare.writer is not None
@@ -354,6 +362,13 @@ class Agent:
     def live_ranks(self) -> list[int]:
         return [r for r, w in self._workers.items() if w.process.returncode is None]
 
+    def live_pids(self) -> dict[int, int]:
+        return {r: w.pid for r, w in self._workers.items() if w.process.returncode is None}
+
+    def view(self) -> dict[str, Any]:
+        return {"node": self.node, "attached": True, "host": "localhost", "agent_pid": os.getpid(),
+                "ranks": sorted(self.live_ranks())}
+
     def phases(self) -> dict[int, str]:
         """Each live rank's phase from its latest heartbeat (init, step, recovery, done)."""
         return {r: w.progress().phase for r, w in self._workers.items() if w.process.returncode is None}
@@ -369,6 +384,10 @@ class Agent:
             worker.pending.append(fault)
         else:
             worker.writer.write(encode(fault))
+
+    def resume_after_stop(self) -> None:
+        """Accept new workers again after ``stop_all`` (a fenced node joins afresh)."""
+        self._stopping = False
 
     async def stop_all(self, grace_s: float) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``; spares go at once."""

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from undying import __version__
-from undying.cli import chaos, checkpoints, demo, diagnose, inject, run, status, trace
+from undying.cli import chaos, checkpoints, demo, diagnose, inject, manager, run, status, trace
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (to stderr)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run.add_parser(sub)
+    manager.add_parser(sub)
     status.add_parser(sub)
     checkpoints.add_parser(sub)
     inject.add_parser(sub)

@@ -104,9 +104,14 @@ no checkpoint at all.""",
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node: coming; only 1 today)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node: coming)")
-    p.add_argument("--manager", default=None, help="HOST:PORT of a separate manager (multi-node: coming)")
+    m = p.add_argument_group("multi-node (start `undying manager --job-id J` first, then this on every node)")
+    m.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1: standalone, the manager runs here)")
+    m.add_argument("--node-rank", type=int, default=0,
+                   help="this node's rank, 0..nnodes-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
+    m.add_argument("--manager", default=None, metavar="HOST:PORT",
+                   help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
+    m.add_argument("--token-file", default=None, metavar="PATH",
+                   help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it)")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
     t.add_argument("--rendezvous-timeout", type=float, default=_DEFAULTS.rendezvous,
                    help=f"a worker's wait for the next generation (default {_DEFAULTS.rendezvous:.0f})")
@@ -150,11 +155,13 @@ def _step_timeout(raw: str) -> float:
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
-    if args.nnodes != 1 or args.node_rank != 0 or args.manager is not None:
+    if args.manager is None and (args.nnodes != 1 or args.node_rank != 0):
         raise UsageError(
-            "multi-node runs (--nnodes > 1, --node-rank, --manager) are not available yet; "
-            "run a single node with -n"
+            "--nnodes > 1 needs --manager HOST:PORT: start `undying manager --job-id J` on one host, then "
+            "`undying run --nnodes N --node-rank I --manager HOST:PORT --job-id J ...` on every node"
         )
+    if args.manager is not None and not args.job_id:
+        raise UsageError("--manager needs --job-id: the id the manager was started with")
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     if not job_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise UsageError(f"--job-id {job_id!r} may hold only letters, digits, '-', '_' and '.'")
@@ -205,8 +212,30 @@ def run(args: argparse.Namespace) -> int:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     config = config_from_args(args)
+    if args.manager is not None:
+        return _run_node(args, config, script_args)
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()
         check_writable(args.checkpoint_dir)
     return launch(config, args.script, script_args)
+
+
+def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
+    """One node of a multi-node job: an agent that joins the manager at --manager."""
+    from pathlib import Path
+
+    from undying.agent.remote import parse_manager_address, run_node
+    from undying.manager.auth import find_token
+
+    parse_manager_address(args.manager)
+    config.validate()
+    token = find_token(Path(config.job_dir) if args.job_dir else None, args.token_file)
+    if token is None:
+        raise UsageError(
+            "no token for the manager: pass --token-file PATH or set UNDYING_TOKEN (the manager wrote it to "
+            "<its job dir>/token), or pass --job-dir of the manager's job dir on this host"
+        )
+    if not Path(args.script).is_file():
+        raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
+    return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir))

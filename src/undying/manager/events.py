@@ -12,13 +12,14 @@ import json
 import sqlite3
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from undying.errors import UsageError
 from undying.manager.state import Incident
 
-__all__ = ["EventLog", "read_job", "connect_readonly", "SCHEMA_VERSION"]
+__all__ = ["EventLog", "read_job", "read_job_table", "connect_readonly", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
@@ -47,7 +48,13 @@ class EventLog:
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN")
         self._dirty = False
+        self._hooks: list[Callable[[], None]] = []
         self.set_job("schema_version", SCHEMA_VERSION)
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """The connection, for a restarted manager to read the job back (on the loop thread only)."""
+        return self._db
 
     def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None, **data: Any) -> None:
         self._db.execute(
@@ -89,8 +96,14 @@ class EventLog:
         if flush:
             self.flush()
 
+    def before_flush(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` in each transaction before it commits (what it writes commits with the rest)."""
+        self._hooks.append(hook)
+
     def flush(self) -> None:
         if self._dirty:
+            for hook in self._hooks:
+                hook()
             self._db.execute("COMMIT")
             self._db.execute("BEGIN")
             self._dirty = False
@@ -106,6 +119,15 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     if not path.is_file():
         raise UsageError(f"{path} is not an undying event log; pass the --job-dir of a job")
     return sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
+
+
+def read_job_table(path: Path) -> dict[str, Any]:
+    """The job's key/value facts only (state, ids, generation): cheap however long the job ran."""
+    db = connect_readonly(path)
+    try:
+        return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
+    finally:
+        db.close()
 
 
 def read_job(path: Path) -> dict[str, Any]:

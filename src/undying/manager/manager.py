@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import signal
@@ -57,7 +58,7 @@ from undying.messages import (
     TraceSet,
     TraceSummary,
 )
-from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key
+from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key, rank_owner_key
 from undying.trace.detect import Finding, SlowDetector
 from undying.trace.switch import TraceSwitch
 
@@ -87,7 +88,7 @@ class AgentHandle(Protocol):
     node: int
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
-              resume_from: str = "") -> tuple[int, bool]: ...
+              resume_from: str = "", incarnation: int = 0) -> tuple[int, bool]: ...
 
     def tell(self, rank: int, message: Message) -> bool: ...
 
@@ -109,6 +110,8 @@ class AgentHandle(Protocol):
 
     def phases(self) -> dict[int, str]: ...
 
+    def view(self) -> dict[str, Any]: ...
+
 
 @dataclass
 class Recovery:
@@ -127,7 +130,7 @@ class Recovery:
 
 
 class Manager:
-    def __init__(self, config: JobConfig, events: EventLog) -> None:
+    def __init__(self, config: JobConfig, events: EventLog, *, restoring: bool = False) -> None:
         self.config = config
         self.events = events
         self.machine = JobStateMachine()
@@ -141,6 +144,9 @@ class Manager:
         self.started_at = time.time()
         self._committed: dict[int, set[int]] = {r: set() for r in range(config.world_size)}
         self._agents: dict[int, AgentHandle] = {}
+        self._incarnations = 0  # the newest process given a rank (see _spawn)
+        self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
+        self._node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
         self._control: dist.TCPStore | None = None
         self._gen_stores: dict[int, dist.TCPStore] = {}
         self._recovery: Recovery | None = None
@@ -177,10 +183,13 @@ class Manager:
         self._step_commits: dict[int, dict[int, float]] = {}  # step -> rank -> commit time
         self._step_done: dict[int, float] = {}  # step -> when its last rank committed it
         self.step_times: deque[tuple[int, float]] = deque(maxlen=200)
+        if restoring:
+            return  # restore() reads the job back from its log
         events.set_job("job_id", config.job_id)
         events.set_job("checkpoint_dir", self.checkpoint_dir)
         events.set_job("world_size", config.world_size)
         events.set_job("started_at", self.started_at)
+        events.set_job("config", config.to_dict())
         self._persist_state()
 
     # --- setup ----------------------------------------------------------------
@@ -218,12 +227,23 @@ class Manager:
         self._agents[agent.node] = agent
         agent.set_trace(self._trace_message())
 
-    async def run(self) -> JobState:
-        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait until the job ends."""
-        resume = await self._find_resume_point()
-        record = self._open_generation("start" if resume is None else f"resume from step {resume.step}")
-        for info in self.ranks.values():
-            self._spawn(info.rank, record, joining=False, resume_from=resume.url if resume else "")
+    async def run(self, *, restored: bool = False, ready: asyncio.Future[None] | None = None) -> JobState:
+        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait until the job ends.
+
+        ``ready``: what must complete first (every node joined); ``restored``:
+        the job runs already (a restarted manager), nothing is started.
+        """
+        if ready is not None and not restored:
+            try:
+                await ready
+            except asyncio.CancelledError:
+                await self._finished.wait()
+                return self.state
+        if not restored:
+            resume = await self._find_resume_point()
+            record = self._open_generation("start" if resume is None else f"resume from step {resume.step}")
+            for info in self.ranks.values():
+                self._spawn(info.rank, record, joining=False, resume_from=resume.url if resume else "")
         for agent in self._agents.values():
             agent.keep_spares()
         watchdog = asyncio.create_task(self._watch_recovery())
@@ -236,6 +256,73 @@ class Manager:
             for task in list(self._grace_tasks):
                 task.cancel()
         return self.state
+
+    def restore(self) -> dict[int, str]:
+        """Carry on a job whose manager died: read its state back from the log; returns the agents' sessions.
+
+        The generation, every rank (its process, step, owner), every incident
+        (one still open belongs to a recovery this manager finishes), the
+        committed steps (so a step re-run after the restart is still seen) and
+        the checkpoints: what the old manager wrote is what this one knows.
+        """
+        db = self.events.db
+        job = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
+        self.generation = int(job.get("generation", -1))
+        self.started_at = float(job.get("started_at", self.started_at))
+        self.machine.state = JobState(job.get("state", JobState.RUNNING.value))
+        self.resumed_from = job.get("resumed_from")
+        self.last_checkpoint = job.get("last_checkpoint")
+        self.rerun_steps = set(job.get("rerun_steps", []))
+        for (data,) in db.execute("SELECT data FROM ranks"):
+            view = json.loads(data)
+            info = self.ranks.get(int(view["rank"]))
+            if info is None:
+                continue
+            info.pid, info.step, info.generation = int(view["pid"]), int(view["step"]), int(view["generation"])
+            info.state, info.restarts = RankState(view["state"]), int(view["restarts"])
+            info.last_seen, info.incarnation = float(view["last_seen"]), int(view.get("incarnation", 0))
+            self._incarnations = max(self._incarnations, info.incarnation)
+        for rank, step in db.execute("SELECT rank, step FROM steps"):
+            if rank in self._committed:
+                self._committed[rank].add(step)
+        open_incidents: list[Incident] = []
+        for (data,) in db.execute("SELECT data FROM incidents ORDER BY id"):
+            view = json.loads(data)
+            incident = Incident(
+                id=view["id"], kind=view["kind"], rank=view["rank"], step=view["step"], fault_t=view["fault_t"],
+                recovery=view["recovery"], action=view["action"], status=view["status"],
+                phases={k: view["fault_t"] + v for k, v in view["phases"].items()}, error=view["error"],
+                traceback=view["traceback"], detail=view["detail"])
+            self.incidents.append(incident)
+            self._recovery_count = max(self._recovery_count, incident.recovery)
+            if incident.status == "open":
+                open_incidents.append(incident)
+        if open_incidents:
+            self._recovery = Recovery(id=open_incidents[0].recovery, generation=self.generation,
+                                      incidents=open_incidents)
+        self.sessions = {int(n): str(s) for n, s in job.get("sessions", {}).items()}
+        self.events.event("manager_restarted", generation=self.generation, state=self.state.value,
+                          incidents=len(self.incidents), open_incidents=[i.id for i in open_incidents])
+        log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to %d",
+                    self.config.job_id, self.generation, self.state.value, len(self.incidents),
+                    max((r.step for r in self.ranks.values()), default=0))
+        return dict(self.sessions)
+
+    def reopen_generation(self) -> None:
+        """After a restart: the control store is new; give it the current generation and the ranks' owners."""
+        assert self._control is not None
+        if self.generation < 0:
+            return
+        store = dist.TCPStore(self.config.host, 0, None, True,
+                              timeout=timedelta(seconds=self.config.timeouts.connect), wait_for_workers=False)
+        self._gen_stores[self.generation] = store
+        record = GenerationRecord(self.generation, self.config.world_size, self.config.host, store.port,
+                                  reason="the manager restarted")
+        self._control.set(generation_key(self.generation), record.to_json().decode())
+        self._control.set(CURRENT_KEY, str(self.generation))
+        for info in self.ranks.values():
+            if info.incarnation:
+                self._control.set(rank_owner_key(info.rank), str(info.incarnation))
 
     def close(self) -> None:
         self._gen_stores.clear()  # the last references: their servers stop
@@ -283,8 +370,15 @@ class Manager:
         """Give ``rank`` a process; True when it was a warm spare."""
         info = self.ranks[rank]
         agent = self._agents[info.node]
-        pid, warm = agent.spawn(rank, record, joining=joining, resume_from=resume_from)
-        info.pid = pid
+        # The rank now belongs to the process about to start: any older one is fenced out of every
+        # later generation (it reads the owner before joining), even one on a host cut off meanwhile.
+        self._incarnations += 1
+        info.incarnation = self._incarnations
+        assert self._control is not None
+        self._control.set(rank_owner_key(rank), str(info.incarnation))
+        pid, warm = agent.spawn(rank, record, joining=joining, resume_from=resume_from,
+                                incarnation=info.incarnation)
+        info.pid = pid  # 0 for a node across the network until it says which (on_spawned)
         info.state = RankState.STARTING
         info.generation = record.generation
         info.last_seen = time.time()
@@ -324,8 +418,11 @@ class Manager:
         fatal = self._fatal.pop(pid, None)
         injected = self._injected.pop(rank, None)
         hung = self._hung.pop(pid, None)
-        kind = "hang" if hung else "error" if fatal is not None else "crash"
-        if hung:
+        lost = self._node_lost.pop(pid, None)
+        kind = "node-loss" if lost else "hang" if hung else "error" if fatal is not None else "crash"
+        if lost:
+            detected, error = t, f"node {lost[0]} lost: {lost[1]}"
+        elif hung:
             last_heard, detected, phase = hung
             if phase == "step":
                 error = f"no progress in step {info.step + 1} for {detected - last_heard:.1f}s (step timeout); killed"
@@ -337,16 +434,66 @@ class Manager:
             kind=kind,
             rank=rank,
             step=info.step + 1,
-            fault_t=injected[0] if injected else hung[0] if hung else t,
+            fault_t=injected[0] if injected else hung[0] if hung else lost[2] if lost else t,
             detected_t=detected,
             error=error,
             traceback=fatal.traceback if fatal else "",
         )
         incident.detail["returncode"] = returncode
         incident.detail["pid"] = pid
+        incident.detail["node"] = info.node
         if injected:
             incident.detail["injected"] = True
         self._handle(incident)
+
+    def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None:
+        """A node across the network started the process of a rank (a spawn returns before it knows)."""
+        info = self.ranks[rank]
+        if incarnation != info.incarnation:
+            return  # a process the rank was taken from since: fenced by the owner key
+        info.pid = pid
+        self.events.event("started", generation=info.generation, rank=rank, pid=pid, spare=warm,
+                          incarnation=incarnation)
+        self._persist_rank(info)
+        recovery = self._recovery
+        if recovery is not None and warm:
+            for incident in recovery.incidents:
+                if incident.rank == rank and incident.detail.get("replacement") == "new process":
+                    incident.detail["replacement"] = "warm spare"
+
+    def on_node_lost(self, node: int, reason: str, t: float) -> None:
+        """Every process of ``node`` is gone or out of reach: its ranks are recovered like crashed ones.
+
+        The survivors may be blocked on a peer that will never answer (a
+        link cut rather than a process killed sends no reset), so every rank
+        elsewhere is told to leave the old generation at once.
+        """
+        self.events.event("node_lost", node=node, reason=reason)
+        if self.state.terminal or self.state is JobState.STOPPING:
+            return
+        lost = [r for r in self.ranks.values()
+                if r.node == node and r.state not in (RankState.EXITED, RankState.DONE)]
+        previous = self.generation
+        for info in lost:
+            self._node_lost[info.pid] = (node, reason, t)
+        for info in lost:
+            self.on_exit(info.rank, info.pid, -int(signal.SIGKILL), t)
+        for info in self.ranks.values():
+            if info.node != node and info.state is not RankState.EXITED and info.generation <= previous:
+                self._agents[info.node].abort(info.rank, previous, f"node {node} lost")
+
+    def on_node_joined(self, node: int, session: str, host: str, live: dict[int, int]) -> None:
+        self.events.event("node_joined", node=node, session=session, host=host, live=live)
+        self.sessions[node] = session
+        self.events.set_job("sessions", self.sessions, flush=True)
+        agent = self._agents.get(node)
+        if agent is not None:
+            agent.set_trace(self._trace_message())
+            if self.state is not JobState.STARTING:
+                agent.keep_spares()
+
+    def welcome_trace(self) -> TraceSet:
+        return self._trace_message()
 
     def on_message(self, message: Message) -> None:
         if isinstance(message, StepCommitted):
@@ -1095,6 +1242,7 @@ class Manager:
             "trace": self.trace_status(),
             "step_times": [list(p) for p in self.step_times],
             "ranks": self._rank_views(),
+            "nodes": [a.view() for a in self._agents.values()],
             "incidents": [i.to_dict() for i in self.incidents],
         }
 

@@ -72,6 +72,7 @@ class RankInfo:
     restarts: int = 0
     last_seen: float = 0.0
     digest: str = ""
+    incarnation: int = 0  # the manager's number for the process that holds the rank
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +84,7 @@ class RankInfo:
             "generation": self.generation,
             "restarts": self.restarts,
             "last_seen": self.last_seen,
+            "incarnation": self.incarnation,
         }
 
 

@@ -37,6 +37,8 @@ class WorkerEnv:
     # A checkpoint to start from (a fresh start of a job that has one, or a whole-job restart).
     resume_from: str = ""
     trace: TraceConfig = TraceConfig()
+    # The manager's number for this process as the holder of its rank (0: not fenced).
+    incarnation: int = 0
 
     @classmethod
     def from_environ(cls) -> WorkerEnv | None:
@@ -63,4 +65,5 @@ class WorkerEnv:
             checkpoint=checkpoint_from_env(env),
             resume_from=env.get(f"{ENV_PREFIX}RESUME_FROM", ""),
             trace=trace_from_env(env),
+            incarnation=int(env.get(f"{ENV_PREFIX}INCARNATION", "0") or 0),
         )

@@ -19,13 +19,18 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from undying.errors import GenerationSupersededError, RecoveryError
-from undying.rendezvous import GenerationRecord, generation_key
+from undying.errors import (
+    ControlStoreLostError,
+    FencedError,
+    GenerationSupersededError,
+    RecoveryError,
+)
+from undying.rendezvous import GenerationRecord, generation_key, rank_owner_key
 
 __all__ = [
     "collectives_entered",
     "read_generation", "join_generation", "leave_group", "break_connections", "claim_existing_sockets",
-    "is_comm_failure",
+    "is_comm_failure", "check_owner",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,11 +71,36 @@ def read_generation(control: dist.Store, generation: int, deadline: float) -> Ge
     try:
         control.wait([key], timedelta(seconds=remaining))
     except dist.DistError as e:
+        if not _is_timeout(e):
+            raise ControlStoreLostError(f"the manager's control store is unreachable: {e}") from e
         raise RecoveryError(
             f"the manager did not open generation {generation} within the rendezvous timeout "
             f"({remaining:.0f}s): {e}"
         ) from e
     return GenerationRecord.from_json(control.get(key))
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def check_owner(control: dist.Store, rank: int, incarnation: int) -> None:
+    """Refuse to join when the manager gave ``rank`` to a newer process (see ``rank_owner_key``)."""
+    if incarnation <= 0:
+        return
+    key = rank_owner_key(rank)
+    try:
+        if not control.check([key]):
+            return
+        owner = int(control.get(key))
+    except dist.DistError as e:
+        raise ControlStoreLostError(f"the manager's control store is unreachable: {e}") from e
+    if owner != incarnation:
+        raise FencedError(
+            f"rank {rank} now belongs to process #{owner} (this one is #{incarnation}): its host was "
+            "declared lost and the rank replaced; this process leaves"
+        )
 
 
 # The sockets each group opened (fd -> "socket:[inode]"), to break them on leaving.
@@ -196,15 +226,18 @@ def join_generation(
     rendezvous_s: float,
     connect_s: float,
     collective_s: float,
+    incarnation: int = 0,
+    deadline: float | None = None,
 ) -> GenerationRecord:
     """Join generation ``first`` or, if it was superseded, the one that replaced it."""
-    deadline = time.monotonic() + rendezvous_s
+    deadline = time.monotonic() + rendezvous_s if deadline is None else deadline
     generation = first
     while True:
         record = read_generation(control, generation, deadline)
         if record.status == "superseded":
             generation = record.superseded_by
             continue
+        check_owner(control, rank, incarnation)
         leave_group()
         try:
             _build(record, rank, backend, connect_s, collective_s)
@@ -220,7 +253,10 @@ def join_generation(
 def _wait_superseded(control: dist.Store, generation: int, deadline: float) -> int:
     """A generation that failed to form is superseded by the manager soon; follow it."""
     while time.monotonic() < deadline:
-        record = GenerationRecord.from_json(control.get(generation_key(generation)))
+        try:
+            record = GenerationRecord.from_json(control.get(generation_key(generation)))
+        except dist.DistError as e:
+            raise ControlStoreLostError(f"the manager's control store is unreachable: {e}") from e
         if record.status == "superseded":
             return record.superseded_by
         time.sleep(0.02)

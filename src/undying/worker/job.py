@@ -42,8 +42,8 @@ from undying.checkpoint import (
     state_nbytes,
     tensor_shapes,
 )
-from undying.config import EXIT_PREEMPTED
-from undying.errors import UsageError
+from undying.config import EXIT_FENCED, EXIT_PREEMPTED
+from undying.errors import ControlStoreLostError, FencedError, RecoveryError, UsageError
 from undying.messages import (
     Abort,
     ArmFault,
@@ -583,16 +583,42 @@ class Job:
     def _join(self, generation: int) -> None:
         assert self.env is not None
         t = self.env.timeouts
-        record = join_generation(
-            self._control,
-            generation,
-            rank=self.rank,
-            backend=self.env.backend,
-            rendezvous_s=t.rendezvous,
-            connect_s=t.connect,
-            collective_s=t.collective,
-        )
+        deadline = time.monotonic() + t.rendezvous
+        while True:
+            try:
+                record = join_generation(
+                    self._control,
+                    generation,
+                    rank=self.rank,
+                    backend=self.env.backend,
+                    rendezvous_s=t.rendezvous,
+                    connect_s=t.connect,
+                    collective_s=t.collective,
+                    incarnation=self.env.incarnation,
+                    deadline=deadline,
+                )
+                break
+            except FencedError as e:
+                log.warning("job %s rank %d (pid %d): %s", self.env.job_id, self.rank, os.getpid(), e)
+                os._exit(EXIT_FENCED)
+            except ControlStoreLostError as e:
+                # The manager restarted: a new one serves the same store address. Training never
+                # needed it; joining a generation does.
+                log.warning("job %s rank %d: %s; connecting again", self.env.job_id, self.rank, e)
+                self._control = self._connect_control(deadline)
         self.generation = record.generation
+
+    def _connect_control(self, deadline: float) -> dist.TCPStore:
+        assert self.env is not None
+        while True:
+            try:
+                return dist.TCPStore(self.env.control_host, self.env.control_port, None, False,
+                                     timeout=timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))))
+            except (RuntimeError, dist.DistError) as e:
+                if time.monotonic() >= deadline:
+                    raise RecoveryError(f"the manager's control store at {self.env.control_host}:"
+                                        f"{self.env.control_port} stayed unreachable: {e}") from e
+                time.sleep(0.5)
 
     def _adopt_user_group(self) -> None:
         """The script called ``init_process_group`` itself (env:// on this generation's store)."""

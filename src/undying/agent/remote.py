@@ -1,0 +1,394 @@
+"""An agent whose manager runs on another host: ``undying run --nnodes N --node-rank I --manager HOST:PORT``.
+
+The agent is the same one a standalone run uses; only its link to the manager
+changes. Its reports travel as messages on one TCP connection, and the
+manager's commands come back on it. When the connection breaks, the node's
+workers train on (the manager is only needed to recover), the agent keeps
+what it has to report and connects again with its session; a restarted
+manager takes it back from its log. If the manager instead declared this node
+lost meanwhile, the agent is fenced: it kills its workers and joins afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import asdict
+
+from undying.agent.agent import Agent
+from undying.config import JobConfig
+from undying.errors import UsageError
+from undying.messages import (
+    AbortRank,
+    Acked,
+    AgentFenced,
+    AgentJoin,
+    AgentRefused,
+    AgentState,
+    AgentWelcome,
+    ArmFault,
+    ArmRank,
+    JobEnded,
+    KeepSpares,
+    KillRank,
+    ManagerBeat,
+    Message,
+    NodeLeaving,
+    NodeStopped,
+    Numbered,
+    RankExited,
+    RankHung,
+    RankProgress,
+    RankReport,
+    RankSpawned,
+    RanksStalled,
+    SpawnRank,
+    StopNode,
+    TellRank,
+    TraceFileError,
+    TraceFileSet,
+    TraceSet,
+    decode,
+    encode,
+)
+from undying.rendezvous import GenerationRecord
+from undying.trace.switch import TraceSwitch
+
+__all__ = ["ManagerClient", "run_node", "parse_manager_address"]
+
+log = logging.getLogger("undying.agent.remote")
+
+_STATE_EVERY_S = 0.5
+# Reports kept while the manager is unreachable (a restart takes seconds; a step commit is one line).
+_BUFFER_LIMIT = 200_000
+_EXIT_SIGTERM = 143
+
+
+def parse_manager_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--manager {address!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+    return host.strip("[]"), int(port)
+
+
+class ManagerClient:
+    """The agent's ``ManagerLink`` across the network: numbered reports, each kept until the manager logged it.
+
+    A report is kept from when it is made until an ``Acked`` says the
+    manager's log committed it, across breaks and manager restarts: the
+    manager's welcome says what it holds, and the rest is sent again in order.
+    """
+
+    def __init__(self) -> None:
+        self.writer: asyncio.StreamWriter | None = None
+        self._seq = 0
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=_BUFFER_LIMIT)
+
+    def send(self, message: Message) -> None:
+        self._seq += 1
+        line = encode(Numbered(self._seq, encode(message).decode()))
+        self._kept.append((self._seq, line))
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(line)
+
+    def acked(self, seq: int) -> None:
+        while self._kept and self._kept[0][0] <= seq:
+            self._kept.popleft()
+
+    def connected(self, writer: asyncio.StreamWriter, acked: int) -> int:
+        """Now online: what the manager lacks goes first, in order. Returns how many reports were resent."""
+        self.acked(acked)
+        for _, line in self._kept:
+            writer.write(line)
+        self.writer = writer
+        return len(self._kept)
+
+    def disconnected(self) -> None:
+        self.writer = None
+
+    def has_kept(self) -> bool:
+        return bool(self._kept)
+
+    def new_session(self) -> None:
+        """Fenced: nothing said in the old session counts; the next one numbers from 1."""
+        self._kept.clear()
+        self._seq = 0
+
+    # --- ManagerLink ----------------------------------------------------------
+
+    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None:
+        self.send(RankExited(rank, pid, returncode, t))
+
+    def on_message(self, message: Message) -> None:
+        self.send(RankReport(encode(message).decode()))
+
+    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
+        self.send(RankHung(rank, pid, phase, last_seen, t))
+
+    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
+        self.send(RanksStalled([asdict(p) for p in progress], limit, t))
+
+    def on_trace_file(self, switch: TraceSwitch) -> None:
+        self.send(TraceFileSet(switch.step, switch.comm, switch.by, switch.t))
+
+    def on_trace_file_error(self, message: str) -> None:
+        self.send(TraceFileError(message))
+
+
+class _Fenced(Exception):
+    pass
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Ended(Exception):
+    def __init__(self, ended: JobEnded) -> None:
+        super().__init__(ended.reason)
+        self.ended = ended
+
+
+class NodeRunner:
+    """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
+
+    def __init__(self, config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
+                 *, job_dir_given: bool = True) -> None:
+        self.config = config
+        self._job_dir_given = job_dir_given
+        self.manager_host, self.manager_port = parse_manager_address(manager)
+        self.token = token
+        self.client = ManagerClient()
+        self.agent = Agent(config, node=config.node_rank, script=script, script_args=script_args,
+                           manager=self.client, control_port=0)
+        self.agent.manager_host = self.manager_host
+        self.session = ""
+        self._last_beat = 0.0
+        self._leaving: str = ""
+        self._leave = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> int:
+        self._choose_interface()
+        await self.agent.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            return await self._serve()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            for task in list(self._tasks):
+                task.cancel()
+            await self.agent.stop_all(self.config.timeouts.stop_grace)
+            await self.agent.close()
+
+    def _choose_interface(self) -> None:
+        """Gloo binds where the hostname resolves unless told: point it at the interface toward the manager."""
+        if "GLOO_SOCKET_IFNAME" in os.environ or self.manager_host in ("127.0.0.1", "localhost", "::1"):
+            return
+        try:
+            from undying.agent.netif import interface_for, source_address
+
+            name = interface_for(source_address(self.manager_host))
+        except Exception as e:  # no route yet, an exotic platform: gloo's own choice stands
+            log.info("node %d: no interface found toward %s (%s)", self.config.node_rank, self.manager_host, e)
+            return
+        if name and name != "lo":
+            self.agent.extra_env["GLOO_SOCKET_IFNAME"] = name
+            log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", self.config.node_rank, name)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._leaving:
+            return
+        self._leaving = f"{sig.name} to the agent of node {self.config.node_rank}"
+        log.warning("node %d: %s: this node leaves the job", self.config.node_rank, sig.name)
+        self.client.send(NodeLeaving(self.config.node_rank, self._leaving, time.time()))
+        self._leave.set()
+
+    async def _serve(self) -> int:
+        """Connect, serve the manager, connect again after a break; until the job ends or this node leaves."""
+        offline_since = time.monotonic()
+        limit = self.config.timeouts.rendezvous
+        while True:
+            if self._leaving:
+                await self._flush_leaving()
+                return _EXIT_SIGTERM
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.manager_host, self.manager_port, limit=16 * 1024 * 1024), 5.0)
+            except (OSError, asyncio.TimeoutError) as e:
+                if time.monotonic() - offline_since > limit:
+                    log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); stopping",
+                              self.config.node_rank, self.manager_host, self.manager_port, limit, e)
+                    return 1
+                await self._sleep_or_leave(0.5)
+                continue
+            try:
+                await self._session(reader, writer)
+                offline_since = time.monotonic()
+            except _Refused as e:
+                log.error("node %d: the manager refused this agent: %s", self.config.node_rank, e)
+                return 2
+            except _Fenced as e:
+                log.warning("node %d: fenced: %s", self.config.node_rank, e)
+                self.client.new_session()
+                await self.agent.stop_all(0.0)
+                self.agent.resume_after_stop()
+                self.session = ""
+                offline_since = time.monotonic()
+            except (ConnectionError, OSError, asyncio.TimeoutError, ValueError) as e:
+                log.warning("node %d: the connection to the manager failed (%s: %s); connecting again",
+                            self.config.node_rank, type(e).__name__, e)
+                await self._sleep_or_leave(0.5)
+            except _Ended as e:
+                ended = e.ended
+                log.warning("node %d: the job %s: %s", self.config.node_rank, ended.state, ended.reason)
+                return ended.exit_code
+            finally:
+                self.client.disconnected()
+                writer.close()
+
+    async def _sleep_or_leave(self, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._leave.wait(), seconds)
+
+    async def _flush_leaving(self) -> None:
+        """Say we leave (if the manager can be reached at all), then the finally stops the workers."""
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            if self.client.writer is None and self.session and self.client.has_kept():
+                _, writer = await asyncio.wait_for(asyncio.open_connection(self.manager_host, self.manager_port), 2.0)
+                writer.write(encode(self._join_message()))
+                self.client.connected(writer, 0)
+                await asyncio.wait_for(writer.drain(), 2.0)
+                writer.close()
+
+    def _join_message(self) -> AgentJoin:
+        return AgentJoin(
+            job_id=self.config.job_id, node=self.config.node_rank, nnodes=self.config.nnodes,
+            nproc_per_node=self.config.nproc_per_node, token=self.token, session=self.session,
+            pid=os.getpid(), host=socket.gethostname(), config=self.config.to_dict(),
+            live={str(r): pid for r, pid in self.agent.live_pids().items()}, t=time.time(),
+        )
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(encode(self._join_message()))
+        line = await asyncio.wait_for(reader.readline(), 30.0)
+        if not line:
+            raise ConnectionError("the manager closed the connection")
+        reply = decode(line)
+        if isinstance(reply, AgentRefused):
+            raise _Refused(reply.reason)
+        if isinstance(reply, AgentFenced):
+            raise _Fenced(reply.reason)
+        if not isinstance(reply, AgentWelcome):
+            raise ConnectionError(f"unexpected first reply {reply!r}")
+        resumed = self.session == reply.session
+        self.session = reply.session
+        self.agent.control_port = reply.control_port
+        if not self._job_dir_given and reply.job_dir and reply.job_dir != self.agent.config.job_dir:
+            # One job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
+            self.agent.config = dataclasses.replace(self.agent.config, job_dir=reply.job_dir)
+        if reply.trace:
+            self.agent.set_trace(TraceSet(**reply.trace))
+        kept = self.client.connected(writer, reply.acked)
+        log.warning("node %d: %s the manager at %s:%d (session %s%s)", self.config.node_rank,
+                    "back with" if resumed else "joined", self.manager_host, self.manager_port, reply.session,
+                    f", {kept} reports kept while away sent" if kept else "")
+        self._last_beat = time.monotonic()
+        beat = asyncio.ensure_future(self._report_state())
+        leave = asyncio.ensure_future(self._leave.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(reader.readline())
+                done, _ = await asyncio.wait({read, leave}, timeout=self._silence_limit(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if leave in done:
+                    read.cancel()
+                    await asyncio.wait_for(writer.drain(), 2.0)
+                    return
+                if read not in done:
+                    read.cancel()
+                    if time.monotonic() - self._last_beat > self._silence_limit():
+                        log.warning("node %d: no word from the manager for %.1fs; connecting again",
+                                    self.config.node_rank, time.monotonic() - self._last_beat)
+                        return
+                    continue
+                line = read.result()
+                if not line:
+                    log.warning("node %d: the manager closed the connection; connecting again", self.config.node_rank)
+                    return
+                self._last_beat = time.monotonic()
+                await self._command(decode(line), writer)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            log.warning("node %d: connection to the manager failed (%s); connecting again", self.config.node_rank, e)
+        finally:
+            beat.cancel()
+            leave.cancel()
+
+    def _silence_limit(self) -> float:
+        return self.config.timeouts.heartbeat
+
+    async def _report_state(self) -> None:
+        while True:
+            agent = self.agent
+            self.client.send(AgentState(
+                node=self.config.node_rank, live={str(r): p for r, p in agent.live_pids().items()},
+                phases={str(r): p for r, p in agent.phases().items()}, spares_ready=agent.spares_ready(),
+                t=time.time()))
+            await asyncio.sleep(_STATE_EVERY_S)
+
+    async def _command(self, message: Message, writer: asyncio.StreamWriter) -> None:
+        agent = self.agent
+        if isinstance(message, ManagerBeat):
+            return
+        if isinstance(message, Acked):
+            self.client.acked(message.seq)
+            return
+        if isinstance(message, SpawnRank):
+            record = GenerationRecord(**message.record)
+            pid, warm = agent.spawn(message.rank, record, joining=message.joining,
+                                    resume_from=message.resume_from, incarnation=message.incarnation)
+            self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
+        elif isinstance(message, KillRank):
+            agent.kill(message.rank, signal.Signals(message.signal))
+        elif isinstance(message, TellRank):
+            agent.tell(message.rank, decode(message.body))
+        elif isinstance(message, ArmRank):
+            agent.arm(message.rank, ArmFault(**message.fault))
+        elif isinstance(message, AbortRank):
+            agent.abort(message.rank, message.generation, message.reason)
+        elif isinstance(message, KeepSpares):
+            agent.keep_spares()
+        elif isinstance(message, TraceSet):
+            agent.set_trace(message)
+        elif isinstance(message, StopNode):
+            task = asyncio.ensure_future(self._stop(message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(message, AgentFenced):
+            raise _Fenced(message.reason)
+        elif isinstance(message, JobEnded):
+            raise _Ended(message)
+        else:
+            log.warning("node %d: unexpected command %r", self.config.node_rank, message)
+
+    async def _stop(self, message: StopNode) -> None:
+        await self.agent.stop_all(message.grace_s)
+        self.agent.resume_after_stop()
+        self.client.send(NodeStopped(message.seq))
+
+
+def run_node(config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
+             *, job_dir_given: bool = True) -> int:
+    """Run this node's agent until the job ends (its exit code) or the node leaves (143)."""
+    config.validate()
+    return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given).run())

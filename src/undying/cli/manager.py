@@ -1,0 +1,75 @@
+"""``undying manager``: the manager of a multi-node job, on its own."""
+
+from __future__ import annotations
+
+import argparse
+
+from undying.config import DEFAULT_MANAGER_PORT
+from undying.errors import UsageError
+from undying.jobdir import default_job_dir
+from undying.manager.service import ManagerOptions, serve_manager
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "manager",
+        help="run the manager of a multi-node job on its own; agents join it with `undying run --manager`",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Run the manager of job --job-id on its own (a process, or a pod). Each node
+then runs `undying run --nnodes N --node-rank I --manager HOST:PORT -n P
+--job-id J SCRIPT ...`, all with the same flags: the first agent's flags make
+the job, a later agent whose flags differ is refused and told which ones.
+Generation 0 starts once all N nodes joined.
+
+Ports: --port is where agents join (HOST:PORT for --manager); the c10d control
+store is on --port + 1, the HTTP API on --http-port (default --port + 2).
+
+Access: every agent and every `undying` command must present the job's token:
+env UNDYING_TOKEN if set, else <job dir>/token (created mode 0600). Agents on
+other hosts take it with --token-file or UNDYING_TOKEN.
+
+A node whose agent's connection closes, or that stays silent past the
+heartbeat timeout, is lost: its ranks are recovered as crashed ones, and
+their replacements start on the next agent that joins with that --node-rank.
+A lost node that comes back is fenced (its workers are killed) and may join
+again as a new member.
+
+Restart: if this manager dies, start it again with the same --job-id and
+--job-dir. It carries the job on from its SQLite log; the agents reconnect and
+training never stopped. SIGTERM preempts the whole job (dying gasp); Ctrl-C
+stops it. Exit code as `undying run`'s.""",
+    )
+    p.add_argument("--job-id", required=True, help="the job's name; every agent passes the same --job-id")
+    p.add_argument("--job-dir", default=None, help="the job's folder: event log, token (default ./undying-jobs/<job id>)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default 127.0.0.1: this host only); 0.0.0.0 listens on every "
+                   "interface, which other hosts need")
+    p.add_argument("--port", type=int, default=DEFAULT_MANAGER_PORT,
+                   help=f"where agents join (default {DEFAULT_MANAGER_PORT}); the control store is on the next port")
+    p.add_argument("--http-port", type=int, default=None, help="the HTTP API's port (default --port + 2; 0 picks one)")
+    p.add_argument("--open-status", action="store_true",
+                   help="serve the read-only status (GET /, /api/status, /metrics) without the token")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    job_id = args.job_id
+    if not job_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"--job-id {job_id!r} may hold only letters, digits, '-', '_' and '.'")
+    if not 0 < args.port < 65534:
+        raise UsageError(f"--port must be in [1, 65533] (the control store takes the next one), got {args.port}")
+    http_port = args.port + 2 if args.http_port is None else args.http_port
+    if not 0 <= http_port < 65536:
+        raise UsageError(f"--http-port must be in [0, 65535], got {http_port}")
+    options = ManagerOptions(
+        job_id=job_id,
+        job_dir=str(args.job_dir or default_job_dir(job_id)),
+        host=args.host,
+        port=args.port,
+        http_port=http_port,
+        open_status=args.open_status,
+    )
+    return serve_manager(options)

@@ -1,0 +1,472 @@
+"""The manager's side of agents on other hosts: one TCP connection per node.
+
+Each node has a slot (``RemoteAgent``) that the manager drives exactly as it
+drives the in-process agent of a standalone run (the ``AgentHandle`` calls
+become messages). A slot outlives its connection: when a node is lost, the
+ranks it held are recovered like crashed ranks, the spawns of their
+replacements wait in the slot, and the next agent that joins for that node
+(a replacement host, as Kubernetes would start one) picks them up.
+
+Membership is fenced by sessions. Every agent that joins gets a new session;
+one that lost its connection may come back with its session only while the
+manager still counts it as the node's agent. Once the node was declared lost,
+the old session is stale: that agent is told it is fenced, kills its workers
+and may join again as a new member. Its workers are fenced on their own too,
+by the rank ownership keys the manager writes on the control store
+(``rank/<r>/owner``), so a stale rank can never enter a newer generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from undying.messages import (
+    AbortRank,
+    Acked,
+    AgentFenced,
+    AgentJoin,
+    AgentRefused,
+    AgentState,
+    AgentWelcome,
+    ArmFault,
+    ArmRank,
+    KeepSpares,
+    KillRank,
+    ManagerBeat,
+    Message,
+    NodeLeaving,
+    NodeStopped,
+    Numbered,
+    RankExited,
+    RankHung,
+    RankProgress,
+    RankReport,
+    RankSpawned,
+    RanksStalled,
+    SpawnRank,
+    StopNode,
+    TellRank,
+    TraceFileError,
+    TraceFileSet,
+    TraceSet,
+    decode,
+    encode,
+)
+from undying.rendezvous import GenerationRecord
+from undying.trace.switch import TraceSwitch
+
+__all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
+
+log = logging.getLogger("undying.manager.nodes")
+
+# How often the manager tells each agent it is alive (an agent that hears nothing
+# for its heartbeat timeout reconnects), and how often the watch looks for silent nodes.
+MANAGER_BEAT_S = 0.5
+_WATCH_S = 0.2
+# A line longer than this is no agent's message: the connection is dropped.
+_LINE_LIMIT = 16 * 1024 * 1024
+
+
+class NodeEvents(Protocol):
+    """What the manager hears from a node, beyond the ``ManagerLink`` calls of a standalone agent."""
+
+    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None: ...
+
+    def on_message(self, message: Message) -> None: ...
+
+    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
+
+    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None: ...
+
+    def on_trace_file(self, switch: TraceSwitch) -> None: ...
+
+    def on_trace_file_error(self, message: str) -> None: ...
+
+    def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None: ...
+
+    def on_node_lost(self, node: int, reason: str, t: float) -> None: ...
+
+    def on_node_joined(self, node: int, session: str, host: str, live: dict[int, int]) -> None: ...
+
+    def welcome_trace(self) -> TraceSet: ...
+
+
+# Checks a join against the job (token, job id, node range, flags); returns a refusal or "".
+JoinCheck = Callable[[AgentJoin], str]
+
+
+@dataclass
+class RemoteAgent:
+    """The slot of one node: its agent's connection when it has one, the commands waiting otherwise."""
+
+    node: int
+    session: str = ""
+    host: str = ""
+    pid: int = 0
+    writer: asyncio.StreamWriter | None = None
+    last_heard: float = 0.0
+    joined_at: float = 0.0
+    lost_at: float = 0.0
+    lost_reason: str = ""
+    live: dict[int, int] = field(default_factory=dict)
+    _phases: dict[int, str] = field(default_factory=dict)
+    _spares: int = 0
+    _waiting: list[SpawnRank] = field(default_factory=list)
+    _stops: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    _seq: int = 0
+
+    # --- the AgentHandle calls ------------------------------------------------
+
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
+              incarnation: int = 0) -> tuple[int, bool]:
+        """Ask the node for a process; its PID comes back in RankSpawned (0 until then)."""
+        command = SpawnRank(rank, asdict(record), joining, resume_from, incarnation)
+        if self.writer is None:
+            self._waiting.append(command)  # for the agent that takes this node next
+        else:
+            self._send(command)
+        return 0, False
+
+    def tell(self, rank: int, message: Message) -> bool:
+        if rank not in self.live:
+            return False
+        return self._send(TellRank(rank, encode(message).decode()))
+
+    def live_ranks(self) -> list[int]:
+        return sorted(self.live)
+
+    def kill(self, rank: int, sig: signal.Signals) -> bool:
+        if rank not in self.live:
+            return False
+        return self._send(KillRank(rank, int(sig)))
+
+    def arm(self, rank: int, fault: ArmFault) -> None:
+        self._send(ArmRank(rank, asdict(fault)))
+
+    def abort(self, rank: int, generation: int, reason: str) -> bool:
+        if rank not in self.live:
+            return False
+        return self._send(AbortRank(rank, generation, reason))
+
+    def keep_spares(self) -> None:
+        self._send(KeepSpares())
+
+    def spares_ready(self) -> int:
+        return self._spares if self.writer is not None else 0
+
+    async def stop_all(self, grace_s: float) -> None:
+        """Stop the node's workers; a node that is gone, or stays silent past the grace, counts as stopped."""
+        if self.writer is None:
+            return
+        self._seq += 1
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._stops[self._seq] = done
+        self._send(StopNode(grace_s, self._seq))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), grace_s + 5.0)
+        self._stops.pop(self._seq, None)
+        self.live.clear()
+
+    def set_trace(self, switch: TraceSet) -> None:
+        self._send(switch)
+
+    def phases(self) -> dict[int, str]:
+        return {r: p for r, p in self._phases.items() if r in self.live}
+
+    # --- the connection -------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return self.writer is not None
+
+    def _send(self, message: Message) -> bool:
+        if self.writer is None or self.writer.is_closing():
+            return False
+        self.writer.write(encode(message))
+        return True
+
+    def attach(self, writer: asyncio.StreamWriter, join: AgentJoin, session: str) -> None:
+        self.writer = writer
+        self.session = session
+        self.host = join.host
+        self.pid = join.pid
+        self.joined_at = self.last_heard = time.time()
+        self.live = {int(r): pid for r, pid in join.live.items()}
+
+    def send_waiting(self) -> None:
+        """The spawns that waited for an agent on this node (replacements for the ranks it lost)."""
+        waiting, self._waiting = self._waiting, []
+        for command in waiting:
+            self._send(command)
+
+    def detach(self, reason: str) -> None:
+        """The node is lost: its connection closes, its session is stale, nothing it held is live."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
+        self.session = ""
+        self.lost_at = time.time()
+        self.lost_reason = reason
+        self.live.clear()
+        self._phases.clear()
+        for done in self._stops.values():
+            if not done.done():
+                done.set_result(None)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "attached": self.attached,
+            "host": self.host,
+            "agent_pid": self.pid,
+            "ranks": sorted(self.live),
+            "last_heard": self.last_heard,
+            "joined_at": self.joined_at,
+            "lost_at": self.lost_at or None,
+            "lost_reason": self.lost_reason,
+            "waiting_spawns": [c.rank for c in self._waiting],
+        }
+
+    def on_state(self, message: AgentState) -> None:
+        self.live = {int(r): pid for r, pid in message.live.items()}
+        self._phases = {int(r): p for r, p in message.phases.items()}
+        self._spares = message.spares_ready
+
+
+class AgentServer:
+    """Accepts agents, checks them, and turns their messages into the manager's calls."""
+
+    def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float) -> None:
+        self.host = host
+        self.port = port
+        self._check = check
+        self.heartbeat_s = heartbeat_s
+        self.slots: dict[int, RemoteAgent] = {}
+        self._events: NodeEvents | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._first_join: asyncio.Future[AgentJoin] | None = None
+        self._joined = asyncio.Event()
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._closed = False
+        # Sessions the manager restored from its log: an agent may resume these (a manager restart).
+        self.known_sessions: dict[int, str] = {}
+        self.on_change: Callable[[], None] = lambda: None
+        # Per node, the newest report taken in its current session, and the newest in the log.
+        self.received: dict[int, int] = {}
+        self.persisted: dict[int, int] = {}
+        # Told to every agent that joins (set once the manager exists).
+        self.control_port = 0
+        self.job_dir = ""
+
+    async def start(self) -> int:
+        self._first_join = asyncio.get_running_loop().create_future()
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_LINE_LIMIT)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._spawn_task(self._beat_and_watch())
+        return self.port
+
+    def bind(self, events: NodeEvents, nnodes: int) -> None:
+        """From now on, joins become nodes of this manager's job."""
+        self._events = events
+        for node in range(nnodes):
+            self.slots.setdefault(node, RemoteAgent(node))
+
+    async def first_join(self) -> AgentJoin:
+        """The first agent's join, before any manager exists: it carries the job's flags."""
+        assert self._first_join is not None
+        return await self._first_join
+
+    async def all_joined(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not all(s.attached for s in self.slots.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._joined.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._joined.wait(), remaining)
+        return True
+
+    async def close(self) -> None:
+        self._closed = True  # the job is over: connections closing now are no node loss
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._connections):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def positions(self) -> dict[str, int]:
+        """Called as the log commits: every report taken so far goes into this very transaction."""
+        self.persisted = dict(self.received)
+        return {str(n): seq for n, seq in self.received.items()}
+
+    def _spawn_task(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _beat_and_watch(self) -> None:
+        """Beat to every attached agent; a node silent past the heartbeat timeout is lost."""
+        last_beat = 0.0
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            now = time.time()
+            beat = now - last_beat >= MANAGER_BEAT_S
+            if beat:
+                last_beat = now
+            for slot in list(self.slots.values()):
+                if not slot.attached:
+                    continue
+                if now - slot.last_heard > self.heartbeat_s:
+                    self.lose(slot, f"node {slot.node} ({slot.host}) silent for {now - slot.last_heard:.1f}s "
+                               f"(heartbeat timeout {self.heartbeat_s:g}s)")
+                elif beat:
+                    slot._send(ManagerBeat(now))
+                    slot._send(Acked(self.persisted.get(slot.node, 0)))
+
+    def lose(self, slot: RemoteAgent, reason: str) -> None:
+        if self._closed:
+            return
+        log.warning("node %d lost: %s", slot.node, reason)
+        slot.detach(reason)
+        self.on_change()
+        if self._events is not None:
+            self._events.on_node_lost(slot.node, reason, time.time())
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._connections.add(writer)
+        slot: RemoteAgent | None = None
+        session = ""
+        try:
+            line = await asyncio.wait_for(reader.readline(), 30.0)
+            join = decode(line) if line else None
+            if not isinstance(join, AgentJoin):
+                return  # not an agent: nothing to say to it
+            slot, session = await self._admit(join, writer)
+            if slot is None:
+                return
+            while True:
+                line = await reader.readline()
+                if not line:
+                    if slot.session == session:
+                        self.lose(slot, f"node {slot.node} ({slot.host}): its agent's connection closed")
+                    return
+                if slot.session != session:
+                    return  # fenced meanwhile: whatever it says now is stale
+                slot.last_heard = time.time()
+                try:
+                    message = decode(line)
+                    if isinstance(message, Numbered):
+                        if message.seq <= self.received.get(slot.node, 0):
+                            continue  # sent again after a break; this manager has it already
+                        self.received[slot.node] = message.seq
+                        message = decode(message.body)
+                except ValueError as e:
+                    log.warning("node %d: dropped a bad message: %s", slot.node, e)
+                    continue
+                self._dispatch(slot, message)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+            if slot is not None and slot.session == session and session:
+                self.lose(slot, f"node {slot.node} ({slot.host}): connection failed ({type(e).__name__}: {e})")
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+
+    async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[RemoteAgent | None, str]:
+        refusal = self._check(join)
+        if refusal:
+            log.warning("refused an agent from %s (node %d): %s", join.host, join.node, refusal)
+            writer.write(encode(AgentRefused(refusal)))
+            await writer.drain()
+            return None, ""
+        if self._events is None:
+            # No manager yet: the first agent's flags make the job. Wait until it is bound.
+            assert self._first_join is not None
+            if not self._first_join.done():
+                self._first_join.set_result(join)
+            while self._events is None:
+                await asyncio.sleep(0.01)
+            refusal = self._check(join)  # now against the job its flags made
+            if refusal:
+                writer.write(encode(AgentRefused(refusal)))
+                await writer.drain()
+                return None, ""
+        slot = self.slots[join.node]
+        if join.session:
+            current = slot.session or self.known_sessions.get(join.node, "")
+            if join.session != current:
+                reason = (f"node {join.node}'s session {join.session} is stale: the node was declared lost"
+                          f"{' (' + slot.lost_reason + ')' if slot.lost_reason else ''} and its ranks given away; "
+                          "stop every worker and join again")
+                log.warning("fenced the agent of node %d on %s: %s", join.node, join.host, reason)
+                writer.write(encode(AgentFenced(reason)))
+                await writer.drain()
+                return None, ""
+            session = join.session  # the same agent, back after a blip or a manager restart
+            self.known_sessions.pop(join.node, None)
+            self.received.setdefault(join.node, 0)
+            if slot.writer is not None and slot.writer is not writer:
+                slot.writer.close()  # its old connection: the agent already gave it up
+        else:
+            if slot.attached:
+                refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); pass another "
+                           f"--node-rank (0..{len(self.slots) - 1})")
+                writer.write(encode(AgentRefused(refusal)))
+                await writer.drain()
+                return None, ""
+            session = secrets.token_hex(8)
+            self.received[join.node] = 0  # a new member numbers its reports from 1
+        assert self._events is not None
+        slot.attach(writer, join, session)
+        trace = self._events.welcome_trace()
+        writer.write(encode(AgentWelcome(session, join.node, self.control_port, self.job_dir, asdict(trace),
+                                  acked=self.received.get(join.node, 0))))
+        slot.send_waiting()
+        log.info("node %d joined from %s (agent pid %d, session %s)", join.node, join.host, join.pid, session)
+        self._events.on_node_joined(join.node, session, join.host, slot.live)
+        self._joined.set()
+        self.on_change()
+        return slot, session
+
+    def _dispatch(self, slot: RemoteAgent, message: Message) -> None:
+        events = self._events
+        assert events is not None
+        if isinstance(message, AgentState):
+            slot.on_state(message)
+        elif isinstance(message, RankReport):
+            try:
+                events.on_message(decode(message.body))
+            except ValueError as e:
+                log.warning("node %d: dropped a bad worker message: %s", slot.node, e)
+        elif isinstance(message, RankExited):
+            slot.live.pop(message.rank, None)
+            events.on_exit(message.rank, message.pid, message.returncode, message.t)
+        elif isinstance(message, RankSpawned):
+            slot.live[message.rank] = message.pid
+            events.on_spawned(message.rank, message.pid, message.warm, message.incarnation)
+        elif isinstance(message, RankHung):
+            events.on_hang(message.rank, message.pid, message.phase, message.last_seen, message.t)
+        elif isinstance(message, RanksStalled):
+            events.on_stall([RankProgress(**p) for p in message.progress], message.limit, message.t)
+        elif isinstance(message, NodeStopped):
+            done = slot._stops.get(message.seq)
+            if done is not None and not done.done():
+                done.set_result(None)
+        elif isinstance(message, NodeLeaving):
+            self.lose(slot, f"node {slot.node} ({slot.host}) is leaving: {message.reason}")
+        elif isinstance(message, TraceFileSet):
+            events.on_trace_file(TraceSwitch(message.step, message.comm, message.by, message.t))
+        elif isinstance(message, TraceFileError):
+            events.on_trace_file_error(message.message)
+        else:
+            log.warning("node %d: unexpected message %r", slot.node, message)

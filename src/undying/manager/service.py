@@ -1,0 +1,224 @@
+"""``undying manager``: the manager on its own (a process, or a pod), agents on other hosts.
+
+It listens for agents on its port. The first agent's flags make the job (the
+world size, timeouts, checkpoint and trace settings); every later agent must
+agree with them, carry the job's token and take a free node rank, or it is
+refused with the reason. Once every node joined, generation 0 opens.
+
+A manager started on the job dir of a job whose manager died mid-run carries
+the job on: it reads the generation, ranks, incidents and commits back from
+the SQLite log, serves the control store on the same port again, and takes
+back the agents that reconnect with their sessions. The workers never needed
+it to train; only a recovery does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from undying.config import EXIT_PREEMPTED, JobConfig
+from undying.errors import UsageError
+from undying.jobdir import JobDir
+from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
+from undying.manager.events import EventLog, read_job_table
+from undying.manager.http import start_http
+from undying.manager.manager import Manager
+from undying.manager.nodes import AgentServer
+from undying.manager.state import JobState
+from undying.messages import AgentJoin, JobEnded
+
+__all__ = ["ManagerOptions", "serve_manager", "exit_code"]
+
+log = logging.getLogger("undying.manager.service")
+
+_EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 130}
+
+
+def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals | None) -> int:
+    """The launcher's (and every agent's) exit code for how the job ended."""
+    if final is JobState.PREEMPTED:
+        has_checkpoint = (manager.preemption or {}).get("checkpoint_step", -1) >= 0
+        return EXIT_PREEMPTED if has_checkpoint else 143
+    if final is JobState.STOPPED and interrupted_by == signal.SIGTERM:
+        return 143
+    return _EXIT_CODES.get(final, 1)
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    job_id: str
+    job_dir: str
+    host: str
+    port: int
+    http_port: int
+    open_status: bool = False
+
+
+class _Gate:
+    """Decides who may join: the token, the job, a node rank in range, and flags like the first agent's."""
+
+    def __init__(self, options: ManagerOptions, token: str) -> None:
+        self.options = options
+        self.token = token
+        self.config: JobConfig | None = None
+
+    def __call__(self, join: AgentJoin) -> str:
+        if not tokens_match(join.token, self.token):
+            return ("wrong or missing token: pass the job's token with --token-file or UNDYING_TOKEN "
+                    f"({where_the_token_is(self.options.job_dir)})")
+        if join.job_id != self.options.job_id:
+            return (f"this manager runs job {self.options.job_id!r}, the agent is for job {join.job_id!r}; "
+                    f"pass --job-id {self.options.job_id}")
+        config = self.config
+        if config is None:
+            if not 0 <= join.node < join.nnodes:
+                return f"--node-rank {join.node} is outside 0..{join.nnodes - 1} (--nnodes {join.nnodes})"
+            return ""
+        if join.nnodes != config.nnodes or join.nproc_per_node != config.nproc_per_node:
+            return (f"the job has --nnodes {config.nnodes} and --nproc-per-node {config.nproc_per_node}; "
+                    f"this agent has {join.nnodes} and {join.nproc_per_node}")
+        if not 0 <= join.node < config.nnodes:
+            return f"--node-rank {join.node} is outside 0..{config.nnodes - 1} (--nnodes {config.nnodes})"
+        try:
+            theirs = JobConfig.from_dict(join.config)
+        except UsageError as e:
+            return str(e)
+        differ = config.differences(theirs)
+        if differ:
+            return ("this agent's flags differ from the job's in " + ", ".join(differ)
+                    + "; every node must pass the same `undying run` flags")
+        return ""
+
+
+def _resumable(job_dir: JobDir, job_id: str) -> bool:
+    """A log of this job whose manager stopped before the job ended: carry it on."""
+    if not job_dir.events_db.exists():
+        return False
+    try:
+        job = read_job_table(job_dir.events_db)
+    except Exception as e:  # a damaged log is no job to carry on; the new run says so
+        log.warning("job dir %s: its event log cannot be read (%s); starting a new job", job_dir.path, e)
+        return False
+    state = job.get("state", "")
+    return job.get("job_id") == job_id and state in ("running", "recovering") and "config" in job
+
+
+async def _serve(options: ManagerOptions) -> int:
+    job_dir = JobDir(Path(options.job_dir))
+    restart = _resumable(job_dir, options.job_id) if job_dir.path.is_dir() else False
+    job_dir.prepare(keep_log=restart)
+    token = ensure_token(job_dir.path)
+    gate = _Gate(options, token)
+    prior = read_job_table(job_dir.events_db) if restart else {}
+    heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", 30.0))
+    server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat)
+    try:
+        await server.start()
+    except OSError as e:
+        raise UsageError(f"cannot listen for agents on {options.host}:{options.port} ({e.strerror or e}); "
+                         "pass another --port") from e
+    log.warning("manager of job %s listening for agents on %s:%d%s", options.job_id, options.host, server.port,
+                " (carrying on the job from its log)" if restart else "")
+    if restart:
+        config = JobConfig.from_dict(prior["config"])
+    else:
+        first = await server.first_join()
+        config = JobConfig.from_dict(first.config)
+    config = JobConfig(**{**config.__dict__, "job_id": options.job_id, "job_dir": str(job_dir.path),
+                          "host": options.host, "port": server.port + 1, "http_port": options.http_port,
+                          "node_rank": 0})
+    config.validate()
+    gate.config = config
+    server.heartbeat_s = config.timeouts.heartbeat
+    events = EventLog(job_dir.events_db)
+    # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
+    events.before_flush(lambda: events.set_job("acked", server.positions()))
+    if restart:
+        server.received = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
+        server.persisted = dict(server.received)
+    manager = Manager(config, events, restoring=restart)
+    runner = None
+    try:
+        if restart:
+            server.known_sessions = manager.restore()
+        server.control_port = manager.start_control_store()
+        if restart:
+            manager.reopen_generation()
+        server.job_dir = str(job_dir.path)
+        server.bind(manager, config.nnodes)
+        for slot in server.slots.values():
+            manager.add_agent(slot)
+        runner, url = await start_http(manager, options.host, options.http_port, open_status=options.open_status)
+        job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id, "agent_port": server.port,
+                               "control_port": server.control_port, "started_at": time.time()})
+        events.set_job("url", url, flush=True)
+        log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id, config.nnodes,
+                    config.nproc_per_node, url, job_dir.path)
+        return await _run(manager, server, config, restart)
+    finally:
+        await server.close()
+        if runner is not None:
+            await runner.cleanup()
+        job_dir.clear_manager()
+        manager.close()
+
+
+async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool) -> int:
+    loop = asyncio.get_running_loop()
+    interrupted: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        interrupted.append(sig)
+        if sig == signal.SIGTERM:
+            manager.preempt("SIGTERM to the manager")
+        else:
+            manager.stop(f"stopped by {sig.name} to the manager")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        if restart:
+            waiting = asyncio.ensure_future(_lose_absent_nodes(server, config.timeouts.heartbeat))
+        else:
+            waiting = asyncio.ensure_future(_wait_for_nodes(manager, server, config))
+        try:
+            final = await manager.run(restored=restart, ready=waiting)
+        finally:
+            waiting.cancel()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    code = exit_code(manager, final, interrupted[0] if interrupted else None)
+    await asyncio.gather(*(slot.stop_all(config.timeouts.stop_grace) for slot in server.slots.values()))
+    for slot in server.slots.values():
+        slot._send(JobEnded(final.value, manager.exit_reason, code))
+        if slot.writer is not None:
+            await slot.writer.drain()
+    return code
+
+
+async def _wait_for_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
+    if not await server.all_joined(config.timeouts.rendezvous):
+        joined = sorted(n for n, s in server.slots.items() if s.attached)
+        manager.fail(f"only nodes {joined} of {config.nnodes} joined within the rendezvous timeout "
+                     f"({config.timeouts.rendezvous:.0f}s); start `undying run --node-rank I --manager ...` on the others")
+        raise asyncio.CancelledError
+
+
+async def _lose_absent_nodes(server: AgentServer, heartbeat_s: float) -> None:
+    """After a restart, a node whose agent does not come back within its heartbeat timeout is lost."""
+    await asyncio.sleep(heartbeat_s)
+    for slot in server.slots.values():
+        if not slot.attached and not slot.lost_at:
+            server.lose(slot, f"node {slot.node} did not come back within {heartbeat_s:g}s of the manager's restart")
+
+
+def serve_manager(options: ManagerOptions) -> int:
+    """Run the manager until its job ends; the exit code says how (as `undying run`'s does)."""
+    return asyncio.run(_serve(options))

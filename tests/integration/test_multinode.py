@@ -1,0 +1,115 @@
+"""Multi-node jobs on real separate network hosts (namespaces): node loss, partitions, a manager restart.
+
+The manager runs alone (`undying manager`) on host 0 and each node's agent on a
+host of its own, joined over a private bridge. Every fault is real: a host's
+processes SIGKILLed, its link set down, the manager SIGKILLed. Each test checks
+with the oracle that every step's loss equals the fault-free 4-rank run's, bit
+for bit, and that no step completed twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
+from tests.oracle import Oracle
+from undying.demo.cluster import Cluster, wait_for
+from undying.manager.events import read_job
+from undying.oracle import compare_runs, load_run
+
+# 96 steps of ~0.1 s: long enough to lose a host mid-run, short enough for the suite.
+SCRIPT_ARGS = ["--epochs", "3", "--samples", "2048", "--step-seconds", "0.1"]
+RUN_ARGS = ["--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60"]
+
+
+@pytest.fixture
+def cluster(make_hosts: Callable[[int], Hosts], tmp_path: Path) -> Iterator[Cluster]:  # noqa: F811
+    hosts = make_hosts(3)
+    made = Cluster(hosts, tmp_path, "mn", SCRIPT_ARGS, run_args=RUN_ARGS)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _assert_identical(oracle: Oracle, cluster: Cluster) -> dict:
+    baseline = oracle.baseline(SCRIPT_ARGS, ranks=4)
+    run = load_run(cluster.job_dir / "events.db")
+    comparison = compare_runs(baseline, run)
+    assert comparison.identical, (comparison.reasons, cluster.logs())
+    assert comparison.lost_steps == 0 and not run.rerun_steps
+    return read_job(cluster.job_dir / "events.db")
+
+
+def test_a_lost_host_is_replaced_by_a_new_one_and_no_step_is_lost(cluster: Cluster, oracle: Oracle) -> None:
+    hosts = cluster.hosts
+    assert isinstance(hosts, Hosts)
+    cluster.start()
+    cluster.wait_for_step(15)
+    lost_at = time.time()
+    hosts.kill_host(2)  # node 1: its agent and both its ranks
+    wait_for(lambda: any(i["kind"] == "node-loss" for i in cluster.status()["incidents"]), 20, "the node loss")
+    replacement = hosts.add_host()
+    cluster.start_agent(1, replacement)
+    assert cluster.wait(120) == 0, cluster.logs()
+    job = _assert_identical(oracle, cluster)
+    lost = [i for i in job["incidents"] if i["kind"] == "node-loss"]
+    assert sorted(i["rank"] for i in lost) == [2, 3]
+    for incident in lost:
+        assert incident["action"] == "replace" and incident["status"] == "recovered", incident
+        assert incident["detail"]["node"] == 1 and incident["fault_t"] >= lost_at - 1
+    assert job["job"]["state"] == "succeeded"
+
+
+def test_a_cut_off_host_is_fenced_when_it_comes_back_and_rejoins(cluster: Cluster, oracle: Oracle) -> None:
+    hosts = cluster.hosts
+    assert isinstance(hosts, Hosts)
+    cluster.start()
+    cluster.wait_for_step(15)
+    cut_pids = set(hosts.pids(2))
+    hosts.cut(2)
+    # Past the heartbeat timeout the manager declares node 1 lost and gives its ranks away.
+    wait_for(lambda: any(i["kind"] == "node-loss" for i in cluster.status()["incidents"]), 20, "the node loss")
+    hosts.heal(2)
+    # Its agent comes back with a stale session: fenced, it kills its old workers and joins afresh.
+    assert cluster.wait(120) == 0, cluster.logs()
+    job = _assert_identical(oracle, cluster)
+    assert "fenced" in cluster.log("node1")
+    assert not any(_alive(pid) for pid in cut_pids - {cluster.agents[1].pid}), "a fenced worker survived"
+    lost = [i for i in job["incidents"] if i["kind"] == "node-loss"]
+    assert sorted(i["rank"] for i in lost) == [2, 3] and all(i["status"] == "recovered" for i in lost)
+
+
+def test_the_manager_restarts_from_its_log_and_training_goes_on(cluster: Cluster, oracle: Oracle) -> None:
+    cluster.start()
+    cluster.wait_for_step(8)
+    cluster.inject({"kind": "crash", "rank": 1})
+    wait_for(lambda: any(i["status"] == "recovered" for i in cluster.status()["incidents"]), 30, "the first recovery")
+    step_before = cluster.status()["step"]
+    assert cluster.manager is not None
+    os.kill(cluster.manager.pid, signal.SIGKILL)
+    cluster.manager.wait(10)
+    time.sleep(2)  # the workers train on without a manager
+    cluster.start_manager()
+    status = cluster.wait_for_step(step_before + 5, timeout=60)
+    assert [i["kind"] for i in status["incidents"]] == ["crash"], status["incidents"]
+    cluster.inject({"kind": "crash", "rank": 2})  # a recovery needs the new manager and its control store
+    assert cluster.wait(120) == 0, cluster.logs()
+    job = _assert_identical(oracle, cluster)
+    crashes = [i for i in job["incidents"] if i["kind"] == "crash"]
+    assert [i["rank"] for i in crashes] == [1, 2] and all(i["status"] == "recovered" for i in crashes)
+    assert any(e for e in job["job"] if e == "sessions")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
