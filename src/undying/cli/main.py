@@ -7,7 +7,7 @@ import logging
 import sys
 
 from undying import __version__
-from undying.cli import chaos, checkpoints, demo, diagnose, inject, manager, run, status, trace
+from undying.cli import chaos, checkpoints, demo, diagnose, inject, k8s, manager, run, status, trace
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_parser(sub)
     trace.add_parser(sub)
     diagnose.add_parser(sub)
+    k8s.add_parser(sub)
     return parser
 
 
