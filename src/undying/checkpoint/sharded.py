@@ -47,7 +47,7 @@ from undying.checkpoint.store import (
 )
 from undying.checkpoint.writer import SaveResult
 
-__all__ = ["save_sharded", "load_sharded", "latest_valid_shared"]
+__all__ = ["save_sharded", "load_sharded", "latest_valid_shared", "read_manifest"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -215,6 +215,16 @@ def save_sharded(
     if rank == coordinator:
         log.info("sharded checkpoint %s written by %d ranks: %d bytes in %.3fs", url, world, nbytes, elapsed)
     return SaveResult(step, url, kind, elapsed, elapsed, nbytes)
+
+
+def read_manifest(checkpoint: Checkpoint | str | os.PathLike[str]) -> Manifest:
+    """The manifest of one checkpoint folder or URL (no checksums read): to choose how to load it."""
+    store, name, url = _split(checkpoint)
+    try:
+        return Manifest.from_json(store.read_bytes(store.join(name, MANIFEST_NAME)))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {url} has no readable manifest ({e}); run `undying checkpoints verify` "
+                              "on it") from e
 
 
 def load_sharded(

@@ -7,6 +7,13 @@ must re-run a step re-uses the batch it holds, and a replacement rank replays
 the epoch's iterator to that position. Replay fetches the skipped batches (it
 is exact for any loader, worker processes and random transforms included);
 its cost is one epoch's prefix of data loading, paid only by replacements.
+
+A job resumed on another number of ranks has another number of batches per
+epoch. Its data position is then carried over by *origin*: the resumed step
+and how many batches of the new size cover what the old run had read
+(``map_position``); the step numbers go on from the checkpoint's (the
+scheduler and the log count optimizer steps) while the data continues where
+the saved run left it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,22 @@ import torch
 from undying.errors import UsageError
 from undying.worker import rng
 
-__all__ = ["DataCursor"]
+__all__ = ["DataCursor", "map_position"]
+
+
+def map_position(position: int, old_steps_per_epoch: int, new_steps_per_epoch: int) -> int:
+    """Batches read per rank after ``position`` batches of another world size, at the same point of the data.
+
+    Whole epochs stay whole; within an epoch the fraction read is kept,
+    rounded down (a few samples are read again rather than skipped). Exact
+    for a ``DistributedSampler`` when the world sizes divide each other: 4
+    ranks after 5 batches have read the first 20 batches' worth of the
+    epoch's order, which 2 ranks reach after 10.
+    """
+    if old_steps_per_epoch <= 0 or new_steps_per_epoch <= 0:
+        raise UsageError(f"steps per epoch must be > 0, got {old_steps_per_epoch} and {new_steps_per_epoch}")
+    epoch, within = divmod(position, old_steps_per_epoch)
+    return epoch * new_steps_per_epoch + within * new_steps_per_epoch // old_steps_per_epoch
 
 
 class DataCursor:
@@ -30,6 +52,7 @@ class DataCursor:
         seed: int,
         total: int | None,
         epochs: int | None,
+        origin: tuple[int, int] | None = None,
     ) -> None:
         if (total is None) == (epochs is None):
             raise UsageError("job.steps() needs exactly one of total=N or epochs=N")
@@ -38,6 +61,8 @@ class DataCursor:
         self._loader = loader
         self._rank = rank
         self._seed = seed
+        # (step, batches read per rank after it): step s reads batch number origin[1] + s - origin[0].
+        self.origin = origin if origin is not None else (0, 0)
         self.steps_per_epoch: int | None = None
         if loader is not None:
             try:
@@ -49,13 +74,11 @@ class DataCursor:
                 ) from e
             if self.steps_per_epoch == 0:
                 raise UsageError("the loader given to State(loader=...) yields no batches")
-        if epochs is not None:
-            if self.steps_per_epoch is None:
-                raise UsageError("job.steps(epochs=N) needs State(loader=...); use total=N without a loader")
-            self.total_steps = epochs * self.steps_per_epoch
-        else:
-            assert total is not None
-            self.total_steps = total
+        if epochs is not None and self.steps_per_epoch is None:
+            raise UsageError("job.steps(epochs=N) needs State(loader=...); use total=N without a loader")
+        self._epochs = epochs
+        self._total = total
+        self.total_steps = 0
         # Samplers that shuffle with a generator of their own advance it every
         # pass; reset it per epoch (from the seed it was created with) so a
         # replayed epoch shuffles exactly as it did the first time.
@@ -67,11 +90,30 @@ class DataCursor:
         self._iterator: Any = None
         self._next_index = 0
         self._cache: dict[int, Any] = {}
+        self.set_origin(self.origin)
+
+    def set_origin(self, origin: tuple[int, int]) -> None:
+        """The data stands at ``origin``: (step, batches read per rank after it). ``epochs=N`` ends at
+        the end of epoch N from there; ``total=N`` counts steps, so it ends at step N whatever the origin."""
+        self.origin = origin
+        if self._epochs is not None:
+            assert self.steps_per_epoch is not None
+            self.total_steps = origin[0] + self._epochs * self.steps_per_epoch - origin[1]
+        else:
+            assert self._total is not None
+            self.total_steps = self._total
+        if self._epoch >= 0:
+            self._epoch = -1  # positions moved: the next batch starts its epoch's iterator afresh
+            self._cache.clear()
+
+    def position(self, step: int) -> int:
+        """Batches each rank has read once step ``step`` is done (``step`` itself without an origin)."""
+        return self.origin[1] + step - self.origin[0]
 
     def epoch_of(self, step: int) -> int:
         if self.steps_per_epoch is None:
             return 0
-        return (step - 1) // self.steps_per_epoch
+        return (self.position(step) - 1) // self.steps_per_epoch
 
     def batch_for(self, step: int) -> Any:
         if self._loader is None:
@@ -79,11 +121,11 @@ class DataCursor:
         if step in self._cache:
             return self._cache[step]
         assert self.steps_per_epoch is not None
-        epoch, index = divmod(step - 1, self.steps_per_epoch)
+        epoch, index = divmod(self.position(step) - 1, self.steps_per_epoch)
         if epoch != self._epoch or index < self._next_index:
             self._start_epoch(epoch)
         while self._next_index < index:  # replay to the position
-            self._fetch(epoch * self.steps_per_epoch + self._next_index + 1)
+            self._fetch(step - index + self._next_index)
         batch = self._fetch(step)
         self._cache[step] = batch
         return batch

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -42,6 +42,7 @@ from undying.checkpoint import (
     state_nbytes,
     tensor_shapes,
 )
+from undying.checkpoint.sharded import read_manifest
 from undying.config import EXIT_FENCED, EXIT_PREEMPTED
 from undying.errors import ControlStoreLostError, FencedError, RecoveryError, UsageError
 from undying.messages import (
@@ -66,7 +67,7 @@ from undying.messages import (
 from undying.rendezvous import generation_key
 from undying.worker import rng
 from undying.worker.channel import AgentChannel
-from undying.worker.data import DataCursor
+from undying.worker.data import DataCursor, map_position
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
 from undying.worker.faults import FaultSwitch, block_forever, crash_self, spin_forever, stop_self
@@ -79,12 +80,17 @@ from undying.worker.group import (
     leave_group,
 )
 from undying.worker.restore import (
+    MODE_REPLICATED,
+    MODE_SHARDED,
     RankStatus,
+    RestorePlan,
     exchange_statuses,
     plan_restore,
     recv_state,
     send_state,
 )
+from undying.worker.sharding import rebind_groups, reset_after_failure
+from undying.worker.shards import Shards
 from undying.worker.state import State
 from undying.worker.tracing import WorkerTracing
 
@@ -162,8 +168,9 @@ class Step:
         tb: TracebackType | None,
     ) -> bool:
         if exc is None:
-            self.outcome = Outcome.COMMITTED
-            self._job._commit(self)
+            if self._job._replicate_before_commit(self):
+                self.outcome = Outcome.COMMITTED
+                self._job._commit(self)
             return False
         if self._job.managed and is_comm_failure(exc):
             self.outcome = Outcome.ABORTED
@@ -208,6 +215,14 @@ class Job:
         self._stop_grace_s = 30.0
         self._stopping = False  # an ordered stop (Stop), not a preemption
         self._terminated = False
+        # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
+        self._shards = Shards(self)
+        self._state: State | None = None
+        # A load that needs the State (a sharded checkpoint, a shard received before the model existed).
+        self._deferred: tuple[int, Callable[[State], None]] | None = None
+        # Where the data stands: (step, batches read per rank after it); see DataCursor.origin.
+        self._data_origin: tuple[int, int] | None = None
+        self._cursor: DataCursor | None = None
         if env is None:
             self._start_unmanaged()
             return
@@ -283,9 +298,25 @@ class Job:
         """
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
-        cursor = DataCursor(state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs)
+        cursor = DataCursor(state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs,
+                            origin=self._data_origin)
+        self._cursor = cursor
+        self._state = state
         self._attach(state)
         committed = 0
+        if self._stash is not None and state.sharded:
+            where = f"checkpoint {self._resumed[1]}" if self._resumed is not None else "a peer"
+            error = UsageError(f"the state from {where} was saved whole (replicated), but this model is sharded "
+                               "(DTensors): resume it with the layout it was saved with")
+            self._report_fatal(self._stash[0], error)
+            raise error
+        if self._deferred is not None:
+            committed, load = self._deferred
+            self._deferred = None
+            load(state)
+            self.current_step = committed
+            if self._resumed is None or self._resumed[0] != committed:
+                self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
         if self._stash is not None:
             committed, payload = self._stash
             if self._resumed_manifest is not None and self._resumed is not None and self._resumed[0] == committed:
@@ -296,14 +327,24 @@ class Job:
                 except UsageError as e:
                     self._report_fatal(committed, e)
                     raise
+            origin = payload.pop("_undying", {}).get("data_origin")
             state.load_state_dict(payload)
             self._stash = None
             self.current_step = committed
-            if self._resumed is not None and self._resumed[0] == committed:
-                self._send(Progress(self.rank, self.generation, "state_restored", time.time(), step=committed,
-                                    detail={"checkpoint": self._resumed[1]}))
+            if self._resumed is not None and self._resumed[0] == committed and self._resumed_manifest is not None:
+                detail: dict[str, Any] = {"checkpoint": self._resumed[1],
+                                          "saved_world_size": self._resumed_manifest.world_size}
+                if self._shards.resume_digest:
+                    from undying.worker.sharding import full_digest
+
+                    detail["digest"] = full_digest(state.state_dict())
+                self._on_checkpoint_loaded(self._resumed_manifest, detail)
             else:
+                if origin is not None:
+                    self._set_data_origin((int(origin[0]), int(origin[1])))
                 self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
+        if self.managed and state.sharded and not self._shards.replicate_initial(state, committed):
+            committed = self._recover(state, committed, clean=True)
         while True:
             while committed < cursor.total_steps:
                 index = committed + 1
@@ -321,8 +362,8 @@ class Job:
                 if step.outcome is Outcome.COMMITTED:
                     committed = index
                     cursor.forget_through(index)
-                    if self.managed:
-                        self._maybe_save(state, index)
+                    if self.managed and not self._maybe_save(state, index):
+                        committed = self._recover(state, committed, clean=True)
                 elif step.outcome is Outcome.ABORTED:
                     committed = self._recover(state, committed, clean=not step.optimizer_stepped)
                 else:
@@ -345,8 +386,12 @@ class Job:
         """Know when the optimizer steps: a step that fails after it leaves the state torn."""
         if state.optimizer is not None:
             state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if state.sharded:
+            self._shards.attach(state)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._shards.quiet:
+            return  # torch creating optimizer state for a sharded save or load: no training step
         step = self._current
         if step is not None and step.outcome is Outcome.PENDING:
             step.optimizer_stepped = True
@@ -380,7 +425,19 @@ class Job:
     # --- persistent checkpoints ---------------------------------------------
 
     def _load_checkpoint(self, path: str) -> None:
-        """Start from a checkpoint (verified again here: every checksum, before anything is loaded)."""
+        """Start from a checkpoint (verified again here: every checksum, before anything is loaded).
+
+        A sharded checkpoint is loaded by ``steps()``, collectively, once the
+        sharded model exists to receive it.
+        """
+        probe = read_manifest(path)
+        if probe.layout.get("kind") == "sharded":
+            self._resumed = (probe.step, path)
+            self._resumed_manifest = probe
+            self._deferred = (probe.step, lambda state: self._shards.load_checkpoint(state, path, probe))
+            log.warning("rank %d: resuming from sharded checkpoint %s (step %d, written by %d ranks)",
+                        self.rank, path, probe.step, probe.world_size)
+            return
         try:
             payload, manifest = load_replicated(path)
         except pickle.UnpicklingError:
@@ -411,25 +468,69 @@ class Job:
             self._send(CheckpointSaved(self.rank, error.step, "periodic", "", 0.0, 0.0, 0, time.time(),
                                        error=str(error)))
 
-    def _maybe_save(self, state: State, index: int) -> None:
-        """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training."""
+    def _maybe_save(self, state: State, index: int) -> bool:
+        """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training.
+
+        Sharded state: every rank writes its shard, together (``Shards.maybe_save``).
+        False: a peer failed during a collective save; the caller recovers.
+        """
         assert self.env is not None
+        if state.sharded:
+            if not self._size_sent and self.rank == 0:
+                self._size_sent = True  # DTensors count whole: the checkpoint's total size
+                self._send(Progress(self.rank, self.generation, "state_size", time.time(), step=index,
+                                    detail={"bytes": state_nbytes(state.state_dict())}))
+            return self._shards.maybe_save(state, index, self._data_meta(index))
         if self.rank != 0:
             # Replicated state: rank 0 writes; the others' stall is recorded (about zero) so ranks compare.
             if self.tracing.active and self._save_due(index):
                 self._last_save_t = time.monotonic()
                 with self.tracing.checkpoint_stall():
                     pass
-            return
+            return True
         if not self._size_sent:  # what the manager sizes the dying gasp's grace period from
             self._size_sent = True
             self._send(Progress(self.rank, self.generation, "state_size", time.time(), step=index,
                                 detail={"bytes": state_nbytes(state.state_dict())}))
         if not self._save_due(index):
-            return
+            return True
         self._last_save_t = time.monotonic()
         with self.tracing.checkpoint_stall():
-            self._checkpointer().save(index, state.state_dict(), generation=self.generation)
+            self._checkpointer().save(index, state.state_dict(), generation=self.generation,
+                                      meta=self._data_meta(index))
+        return True
+
+    def _data_meta(self, step: int) -> dict[str, Any]:
+        """What a checkpoint records of the data position, so a resume on another world size maps it."""
+        cursor = self._cursor
+        if cursor is None:
+            return {}
+        return {"data": {"position": cursor.position(step), "steps_per_epoch": cursor.steps_per_epoch,
+                         "world_size": self.world_size}}
+
+    def _set_data_origin(self, origin: tuple[int, int]) -> None:
+        self._data_origin = origin
+        if self._cursor is not None:
+            self._cursor.set_origin(origin)
+
+    def _on_checkpoint_loaded(self, manifest: Manifest, detail: dict[str, Any]) -> None:
+        """A checkpoint is loaded: place the data where it left it (mapped when the world size changed)."""
+        data = manifest.meta.get("data") or {}
+        position = int(data.get("position", manifest.step))
+        saved_spe = data.get("steps_per_epoch")
+        spe = self._cursor.steps_per_epoch if self._cursor is not None else None
+        if saved_spe and spe and int(saved_spe) != spe:
+            mapped = map_position(position, int(saved_spe), spe)
+            detail["data_position"] = {"saved": position, "saved_steps_per_epoch": int(saved_spe),
+                                       "now": mapped, "steps_per_epoch": spe}
+            if self.rank == 0:
+                log.warning("resumed on %d ranks from a checkpoint of %d: the data position of %d batches of %d "
+                            "per epoch is %d of %d here", self.world_size, manifest.world_size, position,
+                            int(saved_spe), mapped, spe)
+            position = mapped
+        self._set_data_origin((manifest.step, position))
+        self._send(Progress(self.rank, self.generation, "state_restored", time.time(), step=manifest.step,
+                            detail=detail))
 
     def _save_due(self, index: int) -> bool:
         assert self.env is not None
@@ -479,7 +580,9 @@ class Job:
         """Every rank stopped at the agreed ``step``; rank 0 persists it, synchronously. Then exit."""
         assert self.env is not None
         self._phase = "done"
-        if self.rank == 0:
+        if state.sharded:
+            self._shards.dying_gasp(state, step, self._data_meta(step), self._resumed)
+        elif self.rank == 0:
             ckpt = self._checkpointer()
             last = self._finish_writes(retries=False)
             if last is not None and last.step == step:
@@ -495,6 +598,7 @@ class Job:
                     result = save_replicated(
                         ckpt.store, step, state.state_dict(), job_id=self.env.job_id, generation=self.generation,
                         world_size=self.world_size, kind="dying-gasp", keep=self.env.checkpoint.keep,
+                        meta=self._data_meta(step),
                     )
                     self._send(CheckpointSaved(0, step, "dying-gasp", result.path, 0.0, result.write_s,
                                                result.bytes, time.time()))
@@ -524,7 +628,16 @@ class Job:
         )
         self._send(CommFailure(self.rank, self.generation, self.current_step, self._abort_reason, time.time()))
         state.discard_gradients()
-        status = RankStatus(self.rank, committed, clean=clean, has_state=True)
+        if state.sharded:
+            try:
+                reset_after_failure(state.model)  # FSDP left mid-forward/backward: reshard, clear hooks
+            except RecoveryError:
+                raise
+            except Exception as e:
+                log.warning("rank %d: resetting FSDP after the failed step: %s", self.rank, e)
+            status = self._shards.status(committed, clean)
+        else:
+            status = RankStatus(self.rank, committed, clean=clean, has_state=True, mode=MODE_REPLICATED)
         return self._rejoin(status, state)
 
     def _join_as_replacement(self, *, adopt: bool) -> None:
@@ -547,19 +660,19 @@ class Job:
                 leave_group()  # now, not when the next generation opens: peers wait on our sockets
                 self._join(generation)
             joined = False
+            if state is not None and state.sharded:
+                rebind_groups(state.model)  # FSDP keeps the group it was built with
             self._send(Progress(self.rank, self.generation, "group_rebuilt", time.time()))
             try:
-                plan = plan_restore(exchange_statuses(status))
-                if self.rank == plan.donor and plan.receivers:
-                    assert state is not None
-                    send_state(state.state_dict(), plan.receivers)
-                elif self.rank in plan.receivers:
-                    payload = recv_state(plan.donor)
-                    if state is not None:
-                        state.load_state_dict(payload)
-                    else:
-                        self._stash = (plan.target, payload)
-                    status = RankStatus(self.rank, plan.target, clean=True, has_state=True)
+                statuses = exchange_statuses(status)
+                if any(s.mode == MODE_SHARDED for s in statuses):
+                    target, status = self._shards.restore(statuses, state)
+                    plan = RestorePlan(target, -1, ())
+                else:
+                    plan = self._restore_replicated(statuses, state)
+                    if self.rank in plan.receivers:
+                        status = RankStatus(self.rank, plan.target, clean=True, has_state=True,
+                                            mode=MODE_REPLICATED)
             except Exception as e:
                 if not is_comm_failure(e):
                     raise
@@ -579,6 +692,38 @@ class Job:
             self._collectives_base = max(0, collectives_entered())
             self._phase = resume_phase
             return plan.target
+
+    def _restore_replicated(self, statuses: list[RankStatus], state: State | None) -> RestorePlan:
+        """Every rank holds the whole state (DDP): the newest clean holder sends it to the others."""
+        plan = plan_restore(statuses)
+        if self.rank == plan.donor and plan.receivers:
+            assert state is not None
+            send_state({**state.state_dict(), "_undying": {"data_origin": self._data_origin}}, plan.receivers)
+        elif self.rank in plan.receivers:
+            payload = recv_state(plan.donor)
+            origin = payload.pop("_undying", {}).get("data_origin")
+            if state is not None:
+                state.load_state_dict(payload)
+            else:
+                self._stash = (plan.target, payload)
+            if origin is not None:
+                self._set_data_origin((int(origin[0]), int(origin[1])))
+        return plan
+
+    def _replicate_before_commit(self, step: Step) -> bool:
+        """Ring replication of a sharded state, inside the transaction; False: it failed and the step aborts."""
+        state = self._state
+        if not self.managed or state is None or not state.sharded or not self._shards.due(step.index):
+            return True
+        try:
+            self._shards.replicate(state, step.index)
+            return True
+        except Exception as e:
+            if not is_comm_failure(e):
+                raise
+            step.outcome = Outcome.ABORTED
+            self._abort_reason = f"{type(e).__name__}: {e}"
+            return False
 
     def _join(self, generation: int) -> None:
         assert self.env is not None

@@ -20,8 +20,15 @@ import torch.distributed as dist
 from undying.errors import NoStateSourceError, RecoveryError
 
 __all__ = [
+    "MODE_UNKNOWN", "MODE_REPLICATED", "MODE_SHARDED",
     "RankStatus", "RestorePlan", "exchange_statuses", "plan_restore", "send_state", "recv_state",
 ]
+
+
+# What kind of state a member holds (a replacement knows only once it receives some).
+MODE_UNKNOWN, MODE_REPLICATED, MODE_SHARDED = 0, 1, 2
+# In-memory copies a sharded member reports: its own snapshots and the replicas it holds (newest two each).
+_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,12 @@ class RankStatus:
     clean: bool
     # False for a replacement process that has not received state yet.
     has_state: bool
+    # MODE_REPLICATED (every rank holds the whole state), MODE_SHARDED, or MODE_UNKNOWN.
+    mode: int = MODE_UNKNOWN
+    # Sharded only: steps of this rank's own serialized snapshots, and of the
+    # replicas of its ring predecessor's shard that it holds (worker.replica).
+    own: tuple[int, ...] = ()
+    replicas: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,16 +56,26 @@ class RestorePlan:
     receivers: tuple[int, ...]
 
 
+def _padded(steps: tuple[int, ...]) -> list[int]:
+    newest = sorted(steps, reverse=True)[:_COPIES]
+    return newest + [-1] * (_COPIES - len(newest))
+
+
 def exchange_statuses(status: RankStatus) -> list[RankStatus]:
     """Every member's status, gathered over the default group (plain tensors, no pickling)."""
-    mine = torch.tensor([status.rank, status.committed, int(status.clean), int(status.has_state)],
-                        dtype=torch.int64)
+    mine = torch.tensor([status.rank, status.committed, int(status.clean), int(status.has_state), status.mode,
+                         *_padded(status.own), *_padded(status.replicas)], dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return [
-        RankStatus(rank=int(t[0]), committed=int(t[1]), clean=bool(t[2]), has_state=bool(t[3]))
-        for t in gathered
-    ]
+    statuses = []
+    for t in gathered:
+        v = [int(x) for x in t]
+        statuses.append(RankStatus(
+            rank=v[0], committed=v[1], clean=bool(v[2]), has_state=bool(v[3]), mode=v[4],
+            own=tuple(s for s in v[5:5 + _COPIES] if s >= 0),
+            replicas=tuple(s for s in v[5 + _COPIES:5 + 2 * _COPIES] if s >= 0),
+        ))
+    return statuses
 
 
 def plan_restore(statuses: list[RankStatus]) -> RestorePlan:

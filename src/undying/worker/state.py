@@ -5,6 +5,10 @@ objects with ``state_dict``/``load_state_dict`` or mutable dicts (updated in
 place, so the user's reference stays valid); they are treated as replicated,
 like the model under DDP. Random state and the data position are not stored:
 they are derived from the step (see ``rng`` and ``data``).
+
+A state is *sharded* when its model holds DTensors (FSDP2 ``fully_shard``):
+each rank then holds only its slices, checkpoints go through
+torch.distributed.checkpoint, and recovery moves shards (``worker.sharding``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from typing import Any
 import torch
 
 from undying.errors import UsageError
+from undying.worker.sharding import has_dtensors, is_dtensor
 
 __all__ = ["State"]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if is_dtensor(t):
+        t = t.to_local()  # this rank's slices: a digest per rank, no collective
     t = t.detach().cpu().contiguous()
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
@@ -44,6 +51,8 @@ class State:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         loader: Any = None,
+        *,
+        sharded: bool | None = None,
         **extras: Any,
     ) -> None:
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -62,6 +71,14 @@ class State:
         self.scheduler = scheduler
         self.loader = loader
         self.extras = extras
+        found = has_dtensors(model)
+        if sharded is False and found:
+            raise UsageError(
+                "State(sharded=False) but the model holds DTensors (FSDP2 fully_shard?): each rank has only its "
+                "slices, so it cannot be saved or restored whole; leave sharded unset or pass sharded=True"
+            )
+        # Sharded: checkpoints through DCP written by every rank, recovery by shards (see worker.sharding).
+        self.sharded = found if sharded is None else sharded
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,256 @@
+"""Ring replication of sharded state (Gemini-style), and where each shard comes from after a fault.
+
+With ``UNDYING_REPLICATE=ring`` (``undying run --replicate ring``) every rank
+of a sharded job sends a serialized copy of its own shard to its ring
+successor, ``(rank + local_world_size) % world_size`` -- a rank on another
+node -- and keeps the copy its predecessor sends it. It happens inside the
+step transaction, after the body and before the commit, every K steps
+(``UNDYING_REPLICATE_EVERY``, default 1), and ends with a barrier: a step
+that any rank committed was therefore replicated by every rank (each one's
+successor received its copy before entering the barrier that let the first
+rank through). A replicating step that fails anywhere is aborted and re-run
+like any failed step.
+
+So after the loss of one rank (or of several that are not ring neighbours)
+its shard is in its successor's memory: the replacement gets it from there,
+the survivors keep their own, and nothing is read from disk. Each rank also
+keeps the bytes it sent, its own snapshot, which is what it rolls back to
+when its live state is ahead of the step every shard can be restored at, or
+was torn by a failed step. ``plan_shards`` picks that step (a pure function
+of what every member reports, so every rank computes the same plan); with no
+such step in memory the job falls back to the latest checkpoint.
+
+On a single node (``local_world_size == world_size``) the successor is the
+next rank: the replica then protects against the loss of a process, not of
+the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from undying.errors import RecoveryError, UsageError
+from undying.worker.restore import RankStatus
+
+__all__ = [
+    "ENV_REPLICATE",
+    "ENV_REPLICATE_EVERY",
+    "ReplicationConfig",
+    "ring_offset",
+    "Copies",
+    "ShardSource",
+    "ShardPlan",
+    "plan_shards",
+    "exchange",
+    "send_bytes",
+    "recv_bytes",
+]
+
+log = logging.getLogger("undying.worker")
+
+ENV_REPLICATE = "UNDYING_REPLICATE"
+ENV_REPLICATE_EVERY = "UNDYING_REPLICATE_EVERY"
+MODES = ("off", "ring")
+
+# Point-to-point tags: the ring exchange and a restore's transfers never match each other's messages.
+TAG_RING = 7101
+TAG_RESTORE = 7201
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    mode: str = "off"  # "off" or "ring"
+    every: int = 1  # replicate at steps that are multiples of this (and at a restore)
+
+    @property
+    def ring(self) -> bool:
+        return self.mode == "ring"
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> ReplicationConfig:
+        env = os.environ if env is None else env
+        mode = env.get(ENV_REPLICATE, "off").strip().lower() or "off"
+        if mode not in MODES:
+            raise UsageError(f"{ENV_REPLICATE}={mode!r}: use one of {', '.join(MODES)}")
+        raw = env.get(ENV_REPLICATE_EVERY, "1").strip() or "1"
+        try:
+            every = int(raw)
+        except ValueError as e:
+            raise UsageError(f"{ENV_REPLICATE_EVERY}={raw!r}: give a whole number of steps >= 1") from e
+        if every < 1:
+            raise UsageError(f"{ENV_REPLICATE_EVERY}={every}: give a whole number of steps >= 1")
+        return cls(mode, every)
+
+
+def ring_offset(world_size: int, local_world_size: int) -> int:
+    """How far along the ranks a shard's replica lives: the next node's rank, or the next rank on one node."""
+    if world_size <= 1:
+        return 0
+    if 0 < local_world_size < world_size:
+        return local_world_size
+    return 1
+
+
+@dataclass
+class Copies:
+    """This rank's in-memory copies, by step: its own serialized shard and its predecessor's replica."""
+
+    own: dict[int, bytes] = field(default_factory=dict)
+    replicas: dict[int, bytes] = field(default_factory=dict)
+
+    def committed(self, step: int) -> None:
+        """Step ``step`` committed: older copies are no longer a step anyone can be restored at."""
+        for copies in (self.own, self.replicas):
+            for old in [s for s in copies if s < step]:
+                del copies[old]
+
+    def keep_only(self, step: int) -> None:
+        for copies in (self.own, self.replicas):
+            for other in [s for s in copies if s != step]:
+                del copies[other]
+
+    def clear(self) -> None:
+        self.own.clear()
+        self.replicas.clear()
+
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.own.values()) + sum(len(b) for b in self.replicas.values())
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    kind: str  # "live" (the rank's own state as it is), "own" (its snapshot), "replica" (from holder)
+    holder: int
+
+    def describe(self, rank: int) -> str:
+        if self.kind == "replica":
+            return f"rank {rank} <- replica on rank {self.holder}"
+        return f"rank {rank} <- its own {'state' if self.kind == 'live' else 'snapshot'}"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    # The step every shard is restored at; None: no step has a copy of every shard in memory.
+    target: int | None
+    sources: dict[int, ShardSource]
+    # The newest step a member holding state had committed (target < newest: steps are re-run).
+    newest: int
+    # With no target: the ranks whose shard has no copy in memory at all.
+    missing: tuple[int, ...] = ()
+
+    @property
+    def lost_steps(self) -> int:
+        return max(0, self.newest - self.target) if self.target is not None else 0
+
+    def describe(self) -> str:
+        if self.target is None:
+            what = f"no copy of the shard of rank(s) {', '.join(map(str, self.missing))}" if self.missing else \
+                "no step at which every shard has a copy"
+            return f"{what} in memory: the job rolls back to the latest checkpoint"
+        parts = [self.sources[r].describe(r) for r in sorted(self.sources)]
+        tail = f"; {self.lost_steps} step(s) re-run" if self.lost_steps else ""
+        return f"step {self.target}: " + ", ".join(parts) + tail
+
+
+def plan_shards(statuses: Sequence[RankStatus], offset: int) -> ShardPlan:
+    """The newest step at which every rank's shard has a copy somewhere, and where each comes from.
+
+    A rank's shard at step s exists on the rank itself (its live state, when
+    clean at s; or its own snapshot of s) or on its ring successor
+    ``(rank + offset) % world`` (a replica of s). The live state is preferred
+    (no copy), then the own snapshot, then the replica.
+    """
+    by_rank = {s.rank: s for s in statuses}
+    world = len(statuses)
+    if sorted(by_rank) != list(range(world)):
+        raise RecoveryError(f"statuses from ranks {sorted(by_rank)} are not one whole job of {world} ranks")
+    available: dict[int, set[int]] = {}
+    for rank, status in by_rank.items():
+        steps: set[int] = set()
+        if status.has_state:
+            if status.clean:
+                steps.add(status.committed)
+            steps.update(status.own)
+        holder = by_rank[(rank + offset) % world] if offset else status
+        if holder.rank != rank and holder.has_state:
+            steps.update(holder.replicas)
+        available[rank] = steps
+    newest = max((s.committed for s in statuses if s.has_state), default=0)
+    common = set.intersection(*available.values()) if available else set()
+    if not common:
+        missing = tuple(sorted(r for r, steps in available.items() if not steps))
+        return ShardPlan(None, {}, newest, missing)
+    target = max(common)
+    sources: dict[int, ShardSource] = {}
+    for rank, status in by_rank.items():
+        if status.has_state and status.clean and status.committed == target:
+            sources[rank] = ShardSource("live", rank)
+        elif status.has_state and target in status.own:
+            sources[rank] = ShardSource("own", rank)
+        else:
+            sources[rank] = ShardSource("replica", (rank + offset) % world)
+    return ShardPlan(target, sources, newest)
+
+
+def _header(data: bytes) -> torch.Tensor:
+    return torch.tensor([len(data), zlib.crc32(data)], dtype=torch.int64)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _checked(payload: torch.Tensor, header: torch.Tensor, source: int) -> bytes:
+    size, expected = int(header[0]), int(header[1])
+    raw = ctypes.string_at(payload.data_ptr(), size) if size else b""
+    actual = zlib.crc32(raw)
+    if actual != expected:
+        raise RecoveryError(
+            f"the shard copy from rank {source} failed its checksum (crc32 {actual:#x}, expected {expected:#x})"
+        )
+    return raw
+
+
+def _wait(works: list[dist.Work | None]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def exchange(data: bytes, successor: int, predecessor: int, *, tag: int = TAG_RING) -> bytes:
+    """Send ``data`` to ``successor`` and receive the predecessor's bytes, checksummed, at once."""
+    header_in = torch.zeros(2, dtype=torch.int64)
+    _wait([dist.isend(_header(data), dst=successor, tag=tag), dist.irecv(header_in, src=predecessor, tag=tag)])
+    incoming = torch.empty(int(header_in[0]), dtype=torch.uint8)
+    works: list[dist.Work | None] = []
+    if data:
+        works.append(dist.isend(_as_tensor(data), dst=successor, tag=tag + 1))
+    if incoming.numel():
+        works.append(dist.irecv(incoming, src=predecessor, tag=tag + 1))
+    _wait(works)
+    return _checked(incoming, header_in, predecessor)
+
+
+def send_bytes(data: bytes, receiver: int, *, tag: int = TAG_RESTORE) -> list[dist.Work]:
+    """Start sending ``data`` (header, then payload); wait on the returned works."""
+    works = [dist.isend(_header(data), dst=receiver, tag=tag)]
+    if data:
+        works.append(dist.isend(_as_tensor(data), dst=receiver, tag=tag + 1))
+    return [w for w in works if w is not None]
+
+
+def recv_bytes(sender: int, *, tag: int = TAG_RESTORE) -> bytes:
+    header = torch.zeros(2, dtype=torch.int64)
+    dist.recv(header, src=sender, tag=tag)
+    payload = torch.empty(int(header[0]), dtype=torch.uint8)
+    if payload.numel():
+        dist.recv(payload, src=sender, tag=tag + 1)
+    return _checked(payload, header, sender)

@@ -1,0 +1,352 @@
+"""The job loop's side of sharded state: DCP checkpoints by every rank, ring replicas, restore by shards.
+
+``Job`` calls in here where the state is sharded (``State.sharded``: the
+model holds DTensors, FSDP2 ``fully_shard``); a replicated (DDP) state keeps
+the paths in ``job.py``. Kept apart so the step loop reads the same for both:
+
+- **checkpoints**: periodic and dying-gasp saves are collective
+  (``save_sharded``: every rank writes its own files through
+  torch.distributed.checkpoint, rank 0 commits the manifest); a resume loads
+  them on any world size (``load_sharded``), after the shapes are checked;
+- **replication** (``UNDYING_REPLICATE=ring``): a committed step's shards
+  are copied to each rank's ring successor (``worker.replica``);
+- **restore**: after a fault every rank gets its shard from where
+  ``plan_shards`` says (itself, its snapshot, or the replica holder); when no
+  step has every shard in memory, every rank rolls back in place to the
+  latest valid checkpoint, and the steps since are re-run and reported lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from undying.checkpoint import (
+    Manifest,
+    SaveResult,
+    check_compatible,
+    latest_valid_shared,
+    load_sharded,
+    save_sharded,
+    tensor_shapes,
+)
+from undying.errors import NoStateSourceError, RecoveryError, UsageError
+from undying.messages import CheckpointSaved, Progress
+from undying.worker import replica, sharding
+from undying.worker.restore import MODE_SHARDED, RankStatus
+
+if TYPE_CHECKING:
+    from undying.worker.job import Job
+    from undying.worker.state import State
+
+__all__ = ["Shards", "ENV_RESUME_DIGEST"]
+
+log = logging.getLogger("undying.worker")
+
+# "1": a resumed rank reports the digest of the whole state it loaded (a gather; for tests and audits).
+ENV_RESUME_DIGEST = "UNDYING_RESUME_DIGEST"
+
+
+class Shards:
+    """Sharded-state support for one ``Job`` (its rank, its channel to the agent, its config)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.config = replica.ReplicationConfig.from_environ()
+        self.copies = replica.Copies()
+        self.last_save: SaveResult | None = None  # the newest sharded checkpoint this job wrote
+        self.resume_digest = os.environ.get(ENV_RESUME_DIGEST, "") == "1"
+        self.quiet = False  # an internal optimizer step (DCP creating optimizer state) is no training step
+        self._hooked: set[int] = set()
+        self._replicated_once = False
+
+    # --- who is whose ring neighbour -----------------------------------------
+
+    @property
+    def offset(self) -> int:
+        env = self.job.env
+        local = env.local_world_size if env is not None else self.job.world_size
+        return replica.ring_offset(self.job.world_size, local)
+
+    @property
+    def successor(self) -> int:
+        return (self.job.rank + self.offset) % self.job.world_size
+
+    @property
+    def predecessor(self) -> int:
+        return (self.job.rank - self.offset) % self.job.world_size
+
+    @property
+    def ring(self) -> bool:
+        return self.config.ring and self.offset > 0
+
+    # --- the state, shaped for DCP -----------------------------------------------
+
+    @contextlib.contextmanager
+    def _internal(self) -> Iterator[None]:
+        self.quiet = True
+        try:
+            yield
+        finally:
+            self.quiet = False
+
+    def dcp_state_dict(self, state: State) -> dict[str, Any]:
+        with self._internal():
+            return sharding.dcp_state_dict(state)
+
+    def status(self, committed: int, clean: bool) -> RankStatus:
+        return RankStatus(self.job.rank, committed, clean=clean, has_state=True, mode=MODE_SHARDED,
+                          own=tuple(self.copies.own), replicas=tuple(self.copies.replicas))
+
+    def attach(self, state: State) -> None:
+        """Fault-injection points of the forward and backward pass (DDP's wrapper has them built in)."""
+        model = state.model
+        if model is None or id(model) in self._hooked or not self.job.managed:
+            return
+        self._hooked.add(id(model))
+        faults = self.job._faults
+
+        def in_backward(grad: torch.Tensor) -> None:
+            faults.check("backward", self.job.current_step)
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            faults.check("forward", self.job.current_step)
+
+        def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(in_backward)
+
+        model.register_forward_pre_hook(before_forward)
+        model.register_forward_hook(after_forward)
+
+    # --- checkpoints ---------------------------------------------------------------
+
+    def load_checkpoint(self, state: State, path: str, manifest: Manifest) -> None:
+        """Collective: every rank loads its slices of ``path``, whatever world size wrote it."""
+        sd = self.dcp_state_dict(state)
+        try:
+            check_compatible(manifest, path=path, state_shapes=tensor_shapes(sd))
+        except UsageError as e:
+            self.job._report_fatal(manifest.step, e)
+            raise
+        with self._internal():
+            load_sharded(path, sd)
+            sharding.load_dcp_state_dict(state, sd)
+        self.copies.clear()
+        detail: dict[str, Any] = {"checkpoint": path, "saved_world_size": manifest.world_size}
+        if self.resume_digest:
+            detail["digest"] = sharding.full_digest(self.dcp_state_dict(state))
+        self.job._on_checkpoint_loaded(manifest, detail)
+
+    def maybe_save(self, state: State, index: int, meta: dict[str, Any]) -> bool:
+        """After a committed step: a collective save when due. False: a peer failed during it (recover)."""
+        job = self.job
+        assert job.env is not None
+        cfg = job.env.checkpoint
+        try:
+            due = job._save_due(index)
+            if cfg.save_interval > 0:  # a clock is per rank: rank 0's says for all, or the ranks would disagree
+                flag = torch.tensor([int(due)], dtype=torch.int32)
+                dist.broadcast(flag, src=0)
+                due = bool(flag.item())
+            if not due:
+                return True
+            job._last_save_t = time.monotonic()
+            with job.tracing.checkpoint_stall():
+                self.save(state, index, "periodic", meta)
+        except Exception as e:
+            from undying.worker.group import is_comm_failure
+
+            if not is_comm_failure(e):
+                raise
+            job._abort_reason = f"{type(e).__name__}: {e}"
+            return False
+        return True
+
+    def save(self, state: State, step: int, kind: str, meta: dict[str, Any]) -> SaveResult | None:
+        """Collective ``save_sharded``; rank 0 reports it (or its failure) to the manager."""
+        job = self.job
+        assert job.env is not None
+        started = time.time()
+        try:
+            result = save_sharded(
+                job.env.checkpoint.dir, step, self.dcp_state_dict(state), job_id=job.env.job_id,
+                generation=job.generation, kind=kind, keep=job.env.checkpoint.keep, meta=meta,
+                layout_extra={"world_size": job.world_size},
+            )
+        except Exception as e:
+            from undying.worker.group import is_comm_failure
+
+            if is_comm_failure(e):
+                raise
+            log.error("rank %d: sharded checkpoint of step %d failed: %s", job.rank, step, e)
+            if job.rank == 0:
+                job._send(CheckpointSaved(0, step, kind, "", 0.0, time.time() - started, 0, time.time(),
+                                          error=f"{type(e).__name__}: {e}"))
+            return None
+        self.last_save = result
+        if job.rank == 0:
+            job.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
+            job._send(CheckpointSaved(0, step, kind, result.path, result.blocking_s, result.write_s, result.bytes,
+                                      time.time()))
+        return result
+
+    def dying_gasp(self, state: State, step: int, meta: dict[str, Any], resumed: tuple[int, str] | None) -> None:
+        """Every rank stopped at ``step``: save it together, unless a checkpoint of it exists."""
+        job = self.job
+        existing = self.last_save.path if self.last_save is not None and self.last_save.step == step else \
+            resumed[1] if resumed is not None and resumed[0] == step else None
+        if existing is not None:
+            if job.rank == 0:
+                log.warning("rank 0: dying gasp: the checkpoint of step %d already exists: %s", step, existing)
+                job._send(CheckpointSaved(0, step, "existing", existing, 0.0, 0.0, 0, time.time()))
+            return
+        try:
+            self.save(state, step, "dying-gasp", meta)
+        except Exception as e:  # a peer gone mid-save: the latest valid checkpoint stands
+            log.error("rank %d: dying-gasp checkpoint of step %d failed: %s", job.rank, step, e)
+            if job.rank == 0:
+                job._send(CheckpointSaved(0, step, "dying-gasp", "", 0.0, 0.0, 0, time.time(),
+                                          error=f"{type(e).__name__}: {e}"))
+
+    # --- ring replication --------------------------------------------------------
+
+    def due(self, index: int) -> bool:
+        return self.ring and index % self.config.every == 0
+
+    def replicate(self, state: State, step: int) -> None:
+        """Inside step ``step``'s transaction, after its body: copy the shard to the successor, then agree.
+
+        A comm failure propagates (the step aborts). A replica that fails its
+        checksum is not kept: the older one stays, and the event says so.
+        """
+        data = sharding.shard_bytes(state, {"data_origin": self.job._data_origin})
+        self.copies.own[step] = data
+        try:
+            self.copies.replicas[step] = replica.exchange(data, self.successor, self.predecessor)
+        except RecoveryError as e:
+            log.error("rank %d: %s; keeping the older replica", self.job.rank, e)
+            self.job._send(Progress(self.job.rank, self.job.generation, "replica_rejected", time.time(), step=step,
+                                    detail={"from": self.predecessor, "error": str(e)}))
+        dist.barrier()  # commit only once every rank's successor holds its copy of this step
+        self.copies.committed(step)
+        if not self._replicated_once:
+            self._replicated_once = True
+            self.job._send(Progress(self.job.rank, self.job.generation, "replicating", time.time(), step=step,
+                                    detail={"to": self.successor, "from": self.predecessor,
+                                            "every": self.config.every, "bytes": len(data)}))
+
+    def replicate_initial(self, state: State, committed: int) -> bool:
+        """Before the first step of a launch: every shard has a copy from the start. False: a peer failed.
+
+        Only processes that start the launch together do it; a replacement
+        joins a loop that is already running (it got its copies in ``restore``).
+        """
+        env = self.job.env
+        if not self.ring or self.copies.own or env is None or env.joining:
+            return True
+        try:
+            self.replicate(state, committed)
+        except Exception as e:
+            from undying.worker.group import is_comm_failure
+
+            if not is_comm_failure(e):
+                raise
+            self.job._abort_reason = f"{type(e).__name__}: {e}"
+            return False
+        return True
+
+    # --- restore --------------------------------------------------------------------
+
+    def restore(self, statuses: list[RankStatus], state: State | None) -> tuple[int, RankStatus]:
+        """Collective, in the new generation: every rank's shard at one step; returns it and the new status.
+
+        ``state`` is None in a replacement that has not built its model yet:
+        what it receives waits for ``job.steps()`` (``Job._deferred``).
+        """
+        job = self.job
+        plan = replica.plan_shards(statuses, self.offset)
+        if plan.target is None:
+            step = self._rollback_to_checkpoint(state, plan)
+            return step, RankStatus(job.rank, step, clean=state is not None, has_state=state is not None,
+                                    mode=MODE_SHARDED)
+        target = plan.target
+        mine = plan.sources[job.rank]
+        works: list[dist.Work] = []
+        for rank, source in sorted(plan.sources.items()):
+            if source.kind == "replica" and source.holder == job.rank:
+                works += replica.send_bytes(self.copies.replicas[target], rank)
+        payload: bytes | None = None
+        if mine.kind == "replica":
+            payload = replica.recv_bytes(mine.holder)
+        for work in works:
+            work.wait()
+        if mine.kind == "own":
+            payload = self.copies.own[target]
+        if payload is not None:
+            if state is not None:
+                self._apply_shard(state, payload)
+            else:
+                data = payload
+                job._deferred = (target, lambda st: self._apply_shard(st, data))
+        self.copies.keep_only(target)
+        if self.ring:
+            # Every shard gets its replica back (the replacement's predecessor lost its holder).
+            own = payload if payload is not None else self.copies.own.get(target)
+            if own is None:
+                assert state is not None
+                own = sharding.shard_bytes(state, {"data_origin": job._data_origin})
+            self.copies.own = {target: own}
+            self.copies.replicas = {target: replica.exchange(own, self.successor, self.predecessor)}
+        else:
+            self.copies.clear()
+        job._send(Progress(job.rank, job.generation, "shards_restored", time.time(), step=target,
+                           detail={"plan": plan.describe(), "source": mine.kind, "holder": mine.holder,
+                                   "lost_steps": plan.lost_steps}))
+        if plan.lost_steps and job.rank == 0:
+            log.warning("job %s: sharded state restored at step %d (%s); %d step(s) are re-run",
+                        job.env.job_id if job.env else "", target, plan.describe(), plan.lost_steps)
+        # A replacement's shard waits in job._deferred: until steps() loads it, its own copy is the source.
+        return target, self.status(target, clean=state is not None)
+
+    def _apply_shard(self, state: State, payload: bytes) -> None:
+        with self._internal():
+            extra = sharding.load_shard_bytes(state, payload)
+        origin = extra.get("data_origin")
+        if origin is not None:
+            self.job._set_data_origin((int(origin[0]), int(origin[1])))
+
+    def _rollback_to_checkpoint(self, state: State | None, plan: replica.ShardPlan) -> int:
+        """No step has every shard in memory: every rank loads the latest valid checkpoint, in place."""
+        job = self.job
+        assert job.env is not None
+        found = latest_valid_shared(job.env.checkpoint.dir)
+        ckpt = found.checkpoint
+        manifest = ckpt.manifest if ckpt is not None else None
+        if ckpt is None or manifest is None or manifest.layout.get("kind") != "sharded":
+            error = NoStateSourceError(
+                f"sharded state lost: {plan.describe()}, but {job.env.checkpoint.dir} holds no valid sharded "
+                "checkpoint; run with --save-every/--save-interval (and --replicate ring to survive a rank's "
+                "loss without one)"
+            )
+            job._report_fatal(plan.newest + 1, error)
+            raise error
+        self.copies.clear()
+        lost = max(0, plan.newest - manifest.step)
+        job._send(Progress(job.rank, job.generation, "rolled_back", time.time(), step=manifest.step,
+                           detail={"checkpoint": ckpt.url, "lost_steps": lost, "reason": plan.describe()}))
+        log.warning("job %s rank %d: %s; rolling back to %s (step %d, %d step(s) lost)", job.env.job_id, job.rank,
+                    plan.describe(), ckpt.url, manifest.step, lost)
+        path = ckpt.url
+        if state is not None:
+            self.load_checkpoint(state, path, manifest)
+        else:
+            job._deferred = (manifest.step, lambda st: self.load_checkpoint(st, path, manifest))
+        return manifest.step
