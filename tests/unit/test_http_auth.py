@@ -361,11 +361,11 @@ def test_commands_find_the_token(served: Served, tmp_path: Path, capsys: pytest.
     # --token-file comes before env: a wrong file is used, and refused.
     token_file.write_text("stale-token\n")
     code, _, err = cli(["trace", "off", "--manager", address, "--token-file", str(token_file)], capsys)
-    assert code == 2 and "a wrong token" in err
+    assert code == 2 and "a wrong token" in err and f"sent the token from --token-file {token_file}" in err
 
 
 def test_commands_given_the_job_dir_read_its_token_and_name_the_job(
-    served: Served, capsys: pytest.CaptureFixture[str]
+    served: Served, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With --job-dir: the URL from manager.json, the token from <job dir>/token, the job id sent along."""
     info = {"url": served.url, "pid": os.getpid(), "job_id": JOB}
@@ -373,6 +373,11 @@ def test_commands_given_the_job_dir_read_its_token_and_name_the_job(
     code, out, _ = cli(["trace", "on", "--job-dir", str(served.job_dir), "--json"], capsys)
     assert code == 0 and json.loads(out)["step"] is True
     before = served.snapshot()
+    # A stale env token comes before the job dir's file; the refusal says that is what was sent.
+    monkeypatch.setenv(TOKEN_ENV, "left-over-from-another-job")
+    code, _, err = cli(["inject", "crash", "--rank", "0", "--job-dir", str(served.job_dir)], capsys)
+    assert code == 2 and "a wrong token" in err and f"sent the token from env {TOKEN_ENV}" in err
+    monkeypatch.delenv(TOKEN_ENV)
     (served.job_dir / "manager.json").write_text(json.dumps(info | {"job_id": "someone-else"}))
     code, _, err = cli(["inject", "crash", "--rank", "0", "--job-dir", str(served.job_dir)], capsys)
     assert code == 2 and f"this manager runs job {JOB}, the request is for job someone-else" in err

@@ -12,16 +12,18 @@ of obeying.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobdir import JobDir
-from undying.manager.auth import auth_headers, find_token
+from undying.manager.auth import auth_headers, find_token, find_token_with_source
 
 __all__ = [
     "add_job_arguments",
@@ -85,12 +87,25 @@ class Api:
     url: str
     token: str | None = None
     job_id: str | None = None
+    token_from: str = "nowhere"  # where the token was found, named when the manager refuses it
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
-        return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id)
+        with self._refusal_named():
+            return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
-        return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id)
+        with self._refusal_named():
+            return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id)
+
+    @contextlib.contextmanager
+    def _refusal_named(self) -> Iterator[None]:
+        try:
+            yield
+        except AccessDeniedError as e:
+            if self.token is None:
+                raise
+            # A stale env UNDYING_TOKEN shadows the job dir's file: say which one was sent.
+            raise AccessDeniedError(f"{e} (this command sent the token from {self.token_from})") from None
 
 
 def connect(manager: str | None, job_dir: str | None, token_file: str | None) -> Api:
@@ -102,7 +117,8 @@ def connect(manager: str | None, job_dir: str | None, token_file: str | None) ->
     open status answers reads without one, and one that needs it says so.
     """
     if manager is not None:
-        return Api(_base(manager), find_token(None, token_file))
+        token, source = find_token_with_source(None, token_file)
+        return Api(_base(manager), token, token_from=source)
     jd = resolve_job_dir(job_dir)
     return api_for(jd, token_file)
 
@@ -111,7 +127,8 @@ def api_for(jd: JobDir, token_file: str | None = None) -> Api:
     """The manager of the job in ``jd`` (JobNotRunningError when none runs), with its token and job id."""
     url = jd.running_manager_url()
     job_id = (jd.read_manager() or {}).get("job_id")
-    return Api(url, find_token(jd.path, token_file), str(job_id) if job_id is not None else None)
+    token, source = find_token_with_source(jd.path, token_file)
+    return Api(url, token, str(job_id) if job_id is not None else None, source)
 
 
 def _request(request: urllib.request.Request, timeout: float) -> Any:

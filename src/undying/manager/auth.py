@@ -38,6 +38,7 @@ __all__ = [
     "JOB_HEADER",
     "ensure_token",
     "find_token",
+    "find_token_with_source",
     "read_token_file",
     "tokens_match",
     "auth_headers",
@@ -164,16 +165,21 @@ def find_token(job_dir: Path | None, token_file: str | None) -> str | None:
     None when there is none: the request goes without one, and a manager
     that needs one says so (a manager with open status does not, for reads).
     """
+    return find_token_with_source(job_dir, token_file)[0]
+
+
+def find_token_with_source(job_dir: Path | None, token_file: str | None) -> tuple[str | None, str]:
+    """``find_token``, and where the token came from in words, for a refusal to name (a stale env, say)."""
     if token_file is not None:
-        return read_token_file(Path(token_file), private=False)
+        return read_token_file(Path(token_file), private=False), f"--token-file {token_file}"
     token = _env_token()
     if token is not None:
-        return token
+        return token, f"env {TOKEN_ENV}"
     if job_dir is not None:
         path = Path(job_dir) / TOKEN_FILE
         if path.exists() or path.is_symlink():
-            return read_token_file(path)
-    return None
+            return read_token_file(path), str(path)
+    return None, "nowhere"
 
 
 def tokens_match(given: str | None, expected: str) -> bool:
@@ -205,6 +211,6 @@ def token_from_headers(headers: Mapping[str, str]) -> str | None:
 def where_the_token_is(job_dir: Path | str) -> str:
     """One sentence for error messages: where a caller finds the token."""
     return (
-        f"the token is in {Path(job_dir) / TOKEN_FILE} (readable only by the user who started the job); "
+        f"the token is in {Path(os.path.abspath(job_dir)) / TOKEN_FILE} (readable only by the user who started the job); "
         f"`undying` commands read it from there with --job-dir, or pass --token-file PATH or set {TOKEN_ENV}"
     )
