@@ -67,6 +67,26 @@ def test_a_lost_host_is_replaced_by_a_new_one_and_no_step_is_lost(cluster: Clust
     assert job["job"]["state"] == "succeeded"
 
 
+def test_a_node_sent_sigterm_leaves_and_the_others_train_on_with_its_replacement(
+        cluster: Cluster, oracle: Oracle) -> None:
+    """Kubernetes deletes a pod: SIGTERM to its agent. Under DDP its ranks' state lives on in their peers."""
+    hosts = cluster.hosts
+    assert isinstance(hosts, Hosts)
+    cluster.start()
+    cluster.wait_for_step(15)
+    leaving = cluster.agents[1]
+    leaving.send_signal(signal.SIGTERM)
+    assert leaving.wait(30) == 143, cluster.log("node1")
+    assert not any(_alive(pid) for pid in hosts.pids(2)), "a worker of the node that left survived"
+    cluster.start_agent(1, hosts.add_host())
+    assert cluster.wait(120) == 0, cluster.logs()
+    job = _assert_identical(oracle, cluster)
+    lost = [i for i in job["incidents"] if i["kind"] == "node-loss"]
+    assert sorted(i["rank"] for i in lost) == [2, 3] and all(i["status"] == "recovered" for i in lost)
+    assert "is leaving: SIGTERM" in lost[0]["error"]
+    assert not [i for i in job["incidents"] if i["kind"] == "preempt"], "one node leaving is no preemption of the job"
+
+
 def test_a_cut_off_host_is_fenced_when_it_comes_back_and_rejoins(cluster: Cluster, oracle: Oracle) -> None:
     hosts = cluster.hosts
     assert isinstance(hosts, Hosts)
