@@ -107,10 +107,15 @@ class Copies:
     replicas: dict[int, bytes] = field(default_factory=dict)
 
     def committed(self, step: int) -> None:
-        """Step ``step`` committed: older copies are no longer a step anyone can be restored at."""
+        """Step ``step`` committed: older copies are no longer a step anyone can be restored at.
+
+        Where there is no copy of ``step`` (a replica refused for its checksum)
+        the older one stays: the only copy of that shard there is.
+        """
         for copies in (self.own, self.replicas):
-            for old in [s for s in copies if s < step]:
-                del copies[old]
+            if step in copies:
+                for old in [s for s in copies if s < step]:
+                    del copies[old]
 
     def keep_only(self, step: int) -> None:
         for copies in (self.own, self.replicas):
