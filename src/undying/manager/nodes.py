@@ -357,12 +357,15 @@ class AgentServer:
                 return
             while True:
                 line = await reader.readline()
+                # This connection speaks for the node only while it is the slot's: the agent may have
+                # resumed its session on a new one (then closing this one is no loss), or been fenced.
+                current = slot.session == session and slot.writer is writer
                 if not line:
-                    if slot.session == session:
+                    if current:
                         self.lose(slot, f"node {slot.node} ({slot.host}): its agent's connection closed")
                     return
-                if slot.session != session:
-                    return  # fenced meanwhile: whatever it says now is stale
+                if not current:
+                    return  # fenced, or resumed elsewhere meanwhile: whatever it says here is stale
                 slot.last_heard = time.time()
                 try:
                     message = decode(line)
@@ -376,7 +379,7 @@ class AgentServer:
                     continue
                 self._dispatch(slot, message)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
-            if slot is not None and slot.session == session and session:
+            if slot is not None and slot.session == session and session and slot.writer is writer:
                 self.lose(slot, f"node {slot.node} ({slot.host}): connection failed ({type(e).__name__}: {e})")
         finally:
             self._connections.discard(writer)
