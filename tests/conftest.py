@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,18 @@ from tests.oracle import Oracle
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Oracle:
     return Oracle(tmp_path_factory.mktemp("baselines"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def job_token() -> Iterator[str]:
+    """One token for every job a test starts (inherited through env), so helpers that know only a URL get in."""
+    previous = os.environ.get("UNDYING_TOKEN")
+    os.environ["UNDYING_TOKEN"] = token = secrets.token_urlsafe(32)
+    yield token
+    if previous is None:
+        os.environ.pop("UNDYING_TOKEN", None)
+    else:
+        os.environ["UNDYING_TOKEN"] = previous
 
 
 @pytest.fixture

@@ -50,9 +50,22 @@ def test_run_with_no_processes(capsys: pytest.CaptureFixture[str], script: Path,
     assert not job_dir.exists()
 
 
-@pytest.mark.parametrize("flags", [["--nnodes", "2"], ["--node-rank", "1"], ["--manager", "h:1"]])
-def test_run_multi_node(capsys: pytest.CaptureFixture[str], script: Path, job_dir: Path, flags: list[str]) -> None:
-    fails(capsys, ["run", *flags, "--job-dir", str(job_dir), str(script)], "multi-node", "--nnodes")
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--nnodes", "2"], ["--nnodes > 1 needs --manager", "undying manager"]),
+        (["--node-rank", "1"], ["needs --manager"]),
+        (["--manager", "h:1"], ["--manager needs --job-id"]),
+        (["--manager", "nohost", "--job-id", "j"], ["expected HOST:PORT"]),
+        (["--manager", "h:99999", "--job-id", "j"], ["expected HOST:PORT"]),
+        (["--nnodes", "2", "--node-rank", "2", "--manager", "h:1", "--job-id", "j"], ["--node-rank must be in [0, 2)"]),
+        (["--nnodes", "2", "--manager", "h:1", "--job-id", "j"], ["no token", "--token-file"]),
+    ],
+)
+def test_run_multi_node_bad_input(capsys: pytest.CaptureFixture[str], script: Path, job_dir: Path,
+                                  flags: list[str], words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UNDYING_TOKEN", raising=False)
+    fails(capsys, ["run", *flags, "--job-dir", str(job_dir), str(script)], *words)
     assert not job_dir.exists()
 
 

@@ -114,5 +114,5 @@ def test_rank_info_to_dict() -> None:
     info = RankInfo(rank=1, node=0, pid=42, state=RankState.RUNNING, step=7, generation=2, restarts=1)
     assert info.to_dict() == {
         "rank": 1, "node": 0, "pid": 42, "state": "running", "step": 7, "generation": 2,
-        "restarts": 1, "last_seen": 0.0,
+        "restarts": 1, "last_seen": 0.0, "incarnation": 0,
     }

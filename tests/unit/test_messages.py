@@ -31,6 +31,10 @@ def _sample(cls: type[Message]) -> Message:
             values[f.name] = {"loss": 0.1 + 0.2, "lr": 1e-3}
         elif kind.startswith("dict[str, Any]"):
             values[f.name] = {"donor": 1, "receivers": [0, 2]}
+        elif kind.startswith("dict[str, int]"):
+            values[f.name] = {"2": 4242, "3": 4243}
+        elif kind.startswith("list[dict[str, Any]]"):
+            values[f.name] = [{"rank": 1, "phase": "step"}]
         else:
             raise AssertionError(f"no sample value for {cls.__name__}.{f.name}: {kind}")
     return cls(**values)

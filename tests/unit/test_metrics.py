@@ -151,7 +151,7 @@ def test_routes(manager: Manager) -> None:
     """/ is the self-contained page, /metrics the exposition, and the JSON API is unchanged."""
 
     async def fetch() -> dict[str, Any]:
-        async with TestClient(TestServer(build_app(manager))) as client:
+        async with TestClient(TestServer(build_app(manager, token="t" * 32)), headers={"Authorization": "Bearer " + "t" * 32}) as client:
             page = await client.get("/")
             metrics = await client.get("/metrics")
             status = await client.get("/api/status")

@@ -30,9 +30,10 @@ from rich.table import Table
 
 from undying.cli.client import api_get, api_post
 from undying.config import EXIT_PREEMPTED
-from undying.demo import TRAIN_SCRIPT
+from undying.demo import TRAIN_SCRIPT, node_loss
 from undying.errors import UsageError
 from undying.jobdir import JobDir
+from undying.manager.auth import find_token
 from undying.manager.events import connect_readonly
 from undying.oracle import RunRecord, compare_runs, load_run, merge_runs
 
@@ -75,6 +76,10 @@ FAULTS: dict[str, FaultPlan] = {
     "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
                          description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
                          "the same command again resumes"),
+    "node-loss": FaultPlan("node-loss", rank=node_loss.LOST_RANKS[0], at_step=node_loss.LOSE_AT_STEP, phase="step",
+                           description=f"{node_loss.NNODES} nodes x {node_loss.NPROC_PER_NODE} ranks on network-"
+                           f"namespace hosts; node {node_loss.LOST_NODE}'s host lost mid-run (every process on it "
+                           "SIGKILLed), a new host joins in its place"),
 }
 
 # The seeded job: 4 ranks, 128 steps an epoch.
@@ -123,7 +128,8 @@ def run_preempted(job_dir: Path, script_args: list[str], *, at_step: int, ranks:
                 info = JobDir(job_dir).read_manager()
                 if info is not None:
                     try:
-                        if api_get(info["url"], "/api/status")["step"] >= at_step:
+                        status = api_get(info["url"], "/api/status", token=find_token(job_dir, None))
+                        if status["step"] >= at_step:
                             break
                     except Exception:  # the API is starting or stopping
                         pass
@@ -211,15 +217,16 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
         if info is not None:
             offset = 0
             if when_warm:
-                status = api_get(info["url"], "/api/status")
+                status = api_get(info["url"], "/api/status", token=find_token(job_dir.path, None))
                 if status["state"] != "running" or status["spares_ready"] < 1:
                     time.sleep(0.05)
                     continue
                 offset = status["step"]
+            token = find_token(job_dir.path, None)
             for fault in faults:
-                api_post(info["url"], "/api/inject", {"kind": fault.kind, "rank": fault.rank,
-                                                      "at_step": fault.at_step + offset, "phase": fault.phase,
-                                                      "how": fault.how, "factor": fault.factor})
+                body = {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step + offset,
+                        "phase": fault.phase, "how": fault.how, "factor": fault.factor}
+                api_post(info["url"], "/api/inject", body, token=token)
             return
         time.sleep(0.05)
     raise RuntimeError("the job's manager did not come up in time")
@@ -231,17 +238,24 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs < 1:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
     fault = FAULTS[args.fault]
+    if fault.kind == "node-loss" and (why := node_loss.unavailable_reason()) is not None:
+        return node_loss.refuse(why, as_json=args.json)
     console = Console(stderr=True)
     root = Path(tempfile.mkdtemp(prefix="undying-demo-"))
     script_args = [*JOB_ARGS, "--epochs", str(args.epochs)]
+    base_args, base_run_args = script_args, None
+    if fault.kind == "node-loss":  # a smaller job with slower steps: time to lose a host mid-run
+        script_args = node_loss.script_args(args.epochs)
+        base_args, base_run_args = node_loss.baseline_args(args.epochs), list(node_loss.BASELINE_RUN_ARGS)
     started = time.monotonic()
     try:
         console.print(f"[bold]undying demo[/bold]: seeded {RANKS}-rank CPU job, fault: {fault.description}")
         console.print("  run 1/2: without the fault ...")
-        rc_base = run_job(root / "fault-free", script_args)
+        rc_base = run_job(root / "fault-free", base_args, extra_run_args=base_run_args)
         console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
         baseline = load_run(root / "fault-free" / "events.db")
         exit_codes = {"fault_free": rc_base}
+        fault_reasons: list[str] = []
         if fault.kind == "preempt":
             rc_term, sigterm_t = run_preempted(root / "with-fault", script_args, at_step=fault.at_step)
             console.print(f"    SIGTERM at step >= {fault.at_step}: the launcher exited {rc_term}; "
@@ -251,6 +265,13 @@ def run(args: argparse.Namespace) -> int:
             faulty_incidents = [*[i for i in faulty.incidents if i["kind"] != "preempt"], preempt_incident]
             exit_codes["preempted"] = rc_term
             rc_ok = rc_term == EXIT_PREEMPTED
+        elif fault.kind == "node-loss":
+            lost = node_loss.run_with_node_loss(root, script_args, console)
+            # rc_fault None: the job never ended (lost.reasons says why); exit_codes shows it as null
+            rc_fault, faulty = lost.returncode, lost.record  # type: ignore[assignment]
+            faulty_incidents = faulty.incidents
+            fault_reasons = [*lost.reasons, *node_loss.check_incidents(faulty_incidents)]
+            rc_ok = True
         else:
             rc_fault = run_job(root / "with-fault", script_args, fault=fault, when_warm=True,
                                extra_run_args=list(fault.run_args))
@@ -260,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         exit_codes["with_fault"] = rc_fault
         comparison = compare_runs(baseline, faulty)
         incidents = [_incident_view(i) for i in faulty_incidents]
-        reasons = list(comparison.reasons)
+        reasons = [*comparison.reasons, *fault_reasons]
         if not rc_ok:
             reasons.append(f"the preempted launcher exited {exit_codes['preempted']}, not {EXIT_PREEMPTED}")
         # A found fault (slow) must name the rank it was put in; a recovered one is checked by the oracle.
