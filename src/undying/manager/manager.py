@@ -684,6 +684,11 @@ class Manager:
     async def _comm_failure_grace(self, message: CommFailure) -> None:
         """A collective failed. If no process exits meanwhile, it was the link: retry."""
         await asyncio.sleep(self.config.timeouts.comm_error_grace)
+        # A rank that reported an error in the user's code is on its way out (its interpreter tears
+        # down, which takes seconds on a busy machine): its exit, not the link, is what failed.
+        patience = time.monotonic() + 10 * self.config.timeouts.comm_error_grace
+        while self._fatal and time.monotonic() < patience and self.generation == message.generation:
+            await asyncio.sleep(0.05)
         if self.generation != message.generation or self.state not in (JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):
             return
         if any(i.step == message.step for i, _ in self._condemned.values()):
