@@ -226,6 +226,8 @@ class JobConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    # Serve the read-only status (the page, /api/status, /metrics) without the token.
+    open_status: bool = False
 
     @property
     def checkpoint_dir(self) -> str:
@@ -285,7 +287,8 @@ class JobConfig:
     def differences(self, other: JobConfig) -> list[str]:
         """The flags in which two nodes of one job disagree (per-node ones aside)."""
         mine, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
-        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.switch_file", "job_id_given"}
+        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.switch_file", "job_id_given",
+                    "open_status"}
         return sorted(k for k in mine.keys() | theirs.keys()
                       if k not in per_node and mine.get(k) != theirs.get(k))
 

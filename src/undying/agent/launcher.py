@@ -18,19 +18,18 @@ import time
 from pathlib import Path
 
 from undying.agent.agent import Agent
-from undying.config import EXIT_PREEMPTED, JobConfig
+from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.events import EventLog
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
+from undying.manager.service import exit_code
 from undying.manager.state import JobState
 
-__all__ = ["launch", "EXIT_CODES"]
+__all__ = ["launch"]
 
 log = logging.getLogger("undying.launcher")
-
-EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 130}
 
 
 def _check_script(script: str) -> None:
@@ -54,7 +53,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         )
         await agent.start()
         manager.add_agent(agent)
-        runner, url = await start_http(manager, config.host, config.http_port)
+        runner, url = await start_http(manager, config.host, config.http_port, open_status=config.open_status)
     except BaseException:
         manager.close()
         raise
@@ -88,12 +87,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         job_dir.clear_manager()
         manager.close()
     _report(config, manager, final)
-    if final is JobState.PREEMPTED:
-        has_checkpoint = (manager.preemption or {}).get("checkpoint_step", -1) >= 0
-        return EXIT_PREEMPTED if has_checkpoint else 143
-    if final is JobState.STOPPED and interrupted and interrupted[0] == signal.SIGTERM:
-        return 143
-    return EXIT_CODES.get(final, 1)
+    return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
 
 
 def _report(config: JobConfig, manager: Manager, final: JobState) -> None:

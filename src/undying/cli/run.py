@@ -103,6 +103,9 @@ no checkpoint at all.""",
                     "(default 1000)")
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
+    p.add_argument("--open-status", action="store_true",
+                   help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
+                   "inject, stop and trace changes always need it (<job dir>/token)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
     m = p.add_argument_group("multi-node (start `undying manager --job-id J` first, then this on every node)")
     m.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1: standalone, the manager runs here)")
@@ -188,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         max_restarts=args.max_restarts,
         max_retries=args.max_retries,
         spares=args.spares,
+        open_status=args.open_status,
         timeouts=timeouts,
         checkpoint=CheckpointConfig(
             dir=args.checkpoint_dir,
