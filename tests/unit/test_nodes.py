@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import random
 import signal
 import socket
 import time
@@ -578,13 +579,18 @@ def test_manager_client_keeps_reports_until_acked_and_resends_them_in_order() ->
 
 
 def _free_port_pair() -> int:
-    """A port P with P and P + 1 free (the agents' port and the control store's)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port >= 65534:
-            continue
+    """A port P with P and P + 1 free (the agents' port and the control store's).
+
+    Below the kernel's ephemeral range, where no other process's outgoing
+    connection takes P + 1 before the manager's control store binds it.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(10_000, max(10_002, low - 2))
         with socket.socket() as a, socket.socket() as b:
             try:
                 a.bind(("127.0.0.1", port))

@@ -1,0 +1,1029 @@
+"""Control plane at scale: simulated agents against one real manager (issue #7).
+
+Method
+------
+One real ``undying manager`` (``undying.manager.service``, run in its own
+process by this script with ``--manager-child``: the shipped service, with
+timing wrappers around three of its methods, see below) and, in this process,
+N simulated agents: asyncio clients speaking the real protocol on real TCP
+sockets, with no torch and no workers. Each one:
+
+* joins with ``AgentJoin`` (the job's token, the job's flags, its node rank)
+  and is welcomed with ``AgentWelcome``;
+* answers the manager's commands as an agent does (``SpawnRank`` with
+  ``RankSpawned``, ``StopNode`` with ``NodeStopped``, ``KillRank`` with
+  ``RankExited``; ``Acked`` trims its kept reports);
+* sends its beat (``AgentState``: live ranks, their phases) every 0.5 s, the
+  agent's own rate, each node at its own phase;
+* forwards its ranks' worker messages as a real agent does: every report
+  numbered by the agent's own ``ManagerClient`` (``Numbered``), a worker
+  message wrapped in ``RankReport``. Workers' heartbeats stay in the agent (as
+  in ``undying run``); what reaches the manager in steady state is one
+  ``StepCommitted`` per rank per step (``--step-s``, default 1 s).
+
+Steps are synchronous, as under DDP: at each step boundary every rank of every
+node commits. ``--spread`` says over what share of a step the commits are sent
+(0, the default: all at once, as fast as this process sends them, which is
+the burst a real DDP job makes after each all-reduce; 1: evenly over the
+step).
+
+The sizes step through ``--nodes`` (default 8, 64, 256, 1024) at
+``--ranks-per-node`` (default 8). At each size:
+
+1. Start-up: the manager starts, every agent joins (64 connecting at a time),
+   generation 0 spawns every rank (a ``SpawnRank`` each, answered).
+2. ``--warmup-s`` of steps, then a measuring window of ``--window-s``.
+3. ``--crashes`` crash trials under the same load: a simulated agent reports
+   ``RankExited`` for one of its ranks (as the agent's child watch does); the
+   manager decides and sends ``SpawnRank`` for a replacement; the simulated
+   agent starts it (``RankSpawned``, the worker's ``Hello``), every rank moves
+   to the new generation (each sends ``Progress`` group_rebuilt and
+   state_restored, then its commits carry the new generation) and the
+   incident closes as recovered. The next trial waits for that.
+4. The manager is stopped (SIGINT: it stops every node, which answer, and
+   says JobEnded).
+
+Definitions
+-----------
+* Handling latency of a report: from when the simulated agent wrote it (the
+  ``t`` it stamps on it right before the socket write; the report's own field
+  for ``StepCommitted`` and ``AgentState``) to when the manager's handler for
+  it returned (``Manager.on_message`` for a worker's message,
+  ``AgentServer._dispatch`` for the agent's own). Both clocks are this host's.
+  It includes the kernel, the wait in the manager's socket buffer and event
+  loop behind other work (a burst of commits, a log flush), the line's three
+  JSON decodes and the manager's handling itself (its SQLite rows). The
+  manager's own handling time (the handler's duration alone) is reported
+  beside it, and so are its log flushes and its event-loop lag (a 50 ms sleep's
+  overshoot).
+* Sustained: over the window, p99 handling latency of the commits and of the
+  beats under ``--target-p99-ms`` (100), no node lost, and every report sent
+  handled (the manager keeps up).
+* Detection-to-decision of a crash: the incident's ``decided`` minus its
+  ``detected`` phase, read from the manager's SQLite log. ``detected`` is the
+  ``t`` of the agent's ``RankExited`` (when the agent saw the exit: here,
+  right before it is written), ``decided`` when the policy's decision was
+  made. Beside it, measured by the agent: from writing ``RankExited`` to the
+  ``SpawnRank`` of the replacement arriving (the decision, plus opening the
+  new generation's TCPStore, plus the way back).
+* Report to Acked: from writing a report to the ``Acked`` that covers it (the
+  log committed it). Bounded below by the manager's flush period (0.25 s) and
+  beat (0.5 s), so it is a durability lag, not a handling time.
+
+The manager's CPU use over the window (its process, all threads) and this
+process's (the simulated agents) are reported: on 2 cores, this process takes
+one of them, and a sender that cannot keep up shows as late steps
+(``sender_late_steps``). Each size records ``uptime``'s load average before and
+after: other sessions share the machine.
+
+``--profile`` runs the manager's window under cProfile and prints where its
+time goes (the wrapped handlers time the same; cProfile slows them, so
+latencies from a profiled run are not the headline ones).
+
+File descriptors: 1,024 simulated nodes take 1,024 sockets here and as many in
+the manager (plus a TCPStore per generation); the soft ``ulimit -n`` of both
+processes is raised to the hard limit (``--nofile`` caps it), and the figure is
+reported.
+
+Run it from the repository root::
+
+    python bench/control_plane.py                          # 8 .. 1024 nodes x 8 ranks, about 5 min
+    python bench/control_plane.py --nodes 8,64 --window-s 10 --crashes 2
+    python bench/control_plane.py --nodes 1024 --profile   # where the manager's time goes
+
+With ``--json`` the text report goes to stderr and the last stdout line is one
+JSON object. With ``--out DIR`` the manager's log and job dir are kept there.
+The manager process is stopped on exit, Ctrl-C and SIGTERM included (SIGINT,
+then SIGKILL), by its PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import contextlib
+import cProfile
+import dataclasses
+import io
+import json
+import logging
+import os
+import pstats
+import random
+import resource
+import secrets
+import shutil
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recovery import interrupt, publish  # noqa: E402  (bench/ is a folder of scripts)
+
+from undying.agent.remote import ManagerClient  # noqa: E402
+from undying.config import JobConfig, Timeouts  # noqa: E402
+from undying.manager.auth import TOKEN_ENV  # noqa: E402
+from undying.messages import (  # noqa: E402
+    Acked,
+    AgentFenced,
+    AgentJoin,
+    AgentRefused,
+    AgentState,
+    AgentWelcome,
+    Hello,
+    JobEnded,
+    KillRank,
+    Message,
+    NodeStopped,
+    Progress,
+    RankExited,
+    RankReport,
+    RankSpawned,
+    SpawnRank,
+    StepCommitted,
+    StopNode,
+    decode,
+    encode,
+)
+
+DEFAULT_NODES = (8, 64, 256, 1024)
+TARGET_P99_MS = 100.0
+TARGET_DECISION_S = 1.0
+AGENT_BEAT_S = 0.5  # undying.agent.remote._STATE_EVERY_S: an agent's AgentState rate
+CONNECT_AT_ONCE = 64
+MANAGER_CHILD_FLAG = "--manager-child"
+JOB_ID = "control-plane"
+
+
+# --- small helpers ---------------------------------------------------------------------
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def raise_fd_limit(cap: int) -> int:
+    """The soft RLIMIT_NOFILE raised to the hard limit (at most ``cap``); returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else cap
+    want = min(want, cap)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def percentiles(values: Iterable[float], scale: float = 1000.0) -> dict[str, Any]:
+    """n, p50, p90, p99, max of ``values`` (seconds), in milliseconds by default."""
+    data = sorted(values)
+    if not data:
+        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
+
+    def at(q: float) -> float:
+        return round(data[min(len(data) - 1, int(q * len(data)))] * scale, 3)
+
+    return {"n": len(data), "p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "max": round(data[-1] * scale, 3)}
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free on 127.0.0.1 (agents join on P, the control store takes P + 1).
+
+    Taken below the kernel's ephemeral range, so that no outgoing connection of
+    another process on this busy machine takes P + 1 while the manager starts.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.SystemRandom().randrange(10_000, max(10_002, low - 2))
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1 below the ephemeral range")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- the manager, in its own process ---------------------------------------------------
+
+
+class Probe:
+    """Timing wrappers around the manager's handlers; a window starts on SIGUSR1 and is written out on SIGUSR2.
+
+    The wrappers call the shipped methods unchanged; outside a window they add
+    one attribute read per message.
+    """
+
+    def __init__(self, out: Path, profile: bool) -> None:
+        self.out = out
+        self.profile = profile
+        self.on = False
+        self.started = 0.0
+        self.cpu0 = 0.0
+        # Per message kind: when the report was written (its t), and how long until it was handled.
+        self.written: dict[str, array.array[float]] = defaultdict(lambda: array.array("d"))
+        self.latency: dict[str, array.array[float]] = defaultdict(lambda: array.array("d"))
+        self.handling: dict[str, array.array[float]] = defaultdict(lambda: array.array("d"))
+        self.flushes: array.array[float] = array.array("d")
+        self.loop_lag: array.array[float] = array.array("d")
+        self.profiler: cProfile.Profile | None = None
+        self.windows = 0
+        self.watcher: asyncio.Future[None] | None = None
+
+    def install(self) -> None:
+        from undying.manager import nodes
+        from undying.manager.events import EventLog
+        from undying.manager.manager import Manager
+
+        probe = self
+        dispatch = nodes.AgentServer._dispatch
+        on_message = Manager.on_message
+        flush = EventLog.flush
+        start = nodes.AgentServer.start
+
+        def timed_dispatch(server: Any, slot: Any, message: Message) -> None:
+            if not probe.on:
+                return dispatch(server, slot, message)
+            began = time.perf_counter()
+            dispatch(server, slot, message)
+            took = time.perf_counter() - began
+            kind = type(message).__name__
+            probe.handling[kind].append(took)
+            if isinstance(message, (AgentState, RankExited)):
+                probe.note(kind, message.t)
+
+        def timed_on_message(manager: Any, message: Message) -> None:
+            on_message(manager, message)
+            if probe.on and isinstance(message, StepCommitted):
+                probe.note("StepCommitted", message.t)
+
+        def timed_flush(log: Any) -> None:
+            if not probe.on:
+                return flush(log)
+            began = time.perf_counter()
+            flush(log)
+            probe.flushes.append(time.perf_counter() - began)
+
+        async def start_with_lag_probe(server: Any) -> int:
+            port = await start(server)
+            probe.watcher = asyncio.ensure_future(probe.watch_loop())
+            return port
+
+        for owner, name, wrapper in ((nodes.AgentServer, "_dispatch", timed_dispatch),
+                                     (Manager, "on_message", timed_on_message), (EventLog, "flush", timed_flush),
+                                     (nodes.AgentServer, "start", start_with_lag_probe)):
+            setattr(owner, name, wrapper)
+        signal.signal(signal.SIGUSR1, lambda *_: self.begin())
+        signal.signal(signal.SIGUSR2, lambda *_: self.end())
+
+    def note(self, kind: str, written: float) -> None:
+        self.written[kind].append(written)
+        self.latency[kind].append(time.time() - written)
+
+    async def watch_loop(self) -> None:
+        """The event loop's lag: how late a 50 ms sleep wakes up (every other coroutine waits as long)."""
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(0.05)
+            if self.on:
+                self.loop_lag.append(time.perf_counter() - began - 0.05)
+
+    def begin(self) -> None:
+        self.written.clear()
+        self.latency.clear()
+        self.handling.clear()
+        self.flushes = array.array("d")
+        self.loop_lag = array.array("d")
+        self.started = time.time()
+        self.cpu0 = time.process_time()
+        if self.profile:
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        self.on = True
+
+    def end(self) -> None:
+        self.on = False
+        if self.profiler is not None:
+            self.profiler.disable()
+        self.windows += 1
+        wall = time.time() - self.started
+        # The sender's window: only reports written within it count (the probe ran on to let them drain).
+        bounds = json.loads(self.out.with_suffix(".window").read_text())
+        low, high = bounds["from"], bounds["to"]
+        latency = {kind: [lat for t, lat in zip(self.written[kind], values, strict=True) if low <= t <= high]
+                   for kind, values in self.latency.items()}
+        result = {
+            "probe_s": round(wall, 3),
+            "main_thread_cpu_s": round(time.process_time() - self.cpu0, 3),
+            "latency_ms": {k: percentiles(v) for k, v in latency.items()},
+            "handling_ms": {k: percentiles(v) for k, v in self.handling.items()},
+            "handling_total_s": {k: round(sum(v), 3) for k, v in self.handling.items()},
+            "flush_ms": percentiles(self.flushes),
+            "flush_total_s": round(sum(self.flushes), 3),
+            "loop_lag_ms": percentiles(self.loop_lag),
+        }
+        if self.profiler is not None:
+            self.profiler.dump_stats(str(self.out.with_suffix(f".{self.windows}.prof")))
+            self.profiler = None
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, self.out.with_suffix(f".{self.windows}.json"))
+
+
+def manager_child(argv: list[str]) -> int:
+    """``undying manager`` in this process, under the Probe: the bench's manager."""
+    p = argparse.ArgumentParser(prog="control_plane.py --manager-child")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--stats", required=True)
+    p.add_argument("--nofile", type=int, required=True)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    raise_fd_limit(args.nofile)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    from undying.manager.service import ManagerOptions, serve_manager
+
+    Probe(Path(args.stats), args.profile).install()
+    return serve_manager(ManagerOptions(job_id=JOB_ID, job_dir=args.job_dir, host="127.0.0.1", port=args.port,
+                                        http_port=0))
+
+
+_managers: list[ManagerProcess] = []
+
+
+def kill_managers() -> None:
+    """The last resort on any exit: every manager child still running is SIGKILLed, by PID."""
+    for manager in _managers:
+        manager.kill()
+
+
+class ManagerProcess:
+    """The manager child: started, signalled and stopped by PID."""
+
+    def __init__(self, root: Path, nofile: int, profile: bool, token: str) -> None:
+        self.root = root
+        self.job_dir = root / "job"
+        self.stats = root / "probe"
+        self.port = free_port_pair()
+        self.log_path = root / "manager.log"
+        env = dict(os.environ)
+        env[TOKEN_ENV] = token
+        argv = [sys.executable, str(Path(__file__).resolve()), MANAGER_CHILD_FLAG, "--job-dir", str(self.job_dir),
+                "--port", str(self.port), "--stats", str(self.stats), "--nofile", str(nofile)]
+        if profile:
+            argv.append("--profile")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        _managers.append(self)
+        self.windows = 0
+
+    @property
+    def events_db(self) -> Path:
+        return self.job_dir / "events.db"
+
+    def begin_probe(self) -> None:
+        os.kill(self.process.pid, signal.SIGUSR1)
+
+    def cpu_s(self) -> float:
+        return process_cpu_s(self.process.pid)
+
+    async def end_probe(self, written_from: float, written_to: float) -> dict[str, Any]:
+        """The probe's figures for the reports written in [written_from, written_to]."""
+        self.stats.with_suffix(".window").write_text(json.dumps({"from": written_from, "to": written_to}))
+        os.kill(self.process.pid, signal.SIGUSR2)
+        self.windows += 1
+        path = self.stats.with_suffix(f".{self.windows}.json")
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"the manager wrote no window stats ({path}); see {self.log_path}")
+            await asyncio.sleep(0.05)
+        return dict(json.loads(path.read_text()))
+
+    def profile_path(self) -> Path:
+        return self.stats.with_suffix(f".{self.windows}.prof")
+
+    def interrupt(self) -> None:
+        """SIGINT: the manager stops every node's ranks and ends the job."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGINT)
+
+    def stop(self, timeout_s: float = 30.0, *, interrupt: bool = True) -> int | None:
+        """SIGINT (unless sent already), SIGKILL if the manager is still there after ``timeout_s``."""
+        if self.process.poll() is None:
+            if interrupt:
+                self.interrupt()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+
+# --- the simulated agents --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Window:
+    """What the simulated agents measure during a window."""
+
+    on: bool = False
+    acked_lag: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+    sender_lag: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+    reports: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    late_steps: int = 0
+    steps: int = 0
+
+    def reset(self) -> None:
+        self.acked_lag = array.array("d")
+        self.sender_lag = array.array("d")
+        self.reports = defaultdict(int)
+        self.late_steps = 0
+        self.steps = 0
+
+
+class SimNode:
+    """One simulated agent: the real join, beats, numbered reports and answers to the manager's commands."""
+
+    def __init__(self, sim: Sim, node: int) -> None:
+        self.sim = sim
+        self.node = node
+        self.client = ManagerClient()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.session = ""
+        self.live: dict[int, int] = {}
+        self.sent: deque[tuple[int, float]] = deque()  # (seq, when written), until Acked
+        self.seq = 0
+        self.fenced = ""
+        self.ended: JobEnded | None = None
+        self.moved_to = 0  # the newest generation this node's ranks announced they rebuilt for
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def report(self, message: Message) -> None:
+        self.client.send(message)
+        self.seq += 1
+        window = self.sim.window
+        if window.on:
+            self.sent.append((self.seq, time.time()))
+            window.reports[type(message).__name__] += 1
+
+    def worker(self, message: Message) -> None:
+        self.report(RankReport(encode(message).decode()))
+
+    async def join(self) -> None:
+        sim = self.sim
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", sim.port, limit=16 * 1024 * 1024)
+        config = dataclasses.replace(sim.config, node_rank=self.node)
+        self.writer.write(encode(AgentJoin(
+            job_id=JOB_ID, node=self.node, nnodes=config.nnodes, nproc_per_node=config.nproc_per_node,
+            token=sim.token, session="", pid=os.getpid(), host=f"sim-{self.node}", config=config.to_dict(),
+            live={}, t=time.time())))
+        line = await asyncio.wait_for(self.reader.readline(), 120.0)
+        reply = decode(line) if line else None
+        if isinstance(reply, (AgentRefused, AgentFenced)):
+            raise RuntimeError(f"node {self.node}: the manager said {type(reply).__name__}: {reply.reason}")
+        if not isinstance(reply, AgentWelcome):
+            raise RuntimeError(f"node {self.node}: expected AgentWelcome, got {reply!r}")
+        self.session = reply.session
+        self.client.connected(self.writer, reply.acked)
+        self._tasks = [asyncio.ensure_future(self._serve()), asyncio.ensure_future(self._beat())]
+
+    async def _beat(self) -> None:
+        await asyncio.sleep(random.uniform(0, AGENT_BEAT_S))  # each agent at its own phase
+        while True:
+            self.report(AgentState(node=self.node, live={str(r): p for r, p in self.live.items()},
+                                   phases={str(r): "step" for r in self.live}, spares_ready=0, t=time.time()))
+            await asyncio.sleep(AGENT_BEAT_S)
+
+    async def _serve(self) -> None:
+        assert self.reader is not None and self.writer is not None
+        while True:
+            line = await self.reader.readline()
+            if not line:
+                return
+            message = decode(line)
+            if isinstance(message, Acked):
+                self.client.acked(message.seq)
+                now = time.time()
+                while self.sent and self.sent[0][0] <= message.seq:
+                    _, t = self.sent.popleft()
+                    if self.sim.window.on:
+                        self.sim.window.acked_lag.append(now - t)
+            elif isinstance(message, SpawnRank):
+                self.sim.on_spawn(self, message)
+            elif isinstance(message, KillRank):
+                pid = self.live.pop(message.rank, 0)
+                if pid:
+                    self.report(RankExited(message.rank, pid, -message.signal, time.time()))
+            elif isinstance(message, StopNode):
+                self.live.clear()
+                self.report(NodeStopped(message.seq))
+            elif isinstance(message, JobEnded):
+                self.ended = message
+                return
+            elif isinstance(message, AgentFenced):
+                self.fenced = message.reason
+                return
+            # ManagerBeat, KeepSpares, TraceSet, TellRank, ArmRank, AbortRank: nothing to do here.
+
+    def commit(self, step: int, generation: int) -> None:
+        """This node's ranks finished ``step``: one StepCommitted each (a newly moved rank says so first)."""
+        if generation > self.moved_to:
+            self.moved_to = generation
+            for rank in self.live:
+                self.worker(Progress(rank, generation, "group_rebuilt", time.time()))
+                self.worker(Progress(rank, generation, "state_restored", time.time(), step=step - 1))
+        for rank in self.live:
+            self.worker(StepCommitted(rank, generation, step, time.time(), {"loss": 1.0 / step}))
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Sim:
+    """Every simulated agent of one size, their shared step clock, and the crash trials."""
+
+    def __init__(self, port: int, token: str, nnodes: int, ranks_per_node: int, step_s: float, spread: float) -> None:
+        self.port = port
+        self.token = token
+        self.step_s = step_s
+        self.spread = spread
+        self.config = JobConfig(job_id=JOB_ID, job_dir="/nonexistent/sim", nproc_per_node=ranks_per_node,
+                                nnodes=nnodes, spares=0, timeouts=Timeouts())
+        self.nodes = [SimNode(self, n) for n in range(nnodes)]
+        self.generation = 0
+        self.step = 0
+        self.window = Window()
+        self.spawned_at = 0.0
+        self._pids = 100_000
+        self._expect: dict[int, asyncio.Future[tuple[float, SpawnRank]]] = {}
+        self._stepper: asyncio.Task[None] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    def spawned(self) -> int:
+        return sum(len(n.live) for n in self.nodes)
+
+    def on_spawn(self, node: SimNode, message: SpawnRank) -> None:
+        arrived = time.time()
+        self._pids += 1
+        node.live[message.rank] = self._pids
+        node.report(RankSpawned(message.rank, self._pids, False, message.incarnation))
+        generation = int(message.record["generation"])
+        node.worker(Hello(message.rank, self._pids, generation, message.joining, time.time()))
+        if generation > self.generation:
+            self.generation = generation  # the survivors see the new generation on the control store
+        if not message.joining and self.spawned() == self.world_size:
+            self.spawned_at = arrived
+        waiting = self._expect.pop(message.rank, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result((arrived, message))
+
+    async def join_all(self) -> None:
+        gate = asyncio.Semaphore(CONNECT_AT_ONCE)
+
+        async def one(node: SimNode) -> None:
+            async with gate:
+                await node.join()
+
+        await asyncio.gather(*(one(n) for n in self.nodes))
+
+    def start_steps(self) -> None:
+        self._stepper = asyncio.ensure_future(self._steps())
+
+    async def _steps(self) -> None:
+        """Synchronous steps: at each boundary, every rank commits (over ``spread`` of a step)."""
+        order = list(self.nodes)
+        random.shuffle(order)
+        boundary = time.time() + self.step_s
+        while True:
+            await asyncio.sleep(max(0.0, boundary - time.time()))
+            self.step += 1
+            generation = self.generation
+            for i, node in enumerate(order):
+                due = boundary + self.spread * self.step_s * i / len(order)
+                now = time.time()
+                if due > now + 0.001:
+                    await asyncio.sleep(due - now)
+                node.commit(self.step, generation)
+                if self.window.on:
+                    self.window.sender_lag.append(time.time() - due)
+            if self.window.on:
+                self.window.steps += 1
+            boundary += self.step_s
+            if time.time() > boundary:
+                if self.window.on:
+                    self.window.late_steps += 1
+                # Behind by a whole step: start the next one now instead of sending a backlog.
+                boundary = time.time()
+
+    async def crash(self, trial: int, events_db: Path, timeout_s: float) -> dict[str, Any]:
+        """One rank of a far node exits; time the decision and the replacement's command; wait for the recovery."""
+        node = self.nodes[(len(self.nodes) - 1 - trial * 7) % len(self.nodes)]
+        rank = sorted(node.live)[trial % len(node.live)]
+        pid = node.live.pop(rank)
+        arrived: asyncio.Future[tuple[float, SpawnRank]] = asyncio.get_running_loop().create_future()
+        self._expect[rank] = arrived
+        generation = self.generation
+        load = load_average()
+        t0 = time.time()
+        node.report(RankExited(rank, pid, -int(signal.SIGKILL), t0))
+        out: dict[str, Any] = {"trial": trial, "node": node.node, "rank": rank, "load": load}
+        try:
+            spawn_t, spawn = await asyncio.wait_for(arrived, timeout_s)
+        except asyncio.TimeoutError:
+            out["error"] = f"no SpawnRank for rank {rank} within {timeout_s:.0f}s"
+            return out
+        out["exit_to_spawn_command_s"] = round(spawn_t - t0, 4)
+        out["joining"] = spawn.joining
+        out["generation"] = int(spawn.record["generation"])
+        incident = await wait_for_incident(events_db, rank, t0, timeout_s)
+        if incident is None:
+            out["error"] = f"no recovered incident for rank {rank} within {timeout_s:.0f}s"
+            return out
+        phases = incident["phases"]
+        out.update({
+            "incident": incident["id"], "kind": incident["kind"], "action": incident["action"],
+            "status": incident["status"],
+            "detection_to_decision_s": round(phases["decided"] - phases["detected"], 4),
+            "recovered_s": round(phases.get("first_step_done", float("nan")) - phases["detected"], 4),
+            "old_generation": generation,
+        })
+        return out
+
+    def stop_steps(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+
+    def close(self) -> None:
+        self.stop_steps()
+        for node in self.nodes:
+            node.close()
+
+
+async def wait_for_incident(events_db: Path, rank: int, after: float, timeout_s: float) -> dict[str, Any] | None:
+    """The incident of ``rank`` faulted at or after ``after``, once it is no longer open (read from the log)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for incident in read_incidents(events_db):
+            if incident["rank"] == rank and incident["fault_t"] >= after - 1e-3 and incident["status"] != "open":
+                return incident
+        await asyncio.sleep(0.1)
+    return None
+
+
+def read_incidents(events_db: Path) -> list[dict[str, Any]]:
+    db = sqlite3.connect(f"file:{events_db}?mode=ro", uri=True, timeout=5)
+    try:
+        return [json.loads(d) for (d,) in db.execute("SELECT data FROM incidents ORDER BY id")]
+    except sqlite3.OperationalError:
+        return []  # the table is being created
+    finally:
+        db.close()
+
+
+def count_events(events_db: Path, kind: str) -> int:
+    db = sqlite3.connect(f"file:{events_db}?mode=ro", uri=True, timeout=5)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM events WHERE kind = ?", (kind,)).fetchone()[0])
+    finally:
+        db.close()
+
+
+# --- one size --------------------------------------------------------------------------
+
+
+async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: TextIO) -> dict[str, Any]:
+    root.mkdir(parents=True)
+    token = secrets.token_urlsafe(24)
+    manager = ManagerProcess(root, args.nofile, args.profile, token)
+    sim = Sim(manager.port, token, nnodes, args.ranks_per_node, args.step_s, args.spread)
+    out: dict[str, Any] = {"nodes": nnodes, "ranks": nnodes * args.ranks_per_node, "load_before": load_average()}
+    print(f"\n{nnodes} nodes x {args.ranks_per_node} ranks (load {out['load_before']})", file=text, flush=True)
+    try:
+        deadline = time.monotonic() + args.timeout_s
+        while True:  # the manager's listener comes up (torch's import takes seconds on a busy machine)
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", manager.port), timeout=1).close()
+                break
+            if manager.process.poll() is not None:
+                raise RuntimeError(f"the manager exited at start ({manager.log_path})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the manager did not listen within {args.timeout_s:.0f}s ({manager.log_path})")
+            await asyncio.sleep(0.05)
+        began = time.time()
+        await sim.join_all()
+        joined = time.time()
+        deadline = time.monotonic() + args.timeout_s
+        while sim.spawned() < sim.world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"generation 0 spawned {sim.spawned()} of {sim.world_size} ranks in "
+                                   f"{args.timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+        out["startup"] = {"join_all_s": round(joined - began, 3),
+                          "generation0_spawns_s": round(sim.spawned_at - joined, 3)}
+        print(f"  start-up: {nnodes} joins in {joined - began:.2f}s, generation 0's {sim.world_size} spawns "
+              f"{sim.spawned_at - joined:.2f}s after", file=text, flush=True)
+        sim.start_steps()
+        await asyncio.sleep(args.warmup_s)
+        # The measuring window: reports written in it count; the probe runs on while they drain.
+        manager.begin_probe()
+        await asyncio.sleep(0.2)
+        sim.window.reset()
+        sim_cpu0, manager_cpu0, t0 = time.process_time(), manager.cpu_s(), time.time()
+        sim.window.on = True
+        await asyncio.sleep(args.window_s)
+        sim.window.on = False
+        sim_cpu, manager_cpu, t1 = time.process_time() - sim_cpu0, manager.cpu_s() - manager_cpu0, time.time()
+        await asyncio.sleep(args.drain_s)
+        probe = await manager.end_probe(t0, t1)
+        window = sim.window
+        seconds = t1 - t0
+        sent = {"StepCommitted": window.reports.get("RankReport", 0), "AgentState": window.reports.get("AgentState", 0)}
+        handled = {k: probe["latency_ms"].get(k, {}).get("n", 0) for k in sent}
+        out["window"] = {
+            "seconds": round(seconds, 3), "steps": window.steps, "load": load_average(),
+            "offered_per_s": {k: round(v / seconds, 1) for k, v in window.reports.items()},
+            "sent": sent,
+            "handled_within_drain": handled,
+            "drain_s": args.drain_s,
+            "latency_ms": probe["latency_ms"],
+            "handling_ms": probe["handling_ms"],
+            "handling_total_s": probe["handling_total_s"],
+            "flush_ms": probe["flush_ms"], "flush_total_s": probe["flush_total_s"],
+            "loop_lag_ms": probe["loop_lag_ms"],
+            "manager_cpu_share": round(manager_cpu / seconds, 3),
+            "manager_main_thread_cpu_share": round(probe["main_thread_cpu_s"] / probe["probe_s"], 3),
+            "sim_cpu_share": round(sim_cpu / seconds, 3),
+            "sender_lag_ms": percentiles(window.sender_lag),
+            "sender_late_steps": window.late_steps,
+            "acked_lag_ms": percentiles(window.acked_lag),
+        }
+        if args.profile:
+            out["profile"] = top_functions(manager.profile_path(), args.profile_top)
+        print_window(out["window"], text)
+        # Crash trials under the same load.
+        trials = []
+        for trial in range(args.crashes):
+            result = await sim.crash(trial, manager.events_db, args.timeout_s)
+            trials.append(result)
+            print(f"  crash {trial + 1}: rank {result['rank']} on node {result['node']}: "
+                  + (result["error"] if "error" in result else
+                     f"detection-to-decision {result['detection_to_decision_s'] * 1000:.1f} ms, SpawnRank back "
+                     f"{result['exit_to_spawn_command_s'] * 1000:.1f} ms after the exit, {result['action']}, "
+                     f"{result['status']} {result['recovered_s']:.2f}s after (load {result['load']})"),
+                  file=text, flush=True)
+            await asyncio.sleep(max(2 * args.step_s, 1.0))
+        out["crashes"] = trials
+        decisions = [t["detection_to_decision_s"] for t in trials if "detection_to_decision_s" in t]
+        commands = [t["exit_to_spawn_command_s"] for t in trials if "exit_to_spawn_command_s" in t]
+        out["detection_to_decision_s"] = {"median": _median(decisions), "max": max(decisions, default=None)}
+        out["exit_to_spawn_command_s"] = {"median": _median(commands), "max": max(commands, default=None)}
+        out["nodes_lost"] = count_events(manager.events_db, "node_lost")
+        out["fenced"] = sum(1 for n in sim.nodes if n.fenced)
+        out["load_after"] = load_average()
+    finally:
+        out["manager_exit"] = await stop_job(manager, sim)
+    out["sustained"] = sustained(out, args)
+    out["decision_target_met"] = (out.get("detection_to_decision_s", {}).get("max") is not None
+                                  and out["detection_to_decision_s"]["max"] < args.target_decision_s)
+    return out
+
+
+async def stop_job(manager: ManagerProcess, sim: Sim, timeout_s: float = 60.0) -> int | None:
+    """Stop the manager while the agents still answer it (StopNode, then JobEnded), then close them.
+
+    Closing the agents first would have the manager declare every node lost
+    and recover every rank.
+    """
+    sim.stop_steps()
+    interrupted = manager.process.poll() is None
+    if interrupted:
+        manager.interrupt()
+        deadline = time.monotonic() + timeout_s
+        while manager.process.poll() is None and time.monotonic() < deadline:
+            if all(n.ended is not None or n.writer is None for n in sim.nodes):
+                break
+            await asyncio.sleep(0.1)
+    sim.close()
+    return await asyncio.to_thread(manager.stop, timeout_s, interrupt=not interrupted)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
+def sustained(out: dict[str, Any], args: argparse.Namespace) -> bool:
+    window = out.get("window")
+    if not window:
+        return False
+    p99s = [window["latency_ms"].get(k, {}).get("p99") for k in ("StepCommitted", "AgentState")]
+    handled_all = window["handled_within_drain"] == window["sent"]
+    return (all(p is not None and p < args.target_p99_ms for p in p99s) and handled_all
+            and out.get("nodes_lost", 1) == 0 and window["sender_late_steps"] == 0)
+
+
+def top_functions(path: Path, top: int) -> dict[str, list[dict[str, Any]]]:
+    """The manager's hottest functions in the window: by own time and by time including callees."""
+    stats = pstats.Stats(str(path), stream=io.StringIO())
+    rows = []
+    for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = filename.split("/site-packages/")[-1].split("/src/")[-1].split("/lib/python3")[-1]
+        rows.append({"function": f"{where}:{line}({name})", "calls": calls, "own_s": round(own, 3),
+                     "cumulative_s": round(cumulative, 3)})
+    return {"by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
+            "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:top]}
+
+
+# --- the report ------------------------------------------------------------------------
+
+
+def _fmt(value: Any, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_window(window: dict[str, Any], text: TextIO) -> None:
+    lat, han = window["latency_ms"], window["handling_ms"]
+    commit, beat = lat.get("StepCommitted", {}), lat.get("AgentState", {})
+    print(f"  window {window['seconds']:.0f}s, {window['steps']} steps (load {window['load']}): offered "
+          + ", ".join(f"{v:g}/s {k}" for k, v in sorted(window["offered_per_s"].items())), file=text)
+    print(f"    latency (report written -> handled) StepCommitted p50 {_fmt(commit.get('p50'))} p99 "
+          f"{_fmt(commit.get('p99'))} max {_fmt(commit.get('max'))} ms; AgentState p50 {_fmt(beat.get('p50'))} "
+          f"p99 {_fmt(beat.get('p99'))} max {_fmt(beat.get('max'))} ms", file=text)
+    report = han.get("RankReport", {})
+    print(f"    manager: CPU {window['manager_cpu_share']:.2f} cores; handling a RankReport p50 "
+          f"{_fmt(report.get('p50'), '.3f')} p99 {_fmt(report.get('p99'), '.3f')} ms; log flushes "
+          f"{window['flush_total_s']:.2f}s (max {_fmt(window['flush_ms'].get('max'))} ms); loop lag p99 "
+          f"{_fmt(window['loop_lag_ms'].get('p99'))} ms", file=text)
+    print(f"    agents (this process): CPU {window['sim_cpu_share']:.2f} cores, send lag p99 "
+          f"{_fmt(window['sender_lag_ms'].get('p99'))} ms, late steps {window['sender_late_steps']}; report -> "
+          f"Acked p50 {_fmt(window['acked_lag_ms'].get('p50'))} p99 {_fmt(window['acked_lag_ms'].get('p99'))} ms",
+          file=text, flush=True)
+
+
+def render(result: dict[str, Any], text: TextIO) -> None:
+    print("\n== control plane: simulated agents against one manager ==", file=text)
+    print(f"{result['ranks_per_node']} ranks per node, a step every {result['step_s']:g}s (spread "
+          f"{result['spread']:g} of a step), agent beat every {AGENT_BEAT_S:g}s; window {result['window_s']:g}s; "
+          f"ulimit -n {result['nofile']}", file=text)
+    header = (f"{'nodes':>6} {'ranks':>6} {'msgs/s':>7} {'commit p50':>10} {'p99':>8} {'beat p99':>8} "
+              f"{'mgr CPU':>7} {'lost':>4} {'held':>5} {'decide med':>10} {'max':>7} {'spawn back':>10} "
+              f"{'load':>5}")
+    print(header, file=text)
+    for size in result["sizes"]:
+        w = size.get("window")
+        if w is None:
+            print(f"{size['nodes']:>6} {size['ranks']:>6}  failed: {size.get('error', '?')}", file=text)
+            continue
+        commit, beat = w["latency_ms"].get("StepCommitted", {}), w["latency_ms"].get("AgentState", {})
+        rate = sum(w["offered_per_s"].values())
+        decide, back = size["detection_to_decision_s"], size["exit_to_spawn_command_s"]
+        print(f"{size['nodes']:>6} {size['ranks']:>6} {rate:>7.0f} {_fmt(commit.get('p50')):>10} "
+              f"{_fmt(commit.get('p99')):>8} {_fmt(beat.get('p99')):>8} {w['manager_cpu_share']:>7.2f} "
+              f"{size['nodes_lost']:>4} {'yes' if size['sustained'] else 'NO':>5} "
+              f"{_fmt(_ms(decide['median'])):>10} {_fmt(_ms(decide['max'])):>7} "
+              f"{_fmt(_ms(back['median'])):>10} {w['load'][0]:>5.1f}", file=text)
+    print("(latencies in ms; decide = detection-to-decision from the incident's phases; spawn back = RankExited "
+          "written -> SpawnRank received by the agent, medians and max over the crash trials)", file=text)
+    held = [s["nodes"] for s in result["sizes"] if s.get("sustained")]
+    print(f"largest size held (p99 < {result['target_p99_ms']:g} ms, nothing lost, sender on time): "
+          f"{max(held) if held else 'none'} nodes; target 1024 x 8: "
+          f"{'met' if 1024 in held and result['ranks_per_node'] >= 8 else 'not met'}", file=text)
+    big = max(result["sizes"], key=lambda s: s["nodes"])
+    if big.get("detection_to_decision_s", {}).get("max") is not None:
+        print(f"detection-to-decision at {big['nodes']} nodes: max {big['detection_to_decision_s']['max'] * 1000:.0f}"
+              f" ms (target < {result['target_decision_s'] * 1000:.0f} ms: "
+              f"{'met' if big['decision_target_met'] else 'not met'})", file=text)
+    for size in result["sizes"]:
+        if "profile" in size:
+            print(f"\nmanager profile at {size['nodes']} nodes (cProfile, window only; own time):", file=text)
+            for row in size["profile"]["by_own"]:
+                print(f"  {row['own_s']:>7.3f}s own {row['cumulative_s']:>7.3f}s cum {row['calls']:>8} calls  "
+                      f"{row['function']}", file=text)
+            print("  by cumulative time:", file=text)
+            for row in size["profile"]["by_cumulative"]:
+                print(f"  {row['cumulative_s']:>7.3f}s cum {row['own_s']:>7.3f}s own {row['calls']:>8} calls  "
+                      f"{row['function']}", file=text)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)),
+                   help="node counts to step through, comma-separated (default 8,64,256,1024)")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--step-s", type=float, default=1.0, help="seconds per training step (default 1)")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="share of a step over which the commits are sent: 0 a burst (synchronous DDP), 1 evenly")
+    p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument("--window-s", type=float, default=20.0)
+    p.add_argument("--drain-s", type=float, default=3.0,
+                   help="after the window, how long the reports written in it may take to be handled (default 3)")
+    p.add_argument("--crashes", type=int, default=3, help="crash trials per size (default 3)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="limit of each wait (start-up, a recovery)")
+    p.add_argument("--target-p99-ms", type=float, default=TARGET_P99_MS)
+    p.add_argument("--target-decision-s", type=float, default=TARGET_DECISION_S)
+    p.add_argument("--nofile", type=int, default=65536, help="cap of the raised soft ulimit -n (default 65536)")
+    p.add_argument("--profile", action="store_true", help="profile the manager's window with cProfile")
+    p.add_argument("--profile-top", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="keep the manager's logs and job dirs here")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        args.node_counts = [int(n) for n in args.nodes.split(",") if n.strip()]
+    except ValueError:
+        p.error(f"--nodes must be comma-separated integers, got {args.nodes!r}")
+    if not args.node_counts or any(n < 1 for n in args.node_counts):
+        p.error(f"--nodes needs node counts of at least 1, got {args.nodes!r}")
+    if args.ranks_per_node < 1 or args.step_s <= 0 or not 0 <= args.spread <= 1 or args.window_s <= 0:
+        p.error("--ranks-per-node >= 1, --step-s > 0, --spread in [0, 1] and --window-s > 0 are required")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupt)
+    random.seed(args.seed)
+    text = sys.stderr if args.json else sys.stdout
+    nofile = raise_fd_limit(args.nofile)
+    need = 2 * max(args.node_counts) + 256
+    if nofile < need:
+        print(f"ulimit -n is {nofile} (hard limit); {max(args.node_counts)} nodes need about {need}: "
+              "raise the hard limit", file=sys.stderr)
+        return 2
+    root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-control-"))
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    sizes: list[dict[str, Any]] = []
+    try:
+        for nnodes in args.node_counts:
+            try:
+                sizes.append(asyncio.run(run_size(nnodes, args, root / f"n{nnodes}", text)))
+            except RuntimeError as e:
+                print(f"  {nnodes} nodes failed: {e}", file=text)
+                sizes.append({"nodes": nnodes, "ranks": nnodes * args.ranks_per_node, "error": str(e)})
+    except KeyboardInterrupt:
+        print("interrupted; the manager was stopped", file=sys.stderr)
+        return 130
+    finally:
+        kill_managers()
+        if args.out is None:
+            shutil.rmtree(root, ignore_errors=True)
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "host": socket.gethostname(), "cpus": os.cpu_count(),
+        "ranks_per_node": args.ranks_per_node, "step_s": args.step_s, "spread": args.spread,
+        "window_s": args.window_s, "nofile": nofile, "target_p99_ms": args.target_p99_ms,
+        "target_decision_s": args.target_decision_s, "profile": args.profile, "sizes": sizes,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    render(result, text)
+    publish(result, args.out, args.json, text, "manager logs and job dirs")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == MANAGER_CHILD_FLAG:
+        sys.exit(manager_child(sys.argv[2:]))
+    sys.exit(main())
