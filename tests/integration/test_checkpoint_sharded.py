@@ -1,12 +1,20 @@
-"""A sharded checkpoint saved by 4 real processes loads on 2 with identical tensors (resharding).
+"""Sharded state: checkpoints that reshard, and ring replicas that make a lost rank cost no disk.
 
-The model is sharded with FSDP2 ``fully_shard`` (it runs on CPU with gloo in
-this torch), so every parameter is a DTensor whose rows are split across the
-ranks: 4-way at save, 2-way at load. DCP's ``.metadata`` maps the saved 4-way
-chunks onto the 2-way slices each loading rank owns.
+The storage layer first: a sharded checkpoint saved by 4 real processes loads
+on 2 with identical tensors. The model is sharded with FSDP2 ``fully_shard``
+(it runs on CPU with gloo in this torch), so every parameter is a DTensor
+whose rows are split across the ranks: 4-way at save, 2-way at load. DCP's
+``.metadata`` maps the saved 4-way chunks onto the 2-way slices each loading
+rank owns. Every rank is its own ``python -c`` process (start_new_session)
+with a bounded wait; on any failure or timeout the processes are killed by PID.
 
-Every rank is its own ``python -c`` process (start_new_session) with a bounded
-wait; on any failure or timeout the processes are killed by PID.
+Then whole jobs under ``undying run`` (examples/undying_fsdp.py and the demo's
+DDP script): preempted on 4 ranks and resumed on 2, the state loaded proven
+equal to the checkpoint by a digest of the full, gathered tensors; a rank
+SIGKILLed under ``--replicate ring`` (env ``UNDYING_REPLICATE=ring``), whose
+losses must equal the fault-free run's bit for bit (the oracle); and the same
+loss without a replica in memory, which rolls back to a checkpoint and counts
+the steps it re-runs.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -138,3 +147,236 @@ def test_save_on_4_ranks_load_on_2(tmp_path: Path) -> None:
     assert all(r["identical"] for r in loaded), loaded
     assert all(r["manifest_world_size"] == 4 and r["step"] == 7 for r in loaded)
     assert loaded[0]["local_shapes"] == {"0.weight": [6, 8], "0.bias": [6], "2.weight": [2, 12], "2.bias": [2]}
+
+
+# --- whole jobs under `undying run` ------------------------------------------------
+
+FSDP_SCRIPT = REPO / "examples" / "undying_fsdp.py"
+# 512 samples, batch 16: 8 steps an epoch on 4 ranks, 16 on 2.
+FSDP_ARGS = ["--samples", "512", "--epochs", "2"]
+DDP_ARGS = ["--samples", "512", "--epochs", "1"]
+RUN_ARGS = ["--spares", "0"]
+JOB_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(autouse=True)
+def _job_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher's manager and the harness's API calls share the job's token through the environment.
+    monkeypatch.setenv("UNDYING_TOKEN", "sharded-state-test-token")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("UNDYING_REPLICATE", raising=False)
+    monkeypatch.delenv("UNDYING_REPLICATE_EVERY", raising=False)
+
+
+def events(job_dir: Path, kind: str) -> list[dict[str, Any]]:
+    from undying.manager.events import connect_readonly
+
+    db = connect_readonly(job_dir / "events.db")
+    try:
+        return [{"rank": rank, **json.loads(data)} for rank, data in db.execute(
+            "SELECT rank, data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+    finally:
+        db.close()
+
+
+def committed_steps(job_dir: Path) -> dict[int, list[int]]:
+    from undying.manager.events import read_job
+
+    steps: dict[int, list[int]] = {}
+    for commit in read_job(job_dir / "events.db")["steps"]:
+        steps.setdefault(commit["rank"], []).append(commit["step"])
+    return {rank: sorted(s) for rank, s in steps.items()}
+
+
+def newest_step(job_dir: Path) -> int:
+    from undying.manager.events import connect_readonly
+
+    try:
+        db = connect_readonly(job_dir / "events.db")
+    except Exception:  # not created yet
+        return 0
+    try:
+        return int(db.execute("SELECT MAX(step) FROM steps").fetchone()[0] or 0)
+    except sqlite3.Error:
+        return 0
+    finally:
+        db.close()
+
+
+def run(job_dir: Path, script: Path, args: list[str], ranks: int, run_args: list[str] | None = None,
+        crash: tuple[int, int, str] | None = None) -> None:
+    """``undying run`` to its end; ``crash`` (rank, step, phase) is armed once the job commits a step.
+
+    Arming waits for a commit because an agent drops a fault armed before the rank's process exists.
+    """
+    from undying.cli.client import api_post
+    from undying.jobdir import JobDir
+
+    argv = [sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0", "--job-dir", str(job_dir),
+            "--job-id", job_dir.name, "--stop-grace", "3", *RUN_ARGS, *(run_args or []), str(script), *args]
+    log_path = job_dir.parent / f"{job_dir.name}.log"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if crash is not None:
+                rank, step, phase = crash
+                while newest_step(job_dir) < 1:
+                    assert process.poll() is None, f"the job exited ({process.returncode}) before its first step"
+                    assert time.monotonic() < deadline, "the job committed no step in time"
+                    time.sleep(0.05)
+                info = JobDir(job_dir).read_manager()
+                assert info is not None
+                api_post(info["url"], "/api/inject", {"kind": "crash", "rank": rank, "at_step": step, "phase": phase})
+                assert newest_step(job_dir) < step, "the job passed the fault's step before it was armed"
+            rc = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+    assert rc == 0, f"undying run exited {rc}:\n{log_path.read_text(errors='replace')[-3000:]}"
+
+
+def preempt(job_dir: Path, script: Path, args: list[str], ranks: int, at_step: int) -> None:
+    """Run until ``at_step``, SIGTERM the launcher: the dying gasp, exit 75."""
+    from undying.cli.demo import run_preempted
+    from undying.config import EXIT_PREEMPTED
+
+    rc, _ = run_preempted(job_dir, [*args, "--step-seconds", "0.15"], at_step=at_step, ranks=ranks,
+                          timeout_s=JOB_TIMEOUT_S, extra_run_args=[*RUN_ARGS, "--save-every", "4"], script=script)
+    log = (job_dir.parent / f"{job_dir.name}.preempted.log").read_text(errors="replace")[-3000:]
+    assert rc == EXIT_PREEMPTED, f"the preempted run exited {rc}:\n{log}"
+
+
+def checkpoint_digest(path: str, tmp_path: Path) -> str:
+    """The digest of every tensor a checkpoint holds, read back whole in this process (no job)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from undying.checkpoint import load_replicated
+    from undying.worker.sharding import full_digest
+
+    if (Path(path) / ".metadata").exists():
+        whole = tmp_path / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        return full_digest(torch.load(whole, weights_only=False))
+    payload, _ = load_replicated(path, weights_only=False)
+    return full_digest(payload)
+
+
+@pytest.mark.parametrize(("script", "args", "layout"), [(FSDP_SCRIPT, FSDP_ARGS, "sharded"),
+                                                        (None, DDP_ARGS, "replicated")], ids=["fsdp", "ddp"])
+def test_a_job_preempted_on_4_ranks_resumes_on_2_with_the_state_it_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: Path | None, args: list[str], layout: str
+) -> None:
+    from undying.checkpoint import latest_valid
+    from undying.demo import TRAIN_SCRIPT
+
+    script = script or TRAIN_SCRIPT
+    job_dir = tmp_path / "job"
+    preempt(job_dir, script, args, 4, at_step=5)
+    found, _ = latest_valid(job_dir / "checkpoints")
+    assert found is not None and found.manifest is not None
+    saved = found.manifest
+    assert (saved.kind, saved.world_size, saved.layout["kind"]) == ("dying-gasp", 4, layout)
+    assert 5 <= saved.step < 8  # mid-epoch: the data position has to be mapped, not just reset
+    assert saved.meta["data"] == {"position": saved.step, "steps_per_epoch": 8, "world_size": 4}
+    if layout == "sharded":
+        assert sorted(f.path for f in saved.files) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
+    expected_digest = checkpoint_digest(found.path, tmp_path)
+
+    monkeypatch.setenv("UNDYING_RESUME_DIGEST", "1")
+    run(job_dir, script, args, 2, ["--save-every", "4"])
+    restored = [e for e in events(job_dir, "state_restored") if e.get("checkpoint") == found.url]
+    assert sorted(e["rank"] for e in restored) == [0, 1]
+    for e in restored:
+        assert e["step"] == saved.step and e["saved_world_size"] == 4
+        assert e["digest"] == expected_digest, "the state loaded on 2 ranks is not the state saved on 4"
+        # 4 ranks read `step` batches of 8 an epoch; 2 ranks cover as many samples in twice the batches.
+        assert e["data_position"] == {"saved": saved.step, "saved_steps_per_epoch": 8, "now": 2 * saved.step,
+                                      "steps_per_epoch": 16}
+    epochs = 2 if layout == "sharded" else 1
+    remaining = epochs * 16 - 2 * saved.step  # the rest of the data, in batches of the 2-rank job
+    assert committed_steps(job_dir) == {r: list(range(saved.step + 1, saved.step + remaining + 1)) for r in (0, 1)}
+    from undying.manager.events import read_job
+
+    assert read_job(job_dir / "events.db")["job"]["state"] == "succeeded"
+
+
+# --- a lost rank's shard ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp_baseline(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The FSDP job on 4 ranks without a fault, without replication: what every faulted run must equal."""
+    from undying.oracle import load_run
+
+    job_dir = tmp_path_factory.mktemp("fsdp-baseline") / "job"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNDYING_TOKEN", "sharded-state-test-token")
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.delenv("UNDYING_REPLICATE", raising=False)
+        run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4)
+    return load_run(job_dir / "events.db")
+
+
+@pytest.mark.parametrize(("rank", "step", "phase", "kinds"), [
+    (2, 6, "backward", {0: "live", 1: "live", 2: "replica", 3: "live"}),  # peers fail in the reduce-scatter
+    # After the last collective of the step: the survivors finish its body, then fail replicating it,
+    # so nobody commits it; they roll back to their own snapshot and re-run it with the replacement.
+    (1, 9, "optimizer", {0: "own", 1: "replica", 2: "own", 3: "own"}),
+], ids=["backward", "optimizer"])
+def test_ring_replica_restores_a_killed_rank_with_identical_losses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_baseline: Any, rank: int, step: int, phase: str,
+    kinds: dict[int, str],
+) -> None:
+    from undying.oracle import compare_runs, load_run
+
+    monkeypatch.setenv("UNDYING_REPLICATE", "ring")
+    job_dir = tmp_path / "job"
+    run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4, crash=(rank, step, phase))
+    outcome = load_run(job_dir / "events.db")
+    comparison = compare_runs(fsdp_baseline, outcome)
+    assert comparison.identical, comparison.reasons
+    (incident,) = outcome.incidents
+    assert (incident["rank"], incident["action"]) == (rank, "replace")
+    restored = events(job_dir, "shards_restored")
+    assert {e["rank"]: e["source"] for e in restored} == kinds
+    assert {e["step"] for e in restored} == {step - 1} and {e["lost_steps"] for e in restored} == {0}
+    replica_holder = (rank + 1) % 4  # one node: the next rank holds the replica
+    assert [e["holder"] for e in restored if e["rank"] == rank] == [replica_holder]
+    assert events(job_dir, "rolled_back") == [], "nothing was read from disk"
+    assert not (job_dir / "checkpoints").exists() or not list((job_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize(("env", "run_args", "fault_step", "restored_at"), [
+    # No replica: the lost shard exists only in the checkpoint of step 4.
+    ({}, ["--save-every", "4"], 7, 4),
+    # Replicated every 3 steps: the copies are of step 6, the survivors at 7.
+    ({"UNDYING_REPLICATE": "ring", "UNDYING_REPLICATE_EVERY": "3"}, [], 8, 6),
+], ids=["no-replica-checkpoint", "lagging-replica"])
+def test_a_shard_with_no_current_copy_rolls_every_rank_back_and_counts_the_lost_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_baseline: Any, env: dict[str, str],
+    run_args: list[str], fault_step: int, restored_at: int,
+) -> None:
+    from undying.oracle import compare_runs, load_run
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    job_dir = tmp_path / "job"
+    run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4, run_args, crash=(2, fault_step, "backward"))
+    outcome = load_run(job_dir / "events.db")
+    comparison = compare_runs(fsdp_baseline, outcome)
+    lost = list(range(restored_at + 1, fault_step))
+    # Not a silent difference: every loss and the final state equal the fault-free run's, and the
+    # steps done twice are exactly the ones between the copy restored and the fault.
+    assert outcome.rerun_steps == lost
+    assert comparison.reasons == [f"completed steps were re-run: {lost}"]
+    if env:
+        moved = events(job_dir, "shards_restored")
+        assert {(e["step"], e["lost_steps"]) for e in moved} == {(restored_at, len(lost))}
+        assert events(job_dir, "rolled_back") == []
+    else:
+        rolled = events(job_dir, "rolled_back")
+        assert sorted(e["rank"] for e in rolled) == [0, 1, 2, 3]
+        assert {(e["step"], e["lost_steps"]) for e in rolled} == {(restored_at, len(lost))}
+        assert {Path(e["checkpoint"]).name for e in rolled} == {f"step-{restored_at:09d}"}
