@@ -147,8 +147,8 @@ def netns_missing(euid: int, ip: str | None) -> str | None:
     for any user without becoming that user.
     """
     if euid != 0:
-        return (f"test hosts are network namespaces made with `ip netns`, which needs root, and this runs as "
-                f"uid {euid}: run it as root (e.g. with sudo)")
+        return (f"test hosts (network namespaces made with `ip netns`) need root, and this runs as uid {euid}: "
+                "run it as root (e.g. with sudo)")
     if ip is None:
         return ("test hosts need the `ip` command, which was not found on PATH: install iproute2 "
                 "(e.g. `apt-get install iproute2`)")
