@@ -228,6 +228,9 @@ class JobConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     # Serve the read-only status (the page, /api/status, /metrics) without the token.
     open_status: bool = False
+    # The user named the job (--job-id) rather than taking the random default: a checkpoint
+    # of another job in the checkpoint folder is then refused at start, not resumed.
+    job_id_given: bool = True
 
     @property
     def checkpoint_dir(self) -> str:

@@ -181,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     )
     return JobConfig(
         job_id=job_id,
+        job_id_given=args.job_id is not None,
         job_dir=str(args.job_dir or default_job_dir(job_id)),
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,

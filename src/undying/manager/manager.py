@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from undying.checkpoint import (
     Checkpoint,
+    CheckpointOfAnotherJobError,
     Measurement,
+    check_same_job,
     latest_valid,
     recent_dying_gasp,
 )
@@ -872,9 +874,19 @@ class Manager:
         ckpt = await asyncio.to_thread(self._latest_checkpoint)
         if ckpt is None:
             return None
+        try:  # another job's checkpoint: refused when --job-id named this job, else resumed and said
+            other_job = check_same_job(ckpt, self.config.job_id, self.config.job_id_given)
+        except CheckpointOfAnotherJobError as e:
+            self.events.event("checkpoint_refused", name=ckpt.name, path=ckpt.url, reason=str(e))
+            self.events.set_job("exit_reason", str(e), flush=True)
+            raise
+        if other_job is not None:
+            log.warning("job %s: %s", self.config.job_id, other_job)
         skipped = [{"name": n, "reason": r} for n, r in self._last_skipped]
-        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind, "skipped": skipped}
-        self.events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped)
+        of_job = ckpt.manifest.job_id if ckpt.manifest is not None else ""
+        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind, "skipped": skipped,
+                             "job_id": of_job}
+        self.events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped, job_id=of_job)
         self.events.set_job("resumed_from", self.resumed_from, flush=True)
         log.warning("job %s: resuming from checkpoint %s (step %d, %s)%s", self.config.job_id, ckpt.url, ckpt.step,
                     ckpt.kind, "".join(f"; skipped {d['name']}: {d['reason']}" for d in skipped))
@@ -953,6 +965,7 @@ class Manager:
                 reused = None
         live = {r for a in self._agents.values() for r in a.live_ranks()}
         stop_step = -1
+        late: list[int] = []
         if reused is not None:
             incident.detail["reused"] = reused.url
             self.events.event("dying_gasp_reused", step=reused.step, path=reused.url,
@@ -973,10 +986,18 @@ class Manager:
                 self._agents[self.ranks[r].node].tell(r, StopAt(stop_step, max(0.5, deadline - time.time())))
             while time.time() < deadline and any(a.live_ranks() for a in self._agents.values()):
                 await asyncio.sleep(0.02)
-            if any(a.live_ranks() for a in self._agents.values()):
-                self.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop_step)
+            late = sorted(r for a in self._agents.values() for r in a.live_ranks())
+            if late:
+                # Named before they go: who did not make it, and where each was.
+                phases = {r: p for a in self._agents.values() for r, p in a.phases().items()}
+                killed = [f"rank {r} ({phases.get(r, '?')}, last committed step {self.ranks[r].step})" for r in late]
+                incident.detail["killed_ranks"] = late
+                self.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop_step, ranks=late,
+                                  where=killed)
                 log.error("job %s: the grace period of %.1fs passed before every rank finished step %d; killing "
-                          "what remains", self.config.job_id, grace, stop_step)
+                          "%s", self.config.job_id, grace, stop_step, ", ".join(killed))
+                for r in late:  # as Kubernetes would at the deadline: no word, no handler
+                    self._agents[self.ranks[r].node].kill(r, signal.SIGKILL)
                 await asyncio.gather(*(a.stop_all(0.0) for a in self._agents.values()))
         gasp = self._gasp
         took = round(time.time() - t0, 3)
@@ -996,13 +1017,26 @@ class Manager:
             incident.phases["checkpoint_written"] = gasp.t
         else:
             latest = await asyncio.to_thread(self._latest_checkpoint)
-            why = gasp.error if gasp is not None and gasp.error else f"not written within the grace period of {grace:.1f}s"
+            if gasp is not None and gasp.error:
+                why = gasp.error
+            elif late:
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+                why = f"{who} still running when the grace period of {grace:.1f}s ran out, killed"
+            else:
+                why = f"not written within the grace period of {grace:.1f}s"
+            committed = max((r.step for r in self.ranks.values()), default=0)
             if latest is None:
-                step, path, what = -1, "", f"the dying gasp of step {stop_step} failed ({why}) and there is no checkpoint"
+                step, path, what = -1, "", f"the dying gasp of step {stop_step} was not taken ({why}) and there is no checkpoint"
+            elif latest.kind == "dying-gasp" and latest.step == stop_step:
+                # Written, but its report was cut off by the kill: it stands as a dying gasp.
+                step, path = latest.step, latest.url
+                what = f"dying gasp {latest.name} found on disk, unreported ({why})"
             else:
                 step, path = latest.step, latest.url
-                what = (f"the dying gasp of step {stop_step} failed ({why}); the latest valid checkpoint "
-                        f"({latest.kind}) stands: steps {latest.step + 1}..{stop_step} will be re-run")
+                rerun = (f"steps {latest.step + 1}..{committed} will be re-run" if committed > latest.step
+                         else "no step is lost")
+                what = (f"the dying gasp of step {stop_step} was not taken ({why}); the latest valid checkpoint "
+                        f"{latest.name} ({latest.kind}) stands: {rerun}")
         incident.phases["exited"] = time.time()
         incident.status = "dumped" if step >= 0 else "failed"
         incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
@@ -1010,7 +1044,7 @@ class Manager:
                                 "sigterm_to_exit_s": took})
         self.events.incident(incident)
         self.preemption.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
-                                "detail": what, "sigterm_to_exit_s": took,
+                                "detail": what, "sigterm_to_exit_s": took, "killed_ranks": late,
                                 "dying_gasp_write_s": gasp.write_s if gasp is not None else None})
         self.exit_reason = (f"preempted, checkpoint at step {step} ({what}); run the same command to resume"
                             if step >= 0 else f"preempted, no checkpoint: {what}")

@@ -189,6 +189,12 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
             waiting = asyncio.ensure_future(_wait_for_nodes(manager, server, config))
         try:
             final = await manager.run(restored=restart, ready=waiting)
+        except UsageError as e:  # the job cannot start as asked (another job's checkpoint): every node hears why
+            for slot in server.slots.values():
+                slot._send(JobEnded(JobState.FAILED.value, str(e), 2))
+                if slot.writer is not None:
+                    await slot.writer.drain()
+            raise
         finally:
             waiting.cancel()
     finally:
