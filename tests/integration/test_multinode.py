@@ -133,3 +133,24 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_slow_node_is_found_online_across_hosts(make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:  # noqa: F811
+    """Both ranks of node 1 slowed: the manager's detector names the node, not two ranks, and the job trains on."""
+    hosts = make_hosts(3)
+    script_args = ["--epochs", "2", "--samples", "4096"]
+    cluster = Cluster(hosts, tmp_path, "slow", script_args, run_args=[*RUN_ARGS, "--trace", "on"])
+    try:
+        cluster.start()
+        status = cluster.wait_for_step(10)
+        for rank in (2, 3):
+            cluster.inject({"kind": "slow", "rank": rank, "factor": 1.5, "phase": "compute",
+                            "at_step": status["step"] + 2})
+        assert cluster.wait(180) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    job = read_job(cluster.job_dir / "events.db")
+    nodes = [i for i in job["incidents"] if i["kind"] == "slow_node"]
+    assert nodes, (job["incidents"], cluster.logs())
+    assert nodes[0]["detail"]["node"].endswith("/1") and nodes[0]["status"] == "observed", nodes
+    assert not [i for i in job["incidents"] if i["kind"] == "slow_rank" and i["rank"] in (0, 1)]

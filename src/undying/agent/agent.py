@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -222,6 +223,10 @@ class Agent:
                 f"{ENV_PREFIX}JOB_DIR": self.config.job_dir,
                 f"{ENV_PREFIX}AGENT_ADDR": f"127.0.0.1:{self._port}",
                 f"{ENV_PREFIX}AGENT_PID": str(os.getpid()),
+                # What traces name this node by: its host, and with several nodes its rank too
+                # (two agents may share a host name: pods of one node, test hosts).
+                f"{ENV_PREFIX}NODE_NAME": socket.gethostname() if self.config.nnodes == 1
+                else f"{socket.gethostname()}/{self.node}",
             }
         )
         env.update(self.config.timeout_env())

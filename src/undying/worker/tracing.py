@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import statistics
 import threading
@@ -53,7 +54,7 @@ class WorkerTracing:
         self._env = env
         self._send = send
         job_id = env.job_id if env is not None else "unmanaged"
-        self.tracer = Tracer(None, job_id=job_id, rank=rank, node=socket.gethostname())
+        self.tracer = Tracer(None, job_id=job_id, rank=rank, node=os.environ.get("UNDYING_NODE_NAME") or socket.gethostname())
         self._writer: TraceWriter | None = None
         self._writer_lock = threading.Lock()
         self._summarizer = StepSummarizer()
