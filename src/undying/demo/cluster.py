@@ -95,7 +95,7 @@ class Cluster:
         try:
             code = self.manager.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the job did not end within {timeout}s; manager log:\n"
+            raise TimeoutError(f"the job did not end within {timeout}s; manager log:\n"
                                  f"{self.log('manager')[-4000:]}") from None
         for agent in self.agents.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -149,7 +149,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 @contextlib.contextmanager

@@ -156,7 +156,7 @@ def run_with_node_loss(root: Path, args: list[str], console: Console, *, job_id:
                           f"({hosts.addr(replacement)}) joins with node {LOST_NODE}'s agent")
             returncode = cluster.wait(timeout_s)
             console.print(f"    the job ended: the manager exited {returncode}")
-        except (AssertionError, RuntimeError, OSError, subprocess.SubprocessError) as e:
+        except (TimeoutError, RuntimeError, OSError, subprocess.SubprocessError) as e:
             reasons.append(f"the run with the node loss broke off: {e}".splitlines()[0])
             console.print(cluster.logs(), markup=False, highlight=False)
         except _Terminated:
