@@ -123,7 +123,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -146,6 +146,7 @@ from undying.messages import (  # noqa: E402
     KillRank,
     Message,
     NodeStopped,
+    Numbered,
     Progress,
     RankExited,
     RankReport,
@@ -248,6 +249,8 @@ class Probe:
         self.profiler: cProfile.Profile | None = None
         self.windows = 0
         self.watcher: asyncio.Future[None] | None = None
+        # Every incident's Manager._handle (decide, plan, open the generation, spawn), window or not.
+        self.decisions: array.array[float] = array.array("d")
 
     def install(self) -> None:
         from undying.manager import nodes
@@ -259,6 +262,7 @@ class Probe:
         on_message = Manager.on_message
         flush = EventLog.flush
         start = nodes.AgentServer.start
+        handle = Manager._handle
 
         def timed_dispatch(server: Any, slot: Any, message: Message) -> None:
             if not probe.on:
@@ -283,6 +287,11 @@ class Probe:
             flush(log)
             probe.flushes.append(time.perf_counter() - began)
 
+        def timed_handle(manager: Any, incident: Any) -> None:
+            began = time.perf_counter()
+            handle(manager, incident)
+            probe.decisions.append(time.perf_counter() - began)
+
         async def start_with_lag_probe(server: Any) -> int:
             port = await start(server)
             probe.watcher = asyncio.ensure_future(probe.watch_loop())
@@ -290,7 +299,8 @@ class Probe:
 
         for owner, name, wrapper in ((nodes.AgentServer, "_dispatch", timed_dispatch),
                                      (Manager, "on_message", timed_on_message), (EventLog, "flush", timed_flush),
-                                     (nodes.AgentServer, "start", start_with_lag_probe)):
+                                     (nodes.AgentServer, "start", start_with_lag_probe),
+                                     (Manager, "_handle", timed_handle)):
             setattr(owner, name, wrapper)
         signal.signal(signal.SIGUSR1, lambda *_: self.begin())
         signal.signal(signal.SIGUSR2, lambda *_: self.end())
@@ -340,6 +350,7 @@ class Probe:
             "flush_ms": percentiles(self.flushes),
             "flush_total_s": round(sum(self.flushes), 3),
             "loop_lag_ms": percentiles(self.loop_lag),
+            "handle_incident_ms": [round(d * 1000, 3) for d in self.decisions],
         }
         if self.profiler is not None:
             self.profiler.dump_stats(str(self.out.with_suffix(f".{self.windows}.prof")))
@@ -452,6 +463,89 @@ class ManagerProcess:
 # --- the simulated agents --------------------------------------------------------------
 
 
+def fast_encode(message: Message) -> bytes:
+    """``undying.messages.encode`` without ``dataclasses.asdict``'s deep copy: the same bytes, a third of the CPU.
+
+    Every message the simulated agents send is a flat dataclass of JSON
+    values, whose ``vars`` are its fields in order; ``check_encoding`` proves
+    the bytes equal at start. The manager decodes with the shipped code.
+    """
+    body = dict(vars(message))
+    body["type"] = type(message).__name__
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+
+class SimClient(ManagerClient):
+    """The agent's ManagerClient (numbered, kept until Acked), with ``fast_encode`` and a batch for one step.
+
+    A batch writes a node's commits of one step in one ``write`` (a real
+    agent's ranks commit within microseconds of each other; one syscall per
+    line here would cost this process, which simulates every node, more CPU
+    than the manager spends on them).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._batch: list[bytes] | None = None
+
+    def send(self, message: Message) -> None:
+        self._seq += 1
+        line = fast_encode(Numbered(self._seq, fast_encode(message).decode()))
+        self._kept.append((self._seq, line))
+        if self._batch is not None:
+            self._batch.append(line)
+        elif self.writer is not None and not self.writer.is_closing():
+            self.writer.write(line)
+
+    def on_message(self, message: Message) -> None:
+        self.send(RankReport(fast_encode(message).decode()))
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        self._batch = []
+        try:
+            yield
+        finally:
+            lines, self._batch = self._batch, None
+            if lines and self.writer is not None and not self.writer.is_closing():
+                self.writer.write(b"".join(lines))
+
+
+class LineSink:
+    """A writer that keeps what is written (ManagerClient writes lines to it)."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def write(self, line: bytes) -> None:
+        self.lines.append(line)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def check_encoding() -> None:
+    """The simulated agents' lines are byte for byte what ``undying run``'s ManagerClient writes."""
+    t = time.time()
+    reports: list[tuple[str, Message]] = [
+        ("send", AgentState(3, {"24": 100001, "25": 100002}, {"24": "step", "25": "init"}, 0, t)),
+        ("send", RankSpawned(24, 100001, False, 7)), ("send", RankExited(24, 100001, -9, t)),
+        ("send", NodeStopped(2)),
+        ("worker", StepCommitted(24, 1, 12, t, {"loss": 1.0 / 12})),
+        ("worker", Hello(24, 100003, 1, True, t)),
+        ("worker", Progress(24, 1, "state_restored", t, step=11)),
+    ]
+    sinks = []
+    for client in (ManagerClient(), SimClient()):
+        sink = LineSink()
+        client.connected(sink, 0)  # type: ignore[arg-type]
+        for how, message in reports:
+            client.send(message) if how == "send" else client.on_message(message)
+        sinks.append(sink.lines)
+    if sinks[0] != sinks[1]:
+        raise AssertionError(f"the simulated agents' lines differ from ManagerClient's: {sinks[0]} != {sinks[1]}")
+
+
 @dataclasses.dataclass
 class Window:
     """What the simulated agents measure during a window."""
@@ -477,7 +571,7 @@ class SimNode:
     def __init__(self, sim: Sim, node: int) -> None:
         self.sim = sim
         self.node = node
-        self.client = ManagerClient()
+        self.client = SimClient()
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.session = ""
@@ -498,7 +592,8 @@ class SimNode:
             window.reports[type(message).__name__] += 1
 
     def worker(self, message: Message) -> None:
-        self.report(RankReport(encode(message).decode()))
+        """A worker's message, forwarded as the agent forwards it (RankReport, numbered)."""
+        self.report(RankReport(fast_encode(message).decode()))
 
     async def join(self) -> None:
         sim = self.sim
@@ -558,13 +653,14 @@ class SimNode:
 
     def commit(self, step: int, generation: int) -> None:
         """This node's ranks finished ``step``: one StepCommitted each (a newly moved rank says so first)."""
-        if generation > self.moved_to:
-            self.moved_to = generation
+        with self.client.batched():
+            if generation > self.moved_to:
+                self.moved_to = generation
+                for rank in self.live:
+                    self.worker(Progress(rank, generation, "group_rebuilt", time.time()))
+                    self.worker(Progress(rank, generation, "state_restored", time.time(), step=step - 1))
             for rank in self.live:
-                self.worker(Progress(rank, generation, "group_rebuilt", time.time()))
-                self.worker(Progress(rank, generation, "state_restored", time.time(), step=step - 1))
-        for rank in self.live:
-            self.worker(StepCommitted(rank, generation, step, time.time(), {"loss": 1.0 / step}))
+                self.worker(StepCommitted(rank, generation, step, time.time(), {"loss": 1.0 / step}))
 
     def close(self) -> None:
         for task in self._tasks:
@@ -797,7 +893,10 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
         if args.profile:
             out["profile"] = top_functions(manager.profile_path(), args.profile_top)
         print_window(out["window"], text)
-        # Crash trials under the same load.
+        # Crash trials under the same load (a probe runs over them for the manager's own decision times).
+        manager.begin_probe()
+        await asyncio.sleep(0.2)
+        crashes_from = time.time()
         trials = []
         for trial in range(args.crashes):
             result = await sim.crash(trial, manager.events_db, args.timeout_s)
@@ -808,8 +907,10 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
                      f"{result['exit_to_spawn_command_s'] * 1000:.1f} ms after the exit, {result['action']}, "
                      f"{result['status']} {result['recovered_s']:.2f}s after (load {result['load']})"),
                   file=text, flush=True)
-            await asyncio.sleep(max(2 * args.step_s, 1.0))
+            await asyncio.sleep(max(2 * args.step_s, 1.0) + random.uniform(0, args.step_s))
+        crash_probe = await manager.end_probe(crashes_from, time.time())
         out["crashes"] = trials
+        out["handle_incident_ms"] = crash_probe["handle_incident_ms"]
         decisions = [t["detection_to_decision_s"] for t in trials if "detection_to_decision_s" in t]
         commands = [t["exit_to_spawn_command_s"] for t in trials if "exit_to_spawn_command_s" in t]
         out["detection_to_decision_s"] = {"median": _median(decisions), "max": max(decisions, default=None)}
@@ -868,6 +969,132 @@ def top_functions(path: Path, top: int) -> dict[str, list[dict[str, Any]]]:
                      "cumulative_s": round(cumulative, 3)})
     return {"by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
             "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:top]}
+
+
+# --- where a report's time goes, in-process -------------------------------------------------
+
+
+async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) -> dict[str, Any]:
+    """The manager's work per message, timed in one process without a profiler, with a real Manager and log.
+
+    The Manager is the shipped one with detached ``RemoteAgent`` slots (their
+    commands queue; nothing is sent), generation 0 started as ``run`` starts
+    it. Per StepCommitted: the wire line's three decodes, then
+    ``Manager.on_message``, and apart, its two log writes (``EventLog.step``,
+    ``EventLog.rank``) on a scratch log. Per step: the log's flush of every
+    rank's rows. Per beat round: ``ManagerBeat`` and ``Acked`` encoded for every
+    node. Per crash: ``Manager.on_exit`` of one rank (decide, plan, open the
+    next generation with its TCPStore, spawn the replacement), and the
+    incident's detection-to-decision.
+    """
+    from undying.manager.events import EventLog
+    from undying.manager.manager import Manager
+    from undying.manager.nodes import RemoteAgent
+    from undying.messages import ManagerBeat
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = JobConfig(job_id=JOB_ID, job_dir=str(root), nproc_per_node=ranks_per_node, nnodes=nnodes, spares=0,
+                       port=0)
+    events = EventLog(root / "events.db")
+    manager = Manager(config, events)
+    manager.start_control_store()
+    slots = [RemoteAgent(n) for n in range(nnodes)]
+    for slot in slots:
+        manager.add_agent(slot)
+    world = config.world_size
+    # manager.run starts generation 0 once `ready` is done (every node joined, in the service).
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    run = asyncio.ensure_future(manager.run(ready=ready))
+    await asyncio.sleep(0)
+    began = time.perf_counter()
+    ready.set_result(None)
+    while sum(len(s.view()["waiting_spawns"]) for s in slots) < world:
+        await asyncio.sleep(0.01)
+    spawn_s = time.perf_counter() - began
+    for info in manager.ranks.values():
+        manager.on_spawned(info.rank, 200_000 + info.rank, False, info.incarnation)
+    scratch = EventLog(root / "scratch.db")
+    decode_s, handle_s, step_s, rank_s, flush_s = [], [], [], [], []
+    for step in range(1, steps + 1):
+        messages = [StepCommitted(r, 0, step, time.time(), {"loss": 1.0 / step}) for r in range(world)]
+        client, sink = SimClient(), LineSink()
+        client.connected(sink, 0)  # type: ignore[arg-type]
+        for m in messages:
+            client.on_message(m)
+        t = time.perf_counter()
+        for line in sink.lines:
+            outer = decode(line)
+            assert isinstance(outer, Numbered)
+            middle = decode(outer.body)
+            assert isinstance(middle, RankReport)
+            decode(middle.body)
+        decode_s.append((time.perf_counter() - t) / world)
+        t = time.perf_counter()
+        for m in messages:
+            manager.on_message(m)
+        handle_s.append((time.perf_counter() - t) / world)
+        t = time.perf_counter()
+        events.flush()
+        flush_s.append(time.perf_counter() - t)
+        info = manager.ranks[0]
+        t = time.perf_counter()
+        for m in messages:
+            scratch.step(m.rank, m.step, m.generation, m.t, m.metrics)
+        step_s.append((time.perf_counter() - t) / world)
+        t = time.perf_counter()
+        for m in messages:
+            scratch.rank(m.rank, info.to_dict())
+        rank_s.append((time.perf_counter() - t) / world)
+        scratch.flush()
+    t = time.perf_counter()
+    for slot in slots:
+        encode(ManagerBeat(time.time()))
+        encode(Acked(slot.node))
+    beat_round_s = time.perf_counter() - t
+    # A crash: the rank's exit as the agent reports it, handled as the manager handles it.
+    crash_rank = world - 1
+    detected = time.time()
+    t = time.perf_counter()
+    manager.on_exit(crash_rank, manager.ranks[crash_rank].pid, -int(signal.SIGKILL), detected)
+    on_exit_s = time.perf_counter() - t
+    incident = manager.incidents[-1]
+    decided_s = incident.phases["decided"] - incident.phases["detected"]
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    scratch.close()
+    manager.close()
+    us = 1e6
+    return {
+        "nodes": nnodes, "ranks": world, "steps": steps,
+        "generation0_spawns_s": round(spawn_s, 3),
+        "decode_us": round(statistics.median(decode_s) * us, 2),
+        "on_message_us": round(statistics.median(handle_s) * us, 2),
+        "log_step_row_us": round(statistics.median(step_s) * us, 2),
+        "log_rank_row_us": round(statistics.median(rank_s) * us, 2),
+        "flush_per_step_ms": round(statistics.median(flush_s) * 1000, 2),
+        "beat_round_ms": round(beat_round_s * 1000, 2),
+        "crash_on_exit_ms": round(on_exit_s * 1000, 2),
+        "crash_detection_to_decision_ms": round(decided_s * 1000, 2),
+        "incident_action": incident.action,
+    }
+
+
+def render_micro(micro: dict[str, Any], text: TextIO) -> None:
+    per = micro["decode_us"] + micro["on_message_us"]
+    print(f"\nwhere a commit's time goes, in-process at {micro['nodes']} nodes x "
+          f"{micro['ranks'] // micro['nodes']} ranks (median of {micro['steps']} steps, no profiler):", file=text)
+    print(f"  wire line's 3 JSON decodes (Numbered > RankReport > StepCommitted) {micro['decode_us']:.1f} us", file=text)
+    print(f"  Manager.on_message(StepCommitted) {micro['on_message_us']:.1f} us, of which its log rows: steps "
+          f"{micro['log_step_row_us']:.1f} us, ranks {micro['log_rank_row_us']:.1f} us", file=text)
+    print(f"  = {per:.1f} us a commit before the event loop's own share: one step of {micro['ranks']} commits is "
+          f"{per * micro['ranks'] / 1000:.0f} ms of the manager's one thread, plus a log flush of "
+          f"{micro['flush_per_step_ms']:.1f} ms", file=text)
+    print(f"  a beat round (ManagerBeat + Acked encoded for every node) {micro['beat_round_ms']:.1f} ms every "
+          f"0.6 s; generation 0's spawns {micro['generation0_spawns_s']:.2f} s", file=text)
+    print(f"  a crash: Manager.on_exit {micro['crash_on_exit_ms']:.1f} ms (decide, plan, open the generation, spawn); "
+          f"detection-to-decision {micro['crash_detection_to_decision_ms']:.1f} ms -> {micro['incident_action']}",
+          file=text)
 
 
 # --- the report ------------------------------------------------------------------------
@@ -965,6 +1192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-p99-ms", type=float, default=TARGET_P99_MS)
     p.add_argument("--target-decision-s", type=float, default=TARGET_DECISION_S)
     p.add_argument("--nofile", type=int, default=65536, help="cap of the raised soft ulimit -n (default 65536)")
+    p.add_argument("--micro-steps", type=int, default=5,
+                   help="steps of the in-process cost breakdown at the largest size (0: skip it; default 5)")
+    p.add_argument("--no-sizes", action="store_true", help="only the in-process cost breakdown")
     p.add_argument("--profile", action="store_true", help="profile the manager's window with cProfile")
     p.add_argument("--profile-top", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -986,6 +1216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt)
     random.seed(args.seed)
+    check_encoding()
     text = sys.stderr if args.json else sys.stdout
     nofile = raise_fd_limit(args.nofile)
     need = 2 * max(args.node_counts) + 256
@@ -998,12 +1229,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sizes: list[dict[str, Any]] = []
     try:
-        for nnodes in args.node_counts:
+        for nnodes in [] if args.no_sizes else args.node_counts:
             try:
                 sizes.append(asyncio.run(run_size(nnodes, args, root / f"n{nnodes}", text)))
             except RuntimeError as e:
                 print(f"  {nnodes} nodes failed: {e}", file=text)
                 sizes.append({"nodes": nnodes, "ranks": nnodes * args.ranks_per_node, "error": str(e)})
+        micro = None
+        if args.micro_steps > 0:
+            micro = asyncio.run(micro_costs(max(args.node_counts), args.ranks_per_node, args.micro_steps,
+                                            root / "micro"))
     except KeyboardInterrupt:
         print("interrupted; the manager was stopped", file=sys.stderr)
         return 130
@@ -1015,10 +1250,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"), "host": socket.gethostname(), "cpus": os.cpu_count(),
         "ranks_per_node": args.ranks_per_node, "step_s": args.step_s, "spread": args.spread,
         "window_s": args.window_s, "nofile": nofile, "target_p99_ms": args.target_p99_ms,
-        "target_decision_s": args.target_decision_s, "profile": args.profile, "sizes": sizes,
+        "target_decision_s": args.target_decision_s, "profile": args.profile, "sizes": sizes, "micro": micro,
         "wall_s": round(time.monotonic() - started, 1),
     }
-    render(result, text)
+    if sizes:
+        render(result, text)
+    if micro is not None:
+        render_micro(micro, text)
     publish(result, args.out, args.json, text, "manager logs and job dirs")
     return 0
 
