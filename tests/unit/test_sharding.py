@@ -143,3 +143,20 @@ def test_fsdp_trains_on_after_a_new_generation_and_a_failed_forward(group: None)
     assert sharding.rebind_groups(model) > 0
     assert train(model, state, range(2, 5)) == train(reference, reference_state, range(2, 5))
     del store
+
+
+def test_a_staged_copy_for_the_background_writer_is_private_and_still_sharded(group: None) -> None:
+    from undying.worker.shards import _stage
+
+    model, _, state = build()
+    train(model, state, range(1))
+    sd = sharding.dcp_state_dict(state)
+    staged = _stage(sd)
+    weight, copy = sd["model"]["0.weight"], staged["model"]["0.weight"]
+    assert sharding.is_dtensor(copy) and copy.placements == weight.placements and copy.shape == weight.shape
+    assert torch.equal(copy.to_local(), weight.to_local())
+    assert copy.to_local().data_ptr() != weight.to_local().data_ptr()
+    before = copy.to_local().clone()
+    train(model, state, range(1, 2))  # training goes on while the writer holds its copy
+    assert torch.equal(copy.to_local(), before) and not torch.equal(weight.to_local(), before)
+    assert staged["scheduler"] == sd["scheduler"] and staged["scheduler"] is not sd["scheduler"]

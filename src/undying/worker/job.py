@@ -303,6 +303,9 @@ class Job:
         self._cursor = cursor
         self._state = state
         self._attach(state)
+        if self.managed and self.rank == 0:
+            self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
+                                detail=self._shards.layout(state)))
         committed = 0
         if self._stash is not None and state.sharded:
             where = f"checkpoint {self._resumed[1]}" if self._resumed is not None else "a peer"
@@ -377,6 +380,7 @@ class Job:
             self._phase = "done"
             if self._ckpt is not None:
                 self._finish_writes()
+            self._shards.finish_writes()
             self.tracing.close()
             self._send(Done(self.rank, committed, state.digest(), time.time()))
 
@@ -629,6 +633,8 @@ class Job:
         self._send(CommFailure(self.rank, self.generation, self.current_step, self._abort_reason, time.time()))
         state.discard_gradients()
         if state.sharded:
+            # The write uses a group of this generation, which leaving destroys; a dead peer fails it at once.
+            self._shards.finish_writes(timeout=self.env.timeouts.collective)
             try:
                 reset_after_failure(state.model)  # FSDP left mid-forward/backward: reshard, clear hooks
             except RecoveryError:

@@ -19,8 +19,10 @@ the paths in ``job.py``. Kept apart so the step loop reads the same for both:
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -66,6 +68,10 @@ class Shards:
         self.quiet = False  # an internal optimizer step (DCP creating optimizer state) is no training step
         self._hooked: set[int] = set()
         self._replicated_once = False
+        # The background writer of periodic sharded checkpoints, and the gloo group it uses.
+        self._writer: threading.Thread | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._group_generation = -1
 
     # --- who is whose ring neighbour -----------------------------------------
 
@@ -100,6 +106,13 @@ class Shards:
     def dcp_state_dict(self, state: State) -> dict[str, Any]:
         with self._internal():
             return sharding.dcp_state_dict(state)
+
+    def layout(self, state: State) -> dict[str, Any]:
+        """What the manager needs to plan a restore: whose shard has a copy where."""
+        if not state.sharded:
+            return {"sharded": False}
+        return {"sharded": True, "world_size": self.job.world_size,
+                "replicate": "ring" if self.ring else "off", "every": self.config.every, "offset": self.offset}
 
     def status(self, committed: int, clean: bool) -> RankStatus:
         return RankStatus(self.job.rank, committed, clean=clean, has_state=True, mode=MODE_SHARDED,
@@ -146,21 +159,31 @@ class Shards:
         self.job._on_checkpoint_loaded(manifest, detail)
 
     def maybe_save(self, state: State, index: int, meta: dict[str, Any]) -> bool:
-        """After a committed step: a collective save when due. False: a peer failed during it (recover)."""
+        """After a committed step: start a background save when due. False: a peer failed (recover).
+
+        Every rank must start a save or none: the decision is one all-reduce
+        of (due, busy) when it could go either way -- a clock (``--save-interval``)
+        is per rank, and a rank's previous write may still run while another's
+        is done. A save due while one is still written is skipped by all.
+        """
         job = self.job
         assert job.env is not None
         cfg = job.env.checkpoint
         try:
             due = job._save_due(index)
-            if cfg.save_interval > 0:  # a clock is per rank: rank 0's says for all, or the ranks would disagree
-                flag = torch.tensor([int(due)], dtype=torch.int32)
-                dist.broadcast(flag, src=0)
-                due = bool(flag.item())
-            if not due:
+            if cfg.save_interval <= 0 and not due:
+                return True
+            flags = torch.tensor([int(due), int(self.writing)], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if not flags[0]:
                 return True
             job._last_save_t = time.monotonic()
+            if flags[1]:
+                if job.rank == 0:
+                    log.info("sharded checkpoint of step %d skipped: the previous one is still being written", index)
+                return True
             with job.tracing.checkpoint_stall():
-                self.save(state, index, "periodic", meta)
+                self._start_save(state, index, meta)
         except Exception as e:
             from undying.worker.group import is_comm_failure
 
@@ -169,6 +192,67 @@ class Shards:
             job._abort_reason = f"{type(e).__name__}: {e}"
             return False
         return True
+
+    @property
+    def writing(self) -> bool:
+        thread = self._writer
+        return thread is not None and thread.is_alive()
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        """A gloo group of its own for the writer thread's collectives (a collective itself: every rank, now).
+
+        The training thread keeps the default group; two threads must never
+        share one group. Built once per generation: a new generation destroys
+        every group of the old one.
+        """
+        if self._group is None or self._group_generation != self.job.generation:
+            self._group = dist.new_group(backend="gloo")
+            self._group_generation = self.job.generation
+        return self._group
+
+    def _start_save(self, state: State, step: int, meta: dict[str, Any]) -> None:
+        """Copy this rank's shard to CPU (the loop's only stall) and write it in a thread, with the others."""
+        job = self.job
+        assert job.env is not None
+        group = self._checkpoint_group()
+        started = time.perf_counter()
+        snapshot = _stage(self.dcp_state_dict(state))
+        blocking = time.perf_counter() - started
+        env, generation = job.env, job.generation
+
+        def write() -> None:
+            t0 = time.time()
+            try:
+                result = save_sharded(
+                    env.checkpoint.dir, step, snapshot, group=group, job_id=env.job_id, generation=generation,
+                    kind="periodic", keep=env.checkpoint.keep, meta=meta, layout_extra={"world_size": job.world_size},
+                )
+            except Exception as e:  # a peer gone mid-write, a full disk: reported; the latest valid one stands
+                log.error("rank %d: sharded checkpoint of step %d failed: %s", job.rank, step, e)
+                if job.rank == 0:
+                    job._send(CheckpointSaved(0, step, "periodic", "", blocking, time.time() - t0, 0, time.time(),
+                                              error=f"{type(e).__name__}: {e}"))
+                return
+            self.last_save = result
+            if job.rank == 0:
+                job.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
+                job._send(CheckpointSaved(0, step, "periodic", result.path, blocking, result.write_s, result.bytes,
+                                          time.time()))
+
+        self._writer = threading.Thread(target=write, name="undying-sharded-ckpt", daemon=True)
+        self._writer.start()
+
+    def finish_writes(self, timeout: float | None = None) -> None:
+        """Wait for the write in flight: before the group it uses is destroyed, a dying gasp, or the end."""
+        thread = self._writer
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            log.error("rank %d: the sharded checkpoint write still runs after %.0fs; going on without it",
+                      self.job.rank, timeout or 0)
+            return
+        self._writer = None
 
     def save(self, state: State, step: int, kind: str, meta: dict[str, Any]) -> SaveResult | None:
         """Collective ``save_sharded``; rank 0 reports it (or its failure) to the manager."""
@@ -201,6 +285,7 @@ class Shards:
     def dying_gasp(self, state: State, step: int, meta: dict[str, Any], resumed: tuple[int, str] | None) -> None:
         """Every rank stopped at ``step``: save it together, unless a checkpoint of it exists."""
         job = self.job
+        self.finish_writes()  # a periodic save of this very step may be the dying gasp already
         existing = self.last_save.path if self.last_save is not None and self.last_save.step == step else \
             resumed[1] if resumed is not None and resumed[0] == step else None
         if existing is not None:
@@ -350,3 +435,16 @@ class Shards:
         else:
             job._deferred = (manifest.step, lambda st: self.load_checkpoint(st, path, manifest))
         return manifest.step
+
+
+def _stage(obj: Any) -> Any:
+    """A private CPU copy of a state dict for the writer thread: DTensors stay DTensors (local data cloned)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _stage(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_stage(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_stage(v) for v in obj)
+    return copy.deepcopy(obj)
