@@ -728,6 +728,7 @@ class Job:
             if not is_comm_failure(e):
                 raise
             step.outcome = Outcome.ABORTED
+            step.optimizer_stepped = True  # the body ran to its end: the live state is past the committed step
             self._abort_reason = f"{type(e).__name__}: {e}"
             return False
 

@@ -312,6 +312,7 @@ class Shards:
         A comm failure propagates (the step aborts). A replica that fails its
         checksum is not kept: the older one stays, and the event says so.
         """
+        started = time.perf_counter()
         data = sharding.shard_bytes(state, {"data_origin": self.job._data_origin})
         self.copies.own[step] = data
         try:
@@ -324,9 +325,11 @@ class Shards:
         self.copies.committed(step)
         if not self._replicated_once:
             self._replicated_once = True
+            # What one replication costs (serialize, exchange, agree): to size UNDYING_REPLICATE_EVERY by.
             self.job._send(Progress(self.job.rank, self.job.generation, "replicating", time.time(), step=step,
                                     detail={"to": self.successor, "from": self.predecessor,
-                                            "every": self.config.every, "bytes": len(data)}))
+                                            "every": self.config.every, "bytes": len(data),
+                                            "seconds": round(time.perf_counter() - started, 6)}))
 
     def replicate_initial(self, state: State, committed: int) -> bool:
         """Before the first step of a launch: every shard has a copy from the start. False: a peer failed.
