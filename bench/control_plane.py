@@ -720,7 +720,8 @@ class Sim:
         await asyncio.gather(*(one(n) for n in self.nodes))
 
     def start_steps(self) -> None:
-        self._stepper = asyncio.ensure_future(self._steps())
+        if self.step_s > 0:  # 0: beats only, no training steps
+            self._stepper = asyncio.ensure_future(self._steps())
 
     async def _steps(self) -> None:
         """Synchronous steps: at each boundary, every rank commits (over ``spread`` of a step)."""
@@ -768,7 +769,8 @@ class Sim:
         out["exit_to_spawn_command_s"] = round(spawn_t - t0, 4)
         out["joining"] = spawn.joining
         out["generation"] = int(spawn.record["generation"])
-        incident = await wait_for_incident(events_db, rank, t0, timeout_s)
+        # Without steps nothing completes a recovery: the decision is what is timed.
+        incident = await wait_for_incident(events_db, rank, t0, timeout_s, decided_only=self.step_s == 0)
         if incident is None:
             out["error"] = f"no recovered incident for rank {rank} within {timeout_s:.0f}s"
             return out
@@ -777,7 +779,8 @@ class Sim:
             "incident": incident["id"], "kind": incident["kind"], "action": incident["action"],
             "status": incident["status"],
             "detection_to_decision_s": round(phases["decided"] - phases["detected"], 4),
-            "recovered_s": round(phases.get("first_step_done", float("nan")) - phases["detected"], 4),
+            "recovered_s": round(phases["first_step_done"] - phases["detected"], 4) if "first_step_done" in phases
+            else None,
             "old_generation": generation,
         })
         return out
@@ -792,12 +795,14 @@ class Sim:
             node.close()
 
 
-async def wait_for_incident(events_db: Path, rank: int, after: float, timeout_s: float) -> dict[str, Any] | None:
-    """The incident of ``rank`` faulted at or after ``after``, once it is no longer open (read from the log)."""
+async def wait_for_incident(events_db: Path, rank: int, after: float, timeout_s: float, *,
+                            decided_only: bool = False) -> dict[str, Any] | None:
+    """The incident of ``rank`` faulted at or after ``after``, once no longer open (or decided), from the log."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for incident in read_incidents(events_db):
-            if incident["rank"] == rank and incident["fault_t"] >= after - 1e-3 and incident["status"] != "open":
+            done = "decided" in incident["phases"] if decided_only else incident["status"] != "open"
+            if incident["rank"] == rank and incident["fault_t"] >= after - 1e-3 and done:
                 return incident
         await asyncio.sleep(0.1)
     return None
@@ -905,9 +910,10 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
                   + (result["error"] if "error" in result else
                      f"detection-to-decision {result['detection_to_decision_s'] * 1000:.1f} ms, SpawnRank back "
                      f"{result['exit_to_spawn_command_s'] * 1000:.1f} ms after the exit, {result['action']}, "
-                     f"{result['status']} {result['recovered_s']:.2f}s after (load {result['load']})"),
+                     + (f"{result['status']} {result['recovered_s']:.2f}s after" if result["recovered_s"] is not None
+                        else result["status"]) + f" (load {result['load']})"),
                   file=text, flush=True)
-            await asyncio.sleep(max(2 * args.step_s, 1.0) + random.uniform(0, args.step_s))
+            await asyncio.sleep(max(2 * args.step_s, 1.0) + random.uniform(0, args.step_s or AGENT_BEAT_S))
         crash_probe = await manager.end_probe(crashes_from, time.time())
         out["crashes"] = trials
         out["handle_incident_ms"] = crash_probe["handle_incident_ms"]
@@ -953,7 +959,7 @@ def sustained(out: dict[str, Any], args: argparse.Namespace) -> bool:
     window = out.get("window")
     if not window:
         return False
-    p99s = [window["latency_ms"].get(k, {}).get("p99") for k in ("StepCommitted", "AgentState")]
+    p99s = [window["latency_ms"].get(k, {}).get("p99") for k, n in window["sent"].items() if n > 0]
     handled_all = window["handled_within_drain"] == window["sent"]
     return (all(p is not None and p < args.target_p99_ms for p in p99s) and handled_all
             and out.get("nodes_lost", 1) == 0 and window["sender_late_steps"] == 0)
@@ -1125,8 +1131,10 @@ def print_window(window: dict[str, Any], text: TextIO) -> None:
 
 def render(result: dict[str, Any], text: TextIO) -> None:
     print("\n== control plane: simulated agents against one manager ==", file=text)
-    print(f"{result['ranks_per_node']} ranks per node, a step every {result['step_s']:g}s (spread "
-          f"{result['spread']:g} of a step), agent beat every {AGENT_BEAT_S:g}s; window {result['window_s']:g}s; "
+    steps = (f"a step every {result['step_s']:g}s (spread {result['spread']:g} of a step)" if result["step_s"] > 0
+             else "no steps (beats only)")
+    print(f"{result['ranks_per_node']} ranks per node, {steps}, agent beat every {AGENT_BEAT_S:g}s; "
+          f"window {result['window_s']:g}s; "
           f"ulimit -n {result['nofile']}", file=text)
     header = (f"{'nodes':>6} {'ranks':>6} {'msgs/s':>7} {'commit p50':>10} {'p99':>8} {'beat p99':>8} "
               f"{'mgr CPU':>7} {'lost':>4} {'held':>5} {'decide med':>10} {'max':>7} {'spawn back':>10} "
@@ -1180,7 +1188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)),
                    help="node counts to step through, comma-separated (default 8,64,256,1024)")
     p.add_argument("--ranks-per-node", type=int, default=8)
-    p.add_argument("--step-s", type=float, default=1.0, help="seconds per training step (default 1)")
+    p.add_argument("--step-s", type=float, default=1.0,
+                   help="seconds per training step (default 1); 0: no steps, the agents' beats only")
     p.add_argument("--spread", type=float, default=0.0,
                    help="share of a step over which the commits are sent: 0 a burst (synchronous DDP), 1 evenly")
     p.add_argument("--warmup-s", type=float, default=5.0)
@@ -1207,8 +1216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--nodes must be comma-separated integers, got {args.nodes!r}")
     if not args.node_counts or any(n < 1 for n in args.node_counts):
         p.error(f"--nodes needs node counts of at least 1, got {args.nodes!r}")
-    if args.ranks_per_node < 1 or args.step_s <= 0 or not 0 <= args.spread <= 1 or args.window_s <= 0:
-        p.error("--ranks-per-node >= 1, --step-s > 0, --spread in [0, 1] and --window-s > 0 are required")
+    if args.ranks_per_node < 1 or args.step_s < 0 or not 0 <= args.spread <= 1 or args.window_s <= 0:
+        p.error("--ranks-per-node >= 1, --step-s >= 0, --spread in [0, 1] and --window-s > 0 are required")
     return args
 
 
