@@ -114,6 +114,10 @@ class CheckpointConfig:
     grace_period: float = 0.0
     # A second SIGTERM within this many seconds of a dying gasp reuses it.
     gasp_reuse_s: float = 60.0
+    # Sharded state: "ring" keeps a copy of each rank's shard on its ring successor (worker.replica).
+    replicate: str = "off"
+    # With replicate="ring": replicate every this many steps (a fault re-runs up to K-1 steps).
+    replicate_every: int = 1
 
     def validate(self) -> None:
         if self.save_every < 0:
@@ -126,6 +130,10 @@ class CheckpointConfig:
             raise UsageError(f"--grace-period must be between 0 (auto) and {_MAX_TIMEOUT_S:.0f}, got {self.grace_period}")
         if self.gasp_reuse_s < 0:
             raise UsageError(f"--gasp-reuse-within must be >= 0 seconds, got {self.gasp_reuse_s}")
+        if self.replicate not in ("off", "ring"):
+            raise UsageError(f"--replicate must be off or ring, got {self.replicate!r}")
+        if self.replicate_every < 1:
+            raise UsageError(f"--replicate-every must be at least 1 step, got {self.replicate_every}")
 
     def env(self, job_dir: str) -> dict[str, str]:
         return {
@@ -133,6 +141,8 @@ class CheckpointConfig:
             f"{ENV_PREFIX}SAVE_EVERY": str(self.save_every),
             f"{ENV_PREFIX}SAVE_INTERVAL": repr(self.save_interval),
             f"{ENV_PREFIX}KEEP": str(self.keep),
+            f"{ENV_PREFIX}REPLICATE": self.replicate,  # read by undying.worker.replica.ReplicationConfig
+            f"{ENV_PREFIX}REPLICATE_EVERY": str(self.replicate_every),
         }
 
     def resolved_dir(self, job_dir: str) -> str:

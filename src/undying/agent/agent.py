@@ -124,6 +124,7 @@ class Agent:
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
         self._step_times: deque[float] = deque(maxlen=100)
         self._for_replacement: dict[int, list[ArmFault]] = {}  # faults armed for a rank's next replacement
+        self._armed_early: dict[int, list[ArmFault]] = {}  # faults armed before the rank had a process
         self._trace: TraceSet | None = None  # the switch every worker of this node follows
         # Set when the manager is on another host: its address, as this node reaches it.
         self.manager_host = ""
@@ -293,7 +294,8 @@ class Agent:
         else:
             process = self._start_process({**self._base_environment(), **rank_env}, spare=False)
         worker = _Worker(rank=rank, process=process, started=time.time(),
-                         pending=[*self._for_replacement.pop(rank, [])] if joining else [])
+                         pending=[*self._armed_early.pop(rank, []),
+                                  *(self._for_replacement.pop(rank, []) if joining else [])])
         old = self._workers.get(rank)
         if old is not None:
             self._by_pid.pop(old.pid, None)
@@ -383,7 +385,8 @@ class Agent:
             self._for_replacement.setdefault(rank, []).append(fault)
             return
         worker = self._workers.get(rank)
-        if worker is None:
+        if worker is None:  # armed before the rank's first process exists: it gets it when spawned
+            self._armed_early.setdefault(rank, []).append(fault)
             return
         if worker.writer is None:
             worker.pending.append(fault)

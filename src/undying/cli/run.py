@@ -87,6 +87,14 @@ no checkpoint at all.""",
     c.add_argument("--gasp-reuse-within", type=float, default=60.0, metavar="SECONDS",
                    help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
                    "step was trained since (default 60)")
+    c.add_argument("--replicate", choices=("off", "ring"), default=os.environ.get("UNDYING_REPLICATE", "off"),
+                   help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the memory of a rank on "
+                   "the next node (the next rank on one node), so losing a rank needs no disk; off (default): "
+                   "a lost shard rolls the job back to the latest checkpoint (env UNDYING_REPLICATE)")
+    c.add_argument("--replicate-every", type=int, default=os.environ.get("UNDYING_REPLICATE_EVERY", "1"),
+                   metavar="STEPS",
+                   help="with --replicate ring: copy the shards every N steps (default 1: a fault loses no step; "
+                   "N > 1 costs less per step and re-runs up to N-1 steps after a fault)")
     tr = p.add_argument_group("tracing (switch it while the job runs: `undying trace on|off [--comm]`)")
     tr.add_argument("--trace", choices=TRACE_INITIAL, default="off",
                     help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
@@ -201,6 +209,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             keep=args.keep,
             grace_period=args.grace_period,
             gasp_reuse_s=args.gasp_reuse_within,
+            replicate=args.replicate,
+            replicate_every=args.replicate_every,
         ),
         trace=TraceConfig(
             dir=args.trace_dir,

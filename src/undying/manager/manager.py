@@ -33,7 +33,14 @@ from undying.checkpoint import (
     latest_valid,
     recent_dying_gasp,
 )
-from undying.checkpoint.planner import LayoutError, MissingShardsError, plan_for_ddp
+from undying.checkpoint.planner import (
+    Layout,
+    LayoutError,
+    MissingShardsError,
+    PersistedState,
+    plan_for_ddp,
+    plan_restore,
+)
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog
@@ -169,6 +176,8 @@ class Manager:
         self._restart_from: Checkpoint | None = None
         self._last_skipped: list[tuple[str, str]] = []
         self._state_bytes = 0
+        # How the ranks hold the state (rank 0's state_layout event): {"sharded": False} is DDP's.
+        self._state_layout: dict[str, Any] = {"sharded": False}
         self._write_bytes_per_s = 0.0
         self._step_s: deque[float] = deque(maxlen=50)
         self._last_commit_t: dict[int, tuple[int, float]] = {}
@@ -662,9 +671,19 @@ class Manager:
         self.events.event(message.phase, generation=message.generation, rank=message.rank, step=message.step, **message.detail)
         if message.phase == "state_size":
             self._state_bytes = int(message.detail.get("bytes", 0))
+        elif message.phase == "state_layout":
+            self._state_layout = dict(message.detail)
         recovery = self._recovery
         if recovery is None or message.generation != recovery.generation:
             return
+        if message.phase in ("shards_restored", "rolled_back") and message.rank == 0:
+            # What the ranks did, which the plan made at the incident could only foresee.
+            for incident in recovery.incidents:
+                incident.detail["restored"] = message.detail.get("plan") or message.detail.get("reason", "")
+                incident.detail["lost_steps"] = int(message.detail.get("lost_steps", 0))
+                if message.phase == "rolled_back":
+                    incident.detail["checkpoint"] = message.detail.get("checkpoint", "")
+                self.events.incident(incident)
         if message.phase == "group_rebuilt":
             recovery.group_rebuilt[message.rank] = message.t
         elif message.phase == "state_restored":
@@ -750,8 +769,18 @@ class Manager:
         if ckpt is not None:
             newest = max(newest, ckpt.step)  # ranks that resumed from it and committed nothing yet report 0
         try:
-            plan = plan_for_ddp(self.config.world_size, failed, ckpt.step if ckpt else None,
-                                current_step=newest, checkpoint_path=ckpt.url if ckpt else "")
+            if self._state_layout.get("sharded"):
+                # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank + offset.
+                n, offset = self.config.world_size, int(self._state_layout.get("offset", 0))
+                ring = self._state_layout.get("replicate") == "ring" and offset > 0
+                plan = plan_restore(
+                    Layout(dp=1, tp=n), failed,
+                    replica_of={(r + offset) % n: r for r in range(n)} if ring else None,
+                    checkpoint=PersistedState(ckpt.step, path=ckpt.url) if ckpt else None, current_step=newest,
+                )
+            else:
+                plan = plan_for_ddp(self.config.world_size, failed, ckpt.step if ckpt else None,
+                                    current_step=newest, checkpoint_path=ckpt.url if ckpt else "")
         except (MissingShardsError, LayoutError) as e:
             incident.detail["restore_plan"] = str(e)
             return
@@ -771,8 +800,10 @@ class Manager:
 
     def _handle(self, incident: Incident) -> None:
         holders = self._holders_alive(incident.rank)
-        # The restart rung needs the latest valid checkpoint; only looked for when no peer holds the state.
-        self._restart_from = self._latest_checkpoint() if holders == 0 else None
+        # The restart rung needs the latest valid checkpoint; only looked for when no peer holds the state
+        # (sharded state without ring replicas: a lost shard is only there, the ranks roll back to it).
+        sharded_alone = self._state_layout.get("sharded") and self._state_layout.get("replicate") != "ring"
+        self._restart_from = self._latest_checkpoint() if holders == 0 or sharded_alone else None
         self._plan_restore(incident)
         decision = decide(
             incident,
