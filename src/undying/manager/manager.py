@@ -1124,9 +1124,15 @@ class Manager:
                 for incident in recovery.incidents:
                     incident.status = "failed"
                     self.events.incident(incident)
+                waiting = [v for v in (a.view() for a in self._agents.values()) if v.get("waiting_spawns")]
+                why = "".join(
+                    f"; node {v['node']} was lost ({v.get('lost_reason') or 'its agent left'}) and no agent joined "
+                    f"as node {v['node']} to take ranks {v['waiting_spawns']}: start `undying run --node-rank "
+                    f"{v['node']} --manager ...` on a new host, or run the job again to resume from its "
+                    "latest checkpoint" for v in waiting)
                 self.fail(
                     f"recovery {recovery.id} did not complete within {self.config.timeouts.recovery:.0f}s "
-                    f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})"
+                    f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)}){why}"
                 )
 
     async def _flush_periodically(self) -> None:
