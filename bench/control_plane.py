@@ -25,7 +25,14 @@ Steps are synchronous, as under DDP: at each step boundary every rank of every
 node commits. ``--spread`` says over what share of a step the commits are sent
 (0, the default: all at once, as fast as this process sends them, which is
 the burst a real DDP job makes after each all-reduce; 1: evenly over the
-step).
+step). ``--step-s 0`` sends no steps: the agents' beats only (the load of
+the heartbeat rate alone; crash trials then time the decision only, as
+nothing completes a recovery).
+
+The simulated agents' lines are byte for byte what ``undying run``'s
+``ManagerClient`` writes (checked at start); they are encoded without
+``dataclasses.asdict`` and a node's commits of one step go out in one write,
+so that this one process can play 1,024 agents on one core.
 
 The sizes step through ``--nodes`` (default 8, 64, 256, 1024) at
 ``--ranks-per-node`` (default 8). At each size:
@@ -69,6 +76,17 @@ Definitions
 * Report to Acked: from writing a report to the ``Acked`` that covers it (the
   log committed it). Bounded below by the manager's flush period (0.25 s) and
   beat (0.5 s), so it is a durability lag, not a handling time.
+* The manager's own decision time: the duration of every ``Manager._handle``
+  (decide, plan the restore, open the next generation, spawn), timed in the
+  manager over the crash trials.
+
+Where the time goes (``--micro-steps``, after the sizes, at the largest): the
+manager's work per message timed in this process with the shipped Manager and
+event log and no profiler: the wire line's three JSON decodes, then
+``Manager.on_message(StepCommitted)`` and apart its two log rows, the log
+flush of one step, a beat round, a crash's ``on_exit`` and the restore planner
+alone; and, as a what-if, the decode of a node's step sent as one line of
+objects. ``--profile`` adds cProfile of the live manager's window.
 
 The manager's CPU use over the window (its process, all threads) and this
 process's (the simulated agents) are reported: on 2 cores, this process takes
