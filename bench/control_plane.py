@@ -915,6 +915,8 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
             "flush_ms": probe["flush_ms"], "flush_total_s": probe["flush_total_s"],
             "loop_lag_ms": probe["loop_lag_ms"],
             "manager_cpu_share": round(manager_cpu / seconds, 3),
+            # CPU per message offered (every report the agents sent in the window, all kinds).
+            "manager_cpu_us_per_message": round(manager_cpu / max(1, sum(window.reports.values())) * 1e6, 1),
             "manager_main_thread_cpu_share": round(probe["main_thread_cpu_s"] / probe["probe_s"], 3),
             "sim_cpu_share": round(sim_cpu / seconds, 3),
             "sender_lag_ms": percentiles(window.sender_lag),
@@ -1185,8 +1187,8 @@ def render(result: dict[str, Any], text: TextIO) -> None:
           f"window {result['window_s']:g}s; "
           f"ulimit -n {result['nofile']}", file=text)
     header = (f"{'nodes':>6} {'ranks':>6} {'msgs/s':>7} {'commit p50':>10} {'p99':>8} {'beat p99':>8} "
-              f"{'mgr CPU':>7} {'lost':>4} {'held':>5} {'decide med':>10} {'max':>7} {'spawn back':>10} "
-              f"{'load':>5}")
+              f"{'mgr CPU':>7} {'us/msg':>6} {'kept up':>7} {'lost':>4} {'held':>5} {'decide med':>10} {'max':>7} "
+              f"{'spawn back':>10} {'load':>5}")
     print(header, file=text)
     for size in result["sizes"]:
         w = size.get("window")
@@ -1196,13 +1198,16 @@ def render(result: dict[str, Any], text: TextIO) -> None:
         commit, beat = w["latency_ms"].get("StepCommitted", {}), w["latency_ms"].get("AgentState", {})
         rate = sum(w["offered_per_s"].values())
         decide, back = size["detection_to_decision_s"], size["exit_to_spawn_command_s"]
+        kept_up = "yes" if w["handled_within_drain"] == w["sent"] else "NO"
         print(f"{size['nodes']:>6} {size['ranks']:>6} {rate:>7.0f} {_fmt(commit.get('p50')):>10} "
               f"{_fmt(commit.get('p99')):>8} {_fmt(beat.get('p99')):>8} {w['manager_cpu_share']:>7.2f} "
+              f"{w['manager_cpu_us_per_message']:>6.0f} {kept_up:>7} "
               f"{size['nodes_lost']:>4} {'yes' if size['sustained'] else 'NO':>5} "
               f"{_fmt(_ms(decide['median'])):>10} {_fmt(_ms(decide['max'])):>7} "
               f"{_fmt(_ms(back['median'])):>10} {w['load'][0]:>5.1f}", file=text)
-    print("(latencies in ms; decide = detection-to-decision from the incident's phases; spawn back = RankExited "
-          "written -> SpawnRank received by the agent, medians and max over the crash trials)", file=text)
+    print("(latencies in ms; mgr CPU in cores, us/msg its CPU per report offered; kept up: every report written in "
+          "the window handled within the drain; decide = detection-to-decision from the incident's phases; spawn back "
+          "= RankExited written -> SpawnRank received by the agent, medians and max over the crash trials)", file=text)
     held = [s["nodes"] for s in result["sizes"] if s.get("sustained")]
     print(f"largest size held (p99 < {result['target_p99_ms']:g} ms, nothing lost, sender on time): "
           f"{max(held) if held else 'none'} nodes; target 1024 x 8: "
