@@ -11,7 +11,7 @@ from tests.integration.jobs import manager_url, start_job, wait_running
 from tests.oracle import Oracle
 from undying.oracle import compare_runs, load_run
 
-ARGS = ["--epochs", "32", "--samples", "4096"]
+ARGS = ["--epochs", "32", "--samples", "2048"]
 
 
 def test_chaos_faults_are_all_recovered_with_identical_losses(
