@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from undying.cli.client import api_get
 from undying.demo import TRAIN_SCRIPT
+from undying.demo.cluster import wait_for
 from undying.jobdir import JobDir
+
+__all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "job_table"]
 
 
 def start_job(job_dir: Path, script_args: list[str], *, ranks: int = 4, run_args: list[str] | None = None,
@@ -24,14 +27,22 @@ def start_job(job_dir: Path, script_args: list[str], *, ranks: int = 4, run_args
     return process
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+def events(db: Path, kind: str) -> list[dict[str, Any]]:
+    """Every event of ``kind`` in a job's log, oldest first."""
+    con = sqlite3.connect(db)
+    try:
+        return [json.loads(d) for (d,) in con.execute("SELECT data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+    finally:
+        con.close()
+
+
+def job_table(db: Path) -> dict[str, Any]:
+    """A job's key/value facts (state, exit reason, preemption, ...)."""
+    con = sqlite3.connect(db)
+    try:
+        return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM job")}
+    finally:
+        con.close()
 
 
 def manager_url(job_dir: Path, timeout: float = 30) -> str:

@@ -6,14 +6,20 @@ with the fault-free run of the same arguments (the oracle).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sqlite3
 from pathlib import Path
-from typing import Any
 
-from tests.integration.jobs import alive, manager_url, start_job, status, wait_for, wait_running
+from tests.integration.jobs import (
+    alive,
+    events,
+    job_table,
+    manager_url,
+    start_job,
+    status,
+    wait_for,
+    wait_running,
+)
 from tests.oracle import Oracle
 from undying.checkpoint import Manifest, scan
 from undying.cli.demo import load_preempted, run_job, run_preempted
@@ -22,22 +28,6 @@ from undying.oracle import compare_runs, load_run
 
 # 2 ranks, 32 steps an epoch; steps of at least 50 ms so a SIGTERM lands mid-run.
 ARGS = ["--epochs", "2", "--step-seconds", "0.05"]
-
-
-def _events(db: Path, kind: str) -> list[dict[str, Any]]:
-    con = sqlite3.connect(db)
-    try:
-        return [json.loads(d) for (d,) in con.execute("SELECT data FROM events WHERE kind = ? ORDER BY id", (kind,))]
-    finally:
-        con.close()
-
-
-def _job(db: Path) -> dict[str, Any]:
-    con = sqlite3.connect(db)
-    try:
-        return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM job")}
-    finally:
-        con.close()
 
 
 def _first_launch_db(job_dir: Path) -> Path:
@@ -50,12 +40,12 @@ def test_periodic_checkpoints_then_sigterm_dying_gasp_then_resume_bit_identical(
     rc, sigterm_t = run_preempted(job_dir, ARGS, at_step=12, ranks=2, extra_run_args=run_args)
     assert rc == EXIT_PREEMPTED, (tmp_path / "job.preempted.log").read_text()[-3000:]
     first = job_dir / "events.db"
-    saved = _events(first, "checkpoint_saved")
+    saved = events(first, "checkpoint_saved")
     periodic = [e for e in saved if e["kind"] == "periodic"]
     assert [e["step"] for e in periodic][:2] == [5, 10]
     assert all(e["blocking_s"] > 0 and e["write_s"] > 0 and e["bytes"] > 0 for e in periodic)
     (gasp,) = [e for e in saved if e["kind"] == "dying-gasp"]
-    job = _job(first)
+    job = job_table(first)
     assert job["state"] == "preempted"
     assert job["exit_reason"].startswith(f"preempted, checkpoint at step {gasp['step']}")
     assert job["preemption"]["checkpoint_step"] == gasp["step"] >= 12
@@ -69,7 +59,7 @@ def test_periodic_checkpoints_then_sigterm_dying_gasp_then_resume_bit_identical(
 
     # The same command again resumes from the dying gasp: nothing lost, every loss identical.
     assert run_job(job_dir, ARGS, ranks=2, extra_run_args=run_args) == 0
-    (resumed,) = _events(job_dir / "events.db", "resumed")
+    (resumed,) = events(job_dir / "events.db", "resumed")
     assert resumed["step"] == gasp["step"] and resumed["kind"] == "dying-gasp" and resumed["skipped"] == []
     merged, incident = load_preempted(job_dir, sigterm_t)
     comparison = compare_runs(oracle.baseline(ARGS, 2), merged)
@@ -95,9 +85,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, oracle
 
     assert run_job(job_dir, ARGS, ranks=2, extra_run_args=run_args) == 0
     db = job_dir / "events.db"
-    (skipped,) = _events(db, "checkpoint_skipped")
+    (skipped,) = events(db, "checkpoint_skipped")
     assert skipped["name"] == newest.name and "crc32" in skipped["reason"]
-    (resumed,) = _events(db, "resumed")
+    (resumed,) = events(db, "resumed")
     assert resumed["step"] == previous.step
     assert resumed["skipped"] == [{"name": newest.name, "reason": skipped["reason"]}]
     merged, _ = load_preempted(job_dir, 0.0)
@@ -119,11 +109,11 @@ def test_sigterm_to_a_workers_process_group_takes_the_same_dying_gasp(tmp_path: 
     assert launcher.wait(timeout=45) == EXIT_PREEMPTED
     wait_for(lambda: not any(alive(p) for p in workers), 10, "every worker to exit")
     db = job_dir / "events.db"
-    assert _events(db, "sigterm")
-    (preempted,) = _events(db, "preempted")
+    assert events(db, "sigterm")
+    (preempted,) = events(db, "preempted")
     found = scan(job_dir / "checkpoints")
     assert found[-1].valid and found[-1].kind == "dying-gasp" and found[-1].step == preempted["step"] >= 3
-    assert _job(db)["preemption"]["reason"] == "SIGTERM to rank 1"
+    assert job_table(db)["preemption"]["reason"] == "SIGTERM to rank 1"
 
 
 def test_a_second_sigterm_soon_after_reuses_the_dying_gasp(tmp_path: Path, reap: list[int]) -> None:
@@ -133,14 +123,14 @@ def test_a_second_sigterm_soon_after_reuses_the_dying_gasp(tmp_path: Path, reap:
     before = [(c.name, c.manifest.created_at if c.manifest else 0) for c in scan(job_dir / "checkpoints")]
     launcher = start_job(job_dir, ARGS, ranks=2, run_args=["--spares", "0", "--job-id", "job"], reap=reap)
     manager_url(job_dir)
-    wait_for(lambda: _events(job_dir / "events.db", "resumed"), 30, "the resume")
+    wait_for(lambda: events(job_dir / "events.db", "resumed"), 30, "the resume")
     os.kill(launcher.pid, signal.SIGTERM)
     assert launcher.wait(timeout=45) == EXIT_PREEMPTED
-    (reused,) = _events(job_dir / "events.db", "dying_gasp_reused")
+    (reused,) = events(job_dir / "events.db", "dying_gasp_reused")
     assert reused["path"].endswith(before[-1][0])
     after = [(c.name, c.manifest.created_at if c.manifest else 0) for c in scan(job_dir / "checkpoints")]
     assert after == before  # nothing written again
-    assert "reused the dying gasp" in _job(job_dir / "events.db")["exit_reason"]
+    assert "reused the dying gasp" in job_table(job_dir / "events.db")["exit_reason"]
 
 
 def test_every_rank_killed_at_once_restarts_the_job_from_the_checkpoint(tmp_path: Path, reap: list[int],
@@ -161,7 +151,7 @@ def test_every_rank_killed_at_once_restarts_the_job_from_the_checkpoint(tmp_path
     assert len(restarts) == 1 and restarts[0]["status"] == "recovered", run.incidents
     detail = restarts[0]["detail"]
     assert f"rolls back to step {detail['checkpoint_step']}" in detail["restore_plan"], detail
-    (restarted,) = _events(job_dir / "events.db", "restarted")
+    (restarted,) = events(job_dir / "events.db", "restarted")
     assert restarted["step"] == detail["checkpoint_step"] and detail["checkpoint_step"] % 5 == 0
     comparison = compare_runs(oracle.baseline(ARGS, 2), run)
     assert comparison.mismatched_steps == [] and comparison.missing_steps == [] and comparison.digests_equal
@@ -178,7 +168,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
     latest = [c for c in scan(str(job_dir / "checkpoints")) if c.valid][-1]
     rc = run_job(job_dir, ["--epochs", "1", "--hidden", "32"], ranks=2, extra_run_args=run_args)
     assert rc == 1
-    reason = _job(job_dir / "events.db")["exit_reason"]
+    reason = job_table(job_dir / "events.db")["exit_reason"]
     assert f"{latest.name} does not fit this model" in reason, reason
     assert "model/0.weight has shape [64, 32] there, [32, 32] here" in reason, reason
     # Nothing was loaded or written over: the refused checkpoint is still the latest valid one.

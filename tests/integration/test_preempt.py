@@ -11,14 +11,20 @@ import hashlib
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from tests.integration.jobs import alive, manager_url, start_job, wait_for, wait_running
+from tests.integration.jobs import (
+    alive,
+    events,
+    job_table,
+    manager_url,
+    start_job,
+    wait_for,
+    wait_running,
+)
 from tests.oracle import Oracle
 from undying.checkpoint import scan
 from undying.cli.client import api_post
@@ -29,22 +35,6 @@ from undying.oracle import compare_runs, load_run
 
 # 2 ranks, 32 steps an epoch; steps of at least 50 ms (the same job as test_checkpoints: one baseline).
 ARGS = ["--epochs", "2", "--step-seconds", "0.05"]
-
-
-def _events(db: Path, kind: str) -> list[dict[str, Any]]:
-    con = sqlite3.connect(db)
-    try:
-        return [json.loads(d) for (d,) in con.execute("SELECT data FROM events WHERE kind = ? ORDER BY id", (kind,))]
-    finally:
-        con.close()
-
-
-def _job(db: Path) -> dict[str, Any]:
-    con = sqlite3.connect(db)
-    try:
-        return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM job")}
-    finally:
-        con.close()
 
 
 # -- the front door ---------------------------------------------------------------
@@ -106,7 +96,7 @@ def test_demo_fault_preempt_json_keeps_the_demo_contract(tmp_path: Path, reap: l
     # What the JSON claims is on disk: the dying gasp of the step the resumed launch started from.
     with_fault = Path(result["job_dirs"]["with_fault"])
     assert with_fault.is_relative_to(tmp_path)
-    (resumed,) = _events(with_fault / "events.db", "resumed")
+    (resumed,) = events(with_fault / "events.db", "resumed")
     gasp = [c for c in scan(with_fault / "checkpoints") if c.kind == "dying-gasp"]
     assert [c.step for c in gasp] == [resumed["step"]] and gasp[0].valid
     assert resumed["kind"] == "dying-gasp" and resumed["step"] >= 10
@@ -133,7 +123,7 @@ def _slow_down_rank_1(url: str, db: Path) -> int:
     does: the CLI's own start-up takes seconds here, the whole job a few.
     """
     api_post(url, "/api/inject", {"kind": "slow", "rank": 1, "factor": 100, "phase": "compute"})
-    (slowed,) = wait_for(lambda: [e for e in _events(db, "fault_injected") if e.get("kind") == "slow"], 30,
+    (slowed,) = wait_for(lambda: [e for e in events(db, "fault_injected") if e.get("kind") == "slow"], 30,
                          "the slowdown")
     return int(slowed["step"])
 
@@ -152,7 +142,7 @@ def test_a_rank_too_slow_for_the_grace_period_is_killed_and_the_last_checkpoint_
     at_step = _slow_down_rank_1(url, db)
     # Rank 1 is in its long step; the last save that was due before it is written.
     saved_step = (at_step - 1) // 5 * 5
-    wait_for(lambda: saved_step in [e["step"] for e in _events(db, "checkpoint_saved")], 10,
+    wait_for(lambda: saved_step in [e["step"] for e in events(db, "checkpoint_saved")], 10,
              f"the periodic checkpoint of step {saved_step}")
     before = _checkpoint_files(job_dir / "checkpoints")
     assert before, "no periodic checkpoint was written"
@@ -166,10 +156,10 @@ def test_a_rank_too_slow_for_the_grace_period_is_killed_and_the_last_checkpoint_
     wait_for(lambda: not any(alive(p) for p in workers), 10, "every worker to be gone")
 
     # Said what happened: the grace period ran out, who was still running, no dying gasp, what stands.
-    (exceeded,) = _events(db, "grace_exceeded")
+    (exceeded,) = events(db, "grace_exceeded")
     # Rank 1 sleeps in its forward pass, rank 0 waits for it in the step's first all-reduce: neither makes it.
     assert exceeded["grace_period_s"] == 2 and exceeded["step"] == at_step and exceeded["ranks"] == [0, 1], exceeded
-    job = _job(db)
+    job = job_table(db)
     assert job["state"] == "preempted"
     reason = job["exit_reason"]
     assert reason == (
@@ -186,7 +176,7 @@ def test_a_rank_too_slow_for_the_grace_period_is_killed_and_the_last_checkpoint_
     assert incident["detail"]["checkpoint_step"] == saved_step and incident["detail"]["killed_ranks"] == [0, 1]
     assert "checkpoint_written" not in incident["phases"]
     # Killed at the deadline: SIGKILL, no handler run.
-    exits = {e["pid"]: e["returncode"] for e in _events(db, "exited")}
+    exits = {e["pid"]: e["returncode"] for e in events(db, "exited")}
     assert {exits[p] for p in workers} == {-signal.SIGKILL}, exits
 
     # The previous checkpoints are untouched, and no dying gasp was committed.
@@ -196,7 +186,7 @@ def test_a_rank_too_slow_for_the_grace_period_is_killed_and_the_last_checkpoint_
 
     # The same command again resumes from the latest valid checkpoint; every loss is the uninterrupted run's.
     assert run_job(job_dir, ARGS, ranks=2, extra_run_args=run_args) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    (resumed,) = _events(db, "resumed")
+    (resumed,) = events(db, "resumed")
     assert resumed["step"] == saved_step and resumed["kind"] == "periodic"
     merged, _ = load_preempted(job_dir, sigterm_t)
     comparison = compare_runs(oracle.baseline(ARGS, 2), merged)
@@ -220,7 +210,7 @@ def test_with_no_checkpoint_at_all_the_grace_period_kill_exits_143(tmp_path: Pat
     rc = launcher.wait(timeout=30)
     assert rc == 143, f"exit {rc}\n{(tmp_path / 'job.log').read_text(errors='replace')[-3000:]}"
     wait_for(lambda: not any(alive(p) for p in workers), 10, "every worker to be gone")
-    job = _job(db)
+    job = job_table(db)
     assert job["state"] == "preempted"
     assert job["exit_reason"] == (
         f"preempted, no checkpoint: the dying gasp of step {at_step} was not taken (ranks 0, 1 still running when "
@@ -254,7 +244,7 @@ def test_another_jobs_checkpoint_is_refused_under_a_given_job_id_and_resumed_wit
         f"undying: error: checkpoint {latest.url} (step 32) belongs to job 'a', not to this job 'b'; "
         "pass --job-id a to resume it, or another --checkpoint-dir to start fresh"
     ], (tmp_path / "b.log").read_text()[-3000:]
-    assert not _events(tmp_path / "b" / "events.db", "spawned")  # refused before any rank started
+    assert not events(tmp_path / "b" / "events.db", "spawned")  # refused before any rank started
     assert _checkpoint_files(ckpts) == before
 
     # No --job-id: the id is random per launch, so the folder's checkpoint is this command's to continue.
@@ -262,6 +252,6 @@ def test_another_jobs_checkpoint_is_refused_under_a_given_job_id_and_resumed_wit
     assert resumed.wait(timeout=90) == 0, (tmp_path / "c.log").read_text()[-3000:]
     log = (tmp_path / "c.log").read_text()
     assert f"resuming job a's checkpoint at step 32 ({latest.url}) as job job-" in log, log[-3000:]
-    (event,) = _events(tmp_path / "c" / "events.db", "resumed")
+    (event,) = events(tmp_path / "c" / "events.db", "resumed")
     assert event["step"] == 32 and event["job_id"] == "a"
     assert [c.step for c in scan(ckpts) if c.valid][-1] == 64  # and it trained on: epoch 2

@@ -76,14 +76,7 @@ def check_same_job(checkpoint: Checkpoint | Manifest, job_id: str, job_id_given:
     manifest written outside a job or before job ids were recorded).
     ``path`` names the checkpoint when only a Manifest is given.
     """
-    if isinstance(checkpoint, Checkpoint):
-        if checkpoint.manifest is None:
-            raise IncompatibleCheckpointError(
-                f"checkpoint {checkpoint.url} has no readable manifest; run `undying checkpoints verify` on it"
-            )
-        manifest, where = checkpoint.manifest, checkpoint.url
-    else:
-        manifest, where = checkpoint, path or f"of step {checkpoint.step}"
+    manifest, where = _manifest_of(checkpoint, path)
     theirs = manifest.job_id
     if not theirs or theirs == job_id:
         return None
@@ -232,14 +225,7 @@ def check_compatible(
 
     ``path`` names the checkpoint when only a Manifest is given.
     """
-    if isinstance(checkpoint, Checkpoint):
-        if checkpoint.manifest is None:
-            raise IncompatibleCheckpointError(
-                f"checkpoint {checkpoint.url} has no readable manifest; run `undying checkpoints verify` on it"
-            )
-        manifest, where = checkpoint.manifest, checkpoint.url
-    else:
-        manifest, where = checkpoint, path or f"of step {checkpoint.step}"
+    manifest, where = _manifest_of(checkpoint, path)
     if job_id and manifest.job_id and manifest.job_id != job_id:
         raise IncompatibleCheckpointError(
             f"checkpoint {where} belongs to job {manifest.job_id!r}, not {job_id!r}; point --checkpoint-dir "
@@ -274,3 +260,14 @@ def check_compatible(
             f"checkpoint {where} does not fit this model: {problems[0]}{more}; "
             "load it into the model it was saved from, or start without it (another --checkpoint-dir)"
         )
+
+
+def _manifest_of(checkpoint: Checkpoint | Manifest, path: str) -> tuple[Manifest, str]:
+    """A checkpoint's manifest and how to name the checkpoint in an error."""
+    if isinstance(checkpoint, Checkpoint):
+        if checkpoint.manifest is None:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {checkpoint.url} has no readable manifest; run `undying checkpoints verify` on it"
+            )
+        return checkpoint.manifest, checkpoint.url
+    return checkpoint, path or f"of step {checkpoint.step}"

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from undying.agent.agent import ManagerLink
 from undying.messages import (
     AbortRank,
     Acked,
@@ -75,20 +76,8 @@ _WATCH_S = 0.2
 _LINE_LIMIT = 16 * 1024 * 1024
 
 
-class NodeEvents(Protocol):
-    """What the manager hears from a node, beyond the ``ManagerLink`` calls of a standalone agent."""
-
-    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None: ...
-
-    def on_message(self, message: Message) -> None: ...
-
-    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
-
-    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None: ...
-
-    def on_trace_file(self, switch: TraceSwitch) -> None: ...
-
-    def on_trace_file_error(self, message: str) -> None: ...
+class NodeEvents(ManagerLink, Protocol):
+    """What the manager hears from a node: a standalone agent's calls, and the node's own comings and goings."""
 
     def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None: ...
 
