@@ -420,8 +420,8 @@ def test_a_node_silent_past_the_heartbeat_timeout_is_lost_and_a_beating_one_is_n
     async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
         silent, beating = Agent(server.port), Agent(server.port)
         assert isinstance(await silent.join(join_message(job_dir, 0)), AgentWelcome)
+        joined = time.monotonic()  # the manager last heard node 0 just before its welcome
         assert isinstance(await beating.join(join_message(job_dir, 1)), AgentWelcome)
-        joined = time.monotonic()
 
         async def beat() -> None:
             while True:
@@ -434,8 +434,9 @@ def test_a_node_silent_past_the_heartbeat_timeout_is_lost_and_a_beating_one_is_n
             took = time.monotonic() - joined
             node, reason = recorder.named("lost")[0]
             assert node == 0 and "silent for" in reason and f"heartbeat timeout {heartbeat_s:g}s" in reason
-            # Not before the timeout, and within it plus the watch's period (0.2 s) and some slack.
-            assert heartbeat_s <= took < heartbeat_s + 1.0, took
+            # Not before the timeout (less the welcome's way here), and within it plus the watch's period
+            # (0.2 s) and slack for a busy machine.
+            assert heartbeat_s - 0.05 <= took < heartbeat_s + 2.0, took
             assert await silent.closed_by_manager()
             assert not server.slots[0].attached
             # The beating node stays, for several timeouts more.
