@@ -102,3 +102,41 @@ def test_the_manager_restarts_from_its_log_and_a_node_leaves_on_sigterm(cluster:
     assert kinds == [("crash", 1, "recovered"), ("node-loss", 2, "recovered"), ("node-loss", 3, "recovered")], kinds
     assert "is leaving: SIGTERM" in job["incidents"][1]["error"]
     assert set(job["job"]["sessions"]) == {"0", "1"}
+
+
+def test_a_slow_node_is_found_online_across_hosts(make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:  # noqa: F811
+    """Both ranks of node 1 slowed: the manager's detector names the node, not two ranks, and the job trains on."""
+    hosts = make_hosts(3)
+    script_args = ["--epochs", "2", "--samples", "4096"]
+    cluster = Cluster(hosts, tmp_path, "slow", script_args, run_args=[*RUN_ARGS, "--trace", "on"])
+    try:
+        cluster.start()
+        status = cluster.wait_for_step(10)
+        for rank in (2, 3):
+            cluster.inject({"kind": "slow", "rank": rank, "factor": 1.5, "phase": "compute",
+                            "at_step": status["step"] + 2})
+        assert cluster.wait(180) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    job = read_job(cluster.job_dir / "events.db")
+    nodes = [i for i in job["incidents"] if i["kind"] == "slow_node"]
+    assert nodes, (job["incidents"], cluster.logs())
+    assert nodes[0]["detail"]["node"].endswith("/1") and nodes[0]["status"] == "observed", nodes
+    assert not [i for i in job["incidents"] if i["kind"] == "slow_rank" and i["rank"] in (0, 1)]
+
+
+def test_a_lost_node_that_nobody_replaces_fails_the_job_saying_what_to_do(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:  # noqa: F811
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "alone", SCRIPT_ARGS, run_args=[*RUN_ARGS, "--recovery-timeout", "6"])
+    try:
+        cluster.start()
+        cluster.wait_for_step(5)
+        hosts.kill_host(2)
+        assert cluster.wait(60) == 1, cluster.logs()
+        assert cluster.agents[0].wait(15) == 1  # the surviving node ends with the job, and says so
+    finally:
+        cluster.close()
+    job = read_job(cluster.job_dir / "events.db")["job"]
+    assert job["state"] == "failed"
+    assert "node 1 was lost" in job["exit_reason"] and "--node-rank 1" in job["exit_reason"], job["exit_reason"]

@@ -153,9 +153,13 @@ class Manager:
         self.started_at = time.time()
         self._committed: dict[int, set[int]] = {r: set() for r in range(config.world_size)}
         self._agents: dict[int, AgentHandle] = {}
+        self._dirty_ranks: set[int] = set()
+        events.before_flush(self._write_dirty_ranks)
         self._incarnations = 0  # the newest process given a rank (see _spawn)
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
         self._node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
+        self._one_generation = False
+        self._shared_record: GenerationRecord | None = None
         self._control: dist.TCPStore | None = None
         self._gen_stores: dict[int, dist.TCPStore] = {}
         self._recovery: Recovery | None = None
@@ -487,8 +491,12 @@ class Manager:
         previous = self.generation
         for info in lost:
             self._node_lost[info.pid] = (node, reason, t)
-        for info in lost:
-            self.on_exit(info.rank, info.pid, -int(signal.SIGKILL), t)
+        self._one_generation = True  # every rank of the node is replaced in the same new generation
+        try:
+            for info in lost:
+                self.on_exit(info.rank, info.pid, -int(signal.SIGKILL), t)
+        finally:
+            self._one_generation, self._shared_record = False, None
         for info in self.ranks.values():
             if info.node != node and info.state is not RankState.EXITED and info.generation <= previous:
                 self._agents[info.node].abort(info.rank, previous, f"node {node} lost")
@@ -624,7 +632,7 @@ class Manager:
         info.state = RankState.RUNNING
         info.last_seen = message.t
         self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
-        self.events.rank(info.rank, info.to_dict())
+        self._dirty_ranks.add(info.rank)  # its row is written as the log commits, not on every step
         if self.state is JobState.STARTING:
             self._move(JobState.RUNNING)
         self._maybe_finish_recovery(message.rank, message.t, message_generation=message.generation)
@@ -841,7 +849,12 @@ class Manager:
 
     def _execute(self, incident: Incident, decision: Decision) -> None:
         previous = self.generation
-        record = self._open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+        if self._shared_record is not None and decision.action is Action.REPLACE:
+            record = self._shared_record
+        else:
+            record = self._open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+            if self._one_generation:
+                self._shared_record = record
         if incident.detail.get("stuck_collective"):
             # Nothing failed by itself: every rank is told to leave the stuck group.
             for info in self.ranks.values():
@@ -1185,6 +1198,12 @@ class Manager:
 
     def _persist_rank(self, info: RankInfo) -> None:
         self.events.rank(info.rank, info.to_dict())
+        self._dirty_ranks.discard(info.rank)
+
+    def _write_dirty_ranks(self) -> None:
+        for rank in self._dirty_ranks:
+            self.events.rank(rank, self.ranks[rank].to_dict())
+        self._dirty_ranks.clear()
 
     # --- commands -------------------------------------------------------------
 
