@@ -66,8 +66,9 @@ __all__ = ["ManagerClient", "run_node", "parse_manager_address"]
 log = logging.getLogger("undying.agent.remote")
 
 _STATE_EVERY_S = 0.5
-# Reports kept while the manager is unreachable (a restart takes seconds; a step commit is one line).
-_BUFFER_LIMIT = 200_000
+# Reports kept while the manager is unreachable are never dropped (each is a step someone trained);
+# past every this many the agent says how many it holds, so a long outage shows in its log.
+_KEPT_WARN_EVERY = 100_000
 _EXIT_SIGTERM = 143
 
 
@@ -89,12 +90,15 @@ class ManagerClient:
     def __init__(self) -> None:
         self.writer: asyncio.StreamWriter | None = None
         self._seq = 0
-        self._kept: deque[tuple[int, bytes]] = deque(maxlen=_BUFFER_LIMIT)
+        self._kept: deque[tuple[int, bytes]] = deque()
 
     def send(self, message: Message) -> None:
         self._seq += 1
         line = encode(Numbered(self._seq, encode(message).decode()))
         self._kept.append((self._seq, line))
+        if len(self._kept) % _KEPT_WARN_EVERY == 0:
+            log.warning("%d reports kept for the manager (unreachable or not acknowledging); none is dropped",
+                        len(self._kept))
         if self.writer is not None and not self.writer.is_closing():
             self.writer.write(line)
 
