@@ -12,7 +12,7 @@ from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 
-__all__ = ["JobDir", "default_job_dir"]
+__all__ = ["JobDir", "default_job_dir", "pid_alive"]
 
 
 def default_job_dir(job_id: str) -> Path:
@@ -46,7 +46,7 @@ class JobDir:
             ) from e
         if self.manager_file.exists():
             info = self.read_manager()
-            if info and _alive(int(info.get("pid", 0))):
+            if info and pid_alive(int(info.get("pid", 0))):
                 raise UsageError(
                     f"job dir {self.path} belongs to a running job (launcher pid {info['pid']}); "
                     "pass another --job-dir or --job-id"
@@ -72,7 +72,7 @@ class JobDir:
 
     def running_manager_url(self) -> str:
         info = self.read_manager()
-        if info is None or not _alive(int(info.get("pid", 0))):
+        if info is None or not pid_alive(int(info.get("pid", 0))):
             raise JobNotRunningError(
                 f"no running job in {self.path}; start one with `undying run`, or pass the --job-dir of a running job"
             )
@@ -83,7 +83,8 @@ class JobDir:
             self.manager_file.unlink()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists (one of another user's counts)."""
     if pid <= 0:
         return False
     try:

@@ -367,7 +367,7 @@ class Agent:
         return True
 
     def live_ranks(self) -> list[int]:
-        return [r for r, w in self._workers.items() if w.process.returncode is None]
+        return list(self.live_pids())
 
     def live_pids(self) -> dict[int, int]:
         return {r: w.pid for r, w in self._workers.items() if w.process.returncode is None}

@@ -12,7 +12,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -150,11 +150,3 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.1)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-@contextlib.contextmanager
-def closing(cluster: Cluster) -> Iterator[Cluster]:
-    try:
-        yield cluster
-    finally:
-        cluster.close()

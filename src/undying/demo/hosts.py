@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from undying.jobdir import pid_alive
+
 __all__ = [
     "Hosts",
     "NETNS_DIR",
@@ -116,16 +118,6 @@ def _setns(fd: int, what: str) -> None:
         raise OSError(err, f"cannot enter the network namespace of {what}: {os.strerror(err)}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep_stale() -> None:
     """Delete namespaces left by a harness whose process died (a killed pytest), never a live one's.
 
@@ -135,7 +127,7 @@ def _sweep_stale() -> None:
     for name in our_namespaces():
         m = _NAME.match(name)
         assert m is not None
-        if not _pid_alive(int(m.group(1))) and not netns_pids(name):
+        if not pid_alive(int(m.group(1))) and not netns_pids(name):
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                 _ip(["netns", "del", name])
 

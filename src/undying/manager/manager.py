@@ -505,11 +505,9 @@ class Manager:
         self.events.event("node_joined", node=node, session=session, host=host, live=live)
         self.sessions[node] = session
         self.events.set_job("sessions", self.sessions, flush=True)
-        agent = self._agents.get(node)
-        if agent is not None:
-            agent.set_trace(self._trace_message())
-            if self.state is not JobState.STARTING:
-                agent.keep_spares()
+        agent = self._agents.get(node)  # its welcome carried the trace switch
+        if agent is not None and self.state is not JobState.STARTING:
+            agent.keep_spares()
 
     def welcome_trace(self) -> TraceSet:
         return self._trace_message()

@@ -121,13 +121,13 @@ class RemoteAgent:
         if self.writer is None:
             self._waiting.append(command)  # for the agent that takes this node next
         else:
-            self._send(command)
+            self.send(command)
         return 0, False
 
     def tell(self, rank: int, message: Message) -> bool:
         if rank not in self.live:
             return False
-        return self._send(TellRank(rank, encode(message).decode()))
+        return self.send(TellRank(rank, encode(message).decode()))
 
     def live_ranks(self) -> list[int]:
         return sorted(self.live)
@@ -135,18 +135,18 @@ class RemoteAgent:
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         if rank not in self.live:
             return False
-        return self._send(KillRank(rank, int(sig)))
+        return self.send(KillRank(rank, int(sig)))
 
     def arm(self, rank: int, fault: ArmFault) -> None:
-        self._send(ArmRank(rank, asdict(fault)))
+        self.send(ArmRank(rank, asdict(fault)))
 
     def abort(self, rank: int, generation: int, reason: str) -> bool:
         if rank not in self.live:
             return False
-        return self._send(AbortRank(rank, generation, reason))
+        return self.send(AbortRank(rank, generation, reason))
 
     def keep_spares(self) -> None:
-        self._send(KeepSpares())
+        self.send(KeepSpares())
 
     def spares_ready(self) -> int:
         return self._spares if self.writer is not None else 0
@@ -158,14 +158,14 @@ class RemoteAgent:
         self._seq += 1
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._stops[self._seq] = done
-        self._send(StopNode(grace_s, self._seq))
+        self.send(StopNode(grace_s, self._seq))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(done), grace_s + 5.0)
         self._stops.pop(self._seq, None)
         self.live.clear()
 
     def set_trace(self, switch: TraceSet) -> None:
-        self._send(switch)
+        self.send(switch)
 
     def phases(self) -> dict[int, str]:
         return {r: p for r, p in self._phases.items() if r in self.live}
@@ -176,7 +176,7 @@ class RemoteAgent:
     def attached(self) -> bool:
         return self.writer is not None
 
-    def _send(self, message: Message) -> bool:
+    def send(self, message: Message) -> bool:
         if self.writer is None or self.writer.is_closing():
             return False
         self.writer.write(encode(message))
@@ -194,7 +194,7 @@ class RemoteAgent:
         """The spawns that waited for an agent on this node (replacements for the ranks it lost)."""
         waiting, self._waiting = self._waiting, []
         for command in waiting:
-            self._send(command)
+            self.send(command)
 
     def detach(self, reason: str) -> None:
         """The node is lost: its connection closes, its session is stale, nothing it held is live."""
@@ -320,8 +320,8 @@ class AgentServer:
                     self.lose(slot, f"node {slot.node} ({slot.host}) silent for {now - slot.last_heard:.1f}s "
                                f"(heartbeat timeout {self.heartbeat_s:g}s)")
                 elif beat:
-                    slot._send(ManagerBeat(now))
-                    slot._send(Acked(self.persisted.get(slot.node, 0)))
+                    slot.send(ManagerBeat(now))
+                    slot.send(Acked(self.persisted.get(slot.node, 0)))
 
     def lose(self, slot: RemoteAgent, reason: str) -> None:
         if self._closed:

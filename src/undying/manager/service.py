@@ -190,10 +190,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         try:
             final = await manager.run(restored=restart, ready=waiting)
         except UsageError as e:  # the job cannot start as asked (another job's checkpoint): every node hears why
-            for slot in server.slots.values():
-                slot._send(JobEnded(JobState.FAILED.value, str(e), 2))
-                if slot.writer is not None:
-                    await slot.writer.drain()
+            await _tell_nodes(server, JobEnded(JobState.FAILED.value, str(e), 2))
             raise
         finally:
             waiting.cancel()
@@ -202,11 +199,16 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
     await asyncio.gather(*(slot.stop_all(config.timeouts.stop_grace) for slot in server.slots.values()))
+    await _tell_nodes(server, JobEnded(final.value, manager.exit_reason, code))
+    return code
+
+
+async def _tell_nodes(server: AgentServer, ended: JobEnded) -> None:
+    """Every attached agent hears how the job ended, and exits with its code."""
     for slot in server.slots.values():
-        slot._send(JobEnded(final.value, manager.exit_reason, code))
+        slot.send(ended)
         if slot.writer is not None:
             await slot.writer.drain()
-    return code
 
 
 async def _wait_for_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
