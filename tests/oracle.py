@@ -9,7 +9,9 @@ Every fault the project claims to survive has a test built on this.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,37 @@ class Oracle:
             self._baselines[key] = load_run(job_dir / "events.db")
         return self._baselines[key]
 
+    def regrouped(self, script_args: Sequence[str], *, ranks: int, then: int, at_step: int) -> RunRecord:
+        """The fault-free record of a job that moves from ``ranks`` to ``then`` ranks after step ``at_step``.
+
+        A job of ``ranks`` saves step ``at_step`` (``--save-every``), and a job of
+        ``then`` ranks resumes from that checkpoint: the steps up to ``at_step``
+        are the first's, the rest the second's. A regroup (a node lost or joining)
+        must match it bit for bit: the state the survivors saved is the state of
+        that step, and the data goes on where it stood.
+        """
+        # --step-seconds only makes a step last longer (the losses are the same): the references run at full speed.
+        script_args = _without_option(script_args, "--step-seconds")
+        first = self._root / f"regroup-from-{ranks}" / f"regroup-{at_step}"
+        first.parent.mkdir(parents=True, exist_ok=True)
+        rc = run_job(first, list(script_args), ranks=ranks, timeout_s=180,
+                     extra_run_args=["--spares", "0", "--save-every", str(at_step), "--keep", "1000"])
+        assert rc == 0, f"the fault-free run of {ranks} ranks failed ({rc}); log: {first}.log"
+        saved = first / "checkpoints" / f"step-{at_step:09d}"
+        assert saved.is_dir(), f"no checkpoint of step {at_step} in {first / 'checkpoints'}"
+        # Same job id (the folder's name), another folder: the resume takes the checkpoint as this job's.
+        second = self._root / f"regroup-to-{then}" / first.name
+        checkpoints = second.parent / "checkpoints"
+        shutil.copytree(saved, checkpoints / saved.name)
+        rc = run_job(second, list(script_args), ranks=then, timeout_s=180,
+                     extra_run_args=["--spares", "0", "--checkpoint-dir", str(checkpoints)])
+        assert rc == 0, f"the resume on {then} ranks failed ({rc}); log: {second}.log"
+        before, after = load_run(first / "events.db"), load_run(second / "events.db")
+        assert min(after.losses) == at_step + 1, f"the resume started at step {min(after.losses)}, not {at_step + 1}"
+        return dataclasses.replace(
+            after, losses={**{s: v for s, v in before.losses.items() if s <= at_step}, **after.losses},
+            inconsistent_steps=sorted(set(before.inconsistent_steps) | set(after.inconsistent_steps)))
+
     def run(self, job_dir: Path, script_args: Sequence[str], ranks: int,
             faults: Sequence[FaultPlan] = (), extra_run_args: Sequence[str] = ("--spares", "0"),
             when_warm: bool = False) -> Outcome:
@@ -113,6 +146,19 @@ class Oracle:
                 f"fault {fault} did not fire: {injected}"
             )
         return outcome
+
+
+def _without_option(args: Sequence[str], name: str) -> list[str]:
+    """``args`` without ``name VALUE``."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 def job_summary(job_dir: Path) -> dict[str, Any]:

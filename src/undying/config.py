@@ -57,6 +57,11 @@ class Timeouts:
     # From spawning a rank to its first word (the script's imports run meanwhile),
     # and from then to its first completed step.
     init: float = 600.0
+    # A lost node's ranks wait this long for a replacement host. Then the job goes on without
+    # it: on fewer nodes when --nnodes MIN:MAX allows, else from a checkpoint of the survivors'
+    # state once enough nodes have joined. Also how long a job of MIN:MAX nodes waits, once
+    # MIN have joined, for the others before it starts.
+    node_wait: float = 60.0
     # A rank that beats but makes no progress in a step (enters no collective,
     # completes no step) for this long is stuck. 0: derived from the observed
     # step time (see ``step_timeout``).
@@ -94,6 +99,9 @@ def step_timeout(configured: float, slowest_recent_step_s: float | None) -> floa
 EXIT_PREEMPTED = 75
 # A worker whose rank was given to a newer process (its host was declared lost) exits with this.
 EXIT_FENCED = 76
+# A worker that saved or handed on its state in a regroup generation and left: the job starts
+# again from that checkpoint on its new set of nodes.
+EXIT_REGROUPED = 77
 # `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one after.
 DEFAULT_MANAGER_PORT = 29400
 
@@ -222,8 +230,10 @@ class JobConfig:
     job_id: str
     job_dir: str
     nproc_per_node: int = 1
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes the job trains on (MAX of --nnodes MIN:MAX)
     node_rank: int = 0
+    # The fewest nodes it may train on (MIN of --nnodes MIN:MAX); 0: as many as nnodes (a fixed size).
+    min_nodes: int = 0
     host: str = "127.0.0.1"
     port: int = 29500
     http_port: int = 0
@@ -248,7 +258,16 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
+        """The most ranks (every node of --nnodes present); an elastic job may train on fewer."""
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def fewest_nodes(self) -> int:
+        return self.min_nodes or self.nnodes
+
+    @property
+    def elastic(self) -> bool:
+        return self.fewest_nodes < self.nnodes
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -258,6 +277,8 @@ class JobConfig:
             )
         if self.nnodes < 1:
             raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.min_nodes <= self.nnodes:
+            raise UsageError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {self.min_nodes}:{self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(
                 f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"

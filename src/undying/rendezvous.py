@@ -7,12 +7,17 @@ the workers build their process group. A generation that must be abandoned
 closed, which makes every wait on it fail at once. A process also reads
 ``rank/<r>/owner`` before it joins: a rank given to a newer process (its host
 was lost, or cut off and back) leaves rather than join beside its successor.
+
+A generation that regroups the job (a node lost for good, or one joining an
+elastic job) names its ``members``: each surviving rank's number in it. They
+restore one consistent state there, save it, and leave; the job then starts
+again on its new set of nodes from that checkpoint (``purpose="regroup"``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["GenerationRecord", "generation_key", "rank_owner_key", "CURRENT_KEY"]
 
@@ -38,6 +43,16 @@ class GenerationRecord:
     status: str = "open"
     superseded_by: int = -1
     reason: str = ""
+    # Old rank -> rank in this generation; empty: every rank keeps its number.
+    members: dict[str, int] = field(default_factory=dict)
+    # "" to train; "regroup": restore, save the state, leave (see the module's docstring).
+    purpose: str = ""
+
+    def member_rank(self, rank: int) -> int | None:
+        """This generation's number for ``rank``; None when it is no member."""
+        if not self.members:
+            return rank
+        return self.members.get(str(rank))
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

@@ -125,10 +125,101 @@ def test_a_slow_node_is_found_online_across_hosts(make_hosts: Callable[[int], Ho
     assert not [i for i in job["incidents"] if i["kind"] == "slow_rank" and i["rank"] in (0, 1)]
 
 
+def _regroup_of(job: dict) -> dict:
+    incidents = [i for i in job["incidents"] if i["action"] == "regroup"]
+    assert incidents and all(i["status"] == "recovered" for i in incidents), job["incidents"]
+    assert all(i["detail"]["lost_steps"] == 0 for i in incidents), incidents
+    return dict(incidents[0]["detail"]["regroup"])
+
+
+def _assert_regrouped_identical(oracle: Oracle, cluster: Cluster, *, ranks: int, then: int) -> dict:
+    """Losses equal, bit for bit, those of the job saved on ``ranks`` at the regroup's step and resumed on ``then``."""
+    job = read_job(cluster.job_dir / "events.db")
+    regroup = _regroup_of(job)
+    assert (regroup["from_world_size"], regroup["world_size"]) == (ranks, then), regroup
+    assert regroup["checkpoint_kind"] == "regroup", regroup  # the survivors' state, not an older checkpoint
+    reference = oracle.regrouped(SCRIPT_ARGS, ranks=ranks, then=then, at_step=regroup["checkpoint_step"])
+    run = load_run(cluster.job_dir / "events.db")
+    comparison = compare_runs(reference, run)
+    assert comparison.identical, (comparison.reasons, cluster.logs())
+    assert not run.rerun_steps
+    return regroup
+
+
+def test_an_elastic_job_goes_on_with_fewer_nodes_when_a_lost_one_is_not_replaced(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, oracle: Oracle) -> None:  # noqa: F811
+    """--nnodes 1:2: node 1's host is lost and nobody replaces it within --node-wait; node 0 trains on alone.
+
+    The survivors save the newest step they hold and the job starts again on 2
+    ranks from it: no step is lost or run twice, and every loss is the one a job
+    saved at that step on 4 ranks and resumed on 2 logs.
+    """
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "shrink", SCRIPT_ARGS, min_nodes=1, run_args=[*RUN_ARGS, "--node-wait", "3"])
+    try:
+        cluster.start()
+        cluster.wait_for_step(15)
+        hosts.kill_host(2)
+        assert cluster.wait(150) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    regroup = _assert_regrouped_identical(oracle, cluster, ranks=4, then=2)
+    assert regroup["nodes"] == [0] and regroup["from_nodes"] == [0, 1], regroup
+    job = read_job(cluster.job_dir / "events.db")
+    assert sorted(i["rank"] for i in job["incidents"]) == [2, 3], job["incidents"]
+    assert job["job"]["world_size"] == 2 and job["job"]["nodes"] == [0]
+
+
+def test_an_elastic_job_grows_when_a_node_joins(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, oracle: Oracle) -> None:  # noqa: F811
+    """--nnodes 1:2 with one node at first: it starts alone after --node-wait; node 1 joins later and the job
+    regroups on both, bit-identical to a job saved on 2 ranks at that step and resumed on 4."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "grow", SCRIPT_ARGS, min_nodes=1, run_args=[*RUN_ARGS, "--node-wait", "2"])
+    try:
+        cluster.start_manager()
+        cluster.start_agent(0, 1)
+        status = cluster.wait_for_step(10)
+        assert status["world_size"] == 2 and status["nodes_in_use"] == [0], status
+        cluster.start_agent(1, 2)
+        assert cluster.wait(150) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    regroup = _assert_regrouped_identical(oracle, cluster, ranks=2, then=4)
+    assert regroup["nodes"] == [0, 1], regroup
+    job = read_job(cluster.job_dir / "events.db")
+    assert [i["kind"] for i in job["incidents"]] == ["node-joined"], job["incidents"]
+
+
+def test_a_lost_node_nobody_replaces_in_time_restarts_the_job_from_its_survivors_state(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, oracle: Oracle) -> None:  # noqa: F811
+    """A fixed size (--nnodes 2): past --node-wait the survivors save their state and stop; the job waits for a
+    host, and restarts from that checkpoint when one joins as node 1: bit-identical, no step lost."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "restart", SCRIPT_ARGS, run_args=[*RUN_ARGS, "--node-wait", "3"])
+    try:
+        cluster.start()
+        cluster.wait_for_step(15)
+        survivors = set(hosts.pids(1)) - {cluster.agents[0].pid}
+        hosts.kill_host(2)
+        waiting = wait_for(lambda: (cluster.status().get("regroup") or {}).get("waiting_for_nodes_since")
+                           and cluster.status(), 40, "the job waiting for a node")
+        assert waiting["regroup"]["checkpoint"], waiting["regroup"]
+        assert not any(alive(pid) for pid in survivors), "a survivor still runs while the job waits for nodes"
+        cluster.start_agent(1, hosts.add_host())
+        assert cluster.wait(150) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    _assert_identical(oracle, cluster)
+    regroup = _regroup_of(read_job(cluster.job_dir / "events.db"))
+    assert regroup["world_size"] == 4 and regroup["checkpoint_kind"] == "regroup" and regroup["waited_for_nodes_s"] > 0
+
+
 def test_a_lost_node_that_nobody_replaces_fails_the_job_saying_what_to_do(
         make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:  # noqa: F811
     hosts = make_hosts(3)
-    cluster = Cluster(hosts, tmp_path, "alone", SCRIPT_ARGS, run_args=[*RUN_ARGS, "--recovery-timeout", "6"])
+    run_args = [*RUN_ARGS, "--node-wait", "3", "--rendezvous-timeout", "8"]
+    cluster = Cluster(hosts, tmp_path, "alone", SCRIPT_ARGS, run_args=run_args)
     try:
         cluster.start()
         cluster.wait_for_step(5)
@@ -139,4 +230,7 @@ def test_a_lost_node_that_nobody_replaces_fails_the_job_saying_what_to_do(
         cluster.close()
     job = read_job(cluster.job_dir / "events.db")["job"]
     assert job["state"] == "failed"
-    assert "node 1 was lost" in job["exit_reason"] and "--node-rank 1" in job["exit_reason"], job["exit_reason"]
+    reason = job["exit_reason"]
+    assert "node 1 lost" in reason and "--node-rank" in reason and "is saved in" in reason, reason
+    saved = reason.split("is saved in ")[1].split(":")[0]
+    assert (Path(saved) / "manifest.json").exists(), reason  # the survivors' state: resume loses nothing

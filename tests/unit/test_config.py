@@ -125,3 +125,15 @@ def test_a_step_timeout_of_zero_means_auto_and_a_negative_one_is_refused() -> No
     Timeouts(step=0.0).validate()
     with pytest.raises(UsageError, match="step"):
         Timeouts(step=-1.0).validate()
+
+
+def test_an_elastic_job_spans_min_to_max_nodes() -> None:
+    fixed = JobConfig(job_id="j", job_dir="/tmp/j", nproc_per_node=2, nnodes=3)
+    assert (fixed.fewest_nodes, fixed.elastic, fixed.world_size) == (3, False, 6)
+    elastic = dataclasses.replace(fixed, min_nodes=1)
+    elastic.validate()
+    assert (elastic.fewest_nodes, elastic.elastic, elastic.world_size) == (1, True, 6)
+    assert JobConfig.from_dict(elastic.to_dict()) == elastic
+    assert "min_nodes" in fixed.differences(elastic)  # every node must agree on it
+    with pytest.raises(UsageError, match="1 <= MIN <= MAX"):
+        dataclasses.replace(fixed, min_nodes=4).validate()

@@ -128,3 +128,13 @@ def test_no_clean_holder_raises_naming_every_member() -> None:
     assert "rank 0: committed 3, clean=False, has_state=True" in message
     assert "rank 1: committed 0, clean=False, has_state=False" in message
     assert "rank 2: committed 2, clean=True, has_state=False" in message
+
+
+def test_a_regroup_generation_renumbers_its_members_and_leaves_out_the_rest() -> None:
+    from undying.rendezvous import GenerationRecord
+
+    plain = GenerationRecord(3, 4, "h", 1)
+    assert [plain.member_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    regroup = GenerationRecord(4, 2, "h", 1, members={"2": 0, "3": 1}, purpose="regroup")
+    assert [regroup.member_rank(r) for r in range(4)] == [None, None, 0, 1]
+    assert GenerationRecord.from_json(regroup.to_json()) == regroup

@@ -116,9 +116,14 @@ no checkpoint at all.""",
                    "inject, stop and trace changes always need it (<job dir>/token)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
     m = p.add_argument_group("multi-node (start `undying manager --job-id J` first, then this on every node)")
-    m.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1: standalone, the manager runs here)")
+    m.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="N|MIN:MAX",
+                   help="number of nodes (default 1: standalone, the manager runs here). MIN:MAX makes the job "
+                   "elastic: it starts once MIN nodes joined (after --node-wait for the others), and when a "
+                   "node is lost and no host replaces it within --node-wait it goes on with the nodes it has, "
+                   "down to MIN; a node joining later grows it back, up to MAX. Without MIN:MAX such a job "
+                   "saves its survivors' state and restarts from it once the lost node is replaced")
     m.add_argument("--node-rank", type=int, default=0,
-                   help="this node's rank, 0..nnodes-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
+                   help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
     m.add_argument("--manager", default=None, metavar="HOST:PORT",
                    help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
     m.add_argument("--token-file", default=None, metavar="PATH",
@@ -146,6 +151,10 @@ no checkpoint at all.""",
                    f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
     t.add_argument("--init-timeout", type=float, default=_DEFAULTS.init,
                    help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
+    t.add_argument("--node-wait", type=float, default=_DEFAULTS.node_wait,
+                   help="how long a lost node's ranks wait for a replacement host before the job goes on "
+                   "without it (resized, or restarted from its survivors' state), and how long an elastic "
+                   f"job waits for more than MIN nodes at start (default {_DEFAULTS.node_wait:.0f})")
     t.add_argument("--stop-grace", type=float, default=_DEFAULTS.stop_grace,
                    help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
     p.add_argument("script", help="the training script")
@@ -165,8 +174,21 @@ def _step_timeout(raw: str) -> float:
     return value
 
 
+def _nnodes(raw: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (as torchrun takes it)."""
+    low, sep, high = raw.partition(":")
+    try:
+        fewest, most = (int(low), int(high)) if sep else (int(raw), int(raw))
+    except ValueError:
+        raise UsageError(f"--nnodes: expected N or MIN:MAX, e.g. 4 or 2:4, got {raw!r}") from None
+    if not 1 <= fewest <= most:
+        raise UsageError(f"--nnodes {raw}: needs 1 <= MIN <= MAX")
+    return fewest, most
+
+
 def config_from_args(args: argparse.Namespace) -> JobConfig:
-    if args.manager is None and (args.nnodes != 1 or args.node_rank != 0):
+    fewest, most = args.nnodes
+    if args.manager is None and (most != 1 or args.node_rank != 0):
         raise UsageError(
             "--nnodes > 1 needs --manager HOST:PORT: start `undying manager --job-id J` on one host, then "
             "`undying run --nnodes N --node-rank I --manager HOST:PORT --job-id J ...` on every node"
@@ -186,13 +208,15 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         heartbeat=args.heartbeat_timeout,
         init=args.init_timeout,
         step=args.step_timeout,
+        node_wait=args.node_wait,
     )
     return JobConfig(
         job_id=job_id,
         job_id_given=args.job_id is not None,
         job_dir=str(args.job_dir or default_job_dir(job_id)),
         nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
+        nnodes=most,
+        min_nodes=fewest if fewest < most else 0,
         node_rank=args.node_rank,
         port=args.port,
         http_port=args.http_port,

@@ -36,7 +36,7 @@ class Cluster:
     """One job: ``undying manager`` on host ``manager_host``, agents started with ``start_agent``."""
 
     def __init__(self, hosts: TestHosts, root: Path, job_id: str, script_args: Sequence[str], *,
-                 nnodes: int = 2, nproc_per_node: int = 2, run_args: Sequence[str] = (),
+                 nnodes: int = 2, nproc_per_node: int = 2, run_args: Sequence[str] = (), min_nodes: int = 0,
                  manager_host: int = 0, port: int = 29400, script: Path = TRAIN_SCRIPT) -> None:
         self.hosts = hosts
         self.root = root
@@ -45,6 +45,7 @@ class Cluster:
         self.script_args = list(script_args)
         self.run_args = list(run_args)
         self.nnodes = nnodes
+        self.min_nodes = min_nodes  # with one, the job is elastic: --nnodes MIN:MAX
         self.nproc_per_node = nproc_per_node
         self.manager_host = manager_host
         self.port = port
@@ -75,7 +76,8 @@ class Cluster:
         return manager
 
     def start_agent(self, node: int, host: int, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "undying", "-v", "run", "--nnodes", str(self.nnodes), "--node-rank", str(node),
+        nnodes = f"{self.min_nodes}:{self.nnodes}" if self.min_nodes else str(self.nnodes)
+        argv = [sys.executable, "-m", "undying", "-v", "run", "--nnodes", nnodes, "--node-rank", str(node),
                 "--manager", f"{self.hosts.addr(self.manager_host)}:{self.port}", "-n", str(self.nproc_per_node),
                 "--job-id", self.job_id, "--token-file", str(self.job_dir / TOKEN_FILE), "--stop-grace", "3",
                 *self.run_args, *extra, str(self.script), *self.script_args]

@@ -18,7 +18,7 @@ import math
 import signal
 import statistics
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -138,20 +138,45 @@ class Recovery:
     started: float = field(default_factory=time.time)
 
 
+@dataclass
+class Regroup:
+    """The job moving to another set of nodes (see ``Manager._begin_regroup``)."""
+
+    why: str
+    members: dict[int, int]  # old rank -> its number in the regroup generation
+    step: int  # the newest step a member had committed
+    generation: int = -1  # the regroup generation; -1: no member holds the state, a checkpoint is the source
+    started: float = field(default_factory=time.time)
+    left: dict[int, int] = field(default_factory=dict)  # member -> its exit code
+    waiting_since: float = 0.0  # every member left, too few nodes: waiting for more to join
+    checkpoint: Checkpoint | None = None  # what the job starts from once it has the nodes
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "why": self.why, "members": sorted(self.members), "left": sorted(self.left), "step": self.step,
+            "generation": self.generation, "started": self.started, "waiting_for_nodes_since": self.waiting_since or None,
+            "checkpoint": self.checkpoint.url if self.checkpoint else None,
+        }
+
+
 class Manager:
     def __init__(self, config: JobConfig, events: EventLog, *, restoring: bool = False) -> None:
         self.config = config
         self.events = events
         self.machine = JobStateMachine()
         self.generation = -1
+        # The nodes the job trains on, in rank order (rank r is on _layout_nodes[r // nproc_per_node]):
+        # every node of --nnodes, or, for an elastic job, those it has (see _set_layout).
+        self._layout_nodes = list(range(config.nnodes))
         self.ranks = {
             r: RankInfo(rank=r, node=r // config.nproc_per_node) for r in range(config.world_size)
         }
+        self._regroup: Regroup | None = None
         self.incidents: list[Incident] = []
         self.rerun_steps: set[int] = set()
         self.exit_reason = ""
         self.started_at = time.time()
-        self._committed: dict[int, set[int]] = {r: set() for r in range(config.world_size)}
+        self._committed: defaultdict[int, set[int]] = defaultdict(set)
         self._agents: dict[int, AgentHandle] = {}
         self._dirty_ranks: set[int] = set()
         events.before_flush(self._write_dirty_ranks)
@@ -203,6 +228,7 @@ class Manager:
         events.set_job("job_id", config.job_id)
         events.set_job("checkpoint_dir", self.checkpoint_dir)
         events.set_job("world_size", config.world_size)
+        events.set_job("nodes", self._layout_nodes)
         events.set_job("started_at", self.started_at)
         events.set_job("config", config.to_dict())
         self._persist_state()
@@ -234,6 +260,11 @@ class Manager:
         return port
 
     @property
+    def world_size(self) -> int:
+        """The ranks the job trains on now (an elastic job's layout may hold fewer nodes than --nnodes)."""
+        return len(self.ranks)
+
+    @property
     def control_port(self) -> int:
         assert self._control is not None
         return self._control.port
@@ -254,6 +285,8 @@ class Manager:
             except asyncio.CancelledError:
                 await self._finished.wait()
                 return self.state
+        if not restored and self.config.elastic:
+            self._set_layout(self._nodes_available()[: self.config.nnodes])
         if not restored:
             resume = await self._find_resume_point()
             record = self._open_generation("start" if resume is None else f"resume from step {resume.step}")
@@ -288,6 +321,8 @@ class Manager:
         self.resumed_from = job.get("resumed_from")
         self.last_checkpoint = job.get("last_checkpoint")
         self.rerun_steps = set(job.get("rerun_steps", []))
+        if "nodes" in job:
+            self._set_layout([int(n) for n in job["nodes"]], persist=False)
         for (data,) in db.execute("SELECT data FROM ranks"):
             view = json.loads(data)
             info = self.ranks.get(int(view["rank"]))
@@ -298,8 +333,7 @@ class Manager:
             info.last_seen, info.incarnation = float(view["last_seen"]), int(view.get("incarnation", 0))
             self._incarnations = max(self._incarnations, info.incarnation)
         for rank, step in db.execute("SELECT rank, step FROM steps"):
-            if rank in self._committed:
-                self._committed[rank].add(step)
+            self._committed[rank].add(step)
         open_incidents: list[Incident] = []
         for (data,) in db.execute("SELECT data FROM incidents ORDER BY id"):
             view = json.loads(data)
@@ -331,7 +365,7 @@ class Manager:
         store = dist.TCPStore(self.config.host, 0, None, True,
                               timeout=timedelta(seconds=self.config.timeouts.connect), wait_for_workers=False)
         self._gen_stores[self.generation] = store
-        record = GenerationRecord(self.generation, self.config.world_size, self.config.host, store.port,
+        record = GenerationRecord(self.generation, self.world_size, self.config.host, store.port,
                                   reason="the manager restarted")
         self._control.set(generation_key(self.generation), record.to_json().decode())
         self._control.set(CURRENT_KEY, str(self.generation))
@@ -346,7 +380,9 @@ class Manager:
 
     # --- generations ----------------------------------------------------------
 
-    def _open_generation(self, reason: str) -> GenerationRecord:
+    def _open_generation(self, reason: str, *, members: dict[int, int] | None = None,
+                         purpose: str = "") -> GenerationRecord:
+        """The next generation, of every rank of the layout or, for a regroup, of ``members`` (renumbered)."""
         assert self._control is not None
         previous = self.generation
         store = dist.TCPStore(
@@ -356,10 +392,12 @@ class Manager:
         self.generation += 1
         record = GenerationRecord(
             generation=self.generation,
-            world_size=self.config.world_size,
+            world_size=len(members) if members is not None else self.world_size,
             store_host=self.config.host,
             store_port=store.port,
             reason=reason,
+            members={str(r): m for r, m in (members or {}).items()},
+            purpose=purpose,
         )
         self._gen_stores[self.generation] = store
         self._control.set(generation_key(self.generation), record.to_json().decode())
@@ -406,15 +444,21 @@ class Manager:
     # --- reports from agents --------------------------------------------------
 
     def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None:
-        info = self.ranks[rank]
         self.events.event("exited", generation=self.generation, rank=rank, pid=pid, returncode=returncode)
-        if pid != info.pid:
-            return  # a process already replaced; its exit is old news
+        info = self.ranks.get(rank)
+        if info is None or pid != info.pid:
+            return  # a process already replaced (or numbered before a regroup); its exit is old news
         finished_steps = info.state is RankState.DONE
         info.state = RankState.EXITED
         info.last_seen = t
         self._persist_rank(info)
         if self.state in (JobState.STOPPING,) or self.state.terminal:
+            return
+        if self._regroup is not None:
+            # Members leave once the state is saved; any other process of the old layout is no fault now.
+            if rank in self._regroup.members:
+                self._regroup.left[rank] = returncode
+                self._maybe_form_world()
             return
         # A rank is finished when it exits cleanly, or when the job's final
         # barrier completed on some rank: then this one passed it too.
@@ -484,8 +528,8 @@ class Manager:
         elsewhere is told to leave the old generation at once.
         """
         self.events.event("node_lost", node=node, reason=reason)
-        if self.state.terminal or self.state is JobState.STOPPING:
-            return
+        if self.state.terminal or self.state is JobState.STOPPING or node not in self._layout_nodes:
+            return  # (a node the job does not train on: an elastic job's extra one)
         lost = [r for r in self.ranks.values()
                 if r.node == node and r.state not in (RankState.EXITED, RankState.DONE)]
         previous = self.generation
@@ -508,11 +552,24 @@ class Manager:
         agent = self._agents.get(node)  # its welcome carried the trace switch
         if agent is not None and self.state is not JobState.STARTING:
             agent.keep_spares()
+        if self._regroup is not None:
+            self._maybe_form_world()
+        elif (self.config.elastic and node not in self._layout_nodes and self.state is JobState.RUNNING
+              and self._recovery is None and len(self._layout_nodes) < self.config.nnodes):
+            now = time.time()
+            incident = self._new_incident(kind="node-joined", rank=-1, step=max(r.step for r in self.ranks.values()),
+                                          fault_t=now, detected_t=now, error=f"node {node} ({host}) joined")
+            incident.action = "regroup"
+            incident.phases["decided"] = now
+            self.events.incident(incident)
+            self._begin_regroup(f"node {node} joined: the job grows to {len(self._layout_nodes) + 1} nodes")
 
     def welcome_trace(self) -> TraceSet:
         return self._trace_message()
 
     def on_message(self, message: Message) -> None:
+        if getattr(message, "rank", 0) not in self.ranks:
+            return  # a process numbered before a regroup, its last words
         if isinstance(message, StepCommitted):
             self._on_commit(message)
         elif isinstance(message, Hello):
@@ -657,7 +714,7 @@ class Manager:
         """A step is done when every rank committed it; its time is from the previous step's done."""
         commits = self._step_commits.setdefault(message.step, {})
         commits[message.rank] = message.t
-        if len(commits) < self.config.world_size:
+        if len(commits) < self.world_size:
             return
         done = max(commits.values())
         del self._step_commits[message.step]
@@ -777,7 +834,7 @@ class Manager:
         try:
             if self._state_layout.get("sharded"):
                 # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank + offset.
-                n, offset = self.config.world_size, int(self._state_layout.get("offset", 0))
+                n, offset = self.world_size, int(self._state_layout.get("offset", 0))
                 ring = self._state_layout.get("replicate") == "ring" and offset > 0
                 plan = plan_restore(
                     Layout(dp=1, tp=n), failed,
@@ -785,7 +842,7 @@ class Manager:
                     checkpoint=PersistedState(ckpt.step, path=ckpt.url) if ckpt else None, current_step=newest,
                 )
             else:
-                plan = plan_for_ddp(self.config.world_size, failed, ckpt.step if ckpt else None,
+                plan = plan_for_ddp(self.world_size, failed, ckpt.step if ckpt else None,
                                     current_step=newest, checkpoint_path=ckpt.url if ckpt else "")
         except (MissingShardsError, LayoutError) as e:
             incident.detail["restore_plan"] = str(e)
@@ -897,6 +954,155 @@ class Manager:
         self.events.incident(incident)
         log.warning("job %s gen %d: every rank restarts from %s (step %d); steps %d..%d are re-run",
                     self.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
+
+    # --- regrouping: the job on another set of nodes ----------------------------
+
+    def _nodes_available(self) -> list[int]:
+        """The nodes whose agent is here now, in order (a standalone agent always is)."""
+        return sorted(n for n, a in self._agents.items() if getattr(a, "attached", True))
+
+    def _lost_nodes(self) -> list[int]:
+        """Nodes the job trains on whose agent is gone."""
+        available = set(self._nodes_available())
+        return [n for n in self._layout_nodes if n not in available]
+
+    def _set_layout(self, nodes: list[int], *, step: int = 0, persist: bool = True) -> None:
+        """The job trains on ``nodes`` from now on: its ranks are numbered anew, node by node."""
+        per_node = self.config.nproc_per_node
+        self._layout_nodes = list(nodes)
+        self.ranks = {
+            slot * per_node + local: RankInfo(rank=slot * per_node + local, node=node, step=step)
+            for slot, node in enumerate(nodes) for local in range(per_node)
+        }
+        self._detector = SlowDetector(world_size=self.world_size)
+        self._step_commits.clear()
+        self._last_commit_t.clear()
+        if persist:
+            self.events.db.execute("DELETE FROM ranks WHERE rank >= ?", (self.world_size,))
+            for info in self.ranks.values():
+                self._persist_rank(info)
+            self.events.set_job("world_size", self.world_size)
+            self.events.set_job("nodes", self._layout_nodes, flush=True)
+
+    def _begin_regroup(self, why: str) -> None:
+        """Go on with the nodes the job has now: save the state they hold, then start again from it.
+
+        The live ranks meet in a regroup generation of their own, renumbered,
+        agree on one state as in any recovery (the newest step one of them
+        holds cleanly) and save it; every one then leaves, and the job starts
+        again on the nodes it has from that checkpoint (``_maybe_form_world``):
+        no completed step is lost. A new world size changes what every rank's
+        script builds (samplers, schedules), hence new processes rather than
+        survivors renumbered in place, as torchrun restarts its workers when an
+        elastic job's membership changes. A sharded state is not whole on the
+        survivors (a lost node's shards and their replicas were there): it
+        starts again from the latest persisted checkpoint, its steps since re-run.
+        """
+        available = set(self._nodes_available())
+        for agent in self._agents.values():
+            drop = getattr(agent, "drop_waiting", None)
+            if drop is not None:
+                drop()  # replacements waiting for a lost node's host: no longer wanted
+        live = sorted(r for a in self._agents.values() for r in a.live_ranks()
+                      if r in self.ranks and self.ranks[r].node in available
+                      and self.ranks[r].state is not RankState.EXITED)
+        newest = max((r.step for r in self.ranks.values()), default=0)
+        regroup = Regroup(why=why, members={r: i for i, r in enumerate(live)}, step=newest)
+        self._regroup = regroup
+        self._move(JobState.RECOVERING)
+        sharded = bool(self._state_layout.get("sharded"))
+        if live and not sharded:
+            previous = self.generation
+            record = self._open_generation(f"regroup: {why}", members=regroup.members, purpose="regroup")
+            regroup.generation = record.generation
+            for rank in live:
+                self._agents[self.ranks[rank].node].abort(rank, previous, why)
+        else:
+            for rank in live:
+                self._agents[self.ranks[rank].node].kill(rank, signal.SIGKILL)
+        self.events.event("regroup", why=why, members=live, generation=regroup.generation, step=newest,
+                          nodes=sorted(available), sharded=sharded)
+        log.warning("job %s: %s; %s", self.config.job_id, why,
+                    f"ranks {live} save the state of their newest step, then the job starts again from it"
+                    if regroup.generation >= 0 else "the job starts again from its latest checkpoint")
+        self._maybe_form_world()
+
+    def _maybe_form_world(self) -> None:
+        """Once every member left: start the job on the nodes here from the saved state, or wait for nodes."""
+        regroup = self._regroup
+        if regroup is None or set(regroup.members) - set(regroup.left):
+            return
+        if regroup.checkpoint is None:
+            # The members saved synchronously before they left: the newest valid checkpoint is theirs.
+            regroup.checkpoint = self._latest_checkpoint()
+        ckpt = regroup.checkpoint
+        nodes = self._nodes_available()[: self.config.nnodes]
+        if ckpt is None:
+            self.fail(f"{regroup.why}: no rank saved the state (exits: {regroup.left or 'none alive'}) and there "
+                      f"is no checkpoint in {self.checkpoint_dir} to start from")
+            return
+        if len(nodes) < self.config.fewest_nodes:
+            if not regroup.waiting_since:
+                regroup.waiting_since = time.time()
+                self.events.event("waiting_for_nodes", nodes=nodes, need=self.config.fewest_nodes,
+                                  checkpoint=ckpt.url, step=ckpt.step)
+                log.warning("job %s: the state of step %d is saved (%s); waiting for %d node(s), %d here: start "
+                            "`undying run --node-rank I --manager ...` on a host", self.config.job_id, ckpt.step,
+                            ckpt.url, self.config.fewest_nodes, len(nodes))
+            return
+        lost = max(0, regroup.step - ckpt.step)
+        before = (list(self._layout_nodes), self.world_size)
+        self._set_layout(nodes, step=ckpt.step)
+        record = self._open_generation(f"{len(nodes)} node(s) {nodes}, {self.world_size} ranks, from step {ckpt.step}")
+        recovery = self._recovery
+        if recovery is None:  # (never: a regroup starts from an incident) still, a record of it
+            self._recovery_count += 1
+            recovery = self._recovery = Recovery(id=self._recovery_count, generation=record.generation)
+        recovery.generation = record.generation
+        recovery.replaced = set(self.ranks)
+        for phase in (recovery.ready, recovery.group_rebuilt, recovery.state_restored, recovery.first_step):
+            phase.clear()
+        for info in self.ranks.values():
+            self._spawn(info.rank, record, joining=False, resume_from=ckpt.url)
+        detail: dict[str, Any] = {"from_nodes": before[0], "from_world_size": before[1], "nodes": nodes,
+                  "world_size": self.world_size, "checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
+                  "checkpoint_kind": ckpt.kind, "waited_for_nodes_s": round(time.time() - regroup.waiting_since, 3)
+                  if regroup.waiting_since else 0.0}
+        for incident in recovery.incidents:
+            incident.action = "regroup"
+            incident.detail["regroup"] = detail
+            incident.detail["lost_steps"] = lost
+            incident.phases.setdefault("checkpoint_written", time.time())
+            self.events.incident(incident)
+        self.events.event("regrouped", generation=record.generation, lost_steps=lost, detail=detail)
+        log.warning("job %s gen %d: regrouped on node(s) %s (%d ranks, was %d) from %s (step %d)%s",
+                    self.config.job_id, record.generation, nodes, self.world_size, before[1], ckpt.url, ckpt.step,
+                    f"; steps {ckpt.step + 1}..{regroup.step} are re-run" if lost else ", no step lost")
+        self._regroup = None
+
+    def _watch_regroup(self, regroup: Regroup) -> None:
+        now = time.time()
+        if regroup.waiting_since:
+            if now - regroup.waiting_since <= self.config.timeouts.rendezvous:
+                return
+            have = self._nodes_available()
+            assert regroup.checkpoint is not None
+            self._fail_recovery(
+                f"{regroup.why}; the job needs {self.config.fewest_nodes} node(s) and has {len(have)} ({have}), "
+                f"and none joined within the rendezvous timeout ({self.config.timeouts.rendezvous:.0f}s). The state "
+                f"of step {regroup.checkpoint.step} is saved in {regroup.checkpoint.url}: start the missing nodes "
+                "(`undying run --node-rank I --manager ...`) and run the job again to resume from it")
+        elif now - regroup.started > self.config.timeouts.recovery:
+            still = sorted(set(regroup.members) - set(regroup.left))
+            self._fail_recovery(f"{regroup.why}; ranks {still} did not save and leave within the recovery "
+                                f"timeout ({self.config.timeouts.recovery:.0f}s)")
+
+    def _fail_recovery(self, reason: str) -> None:
+        if self._recovery is not None:
+            for incident in self._recovery.incidents:
+                incident.status = "failed"
+                self.events.incident(incident)
+        self.fail(reason)
 
     # --- checkpoints ----------------------------------------------------------
 
@@ -1097,10 +1303,10 @@ class Manager:
 
     def _maybe_finish_recovery(self, rank: int, t: float, *, message_generation: int) -> None:
         recovery = self._recovery
-        if recovery is None or message_generation < recovery.generation:
-            return
+        if recovery is None or message_generation < recovery.generation or self._regroup is not None:
+            return  # (a regroup's recovery ends on the new world's first step)
         recovery.first_step.setdefault(rank, t)
-        if len(recovery.first_step) < self.config.world_size:
+        if len(recovery.first_step) < self.world_size:
             return
         phases = {
             "replacement_ready": max(recovery.ready.values()) if recovery.replaced and recovery.ready else None,
@@ -1129,7 +1335,20 @@ class Manager:
         while True:
             await asyncio.sleep(0.5)
             recovery = self._recovery
-            if recovery is None or self.state.terminal or self.state is JobState.STOPPING:
+            if self.state.terminal or self.state is JobState.STOPPING:
+                continue
+            if self._regroup is not None:
+                self._watch_regroup(self._regroup)
+                continue
+            if recovery is None:
+                continue
+            lost = self._lost_nodes()
+            if lost and any(i.kind == "node-loss" for i in recovery.incidents):
+                # Its ranks wait for a host to take them; past --node-wait the job goes on without it.
+                if time.time() - recovery.started > self.config.timeouts.node_wait:
+                    self._begin_regroup(
+                        f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost and not replaced "
+                        f"within --node-wait {self.config.timeouts.node_wait:g}s")
                 continue
             if time.time() - recovery.started > self.config.timeouts.recovery:
                 for incident in recovery.incidents:
@@ -1218,7 +1437,7 @@ class Manager:
             raise UsageError(f"how={how!r} applies to hang only, as one of {', '.join(HANG_HOWS)}")
         if rank not in self.ranks:
             raise UsageError(
-                f"rank {rank} does not exist; this job has ranks 0..{self.config.world_size - 1}"
+                f"rank {rank} does not exist; this job has ranks 0..{self.world_size - 1}"
             )
         if phase is not None and phase not in INJECT_PHASES:
             raise UsageError(f"unknown phase {phase!r}; choose one of {', '.join(INJECT_PHASES)}")
@@ -1299,7 +1518,7 @@ class Manager:
         if phase not in SLOW_PHASES:
             raise UsageError(f"slow's phase must be one of {', '.join(SLOW_PHASES)}, got {phase!r}")
         if rank not in self.ranks:
-            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{self.config.world_size - 1}")
+            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{self.world_size - 1}")
         if self.state.terminal or self.state is JobState.STOPPING:
             raise UsageError(f"job {self.config.job_id} is {self.state.value}; nothing to inject into")
         info = self.ranks[rank]
@@ -1317,7 +1536,10 @@ class Manager:
             "job_id": self.config.job_id,
             "state": self.state.value,
             "generation": self.generation,
-            "world_size": self.config.world_size,
+            "world_size": self.world_size,
+            "nodes_in_use": list(self._layout_nodes),
+            "elastic": {"min_nodes": self.config.fewest_nodes, "max_nodes": self.config.nnodes},
+            "regroup": self._regroup.view() if self._regroup is not None else None,
             "started_at": self.started_at,
             "step": min((r.step for r in self.ranks.values()), default=0),
             "rerun_steps": sorted(self.rerun_steps),

@@ -196,6 +196,10 @@ class RemoteAgent:
         for command in waiting:
             self.send(command)
 
+    def drop_waiting(self) -> None:
+        """The job regroups without this node's old ranks: no agent that takes the node gets them."""
+        self._waiting.clear()
+
     def detach(self, reason: str) -> None:
         """The node is lost: its connection closes, its session is stale, nothing it held is live."""
         writer, self.writer = self.writer, None

@@ -212,11 +212,37 @@ async def _tell_nodes(server: AgentServer, ended: JobEnded) -> None:
 
 
 async def _wait_for_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
+    if config.elastic:
+        await _wait_for_enough_nodes(manager, server, config)
+        return
     if not await server.all_joined(config.timeouts.rendezvous):
         joined = sorted(n for n, s in server.slots.items() if s.attached)
         manager.fail(f"only nodes {joined} of {config.nnodes} joined within the rendezvous timeout "
                      f"({config.timeouts.rendezvous:.0f}s); start `undying run --node-rank I --manager ...` on the others")
         raise asyncio.CancelledError
+
+
+async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
+    """An elastic job (--nnodes MIN:MAX) starts with every node, or with MIN once --node-wait passed without more."""
+    deadline = time.monotonic() + config.timeouts.rendezvous
+    enough_since = 0.0
+    while True:
+        joined = sorted(n for n, s in server.slots.items() if s.attached)
+        now = time.monotonic()
+        if len(joined) >= config.nnodes:
+            return
+        if len(joined) >= config.fewest_nodes:
+            enough_since = enough_since or now
+            if now - enough_since >= config.timeouts.node_wait:
+                log.warning("job %s: starting on nodes %s (%d of at most %d); a node that joins later grows the job",
+                            config.job_id, joined, len(joined), config.nnodes)
+                return
+        elif now > deadline:
+            manager.fail(f"only nodes {joined} joined within the rendezvous timeout ({config.timeouts.rendezvous:.0f}s) "
+                         f"and the job needs at least {config.fewest_nodes} (--nnodes {config.fewest_nodes}:"
+                         f"{config.nnodes}); start `undying run --node-rank I --manager ...` on the others")
+            raise asyncio.CancelledError
+        await asyncio.sleep(0.2)
 
 
 async def _lose_absent_nodes(server: AgentServer, heartbeat_s: float) -> None:

@@ -238,9 +238,13 @@ def join_generation(
             generation = record.superseded_by
             continue
         check_owner(control, rank, incarnation)
+        member = record.member_rank(rank)
+        if member is None:
+            raise FencedError(f"rank {rank} is no member of generation {record.generation} "
+                              f"({record.reason}): the job regroups without this process")
         leave_group()
         try:
-            _build(record, rank, backend, connect_s, collective_s)
+            _build(record, member, backend, connect_s, collective_s)
             return record
         except Exception as e:
             if not is_comm_failure(e):

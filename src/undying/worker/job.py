@@ -13,6 +13,7 @@ propagates, so the process exits and the manager's policy decides.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import importlib
 import logging
@@ -43,7 +44,7 @@ from undying.checkpoint import (
     tensor_shapes,
 )
 from undying.checkpoint.sharded import read_manifest
-from undying.config import EXIT_FENCED, EXIT_PREEMPTED
+from undying.config import EXIT_FENCED, EXIT_PREEMPTED, EXIT_REGROUPED
 from undying.errors import ControlStoreLostError, FencedError, RecoveryError, UsageError
 from undying.messages import (
     Abort,
@@ -232,6 +233,7 @@ class Job:
         self.local_rank = env.local_rank
         self.world_size = env.world_size
         self.generation = env.generation
+        self._purpose = ""  # of the generation joined last (see GenerationRecord.purpose)
         self.tracing = WorkerTracing(env, self.rank, self._send)
         self._faults = FaultSwitch(
             self.rank, self._send,
@@ -587,30 +589,50 @@ class Job:
         if state.sharded:
             self._shards.dying_gasp(state, step, self._data_meta(step), self._resumed)
         elif self.rank == 0:
-            ckpt = self._checkpointer()
-            last = self._finish_writes(retries=False)
-            if last is not None and last.step == step:
-                reused: tuple[int, str] | None = (step, last.path)
-            else:
-                reused = self._resumed if self._resumed is not None and self._resumed[0] == step else None
-            t = time.time()
-            if reused is not None:
-                log.warning("rank 0: dying gasp: the checkpoint of step %d already exists: %s", step, reused[1])
-                self._send(CheckpointSaved(0, step, "existing", reused[1], 0.0, 0.0, 0, t))
-            else:
-                try:
-                    result = save_replicated(
-                        ckpt.store, step, state.state_dict(), job_id=self.env.job_id, generation=self.generation,
-                        world_size=self.world_size, kind="dying-gasp", keep=self.env.checkpoint.keep,
-                        meta=self._data_meta(step),
-                    )
-                    self._send(CheckpointSaved(0, step, "dying-gasp", result.path, 0.0, result.write_s,
-                                               result.bytes, time.time()))
-                except Exception as e:
-                    log.error("rank 0: dying-gasp checkpoint of step %d failed: %s", step, e)
-                    self._send(CheckpointSaved(0, step, "dying-gasp", "", 0.0, time.time() - t, 0, time.time(),
-                                               error=f"{type(e).__name__}: {e}"))
+            self._save_now(state, step, "dying-gasp")
         self._send(Progress(self.rank, self.generation, "preempt_exit", time.time(), step=step))
+        self._exit_now(EXIT_PREEMPTED)
+
+    def _save_now(self, state: State, step: int, kind: str) -> None:
+        """Persist the whole (replicated) state of ``step`` synchronously, unless that checkpoint exists."""
+        assert self.env is not None
+        ckpt = self._checkpointer()
+        last = self._finish_writes(retries=False)
+        if last is not None and last.step == step:
+            reused: tuple[int, str] | None = (step, last.path)
+        else:
+            reused = self._resumed if self._resumed is not None and self._resumed[0] == step else None
+        t = time.time()
+        if reused is not None:
+            log.warning("rank %d: %s: the checkpoint of step %d already exists: %s", self.rank, kind, step, reused[1])
+            self._send(CheckpointSaved(self.rank, step, "existing", reused[1], 0.0, 0.0, 0, t))
+            return
+        try:
+            result = save_replicated(
+                ckpt.store, step, state.state_dict(), job_id=self.env.job_id, generation=self.generation,
+                world_size=self.world_size, kind=kind, keep=self.env.checkpoint.keep,
+                meta=self._data_meta(step),
+            )
+            self._send(CheckpointSaved(self.rank, step, kind, result.path, 0.0, result.write_s,
+                                       result.bytes, time.time()))
+        except Exception as e:
+            log.error("rank %d: %s checkpoint of step %d failed: %s", self.rank, kind, step, e)
+            self._send(CheckpointSaved(self.rank, step, kind, "", 0.0, time.time() - t, 0, time.time(),
+                                       error=f"{type(e).__name__}: {e}"))
+
+    def _save_and_leave(self, state: State | None, step: int) -> None:
+        """A regroup generation: every member holds the same state now; the first saves it and all leave.
+
+        The job starts again on its new set of nodes from this checkpoint, so a
+        resized world loses no step (see ``undying.rendezvous``).
+        """
+        self._phase = "done"
+        if state is not None and dist.get_rank() == 0:
+            self._save_now(state, step, "regroup")
+        self._send(Progress(self.rank, self.generation, "regroup_exit", time.time(), step=step))
+        self._exit_now(EXIT_REGROUPED)
+
+    def _exit_now(self, code: int) -> None:
         # Out at once: the state is safe, and an orderly interpreter teardown (process groups,
         # loader workers) can take seconds of a grace period that Kubernetes ends with SIGKILL.
         for stream in (sys.stdout, sys.stderr):
@@ -618,7 +640,7 @@ class Job:
                 stream.flush()
         with contextlib.suppress(Exception):
             self._channel.close()
-        os._exit(EXIT_PREEMPTED)
+        os._exit(code)
 
     # --- recovery -----------------------------------------------------------
 
@@ -666,17 +688,23 @@ class Job:
                 leave_group()  # now, not when the next generation opens: peers wait on our sockets
                 self._join(generation)
             joined = False
+            regroup = self._purpose == "regroup"
+            if regroup and state is not None and state.sharded:
+                # Never asked of a sharded job (it regroups from its persisted checkpoint); leave as asked.
+                self._exit_now(EXIT_REGROUPED)
             if state is not None and state.sharded:
                 rebind_groups(state.model)  # FSDP keeps the group it was built with
             self._send(Progress(self.rank, self.generation, "group_rebuilt", time.time()))
             try:
-                statuses = exchange_statuses(status)
+                # In a regroup generation the members are numbered anew: statuses carry the group's rank.
+                statuses = exchange_statuses(dataclasses.replace(status, rank=dist.get_rank()) if regroup
+                                             else status)
                 if any(s.mode == MODE_SHARDED for s in statuses):
                     target, status = self._shards.restore(statuses, state)
                     plan = RestorePlan(target, -1, ())
                 else:
                     plan = self._restore_replicated(statuses, state)
-                    if self.rank in plan.receivers:
+                    if dist.get_rank() in plan.receivers:
                         status = RankStatus(self.rank, plan.target, clean=True, has_state=True,
                                             mode=MODE_REPLICATED)
             except Exception as e:
@@ -693,6 +721,8 @@ class Job:
                 )
             )
             self.current_step = plan.target
+            if regroup:
+                self._save_and_leave(state, plan.target)
             if first is not None:
                 self._faults.check("rejoin", plan.target)
             self._collectives_base = max(0, collectives_entered())
@@ -702,10 +732,11 @@ class Job:
     def _restore_replicated(self, statuses: list[RankStatus], state: State | None) -> RestorePlan:
         """Every rank holds the whole state (DDP): the newest clean holder sends it to the others."""
         plan = plan_restore(statuses)
-        if self.rank == plan.donor and plan.receivers:
+        me = dist.get_rank()  # this generation's number for the rank (a regroup renumbers)
+        if me == plan.donor and plan.receivers:
             assert state is not None
             send_state({**state.state_dict(), "_undying": {"data_origin": self._data_origin}}, plan.receivers)
-        elif self.rank in plan.receivers:
+        elif me in plan.receivers:
             payload = recv_state(plan.donor)
             origin = payload.pop("_undying", {}).get("data_origin")
             if state is not None:
@@ -759,6 +790,7 @@ class Job:
                 log.warning("job %s rank %d: %s; connecting again", self.env.job_id, self.rank, e)
                 self._control = self._connect_control(deadline)
         self.generation = record.generation
+        self._purpose = record.purpose
 
     def _connect_control(self, deadline: float) -> dist.TCPStore:
         assert self.env is not None
