@@ -143,7 +143,7 @@ OPTION_SETS = {
                             "--job-pvc", "llama-job", "--token-secret", "llama-token", "--manager-kind", "pod",
                             "--namespace", "training", "--grace-period", "42.5", "--save-every", "500",
                             "--trace", "comm", "--image-pull-policy", "Always", "--port", "31000", "--open-status",
-                            "--run-args", "--heartbeat-timeout 60 --trace-dir /ckpt/traces",
+                            "--run-args", "--heartbeat-timeout 60 --trace-dir /ckpt/traces", "--min-nodes", "2",
                             "--", "train.py", "--lr", "0.1", "--nodes", "on"),
     "one-node-url": ("--job-id", "a", "--nodes", "1", "-n", "1", "--image", "x", "--checkpoint-dir",
                      "s3://bucket/a", "--save-interval", "600", "train.py"),
@@ -265,7 +265,7 @@ def test_the_workers_are_an_indexed_job_of_one_agent_per_node(name: str) -> None
         argv = [expand(a, env) for a in agent["command"]]
         args = parse_run(argv)
         assert args.node_rank == index
-        assert args.nnodes == spec.nodes
+        assert args.nnodes == (spec.min_nodes or spec.nodes, spec.nodes)  # MIN:MAX when elastic
         assert args.nproc_per_node == spec.nproc_per_node
         assert args.job_id == spec.job_id
         assert args.manager == f"{spec.job_id}-manager:{spec.port}"
@@ -509,6 +509,7 @@ def test_good_job_ids_pass() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (("--nodes", "0"), "--nodes must be at least 1"),
     (("--nproc-per-node", "0"), "--nproc-per-node must be at least 1"),
+    (("--min-nodes", "5"), "--min-nodes must be between 1 and --nodes (4), got 5"),
     (("--image", "a b"), "--image must be an image reference"),
     (("--memory", "lots"), "'lots' is not a Kubernetes quantity"),
     (("--gpus", "2"), "needs a GPU per rank: --gpus 2 for --nproc-per-node 8"),

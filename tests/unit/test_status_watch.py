@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -146,3 +147,13 @@ def test_the_view_prints_job_data_as_text_not_markup() -> None:
                                              "error": "line 1: not JSON"}), con)
     assert "switch file ignored: line 1: not JSON" in out.getvalue()
     assert "failed: [red]x[/red]" in text
+
+
+def test_the_view_says_what_a_regroup_waits_for() -> None:
+    regroup = {"why": "node 1 lost and not replaced within --node-wait 3s", "members": [0, 1], "left": [0, 1],
+               "step": 40, "generation": 5, "started": 0.0, "waiting_for_nodes_since": time.time() - 5,
+               "checkpoint": "/jobs/j/checkpoints/step-000000040"}
+    con, out = console()
+    render(dict(status("recovering", 3), regroup=regroup), con)
+    text = out.getvalue()
+    assert "regrouping: node 1 lost" in text and "step-000000040" in text and "waiting 5s for nodes" in text

@@ -60,6 +60,10 @@ Write them once and keep them: each run generates a new token (or pass
                      help="the job's name; it names every object, so a DNS label: lower-case letters, digits, "
                      "'-', starting with a letter, at most 55 characters")
     req.add_argument("--nodes", type=int, required=True, metavar="N", help="worker pods (nodes), one agent each")
+    p.add_argument("--min-nodes", type=int, default=0, metavar="MIN",
+                   help="make the job elastic: it starts with MIN pods once --node-wait passed without the rest, "
+                   "goes on with as few as MIN when a pod is lost and none replaces it, and grows back as pods "
+                   "come (every agent gets --nnodes MIN:N; default: exactly --nodes)")
     req.add_argument("-n", "--nproc-per-node", type=int, required=True, metavar="P", help="ranks per node")
     req.add_argument("--image", required=True,
                      help="the container image: your script, its dependencies, undying (on PATH) and sh")
@@ -141,7 +145,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
     except ValueError as e:
         raise UsageError(f"--run-args {args.run_args!r}: {e}") from None
     return Spec(
-        job_id=args.job_id, nodes=args.nodes, nproc_per_node=args.nproc_per_node, image=args.image,
+        job_id=args.job_id, nodes=args.nodes, min_nodes=args.min_nodes, nproc_per_node=args.nproc_per_node, image=args.image,
         command=command, grace=grace, namespace=args.namespace, token_secret=args.token_secret,
         cpu=args.cpu, memory=args.memory, gpus=args.gpus, shm_size=args.shm_size,
         checkpoint_pvc=args.checkpoint_pvc, checkpoint_url=args.checkpoint_dir, job_pvc=args.job_pvc,

@@ -127,6 +127,8 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         parts.append(Text(note, style="yellow"))
     if status.get("exit_reason"):
         parts.append(Text("  " + str(status["exit_reason"])))
+    if status.get("regroup"):
+        parts.append(_regroup_line(status["regroup"]))
     if "trace" in status:
         parts.append(_trace_line(status.get("trace") or {}))
     if status.get("step_times"):
@@ -155,6 +157,18 @@ def _header(status: dict[str, Any]) -> Text:
         f"{status.get('world_size')} ranks, step {status.get('step')}{age}",
         "" if live else " (from the event log; the launcher is not running)",
     )
+
+
+def _regroup_line(regroup: dict[str, Any]) -> Text:
+    """The job moving to another set of nodes: why, and what it waits for."""
+    line = Text.assemble(("regrouping", "yellow"), f": {regroup.get('why')}")
+    if regroup.get("waiting_for_nodes_since"):
+        waited = time.time() - float(regroup["waiting_for_nodes_since"])
+        line.append(f"\n  the state is saved in {regroup.get('checkpoint')}; waiting {waited:.0f}s for nodes to join "
+                    "(`undying run --node-rank I --manager ...`)")
+    else:
+        line.append(f"\n  ranks {regroup.get('members')} save their newest step; left so far: {regroup.get('left')}")
+    return line
 
 
 def _trace_line(trace: dict[str, Any]) -> Text:

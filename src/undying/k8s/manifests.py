@@ -120,6 +120,8 @@ class Spec:
     spares: int = 1
     max_restarts: int = 3
     run_args: list[str] = field(default_factory=list)
+    # The fewest nodes the job may train on (--nnodes MIN:MAX on every agent); 0: exactly ``nodes``.
+    min_nodes: int = 0
 
     # --- derived names ------------------------------------------------------
 
@@ -159,6 +161,8 @@ class Spec:
         validate_job_id(self.job_id)
         if self.nodes < 1:
             raise UsageError(f"--nodes must be at least 1, got {self.nodes}")
+        if not 0 <= self.min_nodes <= self.nodes:
+            raise UsageError(f"--min-nodes must be between 1 and --nodes ({self.nodes}), got {self.min_nodes}")
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if not self.image or any(c.isspace() for c in self.image):
@@ -205,7 +209,8 @@ class Spec:
         return argv + (["--open-status"] if self.open_status else [])
 
     def worker_argv(self, node_rank: str = "$(JOB_COMPLETION_INDEX)") -> list[str]:
-        argv = ["undying", "run", "--nnodes", str(self.nodes), "--node-rank", node_rank,
+        nnodes = f"{self.min_nodes}:{self.nodes}" if 0 < self.min_nodes < self.nodes else str(self.nodes)
+        argv = ["undying", "run", "--nnodes", nnodes, "--node-rank", node_rank,
                 "--manager", f"{self.manager_name}:{self.port}", "-n", str(self.nproc_per_node),
                 "--job-id", self.job_id, "--job-dir", JOB_DIR, "--trace-switch-file", TRACE_SWITCH_FILE,
                 "--trace", self.trace, "--checkpoint-dir", self.checkpoint_dir,
