@@ -554,15 +554,32 @@ class Manager:
             agent.keep_spares()
         if self._regroup is not None:
             self._maybe_form_world()
-        elif (self.config.elastic and node not in self._layout_nodes and self.state is JobState.RUNNING
-              and self._recovery is None and len(self._layout_nodes) < self.config.nnodes):
-            now = time.time()
-            incident = self._new_incident(kind="node-joined", rank=-1, step=max(r.step for r in self.ranks.values()),
-                                          fault_t=now, detected_t=now, error=f"node {node} ({host}) joined")
-            incident.action = "regroup"
-            incident.phases["decided"] = now
-            self.events.incident(incident)
-            self._begin_regroup(f"node {node} joined: the job grows to {len(self._layout_nodes) + 1} nodes")
+        else:
+            self._maybe_grow()
+
+    def _maybe_grow(self) -> None:
+        """An elastic job below MAX with a node here that it does not train on: regroup to take it in.
+
+        Only while the job runs undisturbed: a node that joins during a recovery
+        is taken once it completed; none once a rank finished its last step.
+        """
+        extra = [n for n in self._nodes_available() if n not in self._layout_nodes]
+        if (not self.config.elastic or not extra or self.state is not JobState.RUNNING or self._recovery is not None
+                or len(self._layout_nodes) >= self.config.nnodes
+                or any(r.state is RankState.DONE for r in self.ranks.values())):
+            return
+        now = time.time()
+        view = self._agents[extra[0]].view()
+        incident = self._new_incident(kind="node-joined", rank=-1, step=max(r.step for r in self.ranks.values()),
+                                      fault_t=now, detected_t=now,
+                                      error=f"node{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))} "
+                                            f"joined ({view.get('host', '')})")
+        incident.action = "regroup"
+        incident.phases["decided"] = now
+        self.events.incident(incident)
+        grown = min(self.config.nnodes, len(self._layout_nodes) + len(extra))
+        self._begin_regroup(f"node{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))} joined: the job "
+                            f"grows to {grown} nodes")
 
     def welcome_trace(self) -> TraceSet:
         return self._trace_message()
@@ -1330,6 +1347,7 @@ class Manager:
         self._recovery = None
         if self.state is JobState.RECOVERING:
             self._move(JobState.RUNNING)
+        self._maybe_grow()
 
     async def _watch_recovery(self) -> None:
         while True:
