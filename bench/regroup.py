@@ -1,0 +1,177 @@
+"""Node-loss benchmark: what a lost node costs when a host replaces it, and when none does (a regroup).
+
+Method
+------
+One workload, the demo job (``undying/demo/train.py``, 2 nodes x 2 ranks, each
+step at least ``--step-seconds``), on network-namespace test hosts
+(``undying.demo.hosts``; root needed): ``undying manager`` alone on host 0,
+node i's agent on host i + 1. Three scenarios, each run ``--repeats`` times:
+
+* replace: node 1's host is lost at step S (every process on it SIGKILLed) and a
+  new host joins as node 1 as soon as the manager has declared the node lost, as
+  a cluster scheduler would start a new pod. The ranks' state comes from peers.
+* shrink: ``--nnodes 1:2``; node 1's host is lost at step S and nothing replaces
+  it. After ``--node-wait`` the survivors save their newest step and the job
+  starts again on node 0 alone from it (a regroup).
+* grow: ``--nnodes 1:2`` started with node 0 alone; at step S node 1 joins and the
+  job regroups on both nodes.
+
+From the manager's incident (every phase is measured from the fault: the
+SIGKILL, or the join) the report takes detection, the decision, the regroup's
+checkpoint write, the replacement processes ready, the group rebuilt, the state
+restored and the first step done on every rank (MTTR), and the steps completed
+twice (lost). The node-wait is policy, not work: the report also gives the MTTR
+without it. ``--spares`` sets the warm spares per node (the surviving node's
+spares start the regrouped ranks without an interpreter start).
+
+A benchmark reports numbers; it asserts nothing. Run it as root from the
+repository root::
+
+    python bench/regroup.py                  # 3 repetitions of each scenario
+    python bench/regroup.py --repeats 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from undying.demo.cluster import Cluster, wait_for
+from undying.demo.hosts import Hosts, netns_unavailable_reason
+from undying.manager.events import read_job
+
+SCENARIOS = ("replace", "shrink", "grow")
+PHASES = ("detected", "decided", "checkpoint_written", "replacement_ready", "group_rebuilt", "state_restored",
+          "first_step_done")
+
+
+def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    hosts = Hosts(4)
+    job_id = f"{scenario}-{int(time.time() * 1000) % 10**8}"
+    script_args = ["--samples", str(args.samples), "--epochs", str(args.epochs),
+                   "--step-seconds", str(args.step_seconds)]
+    run_args = ["--heartbeat-timeout", str(args.heartbeat_timeout), "--spares", str(args.spares),
+                "--node-wait", str(args.node_wait), "--rendezvous-timeout", "120"]
+    cluster = Cluster(hosts, root, job_id, script_args, run_args=run_args,
+                      min_nodes=1 if scenario != "replace" else 0)
+    try:
+        cluster.start_manager()
+        cluster.start_agent(0, 1)
+        if scenario != "grow":
+            cluster.start_agent(1, 2)
+        cluster.wait_for_step(args.at_step, timeout=180)
+        fault_t = time.time()
+        if scenario == "grow":
+            cluster.start_agent(1, 2)
+        else:
+            hosts.kill_host(2)
+        if scenario == "replace":
+            wait_for(lambda: any(i["kind"] == "node-loss" for i in cluster.status()["incidents"]), 60, "the loss")
+            cluster.start_agent(1, 3)
+        code = cluster.wait(600)
+    finally:
+        cluster.close()
+        hosts.close()
+    job = read_job(cluster.job_dir / "events.db")
+    incidents = [i for i in job["incidents"] if i["kind"] in ("node-loss", "node-joined")]
+    first = incidents[0] if incidents else {}
+    # Phases are stored relative to the incident's fault_t; re-base them on the moment the bench acted.
+    offset = float(first.get("fault_t", fault_t)) - fault_t
+    phases = {p: round(v + offset, 3) for p, v in (first.get("phases") or {}).items()}
+    regroup = (first.get("detail") or {}).get("regroup") or {}
+    mttr = phases.get("first_step_done")
+    waited = args.node_wait if scenario == "shrink" else 0.0
+    return {
+        "scenario": scenario, "exit_code": code, "state": job["job"].get("state"),
+        "phases": phases, "mttr_s": mttr,
+        "mttr_without_node_wait_s": round(mttr - waited, 3) if mttr is not None else None,
+        "lost_steps": len(job["job"].get("rerun_steps", [])) + int((first.get("detail") or {}).get("lost_steps", 0)),
+        "world_size": job["job"].get("world_size"), "action": first.get("action"),
+        "regroup_step": regroup.get("checkpoint_step"), "regroup_kind": regroup.get("checkpoint_kind"),
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(values: list[float | None]) -> float | None:
+        got = [v for v in values if v is not None]
+        return round(statistics.median(got), 3) if got else None
+
+    return {
+        "runs": len(runs), "ok": sum(r["exit_code"] == 0 for r in runs),
+        "phases": {p: med([r["phases"].get(p) for r in runs]) for p in PHASES},
+        "mttr_s": med([r["mttr_s"] for r in runs]),
+        "mttr_without_node_wait_s": med([r["mttr_without_node_wait_s"] for r in runs]),
+        "lost_steps": max((r["lost_steps"] for r in runs), default=0),
+        "world_size_after": runs[-1]["world_size"] if runs else None,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"node loss on test hosts, {result['machine']}, {result['date']}: 2 nodes x 2 ranks, steps >= "
+             f"{result['args']['step_seconds']}s, heartbeat timeout {result['args']['heartbeat_timeout']}s, node-wait "
+             f"{result['args']['node_wait']}s, spares {result['args']['spares']}; medians of "
+             f"{result['args']['repeats']}"]
+    header = f"{'scenario':<9}" + "".join(f"{p[:14]:>15}" for p in PHASES) + f"{'-node-wait':>12}{'lost':>6}{'ranks':>6}"
+    lines.append(header)
+    for name, s in result["scenarios"].items():
+        cells = "".join(f"{s['phases'][p] if s['phases'][p] is not None else '-':>15}" for p in PHASES)
+        lines.append(f"{name:<9}{cells}{s['mttr_without_node_wait_s'] or '-':>12}{s['lost_steps']:>6}"
+                     f"{s['world_size_after']:>6}  ({s['ok']}/{s['runs']} ok)")
+    lines.append("seconds from the fault (the SIGKILL of the host, or the join); first_step_done is the MTTR")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of " + ", ".join(SCENARIOS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--at-step", type=int, default=15, help="the fault once the job passed this step")
+    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--step-seconds", type=float, default=0.1)
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    p.add_argument("--node-wait", type=float, default=5.0)
+    p.add_argument("--spares", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (the text on stderr)")
+    p.add_argument("--keep", default="", metavar="DIR", help="keep the jobs' dirs and logs here")
+    args = p.parse_args(argv)
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        print(f"bench/regroup.py: {reason}", file=sys.stderr)
+        return 2
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        p.error(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="undying-bench-regroup-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        runs = {s: [run_once(s, args, root) for _ in range(args.repeats)] for s in scenarios}
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "args": vars(args),
+              "scenarios": {s: summarize(r) for s, r in runs.items()}, "runs": runs}
+    text = render(result)
+    print(text, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    return f"{os.cpu_count()} CPU {platform.machine()}, load {os.getloadavg()[0]:.1f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
