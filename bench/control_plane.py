@@ -15,11 +15,13 @@ sockets, with no torch and no workers. Each one:
   ``RankExited``; ``Acked`` trims its kept reports);
 * sends its beat (``AgentState``: live ranks, their phases) every 0.5 s, the
   agent's own rate, each node at its own phase;
-* forwards its ranks' worker messages as a real agent does: every report
-  numbered by the agent's own ``ManagerClient`` (``Numbered``), a worker
-  message wrapped in ``RankReport``. Workers' heartbeats stay in the agent (as
-  in ``undying run``); what reaches the manager in steady state is one
-  ``StepCommitted`` per rank per step (``--step-s``, default 1 s).
+* forwards its ranks' worker messages as a real agent does, with the agent's
+  own ``ManagerClient``: every report numbered, what the agent reports in one
+  pass of its event loop in one ``NumberedReports`` line (a node's commits of
+  a step, with whatever else it said in that pass), worker messages as
+  objects. Workers' heartbeats stay in the agent (as in ``undying run``); what
+  reaches the manager in steady state is one ``StepCommitted`` per rank per
+  step (``--step-s``, default 1 s).
 
 Steps are synchronous, as under DDP: at each step boundary every rank of every
 node commits. ``--spread`` says over what share of a step the commits are sent
@@ -30,9 +32,10 @@ the heartbeat rate alone; crash trials then time the decision only, as
 nothing completes a recovery).
 
 The simulated agents' lines are byte for byte what ``undying run``'s
-``ManagerClient`` writes (checked at start); they are encoded without
-``dataclasses.asdict`` and a node's commits of one step go out in one write,
-so that this one process can play 1,024 agents on one core.
+``ManagerClient`` writes (checked at start, in an event loop, so the batching
+is compared too): they are that class, with each report encoded without
+``dataclasses.asdict``, so that this one process can play 1,024 agents on one
+core.
 
 The sizes step through ``--nodes`` (default 8, 64, 256, 1024) at
 ``--ranks-per-node`` (default 8). At each size:
@@ -55,11 +58,12 @@ Definitions
 * Handling latency of a report: from when the simulated agent wrote it (the
   ``t`` it stamps on it right before the socket write; the report's own field
   for ``StepCommitted`` and ``AgentState``) to when the manager's handler for
-  it returned (``Manager.on_message`` for a worker's message,
+  it returned (``Manager.on_messages``, which takes a node's run of worker
+  messages in one call, or ``Manager.on_message``, for a worker's message;
   ``AgentServer._dispatch`` for the agent's own). Both clocks are this host's.
   It includes the kernel, the wait in the manager's socket buffer and event
-  loop behind other work (a burst of commits, a log flush), the line's three
-  JSON decodes and the manager's handling itself (its SQLite rows). The
+  loop behind other work (a burst of commits, a log flush), the line's
+  decode and the manager's handling itself (its SQLite rows). The
   manager's own handling time (the handler's duration alone) is reported
   beside it, and so are its log flushes and its event-loop lag (a 50 ms sleep's
   overshoot).
@@ -84,11 +88,11 @@ Definitions
 
 Where the time goes (``--micro-steps``, after the sizes, at the largest): the
 manager's work per message timed in this process with the shipped Manager and
-event log and no profiler: the wire line's three JSON decodes, then
-``Manager.on_message(StepCommitted)`` and apart its two log rows, the log
-flush of one step, a beat round, a crash's ``on_exit`` and the restore planner
-alone; and, as a what-if, the decode of a node's step sent as one line of
-objects. ``--profile`` adds cProfile of the live manager's window.
+event log and no profiler: the wire line's decode (a node's ``NumberedReports``
+line, and for comparison the one-report-a-line format before it, three nested
+JSON decodes), then ``Manager.on_messages`` of a node's commits and
+``Manager.on_message`` of one, and apart their log rows, the log flush of one
+step, a beat round, a crash's ``on_exit`` and the restore planner alone. ``--profile`` adds cProfile of the live manager's window.
 
 The manager's CPU use over the window (its process, all threads; also per
 report offered, the figure least sensitive to the machine's load) and this
@@ -144,7 +148,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -168,6 +172,7 @@ from undying.messages import (  # noqa: E402
     Message,
     NodeStopped,
     Numbered,
+    NumberedReports,
     Progress,
     RankExited,
     RankReport,
@@ -177,6 +182,7 @@ from undying.messages import (  # noqa: E402
     StopNode,
     decode,
     encode,
+    from_object,
 )
 
 DEFAULT_NODES = (8, 64, 256, 1024)
@@ -283,6 +289,7 @@ class Probe:
         probe = self
         dispatch = nodes.AgentServer._dispatch
         on_message = Manager.on_message
+        on_messages = Manager.on_messages
         flush = EventLog.flush
         start = nodes.AgentServer.start
         handle = Manager._handle
@@ -302,6 +309,16 @@ class Probe:
             on_message(manager, message)
             if probe.on and isinstance(message, StepCommitted):
                 probe.note("StepCommitted", message.t)
+
+        def timed_on_messages(manager: Any, messages: list[Message]) -> None:
+            if not probe.on:
+                return on_messages(manager, messages)
+            began = time.perf_counter()
+            on_messages(manager, messages)  # its other messages pass timed_on_message; its commits do not
+            probe.handling["on_messages"].append(time.perf_counter() - began)
+            for message in messages:
+                if isinstance(message, StepCommitted):
+                    probe.note("StepCommitted", message.t)
 
         def timed_flush(log: Any) -> None:
             if not probe.on:
@@ -325,7 +342,8 @@ class Probe:
             return port
 
         for owner, name, wrapper in ((nodes.AgentServer, "_dispatch", timed_dispatch),
-                                     (Manager, "on_message", timed_on_message), (EventLog, "flush", timed_flush),
+                                     (Manager, "on_message", timed_on_message),
+                                     (Manager, "on_messages", timed_on_messages), (EventLog, "flush", timed_flush),
                                      (nodes.AgentServer, "start", start_with_lag_probe),
                                      (Manager, "_handle", timed_handle)):
             setattr(owner, name, wrapper)
@@ -507,39 +525,10 @@ def fast_encode(message: Message) -> bytes:
 
 
 class SimClient(ManagerClient):
-    """The agent's ManagerClient (numbered, kept until Acked), with ``fast_encode`` and a batch for one step.
+    """The agent's ManagerClient (numbered, gathered per loop pass, kept until Acked), encoding with ``fast_encode``."""
 
-    A batch writes a node's commits of one step in one ``write`` (a real
-    agent's ranks commit within microseconds of each other; one syscall per
-    line here would cost this process, which simulates every node, more CPU
-    than the manager spends on them).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._batch: list[bytes] | None = None
-
-    def send(self, message: Message) -> None:
-        self._seq += 1
-        line = fast_encode(Numbered(self._seq, fast_encode(message).decode()))
-        self._kept.append((self._seq, line))
-        if self._batch is not None:
-            self._batch.append(line)
-        elif self.writer is not None and not self.writer.is_closing():
-            self.writer.write(line)
-
-    def on_message(self, message: Message) -> None:
-        self.send(RankReport(fast_encode(message).decode()))
-
-    @contextlib.contextmanager
-    def batched(self) -> Iterator[None]:
-        self._batch = []
-        try:
-            yield
-        finally:
-            lines, self._batch = self._batch, None
-            if lines and self.writer is not None and not self.writer.is_closing():
-                self.writer.write(b"".join(lines))
+    def _object(self, message: Message) -> bytes:
+        return fast_encode(message)[:-1]
 
 
 class LineSink:
@@ -556,25 +545,37 @@ class LineSink:
 
 
 def check_encoding() -> None:
-    """The simulated agents' lines are byte for byte what ``undying run``'s ManagerClient writes."""
+    """The simulated agents' lines are byte for byte what ``undying run``'s ManagerClient writes.
+
+    In an event loop, as the agent runs: two passes of reports, each written
+    as the pass ends; the first pass's lines resent after a reconnect.
+    """
     t = time.time()
-    reports: list[tuple[str, Message]] = [
+    passes: list[list[tuple[str, Message]]] = [[
         ("send", AgentState(3, {"24": 100001, "25": 100002}, {"24": "step", "25": "init"}, 0, t)),
         ("send", RankSpawned(24, 100001, False, 7)), ("send", RankExited(24, 100001, -9, t)),
         ("send", NodeStopped(2)),
         ("worker", StepCommitted(24, 1, 12, t, {"loss": 1.0 / 12})),
         ("worker", Hello(24, 100003, 1, True, t)),
+    ], [
         ("worker", Progress(24, 1, "state_restored", t, step=11)),
-    ]
-    sinks = []
-    for client in (ManagerClient(), SimClient()):
+        ("worker", StepCommitted(25, 1, 12, t, {"loss": 1.0 / 12})),
+    ]]
+
+    async def lines(client: ManagerClient) -> list[bytes]:
         sink = LineSink()
         client.connected(sink, 0)  # type: ignore[arg-type]
-        for how, message in reports:
-            client.send(message) if how == "send" else client.on_message(message)
-        sinks.append(sink.lines)
-    if sinks[0] != sinks[1]:
-        raise AssertionError(f"the simulated agents' lines differ from ManagerClient's: {sinks[0]} != {sinks[1]}")
+        for reports in passes:
+            for how, message in reports:
+                client.send(message) if how == "send" else client.on_message(message)
+            await asyncio.sleep(0)  # the pass ends: its reports are written
+        client.disconnected()
+        client.connected(sink, 2)  # type: ignore[arg-type]
+        return sink.lines
+
+    ours, theirs = asyncio.run(lines(SimClient())), asyncio.run(lines(ManagerClient()))
+    if ours != theirs or len(theirs) != 3:
+        raise AssertionError(f"the simulated agents' lines differ from ManagerClient's: {ours} != {theirs}")
 
 
 @dataclasses.dataclass
@@ -623,8 +624,13 @@ class SimNode:
             window.reports[type(message).__name__] += 1
 
     def worker(self, message: Message) -> None:
-        """A worker's message, forwarded as the agent forwards it (RankReport, numbered)."""
-        self.report(RankReport(fast_encode(message).decode()))
+        """A worker's message, forwarded as the agent forwards it (numbered, as itself)."""
+        self.client.on_message(message)
+        self.seq += 1
+        window = self.sim.window
+        if window.on:
+            self.sent.append((self.seq, time.time()))
+            window.reports[type(message).__name__] += 1
 
     async def join(self) -> None:
         sim = self.sim
@@ -683,15 +689,22 @@ class SimNode:
             # ManagerBeat, KeepSpares, TraceSet, TellRank, ArmRank, AbortRank: nothing to do here.
 
     def commit(self, step: int, generation: int) -> None:
-        """This node's ranks finished ``step``: one StepCommitted each (a newly moved rank says so first)."""
-        with self.client.batched():
-            if generation > self.moved_to:
-                self.moved_to = generation
-                for rank in self.live:
-                    self.worker(Progress(rank, generation, "group_rebuilt", time.time()))
-                    self.worker(Progress(rank, generation, "state_restored", time.time(), step=step - 1))
+        """This node's ranks finished ``step``: one StepCommitted each (a newly moved rank says so first).
+
+        Made in one pass of the agent's loop, they go out in one line, as a
+        real agent's do when its ranks' messages arrive together. The pass
+        ends here (``flush``): a real agent is a process of its own, while
+        here every node shares one loop, whose pass would hold this node's
+        line until every other node's commits were made.
+        """
+        if generation > self.moved_to:
+            self.moved_to = generation
             for rank in self.live:
-                self.worker(StepCommitted(rank, generation, step, time.time(), {"loss": 1.0 / step}))
+                self.worker(Progress(rank, generation, "group_rebuilt", time.time()))
+                self.worker(Progress(rank, generation, "state_restored", time.time(), step=step - 1))
+        for rank in self.live:
+            self.worker(StepCommitted(rank, generation, step, time.time(), {"loss": 1.0 / step}))
+        self.client.flush()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -906,7 +919,8 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
         probe = await manager.end_probe(t0, t1)
         window = sim.window
         seconds = t1 - t0
-        sent = {"StepCommitted": window.reports.get("RankReport", 0), "AgentState": window.reports.get("AgentState", 0)}
+        sent = {"StepCommitted": window.reports.get("StepCommitted", 0),
+                "AgentState": window.reports.get("AgentState", 0)}
         handled = {k: probe["latency_ms"].get(k, {}).get("n", 0) for k in sent}
         out["window"] = {
             "seconds": round(seconds, 3), "steps": window.steps, "load": load_average(),
@@ -929,7 +943,7 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
             # The load offered, as a share of the nominal (every rank once a step, every node twice a second).
             "offered_share": round(min(
                 window.reports.get("AgentState", 0) / (nnodes / AGENT_BEAT_S * seconds),
-                window.reports.get("RankReport", 0) / (sim.world_size / args.step_s * seconds) if args.step_s > 0
+                window.reports.get("StepCommitted", 0) / (sim.world_size / args.step_s * seconds) if args.step_s > 0
                 else 1.0), 3),
             "acked_lag_ms": percentiles(window.acked_lag),
         }
@@ -1058,54 +1072,63 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     for info in manager.ranks.values():
         manager.on_spawned(info.rank, 200_000 + info.rank, False, info.incarnation)
     scratch = EventLog(root / "scratch.db")
-    decode_s, handle_s, step_s, rank_s, flush_s, batched_s = [], [], [], [], [], []
+    decode_s, nested_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], [], []
     for step in range(1, steps + 1):
         messages = [StepCommitted(r, 0, step, time.time(), {"loss": 1.0 / step}) for r in range(world)]
+        by_node = [messages[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(nnodes)]
+        # The wire as the agents write it: a node's commits of the step, made in one pass, in one line.
         client, sink = SimClient(), LineSink()
         client.connected(sink, 0)  # type: ignore[arg-type]
-        for m in messages:
-            client.on_message(m)
+        for node_messages in by_node:
+            for m in node_messages:
+                client.on_message(m)
+            client.flush()  # the pass ends
+        assert len(sink.lines) == nnodes
         t = time.perf_counter()
+        batches = []
         for line in sink.lines:
+            batch = decode(line)
+            assert isinstance(batch, NumberedReports)
+            batches.append([from_object(body) for body in batch.reports])
+        decode_s.append((time.perf_counter() - t) / world)
+        # Before NumberedReports: a line per report, the worker's message a string in a string.
+        old_lines = [encode(Numbered(m.rank + 1, encode(RankReport(encode(m).decode())).decode())) for m in messages]
+        t = time.perf_counter()
+        for line in old_lines:
             outer = decode(line)
             assert isinstance(outer, Numbered)
             middle = decode(outer.body)
             assert isinstance(middle, RankReport)
             decode(middle.body)
-        decode_s.append((time.perf_counter() - t) / world)
-        # Hypothetical: a node's commits of one step in one numbered line, bodies as objects (not strings).
-        node_lines = [
-            (json.dumps({"seq": step, "body": [{**vars(m), "type": "StepCommitted"}
-                                               for m in messages[n * ranks_per_node:(n + 1) * ranks_per_node]],
-                         "type": "RankReports"}, separators=(",", ":")) + "\n").encode()
-            for n in range(nnodes)]
+        nested_s.append((time.perf_counter() - t) / world)
+        # The manager's handling: odd steps a node's batch a call (as AgentServer hands them over), even steps
+        # a message a call (Manager.on_message, as the standalone agent calls it).
         t = time.perf_counter()
-        for line in node_lines:
-            for body in json.loads(line)["body"]:
-                body.pop("type")
-                StepCommitted(**body)
-        batched_s.append((time.perf_counter() - t) / world)
-        t = time.perf_counter()
-        for m in messages:
-            manager.on_message(m)
-        handle_s.append((time.perf_counter() - t) / world)
+        if step % 2:
+            for batch in batches:
+                manager.on_messages(batch)
+            batch_s.append((time.perf_counter() - t) / world)
+        else:
+            for m in messages:
+                manager.on_message(m)
+            one_s.append((time.perf_counter() - t) / world)
         t = time.perf_counter()
         events.flush()
         flush_s.append(time.perf_counter() - t)
-        info = manager.ranks[0]
         t = time.perf_counter()
         for m in messages:
             scratch.step(m.rank, m.step, m.generation, m.t, m.metrics)
         step_s.append((time.perf_counter() - t) / world)
+        scratch.flush()
         t = time.perf_counter()
-        for m in messages:
-            scratch.rank(m.rank, info.to_dict())
-        rank_s.append((time.perf_counter() - t) / world)
+        for node_messages in by_node:
+            scratch.steps([(m.rank, m.step, m.generation, m.t, m.metrics) for m in node_messages])
+        steps_s.append((time.perf_counter() - t) / world)
         scratch.flush()
     t = time.perf_counter()
+    beat = encode(ManagerBeat(time.time()))  # once a round, as AgentServer does
     for slot in slots:
-        encode(ManagerBeat(time.time()))
-        encode(Acked(slot.node))
+        beat + encode(Acked(slot.node))
     beat_round_s = time.perf_counter() - t
     # A crash: the rank's exit as the agent reports it, handled as the manager handles it.
     crash_rank = world - 1
@@ -1131,10 +1154,11 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
         "nodes": nnodes, "ranks": world, "steps": steps,
         "generation0_spawns_s": round(spawn_s, 3),
         "decode_us": round(statistics.median(decode_s) * us, 2),
-        "batched_decode_us": round(statistics.median(batched_s) * us, 2),
-        "on_message_us": round(statistics.median(handle_s) * us, 2),
+        "nested_decode_us": round(statistics.median(nested_s) * us, 2),
+        "on_messages_us": round(statistics.median(batch_s) * us, 2),
+        "on_message_us": round(statistics.median(one_s) * us, 2) if one_s else None,
         "log_step_row_us": round(statistics.median(step_s) * us, 2),
-        "log_rank_row_us": round(statistics.median(rank_s) * us, 2),
+        "log_step_rows_us": round(statistics.median(steps_s) * us, 2),
         "flush_per_step_ms": round(statistics.median(flush_s) * 1000, 2),
         "beat_round_ms": round(beat_round_s * 1000, 2),
         "crash_on_exit_ms": round(on_exit_s * 1000, 2),
@@ -1145,18 +1169,18 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
 
 
 def render_micro(micro: dict[str, Any], text: TextIO) -> None:
-    per = micro["decode_us"] + micro["on_message_us"]
+    per = micro["decode_us"] + micro["on_messages_us"]
     print(f"\nwhere a commit's time goes, in-process at {micro['nodes']} nodes x "
           f"{micro['ranks'] // micro['nodes']} ranks (median of {micro['steps']} steps, no profiler):", file=text)
-    print(f"  wire line's 3 JSON decodes (Numbered > RankReport > StepCommitted) {micro['decode_us']:.1f} us", file=text)
-    print(f"  Manager.on_message(StepCommitted) {micro['on_message_us']:.1f} us, of which its log rows: steps "
-          f"{micro['log_step_row_us']:.1f} us, ranks {micro['log_rank_row_us']:.1f} us", file=text)
+    print(f"  decoding a node's NumberedReports line {micro['decode_us']:.1f} us a commit (the line a report before it, "
+          f"Numbered > RankReport > StepCommitted: {micro['nested_decode_us']:.1f} us)", file=text)
+    print(f"  Manager.on_messages of a node's commits {micro['on_messages_us']:.1f} us a commit (Manager.on_message "
+          f"of one: {_fmt(micro['on_message_us'])} us); its steps rows {micro['log_step_rows_us']:.1f} us a commit "
+          f"with one executemany a node ({micro['log_step_row_us']:.1f} us a row alone)", file=text)
     print(f"  = {per:.1f} us a commit before the event loop's own share: one step of {micro['ranks']} commits is "
           f"{per * micro['ranks'] / 1000:.0f} ms of the manager's one thread, plus a log flush of "
           f"{micro['flush_per_step_ms']:.1f} ms", file=text)
-    print(f"  (a node's step in one line of objects instead: {micro['batched_decode_us']:.1f} us a commit to decode)",
-          file=text)
-    print(f"  a beat round (ManagerBeat + Acked encoded for every node) {micro['beat_round_ms']:.1f} ms every "
+    print(f"  a beat round (ManagerBeat encoded once, Acked for every node) {micro['beat_round_ms']:.1f} ms every "
           f"0.6 s; generation 0's spawns {micro['generation0_spawns_s']:.2f} s", file=text)
     print(f"  a crash: Manager.on_exit {micro['crash_on_exit_ms']:.1f} ms (decide, plan, open the generation, spawn); "
           f"detection-to-decision {micro['crash_detection_to_decision_ms']:.1f} ms -> {micro['incident_action']}; "
@@ -1178,8 +1202,8 @@ def print_window(window: dict[str, Any], text: TextIO) -> None:
     print(f"    latency (report written -> handled) StepCommitted p50 {_fmt(commit.get('p50'))} p99 "
           f"{_fmt(commit.get('p99'))} max {_fmt(commit.get('max'))} ms; AgentState p50 {_fmt(beat.get('p50'))} "
           f"p99 {_fmt(beat.get('p99'))} max {_fmt(beat.get('max'))} ms", file=text)
-    report = han.get("RankReport", {})
-    print(f"    manager: CPU {window['manager_cpu_share']:.2f} cores; handling a RankReport p50 "
+    report = han.get("on_messages", {})
+    print(f"    manager: CPU {window['manager_cpu_share']:.2f} cores; Manager.on_messages (a node's batch) p50 "
           f"{_fmt(report.get('p50'), '.3f')} p99 {_fmt(report.get('p99'), '.3f')} ms; log flushes "
           f"{window['flush_total_s']:.2f}s (max {_fmt(window['flush_ms'].get('max'))} ms); loop lag p99 "
           f"{_fmt(window['loop_lag_ms'].get('p99'))} ms", file=text)

@@ -62,9 +62,12 @@ __all__ = [
     "TraceFileError",
     "JobEnded",
     "Numbered",
+    "NumberedReports",
     "Acked",
+    "WORKER_MESSAGES",
     "encode",
     "decode",
+    "from_object",
     "RECOVERY_PHASES",
     "INJECT_PHASES",
 ]
@@ -352,7 +355,8 @@ class TraceSet(Message):
 #
 # With the manager in the launcher the agent calls it directly; on separate
 # hosts the same calls travel as these messages on one TCP connection per
-# node. A worker's own message crosses inside RankReport/TellRank unchanged.
+# node. A worker's own message crosses unchanged: to the manager as an object
+# inside NumberedReports, back inside TellRank.
 
 
 @dataclass(frozen=True)
@@ -502,7 +506,7 @@ class RankExited(Message):
 
 @dataclass(frozen=True)
 class RankReport(Message):
-    """A worker's message, as the agent received it."""
+    """A worker's message, as the agent received it, in a Numbered line (agents now send NumberedReports)."""
 
     body: str
 
@@ -550,6 +554,23 @@ class Numbered(Message):
 
 
 @dataclass(frozen=True)
+class NumberedReports(Message):
+    """Several of an agent's reports in one line, numbered ``first``, ``first + 1``, ... in order.
+
+    What the agent made in one pass of its event loop (a node's ranks commit a
+    step within microseconds of each other) travels together. Each report is a
+    message object (its fields and its ``type``, as ``encode`` writes it): the
+    agent's own (AgentState, RankExited, ...) and its workers' messages as the
+    workers sent them (StepCommitted, Hello, ...; see WORKER_MESSAGES), not
+    strings inside strings. Numbers and acknowledgements are per report, as
+    with Numbered: a manager that has some of them takes only the rest.
+    """
+
+    first: int
+    reports: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class Acked(Message):
     """Every report of the session up to ``seq`` is in the manager's log (committed)."""
 
@@ -565,6 +586,14 @@ class JobEnded(Message):
     exit_code: int
 
 
+# A worker's messages, which an agent forwards to the manager unchanged (inside NumberedReports); every
+# other report of an agent is its own.
+WORKER_MESSAGES: tuple[type[Message], ...] = (
+    Hello, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done, CheckpointSaved,
+    Terminated, StopProposal,
+)
+
+
 def encode(message: Message) -> bytes:
     body = dataclasses.asdict(message)
     body["type"] = type(message).__name__
@@ -578,10 +607,17 @@ def decode(line: bytes | str) -> Message:
         raise ValueError(f"malformed message: {line!r:.200}") from e
     if not isinstance(body, dict) or "type" not in body:
         raise ValueError(f"message without a type: {line!r:.200}")
-    kind = body.pop("type")
+    return from_object(body)
+
+
+def from_object(body: dict[str, Any]) -> Message:
+    """The message a decoded JSON object stands for (a line's, or one report of NumberedReports); takes its ``type``."""
+    if not isinstance(body, dict):
+        raise ValueError(f"not a message object: {body!r:.200}")
+    kind = body.pop("type", None)
     cls = Message.registry.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"unknown message type in {line!r:.200}")
+        raise ValueError(f"unknown message type in {body!r:.200} (type {kind!r:.50})")
     try:
         return cls(**body)
     except TypeError as e:

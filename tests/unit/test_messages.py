@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from typing import Any
 
@@ -101,3 +102,16 @@ def test_an_unhashable_type_field_raises_value_error(line: bytes) -> None:
     # escapes its reader loop.
     with pytest.raises(ValueError):
         decode(line)
+
+
+def test_worker_messages_are_every_message_a_worker_sends_that_its_agent_forwards() -> None:
+    """The manager routes a report by WORKER_MESSAGES (a worker's, or the agent's own): a new one must be listed."""
+    names = list(Message.registry)
+    sent_by_workers = names[names.index("Hello"):names.index("Preempt")]  # the "worker -> agent" section
+    kept_by_the_agent = {"Heartbeat", "SpareReady", "RankProgress"}
+    assert {cls.__name__ for cls in messages.WORKER_MESSAGES} == set(sent_by_workers) - kept_by_the_agent
+    from undying.manager.manager import Manager
+
+    handled = inspect.getsource(Manager.on_message)
+    for cls in messages.WORKER_MESSAGES:
+        assert f"isinstance(message, {cls.__name__})" in handled, cls.__name__

@@ -22,6 +22,7 @@ import os
 import random
 import signal
 import socket
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -32,7 +33,8 @@ import pytest
 from undying.agent.remote import ManagerClient
 from undying.config import JobConfig, Timeouts
 from undying.manager.auth import TOKEN_ENV
-from undying.manager.events import read_job
+from undying.manager.events import EventLog, read_job, read_job_table
+from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer, RemoteAgent
 from undying.manager.service import ManagerOptions, _Gate, _serve
 from undying.messages import (
@@ -42,12 +44,16 @@ from undying.messages import (
     AgentRefused,
     AgentState,
     AgentWelcome,
+    Fatal,
+    Hello,
     JobEnded,
     ManagerBeat,
     Message,
     NodeLeaving,
     NodeStopped,
     Numbered,
+    NumberedReports,
+    Progress,
     RankExited,
     RankProgress,
     RankReport,
@@ -58,6 +64,7 @@ from undying.messages import (
     TraceSet,
     decode,
     encode,
+    from_object,
 )
 from undying.rendezvous import GenerationRecord
 from undying.trace.switch import TraceSwitch
@@ -90,6 +97,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.batches: list[list[str]] = []  # each on_messages call: the workers' messages it took together
 
     def named(self, name: str) -> list[Any]:
         return [args for n, args in self.calls if n == name]
@@ -99,6 +107,11 @@ class Recorder:
 
     def on_message(self, message: Message) -> None:
         self.calls.append(("message", message))
+
+    def on_messages(self, messages: list[Message]) -> None:
+        self.batches.append([type(m).__name__ for m in messages])
+        for message in messages:
+            self.on_message(message)
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
         self.calls.append(("hang", (rank, pid, phase)))
@@ -281,7 +294,7 @@ def test_bad_joins_are_refused_with_the_reason_and_change_nothing(tmp_path: Path
             assert snapshot(server) == before, reply.reason
             assert recorder.calls == calls_before, reply.reason
         # The agent that was in is still served: its reports still reach the manager.
-        first.send(RankReport(encode(commit(0, 1)).decode()))
+        first.client.on_message(commit(0, 1))
         await until(lambda: len(recorder.named("message")) == 1, "the first agent's report after the refusals")
         first.close()
 
@@ -495,7 +508,7 @@ def test_unnumbered_and_malformed_lines_do_not_break_the_session(tmp_path: Path)
         agent.send_raw(b"{not json\n")
         agent.send_raw(b'{"type": "NoSuchMessage"}\n')
         agent.send_raw(encode(RankReport("{broken worker message")))
-        agent.send(RankReport(encode(commit(1, 7)).decode()))
+        agent.client.on_message(commit(1, 7))
         await until(lambda: bool(recorder.named("message")), "the good report")
         [message] = recorder.named("message")
         assert isinstance(message, StepCommitted) and (message.rank, message.step) == (1, 7)
@@ -516,7 +529,7 @@ def test_after_a_manager_restart_the_agent_resends_only_what_the_log_lacks(tmp_p
         # The agent kept reports 1..5 while the manager was down (none acked yet).
         client = ManagerClient()
         for step in range(1, 6):
-            client.send(RankReport(encode(commit(0, step)).decode()))
+            client.on_message(commit(0, step))
         assert client.has_kept()
         agent = Agent(server.port, client)
         welcome = await agent.join(join_message(job_dir, 0, session="5e55105e55105e55"))
@@ -527,7 +540,7 @@ def test_after_a_manager_restart_the_agent_resends_only_what_the_log_lacks(tmp_p
         await asyncio.sleep(0.2)  # nothing more comes
         assert [m.step for m in recorder.named("message")] == [4, 5]
         # Reports after the restart number on from 6, and the log's Acked lets the agent forget them all.
-        client.send(RankReport(encode(commit(0, 6)).decode()))
+        client.on_message(commit(0, 6))
         await until(lambda: len(recorder.named("message")) == 3, "report 6")
         assert server.received[0] == 6
         assert client.has_kept()
@@ -539,41 +552,284 @@ def test_after_a_manager_restart_the_agent_resends_only_what_the_log_lacks(tmp_p
     run(with_server(body, tmp_path))
 
 
+class Sink:
+    """A writer that keeps the lines written to it (ManagerClient's connection)."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.lines.extend(data.splitlines(keepends=True))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class Tap(Sink):
+    """A connection's writer that also keeps what passes through it (the lines an agent writes)."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.writer.write(data)
+
+    def is_closing(self) -> bool:
+        return self.writer.is_closing()
+
+
+def tap(agent: Agent) -> Tap:
+    assert agent.writer is not None
+    tapped = Tap(agent.writer)
+    agent.client.writer = tapped  # type: ignore[assignment]
+    return tapped
+
+
+def reports_of(lines: list[bytes]) -> list[tuple[int, Message]]:
+    """(number, report) of every report in NumberedReports lines, in order."""
+    out: list[tuple[int, Message]] = []
+    for line in lines:
+        batch = decode(line)
+        assert isinstance(batch, NumberedReports), line
+        assert encode(batch) == line  # the client frames its lines exactly as encode would
+        out += [(batch.first + i, from_object(dict(body))) for i, body in enumerate(batch.reports)]
+    return out
+
+
 def test_manager_client_keeps_reports_until_acked_and_resends_them_in_order() -> None:
-    """ManagerClient alone: what ``connected`` writes for a given ``acked``."""
-
-    class Sink:
-        def __init__(self) -> None:
-            self.lines: list[bytes] = []
-
-        def write(self, line: bytes) -> None:
-            self.lines.append(line)
-
-        def is_closing(self) -> bool:
-            return False
-
+    """ManagerClient alone (no event loop: each report is written as it is made): what ``connected`` writes."""
     client = ManagerClient()
     for rank in range(5):
         client.on_exit(rank, 10 + rank, 1, 0.0)  # offline: kept, nothing written
     sink = Sink()
     assert client.connected(sink, 2) == 3  # type: ignore[arg-type]
-    sent = [decode(line) for line in sink.lines]
-    assert all(isinstance(m, Numbered) for m in sent)
-    assert [m.seq for m in sent if isinstance(m, Numbered)] == [3, 4, 5]
-    assert [decode(m.body).rank for m in sent if isinstance(m, Numbered)] == [2, 3, 4]  # type: ignore[attr-defined]
+    assert len(sink.lines) == 1  # what the manager lacks, in one line
+    assert [(seq, m.rank) for seq, m in reports_of(sink.lines)] == [(3, 2), (4, 3), (5, 4)]  # type: ignore[attr-defined]
     client.acked(4)
     client.on_exit(9, 19, 1, 0.0)  # online: written at once, numbered on
-    assert isinstance(last := decode(sink.lines[-1]), Numbered) and last.seq == 6
+    assert [seq for seq, _ in reports_of(sink.lines[1:])] == [6]
     again = Sink()
     assert client.connected(again, 4) == 2  # type: ignore[arg-type]
-    assert [m.seq for m in map(decode, again.lines) if isinstance(m, Numbered)] == [5, 6]
+    assert [seq for seq, _ in reports_of(again.lines)] == [5, 6]
     client.new_session()  # fenced: nothing of the old session is resent, numbering restarts
     assert not client.has_kept()
     client.disconnected()
     client.on_exit(0, 1, 1, 0.0)
     fresh = Sink()
     assert client.connected(fresh, 0) == 1  # type: ignore[arg-type]
-    assert [m.seq for m in map(decode, fresh.lines) if isinstance(m, Numbered)] == [1]
+    assert [seq for seq, _ in reports_of(fresh.lines)] == [1]
+
+
+def test_manager_client_splits_what_it_resends_into_lines_the_manager_takes() -> None:
+    """Reports kept through a long outage go out in order, numbered on, in lines far below the manager's limit."""
+    client = ManagerClient()
+    big = "x" * 300_000
+    for i in range(40):
+        if i % 4 == 0:
+            client.on_message(Fatal(rank=i, step=i, error="boom", traceback=big, t=0.0))
+        else:
+            client.on_message(commit(i, i))
+    sink = Sink()
+    assert client.connected(sink, 0) == 40  # type: ignore[arg-type]
+    assert len(sink.lines) > 1
+    assert max(map(len, sink.lines)) < 2 * 1024 * 1024
+    taken = reports_of(sink.lines)
+    assert [seq for seq, _ in taken] == list(range(1, 41))
+    assert [m.rank for _, m in taken] == list(range(40))  # type: ignore[attr-defined]
+    assert [type(m) for _, m in taken[:2]] == [Fatal, StepCommitted]
+
+
+def test_what_an_agent_reports_in_one_pass_is_one_line_acked_and_then_dropped(tmp_path: Path) -> None:
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        agent = Agent(server.port)
+        assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
+        lines = tap(agent)
+        # One pass of the agent's loop: its beat and its two ranks' commits of two steps.
+        agent.send(state(0, {0: 100, 1: 101}))
+        for step in (1, 2):
+            for rank in (0, 1):
+                agent.client.on_message(commit(rank, step))
+        assert lines.lines == []  # written once the pass is over
+        await until(lambda: len(recorder.named("message")) == 4, "the four commits")
+        assert len(lines.lines) == 1
+        assert [seq for seq, _ in reports_of(lines.lines)] == [1, 2, 3, 4, 5]
+        # The manager took the commits in one go, and the beat as the agent's own.
+        assert recorder.batches == [["StepCommitted"] * 4]
+        assert [(m.rank, m.step) for m in recorder.named("message")] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+        assert server.slots[0].live == {0: 100, 1: 101}
+        assert server.received[0] == 5
+        # Kept until the log has them; the Acked after the log's commit lets the agent drop the whole batch.
+        assert agent.client.has_kept()
+        assert server.positions() == {"0": 5}
+        await agent.acked_through(5)
+        assert not agent.client.has_kept()
+        # The next pass is the next line, numbered on.
+        agent.client.on_message(commit(0, 3))
+        await until(lambda: len(recorder.named("message")) == 5, "the next pass's commit")
+        assert [seq for seq, _ in reports_of(lines.lines[1:])] == [6]
+        agent.close()
+
+    run(with_server(body, tmp_path))
+
+
+def test_a_batch_keeps_the_order_of_the_agents_reports_and_its_workers_messages(tmp_path: Path) -> None:
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        agent = Agent(server.port)
+        assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
+        lines = tap(agent)
+        agent.send(RankSpawned(0, 100, False, 1))
+        agent.client.on_message(Hello(0, 100, 0, False, time.time()))
+        agent.client.on_message(commit(0, 1))
+        agent.send(state(0, {0: 100, 1: 101}))
+        agent.client.on_message(commit(1, 1))
+        agent.send(RankExited(1, 101, 1, 0.0))
+        agent.client.on_message(Progress(0, 0, "group_rebuilt", time.time()))
+        await until(lambda: len(recorder.named("message")) == 4, "the whole batch")
+        assert len(lines.lines) == 1
+        assert [name for name, _ in recorder.calls[1:]] == ["spawned", "message", "message", "message", "exit",
+                                                            "message"]
+        assert [type(m).__name__ for m in recorder.named("message")] == [
+            "Hello", "StepCommitted", "StepCommitted", "Progress"]
+        assert recorder.batches == [["Hello", "StepCommitted"], ["StepCommitted"], ["Progress"]]
+        assert server.slots[0].live == {0: 100}  # its beat said 0 and 1, then rank 1 exited
+        assert server.received[0] == 7
+        agent.close()
+
+    run(with_server(body, tmp_path))
+
+
+def test_a_bad_report_in_a_batch_is_dropped_and_the_rest_is_taken(tmp_path: Path) -> None:
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        agent = Agent(server.port)
+        assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
+        good = encode(commit(1, 7))[:-1].decode()
+        agent.send_raw(b'{"first":"1","reports":[],"type":"NumberedReports"}\n')
+        agent.send_raw(b'{"first":1,"reports":{},"type":"NumberedReports"}\n')
+        agent.send_raw(f'{{"first":1,"reports":[{{"type":"Nope"}},7,{good}],"type":"NumberedReports"}}\n'.encode())
+        await until(lambda: bool(recorder.named("message")), "the good report")
+        assert [(m.rank, m.step) for m in recorder.named("message")] == [(1, 7)]
+        assert server.received[0] == 3 and server.slots[0].attached
+        agent.close()
+
+    run(with_server(body, tmp_path))
+
+
+def test_after_a_manager_restart_a_whole_batch_sent_again_gives_only_what_the_log_lacks(tmp_path: Path) -> None:
+    """An agent that leaves resends everything it keeps (its welcome unseen); the manager takes each report once."""
+
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        server.known_sessions = {0: "5e55105e55105e55"}
+        server.received = {0: 3}
+        server.persisted = {0: 3}
+        client = ManagerClient()
+        for step in range(1, 6):
+            client.on_message(commit(0, step))
+        agent = Agent(server.port, client)
+        welcome = await agent.join(join_message(job_dir, 0, session="5e55105e55105e55"))
+        assert isinstance(welcome, AgentWelcome) and welcome.acked == 3
+        await until(lambda: len(recorder.named("message")) == 2, "the reports the log lacks")
+        assert agent.writer is not None
+        client.connected(agent.writer, 0)  # the whole kept batch again, 4 and 5 among it
+        sentinel = Sink()
+        again = ManagerClient()
+        for step in range(1, 7):
+            again.on_message(commit(0, step))
+        again.connected(sentinel, 0)  # type: ignore[arg-type]
+        agent.send_raw(sentinel.lines[0])  # 1..6: only 6 is new
+        await until(lambda: len(recorder.named("message")) == 3, "report 6")
+        await asyncio.sleep(0.2)
+        assert [m.step for m in recorder.named("message")] == [4, 5, 6]
+        assert server.received[0] == 6
+        agent.close()
+
+    run(with_server(body, tmp_path))
+
+
+def test_a_batch_sent_again_after_a_manager_restart_is_not_applied_twice(tmp_path: Path) -> None:
+    """The real Manager and its log: commits sent again (whole batches, overlapping ones) are each one steps row.
+
+    The first manager takes two batches but dies before its log commits the
+    second; a manager restarted from the log welcomes the agent back with the
+    position the log holds, the agent resends the second batch, and copies of
+    both batches arrive too. The log ends with every commit once and no step
+    counted as re-run.
+    """
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    db_path = job_dir / "events.db"
+    options = ManagerOptions(job_id=JOB, job_dir=str(job_dir), host="127.0.0.1", port=0, http_port=0)
+
+    async def start(restart: bool) -> tuple[AgentServer, Manager, EventLog]:
+        gate = _Gate(options, TOKEN)
+        server = AgentServer("127.0.0.1", 0, gate, heartbeat_s=30.0)
+        await server.start()
+        config = dataclasses.replace(job_config(job_dir), port=server.port + 1)
+        gate.config = config
+        prior = read_job_table(db_path) if restart else {}
+        events = EventLog(db_path)
+        events.before_flush(lambda: events.set_job("acked", server.positions()))  # as `undying manager` does
+        if restart:
+            server.received = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
+            server.persisted = dict(server.received)
+        manager = Manager(config, events, restoring=restart)
+        if restart:
+            server.known_sessions = manager.restore()
+        server.control_port = 12345
+        server.job_dir = str(job_dir)
+        server.bind(manager, NNODES)
+        return server, manager, events
+
+    def rows() -> list[tuple[int, int]]:
+        db = sqlite3.connect(db_path)
+        try:
+            return [(r, s) for r, s in db.execute("SELECT rank, step FROM steps ORDER BY step, rank")]
+        finally:
+            db.close()
+
+    async def body() -> None:
+        server, manager, events = await start(restart=False)
+        agent = Agent(server.port)
+        welcome = await agent.join(join_message(job_dir, 0))
+        assert isinstance(welcome, AgentWelcome)
+        lines = tap(agent)
+        for step in (1, 2):  # one pass: reports 1..4
+            for rank in (0, 1):
+                agent.client.on_message(commit(rank, step))
+        await until(lambda: manager.ranks[1].step == 2, "steps 1 and 2")
+        events.flush()  # the log holds reports 1..4
+        for rank in (0, 1):  # the next pass: reports 5, 6, taken but never committed to the log
+            agent.client.on_message(commit(rank, 3))
+        await until(lambda: manager.ranks[1].step == 3, "step 3")
+        assert [len(reports_of([line])) for line in lines.lines] == [4, 2]
+        # The manager dies: its open transaction is lost; the agent's link breaks with it.
+        agent.client.disconnected()
+        await server.close()
+        events.db.close()
+        agent.close()
+
+        server, manager, events = await start(restart=True)
+        assert manager.ranks[1].step == 2 and server.received == {0: 4}
+        back = Agent(server.port, agent.client)
+        again = await back.join(join_message(job_dir, 0, session=welcome.session))
+        assert isinstance(again, AgentWelcome) and again.acked == 4  # the agent resends 5 and 6
+        await until(lambda: manager.ranks[1].step == 3, "step 3 again, from the agent's kept reports")
+        for line in lines.lines:  # and copies of both batches arrive as well
+            back.send_raw(line)
+        back.client.on_message(commit(0, 4))  # report 7: once it is taken, every line before it was
+        await until(lambda: manager.ranks[0].step == 4, "report 7")
+        assert server.received[0] == 7
+        events.flush()
+        assert rows() == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3), (0, 4)]
+        assert manager.rerun_steps == set()
+        await back.acked_through(7)
+        assert not back.client.has_kept()
+        back.close()
+        await server.close()
+        manager.close()
+
+    run(body())
 
 
 # --- the whole `undying manager`, in-process -----------------------------------------
@@ -664,7 +920,7 @@ def test_the_manager_service_takes_the_first_agents_flags_refuses_others_and_run
             for n in nodes:
                 n.agent.send(state(n.node, n.spawned))
                 for rank, pid in n.spawned.items():
-                    n.agent.send(RankReport(encode(commit(rank, 1)).decode()))
+                    n.agent.client.on_message(commit(rank, 1))
                     n.agent.send(RankExited(rank, pid, 0, time.time()))
             assert await asyncio.wait_for(service, 15.0) == 0
             await asyncio.wait_for(asyncio.gather(*serving), 5.0)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 
 from undying.agent.agent import Agent
@@ -42,11 +44,9 @@ from undying.messages import (
     Message,
     NodeLeaving,
     NodeStopped,
-    Numbered,
     RankExited,
     RankHung,
     RankProgress,
-    RankReport,
     RankSpawned,
     RanksStalled,
     SpawnRank,
@@ -70,6 +70,28 @@ _STATE_EVERY_S = 0.5
 # past every this many the agent says how many it holds, so a long outage shows in its log.
 _KEPT_WARN_EVERY = 100_000
 _EXIT_SIGTERM = 143
+# The manager drops a line past 16 MiB: reports beyond this many bytes go on in a next line.
+_LINE_BYTES = 1024 * 1024
+
+
+def _lines(reports: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
+    """Numbered reports (consecutive) as NumberedReports lines: the bytes ``encode`` writes, without re-encoding."""
+    chunk: list[bytes] = []
+    first = size = 0
+    for seq, report in reports:
+        if chunk and size + len(report) > _LINE_BYTES:
+            yield _line(first, chunk)
+            chunk, size = [], 0
+        if not chunk:
+            first = seq
+        chunk.append(report)
+        size += len(report) + 1
+    if chunk:
+        yield _line(first, chunk)
+
+
+def _line(first: int, reports: list[bytes]) -> bytes:
+    return b'{"first":%d,"reports":[%s],"type":"NumberedReports"}\n' % (first, b",".join(reports))
 
 
 def parse_manager_address(address: str) -> tuple[str, int]:
@@ -82,25 +104,56 @@ def parse_manager_address(address: str) -> tuple[str, int]:
 class ManagerClient:
     """The agent's ``ManagerLink`` across the network: numbered reports, each kept until the manager logged it.
 
-    A report is kept from when it is made until an ``Acked`` says the
-    manager's log committed it, across breaks and manager restarts: the
-    manager's welcome says what it holds, and the rest is sent again in order.
+    What the agent reports in one pass of its event loop (its ranks' commits of
+    a step arrive together) goes out as one ``NumberedReports`` line, written
+    once the pass is over (``loop.call_soon``); outside an event loop a report
+    is written at once. Every report has its own number in the session, and is
+    kept from when it is made until an ``Acked`` says the manager's log
+    committed it, across breaks and manager restarts: the manager's welcome says
+    what it holds, and the rest is sent again in order.
     """
 
     def __init__(self) -> None:
         self.writer: asyncio.StreamWriter | None = None
         self._seq = 0
+        # (number, the report as a JSON object), oldest first, until acknowledged.
         self._kept: deque[tuple[int, bytes]] = deque()
+        self._unsent = 0  # the newest this many kept reports are not written on this connection yet
+        self._flush_due = False
 
     def send(self, message: Message) -> None:
+        self._keep(self._object(message))
+
+    def _object(self, message: Message) -> bytes:
+        """A report as the JSON object it travels as inside NumberedReports (``encode`` without the newline)."""
+        return encode(message)[:-1]
+
+    def _keep(self, report: bytes) -> None:
         self._seq += 1
-        line = encode(Numbered(self._seq, encode(message).decode()))
-        self._kept.append((self._seq, line))
+        self._kept.append((self._seq, report))
         if len(self._kept) % _KEPT_WARN_EVERY == 0:
             log.warning("%d reports kept for the manager (unreachable or not acknowledging); none is dropped",
                         len(self._kept))
-        if self.writer is not None and not self.writer.is_closing():
-            self.writer.write(line)
+        if self.writer is None:
+            return
+        self._unsent += 1
+        if not self._flush_due:
+            self._flush_due = True
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no event loop (a script, a test): nothing to gather, written now
+                self.flush()
+
+    def flush(self) -> None:
+        """Write the reports made since the last flush, in one line (more past ``_LINE_BYTES``)."""
+        self._flush_due = False
+        count, self._unsent = min(self._unsent, len(self._kept)), 0
+        writer = self.writer
+        if not count or writer is None or writer.is_closing():
+            return  # they stay kept: the next connection sends them
+        newest = list(itertools.islice(reversed(self._kept), count))
+        newest.reverse()
+        writer.write(b"".join(_lines(newest)))
 
     def acked(self, seq: int) -> None:
         while self._kept and self._kept[0][0] <= seq:
@@ -109,13 +162,15 @@ class ManagerClient:
     def connected(self, writer: asyncio.StreamWriter, acked: int) -> int:
         """Now online: what the manager lacks goes first, in order. Returns how many reports were resent."""
         self.acked(acked)
-        for _, line in self._kept:
-            writer.write(line)
         self.writer = writer
+        self._unsent = 0
+        if self._kept:
+            writer.write(b"".join(_lines(self._kept)))
         return len(self._kept)
 
     def disconnected(self) -> None:
         self.writer = None
+        self._unsent = 0
 
     def has_kept(self) -> bool:
         return bool(self._kept)
@@ -124,6 +179,7 @@ class ManagerClient:
         """Fenced: nothing said in the old session counts; the next one numbers from 1."""
         self._kept.clear()
         self._seq = 0
+        self._unsent = 0
 
     # --- ManagerLink ----------------------------------------------------------
 
@@ -131,7 +187,7 @@ class ManagerClient:
         self.send(RankExited(rank, pid, returncode, t))
 
     def on_message(self, message: Message) -> None:
-        self.send(RankReport(encode(message).decode()))
+        self.send(message)  # a worker's message travels as itself (WORKER_MESSAGES tells the manager)
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
         self.send(RankHung(rank, pid, phase, last_seen, t))
@@ -317,6 +373,7 @@ class NodeRunner:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if leave in done:
                     read.cancel()
+                    self.client.flush()  # NodeLeaving, made in this pass
                     await asyncio.wait_for(writer.drain(), 2.0)
                     return
                 if read not in done:

@@ -70,6 +70,14 @@ class EventLog:
         )
         self._dirty = True
 
+    def steps(self, rows: list[tuple[int, int, int, float, dict[str, float]]]) -> None:
+        """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
+        self._db.executemany(
+            "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
+            [(rank, step, generation, t, json.dumps(metrics)) for rank, step, generation, t, metrics in rows],
+        )
+        self._dirty = True
+
     def incident(self, incident: Incident) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO incidents (id, kind, rank, step, action, status, fault_t, data) "
@@ -95,6 +103,10 @@ class EventLog:
         self._dirty = True
         if flush:
             self.flush()
+
+    def changed(self) -> None:
+        """Something a ``before_flush`` hook writes is pending: the next flush commits, and runs the hooks."""
+        self._dirty = True
 
     def before_flush(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` in each transaction before it commits (what it writes commits with the rest)."""

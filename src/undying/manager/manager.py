@@ -624,6 +624,31 @@ class Manager:
         else:
             log.warning("unexpected message %r", message)
 
+    def on_messages(self, messages: list[Message]) -> None:
+        """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes each.
+
+        A run of commits has its step rows written with one statement, before
+        any of them is handled (a log commit made while handling them holds
+        them all).
+        """
+        commits: list[StepCommitted] = []
+        for message in messages:
+            if isinstance(message, StepCommitted):
+                commits.append(message)
+                continue
+            if commits:
+                self._on_commits(commits)
+                commits = []
+            self.on_message(message)
+        if commits:
+            self._on_commits(commits)
+
+    def _on_commits(self, commits: list[StepCommitted]) -> None:
+        self.events.steps([(m.rank, m.step, m.generation, m.t, m.metrics) for m in commits])
+        for message in commits:
+            self._on_commit(message, logged=True)
+        self.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
+
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
         """A rank fell silent: kill it; its exit is then recovered as a hang (replace)."""
         info = self.ranks[rank]
@@ -688,7 +713,7 @@ class Manager:
             self._recovery.ready[message.rank] = message.t
         self._persist_rank(info)
 
-    def _on_commit(self, message: StepCommitted) -> None:
+    def _on_commit(self, message: StepCommitted, *, logged: bool = False) -> None:
         info = self.ranks[message.rank]
         if message.step in self._committed[message.rank]:
             self.rerun_steps.add(message.step)
@@ -703,7 +728,8 @@ class Manager:
         info.generation = message.generation
         info.state = RankState.RUNNING
         info.last_seen = message.t
-        self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
+        if not logged:  # (on_messages writes a run's rows together)
+            self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
         self._dirty_ranks.add(info.rank)  # its row is written as the log commits, not on every step
         if self.state is JobState.STARTING:
             self._move(JobState.RUNNING)

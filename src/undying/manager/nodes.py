@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from undying.agent.agent import ManagerLink
 from undying.messages import (
+    WORKER_MESSAGES,
     AbortRank,
     Acked,
     AgentFenced,
@@ -46,6 +47,7 @@ from undying.messages import (
     NodeLeaving,
     NodeStopped,
     Numbered,
+    NumberedReports,
     RankExited,
     RankHung,
     RankProgress,
@@ -60,6 +62,7 @@ from undying.messages import (
     TraceSet,
     decode,
     encode,
+    from_object,
 )
 from undying.rendezvous import GenerationRecord
 from undying.trace.switch import TraceSwitch
@@ -78,6 +81,8 @@ _LINE_LIMIT = 16 * 1024 * 1024
 
 class NodeEvents(ManagerLink, Protocol):
     """What the manager hears from a node: a standalone agent's calls, and the node's own comings and goings."""
+
+    def on_messages(self, messages: list[Message]) -> None: ...
 
     def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None: ...
 
@@ -177,9 +182,13 @@ class RemoteAgent:
         return self.writer is not None
 
     def send(self, message: Message) -> bool:
+        return self.send_line(encode(message))
+
+    def send_line(self, line: bytes) -> bool:
+        """Encoded messages (a beat round encodes its ManagerBeat once for every node)."""
         if self.writer is None or self.writer.is_closing():
             return False
-        self.writer.write(encode(message))
+        self.writer.write(line)
         return True
 
     def attach(self, writer: asyncio.StreamWriter, join: AgentJoin, session: str) -> None:
@@ -314,9 +323,10 @@ class AgentServer:
         while True:
             await asyncio.sleep(_WATCH_S)
             now = time.time()
-            beat = now - last_beat >= MANAGER_BEAT_S
-            if beat:
+            beat = b""
+            if now - last_beat >= MANAGER_BEAT_S:
                 last_beat = now
+                beat = encode(ManagerBeat(now))  # the same for every node
             for slot in list(self.slots.values()):
                 if not slot.attached:
                     continue
@@ -324,8 +334,7 @@ class AgentServer:
                     self.lose(slot, f"node {slot.node} ({slot.host}) silent for {now - slot.last_heard:.1f}s "
                                f"(heartbeat timeout {self.heartbeat_s:g}s)")
                 elif beat:
-                    slot.send(ManagerBeat(now))
-                    slot.send(Acked(self.persisted.get(slot.node, 0)))
+                    slot.send_line(beat + encode(Acked(self.persisted.get(slot.node, 0))))
 
     def lose(self, slot: RemoteAgent, reason: str) -> None:
         if self._closed:
@@ -362,7 +371,10 @@ class AgentServer:
                 slot.last_heard = time.time()
                 try:
                     message = decode(line)
-                    if isinstance(message, Numbered):
+                    if isinstance(message, NumberedReports):
+                        self._take(slot, session, writer, message)
+                        continue
+                    if isinstance(message, Numbered):  # one report a line (agents before NumberedReports)
                         if message.seq <= self.received.get(slot.node, 0):
                             continue  # sent again after a break; this manager has it already
                         self.received[slot.node] = message.seq
@@ -433,6 +445,47 @@ class AgentServer:
         self._joined.set()
         self.on_change()
         return slot, session
+
+    def _take(self, slot: RemoteAgent, session: str, writer: asyncio.StreamWriter, line: NumberedReports) -> None:
+        """A line of reports, in order; each taken once, however often it is sent (by its number).
+
+        The node's position (``received``) moves to a report before it is
+        handled, as for a Numbered line, so a log commit made while it is
+        handled counts it. A run of workers' messages goes to the manager in
+        one call (``on_messages``), the position moved past all of them first.
+        """
+        events = self._events
+        assert events is not None
+        if not isinstance(line.first, int) or not isinstance(line.reports, list):
+            raise ValueError(f"NumberedReports with first {line.first!r:.50} and reports of {type(line.reports)}")
+        node = slot.node
+        seq = line.first - 1
+        run: list[Message] = []
+        for body in line.reports:
+            seq += 1
+            if seq <= self.received.get(node, 0):
+                continue  # sent again after a break or a manager restart; this manager has it already
+            try:
+                message = from_object(body)
+            except ValueError as e:
+                log.warning("node %d: dropped a bad report: %s", node, e)
+                message = None
+            if isinstance(message, WORKER_MESSAGES):
+                run.append(message)
+                self.received[node] = seq
+                continue
+            if run:
+                events.on_messages(run)
+                run = []
+                if not (slot.session == session and slot.writer is writer):
+                    return
+            self.received[node] = seq
+            if message is not None:
+                self._dispatch(slot, message)
+                if not (slot.session == session and slot.writer is writer):
+                    return  # the node left, or was lost: the rest of its line is stale
+        if run:
+            events.on_messages(run)
 
     def _dispatch(self, slot: RemoteAgent, message: Message) -> None:
         events = self._events
