@@ -81,13 +81,17 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     """The job as its SQLite event log last recorded it (the launcher is gone)."""
     data = read_job(jd.events_db)
     job = data["job"]
+    newest: dict[int, int] = {}
+    for commit in data["steps"]:
+        newest[commit["rank"]] = max(newest.get(commit["rank"], 0), commit["step"])
     return {
         "job_id": job.get("job_id"),
         "state": job.get("state"),
         "generation": job.get("generation"),
         "world_size": job.get("world_size"),
         "started_at": job.get("started_at"),
-        "step": min((r["step"] for r in data["ranks"]), default=0),
+        # A rank's row is not rewritten per step (the manager keeps steps in their own table).
+        "step": min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": job.get("exit_reason", ""),
         "ranks": data["ranks"],

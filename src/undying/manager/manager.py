@@ -334,6 +334,10 @@ class Manager:
             self._incarnations = max(self._incarnations, info.incarnation)
         for rank, step in db.execute("SELECT rank, step FROM steps"):
             self._committed[rank].add(step)
+        for info in self.ranks.values():  # a row is not rewritten per step (see _on_commit): the steps say
+            steps = self._committed.get(info.rank)
+            if steps:
+                info.step = max(info.step, max(steps))
         open_incidents: list[Incident] = []
         for (data,) in db.execute("SELECT data FROM incidents ORDER BY id"):
             view = json.loads(data)
@@ -644,6 +648,7 @@ class Manager:
             self._on_commits(commits)
 
     def _on_commits(self, commits: list[StepCommitted]) -> None:
+        commits = [m for m in commits if m.rank in self.ranks]  # (not a process numbered before a regroup)
         self.events.steps([(m.rank, m.step, m.generation, m.t, m.metrics) for m in commits])
         for message in commits:
             self._on_commit(message, logged=True)
@@ -724,13 +729,18 @@ class Manager:
             self._step_s.append(message.t - previous[1])
         self._last_commit_t[message.rank] = (message.step, message.t)
         self._note_step_time(message)
+        # A rank that goes on training changes only its step, which the steps table holds (restore reads
+        # it back): its row is rewritten only when its state or generation changes, so a flush after a
+        # step of thousands of ranks writes no ranks rows.
+        moved = info.state is not RankState.RUNNING or info.generation != message.generation
         info.step = message.step
         info.generation = message.generation
         info.state = RankState.RUNNING
         info.last_seen = message.t
         if not logged:  # (on_messages writes a run's rows together)
             self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
-        self._dirty_ranks.add(info.rank)  # its row is written as the log commits, not on every step
+        if moved:
+            self._dirty_ranks.add(info.rank)  # its row is written as the log commits
         if self.state is JobState.STARTING:
             self._move(JobState.RUNNING)
         self._maybe_finish_recovery(message.rank, message.t, message_generation=message.generation)
