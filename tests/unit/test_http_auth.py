@@ -77,6 +77,11 @@ class RecordingAgent:
     def keep_spares(self) -> None:
         pass
 
+    attached = True
+
+    def drop_waiting(self) -> None:
+        self.calls.append(("drop_waiting",))
+
     def spares_ready(self) -> int:
         return 0
 

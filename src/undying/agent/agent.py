@@ -369,6 +369,13 @@ class Agent:
     def live_ranks(self) -> list[int]:
         return list(self.live_pids())
 
+    @property
+    def attached(self) -> bool:
+        return True  # the manager runs in this process
+
+    def drop_waiting(self) -> None:
+        """Nothing waits here: a standalone agent spawns at once."""
+
     def live_pids(self) -> dict[int, int]:
         return {r: w.pid for r, w in self._workers.items() if w.process.returncode is None}
 

@@ -121,6 +121,15 @@ class AgentHandle(Protocol):
 
     def view(self) -> dict[str, Any]: ...
 
+    @property
+    def attached(self) -> bool:
+        """The node's agent is here (one across the network may be gone; a standalone one always is)."""
+        ...
+
+    def drop_waiting(self) -> None:
+        """Forget spawns kept for an agent yet to come (the job regroups without them)."""
+        ...
+
 
 @dataclass
 class Recovery:
@@ -1012,7 +1021,7 @@ class Manager:
 
     def _nodes_available(self) -> list[int]:
         """The nodes whose agent is here now, in order (a standalone agent always is)."""
-        return sorted(n for n, a in self._agents.items() if getattr(a, "attached", True))
+        return sorted(n for n, a in self._agents.items() if a.attached)
 
     def _lost_nodes(self) -> list[int]:
         """Nodes the job trains on whose agent is gone."""
@@ -1053,9 +1062,7 @@ class Manager:
         """
         available = set(self._nodes_available())
         for agent in self._agents.values():
-            drop = getattr(agent, "drop_waiting", None)
-            if drop is not None:
-                drop()  # replacements waiting for a lost node's host: no longer wanted
+            agent.drop_waiting()  # replacements waiting for a lost node's host: no longer wanted
         live = sorted(r for a in self._agents.values() for r in a.live_ranks()
                       if r in self.ranks and self.ranks[r].node in available
                       and self.ranks[r].state is not RankState.EXITED)
