@@ -620,14 +620,15 @@ class Job:
             self._send(CheckpointSaved(self.rank, step, kind, "", 0.0, time.time() - t, 0, time.time(),
                                        error=f"{type(e).__name__}: {e}"))
 
-    def _save_and_leave(self, state: State | None, step: int) -> None:
-        """A regroup generation: every member holds the same state now; the first saves it and all leave.
+    def _save_and_leave(self, state: State | None, step: int, saver: int) -> None:
+        """A regroup generation: every member holds the same state now; ``saver`` (the restore's donor,
+        which held it before: a replacement that joined meanwhile may have no State yet) saves it; all leave.
 
         The job starts again on its new set of nodes from this checkpoint, so a
         resized world loses no step (see ``undying.rendezvous``).
         """
         self._phase = "done"
-        if state is not None and dist.get_rank() == 0:
+        if state is not None and dist.get_rank() == saver:
             self._save_now(state, step, "regroup")
         self._send(Progress(self.rank, self.generation, "regroup_exit", time.time(), step=step))
         self._exit_now(EXIT_REGROUPED)
@@ -722,7 +723,7 @@ class Job:
             )
             self.current_step = plan.target
             if regroup:
-                self._save_and_leave(state, plan.target)
+                self._save_and_leave(state, plan.target, saver=plan.donor)
             if first is not None:
                 self._faults.check("rejoin", plan.target)
             self._collectives_base = max(0, collectives_entered())
