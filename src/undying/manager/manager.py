@@ -1115,9 +1115,7 @@ class Manager:
         self._set_layout(nodes, step=ckpt.step)
         record = self._open_generation(f"{len(nodes)} node(s) {nodes}, {self.world_size} ranks, from step {ckpt.step}")
         recovery = self._recovery
-        if recovery is None:  # (never: a regroup starts from an incident) still, a record of it
-            self._recovery_count += 1
-            recovery = self._recovery = Recovery(id=self._recovery_count, generation=record.generation)
+        assert recovery is not None  # a regroup starts from an incident (a node lost, or one joining)
         recovery.generation = record.generation
         recovery.replaced = set(self.ranks)
         for phase in (recovery.ready, recovery.group_rebuilt, recovery.state_restored, recovery.first_step):
@@ -1412,18 +1410,10 @@ class Manager:
                         f"within --node-wait {self.config.timeouts.node_wait:g}s")
                 continue
             if time.time() - recovery.started > self.config.timeouts.recovery:
-                for incident in recovery.incidents:
-                    incident.status = "failed"
-                    self.events.incident(incident)
-                waiting = [v for v in (a.view() for a in self._agents.values()) if v.get("waiting_spawns")]
-                why = "".join(
-                    f"; node {v['node']} was lost ({v.get('lost_reason') or 'its agent left'}) and no agent joined "
-                    f"as node {v['node']} to take ranks {v['waiting_spawns']}: start `undying run --node-rank "
-                    f"{v['node']} --manager ...` on a new host, or run the job again to resume from its "
-                    "latest checkpoint" for v in waiting)
-                self.fail(
+                # (A lost node's ranks never get here: past --node-wait the job regroups without them.)
+                self._fail_recovery(
                     f"recovery {recovery.id} did not complete within {self.config.timeouts.recovery:.0f}s "
-                    f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)}){why}"
+                    f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})"
                 )
 
     async def _flush_periodically(self) -> None:
