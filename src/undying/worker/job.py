@@ -93,6 +93,7 @@ from undying.worker.restore import (
 from undying.worker.sharding import rebind_groups, reset_after_failure
 from undying.worker.shards import Shards
 from undying.worker.state import State
+from undying.worker.threads import StoppedAtExit
 from undying.worker.tracing import WorkerTracing
 
 __all__ = ["init", "Job", "Step"]
@@ -249,7 +250,8 @@ class Job:
             timeout=timedelta(seconds=env.timeouts.rendezvous),
         )
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
-        threading.Thread(target=self._beat, name="undying-heartbeat", daemon=True).start()
+        # Stopped at exit: it calls into torch (see undying.worker.threads).
+        self._beater = StoppedAtExit(self._beat, name="undying-heartbeat")
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         if env.resume_from and not env.joining:
@@ -827,7 +829,7 @@ class Job:
 
     # --- agent channel ------------------------------------------------------
 
-    def _beat(self) -> None:
+    def _beat(self, stopped: threading.Event) -> None:
         """Heartbeats with progress: they stop when the process is stopped or its
         interpreter is stuck, and their progress stops when the training thread is.
 
@@ -840,8 +842,7 @@ class Job:
         last: tuple[int, str, int, int] | None = None
         progress_t = time.time()
         next_beat = 0.0
-        while True:
-            time.sleep(sample)
+        while not stopped.wait(sample):
             now = time.time()
             key = (self.generation, self._phase, self.current_step, collectives_entered() - self._collectives_base)
             changed_phase = last is not None and key[:2] != last[:2]
