@@ -126,13 +126,14 @@ def _prewarm_imports() -> None:
     overlaps the rendezvous and the transfer, which wait on the network.
     """
 
-    def target() -> None:
+    def target(stopped: threading.Event) -> None:
         try:
             importlib.import_module("torch._dynamo")
         except Exception as e:  # only an optimization
             log.debug("prewarming torch._dynamo failed: %s", e)
 
-    threading.Thread(target=target, name="undying-prewarm", daemon=True).start()
+    # A job that ends first waits for the import at exit: it runs torch code that releases the GIL.
+    StoppedAtExit(target, name="undying-prewarm", join_s=30)
 
 
 class Outcome(enum.Enum):
