@@ -11,11 +11,11 @@ from tests.integration.jobs import manager_url, start_job, wait_running
 from tests.oracle import Oracle
 from undying.oracle import compare_runs, load_run
 
-ARGS = ["--epochs", "32", "--samples", "2048"]
+ARGS = ["--epochs", "32", "--samples", "1024"]
 # The run with faults is paced so it outlasts the chaos (three faults 2.25-6.75 s
 # apart, each found and recovered) on a fast machine too; pacing does not change
 # the losses, so the reference runs at full speed.
-PACED = [*ARGS, "--step-seconds", "0.02"]
+PACED = [*ARGS, "--step-seconds", "0.03"]
 
 
 def test_chaos_faults_are_all_recovered_with_identical_losses(
