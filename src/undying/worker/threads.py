@@ -41,8 +41,7 @@ class StoppedAtExit:
             return
         self._thread.join(self._join_s)
         if self._thread.is_alive():
-            log.warning("thread %s did not stop within %.0fs of the interpreter's exit", self._thread.name,
-                        self._join_s)
+            log.warning("thread %s did not stop within %.0fs; left behind", self._thread.name, self._join_s)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
