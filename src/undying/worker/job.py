@@ -252,7 +252,7 @@ class Job:
         )
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         # Stopped at exit: it calls into torch (see undying.worker.threads).
-        self._beater = StoppedAtExit(self._beat, name="undying-heartbeat")
+        StoppedAtExit(self._beat, name="undying-heartbeat")
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         if env.resume_from and not env.joining:
