@@ -16,7 +16,9 @@ from tests.oracle import Oracle
 
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Oracle:
-    return Oracle(tmp_path_factory.mktemp("baselines"))
+    """One set of references for the whole run: under pytest-xdist, the workers' common temp folder."""
+    base = tmp_path_factory.getbasetemp()
+    return Oracle((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines")
 
 
 @pytest.fixture(autouse=True, scope="session")

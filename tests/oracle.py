@@ -10,12 +10,15 @@ Every fault the project claims to survive has a test built on this.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from undying.cli.demo import FaultPlan, run_job
 from undying.manager.events import connect_readonly, read_job
@@ -70,17 +73,42 @@ class Outcome:
 
 
 class Oracle:
+    """Fault-free references, each computed once per test session and configuration.
+
+    ``root`` may be shared by several pytest processes (pytest-xdist workers):
+    each reference lives in a folder named by its configuration, made under a
+    file lock and marked complete last, so the first worker to need it runs it
+    and the others wait for it and read it.
+    """
+
     def __init__(self, root: Path) -> None:
         self._root = root
+        self._root.mkdir(parents=True, exist_ok=True)
         self._baselines: dict[tuple[Any, ...], RunRecord] = {}
+
+    def _shared(self, name: str, key: tuple[Any, ...], make: Any) -> Path:
+        """The folder of the reference ``key``: made by ``make(folder)`` once, by whichever process comes first."""
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        folder = self._root / f"{name}-{digest}"
+        done = folder / "complete"
+        with FileLock(str(folder) + ".lock", timeout=600):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # a process that died half-way left it
+                folder.mkdir(parents=True)
+                make(folder)
+                done.write_text(repr(key))
+        return folder
 
     def baseline(self, script_args: Sequence[str], ranks: int) -> RunRecord:
         key = (ranks, tuple(script_args))
         if key not in self._baselines:
-            job_dir = self._root / f"baseline-{len(self._baselines)}"
-            rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180, extra_run_args=["--spares", "0"])
-            assert rc == 0, f"the fault-free run failed ({rc}); log: {job_dir}.log"
-            self._baselines[key] = load_run(job_dir / "events.db")
+            def make(folder: Path) -> None:
+                job_dir = folder / "job"
+                rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180,
+                             extra_run_args=["--spares", "0"])
+                assert rc == 0, f"the fault-free run failed ({rc}); log: {job_dir}.log"
+            folder = self._shared("baseline", key, make)
+            self._baselines[key] = load_run(folder / "job" / "events.db")
         return self._baselines[key]
 
     def regrouped(self, script_args: Sequence[str], *, ranks: int, then: int, at_step: int) -> RunRecord:
@@ -94,20 +122,25 @@ class Oracle:
         """
         # --step-seconds only makes a step last longer (the losses are the same): the references run at full speed.
         script_args = _without_option(script_args, "--step-seconds")
-        first = self._root / f"regroup-from-{ranks}" / f"regroup-{at_step}"
-        first.parent.mkdir(parents=True, exist_ok=True)
-        rc = run_job(first, list(script_args), ranks=ranks, timeout_s=180,
-                     extra_run_args=["--spares", "0", "--save-every", str(at_step), "--keep", "1000"])
-        assert rc == 0, f"the fault-free run of {ranks} ranks failed ({rc}); log: {first}.log"
-        saved = first / "checkpoints" / f"step-{at_step:09d}"
-        assert saved.is_dir(), f"no checkpoint of step {at_step} in {first / 'checkpoints'}"
-        # Same job id (the folder's name), another folder: the resume takes the checkpoint as this job's.
-        second = self._root / f"regroup-to-{then}" / first.name
-        checkpoints = second.parent / "checkpoints"
-        shutil.copytree(saved, checkpoints / saved.name)
-        rc = run_job(second, list(script_args), ranks=then, timeout_s=180,
-                     extra_run_args=["--spares", "0", "--checkpoint-dir", str(checkpoints)])
-        assert rc == 0, f"the resume on {then} ranks failed ({rc}); log: {second}.log"
+
+        def make(folder: Path) -> None:
+            first = folder / "from" / f"regroup-{at_step}"
+            first.parent.mkdir(parents=True)
+            rc = run_job(first, list(script_args), ranks=ranks, timeout_s=180,
+                         extra_run_args=["--spares", "0", "--save-every", str(at_step), "--keep", "1000"])
+            assert rc == 0, f"the fault-free run of {ranks} ranks failed ({rc}); log: {first}.log"
+            saved = first / "checkpoints" / f"step-{at_step:09d}"
+            assert saved.is_dir(), f"no checkpoint of step {at_step} in {first / 'checkpoints'}"
+            # Same job id (the folder's name), another folder: the resume takes the checkpoint as this job's.
+            second = folder / "to" / first.name
+            checkpoints = second.parent / "checkpoints"
+            shutil.copytree(saved, checkpoints / saved.name)
+            rc = run_job(second, list(script_args), ranks=then, timeout_s=180,
+                         extra_run_args=["--spares", "0", "--checkpoint-dir", str(checkpoints)])
+            assert rc == 0, f"the resume on {then} ranks failed ({rc}); log: {second}.log"
+
+        folder = self._shared("regroup", (ranks, then, at_step, tuple(script_args)), make)
+        first, second = folder / "from" / f"regroup-{at_step}", folder / "to" / f"regroup-{at_step}"
         before, after = load_run(first / "events.db"), load_run(second / "events.db")
         assert min(after.losses) == at_step + 1, f"the resume started at step {min(after.losses)}, not {at_step + 1}"
         return dataclasses.replace(
