@@ -64,6 +64,7 @@ def test_second_kill_while_a_recovery_is_under_way(oracle: Oracle, tmp_path: Pat
     assert len({i["detail"].get("generation") for i in outcome.incidents}) == 1, "one recovery handled both"
 
 
+@pytest.mark.alone
 def test_a_warm_spare_replaces_the_dead_rank(oracle: Oracle, tmp_path: Path) -> None:
     """With a spare warm, the replacement is that process: no interpreter start, no torch import."""
     outcome = oracle.assert_survives(

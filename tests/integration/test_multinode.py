@@ -104,6 +104,7 @@ def test_the_manager_restarts_from_its_log_and_a_node_leaves_on_sigterm(cluster:
     assert set(job["job"]["sessions"]) == {"0", "1"}
 
 
+@pytest.mark.alone
 def test_a_slow_node_is_found_online_across_hosts(make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:  # noqa: F811
     """Both ranks of node 1 slowed: the manager's detector names the node, not two ranks, and the job trains on."""
     hosts = make_hosts(3)

@@ -175,6 +175,7 @@ def _net_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
+@pytest.mark.alone
 def test_setup_is_fast_and_close_leaves_nothing(make_hosts: Callable[[int], Hosts]) -> None:
     start = time.perf_counter()
     hosts = make_hosts(4)

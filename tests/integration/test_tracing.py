@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.jobs import manager_url, start_job, status, wait_for, wait_running
 from tests.oracle import Oracle, slow
 from undying.oracle import compare_runs, load_run
@@ -35,6 +37,7 @@ JOB = ["--epochs", "6", "--samples", "4096"]
 SWITCHED_JOB = [*JOB, "--step-seconds", "0.08"]
 
 
+@pytest.mark.alone
 def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
     """On, off, from the CLI and from a file, while the job trains: every loss stays what it is untraced."""
     job_dir = tmp_path / "job"
@@ -95,6 +98,7 @@ def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_pa
     assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
 
 
+@pytest.mark.alone
 def test_a_slowed_rank_is_found_while_the_job_trains_on(oracle: Oracle, tmp_path: Path) -> None:
     outcome = oracle.assert_survives(
         tmp_path / "job", [slow(2, 10, "compute", 1.5)], script_args=JOB,
