@@ -21,7 +21,19 @@ seeded RNG:
 * overlap (during recovery): a rank crashes, and another hangs (SIGSTOP) as it
   starts recovering from it;
 * overlap (replacement dies): a rank crashes, and its replacement crashes once
-  it has joined.
+  it has joined;
+* spare (stopped): the warm spare is SIGSTOPped, then a rank crashes: the agent
+  must give up on the spare within its take timeout and recover through a cold
+  start, never waiting out the init timeout;
+* spare (killed): the warm spare is SIGKILLed: the agent must start a new one
+  (the scenario waits until a spare with another PID is ready).
+
+The faulted job also saves a checkpoint every ``--save-every`` steps into a
+folder on a small tmpfs (root only; ``--no-fill`` or not root: a plain folder).
+A third of the way through the faults the driver fills that tmpfs to the last
+byte and frees it again at two thirds: the saves in between must fail as
+``checkpoint_failed`` incidents while training goes on, and the saves after it
+must succeed again.
 
 Then the same job runs fault-free and the two are compared step by step
 (``undying.oracle``): every per-step loss identical, no step completed twice,
@@ -40,10 +52,13 @@ It asserts nothing; it reports. Every process started is stopped on exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,7 +92,11 @@ STEP_PHASES = ("step", "forward", "backward", "optimizer")
 SCENARIOS = (
     ("crash", 4), ("hang-stop", 2), ("hang-spin", 1), ("hang-block", 1), ("comm-error", 3),
     ("overlap-two-at-once", 1), ("overlap-during-recovery", 1), ("overlap-replacement-dies", 1),
+    ("spare-stop", 1), ("spare-kill", 1),
 )
+# Incidents that are told, not recovered: a failed save leaves the job training, the incident stays as a record.
+TOLD = ("checkpoint_failed",)
+SAVE_EVERY = 64
 
 
 @dataclass(frozen=True)
@@ -105,14 +124,73 @@ def plan(scenario: str, rng: random.Random) -> list[Injection]:
         return [Injection("crash", a, "backward"), Injection("hang", b, "recovery", how="stop", offset=-10**6)]
     if scenario == "overlap-replacement-dies":
         return [Injection("crash", a, "forward"), Injection("crash", a, "rejoin", offset=-10**6)]
+    if scenario == "spare-stop":  # the spare is stopped by the driver first; then a crash needs a replacement
+        return [Injection("crash", a, "forward")]
+    if scenario == "spare-kill":
+        return []
     raise ValueError(scenario)
+
+
+def spare_pids(job_dir: Path) -> list[int]:
+    """The job's warm spares: processes started with ``--spare`` whose environment names the job's folder."""
+    marker = f"UNDYING_JOB_DIR={job_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"--spare" in (entry / "cmdline").read_bytes().split(b"\0") and \
+                    marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _ready_spare(url: str, job_dir: Path, deadline: float, not_pid: int = -1) -> int | None:
+    """A warm spare's PID once one is ready (other than ``not_pid``), or None by ``deadline``."""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(JobNotRunningError, UsageError):
+            if _status(url)["spares_ready"] >= 1:
+                pids = [p for p in spare_pids(job_dir) if p != not_pid]
+                if pids:
+                    return pids[0]
+        time.sleep(0.1)
+    return None
+
+
+class FillingFolder:
+    """A checkpoint folder on a tmpfs of its own that the driver can fill to the last byte and free again."""
+
+    def __init__(self, path: Path, size_mb: int) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
+        self._ballast = path / "ballast"
+
+    def fill(self) -> None:
+        with open(self._ballast, "wb") as f, contextlib.suppress(OSError):  # ENOSPC ends it: the disk is full
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        with open(self._ballast, "ab") as f, contextlib.suppress(OSError):
+            while True:  # the last partial megabyte
+                f.write(b"\0" * 4096)
+                f.flush()
+
+    def free(self) -> None:
+        self._ballast.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 
 def _status(url: str) -> dict[str, Any]:
     return api_get(url, "/api/status")
 
 
-def drive(url: str, args: argparse.Namespace, total_steps: int, log: Any) -> list[dict[str, Any]]:
+def drive(url: str, args: argparse.Namespace, total_steps: int, log: Any, job_dir: Path,
+          filler: FillingFolder | None) -> list[dict[str, Any]]:
     """Inject scenarios until ``args.faults`` faults are in; returns what was injected."""
     rng = random.Random(args.seed)
     names = [name for name, _ in SCENARIOS]
@@ -124,9 +202,20 @@ def drive(url: str, args: argparse.Namespace, total_steps: int, log: Any) -> lis
         if status["state"] in ("succeeded", "failed", "stopped", "stopping"):
             print(f"soak: the job ended ({status['state']}) after {count} faults", file=log)
             break
-        if status["state"] != "running" or any(i["status"] == "open" for i in status["incidents"]):
+        if status["state"] != "running" or any(i["status"] == "open" and i["kind"] not in TOLD
+                                                for i in status["incidents"]):
             time.sleep(0.1)
             continue
+        if filler is not None and count >= args.faults // 3 and not any(s.get("disk") == "filled" for s in injected):
+            filler.fill()
+            injected.append({"scenario": "disk", "disk": "filled", "t": time.time(), "step": status["step"],
+                             "faults": 0})
+            print(f"soak: checkpoint folder filled at step {status['step']}", file=log, flush=True)
+        if filler is not None and count >= 2 * args.faults // 3 and not any(s.get("disk") == "freed" for s in injected):
+            filler.free()
+            injected.append({"scenario": "disk", "disk": "freed", "t": time.time(), "step": status["step"],
+                             "faults": 0})
+            print(f"soak: checkpoint folder freed at step {status['step']}", file=log, flush=True)
         base = status["step"] + 3
         if base > total_steps - 10:
             print(f"soak: the job is near its end (step {status['step']}); {count} faults", file=log)
@@ -135,13 +224,26 @@ def drive(url: str, args: argparse.Namespace, total_steps: int, log: Any) -> lis
         before = len(status["incidents"])
         t = time.time()
         faults = plan(scenario, rng)
+        extra: dict[str, Any] = {}
+        if scenario.startswith("spare-"):
+            spare = _ready_spare(url, job_dir, time.monotonic() + 60)
+            if spare is None:
+                print("soak: no warm spare within 60 s; scenario skipped", file=log, flush=True)
+                continue
+            os.kill(spare, signal.SIGSTOP if scenario == "spare-stop" else signal.SIGKILL)
+            count += 1
+            extra["spare_pid"] = spare
+            if scenario == "spare-kill":
+                extra["spare_replaced"] = _ready_spare(url, job_dir, time.monotonic() + 60, not_pid=spare) is not None
         for injection in faults:
             at_step = max(1, base + injection.offset)
             api_post(url, "/api/inject", {"kind": injection.kind, "rank": injection.rank,
                                           "at_step": at_step, "phase": injection.phase, "how": injection.how})
             count += 1
-        injected.append({"scenario": scenario, "t": t, "base_step": base, "faults": len(faults)})
-        _wait_recovered(url, before, deadline=time.monotonic() + 90)
+        injected.append({"scenario": scenario, "t": t, "base_step": base,
+                         "faults": len(faults) + scenario.startswith("spare-"), **extra})
+        if faults:  # a killed spare makes no incident: its scenario waited for the new spare above
+            _wait_recovered(url, before, deadline=time.monotonic() + 90)
         print(f"soak: [{count}/{args.faults}] {scenario} at step {base}", file=log, flush=True)
     return injected
 
@@ -153,13 +255,14 @@ def _wait_recovered(url: str, before: int, deadline: float) -> None:
             status = _status(url)
         except JobNotRunningError:
             return
-        incidents = status["incidents"][before:]
+        incidents = [i for i in status["incidents"][before:] if i["kind"] not in TOLD]
         if status["state"] in ("succeeded", "failed", "stopped"):
             return
         if incidents and all(i["status"] != "open" for i in incidents) and status["state"] == "running":
             time.sleep(0.3)  # a second fault of the scenario may still be on its way
             status = _status(url)
-            if all(i["status"] != "open" for i in status["incidents"][before:]) and status["state"] == "running":
+            if all(i["status"] != "open" for i in status["incidents"][before:] if i["kind"] not in TOLD) \
+                    and status["state"] == "running":
                 return
         time.sleep(0.1)
 
@@ -168,9 +271,12 @@ def run_job(workload: Workload, run_dir: Path, args: argparse.Namespace, log: An
             with_faults: bool) -> tuple[int, list[dict[str, Any]]]:
     job_dir = run_dir / "job"
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = run_dir / "checkpoints"
+    filler = FillingFolder(checkpoints, args.fill_mb) if with_faults and args.fill_mb else None
     argv = [sys.executable, "-m", "undying", "run", "-n", str(RANKS), "--port", "0",
             "--job-dir", str(job_dir), "--job-id", run_dir.name, "--spares", "1" if with_faults else "0",
             "--heartbeat-timeout", str(LIMIT_S), "--step-timeout", str(LIMIT_S),
+            "--checkpoint-dir", str(checkpoints), "--save-every", str(SAVE_EVERY),
             "--max-restarts", "3", "--stop-grace", "3", str(TRAIN_SCRIPT), *workload.script_args()]
     process = launch(argv, bench_env(), run_dir / "launcher.log")
     injected: list[dict[str, Any]] = []
@@ -189,10 +295,15 @@ def run_job(workload: Workload, run_dir: Path, args: argparse.Namespace, log: An
                 time.sleep(0.1)
             if url is None:
                 raise RuntimeError(f"the job did not come up with a warm spare; see {run_dir / 'launcher.log'}")
-            injected = drive(url, args, workload.total_steps, log)
+            injected = drive(url, args, workload.total_steps, log, job_dir, filler)
         return wait_for(process, time.monotonic() + args.timeout), injected
     finally:
         stop(process, lambda: undying_worker_pids(job_dir / "events.db"), str(TRAIN_SCRIPT))
+        for pid in spare_pids(job_dir):  # a stopped spare the agent did not reap is ours to end
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if filler is not None:
+            filler.close()
 
 
 def leaked_processes(job_dir: Path) -> list[int]:
@@ -229,10 +340,10 @@ def summarize(faulty_dir: Path, baseline_dir: Path, injected: list[dict[str, Any
             replacement = incident.get("detail", {}).get("replacement")
             how = {"warm spare": " (warm spare)", "new process": " (new process)"}.get(replacement, "")
             by_kind[incident["kind"] + how].append(incident["mttr_s"])
-    rounds = Counter(i["recovery"] for i in faulty.incidents)
+    rounds = Counter(i.get("recovery") for i in faulty.incidents if i["kind"] not in TOLD)
     overlapped = sum(1 for n in rounds.values() if n > 1)
     return {
-        "scenarios": len(injected),
+        "scenarios": sum(1 for s in injected if s["scenario"] != "disk"),
         "scenario_counts": dict(Counter(s["scenario"] for s in injected)),
         "incidents": len(faulty.incidents),
         "incident_status": dict(statuses),
@@ -243,6 +354,10 @@ def summarize(faulty_dir: Path, baseline_dir: Path, injected: list[dict[str, Any
                    "max": round(max(v), 3)}
             for kind, v in sorted(by_kind.items())
         },
+        "checkpoint_failed": sum(1 for i in faulty.incidents if i["kind"] == "checkpoint_failed"),
+        "spares_killed_and_replaced": sum(1 for s in injected if s.get("spare_replaced")),
+        "spares_killed": sum(1 for s in injected if s["scenario"] == "spare-kill"),
+        "disk": [{k: s[k] for k in ("disk", "step")} for s in injected if s["scenario"] == "disk"],
         "job_state": faulty.state,
         "returncode": returncode,
         "identical": comparison.identical,
@@ -257,6 +372,9 @@ def render(result: dict[str, Any], out: Any) -> None:
           f"({result['scenario_counts']})", file=out)
     print(f"  incidents: {result['incidents']} {result['incident_status']}; actions {result['incident_actions']}; "
           f"recovery rounds that handled several: {result['recovery_rounds_with_several_incidents']}", file=out)
+    print(f"  spares killed {result['spares_killed']}, a new one ready after "
+          f"{result['spares_killed_and_replaced']}; checkpoint folder {result['disk']}: "
+          f"{result['checkpoint_failed']} checkpoint_failed incidents", file=out)
     for kind, s in result["recovery_s_by_kind"].items():
         print(f"  {kind:<26} n={s['n']:<3} median {s['median']:.2f} s  p95 {s['p95']:.2f} s  max {s['max']:.2f} s",
               file=out)
@@ -277,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     p.add_argument("--keep", default=None, help="keep the runs' folders here")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout; the report on stderr")
+    p.add_argument("--fill-mb", type=int, default=16 if os.geteuid() == 0 else 0,
+                   help="size of the tmpfs the faulted job checkpoints to, filled and freed during the run "
+                        "(root only; 0: a plain folder that never fills)")
     args = p.parse_args(argv)
     workload = Workload(epochs=args.epochs, samples=8192, features=32, hidden=64, layers=2, batch_size=16)
     out = sys.stderr if args.json else sys.stdout
