@@ -25,15 +25,17 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from undying.errors import RecoveryError, UsageError
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from undying.worker.state import State
 
 __all__ = [
@@ -53,7 +55,10 @@ log = logging.getLogger("undying.worker")
 
 
 def is_dtensor(obj: Any) -> TypeGuard[DTensor]:
-    return isinstance(obj, DTensor)
+    # torch.distributed.tensor costs ~0.4 s to import (sympy, DTensor ops); a job that never made a
+    # DTensor never imported it, so nothing here can be one: no import on every worker's start.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
 
 
 def has_dtensors(module: torch.nn.Module | None) -> bool:
@@ -150,6 +155,8 @@ def _as_dtensors(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dic
         rebuilt: dict[str, Any] = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == local_shape:
+                from torch.distributed.tensor import DTensor
+
                 rebuilt[key] = DTensor.from_local(value, param.device_mesh, param.placements,
                                                   run_check=False, shape=param.shape, stride=param.stride())
             else:
