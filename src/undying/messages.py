@@ -243,7 +243,9 @@ class CheckpointSaved(Message):
     """A checkpoint of ``step`` was committed (or, with ``error``, failed).
 
     ``blocking_s`` is the training loop's stall (the CPU copy), ``write_s`` the
-    write beside training; ``kind`` periodic or dying-gasp.
+    write beside training; ``kind`` periodic or dying-gasp. A failed one says
+    what the OS said in ``os_error`` (``ENOSPC: No space left on device``), ""
+    when the failure was not the storage's.
     """
 
     rank: int
@@ -255,6 +257,7 @@ class CheckpointSaved(Message):
     bytes: int
     t: float
     error: str = ""
+    os_error: str = ""
 
 
 @dataclass(frozen=True)

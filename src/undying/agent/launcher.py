@@ -4,7 +4,9 @@ Nothing to install or start beside it: the manager's TCPStore, SQLite log and
 HTTP API live in the launcher. Ctrl-C stops the job in order. SIGTERM (what
 Kubernetes sends before it deletes a pod) is a preemption: the ranks agree on a
 stop step, finish it, rank 0 writes a dying-gasp checkpoint of it, and the
-launcher exits with EXIT_PREEMPTED (75); the same command resumes. If the
+launcher exits with EXIT_PREEMPTED (75); the same command resumes. When that
+dying gasp could not be written, an older checkpoint stands: exit 74, and the
+last line says how many steps the resume re-runs. If the
 launcher is killed outright, its workers die with it (parent-death signal).
 """
 
@@ -16,9 +18,10 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from undying.agent.agent import Agent
-from undying.config import JobConfig
+from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.events import EventLog
@@ -97,12 +100,32 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
             "job %s succeeded: %d ranks, generation %d, %d incident(s) recovered, %d step(s) re-run",
             config.job_id, config.world_size, manager.generation, len(recovered), len(manager.rerun_steps),
         )
+        health = manager.checkpoint_health
+        if health.failures:
+            # The last line printed: a success whose saves failed says so, and what it left on disk.
+            _, _, warning = manager.exit_reason.partition("; warning: ")
+            log.warning("job %s: warning: %s", config.job_id, warning or (
+                f"{health.failures} checkpoint save(s) failed during the run ({health.last_os_error or health.last_error}); "
+                "a later one succeeded"))
     elif final is JobState.FAILED:
         log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
     elif final is JobState.PREEMPTED:
         log.warning("job %s %s", config.job_id, manager.exit_reason)
+        log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
     else:
         log.warning("job %s stopped: %s", config.job_id, manager.exit_reason)
+
+
+def resume_line(preemption: dict[str, Any]) -> str:
+    """The last line of a preempted run: what the same command resumes from, and how many steps it re-runs."""
+    step = int(preemption.get("checkpoint_step", -1))
+    if step < 0:
+        return "exit 143: no checkpoint to resume from; the same command starts again at step 1"
+    reruns = int(preemption.get("resume_reruns", 0))
+    if not reruns:
+        return f"exit {EXIT_PREEMPTED}: the same command resumes after step {step}, no step re-run"
+    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and re-runs {reruns} "
+            f"step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop step was not written")
 
 
 def launch(config: JobConfig, script: str, script_args: list[str]) -> int:

@@ -13,6 +13,7 @@ from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
     EXIT_PREEMPTED,
+    EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
     CheckpointConfig,
     JobConfig,
@@ -51,7 +52,9 @@ finish it, rank 0 writes a dying-gasp checkpoint of it within --grace-period,
 and everything exits; run the same command to resume with no step lost.
 
 Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
-{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint to resume from, 143 SIGTERM with
+{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint of the stop step to resume from,
+{EXIT_PREEMPTED_BEHIND} preempted with only an older checkpoint (the dying gasp could not be
+written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from undying.config import EXIT_PREEMPTED, JobConfig
+from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
@@ -43,8 +43,11 @@ _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 130}
 def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals | None) -> int:
     """The launcher's (and every agent's) exit code for how the job ended."""
     if final is JobState.PREEMPTED:
-        has_checkpoint = (manager.preemption or {}).get("checkpoint_step", -1) >= 0
-        return EXIT_PREEMPTED if has_checkpoint else 143
+        preemption = manager.preemption or {}
+        if preemption.get("checkpoint_step", -1) < 0:
+            return 143
+        # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run steps.
+        return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
     if final is JobState.STOPPED and interrupted_by == signal.SIGTERM:
         return 143
     return _EXIT_CODES.get(final, 1)
