@@ -67,6 +67,10 @@ class Timeouts:
     # completes no step) for this long is stuck. 0: derived from the observed
     # step time (see ``step_timeout``).
     step: float = 0.0
+    # A warm spare given a rank must say it took it within this long (it only has to read
+    # one line and answer): one stopped or wedged is killed and the rank goes to another
+    # spare or a fresh process, instead of the recovery waiting out ``init``.
+    spare_take: float = 2.0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

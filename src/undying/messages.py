@@ -28,6 +28,8 @@ __all__ = [
     "RankProgress",
     "WORKER_PHASES",
     "SpareReady",
+    "SpareTaken",
+    "SpareEvent",
     "Assign",
     "CheckpointSaved",
     "Terminated",
@@ -239,6 +241,20 @@ class SpareReady(Message):
 
 
 @dataclass(frozen=True)
+class SpareEvent(Message):
+    """What happened to a node's hot spare (started, exited, hung, stuck taking a rank), for the job's log.
+
+    ``what`` is the event's name in the log (``spare_started``, ...); ``detail`` its fields.
+    """
+
+    node: int
+    pid: int
+    what: str
+    t: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CheckpointSaved(Message):
     """A checkpoint of ``step`` was committed (or, with ``error``, failed).
 
@@ -313,6 +329,17 @@ class Assign(Message):
     """Turn a hot spare into a rank: its environment, as a fresh worker would get it."""
 
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SpareTaken(Message):
+    """The spare's answer to Assign: it took the rank and runs the script now (within --spare-take-timeout).
+
+    Kept by the agent (beside Assign, not among the reports a worker's agent forwards).
+    """
+
+    pid: int
+    t: float
 
 
 @dataclass(frozen=True)
@@ -594,6 +621,7 @@ class JobEnded(Message):
 WORKER_MESSAGES: tuple[type[Message], ...] = (
     Hello, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done, CheckpointSaved,
     Terminated, StopProposal,
+    SpareEvent,  # the agent's own word on its spares, which the manager logs as it logs the workers'
 )
 
 

@@ -154,6 +154,10 @@ no checkpoint at all.""",
                    f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
     t.add_argument("--init-timeout", type=float, default=_DEFAULTS.init,
                    help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
+    t.add_argument("--spare-take-timeout", type=float, default=_DEFAULTS.spare_take,
+                   help="a hot spare given a rank that does not say it took it within this long (stopped, "
+                   "wedged) is killed, and the rank goes to another spare or a fresh process "
+                   f"(default {_DEFAULTS.spare_take:g})")
     t.add_argument("--node-wait", type=float, default=_DEFAULTS.node_wait,
                    help="how long a lost node's ranks wait for a replacement host before the job goes on "
                    "without it (resized, or restarted from its survivors' state), and how long an elastic "
@@ -212,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         init=args.init_timeout,
         step=args.step_timeout,
         node_wait=args.node_wait,
+        spare_take=args.spare_take_timeout,
     )
     return JobConfig(
         job_id=job_id,

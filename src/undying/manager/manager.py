@@ -61,6 +61,8 @@ from undying.messages import (
     Preempt,
     Progress,
     RankProgress,
+    RankSpawned,
+    SpareEvent,
     StepCommitted,
     StopAt,
     StopProposal,
@@ -530,10 +532,10 @@ class Manager:
                           incarnation=incarnation)
         self._persist_rank(info)
         recovery = self._recovery
-        if recovery is not None and warm:
+        if recovery is not None:  # (a stuck spare's rank goes to another spare or a new process: said as it is)
             for incident in recovery.incidents:
-                if incident.rank == rank and incident.detail.get("replacement") == "new process":
-                    incident.detail["replacement"] = "warm spare"
+                if incident.rank == rank and "replacement" in incident.detail:
+                    incident.detail["replacement"] = "warm spare" if warm else "new process"
 
     def on_node_lost(self, node: int, reason: str, t: float) -> None:
         """Every process of ``node`` is gone or out of reach: its ranks are recovered like crashed ones.
@@ -628,6 +630,10 @@ class Manager:
         elif isinstance(message, Terminated):
             self.events.event("sigterm", rank=message.rank)
             self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
+        elif isinstance(message, RankSpawned):  # a local agent gave the rank another process (a spare stuck)
+            self.on_spawned(message.rank, message.pid, message.warm, message.incarnation)
+        elif isinstance(message, SpareEvent):
+            self.events.event(message.what, node=message.node, pid=message.pid, **message.detail)
         elif isinstance(message, Done):
             info = self.ranks[message.rank]
             info.state = RankState.DONE
