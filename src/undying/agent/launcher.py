@@ -105,7 +105,7 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
             # The last line printed: a success whose saves failed says so, and what it left on disk.
             _, _, warning = manager.exit_reason.partition("; warning: ")
             log.warning("job %s: warning: %s", config.job_id, warning or (
-                f"{health.failures} checkpoint save(s) failed during the run ({health.last_os_error or health.last_error}); "
+                f"{health.failures} checkpoint save attempt(s) failed during the run ({health.last_os_error or health.last_error}); "
                 "a later one succeeded"))
     elif final is JobState.FAILED:
         log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)

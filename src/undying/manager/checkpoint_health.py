@@ -101,7 +101,7 @@ class CheckpointHealth:
         else:
             where = f"the newest checkpoint is of step {checkpoint_step}, {max(0, last_step - checkpoint_step)} " \
                     f"step(s) before the last"
-        return f"; warning: the last {saves} checkpoint save(s) failed ({why}); {where}"
+        return f"; warning: the last {saves} checkpoint save attempt(s) failed ({why}); {where}"
 
     def view(self) -> dict[str, Any]:
         return {
