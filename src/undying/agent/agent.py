@@ -330,7 +330,7 @@ class Agent:
         log.warning("node %d: spare pid %d did not take rank %d within %.1fs (--spare-take-timeout); killed, "
                     "rank %d is now pid %d (%s)", self.node, pid, take.rank, waited, take.rank, process.pid,
                     "another warm spare" if warm else "a new process")
-        self._spare_event("spare_stuck", pid, rank=take.rank, waited_s=waited, replaced_by=process.pid,
+        self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited, replaced_by=process.pid,
                           replacement="warm spare" if warm else "new process")
         replacement = _Worker(rank=take.rank, process=process, started=time.time(), pending=worker.pending)
         self._workers[take.rank] = replacement
