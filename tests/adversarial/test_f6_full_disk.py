@@ -210,3 +210,39 @@ def test_sigterm_with_a_full_disk_exits_honestly_and_the_resume_reruns_what_it_s
     assert comparison.mismatched_steps == [] and comparison.missing_steps == [] and comparison.digests_equal
     assert merged.rerun_steps == list(range(saved + 1, stop_step + 1)), merged.rerun_steps
     assert comparison.lost_steps == reruns
+
+
+def test_the_default_layout_a_full_job_dir_loses_no_event_and_the_job_ends(
+    small_disk: Path, tmp_path: Path, reap: list[int], oracle: Oracle
+) -> None:
+    """Finding 6, default layout: the checkpoints live in the job dir, so the disk fills under events.db too.
+
+    SQLite then failed mid-handler and the manager stopped hearing its ranks:
+    the job hung. Now the log's writes wait in memory, the job trains on, and
+    once there is room again everything is written: the oracle reads every
+    step from the log.
+    """
+    job_dir = small_disk  # the job dir is the small disk; checkpoints in <job dir>/checkpoints, as by default
+    run_args = ["--spares", "0", "--job-id", "job", "--save-every", "4", "--keep", "1"]
+    launcher = start_job(job_dir, ["--epochs", "2", "--step-seconds", "0.15"], ranks=RANKS, run_args=run_args,
+                         reap=reap)
+    url = manager_url(job_dir)
+    log_path = tmp_path / "disk.log"  # (start_job's log, beside the job dir: off the full disk)
+    wait_for(lambda: [c for c in scan(job_dir / "checkpoints") if c.valid], 60, "a checkpoint")
+    fill(small_disk)
+    wait_for(lambda: "events.db cannot be written" in log_path.read_text(errors="replace"), 30,
+             "the event log to meet the full disk")
+    live = wait_for(lambda: (s := status(url)) and [i for i in s["incidents"] if i["kind"] == "checkpoint_failed"]
+                    and s, 30, "the failed saves in /api/status (served from memory)")
+    assert live["state"] == "running"
+    time.sleep(1.0)  # a few steps whose rows are held in memory only
+    for filler in small_disk.glob("filler-*"):
+        filler.unlink()
+
+    assert launcher.wait(timeout=120) == 0, log_path.read_text(errors="replace")[-3000:]
+    assert "held write(s) committed after" in log_path.read_text(errors="replace")
+    run = load_run(job_dir / "events.db")
+    comparison = compare_runs(oracle.baseline(BASELINE_ARGS, RANKS), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+    assert events(job_dir / "events.db", "checkpoint_failed"), "the failed saves were not written once there was room"
+    assert job_table(job_dir / "events.db")["state"] == "succeeded"
