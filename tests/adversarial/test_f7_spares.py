@@ -15,11 +15,13 @@ signals:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,9 @@ from tests.integration.jobs import (
     wait_for,
     wait_running,
 )
+from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
+from undying.demo.cluster import Cluster
 from undying.oracle import compare_runs, load_run
 
 # The losses do not depend on --step-seconds: the baseline is tests/integration/test_preempt.py's (cached).
@@ -145,4 +149,57 @@ def test_a_dead_spare_is_replaced_and_the_new_one_recovers_a_crash(
     joined = [e for e in _ranked(db, "spawned") if e["joining"]]
     assert [(e["rank"], e["pid"], e["spare"]) for e in joined] == [(0, second, True)], joined
     comparison = compare_runs(oracle.baseline(BASELINE_ARGS, RANKS), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+
+
+# 4 ranks on 2 nodes in network namespaces (the configuration of tests/integration/test_multinode.py,
+# whose fault-free baseline this shares).
+MULTINODE_ARGS = ["--epochs", "3", "--samples", "2048", "--step-seconds", "0.1"]
+
+
+def test_across_hosts_a_dead_spare_is_replaced_and_a_stopped_one_is_passed_over(
+    make_hosts: Callable[[int], Hosts], tmp_path: Path, oracle: Oracle  # noqa: F811
+) -> None:
+    """Finding 7 on a node across the network: the agent's spare events and the new PID reach the manager."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "spares", MULTINODE_ARGS, run_args=[
+        "--heartbeat-timeout", "3", "--spares", "1", "--rendezvous-timeout", "60",
+        "--init-timeout", f"{INIT_TIMEOUT_S:g}", "--spare-take-timeout", f"{TAKE_TIMEOUT_S:g}"])
+    db = cluster.job_dir / "events.db"
+
+    def node1_spares() -> list[int]:
+        if not db.exists():
+            return []
+        return [e["pid"] for e in _ranked(db, "spare_started") if e["node"] == 1 and alive(e["pid"])]
+
+    try:
+        cluster.start()
+        cluster.wait_for_step(3)
+
+        first = wait_for(lambda: node1_spares()[:1], 60, "node 1's spare")[0]
+        wait_for(lambda: cluster.status()["spares_ready"] >= 2, 90, "both nodes' spares warm")
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: [p for p in node1_spares() if p != first][:1], 20, "node 1's new spare")[0]
+        assert [e for e in _ranked(db, "spare_exited") if e["pid"] == first and e["node"] == 1]
+        wait_for(lambda: cluster.status()["spares_ready"] >= 2, 90, "the new spare warm")
+
+        # Stopped, then a rank of that node killed: the spare is passed over or killed at the take timeout.
+        os.kill(second, signal.SIGSTOP)
+        victim = next(r["pid"] for r in cluster.status()["ranks"] if r["rank"] == 2)
+        os.kill(victim, signal.SIGKILL)
+        assert cluster.wait(INIT_TIMEOUT_S) == 0, cluster.logs()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            for pid in node1_spares():
+                os.kill(pid, signal.SIGKILL)
+        cluster.close()
+    run = load_run(db)
+    incident = _the_crash(run.incidents, 2)
+    assert incident["mttr_s"] is not None and incident["mttr_s"] < INIT_TIMEOUT_S / 4, incident
+    assert not alive(second), "the stopped spare was left behind"
+    stuck = [e for e in _ranked(db, "spare_stuck") if e["pid"] == second]
+    if stuck:  # handed the rank before its silence showed: killed at the take timeout, the rank given on
+        assert stuck[0]["for_rank"] == 2 and stuck[0]["waited_s"] < TAKE_TIMEOUT_S + 3, stuck
+        assert [e for e in _ranked(db, "started") if e["pid"] == stuck[0]["replaced_by"] and e["rank"] == 2]
+    comparison = compare_runs(oracle.baseline(MULTINODE_ARGS, 4), run)
     assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
