@@ -18,12 +18,12 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 from undying.agent.agent import Agent
-from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
+from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
+from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
@@ -114,18 +114,6 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
         log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
     else:
         log.warning("job %s stopped: %s", config.job_id, manager.exit_reason)
-
-
-def resume_line(preemption: dict[str, Any]) -> str:
-    """The last line of a preempted run: what the same command resumes from, and how many steps it re-runs."""
-    step = int(preemption.get("checkpoint_step", -1))
-    if step < 0:
-        return "exit 143: no checkpoint to resume from; the same command starts again at step 1"
-    reruns = int(preemption.get("resume_reruns", 0))
-    if not reruns:
-        return f"exit {EXIT_PREEMPTED}: the same command resumes after step {step}, no step re-run"
-    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and re-runs {reruns} "
-            f"step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop step was not written")
 
 
 def launch(config: JobConfig, script: str, script_args: list[str]) -> int:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.manager.state import Incident
 from undying.messages import CheckpointSaved
 
-__all__ = ["CheckpointHealth", "INCIDENT_KIND"]
+__all__ = ["CheckpointHealth", "INCIDENT_KIND", "resume_line"]
 
 INCIDENT_KIND = "checkpoint_failed"
 
@@ -112,3 +113,15 @@ class CheckpointHealth:
             "last_failed_step": self.last_failed_step,
             "incident": self.open.id if self.open is not None else None,
         }
+
+
+def resume_line(preemption: dict[str, Any]) -> str:
+    """The last line of a preempted run: what the same command resumes from, and how many steps it re-runs."""
+    step = int(preemption.get("checkpoint_step", -1))
+    if step < 0:
+        return "exit 143: no checkpoint to resume from; the same command starts again at step 1"
+    reruns = int(preemption.get("resume_reruns", 0))
+    if not reruns:
+        return f"exit {EXIT_PREEMPTED}: the same command resumes after step {step}, no step re-run"
+    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and re-runs {reruns} "
+            f"step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop step was not written")

@@ -26,6 +26,7 @@ from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
+from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
@@ -201,6 +202,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
+    if final is JobState.PREEMPTED:  # the last line: what the same command resumes from, what it re-runs
+        log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
     await asyncio.gather(*(slot.stop_all(config.timeouts.stop_grace) for slot in server.slots.values()))
     await _tell_nodes(server, JobEnded(final.value, manager.exit_reason, code))
     return code
