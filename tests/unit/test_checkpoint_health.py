@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
+from undying.cli.status import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.manager.checkpoint_health import CheckpointHealth, resume_line
 from undying.manager.state import Incident
@@ -49,3 +54,17 @@ def test_the_last_line_of_a_preempted_run_counts_what_a_resume_re_runs() -> None
     behind = resume_line({"checkpoint_step": 4, "resume_reruns": 10})
     assert behind.startswith(f"exit {EXIT_PREEMPTED_BEHIND}: ") and "re-runs 10 step(s) (5..14)" in behind
     assert resume_line({"checkpoint_step": -1}).startswith("exit 143: ")
+
+
+def test_undying_status_says_saves_are_failing_and_what_a_resume_re_runs() -> None:
+    health = {"failures": 3, "failing": True, "last_error": "cannot write",
+              "last_os_error": "ENOSPC: No space left on device", "last_failed_step": 24, "incident": 1}
+    base = {"job_id": "j", "state": "running", "generation": 0, "world_size": 2, "started_at": None, "step": 30,
+            "rerun_steps": [], "exit_reason": "", "ranks": [], "incidents": []}
+    out = io.StringIO()
+    render(dict(base, checkpoints={"health": health}), Console(file=out, width=160, color_system=None))
+    assert "checkpoint saves failing since step 24: ENOSPC: No space left on device" in out.getvalue()
+    out = io.StringIO()
+    render(dict(base, state="preempted", preemption={"checkpoint_step": 4, "resume_reruns": 10}),
+           Console(file=out, width=160, color_system=None))
+    assert "a resume re-runs 10 step(s)" in out.getvalue()
