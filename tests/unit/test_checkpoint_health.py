@@ -68,3 +68,14 @@ def test_undying_status_says_saves_are_failing_and_what_a_resume_re_runs() -> No
     render(dict(base, state="preempted", preemption={"checkpoint_step": 4, "resume_reruns": 10}),
            Console(file=out, width=160, color_system=None))
     assert "a resume re-runs 10 step(s)" in out.getvalue()
+
+
+def test_a_restarted_manager_takes_back_an_open_run_of_failures_and_not_as_a_recovery() -> None:
+    incidents: list[Incident] = []
+    before = CheckpointHealth(_Log(), incidents)
+    before.failed(_failed(8))
+    after = CheckpointHealth(_Log(), [])
+    assert after.adopt(incidents[0]) and after.failing and after.last_failed_step == 8
+    assert not after.adopt(Incident(2, "crash", 0, 3, 0.0, 1))
+    after.saved(_saved(12))
+    assert incidents[0].status == "recovered"

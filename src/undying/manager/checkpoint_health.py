@@ -45,6 +45,17 @@ class CheckpointHealth:
         """The most recent save failed, and none has succeeded since."""
         return self.open is not None
 
+    def adopt(self, incident: Incident) -> bool:
+        """A restarted manager's open incident read back from the log: True when it is one of these (kept here)."""
+        if incident.kind != INCIDENT_KIND:
+            return False
+        self.open = incident
+        self.failures = max(self.failures, int(incident.detail.get("failed_saves", 0)))
+        self.last_error = str(incident.detail.get("last_error", incident.error))
+        self.last_os_error = str(incident.detail.get("os_error", ""))
+        self.last_failed_step = int(incident.detail.get("last_failed_step", incident.step))
+        return True
+
     def failed(self, message: CheckpointSaved) -> Incident:
         """A save failed: open the incident, or count this failure in the one already open."""
         self.failures += 1

@@ -361,8 +361,8 @@ class Manager:
                 traceback=view["traceback"], detail=view["detail"])
             self.incidents.append(incident)
             self._recovery_count = max(self._recovery_count, incident.recovery)
-            if incident.status == "open":
-                open_incidents.append(incident)
+            if incident.status == "open" and not self.checkpoint_health.adopt(incident):
+                open_incidents.append(incident)  # (failing saves are no recovery: CheckpointHealth keeps them)
         if open_incidents:
             self._recovery = Recovery(id=open_incidents[0].recovery, generation=self.generation,
                                       incidents=open_incidents)
