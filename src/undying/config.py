@@ -26,6 +26,7 @@ __all__ = [
     "trace_from_env",
     "step_timeout",
     "EXIT_PREEMPTED",
+    "EXIT_PREEMPTED_BEHIND",
     "EXIT_FENCED",
     "DEFAULT_MANAGER_PORT",
 ]
@@ -66,6 +67,10 @@ class Timeouts:
     # completes no step) for this long is stuck. 0: derived from the observed
     # step time (see ``step_timeout``).
     step: float = 0.0
+    # A warm spare given a rank must say it took it within this long (it only has to read
+    # one line and answer): one stopped or wedged is killed and the rank goes to another
+    # spare or a fresh process, instead of the recovery waiting out ``init``.
+    spare_take: float = 2.0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -94,9 +99,13 @@ def step_timeout(configured: float, slowest_recent_step_s: float | None) -> floa
 
 
 # The launcher's (and a worker's) exit code after a preemption (SIGTERM) whose
-# dying-gasp checkpoint, or an earlier one, stands: run the same command again
-# to resume. 75 is EX_TEMPFAIL ("try again later"); 143 stays a plain SIGTERM stop.
+# dying-gasp checkpoint of the stop step stands (or one holding every committed
+# step): run the same command again to resume, no step lost. 75 is EX_TEMPFAIL ("try again later"); 143 stays a plain SIGTERM stop.
 EXIT_PREEMPTED = 75
+# Preempted, and the dying gasp of the stop step was not written (a full disk, the grace period
+# ran out): an older checkpoint stands and a resume re-runs the steps after it (the exit reason
+# counts them). Not 75, which promises nothing is lost. 74 is EX_IOERR: the state did not reach storage.
+EXIT_PREEMPTED_BEHIND = 74
 # A worker whose rank was given to a newer process (its host was declared lost) exits with this.
 EXIT_FENCED = 76
 # A worker that saved or handed on its state in a regroup generation and left: the job starts

@@ -28,6 +28,8 @@ __all__ = [
     "RankProgress",
     "WORKER_PHASES",
     "SpareReady",
+    "SpareTaken",
+    "SpareEvent",
     "Assign",
     "CheckpointSaved",
     "Terminated",
@@ -239,11 +241,27 @@ class SpareReady(Message):
 
 
 @dataclass(frozen=True)
+class SpareEvent(Message):
+    """What happened to a node's hot spare (started, exited, hung, stuck taking a rank), for the job's log.
+
+    ``what`` is the event's name in the log (``spare_started``, ...); ``detail`` its fields.
+    """
+
+    node: int
+    pid: int
+    what: str
+    t: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CheckpointSaved(Message):
     """A checkpoint of ``step`` was committed (or, with ``error``, failed).
 
     ``blocking_s`` is the training loop's stall (the CPU copy), ``write_s`` the
-    write beside training; ``kind`` periodic or dying-gasp.
+    write beside training; ``kind`` periodic or dying-gasp. A failed one says
+    what the OS said in ``os_error`` (``ENOSPC: No space left on device``), ""
+    when the failure was not the storage's.
     """
 
     rank: int
@@ -255,6 +273,7 @@ class CheckpointSaved(Message):
     bytes: int
     t: float
     error: str = ""
+    os_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -310,6 +329,17 @@ class Assign(Message):
     """Turn a hot spare into a rank: its environment, as a fresh worker would get it."""
 
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SpareTaken(Message):
+    """The spare's answer to Assign: it took the rank and runs the script now (within --spare-take-timeout).
+
+    Kept by the agent (beside Assign, not among the reports a worker's agent forwards).
+    """
+
+    pid: int
+    t: float
 
 
 @dataclass(frozen=True)
@@ -591,6 +621,7 @@ class JobEnded(Message):
 WORKER_MESSAGES: tuple[type[Message], ...] = (
     Hello, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done, CheckpointSaved,
     Terminated, StopProposal,
+    SpareEvent,  # the agent's own word on its spares, which the manager logs as it logs the workers'
 )
 
 

@@ -9,7 +9,6 @@ a rank, arm a fault, stop everything.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -19,8 +18,9 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+from undying.agent.spares import SparePool, Take, signal_group
 from undying.config import ENV_PREFIX, JobConfig, step_timeout
 from undying.messages import (
     Abort,
@@ -30,7 +30,10 @@ from undying.messages import (
     Hello,
     Message,
     RankProgress,
+    RankSpawned,
+    SpareEvent,
     SpareReady,
+    SpareTaken,
     StepCommitted,
     Stop,
     TraceSet,
@@ -86,17 +89,6 @@ class _Worker:
         return self.process.pid
 
 
-@dataclass
-class _Spare:
-    process: _PopenProcess
-    writer: asyncio.StreamWriter | None = None
-    ready_t: float = 0.0
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-
 class Agent:
     def __init__(
         self,
@@ -119,7 +111,8 @@ class Agent:
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._spares: dict[int, _Spare] = {}
+        self.spares = SparePool(node, config, start=lambda: self._start_process(self._base_environment(), spare=True),
+                                report=self._spare_event, stopping=lambda: self._stopping)
         self._stopping = False
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
         self._step_times: deque[float] = deque(maxlen=100)
@@ -171,6 +164,7 @@ class Agent:
             if self._stopping:
                 continue
             now = time.time()
+            self.spares.check(now)
             stalled: list[_Worker] = []
             for worker in list(self._workers.values()):
                 if worker.hang_reported or worker.process.returncode is not None:
@@ -285,14 +279,7 @@ class Agent:
         Returns the PID and whether it was a spare.
         """
         rank_env = self._rank_environment(rank, record, joining, resume_from, incarnation)
-        spare = self._take_spare() if joining else None
-        if spare is not None:
-            assert spare.writer is not None
-            spare.writer.write(encode(Assign(env=rank_env)))
-            process = spare.process
-            self.keep_spares()
-        else:
-            process = self._start_process({**self._base_environment(), **rank_env}, spare=False)
+        process, warm = self._give_rank(rank, rank_env, incarnation, spare_ok=joining)
         worker = _Worker(rank=rank, process=process, started=time.time(),
                          pending=[*self._armed_early.pop(rank, []),
                                   *(self._for_replacement.pop(rank, []) if joining else [])])
@@ -302,36 +289,74 @@ class Agent:
         self._workers[rank] = worker
         self._by_pid[process.pid] = worker
         log.info("node %d: rank %d is pid %d (generation %d%s)", self.node, rank, process.pid,
-                 record.generation, ", a warm spare" if spare else ", replacement" if joining else "")
-        return process.pid, spare is not None
+                 record.generation, ", a warm spare" if warm else ", replacement" if joining else "")
+        return process.pid, warm
+
+    def _give_rank(self, rank: int, rank_env: dict[str, str], incarnation: int, *,
+                   spare_ok: bool) -> tuple[_PopenProcess, bool]:
+        """A process for ``rank``: a fresh warm spare (watched until it answers), else a new process."""
+        spare = self.spares.take() if spare_ok else None
+        if spare is None:
+            return self._start_process({**self._base_environment(), **rank_env}, spare=False), False
+        assert spare.writer is not None
+        spare.writer.write(encode(Assign(env=rank_env)))
+        self.spares.taking[spare.pid] = Take(rank, rank_env, incarnation, time.time())
+        task = asyncio.get_running_loop().create_task(self._watch_take(spare.pid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_report_crash)
+        self.keep_spares()
+        return cast(_PopenProcess, spare.process), True
+
+    async def _watch_take(self, pid: int) -> None:
+        """A spare that has not answered its Assign within --spare-take-timeout is killed; the rank goes on.
+
+        Stopped (SIGSTOP), wedged or swapped out, it would otherwise hold the
+        recovery for the whole init timeout. The rank is given to another warm
+        spare (watched the same way) or a new process, with the same
+        environment and owner number; the manager hears the new PID.
+        """
+        await asyncio.sleep(self.config.timeouts.spare_take)
+        take = self.spares.taking.pop(pid, None)
+        if take is None or self._stopping:
+            return
+        worker = self._workers.get(take.rank)
+        if worker is None or worker.pid != pid or worker.process.returncode is not None:
+            return  # the rank moved on, or the spare died: its exit is handled as the rank's
+        self._by_pid.pop(pid, None)  # its exit is no rank's crash: the rank has another process
+        signal_group(pid, signal.SIGKILL)
+        process, warm = self._give_rank(take.rank, take.env, take.incarnation, spare_ok=True)
+        waited = round(time.time() - take.given_t, 3)
+        log.warning("node %d: spare pid %d did not take rank %d within %.1fs (--spare-take-timeout); killed, "
+                    "rank %d is now pid %d (%s)", self.node, pid, take.rank, waited, take.rank, process.pid,
+                    "another warm spare" if warm else "a new process")
+        self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited, replaced_by=process.pid,
+                          replacement="warm spare" if warm else "new process")
+        replacement = _Worker(rank=take.rank, process=process, started=time.time(), pending=worker.pending)
+        self._workers[take.rank] = replacement
+        self._by_pid[process.pid] = replacement
+        self._manager.on_message(RankSpawned(take.rank, process.pid, warm, take.incarnation))
+
+    def _spare_event(self, what: str, pid: int, **detail: Any) -> None:
+        """Tell the manager's log what happened to a spare (its PID included: the job's record of spares)."""
+        try:
+            self._manager.on_message(SpareEvent(self.node, pid, what, time.time(), detail))
+        except Exception:  # a report must never stop the agent's own care of its spares
+            log.exception("node %d: reporting %s of spare pid %d failed", self.node, what, pid)
 
     # --- hot spares -----------------------------------------------------------
 
     def keep_spares(self) -> None:
-        """Start spares until ``config.spares`` are ready or warming up."""
-        if self._stopping:
-            return
-        while len(self._spares) < self.config.spares:
-            process = self._start_process(self._base_environment(), spare=True)
-            self._spares[process.pid] = _Spare(process)
-            log.info("node %d: warming a spare, pid %d", self.node, process.pid)
-
-    def _take_spare(self) -> _Spare | None:
-        ready = [s for s in self._spares.values() if s.writer is not None and s.process.returncode is None]
-        if not ready:
-            return None
-        spare = min(ready, key=lambda s: s.ready_t)
-        del self._spares[spare.pid]
-        return spare
+        """Start spares until ``config.spares`` are ready or warming up (``SparePool``)."""
+        self.spares.keep()
 
     def spares_ready(self) -> int:
-        return sum(1 for s in self._spares.values() if s.writer is not None)
+        return self.spares.ready()
 
     async def _watch(self, process: _PopenProcess) -> None:
         returncode = await process.wait()
         t = time.time()
-        if self._spares.pop(process.pid, None) is not None:
-            log.warning("node %d: spare pid %d exited (%d)", self.node, process.pid, returncode)
+        if self.spares.exited(process.pid, returncode):
             return
         worker = self._by_pid.pop(process.pid, None)
         if worker is not None:
@@ -407,26 +432,24 @@ class Agent:
     async def stop_all(self, grace_s: float) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``; spares go at once."""
         self._stopping = True
-        for spare in list(self._spares.values()):
-            _signal_group(spare.pid, signal.SIGKILL)
+        self.spares.kill_all()
         live = [w.process for w in self._workers.values() if w.process.returncode is None]
         for worker in self._workers.values():
             if worker.writer is not None and worker.process.returncode is None:
                 # Said first: the SIGTERM that follows is a stop, not a preemption to take a dying gasp for.
                 worker.writer.write(encode(Stop("stopped by the agent")))
         for process in live:
-            _signal_group(process.pid, signal.SIGTERM)
-            _signal_group(process.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+            signal_group(process.pid, signal.SIGTERM)
+            signal_group(process.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         deadline = time.monotonic() + grace_s
         for process in live:
             remaining = max(0.0, deadline - time.monotonic())
             try:
                 await asyncio.wait_for(process.wait(), remaining)
             except asyncio.TimeoutError:
-                _signal_group(process.pid, signal.SIGKILL)
+                signal_group(process.pid, signal.SIGKILL)
                 await process.wait()
-        for spare in list(self._spares.values()):
-            await spare.process.wait()
+        await self.spares.wait_all()
 
 
     # --- the worker channel ---------------------------------------------------
@@ -443,13 +466,9 @@ class Agent:
                 except ValueError as e:
                     log.warning("node %d: dropped a bad message from a worker: %s", self.node, e)
                     continue
-                if isinstance(message, SpareReady):
-                    spare = self._spares.get(message.pid)
-                    if spare is None:
+                if isinstance(message, SpareReady | SpareTaken):
+                    if not self.spares.on_message(message, writer):
                         return  # not ours, or already let go: closing the line ends it
-                    spare.writer = writer
-                    spare.ready_t = message.t
-                    log.info("node %d: spare pid %d is warm", self.node, message.pid)
                     continue
                 if isinstance(message, Hello):
                     worker = self._by_pid.get(message.pid)
@@ -523,11 +542,3 @@ def _report_crash(task: asyncio.Task[None]) -> None:
     """A watch task that dies takes the job's hang detection with it: say so loudly."""
     if not task.cancelled() and task.exception() is not None:
         log.critical("agent task %s died", task.get_name(), exc_info=task.exception())
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)

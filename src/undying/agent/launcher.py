@@ -4,7 +4,9 @@ Nothing to install or start beside it: the manager's TCPStore, SQLite log and
 HTTP API live in the launcher. Ctrl-C stops the job in order. SIGTERM (what
 Kubernetes sends before it deletes a pod) is a preemption: the ranks agree on a
 stop step, finish it, rank 0 writes a dying-gasp checkpoint of it, and the
-launcher exits with EXIT_PREEMPTED (75); the same command resumes. If the
+launcher exits with EXIT_PREEMPTED (75); the same command resumes. When that
+dying gasp could not be written, an older checkpoint stands: exit 74, and the
+last line says how many steps the resume re-runs. If the
 launcher is killed outright, its workers die with it (parent-death signal).
 """
 
@@ -21,6 +23,7 @@ from undying.agent.agent import Agent
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
+from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
@@ -97,10 +100,18 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
             "job %s succeeded: %d ranks, generation %d, %d incident(s) recovered, %d step(s) re-run",
             config.job_id, config.world_size, manager.generation, len(recovered), len(manager.rerun_steps),
         )
+        health = manager.checkpoint_health
+        if health.failures:
+            # The last line printed: a success whose saves failed says so, and what it left on disk.
+            _, _, warning = manager.exit_reason.partition("; warning: ")
+            log.warning("job %s: warning: %s", config.job_id, warning or (
+                f"{health.failures} checkpoint save attempt(s) failed during the run ({health.last_os_error or health.last_error}); "
+                "a later one succeeded"))
     elif final is JobState.FAILED:
         log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
     elif final is JobState.PREEMPTED:
         log.warning("job %s %s", config.job_id, manager.exit_reason)
+        log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
     else:
         log.warning("job %s stopped: %s", config.job_id, manager.exit_reason)
 

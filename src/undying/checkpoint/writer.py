@@ -29,6 +29,7 @@ import torch
 
 from undying.checkpoint.checks import tensor_specs
 from undying.checkpoint.manifest import Checksum, FileEntry, Hasher, Manifest
+from undying.checkpoint.room import with_room
 from undying.checkpoint.store import (
     Checkpoint,
     CheckpointError,
@@ -439,6 +440,7 @@ class AsyncCheckpointer:
         checksum: Checksum = "crc32",
         layout_extra: dict[str, Any] | None = None,
         on_done: Callable[[SaveResult | None, CheckpointWriteError | None], None] | None = None,
+        on_pruned: Callable[[int, list[str]], None] | None = None,
         max_attempts: int = 3,
         retry_delay_s: float = 1.0,
         retry_delay_max_s: float = 30.0,
@@ -457,6 +459,7 @@ class AsyncCheckpointer:
         self.checksum: Checksum = checksum
         self.layout_extra = layout_extra
         self.on_done = on_done  # called from the writer thread with the result or the error
+        self.on_pruned = on_pruned  # (step, names) when a save had to delete older checkpoints for room
         self.max_attempts = max_attempts
         self.retry_delay_s = retry_delay_s
         self.retry_delay_max_s = retry_delay_max_s
@@ -550,7 +553,7 @@ class AsyncCheckpointer:
         while True:
             attempt += 1
             try:
-                result = save_replicated(
+                result = with_room(self.store, lambda: save_replicated(
                     self.store,
                     job.step,
                     job.snapshot,
@@ -564,7 +567,7 @@ class AsyncCheckpointer:
                     checksum=self.checksum,
                     keep=self.keep,
                     blocking_s=job.blocking,
-                )
+                ), on_pruned=lambda names: self._pruned(job.step, names))
             except BaseException as e:  # kept, reported and re-raised by wait(): never lost
                 storage = os_error_of(e) is not None
                 retry = storage and attempt < self.max_attempts and not job.cancel.is_set()
@@ -610,6 +613,13 @@ class AsyncCheckpointer:
             self._notify(result, None)
             self._finish(job)
             return
+
+    def _pruned(self, step: int, names: list[str]) -> None:
+        if self.on_pruned is not None:
+            try:
+                self.on_pruned(step, names)
+            except Exception:  # a report must never break the writer
+                log.exception("checkpoint on_pruned callback failed")
 
     def _finish(self, job: _Job) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
     EXIT_PREEMPTED,
+    EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
     CheckpointConfig,
     JobConfig,
@@ -51,7 +52,9 @@ finish it, rank 0 writes a dying-gasp checkpoint of it within --grace-period,
 and everything exits; run the same command to resume with no step lost.
 
 Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
-{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint to resume from, 143 SIGTERM with
+{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint of the stop step to resume from,
+{EXIT_PREEMPTED_BEHIND} preempted with only an older checkpoint (the dying gasp could not be
+written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
@@ -151,6 +154,10 @@ no checkpoint at all.""",
                    f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
     t.add_argument("--init-timeout", type=float, default=_DEFAULTS.init,
                    help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
+    t.add_argument("--spare-take-timeout", type=float, default=_DEFAULTS.spare_take,
+                   help="a hot spare given a rank that does not say it took it within this long (stopped, "
+                   "wedged) is killed, and the rank goes to another spare or a fresh process "
+                   f"(default {_DEFAULTS.spare_take:g})")
     t.add_argument("--node-wait", type=float, default=_DEFAULTS.node_wait,
                    help="how long a lost node's ranks wait for a replacement host before the job goes on "
                    "without it (resized, or restarted from its survivors' state), and how long an elastic "
@@ -209,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         init=args.init_timeout,
         step=args.step_timeout,
         node_wait=args.node_wait,
+        spare_take=args.spare_take_timeout,
     )
     return JobConfig(
         job_id=job_id,

@@ -94,6 +94,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "step": min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": job.get("exit_reason", ""),
+        "preemption": job.get("preemption"),
         "ranks": data["ranks"],
         "incidents": data["incidents"],
         "live": False,
@@ -131,6 +132,7 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         parts.append(Text(note, style="yellow"))
     if status.get("exit_reason"):
         parts.append(Text("  " + str(status["exit_reason"])))
+    parts.extend(_checkpoint_lines(status))
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
     if "trace" in status:
@@ -149,6 +151,20 @@ def view(status: dict[str, Any], note: str = "") -> Group:
                 (f"incident {i['id']}", "bold"), f" traceback (rank {i['rank']}):\n", str(i["traceback"])
             ))
     return Group(*parts)
+
+
+def _checkpoint_lines(status: dict[str, Any]) -> list[Text]:
+    """Failing saves, and what a resume from the checkpoint that stands re-runs (finding 6 of #14)."""
+    lines = []
+    health = (status.get("checkpoints") or {}).get("health") or {}
+    if health.get("failing"):
+        lines.append(Text(f"  checkpoint saves failing since step {health.get('last_failed_step')}: "
+                          f"{health.get('last_os_error') or health.get('last_error')}", style="red"))
+    reruns = (status.get("preemption") or {}).get("resume_reruns")
+    if reruns:
+        lines.append(Text(f"  a resume re-runs {reruns} step(s): the checkpoint that stands is older than the stop step",
+                          style="yellow"))
+    return lines
 
 
 def _header(status: dict[str, Any]) -> Text:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from undying.errors import UsageError
+from undying.manager.held_writes import HeldWrites
 from undying.manager.state import Incident
 
 __all__ = ["EventLog", "read_job", "read_job_table", "connect_readonly", "SCHEMA_VERSION"]
@@ -42,7 +43,8 @@ CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 class EventLog:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # Writes survive a full disk (held in memory, written when there is room): see held_writes.
+        self._db = HeldWrites(sqlite3.connect(path, isolation_level=None, check_same_thread=False), path=str(path))
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
@@ -52,7 +54,7 @@ class EventLog:
         self.set_job("schema_version", SCHEMA_VERSION)
 
     @property
-    def db(self) -> sqlite3.Connection:
+    def db(self) -> HeldWrites:
         """The connection, for a restarted manager to read the job back (on the loop thread only)."""
         return self._db
 

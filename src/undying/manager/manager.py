@@ -43,6 +43,7 @@ from undying.checkpoint.planner import (
 )
 from undying.config import JobConfig
 from undying.errors import UsageError
+from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
 from undying.manager.policy import Action, Decision, PolicyContext, decide, stall_culprits
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
@@ -60,6 +61,8 @@ from undying.messages import (
     Preempt,
     Progress,
     RankProgress,
+    RankSpawned,
+    SpareEvent,
     StepCommitted,
     StopAt,
     StopProposal,
@@ -221,6 +224,7 @@ class Manager:
         self._last_commit_t: dict[int, tuple[int, float]] = {}
         self._proposals: dict[int, int] = {}
         self._gasp: CheckpointSaved | None = None
+        self.checkpoint_health = CheckpointHealth(events, self.incidents)  # failed saves as incidents
         self._preempt_task: asyncio.Task[None] | None = None
         # Tracing: the switch every rank follows, and what the job's steps took (every rank committed).
         initial = config.trace.initial
@@ -357,8 +361,8 @@ class Manager:
                 traceback=view["traceback"], detail=view["detail"])
             self.incidents.append(incident)
             self._recovery_count = max(self._recovery_count, incident.recovery)
-            if incident.status == "open":
-                open_incidents.append(incident)
+            if incident.status == "open" and not self.checkpoint_health.adopt(incident):
+                open_incidents.append(incident)  # (failing saves are no recovery: CheckpointHealth keeps them)
         if open_incidents:
             self._recovery = Recovery(id=open_incidents[0].recovery, generation=self.generation,
                                       incidents=open_incidents)
@@ -528,10 +532,10 @@ class Manager:
                           incarnation=incarnation)
         self._persist_rank(info)
         recovery = self._recovery
-        if recovery is not None and warm:
+        if recovery is not None:  # (a stuck spare's rank goes to another spare or a new process: said as it is)
             for incident in recovery.incidents:
-                if incident.rank == rank and incident.detail.get("replacement") == "new process":
-                    incident.detail["replacement"] = "warm spare"
+                if incident.rank == rank and "replacement" in incident.detail:
+                    incident.detail["replacement"] = "warm spare" if warm else "new process"
 
     def on_node_lost(self, node: int, reason: str, t: float) -> None:
         """Every process of ``node`` is gone or out of reach: its ranks are recovered like crashed ones.
@@ -626,6 +630,10 @@ class Manager:
         elif isinstance(message, Terminated):
             self.events.event("sigterm", rank=message.rank)
             self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
+        elif isinstance(message, RankSpawned):  # a local agent gave the rank another process (a spare stuck)
+            self.on_spawned(message.rank, message.pid, message.warm, message.incarnation)
+        elif isinstance(message, SpareEvent):
+            self.events.event(message.what, node=message.node, pid=message.pid, **message.detail)
         elif isinstance(message, Done):
             info = self.ranks[message.rank]
             info.state = RankState.DONE
@@ -1201,7 +1209,8 @@ class Manager:
     def _on_checkpoint(self, message: CheckpointSaved) -> None:
         if message.error:
             self.events.event("checkpoint_failed", rank=message.rank, step=message.step, kind=message.kind,
-                              error=message.error)
+                              error=message.error, os_error=message.os_error)
+            self.checkpoint_health.failed(message)
             log.error("job %s: checkpoint of step %d failed: %s", self.config.job_id, message.step, message.error)
         else:
             self.events.event("checkpoint_saved", rank=message.rank, step=message.step, kind=message.kind,
@@ -1214,6 +1223,7 @@ class Manager:
                                     "blocking_s": message.blocking_s, "write_s": message.write_s,
                                     "bytes": message.bytes, "t": message.t}
             self.events.set_job("last_checkpoint", self.last_checkpoint)
+            self.checkpoint_health.saved(message)
         if self.preemption is not None and message.kind in ("dying-gasp", "existing"):
             self._gasp = message
 
@@ -1341,20 +1351,30 @@ class Manager:
                 step, path = latest.step, latest.url
                 rerun = (f"steps {latest.step + 1}..{committed} will be re-run" if committed > latest.step
                          else "no step is lost")
-                what = (f"the dying gasp of step {stop_step} was not taken ({why}); the latest valid checkpoint "
+                taken = "could not be written" if gasp is not None and gasp.error else "was not taken"
+                what = (f"the dying gasp of step {stop_step} {taken} ({why}); the latest valid checkpoint "
                         f"{latest.name} ({latest.kind}) stands: {rerun}")
+        # What a resume from that checkpoint runs again: every step committed after it (0: nothing lost).
+        committed_end = max([stop_step if gasp is not None and gasp.step == stop_step and not gasp.error else -1,
+                             *(r.step for r in self.ranks.values())])
+        resume_reruns = max(0, committed_end - step) if step >= 0 and reused is None else 0
+        if gasp is not None and gasp.error:
+            incident.detail["dying_gasp_error"] = gasp.error
         incident.phases["exited"] = time.time()
         incident.status = "dumped" if step >= 0 else "failed"
         incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
                                 "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
-                                "sigterm_to_exit_s": took})
+                                "sigterm_to_exit_s": took, "resume_reruns": resume_reruns})
         self.events.incident(incident)
         self.preemption.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
                                 "detail": what, "sigterm_to_exit_s": took, "killed_ranks": late,
-                                "dying_gasp_write_s": gasp.write_s if gasp is not None else None})
+                                "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
+                                "dying_gasp_error": gasp.error if gasp is not None else "",
+                                "resume_reruns": resume_reruns})
         self.exit_reason = (f"preempted, checkpoint at step {step} ({what}); run the same command to resume"
                             if step >= 0 else f"preempted, no checkpoint: {what}")
-        self.events.event("preempted", step=step, path=path, detail=what, sigterm_to_exit_s=took)
+        self.events.event("preempted", step=step, path=path, detail=what, sigterm_to_exit_s=took,
+                          resume_reruns=resume_reruns)
         self.events.set_job("preemption", self.preemption)
         log.warning("job %s: %s", self.config.job_id, self.exit_reason)
         self._end(JobState.PREEMPTED)
@@ -1425,7 +1445,10 @@ class Manager:
 
     def _maybe_succeeded(self) -> None:
         if len(self._finished_ranks) == len(self.ranks):
-            self.exit_reason = "every rank finished its last step"
+            last = self.last_checkpoint["step"] if self.last_checkpoint else \
+                self.resumed_from["step"] if self.resumed_from else None
+            self.exit_reason = "every rank finished its last step" + self.checkpoint_health.warning(
+                max((r.step for r in self.ranks.values()), default=0), last)
             self._move(JobState.STOPPING)
             self._end(JobState.SUCCEEDED)
 
@@ -1448,6 +1471,7 @@ class Manager:
         self._end(final)
 
     def _end(self, final: JobState) -> None:
+        self.checkpoint_health.close()
         self._move(final)
         self.events.set_job("ended_at", time.time())
         self.events.set_job("exit_reason", self.exit_reason)
@@ -1603,6 +1627,7 @@ class Manager:
                 "grace_period_s": round(self.grace_period()[0], 3),
                 "grace_basis": self.grace_period()[1],
                 "restarts": self._restarts,
+                "health": self.checkpoint_health.view(),
             },
             "preemption": self.preemption,
             "trace": self.trace_status(),

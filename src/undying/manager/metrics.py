@@ -64,6 +64,7 @@ class StatusCollector(Collector):
         yield from _ranks(status.get("ranks") or [])
         yield from _steps(status)
         yield from _incidents(status.get("incidents") or [])
+        yield from _checkpoints(status.get("checkpoints") or {}, int(status.get("step") or 0))
         yield from _trace(status.get("trace") or {})
 
 
@@ -92,6 +93,21 @@ def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
         "undying_job_restarts", "Whole-job restarts from a checkpoint (the last rung before failing).",
         value=float(restarts),
     )
+
+
+def _checkpoints(checkpoints: Mapping[str, Any], step: int) -> Iterator[Metric]:
+    """Failed saves, whether the last one failed, and the steps a crash of every rank now would re-run."""
+    health = checkpoints.get("health") or {}
+    yield CounterMetricFamily("undying_checkpoint_failures", "Checkpoint saves that failed (every attempt).",
+                              value=float(health.get("failures") or 0))
+    yield GaugeMetricFamily("undying_checkpoint_failing",
+                            "1 while the latest checkpoint save failed and none has succeeded since.",
+                            value=1.0 if health.get("failing") else 0.0)
+    last = checkpoints.get("last") or checkpoints.get("resumed_from") or {}
+    if isinstance(last.get("step"), int):
+        yield GaugeMetricFamily("undying_checkpoint_steps_behind",
+                                "Committed steps newer than the newest checkpoint: what a restart from disk re-runs.",
+                                value=float(max(0, step - int(last["step"]))))
 
 
 def _ranks(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:

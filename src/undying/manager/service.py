@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from undying.config import EXIT_PREEMPTED, JobConfig
+from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
+from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
@@ -43,8 +44,11 @@ _EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 130}
 def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals | None) -> int:
     """The launcher's (and every agent's) exit code for how the job ended."""
     if final is JobState.PREEMPTED:
-        has_checkpoint = (manager.preemption or {}).get("checkpoint_step", -1) >= 0
-        return EXIT_PREEMPTED if has_checkpoint else 143
+        preemption = manager.preemption or {}
+        if preemption.get("checkpoint_step", -1) < 0:
+            return 143
+        # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run steps.
+        return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
     if final is JobState.STOPPED and interrupted_by == signal.SIGTERM:
         return 143
     return _EXIT_CODES.get(final, 1)
@@ -198,6 +202,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
+    if final is JobState.PREEMPTED:  # the last line: what the same command resumes from, what it re-runs
+        log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
     await asyncio.gather(*(slot.stop_all(config.timeouts.stop_grace) for slot in server.slots.values()))
     await _tell_nodes(server, JobEnded(final.value, manager.exit_reason, code))
     return code

@@ -23,6 +23,7 @@ import runpy
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,9 +65,35 @@ def _installed_imports(script: Path) -> list[str]:
     return found
 
 
+def spare_beat_interval(env: dict[str, str] | os._Environ[str] | None = None) -> float:
+    """Seconds between a waiting spare's beats: a quarter of the heartbeat timeout, at most 1 s."""
+    env = os.environ if env is None else env
+    try:
+        heartbeat = float(env.get("UNDYING_TIMEOUT_HEARTBEAT", "30"))
+    except ValueError:
+        heartbeat = 30.0
+    return max(0.05, min(1.0, heartbeat / 4))
+
+
+def _beat(channel: socket.socket, stop: threading.Event, interval: float) -> None:
+    """A waiting spare's heartbeat: SpareReady again every ``interval``, so a stopped spare is seen as one."""
+    from undying.messages import SpareReady, encode
+
+    while not stop.wait(interval):
+        try:
+            channel.sendall(encode(SpareReady(os.getpid(), time.time())))
+        except OSError:
+            return  # the agent closed the line; the main thread hears it too
+
+
 def _wait_as_spare(script: Path) -> None:
-    """Import what a worker needs, announce readiness, and block until assigned a rank."""
-    from undying.messages import Assign, SpareReady, decode, encode
+    """Import what a worker needs, announce readiness, beat while waiting, block until assigned a rank.
+
+    The answer to an Assign (SpareTaken) is sent before the script runs: the
+    agent kills a spare that does not give it within --spare-take-timeout,
+    so a stopped or wedged spare costs a recovery seconds, not the init timeout.
+    """
+    from undying.messages import Assign, SpareReady, SpareTaken, decode, encode
 
     for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
@@ -75,13 +102,20 @@ def _wait_as_spare(script: Path) -> None:
     with socket.create_connection((host, int(port)), timeout=30) as channel:
         channel.settimeout(None)
         channel.sendall(encode(SpareReady(os.getpid(), time.time())))
+        stop = threading.Event()
+        beats = threading.Thread(target=_beat, args=(channel, stop, spare_beat_interval()),
+                                 name="undying-spare-beat", daemon=True)
+        beats.start()
         reader = channel.makefile("rb")
         line = reader.readline()
+        stop.set()
         if not line:
             os._exit(0)  # the agent let the spare go
         message = decode(line)
         if not isinstance(message, Assign):
             raise RuntimeError(f"a spare expected a rank, got {message!r}")
+        beats.join(5.0)  # (a beat in the middle of its send finishes it first: lines never interleave)
+        channel.sendall(encode(SpareTaken(os.getpid(), time.time())))
         os.environ.update(message.env)
 
 

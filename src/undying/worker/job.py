@@ -43,6 +43,7 @@ from undying.checkpoint import (
     state_nbytes,
     tensor_shapes,
 )
+from undying.checkpoint.room import describe_os_error, with_room
 from undying.checkpoint.sharded import read_manifest
 from undying.config import EXIT_FENCED, EXIT_PREEMPTED, EXIT_REGROUPED
 from undying.errors import ControlStoreLostError, FencedError, RecoveryError, UsageError
@@ -463,7 +464,7 @@ class Job:
             cfg = self.env.checkpoint
             self._ckpt = AsyncCheckpointer(
                 cfg.dir, job_id=self.env.job_id, world_size=self.world_size, keep=cfg.keep,
-                if_busy="skip", on_done=self._report_save,
+                if_busy="skip", on_done=self._report_save, on_pruned=self._report_pruned,
             )
         return self._ckpt
 
@@ -475,7 +476,12 @@ class Job:
                                        result.write_s, result.bytes, time.time()))
         elif error is not None:
             self._send(CheckpointSaved(self.rank, error.step, "periodic", "", 0.0, 0.0, 0, time.time(),
-                                       error=str(error)))
+                                       error=str(error), os_error=describe_os_error(error)))
+
+    def _report_pruned(self, step: int, names: list[str]) -> None:
+        """The save of ``step`` found no room and deleted older checkpoints first: the log says which."""
+        self._send(Progress(self.rank, self.generation, "checkpoint_room_made", time.time(), step=step,
+                            detail={"removed": names}))
 
     def _maybe_save(self, state: State, index: int) -> bool:
         """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training.
@@ -610,18 +616,19 @@ class Job:
             log.warning("rank %d: %s: the checkpoint of step %d already exists: %s", self.rank, kind, step, reused[1])
             self._send(CheckpointSaved(self.rank, step, "existing", reused[1], 0.0, 0.0, 0, t))
             return
+        env = self.env
         try:
-            result = save_replicated(
-                ckpt.store, step, state.state_dict(), job_id=self.env.job_id, generation=self.generation,
-                world_size=self.world_size, kind=kind, keep=self.env.checkpoint.keep,
+            result = with_room(ckpt.store, lambda: save_replicated(
+                ckpt.store, step, state.state_dict(), job_id=env.job_id, generation=self.generation,
+                world_size=self.world_size, kind=kind, keep=env.checkpoint.keep,
                 meta=self._data_meta(step),
-            )
+            ), on_pruned=lambda names: self._report_pruned(step, names))
             self._send(CheckpointSaved(self.rank, step, kind, result.path, 0.0, result.write_s,
                                        result.bytes, time.time()))
         except Exception as e:
             log.error("rank %d: %s checkpoint of step %d failed: %s", self.rank, kind, step, e)
             self._send(CheckpointSaved(self.rank, step, kind, "", 0.0, time.time() - t, 0, time.time(),
-                                       error=f"{type(e).__name__}: {e}"))
+                                       error=f"{type(e).__name__}: {e}", os_error=describe_os_error(e)))
 
     def _save_and_leave(self, state: State | None, step: int, saver: int) -> None:
         """A regroup generation: every member holds the same state now; ``saver`` (the restore's donor,
