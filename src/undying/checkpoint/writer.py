@@ -34,6 +34,7 @@ from undying.checkpoint.store import (
     CheckpointError,
     PendingCheckpoint,
     Store,
+    default_checksum,
     prune,
     start_writeback,
     verify,
@@ -265,7 +266,7 @@ def save_replicated(
     digest: str | None = None,
     meta: dict[str, Any] | None = None,
     layout_extra: dict[str, Any] | None = None,
-    checksum: Checksum = "crc32",
+    checksum: Checksum | None = None,
     overwrite: bool = True,
     keep: int | None = None,
     blocking_s: float = 0.0,
@@ -281,6 +282,7 @@ def save_replicated(
     pending = PendingCheckpoint(store, step, overwrite=overwrite)
     try:
         with store.open_write(pending.file_path(STATE_FILE)) as f:
+            checksum = checksum or default_checksum()
             w = _HashingWriter(f, checksum, writeback=store.local)
             try:
                 _torch_save(state_dict, w)
@@ -436,7 +438,7 @@ class AsyncCheckpointer:
         world_size: int = 1,
         keep: int | None = None,
         if_busy: Literal["wait", "skip"] = "wait",
-        checksum: Checksum = "crc32",
+        checksum: Checksum | None = None,
         layout_extra: dict[str, Any] | None = None,
         on_done: Callable[[SaveResult | None, CheckpointWriteError | None], None] | None = None,
         max_attempts: int = 3,
@@ -454,7 +456,7 @@ class AsyncCheckpointer:
         self.world_size = world_size
         self.keep = keep
         self.if_busy = if_busy
-        self.checksum: Checksum = checksum
+        self.checksum: Checksum | None = checksum
         self.layout_extra = layout_extra
         self.on_done = on_done  # called from the writer thread with the result or the error
         self.max_attempts = max_attempts
