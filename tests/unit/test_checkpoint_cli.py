@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from undying.checkpoint import save_replicated
+from undying.checkpoint.mac import key_from_token, using_key
 from undying.cli.main import main
 
 
@@ -16,8 +18,10 @@ from undying.cli.main import main
 def job(tmp_path: Path) -> Path:
     job_dir = tmp_path / "job"
     root = job_dir / "checkpoints"
-    save_replicated(root, 10, {"w": torch.ones(100)}, job_id="j", world_size=4)
-    save_replicated(root, 20, {"w": torch.ones(100)}, job_id="j", world_size=4, kind="dying-gasp")
+    # Written as a job writes them: signed under the key of its token (the session's, from env).
+    with using_key(key_from_token(os.environ["UNDYING_TOKEN"])):
+        save_replicated(root, 10, {"w": torch.ones(100)}, job_id="j", world_size=4)
+        save_replicated(root, 20, {"w": torch.ones(100)}, job_id="j", world_size=4, kind="dying-gasp")
     return job_dir
 
 

@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 from undying.agent.agent import Agent
+from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
+from undying.manager.auth import ensure_token
 from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog
 from undying.manager.http import start_http
@@ -46,6 +48,8 @@ def _check_script(script: str) -> None:
 async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int:
     job_dir = JobDir(Path(config.job_dir))
     job_dir.prepare()
+    key = key_from_token(ensure_token(job_dir.path))
+    set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
     events = EventLog(job_dir.events_db)
     manager = Manager(config, events)
     try:
@@ -54,6 +58,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
             config, node=config.node_rank, script=script, script_args=script_args,
             manager=manager, control_port=control_port,
         )
+        agent.extra_env[KEY_ENV] = key.hex()
         await agent.start()
         manager.add_agent(agent)
         runner, url = await start_http(manager, config.host, config.http_port, open_status=config.open_status)

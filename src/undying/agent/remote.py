@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 
 from undying.agent.agent import Agent
+from undying.checkpoint.mac import KEY_ENV, key_from_token
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.messages import (
@@ -229,6 +230,7 @@ class NodeRunner:
         self.agent = Agent(config, node=config.node_rank, script=script, script_args=script_args,
                            manager=self.client, control_port=0)
         self.agent.manager_host = self.manager_host
+        self.agent.extra_env[KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
         self.session = ""
         self._last_beat = 0.0
         self._leaving: str = ""

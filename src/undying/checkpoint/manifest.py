@@ -161,6 +161,10 @@ class Manifest:
     ``job_id`` names the job that wrote the checkpoint, so a resume can tell a
     checkpoint of another job (``checks.check_same_job``). "" when unknown: a
     checkpoint written outside a job, or a manifest without the field.
+
+    ``mac`` is the job's HMAC-SHA256 of everything else in the manifest
+    (``checkpoint.mac``): None when written outside a job, and then left out
+    of the JSON.
     """
 
     step: int
@@ -175,6 +179,7 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
     tensors: dict[str, dict[str, Any]] | None = None
+    mac: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -213,6 +218,8 @@ class Manifest:
         }
         if self.tensors is not None:
             out["tensors"] = {name: dict(spec) for name, spec in self.tensors.items()}
+        if self.mac is not None:
+            out["mac"] = self.mac
         return out
 
     def to_json(self) -> str:
@@ -239,6 +246,9 @@ class Manifest:
             job_id = ""
         elif not isinstance(job_id, str):
             raise ManifestError(f"manifest 'job_id' must be a string, got {job_id!r}")
+        mac = d.get("mac")
+        if mac is not None and not isinstance(mac, str):
+            raise ManifestError(f"manifest 'mac' must be a string or absent, got {type(mac).__name__}")
         tensors = d.get("tensors")
         if tensors is not None and not isinstance(tensors, dict):
             raise ManifestError(f"manifest 'tensors' must be an object or absent, got {type(tensors).__name__}")
@@ -255,6 +265,7 @@ class Manifest:
             meta=dict(meta),
             schema=schema,
             tensors=None if tensors is None else {k: dict(v) if isinstance(v, dict) else v for k, v in tensors.items()},
+            mac=mac,
         )
 
     @classmethod

@@ -39,6 +39,7 @@ from undying.checkpoint.store import (
     Latest,
     PendingCheckpoint,
     Store,
+    default_checksum,
     latest_valid,
     prune,
     verify,
@@ -110,7 +111,7 @@ def save_sharded(
     digest: str | None = None,
     meta: dict[str, Any] | None = None,
     layout_extra: dict[str, Any] | None = None,
-    checksum: Checksum = "crc32",
+    checksum: Checksum | None = None,
     overwrite: bool = True,
     keep: int | None = None,
 ) -> SaveResult:
@@ -120,6 +121,7 @@ def save_sharded(
     is the group's size and its layout ``{"kind": "sharded", "planner": "dcp"}``
     plus ``layout_extra`` (e.g. the mesh shape, for a restore planner).
     """
+    checksum = checksum or default_checksum()
     rank, world, distributed = _dist(group)
     store = Store.open(root)
     started = time.perf_counter()

@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
+import json
 import logging
 import os
 import posixpath
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from undying.checkpoint.mac import current_key, mac_of, mac_problem
 from undying.checkpoint.manifest import (
     MANIFEST_NAME,
     Checksum,
@@ -300,6 +303,19 @@ class Store:
             self.fs.rm(path, recursive=True)
 
 
+def default_checksum() -> Checksum:
+    """SHA-256 where this process signs its checkpoints (a MAC over a CRC would vouch for nothing), else CRC32."""
+    return "sha256" if current_key() is not None else "crc32"
+
+
+def signed(manifest: Manifest) -> Manifest:
+    """``manifest`` with the job's MAC (``checkpoint.mac``), or as it is where this process holds no key."""
+    key = current_key()
+    if key is None:
+        return manifest
+    return dataclasses.replace(manifest, mac=mac_of(dataclasses.replace(manifest, mac=None).to_dict(), key))
+
+
 # -- discovery ------------------------------------------------------------------
 
 
@@ -355,6 +371,13 @@ def _check(store: Store, name: str, *, checksums: bool) -> Checkpoint:
         ckpt.problems.append(f"{MANIFEST_NAME} is corrupt: {e}")
         return ckpt
     ckpt.manifest = manifest
+    key = current_key()
+    if key is not None:
+        # Before any file is trusted (or read): a checkpoint the job did not sign is not the job's.
+        problem = mac_problem(json.loads(raw), key)
+        if problem is not None:
+            ckpt.problems.append(problem)
+            return ckpt
     if manifest.step != step:
         ckpt.problems.append(f"{MANIFEST_NAME} says step {manifest.step}, the folder is {name}")
     for entry in manifest.files:
@@ -590,7 +613,7 @@ class PendingCheckpoint:
                     store.rename(self.final_path, replaced)
                 store.rename(self.work_path, self.final_path)
                 moved = True
-            store.write_atomic(store.join(self.name, MANIFEST_NAME), manifest.to_json().encode())
+            store.write_atomic(store.join(self.name, MANIFEST_NAME), signed(manifest).to_json().encode())
         except BaseException:
             # Undo what can be undone; a process killed here leaves a step-* folder without
             # a manifest, which discovery skips as partial and prune removes later.

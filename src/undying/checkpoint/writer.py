@@ -35,6 +35,7 @@ from undying.checkpoint.store import (
     CheckpointError,
     PendingCheckpoint,
     Store,
+    default_checksum,
     prune,
     start_writeback,
     verify,
@@ -266,7 +267,7 @@ def save_replicated(
     digest: str | None = None,
     meta: dict[str, Any] | None = None,
     layout_extra: dict[str, Any] | None = None,
-    checksum: Checksum = "crc32",
+    checksum: Checksum | None = None,
     overwrite: bool = True,
     keep: int | None = None,
     blocking_s: float = 0.0,
@@ -282,6 +283,7 @@ def save_replicated(
     pending = PendingCheckpoint(store, step, overwrite=overwrite)
     try:
         with store.open_write(pending.file_path(STATE_FILE)) as f:
+            checksum = checksum or default_checksum()
             w = _HashingWriter(f, checksum, writeback=store.local)
             try:
                 _torch_save(state_dict, w)
@@ -437,7 +439,7 @@ class AsyncCheckpointer:
         world_size: int = 1,
         keep: int | None = None,
         if_busy: Literal["wait", "skip"] = "wait",
-        checksum: Checksum = "crc32",
+        checksum: Checksum | None = None,
         layout_extra: dict[str, Any] | None = None,
         on_done: Callable[[SaveResult | None, CheckpointWriteError | None], None] | None = None,
         on_pruned: Callable[[int, list[str]], None] | None = None,
@@ -456,7 +458,7 @@ class AsyncCheckpointer:
         self.world_size = world_size
         self.keep = keep
         self.if_busy = if_busy
-        self.checksum: Checksum = checksum
+        self.checksum: Checksum | None = checksum
         self.layout_extra = layout_extra
         self.on_done = on_done  # called from the writer thread with the result or the error
         self.on_pruned = on_pruned  # (step, names) when a save had to delete older checkpoints for room

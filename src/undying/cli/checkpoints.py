@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -13,8 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from undying.checkpoint import Checkpoint, CheckpointError, Store, scan
+from undying.checkpoint.mac import key_from_token, using_key
 from undying.cli.client import resolve_job_dir
 from undying.errors import UsageError
+from undying.manager.auth import find_token
 
 __all__ = ["add_parser", "resolve_root", "checkpoint_row"]
 
@@ -34,7 +37,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--step", type=int, help="only this step (verify, show; show defaults to the latest valid)")
     p.add_argument("--quick", action="store_true", help="list: check sizes only, not checksums (no file reads)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="the job's token, whose key checks each checkpoint's MAC (default: env UNDYING_TOKEN, else "
+                   "<job dir>/token); without one, MACs are not checked and the listing says so")
     p.set_defaults(func=run)
+
+
+def _key(args: argparse.Namespace) -> bytes | None:
+    """The job's checkpoint key when its token can be found (then MACs are checked), else None."""
+    job_dir: Path | None = None
+    if args.root is None:
+        with contextlib.suppress(UsageError):
+            job_dir = Path(resolve_job_dir(args.job_dir).path)
+    token = find_token(job_dir, args.token_file)
+    return key_from_token(token) if token else None
 
 
 def resolve_root(job_dir: str | None, root: str | None) -> Store:
@@ -114,13 +130,22 @@ def _select(store: Store, step: int | None, *, checksums: bool) -> list[Checkpoi
 
 def run(args: argparse.Namespace) -> int:
     store = resolve_root(args.job_dir, args.root)
+    key = _key(args)
+    with using_key(key):
+        return _run(args, store, mac_checked=key is not None)
+
+
+def _run(args: argparse.Namespace, store: Store, *, mac_checked: bool) -> int:
     out = sys.stdout
     now = time.time()
     where = store.url_of(store.root)
+    if not mac_checked and not args.json:
+        sys.stderr.write("note: no token found (--token-file, UNDYING_TOKEN or <job dir>/token): checkpoint MACs "
+                         "are not checked, only sizes and checksums\n")
     if args.action == "list":
         rows = [checkpoint_row(c, now) for c in _select(store, args.step, checksums=not args.quick)]
         if args.json:
-            out.write(json.dumps({"root": where, "checkpoints": rows}) + "\n")
+            out.write(json.dumps({"root": where, "mac_checked": mac_checked, "checkpoints": rows}) + "\n")
             return 0
         console = Console(file=out)
         if not rows:
@@ -140,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         bad = [c for c in found if not c.valid]
         if args.json:
             rows = [{"path": c.url, "step": c.step, "valid": c.valid, "problems": c.problems} for c in found]
-            out.write(json.dumps({"root": where, "ok": bool(found) and not bad, "checkpoints": rows}) + "\n")
+            out.write(json.dumps({"root": where, "ok": bool(found) and not bad, "mac_checked": mac_checked,
+                                  "checkpoints": rows}) + "\n")
         else:
             if not found:
                 out.write(f"no checkpoints under {where}\n")

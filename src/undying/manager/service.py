@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from undying.checkpoint.mac import key_from_token, set_key
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
@@ -118,6 +119,7 @@ async def _serve(options: ManagerOptions) -> int:
     restart = _resumable(job_dir, options.job_id) if job_dir.path.is_dir() else False
     job_dir.prepare(keep_log=restart)
     token = ensure_token(job_dir.path)
+    set_key(key_from_token(token))  # the checkpoints it resumes from are checked under the job's key
     gate = _Gate(options, token)
     prior = read_job_table(job_dir.events_db) if restart else {}
     heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", 30.0))

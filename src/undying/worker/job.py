@@ -43,7 +43,9 @@ from undying.checkpoint import (
     state_nbytes,
     tensor_shapes,
 )
+from undying.checkpoint.mac import key_from_environ, set_key
 from undying.checkpoint.room import describe_os_error, with_room
+from undying.checkpoint.safe_load import check_state_loadable, refused_global
 from undying.checkpoint.sharded import read_manifest
 from undying.config import EXIT_FENCED, EXIT_PREEMPTED, EXIT_REGROUPED
 from undying.errors import ControlStoreLostError, FencedError, RecoveryError, UsageError
@@ -195,7 +197,10 @@ class Job:
     def __init__(self, env: WorkerEnv | None) -> None:
         self.env = env
         self.managed = env is not None
+        if self.managed:
+            set_key(key_from_environ())  # checkpoints signed and checked under the job's key (checkpoint.mac)
         self.current_step = 0
+        self._state_checked = False  # the state's weights_only round trip, done at the first commit
         self._wrappers: list[GenerationalDDP] = []
         self._stash: tuple[int, dict[str, Any]] | None = None
         self._abort_reason = ""
@@ -370,6 +375,8 @@ class Job:
                 yield step
                 if step.outcome is Outcome.COMMITTED:
                     committed = index
+                    if not self._state_checked:
+                        self._check_state_loadable(state, index)
                     cursor.forget_through(index)
                     if self.managed and not self._maybe_save(state, index):
                         committed = self._recover(state, committed, clean=True)
@@ -414,6 +421,15 @@ class Job:
         if self.managed:
             self._send(StepCommitted(self.rank, self.generation, step.index, time.time(), step.metrics))
 
+    def _check_state_loadable(self, state: State, index: int) -> None:
+        """Once, at the first commit: a state that weights_only=True would refuse fails now, by name."""
+        self._state_checked = True
+        try:
+            check_state_loadable({**state.state_dict(), "_undying": {"data_origin": self._data_origin}})
+        except UsageError as e:
+            self._report_fatal(index, e)
+            raise
+
     def _report_fatal(self, index: int, exc: Exception) -> None:
         if self.managed:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -450,9 +466,13 @@ class Job:
             return
         try:
             payload, manifest = load_replicated(path)
-        except pickle.UnpicklingError:
-            # The state holds Python objects beyond tensors and containers; the job's own checkpoint.
-            payload, manifest = load_replicated(path, weights_only=False)
+        except pickle.UnpicklingError as e:
+            # Never loaded with weights_only=False: a checkpoint must not be able to run code.
+            raise UsageError(
+                f"checkpoint {path} holds {refused_global(e) or 'an object that is not plain data'}, which undying "
+                "will not unpickle (weights_only=True); register the class with "
+                "torch.serialization.add_safe_globals in the script if it is yours and safe"
+            ) from e
         self._stash = (manifest.step, payload)
         self._resumed = (manifest.step, path)
         self._resumed_manifest = manifest

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from undying.checkpoint.safe_load import load_state_bytes
 from undying.errors import NoStateSourceError, RecoveryError
 
 __all__ = [
@@ -127,4 +128,4 @@ def recv_state(donor: int) -> dict[str, Any]:
         raise RecoveryError(
             f"state from rank {donor} failed its checksum (crc32 {actual:#x}, expected {expected:#x})"
         )
-    return torch.load(io.BytesIO(raw), weights_only=False)
+    return load_state_bytes(raw, source=f"rank {donor}")

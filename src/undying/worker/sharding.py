@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
+from undying.checkpoint.safe_load import load_state_bytes
 from undying.errors import RecoveryError, UsageError
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def load_shard_bytes(state: State, data: bytes) -> dict[str, Any]:
     to them). Optimizer state is rebuilt as DTensors laid out like the
     parameter it belongs to, then loaded the optimizer's own way.
     """
-    payload = torch.load(io.BytesIO(data), weights_only=False)
+    payload = load_state_bytes(data, source="a replica")
     if state.model is not None:
         live = state.model.state_dict()
         saved = payload["model"]
