@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from undying.agent.agent import Agent
+from undying.agent.netif import interface_for
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
@@ -51,6 +52,11 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
             config, node=config.node_rank, script=script, script_args=script_args,
             manager=manager, control_port=control_port,
         )
+        # gloo binds the address of the machine's hostname: on one node, keep its connections on the
+        # interface the job listens on (loopback by default) unless the user chose one.
+        interface = interface_for(config.host)
+        if interface is not None:
+            agent.extra_env["GLOO_SOCKET_IFNAME"] = interface
         await agent.start()
         manager.add_agent(agent)
         runner, url = await start_http(manager, config.host, config.http_port, open_status=config.open_status)
