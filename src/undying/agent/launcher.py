@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from undying.agent.agent import Agent
+from undying.agent.netif import interface_for
 from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
 from undying.config import JobConfig
 from undying.errors import UsageError
@@ -59,6 +60,11 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
             manager=manager, control_port=control_port,
         )
         agent.extra_env[KEY_ENV] = key.hex()
+        # gloo binds the address of the machine's hostname: on one node, keep its connections on the
+        # interface the job listens on (loopback by default) unless the user chose one.
+        interface = interface_for(config.host)
+        if interface is not None:
+            agent.extra_env["GLOO_SOCKET_IFNAME"] = interface
         await agent.start()
         manager.add_agent(agent)
         runner, url = await start_http(manager, config.host, config.http_port, open_status=config.open_status)

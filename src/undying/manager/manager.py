@@ -47,6 +47,7 @@ from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
 from undying.manager.policy import Action, Decision, PolicyContext, decide, stall_culprits
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
+from undying.manager.stores import bound_store
 from undying.messages import (
     INJECT_PHASES,
     SLOW_PHASES,
@@ -254,15 +255,9 @@ class Manager:
 
     def start_control_store(self) -> int:
         try:
-            self._control = dist.TCPStore(
-                self.config.host,
-                self.config.port,
-                None,
-                True,
-                timeout=timedelta(seconds=self.config.timeouts.rendezvous),
-                wait_for_workers=False,
-            )
-        except (RuntimeError, dist.DistError) as e:
+            self._control = bound_store(self.config.host, self.config.port,
+                                        timedelta(seconds=self.config.timeouts.rendezvous))
+        except (OSError, RuntimeError, dist.DistError) as e:
             if "in use" in str(e).lower() or "EADDRINUSE" in str(e):
                 raise UsageError(
                     f"port {self.config.port} is in use; pass --port with a free port, or --port 0 to pick one"
@@ -379,8 +374,7 @@ class Manager:
         assert self._control is not None
         if self.generation < 0:
             return
-        store = dist.TCPStore(self.config.host, 0, None, True,
-                              timeout=timedelta(seconds=self.config.timeouts.connect), wait_for_workers=False)
+        store = bound_store(self.config.host, 0, timedelta(seconds=self.config.timeouts.connect))
         self._gen_stores[self.generation] = store
         record = GenerationRecord(self.generation, self.world_size, self.config.host, store.port,
                                   reason="the manager restarted")
@@ -402,10 +396,7 @@ class Manager:
         """The next generation, of every rank of the layout or, for a regroup, of ``members`` (renumbered)."""
         assert self._control is not None
         previous = self.generation
-        store = dist.TCPStore(
-            self.config.host, 0, None, True,
-            timeout=timedelta(seconds=self.config.timeouts.connect), wait_for_workers=False,
-        )
+        store = bound_store(self.config.host, 0, timedelta(seconds=self.config.timeouts.connect))
         self.generation += 1
         record = GenerationRecord(
             generation=self.generation,

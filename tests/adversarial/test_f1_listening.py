@@ -1,0 +1,82 @@
+"""Finding 1, "Open c10d stores" (the listening half): every socket of a single-node job is on loopback.
+
+Before: the manager's control store and each generation's rendezvous store were
+``TCPStore`` servers listening on every interface (``*:port``), reachable from
+any network the machine is on. Now the manager binds them itself on the job's
+address (``bound_store``); gloo's data connections of a single-node job stay on
+the loopback interface. What is still open (the stores do not authenticate
+their clients) is written in docs/security.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.jobs import manager_url, start_job, wait_running
+from undying.manager.stores import bound_store
+
+LOOPBACK = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
+
+
+def _descendants(pid: int) -> set[int]:
+    found, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child in (Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+                      if Path(f"/proc/{parent}").exists() else []):
+            if int(child) not in found:
+                found.add(int(child))
+                frontier.append(int(child))
+    return found
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """``address:port`` of every TCP socket the processes ``pids`` listen on."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=10, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        if any(f"pid={pid}," in line for pid in pids):
+            found.append(line.split()[3])
+    return found
+
+
+def _other_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET: only the route is looked up, nothing is sent
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+def test_a_store_listens_only_on_the_address_it_was_given() -> None:
+    store = bound_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
+    store.set("k", "v")
+    addresses = [a for a in _listening({os.getpid()}) if a.endswith(f":{store.port}")]
+    assert addresses == [f"127.0.0.1:{store.port}"], addresses
+    other = _other_address()
+    if other is None:
+        pytest.skip("this machine has no address but loopback to try from")
+    with pytest.raises(OSError), socket.create_connection((other, store.port), timeout=2):
+        pass
+
+
+def test_every_socket_of_a_single_node_job_is_on_loopback(tmp_path: Path, reap: list[int]) -> None:
+    """Launcher (manager, stores, HTTP API, agent), workers (gloo) and the warm spare: all on 127.0.0.1."""
+    job = start_job(tmp_path / "job", ["--epochs", "3", "--step-seconds", "0.05"], ranks=2, reap=reap,
+                    run_args=["--spares", "1"])
+    wait_running(manager_url(tmp_path / "job"), min_step=3)
+    pids = _descendants(job.pid)
+    assert len(pids) >= 4, pids  # the launcher, two ranks, a spare
+    addresses = _listening(pids)
+    assert len(addresses) >= 4, addresses  # control store, generation store, HTTP API, agent, gloo
+    assert all(a.rsplit(":", 1)[0] in LOOPBACK for a in addresses), addresses
+    assert job.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
