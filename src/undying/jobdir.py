@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +53,40 @@ class JobDir:
                     "pass another --job-dir or --job-id"
                 )
         if self.events_db.exists() and not keep_log:
-            # A new run of a finished job starts a new log; keep the old one beside it.
-            self.events_db.rename(self.path / f"events.{int(self.events_db.stat().st_mtime)}.db")
-            for suffix in ("-wal", "-shm"):
-                stale = Path(str(self.events_db) + suffix)
-                if stale.exists():
-                    stale.unlink()
+            self.archive_log()
+
+    def archive_log(self) -> Path:
+        """Set the last launch's log aside whole, as ``events.<time>.db``, and return where.
+
+        A new launch starts a new log (its generations, incidents and steps are
+        its own), so the old one is kept beside it, and ``undying status`` lists
+        it. Whole means with its write-ahead log: a launcher killed mid-run
+        leaves events in ``events.db-wal`` that are in no other file. Opening
+        the database recovers them and a checkpoint folds them in; a log that
+        cannot be opened moves with its ``-wal`` and ``-shm`` under the new name,
+        where SQLite finds them. Nothing is ever deleted.
+        """
+        stamp = int(self.events_db.stat().st_mtime)
+        target = self.path / f"events.{stamp}.db"
+        n = 1
+        while target.exists():
+            target = self.path / f"events.{stamp}-{n}.db"
+            n += 1
+        with contextlib.suppress(sqlite3.Error):
+            db = sqlite3.connect(self.events_db)
+            try:
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                db.close()
+        for suffix in ("", "-wal", "-shm"):
+            part = Path(str(self.events_db) + suffix)
+            if part.exists():
+                os.replace(part, Path(str(target) + suffix))
+        return target
+
+    def earlier_logs(self) -> list[Path]:
+        """The logs of earlier launches in this job dir, oldest first."""
+        return sorted(self.path.glob("events.*.db"), key=lambda p: p.stat().st_mtime)
 
     def write_manager(self, info: dict[str, Any]) -> None:
         tmp = self.manager_file.with_suffix(".tmp")

@@ -9,10 +9,13 @@ snapshot, the watch and the facts on the web page stay the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sqlite3
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -23,7 +26,7 @@ from rich.text import Text
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobdir import JobDir
-from undying.manager.events import read_job
+from undying.manager.events import connect_readonly, read_job
 
 __all__ = ["add_parser", "collect_status", "render", "view", "watch"]
 
@@ -62,13 +65,46 @@ def _positive_seconds(value: str) -> float:
 
 
 def collect_status(job_dir: str | None, manager: str | None, token_file: str | None = None) -> dict[str, Any]:
-    """The running job from its manager (with the job's token); a finished one from its log (no token)."""
+    """The running job from its manager (with the job's token); a finished one from its log (no token).
+
+    Either way with the earlier launches whose logs the job dir keeps (``JobDir.archive_log``).
+    """
     try:
-        return _live_status(connect(manager, job_dir, token_file))
+        status = _live_status(connect(manager, job_dir, token_file))
+        jd: JobDir | None = None
+        if manager is None:
+            with contextlib.suppress(UsageError):
+                jd = resolve_job_dir(job_dir)
     except JobNotRunningError:
         if manager is not None:
             raise
-    return _logged_status(resolve_job_dir(job_dir))
+        jd = resolve_job_dir(job_dir)
+        status = _logged_status(jd)
+    status["earlier_runs"] = [_earlier_run(p) for p in jd.earlier_logs()] if jd is not None else []
+    return status
+
+
+def _earlier_run(log: Path) -> dict[str, Any]:
+    """One earlier launch, from its archived log: how it ended, how far it got, how much it recorded."""
+    try:
+        data = read_job(log)
+    except (UsageError, sqlite3.Error) as e:
+        return {"log": log.name, "state": "unreadable", "error": str(e), "step": None, "events": None}
+    state = data["job"].get("state")
+    db = connect_readonly(log)
+    try:
+        (events,) = db.execute("SELECT COUNT(*) FROM events").fetchone()
+    finally:
+        db.close()
+    return {
+        "log": log.name,
+        # An archived log's launcher is gone by definition: one that never ended was interrupted.
+        "state": state if state in TERMINAL else "interrupted",
+        "job_id": data["job"].get("job_id"),
+        "step": max((c["step"] for c in data["steps"]), default=0),
+        "events": events,
+        "incidents": len(data["incidents"]),
+    }
 
 
 def _live_status(api: Api) -> dict[str, Any]:
@@ -78,22 +114,36 @@ def _live_status(api: Api) -> dict[str, Any]:
 
 
 def _logged_status(jd: JobDir) -> dict[str, Any]:
-    """The job as its SQLite event log last recorded it (the launcher is gone)."""
+    """The job as its SQLite event log last recorded it (the launcher is gone).
+
+    A log that never recorded an end (running, recovering, ...) with no launcher
+    alive was interrupted (the launcher killed, the machine lost): said so, with
+    how to resume, never "running" forever.
+    """
     data = read_job(jd.events_db)
     job = data["job"]
     newest: dict[int, int] = {}
     for commit in data["steps"]:
         newest[commit["rank"]] = max(newest.get(commit["rank"], 0), commit["step"])
+    state = job.get("state")
+    exit_reason = job.get("exit_reason", "")
+    info = jd.read_manager()
+    starting = state == "starting" and info is None  # a launcher that has not written its address yet
+    if state not in TERMINAL and not starting:
+        exit_reason = (f"interrupted: the log says {state}, but no launcher of this job is alive (killed, or its "
+                       "machine lost); run the same `undying run` command again to resume from its latest "
+                       "checkpoint")
+        state = "interrupted"
     return {
         "job_id": job.get("job_id"),
-        "state": job.get("state"),
+        "state": state,
         "generation": job.get("generation"),
         "world_size": job.get("world_size"),
         "started_at": job.get("started_at"),
         # A rank's row is not rewritten per step (the manager keeps steps in their own table).
         "step": min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0),
         "rerun_steps": job.get("rerun_steps", []),
-        "exit_reason": job.get("exit_reason", ""),
+        "exit_reason": exit_reason,
         "preemption": job.get("preemption"),
         "ranks": data["ranks"],
         "incidents": data["incidents"],
@@ -140,6 +190,9 @@ def view(status: dict[str, Any], note: str = "") -> Group:
     if status.get("step_times"):
         parts.append(_step_time_line(status["step_times"]))
     parts.append(_ranks_table(status.get("ranks") or []))
+    for run in status.get("earlier_runs") or []:
+        parts.append(Text(f"  earlier launch in this job dir: {run['log']}: {run['state']}, last step {run['step']}, "
+                          f"{run['events']} events, {run.get('incidents', 0)} incident(s)"))
     incidents = status.get("incidents") or []
     if not incidents:
         parts.append(Text("no incidents"))
