@@ -213,8 +213,10 @@ def test_a_manager_killed_while_the_job_waits_for_a_node_carries_the_regroup_on(
     os.kill(cluster.manager.pid, signal.SIGKILL)
     cluster.manager.wait(10)
     cluster.start_manager()
-    status = wait_for(lambda: _status_or_none(cluster), 30, "the restarted manager's API")
-    assert (status.get("regroup") or {}).get("waiting_for_nodes_since"), status.get("regroup")
+    # What the old one had not committed yet (the member's exit), the agent tells the new one again.
+    waiting = wait_for(lambda: ((_status_or_none(cluster) or {}).get("regroup") or {}).get("waiting_for_nodes_since")
+                       and _status_or_none(cluster), 30, "the restarted manager waiting for a node")
+    assert waiting["state"] == "recovering" and waiting["regroup"]["left"] == [0], waiting["regroup"]
     cluster.start_agent(1, hosts.add_host())
     assert cluster.wait(150) == 0, cluster.logs()
     baseline = oracle.baseline(SCRIPT_ARGS, ranks=2)

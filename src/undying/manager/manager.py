@@ -1146,6 +1146,7 @@ class Manager:
             return
         for rank in regroup.to_release():  # the state is saved: whoever is left holds nothing more
             regroup.released.append(rank)
+            self._persist_regroup()
             self._agents[self.ranks[rank].node].kill(rank, signal.SIGKILL)
         self._maybe_form_world()  # (also what a restarted manager waited for)
         if self._regroup is not regroup:
@@ -1184,7 +1185,8 @@ class Manager:
             incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
             self.events.incident(incident)
             log.warning("job %s gen %d: %s during the regroup; %s", self.config.job_id, self.generation, what,
-                        "its members meet again" if self._regroup.remaining() else "no member is left")
+                        "the state is saved" if self._regroup.saved else
+                        "the members left meet again" if self._regroup.remaining() else "no member is left")
         self._persist_regroup()
         self._maybe_form_world()
 

@@ -94,7 +94,8 @@ class Regroup:
         self.left[rank] = returncode
         if returncode == EXIT_REGROUPED or rank in self.released:
             return False
-        self.faults.append(fault)
+        if fault not in self.faults:  # (a node's ranks are lost together: one fault)
+            self.faults.append(fault)
         if not self.saved:
             self.broken = ""  # the exit explains the broken group
             self.replan_at = time.time()
