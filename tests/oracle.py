@@ -73,6 +73,7 @@ class Oracle:
     def __init__(self, root: Path) -> None:
         self._root = root
         self._baselines: dict[tuple[Any, ...], RunRecord] = {}
+        self._regrouped: dict[tuple[Any, ...], RunRecord] = {}
 
     def baseline(self, script_args: Sequence[str], ranks: int) -> RunRecord:
         key = (ranks, tuple(script_args))
@@ -94,7 +95,12 @@ class Oracle:
         """
         # --step-seconds only makes a step last longer (the losses are the same): the references run at full speed.
         script_args = _without_option(script_args, "--step-seconds")
-        first = self._root / f"regroup-from-{ranks}" / f"regroup-{at_step}"
+        key = (tuple(script_args), ranks, then, at_step)
+        if key in self._regrouped:
+            return self._regrouped[key]
+        # Folders of their own per reference: another size or step must not resume from this one's checkpoints.
+        n = len(self._regrouped)
+        first = self._root / f"regroup-{n}-from-{ranks}" / f"regroup-{at_step}"
         first.parent.mkdir(parents=True, exist_ok=True)
         rc = run_job(first, list(script_args), ranks=ranks, timeout_s=180,
                      extra_run_args=["--spares", "0", "--save-every", str(at_step), "--keep", "1000"])
@@ -102,7 +108,7 @@ class Oracle:
         saved = first / "checkpoints" / f"step-{at_step:09d}"
         assert saved.is_dir(), f"no checkpoint of step {at_step} in {first / 'checkpoints'}"
         # Same job id (the folder's name), another folder: the resume takes the checkpoint as this job's.
-        second = self._root / f"regroup-to-{then}" / first.name
+        second = self._root / f"regroup-{n}-to-{then}" / first.name
         checkpoints = second.parent / "checkpoints"
         shutil.copytree(saved, checkpoints / saved.name)
         rc = run_job(second, list(script_args), ranks=then, timeout_s=180,
@@ -110,9 +116,10 @@ class Oracle:
         assert rc == 0, f"the resume on {then} ranks failed ({rc}); log: {second}.log"
         before, after = load_run(first / "events.db"), load_run(second / "events.db")
         assert min(after.losses) == at_step + 1, f"the resume started at step {min(after.losses)}, not {at_step + 1}"
-        return dataclasses.replace(
+        self._regrouped[key] = dataclasses.replace(
             after, losses={**{s: v for s, v in before.losses.items() if s <= at_step}, **after.losses},
             inconsistent_steps=sorted(set(before.inconsistent_steps) | set(after.inconsistent_steps)))
+        return self._regrouped[key]
 
     def run(self, job_dir: Path, script_args: Sequence[str], ranks: int,
             faults: Sequence[FaultPlan] = (), extra_run_args: Sequence[str] = ("--spares", "0"),

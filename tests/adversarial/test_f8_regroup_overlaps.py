@@ -223,9 +223,14 @@ def test_a_manager_killed_while_the_job_waits_for_a_node_carries_the_regroup_on(
     run = load_run(cluster.job_dir / "events.db")
     comparison = compare_runs(baseline, run)
     assert comparison.identical and not run.rerun_steps, (comparison.reasons, cluster.logs())
-    regroup = _the_regroup(read_job(cluster.job_dir / "events.db"))
+    job = read_job(cluster.job_dir / "events.db")
+    regroup = _the_regroup(job)
     assert regroup["world_size"] == 2 and regroup["checkpoint_kind"] == "regroup", regroup
     assert _events(cluster, "manager_restarted"), "the manager did not restart from its log"
+    # Carried on, not begun again (a second save, the node-wait anew) nor the member's exit taken for a crash.
+    assert len(_events(cluster, "regroup")) == 1, _events(cluster, "regroup")
+    assert [(i["kind"], i["rank"]) for i in job["incidents"]] == [("node-loss", 1)], job["incidents"]
+    _assert_carried_on(cluster)
 
 
 def test_a_manager_killed_mid_regroup_with_a_member_stopped_carries_it_through(
@@ -254,3 +259,11 @@ def test_a_manager_killed_mid_regroup_with_a_member_stopped_carries_it_through(
     kinds = sorted((i["kind"], i["rank"]) for i in job["incidents"])
     assert kinds == [("hang", 1), ("node-loss", 2)], job["incidents"]
     assert _events(cluster, "manager_restarted"), "the manager did not restart from its log"
+    _assert_carried_on(cluster)
+
+
+def _assert_carried_on(cluster: Cluster) -> None:
+    """From the regroup on, only regroup generations and the new world's: no member replaced in the old world."""
+    reasons = [e["reason"] for e in _events(cluster, "generation_opened")]
+    first = next(i for i, r in enumerate(reasons) if r.startswith("regroup:"))
+    assert all(r.startswith("regroup:") or " node(s) " in r for r in reasons[first:]), reasons
