@@ -634,11 +634,14 @@ class Job:
 
         The job starts again on its new set of nodes from this checkpoint, so a
         resized world loses no step (see ``undying.rendezvous``). A member leaves
-        only once the saver said it saved (a collective): one that leaves
-        earlier takes the last copy of the state with it if the saver dies
-        mid-save. Returns (no exit) when that collective failed and this member
-        did not save: a member was lost meanwhile, and the manager has the
-        members left meet again (``undying.manager.regroup``).
+        only once the saver is done with its save (a collective that carries
+        whether it saved): one that left earlier would take the last copy of the
+        state with it if the saver died mid-save. Returns (no exit) when that
+        collective failed and this member did not save: a member was lost
+        meanwhile, and the manager has the members left meet again
+        (``undying.manager.regroup``). A save that failed (an OS error, which the
+        saver reported) is no fault of the group: every member leaves, and the
+        job starts from its latest valid checkpoint.
         """
         self._phase = "done"
         self._faults.check("regroup", step)  # (tests: a second fault while the regroup saves)
@@ -646,6 +649,8 @@ class Job:
         try:
             flag = torch.tensor([int(saved)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                log.warning("rank %d: the regroup's save of step %d failed; leaving all the same", self.rank, step)
         except Exception as e:
             if not is_comm_failure(e):
                 raise
