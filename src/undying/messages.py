@@ -88,7 +88,8 @@ RECOVERY_PHASES = (
 # in the forward pass, in backward's gradient all-reduce, in the optimizer
 # step, when it starts a recovery, or (for the rank's next replacement
 # process) once it has joined and received its state.
-INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery", "rejoin")
+# "regroup": in a regroup generation, once the state is restored, before it is saved (see worker.job).
+INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery", "rejoin", "regroup")
 
 # Where an injected slowdown puts its extra time: the forward/backward compute,
 # the wait for the next batch, or the training loop's checkpoint stall.

@@ -46,6 +46,8 @@ from undying.errors import UsageError
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
 from undying.manager.policy import Action, Decision, PolicyContext, decide, stall_culprits
+from undying.manager.regroup import LOG_KEY as REGROUP_KEY
+from undying.manager.regroup import SAVED_KINDS, Regroup, max_attempts
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
 from undying.manager.stores import bound_store
 from undying.messages import (
@@ -149,27 +151,6 @@ class Recovery:
     first_step: dict[int, float] = field(default_factory=dict)
     restored_step: int = -1
     started: float = field(default_factory=time.time)
-
-
-@dataclass
-class Regroup:
-    """The job moving to another set of nodes (see ``Manager._begin_regroup``)."""
-
-    why: str
-    members: dict[int, int]  # old rank -> its number in the regroup generation
-    step: int  # the newest step a member had committed
-    generation: int = -1  # the regroup generation; -1: no member holds the state, a checkpoint is the source
-    started: float = field(default_factory=time.time)
-    left: dict[int, int] = field(default_factory=dict)  # member -> its exit code
-    waiting_since: float = 0.0  # every member left, too few nodes: waiting for more to join
-    checkpoint: Checkpoint | None = None  # what the job starts from once it has the nodes
-
-    def view(self) -> dict[str, Any]:
-        return {
-            "why": self.why, "members": sorted(self.members), "left": sorted(self.left), "step": self.step,
-            "generation": self.generation, "started": self.started, "waiting_for_nodes_since": self.waiting_since or None,
-            "checkpoint": self.checkpoint.url if self.checkpoint else None,
-        }
 
 
 class Manager:
@@ -362,6 +343,8 @@ class Manager:
             self._recovery = Recovery(id=open_incidents[0].recovery, generation=self.generation,
                                       incidents=open_incidents)
         self.sessions = {int(n): str(s) for n, s in job.get("sessions", {}).items()}
+        if job.get(REGROUP_KEY):  # a regroup under way: carried on (see undying.manager.regroup)
+            self._regroup = Regroup.from_log(job[REGROUP_KEY])
         self.events.event("manager_restarted", generation=self.generation, state=self.state.value,
                           incidents=len(self.incidents), open_incidents=[i.id for i in open_incidents])
         log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to %d",
@@ -376,8 +359,11 @@ class Manager:
             return
         store = bound_store(self.config.host, 0, timedelta(seconds=self.config.timeouts.connect))
         self._gen_stores[self.generation] = store
-        record = GenerationRecord(self.generation, self.world_size, self.config.host, store.port,
-                                  reason="the manager restarted")
+        regroup = self._regroup if self._regroup is not None and self._regroup.generation == self.generation else None
+        record = GenerationRecord(self.generation, len(regroup.members) if regroup else self.world_size,
+                                  self.config.host, store.port, reason="the manager restarted",
+                                  members={str(r): m for r, m in regroup.members.items()} if regroup else {},
+                                  purpose="regroup" if regroup else "")
         self._control.set(generation_key(self.generation), record.to_json().decode())
         self._control.set(CURRENT_KEY, str(self.generation))
         for info in self.ranks.values():
@@ -464,9 +450,8 @@ class Manager:
             return
         if self._regroup is not None:
             # Members leave once the state is saved; any other process of the old layout is no fault now.
-            if rank in self._regroup.members:
-                self._regroup.left[rank] = returncode
-                self._maybe_form_world()
+            if rank in self._regroup.members and rank not in self._regroup.left:
+                self._regroup_member_left(info, pid, returncode, t)
             return
         # A rank is finished when it exits cleanly, or when the job's final
         # barrier completed on some rank: then this one passed it too.
@@ -820,6 +805,10 @@ class Manager:
         info.last_seen = message.t
         self.events.event("comm_failure", generation=message.generation, rank=message.rank, step=message.step, error=message.error)
         self._persist_rank(info)
+        if self._regroup is not None:  # the regroup's group broke: it re-plans (after the grace), no retry
+            self._regroup.group_broke(message.generation, f"rank {message.rank}'s group broke ({message.error})",
+                                      self.config.timeouts.comm_error_grace)
+            return
         if message.generation < self.generation:
             return  # the manager already moved on; the worker follows
         task = asyncio.get_running_loop().create_task(self._comm_failure_grace(message))
@@ -1045,7 +1034,7 @@ class Manager:
             self.events.set_job("world_size", self.world_size)
             self.events.set_job("nodes", self._layout_nodes, flush=True)
 
-    def _begin_regroup(self, why: str) -> None:
+    def _begin_regroup(self, why: str, *, again: Regroup | None = None) -> None:
         """Go on with the nodes the job has now: save the state they hold, then start again from it.
 
         The live ranks meet in a regroup generation of their own, renumbered,
@@ -1058,6 +1047,8 @@ class Manager:
         elastic job's membership changes. A sharded state is not whole on the
         survivors (a lost node's shards and their replicas were there): it
         starts again from the latest persisted checkpoint, its steps since re-run.
+        ``again``: the regroup under way broke (a member lost before the state
+        was saved): its live members meet in a new regroup generation.
         """
         available = set(self._nodes_available())
         for agent in self._agents.values():
@@ -1066,13 +1057,14 @@ class Manager:
                       if r in self.ranks and self.ranks[r].node in available
                       and self.ranks[r].state is not RankState.EXITED)
         newest = max((r.step for r in self.ranks.values()), default=0)
-        regroup = Regroup(why=why, members={r: i for i, r in enumerate(live)}, step=newest)
+        regroup = (again.successor(live, newest) if again is not None
+                   else Regroup(why=why, members={r: i for i, r in enumerate(live)}, step=newest, first_members=len(live)))
         self._regroup = regroup
         self._move(JobState.RECOVERING)
         sharded = bool(self._state_layout.get("sharded"))
         if live and not sharded:
             previous = self.generation
-            record = self._open_generation(f"regroup: {why}", members=regroup.members, purpose="regroup")
+            record = self._open_generation(f"regroup: {regroup.cause()}", members=regroup.members, purpose="regroup")
             regroup.generation = record.generation
             for rank in live:
                 self._agents[self.ranks[rank].node].abort(rank, previous, why)
@@ -1080,8 +1072,9 @@ class Manager:
             for rank in live:
                 self._agents[self.ranks[rank].node].kill(rank, signal.SIGKILL)
         self.events.event("regroup", why=why, members=live, generation=regroup.generation, step=newest,
-                          nodes=sorted(available), sharded=sharded)
-        log.warning("job %s: %s; %s", self.config.job_id, why,
+                          nodes=sorted(available), sharded=sharded, attempt=regroup.attempt, faults=regroup.faults)
+        self._persist_regroup()
+        log.warning("job %s: %s; %s", self.config.job_id, regroup.cause(),
                     f"ranks {live} save the state of their newest step, then the job starts again from it"
                     if regroup.generation >= 0 else "the job starts again from its latest checkpoint")
         self._maybe_form_world()
@@ -1089,20 +1082,24 @@ class Manager:
     def _maybe_form_world(self) -> None:
         """Once every member left: start the job on the nodes here from the saved state, or wait for nodes."""
         regroup = self._regroup
-        if regroup is None or set(regroup.members) - set(regroup.left):
+        if regroup is None or regroup.remaining():
             return
+        if regroup.restored_at and time.time() - regroup.restored_at < self.config.timeouts.heartbeat and not all(
+                a.attached for a in self._agents.values()):
+            return  # a restarted manager: the agents have their heartbeat timeout to come back (the watch retries)
         if regroup.checkpoint is None:
             # The members saved synchronously before they left: the newest valid checkpoint is theirs.
             regroup.checkpoint = self._latest_checkpoint()
         ckpt = regroup.checkpoint
         nodes = self._nodes_available()[: self.config.nnodes]
         if ckpt is None:
-            self.fail(f"{regroup.why}: no rank saved the state (exits: {regroup.left or 'none alive'}) and there "
+            self.fail(f"{regroup.cause()}: no rank saved the state (exits: {regroup.left or 'none alive'}) and there "
                       f"is no checkpoint in {self.checkpoint_dir} to start from")
             return
         if len(nodes) < self.config.fewest_nodes:
             if not regroup.waiting_since:
                 regroup.waiting_since = time.time()
+                self._persist_regroup()
                 self.events.event("waiting_for_nodes", nodes=nodes, need=self.config.fewest_nodes,
                                   checkpoint=ckpt.url, step=ckpt.step)
                 log.warning("job %s: the state of step %d is saved (%s); waiting for %d node(s), %d here: start "
@@ -1124,7 +1121,7 @@ class Manager:
         detail: dict[str, Any] = {"from_nodes": before[0], "from_world_size": before[1], "nodes": nodes,
                   "world_size": self.world_size, "checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
                   "checkpoint_kind": ckpt.kind, "waited_for_nodes_s": round(time.time() - regroup.waiting_since, 3)
-                  if regroup.waiting_since else 0.0}
+                  if regroup.waiting_since else 0.0, "attempts": regroup.attempt, "faults": regroup.faults}
         for incident in recovery.incidents:
             incident.action = "regroup"
             incident.detail["regroup"] = detail
@@ -1136,23 +1133,64 @@ class Manager:
                     self.config.job_id, record.generation, nodes, self.world_size, before[1], ckpt.url, ckpt.step,
                     f"; steps {ckpt.step + 1}..{regroup.step} are re-run" if lost else ", no step lost")
         self._regroup = None
+        self._persist_regroup()
 
     def _watch_regroup(self, regroup: Regroup) -> None:
         now = time.time()
+        if regroup.replan_due(now):  # a second fault broke it before the state was saved
+            if regroup.attempt >= max_attempts(regroup.first_members, self.config.max_retries):
+                self._fail_recovery(f"{regroup.cause()}; the regroup broke {regroup.attempt} times, its limit")
+            else:
+                self._begin_regroup(regroup.why, again=regroup)
+            return
+        for rank in regroup.to_release():  # the state is saved: whoever is left holds nothing more
+            regroup.released.append(rank)
+            self._persist_regroup()
+            self._agents[self.ranks[rank].node].kill(rank, signal.SIGKILL)
+        self._maybe_form_world()  # (also what a restarted manager waited for)
+        if self._regroup is not regroup:
+            return
         if regroup.waiting_since:
             if now - regroup.waiting_since <= self.config.timeouts.rendezvous:
                 return
             have = self._nodes_available()
-            assert regroup.checkpoint is not None
+            saved = regroup.checkpoint.url if regroup.checkpoint is not None else regroup.saved
+            step = regroup.checkpoint.step if regroup.checkpoint is not None else regroup.step
             self._fail_recovery(
-                f"{regroup.why}; the job needs {self.config.fewest_nodes} node(s) and has {len(have)} ({have}), "
+                f"{regroup.cause()}; the job needs {self.config.fewest_nodes} node(s) and has {len(have)} ({have}), "
                 f"and none joined within the rendezvous timeout ({self.config.timeouts.rendezvous:.0f}s). The state "
-                f"of step {regroup.checkpoint.step} is saved in {regroup.checkpoint.url}: start the missing nodes "
+                f"of step {step} is saved in {saved}: start the missing nodes "
                 "(`undying run --node-rank I --manager ...`) and run the job again to resume from it")
         elif now - regroup.started > self.config.timeouts.recovery:
             still = sorted(set(regroup.members) - set(regroup.left))
-            self._fail_recovery(f"{regroup.why}; ranks {still} did not save and leave within the recovery "
+            self._fail_recovery(f"{regroup.cause()}; ranks {still} did not save and leave within the recovery "
                                 f"timeout ({self.config.timeouts.recovery:.0f}s)")
+
+    def _regroup_member_left(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
+        """A member of the regroup ended: it left as asked, or a second fault overlapped the regroup.
+
+        A fault is an incident of the regroup's recovery (recovered when the job
+        starts again) and makes the regroup re-plan with the members it has left.
+        """
+        assert self._regroup is not None
+        lost, hung = self._node_lost.pop(pid, None), self._hung.pop(pid, None)
+        what = (f"node {lost[0]} lost ({lost[1]})" if lost else
+                f"rank {info.rank} hung ({hung[2]} timeout)" if hung else f"rank {info.rank} {_describe_exit(returncode)}")
+        if self._regroup.member_left(info.rank, returncode, what):
+            incident = self._new_incident(kind="node-loss" if lost else "hang" if hung else "crash", rank=info.rank,
+                                          step=info.step + 1, fault_t=t, detected_t=t, error=f"{what} during the regroup")
+            incident.action = "regroup"
+            incident.phases["decided"] = time.time()
+            incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
+            self.events.incident(incident)
+            log.warning("job %s gen %d: %s during the regroup; %s", self.config.job_id, self.generation, what,
+                        "the state is saved" if self._regroup.saved else
+                        "the members left meet again" if self._regroup.remaining() else "no member is left")
+        self._persist_regroup()
+        self._maybe_form_world()
+
+    def _persist_regroup(self) -> None:
+        self.events.set_job(REGROUP_KEY, self._regroup.to_log() if self._regroup is not None else None)
 
     def _fail_recovery(self, reason: str) -> None:
         if self._recovery is not None:
@@ -1215,6 +1253,9 @@ class Manager:
                                     "bytes": message.bytes, "t": message.t}
             self.events.set_job("last_checkpoint", self.last_checkpoint)
             self.checkpoint_health.saved(message)
+            if self._regroup is not None and message.kind in SAVED_KINDS:
+                self._regroup.on_saved(message.path)
+                self._persist_regroup()
         if self.preemption is not None and message.kind in ("dying-gasp", "existing"):
             self._gasp = message
 

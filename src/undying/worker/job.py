@@ -622,8 +622,11 @@ class Job:
         self._send(Progress(self.rank, self.generation, "preempt_exit", time.time(), step=step))
         self._exit_now(EXIT_PREEMPTED)
 
-    def _save_now(self, state: State, step: int, kind: str) -> None:
-        """Persist the whole (replicated) state of ``step`` synchronously, unless that checkpoint exists."""
+    def _save_now(self, state: State, step: int, kind: str) -> bool:
+        """Persist the whole (replicated) state of ``step`` synchronously, unless that checkpoint exists.
+
+        True once it is on disk (written now, or there already).
+        """
         assert self.env is not None
         ckpt = self._checkpointer()
         last = self._finish_writes(retries=False)
@@ -635,7 +638,7 @@ class Job:
         if reused is not None:
             log.warning("rank %d: %s: the checkpoint of step %d already exists: %s", self.rank, kind, step, reused[1])
             self._send(CheckpointSaved(self.rank, step, "existing", reused[1], 0.0, 0.0, 0, t))
-            return
+            return True
         env = self.env
         try:
             result = with_room(ckpt.store, lambda: save_replicated(
@@ -645,21 +648,42 @@ class Job:
             ), on_pruned=lambda names: self._report_pruned(step, names))
             self._send(CheckpointSaved(self.rank, step, kind, result.path, 0.0, result.write_s,
                                        result.bytes, time.time()))
+            return True
         except Exception as e:
             log.error("rank %d: %s checkpoint of step %d failed: %s", self.rank, kind, step, e)
             self._send(CheckpointSaved(self.rank, step, kind, "", 0.0, time.time() - t, 0, time.time(),
                                        error=f"{type(e).__name__}: {e}", os_error=describe_os_error(e)))
+            return False
 
     def _save_and_leave(self, state: State | None, step: int, saver: int) -> None:
         """A regroup generation: every member holds the same state now; ``saver`` (the restore's donor,
         which held it before: a replacement that joined meanwhile may have no State yet) saves it; all leave.
 
         The job starts again on its new set of nodes from this checkpoint, so a
-        resized world loses no step (see ``undying.rendezvous``).
+        resized world loses no step (see ``undying.rendezvous``). A member leaves
+        only once the saver is done with its save (a collective that carries
+        whether it saved): one that left earlier would take the last copy of the
+        state with it if the saver died mid-save. Returns (no exit) when that
+        collective failed and this member did not save: a member was lost
+        meanwhile, and the manager has the members left meet again
+        (``undying.manager.regroup``). A save that failed (an OS error, which the
+        saver reported) is no fault of the group: every member leaves, and the
+        job starts from its latest valid checkpoint.
         """
         self._phase = "done"
-        if state is not None and dist.get_rank() == saver:
-            self._save_now(state, step, "regroup")
+        self._faults.check("regroup", step)  # (tests: a second fault while the regroup saves)
+        saved = state is not None and dist.get_rank() == saver and self._save_now(state, step, "regroup")
+        try:
+            flag = torch.tensor([int(saved)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                log.warning("rank %d: the regroup's save of step %d failed; leaving all the same", self.rank, step)
+        except Exception as e:
+            if not is_comm_failure(e):
+                raise
+            if not saved:
+                self._abort_reason = f"the regroup's save was not confirmed: {type(e).__name__}: {e}"
+                return
         self._send(Progress(self.rank, self.generation, "regroup_exit", time.time(), step=step))
         self._exit_now(EXIT_REGROUPED)
 
@@ -754,6 +778,11 @@ class Job:
             self.current_step = plan.target
             if regroup:
                 self._save_and_leave(state, plan.target, saver=plan.donor)
+                # Not confirmed: meet the members left in the next regroup generation, the state still held.
+                self._send(CommFailure(self.rank, self.generation, self.current_step, self._abort_reason, time.time()))
+                self._phase = "recovery"
+                generation = self.generation + 1
+                continue
             if first is not None:
                 self._faults.check("rejoin", plan.target)
             self._collectives_base = max(0, collectives_entered())
