@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.errors import UsageError
+from undying.inputs import check_finite, check_job_id
 
 __all__ = [
     "JobConfig",
@@ -72,7 +73,7 @@ class Timeouts:
             value = getattr(self, f.name)
             if f.name == "step" and value == 0:
                 continue  # auto
-            if not (0 < value <= _MAX_TIMEOUT_S):
+            if not (0 < value <= _MAX_TIMEOUT_S):  # nan and inf fail this too
                 raise UsageError(
                     f"timeout {f.name} must be > 0 and <= {_MAX_TIMEOUT_S:.0f} seconds, got {value}"
                 )
@@ -128,6 +129,9 @@ class CheckpointConfig:
     replicate_every: int = 1
 
     def validate(self) -> None:
+        for option, value in (("--save-interval", self.save_interval), ("--grace-period", self.grace_period),
+                              ("--gasp-reuse-within", self.gasp_reuse_s)):
+            check_finite(option, value)
         if self.save_every < 0:
             raise UsageError(f"--save-every must be >= 0 steps, got {self.save_every}")
         if self.save_interval < 0:
@@ -188,6 +192,8 @@ class TraceConfig:
     switch_file: str = ""
 
     def validate(self) -> None:
+        check_finite("--trace-max-file-mb", self.max_file_mb)
+        check_finite("--trace-max-dir-mb", self.max_dir_mb)
         if self.initial not in TRACE_INITIAL:
             raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, got {self.initial!r}")
         if not 0 < self.max_file_mb <= 100_000:
@@ -270,6 +276,7 @@ class JobConfig:
         return self.fewest_nodes < self.nnodes
 
     def validate(self) -> None:
+        check_job_id(self.job_id, "the job id")
         if self.nproc_per_node < 1:
             raise UsageError(
                 f"--nproc-per-node must be at least 1, got {self.nproc_per_node}; "
