@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, job_id_arg
@@ -54,6 +55,7 @@ stops it. Exit code as `undying run`'s.""",
     p.add_argument("--http-port", type=int, default=None, help="the HTTP API's port (default --port + 2; 0 picks one)")
     p.add_argument("--open-status", action="store_true",
                    help="serve the read-only status (GET /, /api/status, /metrics) without the token")
+    add_connection_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -72,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         http_port=http_port,
         open_status=args.open_status,
+        connections=connection_limits(args),
     )
     return serve_manager(options)

@@ -9,6 +9,7 @@ import uuid
 
 from undying.agent.launcher import launch
 from undying.checkpoint import check_writable
+from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
@@ -159,6 +160,7 @@ no checkpoint at all.""",
                    f"job waits for more than MIN nodes at start (default {_DEFAULTS.node_wait:.0f})")
     t.add_argument("--stop-grace", type=finite_arg("--stop-grace"), default=_DEFAULTS.stop_grace,
                    help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
+    add_connection_arguments(p)
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -237,6 +239,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             replicate=args.replicate,
             replicate_every=args.replicate_every,
         ),
+        connections=connection_limits(args),
         trace=TraceConfig(
             dir=args.trace_dir,
             max_file_mb=args.trace_max_file_mb,

@@ -77,6 +77,8 @@ MANAGER_BEAT_S = 0.5
 _WATCH_S = 0.2
 # A line longer than this is no agent's message: the connection is dropped.
 _LINE_LIMIT = 16 * 1024 * 1024
+# A connection that sends no join line within this long is no agent: it is closed.
+_JOIN_WAIT_S = 10.0
 
 
 class NodeEvents(ManagerLink, Protocol):
@@ -246,8 +248,13 @@ class RemoteAgent:
 class AgentServer:
     """Accepts agents, checks them, and turns their messages into the manager's calls."""
 
-    def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float) -> None:
+    def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float,
+                 max_connections: int = 256) -> None:
         self.host = host
+        # Open connections at most: at the cap, the oldest one that has not joined yet is closed for a new
+        # one (a flood of silent sockets cannot use up the manager's files nor lock a node out).
+        self.max_connections = max_connections
+        self._unjoined: dict[asyncio.StreamWriter, float] = {}
         self.port = port
         self._check = check
         self.heartbeat_s = heartbeat_s
@@ -346,11 +353,23 @@ class AgentServer:
             self._events.on_node_lost(slot.node, reason, time.time())
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.max_connections:
+            if not self._unjoined:
+                log.warning("agents' port: %d connections, every one a node's: refused a new one", len(self._connections))
+                writer.close()
+                return
+            oldest = min(self._unjoined, key=self._unjoined.__getitem__)
+            del self._unjoined[oldest]
+            oldest.close()
+            log.warning("agents' port: %d connections (the cap): closed the oldest that had not joined",
+                        len(self._connections))
         self._connections.add(writer)
+        self._unjoined[writer] = time.monotonic()
         slot: RemoteAgent | None = None
         session = ""
         try:
-            line = await asyncio.wait_for(reader.readline(), 30.0)
+            line = await asyncio.wait_for(reader.readline(), _JOIN_WAIT_S)
+            self._unjoined.pop(writer, None)
             join = decode(line) if line else None
             if not isinstance(join, AgentJoin):
                 return  # not an agent: nothing to say to it
@@ -388,6 +407,7 @@ class AgentServer:
                 self.lose(slot, f"node {slot.node} ({slot.host}): connection failed ({type(e).__name__}: {e})")
         finally:
             self._connections.discard(writer)
+            self._unjoined.pop(writer, None)
             writer.close()
 
     async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[RemoteAgent | None, str]:
