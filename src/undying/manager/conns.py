@@ -138,10 +138,14 @@ class ConnectionGuard:
                 self.closed_idle += len(late)
                 log.info("HTTP: closed %d connection(s) with no complete request within their time limit", len(late))
 
+    def forget(self, protocol: Any) -> None:
+        """``protocol``'s connection is closed (aiohttp's server reports each one, see ``GuardedSite``)."""
+        self._conns.pop(protocol, None)
+
     def _forget_closed(self, now: float) -> None:
-        # aiohttp's handler has no transport before its connection is made (within a loop turn) and after it
-        # is lost; a second's age tells the two apart.
-        gone = [p for p, c in self._conns.items() if getattr(p, "transport", None) is None and now - c.opened > 1.0]
+        # A safety net only (closed connections are forgotten as they close): aiohttp's handler has no
+        # transport before its connection is made (within a loop turn) and after it is lost.
+        gone = [p for p, c in self._conns.items() if getattr(p, "transport", None) is None and now - c.opened > 5.0]
         for protocol in gone:
             del self._conns[protocol]
 
@@ -173,6 +177,18 @@ class GuardedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
+        # aiohttp's server hears of every closed connection: so does the guard, at once (a flood of short
+        # requests must not count against the cap after they closed).
+        reported = server.connection_lost
+        guard = self._guard
+
+        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+            try:
+                reported(handler, exc)
+            finally:
+                guard.forget(handler)
+
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
         self._server = await asyncio.get_running_loop().create_server(
             self._guard.factory(server), self._host, self._port, backlog=self._backlog, reuse_address=True)
         self._guard.start()
@@ -209,6 +225,8 @@ class QuietLog(logging.Filter):
         if state[1] < self.burst:
             state[1] += 1
             self._plain(record, 0)
+            if state[1] == self.burst:
+                record.msg = f"{record.msg} (more like this are held back for {self.window_s:.0f} s and counted)"
             return True
         state[2] += 1
         return False
@@ -222,3 +240,6 @@ class QuietLog(logging.Filter):
         record.exc_text = None
         if held:
             record.msg = f"{record.msg} (and {held} more like it held back in the last {self.window_s:.0f} s)"
+
+
+log.addFilter(QuietLog())  # a flood: a few lines a minute of evictions and refusals, not one a connection

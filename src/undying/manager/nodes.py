@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from undying.agent.agent import ManagerLink
+from undying.manager.conns import QuietLog
 from undying.messages import (
     WORKER_MESSAGES,
     AbortRank,
@@ -70,6 +71,9 @@ from undying.trace.switch import TraceSwitch
 __all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
 log = logging.getLogger("undying.manager.nodes")
+# Lines about floods of connections to the agents' port: a few a minute, then a count.
+_flood_log = logging.getLogger("undying.manager.nodes.flood")
+_flood_log.addFilter(QuietLog())
 
 # How often the manager tells each agent it is alive (an agent that hears nothing
 # for its heartbeat timeout reconnects), and how often the watch looks for silent nodes.
@@ -355,13 +359,13 @@ class AgentServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= self.max_connections:
             if not self._unjoined:
-                log.warning("agents' port: %d connections, every one a node's: refused a new one", len(self._connections))
+                _flood_log.warning("agents' port: %d connections, every one a node's: refused a new one", len(self._connections))
                 writer.close()
                 return
             oldest = min(self._unjoined, key=self._unjoined.__getitem__)
             del self._unjoined[oldest]
             oldest.close()
-            log.warning("agents' port: %d connections (the cap): closed the oldest that had not joined",
+            _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had not joined",
                         len(self._connections))
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
