@@ -84,16 +84,21 @@ class ConnectionGuard:
             now = time.monotonic()
             self._forget_closed(now)
             if len(self._conns) >= self.cap:
-                idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy]
-                if not idle:
+                # Only a connection already made can be closed: one accepted in this same batch has no
+                # transport yet (closing it now would leave its socket open for good).
+                idle = [(c.opened, p) for p, c in self._conns.items()
+                        if not c.busy and getattr(p, "transport", None) is not None]
+                if idle:
+                    _, oldest = min(idle, key=lambda item: item[0])
+                    self._close(oldest)
+                    self.evicted += 1
+                    log.warning("HTTP: %d connections open (the cap, --max-connections): closed the oldest idle "
+                                "one", self.cap)
+                elif all(c.busy for c in self._conns.values()):
                     self.refused += 1
                     log.warning("HTTP: %d connections, all busy: refused one with 503", len(self._conns))
                     return _Refuse()
-                _, oldest = min(idle, key=lambda item: item[0])
-                self._close(oldest)
-                self.evicted += 1
-                log.warning("HTTP: %d connections open (the cap, --max-connections): closed the oldest idle one",
-                            self.cap)
+                # else: every idle one is of this accept batch; the cap is over by at most the listen backlog.
             protocol = make()
             self._conns[protocol] = _Conn(opened=now, deadline=now + self.limits.header_timeout)
             return protocol
