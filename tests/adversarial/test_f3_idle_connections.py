@@ -24,6 +24,7 @@ from tests.integration.jobs import manager_url, start_job, wait_for, wait_runnin
 from tests.oracle import Oracle
 from undying.cli.client import api_get, api_post
 from undying.jobdir import JobDir
+from undying.manager.nodes import AgentServer
 from undying.oracle import compare_runs, load_run
 
 # 2 ranks, 8 epochs of 32 steps at 0.1 s: ~26 s of training, long enough to watch the sockets close
@@ -186,3 +187,34 @@ def test_ten_thousand_malformed_requests_grow_the_log_by_less_than_a_megabyte(
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
     assert "held back" in text  # the flood is summarised, not dropped in silence
+
+
+def test_the_agents_port_caps_its_connections_and_closes_silent_ones() -> None:
+    """Finding 3, the agents' port: silent connections never outnumber the cap and close at the join deadline."""
+
+    async def scenario() -> None:
+        server = AgentServer("127.0.0.1", 0, lambda join: "no", heartbeat_s=30.0, max_connections=8,
+                             join_wait_s=HEADER_TIMEOUT_S)
+        await server.start()
+        links = []
+        try:
+            for _ in range(30):
+                links.append(await asyncio.open_connection("127.0.0.1", server.port))
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            assert len(server._connections) <= 8, len(server._connections)
+            closed = 0
+            for reader, _ in links:
+                try:
+                    if await asyncio.wait_for(reader.read(1), HEADER_TIMEOUT_S + 5) == b"":
+                        closed += 1
+                except ConnectionError:
+                    closed += 1
+            assert closed == 30, f"{30 - closed} silent connections were never closed"
+            assert not server._connections
+        finally:
+            for _, writer in links:
+                writer.close()
+            await server.close()
+
+    asyncio.run(scenario())

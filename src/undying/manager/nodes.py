@@ -81,8 +81,6 @@ MANAGER_BEAT_S = 0.5
 _WATCH_S = 0.2
 # A line longer than this is no agent's message: the connection is dropped.
 _LINE_LIMIT = 16 * 1024 * 1024
-# A connection that sends no join line within this long is no agent: it is closed.
-_JOIN_WAIT_S = 10.0
 
 
 class NodeEvents(ManagerLink, Protocol):
@@ -253,8 +251,10 @@ class AgentServer:
     """Accepts agents, checks them, and turns their messages into the manager's calls."""
 
     def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, join_wait_s: float = 10.0) -> None:
         self.host = host
+        # A connection that sends no join line within this long is no agent: it is closed.
+        self.join_wait_s = join_wait_s
         # Open connections at most: at the cap, the oldest one that has not joined yet is closed for a new
         # one (a flood of silent sockets cannot use up the manager's files nor lock a node out).
         self.max_connections = max_connections
@@ -372,7 +372,7 @@ class AgentServer:
         slot: RemoteAgent | None = None
         session = ""
         try:
-            line = await asyncio.wait_for(reader.readline(), _JOIN_WAIT_S)
+            line = await asyncio.wait_for(reader.readline(), self.join_wait_s)
             self._unjoined.pop(writer, None)
             join = decode(line) if line else None
             if not isinstance(join, AgentJoin):

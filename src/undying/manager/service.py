@@ -119,7 +119,7 @@ async def _serve(options: ManagerOptions) -> int:
     prior = read_job_table(job_dir.events_db) if restart else {}
     heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", 30.0))
     server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat,
-                         max_connections=options.connections.cap)
+                         max_connections=options.connections.cap, join_wait_s=options.connections.header_timeout)
     try:
         await server.start()
     except OSError as e:
