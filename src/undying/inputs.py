@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from undying.errors import UsageError
 
-__all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "check_job_id", "job_id_arg", "finite_arg", "check_finite"]
+__all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite"]
 
 JOB_ID_MAX = 64
 JOB_ID_RULE = (f"1 to {JOB_ID_MAX} ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-' "
@@ -36,6 +36,11 @@ def _shown(value: str) -> str:
     """``value`` as the error line shows it: ASCII only, escapes visible, never longer than 80."""
     text = ascii(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def is_job_id(value: object) -> bool:
+    """Whether ``value`` is a job id of the safe alphabet."""
+    return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
 
 
 def check_job_id(value: str, what: str = "--job-id") -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import string
 import urllib.parse
 from collections.abc import Iterator
@@ -24,11 +25,13 @@ from hypothesis import strategies as st
 
 from tests.unit.test_http_auth import Served, bearer, raw
 from undying.cli import run as run_cli
+from undying.cli.client import api_for
 from undying.cli.limits import connection_limits
 from undying.cli.main import build_parser, main
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id
-from undying.manager.auth import TOKEN_ENV
+from undying.jobdir import JobDir
+from undying.manager.auth import TOKEN_ENV, TOKEN_FILE
 
 BAD_IDS = ["jöb", "ジョブ", ".hidden", "..", "-rf", "", "a" * 65, "a/b", "a b", "a\nb", "a\x00b", "job$", "é1"]
 GOOD_IDS = ["a", "my-job-1", "Job_2.run", "_x", "9", "a" * 64]
@@ -211,3 +214,15 @@ def test_random_arguments_to_the_parsers_are_one_line_errors_or_valid_configs(in
         assert list(in_tmp.iterdir()) == []
 
     one()
+
+
+def test_a_job_dir_of_an_old_non_ascii_job_id_does_not_crash_the_commands(served: Served, in_tmp: Path) -> None:
+    """Finding 4: a job id a former version let in (non-ASCII) made every command crash on its header."""
+    old = in_tmp / "old-job"
+    old.mkdir()
+    (old / TOKEN_FILE).write_text(served.token)
+    (old / TOKEN_FILE).chmod(0o600)
+    JobDir(old).write_manager({"url": served.url, "pid": os.getpid(), "job_id": "jöb"})
+    api = api_for(JobDir(old))
+    assert api.job_id is None
+    assert api.get("/api/status")["job_id"] == "authjob"
