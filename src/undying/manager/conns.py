@@ -30,7 +30,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
@@ -50,6 +49,7 @@ class _Conn:
     opened: float
     deadline: float
     busy: bool = False
+    transport: asyncio.Transport | None = None  # None until the connection is made
 
 
 class _Refuse(asyncio.Protocol):
@@ -61,17 +61,45 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+class _Tracked(asyncio.Protocol):
+    """aiohttp's protocol for one connection, passed every event, with the guard told when it opens and closes."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol, conn: _Conn) -> None:
+        self._guard = guard
+        self._inner = inner
+        self._conn = conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._conn.transport = transport
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._guard.forget(self._inner)
+        self._inner.connection_lost(exc)
+
+
 class ConnectionGuard:
     """Deadlines and a cap for the connections of one aiohttp server (see the module)."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
         self.cap = limits.cap
-        self._conns: dict[Any, _Conn] = {}
+        # By aiohttp's protocol of the connection, which its requests name (``request.protocol``).
+        self._conns: dict[asyncio.Protocol, _Conn] = {}
         self._watch: asyncio.Task[None] | None = None
-        self.closed_idle = 0
-        self.evicted = 0
-        self.refused = 0
 
     @property
     def open_count(self) -> int:
@@ -82,28 +110,33 @@ class ConnectionGuard:
 
         def build() -> asyncio.Protocol:
             now = time.monotonic()
-            self._forget_closed(now)
             if len(self._conns) >= self.cap:
                 # Only a connection already made can be closed: one accepted in this same batch has no
-                # transport yet (closing it now would leave its socket open for good).
-                idle = [(c.opened, p) for p, c in self._conns.items()
-                        if not c.busy and getattr(p, "transport", None) is not None]
+                # transport yet; the cap is then over by at most the listen backlog, for a moment.
+                idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy and c.transport is not None]
                 if idle:
                     _, oldest = min(idle, key=lambda item: item[0])
                     self._close(oldest)
-                    self.evicted += 1
                     log.warning("HTTP: %d connections open (the cap, --max-connections): closed the oldest idle "
                                 "one", self.cap)
                 elif all(c.busy for c in self._conns.values()):
-                    self.refused += 1
                     log.warning("HTTP: %d connections, all busy: refused one with 503", len(self._conns))
                     return _Refuse()
-                # else: every idle one is of this accept batch; the cap is over by at most the listen backlog.
-            protocol = make()
-            self._conns[protocol] = _Conn(opened=now, deadline=now + self.limits.header_timeout)
-            return protocol
+            inner = make()
+            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.header_timeout)
+            return _Tracked(self, inner, conn)
 
         return build
+
+    def forget(self, inner: asyncio.Protocol) -> None:
+        """The connection of ``inner`` closed."""
+        self._conns.pop(inner, None)
+
+    def _close(self, inner: asyncio.Protocol) -> None:
+        """Close the connection of ``inner``; it no longer counts from now (its close completes a turn later)."""
+        conn = self._conns.pop(inner, None)
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
 
     @web.middleware
     async def middleware(self, request: web.Request,
@@ -135,34 +168,11 @@ class ConnectionGuard:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            self._forget_closed(now)
-            late = [p for p, c in self._conns.items() if not c.busy and now > c.deadline]
-            for protocol in late:
-                self._close(protocol)
+            late = [p for p, c in self._conns.items() if not c.busy and now > c.deadline and c.transport is not None]
+            for inner in late:
+                self._close(inner)
             if late:
-                self.closed_idle += len(late)
                 log.info("HTTP: closed %d connection(s) with no complete request within their time limit", len(late))
-
-    def forget(self, protocol: Any) -> None:
-        """``protocol``'s connection is closed (aiohttp's server reports each one, see ``GuardedSite``)."""
-        self._conns.pop(protocol, None)
-
-    def _forget_closed(self, now: float) -> None:
-        # A safety net only (closed connections are forgotten as they close): aiohttp's handler has no
-        # transport before its connection is made (within a loop turn) and after it is lost.
-        gone = [p for p, c in self._conns.items() if getattr(p, "transport", None) is None and now - c.opened > 5.0]
-        for protocol in gone:
-            del self._conns[protocol]
-
-    def _close(self, protocol: Any) -> None:
-        self._conns.pop(protocol, None)
-        force_close = getattr(protocol, "force_close", None)
-        if force_close is not None:
-            force_close()
-            return
-        transport = getattr(protocol, "transport", None)
-        if transport is not None:
-            transport.close()
 
 
 class GuardedSite(web.BaseSite):
@@ -182,18 +192,6 @@ class GuardedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
-        # aiohttp's server hears of every closed connection: so does the guard, at once (a flood of short
-        # requests must not count against the cap after they closed).
-        reported = server.connection_lost
-        guard = self._guard
-
-        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
-            try:
-                reported(handler, exc)
-            finally:
-                guard.forget(handler)
-
-        server.connection_lost = connection_lost  # type: ignore[method-assign]
         self._server = await asyncio.get_running_loop().create_server(
             self._guard.factory(server), self._host, self._port, backlog=self._backlog, reuse_address=True)
         self._guard.start()
