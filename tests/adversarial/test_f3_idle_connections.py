@@ -134,6 +134,7 @@ _MALFORMED = [
     b"POST /api/inject HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",  # no token: 401
     b"GET /api/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n\r\n",  # a wrong token: 401
     b"GET /nowhere/%ff%fe HTTP/1.1\r\nHost: x\r\n\r\n",
+    FORGED := b"GET /x%0a%5bundying%2000:00:00%20ERROR%5d%20forged HTTP/1.1\r\nHost: x\r\n\r\n",  # a log line
 ]
 
 
@@ -178,6 +179,9 @@ def test_ten_thousand_malformed_requests_grow_the_log_by_less_than_a_megabyte(
         return log.stat().st_size + sum(p.stat().st_size for p in job_dir.glob("events.db*"))
 
     before = size()
+    with socket.create_connection(_address(url), timeout=5) as s:  # first, so that it is among the lines logged
+        s.sendall(FORGED)
+        assert s.recv(64).startswith(b"HTTP/1.1 401")
     answered = asyncio.run(_flood(_address(url), 10_000, job_token))
     assert answered >= 9_000, f"only {answered} of 10,000 malformed requests got an answer"
     assert process.poll() is None, log.read_text()[-3000:]
@@ -187,6 +191,7 @@ def test_ten_thousand_malformed_requests_grow_the_log_by_less_than_a_megabyte(
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
     assert "held back" in text  # the flood is summarised, not dropped in silence
+    assert not any(line.startswith("[undying 00:00:00") for line in text.splitlines()), "a request forged a log line"
 
 
 def test_the_agents_port_caps_its_connections_and_closes_silent_ones() -> None:

@@ -131,7 +131,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         refused = refusal(request)
         if refused is not None:
-            log.warning("job %s: refused %s %s from %s (401)", job_id, request.method, request.path,
+            # The raw path, cut short: a decoded one may hold a newline that forges a log line.
+            log.warning("job %s: refused %s %s from %s (401)", job_id, request.method, ascii(request.raw_path[:200]),
                         request.remote or "?")
             return refused
         return await handler(request)
