@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 from dataclasses import dataclass, field
 from typing import Any
 
 from undying.errors import UsageError
+from undying.inputs import check_finite, check_job_id
 
 __all__ = [
     "JobConfig",
@@ -29,6 +31,8 @@ __all__ = [
     "EXIT_PREEMPTED_BEHIND",
     "EXIT_FENCED",
     "DEFAULT_MANAGER_PORT",
+    "ConnectionLimits",
+    "default_max_connections",
 ]
 
 ENV_PREFIX = "UNDYING_"
@@ -77,7 +81,7 @@ class Timeouts:
             value = getattr(self, f.name)
             if f.name == "step" and value == 0:
                 continue  # auto
-            if not (0 < value <= _MAX_TIMEOUT_S):
+            if not (0 < value <= _MAX_TIMEOUT_S):  # nan and inf fail this too
                 raise UsageError(
                     f"timeout {f.name} must be > 0 and <= {_MAX_TIMEOUT_S:.0f} seconds, got {value}"
                 )
@@ -137,6 +141,9 @@ class CheckpointConfig:
     replicate_every: int = 1
 
     def validate(self) -> None:
+        for option, value in (("--save-interval", self.save_interval), ("--grace-period", self.grace_period),
+                              ("--gasp-reuse-within", self.gasp_reuse_s)):
+            check_finite(option, value)
         if self.save_every < 0:
             raise UsageError(f"--save-every must be >= 0 steps, got {self.save_every}")
         if self.save_interval < 0:
@@ -197,6 +204,8 @@ class TraceConfig:
     switch_file: str = ""
 
     def validate(self) -> None:
+        check_finite("--trace-max-file-mb", self.max_file_mb)
+        check_finite("--trace-max-dir-mb", self.max_dir_mb)
         if self.initial not in TRACE_INITIAL:
             raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, got {self.initial!r}")
         if not 0 < self.max_file_mb <= 100_000:
@@ -234,6 +243,49 @@ def trace_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> Trac
         raise UsageError(f"bad {ENV_PREFIX}TRACE_MAX_* value in the environment: {e}") from e
 
 
+# A listening socket's header and idle timeouts are tens of seconds at most (undying.manager.conns).
+_MAX_CONN_TIMEOUT_S = 60.0
+
+
+def default_max_connections() -> int:
+    """A quarter of this process's descriptor limit (the rest stays for the job), 16 to 1024."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, soft // 4))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Seconds and counts that bound each listening socket of the manager (HTTP API and agents' port)."""
+
+    # From accept (or the end of the previous response) to a request's complete headers; also a body's limit.
+    header_timeout: float = 10.0
+    # A keep-alive connection with no request for this long is closed.
+    idle_timeout: float = 30.0
+    # Open connections per listening socket; 0: a quarter of RLIMIT_NOFILE, 16 to 1024.
+    max_connections: int = 0
+
+    def validate(self) -> None:
+        for option, value in (("--http-header-timeout", self.header_timeout),
+                              ("--http-idle-timeout", self.idle_timeout)):
+            check_finite(option, value)
+            if not 0 < value <= _MAX_CONN_TIMEOUT_S:
+                raise UsageError(f"{option} must be > 0 and <= {_MAX_CONN_TIMEOUT_S:.0f} seconds, got {value}")
+        if not 0 <= self.max_connections <= 65536:
+            raise UsageError(f"--max-connections must be between 0 (auto) and 65536, got {self.max_connections}")
+
+    @property
+    def cap(self) -> int:
+        return self.max_connections or default_max_connections()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ConnectionLimits:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in known})
+
+
+
 @dataclass(frozen=True)
 class JobConfig:
     job_id: str
@@ -255,6 +307,8 @@ class JobConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    # Timeouts and a cap for the manager's HTTP API and agents' port.
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     # Serve the read-only status (the page, /api/status, /metrics) without the token.
     open_status: bool = False
     # The user named the job (--job-id) rather than taking the random default: a checkpoint
@@ -279,6 +333,7 @@ class JobConfig:
         return self.fewest_nodes < self.nnodes
 
     def validate(self) -> None:
+        check_job_id(self.job_id, "the job id")
         if self.nproc_per_node < 1:
             raise UsageError(
                 f"--nproc-per-node must be at least 1, got {self.nproc_per_node}; "
@@ -310,6 +365,7 @@ class JobConfig:
         self.timeouts.validate()
         self.checkpoint.validate()
         self.trace.validate()
+        self.connections.validate()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -323,6 +379,7 @@ class JobConfig:
             body["timeouts"] = Timeouts(**body.get("timeouts", {}))
             body["checkpoint"] = CheckpointConfig(**body.get("checkpoint", {}))
             body["trace"] = TraceConfig(**body.get("trace", {}))
+            body["connections"] = ConnectionLimits.from_dict(body.get("connections"))
             return cls(**body)
         except TypeError as e:
             raise UsageError(f"a job configuration this version cannot read: {e}") from e
@@ -333,7 +390,7 @@ class JobConfig:
         per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.switch_file", "job_id_given",
                     "open_status"}
         return sorted(k for k in mine.keys() | theirs.keys()
-                      if k not in per_node and mine.get(k) != theirs.get(k))
+                      if k not in per_node and not k.startswith("connections.") and mine.get(k) != theirs.get(k))
 
     def timeout_env(self) -> dict[str, str]:
         """The timeouts a worker needs, as environment variables."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from undying.cli.client import AccessDeniedError, add_job_arguments, connect
 from undying.errors import JobNotRunningError, UsageError
+from undying.inputs import finite_arg
 from undying.manager.manager import INJECT_KINDS
 
 __all__ = ["add_parser"]
@@ -25,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "Each fault shows up as an incident in `undying status`. A hang is found only after the job's "
         "--heartbeat-timeout.",
     )
-    p.add_argument("--every", type=float, required=True, help="mean seconds between faults")
+    p.add_argument("--every", type=finite_arg("--every"), required=True, help="mean seconds between faults")
     p.add_argument("--kinds", default=",".join(INJECT_KINDS),
                    help=f"comma-separated fault kinds (default {','.join(INJECT_KINDS)})")
     p.add_argument("--seed", type=int, default=None, help="seed of the fault schedule (default: random)")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
+from undying.inputs import is_job_id
 from undying.jobdir import JobDir
 from undying.manager.auth import auth_headers, find_token, find_token_with_source
 
@@ -127,8 +128,12 @@ def api_for(jd: JobDir, token_file: str | None = None) -> Api:
     """The manager of the job in ``jd`` (JobNotRunningError when none runs), with its token and job id."""
     url = jd.running_manager_url()
     job_id = (jd.read_manager() or {}).get("job_id")
+    if not is_job_id(job_id):
+        # A job of a version that let any letter into an id: no header can carry it (headers are Latin-1),
+        # and the token alone still says which job this is.
+        job_id = None
     token, source = find_token_with_source(jd.path, token_file)
-    return Api(url, token, str(job_id) if job_id is not None else None, source)
+    return Api(url, token, job_id, source)
 
 
 def _request(request: urllib.request.Request, timeout: float) -> Any:

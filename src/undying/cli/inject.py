@@ -8,6 +8,7 @@ import sys
 
 from undying.cli.client import add_job_arguments, connect
 from undying.errors import UsageError
+from undying.inputs import finite_arg
 from undying.manager.manager import HANG_HOWS, INJECT_KINDS
 from undying.messages import INJECT_PHASES, SLOW_PHASES
 
@@ -43,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(the default: forward and backward), data (the wait for the next batch) or ckpt (the "
         "training loop's checkpoint stall, at steps that save)",
     )
-    p.add_argument("--factor", type=float, default=None,
+    p.add_argument("--factor", type=finite_arg("--factor"), default=None,
                    help="for slow: how much longer the rank's steps take, e.g. 1.2 for 20%% slower")
     p.add_argument(
         "--how", choices=HANG_HOWS, default=None,

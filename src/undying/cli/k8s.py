@@ -11,6 +11,7 @@ from pathlib import Path
 from undying import __version__
 from undying.config import TRACE_INITIAL
 from undying.errors import UsageError
+from undying.inputs import finite_arg, job_id_arg
 from undying.k8s import grace as grace_mod
 from undying.k8s.manifests import TRACE_SWITCH_FILE, Manifest, Spec, build
 from undying.k8s.yamlout import dump, dump_all
@@ -56,7 +57,7 @@ Write them once and keep them: each run generates a new token (or pass
 --token-secret NAME). Workflow: docs/kubernetes.md.""",
     )
     req = p.add_argument_group("the job (required)")
-    req.add_argument("--job-id", required=True, metavar="J",
+    req.add_argument("--job-id", type=job_id_arg, required=True, metavar="J",
                      help="the job's name; it names every object, so a DNS label: lower-case letters, digits, "
                      "'-', starting with a letter, at most 55 characters")
     req.add_argument("--nodes", type=int, required=True, metavar="N", help="worker pods (nodes), one agent each")
@@ -75,7 +76,7 @@ Write them once and keep them: each run generates a new token (or pass
     g = p.add_argument_group("grace period (see above)").add_mutually_exclusive_group()
     g.add_argument("--from-job-dir", default="", metavar="DIR",
                    help="size the grace period from a previous run's measurements (DIR/events.db)")
-    g.add_argument("--grace-period", type=float, default=0.0, metavar="SECONDS",
+    g.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
                    help="the dying-gasp budget G in seconds")
     r = p.add_argument_group("resources and storage")
     r.add_argument("--cpu", default="", help="CPU per worker pod, request = limit (e.g. 8, 7500m)")
@@ -116,7 +117,7 @@ Write them once and keep them: each run generates a new token (or pass
     w.add_argument("--trace", choices=TRACE_INITIAL, default="off",
                    help="the trace switch at start (the ConfigMap's content): off (default), on, comm")
     w.add_argument("--save-every", type=int, default=0, metavar="STEPS", help="undying run --save-every")
-    w.add_argument("--save-interval", type=float, default=0.0, metavar="SECONDS",
+    w.add_argument("--save-interval", type=finite_arg("--save-interval"), default=0.0, metavar="SECONDS",
                    help="undying run --save-interval")
     w.add_argument("--keep", type=int, default=3, help="undying run --keep (default 3)")
     w.add_argument("--spares", type=int, default=1, help="undying run --spares, per node (default 1)")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
+from undying.inputs import JOB_ID_RULE, check_job_id, job_id_arg
 from undying.jobdir import default_job_dir
 from undying.manager.service import ManagerOptions, serve_manager
 
@@ -42,7 +44,8 @@ Restart: if this manager dies, start it again with the same --job-id and
 training never stopped. SIGTERM preempts the whole job (dying gasp); Ctrl-C
 stops it. Exit code as `undying run`'s.""",
     )
-    p.add_argument("--job-id", required=True, help="the job's name; every agent passes the same --job-id")
+    p.add_argument("--job-id", type=job_id_arg, required=True,
+                   help=f"the job's name: {JOB_ID_RULE}; every agent passes the same --job-id")
     p.add_argument("--job-dir", default=None, help="the job's folder: event log, token (default ./undying-jobs/<job id>)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default 127.0.0.1: this host only); 0.0.0.0 listens on every "
@@ -52,13 +55,13 @@ stops it. Exit code as `undying run`'s.""",
     p.add_argument("--http-port", type=int, default=None, help="the HTTP API's port (default --port + 2; 0 picks one)")
     p.add_argument("--open-status", action="store_true",
                    help="serve the read-only status (GET /, /api/status, /metrics) without the token")
+    add_connection_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     job_id = args.job_id
-    if not job_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise UsageError(f"--job-id {job_id!r} may hold only letters, digits, '-', '_' and '.'")
+    check_job_id(job_id)
     if not 0 < args.port < 65534:
         raise UsageError(f"--port must be in [1, 65533] (the control store takes the next one), got {args.port}")
     http_port = args.port + 2 if args.http_port is None else args.http_port
@@ -71,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         http_port=http_port,
         open_status=args.open_status,
+        connections=connection_limits(args),
     )
     return serve_manager(options)

@@ -9,6 +9,7 @@ import uuid
 
 from undying.agent.launcher import launch
 from undying.checkpoint import check_writable
+from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
@@ -21,6 +22,7 @@ from undying.config import (
     TraceConfig,
 )
 from undying.errors import UsageError
+from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
 from undying.jobdir import default_job_dir
 
 __all__ = ["add_parser"]
@@ -58,7 +60,8 @@ written: a resume re-runs the steps after it, the last line counts them), 143 SI
 no checkpoint at all.""",
     )
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
-    p.add_argument("--job-id", default=None, help="the job's name (default: job-<date>-<time>-<random>)")
+    p.add_argument("--job-id", type=job_id_arg, default=None,
+                   help=f"the job's name: {JOB_ID_RULE} (default: job-<date>-<time>-<random>)")
     p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
     p.add_argument(
         "--max-restarts", type=int, default=3,
@@ -80,14 +83,14 @@ no checkpoint at all.""",
                    help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
     c.add_argument("--save-every", type=int, default=0, metavar="STEPS",
                    help="write a checkpoint after every N committed steps (default 0: never by steps)")
-    c.add_argument("--save-interval", type=float, default=0.0, metavar="SECONDS",
+    c.add_argument("--save-interval", type=finite_arg("--save-interval"), default=0.0, metavar="SECONDS",
                    help="write a checkpoint when this long passed since the last (default 0: never by time)")
     c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
-    c.add_argument("--grace-period", type=float, default=0.0, metavar="SECONDS",
+    c.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
                    help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
                    "still running then are killed (default: sized from the measured checkpoint size and "
                    "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
-    c.add_argument("--gasp-reuse-within", type=float, default=60.0, metavar="SECONDS",
+    c.add_argument("--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), default=60.0, metavar="SECONDS",
                    help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
                    "step was trained since (default 60)")
     c.add_argument("--replicate", choices=("off", "ring"), default=os.environ.get("UNDYING_REPLICATE", "off"),
@@ -107,9 +110,9 @@ no checkpoint at all.""",
     tr.add_argument("--trace-switch-file", default="", metavar="PATH",
                     help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
                     "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
-    tr.add_argument("--trace-max-file-mb", type=float, default=10.0, metavar="MB",
+    tr.add_argument("--trace-max-file-mb", type=finite_arg("--trace-max-file-mb"), default=10.0, metavar="MB",
                     help="start a new record file when the newest passes this size (default 10)")
-    tr.add_argument("--trace-max-dir-mb", type=float, default=1000.0, metavar="MB",
+    tr.add_argument("--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), default=1000.0, metavar="MB",
                     help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
                     "(default 1000)")
     p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
@@ -132,17 +135,17 @@ no checkpoint at all.""",
     m.add_argument("--token-file", default=None, metavar="PATH",
                    help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it)")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
-    t.add_argument("--rendezvous-timeout", type=float, default=_DEFAULTS.rendezvous,
+    t.add_argument("--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"), default=_DEFAULTS.rendezvous,
                    help=f"a worker's wait for the next generation (default {_DEFAULTS.rendezvous:.0f})")
-    t.add_argument("--connect-timeout", type=float, default=_DEFAULTS.connect,
+    t.add_argument("--connect-timeout", type=finite_arg("--connect-timeout"), default=_DEFAULTS.connect,
                    help=f"building a process group (default {_DEFAULTS.connect:.0f})")
-    t.add_argument("--collective-timeout", type=float, default=_DEFAULTS.collective,
+    t.add_argument("--collective-timeout", type=finite_arg("--collective-timeout"), default=_DEFAULTS.collective,
                    help=f"one collective making no progress (default {_DEFAULTS.collective:.0f})")
-    t.add_argument("--recovery-timeout", type=float, default=_DEFAULTS.recovery,
+    t.add_argument("--recovery-timeout", type=finite_arg("--recovery-timeout"), default=_DEFAULTS.recovery,
                    help=f"a recovery's deadline to its first step before the job fails (default {_DEFAULTS.recovery:.0f})")
-    t.add_argument("--comm-error-grace", type=float, default=_DEFAULTS.comm_error_grace,
+    t.add_argument("--comm-error-grace", type=finite_arg("--comm-error-grace"), default=_DEFAULTS.comm_error_grace,
                    help=f"wait for a process exit before calling a collective error transient (default {_DEFAULTS.comm_error_grace:g})")
-    t.add_argument("--heartbeat-timeout", type=float, default=_DEFAULTS.heartbeat,
+    t.add_argument("--heartbeat-timeout", type=finite_arg("--heartbeat-timeout"), default=_DEFAULTS.heartbeat,
                    help=f"a rank silent this long (stopped, or stuck holding the interpreter) is "
                    f"hung: killed and replaced (default {_DEFAULTS.heartbeat:.0f})")
     t.add_argument("--step-timeout", type=_step_timeout, default=_DEFAULTS.step, metavar="SECONDS|auto",
@@ -152,18 +155,19 @@ no checkpoint at all.""",
                    "replaced; when every rank is stuck in the same collective, the link is retried. "
                    f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
                    f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
-    t.add_argument("--init-timeout", type=float, default=_DEFAULTS.init,
+    t.add_argument("--init-timeout", type=finite_arg("--init-timeout"), default=_DEFAULTS.init,
                    help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
-    t.add_argument("--spare-take-timeout", type=float, default=_DEFAULTS.spare_take,
+    t.add_argument("--spare-take-timeout", type=finite_arg("--spare-take-timeout"), default=_DEFAULTS.spare_take,
                    help="a hot spare given a rank that does not say it took it within this long (stopped, "
                    "wedged) is killed, and the rank goes to another spare or a fresh process "
                    f"(default {_DEFAULTS.spare_take:g})")
-    t.add_argument("--node-wait", type=float, default=_DEFAULTS.node_wait,
+    t.add_argument("--node-wait", type=finite_arg("--node-wait"), default=_DEFAULTS.node_wait,
                    help="how long a lost node's ranks wait for a replacement host before the job goes on "
                    "without it (resized, or restarted from its survivors' state), and how long an elastic "
                    f"job waits for more than MIN nodes at start (default {_DEFAULTS.node_wait:.0f})")
-    t.add_argument("--stop-grace", type=float, default=_DEFAULTS.stop_grace,
+    t.add_argument("--stop-grace", type=finite_arg("--stop-grace"), default=_DEFAULTS.stop_grace,
                    help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
+    add_connection_arguments(p)
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -176,8 +180,8 @@ def _step_timeout(raw: str) -> float:
         value = float(raw)
     except ValueError:
         raise UsageError(f"--step-timeout: expected seconds or 'auto', got {raw!r}") from None
-    if value <= 0:
-        raise UsageError(f"--step-timeout must be > 0 seconds (or 'auto'), got {raw!r}")
+    if not 0 < value < float("inf"):  # nan fails this too
+        raise UsageError(f"--step-timeout must be > 0 seconds (or 'auto') and finite, got {raw!r}")
     return value
 
 
@@ -203,8 +207,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     if args.manager is not None and not args.job_id:
         raise UsageError("--manager needs --job-id: the id the manager was started with")
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    if not job_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise UsageError(f"--job-id {job_id!r} may hold only letters, digits, '-', '_' and '.'")
+    check_job_id(job_id)
     timeouts = Timeouts(
         rendezvous=args.rendezvous_timeout,
         connect=args.connect_timeout,
@@ -244,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             replicate=args.replicate,
             replicate_every=args.replicate_every,
         ),
+        connections=connection_limits(args),
         trace=TraceConfig(
             dir=args.trace_dir,
             max_file_mb=args.trace_max_file_mb,

@@ -59,8 +59,8 @@ def _positive_seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise UsageError(f"--interval must be a number of seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise UsageError(f"--interval must be more than 0 seconds, got {value}")
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"--interval must be a finite number of seconds above 0, got {value}")
     return seconds
 
 

@@ -36,8 +36,10 @@ done. Nothing is changed by any refused request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -53,6 +55,7 @@ from undying.manager.auth import (
     tokens_match,
     where_the_token_is,
 )
+from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite, QuietLog
 from undying.manager.manager import Manager
 from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
 from undying.manager.page import status_page
@@ -61,12 +64,26 @@ from undying.trace.switch import TraceSwitch
 __all__ = ["start_http", "build_app", "READ_ONLY_PATHS"]
 
 log = logging.getLogger("undying.manager.http")
+log.addFilter(QuietLog())  # a flood of refused requests: a few lines a minute, not one each
+# aiohttp's own errors (malformed requests), short and as rare.
+_server_log = logging.getLogger("undying.manager.http.requests")
+_server_log.addFilter(QuietLog())
 
 # What open_status opens to anyone, for GET (and HEAD) only.
 READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/trace"})
 _READ_METHODS = frozenset({"GET", "HEAD"})
 _INJECT_EXAMPLE = '{"kind": "crash", "rank": 0}'
 _INJECT_FIELDS = ("kind", "rank", "at_step", "phase", "how", "factor")
+# A request body: every endpoint's fits in a few hundred bytes. aiohttp answers 413 past this.
+_MAX_BODY = 64 * 1024
+# JSON nesting and integer digits past these are no request of ours (and would cost a deep recursion
+# or a quadratic int parse): 400 before they are parsed.
+_MAX_DEPTH = 16
+_MAX_DIGITS = 30
+# Ranks and steps are counted, never negative; a step past this is no step a job reaches.
+_MAX_STEP = 2**53
+_MAX_RANK = 2**20
+_BODY_WAIT_S = 10.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -79,7 +96,8 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return _json({"error": message}, status=status, headers=headers)
 
 
-def build_app(manager: Manager, token: str | None = None, *, open_status: bool = False) -> web.Application:
+def build_app(manager: Manager, token: str | None = None, *, open_status: bool = False,
+              connections: ConnectionGuard | None = None) -> web.Application:
     """The API of ``manager``; ``token`` defaults to the job's (``ensure_token`` of its job dir)."""
     expected = token if token is not None else ensure_token(Path(manager.config.job_dir))
     job_id = manager.config.job_id
@@ -113,7 +131,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         refused = refusal(request)
         if refused is not None:
-            log.warning("job %s: refused %s %s from %s (401)", job_id, request.method, request.path,
+            # The raw path, cut short: a decoded one may hold a newline that forges a log line.
+            log.warning("job %s: refused %s %s from %s (401)", job_id, request.method, ascii(request.raw_path[:200]),
                         request.remote or "?")
             return refused
         return await handler(request)
@@ -180,7 +199,9 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         manager.stop("stopped through the API")
         return _json({"stopping": True})
 
-    app = web.Application(middlewares=[guard])
+    # The connection guard (when served through start_http) sees every request, refused ones included.
+    middlewares = [connections.middleware, guard] if connections is not None else [guard]
+    app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY)
     app.router.add_get("/", page)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/status", status)
@@ -195,13 +216,71 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
 
 
 async def _body(request: web.Request, example: str) -> dict[str, Any] | web.Response:
+    """The request's JSON object, or the 400 that says what is wrong with it (never a 500)."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(400, f"the body must be a JSON object like {example}")
+        raw = await asyncio.wait_for(request.read(), _BODY_WAIT_S)
+    except asyncio.TimeoutError:
+        return _error(408, f"the request body did not arrive within {_BODY_WAIT_S:.0f} s")
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"the body is over {_MAX_BODY} bytes; a request is a small JSON object like {example}")
+    try:
+        body = parse_json(raw)
+    except ValueError as e:
+        return _error(400, f"the body must be a JSON object like {example}: {e}")
     if not isinstance(body, dict):
         return _error(400, f"the body must be a JSON object like {example}, got {type(body).__name__}")
     return body
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON, held to what a request may hold; ``ValueError`` says what is wrong.
+
+    ``json.loads`` alone turns a deep nesting into a RecursionError, 5,000
+    digits into Python's int-conversion error and ``NaN`` into a float: each
+    would have been a 500 or a number no check expects.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("it is not UTF-8") from None
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > _MAX_DEPTH:
+                raise ValueError(f"it nests deeper than {_MAX_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+
+    def whole(digits: str) -> int:
+        if len(digits.lstrip("-")) > _MAX_DIGITS:
+            raise ValueError(f"a number has more than {_MAX_DIGITS} digits")
+        return int(digits)
+
+    def real(digits: str) -> float:
+        value = float(digits)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {digits[:20]} is out of range")
+        return value
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a number JSON allows")
+
+    try:
+        return json.loads(text, parse_int=whole, parse_float=real, parse_constant=constant)
+    except RecursionError:
+        raise ValueError(f"it nests deeper than {_MAX_DEPTH} levels") from None
 
 
 def _short(value: Any) -> str:
@@ -224,10 +303,12 @@ def _inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | No
         raise _Malformed(f"unknown field {_short(unknown[0])} in the inject body; the fields are "
                          f"{', '.join(_INJECT_FIELDS)}, e.g. {_INJECT_EXAMPLE}")
 
-    def whole(name: str) -> int | None:
+    def whole(name: str, low: int, high: int) -> int | None:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise _Malformed(f'"{name}" must be a whole number, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
+        if value is not None and not low <= value <= high:
+            raise _Malformed(f'"{name}" must be between {low} and {high}, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
         return value
 
     def text(name: str) -> str | None:
@@ -238,15 +319,16 @@ def _inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | No
 
     def number(name: str) -> float | None:
         value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value)):
             raise _Malformed(f'"{name}" must be a number, got {_short(value)}; e.g. 1.2 for steps 20% slower')
         return None if value is None else float(value)
 
-    rank = whole("rank")
+    rank = whole("rank", 0, _MAX_RANK)
     if rank is None:
         raise _Malformed(f'inject needs a "rank" (a whole number), e.g. {_INJECT_EXAMPLE}')
     kind = text("kind")
-    return (kind if kind is not None else "crash", rank, whole("at_step"), text("phase"), text("how"),
+    return (kind if kind is not None else "crash", rank, whole("at_step", 1, _MAX_STEP), text("phase"), text("how"),
             number("factor"))
 
 
@@ -258,17 +340,21 @@ def _who(request: web.Request, body: dict[str, Any]) -> str:
     return f"api {request.remote or ''}".strip()
 
 
-async def start_http(manager: Manager, host: str, port: int, *,
-                     open_status: bool = False) -> tuple[web.AppRunner, str]:
+async def start_http(manager: Manager, host: str, port: int, *, open_status: bool = False,
+                     limits: ConnectionLimits | None = None) -> tuple[web.AppRunner, str]:
     """Serve the API of ``manager`` on ``host:port`` with the job's token (``<job dir>/token``).
 
     Returns the runner (``cleanup()`` stops it) and the base URL. ``host`` is
-    what the caller chose: 127.0.0.1 unless the user asked for more.
+    what the caller chose: 127.0.0.1 unless the user asked for more. Every
+    connection is bounded by ``limits`` (default: the job's ``connections``).
     """
+    limits = limits if limits is not None else manager.config.connections
     token = ensure_token(Path(manager.config.job_dir))
-    runner = web.AppRunner(build_app(manager, token, open_status=open_status), access_log=None)
+    guard = ConnectionGuard(limits)
+    runner = web.AppRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
+                           keepalive_timeout=limits.idle_timeout, logger=_server_log)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = GuardedSite(runner, host, port, guard)
     try:
         await site.start()
     except OSError as e:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from undying.agent.agent import ManagerLink
+from undying.manager.conns import QuietLog
 from undying.messages import (
     WORKER_MESSAGES,
     AbortRank,
@@ -70,6 +71,9 @@ from undying.trace.switch import TraceSwitch
 __all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
 log = logging.getLogger("undying.manager.nodes")
+# Lines about floods of connections to the agents' port: a few a minute, then a count.
+_flood_log = logging.getLogger("undying.manager.nodes.flood")
+_flood_log.addFilter(QuietLog())
 
 # How often the manager tells each agent it is alive (an agent that hears nothing
 # for its heartbeat timeout reconnects), and how often the watch looks for silent nodes.
@@ -246,8 +250,15 @@ class RemoteAgent:
 class AgentServer:
     """Accepts agents, checks them, and turns their messages into the manager's calls."""
 
-    def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float) -> None:
+    def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float,
+                 max_connections: int = 256, join_wait_s: float = 10.0) -> None:
         self.host = host
+        # A connection that sends no join line within this long is no agent: it is closed.
+        self.join_wait_s = join_wait_s
+        # Open connections at most: at the cap, the oldest one that has not joined yet is closed for a new
+        # one (a flood of silent sockets cannot use up the manager's files nor lock a node out).
+        self.max_connections = max_connections
+        self._unjoined: dict[asyncio.StreamWriter, float] = {}
         self.port = port
         self._check = check
         self.heartbeat_s = heartbeat_s
@@ -346,11 +357,23 @@ class AgentServer:
             self._events.on_node_lost(slot.node, reason, time.time())
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.max_connections:
+            if not self._unjoined:
+                _flood_log.warning("agents' port: %d connections, every one a node's: refused a new one", len(self._connections))
+                writer.close()
+                return
+            oldest = min(self._unjoined, key=self._unjoined.__getitem__)
+            del self._unjoined[oldest]
+            oldest.close()
+            _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had not joined",
+                        len(self._connections))
         self._connections.add(writer)
+        self._unjoined[writer] = time.monotonic()
         slot: RemoteAgent | None = None
         session = ""
         try:
-            line = await asyncio.wait_for(reader.readline(), 30.0)
+            line = await asyncio.wait_for(reader.readline(), self.join_wait_s)
+            self._unjoined.pop(writer, None)
             join = decode(line) if line else None
             if not isinstance(join, AgentJoin):
                 return  # not an agent: nothing to say to it
@@ -388,6 +411,7 @@ class AgentServer:
                 self.lose(slot, f"node {slot.node} ({slot.host}): connection failed ({type(e).__name__}: {e})")
         finally:
             self._connections.discard(writer)
+            self._unjoined.pop(writer, None)
             writer.close()
 
     async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[RemoteAgent | None, str]:

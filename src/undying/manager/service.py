@@ -19,11 +19,11 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from undying.checkpoint.mac import key_from_token, set_key
-from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
+from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, ConnectionLimits, JobConfig
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
@@ -63,6 +63,7 @@ class ManagerOptions:
     port: int
     http_port: int
     open_status: bool = False
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 class _Gate:
@@ -123,7 +124,8 @@ async def _serve(options: ManagerOptions) -> int:
     gate = _Gate(options, token)
     prior = read_job_table(job_dir.events_db) if restart else {}
     heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", 30.0))
-    server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat)
+    server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat,
+                         max_connections=options.connections.cap, join_wait_s=options.connections.header_timeout)
     try:
         await server.start()
     except OSError as e:
@@ -138,7 +140,7 @@ async def _serve(options: ManagerOptions) -> int:
         config = JobConfig.from_dict(first.config)
     config = JobConfig(**{**config.__dict__, "job_id": options.job_id, "job_dir": str(job_dir.path),
                           "host": options.host, "port": server.port + 1, "http_port": options.http_port,
-                          "node_rank": 0})
+                          "node_rank": 0, "connections": options.connections})
     config.validate()
     gate.config = config
     server.heartbeat_s = config.timeouts.heartbeat

@@ -1,0 +1,74 @@
+"""The log filter that keeps a flood of bad requests from growing the manager's log (issue 14, finding 3)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from undying.config import ConnectionLimits
+from undying.errors import UsageError
+from undying.manager.conns import QuietLog
+
+
+def _logger(name: str, window_s: float = 60.0) -> tuple[logging.Logger, io.StringIO]:
+    out = io.StringIO()
+    logger = logging.getLogger(f"test.conns.{name}")
+    logger.handlers[:] = [logging.StreamHandler(out)]
+    logger.propagate = False
+    logger.filters[:] = [QuietLog(burst=3, window_s=window_s)]
+    return logger, out
+
+
+def test_a_flood_of_one_kind_is_a_few_lines_without_tracebacks() -> None:
+    logger, out = _logger("flood")
+    for i in range(1000):
+        try:
+            raise ValueError(f"bad request {i} with 100% junk")
+        except ValueError:
+            logger.exception("Error handling request from %s", "127.0.0.1")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert "Traceback" not in out.getvalue()
+    assert "ValueError: bad request 0 with 100% junk" in lines[0]
+    assert "held back" in lines[-1]
+
+
+def test_after_the_window_the_count_of_held_back_lines_is_told() -> None:
+    logger, out = _logger("window", window_s=0.0)
+    logger.warning("refused %s", "a")  # the first of its window: then 2 more pass, 8 are held back
+    filt = logger.filters[0]
+    assert isinstance(filt, QuietLog)
+    filt.window_s = 3600.0
+    for _ in range(10):
+        logger.warning("refused %s", "b")
+    filt.window_s = 0.0
+    logger.warning("refused %s", "c")
+    last = out.getvalue().splitlines()[-1]
+    assert last.startswith("refused c") and "8 more like it held back" in last, last
+
+
+def test_other_kinds_are_not_held_back_by_a_flood() -> None:
+    logger, out = _logger("kinds")
+    for _ in range(100):
+        logger.warning("flood")
+    logger.warning("something else")
+    assert out.getvalue().splitlines()[-1] == "something else"
+
+
+@pytest.mark.parametrize("limits", [
+    ConnectionLimits(header_timeout=0), ConnectionLimits(header_timeout=float("nan")),
+    ConnectionLimits(idle_timeout=float("inf")), ConnectionLimits(idle_timeout=61), ConnectionLimits(max_connections=-1),
+])
+def test_connection_limits_are_checked(limits: ConnectionLimits) -> None:
+    with pytest.raises(UsageError):
+        limits.validate()
+
+
+def test_the_default_cap_leaves_most_descriptors_to_the_job() -> None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = ConnectionLimits().cap
+    assert 16 <= cap <= 1024 and (soft == resource.RLIM_INFINITY or cap <= max(16, soft // 4))
