@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -32,18 +33,25 @@ from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code
 from undying.manager.state import JobState
+from undying.worker.boot import script_error
 
 __all__ = ["launch"]
 
 log = logging.getLogger("undying.launcher")
 
 
-def _check_script(script: str) -> None:
+def _check_script(script: str) -> str | None:
+    """A missing or unreadable script is a usage error; one that does not compile is returned, in two lines."""
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"training script {script} does not exist; pass the path of a Python file")
     if not os.access(path, os.R_OK):
         raise UsageError(f"training script {script} is not readable; check its permissions")
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as e:
+        return script_error(e)
+    return None
 
 
 async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int:
@@ -130,5 +138,8 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
 def launch(config: JobConfig, script: str, script_args: list[str]) -> int:
     """Run the job to its end; returns the launcher's exit code."""
     config.validate()
-    _check_script(script)
+    broken = _check_script(script)
+    if broken is not None:  # before any rank, folder or port: the error where it is, and exit 1
+        sys.stderr.write(f"undying: error in the training script: {broken}\n")
+        return 1
     return asyncio.run(_launch(config, script, script_args))

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import statistics
 import time
@@ -41,7 +42,7 @@ from undying.checkpoint.planner import (
     plan_for_ddp,
     plan_restore,
 )
-from undying.config import JobConfig
+from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, JobConfig
 from undying.errors import UsageError
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
@@ -482,6 +483,8 @@ class Manager:
                 error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
         else:
             detected, error = t, fatal.error if fatal else _describe_exit(returncode)
+        if returncode == EXIT_SCRIPT_ERROR and not (lost or hung):
+            kind, error = "script-error", _script_error(self.config.job_dir, rank)
         incident = self._new_incident(
             kind=kind,
             rank=rank,
@@ -1504,6 +1507,13 @@ class Manager:
 
     def _end(self, final: JobState) -> None:
         self.checkpoint_health.close()
+        # No incident of a failed or stopped job stays open: what was still being handled failed with it.
+        # (A preemption's incident stays open on purpose: the relaunch completes it.)
+        for incident in self.incidents if final in (JobState.FAILED, JobState.STOPPED) else ():
+            if incident.status == "open":
+                incident.status = "failed"
+                incident.detail.setdefault("closed", f"the job ended ({final.value}) before it was resolved")
+                self.events.incident(incident)
         self._move(final)
         self.events.set_job("ended_at", time.time())
         self.events.set_job("exit_reason", self.exit_reason)
@@ -1691,3 +1701,14 @@ def _describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+def _script_error(job_dir: str, rank: int) -> str:
+    """The job's failure when a rank's script could not run: the error its first rank left, in one line."""
+    try:
+        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8", errors="replace") as f:
+            told = f.read(2000).strip()
+    except OSError:
+        told = ""
+    where = told or f"rank {rank} exited with a SyntaxError or ImportError (its output says where)"
+    return f"the training script could not run: {where}; fix it and run the same command again"
