@@ -265,6 +265,11 @@ class JobConfig:
     # The user named the job (--job-id) rather than taking the random default: a checkpoint
     # of another job in the checkpoint folder is then refused at start, not resumed.
     job_id_given: bool = True
+    # Every checkpoint in the folder rejected (corrupt, unsigned, ...): start from step 1 anyway
+    # instead of stopping with the list of reasons.
+    start_fresh: bool = False
+    # Train again a job whose log says it already succeeded (else: say so and exit 0).
+    force: bool = False
 
     @property
     def checkpoint_dir(self) -> str:

@@ -1219,6 +1219,16 @@ class Manager:
     async def _find_resume_point(self) -> Checkpoint | None:
         ckpt = await asyncio.to_thread(self._latest_checkpoint)
         if ckpt is None:
+            if self._last_skipped and not self.config.start_fresh:
+                # Starting from step 1 silently would throw away a run whose checkpoints only need fixing.
+                reasons = "; ".join(f"{name}: {reason}" for name, reason in self._last_skipped)
+                error = UsageError(
+                    f"every checkpoint in {self.checkpoint_dir} was rejected ({reasons}); fix or move them, or pass "
+                    "--start-fresh to train from step 1 (the rejected checkpoints are kept)")
+                self.events.event("checkpoints_rejected", path=self.checkpoint_dir,
+                                  rejected=[{"name": n, "reason": r} for n, r in self._last_skipped])
+                self.events.set_job("exit_reason", str(error), flush=True)
+                raise error
             return None
         try:  # another job's checkpoint: refused when --job-id named this job, else resumed and said
             other_job = check_same_job(ckpt, self.config.job_id, self.config.job_id_given)
