@@ -115,6 +115,11 @@ EXIT_FENCED = 76
 # A worker that saved or handed on its state in a regroup generation and left: the job starts
 # again from that checkpoint on its new set of nodes.
 EXIT_REGROUPED = 77
+# A worker whose script could not run: a SyntaxError or ImportError (printed by the worker in a few
+# lines). No fault to recover from: the job fails at once. 78 is EX_CONFIG.
+EXIT_SCRIPT_ERROR = 78
+# Where the first rank whose script could not run leaves the error, in the job dir, for the manager.
+SCRIPT_ERROR_FILE = "script-error.txt"
 # `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one after.
 DEFAULT_MANAGER_PORT = 29400
 
@@ -314,6 +319,11 @@ class JobConfig:
     # The user named the job (--job-id) rather than taking the random default: a checkpoint
     # of another job in the checkpoint folder is then refused at start, not resumed.
     job_id_given: bool = True
+    # Every checkpoint in the folder rejected (corrupt, unsigned, ...): start from step 1 anyway
+    # instead of stopping with the list of reasons.
+    start_fresh: bool = False
+    # Train again a job whose log says it already succeeded (else: say so and exit 0).
+    force: bool = False
 
     @property
     def checkpoint_dir(self) -> str:

@@ -54,6 +54,9 @@ class JobDir:
                 )
         if self.events_db.exists() and not keep_log:
             self.archive_log()
+        # The script error of an earlier launch (worker.boot) is not this launch's.
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / "script-error.txt").unlink()
 
     def archive_log(self) -> Path:
         """Set the last launch's log aside whole, as ``events.<time>.db``, and return where.

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -27,23 +28,30 @@ from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token
 from undying.manager.checkpoint_health import resume_line
-from undying.manager.events import EventLog
+from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code
 from undying.manager.state import JobState
+from undying.worker.boot import script_error
 
 __all__ = ["launch"]
 
 log = logging.getLogger("undying.launcher")
 
 
-def _check_script(script: str) -> None:
+def _check_script(script: str) -> str | None:
+    """A missing or unreadable script is a usage error; one that does not compile is returned, in two lines."""
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"training script {script} does not exist; pass the path of a Python file")
     if not os.access(path, os.R_OK):
         raise UsageError(f"training script {script} is not readable; check its permissions")
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as e:
+        return script_error(e)
+    return None
 
 
 async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int:
@@ -52,6 +60,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
     key = key_from_token(ensure_token(job_dir.path))
     set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
     events = EventLog(job_dir.events_db)
+    events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
     manager = Manager(config, events)
     try:
         control_port = manager.start_control_store()
@@ -130,5 +139,34 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
 def launch(config: JobConfig, script: str, script_args: list[str]) -> int:
     """Run the job to its end; returns the launcher's exit code."""
     config.validate()
-    _check_script(script)
+    broken = _check_script(script)
+    if broken is not None:  # before any rank, folder or port: the error where it is, and exit 1
+        sys.stderr.write(f"undying: error in the training script: {broken}\n")
+        return 1
+    done = _already_succeeded(config, [script, *script_args])
+    if done:
+        log.warning("job %s %s; nothing to train. Pass --force to train it again, or another --job-id",
+                    config.job_id, done)
+        return 0
     return asyncio.run(_launch(config, script, script_args))
+
+
+def _already_succeeded(config: JobConfig, command: list[str]) -> str:
+    """How this job (same job id, job dir and command) already ended in success, or "" (then it runs).
+
+    Another command (more epochs, say) is the user extending the job: it resumes as before.
+    """
+    if config.force:
+        return ""
+    log_path = JobDir(Path(config.job_dir)).events_db
+    if not log_path.is_file():
+        return ""
+    try:
+        job = read_job_table(log_path)
+    except Exception:  # an unreadable log is no proof of success: the run goes on (and archives it)
+        return ""
+    if job.get("state") != "succeeded" or job.get("job_id") != config.job_id or job.get("command") != command:
+        return ""
+    ended = job.get("ended_at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended)) if isinstance(ended, (int, float)) else "earlier"
+    return f"already succeeded ({when}, job dir {config.job_dir})"

@@ -86,6 +86,12 @@ no checkpoint at all.""",
     c.add_argument("--save-interval", type=finite_arg("--save-interval"), default=0.0, metavar="SECONDS",
                    help="write a checkpoint when this long passed since the last (default 0: never by time)")
     c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    c.add_argument("--start-fresh", action="store_true",
+                   help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
+                   "by this job), train from step 1 anyway; the rejected ones are kept (default: stop and list why "
+                   "each was rejected)")
+    c.add_argument("--force", action="store_true",
+                   help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
     c.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
                    help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
                    "still running then are killed (default: sized from the measured checkpoint size and "
@@ -236,6 +242,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         max_retries=args.max_retries,
         spares=args.spares,
         open_status=args.open_status,
+        start_fresh=args.start_fresh,
+        force=args.force,
         timeouts=timeouts,
         checkpoint=CheckpointConfig(
             dir=args.checkpoint_dir,

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import statistics
 import time
@@ -41,7 +42,7 @@ from undying.checkpoint.planner import (
     plan_for_ddp,
     plan_restore,
 )
-from undying.config import JobConfig
+from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, JobConfig
 from undying.errors import UsageError
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
@@ -482,6 +483,8 @@ class Manager:
                 error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
         else:
             detected, error = t, fatal.error if fatal else _describe_exit(returncode)
+        if returncode == EXIT_SCRIPT_ERROR and not (lost or hung):
+            kind, error = "script-error", _script_error(self.config.job_dir, rank)
         incident = self._new_incident(
             kind=kind,
             rank=rank,
@@ -1216,6 +1219,16 @@ class Manager:
     async def _find_resume_point(self) -> Checkpoint | None:
         ckpt = await asyncio.to_thread(self._latest_checkpoint)
         if ckpt is None:
+            if self._last_skipped and not self.config.start_fresh:
+                # Starting from step 1 silently would throw away a run whose checkpoints only need fixing.
+                reasons = "; ".join(f"{name}: {reason}" for name, reason in self._last_skipped)
+                error = UsageError(
+                    f"every checkpoint in {self.checkpoint_dir} was rejected ({reasons}); fix or move them, or pass "
+                    "--start-fresh to train from step 1 (the rejected checkpoints are kept)")
+                self.events.event("checkpoints_rejected", path=self.checkpoint_dir,
+                                  rejected=[{"name": n, "reason": r} for n, r in self._last_skipped])
+                self.events.set_job("exit_reason", str(error), flush=True)
+                raise error
             return None
         try:  # another job's checkpoint: refused when --job-id named this job, else resumed and said
             other_job = check_same_job(ckpt, self.config.job_id, self.config.job_id_given)
@@ -1504,6 +1517,13 @@ class Manager:
 
     def _end(self, final: JobState) -> None:
         self.checkpoint_health.close()
+        # No incident of a failed or stopped job stays open: what was still being handled failed with it.
+        # (A preemption's incident stays open on purpose: the relaunch completes it.)
+        for incident in self.incidents if final in (JobState.FAILED, JobState.STOPPED) else ():
+            if incident.status == "open":
+                incident.status = "failed"
+                incident.detail.setdefault("closed", f"the job ended ({final.value}) before it was resolved")
+                self.events.incident(incident)
         self._move(final)
         self.events.set_job("ended_at", time.time())
         self.events.set_job("exit_reason", self.exit_reason)
@@ -1691,3 +1711,14 @@ def _describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+def _script_error(job_dir: str, rank: int) -> str:
+    """The job's failure when a rank's script could not run: the error its first rank left, in one line."""
+    try:
+        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8", errors="replace") as f:
+            told = f.read(2000).strip()
+    except OSError:
+        told = ""
+    where = told or f"rank {rank} exited with a SyntaxError or ImportError (its output says where)"
+    return f"the training script could not run: {where}; fix it and run the same command again"

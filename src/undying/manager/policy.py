@@ -46,7 +46,10 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank
     (up to ``max_restarts`` times for one rank at one step) -> restart every rank from the
     latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
-    fail with a report."""
+    fail with a report. A script that cannot run (a SyntaxError or ImportError) fails at once:
+    no replacement would run it either."""
+    if incident.kind == "script-error":
+        return Decision(Action.FAIL, incident.error)
     if ctx.holders_alive == 0:
         gone = "every rank that held the training state is gone, so there is no peer to restore from"
         if ctx.checkpoint_step is None:

@@ -25,9 +25,11 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _die_with_parent(expected_parent: int) -> None:
@@ -134,7 +136,46 @@ def main() -> None:
         _wait_as_spare(Path(script))
     sys.argv = args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SyntaxError, ImportError) as e:
+        from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
+
+        # An error in the script, not a fault: one line that says where, not a traceback through
+        # undying's frames, and once for the job (every rank would say the same): the first rank
+        # to fail leaves it in the job dir, where the manager reads it into the job's failure.
+        message = script_error(e).replace("\n    ", " :: ")
+        job_dir = os.environ.get("UNDYING_JOB_DIR", "")
+        told = False
+        if job_dir:
+            try:
+                fd = os.open(os.path.join(job_dir, SCRIPT_ERROR_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(message)
+                told = True
+            except FileExistsError:
+                told = True  # another rank told it first
+            except OSError:
+                pass
+        if not told:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+        os._exit(EXIT_SCRIPT_ERROR)
+
+
+def script_error(e: BaseException) -> str:
+    """``FILE, line N: Kind: message`` and the offending line, from the innermost frame outside undying."""
+    if isinstance(e, SyntaxError) and e.filename:
+        where, line, text = e.filename, e.lineno, (e.text or "").strip()
+        message = e.msg
+    else:
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if not f.filename.startswith(_UNDYING_DIR) and not f.filename.startswith("<frozen")]
+        frame = frames[-1] if frames else None
+        where = frame.filename if frame else "the script"
+        line, text, message = (frame.lineno if frame else None), (frame.line or "" if frame else ""), str(e)
+    head = f"{where}, line {line}: {type(e).__name__}: {message}" if line else f"{where}: {type(e).__name__}: {message}"
+    return head + (f"\n    {text}" if text else "")
 
 
 if __name__ == "__main__":
