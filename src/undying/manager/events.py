@@ -8,7 +8,10 @@ timer and at once for anything a person would look for (incidents, states).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import sqlite3
 import time
 import urllib.parse
@@ -23,6 +26,10 @@ from undying.manager.state import Incident
 __all__ = ["EventLog", "read_job", "read_job_table", "connect_readonly", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
+log = logging.getLogger("undying.manager")
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_INCIDENT_SQL = ("INSERT OR REPLACE INTO incidents (id, kind, rank, step, action, status, fault_t, data) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -41,17 +48,73 @@ CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 
 
 class EventLog:
+    """The log. It also watches its own file: deleted, replaced or corrupt under a running job, it is noticed
+    within a second (``CHECK_EVERY_S``), said in one error line, and a fresh log takes its place, carrying the
+    job's facts, incidents and ranks over, so the job trains on and ``undying status`` still reads it."""
+
+    CHECK_EVERY_S = 1.0
+
     def __init__(self, path: Path) -> None:
         self.path = path
+        # The last value of every job fact, incident and rank row: what a fresh log starts from.
+        self._facts: dict[str, str] = {}
+        self._incidents: dict[int, tuple[Any, ...]] = {}
+        self._ranks: dict[int, str] = {}
+        self._hooks: list[Callable[[], None]] = []
+        self._open()
+        self.set_job("schema_version", SCHEMA_VERSION)
+
+    def _open(self) -> None:
         # Writes survive a full disk (held in memory, written when there is room): see held_writes.
-        self._db = HeldWrites(sqlite3.connect(path, isolation_level=None, check_same_thread=False), path=str(path))
+        self._db = HeldWrites(sqlite3.connect(self.path, isolation_level=None, check_same_thread=False),
+                              path=str(self.path))
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN")
         self._dirty = False
-        self._hooks: list[Callable[[], None]] = []
-        self.set_job("schema_version", SCHEMA_VERSION)
+        st = os.stat(self.path)
+        self._identity = (st.st_dev, st.st_ino)
+        self._next_check = time.monotonic() + self.CHECK_EVERY_S
+
+    def _file_problem(self) -> str:
+        """What happened to the log's file under us ("" when nothing did): cheap enough to ask every second."""
+        try:
+            st = os.stat(self.path)
+            with open(self.path, "rb") as f:
+                header = f.read(16)
+        except FileNotFoundError:
+            return "was deleted"
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return "was replaced by another file"
+        if header != _SQLITE_HEADER:
+            return "is corrupt (its header is not SQLite's)"
+        return ""
+
+    def _replace(self, problem: str) -> None:
+        """A fresh log in place of a lost or corrupt one: the old file (if any) set aside, never deleted."""
+        with contextlib.suppress(sqlite3.Error, OSError):
+            self._db.raw.close()
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for suffix in ("", "-wal", "-shm"):  # a stale WAL must not be replayed into the fresh file
+            part = Path(str(self.path) + suffix)
+            if part.exists():
+                os.replace(part, Path(f"{self.path.with_suffix('')}.lost-{stamp}.db{suffix}"))
+        self._open()
+        for key, value in self._facts.items():
+            self._db.execute("INSERT OR REPLACE INTO job (key, value) VALUES (?, ?)", (key, value))
+        for row in self._incidents.values():
+            self._db.execute(_INCIDENT_SQL, row)
+        for rank, data in self._ranks.items():
+            self._db.execute("INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)", (rank, data))
+        self._db.execute("INSERT INTO events (t, generation, rank, kind, data) VALUES (?, ?, ?, ?, ?)",
+                         (time.time(), None, None, "event_log_replaced", json.dumps({"problem": problem})))
+        self._dirty = True
+        log.error("the event log %s %s while the job ran: a fresh log is written there from now on (the job "
+                  "trains on; the job's facts, incidents and ranks were carried over, earlier events and steps "
+                  "were in the lost file)", self.path, problem)
 
     @property
     def db(self) -> HeldWrites:
@@ -59,14 +122,14 @@ class EventLog:
         return self._db
 
     def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None, **data: Any) -> None:
-        self._db.execute(
+        self._exec(
             "INSERT INTO events (t, generation, rank, kind, data) VALUES (?, ?, ?, ?, ?)",
             (time.time(), generation, rank, name, json.dumps(data, default=str)),
         )
         self._dirty = True
 
     def step(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
-        self._db.execute(
+        self._exec(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
             (rank, step, generation, t, json.dumps(metrics)),
         )
@@ -74,34 +137,28 @@ class EventLog:
 
     def steps(self, rows: list[tuple[int, int, int, float, dict[str, float]]]) -> None:
         """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
-        self._db.executemany(
+        self._exec_many(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
             [(rank, step, generation, t, json.dumps(metrics)) for rank, step, generation, t, metrics in rows],
         )
         self._dirty = True
 
     def incident(self, incident: Incident) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO incidents (id, kind, rank, step, action, status, fault_t, data) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                incident.id, incident.kind, incident.rank, incident.step, incident.action,
-                incident.status, incident.fault_t, json.dumps(incident.to_dict(), default=str),
-            ),
-        )
+        row = (incident.id, incident.kind, incident.rank, incident.step, incident.action,
+               incident.status, incident.fault_t, json.dumps(incident.to_dict(), default=str))
+        self._incidents[incident.id] = row
+        self._exec(_INCIDENT_SQL, row)
         self._dirty = True
         self.flush()
 
     def rank(self, rank: int, data: dict[str, Any]) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)", (rank, json.dumps(data))
-        )
+        self._ranks[rank] = text = json.dumps(data)
+        self._exec("INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)", (rank, text))
         self._dirty = True
 
     def set_job(self, key: str, value: Any, *, flush: bool = False) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO job (key, value) VALUES (?, ?)", (key, json.dumps(value, default=str))
-        )
+        self._facts[key] = text = json.dumps(value, default=str)
+        self._exec("INSERT OR REPLACE INTO job (key, value) VALUES (?, ?)", (key, text))
         self._dirty = True
         if flush:
             self.flush()
@@ -114,11 +171,34 @@ class EventLog:
         """Call ``hook`` in each transaction before it commits (what it writes commits with the rest)."""
         self._hooks.append(hook)
 
+    def _exec(self, sql: str, params: Any = ()) -> None:
+        try:
+            self._db.execute(sql, params)
+        except sqlite3.DatabaseError as e:  # corrupt under us (a full disk is held inside HeldWrites, not raised)
+            self._replace(f"is corrupt ({e})")
+            self._db.execute(sql, params)
+
+    def _exec_many(self, sql: str, rows: list[Any]) -> None:
+        try:
+            self._db.executemany(sql, rows)
+        except sqlite3.DatabaseError as e:
+            self._replace(f"is corrupt ({e})")
+            self._db.executemany(sql, rows)
+
     def flush(self) -> None:
+        if time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + self.CHECK_EVERY_S
+            problem = self._file_problem()
+            if problem:
+                self._replace(problem)
         if self._dirty:
             for hook in self._hooks:
                 hook()
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.DatabaseError as e:  # corrupt under us (a full disk is held, not raised)
+                self._replace(f"is corrupt ({e})")
+                self._db.execute("COMMIT")
             self._db.execute("BEGIN")
             self._dirty = False
 
