@@ -73,16 +73,19 @@ class EventLog:
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN")
         self._dirty = False
-        st = os.stat(self.path)
+        # One descriptor kept open for the header check: closing any descriptor of the file would drop
+        # every POSIX lock this process holds on it, SQLite's included (then another process's reader
+        # may checkpoint and delete the WAL under us). It is closed only with the connection.
+        self._probe = os.open(self.path, os.O_RDONLY)
+        st = os.fstat(self._probe)
         self._identity = (st.st_dev, st.st_ino)
         self._next_check = time.monotonic() + self.CHECK_EVERY_S
 
     def _file_problem(self) -> str:
         """What happened to the log's file under us ("" when nothing did): cheap enough to ask every second."""
         try:
-            st = os.stat(self.path)
-            with open(self.path, "rb") as f:
-                header = f.read(16)
+            st = os.stat(self.path)  # a stat opens nothing
+            header = os.pread(self._probe, 16, 0)
         except FileNotFoundError:
             return "was deleted"
         except OSError as e:
@@ -97,6 +100,8 @@ class EventLog:
         """A fresh log in place of a lost or corrupt one: the old file (if any) set aside, never deleted."""
         with contextlib.suppress(sqlite3.Error, OSError):
             self._db.raw.close()
+        with contextlib.suppress(OSError):
+            os.close(self._probe)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for suffix in ("", "-wal", "-shm"):  # a stale WAL must not be replayed into the fresh file
             part = Path(str(self.path) + suffix)
@@ -206,6 +211,8 @@ class EventLog:
         self.flush()
         self._db.execute("COMMIT")
         self._db.close()
+        with contextlib.suppress(OSError):
+            os.close(self._probe)
 
 
 def connect_readonly(path: Path) -> sqlite3.Connection:
