@@ -3,14 +3,13 @@
 Before: the manager's control store and each generation's rendezvous store were
 ``TCPStore`` servers listening on every interface (``*:port``), reachable from
 any network the machine is on. Now the manager binds them itself on the job's
-address (``bound_store``); gloo's data connections of a single-node job stay on
-the loopback interface. What is still open (the stores do not authenticate
-their clients) is written in docs/security.md.
+address (``StoreServer``); gloo's data connections of a single-node job stay on
+the loopback interface. That the stores answer only the job's own processes is
+test_f1_strangers.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.jobs import manager_url, start_job, wait_running
-from undying.manager.stores import bound_store
+from undying.manager.stores import StoreServer
 
 LOOPBACK = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
 
@@ -58,15 +57,18 @@ def _other_address() -> str | None:
 
 
 def test_a_store_listens_only_on_the_address_it_was_given() -> None:
-    store = bound_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
-    store.set("k", "v")
-    addresses = [a for a in _listening({os.getpid()}) if a.endswith(f":{store.port}")]
-    assert addresses == [f"127.0.0.1:{store.port}"], addresses
-    other = _other_address()
-    if other is None:
-        pytest.skip("this machine has no address but loopback to try from")
-    with pytest.raises(OSError), socket.create_connection((other, store.port), timeout=2):
-        pass
+    server = StoreServer("127.0.0.1", 0, os.urandom(32))
+    try:
+        server.open("control").set("k", "v")
+        addresses = [a for a in _listening({os.getpid()}) if a.endswith(f":{server.port}")]
+        assert addresses == [f"127.0.0.1:{server.port}"], addresses
+        other = _other_address()
+        if other is None:
+            pytest.skip("this machine has no address but loopback to try from")
+        with pytest.raises(OSError), socket.create_connection((other, server.port), timeout=2):
+            pass
+    finally:
+        server.close()
 
 
 def test_every_socket_of_a_single_node_job_is_on_loopback(tmp_path: Path, reap: list[int]) -> None:

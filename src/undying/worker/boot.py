@@ -136,6 +136,10 @@ def main() -> None:
         _wait_as_spare(Path(script))
     sys.argv = args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if os.environ.get("UNDYING_STORE_KEY"):
+        from undying.protocol.store_client import use_for_env_rendezvous
+
+        use_for_env_rendezvous()  # the script's own init_process_group() meets its peers on the job's store
     try:
         runpy.run_path(script, run_name="__main__")
     except (SyntaxError, ImportError) as e:
