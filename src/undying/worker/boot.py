@@ -95,6 +95,7 @@ def _wait_as_spare(script: Path) -> None:
     agent kills a spare that does not give it within --spare-take-timeout,
     so a stopped or wedged spare costs a recovery seconds, not the init timeout.
     """
+    from undying.channelkey import hello_line
     from undying.messages import Assign, SpareReady, SpareTaken, decode, encode
 
     for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
@@ -103,7 +104,7 @@ def _wait_as_spare(script: Path) -> None:
     host, port = os.environ["UNDYING_AGENT_ADDR"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as channel:
         channel.settimeout(None)
-        channel.sendall(encode(SpareReady(os.getpid(), time.time())))
+        channel.sendall(hello_line() + encode(SpareReady(os.getpid(), time.time())))
         stop = threading.Event()
         beats = threading.Thread(target=_beat, args=(channel, stop, spare_beat_interval()),
                                  name="undying-spare-beat", daemon=True)
