@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from undying.agent.spares import SparePool, Take, signal_group
-from undying.channelkey import KEY_ENV, new_key, shows_key
 from undying.config import ENV_PREFIX, JobConfig, step_timeout
 from undying.messages import (
     Abort,
@@ -41,6 +40,7 @@ from undying.messages import (
     decode,
     encode,
 )
+from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
 from undying.rendezvous import GenerationRecord
 from undying.trace.switch import SwitchFileWatcher, TraceSwitch
 
@@ -127,7 +127,7 @@ class Agent:
         # Set when the manager is on another host: its address, as this node reaches it.
         self.manager_host = ""
         self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
-        self._key = new_key()  # what a local process must show on the worker channel (undying.channelkey)
+        self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
         self._refused = 0
 
     async def start(self) -> None:
@@ -225,7 +225,7 @@ class Agent:
                 f"{ENV_PREFIX}JOB_DIR": self.config.job_dir,
                 f"{ENV_PREFIX}AGENT_ADDR": f"127.0.0.1:{self._port}",
                 f"{ENV_PREFIX}AGENT_PID": str(os.getpid()),
-                KEY_ENV: self._key,
+                AGENT_KEY_ENV: self._key,
                 # What traces name this node by: its host, and with several nodes its rank too
                 # (two agents may share a host name: pods of one node, test hosts).
                 f"{ENV_PREFIX}NODE_NAME": socket.gethostname() if self.config.nnodes == 1

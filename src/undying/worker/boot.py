@@ -95,8 +95,8 @@ def _wait_as_spare(script: Path) -> None:
     agent kills a spare that does not give it within --spare-take-timeout,
     so a stopped or wedged spare costs a recovery seconds, not the init timeout.
     """
-    from undying.channelkey import hello_line
     from undying.messages import Assign, SpareReady, SpareTaken, decode, encode
+    from undying.protocol.channel_key import hello_line
 
     for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors

@@ -13,8 +13,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-from undying.channelkey import hello_line
 from undying.messages import Message, decode, encode
+from undying.protocol.channel_key import hello_line
 
 __all__ = ["AgentChannel"]
 

@@ -16,9 +16,9 @@ import secrets
 
 from undying.config import ENV_PREFIX
 
-__all__ = ["KEY_ENV", "hello_line", "new_key", "shows_key"]
+__all__ = ["AGENT_KEY_ENV", "hello_line", "new_key", "shows_key"]
 
-KEY_ENV = f"{ENV_PREFIX}AGENT_KEY"
+AGENT_KEY_ENV = f"{ENV_PREFIX}AGENT_KEY"
 
 
 def new_key() -> str:
@@ -27,7 +27,7 @@ def new_key() -> str:
 
 def hello_line(key: str | None = None) -> bytes:
     """The first line a worker or spare sends its agent (the key from its environment by default)."""
-    return (os.environ.get(KEY_ENV, "") if key is None else key).encode() + b"\n"
+    return (os.environ.get(AGENT_KEY_ENV, "") if key is None else key).encode() + b"\n"
 
 
 def shows_key(line: bytes, key: str) -> bool:
