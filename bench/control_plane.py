@@ -1055,7 +1055,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
                        port=0)
     events = EventLog(root / "events.db")
     manager = Manager(config, events)
-    manager.start_control_store()
+    manager.start_control_store(secrets.token_bytes(32))
     slots = [RemoteAgent(n) for n in range(nnodes)]
     for slot in slots:
         manager.add_agent(slot)

@@ -40,12 +40,17 @@ from undying.messages import (
     decode,
     encode,
 )
+from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
 from undying.rendezvous import GenerationRecord
 from undying.trace.switch import SwitchFileWatcher, TraceSwitch
 
 __all__ = ["Agent", "ManagerLink"]
 
 log = logging.getLogger("undying.agent")
+
+
+# A worker or spare shows the key at once; a connection silent this long is dropped.
+_KEY_WAIT_S = 10.0
 
 
 class ManagerLink(Protocol):
@@ -122,6 +127,8 @@ class Agent:
         # Set when the manager is on another host: its address, as this node reaches it.
         self.manager_host = ""
         self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
+        self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
+        self._refused = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -218,6 +225,7 @@ class Agent:
                 f"{ENV_PREFIX}JOB_DIR": self.config.job_dir,
                 f"{ENV_PREFIX}AGENT_ADDR": f"127.0.0.1:{self._port}",
                 f"{ENV_PREFIX}AGENT_PID": str(os.getpid()),
+                AGENT_KEY_ENV: self._key,
                 # What traces name this node by: its host, and with several nodes its rank too
                 # (two agents may share a host name: pods of one node, test hosts).
                 f"{ENV_PREFIX}NODE_NAME": socket.gethostname() if self.config.nnodes == 1
@@ -457,6 +465,11 @@ class Agent:
     async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         worker: _Worker | None = None
         try:
+            if not shows_key(await asyncio.wait_for(reader.readline(), _KEY_WAIT_S), self._key):
+                self._refused += 1
+                if self._refused <= 10:  # bounded: a flood of strangers cannot grow the log
+                    log.warning("node %d: refused a local connection without the agent's key", self.node)
+                return
             while True:
                 line = await reader.readline()
                 if not line:
@@ -491,7 +504,7 @@ class Agent:
                         self._step_times.append(message.t - t)  # a plain step, no recovery inside
                     worker.last_commit = (message.generation, message.step, message.t)
                 self._manager.on_message(message)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ValueError):
             return
         finally:
             if worker is not None and worker.writer is writer:

@@ -33,6 +33,7 @@ from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code
 from undying.manager.state import JobState
+from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
 from undying.worker.boot import script_error
 
 __all__ = ["launch"]
@@ -57,18 +58,20 @@ def _check_script(script: str) -> str | None:
 async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int:
     job_dir = JobDir(Path(config.job_dir))
     job_dir.prepare()
-    key = key_from_token(ensure_token(job_dir.path))
+    token = ensure_token(job_dir.path)
+    key = key_from_token(token)
     set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
     events = EventLog(job_dir.events_db)
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
     manager = Manager(config, events)
     try:
-        control_port = manager.start_control_store()
+        control_port = manager.start_control_store(store_key_from_token(token))
         agent = Agent(
             config, node=config.node_rank, script=script, script_args=script_args,
             manager=manager, control_port=control_port,
         )
         agent.extra_env[KEY_ENV] = key.hex()
+        agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # its workers reach the job's stores
         # gloo binds the address of the machine's hostname: on one node, keep its connections on the
         # interface the job listens on (loopback by default) unless the user chose one.
         interface = interface_for(config.host)

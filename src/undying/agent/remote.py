@@ -59,6 +59,7 @@ from undying.messages import (
     decode,
     encode,
 )
+from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
 from undying.rendezvous import GenerationRecord
 from undying.trace.switch import TraceSwitch
 
@@ -231,6 +232,7 @@ class NodeRunner:
                            manager=self.client, control_port=0)
         self.agent.manager_host = self.manager_host
         self.agent.extra_env[KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
+        self.agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # and reach the job's stores
         self.session = ""
         self._last_beat = 0.0
         self._leaving: str = ""

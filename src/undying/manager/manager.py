@@ -21,10 +21,7 @@ import statistics
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Protocol
-
-import torch.distributed as dist
 
 from undying.checkpoint import (
     Checkpoint,
@@ -50,7 +47,7 @@ from undying.manager.policy import Action, Decision, PolicyContext, decide, stal
 from undying.manager.regroup import LOG_KEY as REGROUP_KEY
 from undying.manager.regroup import SAVED_KINDS, Regroup, max_attempts
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
-from undying.manager.stores import bound_store
+from undying.manager.stores import StoreHandle, StoreServer
 from undying.messages import (
     INJECT_PHASES,
     SLOW_PHASES,
@@ -74,6 +71,7 @@ from undying.messages import (
     TraceSet,
     TraceSummary,
 )
+from undying.protocol.store_wire import CONTROL_STORE, generation_store
 from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key, rank_owner_key
 from undying.trace.detect import Finding, SlowDetector
 from undying.trace.switch import TraceSwitch
@@ -180,8 +178,9 @@ class Manager:
         self._node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
         self._one_generation = False
         self._shared_record: GenerationRecord | None = None
-        self._control: dist.TCPStore | None = None
-        self._gen_stores: dict[int, dist.TCPStore] = {}
+        self._stores: StoreServer | None = None
+        self._control: StoreHandle | None = None
+        self._gen_stores: dict[int, StoreHandle] = {}
         self._recovery: Recovery | None = None
         self._recovery_count = 0
         self._injected: dict[int, tuple[float, str]] = {}
@@ -235,11 +234,12 @@ class Manager:
     def state(self) -> JobState:
         return self.machine.state
 
-    def start_control_store(self) -> int:
+    def start_control_store(self, key: bytes) -> int:
+        """Serve the job's stores on --host:--port to processes that prove ``key`` (the job's store key)."""
         try:
-            self._control = bound_store(self.config.host, self.config.port,
-                                        timedelta(seconds=self.config.timeouts.rendezvous))
-        except (OSError, RuntimeError, dist.DistError) as e:
+            self._stores = StoreServer(self.config.host, self.config.port, key)
+            self._control = self._stores.open(CONTROL_STORE)
+        except OSError as e:
             if "in use" in str(e).lower() or "EADDRINUSE" in str(e):
                 raise UsageError(
                     f"port {self.config.port} is in use; pass --port with a free port, or --port 0 to pick one"
@@ -358,7 +358,8 @@ class Manager:
         assert self._control is not None
         if self.generation < 0:
             return
-        store = bound_store(self.config.host, 0, timedelta(seconds=self.config.timeouts.connect))
+        assert self._stores is not None
+        store = self._stores.open(generation_store(self.generation))
         self._gen_stores[self.generation] = store
         regroup = self._regroup if self._regroup is not None and self._regroup.generation == self.generation else None
         record = GenerationRecord(self.generation, len(regroup.members) if regroup else self.world_size,
@@ -372,8 +373,10 @@ class Manager:
                 self._control.set(rank_owner_key(info.rank), str(info.incarnation))
 
     def close(self) -> None:
-        self._gen_stores.clear()  # the last references: their servers stop
+        self._gen_stores.clear()
         self._control = None
+        if self._stores is not None:
+            self._stores.close()
         self.events.close()
 
     # --- generations ----------------------------------------------------------
@@ -381,10 +384,10 @@ class Manager:
     def _open_generation(self, reason: str, *, members: dict[int, int] | None = None,
                          purpose: str = "") -> GenerationRecord:
         """The next generation, of every rank of the layout or, for a regroup, of ``members`` (renumbered)."""
-        assert self._control is not None
+        assert self._control is not None and self._stores is not None
         previous = self.generation
-        store = bound_store(self.config.host, 0, timedelta(seconds=self.config.timeouts.connect))
         self.generation += 1
+        store = self._stores.open(generation_store(self.generation))
         record = GenerationRecord(
             generation=self.generation,
             world_size=len(members) if members is not None else self.world_size,
@@ -412,7 +415,8 @@ class Manager:
         superseded = GenerationRecord(**{**record.__dict__, "status": "superseded", "superseded_by": new})
         self._control.set(generation_key(old), superseded.to_json().decode())
         store = self._gen_stores.pop(old, None)
-        del store
+        if store is not None:
+            store.close()
 
     def _spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "") -> bool:
         """Give ``rank`` a process; True when it was a warm spare."""

@@ -34,6 +34,7 @@ from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer
 from undying.manager.state import JobState
 from undying.messages import AgentJoin, JobEnded
+from undying.protocol.store_wire import store_key_from_token
 
 __all__ = ["ManagerOptions", "serve_manager", "exit_code"]
 
@@ -155,7 +156,7 @@ async def _serve(options: ManagerOptions) -> int:
     try:
         if restart:
             server.known_sessions = manager.restore()
-        server.control_port = manager.start_control_store()
+        server.control_port = manager.start_control_store(store_key_from_token(token))
         if restart:
             manager.reopen_generation()
         server.job_dir = str(job_dir.path)

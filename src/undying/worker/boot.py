@@ -96,6 +96,7 @@ def _wait_as_spare(script: Path) -> None:
     so a stopped or wedged spare costs a recovery seconds, not the init timeout.
     """
     from undying.messages import Assign, SpareReady, SpareTaken, decode, encode
+    from undying.protocol.channel_key import hello_line
 
     for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
@@ -103,7 +104,7 @@ def _wait_as_spare(script: Path) -> None:
     host, port = os.environ["UNDYING_AGENT_ADDR"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as channel:
         channel.settimeout(None)
-        channel.sendall(encode(SpareReady(os.getpid(), time.time())))
+        channel.sendall(hello_line() + encode(SpareReady(os.getpid(), time.time())))
         stop = threading.Event()
         beats = threading.Thread(target=_beat, args=(channel, stop, spare_beat_interval()),
                                  name="undying-spare-beat", daemon=True)
@@ -136,6 +137,10 @@ def main() -> None:
         _wait_as_spare(Path(script))
     sys.argv = args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if os.environ.get("UNDYING_STORE_KEY"):
+        from undying.protocol.store_client import use_for_env_rendezvous
+
+        use_for_env_rendezvous()  # the script's own init_process_group() meets its peers on the job's store
     try:
         runpy.run_path(script, run_name="__main__")
     except (SyntaxError, ImportError) as e:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from undying.messages import Message, decode, encode
+from undying.protocol.channel_key import hello_line
 
 __all__ = ["AgentChannel"]
 
@@ -25,6 +26,7 @@ class AgentChannel:
         self._sock = socket.create_connection((host, port), timeout=30)
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.sendall(hello_line())  # the agent listens only to processes that know its key
         self._lock = threading.Lock()
         self._on_command = on_command
         self._closed = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from undying.config import (
@@ -14,6 +15,8 @@ from undying.config import (
     timeouts_from_env,
     trace_from_env,
 )
+from undying.errors import UsageError
+from undying.protocol.store_wire import STORE_KEY_ENV, key_from_environ
 
 __all__ = ["WorkerEnv"]
 
@@ -39,6 +42,8 @@ class WorkerEnv:
     trace: TraceConfig = TraceConfig()
     # The manager's number for this process as the holder of its rank (0: not fenced).
     incarnation: int = 0
+    # What proves to the manager's stores that this process is the job's (see undying.protocol.store_wire).
+    store_key: bytes = b""
 
     @classmethod
     def from_environ(cls) -> WorkerEnv | None:
@@ -66,4 +71,13 @@ class WorkerEnv:
             resume_from=env.get(f"{ENV_PREFIX}RESUME_FROM", ""),
             trace=trace_from_env(env),
             incarnation=int(env.get(f"{ENV_PREFIX}INCARNATION", "0") or 0),
+            store_key=_store_key(env),
         )
+
+
+def _store_key(env: Mapping[str, str]) -> bytes:
+    key = key_from_environ(env)
+    if key is None:
+        raise UsageError(f"env {STORE_KEY_ENV} is not set: this process was not started by undying's agent "
+                         "(run the script with `undying run`, or without the UNDYING_* variables)")
+    return key

@@ -25,6 +25,8 @@ from undying.errors import (
     GenerationSupersededError,
     RecoveryError,
 )
+from undying.protocol.store_client import JobStore
+from undying.protocol.store_wire import generation_store
 from undying.rendezvous import GenerationRecord, generation_key, rank_owner_key
 
 __all__ = [
@@ -189,7 +191,8 @@ def leave_group() -> None:
         gc.collect()
 
 
-def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, collective_s: float) -> None:
+def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, collective_s: float,
+           key: bytes) -> None:
     before = _sockets()
     # The default group's name ("0") prefixes its keys in the store. A failed
     # init_process_group used the name without resetting the counter behind it
@@ -197,13 +200,8 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     # generation would name the next group "1" and wait forever for keys its
     # peers wrote under "0".
     dist.distributed_c10d._world.group_count = 0
-    store = dist.TCPStore(
-        record.store_host,
-        record.store_port,
-        None,
-        False,
-        timeout=timedelta(seconds=connect_s),
-    )
+    store = JobStore(record.store_host, record.store_port, generation_store(record.generation), key,
+                     timedelta(seconds=connect_s))
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("default_pg", store),
@@ -215,6 +213,7 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     os.environ["MASTER_ADDR"] = record.store_host
     os.environ["MASTER_PORT"] = str(record.store_port)
     os.environ["WORLD_SIZE"] = str(record.world_size)
+    os.environ["UNDYING_GENERATION"] = str(record.generation)  # the store env:// opens (use_for_env_rendezvous)
 
 
 def join_generation(
@@ -228,6 +227,7 @@ def join_generation(
     collective_s: float,
     incarnation: int = 0,
     deadline: float | None = None,
+    key: bytes,
 ) -> GenerationRecord:
     """Join generation ``first`` or, if it was superseded, the one that replaced it."""
     deadline = time.monotonic() + rendezvous_s if deadline is None else deadline
@@ -244,7 +244,7 @@ def join_generation(
                               f"({record.reason}): the job regroups without this process")
         leave_group()
         try:
-            _build(record, member, backend, connect_s, collective_s)
+            _build(record, member, backend, connect_s, collective_s, key)
             return record
         except Exception as e:
             if not is_comm_failure(e):

@@ -68,6 +68,8 @@ from undying.messages import (
     Terminated,
     TraceSet,
 )
+from undying.protocol.store_client import JobStore
+from undying.protocol.store_wire import CONTROL_STORE
 from undying.rendezvous import generation_key
 from undying.worker import rng
 from undying.worker.channel import AgentChannel
@@ -249,13 +251,8 @@ class Job:
              "hang:block": block_forever, "comm-error": break_connections},
         )
         self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
-        self._control = dist.TCPStore(
-            env.control_host,
-            env.control_port,
-            None,
-            False,
-            timeout=timedelta(seconds=env.timeouts.rendezvous),
-        )
+        self._control: dist.Store = JobStore(env.control_host, env.control_port, CONTROL_STORE, env.store_key,
+                                             timedelta(seconds=env.timeouts.rendezvous))
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         # Stopped at exit: it calls into torch (see undying.worker.threads).
         StoppedAtExit(self._beat, name="undying-heartbeat")
@@ -839,6 +836,7 @@ class Job:
                     collective_s=t.collective,
                     incarnation=self.env.incarnation,
                     deadline=deadline,
+                    key=self.env.store_key,
                 )
                 break
             except FencedError as e:
@@ -852,12 +850,12 @@ class Job:
         self.generation = record.generation
         self._purpose = record.purpose
 
-    def _connect_control(self, deadline: float) -> dist.TCPStore:
+    def _connect_control(self, deadline: float) -> dist.Store:
         assert self.env is not None
         while True:
             try:
-                return dist.TCPStore(self.env.control_host, self.env.control_port, None, False,
-                                     timeout=timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))))
+                return JobStore(self.env.control_host, self.env.control_port, CONTROL_STORE, self.env.store_key,
+                                timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))))
             except (RuntimeError, dist.DistError) as e:
                 if time.monotonic() >= deadline:
                     raise RecoveryError(f"the manager's control store at {self.env.control_host}:"
