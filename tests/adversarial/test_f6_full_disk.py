@@ -176,12 +176,13 @@ def test_sigterm_with_a_full_disk_exits_honestly_and_the_resume_reruns_what_it_s
                 "--checkpoint-dir", str(small_disk / "checkpoints"), "--grace-period", "20"]
     launcher = start_job(job_dir, ["--epochs", "2", "--step-seconds", "0.2"], ranks=RANKS, run_args=run_args,
                          reap=reap)
-    manager_url(job_dir)
+    url = manager_url(job_dir)
     db = job_dir / "events.db"
     wait_for(lambda: valid_steps(small_disk), 60, "a checkpoint")
     fill(small_disk)  # with --keep 1 there is nothing older to prune: every save from now on fails
-    wait_for(lambda: events(db, "checkpoint_failed"), 30, "a failed save")
-    time.sleep(1.0)  # a few more steps past the last checkpoint
+    (failed, *_) = wait_for(lambda: events(db, "checkpoint_failed"), 30, "a failed save")
+    # A few more steps past the last checkpoint (counted, not slept: 1 s was 5 steps when idle, fewer when busy).
+    wait_for(lambda: status(url)["step"] >= failed["step"] + 3, 30, "three steps past the failed save")
     sigterm_t = time.time()
     os.kill(launcher.pid, signal.SIGTERM)
     rc = launcher.wait(timeout=60)
@@ -235,7 +236,8 @@ def test_the_default_layout_a_full_job_dir_loses_no_event_and_the_job_ends(
     live = wait_for(lambda: (s := status(url)) and [i for i in s["incidents"] if i["kind"] == "checkpoint_failed"]
                     and s, 30, "the failed saves in /api/status (served from memory)")
     assert live["state"] == "running"
-    time.sleep(1.0)  # a few steps whose rows are held in memory only
+    # A few steps whose rows are held in memory only (counted, not slept).
+    wait_for(lambda: status(url)["step"] >= live["step"] + 3, 30, "three steps held in memory")
     for filler in small_disk.glob("filler-*"):
         filler.unlink()
 
