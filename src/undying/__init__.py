@@ -10,9 +10,25 @@ In a training script::
             ...
 
 Run it with ``undying run -n 4 train.py``.
+
+The worker API is imported on first use (PEP 562): ``import undying`` stays
+cheap for the command-line tools, which need neither torch nor the worker.
 """
 
-from undying.worker import Job, State, Step, init
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from undying.worker import Job, State, Step, init
 
 __version__ = "0.1.0"
 __all__ = ["init", "Job", "State", "Step", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init", "Job", "State", "Step"):
+        import undying.worker
+
+        return getattr(undying.worker, name)
+    raise AttributeError(f"module 'undying' has no attribute {name!r}")

@@ -89,6 +89,8 @@ RECOVERY_PHASES = (
 # step, when it starts a recovery, or (for the rank's next replacement
 # process) once it has joined and received its state.
 # "regroup": in a regroup generation, once the state is restored, before it is saved (see worker.job).
+INJECT_KINDS = ("crash", "hang", "comm-error", "slow")  # what /api/inject and undying inject accept
+HANG_HOWS = ("stop", "spin", "block")  # how an injected hang hangs
 INJECT_PHASES = ("step", "forward", "backward", "optimizer", "recovery", "rejoin", "regroup")
 
 # Where an injected slowdown puts its extra time: the forward/backward compute,

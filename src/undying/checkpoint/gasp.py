@@ -12,19 +12,21 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from undying.checkpoint.manifest import parse_step_dirname
 from undying.checkpoint.store import TMP_PREFIX, Checkpoint, Store, _check
-from undying.checkpoint.writer import SaveResult
+
+if TYPE_CHECKING:
+    from undying.checkpoint.writer import SaveResult  # its writer imports torch
 
 __all__ = ["Measurement", "state_nbytes", "measure_write_speed", "measure", "recent_dying_gasp"]
 
 
 def state_nbytes(obj: Any) -> int:
     """Bytes of tensor data in a state dict (what dominates the checkpoint's size)."""
+    import torch  # here, not at the top: sizing a grace period from a job dir needs no torch
+
     seen: set[int] = set()
     total = 0
 

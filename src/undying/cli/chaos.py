@@ -12,7 +12,7 @@ from typing import Any
 from undying.cli.client import AccessDeniedError, add_job_arguments, connect
 from undying.errors import JobNotRunningError, UsageError
 from undying.inputs import finite_arg
-from undying.manager.manager import INJECT_KINDS
+from undying.messages import INJECT_KINDS
 
 __all__ = ["add_parser"]
 

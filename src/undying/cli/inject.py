@@ -9,8 +9,7 @@ import sys
 from undying.cli.client import add_job_arguments, connect
 from undying.errors import UsageError
 from undying.inputs import finite_arg
-from undying.manager.manager import HANG_HOWS, INJECT_KINDS
-from undying.messages import INJECT_PHASES, SLOW_PHASES
+from undying.messages import HANG_HOWS, INJECT_KINDS, INJECT_PHASES, SLOW_PHASES
 
 __all__ = ["add_parser"]
 

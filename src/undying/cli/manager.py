@@ -9,7 +9,6 @@ from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, job_id_arg
 from undying.jobdir import default_job_dir
-from undying.manager.service import ManagerOptions, serve_manager
 
 __all__ = ["add_parser"]
 
@@ -67,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
     http_port = args.port + 2 if args.http_port is None else args.http_port
     if not 0 <= http_port < 65536:
         raise UsageError(f"--http-port must be in [0, 65535], got {http_port}")
+    from undying.manager.service import (  # heavy: only for this command
+        ManagerOptions,
+        serve_manager,
+    )
+
     options = ManagerOptions(
         job_id=job_id,
         job_dir=str(args.job_dir or default_job_dir(job_id)),

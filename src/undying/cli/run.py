@@ -7,8 +7,6 @@ import os
 import time
 import uuid
 
-from undying.agent.launcher import launch
-from undying.checkpoint import check_writable
 from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
@@ -276,7 +274,13 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()
+        from undying.checkpoint import check_writable
+
         check_writable(args.checkpoint_dir)
+    from undying.agent.launcher import (
+        launch,  # torch and the manager: only for the command that runs a job
+    )
+
     return launch(config, args.script, script_args)
 
 

@@ -49,6 +49,8 @@ from undying.manager.regroup import SAVED_KINDS, Regroup, max_attempts
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
 from undying.manager.stores import StoreHandle, StoreServer
 from undying.messages import (
+    HANG_HOWS,
+    INJECT_KINDS,
     INJECT_PHASES,
     SLOW_PHASES,
     ArmFault,
@@ -87,8 +89,6 @@ log = logging.getLogger("undying.manager")
 # while its process lives and beats (found by its missing progress).
 # slow: the rank's steps take `factor` times as long from then on, the extra time
 # spent in one phase (compute, data or ckpt); found by slow-rank detection, not recovered.
-INJECT_KINDS = ("crash", "hang", "comm-error", "slow")
-HANG_HOWS = ("stop", "spin", "block")
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
 # How far ahead a comm-marker switch takes effect (see Manager._comm_switch_step).
 _COMM_SWITCH_AHEAD_S = 0.5
