@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import string
 import urllib.parse
@@ -226,3 +227,65 @@ def test_a_job_dir_of_an_old_non_ascii_job_id_does_not_crash_the_commands(served
     api = api_for(JobDir(old))
     assert api.job_id is None
     assert api.get("/api/status")["job_id"] == "authjob"
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--job-id", "-rf", "train.py"],  # the id taken for an option: argparse's "expected one argument"
+    ["run", "--no-such-option", "train.py"],
+    ["run", "--backend", "mpi", "train.py"],
+    ["run", "-n", "two", "train.py"],
+    ["manager"],  # --job-id is required
+    ["inject", "explode", "--rank", "0"],
+    ["status", "--job-dir", "a", "--manager", "b"],  # exclusive
+    ["nonsense"],
+])
+def test_argparse_own_errors_are_one_line_exit_2_and_nothing_created(
+        argv: list[str], in_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Finding 4: "anything else is one line, exit 2" holds for argparse's own refusals too (they printed the usage)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "--help" in err, err
+    assert list(in_tmp.iterdir()) == []
+
+
+_any_value = (st.sampled_from(["nan", "inf", "-inf", "-5", "0", "1", "1e999", "jöb", "", "-", ".x", "a" * 70,
+                               "train.py", "auto", "1:2", "3:1", "crash", "on"])
+              | st.text(max_size=10) | st.integers(-(10**30), 10**30).map(str))
+
+
+def test_random_arguments_to_every_subcommand_parser(in_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Finding 4, property-based: every subcommand's real parser (not only run's and manager's) with random
+    options and values; a refusal is exit 2 and one line, a parse holds only finite numbers; nothing is created."""
+    parsers = _subcommands()
+
+    @settings(max_examples=300, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(data=st.data())
+    def one(data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(parsers)))
+        options = sorted({o for a in parsers[name]._actions for o in a.option_strings if o not in ("-h", "--help")})
+        pairs = data.draw(st.lists(st.tuples(st.sampled_from(options), _any_value), max_size=4))
+        argv = [name, *(f"{o}={v}" for o, v in pairs), *data.draw(st.lists(_any_value, max_size=2))]
+        capsys.readouterr()
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:
+            assert e.code in (0, 2), argv
+            if e.code == 2:
+                err = capsys.readouterr().err
+                assert err.count("\n") == 1, (argv, err)
+        except UsageError as e:
+            assert "\n" not in str(e) and str(e).isprintable(), str(e)
+        else:
+            finite = [v for v in vars(args).values() if isinstance(v, float)]
+            assert all(math.isfinite(v) for v in finite), argv
+        assert list(in_tmp.iterdir()) == []
+
+    one()

@@ -7,6 +7,7 @@ import atexit
 import gc
 import logging
 import sys
+from typing import NoReturn
 
 from undying import __version__
 from undying.cli import chaos, checkpoints, demo, diagnose, inject, k8s, manager, run, status, trace
@@ -15,8 +16,20 @@ from undying.errors import UsageError
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its own errors in one line: the message and where the options are, not the usage.
+
+    A refused input is then one line on stderr and exit 2 whichever check refused it (argparse's
+    own, such as ``--job-id -rf`` taken as a missing value, an option's type, or the command's),
+    so scripts and people read the same short answer. Subcommands inherit the class.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="undying",
         description="Fault-tolerant distributed PyTorch training: survivors keep their state, "
         "dead ranks are replaced, only the step in flight is re-run.",
