@@ -13,6 +13,7 @@ grow the job's log by less than 1 MB, and the API still answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import selectors
 import socket
@@ -223,6 +224,38 @@ def test_the_agents_port_caps_its_connections_and_closes_silent_ones() -> None:
         finally:
             for _, writer in links:
                 writer.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_unjoined_connection_cannot_make_the_agents_port_buffer_a_long_line() -> None:
+    """Finding 3, the agents' port: before its join, a connection may send 64 KiB, not 16 MB, without a newline.
+
+    Anyone who can reach the port can connect; with the cap's connections each holding a 16 MB
+    line in memory, the manager's memory was the attacker's. Sent 1 MB without a newline, the
+    server drops the connection at once instead of buffering until the join deadline.
+    """
+
+    async def scenario() -> None:
+        server = AgentServer("127.0.0.1", 0, lambda join: "no", heartbeat_s=30.0, max_connections=8,
+                             join_wait_s=60.0)
+        await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"x" * (1024 * 1024))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            started = time.monotonic()
+            try:
+                ended = await asyncio.wait_for(reader.read(1), 10.0) == b""
+            except ConnectionError:
+                ended = True
+            assert ended and time.monotonic() - started < 10.0, "the server kept buffering the line"
+            await asyncio.sleep(0.1)
+            assert not server._connections
+        finally:
+            writer.close()
             await server.close()
 
     asyncio.run(scenario())

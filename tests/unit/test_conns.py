@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 
@@ -9,7 +10,7 @@ import pytest
 
 from undying.config import ConnectionLimits
 from undying.errors import UsageError
-from undying.manager.conns import QuietLog
+from undying.manager.conns import QuietLog, read_line
 
 
 def _logger(name: str, window_s: float = 60.0) -> tuple[logging.Logger, io.StringIO]:
@@ -72,3 +73,24 @@ def test_the_default_cap_leaves_most_descriptors_to_the_job() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = ConnectionLimits().cap
     assert 16 <= cap <= 1024 and (soft == resource.RLIM_INFINITY or cap <= max(16, soft // 4))
+
+
+def test_read_line_gathers_a_long_line_up_to_its_own_bound() -> None:
+    """The agents' port reads with a 64 KiB reader limit; a joined agent's longer line is gathered, an
+    unbounded one refused, and the end of the stream answers as readline does."""
+
+    async def scenario() -> None:
+        reader = asyncio.StreamReader(limit=64 * 1024)
+        line = b"r" * (1024 * 1024) + b"\n"
+        reader.feed_data(line + b"short\n" + b"partial")
+        reader.feed_eof()
+        assert await read_line(reader, 16 * 1024 * 1024) == line
+        assert await read_line(reader, 16 * 1024 * 1024) == b"short\n"
+        assert await read_line(reader, 16 * 1024 * 1024) == b"partial"
+        assert await read_line(reader, 16 * 1024 * 1024) == b""
+        bounded = asyncio.StreamReader(limit=64 * 1024)
+        bounded.feed_data(b"x" * (300 * 1024) + b"\n")
+        with pytest.raises(ValueError, match="longer than"):
+            await read_line(bounded, 100 * 1024)
+
+    asyncio.run(scenario())

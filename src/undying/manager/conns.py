@@ -35,7 +35,7 @@ from aiohttp import web
 
 from undying.config import ConnectionLimits
 
-__all__ = ["ConnectionGuard", "GuardedSite", "QuietLog"]
+__all__ = ["ConnectionGuard", "GuardedSite", "QuietLog", "read_line"]
 
 log = logging.getLogger("undying.manager.conns")
 
@@ -246,3 +246,30 @@ class QuietLog(logging.Filter):
 
 
 log.addFilter(QuietLog())  # a flood: a few lines a minute of evictions and refusals, not one a connection
+
+
+async def read_line(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    """The next line of ``reader`` (``b""`` at its end, a partial line at EOF, as ``readline``), at most
+    ``max_bytes`` long; past that, ``ValueError``.
+
+    ``readline`` can only be bounded by the reader's one limit, fixed when the server starts. The
+    agents' port needs two: a joined agent may send a 16 MB line of reports, but a connection that
+    has not joined (anyone who can reach the port, token or not) must not make the manager buffer
+    that much, times the connection cap. So the server's reader limit is the small one and a longer
+    line is gathered here, piece by piece, only up to what the caller allows.
+    """
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            parts.append(await reader.readuntil(b"\n"))
+            return b"".join(parts)
+        except asyncio.IncompleteReadError as e:
+            parts.append(e.partial)
+            return b"".join(parts)
+        except asyncio.LimitOverrunError as e:
+            piece = await reader.readexactly(e.consumed)
+            size += len(piece)
+            if size > max_bytes:
+                raise ValueError(f"a line longer than {max_bytes} bytes") from None
+            parts.append(piece)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from undying.agent.agent import ManagerLink
-from undying.manager.conns import QuietLog
+from undying.manager.conns import QuietLog, read_line
 from undying.messages import (
     WORKER_MESSAGES,
     AbortRank,
@@ -81,6 +81,9 @@ MANAGER_BEAT_S = 0.5
 _WATCH_S = 0.2
 # A line longer than this is no agent's message: the connection is dropped.
 _LINE_LIMIT = 16 * 1024 * 1024
+# Before a connection has joined, its line (the join: a few KB of flags) may be at most this long, so
+# that connections nobody has vouched for cannot make the manager hold _LINE_LIMIT each.
+_JOIN_LIMIT = 64 * 1024
 
 
 class NodeEvents(ManagerLink, Protocol):
@@ -282,7 +285,7 @@ class AgentServer:
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_LINE_LIMIT)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_JOIN_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn_task(self._beat_and_watch())
         return self.port
@@ -372,7 +375,7 @@ class AgentServer:
         slot: RemoteAgent | None = None
         session = ""
         try:
-            line = await asyncio.wait_for(reader.readline(), self.join_wait_s)
+            line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
             join = decode(line) if line else None
             if not isinstance(join, AgentJoin):
@@ -381,7 +384,7 @@ class AgentServer:
             if slot is None:
                 return
             while True:
-                line = await reader.readline()
+                line = await read_line(reader, _LINE_LIMIT)
                 # This connection speaks for the node only while it is the slot's: the agent may have
                 # resumed its session on a new one (then closing this one is no loss), or been fenced.
                 current = slot.session == session and slot.writer is writer
