@@ -28,8 +28,8 @@ seeded RNG:
 * spare (killed): the warm spare is SIGKILLed: the agent must start a new one
   (the scenario waits until a spare with another PID is ready).
 
-The faulted job also saves a checkpoint every ``--save-every`` steps into a
-folder on a small tmpfs (root only; ``--no-fill`` or not root: a plain folder).
+The faulted job also saves a checkpoint every ``SAVE_EVERY`` steps into a
+folder on a small tmpfs (root only; ``--fill-mb 0`` or not root: a plain folder).
 A third of the way through the faults the driver fills that tmpfs to the last
 byte and frees it again at two thirds: the saves in between must fail as
 ``checkpoint_failed`` incidents while training goes on, and the saves after it
@@ -169,14 +169,11 @@ class FillingFolder:
         self._ballast = path / "ballast"
 
     def fill(self) -> None:
-        with open(self._ballast, "wb") as f, contextlib.suppress(OSError):  # ENOSPC ends it: the disk is full
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
-        with open(self._ballast, "ab") as f, contextlib.suppress(OSError):
-            while True:  # the last partial megabyte
-                f.write(b"\0" * 4096)
-                f.flush()
+        # Unbuffered, and the suppression outside the open: ENOSPC, from a write or the close, ends it.
+        for chunk in (1 << 20, 4096):  # megabytes, then the last partial megabyte
+            with contextlib.suppress(OSError), open(self._ballast, "ab", buffering=0) as f:
+                while True:
+                    f.write(b"\0" * chunk)
 
     def free(self) -> None:
         self._ballast.unlink(missing_ok=True)
