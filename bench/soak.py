@@ -195,7 +195,11 @@ def drive(url: str, args: argparse.Namespace, total_steps: int, log: Any, job_di
     injected: list[dict[str, Any]] = []
     count = 0
     while count < args.faults:
-        status = _status(url)
+        try:
+            status = _status(url)
+        except JobNotRunningError:  # it ended between two looks: report what was injected
+            print(f"soak: the job ended after {count} faults", file=log)
+            break
         if status["state"] in ("succeeded", "failed", "stopped", "stopping"):
             print(f"soak: the job ended ({status['state']}) after {count} faults", file=log)
             break
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", type=int, default=100, help="faults to inject (an overlap counts its faults)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule")
-    p.add_argument("--epochs", type=int, default=24, help="epochs of the demo job (128 steps each)")
+    p.add_argument("--epochs", type=int, default=40, help="epochs of the demo job (128 steps each)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     p.add_argument("--keep", default=None, help="keep the runs' folders here")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout; the report on stderr")
