@@ -1,6 +1,7 @@
 """The agent: one per node. Starts and watches the node's workers.
 
-It spawns each worker with the torchrun environment plus undying's own, sees a
+It starts each worker (forked from its zygote, agent/zygote.py, or a fresh
+interpreter) with the torchrun environment plus undying's own, sees a
 worker exit the moment it happens (an asyncio child watch), relays the
 workers' reports to the manager, and carries out the manager's commands: kill
 a rank, arm a fault, stop everything.
@@ -18,9 +19,10 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
-from undying.agent.spares import SparePool, Take, signal_group
+from undying.agent.spares import Process, SparePool, Take, signal_group
+from undying.agent.zygote import Zygote, start_mode
 from undying.config import ENV_PREFIX, JobConfig, step_timeout
 from undying.messages import (
     Abort,
@@ -72,7 +74,7 @@ class ManagerLink(Protocol):
 @dataclass
 class _Worker:
     rank: int
-    process: _PopenProcess
+    process: Process
     writer: asyncio.StreamWriter | None = None
     pending: list[Message] = field(default_factory=list)
     started: float = field(default_factory=time.time)
@@ -129,10 +131,24 @@ class Agent:
         self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
         self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
         self._refused = 0
+        # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
+        self._start_mode = start_mode()
+        self._zygote: Zygote | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
+        if self._start_mode == "zygote":
+            self._zygote = Zygote(self.node)
+            starting = self._start_zygote(self._zygote)
+            if self.manager_host:
+                # A node of a multi-node job joins its manager first (joining late can cost it its place under
+                # --node-wait); the zygote imports meanwhile, and a worker wanted before it is ready starts fresh.
+                task = asyncio.get_running_loop().create_task(starting)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                await starting  # the manager in this process opens the first generation only after this
         task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -145,6 +161,9 @@ class Agent:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(_report_crash)
+
+    async def _start_zygote(self, zygote: Zygote) -> None:
+        await zygote.start(self._base_environment(), self.config.timeouts.init)
 
     def set_trace(self, switch: TraceSet) -> None:
         """Every worker of this node, and every later one, follows this trace switch."""
@@ -212,6 +231,8 @@ class Agent:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._zygote is not None:
+            self._zygote.close()
         for task in list(self._tasks):
             task.cancel()
 
@@ -264,15 +285,24 @@ class Agent:
             f"{ENV_PREFIX}BACKEND": self.config.backend,
         }
 
-    def _start_process(self, env: dict[str, str], *, spare: bool) -> _PopenProcess:
-        argv = [sys.executable, "-u", "-m", "undying.worker.boot", *(["--spare"] if spare else []),
-                self._script, *self._script_args]
-        popen = subprocess.Popen(
-            argv,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
-        )
-        process = _PopenProcess(popen)
+    def _start_process(self, env: dict[str, str], *, spare: bool) -> Process:
+        """A worker: forked by the zygote when there is one, else a fresh interpreter (agent/zygote.py)."""
+        args = [*(["--spare"] if spare else []), self._script, *self._script_args]
+        process: Process | None = None
+        if self._zygote is not None:
+            process = self._zygote.spawn(args, env, os.getcwd())
+        elif self._start_mode == "zygote" and self._port:  # let go while the node was idle: back for the next
+            self._zygote = Zygote(self.node)
+            task = asyncio.get_running_loop().create_task(self._start_zygote(self._zygote))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if process is None:
+            popen = subprocess.Popen(
+                [sys.executable, "-u", "-m", "undying.worker.boot", *args],
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
+            )
+            process = _PopenProcess(popen)
         task = asyncio.get_running_loop().create_task(self._watch(process))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -301,7 +331,7 @@ class Agent:
         return process.pid, warm
 
     def _give_rank(self, rank: int, rank_env: dict[str, str], incarnation: int, *,
-                   spare_ok: bool) -> tuple[_PopenProcess, bool]:
+                   spare_ok: bool) -> tuple[Process, bool]:
         """A process for ``rank``: a fresh warm spare (watched until it answers), else a new process."""
         spare = self.spares.take() if spare_ok else None
         if spare is None:
@@ -314,7 +344,7 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_report_crash)
         self.keep_spares()
-        return cast(_PopenProcess, spare.process), True
+        return spare.process, True
 
     async def _watch_take(self, pid: int) -> None:
         """A spare that has not answered its Assign within --spare-take-timeout is killed; the rank goes on.
@@ -361,14 +391,30 @@ class Agent:
     def spares_ready(self) -> int:
         return self.spares.ready()
 
-    async def _watch(self, process: _PopenProcess) -> None:
+    async def _watch(self, process: Process) -> None:
         returncode = await process.wait()
         t = time.time()
-        if self.spares.exited(process.pid, returncode):
+        if not self.spares.exited(process.pid, returncode):
+            worker = self._by_pid.pop(process.pid, None)
+            if worker is not None:
+                self._manager.on_exit(worker.rank, worker.pid, returncode, t)
+        self._zygote_idle()
+
+    def _zygote_idle(self) -> None:
+        """A node left with no worker and no spare holds no process but its agent: the zygote goes too.
+
+        (A job waiting for nodes, a node stopped: nothing of the job runs on the host.) The next worker
+        wanted starts the zygote again; that worker, and any other before it is ready, starts fresh.
+        """
+        zygote = self._zygote
+        if zygote is None or not zygote.alive:
             return
-        worker = self._by_pid.pop(process.pid, None)
-        if worker is not None:
-            self._manager.on_exit(worker.rank, worker.pid, returncode, t)
+        if any(w.process.returncode is None for w in self._workers.values()) or any(
+                s.process.returncode is None for s in self.spares.spares.values()):
+            return
+        log.info("node %d: no worker left; the worker zygote goes until one is wanted", self.node)
+        zygote.close()
+        self._zygote = None
 
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         worker = self._workers.get(rank)

@@ -36,13 +36,13 @@ from undying.config import JobConfig
 from undying.messages import SpareReady, SpareTaken
 from undying.worker.boot import spare_beat_interval
 
-__all__ = ["SparePool", "Spare", "Take", "signal_group"]
+__all__ = ["SparePool", "Spare", "Take", "Process", "signal_group"]
 
 log = logging.getLogger("undying.agent")
 
 
 class Process(Protocol):
-    """What the pool needs of a child process (the agent's ``_PopenProcess``)."""
+    """What the agent and the pool need of a worker process (``_PopenProcess``, ``ZygoteProcess``)."""
 
     @property
     def pid(self) -> int: ...

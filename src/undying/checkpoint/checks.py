@@ -16,13 +16,14 @@ import os
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from undying.checkpoint.manifest import Manifest
 from undying.checkpoint.store import TMP_PREFIX, Checkpoint, CheckpointError, Store
 from undying.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CheckpointLocationError",
@@ -89,6 +90,8 @@ def check_same_job(checkpoint: Checkpoint | Manifest, job_id: str, job_id_given:
 
 
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch  # here: the manager checks a checkpoint's job id without torch
+
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif isinstance(obj, Mapping):

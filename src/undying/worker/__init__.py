@@ -1,6 +1,24 @@
-"""The worker library: imported by the user's training script."""
+"""The worker library: what runs inside each rank (the step transaction, recovery, state transfer).
 
-from undying.worker.job import Job, Step, init
-from undying.worker.state import State
+Names are imported on first use (PEP 562): the agent imports
+``undying.worker.boot`` to start workers and must not import torch with it.
+"""
 
-__all__ = ["init", "Job", "Step", "State"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from undying.worker.job import Job, Step, init
+    from undying.worker.state import State
+
+__all__ = ["Job", "Step", "init", "State"]
+
+_WHERE = {"Job": "job", "Step": "job", "init": "job", "State": "state"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"undying.worker.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'undying.worker' has no attribute {name!r}")

@@ -9,6 +9,10 @@ imports torch, the worker library and the installed packages the script
 imports, tells the agent it is ready, and waits. When the agent assigns it a
 rank it takes that rank's environment and runs the script: a replacement with
 no interpreter start and no torch import on the recovery's critical path.
+
+By default a worker is not started with ``python -m`` at all: the agent's
+zygote (``undying.worker.zygote``), which imported torch once, forks it and
+calls ``main`` with the arguments, and the zygote as the parent it dies with.
 """
 
 from __future__ import annotations
@@ -124,15 +128,18 @@ def _wait_as_spare(script: Path) -> None:
         os.environ.update(message.env)
 
 
-def main() -> None:
-    args = sys.argv[1:]
+def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
+    """Run a worker. ``argv``: boot's arguments (default ``sys.argv[1:]``); ``parent``: the process
+    this one dies with (default the agent, ``UNDYING_AGENT_PID``; the zygote for a worker it forked)."""
+    args = sys.argv[1:] if argv is None else argv
     spare = bool(args) and args[0] == "--spare"
     if spare:
         args = args[1:]
     if not args:
         sys.stderr.write("usage: python -m undying.worker.boot [--spare] SCRIPT [ARGS...]\n")
         sys.exit(2)
-    parent = int(os.environ.get("UNDYING_AGENT_PID", os.getppid()))
+    if parent is None:
+        parent = int(os.environ.get("UNDYING_AGENT_PID", os.getppid()))
     _die_with_parent(parent)
     script = args[0]
     if spare:

@@ -1,0 +1,280 @@
+"""The worker zygote: one process per agent that imported torch once and forks the node's workers.
+
+``python -u -m undying.worker.zygote FD AGENT_PID`` is started by the agent
+(``undying.agent.zygote.Zygote``) with the agent's worker environment. It
+imports torch, torch.distributed and the worker library, and then, on a
+Unix-socket channel (FD), forks a worker per request: a rank or a warm spare
+that starts in milliseconds instead of spending a second of CPU importing
+torch (on a 2-core node, four ranks and a spare importing side by side was
+most of a small job's start and of a relaunch after preemption).
+
+Why a fork is safe here: the zygote runs no torch op and starts no thread
+before forking (it checks: more than one thread in the process and it refuses
+to serve, the agent then starts fresh interpreters), so torch's intra-op pool
+and OpenMP are not initialised in it, and no lock is held by a thread that
+would not exist in the child. The zygote waits on its channel and on one
+pidfd per child in a single-threaded select loop, with no signal handler.
+
+What a forked worker gets, exactly as a fresh ``python -u -m
+undying.worker.boot`` would: its own session (setsid), the interpreter's
+default signal handlers and an empty signal mask, the request's working
+directory, ``os.environ`` replaced wholly by the request's environment, fds
+0/1/2 dup'ed from the ones the agent sent with the request (SCM_RIGHTS: the
+agent's own, as Popen would have inherited them), none of the zygote's own
+descriptors, and the worker dies with the zygote (parent-death signal), the
+zygote with the agent. Nothing that changes training results is seeded:
+torch's generators are untouched (never used here, so at their defaults as in
+a fresh interpreter), Python's ``random`` re-seeds itself at fork, and NumPy's
+global generator, if NumPy was imported, is re-seeded from the OS as a fresh
+interpreter's would be. What differs from a fresh interpreter: settings read
+once at import (PYTHONPATH, OMP_*, TORCH_* read by torch's import, the hash
+seed) are those the zygote started with, the agent's environment at its start,
+which is also what a warm spare has always had. A script that needs a fresh
+interpreter per worker: ``UNDYING_WORKER_START=spawn``.
+
+The exit status: the zygote is the worker's parent, so it reports each
+child's status (``os.waitid`` with WNOWAIT: the child stays a zombie, its PID
+reserved, until the agent has recorded the status and says ``reap``, as with
+the agent's own children before).
+
+Wire (both ways): frames of a 4-byte big-endian length and a JSON object.
+Agent to zygote: ``{"op": "spawn", "id", "args", "env", "cwd", "stdio"}`` with
+the descriptors named by ``stdio`` (the agent's open ones of 0, 1, 2) sent with
+its bytes; ``{"op": "reap",
+"pid"}``. Zygote to agent: ``{"op": "ready", "pid"}`` or ``{"op": "unfit",
+"error"}`` once; ``{"op": "spawned", "id", "pid"}`` or ``{"op": "failed",
+"id", "error"}`` per request; ``{"op": "exit", "pid", "returncode"}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+from dataclasses import dataclass
+
+__all__ = ["Request", "encode_frame", "FrameReader", "PREWARM", "main"]
+
+# What the zygote imports before it serves: what every worker imports (a spare imports these too).
+PREWARM = ("torch", "torch.distributed", "torch._dynamo", "undying.worker")
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 16 << 20  # an environment is kilobytes; a length past this is a broken channel
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Request:
+    """A worker to fork: boot's arguments, its whole environment, its working directory, its stdio.
+
+    ``stdio``: which of fds 0, 1, 2 the agent has open (any other is closed in the worker);
+    ``fds``: the descriptors received for them, in that order.
+    """
+
+    id: int
+    args: list[str]
+    env: dict[str, str]
+    cwd: str
+    stdio: list[int]
+    fds: list[int]
+
+
+def encode_frame(message: dict[str, object]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """Frames out of a byte stream (both ends use it)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, object]]:
+        self._buffer += data
+        frames = []
+        while len(self._buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buffer)
+            if length > MAX_FRAME:
+                raise ValueError(f"a frame of {length} bytes on the zygote channel (at most {MAX_FRAME})")
+            if len(self._buffer) < _HEADER.size + length:
+                break
+            body = bytes(self._buffer[_HEADER.size:_HEADER.size + length])
+            del self._buffer[:_HEADER.size + length]
+            frame = json.loads(body)
+            if not isinstance(frame, dict):
+                raise ValueError(f"a zygote frame must be a JSON object, got {type(frame).__name__}")
+            frames.append(frame)
+        return frames
+
+
+def _die_with_agent(agent_pid: int) -> None:
+    """The zygote goes when the agent goes (and its workers with it, by their own parent-death signal)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent_pid:
+        os._exit(1)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def _send(channel: socket.socket, message: dict[str, object]) -> None:
+    channel.sendall(encode_frame(message))
+
+
+def _returncode(pid: int) -> int | None:
+    """The exit status of an exited child, as Popen gives it (-N: killed by signal N); it stays a zombie."""
+    result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if result is None:
+        return None
+    if result.si_code == os.CLD_EXITED:
+        return int(result.si_status)
+    return -int(result.si_status)  # CLD_KILLED, CLD_DUMPED
+
+
+def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
+    """Fork a worker per request, report each child's exit; returns only in a forked child."""
+    selector = selectors.DefaultSelector()
+    selector.register(channel, selectors.EVENT_READ, None)
+    frames = FrameReader()
+    fds: list[int] = []  # received with requests' bytes, taken three per spawn in order
+    children: dict[int, int] = {}  # pid -> its pidfd
+    while True:
+        for key, _ in selector.select():
+            if key.data is not None:  # a child exited
+                pid = int(key.data)
+                returncode = _returncode(pid)
+                if returncode is None:
+                    continue
+                selector.unregister(key.fd)
+                os.close(children.pop(pid))
+                _send(channel, {"op": "exit", "pid": pid, "returncode": returncode})
+                continue
+            data, got, _, _ = socket.recv_fds(channel, 1 << 16, 16)
+            fds.extend(got)
+            if not data:
+                os._exit(0)  # the agent closed the channel: nothing more to start
+            for frame in frames.feed(data):
+                if frame.get("op") == "reap":
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(int(frame["pid"]), 0)  # type: ignore[call-overload]
+                    continue
+                stdio = [int(fd) for fd in frame["stdio"]]  # type: ignore[attr-defined]
+                request = Request(int(frame["id"]), list(frame["args"]), dict(frame["env"]),  # type: ignore[call-overload]
+                                  str(frame["cwd"]), stdio, fds[:len(stdio)])
+                del fds[:len(stdio)]
+                try:
+                    pid = os.fork()
+                except OSError as e:
+                    for fd in request.fds:
+                        os.close(fd)
+                    _send(channel, {"op": "failed", "id": request.id, "error": f"fork: {e}"})
+                    continue
+                if pid == 0:
+                    # The child: drop every descriptor of the zygote's (the channel, the selector,
+                    # the other children's pidfds, fds that came for later requests).
+                    for fd in [*children.values(), *fds]:
+                        os.close(fd)
+                    selector.close()
+                    channel.close()
+                    _restore_signals(defaults)
+                    return request
+                for fd in request.fds:
+                    os.close(fd)
+                children[pid] = os.pidfd_open(pid)
+                selector.register(children[pid], selectors.EVENT_READ, pid)
+                _send(channel, {"op": "spawned", "id": request.id, "pid": pid})
+
+
+def _default_signals() -> dict[int, object]:
+    """The interpreter's handlers as a fresh one has them (taken before anything else runs)."""
+    handlers: dict[int, object] = {}
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handler = signal.getsignal(sig)
+            if handler is not None:
+                handlers[sig] = handler
+    return handlers
+
+
+def _restore_signals(defaults: dict[int, object]) -> None:
+    for sig, handler in defaults.items():
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _become(request: Request) -> None:
+    """Make the forked child the worker the agent asked for: session, directory, environment, fds 0/1/2."""
+    os.setsid()
+    for target, fd in zip(request.stdio, request.fds, strict=True):
+        os.dup2(fd, target)
+    for fd in request.fds:
+        os.close(fd)  # (never 0-2: the zygote holds those open)
+    for target in {0, 1, 2} - set(request.stdio):
+        with contextlib.suppress(OSError):
+            os.close(target)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    sys.path[0] = request.cwd  # as `python -m` puts the working directory first
+    gc.enable()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # a fresh interpreter's NumPy draws its global seed from the OS
+        numpy_random.seed()
+    sys.argv = ["-m", *request.args]
+
+
+def main() -> None:
+    """The zygote's life; in a forked child, the worker's (boot.main, ending the interpreter as it would)."""
+    defaults = _default_signals()
+    fd, agent_pid = int(sys.argv[1]), int(sys.argv[2])
+    for std in (0, 1, 2):  # held open, so no descriptor received for a worker ever lands on 0-2
+        try:
+            os.fstat(std)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != std:
+                os.dup2(null, std)
+                os.close(null)
+    _die_with_agent(agent_pid)
+    channel = socket.socket(fileno=fd)
+    try:
+        import importlib
+
+        for name in PREWARM:
+            importlib.import_module(name)
+        threads = _threads()
+        if threads != 1:
+            raise RuntimeError(f"{threads} threads after importing {', '.join(PREWARM)}: forking is not safe "
+                               "(a BLAS or OpenMP pool started at import; OMP_NUM_THREADS=1 keeps it from starting)")
+        if not hasattr(os, "pidfd_open"):
+            raise RuntimeError("no pidfd_open on this platform")
+        gc.freeze()  # the imports' objects stay shared with the children (no copy-on-write by GC)
+    except Exception as e:
+        _send(channel, {"op": "unfit", "error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+    _send(channel, {"op": "ready", "pid": os.getpid()})
+    request = _serve(channel, defaults)
+    zygote = os.getppid()
+    _become(request)
+    from undying.worker import boot
+
+    boot.main(request.args, parent=zygote)
+
+
+if __name__ == "__main__":
+    main()

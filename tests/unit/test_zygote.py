@@ -1,0 +1,165 @@
+"""Workers forked by the agent's zygote are the processes a fresh interpreter would have been.
+
+Real processes: one zygote (it imports torch), real forks, real signals. What
+the agent relies on: the worker's own PID and session, its exit status as
+Popen gives it (-9 for SIGKILL), its environment replaced wholly, its working
+directory, the agent's fds 0/1/2 and none of the zygote's descriptors; a
+zygote that dies takes its workers with it (recorded as killed) and the agent
+starts fresh interpreters from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from undying.agent.zygote import START_ENV, Zygote, ZygoteProcess, start_mode
+from undying.config import EXIT_SCRIPT_ERROR
+from undying.errors import UsageError
+
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "ppid": os.getppid(), "cwd": os.getcwd(),
+                      "env": dict(os.environ), "argv": sys.argv, "fds": fds,
+                      "sigint": repr(signal.getsignal(signal.SIGINT)),
+                      "sigterm": repr(signal.getsignal(signal.SIGTERM)),
+                      "main": __name__, "torch": "torch" in sys.modules}), flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(int(sys.argv[2]))
+    if sys.argv[1] == "sleep":
+        open(f"started-{os.getpid()}", "w").close()
+        time.sleep(60)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the script failed")
+""")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path),
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+async def _wait(process: ZygoteProcess) -> int:
+    return await asyncio.wait_for(process.wait(), 30)
+
+
+async def _started(process: ZygoteProcess, cwd: Path) -> None:
+    """Until a sleeping script has reported (it leaves a file in its working directory)."""
+    for _ in range(600):
+        if (cwd / f"started-{process.pid}").exists():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pid {process.pid} did not start within 30s")
+
+
+def _reports(out: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    work = tmp_path / "work"
+    work.mkdir()
+
+    async def run() -> dict[str, int]:
+        zygote = Zygote(node=0)
+        assert await zygote.start(_env(), timeout=120), zygote.reason
+        codes = {}
+        try:
+            for name, args, env in [
+                ("exit", [str(script), "exit", "3"], _env(ONLY_HERE="1")),
+                ("ok", [str(script), "exit", "0"], _env()),
+                ("raise", [str(script), "raise"], _env()),
+                ("syntax", [str(broken)], _env()),
+            ]:
+                process = zygote.spawn(args, env, str(work))
+                assert process is not None, zygote.reason
+                codes[name] = await _wait(process)
+            sleeper = zygote.spawn([str(script), "sleep"], _env(), str(work))
+            assert sleeper is not None
+            await _started(sleeper, work)
+            assert sleeper.returncode is None
+            os.killpg(sleeper.pid, signal.SIGKILL)  # its own process group, as the agent kills it
+            codes["killed"] = await _wait(sleeper)
+            stopped = zygote.spawn([str(script), "sleep"], _env(), str(work))
+            assert stopped is not None
+            await _started(stopped, work)
+            os.kill(stopped.pid, signal.SIGSTOP)  # a stop is not an exit
+            await asyncio.sleep(0.3)
+            assert stopped.returncode is None
+            os.kill(stopped.pid, signal.SIGTERM)
+            os.kill(stopped.pid, signal.SIGCONT)
+            codes["terminated"] = await _wait(stopped)
+        finally:
+            zygote.close()
+        return codes
+
+    codes = asyncio.run(run())
+    assert codes == {"exit": 3, "ok": 0, "raise": 1, "syntax": EXIT_SCRIPT_ERROR,
+                     "killed": -signal.SIGKILL, "terminated": -signal.SIGTERM}
+    captured = capfd.readouterr()
+    reports = _reports(captured.out)
+    assert len(reports) == 5  # the broken script never ran
+    first = reports[0]
+    assert first["sid"] == first["pid"]  # a session of its own
+    assert first["cwd"] == str(work)
+    assert first["env"] == _env(ONLY_HERE="1")  # wholly replaced: nothing of the zygote's or the agent's
+    assert "ONLY_HERE" not in reports[1]["env"]  # (nor of an earlier worker's)
+    assert first["argv"] == [str(script), "exit", "3"] and first["main"] == "__main__"
+    assert first["torch"]  # imported once, in the zygote
+    assert first["sigint"] == repr(signal.default_int_handler) and first["sigterm"] == repr(signal.SIG_DFL)
+    assert len({r["pid"] for r in reports}) == 5 and all(r["ppid"] != os.getpid() for r in reports)
+    # fds 0/1/2 and the descriptor listdir opened: none of the zygote's channel, selector or pidfds.
+    assert all(len(r["fds"]) <= 4 and r["fds"][:3] == [0, 1, 2] for r in reports), [r["fds"] for r in reports]
+    assert "RuntimeError: the script failed" in captured.err  # the traceback on the agent's stderr
+
+
+def test_a_dead_zygote_takes_its_workers_and_the_agent_starts_fresh_interpreters(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+
+    async def run() -> tuple[int, ZygoteProcess | None, str]:
+        zygote = Zygote(node=0)
+        assert await zygote.start(_env(), timeout=120), zygote.reason
+        worker = zygote.spawn([str(script), "sleep"], _env(), str(tmp_path))
+        assert worker is not None and zygote._popen is not None
+        zygote._popen.kill()
+        code = await _wait(worker)  # dies by its parent-death signal
+        later = zygote.spawn([str(script), "exit", "0"], _env(), str(tmp_path))
+        return code, later, zygote.reason
+
+    code, later, reason = asyncio.run(run())
+    assert code == -signal.SIGKILL
+    assert later is None  # the agent's caller starts a fresh interpreter instead
+    assert "the zygote exited" in reason
+
+
+def test_a_zygote_that_cannot_start_says_why() -> None:
+    """A zygote that cannot import what it needs gives up at once with a reason (the agent logs it once)."""
+
+    async def run() -> tuple[bool, str]:
+        zygote = Zygote(node=0)
+        env = _env(PYTHONPATH="/nonexistent")  # no undying to import: the zygote cannot even start
+        return await zygote.start(env, timeout=60), zygote.reason
+
+    ok, reason = asyncio.run(run())
+    assert not ok and reason
+
+
+def test_the_start_mode_is_checked() -> None:
+    assert start_mode({}) == "zygote"
+    assert start_mode({START_ENV: "spawn"}) == "spawn"
+    with pytest.raises(UsageError, match=f"{START_ENV}='fork'.*'zygote'.*'spawn'"):
+        start_mode({START_ENV: "fork"})
