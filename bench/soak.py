@@ -131,19 +131,28 @@ def plan(scenario: str, rng: random.Random) -> list[Injection]:
     raise ValueError(scenario)
 
 
-def spare_pids(job_dir: Path) -> list[int]:
-    """The job's warm spares: processes started with ``--spare`` whose environment names the job's folder."""
+def spare_pids(job_dir: Path, rank_pids: set[int]) -> list[int]:
+    """The job's warm spares: processes of the job (their environment names its folder) that hold no rank.
+
+    A spare started fresh runs ``undying.worker.boot --spare``; one forked by the
+    agent's zygote shows the zygote's command line, so it is told by its parent.
+    A spare that took a rank keeps its command line, hence the rank PIDs left out.
+    """
     marker = f"UNDYING_JOB_DIR={job_dir}".encode()
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) in rank_pids:
             continue
         try:
-            if b"--spare" in (entry / "cmdline").read_bytes().split(b"\0") and \
-                    marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            forked = b"undying.worker.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes()
+        except (OSError, IndexError):
             continue
+        if b"--spare" in argv or forked:
+            found.append(int(entry.name))
     return found
 
 
@@ -151,8 +160,10 @@ def _ready_spare(url: str, job_dir: Path, deadline: float, not_pid: int = -1) ->
     """A warm spare's PID once one is ready (other than ``not_pid``), or None by ``deadline``."""
     while time.monotonic() < deadline:
         with contextlib.suppress(JobNotRunningError, UsageError):
-            if _status(url)["spares_ready"] >= 1:
-                pids = [p for p in spare_pids(job_dir) if p != not_pid]
+            status = _status(url)
+            if status["spares_ready"] >= 1:
+                ranks = {int(r["pid"]) for r in status["ranks"] if r.get("pid")}
+                pids = [p for p in spare_pids(job_dir, ranks) if p != not_pid]
                 if pids:
                     return pids[0]
         time.sleep(0.1)
@@ -300,7 +311,7 @@ def run_job(workload: Workload, run_dir: Path, args: argparse.Namespace, log: An
         return wait_for(process, time.monotonic() + args.timeout), injected
     finally:
         stop(process, lambda: undying_worker_pids(job_dir / "events.db"), str(TRAIN_SCRIPT))
-        for pid in spare_pids(job_dir):  # a stopped spare the agent did not reap is ours to end
+        for pid in spare_pids(job_dir, set()):  # a stopped spare the agent did not reap is ours to end
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if filler is not None:
