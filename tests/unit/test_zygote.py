@@ -151,7 +151,7 @@ def test_a_zygote_that_cannot_start_says_why() -> None:
 
     async def run() -> tuple[bool, str]:
         zygote = Zygote(node=0)
-        env = _env(PYTHONPATH="/nonexistent")  # no undying to import: the zygote cannot even start
+        env = _env(PYTHONHOME="/nonexistent", PYTHONPATH="")  # no standard library: no interpreter starts
         return await zygote.start(env, timeout=60), zygote.reason
 
     ok, reason = asyncio.run(run())
