@@ -193,25 +193,32 @@ def test_random_bytes_never_get_in_nor_break_the_server(server: StoreServer, gar
 
 
 def test_a_gloo_group_forms_on_the_store_and_env_rendezvous_finds_it(server: StoreServer, tmp_path: Path) -> None:
-    """Two real processes: one builds its group on a JobStore, the other with init_process_group("env://")."""
+    """Two real processes: one builds its group on a JobStore, the other with init_process_group("env://");
+    then a group made later from C++ (new_group) still reaches the store's Python side."""
     generation = server.open("gen/0")
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent("""
-        import os, sys
+        import gc, os, sys
         from datetime import timedelta
         import torch, torch.distributed as dist
-        from undying.protocol.store_client import JobStore, use_for_env_rendezvous
+        from undying.protocol.store_client import JobStore, hold, use_for_env_rendezvous
         from undying.protocol.store_wire import key_from_environ
         rank = int(os.environ["RANK"])
-        if rank == 0:
-            store = JobStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "gen/0",
-                             key_from_environ(os.environ), timedelta(seconds=30))
+
+        def build():  # as the worker does: the store's only Python reference is gone on return
+            store = hold("generation", JobStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                "gen/0", key_from_environ(os.environ), timedelta(seconds=30)))
             dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0, world_size=2)
+
+        if rank == 0:
+            build()
         else:
             use_for_env_rendezvous()
             dist.init_process_group("gloo")
+        gc.collect()
+        later = dist.new_group(backend="gloo")  # a group made later, on the same store, from C++
         t = torch.tensor([rank + 1.0])
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=later)
         print(t.item())
         dist.destroy_process_group()
     """))

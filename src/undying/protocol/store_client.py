@@ -52,7 +52,7 @@ from undying.protocol.store_wire import (
     read_frame_length,
 )
 
-__all__ = ["JobStore", "use_for_env_rendezvous"]
+__all__ = ["JobStore", "hold", "use_for_env_rendezvous"]
 
 _RETRY_S = 0.05
 _MARGIN_S = 30.0  # past an op's own timeout, before a silent server counts as gone
@@ -120,7 +120,9 @@ class JobStore(dist.Store):
         return True
 
     def clone(self) -> JobStore:
-        return JobStore(*self._address, self._name, self._key, self._timeout())
+        copy = JobStore(*self._address, self._name, self._key, self._timeout())
+        _clones.append(copy)  # handed to C++, which does not keep the Python object alive (see hold)
+        return copy
 
     def close(self) -> None:
         with self._lock, contextlib.suppress(OSError):
@@ -194,6 +196,28 @@ class JobStore(dist.Store):
         raise ValueError(f"the job's store {self._name}: {reply.error}")
 
 
+# The Python side of every store C++ may still call (see ``hold``), by role.
+_held: dict[str, JobStore] = {}
+_clones: list[JobStore] = []
+
+
+def hold(role: str, store: JobStore) -> JobStore:
+    """Keep ``store``'s Python object alive while C++ holds it; close the one held before in ``role``.
+
+    A ``torch.distributed.Store`` written in Python is a pybind11 trampoline: C++
+    (a PrefixStore, a process group, ``new_group`` later on) keeps the C++ half
+    alive, but the overrides live on the Python object, and once that is
+    collected every call from C++ fails with "Not implemented". A process group
+    outlives the function that built it, so the store it stands on is held here
+    until the next one of its role (the next generation's) replaces it.
+    """
+    old = _held.get(role)
+    _held[role] = store
+    if old is not None and old is not store:
+        old.close()  # its generation was superseded: its connection is of no use
+    return store
+
+
 def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
     if isinstance(value, str):
         return value.encode()
@@ -239,8 +263,8 @@ def use_for_env_rendezvous() -> None:
         query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
         rank = int(query.get("rank", os.environ["RANK"]))
         world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
-        store = JobStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         generation_store(int(os.environ["UNDYING_GENERATION"])), key, timeout)
+        store = hold("generation", JobStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                            generation_store(int(os.environ["UNDYING_GENERATION"])), key, timeout))
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 

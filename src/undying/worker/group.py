@@ -25,7 +25,7 @@ from undying.errors import (
     GenerationSupersededError,
     RecoveryError,
 )
-from undying.protocol.store_client import JobStore
+from undying.protocol.store_client import JobStore, hold
 from undying.protocol.store_wire import generation_store
 from undying.rendezvous import GenerationRecord, generation_key, rank_owner_key
 
@@ -200,8 +200,9 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     # generation would name the next group "1" and wait forever for keys its
     # peers wrote under "0".
     dist.distributed_c10d._world.group_count = 0
-    store = JobStore(record.store_host, record.store_port, generation_store(record.generation), key,
-                     timedelta(seconds=connect_s))
+    # Held: the group, and groups made from it later (new_group), call into it after this returns.
+    store = hold("generation", JobStore(record.store_host, record.store_port, generation_store(record.generation),
+                                        key, timedelta(seconds=connect_s)))
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("default_pg", store),
