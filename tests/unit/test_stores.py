@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -140,21 +141,36 @@ def test_unproven_connections_are_bounded_in_number_and_time(server: StoreServer
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
     time.sleep(0.3)
     # Past max_pending (8) the server closes at once; the first 8 it closes after the 1 s handshake deadline.
-    closed_at_once = 0
-    for s in idle:
-        s.settimeout(0.05)
-        try:
-            first = s.recv(4096)
-        except TimeoutError:
-            continue
-        closed_at_once += not first
-    assert closed_at_once >= 8
+    assert _closed_at_once(idle) >= 8
     time.sleep(1.5)
     for s in idle:
         assert _closed_by_server(s), "an unproven connection outlived the handshake deadline"
         s.close()
     # The job's own client still gets in.
     client(server).set("k", "v")
+
+
+def test_refused_clients_do_not_loosen_the_cap_on_unproven_connections(server: StoreServer) -> None:
+    """Each refused handshake once counted twice off the unproven connections, loosening the cap by one."""
+    for _ in range(10):
+        with pytest.raises(dist.DistNetworkError, match="key was not shown"):
+            client(server, key=os.urandom(32))
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+    time.sleep(0.3)
+    closed = _closed_at_once(idle)
+    for s in idle:
+        s.close()
+    assert closed >= 12  # 20 against a cap of 8
+
+
+def _closed_at_once(sockets: list[socket.socket]) -> int:
+    """How many the server closed on accept (a pending one got the challenge first, or nothing yet)."""
+    closed = 0
+    for s in sockets:
+        s.settimeout(0.05)
+        with contextlib.suppress(TimeoutError):
+            closed += not s.recv(4096)
+    return closed
 
 
 def _closed_by_server(sock: socket.socket) -> bool:

@@ -279,8 +279,10 @@ class StoreServer:
         self._pending += 1
         store: _Store | None = None
         try:
-            store = await self._handshake(reader, writer)
-            self._pending -= 1
+            try:
+                store = await self._handshake(reader, writer)
+            finally:
+                self._pending -= 1  # proven, refused or gone: no longer pending, whichever
             if store is None:
                 return
             store.connections.add(writer)
@@ -300,9 +302,7 @@ class StoreServer:
         except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.TimeoutError, OSError):
             pass
         finally:
-            if store is None:
-                self._pending -= 1
-            else:
+            if store is not None:
                 store.connections.discard(writer)
             self._connections -= 1
             writer.transport.abort()
