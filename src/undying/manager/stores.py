@@ -29,8 +29,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -200,22 +200,22 @@ class StoreServer:
 
     def open(self, name: str) -> StoreHandle:
         """A new, empty store ``name`` (an open one of that name is closed first)."""
-        def create() -> None:
+        async def create() -> None:
             old = self._stores.get(name)
             if old is not None:
                 old.close()
             self._stores[name] = _Store(name)
-        self._in_loop(create)
+        self._in_loop(create(), 10.0)
         return StoreHandle(self, name)
 
     def drop(self, name: str) -> None:
         """Close store ``name``: its connections close and every wait on it fails now."""
-        def close() -> None:
+        async def close() -> None:
             store = self._stores.pop(name, None)
             if store is not None:
                 store.close()
         if self._loop.is_running():
-            self._in_loop(close)
+            self._in_loop(close(), 10.0)
 
     def close(self) -> None:
         """Stop serving: every store closes, the port is released."""
@@ -228,7 +228,7 @@ class StoreServer:
             if self._server is not None:
                 self._server.close()
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10.0)
+            self._in_loop(stop(), 10.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10.0)
 
@@ -238,17 +238,14 @@ class StoreServer:
             if store is None:
                 raise StoreClosedError(f"store {name} is closed")
             return await store.call(request)
-        return self._in_loop_async(run, request.timeout + 10.0)
+        return self._in_loop(run(), request.timeout + 10.0)
 
-    def _in_loop(self, fn: Callable[[], None]) -> None:
-        async def run() -> None:
-            fn()
-        self._in_loop_async(run, 10.0)
-
-    def _in_loop_async(self, fn: Callable[[], Awaitable[_T]], timeout: float) -> _T:
+    def _in_loop(self, work: Coroutine[Any, Any, _T], timeout: float) -> _T:
+        """Run ``work`` on the server's loop (its stores are touched there only) and wait for it."""
         if not self._loop.is_running():
+            work.close()
             raise StoreClosedError("the store server is stopped")
-        return asyncio.run_coroutine_threadsafe(_call(fn), self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
 
     # --- the network's side -------------------------------------------------
 
@@ -370,10 +367,6 @@ class StoreHandle:
         if not reply.ok:
             raise KeyError(reply.error) if reply.kind == "timeout" else RuntimeError(reply.error)
         return reply
-
-
-async def _call(fn: Callable[[], Awaitable[_T]]) -> _T:
-    return await fn()
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:
