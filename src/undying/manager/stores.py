@@ -353,11 +353,9 @@ class StoreHandle:
     def set(self, key: str, value: str | bytes) -> None:
         self._checked(Request("set", [key], [value.encode() if isinstance(value, str) else value]))
 
-    def get(self, key: str, timeout: float = 0.0) -> bytes:
-        return self._checked(Request("get", [key], timeout=timeout)).values[0]
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._checked(Request("check", keys)).number)
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, which must be set (the manager reads only what it wrote)."""
+        return self._checked(Request("get", [key])).values[0]
 
     def close(self) -> None:
         self._server.drop(self.name)

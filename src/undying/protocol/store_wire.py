@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -35,7 +36,7 @@ __all__ = [
     "STORE_KEY_ENV", "CONTROL_STORE", "MAX_FRAME", "NONCE_BYTES",
     "store_key_from_token", "key_from_environ", "generation_store",
     "Challenge", "Proof", "Welcome", "Refused", "Request", "Reply",
-    "proof_of", "frame", "read_frame_length", "encode", "decode",
+    "proof_of", "frame", "read_frame_length", "decode",
 ]
 
 STORE_KEY_ENV = "UNDYING_STORE_KEY"  # hex; set by the agent for its workers and spares
@@ -51,7 +52,7 @@ def store_key_from_token(token: str) -> bytes:
     return hmac.new(token.encode(), _LABEL, hashlib.sha256).digest()
 
 
-def key_from_environ(environ: dict[str, str] | Any) -> bytes | None:
+def key_from_environ(environ: Mapping[str, str]) -> bytes | None:
     """The key an agent handed its worker, None when it handed none (a malformed one is an error)."""
     value = environ.get(STORE_KEY_ENV, "")
     if not value:
@@ -119,10 +120,6 @@ def proof_of(key: bytes, side: str, server_nonce: bytes, client_nonce: bytes, st
     """What ``side`` ("client" or "server") shows to prove it holds ``key`` for this exchange."""
     message = b"|".join([side.encode(), server_nonce, client_nonce, store.encode()])
     return hmac.new(key, message, hashlib.sha256).digest()
-
-
-def encode(message: msgspec.Struct) -> bytes:
-    return _encoder.encode(message)
 
 
 def frame(message: msgspec.Struct) -> bytes:
