@@ -150,10 +150,9 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     # shutdown then skips collecting torch's object graph, which took a worker 1.3-3 s of CPU
     # after its last step (every job end, and a whole-job restart, waited for it).
     atexit.register(gc.freeze)
-    if os.environ.get("UNDYING_STORE_KEY"):
-        from undying.protocol.store_client import use_for_env_rendezvous
+    from undying.protocol.store_client import use_for_env_rendezvous
 
-        use_for_env_rendezvous()  # the script's own init_process_group() meets its peers on the job's store
+    use_for_env_rendezvous()  # the script's own init_process_group() meets its peers on the job's store
     try:
         runpy.run_path(script, run_name="__main__")
     except (SyntaxError, ImportError) as e:
