@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import struct
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+
+from undying.protocol import framing
 
 __all__ = [
     "STORE_KEY_ENV", "CONTROL_STORE", "MAX_FRAME", "NONCE_BYTES",
@@ -44,7 +45,6 @@ CONTROL_STORE = "control"
 MAX_FRAME = 64 * 1024 * 1024  # a store holds addresses and small records; a bigger frame is an attack or a bug
 NONCE_BYTES = 32
 _LABEL = b"undying store key v1"
-_LENGTH = struct.Struct(">I")
 
 
 def store_key_from_token(token: str) -> bytes:
@@ -123,19 +123,13 @@ def proof_of(key: bytes, side: str, server_nonce: bytes, client_nonce: bytes, st
 
 
 def frame(message: msgspec.Struct) -> bytes:
-    """``message`` with its length in front."""
-    body = _encoder.encode(message)
-    if len(body) > MAX_FRAME:
-        raise ValueError(f"a store message of {len(body)} bytes is over the limit of {MAX_FRAME}")
-    return _LENGTH.pack(len(body)) + body
+    """``message`` with its length in front (``undying.protocol.framing``)."""
+    return framing.pack(_encoder.encode(message), MAX_FRAME)
 
 
 def read_frame_length(header: bytes) -> int:
     """The body length a 4-byte header announces; ValueError past ``MAX_FRAME``."""
-    (length,) = _LENGTH.unpack(header)
-    if length > MAX_FRAME:
-        raise ValueError(f"a frame of {length} bytes announced (the limit is {MAX_FRAME})")
-    return int(length)
+    return framing.body_length(header, MAX_FRAME)
 
 
 def decode(body: bytes, kind: str) -> Any:

@@ -56,15 +56,15 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 from dataclasses import dataclass
+
+from undying.protocol import framing
 
 __all__ = ["Request", "encode_frame", "FrameReader", "PREWARM", "main"]
 
 # What the zygote imports before it serves: what every worker imports (a spare imports these too).
 PREWARM = ("torch", "torch.distributed", "torch._dynamo", "undying.worker")
-_HEADER = struct.Struct(">I")
 MAX_FRAME = 16 << 20  # an environment is kilobytes; a length past this is a broken channel
 _PR_SET_PDEATHSIG = 1
 
@@ -86,27 +86,18 @@ class Request:
 
 
 def encode_frame(message: dict[str, object]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return _HEADER.pack(len(body)) + body
+    return framing.pack(json.dumps(message, separators=(",", ":")).encode(), MAX_FRAME)
 
 
 class FrameReader:
-    """Frames out of a byte stream (both ends use it)."""
+    """JSON objects out of the channel's byte stream (both ends use it; frames: ``undying.protocol.framing``)."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._bodies = framing.FrameReader(MAX_FRAME)
 
     def feed(self, data: bytes) -> list[dict[str, object]]:
-        self._buffer += data
         frames = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME:
-                raise ValueError(f"a frame of {length} bytes on the zygote channel (at most {MAX_FRAME})")
-            if len(self._buffer) < _HEADER.size + length:
-                break
-            body = bytes(self._buffer[_HEADER.size:_HEADER.size + length])
-            del self._buffer[:_HEADER.size + length]
+        for body in self._bodies.feed(data):
             frame = json.loads(body)
             if not isinstance(frame, dict):
                 raise ValueError(f"a zygote frame must be a JSON object, got {type(frame).__name__}")
