@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 from typing import Any
 
@@ -110,8 +109,7 @@ def test_worker_messages_are_every_message_a_worker_sends_that_its_agent_forward
     sent_by_workers = names[names.index("Hello"):names.index("Preempt")]  # the "worker -> agent" section
     kept_by_the_agent = {"Heartbeat", "SpareReady", "RankProgress"}
     assert {cls.__name__ for cls in messages.WORKER_MESSAGES} == set(sent_by_workers) - kept_by_the_agent
-    from undying.manager.manager import Manager
+    from undying.manager.manager import HANDLERS
 
-    handled = inspect.getsource(Manager.on_message)
     for cls in messages.WORKER_MESSAGES:
-        assert f"isinstance(message, {cls.__name__})" in handled, cls.__name__
+        assert cls in HANDLERS, cls.__name__

@@ -16,6 +16,7 @@ import sqlite3
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from undying.errors import UsageError
 from undying.manager.held_writes import HeldWrites
 from undying.manager.state import Incident
 
-__all__ = ["EventLog", "read_job", "read_job_table", "connect_readonly", "SCHEMA_VERSION"]
+__all__ = ["EventLog", "SavedJob", "read_job", "read_job_table", "connect_readonly", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("undying.manager")
@@ -45,6 +46,16 @@ CREATE TABLE IF NOT EXISTS steps (
 CREATE INDEX IF NOT EXISTS steps_by_step ON steps (step, rank);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
+
+
+@dataclass
+class SavedJob:
+    """What a restarted manager reads back: the job's facts, rank rows, committed steps and incidents."""
+
+    job: dict[str, Any]
+    ranks: list[dict[str, Any]]
+    steps: list[tuple[int, int]]  # (rank, step) of every commit
+    incidents: list[Incident]
 
 
 class EventLog:
@@ -125,6 +136,24 @@ class EventLog:
     def db(self) -> HeldWrites:
         """The connection, for a restarted manager to read the job back (on the loop thread only)."""
         return self._db
+
+    def load(self) -> SavedJob:
+        """The job as the log holds it, for a manager that carries on a job whose manager died."""
+        db = self._db
+        return SavedJob(
+            job={k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")},
+            ranks=[json.loads(data) for (data,) in db.execute("SELECT data FROM ranks")],
+            steps=[(int(rank), int(step)) for rank, step in db.execute("SELECT rank, step FROM steps")],
+            incidents=[Incident.from_dict(json.loads(data))
+                       for (data,) in db.execute("SELECT data FROM incidents ORDER BY id")],
+        )
+
+    def forget_ranks_from(self, rank: int) -> None:
+        """The layout shrank: the rows of ranks ``rank`` and above are gone with it."""
+        self._exec("DELETE FROM ranks WHERE rank >= ?", (rank,))
+        for gone in [r for r in self._ranks if r >= rank]:
+            del self._ranks[gone]
+        self._dirty = True
 
     def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None, **data: Any) -> None:
         self._exec(

@@ -1,0 +1,125 @@
+"""The membership book: which ranks the job has, on which nodes, and what each committed.
+
+One place owns the ranks so that every other part of the manager reads the
+same answer to "who is in the job": the recovery code, the regroup, the
+preemption and the views. The book also decides which rank rows the event log
+rewrites: a rank that only trains on changes its step, which the steps table
+holds already, so a flush after a step of thousands of ranks writes no rank row.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from undying.manager.state import RankInfo, RankState
+
+__all__ = ["RankBook", "RowLog"]
+
+
+class RowLog(Protocol):
+    """What the book writes to: the event log's rank rows and job facts."""
+
+    def rank(self, rank: int, data: dict[str, Any]) -> None: ...
+
+    def set_job(self, key: str, value: Any, *, flush: bool = False) -> None: ...
+
+    def forget_ranks_from(self, rank: int) -> None: ...
+
+    def before_flush(self, hook: Any) -> None: ...
+
+
+class RankBook:
+    """The ranks of the current layout, the steps each committed, and the rows due in the log."""
+
+    def __init__(self, log: RowLog, nproc_per_node: int, nodes: Iterable[int]) -> None:
+        self._log = log
+        self.per_node = nproc_per_node
+        # The nodes the job trains on, in rank order (rank r is on nodes[r // nproc_per_node]):
+        # every node of --nnodes, or, for an elastic job, those it has (see set_layout).
+        self.nodes: list[int] = []
+        self.ranks: dict[int, RankInfo] = {}
+        self.committed: defaultdict[int, set[int]] = defaultdict(set)
+        self.rerun_steps: set[int] = set()
+        self.finished: set[int] = set()
+        self.incarnations = 0  # the newest process given a rank (see take)
+        self._dirty: set[int] = set()
+        log.before_flush(self._write_dirty)
+        self.set_layout(list(nodes), persist=False)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the job trains on now (an elastic job's layout may hold fewer nodes than --nnodes)."""
+        return len(self.ranks)
+
+    def newest_step(self) -> int:
+        return max((r.step for r in self.ranks.values()), default=0)
+
+    def slowest_step(self) -> int:
+        return min((r.step for r in self.ranks.values()), default=0)
+
+    def any_done(self) -> bool:
+        return any(r.state is RankState.DONE for r in self.ranks.values())
+
+    def all_done(self) -> bool:
+        return all(r.state is RankState.DONE for r in self.ranks.values())
+
+    def set_layout(self, nodes: list[int], *, step: int = 0, persist: bool = True) -> None:
+        """The job trains on ``nodes`` from now on: its ranks are numbered anew, node by node."""
+        self.nodes = list(nodes)
+        self.ranks = {
+            slot * self.per_node + local: RankInfo(rank=slot * self.per_node + local, node=node, step=step)
+            for slot, node in enumerate(nodes) for local in range(self.per_node)
+        }
+        if persist:
+            self._log.forget_ranks_from(self.world_size)
+            for info in self.ranks.values():
+                self.persist(info)
+            self._log.set_job("world_size", self.world_size)
+            self._log.set_job("nodes", self.nodes, flush=True)
+
+    def take(self, rank: int) -> int:
+        """A new incarnation for ``rank``: the process about to start owns it, every older one is fenced."""
+        self.incarnations += 1
+        self.ranks[rank].incarnation = self.incarnations
+        return self.incarnations
+
+    def commit(self, rank: int, step: int, generation: int, t: float) -> bool:
+        """``rank`` committed ``step``; True when the step ran before (a re-run after a recovery)."""
+        info = self.ranks[rank]
+        rerun = step in self.committed[rank]
+        if rerun:
+            self.rerun_steps.add(step)
+        self.committed[rank].add(step)
+        moved = info.state is not RankState.RUNNING or info.generation != generation
+        info.step, info.generation, info.state, info.last_seen = step, generation, RankState.RUNNING, t
+        if moved:
+            self._dirty.add(rank)  # its row is written as the log commits
+        return rerun
+
+    def persist(self, info: RankInfo) -> None:
+        self._log.rank(info.rank, info.to_dict())
+        self._dirty.discard(info.rank)
+
+    def _write_dirty(self) -> None:
+        for rank in self._dirty:
+            self._log.rank(rank, self.ranks[rank].to_dict())
+        self._dirty.clear()
+
+    def restore(self, rows: Iterable[dict[str, Any]], steps: Iterable[tuple[int, int]]) -> None:
+        """Read the ranks back from the log of a manager that died (its rank rows and committed steps)."""
+        for view in rows:
+            info = self.ranks.get(int(view["rank"]))
+            if info is None:
+                continue
+            info.pid, info.step, info.generation = int(view["pid"]), int(view["step"]), int(view["generation"])
+            info.state, info.restarts = RankState(view["state"]), int(view["restarts"])
+            info.last_seen, info.incarnation = float(view["last_seen"]), int(view.get("incarnation", 0))
+            self.incarnations = max(self.incarnations, info.incarnation)
+        for rank, step in steps:
+            self.committed[rank].add(step)
+        for info in self.ranks.values():  # a row is not rewritten per step (see commit): the steps say
+            committed = self.committed.get(info.rank)
+            if committed:
+                info.step = max(info.step, max(committed))

@@ -1,0 +1,215 @@
+"""Detection: from what the agents and ranks report to an incident, with its kind, its times and its words.
+
+A process exit is a crash, a user error (the rank said so before dying), a
+script that cannot run, a hang (the manager had it killed for silence) or a
+lost node; which one decides the incident's kind, when the fault happened
+(an injected fault names its time) and the error a person reads. A stall
+with every rank beating is a hang of the rank the others wait for, or, when
+none lags, the link. A failed collective is the link only if no process
+exits within the comm-error grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
+from undying.manager.core import JobCore
+from undying.manager.policy import stall_culprits
+from undying.manager.recovery import Recoveries
+from undying.manager.state import Incident, JobState, RankInfo, RankState
+from undying.messages import CommFailure, Fatal, RankProgress
+
+__all__ = ["Detection", "ExitCause", "classify_exit", "describe_exit"]
+
+
+@dataclass(frozen=True)
+class ExitCause:
+    """What ended a rank's process, as far as the manager knew before it ended."""
+
+    returncode: int
+    t: float
+    injected: tuple[float, str] | None = None  # (when, kind) of a fault injected into the rank
+    hung: tuple[float, float, str] | None = None  # (last heard, detected, phase): killed for silence
+    lost: tuple[int, str, float] | None = None  # (node, why, when): its node was lost
+    fatal: Fatal | None = None  # the error the rank reported before dying
+
+
+@dataclass(frozen=True)
+class Classified:
+    kind: str
+    fault_t: float
+    detected_t: float
+    error: str
+    traceback: str = ""
+
+
+def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classified:
+    """The incident an unexpected exit is: a pure function of what was known about the process."""
+    lost, hung, fatal, t = cause.lost, cause.hung, cause.fatal, cause.t
+    kind = "node-loss" if lost else "hang" if hung else "error" if fatal is not None else "crash"
+    detected = t
+    if lost:
+        error = f"node {lost[0]} lost: {lost[1]}"
+    elif hung:
+        last_heard, detected, phase = hung
+        if phase == "step":
+            error = f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); killed"
+        else:
+            error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
+    else:
+        error = fatal.error if fatal else describe_exit(cause.returncode)
+    if cause.returncode == EXIT_SCRIPT_ERROR and not (lost or hung):
+        kind, error = "script-error", script_error
+    fault_t = cause.injected[0] if cause.injected else hung[0] if hung else lost[2] if lost else t
+    return Classified(kind, fault_t, detected, error, fatal.traceback if fatal else "")
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def script_error(job_dir: str, rank: int) -> str:
+    """The job's failure when a rank's script could not run: the error its first rank left, in one line."""
+    try:
+        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8", errors="replace") as f:
+            told = f.read(2000).strip()
+    except OSError:
+        told = ""
+    where = told or f"rank {rank} exited with a SyntaxError or ImportError (its output says where)"
+    return f"the training script could not run: {where}; fix it and run the same command again"
+
+
+class Detection:
+    def __init__(self, core: JobCore, recoveries: Recoveries) -> None:
+        self.core = core
+        self.recoveries = recoveries
+        self.injected: dict[int, tuple[float, str]] = {}  # rank -> (when, kind)
+        self.hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
+        self.fatal: dict[int, Fatal] = {}  # pid -> the error its rank reported
+        self.node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
+        self.grace_tasks: set[asyncio.Task[None]] = set()
+
+    def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:
+        """Everything known about why ``pid`` ended (each fact is used once: a later process starts clean)."""
+        return ExitCause(returncode, t, injected=self.injected.pop(info.rank, None), hung=self.hung.pop(pid, None),
+                         lost=self.node_lost.pop(pid, None), fatal=self.fatal.pop(pid, None))
+
+    def on_fault_exit(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
+        """A rank's process ended before its last step: an incident, handled."""
+        cause = self.cause_of(info, pid, returncode, t)
+        found = classify_exit(cause, step=info.step + 1,
+                              script_error=script_error(self.core.config.job_dir, info.rank)
+                              if returncode == EXIT_SCRIPT_ERROR else "")
+        incident = self.recoveries.new_incident(kind=found.kind, rank=info.rank, step=info.step + 1,
+                                                fault_t=found.fault_t, detected_t=found.detected_t,
+                                                error=found.error, traceback=found.traceback)
+        incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
+        if cause.injected:
+            incident.detail["injected"] = True
+        self.recoveries.handle(incident)
+
+    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
+        """A rank fell silent: kill it; its exit is then recovered as a hang (replace)."""
+        core = self.core
+        info = core.ranks[rank]
+        if pid != info.pid or core.winding_down:
+            return
+        if info.state is RankState.DONE:
+            return  # finished its steps; a slow interpreter shutdown is not a hang
+        if pid in self.hung:
+            return  # already being killed
+        self.hung[pid] = (last_seen, t, phase)
+        core.events.event("hang_detected", generation=core.generations.current, rank=rank, pid=pid, phase=phase,
+                          silent_s=round(t - last_seen, 3), step=info.step + 1)
+        core.kill(rank)
+
+    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
+        """Ranks beat but make no progress for ``limit`` seconds: kill the ones the others wait for.
+
+        When no rank lags (every one is inside the same collective), no process
+        is to blame: it is the link, and the collective is retried in place.
+        While a recovery runs, ranks look stuck until they hear of it; then
+        only a rank still in a step of the old generation ``limit`` seconds
+        after the recovery began is stuck.
+        """
+        core = self.core
+        if core.winding_down:
+            return
+        generation = core.generations.current
+        recovery = self.recoveries.current
+        if recovery is not None:
+            culprits = sorted(p.rank for p in progress if p.phase == "step" and p.generation < generation
+                              and t - max(p.progress_t, recovery.started) > limit)
+        elif self.hung:
+            return  # a stuck rank is being killed; the ones waiting for it are not stuck
+        else:
+            culprits = stall_culprits(progress)
+        by_rank = {p.rank: p for p in progress}
+        stuck_ranks = [p for p in progress if p.phase == "step" and p.generation == generation]
+        if not culprits and (recovery is not None or not stuck_ranks):
+            return  # explained by the recovery under way
+        core.events.event("stall_detected", generation=generation, culprits=culprits, limit_s=round(limit, 3),
+                          progress=[dataclasses.asdict(p) for p in progress])
+        for rank in culprits:
+            stuck = by_rank[rank]
+            self.on_hang(rank, stuck.pid, "step", stuck.progress_t, t)
+        if culprits:
+            return
+        first = min(stuck_ranks, key=lambda p: (p.progress_t, p.rank))
+        incident = self.recoveries.new_incident(
+            kind="comm-error", rank=first.rank, step=first.step, fault_t=first.progress_t, detected_t=t,
+            error=f"every rank is stuck in the same collective (#{first.collectives} of generation "
+                  f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link is to blame",
+        )
+        incident.detail["stuck_collective"] = True
+        self.recoveries.handle(incident)
+
+    def on_comm_failure(self, message: CommFailure) -> None:
+        """A rank's collective failed: wait the grace for an exit that explains it, else retry the link."""
+        if message.generation < self.core.generations.current:
+            return  # the manager already moved on; the worker follows
+        task = asyncio.get_running_loop().create_task(self._comm_failure_grace(message))
+        self.grace_tasks.add(task)
+        task.add_done_callback(self.grace_tasks.discard)
+
+    async def _comm_failure_grace(self, message: CommFailure) -> None:
+        """A collective failed. If no process exits meanwhile, it was the link: retry."""
+        core = self.core
+        grace = core.config.timeouts.comm_error_grace
+        await asyncio.sleep(grace)
+        # A rank that reported an error in the user's code is on its way out (its interpreter tears
+        # down, which takes seconds on a busy machine): its exit, not the link, is what failed.
+        patience = time.monotonic() + 10 * grace
+        while self.fatal and time.monotonic() < patience and core.generations.current == message.generation:
+            await asyncio.sleep(0.05)
+        if core.generations.current != message.generation or core.state not in (
+                JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):
+            return
+        if any(i.step == message.step for i, _ in self.recoveries.condemned.values()):
+            return  # already escalated: a rank of this failure is being replaced
+        # An injected link fault names its rank and time; otherwise the first to report.
+        injected = [(t, r) for r, (t, kind) in self.injected.items() if kind == "comm-error"]
+        rank, fault_t = message.rank, message.t
+        if injected:
+            fault_t, rank = min(injected)
+            del self.injected[rank]
+        incident: Incident = self.recoveries.new_incident(kind="comm-error", rank=rank, step=message.step,
+                                                          fault_t=fault_t, detected_t=time.time(),
+                                                          error=message.error)
+        incident.detail["injected"] = bool(injected)
+        self.recoveries.handle(incident)
+
+    def cancel(self) -> None:
+        for task in list(self.grace_tasks):
+            task.cancel()

@@ -1,0 +1,215 @@
+"""Preemption: SIGTERM, a stop step every rank agrees on, the dying gasp, and an exit within the grace period.
+
+Kubernetes (or a Slurm scheduler) gives a job a grace period between SIGTERM
+and SIGKILL. The manager sizes its own from what it measured (the last
+checkpoint's size and write speed, two of the slowest steps), asks every rank
+where it is, tells all of them the step to stop after, has that step saved
+(the dying gasp) and leaves. Whatever happens (a rank too slow, a save that
+fails, a SIGTERM at the very end), the job ends PREEMPTED with a checkpoint
+named and the steps a relaunch re-runs counted, or says why there is none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from undying.checkpoint import Checkpoint, Measurement, recent_dying_gasp
+from undying.manager.checkpoints import Checkpoints
+from undying.manager.core import JobCore
+from undying.manager.state import Incident, JobState
+from undying.messages import CheckpointSaved, Preempt, StopAt
+
+__all__ = ["Preemption"]
+
+log = logging.getLogger("undying.manager")
+
+
+class Preemption:
+    def __init__(self, core: JobCore, checkpoints: Checkpoints) -> None:
+        self.core = core
+        self.checkpoints = checkpoints
+        self.view: dict[str, Any] | None = None  # what status shows, once preempted
+        self.proposals: dict[int, int] = {}  # rank -> the step it proposes to stop after
+        self._gasp: CheckpointSaved | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def grace_period(self) -> tuple[float, str]:
+        """Seconds from SIGTERM to every process gone, and how the figure was reached."""
+        config = self.core.config
+        if config.checkpoint.grace_period > 0:
+            return config.checkpoint.grace_period, "--grace-period"
+        step_s = self.core.clock.longest_rank_step_s()
+        if self.checkpoints.state_bytes and self.checkpoints.write_bytes_per_s:
+            m = Measurement(self.checkpoints.state_bytes, self.checkpoints.write_bytes_per_s,
+                            "the last checkpoint written")
+            return m.grace_period_s() + 2 * step_s, (
+                f"{m.bytes} bytes at {m.write_bytes_per_s / 1e6:.1f} MB/s ({m.source}): write {m.write_s:.3f}s, "
+                f"x2 margin, at least 5s, plus 2 steps of {step_s:.3f}s")
+        return 5.0 + 2 * step_s, "no checkpoint measured yet: 5s plus 2 steps"
+
+    def on_saved(self, message: CheckpointSaved) -> None:
+        if self.view is not None and message.kind in ("dying-gasp", "existing"):
+            self._gasp = message
+
+    def preempt(self, reason: str, *, rank: int = -1, t: float | None = None) -> None:
+        """SIGTERM (to the launcher, or to a worker): agree on a stop step, persist it, leave.
+
+        A second SIGTERM while the dying gasp runs changes nothing: the one under way stands.
+        """
+        core = self.core
+        t = time.time() if t is None else t
+        if self.view is not None:
+            core.events.event("sigterm_again", reason=reason)
+            log.warning("job %s: %s: the dying gasp under way stands", core.config.job_id, reason)
+            return
+        if core.winding_down:
+            return
+        grace, how = self.grace_period()
+        self.view = {"reason": reason, "t": t, "grace_period_s": round(grace, 3), "grace_basis": how}
+        core.exit_reason = f"preempted ({reason})"
+        core.move(JobState.STOPPING)
+        log.warning("job %s: %s: dying gasp within a grace period of %.1fs (%s)", core.config.job_id, reason, grace,
+                    how)
+        self._task = asyncio.get_running_loop().create_task(self._dying_gasp(rank, t, grace))
+
+    async def _dying_gasp(self, rank: int, t0: float, grace: float) -> None:
+        core = self.core
+        config = core.config
+        assert self.view is not None
+        newest = core.book.newest_step()
+        incident = Incident(id=len(core.incidents) + 1, kind="preempt", rank=rank, step=newest, fault_t=t0,
+                            recovery=0, action="dump", error=self.view["reason"])
+        incident.phases["detected"] = time.time()
+        incident.detail["grace_period_s"] = self.view["grace_period_s"]
+        core.incidents.append(incident)
+        core.events.event("preempt", reason=self.view["reason"], rank=rank,
+                          grace_period_s=self.view["grace_period_s"], grace_basis=self.view["grace_basis"])
+        deadline = t0 + grace
+        reused = None
+        if config.checkpoint.gasp_reuse_s > 0:
+            reused = await asyncio.to_thread(recent_dying_gasp, self.checkpoints.dir,
+                                             within_s=config.checkpoint.gasp_reuse_s)
+            if reused is not None and reused.step < newest:
+                # Steps were trained since: reusing it would lose them. Write a new one.
+                core.events.event("dying_gasp_not_reused", step=reused.step, newest_step=newest)
+                reused = None
+        stop_step = -1
+        late: list[int] = []
+        if reused is not None:
+            incident.detail["reused"] = reused.url
+            core.events.event("dying_gasp_reused", step=reused.step, path=reused.url,
+                              age_s=round(time.time() - (reused.manifest.created_at if reused.manifest else 0), 3))
+            await core.stop_all(config.timeouts.stop_grace)
+        else:
+            stop_step, late = await self._stop_at_agreed_step(incident, newest, deadline, grace)
+        await self._report(incident, t0, grace, reused, stop_step, late)
+
+    async def _stop_at_agreed_step(self, incident: Incident, newest: int, deadline: float,
+                                   grace: float) -> tuple[int, list[int]]:
+        """Every rank stops after one step, saved; those still running at the deadline are killed, named."""
+        core = self.core
+        assert self.view is not None
+        live = core.live_ranks()
+        # Where is every rank? None runs a step past its answer until told the stop step.
+        for r in live:
+            core.agent_of(r).tell(r, Preempt(core.generations.current, self.view["reason"]))
+        answer_by = time.monotonic() + min(2.0, grace / 4)
+        while time.monotonic() < answer_by and not live <= set(self.proposals):
+            await asyncio.sleep(0.01)
+        stop_step = max(self.proposals.values(), default=newest)
+        incident.phases["decided"] = time.time()
+        core.events.event("stop_step", step=stop_step, proposals=dict(self.proposals),
+                          missing=sorted(live - set(self.proposals)))
+        for r in live:
+            core.agent_of(r).tell(r, StopAt(stop_step, max(0.5, deadline - time.time())))
+        while time.time() < deadline and core.live_ranks():
+            await asyncio.sleep(0.02)
+        late = sorted(core.live_ranks())
+        if late:
+            # Named before they go: who did not make it, and where each was.
+            phases = {r: p for a in core.agents.values() for r, p in a.phases().items()}
+            killed = [f"rank {r} ({phases.get(r, '?')}, last committed step {core.ranks[r].step})" for r in late]
+            incident.detail["killed_ranks"] = late
+            core.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop_step, ranks=late,
+                              where=killed)
+            log.error("job %s: the grace period of %.1fs passed before every rank finished step %d; killing "
+                      "%s", core.config.job_id, grace, stop_step, ", ".join(killed))
+            for r in late:  # as Kubernetes would at the deadline: no word, no handler
+                core.kill(r)
+            await core.stop_all(0.0)
+        return stop_step, late
+
+    async def _report(self, incident: Incident, t0: float, grace: float, reused: Checkpoint | None,
+                      stop_step: int, late: list[int]) -> None:
+        """Which checkpoint a relaunch resumes from and what it re-runs; the job ends PREEMPTED."""
+        core = self.core
+        assert self.view is not None
+        gasp = self._gasp
+        took = round(time.time() - t0, 3)
+        if core.book.all_done():
+            incident.status = "ignored"
+            core.events.incident(incident)
+            core.exit_reason = "every rank finished its last step (a SIGTERM came at the end)"
+            core.end(JobState.SUCCEEDED)
+            return
+        if reused is not None:
+            step, path = reused.step, reused.url
+            what = (f"reused the dying gasp written at most {core.config.checkpoint.gasp_reuse_s:.0f}s "
+                    "earlier")
+        elif gasp is not None and gasp.step == stop_step and not gasp.error:
+            step, path = gasp.step, gasp.path
+            what = (f"dying gasp written in {gasp.write_s:.3f}s, {gasp.t - t0:.3f}s after SIGTERM"
+                    if gasp.kind == "dying-gasp" else "the checkpoint of that step already existed")
+            incident.phases["checkpoint_written"] = gasp.t
+        else:
+            step, path, what = await self._fallback(gasp, stop_step, late, grace)
+        # What a resume from that checkpoint runs again: every step committed after it (0: nothing lost).
+        committed_end = max([stop_step if gasp is not None and gasp.step == stop_step and not gasp.error else -1,
+                             *(r.step for r in core.ranks.values())])
+        resume_reruns = max(0, committed_end - step) if step >= 0 and reused is None else 0
+        if gasp is not None and gasp.error:
+            incident.detail["dying_gasp_error"] = gasp.error
+        incident.phases["exited"] = time.time()
+        incident.status = "dumped" if step >= 0 else "failed"
+        incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
+                                "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
+                                "sigterm_to_exit_s": took, "resume_reruns": resume_reruns})
+        core.events.incident(incident)
+        self.view.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
+                          "detail": what, "sigterm_to_exit_s": took, "killed_ranks": late,
+                          "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
+                          "dying_gasp_error": gasp.error if gasp is not None else "",
+                          "resume_reruns": resume_reruns})
+        core.exit_reason = (f"preempted, checkpoint at step {step} ({what}); run the same command to resume"
+                            if step >= 0 else f"preempted, no checkpoint: {what}")
+        core.events.event("preempted", step=step, path=path, detail=what, sigterm_to_exit_s=took,
+                          resume_reruns=resume_reruns)
+        core.events.set_job("preemption", self.view)
+        log.warning("job %s: %s", core.config.job_id, core.exit_reason)
+        core.end(JobState.PREEMPTED)
+
+    async def _fallback(self, gasp: CheckpointSaved | None, stop_step: int, late: list[int],
+                        grace: float) -> tuple[int, str, str]:
+        """No dying gasp reported: one found on disk unreported, the latest valid checkpoint, or none."""
+        latest = await asyncio.to_thread(self.checkpoints.latest)
+        if gasp is not None and gasp.error:
+            why = gasp.error
+        elif late:
+            who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+            why = f"{who} still running when the grace period of {grace:.1f}s ran out, killed"
+        else:
+            why = f"not written within the grace period of {grace:.1f}s"
+        committed = self.core.book.newest_step()
+        if latest is None:
+            return -1, "", f"the dying gasp of step {stop_step} was not taken ({why}) and there is no checkpoint"
+        if latest.kind == "dying-gasp" and latest.step == stop_step:
+            # Written, but its report was cut off by the kill: it stands as a dying gasp.
+            return latest.step, latest.url, f"dying gasp {latest.name} found on disk, unreported ({why})"
+        rerun = (f"steps {latest.step + 1}..{committed} will be re-run" if committed > latest.step
+                 else "no step is lost")
+        taken = "could not be written" if gasp is not None and gasp.error else "was not taken"
+        return latest.step, latest.url, (f"the dying gasp of step {stop_step} {taken} ({why}); the latest valid "
+                                         f"checkpoint {latest.name} ({latest.kind}) stands: {rerun}")

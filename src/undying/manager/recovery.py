@@ -1,0 +1,301 @@
+"""Recovery: from an incident to the next generation, and the round's timeline until the job trains again.
+
+An incident opens (or joins) a recovery round. The policy (``policy.decide``,
+a pure function) picks the rung: retry in place, replace the rank, restart
+every rank from the latest valid checkpoint, or fail. This module carries the
+decision out (the executor) and watches the round: it ends when every rank of
+the new generation committed a step, with the incident's phases (replacement
+ready, group rebuilt, state restored, first step) taken from the ranks' reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from undying.checkpoint import Checkpoint
+from undying.checkpoint.planner import (
+    Layout,
+    LayoutError,
+    MissingShardsError,
+    PersistedState,
+    plan_for_ddp,
+    plan_restore,
+)
+from undying.manager.checkpoints import Checkpoints
+from undying.manager.core import JobCore
+from undying.manager.policy import Action, Decision, PolicyContext, decide
+from undying.manager.state import Incident, JobState, RankState
+from undying.rendezvous import GenerationRecord
+
+__all__ = ["Recovery", "Recoveries"]
+
+log = logging.getLogger("undying.manager")
+
+
+@dataclass
+class Recovery:
+    """One recovery round: the incidents it handles and the generation it forms."""
+
+    id: int
+    generation: int
+    incidents: list[Incident] = field(default_factory=list)
+    replaced: set[int] = field(default_factory=set)
+    ready: dict[int, float] = field(default_factory=dict)
+    group_rebuilt: dict[int, float] = field(default_factory=dict)
+    state_restored: dict[int, float] = field(default_factory=dict)
+    first_step: dict[int, float] = field(default_factory=dict)
+    restored_step: int = -1
+    started: float = field(default_factory=time.time)
+
+    def renew(self, generation: int) -> None:
+        """The round forms ``generation`` now: the phases seen of an earlier one are void."""
+        self.generation = generation
+        for phase in (self.group_rebuilt, self.state_restored, self.first_step):
+            phase.clear()
+
+
+class Recoveries:
+    def __init__(self, core: JobCore, checkpoints: Checkpoints) -> None:
+        self.core = core
+        self.checkpoints = checkpoints
+        self.current: Recovery | None = None
+        self.count = 0
+        self.restarts = 0
+        self.restart_from: Checkpoint | None = None
+        # pid -> the incident and decision its exit carries on (a live rank escalated from retries, killed).
+        self.condemned: dict[int, tuple[Incident, Decision]] = {}
+        # Every rank of a lost node is replaced in the same new generation: set while they are handled.
+        self.one_generation = False
+        self._shared_record: GenerationRecord | None = None
+
+    def new_incident(self, *, kind: str, rank: int, step: int, fault_t: float, detected_t: float,
+                     error: str = "", traceback: str = "") -> Incident:
+        """An incident of the round under way (or of a new round)."""
+        if self.current is None:
+            self.count += 1
+            self.current = Recovery(id=self.count, generation=self.core.generations.current)
+        incidents = self.core.incidents
+        incident = Incident(id=len(incidents) + 1, kind=kind, rank=rank, step=step,
+                            fault_t=min(fault_t, detected_t), recovery=self.current.id, error=error,
+                            traceback=traceback)
+        incident.phases["detected"] = detected_t
+        incidents.append(incident)
+        self.current.incidents.append(incident)
+        return incident
+
+    def end_shared_generation(self) -> None:
+        self.one_generation, self._shared_record = False, None
+
+    def _replaced(self) -> set[int]:
+        return self.current.replaced if self.current else set()
+
+    def holders_alive(self, excluding: int) -> int:
+        """Ranks whose processes live and hold the state (not replacements waiting for it)."""
+        replaced = self._replaced()
+        return sum(1 for r in self.core.ranks.values()
+                   if r.rank != excluding and r.state is not RankState.EXITED and r.rank not in replaced)
+
+    def plan_restore(self, incident: Incident) -> None:
+        """Where every rank's state comes from after this incident (the restore planner), for the record.
+
+        Under DDP every survivor holds the whole state, so any one is a peer of
+        every rank; with none left the checkpoint is the source and the job
+        rolls back to it, or no complete state exists and the planner says so.
+        """
+        replaced = self._replaced()
+        ranks = self.core.ranks
+        failed = {r.rank for r in ranks.values()
+                  if r.rank == incident.rank or r.state is RankState.EXITED or r.rank in replaced}
+        ckpt = self.restart_from
+        newest = self.core.book.newest_step()
+        if ckpt is not None:
+            newest = max(newest, ckpt.step)  # ranks that resumed from it and committed nothing yet report 0
+        world = self.core.book.world_size
+        try:
+            if self.checkpoints.sharded:
+                # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank + offset.
+                offset = int(self.checkpoints.state_layout.get("offset", 0))
+                ring = self.checkpoints.ring and offset > 0
+                plan = plan_restore(
+                    Layout(dp=1, tp=world), failed,
+                    replica_of={(r + offset) % world: r for r in range(world)} if ring else None,
+                    checkpoint=PersistedState(ckpt.step, path=ckpt.url) if ckpt else None, current_step=newest,
+                )
+            else:
+                plan = plan_for_ddp(world, failed, ckpt.step if ckpt else None,
+                                    current_step=newest, checkpoint_path=ckpt.url if ckpt else "")
+        except (MissingShardsError, LayoutError) as e:
+            incident.detail["restore_plan"] = str(e)
+            return
+        incident.detail["restore_plan"] = plan.describe()
+
+    def handle(self, incident: Incident) -> None:
+        """Decide the rung for ``incident`` and carry it out."""
+        core = self.core
+        holders = self.holders_alive(incident.rank)
+        # The restart rung needs the latest valid checkpoint; only looked for when no peer holds the state
+        # (sharded state without ring replicas: a lost shard is only there, the ranks roll back to it).
+        sharded_alone = self.checkpoints.sharded and not self.checkpoints.ring
+        self.restart_from = self.checkpoints.latest() if holders == 0 or sharded_alone else None
+        self.plan_restore(incident)
+        decision = decide(
+            incident, core.incidents,
+            PolicyContext(core.config.max_restarts, holders, core.config.max_retries,
+                          checkpoint_step=self.restart_from.step if self.restart_from else None,
+                          restarts=self.restarts),
+        )
+        incident.action = decision.action.value
+        incident.phases["decided"] = time.time()
+        incident.detail["reason"] = decision.reason
+        core.events.event("decided", rank=incident.rank, incident=incident.id, action=decision.action.value,
+                          reason=decision.reason)
+        log.warning("job %s gen %d: %s of rank %d at step %d -> %s (%s)", core.config.job_id,
+                    core.generations.current, incident.kind, incident.rank, incident.step, decision.action.value,
+                    decision.reason)
+        if decision.action is Action.FAIL:
+            incident.status = "failed"
+            core.events.incident(incident)
+            report = decision.reason
+            if incident.traceback:
+                report += "\n" + incident.traceback
+            core.fail(report)
+            return
+        core.events.incident(incident)
+        core.move(JobState.RECOVERING)
+        info = core.ranks[incident.rank]
+        if decision.action is Action.REPLACE and info.state is not RankState.EXITED:
+            # Escalated from retries: the process lives. Kill it; its exit carries on here.
+            self.condemned[info.pid] = (incident, decision)
+            core.kill(incident.rank)
+            return
+        self.execute(incident, decision)
+
+    def execute(self, incident: Incident, decision: Decision) -> None:
+        """Carry out a retry, a replacement or a restart: the next generation and who joins it."""
+        core = self.core
+        previous = core.generations.current
+        if self._shared_record is not None and decision.action is Action.REPLACE:
+            record = self._shared_record
+        else:
+            record = core.open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+            if self.one_generation:
+                self._shared_record = record
+        if incident.detail.get("stuck_collective"):
+            # Nothing failed by itself: every rank is told to leave the stuck group.
+            for info in core.ranks.values():
+                if info.state is not RankState.EXITED:
+                    core.agents[info.node].abort(info.rank, previous, f"stuck collective: {decision.action.value}")
+        assert self.current is not None
+        self.current.renew(record.generation)
+        if decision.action is Action.REPLACE:
+            self.current.replaced.add(incident.rank)
+            self.current.ready.pop(incident.rank, None)
+            warm = core.spawn(incident.rank, record, joining=True)
+            incident.detail["replacement"] = "warm spare" if warm else "new process"
+            core.events.incident(incident)
+        elif decision.action is Action.RESTART:
+            self._restart_all(incident, record)
+
+    def _restart_all(self, incident: Incident, record: GenerationRecord) -> None:
+        """The restart rung: new processes for every rank, all starting from the latest valid checkpoint.
+
+        Replacements already started for the dead ranks wait for a donor that no
+        longer exists: they are killed too. The steps since the checkpoint are
+        re-run (and counted as lost).
+        """
+        core = self.core
+        assert self.current is not None and self.restart_from is not None
+        ckpt = self.restart_from
+        self.restarts += 1
+        newest = core.book.newest_step()
+        for info in core.ranks.values():
+            if info.state is not RankState.EXITED:
+                core.kill(info.rank)
+        for info in core.ranks.values():
+            self.current.replaced.add(info.rank)
+            self.current.ready.pop(info.rank, None)
+            core.spawn(info.rank, record, joining=False, resume_from=ckpt.url)
+        lost = max(0, newest - ckpt.step)
+        incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step, "lost_steps": lost,
+                                "restart": self.restarts})
+        core.events.event("restarted", generation=record.generation, step=ckpt.step, path=ckpt.url,
+                          kind=ckpt.kind, lost_steps=lost, restart=self.restarts)
+        core.events.incident(incident)
+        log.warning("job %s gen %d: every rank restarts from %s (step %d); steps %d..%d are re-run",
+                    core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
+
+    def on_joined(self, rank: int, t: float) -> None:
+        """A rank's process joined its generation: a replacement is ready."""
+        if self.current is not None and rank in self.current.replaced:
+            self.current.ready[rank] = t
+
+    def on_progress(self, rank: int, generation: int, step: int, phase: str, detail: dict[str, Any],
+                    t: float) -> None:
+        """A rank's progress in the round's generation: the phases of the incidents' timeline."""
+        recovery = self.current
+        if recovery is None or generation != recovery.generation:
+            return
+        if phase in ("shards_restored", "rolled_back") and rank == 0:
+            # What the ranks did, which the plan made at the incident could only foresee.
+            for incident in recovery.incidents:
+                incident.detail["restored"] = detail.get("plan") or detail.get("reason", "")
+                incident.detail["lost_steps"] = int(detail.get("lost_steps", 0))
+                if phase == "rolled_back":
+                    incident.detail["checkpoint"] = detail.get("checkpoint", "")
+                self.core.events.incident(incident)
+        if phase == "group_rebuilt":
+            recovery.group_rebuilt[rank] = t
+        elif phase == "state_restored":
+            recovery.state_restored[rank] = t
+            recovery.restored_step = step
+
+    def maybe_finish(self, rank: int, t: float, *, message_generation: int) -> bool:
+        """A rank's first step in the round's generation; True when it was the last one's (the round is over)."""
+        recovery = self.current
+        core = self.core
+        if recovery is None or message_generation < recovery.generation:
+            return False
+        recovery.first_step.setdefault(rank, t)
+        if len(recovery.first_step) < core.book.world_size:
+            return False
+        phases = {
+            "replacement_ready": max(recovery.ready.values()) if recovery.replaced and recovery.ready else None,
+            "group_rebuilt": max(recovery.group_rebuilt.values()) if recovery.group_rebuilt else None,
+            "state_restored": max(recovery.state_restored.values()) if recovery.state_restored else None,
+            "first_step_done": max(recovery.first_step.values()),
+        }
+        for incident in recovery.incidents:
+            if incident.status != "open":
+                continue
+            incident.phases.update({k: v for k, v in phases.items() if v is not None})
+            incident.status = "recovered"
+            incident.detail["generation"] = recovery.generation
+            incident.detail["restored_step"] = recovery.restored_step
+            core.events.incident(incident)
+            log.warning("job %s gen %d: recovered from %s of rank %d in %.3fs (restored step %d)",
+                        core.config.job_id, recovery.generation, incident.kind, incident.rank,
+                        incident.mttr_s or -1.0, recovery.restored_step)
+        self.current = None
+        if core.state is JobState.RECOVERING:
+            core.move(JobState.RUNNING)
+        return True
+
+    def fail(self, reason: str) -> None:
+        """The round cannot complete: its incidents failed, and the job with them."""
+        if self.current is not None:
+            for incident in self.current.incidents:
+                incident.status = "failed"
+                self.core.events.incident(incident)
+        self.core.fail(reason)
+
+    def overdue(self, now: float) -> str:
+        """Why the round is past the recovery timeout, or "" (a lost node's round waits for --node-wait)."""
+        recovery = self.current
+        timeouts = self.core.config.timeouts
+        if recovery is None or now - recovery.started <= timeouts.recovery:
+            return ""
+        return (f"recovery {recovery.id} did not complete within {timeouts.recovery:.0f}s "
+                f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})")

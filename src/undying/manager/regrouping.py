@@ -1,0 +1,250 @@
+"""Regrouping: an elastic job moves to the nodes it has, losing no completed step.
+
+The live ranks meet in a regroup generation of their own, renumbered, agree
+on one state as in any recovery (the newest step one of them holds cleanly)
+and save it; every one then leaves, and the job starts again on the nodes it
+has from that checkpoint. A new world size changes what every rank's script
+builds (samplers, schedules), hence new processes rather than survivors
+renumbered in place, as torchrun restarts its workers when an elastic job's
+membership changes. A sharded state is not whole on the survivors (a lost
+node's shards and their replicas were there): it starts again from the
+latest persisted checkpoint, its steps since re-run. The regroup's record and
+what a second fault makes of it are in ``undying.manager.regroup``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from undying.manager.checkpoints import Checkpoints
+from undying.manager.core import JobCore
+from undying.manager.detection import Detection, describe_exit
+from undying.manager.recovery import Recoveries
+from undying.manager.regroup import LOG_KEY, SAVED_KINDS, Regroup, max_attempts
+from undying.manager.state import JobState, RankInfo, RankState
+
+__all__ = ["Regrouping"]
+
+log = logging.getLogger("undying.manager")
+
+
+class Regrouping:
+    def __init__(self, core: JobCore, recoveries: Recoveries, checkpoints: Checkpoints,
+                 detection: Detection) -> None:
+        self.core = core
+        self.recoveries = recoveries
+        self.checkpoints = checkpoints
+        self.detection = detection
+        self.regroup: Regroup | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.regroup is not None
+
+    def lost_nodes(self) -> list[int]:
+        """Nodes the job trains on whose agent is gone."""
+        available = set(self.core.nodes_available())
+        return [n for n in self.core.book.nodes if n not in available]
+
+    def maybe_grow(self) -> None:
+        """An elastic job below MAX with a node here that it does not train on: regroup to take it in.
+
+        Only while the job runs undisturbed: a node that joins during a recovery
+        is taken once it completed; none once a rank finished its last step.
+        """
+        core = self.core
+        extra = [n for n in core.nodes_available() if n not in core.book.nodes]
+        if (not core.config.elastic or not extra or core.state is not JobState.RUNNING
+                or self.recoveries.current is not None or len(core.book.nodes) >= core.config.nnodes
+                or core.book.any_done()):
+            return
+        now = time.time()
+        view = core.agents[extra[0]].view()
+        nodes = f"node{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))}"
+        incident = self.recoveries.new_incident(kind="node-joined", rank=-1, step=core.book.newest_step(),
+                                                fault_t=now, detected_t=now,
+                                                error=f"{nodes} joined ({view.get('host', '')})")
+        incident.action = "regroup"
+        incident.phases["decided"] = now
+        core.events.incident(incident)
+        grown = min(core.config.nnodes, len(core.book.nodes) + len(extra))
+        self.begin(f"{nodes} joined: the job grows to {grown} nodes")
+
+    def begin(self, why: str, *, again: Regroup | None = None) -> None:
+        """Go on with the nodes the job has now: save the state they hold, then start again from it.
+
+        ``again``: the regroup under way broke (a member lost before the state
+        was saved): its live members meet in a new regroup generation.
+        """
+        core = self.core
+        ranks = core.ranks
+        available = set(core.nodes_available())
+        for agent in core.agents.values():
+            agent.drop_waiting()  # replacements waiting for a lost node's host: no longer wanted
+        live = sorted(r for a in core.agents.values() for r in a.live_ranks()
+                      if r in ranks and ranks[r].node in available and ranks[r].state is not RankState.EXITED)
+        newest = core.book.newest_step()
+        regroup = (again.successor(live, newest) if again is not None
+                   else Regroup(why=why, members={r: i for i, r in enumerate(live)}, step=newest,
+                                first_members=len(live)))
+        self.regroup = regroup
+        core.move(JobState.RECOVERING)
+        sharded = self.checkpoints.sharded
+        if live and not sharded:
+            previous = core.generations.current
+            record = core.open_generation(f"regroup: {regroup.cause()}", members=regroup.members, purpose="regroup")
+            regroup.generation = record.generation
+            for rank in live:
+                core.agent_of(rank).abort(rank, previous, why)
+        else:
+            for rank in live:
+                core.kill(rank)
+        core.events.event("regroup", why=why, members=live, generation=regroup.generation, step=newest,
+                          nodes=sorted(available), sharded=sharded, attempt=regroup.attempt, faults=regroup.faults)
+        self.persist()
+        log.warning("job %s: %s; %s", core.config.job_id, regroup.cause(),
+                    f"ranks {live} save the state of their newest step, then the job starts again from it"
+                    if regroup.generation >= 0 else "the job starts again from its latest checkpoint")
+        self.maybe_form_world()
+
+    def maybe_form_world(self) -> None:
+        """Once every member left: start the job on the nodes here from the saved state, or wait for nodes."""
+        core = self.core
+        config = core.config
+        regroup = self.regroup
+        if regroup is None or regroup.remaining():
+            return
+        if regroup.restored_at and time.time() - regroup.restored_at < config.timeouts.heartbeat and not all(
+                a.attached for a in core.agents.values()):
+            return  # a restarted manager: the agents have their heartbeat timeout to come back (the watch retries)
+        if regroup.checkpoint is None:
+            # The members saved synchronously before they left: the newest valid checkpoint is theirs.
+            regroup.checkpoint = self.checkpoints.latest()
+        ckpt = regroup.checkpoint
+        nodes = core.nodes_available()[: config.nnodes]
+        if ckpt is None:
+            core.fail(f"{regroup.cause()}: no rank saved the state (exits: {regroup.left or 'none alive'}) and there "
+                      f"is no checkpoint in {self.checkpoints.dir} to start from")
+            return
+        if len(nodes) < config.fewest_nodes:
+            if not regroup.waiting_since:
+                regroup.waiting_since = time.time()
+                self.persist()
+                core.events.event("waiting_for_nodes", nodes=nodes, need=config.fewest_nodes,
+                                  checkpoint=ckpt.url, step=ckpt.step)
+                log.warning("job %s: the state of step %d is saved (%s); waiting for %d node(s), %d here: start "
+                            "`undying run --node-rank I --manager ...` on a host", config.job_id, ckpt.step,
+                            ckpt.url, config.fewest_nodes, len(nodes))
+            return
+        lost = max(0, regroup.step - ckpt.step)
+        before = (list(core.book.nodes), core.book.world_size)
+        core.set_layout(nodes, step=ckpt.step)
+        record = core.open_generation(f"{len(nodes)} node(s) {nodes}, {core.book.world_size} ranks, "
+                                      f"from step {ckpt.step}")
+        recovery = self.recoveries.current
+        assert recovery is not None  # a regroup starts from an incident (a node lost, or one joining)
+        recovery.renew(record.generation)
+        recovery.replaced = set(core.ranks)
+        recovery.ready.clear()
+        for info in core.ranks.values():
+            core.spawn(info.rank, record, joining=False, resume_from=ckpt.url)
+        detail: dict[str, Any] = {
+            "from_nodes": before[0], "from_world_size": before[1], "nodes": nodes,
+            "world_size": core.book.world_size, "checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
+            "checkpoint_kind": ckpt.kind,
+            "waited_for_nodes_s": round(time.time() - regroup.waiting_since, 3) if regroup.waiting_since else 0.0,
+            "attempts": regroup.attempt, "faults": regroup.faults}
+        for incident in recovery.incidents:
+            incident.action = "regroup"
+            incident.detail["regroup"] = detail
+            incident.detail["lost_steps"] = lost
+            incident.phases.setdefault("checkpoint_written", time.time())
+            core.events.incident(incident)
+        core.events.event("regrouped", generation=record.generation, lost_steps=lost, detail=detail)
+        log.warning("job %s gen %d: regrouped on node(s) %s (%d ranks, was %d) from %s (step %d)%s",
+                    config.job_id, record.generation, nodes, core.book.world_size, before[1], ckpt.url, ckpt.step,
+                    f"; steps {ckpt.step + 1}..{regroup.step} are re-run" if lost else ", no step lost")
+        self.regroup = None
+        self.persist()
+
+    def watch(self) -> None:
+        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every wait."""
+        regroup = self.regroup
+        assert regroup is not None
+        core = self.core
+        config = core.config
+        now = time.time()
+        if regroup.replan_due(now):  # a second fault broke it before the state was saved
+            if regroup.attempt >= max_attempts(regroup.first_members, config.max_retries):
+                self.recoveries.fail(f"{regroup.cause()}; the regroup broke {regroup.attempt} times, its limit")
+            else:
+                self.begin(regroup.why, again=regroup)
+            return
+        for rank in regroup.to_release():  # the state is saved: whoever is left holds nothing more
+            regroup.released.append(rank)
+            self.persist()
+            core.kill(rank)
+        self.maybe_form_world()  # (also what a restarted manager waited for)
+        if self.regroup is not regroup:
+            return
+        if regroup.waiting_since:
+            if now - regroup.waiting_since <= config.timeouts.rendezvous:
+                return
+            have = core.nodes_available()
+            saved = regroup.checkpoint.url if regroup.checkpoint is not None else regroup.saved
+            step = regroup.checkpoint.step if regroup.checkpoint is not None else regroup.step
+            self.recoveries.fail(
+                f"{regroup.cause()}; the job needs {config.fewest_nodes} node(s) and has {len(have)} ({have}), "
+                f"and none joined within the rendezvous timeout ({config.timeouts.rendezvous:.0f}s). The state "
+                f"of step {step} is saved in {saved}: start the missing nodes "
+                "(`undying run --node-rank I --manager ...`) and run the job again to resume from it")
+        elif now - regroup.started > config.timeouts.recovery:
+            still = sorted(set(regroup.members) - set(regroup.left))
+            self.recoveries.fail(f"{regroup.cause()}; ranks {still} did not save and leave within the recovery "
+                                 f"timeout ({config.timeouts.recovery:.0f}s)")
+
+    def member_exited(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
+        """A process ended during the regroup: a member leaving as asked, a second fault, or old news."""
+        regroup = self.regroup
+        assert regroup is not None
+        # Members leave once the state is saved; any other process of the old layout is no fault now.
+        if info.rank not in regroup.members or info.rank in regroup.left:
+            return
+        cause = self.detection.cause_of(info, pid, returncode, t)
+        lost, hung = cause.lost, cause.hung
+        what = (f"node {lost[0]} lost ({lost[1]})" if lost else
+                f"rank {info.rank} hung ({hung[2]} timeout)" if hung else f"rank {info.rank} {describe_exit(returncode)}")
+        if regroup.member_left(info.rank, returncode, what):
+            # A fault: an incident of the regroup's recovery, which re-plans with the members it has left.
+            incident = self.recoveries.new_incident(kind="node-loss" if lost else "hang" if hung else "crash",
+                                                    rank=info.rank, step=info.step + 1, fault_t=t, detected_t=t,
+                                                    error=f"{what} during the regroup")
+            incident.action = "regroup"
+            incident.phases["decided"] = time.time()
+            incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
+            self.core.events.incident(incident)
+            log.warning("job %s gen %d: %s during the regroup; %s", self.core.config.job_id,
+                        self.core.generations.current, what, "the state is saved" if regroup.saved else
+                        "the members left meet again" if regroup.remaining() else "no member is left")
+        self.persist()
+        self.maybe_form_world()
+
+    def on_group_broke(self, generation: int, why: str) -> None:
+        """A member's collective failed: the regroup re-plans (after the grace), no retry."""
+        assert self.regroup is not None
+        self.regroup.group_broke(generation, why, self.core.config.timeouts.comm_error_grace)
+
+    def on_saved(self, kind: str, path: str) -> None:
+        if self.regroup is not None and kind in SAVED_KINDS:
+            self.regroup.on_saved(path)
+            self.persist()
+
+    def restore(self, logged: Any) -> None:
+        """A restarted manager carries on the regroup under way (its record in the log)."""
+        if logged:
+            self.regroup = Regroup.from_log(logged)
+
+    def persist(self) -> None:
+        self.core.events.set_job(LOG_KEY, self.regroup.to_log() if self.regroup is not None else None)
