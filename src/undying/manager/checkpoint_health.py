@@ -16,12 +16,11 @@ import time
 from typing import Any, Protocol
 
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
-from undying.manager.state import Incident
+from undying.manager.state import Incident, IncidentKind, IncidentStatus
 from undying.messages import CheckpointSaved
 
-__all__ = ["CheckpointHealth", "INCIDENT_KIND", "resume_line"]
+__all__ = ["CheckpointHealth", "resume_line"]
 
-INCIDENT_KIND = "checkpoint_failed"
 
 
 class _IncidentLog(Protocol):
@@ -47,7 +46,7 @@ class CheckpointHealth:
 
     def adopt(self, incident: Incident) -> bool:
         """A restarted manager's open incident read back from the log: True when it is one of these (kept here)."""
-        if incident.kind != INCIDENT_KIND:
+        if incident.kind is not IncidentKind.CHECKPOINT_FAILED:
             return False
         self.open = incident
         self.failures = max(self.failures, int(incident.detail.get("failed_saves", 0)))
@@ -65,7 +64,7 @@ class CheckpointHealth:
         incident = self.open
         if incident is None:
             incident = Incident(
-                id=len(self._incidents) + 1, kind=INCIDENT_KIND, rank=message.rank, step=message.step,
+                id=len(self._incidents) + 1, kind=IncidentKind.CHECKPOINT_FAILED, rank=message.rank, step=message.step,
                 fault_t=message.t, recovery=0, action="retry at the next save", error=message.error,
             )
             incident.phases["detected"] = time.time()
@@ -86,7 +85,7 @@ class CheckpointHealth:
         if incident is None:
             return None
         self.open = None
-        incident.status = "recovered"
+        incident.settle(IncidentStatus.RECOVERED)
         incident.phases["checkpoint_written"] = message.t
         incident.detail["recovered_by_step"] = message.step
         self._events.incident(incident)
@@ -98,7 +97,7 @@ class CheckpointHealth:
         if incident is None:
             return
         self.open = None
-        incident.status = "failed"
+        incident.settle(IncidentStatus.FAILED)
         incident.detail["closed"] = "the job ended before a save succeeded"
         self._events.incident(incident)
 

@@ -21,7 +21,14 @@ from undying.manager.book import RankBook
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
 from undying.manager.generations import Generations
-from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
+from undying.manager.state import (
+    Incident,
+    IncidentStatus,
+    JobState,
+    JobStateMachine,
+    RankInfo,
+    RankState,
+)
 from undying.manager.step_clock import StepClock
 from undying.messages import ArmFault, Message, TraceSet
 from undying.rendezvous import GenerationRecord
@@ -193,8 +200,8 @@ class JobCore:
         # No incident of a failed or stopped job stays open: what was still being handled failed with it.
         # (A preemption's incident stays open on purpose: the relaunch completes it.)
         for incident in self.incidents if final in (JobState.FAILED, JobState.STOPPED) else ():
-            if incident.status == "open":
-                incident.status = "failed"
+            if incident.status is IncidentStatus.OPEN:
+                incident.settle(IncidentStatus.FAILED)
                 incident.detail.setdefault("closed", f"the job ended ({final.value}) before it was resolved")
                 self.events.incident(incident)
         self.move(final)

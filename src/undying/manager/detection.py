@@ -22,7 +22,7 @@ from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
 from undying.manager.core import JobCore
 from undying.manager.policy import stall_culprits
 from undying.manager.recovery import Recoveries
-from undying.manager.state import Incident, JobState, RankInfo, RankState
+from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.messages import CommFailure, Fatal, RankProgress
 
 __all__ = ["Detection", "ExitCause", "classify_exit", "describe_exit"]
@@ -42,7 +42,7 @@ class ExitCause:
 
 @dataclass(frozen=True)
 class Classified:
-    kind: str
+    kind: IncidentKind
     fault_t: float
     detected_t: float
     error: str
@@ -52,7 +52,8 @@ class Classified:
 def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classified:
     """The incident an unexpected exit is: a pure function of what was known about the process."""
     lost, hung, fatal, t = cause.lost, cause.hung, cause.fatal, cause.t
-    kind = "node-loss" if lost else "hang" if hung else "error" if fatal is not None else "crash"
+    kind = (IncidentKind.NODE_LOSS if lost else IncidentKind.HANG if hung else
+            IncidentKind.ERROR if fatal is not None else IncidentKind.CRASH)
     detected = t
     if lost:
         error = f"node {lost[0]} lost: {lost[1]}"
@@ -65,7 +66,7 @@ def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classifi
     else:
         error = fatal.error if fatal else describe_exit(cause.returncode)
     if cause.returncode == EXIT_SCRIPT_ERROR and not (lost or hung):
-        kind, error = "script-error", script_error
+        kind, error = IncidentKind.SCRIPT_ERROR, script_error
     fault_t = cause.injected[0] if cause.injected else hung[0] if hung else lost[2] if lost else t
     return Classified(kind, fault_t, detected, error, fatal.traceback if fatal else "")
 
@@ -168,7 +169,7 @@ class Detection:
             return
         first = min(stuck_ranks, key=lambda p: (p.progress_t, p.rank))
         incident = self.recoveries.new_incident(
-            kind="comm-error", rank=first.rank, step=first.step, fault_t=first.progress_t, detected_t=t,
+            kind=IncidentKind.COMM_ERROR, rank=first.rank, step=first.step, fault_t=first.progress_t, detected_t=t,
             error=f"every rank is stuck in the same collective (#{first.collectives} of generation "
                   f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link is to blame",
         )
@@ -204,7 +205,7 @@ class Detection:
         if injected:
             fault_t, rank = min(injected)
             del self.injected[rank]
-        incident: Incident = self.recoveries.new_incident(kind="comm-error", rank=rank, step=message.step,
+        incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank, step=message.step,
                                                           fault_t=fault_t, detected_t=time.time(),
                                                           error=message.error)
         incident.detail["injected"] = bool(injected)

@@ -30,7 +30,14 @@ from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries, Recovery
 from undying.manager.regroup import LOG_KEY as REGROUP_KEY
 from undying.manager.regrouping import Regrouping
-from undying.manager.state import Incident, JobState, RankInfo, RankState
+from undying.manager.state import (
+    Incident,
+    IncidentKind,
+    IncidentStatus,
+    JobState,
+    RankInfo,
+    RankState,
+)
 from undying.manager.trace_control import TraceControl
 from undying.manager.views import job_status
 from undying.messages import (
@@ -189,7 +196,7 @@ class Manager:
         for incident in saved.incidents:
             core.incidents.append(incident)
             self.recoveries.count = max(self.recoveries.count, incident.recovery)
-            if incident.status == "open" and not core.health.adopt(incident):
+            if incident.status is IncidentStatus.OPEN and not core.health.adopt(incident):
                 open_incidents.append(incident)  # (failing saves are no recovery: CheckpointHealth keeps them)
         if open_incidents:
             self.recoveries.current = Recovery(id=open_incidents[0].recovery, generation=self.generation,
@@ -460,7 +467,7 @@ class Manager:
             if recovery is None:
                 continue
             lost = self.regrouping.lost_nodes()
-            if lost and any(i.kind == "node-loss" for i in recovery.incidents):
+            if lost and any(i.kind is IncidentKind.NODE_LOSS for i in recovery.incidents):
                 # Its ranks wait for a host to take them; past --node-wait the job goes on without it.
                 node_wait = self.config.timeouts.node_wait
                 if time.time() - recovery.started > node_wait:

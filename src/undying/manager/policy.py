@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from undying.manager.state import Incident
+from undying.manager.state import Incident, IncidentKind
 from undying.messages import RankProgress
 
 __all__ = ["Action", "Decision", "PolicyContext", "decide", "stall_culprits"]
@@ -48,7 +48,7 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
     fail with a report. A script that cannot run (a SyntaxError or ImportError) fails at once:
     no replacement would run it either."""
-    if incident.kind == "script-error":
+    if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
     if ctx.holders_alive == 0:
         gone = "every rank that held the training state is gone, so there is no peer to restore from"
@@ -66,26 +66,26 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
             f"(restart {ctx.restarts + 1} of at most {ctx.max_restarts})",
         )
     earlier = [i for i in history if i is not incident and i.step == incident.step]
-    if incident.kind == "comm-error":
-        retries = sum(1 for i in earlier if i.kind == "comm-error" and i.action == Action.RETRY.value)
+    if incident.kind is IncidentKind.COMM_ERROR:
+        retries = sum(1 for i in earlier if i.kind is IncidentKind.COMM_ERROR and i.action == Action.RETRY.value)
         if retries < ctx.max_retries:
             return Decision(Action.RETRY, "collective failed with every process alive")
     replacements = sum(1 for i in earlier if i.rank == incident.rank and i.action == Action.REPLACE.value)
     if replacements >= ctx.max_restarts:
-        what = "raised" if incident.kind == "error" else "failed"
+        what = "raised" if incident.kind is IncidentKind.ERROR else "failed"
         return Decision(
             Action.FAIL,
             f"rank {incident.rank} {what} at step {incident.step}, which was already recovered "
             f"{replacements} time(s) at that step (--max-restarts {ctx.max_restarts}); "
             "a fault that repeats at the same step is a bug, not bad luck",
         )
-    if incident.kind == "comm-error":
+    if incident.kind is IncidentKind.COMM_ERROR:
         return Decision(
             Action.REPLACE,
             f"collective failed at step {incident.step} again after {ctx.max_retries} retries "
             f"(--max-retries {ctx.max_retries}); rank {incident.rank} is replaced",
         )
-    what = "stopped answering and was killed" if incident.kind == "hang" else "exited"
+    what = "stopped answering and was killed" if incident.kind is IncidentKind.HANG else "exited"
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
 
 

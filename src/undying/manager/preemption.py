@@ -19,7 +19,7 @@ from typing import Any
 from undying.checkpoint import Checkpoint, Measurement, recent_dying_gasp
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.state import Incident, JobState
+from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState
 from undying.messages import CheckpointSaved, Preempt, StopAt
 
 __all__ = ["Preemption"]
@@ -80,7 +80,7 @@ class Preemption:
         config = core.config
         assert self.view is not None
         newest = core.book.newest_step()
-        incident = Incident(id=len(core.incidents) + 1, kind="preempt", rank=rank, step=newest, fault_t=t0,
+        incident = Incident(id=len(core.incidents) + 1, kind=IncidentKind.PREEMPT, rank=rank, step=newest, fault_t=t0,
                             recovery=0, action="dump", error=self.view["reason"])
         incident.phases["detected"] = time.time()
         incident.detail["grace_period_s"] = self.view["grace_period_s"]
@@ -150,7 +150,7 @@ class Preemption:
         gasp = self._gasp
         took = round(time.time() - t0, 3)
         if core.book.all_done():
-            incident.status = "ignored"
+            incident.settle(IncidentStatus.IGNORED)
             core.events.incident(incident)
             core.exit_reason = "every rank finished its last step (a SIGTERM came at the end)"
             core.end(JobState.SUCCEEDED)
@@ -173,7 +173,7 @@ class Preemption:
         if gasp is not None and gasp.error:
             incident.detail["dying_gasp_error"] = gasp.error
         incident.phases["exited"] = time.time()
-        incident.status = "dumped" if step >= 0 else "failed"
+        incident.settle(IncidentStatus.DUMPED if step >= 0 else IncidentStatus.FAILED)
         incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
                                 "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
                                 "sigterm_to_exit_s": took, "resume_reruns": resume_reruns})

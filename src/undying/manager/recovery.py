@@ -27,7 +27,7 @@ from undying.checkpoint.planner import (
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.policy import Action, Decision, PolicyContext, decide
-from undying.manager.state import Incident, JobState, RankState
+from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState, RankState
 from undying.rendezvous import GenerationRecord
 
 __all__ = ["Recovery", "Recoveries"]
@@ -71,7 +71,7 @@ class Recoveries:
         self.one_generation = False
         self._shared_record: GenerationRecord | None = None
 
-    def new_incident(self, *, kind: str, rank: int, step: int, fault_t: float, detected_t: float,
+    def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float, detected_t: float,
                      error: str = "", traceback: str = "") -> Incident:
         """An incident of the round under way (or of a new round)."""
         if self.current is None:
@@ -156,7 +156,7 @@ class Recoveries:
                     core.generations.current, incident.kind, incident.rank, incident.step, decision.action.value,
                     decision.reason)
         if decision.action is Action.FAIL:
-            incident.status = "failed"
+            incident.settle(IncidentStatus.FAILED)
             core.events.incident(incident)
             report = decision.reason
             if incident.traceback:
@@ -268,10 +268,10 @@ class Recoveries:
             "first_step_done": max(recovery.first_step.values()),
         }
         for incident in recovery.incidents:
-            if incident.status != "open":
+            if incident.status is not IncidentStatus.OPEN:
                 continue
             incident.phases.update({k: v for k, v in phases.items() if v is not None})
-            incident.status = "recovered"
+            incident.settle(IncidentStatus.RECOVERED)
             incident.detail["generation"] = recovery.generation
             incident.detail["restored_step"] = recovery.restored_step
             core.events.incident(incident)
@@ -287,7 +287,8 @@ class Recoveries:
         """The round cannot complete: its incidents failed, and the job with them."""
         if self.current is not None:
             for incident in self.current.incidents:
-                incident.status = "failed"
+                if incident.status is IncidentStatus.OPEN:
+                    incident.settle(IncidentStatus.FAILED)
                 self.core.events.incident(incident)
         self.core.fail(reason)
 

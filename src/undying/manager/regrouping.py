@@ -23,7 +23,7 @@ from undying.manager.core import JobCore
 from undying.manager.detection import Detection, describe_exit
 from undying.manager.recovery import Recoveries
 from undying.manager.regroup import LOG_KEY, SAVED_KINDS, Regroup, max_attempts
-from undying.manager.state import JobState, RankInfo, RankState
+from undying.manager.state import IncidentKind, JobState, RankInfo, RankState
 
 __all__ = ["Regrouping"]
 
@@ -63,7 +63,7 @@ class Regrouping:
         now = time.time()
         view = core.agents[extra[0]].view()
         nodes = f"node{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))}"
-        incident = self.recoveries.new_incident(kind="node-joined", rank=-1, step=core.book.newest_step(),
+        incident = self.recoveries.new_incident(kind=IncidentKind.NODE_JOINED, rank=-1, step=core.book.newest_step(),
                                                 fault_t=now, detected_t=now,
                                                 error=f"{nodes} joined ({view.get('host', '')})")
         incident.action = "regroup"
@@ -218,7 +218,7 @@ class Regrouping:
                 f"rank {info.rank} hung ({hung[2]} timeout)" if hung else f"rank {info.rank} {describe_exit(returncode)}")
         if regroup.member_left(info.rank, returncode, what):
             # A fault: an incident of the regroup's recovery, which re-plans with the members it has left.
-            incident = self.recoveries.new_incident(kind="node-loss" if lost else "hang" if hung else "crash",
+            incident = self.recoveries.new_incident(kind=IncidentKind.NODE_LOSS if lost else IncidentKind.HANG if hung else IncidentKind.CRASH,
                                                     rank=info.rank, step=info.step + 1, fault_t=t, detected_t=t,
                                                     error=f"{what} during the regroup")
             incident.action = "regroup"

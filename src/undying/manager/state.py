@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["JobState", "RankState", "IllegalTransition", "JobStateMachine", "Incident", "RankInfo"]
+__all__ = ["JobState", "RankState", "IllegalTransition", "JobStateMachine", "Incident", "IncidentKind",
+           "IncidentStatus", "IncidentDetail", "RankInfo"]
 
 
 class JobState(str, enum.Enum):
@@ -88,20 +89,118 @@ class RankInfo:
         }
 
 
+class IncidentKind(enum.StrEnum):
+    """What happened. Recovered: the first seven; seen and reported, the job trains on: the rest."""
+
+    CRASH = "crash"  # the rank's process died (a signal, an exit code)
+    ERROR = "error"  # the user's code raised in a step (the rank said so before dying)
+    HANG = "hang"  # no heartbeat or no progress: killed, then replaced
+    COMM_ERROR = "comm-error"  # a collective failed with every process alive: the link
+    NODE_LOSS = "node-loss"  # a node's agent, and every rank on it, gone or out of reach
+    NODE_JOINED = "node-joined"  # an elastic job grows to a node that joined
+    SCRIPT_ERROR = "script-error"  # the script cannot run (SyntaxError, ImportError): the job fails at once
+    PREEMPT = "preempt"  # SIGTERM: the dying gasp
+    CHECKPOINT_FAILED = "checkpoint_failed"  # saves fail (a full disk): retried at the next save
+    SLOW_RANK = "slow_rank"  # found by slow-rank detection
+    SLOW_NODE = "slow_node"
+
+
+class IncidentStatus(enum.StrEnum):
+    OPEN = "open"  # being handled
+    RECOVERED = "recovered"  # the job trains again (or a failing save succeeded)
+    FAILED = "failed"  # the job failed or ended with it
+    DUMPED = "dumped"  # preempted, its dying gasp (or the latest checkpoint) stands
+    IGNORED = "ignored"  # a SIGTERM after the last step
+    OBSERVED = "observed"  # reported only (a slow rank): nothing to recover
+
+    @property
+    def settled(self) -> bool:
+        return self is not IncidentStatus.OPEN
+
+
+# An incident opens, then settles once; a finding is only observed.
+_INCIDENT_MOVES: dict[IncidentStatus, frozenset[IncidentStatus]] = {
+    IncidentStatus.OPEN: frozenset({IncidentStatus.RECOVERED, IncidentStatus.FAILED, IncidentStatus.DUMPED,
+                                    IncidentStatus.IGNORED}),
+    **{s: frozenset() for s in IncidentStatus if s is not IncidentStatus.OPEN},
+}
+
+
+class IncidentDetail(TypedDict, total=False):
+    """What an incident carries besides its common fields (the API shows it as ``detail``)."""
+
+    # The process and its end.
+    returncode: int
+    pid: int
+    node: int | str  # a node's number; a slow finding's host name
+    injected: bool
+    # The decision and how it was carried out.
+    reason: str
+    restore_plan: str
+    replacement: str  # "warm spare" or "new process"
+    stuck_collective: bool
+    restart: int
+    # The state restored.
+    restored: str
+    lost_steps: int
+    checkpoint: str
+    checkpoint_step: int
+    generation: int
+    restored_step: int
+    regroup: dict[str, Any]
+    closed: str
+    # A preemption.
+    grace_period_s: float
+    reused: str
+    killed_ranks: list[int]
+    stop_step: int
+    dying_gasp_error: str
+    dying_gasp_write_s: float | None
+    sigterm_to_exit_s: float
+    resume_reruns: int
+    # Failing saves (checkpoint_health).
+    failed_saves: int
+    first_failed_step: int
+    last_failed_step: int
+    kind: str
+    os_error: str
+    last_error: str
+    recovered_by_step: int
+    # A slow rank or node (the finding of undying.trace.detect).
+    rank: int
+    ranks: list[int]
+    phase: str
+    factor: float | None
+    excess_s: float
+    since_step: int
+    evidence: dict[str, Any]
+
+
 @dataclass
 class Incident:
     id: int
-    kind: str  # crash, error, comm-error
+    kind: IncidentKind
     rank: int
     step: int
     fault_t: float
-    recovery: int  # the recovery round that handles it
+    recovery: int  # the recovery round that handles it (0: none, it is reported only)
     action: str = ""
-    status: str = "open"  # open, recovered, failed, ignored
+    status: IncidentStatus = IncidentStatus.OPEN
     phases: dict[str, float] = field(default_factory=dict)  # absolute times
     error: str = ""
     traceback: str = ""
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: IncidentDetail = field(default_factory=lambda: IncidentDetail())
+
+    def __post_init__(self) -> None:
+        # Checked where it is made: a kind or status outside the enums is a bug, not a new value.
+        self.kind = IncidentKind(self.kind)
+        self.status = IncidentStatus(self.status)
+
+    def settle(self, status: IncidentStatus) -> None:
+        """Close the incident as ``status``; an incident settles once."""
+        if status not in _INCIDENT_MOVES[self.status]:
+            raise IllegalTransition(f"incident {self.id} is {self.status.value}; it cannot become {status.value}")
+        self.status = status
 
     @property
     def mttr_s(self) -> float | None:
@@ -111,8 +210,9 @@ class Incident:
     @classmethod
     def from_dict(cls, view: dict[str, Any]) -> Incident:
         """An incident as ``to_dict`` wrote it (its phases were relative to the fault)."""
-        return cls(id=view["id"], kind=view["kind"], rank=view["rank"], step=view["step"], fault_t=view["fault_t"],
-                   recovery=view["recovery"], action=view["action"], status=view["status"],
+        return cls(id=view["id"], kind=IncidentKind(view["kind"]), rank=view["rank"], step=view["step"],
+                   fault_t=view["fault_t"], recovery=view["recovery"], action=view["action"],
+                   status=IncidentStatus(view["status"]),
                    phases={k: view["fault_t"] + v for k, v in view["phases"].items()}, error=view["error"],
                    traceback=view["traceback"], detail=view["detail"])
 

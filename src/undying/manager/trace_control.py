@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 from undying.manager.core import JobCore
-from undying.manager.state import Incident
+from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.messages import TraceSet, TraceSummary
 from undying.trace.detect import Finding, SlowDetector
 from undying.trace.switch import TraceSwitch
@@ -104,9 +104,9 @@ class TraceControl:
         core = self.core
         now = time.time()
         incident = Incident(
-            id=len(core.incidents) + 1, kind=finding.kind, rank=finding.rank, step=finding.since_step,
-            fault_t=now, recovery=0, action="report", status="observed", error=finding.describe(),
-            detail={**finding.to_dict(), "node": finding.node},
+            id=len(core.incidents) + 1, kind=IncidentKind(finding.kind), rank=finding.rank, step=finding.since_step,
+            fault_t=now, recovery=0, action="report", status=IncidentStatus.OBSERVED, error=finding.describe(),
+            detail=cast(IncidentDetail, {**finding.to_dict(), "node": finding.node}),
         )
         incident.phases["detected"] = now
         core.incidents.append(incident)

@@ -1,0 +1,110 @@
+"""The manager's small parts alone: exit classification, incident states, the membership book, the step clock."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from undying.config import EXIT_SCRIPT_ERROR
+from undying.manager.book import RankBook
+from undying.manager.detection import ExitCause, classify_exit, describe_exit
+from undying.manager.events import EventLog
+from undying.manager.state import (
+    IllegalTransition,
+    Incident,
+    IncidentKind,
+    IncidentStatus,
+    RankState,
+)
+from undying.manager.step_clock import StepClock
+from undying.messages import Fatal
+
+KILLED = -int(signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("cause", "kind", "fault_t", "detected_t", "error"),
+    [
+        (ExitCause(KILLED, 10.0), IncidentKind.CRASH, 10.0, 10.0, "killed by SIGKILL"),
+        (ExitCause(3, 10.0), IncidentKind.CRASH, 10.0, 10.0, "exited with code 3"),
+        (ExitCause(KILLED, 10.0, injected=(9.5, "crash")), IncidentKind.CRASH, 9.5, 10.0, "killed by SIGKILL"),
+        (ExitCause(1, 10.0, fatal=Fatal(0, 7, "ValueError: x", "tb", 9.9)), IncidentKind.ERROR, 10.0, 10.0,
+         "ValueError: x"),
+        (ExitCause(KILLED, 10.0, hung=(4.0, 8.0, "heartbeat")), IncidentKind.HANG, 4.0, 8.0,
+         "no heartbeat for 4.0s (heartbeat timeout); killed"),
+        (ExitCause(KILLED, 10.0, hung=(4.0, 9.0, "step")), IncidentKind.HANG, 4.0, 9.0,
+         "no progress in step 8 for 5.0s (step timeout); killed"),
+        (ExitCause(KILLED, 10.0, lost=(1, "link cut", 7.0)), IncidentKind.NODE_LOSS, 7.0, 10.0,
+         "node 1 lost: link cut"),
+        (ExitCause(EXIT_SCRIPT_ERROR, 10.0), IncidentKind.SCRIPT_ERROR, 10.0, 10.0, "cannot run"),
+        # A hang killed with the script-error code is still the hang (the code is the kill's, by chance).
+        (ExitCause(EXIT_SCRIPT_ERROR, 10.0, hung=(4.0, 8.0, "heartbeat")), IncidentKind.HANG, 4.0, 8.0,
+         "no heartbeat"),
+    ],
+)
+def test_an_exit_is_classified_from_what_was_known_of_the_process(
+    cause: ExitCause, kind: IncidentKind, fault_t: float, detected_t: float, error: str
+) -> None:
+    found = classify_exit(cause, step=8, script_error="cannot run")
+    assert (found.kind, found.fault_t, found.detected_t) == (kind, fault_t, detected_t)
+    assert found.error.startswith(error)
+
+
+def test_an_exit_code_and_an_unknown_signal_are_described() -> None:
+    assert describe_exit(0) == "exited with code 0"
+    assert describe_exit(-int(signal.SIGTERM)) == "killed by SIGTERM"
+    assert describe_exit(-200) == "killed by signal 200"
+
+
+def test_an_incident_settles_once_and_its_kind_and_status_are_checked() -> None:
+    incident = Incident(id=1, kind=IncidentKind.CRASH, rank=0, step=3, fault_t=1.0, recovery=1)
+    assert incident.status is IncidentStatus.OPEN and not incident.status.settled
+    incident.settle(IncidentStatus.RECOVERED)
+    with pytest.raises(IllegalTransition, match="incident 1 is recovered; it cannot become failed"):
+        incident.settle(IncidentStatus.FAILED)
+    observed = Incident(id=2, kind=IncidentKind.SLOW_RANK, rank=1, step=5, fault_t=1.0, recovery=0,
+                        status=IncidentStatus.OBSERVED)
+    with pytest.raises(IllegalTransition):
+        observed.settle(IncidentStatus.RECOVERED)
+    with pytest.raises(ValueError, match="'meteor'"):
+        Incident(id=3, kind="meteor", rank=0, step=1, fault_t=1.0, recovery=1)  # type: ignore[arg-type]
+    # Written as JSON and read back (a restarted manager), it is the same incident.
+    again = Incident.from_dict(incident.to_dict())
+    assert (again.kind, again.status, again.phases) == (IncidentKind.CRASH, IncidentStatus.RECOVERED, {})
+
+
+def _rows(log: EventLog) -> dict[int, dict[str, Any]]:
+    return {row["rank"]: row for row in log.load().ranks}
+
+
+def test_the_book_numbers_ranks_node_by_node_sees_reruns_and_writes_only_moved_rows(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.db")
+    book = RankBook(log, nproc_per_node=2, nodes=[0, 1])
+    assert {r: i.node for r, i in book.ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert not book.commit(1, 1, 0, 5.0)
+    assert book.ranks[1].state is RankState.RUNNING
+    log.flush()
+    assert _rows(log)[1]["state"] == "running"  # its state changed: the row is written at the flush
+    book.ranks[1].pid = 99
+    assert not book.commit(1, 2, 0, 6.0)
+    log.flush()
+    assert _rows(log)[1]["pid"] != 99  # only its step changed: the steps table holds that, no row rewrite
+    assert book.commit(1, 2, 1, 7.0) and book.rerun_steps == {2}  # step 2 again (after a recovery)
+    book.set_layout([1], step=2)
+    assert {r: (i.node, i.step) for r, i in book.ranks.items()} == {0: (1, 2), 1: (1, 2)}
+    log.flush()
+    assert set(_rows(log)) == {0, 1}  # the rows of ranks gone with the layout are forgotten
+    assert book.take(0) == 1 and book.take(1) == 2 and book.ranks[1].incarnation == 2
+    log.close()
+
+
+def test_the_step_clock_times_steps_once_every_rank_committed_them() -> None:
+    clock = StepClock(world_size=2)
+    for rank, step, t in [(0, 1, 1.0), (1, 1, 1.2), (0, 2, 2.0), (1, 2, 2.5), (1, 3, 3.0)]:
+        clock.committed(rank, step, t)
+    assert list(clock.step_times) == [(2, 1.3)]  # step 3 waits for rank 0
+    assert clock.longest_rank_step_s() == pytest.approx(1.3)
+    assert clock.median_rank_step_s() == pytest.approx(1.0)
