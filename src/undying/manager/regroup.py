@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from undying.checkpoint import Checkpoint
 from undying.config import EXIT_REGROUPED
+
+if TYPE_CHECKING:
+    from undying.checkpoint import Checkpoint
 
 __all__ = ["Regroup", "LOG_KEY", "SAVED_KINDS", "max_attempts"]
 

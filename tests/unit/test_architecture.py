@@ -1,0 +1,187 @@
+"""The architecture, checked by numbers: the folders are the layers and the rules below hold.
+
+Layers, lowest first (a module imports from its own layer or a lower one):
+
+0. the contract floor: ``protocol`` (the codec, the messages, generations, the
+   stores' wire), with ``errors`` and ``inputs``;
+1. libraries every role may use: ``checkpoint``, ``trace``, ``config``, ``jobdir``;
+2. the roles: ``worker``, ``agent``, ``manager``; none imports another (they
+   meet only over the protocol);
+3. what assembles them: ``agent.launcher`` (the one place a manager and an
+   agent meet in one process), ``cli``, ``demo``, ``k8s``, ``oracle``.
+
+Besides: no import circle, no module over 600 lines, no import of another
+module's private name, each package's ``__all__`` at most 15 names, and the
+manager's decision modules (pure functions of the job's facts) import neither
+asyncio, sqlite3 nor torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ROLES = ("undying.worker", "undying.agent", "undying.manager")
+LAYERS: list[tuple[int, tuple[str, ...]]] = [
+    (3, ("undying.agent.launcher", "undying.cli", "undying.demo", "undying.k8s", "undying.oracle",
+         "undying.__main__")),
+    (2, ROLES),
+    (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobdir")),
+    (0, ("undying.protocol", "undying.errors", "undying.inputs", "undying.messages", "undying.rendezvous")),
+]
+DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
+                    "undying.manager.step_clock", "undying.manager.state", "undying.checkpoint.planner")
+MAX_LINES = 600
+MAX_EXPORTS = 15
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / "undying").rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    for layer, prefixes in LAYERS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return layer
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS in this test (and to the docs)")
+
+
+def _role(module: str) -> str:
+    return next((r for r in ROLES if module == r or module.startswith(r + ".")), "")
+
+
+def _nodes(tree: ast.AST, *, runtime_only: bool) -> Iterator[ast.AST]:
+    """Every node; with ``runtime_only``, not those under ``if TYPE_CHECKING:`` (never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if runtime_only and isinstance(child, ast.If) and isinstance(child.test, ast.Name) \
+                    and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
+def _imports(module: str, *, runtime_only: bool = False) -> Iterator[tuple[str, list[str], int]]:
+    """(imported module, names imported from it, line) for every import in ``module``, typing-only ones too
+    unless ``runtime_only``."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in _nodes(ast.parse(path.read_text()), runtime_only=runtime_only):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            for sub in submodules:
+                yield sub, [], node.lineno
+            yield target, [n for n in names if f"{target}.{n}" not in MODULES], node.lineno
+
+
+def _ours(target: str) -> bool:
+    return target == "undying" or target.startswith("undying.")
+
+
+def test_every_import_goes_to_the_same_layer_or_a_lower_one_and_roles_meet_only_over_the_protocol() -> None:
+    wrong = []
+    for module in MODULES:
+        if module == "undying":
+            continue  # the package's lazy front door names what users import
+        for target, _, line in _imports(module):
+            if not _ours(target) or target == "undying" or target not in MODULES:
+                continue
+            if _layer(target) > _layer(module):
+                wrong.append(f"{module}:{line} imports {target} (layer {_layer(target)} > {_layer(module)})")
+            elif _layer(module) == 2 and _role(target) and _role(target) != _role(module):
+                wrong.append(f"{module}:{line} imports {target}: roles meet only over undying.protocol")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_there_is_no_import_circle() -> None:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue  # a package's front door imports its own modules lazily
+        graph[module] = {t for t, _, _ in _imports(module) if t in MODULES and t != module
+                         and MODULES[t].name != "__init__.py"}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "\n".join(circles)
+
+
+def test_no_module_is_over_600_lines() -> None:
+    big = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, big
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    private = [f"{module}:{line} imports {target}.{name}"
+               for module in MODULES for target, names, line in _imports(module) if _ours(target)
+               for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not private, "\n".join(private)
+
+
+def _exports(path: Path) -> list[str]:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+@pytest.mark.parametrize("package", sorted(m for m, p in MODULES.items() if p.name == "__init__.py"))
+def test_a_package_exports_at_most_15_names(package: str) -> None:
+    exports = _exports(MODULES[package])
+    assert len(exports) <= MAX_EXPORTS, f"{package} exports {len(exports)} names: {exports}"
+
+
+@pytest.mark.parametrize("module", DECISION_MODULES)
+def test_a_decision_module_imports_neither_asyncio_sqlite3_nor_torch(module: str) -> None:
+    def heavy(target: str) -> bool:
+        return target.split(".")[0] in ("asyncio", "sqlite3", "torch")
+
+    def reaches(start: str) -> list[str]:
+        """The heavy imports ``start`` makes, itself or through our modules it imports."""
+        seen, todo, found = {start}, [start], []
+        while todo:
+            current = todo.pop()
+            for target, _, line in _imports(current, runtime_only=True):
+                if heavy(target):
+                    found.append(f"{current}:{line} imports {target}")
+                elif target in MODULES and target not in seen and _ours(target):
+                    seen.add(target)
+                    todo.append(target)
+        return found
+
+    assert not reaches(module), reaches(module)
