@@ -33,7 +33,8 @@ from typing import Any
 
 import pytest
 
-from undying.checkpoint import MANIFEST_NAME, latest_valid, verify
+from undying.checkpoint import latest_valid, verify
+from undying.checkpoint.manifest import MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
