@@ -3,6 +3,9 @@
 Reads two jobs' event logs and checks that every step's logged loss is the
 same, bit for bit, and that no rank completed a step twice. Used by
 ``undying demo``, the benchmarks and the test suite.
+
+It judges whole jobs from the outside, so it sits on top with the demo and
+reads the logs only through the event log's own reader (``LogReader``).
 """
 
 from __future__ import annotations
