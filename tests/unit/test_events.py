@@ -10,7 +10,7 @@ import pytest
 
 from undying.errors import UsageError
 from undying.manager.events import SCHEMA_VERSION, Commit, EventLog, LogReader, fold_wal, read_job
-from undying.manager.state import Incident
+from undying.manager.state import Incident, RankInfo, RankState
 
 
 @pytest.fixture
@@ -135,8 +135,9 @@ def test_a_job_dir_with_uri_characters_is_readable(tmp_path: Path, folder: str) 
 def _a_small_job(log: EventLog) -> None:
     log.set_job("job_id", "job-1")
     log.set_job("started_at", 100.0)
-    for rank in (0, 1, 2, 3):
-        log.rank(rank, {"rank": rank, "step": 0, "state": "running"})
+    for rank in (0, 1, 2, 3):  # as the manager writes them
+        log.rank(rank, RankInfo(rank=rank, node=rank // 2, pid=1000 + rank, state=RankState.RUNNING, step=0,
+                                generation=1, restarts=rank % 2, last_seen=50.0 + rank, incarnation=7).to_dict())
     log.step(1, 1, 0, 11.0, {"loss": 0.5})
     log.step(0, 1, 0, 10.0, {"loss": 0.5})
     log.steps([(0, 2, 0, 12.0, {"loss": 0.25}), (1, 2, 0, 12.5, {"loss": 0.25}), (1, 2, 1, 14.0, {"loss": 0.25})])
@@ -182,9 +183,10 @@ def test_a_restarted_manager_reads_back_what_it_needs(log: EventLog) -> None:
     assert saved.facts["job_id"] == "job-1" and saved.facts["schema_version"] == SCHEMA_VERSION
     assert saved.committed == {0: {1, 2}, 1: {1, 2}}
     assert again.committed[3] == {1}
-    assert [r["rank"] for r in saved.ranks] == [0, 1, 2, 3]
-    (incident,) = saved.incidents
-    assert incident["id"] == 1 and incident["status"] == "open" and incident["phases"]["first_step_done"] == 2.0
+    # What was written comes back as the manager's own types, equal field for field.
+    assert saved.ranks == [RankInfo(rank=r, node=r // 2, pid=1000 + r, state=RankState.RUNNING, step=0, generation=1,
+                                    restarts=r % 2, last_seen=50.0 + r, incarnation=7) for r in (0, 1, 2, 3)]
+    assert saved.incidents == [_incident()]  # its phases absolute again
 
 
 def test_forgotten_ranks_stay_forgotten_also_in_a_fresh_log(log: EventLog) -> None:
@@ -192,7 +194,7 @@ def test_forgotten_ranks_stay_forgotten_also_in_a_fresh_log(log: EventLog) -> No
     log.forget_ranks(2)
     log.flush()
     assert [r["rank"] for r in read_job(log.path)["ranks"]] == [0, 1]
-    assert [r["rank"] for r in log.saved_job().ranks] == [0, 1]
+    assert [r.rank for r in log.saved_job().ranks] == [0, 1]
     # The file is lost under the running job: the fresh log carries the job's ranks over, not the forgotten ones.
     log.path.unlink()
     log._next_check = 0.0

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from undying.errors import UsageError
 from undying.manager.held_writes import HeldWrites
-from undying.manager.state import Incident
+from undying.manager.state import Incident, RankInfo, RankState
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -99,15 +99,31 @@ class SavedJob:
     """What a restarted manager reads back to carry on the job (``EventLog.saved_job``).
 
     ``facts`` is the job table (state, generation, layout, sessions, ...);
-    ``ranks`` each rank's last row (``RankInfo.to_dict``); ``committed`` the
-    steps each rank committed; ``incidents`` every incident's last row
-    (``Incident.to_dict``), oldest first.
+    ``ranks`` each rank as last written, by rank (a row is not rewritten per
+    step: ``committed`` says how far each rank got); ``incidents`` every
+    incident as last written, oldest first, its phases absolute times again.
     """
 
     facts: dict[str, Any]
-    ranks: list[dict[str, Any]]
+    ranks: list[RankInfo]
     committed: dict[int, set[int]]
-    incidents: list[dict[str, Any]]
+    incidents: list[Incident]
+
+
+def _rank_from_row(view: dict[str, Any]) -> RankInfo:
+    """The inverse of ``RankInfo.to_dict`` (what ``EventLog.rank`` is given to write)."""
+    return RankInfo(rank=int(view["rank"]), node=int(view["node"]), pid=int(view["pid"]),
+                    state=RankState(view["state"]), step=int(view["step"]), generation=int(view["generation"]),
+                    restarts=int(view["restarts"]), last_seen=float(view["last_seen"]),
+                    incarnation=int(view.get("incarnation", 0)))
+
+
+def _incident_from_row(view: dict[str, Any]) -> Incident:
+    """The inverse of ``Incident.to_dict`` (what ``EventLog.incident`` writes): phases back to absolute times."""
+    return Incident(id=view["id"], kind=view["kind"], rank=view["rank"], step=view["step"],
+                    fault_t=view["fault_t"], recovery=view["recovery"], action=view["action"],
+                    status=view["status"], phases={k: view["fault_t"] + v for k, v in view["phases"].items()},
+                    error=view["error"], traceback=view["traceback"], detail=view["detail"])
 
 
 class EventLog:
@@ -197,9 +213,10 @@ class EventLog:
             committed[int(rank)].add(int(step))
         return SavedJob(
             facts=_job_facts(self._db),
-            ranks=[json.loads(d) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
+            ranks=[_rank_from_row(json.loads(d)) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
             committed=dict(committed),
-            incidents=[json.loads(d) for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
+            incidents=[_incident_from_row(json.loads(d))
+                       for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
         )
 
     def forget_ranks(self, first: int) -> None:
