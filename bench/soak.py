@@ -36,7 +36,7 @@ byte and frees it again at two thirds: the saves in between must fail as
 must succeed again.
 
 Then the same job runs fault-free and the two are compared step by step
-(``undying.oracle``): every per-step loss identical, no step completed twice,
+(``undying.demo.oracle``): every per-step loss identical, no step completed twice,
 the final states equal. Reported: faults injected and recovered, per incident
 kind the median and p95 recovery time (fault to the first step every rank
 completed after the recovery), and the scenarios that ended otherwise.
@@ -81,9 +81,9 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
 
 from undying.cli.client import api_get, api_post  # noqa: E402
 from undying.demo import TRAIN_SCRIPT  # noqa: E402
+from undying.demo.oracle import compare_runs, load_run  # noqa: E402
 from undying.errors import JobNotRunningError, UsageError  # noqa: E402
 from undying.jobdir import JobDir  # noqa: E402
-from undying.oracle import compare_runs, load_run  # noqa: E402
 
 RANKS = 4
 LIMIT_S = 2.0

@@ -21,8 +21,8 @@ from typing import Any
 from filelock import FileLock
 
 from undying.cli.demo import FaultPlan, run_job
+from undying.demo.oracle import Comparison, RunRecord, compare_runs, load_run
 from undying.manager.events import connect_readonly, read_job
-from undying.oracle import Comparison, RunRecord, compare_runs, load_run
 
 __all__ = ["Oracle", "Outcome", "crash", "hang", "comm_error", "slow"]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sqlite3
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
+from undying.manager.events import fold_wal
 
 __all__ = ["JobDir", "default_job_dir", "pid_alive"]
 
@@ -75,12 +75,7 @@ class JobDir:
         while target.exists():
             target = self.path / f"events.{stamp}-{n}.db"
             n += 1
-        with contextlib.suppress(sqlite3.Error):
-            db = sqlite3.connect(self.events_db)
-            try:
-                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                db.close()
+        fold_wal(self.events_db)
         for suffix in ("", "-wal", "-shm"):
             part = Path(str(self.events_db) + suffix)
             if part.exists():

@@ -31,8 +31,8 @@ from undying.checkpoint import (
 )
 from undying.checkpoint.mac import key_from_token, using_key
 from undying.checkpoint.safe_load import load_state_bytes
+from undying.demo.oracle import load_run
 from undying.errors import RecoveryError
-from undying.oracle import load_run
 
 RANKS = 2
 

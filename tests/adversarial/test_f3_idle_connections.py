@@ -24,9 +24,9 @@ from pathlib import Path
 from tests.integration.jobs import manager_url, start_job, wait_for, wait_running
 from tests.oracle import Oracle
 from undying.cli.client import api_get, api_post
+from undying.demo.oracle import compare_runs, load_run
 from undying.jobdir import JobDir
 from undying.manager.nodes import AgentServer
-from undying.oracle import compare_runs, load_run
 
 # 2 ranks, 2 epochs of 32 steps at 0.25 s: ~16 s of training, long enough to watch the sockets close
 # while the job still runs (the crash comes ~2 s in, the sockets are closed and the fds back ~3 s

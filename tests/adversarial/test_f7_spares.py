@@ -37,7 +37,7 @@ from tests.integration.jobs import (
 from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.demo.cluster import Cluster
-from undying.oracle import compare_runs, load_run
+from undying.demo.oracle import compare_runs, load_run
 
 # The losses do not depend on --step-seconds: the baseline is tests/integration/test_preempt.py's (cached).
 BASELINE_ARGS = ["--epochs", "2", "--step-seconds", "0.05"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.integration.jobs import manager_url, start_job, wait_running
 from tests.oracle import Oracle
-from undying.oracle import compare_runs, load_run
+from undying.demo.oracle import compare_runs, load_run
 
 ARGS = ["--epochs", "24", "--samples", "1024"]
 # The run with faults is paced so it outlasts the chaos (three faults 2.25-6.75 s

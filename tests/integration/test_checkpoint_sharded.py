@@ -33,7 +33,8 @@ from typing import Any
 
 import pytest
 
-from undying.checkpoint import MANIFEST_NAME, latest_valid, verify
+from undying.checkpoint import latest_valid, verify
+from undying.checkpoint.manifest import MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
@@ -308,7 +309,7 @@ def test_a_job_preempted_on_4_ranks_resumes_on_2_with_the_state_it_saved(
 @pytest.fixture(scope="module")
 def fsdp_baseline(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The FSDP job on 4 ranks without a fault, without replication: what every faulted run must equal."""
-    from undying.oracle import load_run
+    from undying.demo.oracle import load_run
 
     job_dir = tmp_path_factory.mktemp("fsdp-baseline") / "job"
     with pytest.MonkeyPatch.context() as mp:
@@ -329,7 +330,7 @@ def test_ring_replica_restores_a_killed_rank_with_identical_losses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_baseline: Any, rank: int, step: int, phase: str,
     kinds: dict[int, str],
 ) -> None:
-    from undying.oracle import compare_runs, load_run
+    from undying.demo.oracle import compare_runs, load_run
 
     monkeypatch.setenv("UNDYING_REPLICATE", "ring")
     job_dir = tmp_path / "job"
@@ -358,7 +359,7 @@ def test_a_shard_with_no_current_copy_rolls_every_rank_back_and_counts_the_lost_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsdp_baseline: Any, env: dict[str, str],
     run_args: list[str], fault_step: int, restored_at: int,
 ) -> None:
-    from undying.oracle import compare_runs, load_run
+    from undying.demo.oracle import compare_runs, load_run
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)

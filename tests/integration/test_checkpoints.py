@@ -24,7 +24,7 @@ from tests.oracle import Oracle
 from undying.checkpoint import Manifest, scan
 from undying.cli.demo import load_preempted, run_job, run_preempted
 from undying.config import EXIT_PREEMPTED
-from undying.oracle import compare_runs, load_run
+from undying.demo.oracle import compare_runs, load_run
 
 # 2 ranks, 32 steps an epoch; steps of at least 50 ms so a SIGTERM lands mid-run.
 ARGS = ["--epochs", "2", "--step-seconds", "0.05"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.oracle import crash
 from undying.cli.demo import run_job
-from undying.oracle import load_run
+from undying.demo.oracle import load_run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.integration.jobs import alive, manager_url, start_job, status, wait_for, wait_running
 from undying.cli.client import api_get, api_post
 from undying.cli.demo import run_job
-from undying.oracle import load_run
+from undying.demo.oracle import load_run
 
 
 def _worker_pids(url: str) -> list[int]:

@@ -27,7 +27,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROLES = ("undying.worker", "undying.agent", "undying.manager")
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (3, ("undying.agent.launcher", "undying.cli", "undying.demo", "undying.k8s", "undying.oracle",
+    (3, ("undying.agent.launcher", "undying.cli", "undying.demo", "undying.k8s",
          "undying.__main__")),
     (2, ROLES),
     (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobdir")),

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import undying.checkpoint.replicated as replicated_mod
 import undying.checkpoint.writer as writer_mod
 from undying.checkpoint import (
     AsyncCheckpointer,
@@ -18,11 +19,9 @@ from undying.checkpoint import (
     SaveResult,
     latest_valid,
     load_replicated,
-    measure,
-    recent_dying_gasp,
     save_replicated,
-    state_nbytes,
 )
+from undying.checkpoint.gasp import measure, recent_dying_gasp, state_nbytes
 from undying.checkpoint.writer import cpu_copy
 
 
@@ -183,7 +182,7 @@ def test_state_file_skips_torchs_second_checksum_and_still_loads(tmp_path: Path,
     loaded = torch.load(Path(result.path) / "state.pt", weights_only=True)
     assert torch.equal(loaded["w"], sd["w"]) and loaded["nested"][1] == {"k": 2}
     # A torch without the internals it uses: plain torch.save, same contents.
-    monkeypatch.setattr(writer_mod, "_torch_internals", lambda: None)
+    monkeypatch.setattr(replicated_mod, "_torch_internals", lambda: None)
     fallback = save_replicated(tmp_path / "b", 1, sd)
     state, _ = load_replicated(fallback.path)
     assert torch.equal(state["w"], sd["w"])

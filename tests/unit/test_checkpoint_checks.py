@@ -14,24 +14,25 @@ import pytest
 import torch
 
 from undying.checkpoint import (
-    MANIFEST_NAME,
     CheckpointError,
-    CheckpointLocationError,
-    CheckpointOfAnotherJobError,
-    IncompatibleCheckpointError,
     Manifest,
-    ManifestError,
     Store,
-    check_compatible,
-    check_same_job,
-    check_writable,
     latest_valid,
     load_replicated,
     save_replicated,
     scan,
+)
+from undying.checkpoint.checks import (
+    CheckpointLocationError,
+    CheckpointOfAnotherJobError,
+    IncompatibleCheckpointError,
+    check_compatible,
+    check_same_job,
+    check_writable,
     tensor_shapes,
     tensor_specs,
 )
+from undying.checkpoint.manifest import MANIFEST_NAME, ManifestError
 from undying.errors import UsageError
 
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from undying.checkpoint import (
-    MANIFEST_NAME,
     Store,
     latest_valid,
     load_replicated,
     load_sharded,
-    prune,
     save_replicated,
     save_sharded,
     verify,
 )
+from undying.checkpoint.discovery import prune
+from undying.checkpoint.manifest import MANIFEST_NAME
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from undying.checkpoint import (
+from undying.checkpoint.manifest import (
     SCHEMA_VERSION,
     FileEntry,
     Manifest,

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from undying.checkpoint import (
-    MANIFEST_NAME,
     AsyncCheckpointer,
     CheckpointError,
     CheckpointWriteError,
@@ -29,11 +28,12 @@ from undying.checkpoint import (
     Store,
     latest_valid,
     load_replicated,
-    prune,
     save_replicated,
     verify,
 )
-from undying.checkpoint.writer import os_error_of
+from undying.checkpoint.discovery import prune
+from undying.checkpoint.manifest import MANIFEST_NAME
+from undying.checkpoint.room import os_error_of
 
 
 class Breakable:

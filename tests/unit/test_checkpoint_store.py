@@ -12,18 +12,17 @@ import pytest
 import torch
 
 from undying.checkpoint import (
-    MANIFEST_NAME,
     CheckpointError,
-    CheckpointExistsError,
     Store,
     latest_valid,
     load_replicated,
-    prune,
     save_replicated,
     scan,
     verify,
 )
-from undying.checkpoint.store import TMP_PREFIX
+from undying.checkpoint.discovery import prune
+from undying.checkpoint.manifest import MANIFEST_NAME
+from undying.checkpoint.store import TMP_PREFIX, CheckpointExistsError
 
 
 def state(step: int) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from undying.errors import UsageError
-from undying.manager.events import SCHEMA_VERSION, EventLog, read_job
-from undying.manager.state import Incident
+from undying.manager.events import SCHEMA_VERSION, Commit, EventLog, LogReader, fold_wal, read_job
+from undying.manager.state import Incident, RankInfo, RankState
 
 
 @pytest.fixture
@@ -128,3 +128,102 @@ def test_a_job_dir_with_uri_characters_is_readable(tmp_path: Path, folder: str) 
         assert read_job(path)["job"]["job_id"] == "j"
     finally:
         log.close()
+
+
+# --- the typed read API: every reader outside this module goes through it ----------------------
+
+def _a_small_job(log: EventLog) -> None:
+    log.set_job("job_id", "job-1")
+    log.set_job("started_at", 100.0)
+    for rank in (0, 1, 2, 3):  # as the manager writes them
+        log.rank(rank, RankInfo(rank=rank, node=rank // 2, pid=1000 + rank, state=RankState.RUNNING, step=0,
+                                generation=1, restarts=rank % 2, last_seen=50.0 + rank, incarnation=7).to_dict())
+    log.step(1, 1, 0, 11.0, {"loss": 0.5})
+    log.step(0, 1, 0, 10.0, {"loss": 0.5})
+    log.steps([(0, 2, 0, 12.0, {"loss": 0.25}), (1, 2, 0, 12.5, {"loss": 0.25}), (1, 2, 1, 14.0, {"loss": 0.25})])
+    log.event("done", rank=0, step=2, digest="aa")
+    log.event("checkpoint_saved", rank=0, step=2, bytes=10, write_s=0.5)
+    log.event("done", rank=1, step=2, digest="bb")
+    log.incident(_incident())
+    log.flush()
+
+
+def test_log_reader_answers_with_typed_rows(log: EventLog) -> None:
+    _a_small_job(log)
+    with LogReader(log.path) as reader:
+        assert reader.job()["started_at"] == 100.0 and reader.job()["job_id"] == "job-1"
+        assert [c.step for c in reader.commits()] == [1, 1, 2, 2, 2]  # in time order
+        assert reader.commits()[0] == Commit(rank=0, step=1, generation=0, t=10.0, metrics={"loss": 0.5})
+        assert reader.first_commit_times() == {0: 10.0, 1: 11.0}
+        done = reader.events("done")
+        assert [(e.rank, e.data["digest"]) for e in done] == [(0, "aa"), (1, "bb")]
+        assert done[0].kind == "done" and done[0].id < done[1].id and done[0].data["step"] == 2
+        assert reader.events("nothing_like_this") == []
+        assert reader.count_events() == 3
+        assert [r["rank"] for r in reader.ranks()] == [0, 1, 2, 3]
+        assert [i["id"] for i in reader.incidents()] == [1]
+        commits = reader.commits()
+    assert read_job(log.path)["steps"] == [c.to_dict() for c in commits]  # the dict view is the same rows
+
+
+def test_log_reader_refuses_what_is_no_log(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="not an undying event log"):
+        LogReader(tmp_path / "missing.db")
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database at all" * 100)
+    with LogReader(junk) as reader, pytest.raises(LogReader.Error):
+        reader.job()
+
+
+def test_a_restarted_manager_reads_back_what_it_needs(log: EventLog) -> None:
+    _a_small_job(log)
+    saved = log.saved_job()  # on the writer's own connection: also what is not flushed yet
+    log.step(3, 1, 1, 20.0, {"loss": 0.5})
+    again = log.saved_job()
+    assert saved.facts["job_id"] == "job-1" and saved.facts["schema_version"] == SCHEMA_VERSION
+    assert saved.committed == {0: {1, 2}, 1: {1, 2}}
+    assert again.committed[3] == {1}
+    # What was written comes back as the manager's own types, equal field for field.
+    assert saved.ranks == [RankInfo(rank=r, node=r // 2, pid=1000 + r, state=RankState.RUNNING, step=0, generation=1,
+                                    restarts=r % 2, last_seen=50.0 + r, incarnation=7) for r in (0, 1, 2, 3)]
+    assert saved.incidents == [_incident()]  # its phases absolute again
+
+
+def test_forgotten_ranks_stay_forgotten_also_in_a_fresh_log(log: EventLog) -> None:
+    _a_small_job(log)
+    log.forget_ranks(2)
+    log.flush()
+    assert [r["rank"] for r in read_job(log.path)["ranks"]] == [0, 1]
+    assert [r.rank for r in log.saved_job().ranks] == [0, 1]
+    # The file is lost under the running job: the fresh log carries the job's ranks over, not the forgotten ones.
+    log.path.unlink()
+    log._next_check = 0.0
+    log.flush()
+    assert [r["rank"] for r in read_job(log.path)["ranks"]] == [0, 1]
+
+
+def test_fold_wal_puts_a_killed_writers_wal_into_the_log(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.db")
+    _a_small_job(log)
+    killed = tmp_path / "killed"  # the files as a launcher killed mid-run leaves them: the log and its WAL
+    killed.mkdir()
+    for suffix in ("", "-wal"):
+        (killed / f"events.db{suffix}").write_bytes(Path(f"{log.path}{suffix}").read_bytes())
+    log.close()
+
+    def digests_in_the_main_file_alone() -> list[str]:
+        alone = tmp_path / "alone.db"
+        alone.write_bytes((killed / "events.db").read_bytes())
+        try:
+            with LogReader(alone) as reader:
+                return [e.data["digest"] for e in reader.events("done")]
+        except LogReader.Error:  # not even the tables: they are in the WAL too
+            return []
+        finally:
+            alone.unlink()
+
+    assert digests_in_the_main_file_alone() == []
+    fold_wal(killed / "events.db")
+    assert digests_in_the_main_file_alone() == ["aa", "bb"]
+    fold_wal(tmp_path / "nothing-here.db")  # no log: nothing to fold, no error, no file made
+    assert not (tmp_path / "nothing-here.db").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,6 +16,7 @@ from undying.manager.state import (
     Incident,
     IncidentKind,
     IncidentStatus,
+    RankInfo,
     RankState,
 )
 from undying.manager.step_clock import StepClock
@@ -71,13 +71,23 @@ def test_an_incident_settles_once_and_its_kind_and_status_are_checked() -> None:
         observed.settle(IncidentStatus.RECOVERED)
     with pytest.raises(ValueError, match="'meteor'"):
         Incident(id=3, kind="meteor", rank=0, step=1, fault_t=1.0, recovery=1)  # type: ignore[arg-type]
-    # Written as JSON and read back (a restarted manager), it is the same incident.
-    again = Incident.from_dict(incident.to_dict())
-    assert (again.kind, again.status, again.phases) == (IncidentKind.CRASH, IncidentStatus.RECOVERED, {})
 
 
-def _rows(log: EventLog) -> dict[int, dict[str, Any]]:
-    return {row["rank"]: row for row in log.load().ranks}
+
+def test_an_incident_written_to_the_log_is_read_back_with_its_enums(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.db")
+    incident = Incident(id=1, kind=IncidentKind.HANG, rank=2, step=3, fault_t=100.0, recovery=1)
+    incident.phases["detected"] = 101.5
+    incident.settle(IncidentStatus.RECOVERED)
+    log.incident(incident)
+    (again,) = log.saved_job().incidents
+    assert (again.kind, again.status, again.phases) == (IncidentKind.HANG, IncidentStatus.RECOVERED,
+                                                        {"detected": 101.5})
+    log.close()
+
+
+def _rows(log: EventLog) -> dict[int, RankInfo]:
+    return {row.rank: row for row in log.saved_job().ranks}
 
 
 def test_the_book_numbers_ranks_node_by_node_sees_reruns_and_writes_only_moved_rows(tmp_path: Path) -> None:
@@ -87,11 +97,11 @@ def test_the_book_numbers_ranks_node_by_node_sees_reruns_and_writes_only_moved_r
     assert not book.commit(1, 1, 0, 5.0)
     assert book.ranks[1].state is RankState.RUNNING
     log.flush()
-    assert _rows(log)[1]["state"] == "running"  # its state changed: the row is written at the flush
+    assert _rows(log)[1].state is RankState.RUNNING  # its state changed: the row is written at the flush
     book.ranks[1].pid = 99
     assert not book.commit(1, 2, 0, 6.0)
     log.flush()
-    assert _rows(log)[1]["pid"] != 99  # only its step changed: the steps table holds that, no row rewrite
+    assert _rows(log)[1].pid != 99  # only its step changed: the steps table holds that, no row rewrite
     assert book.commit(1, 2, 1, 7.0) and book.rerun_steps == {2}  # step 2 again (after a recovery)
     book.set_layout([1], step=2)
     assert {r: (i.node, i.step) for r, i in book.ranks.items()} == {0: (1, 2), 1: (1, 2)}

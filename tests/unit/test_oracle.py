@@ -8,8 +8,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from undying.demo.oracle import RunRecord, compare_runs, load_run
 from undying.manager.events import EventLog
-from undying.oracle import RunRecord, compare_runs, load_run
 
 LOSSES = {s: 1.0 / (s + 2) + 0.1 for s in range(1, 11)}
 

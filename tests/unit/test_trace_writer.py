@@ -15,7 +15,7 @@ import pytest
 
 import undying.trace.writer as writer_mod
 from undying.errors import UsageError
-from undying.trace import (
+from undying.trace.writer import (
     TraceWriter,
     default_job_label,
     default_trace_dir,

@@ -18,8 +18,9 @@ import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from undying.checkpoint.discovery import Checkpoint
 from undying.checkpoint.manifest import Manifest
-from undying.checkpoint.store import TMP_PREFIX, Checkpoint, CheckpointError, Store
+from undying.checkpoint.store import TMP_PREFIX, CheckpointError, Store
 from undying.errors import UsageError
 
 if TYPE_CHECKING:

@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from undying.checkpoint.discovery import Checkpoint, inspect
 from undying.checkpoint.manifest import parse_step_dirname
-from undying.checkpoint.store import TMP_PREFIX, Checkpoint, Store, _check
+from undying.checkpoint.store import TMP_PREFIX, Store
 
 if TYPE_CHECKING:
     from undying.checkpoint.writer import SaveResult  # its writer imports torch
@@ -131,13 +132,13 @@ def recent_dying_gasp(
     for name in names:
         if step is not None and parse_step_dirname(name) != step:
             continue
-        quick = _check(store, name, checksums=False)
+        quick = inspect(store, name, checksums=False)
         m = quick.manifest
         if m is None or quick.problems or m.kind != "dying-gasp" or now - m.created_at > within_s:
             continue
         if job_id is not None and m.job_id != job_id:
             continue
-        full = _check(store, name, checksums=True)
+        full = inspect(store, name, checksums=True)
         if full.valid:
             return full
     return None

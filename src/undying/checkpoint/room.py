@@ -22,9 +22,10 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from undying.checkpoint.store import Store, prune
+from undying.checkpoint.discovery import prune
+from undying.checkpoint.store import Store
 
-__all__ = ["NO_ROOM_ERRNOS", "is_out_of_space", "describe_os_error", "make_room", "with_room"]
+__all__ = ["NO_ROOM_ERRNOS", "os_error_of", "is_out_of_space", "describe_os_error", "make_room", "with_room"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -49,6 +50,12 @@ def _os_errors(exc: BaseException) -> list[OSError]:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return found
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (itself, or in its cause/context chain), if any: a storage failure."""
+    found = _os_errors(exc)
+    return found[0] if found else None
 
 
 def is_out_of_space(exc: BaseException) -> bool:

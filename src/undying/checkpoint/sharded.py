@@ -26,6 +26,8 @@ from typing import Any
 import torch.distributed as dist
 
 from undying.checkpoint.checks import tensor_specs
+from undying.checkpoint.commit import PendingCheckpoint, SaveResult, default_checksum
+from undying.checkpoint.discovery import Checkpoint, Latest, latest_valid, prune, verify
 from undying.checkpoint.manifest import (
     MANIFEST_NAME,
     Checksum,
@@ -33,18 +35,7 @@ from undying.checkpoint.manifest import (
     Manifest,
     checksum_stream,
 )
-from undying.checkpoint.store import (
-    Checkpoint,
-    CheckpointError,
-    Latest,
-    PendingCheckpoint,
-    Store,
-    default_checksum,
-    latest_valid,
-    prune,
-    verify,
-)
-from undying.checkpoint.writer import SaveResult
+from undying.checkpoint.store import CheckpointError, Store
 
 __all__ = ["save_sharded", "load_sharded", "latest_valid_shared", "read_manifest"]
 

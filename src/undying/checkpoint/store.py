@@ -1,26 +1,17 @@
-"""Where checkpoints live: a local folder or any fsspec URL, the atomic commit, discovery, retention.
+"""Where checkpoints live: a local folder or any fsspec URL, behind one small file API.
 
 Layout under a root::
 
     <root>/step-000000120/            a checkpoint: its files and manifest.json
     <root>/.tmp-step-000000130-...    a write in progress (local folders only)
 
-The commit protocol differs by what the storage can do:
-
-- **local folder** (a path or ``file://``): files are written into a
-  ``.tmp-step-*`` folder beside the final one and fsynced, the folder is
-  renamed into place (atomic on POSIX), then ``manifest.json`` is written aside,
-  fsynced and renamed in, last. A crash at any point leaves either nothing under
-  a ``step-*`` name, or a ``step-*`` folder without a manifest, which discovery
-  skips as partial.
-- **fsspec URL** (``memory://``, ``s3://``, ...): object stores have no atomic
-  folder rename, so the files are written straight into ``step-*/`` and the
-  manifest is written last, in one PUT: the manifest is the commit marker.
-
-Discovery never trusts a folder name: a checkpoint is valid only when its
-manifest parses and every listed file exists with the listed size and checksum.
-Retention only ever deletes names this module writes (``step-*`` and
-``.tmp-step-*``), so pointing ``--root`` at the wrong folder cannot destroy data.
+Everything above this module (the commit, discovery, retention, the writers)
+speaks to storage only through ``Store``, so one code path serves a local
+folder and an object store; what differs between them is said here once:
+only a local folder renames atomically (``supports_rename``), and only there
+are files fsynced and their folder with them. Names under the root that this
+package writes are ``step-*`` (``manifest.step_dirname``) and ``TMP_PREFIX``;
+nothing else under a root is ever touched.
 """
 
 from __future__ import annotations
@@ -28,49 +19,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import dataclasses
-import json
-import logging
 import os
 import posixpath
 import secrets
 import shutil
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Any
 
-from undying.checkpoint.mac import current_key, mac_of, mac_problem
-from undying.checkpoint.manifest import (
-    MANIFEST_NAME,
-    Checksum,
-    FileEntry,
-    Manifest,
-    ManifestError,
-    checksum_stream,
-    parse_step_dirname,
-    step_dirname,
-)
 from undying.errors import UndyingError
 
 __all__ = [
+    "TMP_PREFIX",
     "CheckpointError",
     "CheckpointExistsError",
     "Store",
-    "Checkpoint",
-    "Latest",
-    "PendingCheckpoint",
-    "scan",
-    "verify",
-    "latest_valid",
-    "prune",
-    "TMP_PREFIX",
     "start_writeback",
 ]
-
-log = logging.getLogger("undying.checkpoint")
 
 TMP_PREFIX = ".tmp-step-"
 
@@ -302,334 +268,3 @@ class Store:
         elif self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
-
-def default_checksum() -> Checksum:
-    """SHA-256 where this process signs its checkpoints (a MAC over a CRC would vouch for nothing), else CRC32."""
-    return "sha256" if current_key() is not None else "crc32"
-
-
-def signed(manifest: Manifest) -> Manifest:
-    """``manifest`` with the job's MAC (``checkpoint.mac``), or as it is where this process holds no key."""
-    key = current_key()
-    if key is None:
-        return manifest
-    return dataclasses.replace(manifest, mac=mac_of(dataclasses.replace(manifest, mac=None).to_dict(), key))
-
-
-# -- discovery ------------------------------------------------------------------
-
-
-@dataclass
-class Checkpoint:
-    """One ``step-*`` folder as found on storage, with what is wrong with it (if anything)."""
-
-    name: str
-    step: int
-    path: str
-    url: str
-    manifest: Manifest | None
-    problems: list[str] = field(default_factory=list)
-    mtime: float | None = None
-
-    @property
-    def valid(self) -> bool:
-        return self.manifest is not None and not self.problems
-
-    @property
-    def kind(self) -> str | None:
-        return self.manifest.kind if self.manifest else None
-
-    @property
-    def size(self) -> int | None:
-        return self.manifest.total_bytes if self.manifest else None
-
-
-class Latest(NamedTuple):
-    """What ``latest_valid`` found: the checkpoint (or None) and every newer one it skipped, with why."""
-
-    checkpoint: Checkpoint | None
-    skipped: list[tuple[str, str]]
-
-
-def _check(store: Store, name: str, *, checksums: bool) -> Checkpoint:
-    folder = store.join(name)
-    step = parse_step_dirname(name)
-    assert step is not None, name
-    ckpt = Checkpoint(name, step, folder, store.url_of(folder), None, mtime=store.mtime(folder))
-    manifest_path = store.join(name, MANIFEST_NAME)
-    try:
-        raw = store.read_bytes(manifest_path)
-    except FileNotFoundError:
-        ckpt.problems.append(f"no {MANIFEST_NAME}: a partial checkpoint (the write did not finish)")
-        return ckpt
-    except OSError as e:
-        ckpt.problems.append(f"{MANIFEST_NAME} cannot be read ({e})")
-        return ckpt
-    try:
-        manifest = Manifest.from_json(raw)
-    except ManifestError as e:
-        ckpt.problems.append(f"{MANIFEST_NAME} is corrupt: {e}")
-        return ckpt
-    ckpt.manifest = manifest
-    key = current_key()
-    if key is not None:
-        # Before any file is trusted (or read): a checkpoint the job did not sign is not the job's.
-        problem = mac_problem(json.loads(raw), key)
-        if problem is not None:
-            ckpt.problems.append(problem)
-            return ckpt
-    if manifest.step != step:
-        ckpt.problems.append(f"{MANIFEST_NAME} says step {manifest.step}, the folder is {name}")
-    for entry in manifest.files:
-        ckpt.problems.extend(_check_file(store, folder, entry, checksums=checksums))
-    return ckpt
-
-
-def _check_file(store: Store, folder: str, entry: FileEntry, *, checksums: bool) -> list[str]:
-    path = store.join(folder, *entry.path.split("/"))
-    try:
-        size = store.size(path)
-    except (FileNotFoundError, OSError):
-        return [f"file {entry.path} is missing"]
-    if size != entry.size:
-        return [f"file {entry.path} has size {size}, manifest says {entry.size}"]
-    if not checksums:
-        return []
-    try:
-        with store.open_read(path) as f:
-            _, digest = checksum_stream(f, entry.algorithm)
-    except OSError as e:
-        return [f"file {entry.path} cannot be read ({e})"]
-    if digest != entry.checksum:
-        return [f"file {entry.path} has {entry.algorithm} {digest}, manifest says {entry.checksum}"]
-    return []
-
-
-def scan(root: str | os.PathLike[str] | Store, *, checksums: bool = True) -> list[Checkpoint]:
-    """Every ``step-*`` folder under ``root``, oldest first, each checked (checksums optional)."""
-    store = root if isinstance(root, Store) else Store.open(root)
-    names = [n for n in store.names() if parse_step_dirname(n) is not None]
-    names.sort(key=lambda n: parse_step_dirname(n) or 0)
-    return [_check(store, n, checksums=checksums) for n in names]
-
-
-def verify(path: str | os.PathLike[str]) -> list[str]:
-    """Problems of the one checkpoint at ``path`` (a ``step-*`` folder or its URL); [] when valid."""
-    text = os.fspath(path).rstrip("/")
-    if "://" in text:
-        parent, name = text.rsplit("/", 1)
-    else:
-        p = Path(text).absolute()
-        parent, name = str(p.parent), p.name
-    if parse_step_dirname(name) is None:
-        return [f"{text} is not a checkpoint folder (its name must be step-NNNNNNNNN)"]
-    store = Store.open(parent)
-    if not store.isdir(store.join(name)):
-        return [f"checkpoint {text} does not exist"]
-    return _check(store, name, checksums=True).problems
-
-
-def latest_valid(
-    root: str | os.PathLike[str] | Store,
-    *,
-    job_id: str | None = None,
-    kinds: tuple[str, ...] | None = None,
-) -> Latest:
-    """The newest checkpoint that is whole and uncorrupted, and the newer ones skipped (name, reason).
-
-    Checks newest first and stops at the first valid one, so only the files of
-    the checkpoint it returns (and of broken newer ones) are read. ``job_id``
-    skips checkpoints of another job; ``kinds`` restricts to periodic or
-    dying-gasp. Every skip is also logged at WARNING.
-    """
-    store = root if isinstance(root, Store) else Store.open(root)
-    names = [n for n in store.names() if parse_step_dirname(n) is not None]
-    names.sort(key=lambda n: parse_step_dirname(n) or 0, reverse=True)
-    skipped: list[tuple[str, str]] = []
-    for name in names:
-        ckpt = _check(store, name, checksums=True)
-        reason = "; ".join(ckpt.problems)
-        if not reason and ckpt.manifest is not None:
-            if job_id is not None and ckpt.manifest.job_id != job_id:
-                reason = f"belongs to job {ckpt.manifest.job_id!r}, not {job_id!r}"
-            elif kinds is not None and ckpt.manifest.kind not in kinds:
-                continue  # not a problem, just not asked for
-        if reason:
-            log.warning("skipped checkpoint %s: %s", store.url_of(ckpt.path), reason)
-            skipped.append((name, reason))
-            continue
-        return Latest(ckpt, skipped)
-    return Latest(None, skipped)
-
-
-def prune(
-    root: str | os.PathLike[str] | Store,
-    keep: int,
-    *,
-    tmp_max_age_s: float = 3600.0,
-    now: float | None = None,
-) -> list[str]:
-    """Delete all but the ``keep`` newest valid checkpoints and leftover temp folders; the names removed.
-
-    Validity here is manifest + file sizes, plus checksums of the newest
-    checkpoints until one passes: the latest valid checkpoint (as
-    ``latest_valid`` sees it) is always kept, even beyond ``keep``. Broken ``step-*`` folders older
-    than the oldest kept checkpoint go too: they can never be the latest valid
-    one. Newer broken folders stay for inspection (or are a commit in progress).
-    A ``.tmp-step-*`` folder is a leftover when a newer-or-equal step has been
-    committed since it was last touched (only one write per root is in flight),
-    or when it has not been touched for ``tmp_max_age_s``. Nothing else under
-    the root is ever touched.
-    """
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    store = root if isinstance(root, Store) else Store.open(root)
-    now = time.time() if now is None else now
-    found = scan(store, checksums=False)
-    valid = [c for c in found if c.valid]
-    kept = valid[-keep:]
-    # Sizes can match while a byte flipped: never let retention delete the checkpoint that
-    # latest_valid would return. Checksum the kept ones newest first (normally the one just
-    # written passes at once) and keep the newest that passes even when it is older than N.
-    for c in reversed(valid):
-        if _check(store, c.name, checksums=True).valid:
-            if c not in kept:
-                log.warning("keeping %s beyond keep=%d: every newer checkpoint fails its checksums", c.name, keep)
-                kept = [c, *kept]
-            break
-    kept_names = {c.name for c in kept}
-    removed: list[str] = []
-    oldest_kept = min((c.step for c in kept), default=None)
-    for c in found:
-        if c.name in kept_names:
-            continue
-        if c.valid or (oldest_kept is not None and c.step < oldest_kept):
-            store.remove(c.path)
-            removed.append(c.name)
-    newest = valid[-1] if valid else None
-    for name in store.names():
-        if not name.startswith(TMP_PREFIX):
-            continue
-        path = store.join(name)
-        mtime = store.mtime(path)
-        if mtime is None:
-            continue
-        digits = name[len(TMP_PREFIX) :].split("-", 1)[0]
-        step = int(digits) if digits.isdigit() else None
-        superseded = (
-            newest is not None
-            and newest.manifest is not None
-            and step is not None
-            and step <= newest.step
-            and mtime < newest.manifest.created_at
-        )
-        if superseded or now - mtime > tmp_max_age_s:
-            store.remove(path)
-            removed.append(name)
-    for name in removed:
-        log.info("pruned %s", store.url_of(store.join(name)))
-    return removed
-
-
-# -- the commit -----------------------------------------------------------------
-
-
-class PendingCheckpoint:
-    """A checkpoint being written: put files under ``work_path``, then ``commit`` (or ``abort``).
-
-    Local: ``work_path`` is a fresh ``.tmp-step-*`` folder; ``commit`` renames it
-    into place and writes the manifest last. fsspec: ``work_path`` is the final
-    folder (cleared first when overwriting: its manifest is deleted before
-    anything else so it is never half-valid); ``commit`` writes the manifest.
-    """
-
-    def __init__(self, store: Store, step: int, *, overwrite: bool = True) -> None:
-        self.store = store
-        self.step = step
-        self.name = step_dirname(step)
-        self.final_path = store.join(self.name)
-        self.overwrite = overwrite
-        self.committed = False
-        if not overwrite and store.exists(store.join(self.name, MANIFEST_NAME)):
-            raise CheckpointExistsError(
-                f"checkpoint {store.url_of(self.final_path)} already exists; pass overwrite=True to replace it"
-            )
-        try:
-            store.makedirs(store.root)
-            if store.supports_rename:
-                token = f"{os.getpid()}-{secrets.token_hex(3)}"
-                self.work_path = store.join(f"{TMP_PREFIX}{step:09d}-{token}")
-                store.makedirs(self.work_path)
-            else:
-                self.work_path = self.final_path
-                if store.exists(self.final_path):
-                    store.remove(store.join(self.name, MANIFEST_NAME))
-                    store.remove(self.final_path)
-                store.makedirs(self.work_path)
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot write checkpoints under {store.url_of(store.root)} ({e.strerror or e})"
-            ) from e
-
-    @property
-    def work_url(self) -> str:
-        return self.store.url_of(self.work_path)
-
-    def file_path(self, relpath: str) -> str:
-        return self.store.join(self.work_path, *relpath.split("/"))
-
-    def entries(self, known: dict[str, FileEntry] | None = None, algorithm: Checksum = "crc32") -> list[FileEntry]:
-        """A FileEntry for every file written; those in ``known`` (hashed while written) are not re-read."""
-        known = known or {}
-        out = []
-        for rel in self.store.files_under(self.work_path):
-            if rel in known:
-                out.append(known[rel])
-                continue
-            with self.store.open_read(self.file_path(rel)) as f:
-                size, digest = checksum_stream(f, algorithm)
-            out.append(FileEntry(rel, size, digest, algorithm))
-        return out
-
-    def commit(self, manifest: Manifest) -> Checkpoint:
-        """Make the checkpoint visible: rename into place (local), then write the manifest last."""
-        store = self.store
-        listed = {f.path for f in manifest.files}
-        on_disk = set(store.files_under(self.work_path))
-        if listed != on_disk:
-            raise CheckpointError(
-                f"manifest of {self.name} does not list exactly the files written: "
-                f"missing {sorted(on_disk - listed)}, extra {sorted(listed - on_disk)}"
-            )
-        replaced: str | None = None
-        moved = False
-        try:
-            if store.supports_rename:
-                if store.exists(self.final_path):
-                    if not self.overwrite:
-                        raise CheckpointExistsError(f"checkpoint {self.final_path} appeared while writing")
-                    # Move the old one aside (not delete) until the new one is committed.
-                    replaced = store.join(f"{TMP_PREFIX}{self.step:09d}-replaced-{secrets.token_hex(3)}")
-                    store.rename(self.final_path, replaced)
-                store.rename(self.work_path, self.final_path)
-                moved = True
-            store.write_atomic(store.join(self.name, MANIFEST_NAME), signed(manifest).to_json().encode())
-        except BaseException:
-            # Undo what can be undone; a process killed here leaves a step-* folder without
-            # a manifest, which discovery skips as partial and prune removes later.
-            with contextlib.suppress(OSError):
-                if moved or not store.supports_rename:
-                    store.remove(self.final_path)
-                if replaced is not None and store.exists(replaced):
-                    store.rename(replaced, self.final_path)
-            raise
-        if replaced is not None:
-            store.remove(replaced)
-        self.committed = True
-        return Checkpoint(self.name, self.step, self.final_path, store.url_of(self.final_path), manifest)
-
-    def abort(self) -> None:
-        """Remove what was written; a committed checkpoint is never touched."""
-        if not self.committed:
-            with contextlib.suppress(OSError):
-                self.store.remove(self.work_path)

@@ -31,11 +31,11 @@ from rich.table import Table
 from undying.cli.client import api_get, api_post
 from undying.config import EXIT_PREEMPTED
 from undying.demo import TRAIN_SCRIPT, node_loss
+from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
 from undying.errors import UsageError
 from undying.jobdir import JobDir
 from undying.manager.auth import find_token
-from undying.manager.events import connect_readonly
-from undying.oracle import RunRecord, compare_runs, load_run, merge_runs
+from undying.manager.events import LogReader
 
 __all__ = ["add_parser", "FAULTS", "run_job", "run_preempted", "load_preempted"]
 
@@ -159,27 +159,24 @@ def load_preempted(job_dir: Path, sigterm_t: float) -> tuple[RunRecord, dict[str
         "kind": "preempt", "rank": -1, "step": 0, "action": "dump", "status": "failed", "phases": {},
         "detail": {}, "mttr_s": None, "fault_t": sigterm_t,
     }
-    db = connect_readonly(job_dir / "events.db")
-    try:
-        started = db.execute("SELECT value FROM job WHERE key = 'started_at'").fetchone()
-        restored = db.execute("SELECT MAX(t) FROM events WHERE kind = 'state_restored'").fetchone()[0]
-        resumed = db.execute("SELECT data FROM events WHERE kind = 'resumed'").fetchone()
-        firsts = db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank").fetchall()
-    finally:
-        db.close()
+    with LogReader(job_dir / "events.db") as reader:
+        started = reader.job().get("started_at")
+        restored = max((e.t for e in reader.events("state_restored")), default=None)
+        resumed = next(iter(reader.events("resumed")), None)
+        firsts = reader.first_commit_times()
     phases = {k: v for k, v in incident["phases"].items()}
     if started is not None:
-        phases["relaunched"] = round(float(json.loads(started[0])) - sigterm_t, 4)
+        phases["relaunched"] = round(float(started) - sigterm_t, 4)
     if restored is not None:
         phases["state_restored"] = round(restored - sigterm_t, 4)
     resumed_ok = resumed is not None and len(firsts) == len(second.digests or firsts)
     if firsts:
-        phases["first_step_done"] = round(max(t for _, t in firsts) - sigterm_t, 4)
+        phases["first_step_done"] = round(max(firsts.values()) - sigterm_t, 4)
     incident["phases"] = phases
     incident["mttr_s"] = phases.get("first_step_done")
     incident["status"] = "recovered" if resumed_ok and incident["status"] == "dumped" else incident["status"]
     incident["detail"] = {**incident.get("detail", {}),
-                          "resumed_from": json.loads(resumed[0]) if resumed is not None else None}
+                          "resumed_from": resumed.data if resumed is not None else None}
     return merged, incident
 
 

@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()
-        from undying.checkpoint import check_writable
+        from undying.checkpoint.checks import check_writable
 
         check_writable(args.checkpoint_dir)
     from undying.agent.launcher import (

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sqlite3
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from rich.text import Text
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobdir import JobDir
-from undying.manager.events import connect_readonly, read_job
+from undying.manager.events import LogReader, read_job
 
 __all__ = ["add_parser", "collect_status", "render", "view", "watch"]
 
@@ -87,23 +86,19 @@ def collect_status(job_dir: str | None, manager: str | None, token_file: str | N
 def _earlier_run(log: Path) -> dict[str, Any]:
     """One earlier launch, from its archived log: how it ended, how far it got, how much it recorded."""
     try:
-        data = read_job(log)
-    except (UsageError, sqlite3.Error) as e:
+        with LogReader(log) as reader:
+            job, commits, incidents, events = reader.job(), reader.commits(), reader.incidents(), reader.count_events()
+    except (UsageError, LogReader.Error) as e:
         return {"log": log.name, "state": "unreadable", "error": str(e), "step": None, "events": None}
-    state = data["job"].get("state")
-    db = connect_readonly(log)
-    try:
-        (events,) = db.execute("SELECT COUNT(*) FROM events").fetchone()
-    finally:
-        db.close()
+    state = job.get("state")
     return {
         "log": log.name,
         # An archived log's launcher is gone by definition: one that never ended was interrupted.
         "state": state if state in TERMINAL else "interrupted",
-        "job_id": data["job"].get("job_id"),
-        "step": max((c["step"] for c in data["steps"]), default=0),
+        "job_id": job.get("job_id"),
+        "step": max((c.step for c in commits), default=0),
         "events": events,
-        "incidents": len(data["incidents"]),
+        "incidents": len(incidents),
     }
 
 

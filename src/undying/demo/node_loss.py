@@ -29,7 +29,7 @@ from rich.console import Console
 
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.hosts import Hosts, netns_unavailable_reason
-from undying.oracle import RunRecord, load_run
+from undying.demo.oracle import RunRecord, load_run
 
 __all__ = [
     "LOSE_AT_STEP",

@@ -23,7 +23,6 @@ manifests say that it was not measured.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 from undying.checkpoint.gasp import Measurement
 from undying.errors import UsageError
-from undying.manager.events import connect_readonly
+from undying.manager.events import LogReader
 
 __all__ = [
     "DEFAULT_GASP_S",
@@ -90,16 +89,13 @@ def from_job_dir(job_dir: str | Path) -> Grace:
     path = Path(job_dir)
     if not path.is_dir():
         raise UsageError(f"--from-job-dir {job_dir}: no such folder; pass the --job-dir of a previous run")
-    db = connect_readonly(path / "events.db")
-    try:
-        job = {k: _loads(v) for k, v in db.execute("SELECT key, value FROM job")}
-        saves = [_loads(d) for (d,) in db.execute(
-            "SELECT data FROM events WHERE kind = 'checkpoint_saved' ORDER BY id")]
-        commits = list(db.execute("SELECT rank, step, t FROM steps ORDER BY t"))
-    except Exception as e:  # a file that is no event log, or one of another schema
-        raise UsageError(f"--from-job-dir {job_dir}: cannot read {path / 'events.db'}: {e}") from None
-    finally:
-        db.close()
+    with LogReader(path / "events.db") as reader:
+        try:
+            job = reader.job()
+            saves: list[Any] = [e.data for e in reader.events("checkpoint_saved")]
+            commits = [(c.rank, c.step, c.t) for c in reader.commits()]
+        except Exception as e:  # a file that is no event log, one of another schema, a value that is no JSON
+            raise UsageError(f"--from-job-dir {job_dir}: cannot read {path / 'events.db'}: {e}") from None
     return _estimate(job, saves, commits, str(path / "events.db"))
 
 
@@ -145,13 +141,6 @@ def _slowest_recent_step(commits: list[tuple[int, int, float]]) -> float:
             intervals.append(t - prev[1])
         last[rank] = (step, t)
     return max(intervals[-_RECENT_STEPS:], default=0.0)
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError):
-        return None
 
 
 def _positive(value: Any) -> bool:

@@ -25,7 +25,7 @@ class RowLog(Protocol):
 
     def set_job(self, key: str, value: Any, *, flush: bool = False) -> None: ...
 
-    def forget_ranks_from(self, rank: int) -> None: ...
+    def forget_ranks(self, first: int) -> None: ...
 
     def before_flush(self, hook: Any) -> None: ...
 
@@ -73,7 +73,7 @@ class RankBook:
             for slot, node in enumerate(nodes) for local in range(self.per_node)
         }
         if persist:
-            self._log.forget_ranks_from(self.world_size)
+            self._log.forget_ranks(self.world_size)
             for info in self.ranks.values():
                 self.persist(info)
             self._log.set_job("world_size", self.world_size)
@@ -107,19 +107,19 @@ class RankBook:
             self._log.rank(rank, self.ranks[rank].to_dict())
         self._dirty.clear()
 
-    def restore(self, rows: Iterable[dict[str, Any]], steps: Iterable[tuple[int, int]]) -> None:
+    def restore(self, rows: Iterable[RankInfo], committed: dict[int, set[int]]) -> None:
         """Read the ranks back from the log of a manager that died (its rank rows and committed steps)."""
-        for view in rows:
-            info = self.ranks.get(int(view["rank"]))
+        for row in rows:
+            info = self.ranks.get(row.rank)
             if info is None:
                 continue
-            info.pid, info.step, info.generation = int(view["pid"]), int(view["step"]), int(view["generation"])
-            info.state, info.restarts = RankState(view["state"]), int(view["restarts"])
-            info.last_seen, info.incarnation = float(view["last_seen"]), int(view.get("incarnation", 0))
+            info.pid, info.step, info.generation = row.pid, row.step, row.generation
+            info.state, info.restarts = row.state, row.restarts
+            info.last_seen, info.incarnation = row.last_seen, row.incarnation
             self.incarnations = max(self.incarnations, info.incarnation)
-        for rank, step in steps:
-            self.committed[rank].add(step)
+        for rank, steps in committed.items():
+            self.committed[rank] |= steps
         for info in self.ranks.values():  # a row is not rewritten per step (see commit): the steps say
-            committed = self.committed.get(info.rank)
-            if committed:
-                info.step = max(info.step, max(committed))
+            steps_of_rank = self.committed.get(info.rank)
+            if steps_of_rank:
+                info.step = max(info.step, max(steps_of_rank))

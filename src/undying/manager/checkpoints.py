@@ -13,7 +13,8 @@ import asyncio
 import logging
 from typing import Any
 
-from undying.checkpoint import Checkpoint, CheckpointOfAnotherJobError, check_same_job, latest_valid
+from undying.checkpoint import Checkpoint, latest_valid
+from undying.checkpoint.checks import CheckpointOfAnotherJobError, check_same_job
 from undying.errors import UsageError
 from undying.manager.core import JobCore
 from undying.messages import CheckpointSaved

@@ -4,6 +4,12 @@ Written by the manager's loop thread only; read by ``undying status`` and the
 demo, also after the job ended. WAL mode lets readers run beside the writer.
 Commits of steps are frequent, so writes are grouped and flushed on a short
 timer and at once for anything a person would look for (incidents, states).
+
+This is the one module that speaks SQL (``held_writes`` only replays the
+statements it is handed). Everything else reads a log through ``LogReader``
+and the typed rows below, and a restarted manager through
+``EventLog.saved_job``, so the schema can change here without a hunt for
+queries in the command line, the demo, the oracle or the manager.
 """
 
 from __future__ import annotations
@@ -15,16 +21,29 @@ import os
 import sqlite3
 import time
 import urllib.parse
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, ClassVar
 
 from undying.errors import UsageError
 from undying.manager.held_writes import HeldWrites
-from undying.manager.state import Incident
+from undying.manager.state import Incident, RankInfo, RankState
 
-__all__ = ["EventLog", "SavedJob", "read_job", "read_job_table", "connect_readonly", "SCHEMA_VERSION"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "EventLog",
+    "SavedJob",
+    "LogReader",
+    "Commit",
+    "LoggedEvent",
+    "read_job",
+    "read_job_table",
+    "connect_readonly",
+    "fold_wal",
+]
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("undying.manager")
@@ -48,14 +67,63 @@ CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
 
 
-@dataclass
-class SavedJob:
-    """What a restarted manager reads back: the job's facts, rank rows, committed steps and incidents."""
+@dataclass(frozen=True)
+class Commit:
+    """One rank's commit of one step, as logged (a step re-run after a fault is logged again)."""
 
-    job: dict[str, Any]
-    ranks: list[dict[str, Any]]
-    steps: list[tuple[int, int]]  # (rank, step) of every commit
+    rank: int
+    step: int
+    generation: int
+    t: float
+    metrics: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "generation": self.generation, "t": self.t,
+                "metrics": self.metrics}
+
+
+@dataclass(frozen=True)
+class LoggedEvent:
+    """One row of the events table: what happened, when, to which rank, with its details."""
+
+    id: int
+    t: float
+    generation: int | None
+    rank: int | None
+    kind: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SavedJob:
+    """What a restarted manager reads back to carry on the job (``EventLog.saved_job``).
+
+    ``facts`` is the job table (state, generation, layout, sessions, ...);
+    ``ranks`` each rank as last written, by rank (a row is not rewritten per
+    step: ``committed`` says how far each rank got); ``incidents`` every
+    incident as last written, oldest first, its phases absolute times again.
+    """
+
+    facts: dict[str, Any]
+    ranks: list[RankInfo]
+    committed: dict[int, set[int]]
     incidents: list[Incident]
+
+
+def _rank_from_row(view: dict[str, Any]) -> RankInfo:
+    """The inverse of ``RankInfo.to_dict`` (what ``EventLog.rank`` is given to write)."""
+    return RankInfo(rank=int(view["rank"]), node=int(view["node"]), pid=int(view["pid"]),
+                    state=RankState(view["state"]), step=int(view["step"]), generation=int(view["generation"]),
+                    restarts=int(view["restarts"]), last_seen=float(view["last_seen"]),
+                    incarnation=int(view.get("incarnation", 0)))
+
+
+def _incident_from_row(view: dict[str, Any]) -> Incident:
+    """The inverse of ``Incident.to_dict`` (what ``EventLog.incident`` writes): phases back to absolute times."""
+    return Incident(id=view["id"], kind=view["kind"], rank=view["rank"], step=view["step"],
+                    fault_t=view["fault_t"], recovery=view["recovery"], action=view["action"],
+                    status=view["status"], phases={k: view["fault_t"] + v for k, v in view["phases"].items()},
+                    error=view["error"], traceback=view["traceback"], detail=view["detail"])
 
 
 class EventLog:
@@ -134,25 +202,32 @@ class EventLog:
 
     @property
     def db(self) -> HeldWrites:
-        """The connection, for a restarted manager to read the job back (on the loop thread only)."""
+        """The connection. TRANSITIONAL: for manager.py until it reads through ``saved_job`` and
+        ``forget_ranks`` (issue #15); nothing else may run SQL on it."""
         return self._db
 
-    def load(self) -> SavedJob:
-        """The job as the log holds it, for a manager that carries on a job whose manager died."""
-        db = self._db
+    def saved_job(self) -> SavedJob:
+        """Everything a restarted manager needs from the log, read on this (the loop's) connection."""
+        committed: dict[int, set[int]] = defaultdict(set)
+        for rank, step in self._db.execute("SELECT rank, step FROM steps"):
+            committed[int(rank)].add(int(step))
         return SavedJob(
-            job={k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")},
-            ranks=[json.loads(data) for (data,) in db.execute("SELECT data FROM ranks")],
-            steps=[(int(rank), int(step)) for rank, step in db.execute("SELECT rank, step FROM steps")],
-            incidents=[Incident.from_dict(json.loads(data))
-                       for (data,) in db.execute("SELECT data FROM incidents ORDER BY id")],
+            facts=_job_facts(self._db),
+            ranks=[_rank_from_row(json.loads(d)) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
+            committed=dict(committed),
+            incidents=[_incident_from_row(json.loads(d))
+                       for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
         )
 
-    def forget_ranks_from(self, rank: int) -> None:
-        """The layout shrank: the rows of ranks ``rank`` and above are gone with it."""
-        self._exec("DELETE FROM ranks WHERE rank >= ?", (rank,))
-        for gone in [r for r in self._ranks if r >= rank]:
-            del self._ranks[gone]
+    def forget_ranks(self, first: int) -> None:
+        """Drop the rows of ranks ``first`` and up: the job was renumbered onto fewer ranks.
+
+        Also from what a fresh log would carry over (``_replace``), or a lost
+        log would bring the departed ranks back.
+        """
+        for rank in [r for r in self._ranks if r >= first]:
+            del self._ranks[rank]
+        self._exec("DELETE FROM ranks WHERE rank >= ?", (first,))
         self._dirty = True
 
     def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None, **data: Any) -> None:
@@ -251,28 +326,89 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
 
 
+def _job_facts(db: sqlite3.Connection | HeldWrites) -> dict[str, Any]:
+    return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
+
+
+class LogReader:
+    """A job's event log opened read-only (the job running or not), with typed queries.
+
+    Use as a context manager; each method is one query. Readers run beside
+    the writer (WAL) and see what it last committed. A file that is no event
+    log (or a damaged one) raises ``LogReader.Error`` from the first query.
+    """
+
+    Error: ClassVar[type[Exception]] = sqlite3.Error
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db = connect_readonly(path)
+
+    def __enter__(self) -> LogReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def job(self) -> dict[str, Any]:
+        """The job's key/value facts (state, ids, generation, ...): cheap however long the job ran."""
+        return _job_facts(self._db)
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """Each rank's last row (``RankInfo.to_dict``), by rank."""
+        return [json.loads(d) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")]
+
+    def incidents(self) -> list[dict[str, Any]]:
+        """Each incident's last row (``Incident.to_dict``), oldest first."""
+        return [json.loads(d) for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")]
+
+    def commits(self) -> list[Commit]:
+        """Every logged commit, in time order."""
+        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
+            "SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")]
+
+    def first_commit_times(self) -> dict[int, float]:
+        """When each rank first committed a step (unix seconds), by rank."""
+        return {int(r): float(t) for r, t in self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")}
+
+    def events(self, kind: str) -> list[LoggedEvent]:
+        """The events of one kind (``done``, ``checkpoint_saved``, ...), oldest first."""
+        return [LoggedEvent(int(i), float(t), g, r, k, json.loads(d)) for i, t, g, r, k, d in self._db.execute(
+            "SELECT id, t, generation, rank, kind, data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+
+    def count_events(self) -> int:
+        """How many events the log holds (of every kind)."""
+        (n,) = self._db.execute("SELECT COUNT(*) FROM events").fetchone()
+        return int(n)
+
+
 def read_job_table(path: Path) -> dict[str, Any]:
     """The job's key/value facts only (state, ids, generation): cheap however long the job ran."""
-    db = connect_readonly(path)
-    try:
-        return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
-    finally:
-        db.close()
+    with LogReader(path) as reader:
+        return reader.job()
 
 
 def read_job(path: Path) -> dict[str, Any]:
     """Everything ``undying status`` shows, read from the log of a job (running or not)."""
-    db = connect_readonly(path)
-    try:
-        job = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
-        ranks = [json.loads(d) for (d,) in db.execute("SELECT data FROM ranks ORDER BY rank")]
-        incidents = [json.loads(d) for (d,) in db.execute("SELECT data FROM incidents ORDER BY id")]
-        steps = [
-            {"rank": r, "step": s, "generation": g, "t": t, "metrics": json.loads(m)}
-            for r, s, g, t, m in db.execute(
-                "SELECT rank, step, generation, t, metrics FROM steps ORDER BY t"
-            )
-        ]
-    finally:
-        db.close()
-    return {"job": job, "ranks": ranks, "incidents": incidents, "steps": steps}
+    with LogReader(path) as reader:
+        return {"job": reader.job(), "ranks": reader.ranks(), "incidents": reader.incidents(),
+                "steps": [c.to_dict() for c in reader.commits()]}
+
+
+def fold_wal(path: Path) -> None:
+    """Fold a log's write-ahead file into the log itself, where SQLite can (else leave both as they are).
+
+    A launcher killed mid-run leaves events in ``events.db-wal`` that are in
+    no other file; before the log is set aside (``JobDir.archive_log``) they
+    are written into it, so the archived log reads whole on its own.
+    """
+    with contextlib.suppress(sqlite3.Error):
+        db = sqlite3.connect(f"file:{urllib.parse.quote(str(path.absolute()))}?mode=rw", uri=True)  # never creates
+        try:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            db.close()

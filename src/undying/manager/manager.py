@@ -181,8 +181,8 @@ class Manager:
         the checkpoints: what the old manager wrote is what this one knows.
         """
         core = self.core
-        saved = self.events.load()
-        job = saved.job
+        saved = self.events.saved_job()
+        job = saved.facts
         core.generations.current = int(job.get("generation", -1))
         core.started_at = float(job.get("started_at", core.started_at))
         core.machine.state = JobState(job.get("state", JobState.RUNNING.value))
@@ -191,7 +191,7 @@ class Manager:
         core.book.rerun_steps = set(job.get("rerun_steps", []))
         if "nodes" in job:
             core.set_layout([int(n) for n in job["nodes"]], persist=False)
-        core.book.restore(saved.ranks, saved.steps)
+        core.book.restore(saved.ranks, saved.committed)
         open_incidents: list[Incident] = []
         for incident in saved.incidents:
             core.incidents.append(incident)

@@ -16,7 +16,8 @@ import logging
 import time
 from typing import Any
 
-from undying.checkpoint import Checkpoint, Measurement, recent_dying_gasp
+from undying.checkpoint import Checkpoint
+from undying.checkpoint.gasp import Measurement, recent_dying_gasp
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState

@@ -207,15 +207,6 @@ class Incident:
         done = self.phases.get("first_step_done")
         return None if done is None else round(done - self.fault_t, 4)
 
-    @classmethod
-    def from_dict(cls, view: dict[str, Any]) -> Incident:
-        """An incident as ``to_dict`` wrote it (its phases were relative to the fault)."""
-        return cls(id=view["id"], kind=IncidentKind(view["kind"]), rank=view["rank"], step=view["step"],
-                   fault_t=view["fault_t"], recovery=view["recovery"], action=view["action"],
-                   status=IncidentStatus(view["status"]),
-                   phases={k: view["fault_t"] + v for k, v in view["phases"].items()}, error=view["error"],
-                   traceback=view["traceback"], detail=view["detail"])
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,

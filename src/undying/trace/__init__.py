@@ -7,6 +7,10 @@ The worker side of DESIGN.md §5. The record format is in ``docs/tracing.md``.
 - ``TraceWriter``: per-rank NDJSON files named by time, rotated and capped,
   written from a background thread so training never waits on the disk.
 - ``Tracer``: the markers themselves (``emit``, ``span``) and listeners.
+
+The trace files' names and folders (``writer``), the per-window step summaries
+(``summary``), the online slow-rank detector (``detect``) and the offline
+analysis and report (``analyze``, ``report``) are imported from their modules.
 """
 
 from undying.trace.switch import (
@@ -22,24 +26,12 @@ from undying.trace.tracer import (
     DATA,
     FP,
     KINDS,
-    RECORD_VERSION,
     STEP,
     STEP_GROUP,
     Listener,
     Tracer,
 )
-from undying.trace.writer import (
-    TRACE_FILE_PATTERN,
-    TRACE_FILE_SUFFIX,
-    TRACE_FILE_TIME_FORMAT,
-    TRACES_DIRNAME,
-    TraceWriter,
-    default_job_label,
-    default_trace_dir,
-    is_trace_file,
-    trace_file_name,
-    trace_file_time,
-)
+from undying.trace.writer import TraceWriter
 
 __all__ = [
     "CKPT",
@@ -48,23 +40,13 @@ __all__ = [
     "FP",
     "KINDS",
     "Listener",
-    "RECORD_VERSION",
     "STEP",
     "STEP_GROUP",
     "SWITCH_EXAMPLE",
     "SwitchFileWatcher",
-    "TRACES_DIRNAME",
-    "TRACE_FILE_PATTERN",
-    "TRACE_FILE_SUFFIX",
-    "TRACE_FILE_TIME_FORMAT",
     "TraceSwitch",
     "TraceSwitchError",
     "TraceWriter",
     "Tracer",
-    "default_job_label",
-    "default_trace_dir",
-    "is_trace_file",
     "read_switch_file",
-    "trace_file_name",
-    "trace_file_time",
 ]

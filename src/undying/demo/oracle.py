@@ -3,17 +3,19 @@
 Reads two jobs' event logs and checks that every step's logged loss is the
 same, bit for bit, and that no rank completed a step twice. Used by
 ``undying demo``, the benchmarks and the test suite.
+
+It judges whole jobs from the outside, so it sits on top with the demo and
+reads the logs only through the event log's own reader (``LogReader``).
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undying.manager.events import connect_readonly, read_job
+from undying.manager.events import LogReader
 
 __all__ = ["RunRecord", "Comparison", "load_run", "compare_runs", "merge_runs"]
 
@@ -41,29 +43,24 @@ class Comparison:
 
 
 def load_run(events_db: Path, metric: str = "loss") -> RunRecord:
-    data = read_job(events_db)
+    with LogReader(events_db) as reader:
+        job, commits, incidents, done = reader.job(), reader.commits(), reader.incidents(), reader.events("done")
     values: dict[int, set[float]] = defaultdict(set)
     completed: dict[tuple[int, int], int] = defaultdict(int)
-    for commit in data["steps"]:
-        completed[(commit["rank"], commit["step"])] += 1
-        if metric in commit["metrics"]:
-            values[commit["step"]].add(commit["metrics"][metric])
+    for commit in commits:
+        completed[(commit.rank, commit.step)] += 1
+        if metric in commit.metrics:
+            values[commit.step].add(commit.metrics[metric])
     losses = {step: next(iter(v)) for step, v in values.items() if len(v) == 1}
-    digests: dict[int, str] = {}
-    db = connect_readonly(events_db)
-    try:
-        for rank, raw in db.execute("SELECT rank, data FROM events WHERE kind = 'done'"):
-            digests[rank] = json.loads(raw)["digest"]
-    finally:
-        db.close()
+    digests = {event.rank: event.data["digest"] for event in done if event.rank is not None}
     return RunRecord(
-        state=str(data["job"].get("state")),
+        state=str(job.get("state")),
         losses=losses,
         inconsistent_steps=sorted(s for s, v in values.items() if len(v) > 1),
         rerun_steps=sorted({step for (_, step), n in completed.items() if n > 1}),
         digests=digests,
-        incidents=data["incidents"],
-        commits=len(data["steps"]),
+        incidents=incidents,
+        commits=len(commits),
     )
 
 
