@@ -83,7 +83,7 @@ from undying.cli.client import api_get, api_post  # noqa: E402
 from undying.demo import TRAIN_SCRIPT  # noqa: E402
 from undying.demo.oracle import compare_runs, load_run  # noqa: E402
 from undying.errors import JobNotRunningError, UsageError  # noqa: E402
-from undying.jobdir import JobDir  # noqa: E402
+from undying.manager.jobdir import JobDir  # noqa: E402
 
 RANKS = 4
 LIMIT_S = 2.0

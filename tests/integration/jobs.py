@@ -12,7 +12,7 @@ from typing import Any
 from undying.cli.client import api_get
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import wait_for
-from undying.jobdir import JobDir
+from undying.manager.jobdir import JobDir
 
 __all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "job_table"]
 

@@ -211,7 +211,7 @@ def run(job_dir: Path, script: Path, args: list[str], ranks: int, run_args: list
     Arming waits for a commit because an agent drops a fault armed before the rank's process exists.
     """
     from undying.cli.client import api_post
-    from undying.jobdir import JobDir
+    from undying.manager.jobdir import JobDir
 
     argv = [sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0", "--job-dir", str(job_dir),
             "--job-id", job_dir.name, "--stop-grace", "3", *RUN_ARGS, *(run_args or []), str(script), *args]

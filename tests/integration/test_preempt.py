@@ -31,7 +31,7 @@ from undying.cli.client import api_post
 from undying.cli.demo import load_preempted, run_job
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.demo.oracle import compare_runs, load_run
-from undying.jobdir import JobDir
+from undying.manager.jobdir import JobDir
 
 # 2 ranks, 32 steps an epoch; steps of at least 50 ms (the same job as test_checkpoints: one baseline).
 ARGS = ["--epochs", "2", "--step-seconds", "0.05"]

@@ -30,7 +30,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (3, ("undying.agent.launcher", "undying.cli", "undying.demo", "undying.k8s",
          "undying.__main__")),
     (2, ROLES),
-    (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobdir")),
+    (1, ("undying.checkpoint", "undying.trace", "undying.config")),
     (0, ("undying.protocol", "undying.errors", "undying.inputs", "undying.messages", "undying.rendezvous")),
 ]
 DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",

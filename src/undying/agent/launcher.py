@@ -25,11 +25,11 @@ from undying.agent.netif import interface_for
 from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
 from undying.config import JobConfig
 from undying.errors import UsageError
-from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token
 from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
+from undying.manager.jobdir import JobDir
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code
 from undying.manager.state import JobState

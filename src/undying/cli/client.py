@@ -23,8 +23,8 @@ from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 from undying.inputs import is_job_id
-from undying.jobdir import JobDir
 from undying.manager.auth import auth_headers, find_token, find_token_with_source
+from undying.manager.jobdir import JobDir
 
 __all__ = [
     "add_job_arguments",

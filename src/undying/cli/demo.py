@@ -33,9 +33,9 @@ from undying.config import EXIT_PREEMPTED
 from undying.demo import TRAIN_SCRIPT, node_loss
 from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
 from undying.errors import UsageError
-from undying.jobdir import JobDir
 from undying.manager.auth import find_token
 from undying.manager.events import LogReader
+from undying.manager.jobdir import JobDir
 
 __all__ = ["add_parser", "FAULTS", "run_job", "run_preempted", "load_preempted"]
 

@@ -8,7 +8,7 @@ from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, job_id_arg
-from undying.jobdir import default_job_dir
+from undying.manager.jobdir import default_job_dir
 
 __all__ = ["add_parser"]
 

@@ -21,7 +21,7 @@ from undying.config import (
 )
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
-from undying.jobdir import default_job_dir
+from undying.manager.jobdir import default_job_dir
 
 __all__ = ["add_parser"]
 

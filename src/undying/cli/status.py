@@ -24,8 +24,8 @@ from rich.text import Text
 
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
 from undying.errors import JobNotRunningError, UsageError
-from undying.jobdir import JobDir
 from undying.manager.events import LogReader, read_job
+from undying.manager.jobdir import JobDir
 
 __all__ = ["add_parser", "collect_status", "render", "view", "watch"]
 

@@ -25,11 +25,11 @@ from pathlib import Path
 from undying.checkpoint.mac import key_from_token, set_key
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, ConnectionLimits, JobConfig
 from undying.errors import UsageError
-from undying.jobdir import JobDir
 from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
 from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
+from undying.manager.jobdir import JobDir
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer
 from undying.manager.state import JobState
