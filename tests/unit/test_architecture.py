@@ -4,7 +4,7 @@ Layers, lowest first (a module imports from its own layer or a lower one):
 
 0. the contract floor: ``protocol`` (the codec, the messages, generations, the
    stores' wire), with ``errors`` and ``inputs``;
-1. libraries every role may use: ``checkpoint``, ``trace``, ``config``, ``jobdir``;
+1. libraries every role may use: ``checkpoint``, ``trace``, ``config``;
 2. the roles: ``worker``, ``agent``, ``manager``; none imports another (they
    meet only over the protocol);
 3. what assembles them: ``agent.launcher`` (the one place a manager and an
