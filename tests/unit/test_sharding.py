@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from undying.checkpoint import load_sharded, save_sharded
+from undying.checkpoint.sharded import load_sharded, save_sharded
 from undying.errors import UsageError
 from undying.worker import dtensor, sharding
 from undying.worker.state import State

@@ -506,7 +506,7 @@ def plan(
         notes.append(f"the checkpoint is of the current step {target}: survivors keep their state" if kept else
                      f"some shard exists only in the checkpoint of step {target}: every rank loads it")
     return RestorePlan(
-        layout, failed, tuple(sources), target, target if from_disk else None, newest - target,
+        layout, failed, tuple(sources), target, target if from_disk else None, max(0, newest - target),
         ckpt.path if from_disk and ckpt is not None else "", tuple(notes),
     )
 
