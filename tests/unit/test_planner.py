@@ -17,15 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from undying.checkpoint.layout import Layout, LayoutError, Shard
 from undying.checkpoint.planner import (
     UNREAD,
-    Layout,
-    LayoutError,
     Member,
     MissingShardsError,
     PersistedState,
     RestorePlan,
-    Shard,
     coarse_members,
     plan,
     ring_replica_of,

@@ -8,14 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from undying.checkpoint.layout import DIMS, Layout, LayoutError, Shard
 from undying.checkpoint.planner import (
-    DIMS,
-    Layout,
-    LayoutError,
     MissingShardsError,
     PersistedState,
     RestorePlan,
-    Shard,
     plan_for_ddp,
     plan_restore,
 )

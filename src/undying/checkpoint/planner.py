@@ -31,12 +31,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
-from undying.errors import NoStateSourceError, UsageError
+from undying.checkpoint.layout import Layout, LayoutError, Shard
+from undying.errors import NoStateSourceError
 
 __all__ = [
-    "Layout",
-    "LayoutError",
-    "Shard",
     "Member",
     "PersistedState",
     "UNREAD",
@@ -48,161 +46,6 @@ __all__ = [
     "plan_restore",
     "plan_for_ddp",
 ]
-
-DIMS = ("tp", "dp", "pp")
-# Megatron-LM numbers ranks tensor-parallel fastest, then data-parallel, then pipeline.
-MEGATRON_ORDER: tuple[str, str, str] = ("tp", "dp", "pp")
-
-class LayoutError(UsageError):
-    """A parallel layout that does not describe the world: bad sizes, order, or ranks out of range."""
-
-
-class Shard(NamedTuple):
-    """The part of the state a rank holds: its tensor- and pipeline-parallel coordinates."""
-
-    tp: int
-    pp: int
-
-    def __str__(self) -> str:
-        return f"(tp={self.tp}, pp={self.pp})"
-
-
-class Coords(NamedTuple):
-    """A rank's position in the grid."""
-
-    dp: int
-    tp: int
-    pp: int
-
-    @property
-    def shard(self) -> Shard:
-        return Shard(self.tp, self.pp)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A ``dp x tp x pp`` grid and how ranks are numbered in it (``order``: fastest dimension first)."""
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    order: tuple[str, str, str] = MEGATRON_ORDER
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"parallel size {name} must be an integer >= 1, got {value!r}")
-        if sorted(self.order) != sorted(DIMS):
-            raise LayoutError(
-                f"rank order must name each of tp, dp, pp once (fastest first), got {self.order!r}"
-            )
-        object.__setattr__(self, "order", tuple(self.order))
-
-    @classmethod
-    def for_world(
-        cls, world_size: int, *, dp: int | None = None, tp: int = 1, pp: int = 1,
-        order: Sequence[str] = MEGATRON_ORDER,
-    ) -> Layout:
-        """The layout of ``world_size`` ranks; ``dp`` defaults to what is left after tp and pp.
-
-        Raises LayoutError when ``dp * tp * pp != world_size`` (the message says by how much).
-        """
-        if tp < 1 or pp < 1:
-            raise LayoutError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
-        if dp is None:
-            if world_size % (tp * pp):
-                raise LayoutError(
-                    f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}"
-                )
-            dp = world_size // (tp * pp)
-        names = tuple(order)
-        if len(names) != 3:
-            raise LayoutError(f"rank order must name each of tp, dp, pp once (fastest first), got {names!r}")
-        layout = cls(dp, tp, pp, (names[0], names[1], names[2]))
-        layout.check_world(world_size)
-        return layout
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def check_world(self, world_size: int) -> None:
-        """Raise LayoutError unless this grid has exactly ``world_size`` ranks."""
-        if self.world_size != world_size:
-            raise LayoutError(
-                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} ranks, "
-                f"but the world has {world_size}; make dp*tp*pp equal the number of ranks"
-            )
-
-    def _size(self, dim: str) -> int:
-        return int(getattr(self, dim))
-
-    @functools.cached_property
-    def _grid(self) -> tuple[Coords, ...]:
-        """Every rank's coordinates, computed once (plans ask for them many times)."""
-        out = []
-        for rank in range(self.world_size):
-            at: dict[str, int] = {}
-            rest = rank
-            for dim in self.order:
-                size = self._size(dim)
-                at[dim] = rest % size
-                rest //= size
-            out.append(Coords(at["dp"], at["tp"], at["pp"]))
-        return tuple(out)
-
-    def coords(self, rank: int) -> Coords:
-        """Where ``rank`` sits in the grid."""
-        self._check_rank(rank)
-        return self._grid[rank]
-
-    def rank_of(self, dp: int, tp: int, pp: int) -> int:
-        """The rank at grid position (dp, tp, pp)."""
-        given = {"dp": dp, "tp": tp, "pp": pp}
-        rank, stride = 0, 1
-        for dim in self.order:
-            size = self._size(dim)
-            if not 0 <= given[dim] < size:
-                raise LayoutError(f"{dim}={given[dim]} is outside 0..{size - 1}")
-            rank += given[dim] * stride
-            stride *= size
-        return rank
-
-    @functools.cached_property
-    def _shard_table(self) -> tuple[tuple[Shard, ...], dict[Shard, tuple[int, ...]]]:
-        """Every rank's shard and every shard's holders, computed once."""
-        by_rank = tuple(c.shard for c in self._grid)
-        holders: dict[Shard, list[int]] = {}
-        for rank, shard in enumerate(by_rank):
-            holders.setdefault(shard, []).append(rank)
-        return by_rank, {s: tuple(rs) for s, rs in holders.items()}
-
-    def shard_of(self, rank: int) -> Shard:
-        self._check_rank(rank)
-        return self._shard_table[0][rank]
-
-    @functools.cached_property
-    def _all_shards(self) -> tuple[Shard, ...]:
-        return tuple(Shard(tp, pp) for pp in range(self.pp) for tp in range(self.tp))
-
-    def shards(self) -> list[Shard]:
-        """Every shard of the state, in (pp, tp) order."""
-        return list(self._all_shards)
-
-    def holders(self, shard: Shard) -> list[int]:
-        """The ranks that hold ``shard`` (its data-parallel group), lowest first."""
-        found = self._shard_table[1].get(Shard(*shard))
-        if found is None:
-            raise LayoutError(f"shard {shard} is outside tp 0..{self.tp - 1}, pp 0..{self.pp - 1}")
-        return list(found)
-
-    def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank!r} is outside 0..{self.world_size - 1}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "order": list(self.order)}
 
 
 @dataclass(frozen=True)
@@ -237,8 +80,7 @@ class Unread(enum.Enum):
 UNREAD: Final = Unread.UNREAD
 
 
-@dataclass(frozen=True)
-class Member:
+class Member(NamedTuple):
     """What one member holds after the fault: a worker reports its own; the manager knows less.
 
     ``step`` is the last step it committed (0: none yet); ``clean`` says its
@@ -375,7 +217,7 @@ def ring_replica_of(world_size: int, offset: int) -> dict[int, int]:
 
 def _whole_job(members: Iterable[Member], layout: Layout) -> list[Member]:
     """The members by rank; LayoutError unless they are exactly the ranks of the layout, once each."""
-    by_rank = sorted(members, key=lambda m: m.rank)
+    by_rank = sorted(members)  # by rank: ranks differ (checked next), so nothing else is compared
     ranks = [m.rank for m in by_rank]
     if ranks != list(range(layout.world_size)):
         raise LayoutError(
@@ -402,6 +244,17 @@ def _ranks(values: Iterable[int], layout: Layout, what: str) -> frozenset[int]:
         if type(r) is not int or not 0 <= r < world:  # a bool is not a rank
             raise LayoutError(f"{what} rank {r!r} is outside 0..{world - 1}")
     return out
+
+
+def _common_snapshots(by_rank: Sequence[Member], ranks: Sequence[int]) -> set[int]:
+    """Steps every one of ``ranks`` keeps a snapshot of (a snapshot serves only its own rank)."""
+    own: set[int] | None = None
+    for r in ranks:
+        m = by_rank[r]
+        if not (m.has_state and m.snapshots):
+            return set()
+        own = set(m.snapshots) if own is None else own.intersection(m.snapshots)
+    return own or set()
 
 
 def _deal(receivers: Sequence[int], donors: Sequence[int]) -> dict[int, int]:
@@ -443,51 +296,53 @@ def plan(
     failed = frozenset(m.rank for m in by_rank if not m.has_state)
 
     # Copies by shard and step: live states (any rank of the shard can use them), ring replicas.
-    live: dict[Shard, dict[int, list[int]]] = {s: {} for s in all_shards}
-    ring: dict[Shard, dict[int, list[int]]] = {s: {} for s in all_shards}
+    live: dict[Shard, dict[int, list[int]]] = {}
+    ring: dict[Shard, dict[int, list[int]]] = {}
+    snapshots = False
     for m in by_rank:
         if not m.has_state:
             continue
         if m.clean:
-            live[shard_of[m.rank]].setdefault(m.step, []).append(m.rank)
-        owner = replicas.get(m.rank)
+            live.setdefault(shard_of[m.rank], {}).setdefault(m.step, []).append(m.rank)
+        owner = replicas.get(m.rank) if m.replicas else None
         if owner is not None:
+            keeps = ring.setdefault(shard_of[owner], {})
             for step in set(m.replicas):
-                ring[shard_of[owner]].setdefault(step, []).append(m.rank)
-    # A snapshot serves only its own rank: a shard is whole at a step its shared copies cover, or every
-    # one of its ranks has a snapshot of.
+                keeps.setdefault(step, []).append(m.rank)
+        snapshots = snapshots or bool(m.snapshots)
     memory: dict[Shard, set[int]] = {}
+    common: set[int] | None = None
     for s in all_shards:
-        own: set[int] | None = None
-        for r in holders_of[s]:
-            m = by_rank[r]
-            mine = set(m.snapshots) if m.has_state else set()
-            own = mine if own is None else own & mine
-        memory[s] = set(live[s]) | set(ring[s]) | (own or set())
-
-    common = set.intersection(*memory.values()) if memory else set()
+        steps = set(live.get(s, ()))
+        steps.update(ring.get(s, ()))
+        if snapshots:
+            steps |= _common_snapshots(by_rank, holders_of[s])
+        memory[s] = steps
+        common = set(steps) if common is None else common & steps
     if not common and checkpoint is UNREAD:
         return RestorePlan(layout, failed, tuple(Source("checkpoint") for _ in by_rank), None, None, None, "",
                            ("no step has every shard in memory: read the latest checkpoint and plan again",))
-    on_disk = {s: memory[s] | ({ckpt.step} if ckpt is not None and ckpt.holds(s) else set()) for s in all_shards}
     if not common:
+        on_disk = {s: memory[s] | ({ckpt.step} if ckpt is not None and ckpt.holds(s) else set())
+                   for s in all_shards}
         common = set.intersection(*on_disk.values()) if on_disk else set()
-    if not common:
-        raise _refusal(layout, by_rank, memory, on_disk, ckpt)
+        if not common:
+            raise _refusal(layout, by_rank, memory, on_disk, ckpt)
     target = max(common)
 
     sources: list[Source] = [_SELF] * layout.world_size
     needy: dict[Shard, list[int]] = {}
     for m in by_rank:
-        if m.live_at(target):
-            continue
-        if m.has_state and target in m.snapshots:
-            sources[m.rank] = Source("snapshot", m.rank, target)
-        else:
-            needy.setdefault(shard_of[m.rank], []).append(m.rank)
+        if m.has_state:
+            if m.clean and m.step == target:
+                continue
+            if target in m.snapshots:
+                sources[m.rank] = Source("snapshot", m.rank, target)
+                continue
+        needy.setdefault(shard_of[m.rank], []).append(m.rank)
     from_disk = False
     for shard, receivers in needy.items():
-        peers, holders = live[shard].get(target), ring[shard].get(target)
+        peers, holders = live.get(shard, {}).get(target), ring.get(shard, {}).get(target)
         if peers:
             for r, donor in _deal(receivers, sorted(peers)).items():
                 sources[r] = Source("peer", donor)

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch.distributed as dist
 
 from undying.checkpoint import planner
+from undying.checkpoint.layout import Layout
 from undying.checkpoint.manifest import Manifest
-from undying.checkpoint.planner import UNREAD, Layout, Member, RestorePlan
+from undying.checkpoint.planner import UNREAD, Member, RestorePlan
 from undying.config import EXIT_FENCED, EXIT_REGROUPED
 from undying.errors import (
     ControlStoreLostError,
@@ -251,7 +252,7 @@ class Rejoin:
     def _restore(self, status: RankStatus, state: State | None, regroup: bool) -> _Restored | None:
         """One round: exchange holdings, plan, carry out. None: a collective failed on the way."""
         me = dist.get_rank()  # this generation's number for the rank (a regroup numbers its members anew)
-        mine = dataclasses.replace(status, member=dataclasses.replace(status.member, rank=me)) if regroup else status
+        mine = dataclasses.replace(status, member=status.member._replace(rank=me)) if regroup else status
         statuses = self._collective(lambda: exchange_statuses(mine))
         if statuses is _FAILED:
             return None
