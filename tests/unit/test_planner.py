@@ -346,6 +346,19 @@ def test_manager_table(why: str, world: int, failed: set[int], step: int, ring: 
     assert result.failed == frozenset(failed)
 
 
+def test_manager_view_of_a_ring_replicated_every_k_steps_goes_back_to_the_copies() -> None:
+    """Replicated every 3 steps, survivors at 8: the lost shard's copy is of step 6, so is everyone's snapshot."""
+    ring = ring_replica_of(4, 1)
+    members = coarse_members(4, {2}, 8, replica_of=ring, copies_at=6)
+    result = plan(Layout(dp=1, tp=4), members, replica_of=ring, checkpoint=PersistedState(4))
+    assert [s.kind for s in result.sources] == ["snapshot", "snapshot", "replica", "snapshot"]
+    assert (result.target, result.lost_steps, result.needs_checkpoint) == (6, 2, False)
+    # The same members as the ranks report them give the same plan (the workers' view, exchanged).
+    workers = [Member(0, 8, snapshots=(6,), replicas=(6,)), Member(1, 8, snapshots=(6,), replicas=(6,)),
+               Member.lost(2), Member(3, 8, snapshots=(6,), replicas=(6,))]
+    assert plan(Layout(dp=1, tp=4), workers, replica_of=ring, checkpoint=UNREAD).sources == result.sources
+
+
 def test_manager_refusals_name_what_is_missing() -> None:
     with pytest.raises(MissingShardsError, match="no complete state") as info:
         manager_plan(4, {0, 1, 2, 3}, 6)

@@ -403,13 +403,17 @@ def _refusal(
 
 def coarse_members(
     world_size: int, failed: Iterable[int], step: int, *, replica_of: Mapping[int, int] | None = None,
+    copies_at: int | None = None,
 ) -> list[Member]:
-    """Members as a manager sees them: the failed ranks lost, the others clean at ``step``,
-    each replica holder keeping a copy of ``step`` (``replica_of``)."""
+    """Members as a manager sees them: the failed ranks lost, the others clean at ``step``; with a ring
+    (``replica_of``) each survivor keeps its snapshot and its replica of ``copies_at`` (default ``step``:
+    replicated every step; with ``UNDYING_REPLICATE_EVERY=k``, the last multiple of k)."""
     lost = frozenset(failed)
     holders = frozenset(replica_of or ())
+    at = step if copies_at is None else copies_at
+    snapshots = (at,) if holders and at != step else ()
     return [Member.lost(r, step) if r in lost else
-            Member(r, step, replicas=(step,) if r in holders else ()) for r in range(world_size)]
+            Member(r, step, snapshots=snapshots, replicas=(at,) if r in holders else ()) for r in range(world_size)]
 
 
 def plan_restore(
