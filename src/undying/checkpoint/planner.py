@@ -409,6 +409,9 @@ def coarse_members(
     (``replica_of``) each survivor keeps its snapshot and its replica of ``copies_at`` (default ``step``:
     replicated every step; with ``UNDYING_REPLICATE_EVERY=k``, the last multiple of k)."""
     lost = frozenset(failed)
+    for r in lost:
+        if type(r) is not int or not 0 <= r < world_size:  # a bool is not a rank
+            raise LayoutError(f"failed rank {r!r} is outside 0..{world_size - 1}")
     holders = frozenset(replica_of or ())
     at = step if copies_at is None else copies_at
     snapshots = (at,) if holders and at != step else ()
@@ -426,7 +429,7 @@ def plan_restore(
 ) -> RestorePlan:
     """``plan`` over ``coarse_members``; ``current_step`` None: the survivors' step is not known (then
     a checkpoint is never current and ``lost_steps`` is None)."""
-    failed_set = _ranks(failed, layout, "failed")
+    failed_set = frozenset(failed)
     if checkpoint is not None and current_step is not None and current_step < checkpoint.step:
         raise LayoutError(
             f"the checkpoint is of step {checkpoint.step}, newer than the current step {current_step}"
