@@ -1,25 +1,50 @@
-"""The restore planner over every small layout: invariants, a reference written apart, the DDP case."""
+"""The restore planner over every small layout, from the manager's view (who failed, the survivors'
+step): invariants, a reference written apart, the DDP case."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import pytest
 
+from undying.checkpoint.layout import DIMS, Layout, LayoutError, Shard
 from undying.checkpoint.planner import (
-    DIMS,
-    Layout,
-    LayoutError,
     MissingShardsError,
     PersistedState,
     RestorePlan,
-    Shard,
-    plan_for_ddp,
-    plan_restore,
+    coarse_members,
+    plan,
 )
 from undying.errors import NoStateSourceError, UsageError
+
+
+def plan_restore(
+    layout: Layout, failed: Iterable[int], *, replica_of: Mapping[int, int] | None = None,
+    checkpoint: PersistedState | None = None, current_step: int | None = None,
+) -> RestorePlan:
+    """``plan`` over the manager's view; ``current_step`` None: the survivors' step is not known, so
+    a checkpoint is never the current step (they are one past it) and ``lost_steps`` is None."""
+    step = current_step if current_step is not None else checkpoint.step + 1 if checkpoint is not None else 0
+    members = coarse_members(layout.world_size, failed, step, replica_of=replica_of)
+    result = plan(layout, members, replica_of=replica_of, checkpoint=checkpoint)
+    return result if current_step is not None else dataclasses.replace(result, lost_steps=None)
+
+
+@functools.lru_cache(maxsize=8)
+def _ddp_layout(world_size: int) -> Layout:
+    return Layout.for_world(world_size)
+
+
+def plan_for_ddp(world_size: int, failed: Iterable[int], checkpoint_step: int | None = None, *,
+                 current_step: int | None = None, checkpoint_path: str = "") -> RestorePlan:
+    """The DDP case (tp = pp = 1): any survivor is a peer of every rank; all failed -> the checkpoint."""
+    ckpt = PersistedState(checkpoint_step, path=checkpoint_path) if checkpoint_step is not None else None
+    return plan_restore(_ddp_layout(world_size), failed, checkpoint=ckpt, current_step=current_step)
+
 
 SIZES = (1, 2, 3)
 LAYOUTS = [Layout(dp, tp, pp) for dp, tp, pp in itertools.product(SIZES, repeat=3)]

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from undying.checkpoint import load_sharded, save_sharded
+from undying.checkpoint.sharded import load_sharded, save_sharded
 from undying.errors import UsageError
-from undying.worker import sharding
+from undying.worker import dtensor, sharding
 from undying.worker.state import State
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -77,7 +77,7 @@ def train(model: nn.Module, state: State, steps: range) -> list[float]:
 
 def test_a_dtensor_model_is_sharded_state(group: None) -> None:
     model, _, state = build()
-    assert state.sharded and sharding.has_dtensors(model)
+    assert state.sharded and dtensor.has_dtensors(model)
     assert not State(model=nn.Linear(2, 2)).sharded
     assert State(model=nn.Linear(2, 2), sharded=True).sharded
     with pytest.raises(UsageError, match="sharded=False"):
@@ -146,14 +146,14 @@ def test_fsdp_trains_on_after_a_new_generation_and_a_failed_forward(group: None)
 
 
 def test_a_staged_copy_for_the_background_writer_is_private_and_still_sharded(group: None) -> None:
-    from undying.worker.shards import _stage
+    from undying.worker.shards import stage
 
     model, _, state = build()
     train(model, state, range(1))
     sd = sharding.dcp_state_dict(state)
-    staged = _stage(sd)
+    staged = stage(sd)
     weight, copy = sd["model"]["0.weight"], staged["model"]["0.weight"]
-    assert sharding.is_dtensor(copy) and copy.placements == weight.placements and copy.shape == weight.shape
+    assert dtensor.is_dtensor(copy) and copy.placements == weight.placements and copy.shape == weight.shape
     assert torch.equal(copy.to_local(), weight.to_local())
     assert copy.to_local().data_ptr() != weight.to_local().data_ptr()
     before = copy.to_local().clone()

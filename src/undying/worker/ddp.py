@@ -9,16 +9,14 @@ DDP's constructor, a collective, requires.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from undying.worker.context import JobContext
 from undying.worker.tracing import CommHookState, traced_allreduce_hook
-
-if TYPE_CHECKING:
-    from undying.worker.job import Job
 
 __all__ = ["GenerationalDDP"]
 
@@ -28,9 +26,9 @@ _DDP_ATTRIBUTES = frozenset({"no_sync", "join", "join_hook", "register_comm_hook
 
 
 class GenerationalDDP:
-    def __init__(self, job: Job, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
+    def __init__(self, ctx: JobContext, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
         self.module = module
-        self._job = job
+        self._ctx = ctx
         self._ddp_kwargs = ddp_kwargs
         first = next(module.parameters(), None)
         if first is not None and first.requires_grad:
@@ -48,8 +46,9 @@ class GenerationalDDP:
     def current(self) -> torch.nn.Module:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.module
-        hooked = self._job.tracing.comm_hook_at(self._job.current_step)
-        if self._ddp is None or self._generation != self._job.generation or self._hooked != hooked:
+        ctx = self._ctx
+        hooked = ctx.tracing.comm_hook_at(ctx.current_step)
+        if self._ddp is None or self._generation != ctx.generation or self._hooked != hooked:
             ddp = DistributedDataParallel(self.module, **self._ddp_kwargs)
             # DDP regroups its gradient buckets after its first iteration, in
             # the order gradients became ready. A DDP rebuilt after a fault
@@ -64,20 +63,20 @@ class GenerationalDDP:
                 # A DDP takes a hook only before its first step, so switching comm rebuilds it,
                 # on every rank at the same step (see TraceSet.comm_from_step).
                 ddp.register_comm_hook(
-                    CommHookState(self._job.tracing, ddp.process_group, dist.get_world_size(ddp.process_group)),
+                    CommHookState(ctx.tracing, ddp.process_group, dist.get_world_size(ddp.process_group)),
                     traced_allreduce_hook,
                 )
             self._ddp = ddp
-            self._generation = self._job.generation
+            self._generation = ctx.generation
             self._hooked = hooked
         return self._ddp
 
     def _in_backward(self, grad: torch.Tensor) -> None:
-        self._job._faults.check("backward", self._job.current_step)
+        self._ctx.faults.check("backward", self._ctx.current_step)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._job._faults.check("forward", self._job.current_step)
-        tracing = self._job.tracing
+        self._ctx.faults.check("forward", self._ctx.current_step)
+        tracing = self._ctx.tracing
         if not tracing.active:
             return self.current()(*args, **kwargs)
         with tracing.forward():

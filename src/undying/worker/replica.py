@@ -1,4 +1,4 @@
-"""Ring replication of sharded state (Gemini-style), and where each shard comes from after a fault.
+"""Ring replication of sharded state (Gemini-style): the switch, the copies, and moving them.
 
 With ``UNDYING_REPLICATE=ring`` (``undying run --replicate ring``) every rank
 of a sharded job sends a serialized copy of its own shard to its ring
@@ -16,9 +16,9 @@ its shard is in its successor's memory: the replacement gets it from there,
 the survivors keep their own, and nothing is read from disk. Each rank also
 keeps the bytes it sent, its own snapshot, which is what it rolls back to
 when its live state is ahead of the step every shard can be restored at, or
-was torn by a failed step. ``plan_shards`` picks that step (a pure function
-of what every member reports, so every rank computes the same plan); with no
-such step in memory the job falls back to the latest checkpoint.
+was torn by a failed step. The restore planner (``checkpoint.planner.plan``)
+picks that step from what every member reports; with no such step in memory
+the job falls back to the latest checkpoint.
 
 On a single node (``local_world_size == world_size``) the successor is the
 next rank: the replica then protects against the loss of a process, not of
@@ -31,14 +31,13 @@ import ctypes
 import logging
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from undying.errors import RecoveryError, UsageError
-from undying.worker.restore import RankStatus
 
 __all__ = [
     "ENV_REPLICATE",
@@ -46,9 +45,6 @@ __all__ = [
     "ReplicationConfig",
     "ring_offset",
     "Copies",
-    "ShardSource",
-    "ShardPlan",
-    "plan_shards",
     "exchange",
     "send_bytes",
     "recv_bytes",
@@ -128,81 +124,6 @@ class Copies:
 
     def nbytes(self) -> int:
         return sum(len(b) for b in self.own.values()) + sum(len(b) for b in self.replicas.values())
-
-
-@dataclass(frozen=True)
-class ShardSource:
-    kind: str  # "live" (the rank's own state as it is), "own" (its snapshot), "replica" (from holder)
-    holder: int
-
-    def describe(self, rank: int) -> str:
-        if self.kind == "replica":
-            return f"rank {rank} <- replica on rank {self.holder}"
-        return f"rank {rank} <- its own {'state' if self.kind == 'live' else 'snapshot'}"
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    # The step every shard is restored at; None: no step has a copy of every shard in memory.
-    target: int | None
-    sources: dict[int, ShardSource]
-    # The newest step a member holding state had committed (target < newest: steps are re-run).
-    newest: int
-    # With no target: the ranks whose shard has no copy in memory at all.
-    missing: tuple[int, ...] = ()
-
-    @property
-    def lost_steps(self) -> int:
-        return max(0, self.newest - self.target) if self.target is not None else 0
-
-    def describe(self) -> str:
-        if self.target is None:
-            what = f"no copy of the shard of rank(s) {', '.join(map(str, self.missing))}" if self.missing else \
-                "no step at which every shard has a copy"
-            return f"{what} in memory: the job rolls back to the latest checkpoint"
-        parts = [self.sources[r].describe(r) for r in sorted(self.sources)]
-        tail = f"; {self.lost_steps} step(s) re-run" if self.lost_steps else ""
-        return f"step {self.target}: " + ", ".join(parts) + tail
-
-
-def plan_shards(statuses: Sequence[RankStatus], offset: int) -> ShardPlan:
-    """The newest step at which every rank's shard has a copy somewhere, and where each comes from.
-
-    A rank's shard at step s exists on the rank itself (its live state, when
-    clean at s; or its own snapshot of s) or on its ring successor
-    ``(rank + offset) % world`` (a replica of s). The live state is preferred
-    (no copy), then the own snapshot, then the replica.
-    """
-    by_rank = {s.rank: s for s in statuses}
-    world = len(statuses)
-    if sorted(by_rank) != list(range(world)):
-        raise RecoveryError(f"statuses from ranks {sorted(by_rank)} are not one whole job of {world} ranks")
-    available: dict[int, set[int]] = {}
-    for rank, status in by_rank.items():
-        steps: set[int] = set()
-        if status.has_state:
-            if status.clean:
-                steps.add(status.committed)
-            steps.update(status.own)
-        holder = by_rank[(rank + offset) % world] if offset else status
-        if holder.rank != rank and holder.has_state:
-            steps.update(holder.replicas)
-        available[rank] = steps
-    newest = max((s.committed for s in statuses if s.has_state), default=0)
-    common = set.intersection(*available.values()) if available else set()
-    if not common:
-        missing = tuple(sorted(r for r, steps in available.items() if not steps))
-        return ShardPlan(None, {}, newest, missing)
-    target = max(common)
-    sources: dict[int, ShardSource] = {}
-    for rank, status in by_rank.items():
-        if status.has_state and status.clean and status.committed == target:
-            sources[rank] = ShardSource("live", rank)
-        elif status.has_state and target in status.own:
-            sources[rank] = ShardSource("own", rank)
-        else:
-            sources[rank] = ShardSource("replica", (rank + offset) % world)
-    return ShardPlan(target, sources, newest)
 
 
 def _header(data: bytes) -> torch.Tensor:

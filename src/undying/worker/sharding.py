@@ -25,23 +25,19 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from undying.checkpoint.safe_load import load_state_bytes
 from undying.errors import RecoveryError, UsageError
+from undying.worker.dtensor import is_dtensor
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
     from undying.worker.state import State
 
 __all__ = [
-    "is_dtensor",
-    "has_dtensors",
     "shard_bytes",
     "load_shard_bytes",
     "dcp_state_dict",
@@ -52,21 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("undying.worker")
-
-
-
-def is_dtensor(obj: Any) -> TypeGuard[DTensor]:
-    # torch.distributed.tensor costs ~0.4 s to import (sympy, DTensor ops); a job that never made a
-    # DTensor never imported it, so nothing here can be one: no import on every worker's start.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(obj, module.DTensor)
-
-
-def has_dtensors(module: torch.nn.Module | None) -> bool:
-    """True when any parameter or buffer of ``module`` is a DTensor (FSDP2, tensor parallel)."""
-    if module is None:
-        return False
-    return any(is_dtensor(t) for t in module.state_dict().values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

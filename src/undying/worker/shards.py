@@ -10,10 +10,12 @@ the paths in ``job.py``. Kept apart so the step loop reads the same for both:
   them on any world size (``load_sharded``), after the shapes are checked;
 - **replication** (``UNDYING_REPLICATE=ring``): a committed step's shards
   are copied to each rank's ring successor (``worker.replica``);
-- **restore**: after a fault every rank gets its shard from where
-  ``plan_shards`` says (itself, its snapshot, or the replica holder); when no
+- **restore**: after a fault every rank gets its shard from where the
+  restore planner says (itself, its snapshot, or the replica holder); when no
   step has every shard in memory, every rank rolls back in place to the
   latest valid checkpoint, and the steps since are re-run and reported lost.
+  What to do is the plan's (``checkpoint.planner.plan``); this module moves
+  the bytes.
 """
 
 from __future__ import annotations
@@ -30,37 +32,37 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from undying.checkpoint import (
-    Manifest,
-    SaveResult,
-    check_compatible,
-    latest_valid_shared,
-    load_sharded,
-    save_sharded,
-    tensor_shapes,
-)
-from undying.errors import NoStateSourceError, RecoveryError, UsageError
+from undying.checkpoint.checks import check_compatible, tensor_shapes
+from undying.checkpoint.manifest import Manifest
+from undying.checkpoint.planner import Member, PersistedState, RestorePlan, ring_replica_of
+from undying.checkpoint.sharded import latest_valid_shared, load_sharded, save_sharded
+from undying.checkpoint.writer import SaveResult
+from undying.errors import RecoveryError, UsageError
 from undying.messages import CheckpointSaved, Progress
 from undying.worker import replica, sharding
+from undying.worker.context import JobContext
+from undying.worker.group import is_comm_failure
 from undying.worker.restore import MODE_SHARDED, RankStatus
 
 if TYPE_CHECKING:
-    from undying.worker.job import Job
     from undying.worker.state import State
 
-__all__ = ["Shards", "ENV_RESUME_DIGEST"]
+__all__ = ["Shards", "ENV_RESUME_DIGEST", "stage"]
 
 log = logging.getLogger("undying.worker")
+
+# The planner's words for a source, as the shards_restored event names them.
+_SOURCE_NAMES = {"self": "live", "snapshot": "own", "replica": "replica"}
 
 # "1": a resumed rank reports the digest of the whole state it loaded (a gather; for tests and audits).
 ENV_RESUME_DIGEST = "UNDYING_RESUME_DIGEST"
 
 
 class Shards:
-    """Sharded-state support for one ``Job`` (its rank, its channel to the agent, its config)."""
+    """Sharded-state support for one job (its rank, its channel to the agent, its config)."""
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
         self.config = replica.ReplicationConfig.from_environ()
         self.copies = replica.Copies()
         self.last_save: SaveResult | None = None  # the newest sharded checkpoint this job wrote
@@ -77,21 +79,25 @@ class Shards:
 
     @property
     def offset(self) -> int:
-        env = self.job.env
-        local = env.local_world_size if env is not None else self.job.world_size
-        return replica.ring_offset(self.job.world_size, local)
+        env = self.ctx.env
+        local = env.local_world_size if env is not None else self.ctx.world_size
+        return replica.ring_offset(self.ctx.world_size, local)
 
     @property
     def successor(self) -> int:
-        return (self.job.rank + self.offset) % self.job.world_size
+        return (self.ctx.rank + self.offset) % self.ctx.world_size
 
     @property
     def predecessor(self) -> int:
-        return (self.job.rank - self.offset) % self.job.world_size
+        return (self.ctx.rank - self.offset) % self.ctx.world_size
 
     @property
     def ring(self) -> bool:
         return self.config.ring and self.offset > 0
+
+    def replica_of(self) -> dict[int, int]:
+        """Which rank's shard each rank keeps a replica of (holder -> owner), for the restore planner."""
+        return ring_replica_of(self.ctx.world_size, self.offset) if self.ring else {}
 
     # --- the state, shaped for DCP -----------------------------------------------
 
@@ -111,26 +117,27 @@ class Shards:
         """What the manager needs to plan a restore: whose shard has a copy where."""
         if not state.sharded:
             return {"sharded": False}
-        return {"sharded": True, "world_size": self.job.world_size,
+        return {"sharded": True, "world_size": self.ctx.world_size,
                 "replicate": "ring" if self.ring else "off", "every": self.config.every, "offset": self.offset}
 
     def status(self, committed: int, clean: bool) -> RankStatus:
-        return RankStatus(self.job.rank, committed, clean=clean, has_state=True, mode=MODE_SHARDED,
-                          own=tuple(self.copies.own), replicas=tuple(self.copies.replicas))
+        member = Member(self.ctx.rank, committed, clean=clean, has_state=True,
+                        snapshots=tuple(self.copies.own), replicas=tuple(self.copies.replicas))
+        return RankStatus(member, MODE_SHARDED)
 
     def attach(self, state: State) -> None:
         """Fault-injection points of the forward and backward pass (DDP's wrapper has them built in)."""
         model = state.model
-        if model is None or id(model) in self._hooked or not self.job.managed:
+        ctx = self.ctx
+        if model is None or id(model) in self._hooked or not ctx.managed:
             return
         self._hooked.add(id(model))
-        faults = self.job._faults
 
         def in_backward(grad: torch.Tensor) -> None:
-            faults.check("backward", self.job.current_step)
+            ctx.faults.check("backward", ctx.current_step)
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
-            faults.check("forward", self.job.current_step)
+            ctx.faults.check("forward", ctx.current_step)
 
         def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
             if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -147,7 +154,7 @@ class Shards:
         try:
             check_compatible(manifest, path=path, state_shapes=tensor_shapes(sd))
         except UsageError as e:
-            self.job._report_fatal(manifest.step, e)
+            self.ctx.report_fatal(manifest.step, e)
             raise
         with self._internal():
             load_sharded(path, sd)
@@ -156,7 +163,7 @@ class Shards:
         detail: dict[str, Any] = {"checkpoint": path, "saved_world_size": manifest.world_size}
         if self.resume_digest:
             detail["digest"] = sharding.full_digest(self.dcp_state_dict(state))
-        self.job._on_checkpoint_loaded(manifest, detail)
+        self.ctx.checkpoint_loaded(manifest, detail)
 
     def maybe_save(self, state: State, index: int, meta: dict[str, Any]) -> bool:
         """After a committed step: start a background save when due. False: a peer failed (recover).
@@ -166,30 +173,28 @@ class Shards:
         is per rank, and a rank's previous write may still run while another's
         is done. A save due while one is still written is skipped by all.
         """
-        job = self.job
-        assert job.env is not None
-        cfg = job.env.checkpoint
+        ctx = self.ctx
+        assert ctx.env is not None
+        cfg = ctx.env.checkpoint
         try:
-            due = job._save_due(index)
+            due = ctx.clock.due(index)
             if cfg.save_interval <= 0 and not due:
                 return True
             flags = torch.tensor([int(due), int(self.writing)], dtype=torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if not flags[0]:
                 return True
-            job._last_save_t = time.monotonic()
+            ctx.clock.mark()
             if flags[1]:
-                if job.rank == 0:
+                if ctx.rank == 0:
                     log.info("sharded checkpoint of step %d skipped: the previous one is still being written", index)
                 return True
-            with job.tracing.checkpoint_stall():
+            with ctx.tracing.checkpoint_stall():
                 self._start_save(state, index, meta)
         except Exception as e:
-            from undying.worker.group import is_comm_failure
-
             if not is_comm_failure(e):
                 raise
-            job._abort_reason = f"{type(e).__name__}: {e}"
+            ctx.aborted(e)
             return False
         return True
 
@@ -205,38 +210,38 @@ class Shards:
         share one group. Built once per generation: a new generation destroys
         every group of the old one.
         """
-        if self._group is None or self._group_generation != self.job.generation:
+        if self._group is None or self._group_generation != self.ctx.generation:
             self._group = dist.new_group(backend="gloo")
-            self._group_generation = self.job.generation
+            self._group_generation = self.ctx.generation
         return self._group
 
     def _start_save(self, state: State, step: int, meta: dict[str, Any]) -> None:
         """Copy this rank's shard to CPU (the loop's only stall) and write it in a thread, with the others."""
-        job = self.job
-        assert job.env is not None
+        ctx = self.ctx
+        assert ctx.env is not None
         group = self._checkpoint_group()
         started = time.perf_counter()
-        snapshot = _stage(self.dcp_state_dict(state))
+        snapshot = stage(self.dcp_state_dict(state))
         blocking = time.perf_counter() - started
-        env, generation = job.env, job.generation
+        env, generation = ctx.env, ctx.generation
 
         def write() -> None:
             t0 = time.time()
             try:
                 result = save_sharded(
                     env.checkpoint.dir, step, snapshot, group=group, job_id=env.job_id, generation=generation,
-                    kind="periodic", keep=env.checkpoint.keep, meta=meta, layout_extra={"world_size": job.world_size},
+                    kind="periodic", keep=env.checkpoint.keep, meta=meta, layout_extra={"world_size": ctx.world_size},
                 )
             except Exception as e:  # a peer gone mid-write, a full disk: reported; the latest valid one stands
-                log.error("rank %d: sharded checkpoint of step %d failed: %s", job.rank, step, e)
-                if job.rank == 0:
-                    job._send(CheckpointSaved(0, step, "periodic", "", blocking, time.time() - t0, 0, time.time(),
+                log.error("rank %d: sharded checkpoint of step %d failed: %s", ctx.rank, step, e)
+                if ctx.rank == 0:
+                    ctx.send(CheckpointSaved(0, step, "periodic", "", blocking, time.time() - t0, 0, time.time(),
                                               error=f"{type(e).__name__}: {e}"))
                 return
             self.last_save = result
-            if job.rank == 0:
-                job.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
-                job._send(CheckpointSaved(0, step, "periodic", result.path, blocking, result.write_s, result.bytes,
+            if ctx.rank == 0:
+                ctx.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
+                ctx.send(CheckpointSaved(0, step, "periodic", result.path, blocking, result.write_s, result.bytes,
                                           time.time()))
 
         self._writer = threading.Thread(target=write, name="undying-sharded-ckpt", daemon=True)
@@ -250,55 +255,53 @@ class Shards:
         thread.join(timeout)
         if thread.is_alive():
             log.error("rank %d: the sharded checkpoint write still runs after %.0fs; going on without it",
-                      self.job.rank, timeout or 0)
+                      self.ctx.rank, timeout or 0)
             return
         self._writer = None
 
     def save(self, state: State, step: int, kind: str, meta: dict[str, Any]) -> SaveResult | None:
         """Collective ``save_sharded``; rank 0 reports it (or its failure) to the manager."""
-        job = self.job
-        assert job.env is not None
+        ctx = self.ctx
+        assert ctx.env is not None
         started = time.time()
         try:
             result = save_sharded(
-                job.env.checkpoint.dir, step, self.dcp_state_dict(state), job_id=job.env.job_id,
-                generation=job.generation, kind=kind, keep=job.env.checkpoint.keep, meta=meta,
-                layout_extra={"world_size": job.world_size},
+                ctx.env.checkpoint.dir, step, self.dcp_state_dict(state), job_id=ctx.env.job_id,
+                generation=ctx.generation, kind=kind, keep=ctx.env.checkpoint.keep, meta=meta,
+                layout_extra={"world_size": ctx.world_size},
             )
         except Exception as e:
-            from undying.worker.group import is_comm_failure
-
             if is_comm_failure(e):
                 raise
-            log.error("rank %d: sharded checkpoint of step %d failed: %s", job.rank, step, e)
-            if job.rank == 0:
-                job._send(CheckpointSaved(0, step, kind, "", 0.0, time.time() - started, 0, time.time(),
+            log.error("rank %d: sharded checkpoint of step %d failed: %s", ctx.rank, step, e)
+            if ctx.rank == 0:
+                ctx.send(CheckpointSaved(0, step, kind, "", 0.0, time.time() - started, 0, time.time(),
                                           error=f"{type(e).__name__}: {e}"))
             return None
         self.last_save = result
-        if job.rank == 0:
-            job.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
-            job._send(CheckpointSaved(0, step, kind, result.path, result.blocking_s, result.write_s, result.bytes,
+        if ctx.rank == 0:
+            ctx.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
+            ctx.send(CheckpointSaved(0, step, kind, result.path, result.blocking_s, result.write_s, result.bytes,
                                       time.time()))
         return result
 
     def dying_gasp(self, state: State, step: int, meta: dict[str, Any], resumed: tuple[int, str] | None) -> None:
         """Every rank stopped at ``step``: save it together, unless a checkpoint of it exists."""
-        job = self.job
+        ctx = self.ctx
         self.finish_writes()  # a periodic save of this very step may be the dying gasp already
         existing = self.last_save.path if self.last_save is not None and self.last_save.step == step else \
             resumed[1] if resumed is not None and resumed[0] == step else None
         if existing is not None:
-            if job.rank == 0:
+            if ctx.rank == 0:
                 log.warning("rank 0: dying gasp: the checkpoint of step %d already exists: %s", step, existing)
-                job._send(CheckpointSaved(0, step, "existing", existing, 0.0, 0.0, 0, time.time()))
+                ctx.send(CheckpointSaved(0, step, "existing", existing, 0.0, 0.0, 0, time.time()))
             return
         try:
             self.save(state, step, "dying-gasp", meta)
         except Exception as e:  # a peer gone mid-save: the latest valid checkpoint stands
-            log.error("rank %d: dying-gasp checkpoint of step %d failed: %s", job.rank, step, e)
-            if job.rank == 0:
-                job._send(CheckpointSaved(0, step, "dying-gasp", "", 0.0, 0.0, 0, time.time(),
+            log.error("rank %d: dying-gasp checkpoint of step %d failed: %s", ctx.rank, step, e)
+            if ctx.rank == 0:
+                ctx.send(CheckpointSaved(0, step, "dying-gasp", "", 0.0, 0.0, 0, time.time(),
                                           error=f"{type(e).__name__}: {e}"))
 
     # --- ring replication --------------------------------------------------------
@@ -313,23 +316,24 @@ class Shards:
         checksum is not kept: the older one stays, and the event says so.
         """
         started = time.perf_counter()
-        data = sharding.shard_bytes(state, {"data_origin": self.job._data_origin})
+        ctx = self.ctx
+        data = sharding.shard_bytes(state, {"data_origin": ctx.data_origin})
         self.copies.own[step] = data
         try:
             self.copies.replicas[step] = replica.exchange(data, self.successor, self.predecessor)
         except RecoveryError as e:
-            log.error("rank %d: %s; keeping the older replica", self.job.rank, e)
-            self.job._send(Progress(self.job.rank, self.job.generation, "replica_rejected", time.time(), step=step,
-                                    detail={"from": self.predecessor, "error": str(e)}))
+            log.error("rank %d: %s; keeping the older replica", ctx.rank, e)
+            ctx.send(Progress(ctx.rank, ctx.generation, "replica_rejected", time.time(), step=step,
+                              detail={"from": self.predecessor, "error": str(e)}))
         dist.barrier()  # commit only once every rank's successor holds its copy of this step
         self.copies.committed(step)
         if not self._replicated_once:
             self._replicated_once = True
             # What one replication costs (serialize, exchange, agree): to size UNDYING_REPLICATE_EVERY by.
-            self.job._send(Progress(self.job.rank, self.job.generation, "replicating", time.time(), step=step,
-                                    detail={"to": self.successor, "from": self.predecessor,
-                                            "every": self.config.every, "bytes": len(data),
-                                            "seconds": round(time.perf_counter() - started, 6)}))
+            ctx.send(Progress(ctx.rank, ctx.generation, "replicating", time.time(), step=step,
+                              detail={"to": self.successor, "from": self.predecessor,
+                                      "every": self.config.every, "bytes": len(data),
+                                      "seconds": round(time.perf_counter() - started, 6)}))
 
     def replicate_initial(self, state: State, committed: int) -> bool:
         """Before the first step of a launch: every shard has a copy from the start. False: a peer failed.
@@ -337,117 +341,113 @@ class Shards:
         Only processes that start the launch together do it; a replacement
         joins a loop that is already running (it got its copies in ``restore``).
         """
-        env = self.job.env
+        env = self.ctx.env
         if not self.ring or self.copies.own or env is None or env.joining:
             return True
         try:
             self.replicate(state, committed)
         except Exception as e:
-            from undying.worker.group import is_comm_failure
-
             if not is_comm_failure(e):
                 raise
-            self.job._abort_reason = f"{type(e).__name__}: {e}"
+            self.ctx.aborted(e)
             return False
         return True
 
-    # --- restore --------------------------------------------------------------------
+    # --- restore: carrying out the plan --------------------------------------------
 
-    def restore(self, statuses: list[RankStatus], state: State | None) -> tuple[int, RankStatus]:
-        """Collective, in the new generation: every rank's shard at one step; returns it and the new status.
+    def restore(self, plan: RestorePlan, state: State | None) -> RankStatus:
+        """Collective, in the new generation: every rank's shard at the plan's step, from memory.
 
         ``state`` is None in a replacement that has not built its model yet:
-        what it receives waits for ``job.steps()`` (``Job._deferred``).
+        what it receives waits for ``job.steps()`` (``JobContext.deferred``).
         """
-        job = self.job
-        plan = replica.plan_shards(statuses, self.offset)
-        if plan.target is None:
-            step = self._rollback_to_checkpoint(state, plan)
-            return step, RankStatus(job.rank, step, clean=state is not None, has_state=state is not None,
-                                    mode=MODE_SHARDED)
+        ctx = self.ctx
         target = plan.target
-        mine = plan.sources[job.rank]
+        assert target is not None and not plan.needs_checkpoint
+        mine = plan.source(ctx.rank)
         works: list[dist.Work] = []
-        for rank, source in sorted(plan.sources.items()):
-            if source.kind == "replica" and source.holder == job.rank:
-                works += replica.send_bytes(self.copies.replicas[target], rank)
+        for donor, receiver in plan.transfers():
+            if donor == ctx.rank:
+                works += replica.send_bytes(self.copies.replicas[target], receiver)
         payload: bytes | None = None
         if mine.kind == "replica":
-            payload = replica.recv_bytes(mine.holder)
+            assert mine.rank is not None
+            payload = replica.recv_bytes(mine.rank)
         for work in works:
             work.wait()
-        if mine.kind == "own":
+        if mine.kind == "snapshot":
             payload = self.copies.own[target]
         if payload is not None:
             if state is not None:
                 self._apply_shard(state, payload)
             else:
                 data = payload
-                job._deferred = (target, lambda st: self._apply_shard(st, data))
+                ctx.deferred = (target, lambda st: self._apply_shard(st, data))
         self.copies.keep_only(target)
         if self.ring:
             # Every shard gets its replica back (the replacement's predecessor lost its holder).
             own = payload if payload is not None else self.copies.own.get(target)
             if own is None:
                 assert state is not None
-                own = sharding.shard_bytes(state, {"data_origin": job._data_origin})
+                own = sharding.shard_bytes(state, {"data_origin": ctx.data_origin})
             self.copies.own = {target: own}
             self.copies.replicas = {target: replica.exchange(own, self.successor, self.predecessor)}
         else:
             self.copies.clear()
-        job._send(Progress(job.rank, job.generation, "shards_restored", time.time(), step=target,
-                           detail={"plan": plan.describe(), "source": mine.kind, "holder": mine.holder,
-                                   "lost_steps": plan.lost_steps}))
-        if plan.lost_steps and job.rank == 0:
+        holder = mine.rank if mine.kind == "replica" else ctx.rank
+        ctx.send(Progress(ctx.rank, ctx.generation, "shards_restored", time.time(), step=target,
+                          detail={"plan": plan.describe(), "source": _SOURCE_NAMES[mine.kind], "holder": holder,
+                                  "lost_steps": plan.lost_steps}))
+        if plan.lost_steps and ctx.rank == 0:
             log.warning("job %s: sharded state restored at step %d (%s); %d step(s) are re-run",
-                        job.env.job_id if job.env else "", target, plan.describe(), plan.lost_steps)
-        # A replacement's shard waits in job._deferred: until steps() loads it, its own copy is the source.
-        return target, self.status(target, clean=state is not None)
+                        ctx.env.job_id if ctx.env else "", target, plan.describe(), plan.lost_steps)
+        # A replacement's shard waits in ctx.deferred: until steps() loads it, its own copy is the source.
+        return self.status(target, clean=state is not None)
 
     def _apply_shard(self, state: State, payload: bytes) -> None:
         with self._internal():
             extra = sharding.load_shard_bytes(state, payload)
         origin = extra.get("data_origin")
         if origin is not None:
-            self.job._set_data_origin((int(origin[0]), int(origin[1])))
+            self.ctx.set_data_origin((int(origin[0]), int(origin[1])))
 
-    def _rollback_to_checkpoint(self, state: State | None, plan: replica.ShardPlan) -> int:
-        """No step has every shard in memory: every rank loads the latest valid checkpoint, in place."""
-        job = self.job
-        assert job.env is not None
-        found = latest_valid_shared(job.env.checkpoint.dir)
-        ckpt = found.checkpoint
+    def latest_checkpoint(self) -> tuple[PersistedState | None, Manifest | None]:
+        """Collective: the latest valid sharded checkpoint (the coordinator reads every checksum), for the planner."""
+        ctx = self.ctx
+        assert ctx.env is not None
+        ckpt = latest_valid_shared(ctx.env.checkpoint.dir).checkpoint
         manifest = ckpt.manifest if ckpt is not None else None
         if ckpt is None or manifest is None or manifest.layout.get("kind") != "sharded":
-            error = NoStateSourceError(
-                f"sharded state lost: {plan.describe()}, but {job.env.checkpoint.dir} holds no valid sharded "
-                "checkpoint; run with --save-every/--save-interval (and --replicate ring to survive a rank's "
-                "loss without one)"
-            )
-            job._report_fatal(plan.newest + 1, error)
-            raise error
+            log.error("rank %d: %s holds no valid sharded checkpoint", ctx.rank, ctx.env.checkpoint.dir)
+            return None, None
+        return PersistedState(manifest.step, path=ckpt.url), manifest
+
+    def rollback(self, plan: RestorePlan, manifest: Manifest, state: State | None) -> RankStatus:
+        """Some shard comes from the checkpoint: every rank loads it, in place (a DCP load is collective)."""
+        ctx = self.ctx
+        step, path = manifest.step, plan.checkpoint_path
+        assert plan.rollback_step == step
         self.copies.clear()
-        lost = max(0, plan.newest - manifest.step)
-        job._send(Progress(job.rank, job.generation, "rolled_back", time.time(), step=manifest.step,
-                           detail={"checkpoint": ckpt.url, "lost_steps": lost, "reason": plan.describe()}))
-        log.warning("job %s rank %d: %s; rolling back to %s (step %d, %d step(s) lost)", job.env.job_id, job.rank,
-                    plan.describe(), ckpt.url, manifest.step, lost)
-        path = ckpt.url
+        ctx.send(Progress(ctx.rank, ctx.generation, "rolled_back", time.time(), step=step,
+                          detail={"checkpoint": path, "lost_steps": plan.lost_steps, "reason": plan.describe()}))
+        log.warning("job %s rank %d: %s; rolling back to %s (step %d, %d step(s) lost)",
+                    ctx.env.job_id if ctx.env else "", ctx.rank, plan.describe(), path, step, plan.lost_steps or 0)
         if state is not None:
             self.load_checkpoint(state, path, manifest)
         else:
-            job._deferred = (manifest.step, lambda st: self.load_checkpoint(st, path, manifest))
-        return manifest.step
+            ctx.deferred = (step, lambda st: self.load_checkpoint(st, path, manifest))
+        member = Member(ctx.rank, step, clean=state is not None, has_state=state is not None)
+        return RankStatus(member, MODE_SHARDED)
 
 
-def _stage(obj: Any) -> Any:
+def stage(obj: Any) -> Any:
     """A private CPU copy of a state dict for the writer thread: DTensors stay DTensors (local data cloned)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _stage(v) for k, v in obj.items()}
+        return {k: stage(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_stage(v) for v in obj]
+        return [stage(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_stage(v) for v in obj)
+        return tuple(stage(v) for v in obj)
     return copy.deepcopy(obj)

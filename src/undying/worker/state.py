@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from undying.errors import UsageError
-from undying.worker.sharding import has_dtensors, is_dtensor
+from undying.worker.dtensor import has_dtensors, is_dtensor
 
 __all__ = ["State"]
 

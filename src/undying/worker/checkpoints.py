@@ -1,0 +1,194 @@
+"""Persistent checkpoints of a replicated (DDP) state: the resume, the periodic saves, a save now.
+
+Rank 0 writes (every rank holds the same state): a periodic save copies the
+state to CPU and writes it in the background (``AsyncCheckpointer``); a save
+now (dying gasp, regroup) writes synchronously, unless the checkpoint of that
+step exists already. A sharded state's checkpoints are collective and live in
+``worker.shards``; ``maybe_save`` sends a sharded state there.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import TYPE_CHECKING
+
+from undying.checkpoint.gasp import state_nbytes
+from undying.checkpoint.manifest import Manifest
+from undying.checkpoint.room import describe_os_error, with_room
+from undying.checkpoint.safe_load import refused_global
+from undying.checkpoint.sharded import read_manifest
+from undying.checkpoint.writer import (
+    AsyncCheckpointer,
+    CheckpointWriteError,
+    SaveResult,
+    load_replicated,
+    save_replicated,
+)
+from undying.errors import UsageError
+from undying.messages import CheckpointSaved, Progress
+from undying.worker.context import JobContext
+
+if TYPE_CHECKING:
+    from undying.worker.shards import Shards
+    from undying.worker.state import State
+
+__all__ = ["Checkpoints"]
+
+log = logging.getLogger("undying.worker")
+
+
+class Checkpoints:
+    """This rank's persistent checkpoints: what it resumed from, the writer, the size told once."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.resumed: tuple[int, str] | None = None  # (step, path) of the checkpoint this process loaded
+        self.resumed_manifest: Manifest | None = None
+        self._writer: AsyncCheckpointer | None = None
+        self._size_sent = False
+
+    # --- the resume --------------------------------------------------------------
+
+    def resume(self, path: str, shards: Shards) -> None:
+        """Start from a checkpoint (verified again here: every checksum, before anything is loaded).
+
+        A sharded checkpoint is loaded by ``steps()``, collectively, once the
+        sharded model exists to receive it (``JobContext.deferred``); a whole
+        one waits in ``JobContext.stash``.
+        """
+        ctx = self.ctx
+        probe = read_manifest(path)
+        if probe.layout.get("kind") == "sharded":
+            self.resumed, self.resumed_manifest = (probe.step, path), probe
+            ctx.deferred = (probe.step, lambda state: shards.load_checkpoint(state, path, probe))
+            log.warning("rank %d: resuming from sharded checkpoint %s (step %d, written by %d ranks)",
+                        ctx.rank, path, probe.step, probe.world_size)
+            return
+        try:
+            payload, manifest = load_replicated(path)
+        except pickle.UnpicklingError as e:
+            # Never loaded with weights_only=False: a checkpoint must not be able to run code.
+            raise UsageError(
+                f"checkpoint {path} holds {refused_global(e) or 'an object that is not plain data'}, which undying "
+                "will not unpickle (weights_only=True); register the class with "
+                "torch.serialization.add_safe_globals in the script if it is yours and safe"
+            ) from e
+        ctx.stash = (manifest.step, payload)
+        self.resumed, self.resumed_manifest = (manifest.step, path), manifest
+        log.warning("rank %d: resuming from checkpoint %s (step %d)", ctx.rank, path, manifest.step)
+
+    def resumed_at(self, step: int) -> Manifest | None:
+        """The manifest of the checkpoint this process resumed from, if it is of ``step``."""
+        if self.resumed is not None and self.resumed[0] == step:
+            return self.resumed_manifest
+        return None
+
+    # --- periodic saves ----------------------------------------------------------
+
+    def _checkpointer(self) -> AsyncCheckpointer:
+        env = self.ctx.env
+        assert env is not None
+        if self._writer is None:
+            cfg = env.checkpoint
+            self._writer = AsyncCheckpointer(
+                cfg.dir, job_id=env.job_id, world_size=self.ctx.world_size, keep=cfg.keep,
+                if_busy="skip", on_done=self._report_save, on_pruned=self._report_pruned,
+            )
+        return self._writer
+
+    def _report_save(self, result: SaveResult | None, error: CheckpointWriteError | None) -> None:
+        """From the writer thread: the manager logs every save and every failed one."""
+        ctx = self.ctx
+        if result is not None:
+            ctx.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
+            ctx.send(CheckpointSaved(ctx.rank, result.step, result.kind, result.path, result.blocking_s,
+                                     result.write_s, result.bytes, time.time()))
+        elif error is not None:
+            ctx.send(CheckpointSaved(ctx.rank, error.step, "periodic", "", 0.0, 0.0, 0, time.time(),
+                                     error=str(error), os_error=describe_os_error(error)))
+
+    def _report_pruned(self, step: int, names: list[str]) -> None:
+        """The save of ``step`` found no room and deleted older checkpoints first: the log says which."""
+        ctx = self.ctx
+        ctx.send(Progress(ctx.rank, ctx.generation, "checkpoint_room_made", time.time(), step=step,
+                          detail={"removed": names}))
+
+    def _send_size(self, state: State, index: int) -> None:
+        """Once, from rank 0: what the manager sizes the dying gasp's grace period from (DTensors count whole)."""
+        ctx = self.ctx
+        if not self._size_sent and ctx.rank == 0:
+            self._size_sent = True
+            ctx.send(Progress(ctx.rank, ctx.generation, "state_size", time.time(), step=index,
+                              detail={"bytes": state_nbytes(state.state_dict())}))
+
+    def maybe_save(self, state: State, index: int, shards: Shards) -> bool:
+        """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training.
+
+        Sharded state: every rank writes its shard, together (``Shards.maybe_save``).
+        False: a peer failed during a collective save; the caller recovers.
+        """
+        ctx = self.ctx
+        self._send_size(state, index)
+        if state.sharded:
+            return shards.maybe_save(state, index, ctx.data_meta(index))
+        if ctx.rank != 0:
+            # Replicated state: rank 0 writes; the others' stall is recorded (about zero) so ranks compare.
+            if ctx.tracing.active and ctx.clock.due(index):
+                ctx.clock.mark()
+                with ctx.tracing.checkpoint_stall():
+                    pass
+            return True
+        if not ctx.clock.due(index):
+            return True
+        ctx.clock.mark()
+        with ctx.tracing.checkpoint_stall():
+            self._checkpointer().save(index, state.state_dict(), generation=ctx.generation,
+                                      meta=ctx.data_meta(index))
+        return True
+
+    def finish_writes(self, *, retries: bool = True) -> SaveResult | None:
+        """Wait for the write in flight (and its retries, unless a dying gasp is about to write anyway);
+        a failure was reported when it happened."""
+        if self._writer is None:
+            return None
+        try:
+            return self._writer.wait(retries=retries)
+        except CheckpointWriteError:
+            return self._writer.last_result
+
+    # --- a save now ----------------------------------------------------------------
+
+    def save_now(self, state: State, step: int, kind: str) -> bool:
+        """Persist the whole (replicated) state of ``step`` synchronously, unless that checkpoint exists.
+
+        True once it is on disk (written now, or there already).
+        """
+        ctx = self.ctx
+        env = ctx.env
+        assert env is not None
+        store = self._checkpointer().store
+        last = self.finish_writes(retries=False)
+        if last is not None and last.step == step:
+            reused: tuple[int, str] | None = (step, last.path)
+        else:
+            reused = self.resumed if self.resumed is not None and self.resumed[0] == step else None
+        t = time.time()
+        if reused is not None:
+            log.warning("rank %d: %s: the checkpoint of step %d already exists: %s", ctx.rank, kind, step, reused[1])
+            ctx.send(CheckpointSaved(ctx.rank, step, "existing", reused[1], 0.0, 0.0, 0, t))
+            return True
+        try:
+            result = with_room(store, lambda: save_replicated(
+                store, step, state.state_dict(), job_id=env.job_id, generation=ctx.generation,
+                world_size=ctx.world_size, kind=kind, keep=env.checkpoint.keep, meta=ctx.data_meta(step),
+            ), on_pruned=lambda names: self._report_pruned(step, names))
+            ctx.send(CheckpointSaved(ctx.rank, step, kind, result.path, 0.0, result.write_s, result.bytes,
+                                     time.time()))
+            return True
+        except Exception as e:  # a full disk, a lost mount: reported; the latest valid checkpoint stands
+            log.error("rank %d: %s checkpoint of step %d failed: %s", ctx.rank, kind, step, e)
+            ctx.send(CheckpointSaved(ctx.rank, step, kind, "", 0.0, time.time() - t, 0, time.time(),
+                                     error=f"{type(e).__name__}: {e}", os_error=describe_os_error(e)))
+            return False
