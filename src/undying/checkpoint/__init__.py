@@ -76,22 +76,7 @@ _WHERE = {
     "verify": "discovery",
 }
 
-# TRANSITIONAL, not API: names that worker/job.py and manager/manager.py (being restructured by their
-# owners, issue #15) still import from the package. Delete this table, and its use below, once they
-# import them from the modules named here.
-_NOT_YET_MOVED = {
-    "check_compatible": "checks",
-    "tensor_shapes": "checks",
-    "check_same_job": "checks",
-    "CheckpointOfAnotherJobError": "checks",
-    "state_nbytes": "gasp",
-    "Measurement": "gasp",
-    "recent_dying_gasp": "gasp",
-}
-
-
 def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name) or _NOT_YET_MOVED.get(name)
-    if where is not None:
-        return getattr(importlib.import_module(f"undying.checkpoint.{where}"), name)
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"undying.checkpoint.{_WHERE[name]}"), name)
     raise AttributeError(f"module 'undying.checkpoint' has no attribute {name!r}")

@@ -34,6 +34,8 @@ class PolicyContext:
     checkpoint_step: int | None = None
     # Whole-job restarts from a checkpoint so far (bounded by max_restarts).
     restarts: int = 0
+    # The restore planner's words when no complete state exists (a shard in no survivor and no checkpoint).
+    no_state: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     no replacement would run it either."""
     if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
+    if ctx.no_state and ctx.holders_alive > 0:
+        return Decision(Action.FAIL, f"the surviving ranks do not hold the whole training state and no valid "
+                                     f"checkpoint has the rest ({ctx.no_state}); restart the job")
     if ctx.holders_alive == 0:
         gone = "every rank that held the training state is gone, so there is no peer to restore from"
         if ctx.checkpoint_step is None:

@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.checkpoint import Checkpoint
+from undying.checkpoint.layout import Layout, LayoutError
 from undying.checkpoint.planner import (
-    Layout,
-    LayoutError,
+    UNREAD,
     MissingShardsError,
     PersistedState,
-    plan_for_ddp,
-    plan_restore,
+    RestorePlan,
+    Unread,
+    coarse_members,
+    plan,
+    ring_replica_of,
 )
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
@@ -98,54 +101,66 @@ class Recoveries:
         return sum(1 for r in self.core.ranks.values()
                    if r.rank != excluding and r.state is not RankState.EXITED and r.rank not in replaced)
 
-    def plan_restore(self, incident: Incident) -> None:
-        """Where every rank's state comes from after this incident (the restore planner), for the record.
+    def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
+        """Where every rank's state comes from after this incident (the one restore planner), and its words.
 
-        Under DDP every survivor holds the whole state, so any one is a peer of
-        every rank; with none left the checkpoint is the source and the job
-        rolls back to it, or no complete state exists and the planner says so.
+        The manager's view: the ranks that failed (this one, the exited, the
+        replacements still waiting for state) hold nothing, every other holds
+        the newest committed step, and, for sharded state with ring replicas,
+        its snapshot and replica of the last replicated step. The checkpoint is
+        read only when no step has every shard in memory. None: no complete
+        state exists, and the words say which shard is missing.
         """
         replaced = self._replaced()
         ranks = self.core.ranks
+        world = self.core.book.world_size
         failed = {r.rank for r in ranks.values()
                   if r.rank == incident.rank or r.state is RankState.EXITED or r.rank in replaced}
-        ckpt = self.restart_from
         newest = self.core.book.newest_step()
-        if ckpt is not None:
-            newest = max(newest, ckpt.step)  # ranks that resumed from it and committed nothing yet report 0
-        world = self.core.book.world_size
-        try:
-            if self.checkpoints.sharded:
-                # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank + offset.
-                offset = int(self.checkpoints.state_layout.get("offset", 0))
-                ring = self.checkpoints.ring and offset > 0
-                plan = plan_restore(
-                    Layout(dp=1, tp=world), failed,
-                    replica_of={(r + offset) % world: r for r in range(world)} if ring else None,
-                    checkpoint=PersistedState(ckpt.step, path=ckpt.url) if ckpt else None, current_step=newest,
-                )
-            else:
-                plan = plan_for_ddp(world, failed, ckpt.step if ckpt else None,
-                                    current_step=newest, checkpoint_path=ckpt.url if ckpt else "")
-        except (MissingShardsError, LayoutError) as e:
-            incident.detail["restore_plan"] = str(e)
-            return
-        incident.detail["restore_plan"] = plan.describe()
+        layout, replica_of, every = Layout(dp=world), {}, 0
+        if self.checkpoints.sharded:
+            # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank + offset,
+            # replicated every `every` steps.
+            state_layout = self.checkpoints.state_layout
+            offset = int(state_layout.get("offset", 0))
+            layout = Layout(dp=1, tp=world)
+            if self.checkpoints.ring and offset > 0:
+                replica_of = ring_replica_of(world, offset)
+                every = max(1, int(state_layout.get("every", 1)))
+        self.restart_from = None
+        checkpoint: PersistedState | Unread | None = UNREAD
+        for _ in range(2):  # once from memory; again with the checkpoint when no step is whole in memory
+            at = max(newest, self.restart_from.step) if self.restart_from else newest
+            # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
+            try:
+                members = coarse_members(world, failed, at, replica_of=replica_of,
+                                         copies_at=at - at % every if every else None)
+                found = plan(layout, members, replica_of=replica_of, checkpoint=checkpoint)
+            except (MissingShardsError, LayoutError) as e:
+                return None, str(e)
+            if not found.read_checkpoint:
+                return found, found.describe()
+            self.restart_from = self.checkpoints.latest()
+            checkpoint = (PersistedState(self.restart_from.step, path=self.restart_from.url)
+                          if self.restart_from else None)
+        raise AssertionError("the planner asked for the checkpoint after it was given")
 
     def handle(self, incident: Incident) -> None:
-        """Decide the rung for ``incident`` and carry it out."""
+        """Decide the rung for ``incident`` by the restore plan and the policy, and carry it out."""
         core = self.core
+        found, words = self.plan(incident)
+        incident.detail["restore_plan"] = words
+        # Ranks that keep state through this recovery: none when every rank must start from the checkpoint.
         holders = self.holders_alive(incident.rank)
-        # The restart rung needs the latest valid checkpoint; only looked for when no peer holds the state
-        # (sharded state without ring replicas: a lost shard is only there, the ranks roll back to it).
-        sharded_alone = self.checkpoints.sharded and not self.checkpoints.ring
-        self.restart_from = self.checkpoints.latest() if holders == 0 or sharded_alone else None
-        self.plan_restore(incident)
+        if found is not None and found.needs_checkpoint and not self.checkpoints.sharded:
+            holders = 0  # (sharded ranks roll back to the checkpoint in place: they live on)
         decision = decide(
             incident, core.incidents,
             PolicyContext(core.config.max_restarts, holders, core.config.max_retries,
                           checkpoint_step=self.restart_from.step if self.restart_from else None,
-                          restarts=self.restarts),
+                          restarts=self.restarts,
+                          # (a failed collective loses no process: its retry needs no state from anyone)
+                          no_state=words if found is None and incident.kind is not IncidentKind.COMM_ERROR else ""),
         )
         incident.action = decision.action.value
         incident.phases["decided"] = time.time()

@@ -14,18 +14,14 @@ import pickle
 import time
 from typing import TYPE_CHECKING
 
+from undying.checkpoint.commit import SaveResult
 from undying.checkpoint.gasp import state_nbytes
 from undying.checkpoint.manifest import Manifest
+from undying.checkpoint.replicated import load_replicated, save_replicated
 from undying.checkpoint.room import describe_os_error, with_room
 from undying.checkpoint.safe_load import refused_global
 from undying.checkpoint.sharded import read_manifest
-from undying.checkpoint.writer import (
-    AsyncCheckpointer,
-    CheckpointWriteError,
-    SaveResult,
-    load_replicated,
-    save_replicated,
-)
+from undying.checkpoint.writer import AsyncCheckpointer, CheckpointWriteError
 from undying.errors import UsageError
 from undying.messages import CheckpointSaved, Progress
 from undying.worker.context import JobContext

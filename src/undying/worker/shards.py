@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from undying.checkpoint.checks import check_compatible, tensor_shapes
+from undying.checkpoint.commit import SaveResult
 from undying.checkpoint.manifest import Manifest
 from undying.checkpoint.planner import Member, PersistedState, RestorePlan, ring_replica_of
 from undying.checkpoint.sharded import latest_valid_shared, load_sharded, save_sharded
-from undying.checkpoint.writer import SaveResult
 from undying.errors import RecoveryError, UsageError
 from undying.messages import CheckpointSaved, Progress
 from undying.worker import replica, sharding
