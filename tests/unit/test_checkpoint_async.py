@@ -73,6 +73,20 @@ def test_skip_policy_skips_while_busy_but_never_a_dying_gasp(tmp_path: Path, gat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000003"]
 
 
+def test_skip_policy_never_skips_the_jobs_last_step(tmp_path: Path, gate: threading.Event) -> None:
+    """Found under load: the job's last periodic save was skipped while the one before still wrote, so the
+    job ended with its newest state saved nowhere (the last valid checkpoint a save behind)."""
+    ckpt = AsyncCheckpointer(tmp_path, if_busy="skip")
+    ckpt.save(8, {"x": torch.ones(4)})
+    threading.Timer(0.2, gate.set).start()
+    final = ckpt.save(16, {"x": torch.ones(4)}, last=True)
+    assert not final.skipped and final.waited_s > 0.1
+    result = ckpt.wait(timeout=30)
+    assert result is not None and result.step == 16
+    found, _ = latest_valid(tmp_path)
+    assert found is not None and found.step == 16
+
+
 def test_wait_policy_waits_for_the_previous_write(tmp_path: Path, gate: threading.Event) -> None:
     ckpt = AsyncCheckpointer(tmp_path, keep=1)
     ckpt.save(1, {"x": torch.ones(4)})

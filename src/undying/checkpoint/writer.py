@@ -272,17 +272,23 @@ class AsyncCheckpointer:
         generation: int = 0,
         digest: str | None = None,
         meta: dict[str, Any] | None = None,
+        last: bool = False,
     ) -> SaveTicket:
-        """Copy ``state_dict`` to CPU (blocking, measured) and write it in the background."""
+        """Copy ``state_dict`` to CPU (blocking, measured) and write it in the background.
+
+        ``last``: the job's last step, never skipped (as a dying gasp is not): a
+        skip would end the job with its newest state saved nowhere.
+        """
         waited = 0.0
+        must_write = last or kind == "dying-gasp"
         if self.busy:
             with self._lock:
                 job = self._job
                 writing = job is not None and job.phase == "writing"
-                if job is not None and (not writing or self.if_busy == "wait" or kind == "dying-gasp"):
+                if job is not None and (not writing or self.if_busy == "wait" or must_write):
                     # A pending retry ends now; a write in progress finishes its attempt, no retry after.
                     self._cancel(job, f"superseded by the save of step {step}", superseded=True)
-            if writing and self.if_busy == "skip" and kind != "dying-gasp":
+            if writing and self.if_busy == "skip" and not must_write:
                 log.info("checkpoint of step %d skipped: the previous write is still running", step)
                 return SaveTicket(step, 0.0, 0.0, True)
             t0 = time.perf_counter()

@@ -119,8 +119,10 @@ class Checkpoints:
             ctx.send(Progress(ctx.rank, ctx.generation, "state_size", time.time(), step=index,
                               detail={"bytes": state_nbytes(state.state_dict())}))
 
-    def maybe_save(self, state: State, index: int, shards: Shards) -> bool:
+    def maybe_save(self, state: State, index: int, shards: Shards, *, last: bool = False) -> bool:
         """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training.
+
+        ``last``: the job's last step; its save waits for one still writing instead of being skipped.
 
         Sharded state: every rank writes its shard, together (``Shards.maybe_save``).
         False: a peer failed during a collective save; the caller recovers.
@@ -141,7 +143,7 @@ class Checkpoints:
         ctx.clock.mark()
         with ctx.tracing.checkpoint_stall():
             self._checkpointer().save(index, state.state_dict(), generation=ctx.generation,
-                                      meta=ctx.data_meta(index))
+                                      meta=ctx.data_meta(index), last=last)
         return True
 
     def finish_writes(self, *, retries: bool = True) -> SaveResult | None:

@@ -320,7 +320,8 @@ class Job:
                     if not self._state_checked:
                         self._check_state_loadable(state, index)
                     cursor.forget_through(index)
-                    if self.managed and not self._checkpoints.maybe_save(state, index, self._shards):
+                    if self.managed and not self._checkpoints.maybe_save(state, index, self._shards,
+                                                                            last=index == cursor.total_steps):
                         committed = self._rejoin.recover(state, committed, clean=True)
                 elif step.outcome is Outcome.ABORTED:
                     committed = self._rejoin.recover(state, committed, clean=not step.optimizer_stepped)
