@@ -89,8 +89,7 @@ Definitions
 Where the time goes (``--micro-steps``, after the sizes, at the largest): the
 manager's work per message timed in this process with the shipped Manager and
 event log and no profiler: the wire line's decode (a node's ``NumberedReports``
-line, and for comparison the one-report-a-line format before it, three nested
-JSON decodes), then ``Manager.on_messages`` of a node's commits and
+line), then ``Manager.on_messages`` of a node's commits and
 ``Manager.on_message`` of one, and apart their log rows, the log flush of one
 step, a beat round, a crash's ``on_exit`` and the restore planner alone. ``--profile`` adds cProfile of the live manager's window.
 
@@ -159,31 +158,28 @@ from recovery import interrupt, publish  # noqa: E402  (bench/ is a folder of sc
 from undying.agent.remote import ManagerClient  # noqa: E402
 from undying.config import JobConfig, Timeouts  # noqa: E402
 from undying.manager.auth import TOKEN_ENV  # noqa: E402
-from undying.messages import (  # noqa: E402
+from undying.protocol.codec import Message  # noqa: E402
+from undying.protocol.node_wire import (  # noqa: E402
     Acked,
     AgentFenced,
     AgentJoin,
     AgentRefused,
     AgentState,
     AgentWelcome,
-    Hello,
     JobEnded,
     KillRank,
-    Message,
     NodeStopped,
-    Numbered,
     NumberedReports,
-    Progress,
     RankExited,
-    RankReport,
     RankSpawned,
     SpawnRank,
-    StepCommitted,
     StopNode,
-    decode,
+    decode_agent_report,
+    decode_from_agent,
+    decode_to_agent,
     encode,
-    from_object,
 )
+from undying.protocol.worker_wire import Hello, Progress, StepCommitted  # noqa: E402
 
 DEFAULT_NODES = (8, 64, 256, 1024)
 TARGET_P99_MS = 100.0
@@ -512,25 +508,6 @@ class ManagerProcess:
 # --- the simulated agents --------------------------------------------------------------
 
 
-def fast_encode(message: Message) -> bytes:
-    """``undying.messages.encode`` without ``dataclasses.asdict``'s deep copy: the same bytes, a third of the CPU.
-
-    Every message the simulated agents send is a flat dataclass of JSON
-    values, whose ``vars`` are its fields in order; ``check_encoding`` proves
-    the bytes equal at start. The manager decodes with the shipped code.
-    """
-    body = dict(vars(message))
-    body["type"] = type(message).__name__
-    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
-
-
-class SimClient(ManagerClient):
-    """The agent's ManagerClient (numbered, gathered per loop pass, kept until Acked), encoding with ``fast_encode``."""
-
-    def _object(self, message: Message) -> bytes:
-        return fast_encode(message)[:-1]
-
-
 class LineSink:
     """A writer that keeps what is written (ManagerClient writes lines to it)."""
 
@@ -545,7 +522,7 @@ class LineSink:
 
 
 def check_encoding() -> None:
-    """The simulated agents' lines are byte for byte what ``undying run``'s ManagerClient writes.
+    """The simulated agents speak through ``undying run``'s own ManagerClient: its lines carry what was sent.
 
     In an event loop, as the agent runs: two passes of reports, each written
     as the pass ends; the first pass's lines resent after a reconnect.
@@ -573,9 +550,15 @@ def check_encoding() -> None:
         client.connected(sink, 2)  # type: ignore[arg-type]
         return sink.lines
 
-    ours, theirs = asyncio.run(lines(SimClient())), asyncio.run(lines(ManagerClient()))
-    if ours != theirs or len(theirs) != 3:
-        raise AssertionError(f"the simulated agents' lines differ from ManagerClient's: {ours} != {theirs}")
+    got = asyncio.run(lines(ManagerClient()))
+    sent = [m for reports in passes for _, m in reports]
+    taken = []
+    for line in got:
+        batch = decode_from_agent(line)
+        assert isinstance(batch, NumberedReports)
+        taken += [decode_agent_report(body) for body in batch.reports]
+    if len(got) != 3 or taken != sent + sent[2:]:  # two passes, then what the manager lacks (3 on) resent
+        raise AssertionError(f"the agent's lines do not carry what it sent: {got}")
 
 
 @dataclasses.dataclass
@@ -603,7 +586,7 @@ class SimNode:
     def __init__(self, sim: Sim, node: int) -> None:
         self.sim = sim
         self.node = node
-        self.client = SimClient()
+        self.client = ManagerClient()
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.session = ""
@@ -641,7 +624,7 @@ class SimNode:
             token=sim.token, session="", pid=os.getpid(), host=f"sim-{self.node}", config=config.to_dict(),
             live={}, t=time.time())))
         line = await asyncio.wait_for(self.reader.readline(), 120.0)
-        reply = decode(line) if line else None
+        reply = decode_to_agent(line) if line else None
         if isinstance(reply, (AgentRefused, AgentFenced)):
             raise RuntimeError(f"node {self.node}: the manager said {type(reply).__name__}: {reply.reason}")
         if not isinstance(reply, AgentWelcome):
@@ -663,7 +646,7 @@ class SimNode:
             line = await self.reader.readline()
             if not line:
                 return
-            message = decode(line)
+            message = decode_to_agent(line)
             if isinstance(message, Acked):
                 self.client.acked(message.seq)
                 now = time.time()
@@ -1048,7 +1031,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     from undying.manager.events import EventLog
     from undying.manager.manager import Manager
     from undying.manager.nodes import RemoteAgent
-    from undying.messages import ManagerBeat
+    from undying.protocol.node_wire import ManagerBeat
 
     root.mkdir(parents=True, exist_ok=True)
     config = JobConfig(job_id=JOB_ID, job_dir=str(root), nproc_per_node=ranks_per_node, nnodes=nnodes, spares=0,
@@ -1072,12 +1055,12 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     for info in manager.ranks.values():
         manager.on_spawned(info.rank, 200_000 + info.rank, False, info.incarnation)
     scratch = EventLog(root / "scratch.db")
-    decode_s, nested_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], [], []
+    decode_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], [], []
     for step in range(1, steps + 1):
         messages = [StepCommitted(r, 0, step, time.time(), {"loss": 1.0 / step}) for r in range(world)]
         by_node = [messages[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(nnodes)]
         # The wire as the agents write it: a node's commits of the step, made in one pass, in one line.
-        client, sink = SimClient(), LineSink()
+        client, sink = ManagerClient(), LineSink()
         client.connected(sink, 0)  # type: ignore[arg-type]
         for node_messages in by_node:
             for m in node_messages:
@@ -1087,20 +1070,10 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
         t = time.perf_counter()
         batches = []
         for line in sink.lines:
-            batch = decode(line)
+            batch = decode_from_agent(line)
             assert isinstance(batch, NumberedReports)
-            batches.append([from_object(body) for body in batch.reports])
+            batches.append([decode_agent_report(body) for body in batch.reports])
         decode_s.append((time.perf_counter() - t) / world)
-        # Before NumberedReports: a line per report, the worker's message a string in a string.
-        old_lines = [encode(Numbered(m.rank + 1, encode(RankReport(encode(m).decode())).decode())) for m in messages]
-        t = time.perf_counter()
-        for line in old_lines:
-            outer = decode(line)
-            assert isinstance(outer, Numbered)
-            middle = decode(outer.body)
-            assert isinstance(middle, RankReport)
-            decode(middle.body)
-        nested_s.append((time.perf_counter() - t) / world)
         # The manager's handling: odd steps a node's batch a call (as AgentServer hands them over), even steps
         # a message a call (Manager.on_message, as the standalone agent calls it).
         t = time.perf_counter()
@@ -1154,7 +1127,6 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
         "nodes": nnodes, "ranks": world, "steps": steps,
         "generation0_spawns_s": round(spawn_s, 3),
         "decode_us": round(statistics.median(decode_s) * us, 2),
-        "nested_decode_us": round(statistics.median(nested_s) * us, 2),
         "on_messages_us": round(statistics.median(batch_s) * us, 2),
         "on_message_us": round(statistics.median(one_s) * us, 2) if one_s else None,
         "log_step_row_us": round(statistics.median(step_s) * us, 2),
@@ -1172,8 +1144,7 @@ def render_micro(micro: dict[str, Any], text: TextIO) -> None:
     per = micro["decode_us"] + micro["on_messages_us"]
     print(f"\nwhere a commit's time goes, in-process at {micro['nodes']} nodes x "
           f"{micro['ranks'] // micro['nodes']} ranks (median of {micro['steps']} steps, no profiler):", file=text)
-    print(f"  decoding a node's NumberedReports line {micro['decode_us']:.1f} us a commit (the line a report before it, "
-          f"Numbered > RankReport > StepCommitted: {micro['nested_decode_us']:.1f} us)", file=text)
+    print(f"  decoding a node's NumberedReports line {micro['decode_us']:.1f} us a commit", file=text)
     print(f"  Manager.on_messages of a node's commits {micro['on_messages_us']:.1f} us a commit (Manager.on_message "
           f"of one: {_fmt(micro['on_message_us'])} us); its steps rows {micro['log_step_rows_us']:.1f} us a commit "
           f"with one executemany a node ({micro['log_step_row_us']:.1f} us a row alone)", file=text)

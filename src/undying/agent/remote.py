@@ -22,13 +22,13 @@ import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
 
 from undying.agent.agent import Agent
 from undying.checkpoint.mac import KEY_ENV, key_from_token
 from undying.config import JobConfig
 from undying.errors import UsageError
-from undying.messages import (
+from undying.protocol.codec import Codec, Handlers, Message
+from undying.protocol.node_wire import (
     AbortRank,
     Acked,
     AgentFenced,
@@ -36,13 +36,11 @@ from undying.messages import (
     AgentRefused,
     AgentState,
     AgentWelcome,
-    ArmFault,
     ArmRank,
     JobEnded,
     KeepSpares,
     KillRank,
     ManagerBeat,
-    Message,
     NodeLeaving,
     NodeStopped,
     RankExited,
@@ -55,12 +53,12 @@ from undying.messages import (
     TellRank,
     TraceFileError,
     TraceFileSet,
-    TraceSet,
-    decode,
+    decode_to_agent,
     encode,
+    reports_line,
 )
 from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
-from undying.rendezvous import GenerationRecord
+from undying.protocol.worker_wire import TraceSet
 from undying.trace.switch import TraceSwitch
 
 __all__ = ["ManagerClient", "run_node", "parse_manager_address"]
@@ -82,18 +80,14 @@ def _lines(reports: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
     first = size = 0
     for seq, report in reports:
         if chunk and size + len(report) > _LINE_BYTES:
-            yield _line(first, chunk)
+            yield reports_line(first, chunk)
             chunk, size = [], 0
         if not chunk:
             first = seq
         chunk.append(report)
         size += len(report) + 1
     if chunk:
-        yield _line(first, chunk)
-
-
-def _line(first: int, reports: list[bytes]) -> bytes:
-    return b'{"first":%d,"reports":[%s],"type":"NumberedReports"}\n' % (first, b",".join(reports))
+        yield reports_line(first, chunk)
 
 
 def parse_manager_address(address: str) -> tuple[str, int]:
@@ -124,11 +118,7 @@ class ManagerClient:
         self._flush_due = False
 
     def send(self, message: Message) -> None:
-        self._keep(self._object(message))
-
-    def _object(self, message: Message) -> bytes:
-        """A report as the JSON object it travels as inside NumberedReports (``encode`` without the newline)."""
-        return encode(message)[:-1]
+        self._keep(Codec.encode_object(message))  # as it travels inside NumberedReports
 
     def _keep(self, report: bytes) -> None:
         self._seq += 1
@@ -189,13 +179,13 @@ class ManagerClient:
         self.send(RankExited(rank, pid, returncode, t))
 
     def on_message(self, message: Message) -> None:
-        self.send(message)  # a worker's message travels as itself (WORKER_MESSAGES tells the manager)
+        self.send(message)  # a worker's message travels as itself (node_wire.FROM_WORKERS tells the manager)
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
         self.send(RankHung(rank, pid, phase, last_seen, t))
 
     def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
-        self.send(RanksStalled([asdict(p) for p in progress], limit, t))
+        self.send(RanksStalled(progress, limit, t))
 
     def on_trace_file(self, switch: TraceSwitch) -> None:
         self.send(TraceFileSet(switch.step, switch.comm, switch.by, switch.t))
@@ -218,6 +208,18 @@ class _Ended(Exception):
         self.ended = ended
 
 
+def _refused(message: AgentRefused) -> None:
+    raise _Refused(message.reason)
+
+
+def _fenced(message: AgentFenced) -> None:
+    raise _Fenced(message.reason)
+
+
+def _ended(message: JobEnded) -> None:
+    raise _Ended(message)
+
+
 class NodeRunner:
     """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
 
@@ -238,6 +240,7 @@ class NodeRunner:
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._commands = self._command_handlers()
 
     async def run(self) -> int:
         self._choose_interface()
@@ -348,21 +351,18 @@ class NodeRunner:
         line = await asyncio.wait_for(reader.readline(), 30.0)
         if not line:
             raise ConnectionError("the manager closed the connection")
-        reply = decode(line)
-        if isinstance(reply, AgentRefused):
-            raise _Refused(reply.reason)
-        if isinstance(reply, AgentFenced):
-            raise _Fenced(reply.reason)
+        reply = decode_to_agent(line)
         if not isinstance(reply, AgentWelcome):
-            raise ConnectionError(f"unexpected first reply {reply!r}")
+            self._commands.handle(reply)  # a refusal or a fence raises
+            raise ConnectionError(f"unexpected first reply {reply!r:.200}")
         resumed = self.session == reply.session
         self.session = reply.session
         self.agent.control_port = reply.control_port
         if not self._job_dir_given and reply.job_dir and reply.job_dir != self.agent.config.job_dir:
             # One job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
             self.agent.config = dataclasses.replace(self.agent.config, job_dir=reply.job_dir)
-        if reply.trace:
-            self.agent.set_trace(TraceSet(**reply.trace))
+        if reply.trace is not None:
+            self.agent.set_trace(reply.trace)
         kept = self.client.connected(writer, reply.acked)
         log.warning("node %d: %s the manager at %s:%d (session %s%s)", self.config.node_rank,
                     "back with" if resumed else "joined", self.manager_host, self.manager_port, reply.session,
@@ -392,7 +392,7 @@ class NodeRunner:
                     log.warning("node %d: the manager closed the connection; connecting again", self.config.node_rank)
                     return
                 self._last_beat = time.monotonic()
-                await self._command(decode(line), writer)
+                self._commands.handle(decode_to_agent(line))
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.warning("node %d: connection to the manager failed (%s); connecting again", self.config.node_rank, e)
         finally:
@@ -411,40 +411,34 @@ class NodeRunner:
                 t=time.time()))
             await asyncio.sleep(_STATE_EVERY_S)
 
-    async def _command(self, message: Message, writer: asyncio.StreamWriter) -> None:
+    def _command_handlers(self) -> Handlers[object]:
+        """What the agent does with each line of its manager (beats only count as word from it)."""
         agent = self.agent
-        if isinstance(message, ManagerBeat):
-            return
-        if isinstance(message, Acked):
-            self.client.acked(message.seq)
-            return
-        if isinstance(message, SpawnRank):
-            record = GenerationRecord(**message.record)
-            pid, warm = agent.spawn(message.rank, record, joining=message.joining,
-                                    resume_from=message.resume_from, incarnation=message.incarnation)
-            self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
-        elif isinstance(message, KillRank):
-            agent.kill(message.rank, signal.Signals(message.signal))
-        elif isinstance(message, TellRank):
-            agent.tell(message.rank, decode(message.body))
-        elif isinstance(message, ArmRank):
-            agent.arm(message.rank, ArmFault(**message.fault))
-        elif isinstance(message, AbortRank):
-            agent.abort(message.rank, message.generation, message.reason)
-        elif isinstance(message, KeepSpares):
-            agent.keep_spares()
-        elif isinstance(message, TraceSet):
-            agent.set_trace(message)
-        elif isinstance(message, StopNode):
-            task = asyncio.ensure_future(self._stop(message))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        elif isinstance(message, AgentFenced):
-            raise _Fenced(message.reason)
-        elif isinstance(message, JobEnded):
-            raise _Ended(message)
-        else:
-            log.warning("node %d: unexpected command %r", self.config.node_rank, message)
+        return Handlers[object]({
+            ManagerBeat: lambda message: None,
+            Acked: lambda message: self.client.acked(message.seq),
+            SpawnRank: self._spawn,
+            KillRank: lambda message: agent.kill(message.rank, signal.Signals(message.signal)),
+            TellRank: lambda message: agent.tell(message.rank, message.command),
+            ArmRank: lambda message: agent.arm(message.rank, message.fault),
+            AbortRank: lambda message: agent.abort(message.rank, message.generation, message.reason),
+            KeepSpares: lambda message: agent.keep_spares(),
+            TraceSet: agent.set_trace,
+            StopNode: self._start_stop,
+            AgentRefused: _refused,
+            AgentFenced: _fenced,
+            JobEnded: _ended,
+        }, otherwise=lambda message: log.warning("node %d: unexpected command %r", self.config.node_rank, message))
+
+    def _spawn(self, message: SpawnRank) -> None:
+        pid, warm = self.agent.spawn(message.rank, message.record, joining=message.joining,
+                                     resume_from=message.resume_from, incarnation=message.incarnation)
+        self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
+
+    def _start_stop(self, message: StopNode) -> None:
+        task = asyncio.ensure_future(self._stop(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _stop(self, message: StopNode) -> None:
         await self.agent.stop_all(message.grace_s)

@@ -48,11 +48,20 @@ from undying.manager.regroup import LOG_KEY as REGROUP_KEY
 from undying.manager.regroup import SAVED_KINDS, Regroup, max_attempts
 from undying.manager.state import Incident, JobState, JobStateMachine, RankInfo, RankState
 from undying.manager.stores import StoreHandle, StoreServer
-from undying.messages import (
-    HANG_HOWS,
-    INJECT_KINDS,
-    INJECT_PHASES,
-    SLOW_PHASES,
+from undying.protocol.codec import Message
+from undying.protocol.generations import (
+    CURRENT_KEY,
+    GenerationRecord,
+    generation_key,
+    rank_owner_key,
+)
+from undying.protocol.kinds import HangHow as HANG_HOWS
+from undying.protocol.kinds import InjectKind as INJECT_KINDS
+from undying.protocol.kinds import InjectPhase as INJECT_PHASES
+from undying.protocol.kinds import SlowPhase as SLOW_PHASES
+from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
+from undying.protocol.store_wire import CONTROL_STORE, generation_store
+from undying.protocol.worker_wire import (
     ArmFault,
     CheckpointSaved,
     CommFailure,
@@ -60,12 +69,8 @@ from undying.messages import (
     Fatal,
     FaultInjected,
     Hello,
-    Message,
     Preempt,
     Progress,
-    RankProgress,
-    RankSpawned,
-    SpareEvent,
     StepCommitted,
     StopAt,
     StopProposal,
@@ -73,8 +78,6 @@ from undying.messages import (
     TraceSet,
     TraceSummary,
 )
-from undying.protocol.store_wire import CONTROL_STORE, generation_store
-from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key, rank_owner_key
 from undying.trace.detect import Finding, SlowDetector
 from undying.trace.switch import TraceSwitch
 

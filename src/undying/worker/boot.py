@@ -85,7 +85,7 @@ def spare_beat_interval(env: dict[str, str] | os._Environ[str] | None = None) ->
 
 def _beat(channel: socket.socket, stop: threading.Event, interval: float) -> None:
     """A waiting spare's heartbeat: SpareReady again every ``interval``, so a stopped spare is seen as one."""
-    from undying.messages import SpareReady, encode
+    from undying.protocol.worker_wire import SpareReady, encode
 
     while not stop.wait(interval):
         try:
@@ -101,8 +101,9 @@ def _wait_as_spare(script: Path) -> None:
     agent kills a spare that does not give it within --spare-take-timeout,
     so a stopped or wedged spare costs a recovery seconds, not the init timeout.
     """
-    from undying.messages import Assign, SpareReady, SpareTaken, decode, encode
     from undying.protocol.channel_key import hello_line
+    from undying.protocol.worker_wire import Assign, SpareReady, SpareTaken, encode
+    from undying.protocol.worker_wire import decode_to_worker as decode
 
     for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors

@@ -49,7 +49,11 @@ from undying.checkpoint.safe_load import check_state_loadable, refused_global
 from undying.checkpoint.sharded import read_manifest
 from undying.config import EXIT_FENCED, EXIT_PREEMPTED, EXIT_REGROUPED
 from undying.errors import ControlStoreLostError, FencedError, RecoveryError, UsageError
-from undying.messages import (
+from undying.protocol.codec import Message
+from undying.protocol.generations import generation_key
+from undying.protocol.store_client import JobStore
+from undying.protocol.store_wire import CONTROL_STORE
+from undying.protocol.worker_wire import (
     Abort,
     ArmFault,
     CheckpointSaved,
@@ -58,7 +62,6 @@ from undying.messages import (
     Fatal,
     Heartbeat,
     Hello,
-    Message,
     Preempt,
     Progress,
     StepCommitted,
@@ -68,9 +71,6 @@ from undying.messages import (
     Terminated,
     TraceSet,
 )
-from undying.protocol.store_client import JobStore
-from undying.protocol.store_wire import CONTROL_STORE
-from undying.rendezvous import generation_key
 from undying.worker import rng
 from undying.worker.channel import AgentChannel
 from undying.worker.data import DataCursor, map_position

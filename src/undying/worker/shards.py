@@ -40,7 +40,7 @@ from undying.checkpoint import (
     tensor_shapes,
 )
 from undying.errors import NoStateSourceError, RecoveryError, UsageError
-from undying.messages import CheckpointSaved, Progress
+from undying.protocol.worker_wire import CheckpointSaved, Progress
 from undying.worker import replica, sharding
 from undying.worker.restore import MODE_SHARDED, RankStatus
 

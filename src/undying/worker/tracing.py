@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from undying.messages import ArmFault, FaultInjected, Message, TraceSet, TraceSummary
+from undying.protocol.codec import Message
+from undying.protocol.worker_wire import ArmFault, FaultInjected, TraceSet, TraceSummary
 from undying.trace.summary import StepSummarizer
 from undying.trace.switch import TraceSwitch
 from undying.trace.tracer import Tracer
