@@ -236,3 +236,26 @@ def test_a_generation_record_reads_back_and_a_bad_one_says_so() -> None:
     assert GenerationRecord.from_json(record.to_json().decode()) == record
     with pytest.raises(ValueError, match="not a generation record"):
         GenerationRecord.from_json(b'{"generation": "4"}')
+
+
+def test_a_node_step_gathers_a_run_of_commits_and_gives_them_back() -> None:
+    commits = [worker_wire.StepCommitted(r, 2, 9, 100.0 + r, {"loss": r / 3}) for r in (4, 5, 6)]
+    later = worker_wire.StepCommitted(4, 2, 10, 200.0)
+    steps = node_wire.NodeStep.gather([*commits, later])
+    assert [(s.step, s.ranks, s.width) for s in steps] == [(9, [4, 5, 6], 3), (10, [4], 1)]
+    assert steps[0].t == [104.0, 105.0, 106.0]  # each rank's own commit time: per-rank step times stay
+    again = node_wire.decode_agent_report(Codec.encode(steps[0]))
+    assert isinstance(again, node_wire.NodeStep) and again.commits() == commits
+    assert node_wire.width(again) == 3 and node_wire.width(later) == 1 and node_wire.width(None) == 1
+    # One record a node a step: far fewer bytes than a report a rank.
+    assert len(Codec.encode(steps[0])) < sum(len(Codec.encode(c)) for c in commits)
+
+
+@pytest.mark.parametrize("body", [
+    '"ranks":[1,2],"t":[1.0],"metrics":[{},{}]',
+    '"ranks":[1],"t":[1.0],"metrics":[{}],"fingerprints":["a","b"]',
+    '"ranks":[],"t":[],"metrics":[]',
+])
+def test_a_node_step_whose_lists_disagree_is_refused(body: str) -> None:
+    with pytest.raises(ValueError, match="bad fields for NodeStep"):
+        node_wire.decode_agent_report(f'{{"type":"NodeStep","generation":0,"step":1,{body}}}')

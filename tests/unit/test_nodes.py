@@ -50,6 +50,7 @@ from undying.protocol.node_wire import (
     JobEnded,
     ManagerBeat,
     NodeLeaving,
+    NodeStep,
     NodeStopped,
     NumberedReports,
     RankExited,
@@ -592,7 +593,13 @@ def reports_of(lines: list[bytes]) -> list[tuple[int, Message]]:
         batch = decode_from_agent(line)
         assert isinstance(batch, NumberedReports), line
         assert encode(batch) == line  # the client frames its lines exactly as encode would
-        out += [(batch.first + i, decode_agent_report(body)) for i, body in enumerate(batch.reports)]
+        seq = batch.first
+        for body in batch.reports:
+            report = decode_agent_report(body)
+            # A NodeStep stands for its commits, numbered one each.
+            for message in report.commits() if isinstance(report, NodeStep) else [report]:
+                out.append((seq, message))
+                seq += 1
     return out
 
 
@@ -637,6 +644,39 @@ def test_manager_client_splits_what_it_resends_into_lines_the_manager_takes() ->
     assert [seq for seq, _ in taken] == list(range(1, 41))
     assert [m.rank for _, m in taken] == list(range(40))  # type: ignore[attr-defined]
     assert [type(m) for _, m in taken[:2]] == [Fatal, StepCommitted]
+
+
+def test_a_pass_of_commits_travels_as_one_node_step_a_step_and_a_partial_resend_gives_only_the_rest(
+        tmp_path: Path) -> None:
+    """The wire unit: a node's commits of a step are one NodeStep, numbered a commit each; the manager takes each once."""
+
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        agent = Agent(server.port)
+        assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
+        lines = tap(agent)
+        for step in (1, 2):
+            for rank in (0, 1, 2):
+                agent.client.on_message(commit(rank, step))
+        await until(lambda: len(recorder.named("message")) == 6, "the six commits")
+        [line] = lines.lines
+        batch = decode_from_agent(line)
+        assert isinstance(batch, NumberedReports) and batch.first == 1
+        steps = [decode_agent_report(body) for body in batch.reports]
+        assert [(type(s).__name__, s.step, s.ranks) for s in steps] == [  # type: ignore[attr-defined]
+            ("NodeStep", 1, [0, 1, 2]), ("NodeStep", 2, [0, 1, 2])]
+        assert recorder.batches == [["StepCommitted"] * 6] and server.received[0] == 6
+        # A resend that overlaps what the manager has (4..6 held as 5, 6, 7 after a break): only 7 is new.
+        again = node_wire_step(3, [0, 1, 2])
+        agent.send_raw(reports_line(5, [Codec.encode_object(again)]))
+        await until(lambda: server.received[0] == 7, "the resent step's new commit")
+        assert [(m.rank, m.step) for m in recorder.named("message")][6:] == [(2, 3)]
+        agent.close()
+
+    run(with_server(body, tmp_path))
+
+
+def node_wire_step(step: int, ranks: list[int]) -> NodeStep:
+    return NodeStep(0, step, ranks, [time.time()] * len(ranks), [{"loss": float(step)}] * len(ranks))
 
 
 def test_what_an_agent_reports_in_one_pass_is_one_line_acked_and_then_dropped(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from undying.protocol.node_wire import (
     KillRank,
     ManagerBeat,
     NodeLeaving,
+    NodeStep,
     NodeStopped,
     RankExited,
     RankHung,
@@ -58,7 +59,7 @@ from undying.protocol.node_wire import (
     reports_line,
 )
 from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
-from undying.protocol.worker_wire import TraceSet
+from undying.protocol.worker_wire import StepCommitted, TraceSet
 from undying.trace.switch import TraceSwitch
 
 __all__ = ["ManagerClient", "run_node", "parse_manager_address"]
@@ -100,35 +101,48 @@ def parse_manager_address(address: str) -> tuple[str, int]:
 class ManagerClient:
     """The agent's ``ManagerLink`` across the network: numbered reports, each kept until the manager logged it.
 
-    What the agent reports in one pass of its event loop (its ranks' commits of
-    a step arrive together) goes out as one ``NumberedReports`` line, written
-    once the pass is over (``loop.call_soon``); outside an event loop a report
-    is written at once. Every report has its own number in the session, and is
-    kept from when it is made until an ``Acked`` says the manager's log
-    committed it, across breaks and manager restarts: the manager's welcome says
-    what it holds, and the rest is sent again in order.
+    What the agent reports in one pass of its event loop goes out as one
+    ``NumberedReports`` line, written once the pass is over
+    (``loop.call_soon``); outside an event loop a report is written at once.
+    Its ranks' commits of a step, which arrive in one pass, travel as one
+    ``NodeStep``: the manager decodes a record a node, not one a rank. Every
+    report has its own numbers in the session (a NodeStep one a commit), and
+    is kept from when it is made until an ``Acked`` says the manager's log
+    committed it, across breaks and manager restarts: the manager's welcome
+    says what it holds, and the rest is sent again in order.
     """
 
     def __init__(self) -> None:
         self.writer: asyncio.StreamWriter | None = None
         self._seq = 0
-        # (number, the report as a JSON object), oldest first, until acknowledged.
-        self._kept: deque[tuple[int, bytes]] = deque()
+        # (first number, last number, the report as a JSON object), oldest first, until acknowledged.
+        self._kept: deque[tuple[int, int, bytes]] = deque()
         self._unsent = 0  # the newest this many kept reports are not written on this connection yet
         self._flush_due = False
+        self._commits: list[StepCommitted] = []  # this pass's commits, gathered into NodeSteps as it ends
 
     def send(self, message: Message) -> None:
-        self._keep(Codec.encode_object(message))  # as it travels inside NumberedReports
+        self._gather()  # the commits made before it go first
+        self._keep(Codec.encode_object(message), 1)  # as it travels inside NumberedReports
 
-    def _keep(self, report: bytes) -> None:
-        self._seq += 1
-        self._kept.append((self._seq, report))
+    def _gather(self) -> None:
+        commits, self._commits = self._commits, []
+        for step in NodeStep.gather(commits):
+            self._keep(Codec.encode_object(step), step.width)
+
+    def _keep(self, report: bytes, width: int) -> None:
+        first = self._seq + 1
+        self._seq += width
+        self._kept.append((first, self._seq, report))
         if len(self._kept) % _KEPT_WARN_EVERY == 0:
             log.warning("%d reports kept for the manager (unreachable or not acknowledging); none is dropped",
                         len(self._kept))
         if self.writer is None:
             return
         self._unsent += 1
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if not self._flush_due:
             self._flush_due = True
             try:
@@ -138,6 +152,7 @@ class ManagerClient:
 
     def flush(self) -> None:
         """Write the reports made since the last flush, in one line (more past ``_LINE_BYTES``)."""
+        self._gather()
         self._flush_due = False
         count, self._unsent = min(self._unsent, len(self._kept)), 0
         writer = self.writer
@@ -145,19 +160,20 @@ class ManagerClient:
             return  # they stay kept: the next connection sends them
         newest = list(itertools.islice(reversed(self._kept), count))
         newest.reverse()
-        writer.write(b"".join(_lines(newest)))
+        writer.write(b"".join(_lines((first, report) for first, _, report in newest)))
 
     def acked(self, seq: int) -> None:
-        while self._kept and self._kept[0][0] <= seq:
+        while self._kept and self._kept[0][1] <= seq:
             self._kept.popleft()
 
     def connected(self, writer: asyncio.StreamWriter, acked: int) -> int:
         """Now online: what the manager lacks goes first, in order. Returns how many reports were resent."""
+        self._gather()
         self.acked(acked)
         self.writer = writer
         self._unsent = 0
         if self._kept:
-            writer.write(b"".join(_lines(self._kept)))
+            writer.write(b"".join(_lines((first, report) for first, _, report in self._kept)))
         return len(self._kept)
 
     def disconnected(self) -> None:
@@ -165,11 +181,12 @@ class ManagerClient:
         self._unsent = 0
 
     def has_kept(self) -> bool:
-        return bool(self._kept)
+        return bool(self._kept or self._commits)
 
     def new_session(self) -> None:
         """Fenced: nothing said in the old session counts; the next one numbers from 1."""
         self._kept.clear()
+        self._commits.clear()
         self._seq = 0
         self._unsent = 0
 
@@ -179,6 +196,10 @@ class ManagerClient:
         self.send(RankExited(rank, pid, returncode, t))
 
     def on_message(self, message: Message) -> None:
+        if type(message) is StepCommitted:  # gathered with the pass's other commits (NodeStep)
+            self._commits.append(message)
+            self._flush_soon()
+            return
         self.send(message)  # a worker's message travels as itself (node_wire.FROM_WORKERS tells the manager)
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:

@@ -46,6 +46,7 @@ from undying.protocol.node_wire import (
     KillRank,
     ManagerBeat,
     NodeLeaving,
+    NodeStep,
     NodeStopped,
     NumberedReports,
     RankExited,
@@ -60,6 +61,7 @@ from undying.protocol.node_wire import (
     decode_agent_report,
     decode_from_agent,
     encode,
+    width,
 )
 from undying.protocol.seams import ManagerLink
 from undying.protocol.worker_wire import COMMANDS, ArmFault, TraceSet, WorkerCommand
@@ -478,35 +480,41 @@ class AgentServer:
         """A line of reports, in order; each taken once, however often it is sent (by its number).
 
         The node's position (``received``) moves to a report before it is
-        handled, as for a Numbered line, so a log commit made while it is
-        handled counts it. A run of workers' messages goes to the manager in
-        one call (``on_messages``), the position moved past all of them first.
+        handled, so a log commit made while it is handled counts it. A run of
+        workers' messages (a NodeStep's commits among them) goes to the
+        manager in one call (``on_messages``), the position moved past all of
+        them first.
         """
         events = self._events
         assert events is not None
         node = slot.node
-        seq = line.first - 1
+        last = line.first - 1  # the number of the report before this one
         run: list[Message] = []
         for body in line.reports:
-            seq += 1
-            if seq <= self.received.get(node, 0):
-                continue  # sent again after a break or a manager restart; this manager has it already
             try:
                 message: Message | None = decode_agent_report(body)
             except MessageError as e:
                 log.warning("node %d: dropped a bad report: %s", node, e)
                 message = None
+            first, last = last + 1, last + width(message)
+            taken = self.received.get(node, 0)
+            if last <= taken:
+                continue  # sent again after a break or a manager restart; this manager has it already
+            if isinstance(message, NodeStep):  # its commits, those this manager lacks, as the ranks sent them
+                run += message.commits()[max(0, taken - first + 1):]
+                self.received[node] = last
+                continue
             if type(message) in FROM_WORKERS:
                 assert message is not None
                 run.append(message)
-                self.received[node] = seq
+                self.received[node] = last
                 continue
             if run:
                 events.on_messages(run)
                 run = []
                 if not (slot.session == session and slot.writer is writer):
                     return
-            self.received[node] = seq
+            self.received[node] = last
             if message is not None:
                 self._dispatch(slot, message)
                 if not (slot.session == session and slot.writer is writer):

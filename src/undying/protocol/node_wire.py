@@ -41,7 +41,7 @@ __all__ = [
     "AgentJoin", "AgentWelcome", "AgentRefused", "AgentFenced", "AgentState", "ManagerBeat", "SpawnRank",
     "RankSpawned", "KillRank", "TellRank", "ArmRank", "AbortRank", "KeepSpares", "StopNode", "NodeStopped",
     "NodeLeaving", "RankExited", "RankHung", "RankProgress", "RanksStalled", "SpareEvent", "TraceFileSet",
-    "TraceFileError", "NumberedReports", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report",
+    "TraceFileError", "NodeStep", "NumberedReports", "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report",
     "FROM_WORKERS", "encode", "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line",
 ]
 
@@ -167,6 +167,62 @@ class TraceFileError(Message, frozen=True):
     message: str
 
 
+class NodeStep(Message, frozen=True):
+    """A node's ranks' commits of one step in one report: the wire unit that grows with nodes, not ranks.
+
+    What the agent's ranks commit in one pass of its loop with the same
+    ``generation`` and ``step`` (under DDP, all of them, within microseconds),
+    per rank in ``ranks``' order: its commit time (``t``, so per-rank step
+    times stay visible), its metrics, and its state's fingerprint
+    (``fingerprints``, empty until workers send one). It stands for
+    ``len(ranks)`` numbered reports, one a commit, so numbering, resending and
+    acknowledging count commits exactly as they did one report each.
+    """
+
+    generation: int
+    step: int
+    ranks: list[int]
+    t: list[float]
+    metrics: list[dict[str, float]]
+    fingerprints: list[str] = []
+
+    def __post_init__(self) -> None:
+        if not self.ranks or len(self.t) != len(self.ranks) or len(self.metrics) != len(self.ranks) or (
+                self.fingerprints and len(self.fingerprints) != len(self.ranks)):
+            raise ValueError(f"a NodeStep of {len(self.ranks)} ranks needs as many times, metrics "
+                             f"(and fingerprints, if any); got {len(self.t)}, {len(self.metrics)}, "
+                             f"{len(self.fingerprints)}")
+
+    @property
+    def width(self) -> int:
+        """How many numbered reports it stands for."""
+        return len(self.ranks)
+
+    def commits(self) -> list[StepCommitted]:
+        """Each rank's commit, as the rank sent it."""
+        return [StepCommitted(rank, self.generation, self.step, t, metrics)
+                for rank, t, metrics in zip(self.ranks, self.t, self.metrics, strict=True)]
+
+    @classmethod
+    def gather(cls, commits: list[StepCommitted]) -> list[NodeStep]:
+        """Commits in order, one NodeStep per run of the same generation and step."""
+        steps: list[NodeStep] = []
+        run: list[StepCommitted] = []
+        for commit in commits:
+            if run and (commit.generation, commit.step) != (run[0].generation, run[0].step):
+                steps.append(cls._of(run))
+                run = []
+            run.append(commit)
+        if run:
+            steps.append(cls._of(run))
+        return steps
+
+    @classmethod
+    def _of(cls, run: list[StepCommitted]) -> NodeStep:
+        return cls(run[0].generation, run[0].step, [c.rank for c in run], [c.t for c in run],
+                   [c.metrics for c in run])
+
+
 class NumberedReports(Message, frozen=True):
     """Several of an agent's reports in one line, numbered ``first``, ``first + 1``, ... in order.
 
@@ -182,6 +238,11 @@ class NumberedReports(Message, frozen=True):
 
     first: int
     reports: list[msgspec.Raw]
+
+
+def width(report: Message | None) -> int:
+    """How many numbers a report takes in its session (a NodeStep one a commit; a bad one, one)."""
+    return report.width if isinstance(report, NodeStep) else 1
 
 
 # --- manager -> agent ------------------------------------------------------
@@ -276,7 +337,7 @@ class JobEnded(Message, frozen=True):
 
 FromAgent = AgentJoin | NumberedReports
 Report = (Hello | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
-          | CheckpointSaved | Terminated | StopProposal | SpareEvent | AgentState | RankExited | RankSpawned
+          | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
           | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
 ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank | KillRank | TellRank
            | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet | JobEnded)
