@@ -730,7 +730,7 @@ class Sim:
         self._pids += 1
         node.live[message.rank] = self._pids
         node.report(RankSpawned(message.rank, self._pids, False, message.incarnation))
-        generation = int(message.record["generation"])
+        generation = message.record.generation
         node.worker(Hello(message.rank, self._pids, generation, message.joining, time.time()))
         if generation > self.generation:
             self.generation = generation  # the survivors see the new generation on the control store
@@ -798,7 +798,7 @@ class Sim:
             return out
         out["exit_to_spawn_command_s"] = round(spawn_t - t0, 4)
         out["joining"] = spawn.joining
-        out["generation"] = int(spawn.record["generation"])
+        out["generation"] = spawn.record.generation
         # Without steps nothing completes a recovery: the decision is what is timed.
         incident = await wait_for_incident(events_db, rank, t0, timeout_s, decided_only=self.step_s == 0)
         if incident is None:
@@ -1058,7 +1058,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     for info in manager.ranks.values():
         manager.on_spawned(info.rank, 200_000 + info.rank, False, info.incarnation)
     scratch = EventLog(root / "scratch.db")
-    decode_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], [], []
+    decode_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], []
     for step in range(1, steps + 1):
         messages = [StepCommitted(r, 0, step, time.time(), {"loss": 1.0 / step}) for r in range(world)]
         by_node = [messages[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(nnodes)]
