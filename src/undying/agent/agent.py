@@ -30,7 +30,7 @@ from undying.protocol.codec import Handlers, Message, MessageError
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.kinds import InjectPhase, WorkerPhase
 from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
-from undying.protocol.seams import ManagerLink
+from undying.protocol.seams import AgentHandle, ManagerLink
 from undying.protocol.worker_wire import (
     Abort,
     ArmFault,
@@ -580,3 +580,8 @@ def _report_crash(task: asyncio.Task[None]) -> None:
     """A watch task that dies takes the job's hang detection with it: say so loudly."""
     if not task.cancelled() and task.exception() is not None:
         log.critical("agent task %s died", task.get_name(), exc_info=task.exception())
+
+
+def _satisfies_the_seam(agent: Agent) -> AgentHandle:
+    """(For mypy: the in-process agent is what a manager drives, ``protocol.seams.AgentHandle``.)"""
+    return agent

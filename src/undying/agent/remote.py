@@ -58,6 +58,7 @@ from undying.protocol.node_wire import (
     encode,
     reports_line,
 )
+from undying.protocol.seams import ManagerLink
 from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
 from undying.protocol.worker_wire import StepCommitted, TraceSet
 from undying.trace.switch import TraceSwitch
@@ -472,3 +473,8 @@ def run_node(config: JobConfig, script: str, script_args: list[str], manager: st
     """Run this node's agent until the job ends (its exit code) or the node leaves (143)."""
     config.validate()
     return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given).run())
+
+
+def _satisfies_the_seam(client: ManagerClient) -> ManagerLink:
+    """(For mypy: the network client is what an agent reports to, ``protocol.seams.ManagerLink``.)"""
+    return client

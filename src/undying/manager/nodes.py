@@ -63,7 +63,7 @@ from undying.protocol.node_wire import (
     encode,
     width,
 )
-from undying.protocol.seams import ManagerLink
+from undying.protocol.seams import AgentHandle, ManagerLink
 from undying.protocol.worker_wire import COMMANDS, ArmFault, TraceSet, WorkerCommand
 from undying.trace.switch import TraceSwitch
 
@@ -550,3 +550,8 @@ class AgentServer:
     def _on_spawned(self, message: RankSpawned, slot: RemoteAgent) -> None:
         slot.live[message.rank] = message.pid
         self._node_events().on_spawned(message.rank, message.pid, message.warm, message.incarnation)
+
+
+def _satisfies_the_seam(slot: RemoteAgent) -> AgentHandle:
+    """(For mypy: a remote node's slot is what the manager drives, ``protocol.seams.AgentHandle``.)"""
+    return slot
