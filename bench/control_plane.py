@@ -31,11 +31,11 @@ step). ``--step-s 0`` sends no steps: the agents' beats only (the load of
 the heartbeat rate alone; crash trials then time the decision only, as
 nothing completes a recovery).
 
-The simulated agents' lines are byte for byte what ``undying run``'s
-``ManagerClient`` writes (checked at start, in an event loop, so the batching
-is compared too): they are that class, with each report encoded without
-``dataclasses.asdict``, so that this one process can play 1,024 agents on one
-core.
+The simulated agents speak through ``undying run``'s own ``ManagerClient``
+(numbering, batching per loop pass, keeping until acknowledged), and the
+manager reads their lines with the shipped codec (``undying.protocol``);
+``check_encoding`` proves at start, in an event loop, that the lines carry
+what was sent, the resend after a reconnect included.
 
 The sizes step through ``--nodes`` (default 8, 64, 256, 1024) at
 ``--ranks-per-node`` (default 8). At each size:
@@ -89,8 +89,7 @@ Definitions
 Where the time goes (``--micro-steps``, after the sizes, at the largest): the
 manager's work per message timed in this process with the shipped Manager and
 event log and no profiler: the wire line's decode (a node's ``NumberedReports``
-line, and for comparison the one-report-a-line format before it, three nested
-JSON decodes), then ``Manager.on_messages`` of a node's commits and
+line), then ``Manager.on_messages`` of a node's commits and
 ``Manager.on_message`` of one, and apart their log rows, the log flush of one
 step, a beat round, a crash's ``on_exit`` and the restore planner alone. ``--profile`` adds cProfile of the live manager's window.
 
@@ -159,31 +158,29 @@ from recovery import interrupt, publish  # noqa: E402  (bench/ is a folder of sc
 from undying.agent.remote import ManagerClient  # noqa: E402
 from undying.config import JobConfig, Timeouts  # noqa: E402
 from undying.manager.auth import TOKEN_ENV  # noqa: E402
-from undying.messages import (  # noqa: E402
+from undying.protocol.codec import Message  # noqa: E402
+from undying.protocol.node_wire import (  # noqa: E402
     Acked,
     AgentFenced,
     AgentJoin,
     AgentRefused,
     AgentState,
     AgentWelcome,
-    Hello,
     JobEnded,
     KillRank,
-    Message,
+    NodeStep,
     NodeStopped,
-    Numbered,
     NumberedReports,
-    Progress,
     RankExited,
-    RankReport,
     RankSpawned,
     SpawnRank,
-    StepCommitted,
     StopNode,
-    decode,
+    decode_agent_report,
+    decode_from_agent,
+    decode_to_agent,
     encode,
-    from_object,
 )
+from undying.protocol.worker_wire import Hello, Progress, StepCommitted  # noqa: E402
 
 DEFAULT_NODES = (8, 64, 256, 1024)
 TARGET_P99_MS = 100.0
@@ -512,25 +509,6 @@ class ManagerProcess:
 # --- the simulated agents --------------------------------------------------------------
 
 
-def fast_encode(message: Message) -> bytes:
-    """``undying.messages.encode`` without ``dataclasses.asdict``'s deep copy: the same bytes, a third of the CPU.
-
-    Every message the simulated agents send is a flat dataclass of JSON
-    values, whose ``vars`` are its fields in order; ``check_encoding`` proves
-    the bytes equal at start. The manager decodes with the shipped code.
-    """
-    body = dict(vars(message))
-    body["type"] = type(message).__name__
-    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
-
-
-class SimClient(ManagerClient):
-    """The agent's ManagerClient (numbered, gathered per loop pass, kept until Acked), encoding with ``fast_encode``."""
-
-    def _object(self, message: Message) -> bytes:
-        return fast_encode(message)[:-1]
-
-
 class LineSink:
     """A writer that keeps what is written (ManagerClient writes lines to it)."""
 
@@ -545,7 +523,7 @@ class LineSink:
 
 
 def check_encoding() -> None:
-    """The simulated agents' lines are byte for byte what ``undying run``'s ManagerClient writes.
+    """The simulated agents speak through ``undying run``'s own ManagerClient: its lines carry what was sent.
 
     In an event loop, as the agent runs: two passes of reports, each written
     as the pass ends; the first pass's lines resent after a reconnect.
@@ -573,9 +551,17 @@ def check_encoding() -> None:
         client.connected(sink, 2)  # type: ignore[arg-type]
         return sink.lines
 
-    ours, theirs = asyncio.run(lines(SimClient())), asyncio.run(lines(ManagerClient()))
-    if ours != theirs or len(theirs) != 3:
-        raise AssertionError(f"the simulated agents' lines differ from ManagerClient's: {ours} != {theirs}")
+    got = asyncio.run(lines(ManagerClient()))
+    sent = [m for reports in passes for _, m in reports]
+    taken = []
+    for line in got:
+        batch = decode_from_agent(line)
+        assert isinstance(batch, NumberedReports)
+        for body in batch.reports:
+            report = decode_agent_report(body)
+            taken += report.commits() if isinstance(report, NodeStep) else [report]
+    if len(got) != 3 or taken != sent + sent[2:]:  # two passes, then what the manager lacks (3 on) resent
+        raise AssertionError(f"the agent's lines do not carry what it sent: {got}")
 
 
 @dataclasses.dataclass
@@ -603,7 +589,7 @@ class SimNode:
     def __init__(self, sim: Sim, node: int) -> None:
         self.sim = sim
         self.node = node
-        self.client = SimClient()
+        self.client = ManagerClient()
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.session = ""
@@ -641,7 +627,7 @@ class SimNode:
             token=sim.token, session="", pid=os.getpid(), host=f"sim-{self.node}", config=config.to_dict(),
             live={}, t=time.time())))
         line = await asyncio.wait_for(self.reader.readline(), 120.0)
-        reply = decode(line) if line else None
+        reply = decode_to_agent(line) if line else None
         if isinstance(reply, (AgentRefused, AgentFenced)):
             raise RuntimeError(f"node {self.node}: the manager said {type(reply).__name__}: {reply.reason}")
         if not isinstance(reply, AgentWelcome):
@@ -663,7 +649,7 @@ class SimNode:
             line = await self.reader.readline()
             if not line:
                 return
-            message = decode(line)
+            message = decode_to_agent(line)
             if isinstance(message, Acked):
                 self.client.acked(message.seq)
                 now = time.time()
@@ -744,7 +730,7 @@ class Sim:
         self._pids += 1
         node.live[message.rank] = self._pids
         node.report(RankSpawned(message.rank, self._pids, False, message.incarnation))
-        generation = int(message.record["generation"])
+        generation = message.record.generation
         node.worker(Hello(message.rank, self._pids, generation, message.joining, time.time()))
         if generation > self.generation:
             self.generation = generation  # the survivors see the new generation on the control store
@@ -812,7 +798,7 @@ class Sim:
             return out
         out["exit_to_spawn_command_s"] = round(spawn_t - t0, 4)
         out["joining"] = spawn.joining
-        out["generation"] = int(spawn.record["generation"])
+        out["generation"] = spawn.record.generation
         # Without steps nothing completes a recovery: the decision is what is timed.
         incident = await wait_for_incident(events_db, rank, t0, timeout_s, decided_only=self.step_s == 0)
         if incident is None:
@@ -1048,7 +1034,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     from undying.manager.events import EventLog
     from undying.manager.manager import Manager
     from undying.manager.nodes import RemoteAgent
-    from undying.messages import ManagerBeat
+    from undying.protocol.node_wire import ManagerBeat
 
     root.mkdir(parents=True, exist_ok=True)
     config = JobConfig(job_id=JOB_ID, job_dir=str(root), nproc_per_node=ranks_per_node, nnodes=nnodes, spares=0,
@@ -1072,12 +1058,12 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     for info in manager.ranks.values():
         manager.on_spawned(info.rank, 200_000 + info.rank, False, info.incarnation)
     scratch = EventLog(root / "scratch.db")
-    decode_s, nested_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], [], []
+    decode_s, batch_s, one_s, step_s, steps_s, flush_s = [], [], [], [], [], []
     for step in range(1, steps + 1):
         messages = [StepCommitted(r, 0, step, time.time(), {"loss": 1.0 / step}) for r in range(world)]
         by_node = [messages[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(nnodes)]
         # The wire as the agents write it: a node's commits of the step, made in one pass, in one line.
-        client, sink = SimClient(), LineSink()
+        client, sink = ManagerClient(), LineSink()
         client.connected(sink, 0)  # type: ignore[arg-type]
         for node_messages in by_node:
             for m in node_messages:
@@ -1087,20 +1073,11 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
         t = time.perf_counter()
         batches = []
         for line in sink.lines:
-            batch = decode(line)
+            batch = decode_from_agent(line)
             assert isinstance(batch, NumberedReports)
-            batches.append([from_object(body) for body in batch.reports])
+            reports = [decode_agent_report(body) for body in batch.reports]  # a NodeStep a node a step
+            batches.append([c for r in reports for c in (r.commits() if isinstance(r, NodeStep) else [r])])
         decode_s.append((time.perf_counter() - t) / world)
-        # Before NumberedReports: a line per report, the worker's message a string in a string.
-        old_lines = [encode(Numbered(m.rank + 1, encode(RankReport(encode(m).decode())).decode())) for m in messages]
-        t = time.perf_counter()
-        for line in old_lines:
-            outer = decode(line)
-            assert isinstance(outer, Numbered)
-            middle = decode(outer.body)
-            assert isinstance(middle, RankReport)
-            decode(middle.body)
-        nested_s.append((time.perf_counter() - t) / world)
         # The manager's handling: odd steps a node's batch a call (as AgentServer hands them over), even steps
         # a message a call (Manager.on_message, as the standalone agent calls it).
         t = time.perf_counter()
@@ -1139,10 +1116,11 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     incident = manager.incidents[-1]
     decided_s = incident.phases["decided"] - incident.phases["detected"]
     # The restore planner alone, as _handle calls it (it builds the job's layout afresh each time).
-    from undying.checkpoint.planner import plan_for_ddp
+    from undying.checkpoint.layout import Layout
+    from undying.checkpoint.planner import coarse_members, plan
 
     t = time.perf_counter()
-    plan_for_ddp(world, {crash_rank - 1}, None, current_step=steps).describe()
+    plan(Layout(dp=world), coarse_members(world, {crash_rank - 1}, steps)).describe()
     plan_s = time.perf_counter() - t
     run.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -1154,7 +1132,6 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
         "nodes": nnodes, "ranks": world, "steps": steps,
         "generation0_spawns_s": round(spawn_s, 3),
         "decode_us": round(statistics.median(decode_s) * us, 2),
-        "nested_decode_us": round(statistics.median(nested_s) * us, 2),
         "on_messages_us": round(statistics.median(batch_s) * us, 2),
         "on_message_us": round(statistics.median(one_s) * us, 2) if one_s else None,
         "log_step_row_us": round(statistics.median(step_s) * us, 2),
@@ -1172,8 +1149,7 @@ def render_micro(micro: dict[str, Any], text: TextIO) -> None:
     per = micro["decode_us"] + micro["on_messages_us"]
     print(f"\nwhere a commit's time goes, in-process at {micro['nodes']} nodes x "
           f"{micro['ranks'] // micro['nodes']} ranks (median of {micro['steps']} steps, no profiler):", file=text)
-    print(f"  decoding a node's NumberedReports line {micro['decode_us']:.1f} us a commit (the line a report before it, "
-          f"Numbered > RankReport > StepCommitted: {micro['nested_decode_us']:.1f} us)", file=text)
+    print(f"  decoding a node's NumberedReports line {micro['decode_us']:.1f} us a commit", file=text)
     print(f"  Manager.on_messages of a node's commits {micro['on_messages_us']:.1f} us a commit (Manager.on_message "
           f"of one: {_fmt(micro['on_message_us'])} us); its steps rows {micro['log_step_rows_us']:.1f} us a commit "
           f"with one executemany a node ({micro['log_step_row_us']:.1f} us a row alone)", file=text)
@@ -1184,7 +1160,7 @@ def render_micro(micro: dict[str, Any], text: TextIO) -> None:
           f"0.6 s; generation 0's spawns {micro['generation0_spawns_s']:.2f} s", file=text)
     print(f"  a crash: Manager.on_exit {micro['crash_on_exit_ms']:.1f} ms (decide, plan, open the generation, spawn); "
           f"detection-to-decision {micro['crash_detection_to_decision_ms']:.1f} ms -> {micro['incident_action']}; "
-          f"the restore planner alone (plan_for_ddp + describe) {micro['restore_plan_ms']:.1f} ms", file=text)
+          f"the restore planner alone (plan + describe, the DDP case) {micro['restore_plan_ms']:.1f} ms", file=text)
 
 
 # --- the report ------------------------------------------------------------------------

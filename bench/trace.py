@@ -343,7 +343,7 @@ def classify_steps(trace_root: Path) -> dict[int, str]:
 
 def micro_seams(iterations: int, tmp: Path) -> dict[str, Any]:
     """Per-step cost of the ``WorkerTracing`` calls the step loop makes, off and on."""
-    from undying.messages import TraceSet
+    from undying.protocol.worker_wire import TraceSet
     from undying.worker.tracing import WorkerTracing
 
     def _fetch(index: int) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 
 from undying.errors import UsageError
 from undying.inputs import check_finite, check_job_id
+from undying.protocol.env import ENV_PREFIX
 
 __all__ = [
     "JobConfig",
     "CheckpointConfig",
-    "ENV_PREFIX",
     "Timeouts",
     "timeouts_from_env",
     "checkpoint_from_env",
@@ -35,7 +35,6 @@ __all__ = [
     "default_max_connections",
 ]
 
-ENV_PREFIX = "UNDYING_"
 _MAX_TIMEOUT_S = 24 * 3600.0
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.integration.jobs import events, manager_url, start_job, wait_running
 from undying.manager.stores import StoreServer
-from undying.messages import FaultInjected, encode
+from undying.protocol.worker_wire import FaultInjected, encode
 
 LOOPBACK = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
 

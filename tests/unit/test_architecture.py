@@ -31,7 +31,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
          "undying.__main__")),
     (2, ROLES),
     (1, ("undying.checkpoint", "undying.trace", "undying.config")),
-    (0, ("undying.protocol", "undying.errors", "undying.inputs", "undying.messages", "undying.rendezvous")),
+    (0, ("undying.protocol", "undying.errors", "undying.inputs")),
 ]
 DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
                     "undying.manager.step_clock", "undying.manager.state", "undying.checkpoint.planner")

@@ -10,7 +10,7 @@ from undying.cli.status import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.manager.checkpoint_health import CheckpointHealth, resume_line
 from undying.manager.state import Incident
-from undying.messages import CheckpointSaved
+from undying.protocol.worker_wire import CheckpointSaved
 
 
 class _Log:

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from undying.config import ENV_PREFIX, JobConfig, Timeouts, timeouts_from_env
+from undying.config import JobConfig, Timeouts, timeouts_from_env
 from undying.errors import UsageError
+from undying.protocol.env import ENV_PREFIX
 
 FIELDS = [f.name for f in dataclasses.fields(Timeouts)]
 

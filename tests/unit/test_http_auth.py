@@ -36,8 +36,9 @@ from undying.manager.auth import TOKEN_ENV, TOKEN_FILE
 from undying.manager.events import EventLog
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
-from undying.messages import ArmFault, Message, TraceSet
-from undying.rendezvous import GenerationRecord
+from undying.protocol.codec import Message
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.worker_wire import ArmFault, TraceSet
 
 T = TypeVar("T")
 JOB = "authjob"

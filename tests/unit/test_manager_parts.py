@@ -20,7 +20,7 @@ from undying.manager.state import (
     RankState,
 )
 from undying.manager.step_clock import StepClock
-from undying.messages import Fatal
+from undying.protocol.worker_wire import Fatal
 
 KILLED = -int(signal.SIGKILL)
 

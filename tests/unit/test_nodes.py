@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 
 from undying.agent.remote import ManagerClient
@@ -37,37 +38,34 @@ from undying.manager.events import EventLog, read_job, read_job_table
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer, RemoteAgent
 from undying.manager.service import ManagerOptions, _Gate, _serve
-from undying.messages import (
+from undying.protocol.codec import Codec, Message
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.node_wire import (
     Acked,
     AgentFenced,
     AgentJoin,
     AgentRefused,
     AgentState,
     AgentWelcome,
-    Fatal,
-    Hello,
     JobEnded,
     ManagerBeat,
-    Message,
     NodeLeaving,
+    NodeStep,
     NodeStopped,
-    Numbered,
     NumberedReports,
-    Progress,
     RankExited,
     RankProgress,
-    RankReport,
     RankSpawned,
     SpawnRank,
-    StepCommitted,
     StopNode,
-    TraceSet,
-    decode,
+    decode_agent_report,
+    decode_from_agent,
+    decode_to_agent,
     encode,
-    from_object,
+    reports_line,
 )
-from undying.rendezvous import GenerationRecord
-from undying.trace.switch import TraceSwitch
+from undying.protocol.trace_switch import TraceSwitch
+from undying.protocol.worker_wire import Fatal, Hello, Progress, StepCommitted, TraceSet
 
 JOB = "nodes-test"
 TOKEN = "test-token-0123456789"
@@ -177,7 +175,7 @@ class Agent:
         line = await asyncio.wait_for(self.reader.readline(), timeout_s)
         if not line:
             raise ConnectionError("the manager closed the connection")
-        message = decode(line)
+        message = decode_to_agent(line)
         if isinstance(message, Acked):
             self.client.acked(message.seq)  # as NodeRunner does: the log has them, stop keeping them
         return message
@@ -308,7 +306,7 @@ def test_a_taken_node_refuses_a_second_agent_and_keeps_the_first(tmp_path: Path)
         assert isinstance(welcome, AgentWelcome) and welcome.node == 1 and welcome.session
         before = snapshot(server)
         second = Agent(server.port)
-        other = dataclasses.replace(join_message(job_dir, 1), pid=99_999, host="intruder")
+        other = msgspec.structs.replace(join_message(job_dir, 1), pid=99_999, host="intruder")
         reply = await second.join(other)
         assert isinstance(reply, AgentRefused)
         assert "node 1 already has an agent (host-1, pid 40001)" in reply.reason
@@ -330,7 +328,7 @@ def test_a_join_is_welcomed_with_a_session_the_control_port_and_the_trace_switch
         welcome = await agent.join(join_message(job_dir, 0, live={"0": 500}))
         assert isinstance(welcome, AgentWelcome)
         assert (welcome.node, welcome.control_port, welcome.job_dir, welcome.acked) == (0, 12345, str(job_dir), 0)
-        assert welcome.trace["step"] is True and welcome.trace["by"] == "test"
+        assert welcome.trace is not None and welcome.trace.step is True and welcome.trace.by == "test"
         slot = server.slots[0]
         assert slot.attached and slot.session == welcome.session and slot.live == {0: 500}
         assert (slot.host, slot.pid) == ("host-0", 40_000)
@@ -386,7 +384,7 @@ def test_a_lost_nodes_stale_session_is_fenced_and_a_fresh_join_takes_the_waiting
         assert isinstance(welcome, AgentWelcome)
         assert welcome.session not in ("", old) and welcome.acked == 0
         spawn = await fresh.next(SpawnRank)
-        assert (spawn.rank, spawn.joining, spawn.incarnation, spawn.record["generation"]) == (2, True, 5, 1)
+        assert (spawn.rank, spawn.joining, spawn.incarnation, spawn.record.generation) == (2, True, 5, 1)
         assert slot.view()["waiting_spawns"] == []
         fresh.close()
 
@@ -484,12 +482,12 @@ def test_a_numbered_report_sent_twice_is_taken_once(tmp_path: Path) -> None:
     async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
         agent = Agent(server.port)
         assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
-        lines = [encode(Numbered(seq, encode(RankExited(0, 100 + seq, 1, 0.0)).decode())) for seq in (1, 2, 3)]
+        lines = [reports_line(seq, [Codec.encode_object(RankExited(0, 100 + seq, 1, 0.0))]) for seq in (1, 2, 3)]
         # 1, 2, then 2 again (a resend after a break), 1 again (older still), then 3, then 3 again.
         for line in (lines[0], lines[1], lines[1], lines[0], lines[2], lines[2]):
             agent.send_raw(line)
         # A sentinel after them: once it is taken, every line before it was handled.
-        agent.send_raw(encode(Numbered(4, encode(RankExited(1, 999, 1, 0.0)).decode())))
+        agent.send_raw(reports_line(4, [Codec.encode_object(RankExited(1, 999, 1, 0.0))]))
         await until(lambda: (1, 999, 1) in recorder.named("exit"), "the sentinel report")
         assert recorder.named("exit") == [(0, 101, 1), (0, 102, 1), (0, 103, 1), (1, 999, 1)]
         assert server.received[0] == 4
@@ -507,7 +505,8 @@ def test_unnumbered_and_malformed_lines_do_not_break_the_session(tmp_path: Path)
         assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
         agent.send_raw(b"{not json\n")
         agent.send_raw(b'{"type": "NoSuchMessage"}\n')
-        agent.send_raw(encode(RankReport("{broken worker message")))
+        # A worker's report with a field of the wrong type, numbered and sent as any other.
+        agent.client.on_message(StepCommitted(rank="broken worker message", generation=0, step=1, t=0.0))  # type: ignore[arg-type]
         agent.client.on_message(commit(1, 7))
         await until(lambda: bool(recorder.named("message")), "the good report")
         [message] = recorder.named("message")
@@ -591,10 +590,16 @@ def reports_of(lines: list[bytes]) -> list[tuple[int, Message]]:
     """(number, report) of every report in NumberedReports lines, in order."""
     out: list[tuple[int, Message]] = []
     for line in lines:
-        batch = decode(line)
+        batch = decode_from_agent(line)
         assert isinstance(batch, NumberedReports), line
         assert encode(batch) == line  # the client frames its lines exactly as encode would
-        out += [(batch.first + i, from_object(dict(body))) for i, body in enumerate(batch.reports)]
+        seq = batch.first
+        for body in batch.reports:
+            report = decode_agent_report(body)
+            # A NodeStep stands for its commits, numbered one each.
+            for message in report.commits() if isinstance(report, NodeStep) else [report]:
+                out.append((seq, message))
+                seq += 1
     return out
 
 
@@ -639,6 +644,39 @@ def test_manager_client_splits_what_it_resends_into_lines_the_manager_takes() ->
     assert [seq for seq, _ in taken] == list(range(1, 41))
     assert [m.rank for _, m in taken] == list(range(40))  # type: ignore[attr-defined]
     assert [type(m) for _, m in taken[:2]] == [Fatal, StepCommitted]
+
+
+def test_a_pass_of_commits_travels_as_one_node_step_a_step_and_a_partial_resend_gives_only_the_rest(
+        tmp_path: Path) -> None:
+    """The wire unit: a node's commits of a step are one NodeStep, numbered a commit each; the manager takes each once."""
+
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        agent = Agent(server.port)
+        assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
+        lines = tap(agent)
+        for step in (1, 2):
+            for rank in (0, 1, 2):
+                agent.client.on_message(commit(rank, step))
+        await until(lambda: len(recorder.named("message")) == 6, "the six commits")
+        [line] = lines.lines
+        batch = decode_from_agent(line)
+        assert isinstance(batch, NumberedReports) and batch.first == 1
+        steps = [decode_agent_report(body) for body in batch.reports]
+        assert [(type(s).__name__, s.step, s.ranks) for s in steps] == [  # type: ignore[attr-defined]
+            ("NodeStep", 1, [0, 1, 2]), ("NodeStep", 2, [0, 1, 2])]
+        assert recorder.batches == [["StepCommitted"] * 6] and server.received[0] == 6
+        # A resend that overlaps what the manager has (4..6 held as 5, 6, 7 after a break): only 7 is new.
+        again = node_wire_step(3, [0, 1, 2])
+        agent.send_raw(reports_line(5, [Codec.encode_object(again)]))
+        await until(lambda: server.received[0] == 7, "the resent step's new commit")
+        assert [(m.rank, m.step) for m in recorder.named("message")][6:] == [(2, 3)]
+        agent.close()
+
+    run(with_server(body, tmp_path))
+
+
+def node_wire_step(step: int, ranks: list[int]) -> NodeStep:
+    return NodeStep(0, step, ranks, [time.time()] * len(ranks), [{"loss": float(step)}] * len(ranks))
 
 
 def test_what_an_agent_reports_in_one_pass_is_one_line_acked_and_then_dropped(tmp_path: Path) -> None:

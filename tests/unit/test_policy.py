@@ -6,7 +6,7 @@ import pytest
 
 from undying.manager.policy import Action, PolicyContext, decide, stall_culprits
 from undying.manager.state import Incident
-from undying.messages import RankProgress
+from undying.protocol.node_wire import RankProgress
 
 _ids = iter(range(1, 10**6))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 def test_a_regroup_generation_renumbers_its_members_and_leaves_out_the_rest() -> None:
-    from undying.rendezvous import GenerationRecord
+    from undying.protocol.generations import GenerationRecord
 
     plain = GenerationRecord(3, 4, "h", 1)
     assert [plain.member_rank(r) for r in range(4)] == [0, 1, 2, 3]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from undying.errors import UsageError
-from undying.trace import SwitchFileWatcher, TraceSwitch, TraceSwitchError, read_switch_file
+from undying.protocol.trace_switch import TraceSwitch, TraceSwitchError
+from undying.trace import SwitchFileWatcher, read_switch_file
 
 
 def parse(obj: object) -> TraceSwitch:

@@ -11,13 +11,8 @@ from typing import Any
 
 import pytest
 
-from undying.trace import (
-    KINDS,
-    STEP_GROUP,
-    Tracer,
-    TraceSwitch,
-    TraceWriter,
-)
+from undying.protocol.trace_switch import TraceSwitch
+from undying.trace import KINDS, STEP_GROUP, Tracer, TraceWriter
 
 BASE_FIELDS = {"v", "kind", "job", "rank", "node", "gen", "step", "t", "dur"}
 

@@ -34,7 +34,7 @@ def _member(rank: int, case: str, tmp: str, out: Any) -> None:
 
     from undying.checkpoint.planner import Member, MissingShardsError
     from undying.config import CheckpointConfig, Timeouts
-    from undying.messages import Fatal, Progress
+    from undying.protocol.worker_wire import Fatal, Progress
     from undying.worker.checkpoints import Checkpoints
     from undying.worker.context import JobContext
     from undying.worker.env import WorkerEnv

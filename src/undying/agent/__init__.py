@@ -1,5 +1,5 @@
 """The node agent: spawns and supervises a node's workers."""
 
-from undying.agent.agent import Agent, ManagerLink
+from undying.agent.agent import Agent
 
-__all__ = ["Agent", "ManagerLink"]
+__all__ = ["Agent"]

@@ -19,34 +19,36 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.zygote import Zygote, start_mode
-from undying.config import ENV_PREFIX, JobConfig, step_timeout
-from undying.messages import (
+from undying.config import JobConfig, step_timeout
+from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
+from undying.protocol.codec import Handlers, Message, MessageError
+from undying.protocol.env import ENV_PREFIX
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.kinds import InjectPhase, WorkerPhase
+from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
+from undying.protocol.seams import AgentHandle, ManagerLink
+from undying.protocol.worker_wire import (
     Abort,
     ArmFault,
     Assign,
     Heartbeat,
     Hello,
-    Message,
-    RankProgress,
-    RankSpawned,
-    SpareEvent,
     SpareReady,
     SpareTaken,
     StepCommitted,
     Stop,
     TraceSet,
-    decode,
+    decode_from_worker,
     encode,
 )
-from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
-from undying.rendezvous import GenerationRecord
-from undying.trace.switch import SwitchFileWatcher, TraceSwitch
+from undying.trace.switch import SwitchFileWatcher
 
-__all__ = ["Agent", "ManagerLink"]
+__all__ = ["Agent"]
 
 log = logging.getLogger("undying.agent")
 
@@ -55,28 +57,12 @@ log = logging.getLogger("undying.agent")
 _KEY_WAIT_S = 10.0
 
 
-class ManagerLink(Protocol):
-    """What the agent reports to the manager (in-process when standalone)."""
-
-    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None: ...
-
-    def on_message(self, message: Message) -> None: ...
-
-    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
-
-    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None: ...
-
-    def on_trace_file(self, switch: TraceSwitch) -> None: ...
-
-    def on_trace_file_error(self, message: str) -> None: ...
-
-
 @dataclass
 class _Worker:
     rank: int
     process: Process
     writer: asyncio.StreamWriter | None = None
-    pending: list[Message] = field(default_factory=list)
+    pending: list[Message] = field(default_factory=list)  # commands held until its Hello
     started: float = field(default_factory=time.time)
     last_seen: float = 0.0  # the last message of any kind; 0 before the first
     hang_reported: bool = False
@@ -87,7 +73,7 @@ class _Worker:
     def progress(self) -> RankProgress:
         beat = self.beat
         if beat is None:
-            return RankProgress(self.rank, self.pid, -1, "init", 0, -1, self.started)
+            return RankProgress(self.rank, self.pid, -1, WorkerPhase.INIT, 0, -1, self.started)
         return RankProgress(self.rank, self.pid, beat.generation, beat.phase, beat.step,
                             beat.collectives, beat.progress_t)
 
@@ -134,6 +120,7 @@ class Agent:
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
         self._start_mode = start_mode()
         self._zygote: Zygote | None = None
+        self._from_worker = self._worker_handlers()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -210,7 +197,8 @@ class Agent:
                 if beat is None or beat.progress_t == worker.stall_reported_t:
                     continue
                 # The beat's own word, not the agent's clock: beats queued behind a busy loop are not a stall.
-                limit = self.step_timeout() if beat.phase == "step" else timeouts.init if beat.phase == "init" else 0
+                limit = (self.step_timeout() if beat.phase == WorkerPhase.STEP
+                         else timeouts.init if beat.phase == WorkerPhase.INIT else 0)
                 if limit and beat.t - beat.progress_t > limit:
                     stalled.append(worker)
             if stalled:
@@ -302,7 +290,7 @@ class Agent:
                 env=env,
                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
             )
-            process = _PopenProcess(popen)
+            process = PopenProcess(popen)
         task = asyncio.get_running_loop().create_task(self._watch(process))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -467,7 +455,7 @@ class Agent:
         return {r: w.progress().phase for r, w in self._workers.items() if w.process.returncode is None}
 
     def arm(self, rank: int, fault: ArmFault) -> None:
-        if fault.phase == "rejoin":  # for the rank's next replacement process, not this one
+        if fault.phase == InjectPhase.REJOIN:  # for the rank's next replacement process, not this one
             self._for_replacement.setdefault(rank, []).append(fault)
             return
         worker = self._workers.get(rank)
@@ -509,7 +497,7 @@ class Agent:
     # --- the worker channel ---------------------------------------------------
 
     async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        worker: _Worker | None = None
+        line = _Line(writer)
         try:
             if not shows_key(await asyncio.wait_for(reader.readline(), _KEY_WAIT_S), self._key):
                 self._refused += 1
@@ -517,87 +505,84 @@ class Agent:
                     log.warning("node %d: refused a local connection without the agent's key", self.node)
                 return
             while True:
-                line = await reader.readline()
-                if not line:
+                data = await reader.readline()
+                if not data:
                     return
                 try:
-                    message = decode(line)
-                except ValueError as e:
+                    message = decode_from_worker(data)
+                except MessageError as e:
                     log.warning("node %d: dropped a bad message from a worker: %s", self.node, e)
                     continue
-                if isinstance(message, SpareReady | SpareTaken):
-                    if not self.spares.on_message(message, writer):
-                        return  # not ours, or already let go: closing the line ends it
-                    continue
-                if isinstance(message, Hello):
-                    worker = self._by_pid.get(message.pid)
-                    if worker is not None:
-                        worker.writer = writer
-                        for pending in worker.pending:
-                            writer.write(encode(pending))
-                        worker.pending.clear()
-                        if self._trace is not None:
-                            writer.write(encode(self._trace))
-                if worker is not None:
-                    worker.last_seen = time.time()
-                if isinstance(message, Heartbeat):
-                    if worker is not None:
-                        worker.beat = message
-                    continue
-                if isinstance(message, StepCommitted) and worker is not None:
-                    generation, step, t = worker.last_commit
-                    if (message.generation, message.step) == (generation, step + 1):
-                        self._step_times.append(message.t - t)  # a plain step, no recovery inside
-                    worker.last_commit = (message.generation, message.step, message.t)
-                self._manager.on_message(message)
+                if not self._from_worker.handle(message, line):
+                    return  # not ours, or already let go: closing the line ends it
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ValueError):
             return
         finally:
+            worker = line.worker
             if worker is not None and worker.writer is writer:
                 worker.writer = None
             writer.close()
 
+    def _worker_handlers(self) -> Handlers[bool]:
+        """What the agent does with each report on a worker's line; a handler's False closes the line."""
+        return Handlers({
+            SpareReady: lambda message, line: self.spares.on_ready(message, line.writer),
+            SpareTaken: lambda message, line: self.spares.on_taken(message),
+            Hello: self._on_hello,
+            Heartbeat: self._on_heartbeat,
+            StepCommitted: self._on_commit,
+        }, otherwise=self._forward)
 
-class _PopenProcess:
-    """A ``subprocess.Popen`` with an awaitable ``wait`` (a pidfd watched by the loop)."""
+    def _on_hello(self, message: Hello, line: _Line) -> bool:
+        """The line is this rank's now: what was held for it goes out, and the trace switch."""
+        worker = line.worker = self._by_pid.get(message.pid)
+        if worker is not None:
+            worker.writer = line.writer
+            for pending in worker.pending:
+                line.writer.write(encode(pending))
+            worker.pending.clear()
+            if self._trace is not None:
+                line.writer.write(encode(self._trace))
+        return self._forward(message, line)
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self._popen = popen
-        self.pid = popen.pid
-        self._done = asyncio.get_running_loop().create_future()
-        self._watch()
+    def _on_heartbeat(self, message: Heartbeat, line: _Line) -> bool:
+        """Beats stay here: the manager hears of hangs and stalls (``_watch_heartbeats``), not of every beat."""
+        if line.worker is not None:
+            line.worker.last_seen = time.time()
+            line.worker.beat = message
+        return True
 
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.returncode
+    def _on_commit(self, message: StepCommitted, line: _Line) -> bool:
+        worker = line.worker
+        if worker is not None:
+            generation, step, t = worker.last_commit
+            if (message.generation, message.step) == (generation, step + 1):
+                self._step_times.append(message.t - t)  # a plain step, no recovery inside
+            worker.last_commit = (message.generation, message.step, message.t)
+        return self._forward(message, line)
 
-    def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            fd = os.pidfd_open(self.pid)
-        except (AttributeError, OSError):
-            loop.create_task(self._poll())
-            return
+    def _forward(self, message: Message, line: _Line) -> bool:
+        """A worker's report about the job: the manager's to hear."""
+        if line.worker is not None:
+            line.worker.last_seen = time.time()
+        self._manager.on_message(message)
+        return True
 
-        def ready() -> None:
-            loop.remove_reader(fd)
-            os.close(fd)
-            self._popen.wait()
-            if not self._done.done():
-                self._done.set_result(self._popen.returncode)
 
-        loop.add_reader(fd, ready)
+@dataclass
+class _Line:
+    """A local process's line to the agent: the rank it speaks for, once its Hello said."""
 
-    async def _poll(self) -> None:
-        while self._popen.poll() is None:
-            await asyncio.sleep(0.01)
-        self._done.set_result(self._popen.returncode)
-
-    async def wait(self) -> int:
-        return await asyncio.shield(self._done)
+    writer: asyncio.StreamWriter
+    worker: _Worker | None = None
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:
     """A watch task that dies takes the job's hang detection with it: say so loudly."""
     if not task.cancelled() and task.exception() is not None:
         log.critical("agent task %s died", task.get_name(), exc_info=task.exception())
+
+
+def _satisfies_the_seam(agent: Agent) -> AgentHandle:
+    """(For mypy: the in-process agent is what a manager drives, ``protocol.seams.AgentHandle``.)"""
+    return agent

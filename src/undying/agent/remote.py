@@ -22,13 +22,13 @@ import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
 
 from undying.agent.agent import Agent
 from undying.checkpoint.mac import KEY_ENV, key_from_token
 from undying.config import JobConfig
 from undying.errors import UsageError
-from undying.messages import (
+from undying.protocol.codec import Codec, Handlers, Message
+from undying.protocol.node_wire import (
     AbortRank,
     Acked,
     AgentFenced,
@@ -36,14 +36,13 @@ from undying.messages import (
     AgentRefused,
     AgentState,
     AgentWelcome,
-    ArmFault,
     ArmRank,
     JobEnded,
     KeepSpares,
     KillRank,
     ManagerBeat,
-    Message,
     NodeLeaving,
+    NodeStep,
     NodeStopped,
     RankExited,
     RankHung,
@@ -55,13 +54,14 @@ from undying.messages import (
     TellRank,
     TraceFileError,
     TraceFileSet,
-    TraceSet,
-    decode,
+    decode_to_agent,
     encode,
+    reports_line,
 )
+from undying.protocol.seams import ManagerLink
 from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
-from undying.rendezvous import GenerationRecord
-from undying.trace.switch import TraceSwitch
+from undying.protocol.trace_switch import TraceSwitch
+from undying.protocol.worker_wire import StepCommitted, TraceSet
 
 __all__ = ["ManagerClient", "run_node", "parse_manager_address"]
 
@@ -82,18 +82,14 @@ def _lines(reports: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
     first = size = 0
     for seq, report in reports:
         if chunk and size + len(report) > _LINE_BYTES:
-            yield _line(first, chunk)
+            yield reports_line(first, chunk)
             chunk, size = [], 0
         if not chunk:
             first = seq
         chunk.append(report)
         size += len(report) + 1
     if chunk:
-        yield _line(first, chunk)
-
-
-def _line(first: int, reports: list[bytes]) -> bytes:
-    return b'{"first":%d,"reports":[%s],"type":"NumberedReports"}\n' % (first, b",".join(reports))
+        yield reports_line(first, chunk)
 
 
 def parse_manager_address(address: str) -> tuple[str, int]:
@@ -106,39 +102,48 @@ def parse_manager_address(address: str) -> tuple[str, int]:
 class ManagerClient:
     """The agent's ``ManagerLink`` across the network: numbered reports, each kept until the manager logged it.
 
-    What the agent reports in one pass of its event loop (its ranks' commits of
-    a step arrive together) goes out as one ``NumberedReports`` line, written
-    once the pass is over (``loop.call_soon``); outside an event loop a report
-    is written at once. Every report has its own number in the session, and is
-    kept from when it is made until an ``Acked`` says the manager's log
-    committed it, across breaks and manager restarts: the manager's welcome says
-    what it holds, and the rest is sent again in order.
+    What the agent reports in one pass of its event loop goes out as one
+    ``NumberedReports`` line, written once the pass is over
+    (``loop.call_soon``); outside an event loop a report is written at once.
+    Its ranks' commits of a step, which arrive in one pass, travel as one
+    ``NodeStep``: the manager decodes a record a node, not one a rank. Every
+    report has its own numbers in the session (a NodeStep one a commit), and
+    is kept from when it is made until an ``Acked`` says the manager's log
+    committed it, across breaks and manager restarts: the manager's welcome
+    says what it holds, and the rest is sent again in order.
     """
 
     def __init__(self) -> None:
         self.writer: asyncio.StreamWriter | None = None
         self._seq = 0
-        # (number, the report as a JSON object), oldest first, until acknowledged.
-        self._kept: deque[tuple[int, bytes]] = deque()
+        # (first number, last number, the report as a JSON object), oldest first, until acknowledged.
+        self._kept: deque[tuple[int, int, bytes]] = deque()
         self._unsent = 0  # the newest this many kept reports are not written on this connection yet
         self._flush_due = False
+        self._commits: list[StepCommitted] = []  # this pass's commits, gathered into NodeSteps as it ends
 
     def send(self, message: Message) -> None:
-        self._keep(self._object(message))
+        self._gather()  # the commits made before it go first
+        self._keep(Codec.encode_object(message), 1)  # as it travels inside NumberedReports
 
-    def _object(self, message: Message) -> bytes:
-        """A report as the JSON object it travels as inside NumberedReports (``encode`` without the newline)."""
-        return encode(message)[:-1]
+    def _gather(self) -> None:
+        commits, self._commits = self._commits, []
+        for step in NodeStep.gather(commits):
+            self._keep(Codec.encode_object(step), step.width)
 
-    def _keep(self, report: bytes) -> None:
-        self._seq += 1
-        self._kept.append((self._seq, report))
+    def _keep(self, report: bytes, width: int) -> None:
+        first = self._seq + 1
+        self._seq += width
+        self._kept.append((first, self._seq, report))
         if len(self._kept) % _KEPT_WARN_EVERY == 0:
             log.warning("%d reports kept for the manager (unreachable or not acknowledging); none is dropped",
                         len(self._kept))
         if self.writer is None:
             return
         self._unsent += 1
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if not self._flush_due:
             self._flush_due = True
             try:
@@ -148,6 +153,7 @@ class ManagerClient:
 
     def flush(self) -> None:
         """Write the reports made since the last flush, in one line (more past ``_LINE_BYTES``)."""
+        self._gather()
         self._flush_due = False
         count, self._unsent = min(self._unsent, len(self._kept)), 0
         writer = self.writer
@@ -155,19 +161,20 @@ class ManagerClient:
             return  # they stay kept: the next connection sends them
         newest = list(itertools.islice(reversed(self._kept), count))
         newest.reverse()
-        writer.write(b"".join(_lines(newest)))
+        writer.write(b"".join(_lines((first, report) for first, _, report in newest)))
 
     def acked(self, seq: int) -> None:
-        while self._kept and self._kept[0][0] <= seq:
+        while self._kept and self._kept[0][1] <= seq:
             self._kept.popleft()
 
     def connected(self, writer: asyncio.StreamWriter, acked: int) -> int:
         """Now online: what the manager lacks goes first, in order. Returns how many reports were resent."""
+        self._gather()
         self.acked(acked)
         self.writer = writer
         self._unsent = 0
         if self._kept:
-            writer.write(b"".join(_lines(self._kept)))
+            writer.write(b"".join(_lines((first, report) for first, _, report in self._kept)))
         return len(self._kept)
 
     def disconnected(self) -> None:
@@ -175,11 +182,12 @@ class ManagerClient:
         self._unsent = 0
 
     def has_kept(self) -> bool:
-        return bool(self._kept)
+        return bool(self._kept or self._commits)
 
     def new_session(self) -> None:
         """Fenced: nothing said in the old session counts; the next one numbers from 1."""
         self._kept.clear()
+        self._commits.clear()
         self._seq = 0
         self._unsent = 0
 
@@ -189,13 +197,17 @@ class ManagerClient:
         self.send(RankExited(rank, pid, returncode, t))
 
     def on_message(self, message: Message) -> None:
-        self.send(message)  # a worker's message travels as itself (WORKER_MESSAGES tells the manager)
+        if type(message) is StepCommitted:  # gathered with the pass's other commits (NodeStep)
+            self._commits.append(message)
+            self._flush_soon()
+            return
+        self.send(message)  # a worker's message travels as itself (node_wire.FROM_WORKERS tells the manager)
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
         self.send(RankHung(rank, pid, phase, last_seen, t))
 
     def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
-        self.send(RanksStalled([asdict(p) for p in progress], limit, t))
+        self.send(RanksStalled(progress, limit, t))
 
     def on_trace_file(self, switch: TraceSwitch) -> None:
         self.send(TraceFileSet(switch.step, switch.comm, switch.by, switch.t))
@@ -218,6 +230,18 @@ class _Ended(Exception):
         self.ended = ended
 
 
+def _refused(message: AgentRefused) -> None:
+    raise _Refused(message.reason)
+
+
+def _fenced(message: AgentFenced) -> None:
+    raise _Fenced(message.reason)
+
+
+def _ended(message: JobEnded) -> None:
+    raise _Ended(message)
+
+
 class NodeRunner:
     """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
 
@@ -238,6 +262,7 @@ class NodeRunner:
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._commands = self._command_handlers()
 
     async def run(self) -> int:
         self._choose_interface()
@@ -348,21 +373,18 @@ class NodeRunner:
         line = await asyncio.wait_for(reader.readline(), 30.0)
         if not line:
             raise ConnectionError("the manager closed the connection")
-        reply = decode(line)
-        if isinstance(reply, AgentRefused):
-            raise _Refused(reply.reason)
-        if isinstance(reply, AgentFenced):
-            raise _Fenced(reply.reason)
+        reply = decode_to_agent(line)
         if not isinstance(reply, AgentWelcome):
-            raise ConnectionError(f"unexpected first reply {reply!r}")
+            self._commands.handle(reply)  # a refusal or a fence raises
+            raise ConnectionError(f"unexpected first reply {reply!r:.200}")
         resumed = self.session == reply.session
         self.session = reply.session
         self.agent.control_port = reply.control_port
         if not self._job_dir_given and reply.job_dir and reply.job_dir != self.agent.config.job_dir:
             # One job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
             self.agent.config = dataclasses.replace(self.agent.config, job_dir=reply.job_dir)
-        if reply.trace:
-            self.agent.set_trace(TraceSet(**reply.trace))
+        if reply.trace is not None:
+            self.agent.set_trace(reply.trace)
         kept = self.client.connected(writer, reply.acked)
         log.warning("node %d: %s the manager at %s:%d (session %s%s)", self.config.node_rank,
                     "back with" if resumed else "joined", self.manager_host, self.manager_port, reply.session,
@@ -392,7 +414,7 @@ class NodeRunner:
                     log.warning("node %d: the manager closed the connection; connecting again", self.config.node_rank)
                     return
                 self._last_beat = time.monotonic()
-                await self._command(decode(line), writer)
+                self._commands.handle(decode_to_agent(line))
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.warning("node %d: connection to the manager failed (%s); connecting again", self.config.node_rank, e)
         finally:
@@ -411,40 +433,34 @@ class NodeRunner:
                 t=time.time()))
             await asyncio.sleep(_STATE_EVERY_S)
 
-    async def _command(self, message: Message, writer: asyncio.StreamWriter) -> None:
+    def _command_handlers(self) -> Handlers[object]:
+        """What the agent does with each line of its manager (beats only count as word from it)."""
         agent = self.agent
-        if isinstance(message, ManagerBeat):
-            return
-        if isinstance(message, Acked):
-            self.client.acked(message.seq)
-            return
-        if isinstance(message, SpawnRank):
-            record = GenerationRecord(**message.record)
-            pid, warm = agent.spawn(message.rank, record, joining=message.joining,
-                                    resume_from=message.resume_from, incarnation=message.incarnation)
-            self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
-        elif isinstance(message, KillRank):
-            agent.kill(message.rank, signal.Signals(message.signal))
-        elif isinstance(message, TellRank):
-            agent.tell(message.rank, decode(message.body))
-        elif isinstance(message, ArmRank):
-            agent.arm(message.rank, ArmFault(**message.fault))
-        elif isinstance(message, AbortRank):
-            agent.abort(message.rank, message.generation, message.reason)
-        elif isinstance(message, KeepSpares):
-            agent.keep_spares()
-        elif isinstance(message, TraceSet):
-            agent.set_trace(message)
-        elif isinstance(message, StopNode):
-            task = asyncio.ensure_future(self._stop(message))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        elif isinstance(message, AgentFenced):
-            raise _Fenced(message.reason)
-        elif isinstance(message, JobEnded):
-            raise _Ended(message)
-        else:
-            log.warning("node %d: unexpected command %r", self.config.node_rank, message)
+        return Handlers[object]({
+            ManagerBeat: lambda message: None,
+            Acked: lambda message: self.client.acked(message.seq),
+            SpawnRank: self._spawn,
+            KillRank: lambda message: agent.kill(message.rank, signal.Signals(message.signal)),
+            TellRank: lambda message: agent.tell(message.rank, message.command),
+            ArmRank: lambda message: agent.arm(message.rank, message.fault),
+            AbortRank: lambda message: agent.abort(message.rank, message.generation, message.reason),
+            KeepSpares: lambda message: agent.keep_spares(),
+            TraceSet: agent.set_trace,
+            StopNode: self._start_stop,
+            AgentRefused: _refused,
+            AgentFenced: _fenced,
+            JobEnded: _ended,
+        }, otherwise=lambda message: log.warning("node %d: unexpected command %r", self.config.node_rank, message))
+
+    def _spawn(self, message: SpawnRank) -> None:
+        pid, warm = self.agent.spawn(message.rank, message.record, joining=message.joining,
+                                     resume_from=message.resume_from, incarnation=message.incarnation)
+        self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
+
+    def _start_stop(self, message: StopNode) -> None:
+        task = asyncio.ensure_future(self._stop(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _stop(self, message: StopNode) -> None:
         await self.agent.stop_all(message.grace_s)
@@ -457,3 +473,8 @@ def run_node(config: JobConfig, script: str, script_args: list[str], manager: st
     """Run this node's agent until the job ends (its exit code) or the node leaves (143)."""
     config.validate()
     return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given).run())
+
+
+def _satisfies_the_seam(client: ManagerClient) -> ManagerLink:
+    """(For mypy: the network client is what an agent reports to, ``protocol.seams.ManagerLink``.)"""
+    return client

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from undying.config import JobConfig
-from undying.messages import SpareReady, SpareTaken
-from undying.worker.boot import spare_beat_interval
+from undying.protocol.worker_wire import SpareReady, SpareTaken, spare_beat_interval
 
 __all__ = ["SparePool", "Spare", "Take", "Process", "signal_group"]
 
@@ -42,7 +41,7 @@ log = logging.getLogger("undying.agent")
 
 
 class Process(Protocol):
-    """What the agent and the pool need of a worker process (``_PopenProcess``, ``ZygoteProcess``)."""
+    """What the agent and the pool need of a worker process (``PopenProcess``, ``ZygoteProcess``)."""
 
     @property
     def pid(self) -> int: ...
@@ -157,14 +156,16 @@ class SparePool:
             self.keep()
         return True
 
-    def on_message(self, message: SpareReady | SpareTaken, writer: asyncio.StreamWriter) -> bool:
-        """A spare's word on its line; False: not a spare of this pool (the agent closes the line)."""
-        if isinstance(message, SpareTaken):
-            take = self.taking.pop(message.pid, None)
-            if take is not None:
-                log.info("node %d: spare pid %d took rank %d in %.3fs", self.node, message.pid, take.rank,
-                         time.time() - take.given_t)
-            return True
+    def on_taken(self, message: SpareTaken) -> bool:
+        """A spare's answer to its Assign: the rank is its now."""
+        take = self.taking.pop(message.pid, None)
+        if take is not None:
+            log.info("node %d: spare pid %d took rank %d in %.3fs", self.node, message.pid, take.rank,
+                     time.time() - take.given_t)
+        return True
+
+    def on_ready(self, message: SpareReady, writer: asyncio.StreamWriter) -> bool:
+        """A spare's beat on its line; False: not a spare of this pool (the agent closes the line)."""
         if message.pid in self.taking:
             return True  # a beat sent as it was given a rank: its answer follows
         spare = self.spares.get(message.pid)

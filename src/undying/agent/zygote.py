@@ -53,10 +53,23 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
-from undying.config import ENV_PREFIX
 from undying.errors import UsageError
-from undying.worker.zygote import FrameReader, encode_frame
+from undying.protocol.codec import Handlers
+from undying.protocol.env import ENV_PREFIX
+from undying.protocol.zygote_wire import (
+    Exit,
+    Failed,
+    FromZygote,
+    Ready,
+    Reap,
+    Spawn,
+    Spawned,
+    Unfit,
+    encode_frame,
+    from_zygote,
+)
 
 __all__ = ["START_ENV", "ZygoteProcess", "Zygote", "start_mode"]
 
@@ -77,7 +90,7 @@ def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
 
 
 class ZygoteProcess:
-    """A worker forked by the zygote, with the interface of the agent's ``_PopenProcess``."""
+    """A worker forked by the zygote, with the interface of the agent's ``PopenProcess``."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -100,9 +113,12 @@ class Zygote:
         self.node = node
         self._popen: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
-        self._frames = FrameReader()
+        self._frames = from_zygote()
         self._children: dict[int, ZygoteProcess] = {}
-        self._replies: dict[int, dict[str, object]] = {}
+        # Answers to Spawn by request id: the process forked, or why none was.
+        self._replies: dict[int, ZygoteProcess | Failed] = {}
+        self._on_frame: Callable[[FromZygote], None] = Handlers[None]({Exit: self._on_exit, Spawned: self._on_spawned, Failed: self._on_failed,
+                                   Ready: self._on_ready, Unfit: self._on_ready}).handle
         self._next_id = 0
         self._ready: asyncio.Future[str] | None = None  # "" when ready, else why not
         self.alive = False
@@ -148,7 +164,7 @@ class Zygote:
         self._next_id += 1
         request = self._next_id
         stdio = [fd for fd in (0, 1, 2) if _is_open(fd)]  # a closed one stays closed in the worker, as with Popen
-        frame = encode_frame({"op": "spawn", "id": request, "args": args, "env": env, "cwd": cwd, "stdio": stdio})
+        frame = encode_frame(Spawn(request, args, env, cwd, stdio))
         try:
             sent = socket.send_fds(self._channel, [frame[:1]], stdio)  # they ride on the frame's first byte
             self._send(frame[sent:])
@@ -156,15 +172,11 @@ class Zygote:
         except (OSError, ValueError) as e:
             self._give_up(f"the zygote's channel failed: {e}")
             return None
-        if reply is None:
-            return None
-        if reply.get("op") != "spawned":
+        if isinstance(reply, Failed):
             log.warning("node %d: the zygote could not fork a worker (%s); starting it as a fresh interpreter",
-                        self.node, reply.get("error"))
+                        self.node, reply.error)
             return None
-        process = reply["process"]
-        assert isinstance(process, ZygoteProcess)
-        return process
+        return reply
 
     def _send(self, data: bytes) -> None:
         assert self._channel is not None
@@ -177,7 +189,7 @@ class Zygote:
                 if not select.select([], [self._channel], [], max(0.0, deadline - time.monotonic()))[1]:
                     raise OSError("the zygote took no bytes for 10s") from None
 
-    def _await_reply(self, request: int) -> dict[str, object] | None:
+    def _await_reply(self, request: int) -> ZygoteProcess | Failed | None:
         """Read frames (exits included) until the answer to ``request``."""
         assert self._channel is not None
         deadline = time.monotonic() + _REPLY_TIMEOUT
@@ -217,22 +229,23 @@ class Zygote:
             self._on_frame(frame)
         return True
 
-    def _on_frame(self, frame: dict[str, object]) -> None:
-        op = frame.get("op")
-        if op == "exit":
-            pid = int(frame["pid"])  # type: ignore[call-overload]
-            process = self._children.pop(pid, None)
-            if process is not None:
-                process._exited(int(frame["returncode"]))  # type: ignore[call-overload]
-            with contextlib.suppress(OSError):  # recorded: the zygote may let the PID go
-                self._send(encode_frame({"op": "reap", "pid": pid}))
-        elif op in ("spawned", "failed"):
-            if op == "spawned":  # known before any later frame: its exit may come in the same read
-                pid = int(frame["pid"])  # type: ignore[call-overload]
-                self._children[pid] = frame["process"] = ZygoteProcess(pid)
-            self._replies[int(frame["id"])] = frame  # type: ignore[call-overload]
-        elif op in ("ready", "unfit") and self._ready is not None and not self._ready.done():
-            self._ready.set_result("" if op == "ready" else f"the zygote is unfit: {frame.get('error')}")
+    def _on_exit(self, frame: Exit) -> None:
+        process = self._children.pop(frame.pid, None)
+        if process is not None:
+            process._exited(frame.returncode)
+        with contextlib.suppress(OSError):  # recorded: the zygote may let the PID go
+            self._send(encode_frame(Reap(frame.pid)))
+
+    def _on_spawned(self, frame: Spawned) -> None:
+        # Known before any later frame: its exit may come in the same read.
+        self._children[frame.pid] = self._replies[frame.id] = ZygoteProcess(frame.pid)
+
+    def _on_failed(self, frame: Failed) -> None:
+        self._replies[frame.id] = frame
+
+    def _on_ready(self, frame: Ready | Unfit) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(f"the zygote is unfit: {frame.error}" if isinstance(frame, Unfit) else "")
 
     def _status(self) -> str:
         if self._popen is None:

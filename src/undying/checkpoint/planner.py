@@ -24,9 +24,7 @@ raises ``MissingShardsError`` naming every shard without a copy.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
@@ -43,8 +41,6 @@ __all__ = [
     "MissingShardsError",
     "ring_replica_of",
     "plan",
-    "plan_restore",
-    "plan_for_ddp",
 ]
 
 
@@ -417,43 +413,3 @@ def coarse_members(
     snapshots = (at,) if holders and at != step else ()
     return [Member.lost(r, step) if r in lost else
             Member(r, step, snapshots=snapshots, replicas=(at,) if r in holders else ()) for r in range(world_size)]
-
-
-def plan_restore(
-    layout: Layout,
-    failed: Iterable[int],
-    *,
-    replica_of: Mapping[int, int] | None = None,
-    checkpoint: PersistedState | None = None,
-    current_step: int | None = None,
-) -> RestorePlan:
-    """``plan`` over ``coarse_members``; ``current_step`` None: the survivors' step is not known (then
-    a checkpoint is never current and ``lost_steps`` is None)."""
-    failed_set = frozenset(failed)
-    if checkpoint is not None and current_step is not None and current_step < checkpoint.step:
-        raise LayoutError(
-            f"the checkpoint is of step {checkpoint.step}, newer than the current step {current_step}"
-        )
-    step = current_step if current_step is not None else checkpoint.step + 1 if checkpoint is not None else 0
-    result = plan(layout, coarse_members(layout.world_size, failed_set, step, replica_of=replica_of),
-                  replica_of=replica_of, checkpoint=checkpoint)
-    return result if current_step is not None else dataclasses.replace(result, lost_steps=None)
-
-
-@functools.lru_cache(maxsize=8)
-def _ddp_layout(world_size: int) -> Layout:
-    """Built once per world size: at 8,192 ranks building it is most of a plan's time (19 of 22 ms)."""
-    return Layout.for_world(world_size)
-
-
-def plan_for_ddp(
-    world_size: int,
-    failed: Iterable[int],
-    checkpoint_step: int | None = None,
-    *,
-    current_step: int | None = None,
-    checkpoint_path: str = "",
-) -> RestorePlan:
-    """The DDP case (tp = pp = 1): any survivor is a peer of every rank; all failed -> the checkpoint."""
-    ckpt = PersistedState(checkpoint_step, path=checkpoint_path) if checkpoint_step is not None else None
-    return plan_restore(_ddp_layout(world_size), failed, checkpoint=ckpt, current_step=current_step)

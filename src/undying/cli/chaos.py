@@ -12,7 +12,7 @@ from typing import Any
 from undying.cli.client import AccessDeniedError, add_job_arguments, connect
 from undying.errors import JobNotRunningError, UsageError
 from undying.inputs import finite_arg
-from undying.messages import INJECT_KINDS
+from undying.protocol.kinds import InjectKind
 
 __all__ = ["add_parser"]
 
@@ -27,8 +27,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--heartbeat-timeout.",
     )
     p.add_argument("--every", type=finite_arg("--every"), required=True, help="mean seconds between faults")
-    p.add_argument("--kinds", default=",".join(INJECT_KINDS),
-                   help=f"comma-separated fault kinds (default {','.join(INJECT_KINDS)})")
+    p.add_argument("--kinds", default=",".join(InjectKind),
+                   help=f"comma-separated fault kinds (default {','.join(InjectKind)})")
     p.add_argument("--seed", type=int, default=None, help="seed of the fault schedule (default: random)")
     p.add_argument("--count", type=int, default=0, help="stop after this many faults (default: no limit)")
     p.add_argument("--during-recovery", action="store_true",
@@ -40,10 +40,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _parse_kinds(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in INJECT_KINDS]
+    unknown = [k for k in kinds if k not in InjectKind]
     if not kinds or unknown:
         raise UsageError(
-            f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(INJECT_KINDS)}"
+            f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; choose from {InjectKind.names()}"
         )
     return kinds
 

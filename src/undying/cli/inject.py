@@ -9,7 +9,7 @@ import sys
 from undying.cli.client import add_job_arguments, connect
 from undying.errors import UsageError
 from undying.inputs import finite_arg
-from undying.messages import HANG_HOWS, INJECT_KINDS, INJECT_PHASES, SLOW_PHASES
+from undying.protocol.kinds import HangHow, InjectKind, InjectPhase, SlowPhase
 
 __all__ = ["add_parser"]
 
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "makes the rank's steps F times as long from then on, the extra time spent in that phase "
         "(found by slow-rank detection when tracing is on; the job trains on).",
     )
-    p.add_argument("kind", choices=INJECT_KINDS,
+    p.add_argument("kind", choices=[k.value for k in InjectKind],
                    help="the fault: crash (SIGKILL of the rank's process), hang (SIGSTOP of it: "
                    "found by its missing heartbeats, then killed and replaced) or comm-error (the "
                    "rank breaks its process group's connections, so a real collective fails) or slow "
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
     p.add_argument(
-        "--phase", choices=(*INJECT_PHASES, *SLOW_PHASES), default=None,
+        "--phase", choices=[p.value for p in (*InjectPhase, *SlowPhase)], default=None,
         help="where in the step: step (its start, the default with --at-step), forward, "
         "backward (during the gradient all-reduce), optimizer, recovery (when the rank starts "
         "recovering from another fault), rejoin (the rank's next replacement process, once it "
@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--factor", type=finite_arg("--factor"), default=None,
                    help="for slow: how much longer the rank's steps take, e.g. 1.2 for 20%% slower")
     p.add_argument(
-        "--how", choices=HANG_HOWS, default=None,
+        "--how", choices=[h.value for h in HangHow], default=None,
         help="for hang: stop (SIGSTOP, the default: heartbeats stop), spin (an endless loop in "
         "Python) or block (a deadlock); spin and block keep the process beating and are found by "
         "the step timeout; they happen at a step (the next one without --at-step)",
@@ -66,13 +66,13 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "slow":
         if args.factor is None:
             raise UsageError("slow needs --factor F (e.g. --factor 1.2 for steps 20% slower)")
-        if args.phase is not None and args.phase not in SLOW_PHASES:
-            raise UsageError(f"slow's --phase must be one of {', '.join(SLOW_PHASES)}, got {args.phase}")
+        if args.phase is not None and args.phase not in SlowPhase:
+            raise UsageError(f"slow's --phase must be one of {SlowPhase.names()}, got {args.phase}")
     elif args.factor is not None:
         raise UsageError(f"--factor applies to slow only, not {args.kind}")
-    elif args.phase in SLOW_PHASES:
+    elif args.phase in SlowPhase:
         raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one of "
-                         f"{', '.join(INJECT_PHASES)}")
+                         f"{InjectPhase.names()}")
     api = connect(args.manager, args.job_dir, args.token_file)
     body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how,
             "factor": args.factor}

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.manager.state import Incident, IncidentKind, IncidentStatus
-from undying.messages import CheckpointSaved
+from undying.protocol.worker_wire import CheckpointSaved
 
 __all__ = ["CheckpointHealth", "resume_line"]
 

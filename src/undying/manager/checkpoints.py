@@ -17,7 +17,7 @@ from undying.checkpoint import Checkpoint, latest_valid
 from undying.checkpoint.checks import CheckpointOfAnotherJobError, check_same_job
 from undying.errors import UsageError
 from undying.manager.core import JobCore
-from undying.messages import CheckpointSaved
+from undying.protocol.worker_wire import CheckpointSaved
 
 __all__ = ["Checkpoints"]
 

@@ -18,7 +18,8 @@ from typing import Any
 from undying.errors import UsageError
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
-from undying.messages import HANG_HOWS, INJECT_KINDS, INJECT_PHASES, SLOW_PHASES, ArmFault
+from undying.protocol.kinds import HangHow, InjectKind, InjectPhase, SlowPhase
+from undying.protocol.worker_wire import ArmFault
 
 __all__ = ["Injector"]
 
@@ -41,18 +42,18 @@ class Injector:
     def inject(self, kind: str, rank: int, at_step: int | None, phase: str | None,
                how: str | None = None, *, factor: float | None = None) -> dict[str, Any]:
         """Fault a rank now, or arm it to fault itself when it reaches ``at_step``."""
-        if kind not in INJECT_KINDS:
-            raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(INJECT_KINDS)}")
+        if kind not in InjectKind:
+            raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(InjectKind)}")
         if kind == "slow":
             return self._inject_slow(rank, at_step, phase or "compute", factor)
         if factor is not None:
             raise UsageError("factor applies to slow only (undying inject slow --factor F)")
-        if how is not None and (kind != "hang" or how not in HANG_HOWS):
-            raise UsageError(f"how={how!r} applies to hang only, as one of {', '.join(HANG_HOWS)}")
+        if how is not None and (kind != "hang" or how not in HangHow):
+            raise UsageError(f"how={how!r} applies to hang only, as one of {', '.join(HangHow)}")
         if rank not in self.core.ranks:
             raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{self.core.book.world_size - 1}")
-        if phase is not None and phase not in INJECT_PHASES:
-            raise UsageError(f"unknown phase {phase!r}; choose one of {', '.join(INJECT_PHASES)}")
+        if phase is not None and phase not in InjectPhase:
+            raise UsageError(f"unknown phase {phase!r}; choose one of {', '.join(InjectPhase)}")
         self._check_target(rank)
         core = self.core
         info = core.ranks[rank]
@@ -74,8 +75,8 @@ class Injector:
     def _inject_slow(self, rank: int, at_step: int | None, phase: str, factor: float | None) -> dict[str, Any]:
         if factor is None or not 1.0 < factor <= 100.0:
             raise UsageError(f"slow needs a factor above 1 and at most 100 (1.2: steps 20% slower), got {factor}")
-        if phase not in SLOW_PHASES:
-            raise UsageError(f"slow's phase must be one of {', '.join(SLOW_PHASES)}, got {phase!r}")
+        if phase not in SlowPhase:
+            raise UsageError(f"slow's phase must be one of {', '.join(SlowPhase)}, got {phase!r}")
         self._check_target(rank)
         info = self.core.ranks[rank]
         fault = ArmFault(kind="slow", at_step=at_step if at_step is not None else info.step + 1, phase=phase,

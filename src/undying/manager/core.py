@@ -14,7 +14,6 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
 
 from undying.config import JobConfig
 from undying.manager.book import RankBook
@@ -30,52 +29,12 @@ from undying.manager.state import (
     RankState,
 )
 from undying.manager.step_clock import StepClock
-from undying.messages import ArmFault, Message, TraceSet
-from undying.rendezvous import GenerationRecord
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.seams import AgentHandle
 
-__all__ = ["AgentHandle", "JobCore"]
+__all__ = ["JobCore"]
 
 log = logging.getLogger("undying.manager")
-
-
-class AgentHandle(Protocol):
-    """What the manager asks of the agent of one node."""
-
-    node: int
-
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
-              resume_from: str = "", incarnation: int = 0) -> tuple[int, bool]: ...
-
-    def tell(self, rank: int, message: Message) -> bool: ...
-
-    def live_ranks(self) -> list[int]: ...
-
-    def kill(self, rank: int, sig: signal.Signals) -> bool: ...
-
-    def arm(self, rank: int, fault: ArmFault) -> None: ...
-
-    def abort(self, rank: int, generation: int, reason: str) -> bool: ...
-
-    def keep_spares(self) -> None: ...
-
-    def spares_ready(self) -> int: ...
-
-    async def stop_all(self, grace_s: float) -> None: ...
-
-    def set_trace(self, switch: TraceSet) -> None: ...
-
-    def phases(self) -> dict[int, str]: ...
-
-    def view(self) -> dict[str, Any]: ...
-
-    @property
-    def attached(self) -> bool:
-        """The node's agent is here (one across the network may be gone; a standalone one always is)."""
-        ...
-
-    def drop_waiting(self) -> None:
-        """Forget spawns kept for an agent yet to come (the job regroups without them)."""
-        ...
 
 
 class JobCore:

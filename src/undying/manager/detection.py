@@ -23,7 +23,8 @@ from undying.manager.core import JobCore
 from undying.manager.policy import stall_culprits
 from undying.manager.recovery import Recoveries
 from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
-from undying.messages import CommFailure, Fatal, RankProgress
+from undying.protocol.node_wire import RankProgress
+from undying.protocol.worker_wire import CommFailure, Fatal
 
 __all__ = ["Detection", "ExitCause", "classify_exit", "describe_exit"]
 

@@ -15,8 +15,13 @@ import logging
 
 from undying.errors import UsageError
 from undying.manager.stores import StoreHandle, StoreServer
+from undying.protocol.generations import (
+    CURRENT_KEY,
+    GenerationRecord,
+    generation_key,
+    rank_owner_key,
+)
 from undying.protocol.store_wire import CONTROL_STORE, generation_store
-from undying.rendezvous import CURRENT_KEY, GenerationRecord, generation_key, rank_owner_key
 
 __all__ = ["Generations"]
 

@@ -59,7 +59,7 @@ from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite
 from undying.manager.manager import Manager
 from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
 from undying.manager.page import status_page
-from undying.trace.switch import TraceSwitch
+from undying.protocol.trace_switch import TraceSwitch
 
 __all__ = ["start_http", "build_app", "READ_ONLY_PATHS"]
 

@@ -23,7 +23,7 @@ from undying.config import JobConfig
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.commands import Injector
-from undying.manager.core import AgentHandle, JobCore
+from undying.manager.core import JobCore
 from undying.manager.detection import Detection
 from undying.manager.events import EventLog
 from undying.manager.preemption import Preemption
@@ -40,25 +40,24 @@ from undying.manager.state import (
 )
 from undying.manager.trace_control import TraceControl
 from undying.manager.views import job_status
-from undying.messages import (
+from undying.protocol.codec import Message
+from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
+from undying.protocol.seams import AgentHandle
+from undying.protocol.trace_switch import TraceSwitch
+from undying.protocol.worker_wire import (
     CheckpointSaved,
     CommFailure,
     Done,
     Fatal,
     FaultInjected,
     Hello,
-    Message,
     Progress,
-    RankProgress,
-    RankSpawned,
-    SpareEvent,
     StepCommitted,
     StopProposal,
     Terminated,
     TraceSet,
     TraceSummary,
 )
-from undying.trace.switch import TraceSwitch
 
 __all__ = ["Manager", "AgentHandle", "HANDLERS"]
 

@@ -24,14 +24,16 @@ import logging
 import secrets
 import signal
 import time
+import typing
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from undying.agent.agent import ManagerLink
 from undying.manager.conns import QuietLog, read_line
-from undying.messages import (
-    WORKER_MESSAGES,
+from undying.protocol.codec import Handlers, Message, MessageError
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.node_wire import (
+    FROM_WORKERS,
     AbortRank,
     Acked,
     AgentFenced,
@@ -39,20 +41,16 @@ from undying.messages import (
     AgentRefused,
     AgentState,
     AgentWelcome,
-    ArmFault,
     ArmRank,
     KeepSpares,
     KillRank,
     ManagerBeat,
-    Message,
     NodeLeaving,
+    NodeStep,
     NodeStopped,
-    Numbered,
     NumberedReports,
     RankExited,
     RankHung,
-    RankProgress,
-    RankReport,
     RankSpawned,
     RanksStalled,
     SpawnRank,
@@ -60,13 +58,14 @@ from undying.messages import (
     TellRank,
     TraceFileError,
     TraceFileSet,
-    TraceSet,
-    decode,
+    decode_agent_report,
+    decode_from_agent,
     encode,
-    from_object,
+    width,
 )
-from undying.rendezvous import GenerationRecord
-from undying.trace.switch import TraceSwitch
+from undying.protocol.seams import AgentHandle, ManagerLink
+from undying.protocol.trace_switch import TraceSwitch
+from undying.protocol.worker_wire import COMMANDS, ArmFault, TraceSet, WorkerCommand
 
 __all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
@@ -129,7 +128,7 @@ class RemoteAgent:
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
               incarnation: int = 0) -> tuple[int, bool]:
         """Ask the node for a process; its PID comes back in RankSpawned (0 until then)."""
-        command = SpawnRank(rank, asdict(record), joining, resume_from, incarnation)
+        command = SpawnRank(rank, record, joining, resume_from, incarnation)
         if self.writer is None:
             self._waiting.append(command)  # for the agent that takes this node next
         else:
@@ -137,9 +136,11 @@ class RemoteAgent:
         return 0, False
 
     def tell(self, rank: int, message: Message) -> bool:
+        if not isinstance(message, COMMANDS):
+            raise MessageError(f"{type(message).__name__} is no command a worker takes (worker_wire.WorkerCommand)")
         if rank not in self.live:
             return False
-        return self.send(TellRank(rank, encode(message).decode()))
+        return self.send(TellRank(rank, typing.cast(WorkerCommand, message)))
 
     def live_ranks(self) -> list[int]:
         return sorted(self.live)
@@ -150,7 +151,7 @@ class RemoteAgent:
         return self.send(KillRank(rank, int(sig)))
 
     def arm(self, rank: int, fault: ArmFault) -> None:
-        self.send(ArmRank(rank, asdict(fault)))
+        self.send(ArmRank(rank, fault))
 
     def abort(self, rank: int, generation: int, reason: str) -> bool:
         if rank not in self.live:
@@ -244,6 +245,12 @@ class RemoteAgent:
             "waiting_spawns": [c.rank for c in self._waiting],
         }
 
+    def stopped(self, seq: int) -> None:
+        """The node's answer to StopNode ``seq``."""
+        done = self._stops.get(seq)
+        if done is not None and not done.done():
+            done.set_result(None)
+
     def on_state(self, message: AgentState) -> None:
         self.live = {int(r): pid for r, pid in message.live.items()}
         self._phases = {int(r): p for r, p in message.phases.items()}
@@ -282,6 +289,7 @@ class AgentServer:
         # Told to every agent that joins (set once the manager exists).
         self.control_port = 0
         self.job_dir = ""
+        self._handlers = self._report_handlers()
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
@@ -377,7 +385,7 @@ class AgentServer:
         try:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
-            join = decode(line) if line else None
+            join = decode_from_agent(line) if line else None
             if not isinstance(join, AgentJoin):
                 return  # not an agent: nothing to say to it
             slot, session = await self._admit(join, writer)
@@ -396,19 +404,14 @@ class AgentServer:
                     return  # fenced, or resumed elsewhere meanwhile: whatever it says here is stale
                 slot.last_heard = time.time()
                 try:
-                    message = decode(line)
-                    if isinstance(message, NumberedReports):
-                        self._take(slot, session, writer, message)
-                        continue
-                    if isinstance(message, Numbered):  # one report a line (agents before NumberedReports)
-                        if message.seq <= self.received.get(slot.node, 0):
-                            continue  # sent again after a break; this manager has it already
-                        self.received[slot.node] = message.seq
-                        message = decode(message.body)
-                except ValueError as e:
+                    reports = decode_from_agent(line)
+                except MessageError as e:
                     log.warning("node %d: dropped a bad message: %s", slot.node, e)
                     continue
-                self._dispatch(slot, message)
+                if not isinstance(reports, NumberedReports):  # (a second AgentJoin)
+                    log.warning("node %d: dropped an unexpected %s", slot.node, type(reports).__name__)
+                    continue
+                self._take(slot, session, writer, reports)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
             if slot is not None and slot.session == session and session and slot.writer is writer:
                 self.lose(slot, f"node {slot.node} ({slot.host}): connection failed ({type(e).__name__}: {e})")
@@ -464,8 +467,8 @@ class AgentServer:
         assert self._events is not None
         slot.attach(writer, join, session)
         trace = self._events.welcome_trace()
-        writer.write(encode(AgentWelcome(session, join.node, self.control_port, self.job_dir, asdict(trace),
-                                  acked=self.received.get(join.node, 0))))
+        writer.write(encode(AgentWelcome(session, join.node, self.control_port, self.job_dir, trace,
+                                         acked=self.received.get(join.node, 0))))
         slot.send_waiting()
         log.info("node %d joined from %s (agent pid %d, session %s)", join.node, join.host, join.pid, session)
         self._events.on_node_joined(join.node, session, join.host, slot.live)
@@ -477,36 +480,41 @@ class AgentServer:
         """A line of reports, in order; each taken once, however often it is sent (by its number).
 
         The node's position (``received``) moves to a report before it is
-        handled, as for a Numbered line, so a log commit made while it is
-        handled counts it. A run of workers' messages goes to the manager in
-        one call (``on_messages``), the position moved past all of them first.
+        handled, so a log commit made while it is handled counts it. A run of
+        workers' messages (a NodeStep's commits among them) goes to the
+        manager in one call (``on_messages``), the position moved past all of
+        them first.
         """
         events = self._events
         assert events is not None
-        if not isinstance(line.first, int) or not isinstance(line.reports, list):
-            raise ValueError(f"NumberedReports with first {line.first!r:.50} and reports of {type(line.reports)}")
         node = slot.node
-        seq = line.first - 1
+        last = line.first - 1  # the number of the report before this one
         run: list[Message] = []
         for body in line.reports:
-            seq += 1
-            if seq <= self.received.get(node, 0):
-                continue  # sent again after a break or a manager restart; this manager has it already
             try:
-                message = from_object(body)
-            except ValueError as e:
+                message: Message | None = decode_agent_report(body)
+            except MessageError as e:
                 log.warning("node %d: dropped a bad report: %s", node, e)
                 message = None
-            if isinstance(message, WORKER_MESSAGES):
+            first, last = last + 1, last + width(message)
+            taken = self.received.get(node, 0)
+            if last <= taken:
+                continue  # sent again after a break or a manager restart; this manager has it already
+            if isinstance(message, NodeStep):  # its commits, those this manager lacks, as the ranks sent them
+                run += message.commits()[max(0, taken - first + 1):]
+                self.received[node] = last
+                continue
+            if type(message) in FROM_WORKERS:
+                assert message is not None
                 run.append(message)
-                self.received[node] = seq
+                self.received[node] = last
                 continue
             if run:
                 events.on_messages(run)
                 run = []
                 if not (slot.session == session and slot.writer is writer):
                     return
-            self.received[node] = seq
+            self.received[node] = last
             if message is not None:
                 self._dispatch(slot, message)
                 if not (slot.session == session and slot.writer is writer):
@@ -515,34 +523,35 @@ class AgentServer:
             events.on_messages(run)
 
     def _dispatch(self, slot: RemoteAgent, message: Message) -> None:
-        events = self._events
-        assert events is not None
-        if isinstance(message, AgentState):
-            slot.on_state(message)
-        elif isinstance(message, RankReport):
-            try:
-                events.on_message(decode(message.body))
-            except ValueError as e:
-                log.warning("node %d: dropped a bad worker message: %s", slot.node, e)
-        elif isinstance(message, RankExited):
-            slot.live.pop(message.rank, None)
-            events.on_exit(message.rank, message.pid, message.returncode, message.t)
-        elif isinstance(message, RankSpawned):
-            slot.live[message.rank] = message.pid
-            events.on_spawned(message.rank, message.pid, message.warm, message.incarnation)
-        elif isinstance(message, RankHung):
-            events.on_hang(message.rank, message.pid, message.phase, message.last_seen, message.t)
-        elif isinstance(message, RanksStalled):
-            events.on_stall([RankProgress(**p) for p in message.progress], message.limit, message.t)
-        elif isinstance(message, NodeStopped):
-            done = slot._stops.get(message.seq)
-            if done is not None and not done.done():
-                done.set_result(None)
-        elif isinstance(message, NodeLeaving):
-            self.lose(slot, f"node {slot.node} ({slot.host}) is leaving: {message.reason}")
-        elif isinstance(message, TraceFileSet):
-            events.on_trace_file(TraceSwitch(message.step, message.comm, message.by, message.t))
-        elif isinstance(message, TraceFileError):
-            events.on_trace_file_error(message.message)
-        else:
-            log.warning("node %d: unexpected message %r", slot.node, message)
+        self._handlers.handle(message, slot)
+
+    def _report_handlers(self) -> Handlers[None]:
+        """What the manager's side does with each of an agent's own reports (workers' go to ``on_messages``)."""
+        return Handlers({
+            AgentState: lambda message, slot: slot.on_state(message),
+            RankExited: self._on_exited,
+            RankSpawned: self._on_spawned,
+            RankHung: lambda m, slot: self._node_events().on_hang(m.rank, m.pid, m.phase, m.last_seen, m.t),
+            RanksStalled: lambda m, slot: self._node_events().on_stall(m.progress, m.limit, m.t),
+            NodeStopped: lambda message, slot: slot.stopped(message.seq),
+            NodeLeaving: lambda m, slot: self.lose(slot, f"node {slot.node} ({slot.host}) is leaving: {m.reason}"),
+            TraceFileSet: lambda m, slot: self._node_events().on_trace_file(TraceSwitch(m.step, m.comm, m.by, m.t)),
+            TraceFileError: lambda message, slot: self._node_events().on_trace_file_error(message.message),
+        }, otherwise=lambda message, slot: log.warning("node %d: unexpected message %r", slot.node, message))
+
+    def _node_events(self) -> NodeEvents:
+        assert self._events is not None
+        return self._events
+
+    def _on_exited(self, message: RankExited, slot: RemoteAgent) -> None:
+        slot.live.pop(message.rank, None)
+        self._node_events().on_exit(message.rank, message.pid, message.returncode, message.t)
+
+    def _on_spawned(self, message: RankSpawned, slot: RemoteAgent) -> None:
+        slot.live[message.rank] = message.pid
+        self._node_events().on_spawned(message.rank, message.pid, message.warm, message.incarnation)
+
+
+def _satisfies_the_seam(slot: RemoteAgent) -> AgentHandle:
+    """(For mypy: a remote node's slot is what the manager drives, ``protocol.seams.AgentHandle``.)"""
+    return slot

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from undying.manager.state import Incident, IncidentKind
-from undying.messages import RankProgress
+from undying.protocol.node_wire import RankProgress
 
 __all__ = ["Action", "Decision", "PolicyContext", "decide", "stall_culprits"]
 

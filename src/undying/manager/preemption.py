@@ -21,7 +21,7 @@ from undying.checkpoint.gasp import Measurement, recent_dying_gasp
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState
-from undying.messages import CheckpointSaved, Preempt, StopAt
+from undying.protocol.worker_wire import CheckpointSaved, Preempt, StopAt
 
 __all__ = ["Preemption"]
 

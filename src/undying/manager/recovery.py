@@ -31,7 +31,7 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.policy import Action, Decision, PolicyContext, decide
 from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState, RankState
-from undying.rendezvous import GenerationRecord
+from undying.protocol.generations import GenerationRecord
 
 __all__ = ["Recovery", "Recoveries"]
 

@@ -33,7 +33,7 @@ from undying.manager.jobdir import JobDir
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer
 from undying.manager.state import JobState
-from undying.messages import AgentJoin, JobEnded
+from undying.protocol.node_wire import AgentJoin, JobEnded
 from undying.protocol.store_wire import store_key_from_token
 
 __all__ = ["ManagerOptions", "serve_manager", "exit_code"]

@@ -17,9 +17,9 @@ from typing import Any, cast
 
 from undying.manager.core import JobCore
 from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
-from undying.messages import TraceSet, TraceSummary
+from undying.protocol.trace_switch import TraceSwitch
+from undying.protocol.worker_wire import TraceSet, TraceSummary
 from undying.trace.detect import Finding, SlowDetector
-from undying.trace.switch import TraceSwitch
 
 __all__ = ["TraceControl"]
 

@@ -1,7 +1,23 @@
-"""What the job's processes say to each other, and how they prove who they are.
+"""The floor every role stands on: what the job's processes say to each other, and how.
 
-Today it holds the job's authenticated key-value store (the c10d store every
-rank's control plane and process groups stand on): its wire
-(``undying.protocol.store_wire``, no torch) and the ``torch.distributed.Store``
-that workers use over it (``undying.protocol.store_client``).
+- ``codec``: typed messages as tagged msgspec structs, one encode and one
+  decode per channel, and ``Handlers``, a receiver's table from message class
+  to handler;
+- ``kinds``: the closed sets of names (fault kinds, phases) as string enums;
+- ``worker_wire``: a worker's channel to its agent; ``node_wire``: an agent's
+  connection to a manager on another host; ``zygote_wire``: an agent's
+  channel to its worker zygote (frames: ``framing``);
+- ``generations``: the generation records on the control store;
+- ``seams``: ``AgentHandle`` (what a manager asks of an agent) and
+  ``ManagerLink`` (what an agent reports to its manager);
+- the job's authenticated key-value store: its wire (``store_wire``, no
+  torch), the ``torch.distributed.Store`` workers use over it
+  (``store_client``), and the key a worker shows its agent (``channel_key``).
+
+Nothing here imports a role (worker, agent, manager); the modules are
+imported by name (this package imports none of them, so that ``store_client``
+brings torch only where it is used).
 """
+
+__all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations", "seams",
+           "store_wire", "store_client", "channel_key"]

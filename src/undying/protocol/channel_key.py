@@ -14,7 +14,7 @@ import hmac
 import os
 import secrets
 
-from undying.config import ENV_PREFIX
+from undying.protocol.env import ENV_PREFIX
 
 __all__ = ["AGENT_KEY_ENV", "hello_line", "new_key", "shows_key"]
 

@@ -1,9 +1,9 @@
 """Tracing: cheap markers of steps, collectives, saves, forward passes and data waits.
 
-The worker side of DESIGN.md §5. The record format is in ``docs/tracing.md``.
+The worker side of tracing; the record format is in ``docs/tracing.md``.
 
-- ``TraceSwitch``: which markers are on (``step`` group, ``comm``), and who set it;
-  ``SwitchFileWatcher`` follows a JSON file such as a ConfigMap mount.
+- ``SwitchFileWatcher``, ``read_switch_file``: the switch set by a JSON file such
+  as a ConfigMap mount (the switch's value, ``TraceSwitch``, is the protocol's).
 - ``TraceWriter``: per-rank NDJSON files named by time, rotated and capped,
   written from a background thread so training never waits on the disk.
 - ``Tracer``: the markers themselves (``emit``, ``span``) and listeners.
@@ -13,13 +13,7 @@ The trace files' names and folders (``writer``), the per-window step summaries
 analysis and report (``analyze``, ``report``) are imported from their modules.
 """
 
-from undying.trace.switch import (
-    SWITCH_EXAMPLE,
-    SwitchFileWatcher,
-    TraceSwitch,
-    TraceSwitchError,
-    read_switch_file,
-)
+from undying.trace.switch import SwitchFileWatcher, read_switch_file
 from undying.trace.tracer import (
     CKPT,
     COMM,
@@ -42,10 +36,7 @@ __all__ = [
     "Listener",
     "STEP",
     "STEP_GROUP",
-    "SWITCH_EXAMPLE",
     "SwitchFileWatcher",
-    "TraceSwitch",
-    "TraceSwitchError",
     "TraceWriter",
     "Tracer",
     "read_switch_file",

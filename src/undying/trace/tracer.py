@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from undying.trace.switch import TraceSwitch
+from undying.protocol.trace_switch import TraceSwitch
 from undying.trace.writer import TraceWriter
 
 __all__ = [

@@ -73,19 +73,9 @@ def _installed_imports(script: Path) -> list[str]:
     return found
 
 
-def spare_beat_interval(env: dict[str, str] | os._Environ[str] | None = None) -> float:
-    """Seconds between a waiting spare's beats: a quarter of the heartbeat timeout, at most 1 s."""
-    env = os.environ if env is None else env
-    try:
-        heartbeat = float(env.get("UNDYING_TIMEOUT_HEARTBEAT", "30"))
-    except ValueError:
-        heartbeat = 30.0
-    return max(0.05, min(1.0, heartbeat / 4))
-
-
 def _beat(channel: socket.socket, stop: threading.Event, interval: float) -> None:
     """A waiting spare's heartbeat: SpareReady again every ``interval``, so a stopped spare is seen as one."""
-    from undying.messages import SpareReady, encode
+    from undying.protocol.worker_wire import SpareReady, encode
 
     while not stop.wait(interval):
         try:
@@ -101,8 +91,15 @@ def _wait_as_spare(script: Path) -> None:
     agent kills a spare that does not give it within --spare-take-timeout,
     so a stopped or wedged spare costs a recovery seconds, not the init timeout.
     """
-    from undying.messages import Assign, SpareReady, SpareTaken, decode, encode
     from undying.protocol.channel_key import hello_line
+    from undying.protocol.worker_wire import (
+        Assign,
+        SpareReady,
+        SpareTaken,
+        encode,
+        spare_beat_interval,
+    )
+    from undying.protocol.worker_wire import decode_to_worker as decode
 
     for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors

@@ -13,8 +13,9 @@ import socket
 import threading
 from collections.abc import Callable
 
-from undying.messages import Message, decode, encode
 from undying.protocol.channel_key import hello_line
+from undying.protocol.codec import Message
+from undying.protocol.worker_wire import WorkerCommand, decode_to_worker, encode
 
 __all__ = ["AgentChannel"]
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class AgentChannel:
-    def __init__(self, host: str, port: int, on_command: Callable[[Message], None]) -> None:
+    def __init__(self, host: str, port: int, on_command: Callable[[WorkerCommand], None]) -> None:
         self._sock = socket.create_connection((host, port), timeout=30)
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -65,6 +66,6 @@ class AgentChannel:
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
                 try:
-                    self._on_command(decode(line))
+                    self._on_command(decode_to_worker(line))
                 except Exception:  # a bad command must not kill the training process
                     log.exception("bad command from agent: %r", line[:200])

@@ -23,7 +23,7 @@ from undying.checkpoint.safe_load import refused_global
 from undying.checkpoint.sharded import read_manifest
 from undying.checkpoint.writer import AsyncCheckpointer, CheckpointWriteError
 from undying.errors import UsageError
-from undying.messages import CheckpointSaved, Progress
+from undying.protocol.worker_wire import CheckpointSaved, Progress
 from undying.worker.context import JobContext
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from undying.messages import Fatal, Message, Progress
+from undying.protocol.codec import Message
+from undying.protocol.worker_wire import Fatal, Progress
 from undying.worker.data import DataCursor, map_position
 from undying.worker.faults import FaultSwitch
 from undying.worker.tracing import WorkerTracing

@@ -13,7 +13,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from undying.messages import ArmFault, FaultInjected, Message
+from undying.protocol.codec import Message
+from undying.protocol.worker_wire import ArmFault, FaultInjected
 
 __all__ = ["FaultSwitch", "crash_self", "stop_self", "spin_forever", "block_forever"]
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from undying.config import EXIT_PREEMPTED, EXIT_REGROUPED
-from undying.messages import Preempt, Progress, Stop, StopAt, StopProposal, Terminated
+from undying.protocol.worker_wire import Preempt, Progress, Stop, StopAt, StopProposal, Terminated
 from undying.worker.context import JobContext
 from undying.worker.group import is_comm_failure
 

@@ -25,9 +25,9 @@ from undying.errors import (
     GenerationSupersededError,
     RecoveryError,
 )
+from undying.protocol.generations import GenerationRecord, generation_key, rank_owner_key
 from undying.protocol.store_client import JobStore, hold
 from undying.protocol.store_wire import generation_store
-from undying.rendezvous import GenerationRecord, generation_key, rank_owner_key
 
 __all__ = [
     "collectives_entered",

@@ -32,13 +32,15 @@ from undying.checkpoint.checks import check_compatible, tensor_shapes
 from undying.checkpoint.mac import key_from_environ, set_key
 from undying.checkpoint.safe_load import check_state_loadable
 from undying.errors import UsageError
-from undying.messages import (
+from undying.protocol.codec import Message
+from undying.protocol.store_client import JobStore
+from undying.protocol.store_wire import CONTROL_STORE
+from undying.protocol.worker_wire import (
     Abort,
     ArmFault,
     Done,
     Heartbeat,
     Hello,
-    Message,
     Preempt,
     Progress,
     StepCommitted,
@@ -46,8 +48,6 @@ from undying.messages import (
     StopAt,
     TraceSet,
 )
-from undying.protocol.store_client import JobStore
-from undying.protocol.store_wire import CONTROL_STORE
 from undying.worker import rng
 from undying.worker.channel import AgentChannel
 from undying.worker.checkpoints import Checkpoints

@@ -39,10 +39,10 @@ from undying.errors import (
     RecoveryError,
     UsageError,
 )
-from undying.messages import CommFailure, Progress
+from undying.protocol.generations import generation_key
 from undying.protocol.store_client import JobStore
 from undying.protocol.store_wire import CONTROL_STORE
-from undying.rendezvous import generation_key
+from undying.protocol.worker_wire import CommFailure, Progress
 from undying.worker.context import JobContext
 from undying.worker.gasp import save_and_leave
 from undying.worker.group import collectives_entered, is_comm_failure, join_generation, leave_group

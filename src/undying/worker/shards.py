@@ -38,7 +38,7 @@ from undying.checkpoint.manifest import Manifest
 from undying.checkpoint.planner import Member, PersistedState, RestorePlan, ring_replica_of
 from undying.checkpoint.sharded import latest_valid_shared, load_sharded, save_sharded
 from undying.errors import RecoveryError, UsageError
-from undying.messages import CheckpointSaved, Progress
+from undying.protocol.worker_wire import CheckpointSaved, Progress
 from undying.worker import replica, sharding
 from undying.worker.context import JobContext
 from undying.worker.group import is_comm_failure

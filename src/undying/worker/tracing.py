@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from undying.messages import ArmFault, FaultInjected, Message, TraceSet, TraceSummary
+from undying.protocol.codec import Message
+from undying.protocol.trace_switch import TraceSwitch
+from undying.protocol.worker_wire import ArmFault, FaultInjected, TraceSet, TraceSummary
 from undying.trace.summary import StepSummarizer
-from undying.trace.switch import TraceSwitch
 from undying.trace.tracer import Tracer
 from undying.trace.writer import TraceWriter
 

@@ -37,13 +37,9 @@ child's status (``os.waitid`` with WNOWAIT: the child stays a zombie, its PID
 reserved, until the agent has recorded the status and says ``reap``, as with
 the agent's own children before).
 
-Wire (both ways): frames of a 4-byte big-endian length and a JSON object.
-Agent to zygote: ``{"op": "spawn", "id", "args", "env", "cwd", "stdio"}`` with
-the descriptors named by ``stdio`` (the agent's open ones of 0, 1, 2) sent with
-its bytes; ``{"op": "reap",
-"pid"}``. Zygote to agent: ``{"op": "ready", "pid"}`` or ``{"op": "unfit",
-"error"}`` once; ``{"op": "spawned", "id", "pid"}`` or ``{"op": "failed",
-"id", "error"}`` per request; ``{"op": "exit", "pid", "returncode"}``.
+Wire: ``undying.protocol.zygote_wire`` (length-prefixed frames, a JSON object
+each, named by ``op``): Spawn and Reap from the agent, Ready or Unfit once,
+Spawned or Failed per Spawn and Exit per child from the zygote.
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import json
 import os
 import selectors
 import signal
@@ -59,13 +54,21 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from undying.protocol import framing
+from undying.protocol.zygote_wire import (
+    Exit,
+    Failed,
+    Ready,
+    Reap,
+    Spawned,
+    Unfit,
+    encode_frame,
+    to_zygote,
+)
 
-__all__ = ["Request", "encode_frame", "FrameReader", "PREWARM", "main"]
+__all__ = ["Request", "PREWARM", "main"]
 
 # What the zygote imports before it serves: what every worker imports (a spare imports these too).
 PREWARM = ("torch", "torch.distributed", "torch._dynamo", "undying.worker")
-MAX_FRAME = 16 << 20  # an environment is kilobytes; a length past this is a broken channel
 _PR_SET_PDEATHSIG = 1
 
 
@@ -85,26 +88,6 @@ class Request:
     fds: list[int]
 
 
-def encode_frame(message: dict[str, object]) -> bytes:
-    return framing.pack(json.dumps(message, separators=(",", ":")).encode(), MAX_FRAME)
-
-
-class FrameReader:
-    """JSON objects out of the channel's byte stream (both ends use it; frames: ``undying.protocol.framing``)."""
-
-    def __init__(self) -> None:
-        self._bodies = framing.FrameReader(MAX_FRAME)
-
-    def feed(self, data: bytes) -> list[dict[str, object]]:
-        frames = []
-        for body in self._bodies.feed(data):
-            frame = json.loads(body)
-            if not isinstance(frame, dict):
-                raise ValueError(f"a zygote frame must be a JSON object, got {type(frame).__name__}")
-            frames.append(frame)
-        return frames
-
-
 def _die_with_agent(agent_pid: int) -> None:
     """The zygote goes when the agent goes (and its workers with it, by their own parent-death signal)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -122,7 +105,7 @@ def _threads() -> int:
         return threading.active_count()
 
 
-def _send(channel: socket.socket, message: dict[str, object]) -> None:
+def _send(channel: socket.socket, message: Ready | Unfit | Spawned | Failed | Exit) -> None:
     channel.sendall(encode_frame(message))
 
 
@@ -140,7 +123,7 @@ def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
     """Fork a worker per request, report each child's exit; returns only in a forked child."""
     selector = selectors.DefaultSelector()
     selector.register(channel, selectors.EVENT_READ, None)
-    frames = FrameReader()
+    frames = to_zygote()
     fds: list[int] = []  # received with requests' bytes, taken three per spawn in order
     children: dict[int, int] = {}  # pid -> its pidfd
     while True:
@@ -152,27 +135,25 @@ def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
                     continue
                 selector.unregister(key.fd)
                 os.close(children.pop(pid))
-                _send(channel, {"op": "exit", "pid": pid, "returncode": returncode})
+                _send(channel, Exit(pid, returncode))
                 continue
             data, got, _, _ = socket.recv_fds(channel, 1 << 16, 16)
             fds.extend(got)
             if not data:
                 os._exit(0)  # the agent closed the channel: nothing more to start
             for frame in frames.feed(data):
-                if frame.get("op") == "reap":
+                if isinstance(frame, Reap):  # the other op is Spawn (zygote_wire.ToZygote)
                     with contextlib.suppress(ChildProcessError):
-                        os.waitpid(int(frame["pid"]), 0)  # type: ignore[call-overload]
+                        os.waitpid(frame.pid, 0)
                     continue
-                stdio = [int(fd) for fd in frame["stdio"]]  # type: ignore[attr-defined]
-                request = Request(int(frame["id"]), list(frame["args"]), dict(frame["env"]),  # type: ignore[call-overload]
-                                  str(frame["cwd"]), stdio, fds[:len(stdio)])
-                del fds[:len(stdio)]
+                request = Request(frame.id, frame.args, frame.env, frame.cwd, frame.stdio, fds[:len(frame.stdio)])
+                del fds[:len(frame.stdio)]
                 try:
                     pid = os.fork()
                 except OSError as e:
                     for fd in request.fds:
                         os.close(fd)
-                    _send(channel, {"op": "failed", "id": request.id, "error": f"fork: {e}"})
+                    _send(channel, Failed(request.id, f"fork: {e}"))
                     continue
                 if pid == 0:
                     # The child: drop every descriptor of the zygote's (the channel, the selector,
@@ -187,7 +168,7 @@ def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
                     os.close(fd)
                 children[pid] = os.pidfd_open(pid)
                 selector.register(children[pid], selectors.EVENT_READ, pid)
-                _send(channel, {"op": "spawned", "id": request.id, "pid": pid})
+                _send(channel, Spawned(request.id, pid))
 
 
 def _default_signals() -> dict[int, object]:
@@ -256,9 +237,9 @@ def main() -> None:
             raise RuntimeError("no pidfd_open on this platform")
         gc.freeze()  # the imports' objects stay shared with the children (no copy-on-write by GC)
     except Exception as e:
-        _send(channel, {"op": "unfit", "error": f"{type(e).__name__}: {e}"})
+        _send(channel, Unfit(f"{type(e).__name__}: {e}"))
         os._exit(1)
-    _send(channel, {"op": "ready", "pid": os.getpid()})
+    _send(channel, Ready(os.getpid()))
     request = _serve(channel, defaults)
     zygote = os.getppid()
     _become(request)

@@ -16,8 +16,9 @@ again on its new set of nodes from that checkpoint (``purpose="regroup"``).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+import msgspec
 
 __all__ = ["GenerationRecord", "generation_key", "rank_owner_key", "CURRENT_KEY"]
 
@@ -35,6 +36,8 @@ def rank_owner_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class GenerationRecord:
+    """One generation as the control store holds it (also inside SpawnRank, for the agent to spawn into)."""
+
     generation: int
     world_size: int
     store_host: str
@@ -55,8 +58,12 @@ class GenerationRecord:
         return self.members.get(str(rank))
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        return msgspec.json.encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> GenerationRecord:
-        return cls(**json.loads(raw))
+        """The record a store value holds; ValueError naming the value when it is no record."""
+        try:
+            return msgspec.json.decode(raw, type=cls)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"not a generation record ({e}): {raw!r:.200}") from None

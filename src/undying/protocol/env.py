@@ -1,0 +1,13 @@
+"""The environment contract: the prefix of every variable undying sets for the processes it starts.
+
+The torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) keep
+their names; undying's own all start with ``UNDYING_``, so a script's
+environment shows at a glance which are ours, and the agent can pass them on
+or drop them as a whole.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ENV_PREFIX"]
+
+ENV_PREFIX = "UNDYING_"

@@ -1,0 +1,281 @@
+"""What crosses a worker's channel to its agent: reports up, commands down.
+
+A worker (or a hot spare) writes reports (``WorkerReport``), the agent
+decodes them with ``decode_from_worker``; the agent writes commands
+(``WorkerCommand``), the worker decodes them with ``decode_to_worker``. Lines
+of JSON (``undying.protocol.codec``). Reports a worker makes about the job
+(``FORWARDED``) travel on unchanged to the manager; heartbeats and the
+spare's own words stay with the agent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from undying.protocol.codec import Codec, Message, members
+
+__all__ = [
+    "Hello", "Heartbeat", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
+    "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady", "SpareTaken",
+    "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
+    "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker", "decode_to_worker",
+    "spare_beat_interval",
+]
+
+
+# --- worker -> agent -------------------------------------------------------
+
+
+class Hello(Message, frozen=True):
+    """First message on a worker's channel: who it is."""
+
+    rank: int
+    pid: int
+    generation: int
+    joining: bool
+    t: float
+
+
+class Heartbeat(Message, frozen=True):
+    """Sent by a worker thread about once a second: the process is alive, and how far it got.
+
+    ``phase`` is a ``WorkerPhase``. ``collectives`` counts the collectives this
+    rank entered in ``generation`` (the process group's sequence number);
+    ``progress_t`` is when the worker last saw its (generation, phase, step,
+    collectives) change. A rank alive but stuck keeps beating with an old
+    ``progress_t``; of ranks stuck together the one that entered fewer
+    collectives is the one the others wait for.
+    """
+
+    rank: int
+    t: float
+    generation: int = -1
+    phase: str = "init"
+    step: int = 0
+    collectives: int = -1
+    progress_t: float = 0.0
+
+
+class StepCommitted(Message, frozen=True):
+    """A rank finished a step's body: its state is now at ``step``."""
+
+    rank: int
+    generation: int
+    step: int
+    t: float
+    metrics: dict[str, float] = {}
+
+
+class Progress(Message, frozen=True):
+    """A recovery milestone of one rank (``group_rebuilt``, ``state_restored``, ...)."""
+
+    rank: int
+    generation: int
+    phase: str
+    t: float
+    step: int = -1
+    detail: dict[str, Any] = {}
+
+
+class CommFailure(Message, frozen=True):
+    """A collective failed on this rank; it left ``generation`` and waits for the next."""
+
+    rank: int
+    generation: int
+    step: int
+    error: str
+    t: float
+
+
+class FaultInjected(Message, frozen=True):
+    """Sent right before a worker faults itself on request (the fault's time)."""
+
+    rank: int
+    kind: str
+    step: int
+    phase: str
+    t: float
+
+
+class Fatal(Message, frozen=True):
+    """The user's code raised: a bug, not a fault. Carries the traceback."""
+
+    rank: int
+    step: int
+    error: str
+    traceback: str
+    t: float
+
+
+class TraceSummary(Message, frozen=True):
+    """A rank's compact trace summary over a window of steps (undying.trace.summary), for slow-rank detection."""
+
+    rank: int
+    generation: int
+    summary: dict[str, Any] = {}
+
+
+class Done(Message, frozen=True):
+    """The rank finished its last step; ``digest`` fingerprints its final state."""
+
+    rank: int
+    step: int
+    digest: str
+    t: float
+
+
+class CheckpointSaved(Message, frozen=True):
+    """A checkpoint of ``step`` was committed (or, with ``error``, failed).
+
+    ``blocking_s`` is the training loop's stall (the CPU copy), ``write_s`` the
+    write beside training; ``kind`` periodic or dying-gasp. A failed one says
+    what the OS said in ``os_error`` (``ENOSPC: No space left on device``), ""
+    when the failure was not the storage's.
+    """
+
+    rank: int
+    step: int
+    kind: str
+    path: str
+    blocking_s: float
+    write_s: float
+    bytes: int
+    t: float
+    error: str = ""
+    os_error: str = ""
+
+
+class Terminated(Message, frozen=True):
+    """This worker received SIGTERM (a kill of its process group): the job should take its dying gasp."""
+
+    rank: int
+    t: float
+
+
+class StopProposal(Message, frozen=True):
+    """Answer to Preempt: the newest step this rank has started (or committed, between steps).
+
+    The rank runs no step past it until it hears StopAt.
+    """
+
+    rank: int
+    generation: int
+    step: int
+    t: float
+
+
+class SpareReady(Message, frozen=True):
+    """A hot spare finished importing and waits for a rank."""
+
+    pid: int
+    t: float
+
+
+class SpareTaken(Message, frozen=True):
+    """The spare's answer to Assign: it took the rank and runs the script now (within --spare-take-timeout)."""
+
+    pid: int
+    t: float
+
+
+# --- agent -> worker -------------------------------------------------------
+
+
+class Preempt(Message, frozen=True):
+    """The job is preempted: say where you are (StopProposal) and start no new step until StopAt."""
+
+    generation: int
+    reason: str
+
+
+class StopAt(Message, frozen=True):
+    """Finish steps up to ``step``, then stop; rank 0 writes the dying-gasp checkpoint of ``step`` first."""
+
+    step: int
+    grace_s: float
+
+
+class Stop(Message, frozen=True):
+    """Exit now (an ordered stop, not a preemption): the SIGTERM that follows is not a dying gasp."""
+
+    reason: str
+
+
+class Assign(Message, frozen=True):
+    """Turn a hot spare into a rank: its environment, as a fresh worker would get it."""
+
+    env: dict[str, str]
+
+
+class Abort(Message, frozen=True):
+    """Leave the current process group now (its collective is stuck): break its connections."""
+
+    generation: int
+    reason: str
+
+
+class ArmFault(Message, frozen=True):
+    """Fault this worker when it reaches ``at_step`` (and ``phase``, an ``InjectPhase``).
+
+    ``kind`` is an ``InjectKind``, or ``hang:spin`` / ``hang:block`` for a hang
+    done by the training thread. For kind ``slow``, ``phase`` is a
+    ``SlowPhase`` and every step from ``at_step`` on takes ``factor`` times as
+    long, the extra time spent there.
+    """
+
+    kind: str
+    at_step: int
+    phase: str = "step"
+    factor: float = 1.0
+
+
+class TraceSet(Message, frozen=True):
+    """The trace switch: step/ckpt/fp/data markers on or off together, comm markers alone.
+
+    Comm markers come from a DDP communication hook, and a DDP takes a hook only
+    when it is built: every rank rebuilds its DDP, with or without the hook, at
+    the first step ``>= comm_from_step``, a step the manager picked far enough
+    ahead that every rank hears of it first (building a DDP is a collective).
+    """
+
+    step: bool
+    comm: bool
+    by: str
+    t: float
+    comm_from_step: int = 0
+
+
+WorkerReport = (Hello | Heartbeat | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
+                | Done | CheckpointSaved | Terminated | StopProposal | SpareReady | SpareTaken)
+WorkerCommand = Preempt | StopAt | Stop | Assign | Abort | ArmFault | TraceSet
+
+# A worker's reports about the job, which its agent forwards to the manager as they came.
+FORWARDED: tuple[type[Message], ...] = (
+    Hello, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done, CheckpointSaved,
+    Terminated, StopProposal,
+)
+
+COMMANDS = members(WorkerCommand)
+
+_reports: Codec[WorkerReport] = Codec(WorkerReport, "worker's channel")
+_commands: Codec[WorkerCommand] = Codec(WorkerCommand, "agent's channel to a worker")
+
+encode = Codec.encode
+decode_from_worker = _reports.decode
+decode_to_worker = _commands.decode
+
+
+def spare_beat_interval(env: Mapping[str, str] | None = None) -> float:
+    """Seconds between a waiting spare's SpareReady beats: a quarter of the heartbeat timeout, at most 1 s.
+
+    Both ends of a spare's line go by it: the spare beats this often, the agent
+    judges a spare silent for a few of these stopped or wedged.
+    """
+    env = os.environ if env is None else env
+    try:
+        heartbeat = float(env.get("UNDYING_TIMEOUT_HEARTBEAT", "30"))
+    except ValueError:
+        heartbeat = 30.0
+    return max(0.05, min(1.0, heartbeat / 4))
