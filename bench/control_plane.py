@@ -82,7 +82,7 @@ Definitions
 * Report to Acked: from writing a report to the ``Acked`` that covers it (the
   log committed it). Bounded below by the manager's flush period (0.25 s) and
   beat (0.5 s), so it is a durability lag, not a handling time.
-* The manager's own decision time: the duration of every ``Manager._handle``
+* The manager's own decision time: the duration of every ``Recoveries.handle``
   (decide, plan the restore, open the next generation, spawn), timed in the
   manager over the crash trials.
 
@@ -275,7 +275,7 @@ class Probe:
         self.profiler: cProfile.Profile | None = None
         self.windows = 0
         self.watcher: asyncio.Future[None] | None = None
-        # Every incident's Manager._handle (decide, plan, open the generation, spawn), window or not.
+        # Every incident's Recoveries.handle (plan, decide, open the generation, spawn), window or not.
         self.decisions: array.array[float] = array.array("d")
 
     def install(self) -> None:
@@ -289,7 +289,9 @@ class Probe:
         on_messages = Manager.on_messages
         flush = EventLog.flush
         start = nodes.AgentServer.start
-        handle = Manager._handle
+        from undying.manager.recovery import Recoveries
+
+        handle = Recoveries.handle
 
         def timed_dispatch(server: Any, slot: Any, message: Message) -> None:
             if not probe.on:
@@ -316,6 +318,9 @@ class Probe:
             for message in messages:
                 if isinstance(message, StepCommitted):
                     probe.note("StepCommitted", message.t)
+                elif isinstance(message, NodeStep):  # a node's commits of a step, each with its rank's time
+                    for t in message.t:
+                        probe.note("StepCommitted", t)
 
         def timed_flush(log: Any) -> None:
             if not probe.on:
@@ -324,9 +329,9 @@ class Probe:
             flush(log)
             probe.flushes.append(time.perf_counter() - began)
 
-        def timed_handle(manager: Any, incident: Any) -> None:
+        def timed_handle(recoveries: Any, incident: Any) -> None:
             began = time.perf_counter()
-            handle(manager, incident)
+            handle(recoveries, incident)
             probe.decisions.append(time.perf_counter() - began)
 
         async def start_with_lag_probe(server: Any) -> int:
@@ -342,7 +347,7 @@ class Probe:
                                      (Manager, "on_message", timed_on_message),
                                      (Manager, "on_messages", timed_on_messages), (EventLog, "flush", timed_flush),
                                      (nodes.AgentServer, "start", start_with_lag_probe),
-                                     (Manager, "_handle", timed_handle)):
+                                     (Recoveries, "handle", timed_handle)):
             setattr(owner, name, wrapper)
 
     def note(self, kind: str, written: float) -> None:
@@ -1076,7 +1081,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
             batch = decode_from_agent(line)
             assert isinstance(batch, NumberedReports)
             reports = [decode_agent_report(body) for body in batch.reports]  # a NodeStep a node a step
-            batches.append([c for r in reports for c in (r.commits() if isinstance(r, NodeStep) else [r])])
+            batches.append(reports)  # handed to the manager as they came: a NodeStep a node a step
         decode_s.append((time.perf_counter() - t) / world)
         # The manager's handling: odd steps a node's batch a call (as AgentServer hands them over), even steps
         # a message a call (Manager.on_message, as the standalone agent calls it).
@@ -1115,7 +1120,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     on_exit_s = time.perf_counter() - t
     incident = manager.incidents[-1]
     decided_s = incident.phases["decided"] - incident.phases["detected"]
-    # The restore planner alone, as _handle calls it (it builds the job's layout afresh each time).
+    # The restore planner alone, as Recoveries.plan calls it (it builds the job's layout afresh each time).
     from undying.checkpoint.layout import Layout
     from undying.checkpoint.planner import coarse_members, plan
 

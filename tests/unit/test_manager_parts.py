@@ -10,7 +10,7 @@ import pytest
 from undying.config import EXIT_SCRIPT_ERROR
 from undying.manager.book import RankBook
 from undying.manager.detection import ExitCause, classify_exit, describe_exit
-from undying.manager.events import EventLog
+from undying.manager.events import EventLog, LogReader
 from undying.manager.state import (
     IllegalTransition,
     Incident,
@@ -118,3 +118,38 @@ def test_the_step_clock_times_steps_once_every_rank_committed_them() -> None:
     assert list(clock.step_times) == [(2, 1.3)]  # step 3 waits for rank 0
     assert clock.longest_rank_step_s() == pytest.approx(1.3)
     assert clock.median_rank_step_s() == pytest.approx(1.0)
+
+
+def test_a_nodes_step_record_is_taken_as_the_commits_it_carries(tmp_path: Path) -> None:
+    """One NodeStep (a node's commits of a step) leaves the manager where its ranks' StepCommitted would."""
+    from undying.config import JobConfig
+    from undying.manager.manager import Manager
+    from undying.protocol.node_wire import NodeStep
+    from undying.protocol.worker_wire import StepCommitted
+
+    def manager(name: str) -> Manager:
+        return Manager(JobConfig(job_id=name, job_dir=str(tmp_path / name), nproc_per_node=2, nnodes=2),
+                       EventLog(tmp_path / f"{name}.db"))
+
+    def commits(m: Manager) -> list[tuple[int, int, int, float, dict[str, float]]]:
+        m.events.flush()
+        with LogReader(m.events.path) as log:
+            return sorted((c.rank, c.step, c.generation, c.t, c.metrics) for c in log.commits())
+
+    by_record, one_by_one = manager("a"), manager("b")
+    records = [NodeStep(0, 1, [0, 1], [10.0, 10.1], [{"loss": 1.0}, {"loss": 1.0}]),
+               NodeStep(0, 1, [2, 3], [10.2, 10.3], [{"loss": 1.0}, {"loss": 1.0}]),
+               NodeStep(0, 2, [0, 1, 2, 3], [11.0, 11.1, 11.2, 11.3], [{"loss": 0.5}] * 4)]
+    by_record.on_messages(list(records))
+    one_by_one.on_messages([c for r in records for c in r.commits()])
+    for m in (by_record, one_by_one):
+        assert {r: i.step for r, i in m.ranks.items()} == {0: 2, 1: 2, 2: 2, 3: 2}
+        assert m.state.value == "running" and not m.rerun_steps
+        assert [list(p) for p in m.core.clock.step_times] == [[2, 1.0]]
+    assert commits(by_record) == commits(one_by_one)
+    # A record sent again (a resend after a break) is a re-run of those steps, said so.
+    by_record.on_messages([records[2]])
+    assert by_record.rerun_steps == {2}
+    assert StepCommitted(0, 0, 2, 11.0, {"loss": 0.5}) in records[2].commits()
+    for m in (by_record, one_by_one):
+        m.close()

@@ -107,8 +107,10 @@ class Recorder:
         self.calls.append(("message", message))
 
     def on_messages(self, messages: list[Message]) -> None:
-        self.batches.append([type(m).__name__ for m in messages])
-        for message in messages:
+        # A node's commits of a step come as one NodeStep record: recorded as the commits it carries.
+        taken = [one for m in messages for one in (m.commits() if isinstance(m, NodeStep) else [m])]
+        self.batches.append([type(m).__name__ for m in taken])
+        for message in taken:
             self.on_message(message)
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:

@@ -17,6 +17,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 from undying.config import JobConfig
@@ -41,7 +42,7 @@ from undying.manager.state import (
 from undying.manager.trace_control import TraceControl
 from undying.manager.views import job_status
 from undying.protocol.codec import Message
-from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
+from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent
 from undying.protocol.seams import AgentHandle
 from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import (
@@ -62,6 +63,9 @@ from undying.protocol.worker_wire import (
 __all__ = ["Manager", "AgentHandle", "HANDLERS"]
 
 log = logging.getLogger("undying.manager")
+
+# A commit as the log's steps table takes it: rank, step, generation, time, metrics.
+CommitRow = tuple[int, int, int, float, dict[str, float]]
 
 
 class Manager:
@@ -334,41 +338,56 @@ class Manager:
     def on_messages(self, messages: list[Message]) -> None:
         """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes each.
 
-        A run of commits has its step rows written with one statement, before
-        any of them is handled (a log commit made while handling them holds
-        them all).
+        Commits (one rank's ``StepCommitted``, or a node's ``NodeStep`` of a
+        step) are taken as rows, not message objects: a run of them has its
+        step rows written with one statement before any is handled (a log
+        commit made while handling them holds them all).
         """
-        commits: list[StepCommitted] = []
+        rows: list[CommitRow] = []
         for message in messages:
-            if isinstance(message, StepCommitted):
-                commits.append(message)
+            kind = type(message)
+            if kind is NodeStep:
+                assert isinstance(message, NodeStep)
+                # (NodeStep checked its lists are of one length; the repeats are endless, hence not strict)
+                rows += zip(message.ranks, repeat(message.step), repeat(message.generation), message.t,
+                            message.metrics, strict=False)
                 continue
-            if commits:
-                self._on_commits(commits)
-                commits = []
+            if kind is StepCommitted:
+                assert isinstance(message, StepCommitted)
+                rows.append((message.rank, message.step, message.generation, message.t, message.metrics))
+                continue
+            if rows:
+                self._on_commits(rows)
+                rows = []
             self.on_message(message)
-        if commits:
-            self._on_commits(commits)
+        if rows:
+            self._on_commits(rows)
 
     # --- the workers' messages --------------------------------------------------
 
-    def _on_commits(self, commits: list[StepCommitted]) -> None:
-        commits = [m for m in commits if m.rank in self.ranks]  # (not a process numbered before a regroup)
-        self.events.steps([(m.rank, m.step, m.generation, m.t, m.metrics) for m in commits])
-        for message in commits:
-            self._on_commit(message, logged=True)
+    def _on_commits(self, rows: list[CommitRow]) -> None:
+        ranks = self.ranks
+        rows = [row for row in rows if row[0] in ranks]  # (not a process numbered before a regroup)
+        self.events.steps(rows)
+        for rank, step, generation, t, _ in rows:
+            self._commit(rank, step, generation, t)
         self.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
 
-    def _on_commit(self, message: StepCommitted, *, logged: bool = False) -> None:
+    def _on_commit(self, message: StepCommitted) -> None:
+        self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
+        self._commit(message.rank, message.step, message.generation, message.t)
+
+    def _commit(self, rank: int, step: int, generation: int, t: float) -> None:
         core = self.core
-        if core.book.commit(message.rank, message.step, message.generation, message.t):
-            self.events.event("step_rerun", rank=message.rank, step=message.step)
-        core.clock.committed(message.rank, message.step, message.t)
-        if not logged:  # (on_messages writes a run's rows together)
-            self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
-        if self.state is JobState.STARTING:
+        if core.book.commit(rank, step, generation, t):
+            self.events.event("step_rerun", rank=rank, step=step)
+        core.clock.committed(rank, step, t)
+        if core.machine.state is JobState.STARTING:
             core.move(JobState.RUNNING)
-        self._maybe_finish_recovery(message.rank, message.t, message.generation)
+        self._maybe_finish_recovery(rank, t, generation)
+
+    def _on_node_step(self, message: NodeStep) -> None:
+        self.on_messages([message])
 
     def _on_trace_summary(self, message: TraceSummary) -> None:
         self.tracing.on_summary(message)
@@ -534,7 +553,7 @@ class Manager:
 
 # Which handler takes each message a worker (or the agent, for its ranks) sends: one table, not an isinstance chain.
 HANDLERS: dict[type[Any], Callable[[Manager, Any], None]] = {
-    StepCommitted: Manager._on_commit, Hello: Manager._on_hello, Progress: Manager._on_progress,
+    StepCommitted: Manager._on_commit, NodeStep: Manager._on_node_step, Hello: Manager._on_hello, Progress: Manager._on_progress,
     CommFailure: Manager._on_comm_failure, TraceSummary: Manager._on_trace_summary,
     FaultInjected: Manager._on_fault_injected, Fatal: Manager._on_fatal, CheckpointSaved: Manager._on_checkpoint,
     StopProposal: Manager._on_stop_proposal, Terminated: Manager._on_terminated,

@@ -500,8 +500,8 @@ class AgentServer:
             taken = self.received.get(node, 0)
             if last <= taken:
                 continue  # sent again after a break or a manager restart; this manager has it already
-            if isinstance(message, NodeStep):  # its commits, those this manager lacks, as the ranks sent them
-                run += message.commits()[max(0, taken - first + 1):]
+            if isinstance(message, NodeStep):  # its commits, those this manager lacks, in one record
+                run.append(message.after(taken - first + 1))
                 self.received[node] = last
                 continue
             if type(message) in FROM_WORKERS:

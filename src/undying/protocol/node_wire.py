@@ -198,6 +198,13 @@ class NodeStep(Message, frozen=True):
         """How many numbered reports it stands for."""
         return len(self.ranks)
 
+    def after(self, skip: int) -> NodeStep:
+        """The same record without its first ``skip`` commits (those a manager has from an earlier send)."""
+        if skip <= 0:
+            return self
+        return NodeStep(self.generation, self.step, self.ranks[skip:], self.t[skip:], self.metrics[skip:],
+                        self.fingerprints[skip:])
+
     def commits(self) -> list[StepCommitted]:
         """Each rank's commit, as the rank sent it."""
         return [StepCommitted(rank, self.generation, self.step, t, metrics)
