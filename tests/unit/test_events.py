@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sqlite3
 from pathlib import Path
 
@@ -227,3 +228,18 @@ def test_fold_wal_puts_a_killed_writers_wal_into_the_log(tmp_path: Path) -> None
     assert digests_in_the_main_file_alone() == ["aa", "bb"]
     fold_wal(tmp_path / "nothing-here.db")  # no log: nothing to fold, no error, no file made
     assert not (tmp_path / "nothing-here.db").exists()
+
+
+def test_a_commits_metrics_read_back_as_written_nan_and_infinity_included(tmp_path: Path) -> None:
+    """The steps table's metrics take a fast writer that would turn NaN into null: a NaN loss must stay NaN."""
+    log = EventLog(tmp_path / "events.db")
+    written = [{"loss": 0.30000000000000004, "lr": 1e-300}, {"loss": math.nan}, {"loss": math.inf, "gnorm": -math.inf}]
+    log.steps([(0, step, 0, float(step), metrics) for step, metrics in enumerate(written, start=1)])
+    log.step(1, 1, 0, 1.5, {"loss": math.nan})
+    log.flush()
+    with LogReader(tmp_path / "events.db") as reader:
+        read = [c.metrics for c in sorted(reader.commits(), key=lambda c: (c.rank, c.step))]
+    log.close()
+    assert read[0] == written[0]
+    assert math.isnan(read[1]["loss"]) and math.isnan(read[3]["loss"])
+    assert read[2] == {"loss": math.inf, "gnorm": -math.inf}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sqlite3
 import time
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar
+
+import msgspec
 
 from undying.errors import UsageError
 from undying.manager.held_writes import HeldWrites
@@ -65,6 +68,21 @@ CREATE TABLE IF NOT EXISTS steps (
 CREATE INDEX IF NOT EXISTS steps_by_step ON steps (step, rank);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
+
+
+_encode_json = msgspec.json.Encoder().encode
+
+
+def _metrics_json(metrics: dict[str, float]) -> str:
+    """A commit's metrics as the steps table keeps them (JSON text), on the path of every rank's every step.
+
+    msgspec writes it 30x faster than ``json.dumps``; but it writes NaN and
+    infinities as null, and a NaN loss must read back as NaN (the oracle
+    compares losses), so those rare rows take ``json.dumps``, which keeps them.
+    """
+    if all(math.isfinite(v) for v in metrics.values()):
+        return _encode_json(metrics).decode()
+    return json.dumps(metrics)
 
 
 @dataclass(frozen=True)
@@ -240,7 +258,7 @@ class EventLog:
     def step(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
         self._exec(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            (rank, step, generation, t, json.dumps(metrics)),
+            (rank, step, generation, t, _metrics_json(metrics)),
         )
         self._dirty = True
 
@@ -248,7 +266,7 @@ class EventLog:
         """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
         self._exec_many(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            [(rank, step, generation, t, json.dumps(metrics)) for rank, step, generation, t, metrics in rows],
+            [(rank, step, generation, t, _metrics_json(metrics)) for rank, step, generation, t, metrics in rows],
         )
         self._dirty = True
 
