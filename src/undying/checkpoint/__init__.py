@@ -1,7 +1,7 @@
 """Persistent checkpoints: atomic, checksummed, discoverable; replicated (DDP) or sharded (DCP).
 
 The storage layer only: the job loop decides when to save (periodic, dying
-gasp) and what to restore; it calls this API. See DESIGN.md §4.
+gasp) and what to restore; it calls this API (docs/architecture.md).
 
 The package's own names are the ones a saver or a loader needs:
 

@@ -1,4 +1,4 @@
-"""Restore planning: after a fault, where every rank's state comes from (DESIGN.md §4).
+"""Restore planning: after a fault, where every rank's state comes from (docs/architecture.md).
 
 One pure function, ``plan``, of the parallel layout, what every member holds
 and the persisted checkpoint: the manager calls it with its view to decide,

@@ -65,7 +65,7 @@ class WorkerPhase(Choice):
 
 
 class RecoveryPhase(Choice):
-    """The timeline of an incident, in order (DESIGN.md §3)."""
+    """The timeline of an incident, in order (docs/architecture.md)."""
 
     DETECTED = "detected"
     DECIDED = "decided"
