@@ -12,6 +12,19 @@ from pathlib import Path
 import pytest
 
 from tests.oracle import Oracle
+from undying.checkpoint.mac import using_key
+
+
+@pytest.fixture(autouse=True)
+def no_checkpoint_key_left_over() -> Iterator[None]:
+    """Every test starts with no checkpoint MAC key in this process and leaves none behind.
+
+    The manager's service sets the process's key when it starts (a unit test runs it in-process);
+    a later test in the same pytest worker then read its unsigned checkpoints as tampered with.
+    Found when the workers' test order changed (pytest-xdist's worksteal): 8 checkpoint tests failed.
+    """
+    with using_key(None):
+        yield
 
 
 @pytest.fixture(scope="session")
