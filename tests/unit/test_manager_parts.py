@@ -153,3 +153,28 @@ def test_a_nodes_step_record_is_taken_as_the_commits_it_carries(tmp_path: Path) 
     assert StepCommitted(0, 0, 2, 11.0, {"loss": 0.5}) in records[2].commits()
     for m in (by_record, one_by_one):
         m.close()
+
+
+def test_a_sigterm_from_a_process_the_rank_was_taken_from_does_not_preempt_the_job(tmp_path: Path) -> None:
+    """Found in the multi-node suite: a cut-off host's agent, fenced, stopped its old workers with SIGTERM; one
+    reported it after the agent joined again, and the manager preempted the whole job for a stale process."""
+    from undying.config import JobConfig
+    from undying.manager.manager import Manager
+    from undying.protocol.worker_wire import Terminated
+
+    events = EventLog(tmp_path / "events.db")
+    manager = Manager(JobConfig(job_id="t", job_dir=str(tmp_path), nproc_per_node=2), events)
+    manager.ranks[1].pid = 2000  # the rank's process now (a replacement)
+    manager.on_message(Terminated(1, 10.0, pid=1000))  # the one it replaced, stopped by its fenced agent
+    assert manager.preemption is None and manager.state.value == "starting"
+    events.flush()
+    with LogReader(tmp_path / "events.db") as log:
+        (stale,) = log.events("sigterm_stale")
+    assert stale.data["pid"] == 1000 and stale.data["holder"] == 2000
+    assert not log_has(tmp_path, "sigterm")
+    manager.close()
+
+
+def log_has(tmp_path: Path, kind: str) -> bool:
+    with LogReader(tmp_path / "events.db") as log:
+        return bool(log.events(kind))

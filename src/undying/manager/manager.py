@@ -446,6 +446,11 @@ class Manager:
         self.events.event("stop_proposed", generation=message.generation, rank=message.rank, step=message.step)
 
     def _on_terminated(self, message: Terminated) -> None:
+        holder = self.ranks[message.rank].pid
+        if message.pid and holder and message.pid != holder:
+            # A process the rank was taken from (its host cut off, fenced, its agent stopping it): old news.
+            self.events.event("sigterm_stale", rank=message.rank, pid=message.pid, holder=holder)
+            return
         self.events.event("sigterm", rank=message.rank)
         self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
 

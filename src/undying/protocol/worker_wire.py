@@ -148,10 +148,15 @@ class CheckpointSaved(Message, frozen=True):
 
 
 class Terminated(Message, frozen=True):
-    """This worker received SIGTERM (a kill of its process group): the job should take its dying gasp."""
+    """This worker received SIGTERM (a kill of its process group): the job should take its dying gasp.
+
+    ``pid``: the process that received it; a process the rank was since taken
+    from (stopped by its fenced agent) is old news, not a preemption.
+    """
 
     rank: int
     t: float
+    pid: int = 0
 
 
 class StopProposal(Message, frozen=True):

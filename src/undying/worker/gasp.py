@@ -77,7 +77,7 @@ class Preemption:
         self._terminated = True
         log.warning("rank %d: SIGTERM received; asking the job for its dying gasp", self.ctx.rank)
         # Not from the handler itself: the training thread may hold the channel's lock.
-        threading.Thread(target=self.ctx.send, args=(Terminated(self.ctx.rank, time.time()),), daemon=True).start()
+        threading.Thread(target=self.ctx.send, args=(Terminated(self.ctx.rank, time.time(), os.getpid()),), daemon=True).start()
 
     def may_start(self, index: int, committed: int) -> bool:
         """Start step ``index`` unless the job is preempted and agreed to stop at ``committed``."""
