@@ -6,6 +6,7 @@ import json
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -165,16 +166,20 @@ def test_numbered_reports_lines_are_what_encode_writes() -> None:
         worker_wire.StepCommitted(0, 1, 2, 3.0), node_wire.RankExited(1, 2, -9, 4.0)]
 
 
-def test_forwarded_are_every_report_a_worker_sends_about_the_job() -> None:
+def test_forwarded_are_every_report_a_worker_sends_about_the_job(tmp_path: Path) -> None:
     """The manager routes a report by FROM_WORKERS (a worker's, or the agent's word on spares): a new one must be listed."""
     kept_by_the_agent = {worker_wire.Heartbeat, worker_wire.SpareReady, worker_wire.SpareTaken}
     assert set(worker_wire.FORWARDED) == set(members(worker_wire.WorkerReport)) - kept_by_the_agent
     assert {*worker_wire.FORWARDED, node_wire.SpareEvent} == node_wire.FROM_WORKERS
     assert set(members(node_wire.Report)) >= node_wire.FROM_WORKERS
-    from undying.manager.manager import HANDLERS
+    from undying.config import JobConfig
+    from undying.manager.events import EventLog
+    from undying.manager.manager import Manager
 
+    manager = Manager(JobConfig(job_id="m", job_dir=str(tmp_path)), EventLog(tmp_path / "events.db"))
     for cls in node_wire.FROM_WORKERS:
-        assert cls in HANDLERS, cls.__name__
+        assert cls in manager.handlers, cls.__name__
+    manager.close()
 
 
 def test_handlers_call_the_one_for_the_class_and_refuse_the_rest() -> None:

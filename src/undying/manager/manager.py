@@ -16,7 +16,6 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
@@ -41,7 +40,7 @@ from undying.manager.state import (
 )
 from undying.manager.trace_control import TraceControl
 from undying.manager.views import job_status
-from undying.protocol.codec import Message
+from undying.protocol.codec import Handlers, Message
 from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent
 from undying.protocol.seams import AgentHandle
 from undying.protocol.trace_switch import TraceSwitch
@@ -60,7 +59,7 @@ from undying.protocol.worker_wire import (
     TraceSummary,
 )
 
-__all__ = ["Manager", "AgentHandle", "HANDLERS"]
+__all__ = ["Manager", "AgentHandle"]
 
 log = logging.getLogger("undying.manager")
 
@@ -81,6 +80,14 @@ class Manager:
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
+        # Which handler takes each message a worker (or the agent, for its ranks) sends.
+        self.handlers = Handlers[None]({
+            StepCommitted: self._on_commit, NodeStep: self._on_node_step, Hello: self._on_hello,
+            Progress: self._on_progress, CommFailure: self._on_comm_failure, TraceSummary: self.tracing.on_summary,
+            FaultInjected: self._on_fault_injected, Fatal: self._on_fatal, CheckpointSaved: self._on_checkpoint,
+            StopProposal: self._on_stop_proposal, Terminated: self._on_terminated,
+            RankSpawned: self._on_rank_spawned, SpareEvent: self._on_spare_event, Done: self._on_done,
+        }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
             return  # restore() reads the job back from its log
         for key, value in (("job_id", config.job_id), ("checkpoint_dir", config.checkpoint_dir),
@@ -329,11 +336,7 @@ class Manager:
     def on_message(self, message: Message) -> None:
         if getattr(message, "rank", 0) not in self.ranks:
             return  # a process numbered before a regroup, its last words
-        handler = HANDLERS.get(type(message))
-        if handler is None:
-            log.warning("unexpected message %r", message)
-            return
-        handler(self, message)
+        self.handlers.handle(message)
 
     def on_messages(self, messages: list[Message]) -> None:
         """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes each.
@@ -388,9 +391,6 @@ class Manager:
 
     def _on_node_step(self, message: NodeStep) -> None:
         self.on_messages([message])
-
-    def _on_trace_summary(self, message: TraceSummary) -> None:
-        self.tracing.on_summary(message)
 
     def _on_hello(self, message: Hello) -> None:
         self.events.event("joined", generation=message.generation, rank=message.rank, pid=message.pid,
@@ -555,12 +555,3 @@ class Manager:
         return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp,
                           recoveries=self.recoveries, regrouping=self.regrouping, trace=self.tracing)
 
-
-# Which handler takes each message a worker (or the agent, for its ranks) sends: one table, not an isinstance chain.
-HANDLERS: dict[type[Any], Callable[[Manager, Any], None]] = {
-    StepCommitted: Manager._on_commit, NodeStep: Manager._on_node_step, Hello: Manager._on_hello, Progress: Manager._on_progress,
-    CommFailure: Manager._on_comm_failure, TraceSummary: Manager._on_trace_summary,
-    FaultInjected: Manager._on_fault_injected, Fatal: Manager._on_fatal, CheckpointSaved: Manager._on_checkpoint,
-    StopProposal: Manager._on_stop_proposal, Terminated: Manager._on_terminated,
-    RankSpawned: Manager._on_rank_spawned, SpareEvent: Manager._on_spare_event, Done: Manager._on_done,
-}

@@ -127,23 +127,23 @@ class Recoveries:
             if self.checkpoints.ring and offset > 0:
                 replica_of = ring_replica_of(world, offset)
                 every = max(1, int(state_layout.get("every", 1)))
+
+        def plan_at(step: int, checkpoint: PersistedState | Unread | None) -> RestorePlan:
+            members = coarse_members(world, failed, step, replica_of=replica_of,
+                                     copies_at=step - step % every if every else None)
+            return plan(layout, members, replica_of=replica_of, checkpoint=checkpoint)
+
         self.restart_from = None
-        checkpoint: PersistedState | Unread | None = UNREAD
-        for _ in range(2):  # once from memory; again with the checkpoint when no step is whole in memory
-            at = max(newest, self.restart_from.step) if self.restart_from else newest
-            # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
-            try:
-                members = coarse_members(world, failed, at, replica_of=replica_of,
-                                         copies_at=at - at % every if every else None)
-                found = plan(layout, members, replica_of=replica_of, checkpoint=checkpoint)
-            except (MissingShardsError, LayoutError) as e:
-                return None, str(e)
-            if not found.read_checkpoint:
-                return found, found.describe()
-            self.restart_from = self.checkpoints.latest()
-            checkpoint = (PersistedState(self.restart_from.step, path=self.restart_from.url)
-                          if self.restart_from else None)
-        raise AssertionError("the planner asked for the checkpoint after it was given")
+        try:
+            found = plan_at(newest, UNREAD)  # from memory; the checkpoint is read only when no step is whole
+            if found.read_checkpoint:
+                self.restart_from = ckpt = self.checkpoints.latest()
+                # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
+                found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url)) if ckpt \
+                    else plan_at(newest, None)
+        except (MissingShardsError, LayoutError) as e:
+            return None, str(e)
+        return found, found.describe()
 
     def handle(self, incident: Incident) -> None:
         """Decide the rung for ``incident`` by the restore plan and the policy, and carry it out."""
