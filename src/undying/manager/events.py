@@ -220,8 +220,8 @@ class EventLog:
 
     @property
     def db(self) -> HeldWrites:
-        """The connection. TRANSITIONAL: for manager.py until it reads through ``saved_job`` and
-        ``forget_ranks`` (issue #15); nothing else may run SQL on it."""
+        """The connection, for a test that kills a manager by closing its log under it; nothing may run SQL
+        on it (the manager reads through ``saved_job`` and renumbers through ``forget_ranks``)."""
         return self._db
 
     def saved_job(self) -> SavedJob:
