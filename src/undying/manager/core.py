@@ -138,12 +138,14 @@ class JobCore:
             return
         self.exit_reason = reason
         log.error("job %s failed: %s", self.config.job_id, reason)
+        self.move(JobState.STOPPING)  # at once: a fault reported meanwhile is no new incident to decide
         asyncio.get_running_loop().create_task(self._stop_then(JobState.FAILED))
 
     def stop(self, reason: str) -> None:
         if self.winding_down:
             return
         self.exit_reason = reason
+        self.move(JobState.STOPPING)
         asyncio.get_running_loop().create_task(self._stop_then(JobState.STOPPED))
 
     async def stop_all(self, grace_s: float) -> None:

@@ -446,8 +446,8 @@ class Manager:
         self.events.event("stop_proposed", generation=message.generation, rank=message.rank, step=message.step)
 
     def _on_terminated(self, message: Terminated) -> None:
-        holder = self.ranks[message.rank].pid
-        if message.pid and holder and message.pid != holder:
+        holder = self.ranks[message.rank].pid  # (0: its replacement has not started yet)
+        if message.pid and message.pid != holder:
             # A process the rank was taken from (its host cut off, fenced, its agent stopping it): old news.
             self.events.event("sigterm_stale", rank=message.rank, pid=message.pid, holder=holder)
             return
