@@ -5,6 +5,7 @@ GET  /metrics         Prometheus metrics of the job (text exposition format)
 GET  /api/status      the job: state, generation, step, ranks, incidents
 GET  /api/ranks       ranks with their step, state and PID
 GET  /api/incidents   incidents with their timelines
+GET  /api/series      the whole run for the page's charts, downsampled: ?from=S&to=S&points=N (all optional)
 POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?, "factor": F?}
 POST /api/stop        stop the job
 GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, "t": when, "error": ""}
@@ -32,6 +33,13 @@ the token; the server keeps no access log, so it is written nowhere.
 
 A malformed body is 400 naming the field, checked whole before anything is
 done. Nothing is changed by any refused request.
+
+The page's last word. When the job ends its manager stops serving, and a page
+that polls once a second would keep the last state it saw ("running") for
+good. So the server notes each open page (the page names itself in
+``X-Undying-Page``), and before it stops it waits, a few seconds at most and
+only for pages that polled lately, until each was answered once with the
+job's end state. With no page open nothing waits.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +78,8 @@ _server_log = logging.getLogger("undying.manager.http.requests")
 _server_log.addFilter(QuietLog())
 
 # What open_status opens to anyone, for GET (and HEAD) only.
-READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/trace"})
+READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/series",
+                             "/api/trace"})
 _READ_METHODS = frozenset({"GET", "HEAD"})
 _INJECT_EXAMPLE = '{"kind": "crash", "rank": 0}'
 _INJECT_FIELDS = ("kind", "rank", "at_step", "phase", "how", "factor")
@@ -84,6 +93,14 @@ _MAX_DIGITS = 30
 _MAX_STEP = 2**53
 _MAX_RANK = 2**20
 _BODY_WAIT_S = 10.0
+# The page's charts: points per series it may ask for (the default draws one a few pixels wide).
+_POINTS_DEFAULT, _POINTS_MAX = 400, 2000
+# Open pages: the header they name themselves in, how many are remembered, how recent a poll counts as open,
+# and how long a stopping server waits for them to see the end (a page polls once a second).
+PAGE_HEADER = "X-Undying-Page"
+_MAX_PAGES = 64
+_PAGE_OPEN_S = 5.0
+_PAGE_WAIT_S = 3.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -103,7 +120,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     job_id = manager.config.job_id
     where = where_the_token_is(manager.config.job_dir)
     # One registry per app: several managers in one process (tests) must not share metrics.
-    registry = new_registry(manager.status)
+    registry = new_registry(manager.status, manager.history)
+    pages = OpenPages(lambda: manager.state.terminal)
 
     def refusal(request: web.Request) -> web.Response | None:
         """Why ``request`` may not reach its handler, as the 401 to send; None when it may."""
@@ -148,6 +166,17 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
 
     async def status(request: web.Request) -> web.Response:
         return _json(manager.status())
+
+    async def series(request: web.Request) -> web.Response:
+        try:
+            first, last, points = _series_query(request.query)
+        except _Malformed as e:
+            return _error(400, str(e))
+        view = manager.history.view(first, last, points)
+        view["world_size"] = manager.world_size
+        view["incidents"] = [{"id": i.id, "kind": i.kind.value, "rank": i.rank, "step": i.step, "t": i.fault_t,
+                              "status": i.status.value, "action": i.action} for i in manager.incidents]
+        return _json(view)
 
     async def ranks(request: web.Request) -> web.Response:
         return _json(manager.status()["ranks"])
@@ -200,19 +229,85 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         return _json({"stopping": True})
 
     # The connection guard (when served through start_http) sees every request, refused ones included.
-    middlewares = [connections.middleware, guard] if connections is not None else [guard]
+    middlewares = [connections.middleware, guard, pages.middleware] if connections is not None else [
+        guard, pages.middleware]
     app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY)
     app.router.add_get("/", page)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/status", status)
     app.router.add_get("/api/ranks", ranks)
     app.router.add_get("/api/incidents", incidents)
+    app.router.add_get("/api/series", series)
     app.router.add_post("/api/inject", inject)
     app.router.add_post("/api/stop", stop)
     app.router.add_get("/api/trace", trace_get)
     app.router.add_put("/api/trace", trace_put)
     app.router.add_post("/api/trace", trace_post)
+    app[_PAGES] = pages
     return app
+
+
+class OpenPages:
+    """The pages that poll ``/api/status`` (by the id each names itself with) and whether each saw the end."""
+
+    def __init__(self, ended: Callable[[], bool]) -> None:
+        self._ended = ended
+        self._seen: dict[str, tuple[float, bool]] = {}  # page id -> (its last poll, monotonic; it saw the end)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        ended = self._ended()  # (asked before the answer is made: an end after it is not in the answer)
+        response = await handler(request)
+        page = request.headers.get(PAGE_HEADER, "")
+        if request.path == "/api/status" and response.status == 200 and 0 < len(page) <= 64:
+            self._seen.pop(page, None)
+            self._seen[page] = (time.monotonic(), ended)
+            while len(self._seen) > _MAX_PAGES:
+                del self._seen[next(iter(self._seen))]
+        return response
+
+    def waiting(self) -> int:
+        """Pages open lately that have not been told the job ended."""
+        now = time.monotonic()
+        return sum(1 for t, saw_end in self._seen.values() if not saw_end and now - t < _PAGE_OPEN_S)
+
+    async def told(self, timeout: float = _PAGE_WAIT_S) -> None:
+        """Once the job ended: wait until every open page saw it, ``timeout`` at most."""
+        if not self._ended():
+            return
+        deadline = time.monotonic() + timeout
+        while self.waiting() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+_PAGES = web.AppKey("pages", OpenPages)
+
+
+class _PageRunner(web.AppRunner):
+    """The app's runner: before it stops serving, the open pages are told how the job ended."""
+
+    async def cleanup(self) -> None:
+        await self.app[_PAGES].told()
+        await super().cleanup()
+
+
+def _series_query(query: Mapping[str, str]) -> tuple[int | None, int | None, int]:
+    """``from``, ``to`` and ``points`` of a series request, each checked; ``_Malformed`` names the bad one."""
+
+    def whole(name: str, low: int, high: int) -> int | None:
+        raw = query.get(name)
+        if raw is None or raw == "":
+            return None
+        if not raw.isdigit() or len(raw) > 16 or not low <= int(raw) <= high:
+            raise _Malformed(f"?{name}= must be a whole number from {low} to {high}, got {_short(raw)}; "
+                             f"e.g. /api/series?from=100&to=500&points=400")
+        return int(raw)
+
+    first, last = whole("from", 0, _MAX_STEP), whole("to", 0, _MAX_STEP)
+    if first is not None and last is not None and first > last:
+        raise _Malformed(f"?from={first} is after ?to={last}; ask for a range of steps from the first to the last")
+    points = whole("points", 10, _POINTS_MAX)
+    return first, last, _POINTS_DEFAULT if points is None else points
 
 
 async def _body(request: web.Request, example: str) -> dict[str, Any] | web.Response:
@@ -351,7 +446,7 @@ async def start_http(manager: Manager, host: str, port: int, *, open_status: boo
     limits = limits if limits is not None else manager.config.connections
     token = ensure_token(Path(manager.config.job_dir))
     guard = ConnectionGuard(limits)
-    runner = web.AppRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
+    runner = _PageRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
                            keepalive_timeout=limits.idle_timeout, logger=_server_log)
     await runner.setup()
     site = GuardedSite(runner, host, port, guard)

@@ -26,6 +26,7 @@ from undying.manager.commands import Injector
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
 from undying.manager.events import EventLog
+from undying.manager.history import RunHistory
 from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries, Recovery
 from undying.manager.regroup import LOG_KEY as REGROUP_KEY
@@ -79,6 +80,7 @@ class Manager:
         self.gasp = Preemption(core, self.checkpoints)
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
+        self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({
@@ -202,6 +204,7 @@ class Manager:
         if "nodes" in job:
             core.set_layout([int(n) for n in job["nodes"]], persist=False)
         core.book.restore(saved.ranks, saved.committed)
+        self.history.replay(self.events.path, self.world_size)
         open_incidents: list[Incident] = []
         for incident in saved.incidents:
             core.incidents.append(incident)
@@ -372,12 +375,14 @@ class Manager:
         ranks = self.ranks
         rows = [row for row in rows if row[0] in ranks]  # (not a process numbered before a regroup)
         self.events.steps(rows)
+        self.history.commits(rows, self.world_size)
         for rank, step, generation, t, _ in rows:
             self._commit(rank, step, generation, t)
         self.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
 
     def _on_commit(self, message: StepCommitted) -> None:
         self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
+        self.history.commit(message.rank, message.step, message.t, message.metrics, self.world_size)
         self._commit(message.rank, message.step, message.generation, message.t)
 
     def _commit(self, rank: int, step: int, generation: int, t: float) -> None:
@@ -437,6 +442,7 @@ class Manager:
 
     def _on_checkpoint(self, message: CheckpointSaved) -> None:
         self.checkpoints.on_saved(message)
+        self.history.checkpoint(message)
         if not message.error:
             self.regrouping.on_saved(message.kind, message.path)
         self.gasp.on_saved(message)

@@ -7,6 +7,17 @@ scrapes ``GET /metrics``. Nothing drifts between what the page, the CLI and
 Prometheus show, and a manager restarted from its SQLite log exposes the same
 totals as before (they are recomputed from the incidents it reloaded).
 
+What only grows over the whole run (the histograms of step times and
+checkpoint saves, the bytes written) and goodput come from the manager's
+``RunHistory`` (``history.py``), fed once per commit and per save; it too is
+read back from the log by a restarted manager.
+
+Every family is yielded on every scrape, empty when there is nothing to say
+yet (no made-up zero for a step time never measured), so the names a scraper
+sees, and a dashboard may query, do not depend on how far the job got
+(``METRIC_NAMES``). Counters that a dashboard takes ``increase()`` of start at 0
+for every value of their labels known beforehand (every incident kind).
+
 Each app gets its own ``CollectorRegistry``: the process-wide default registry
 would mix several managers in one process (tests run many) and carries the
 Python process collectors, which say nothing about the job.
@@ -29,9 +40,10 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from undying.manager.state import JobState, RankState
+from undying.manager.history import LABELLED_RANKS, Histogram, RunHistory
+from undying.manager.state import IncidentKind, JobState, RankState
 
-__all__ = ["StatusCollector", "RECOVERY_BUCKETS", "CONTENT_TYPE", "new_registry", "exposition"]
+__all__ = ["StatusCollector", "RECOVERY_BUCKETS", "CONTENT_TYPE", "new_registry", "exposition", "metric_names"]
 
 # Recovery (fault to first completed step) takes about a second with a warm
 # spare, a few without one, and up to the recovery timeout (600 s by default)
@@ -54,18 +66,20 @@ class StatusCollector(Collector):
     older manager still yields every other metric.
     """
 
-    def __init__(self, status: StatusSource) -> None:
+    def __init__(self, status: StatusSource, history: RunHistory | None = None) -> None:
         self._status = status
+        self._history = history if history is not None else RunHistory()
 
     def collect(self) -> Iterator[Metric]:
         status = self._status()
         job_id = str(status.get("job_id") or "")
         yield from _job(status, job_id)
         yield from _ranks(status.get("ranks") or [])
-        yield from _steps(status)
+        yield from _steps(status, self._history)
         yield from _incidents(status.get("incidents") or [])
-        yield from _checkpoints(status.get("checkpoints") or {}, int(status.get("step") or 0))
+        yield from _checkpoints(status.get("checkpoints") or {}, int(status.get("step") or 0), self._history)
         yield from _trace(status.get("trace") or {})
+        yield from _goodput(self._history)
 
 
 def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
@@ -95,8 +109,8 @@ def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
     )
 
 
-def _checkpoints(checkpoints: Mapping[str, Any], step: int) -> Iterator[Metric]:
-    """Failed saves, whether the last one failed, and the steps a crash of every rank now would re-run."""
+def _checkpoints(checkpoints: Mapping[str, Any], step: int, history: RunHistory) -> Iterator[Metric]:
+    """Saves: the last one, how long they stall and write, what they wrote, which failed, what is at risk."""
     health = checkpoints.get("health") or {}
     yield CounterMetricFamily("undying_checkpoint_failures", "Checkpoint saves that failed (every attempt).",
                               value=float(health.get("failures") or 0))
@@ -104,10 +118,24 @@ def _checkpoints(checkpoints: Mapping[str, Any], step: int) -> Iterator[Metric]:
                             "1 while the latest checkpoint save failed and none has succeeded since.",
                             value=1.0 if health.get("failing") else 0.0)
     last = checkpoints.get("last") or checkpoints.get("resumed_from") or {}
+    behind = GaugeMetricFamily("undying_checkpoint_steps_behind",
+                               "Committed steps newer than the newest checkpoint: what a restart from disk re-runs.")
+    last_step = GaugeMetricFamily("undying_checkpoint_last_step",
+                                  "The step of the newest checkpoint saved (or resumed from).")
     if isinstance(last.get("step"), int):
-        yield GaugeMetricFamily("undying_checkpoint_steps_behind",
-                                "Committed steps newer than the newest checkpoint: what a restart from disk re-runs.",
-                                value=float(max(0, step - int(last["step"]))))
+        behind.add_metric([], float(max(0, step - int(last["step"]))))
+        last_step.add_metric([], float(last["step"]))
+    yield behind
+    yield last_step
+    size = GaugeMetricFamily("undying_checkpoint_bytes", "Bytes of the newest checkpoint saved.")
+    if isinstance((checkpoints.get("last") or {}).get("bytes"), int):
+        size.add_metric([], float(checkpoints["last"]["bytes"]))
+    yield size
+    yield CounterMetricFamily("undying_checkpoint_written_bytes", "Bytes written by every checkpoint saved.",
+                              value=float(history.bytes_written))
+    yield _histograms("undying_checkpoint_save_seconds",
+                      "Seconds of each save: the training loop's stall (part=blocking, the copy) and the write "
+                      "beside training (part=write).", "part", history.save_seconds)
 
 
 def _ranks(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -128,25 +156,41 @@ def _ranks(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
     yield restarts
 
 
-def _steps(status: Mapping[str, Any]) -> Iterator[Metric]:
+def _steps(status: Mapping[str, Any], history: RunHistory) -> Iterator[Metric]:
     # A gauge, not a counter: a whole-job restart from a checkpoint moves it back.
     yield GaugeMetricFamily("undying_step", "Steps completed by every rank (the job's step).",
                             value=float(status.get("step") or 0))
     yield CounterMetricFamily("undying_rerun_steps", "Steps run again after a fault (the step in flight).",
                               value=float(len(status.get("rerun_steps") or [])))
     times = [t for t in (status.get("step_times") or []) if len(t) == 2 and t[1] is not None]
+    last = GaugeMetricFamily("undying_last_step_seconds", "Duration of the last step every rank committed.")
     if times:
-        yield GaugeMetricFamily("undying_step_seconds", "Duration of the last step every rank committed.",
-                                value=float(times[-1][1]))
+        last.add_metric([], float(times[-1][1]))
+    yield last
+    yield _histograms("undying_step_seconds",
+                      "Seconds of each step of the job: from the last commit of the step before to the last "
+                      "commit of this one (every rank's).", None, {"": history.step_seconds})
+    yield _histograms("undying_rank_step_seconds",
+                      f"Seconds between a rank's consecutive commits; ranks 0-{LABELLED_RANKS - 1} each have "
+                      f"their own rank label, the ranks after them share rank=\"{LABELLED_RANKS}+\".",
+                      "rank", history.rank_step_seconds)
 
 
 def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
-    counts = Counter((str(i.get("kind") or ""), str(i.get("action") or "")) for i in incidents)
-    total = CounterMetricFamily("undying_incidents", "Incidents by fault kind and the action taken.",
-                                labels=["kind", "action"])
-    for (kind, action), n in sorted(counts.items()):
-        total.add_metric([kind, action], float(n))
+    # Every kind at 0 from the start: increase() over a series that appears at 1 misses that first incident.
+    kinds = Counter({k.value: 0 for k in IncidentKind})
+    kinds.update(str(i.get("kind") or "") for i in incidents)
+    total = CounterMetricFamily("undying_incidents", "Incidents by fault kind (each kind from 0).", labels=["kind"])
+    for kind, n in sorted(kinds.items()):
+        total.add_metric([kind], float(n))
     yield total
+    # The action is decided after the incident opens (and may be escalated): counted once decided, by the action.
+    actions = Counter((str(i.get("kind") or ""), str(i["action"])) for i in incidents if i.get("action"))
+    taken = CounterMetricFamily("undying_incident_actions", "Incidents by fault kind and the action decided.",
+                                labels=["kind", "action"])
+    for (kind, action), n in sorted(actions.items()):
+        taken.add_metric([kind, action], float(n))
+    yield taken
     open_now = sum(1 for i in incidents if i.get("status") == "open")
     yield GaugeMetricFamily("undying_incidents_open", "Incidents whose recovery has not finished.",
                             value=float(open_now))
@@ -184,11 +228,50 @@ def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
     )
 
 
-def new_registry(status: StatusSource) -> CollectorRegistry:
-    """A registry of its own holding one collector over ``status``."""
+def _histograms(name: str, doc: str, label: str | None, histograms: Mapping[str, Histogram]) -> HistogramMetricFamily:
+    """A histogram family from ``RunHistory``'s counts, one series per label value (``label`` None: one series)."""
+    family = HistogramMetricFamily(name, doc, labels=[label] if label else [])
+    for value, h in sorted(histograms.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        if label is None and not h.count:
+            continue  # nothing measured yet: the family stays empty rather than a row of zeros
+        buckets = [(_le(bound), float(n)) for bound, n in h.cumulative()]
+        buckets.append(("+Inf", float(h.count)))
+        family.add_metric([value] if label else [], buckets, sum_value=h.total)
+    return family
+
+
+def _goodput(history: RunHistory) -> Iterator[Metric]:
+    ratio = GaugeMetricFamily("undying_goodput_ratio",
+                              "Share of the job's wall time spent on steps that count (ML Goodput), 0 to 1.")
+    lost = GaugeMetricFamily("undying_goodput_lost_seconds",
+                             "Wall time that did not go to steps that count, by cause (start-up, recovery, ...).",
+                             labels=["cause"])
+    if history.goodput is not None:
+        share, losses = history.goodput
+        ratio.add_metric([], share)
+        for cause, seconds in sorted(losses.items()):
+            lost.add_metric([cause], seconds)
+    yield ratio
+    yield lost
+
+
+def new_registry(status: StatusSource, history: RunHistory | None = None) -> CollectorRegistry:
+    """A registry of its own holding one collector over ``status`` (and the run's ``history``, if given)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(status))
+    registry.register(StatusCollector(status, history))
     return registry
+
+
+def metric_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name ``registry`` can expose (``_total``, ``_bucket``, ``_count``, ``_sum`` included)."""
+    names: set[str] = set()
+    for family in registry.collect():
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        elif family.type == "histogram":
+            names.update(family.name + suffix for suffix in ("_bucket", "_count", "_sum"))
+    return names
 
 
 def exposition(registry: CollectorRegistry) -> bytes:
