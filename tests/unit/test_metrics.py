@@ -68,7 +68,8 @@ def test_exposition_of_a_status() -> None:
     text = exposition(new_registry(lambda: STATUS)).decode()
     got = samples(text)
     assert got[("undying_step", ())] == 120
-    assert got[("undying_step_seconds", ())] == pytest.approx(0.07)
+    # (undying_step_seconds is a histogram of every step now: the last one's time is its own gauge)
+    assert got[("undying_last_step_seconds", ())] == pytest.approx(0.07)
     assert got[("undying_generation", ())] == 3
     assert got[("undying_world_size", ())] == 4
     assert got[("undying_ranks_alive", ())] == 2  # running + recovering; starting without a PID is not alive
@@ -76,9 +77,15 @@ def test_exposition_of_a_status() -> None:
     assert got[("undying_job_state", (("state", "failed"),))] == 0
     assert got[("undying_rerun_steps_total", ())] == 2
     assert got[("undying_rank_restarts_total", (("rank", "1"),))] == 2
-    assert got[("undying_incidents_total", (("action", "replace"), ("kind", "crash")))] == 2
-    assert got[("undying_incidents_total", (("action", "retry"), ("kind", "comm-error")))] == 1
-    assert got[("undying_incidents_total", (("action", "replace"), ("kind", "hang")))] == 1
+    # By kind (every kind from 0), and by kind and the action decided (undying_incidents_total had both labels;
+    # an action is only known once decided, so a kind's 0 before its first incident needs a family of its own).
+    assert got[("undying_incidents_total", (("kind", "crash"),))] == 2
+    assert got[("undying_incidents_total", (("kind", "comm-error"),))] == 1
+    assert got[("undying_incidents_total", (("kind", "hang"),))] == 1
+    assert got[("undying_incidents_total", (("kind", "node-loss"),))] == 0
+    assert got[("undying_incident_actions_total", (("action", "replace"), ("kind", "crash")))] == 2
+    assert got[("undying_incident_actions_total", (("action", "retry"), ("kind", "comm-error")))] == 1
+    assert got[("undying_incident_actions_total", (("action", "replace"), ("kind", "hang")))] == 1
     assert got[("undying_incidents_open", ())] == 1
     assert got[("undying_trace_enabled", (("markers", "step"),))] == 1
     assert got[("undying_trace_enabled", (("markers", "comm"),))] == 0
@@ -100,6 +107,7 @@ def test_a_status_without_the_newer_keys_still_exposes_everything_else() -> None
     old = {k: v for k, v in STATUS.items() if k not in ("trace", "step_times")}
     got = samples(exposition(new_registry(lambda: old)).decode())
     assert ("undying_step_seconds", ()) not in got  # no step time measured: no made-up zero
+    assert ("undying_last_step_seconds", ()) not in got and ("undying_step_seconds_count", ()) not in got
     assert got[("undying_trace_enabled", (("markers", "step"),))] == 0
     assert got[("undying_step", ())] == 120
 
@@ -140,8 +148,10 @@ def test_metrics_of_a_real_manager(manager: Manager) -> None:
     assert got[("undying_step", ())] == 9
     assert got[("undying_ranks_alive", ())] == 2
     assert got[("undying_job_info", (("job_id", "real"),))] == 1
-    assert got[("undying_incidents_total", (("action", "replace"), ("kind", "crash")))] == 1
-    assert got[("undying_incidents_total", (("action", "retry"), ("kind", "comm-error")))] == 1
+    assert got[("undying_incidents_total", (("kind", "crash"),))] == 1
+    assert got[("undying_incidents_total", (("kind", "comm-error"),))] == 1
+    assert got[("undying_incident_actions_total", (("action", "replace"), ("kind", "crash")))] == 1
+    assert got[("undying_incident_actions_total", (("action", "retry"), ("kind", "comm-error")))] == 1
     assert got[("undying_recovery_seconds_count", ())] == 1
     assert got[("undying_recovery_seconds_sum", ())] == pytest.approx(1.5)
     assert got[("undying_job_state", (("state", manager.state.value),))] == 1

@@ -21,6 +21,7 @@ page and the histograms go on from where the old manager was.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -134,10 +135,9 @@ class Histogram:
             return
         if not self.counts:
             self.counts = [0] * len(self.bounds)
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                break
+        i = bisect.bisect_left(self.bounds, value)  # the first bound at or above it (le: "less or equal")
+        if i < len(self.counts):
+            self.counts[i] += 1
         self.count += 1
         self.total += value
 
@@ -208,8 +208,10 @@ class RunHistory:
         sums: dict[str, list[float]] = {}
         for _, metrics in commits.values():
             for name, value in metrics.items():
-                if isinstance(value, (int, float)) and (name in self.values or (
-                        len(self.values) < MAX_VALUES and _NAME.fullmatch(name))):
+                if not isinstance(value, (int, float)):
+                    continue
+                if name in self.values or name in sums or (
+                        len(self.values.keys() | sums.keys()) < MAX_VALUES and _NAME.fullmatch(name)):
                     sums.setdefault(name, []).append(float(value))
         for name, values in sums.items():
             self.values.setdefault(name, Downsampled(self.capacity)).add(step, math.fsum(values) / len(values))
