@@ -159,5 +159,98 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
         assert polls and all(auth == f"Bearer {token}" for _, auth in polls), polls[:3]
         assert not [u for u, _ in polls if "token" in u], polls[:3]
 
-    api_post(url, "/api/stop", {}, token=token)
-    launcher.wait(timeout=30)
+        # Stopped: the page says so (the manager waits for it before it stops serving), and stops polling.
+        api_post(url, "/api/stop", {}, token=token)
+        page.wait_for_function("document.getElementById('job-state').textContent === 'stopped'", timeout=30_000)
+        launcher.wait(timeout=30)
+        assert "ended (stopped)" in (page.text_content("#conn") or "")
+        assert not errors, errors
+
+
+def _polyline(page: Any, selector: str) -> list[tuple[float, float]]:
+    """The points of a rendered polyline, as drawn (pixels)."""
+    text = page.get_attribute(selector, "points") or ""
+    return [(float(x), float(y)) for x, y in (pair.split(",") for pair in text.split())]
+
+
+def _geometry(page: Any, chart: str) -> dict[str, float]:
+    data = page.eval_on_selector(chart, "c => Object.assign({}, c.dataset)")
+    return {k: float(v) for k, v in data.items()}
+
+
+# 2 ranks, 8 epochs of 32 steps = 256 steps (past the status' last 200), about 0.04 s each: ~12 s.
+CHART_JOB_ARGS = ["--epochs", "8", "--step-seconds", "0.04"]
+
+
+def test_the_page_draws_the_whole_run_per_rank_with_loss_incidents_zoom_and_the_end(
+        tmp_path: Path, reap: list[int]) -> None:
+    job_dir = tmp_path / "job"
+
+    def status() -> dict[str, Any]:
+        return dict(api_get(url, "/api/status", token=token))
+
+    with browser_page() as page:  # (the browser first: the job is short)
+        launcher = start_job(job_dir, CHART_JOB_ARGS, ranks=2, reap=reap)
+        url = manager_url(job_dir)
+        token = read_token_file(job_dir / TOKEN_FILE)
+        wait_for(lambda: status()["state"] == "running", 60, "the job to run")
+        api_post(url, "/api/inject", {"kind": "crash", "rank": 1, "at_step": 60}, token=token)
+        errors: list[str] = []
+        series_asked: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("request", lambda r: series_asked.append(r.url) if "/api/series" in r.url else None)
+        page.set_viewport_size({"width": 1200, "height": 1000})
+        page.goto(f"{url}/?token={token}")
+        page.wait_for_selector("#chart polyline.line", timeout=60_000)
+        incident = wait_for(lambda: (i := status()["incidents"]) and i[0]["status"] == "recovered" and i[0], 60,
+                            "the crash to be recovered")
+        mark = f"#chart line.fault[data-incident='{incident['id']}']"
+        page.wait_for_selector(mark, state="attached", timeout=15_000)  # (a vertical line: no area, "hidden")
+        # Zoom: drag across the middle of the step-time chart; the page asks for those steps only.
+        page.wait_for_function("Number(document.getElementById('chart').dataset.last) > 60", timeout=30_000)
+        whole = _geometry(page, "#chart")
+        box = page.locator("#chart").bounding_box()
+        assert box is not None
+        left, right = box["x"] + whole["left"], box["x"] + whole["right"]
+        y = box["y"] + box["height"] / 2
+        page.mouse.move(left + 0.3 * (right - left), y)
+        page.mouse.down()
+        page.mouse.move(left + 0.6 * (right - left), y, steps=4)
+        page.mouse.up()
+        page.wait_for_function(f"Number(document.getElementById('chart').dataset.first) > {whole['first']}",
+                               timeout=10_000)
+        zoomed = _geometry(page, "#chart")
+        span = whole["last"] - whole["first"]
+        assert abs(zoomed["first"] - (whole["first"] + 0.3 * span)) <= 0.02 * span + 1, (whole, zoomed)
+        assert abs(zoomed["last"] - (whole["first"] + 0.6 * span)) <= 0.02 * span + 1, (whole, zoomed)
+        assert any(f"from={int(zoomed['first'])}&to={int(zoomed['last'])}" in u for u in series_asked), series_asked
+        assert page.is_visible("#zoom-reset")
+        page.click("#zoom-reset")
+        page.wait_for_function("Number(document.getElementById('chart').dataset.first) <= 3", timeout=10_000)
+
+        # The job ends on its own: the badge says how, and the charts hold the whole run.
+        page.wait_for_function("document.getElementById('job-state').textContent === 'succeeded'", timeout=90_000)
+        assert launcher.wait(timeout=30) == 0
+        chart = _geometry(page, "#chart")
+        assert chart["first"] <= 3 and chart["last"] == 256, chart  # every step, not the last 200
+        line = _polyline(page, "#chart polyline.line")
+        assert len(line) == int(page.get_attribute("#chart polyline.line", "data-points") or 0) >= 100
+        xs = [x for x, _ in line]
+        assert xs == sorted(xs) and xs[0] - chart["left"] < 5 and chart["right"] - xs[-1] < 5
+        for rank in (0, 1):
+            assert len(_polyline(page, f"#chart polyline.rank[data-rank='{rank}']")) >= 100
+        # The incident's mark sits at its step on both charts.
+        for chart_id in ("#chart", "#values-chart"):
+            geometry = _geometry(page, chart_id)
+            at = geometry["left"] + (incident["step"] - geometry["first"]) / (geometry["last"] - geometry["first"]) \
+                * (geometry["right"] - geometry["left"])
+            mark = f"{chart_id} line.fault[data-incident='{incident['id']}']"
+            assert page.get_attribute(mark, "data-kind") == "crash"
+            assert abs(float(page.get_attribute(mark, "x1") or 0) - at) < 1.0
+        # The loss curve: every step, falling (a larger loss is drawn higher, at a smaller y).
+        assert page.input_value("#value-name") == "loss"
+        loss = _polyline(page, "#values-chart polyline.line")
+        assert len(loss) >= 200 and loss[0][1] < loss[-1][1], loss[:3]
+        assert "ended (succeeded)" in (page.text_content("#conn") or "")
+        assert not errors, errors

@@ -23,9 +23,8 @@ def queries(node: Any) -> Iterator[str]:
     """Every PromQL text in the dashboard: panel targets, annotations, template variables."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("expr", "definition") and isinstance(value, str):
-                yield value
-            elif key == "query" and isinstance(value, str) and "(" in value:
+            # (a template variable's "query" is PromQL when it calls label_values(...), else a datasource type)
+            if isinstance(value, str) and (key in ("expr", "definition") or key == "query" and "(" in value):
                 yield value
             else:
                 yield from queries(value)
@@ -67,5 +66,5 @@ def test_the_dashboard_is_laid_out() -> None:
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
-        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, panel["title"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, panel["title"]
     assert "http" not in DASHBOARD.read_text()  # no link leaves the repository
