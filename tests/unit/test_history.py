@@ -18,7 +18,7 @@ from undying.manager.http import build_app
 from undying.manager.manager import Manager
 from undying.manager.metrics import exposition, metric_names, new_registry
 from undying.manager.state import IncidentKind
-from undying.protocol.worker_wire import CheckpointSaved
+from undying.protocol.worker_wire import CheckpointSaved, StepCommitted
 
 TOKEN = "t" * 32
 
@@ -196,9 +196,9 @@ def test_the_series_endpoint(tmp_path: Path) -> None:
     manager = Manager(JobConfig(job_id="s", job_dir=str(tmp_path), nproc_per_node=2), EventLog(tmp_path / "e.db"))
     feed(manager.history, 2, range(1, 2001), dt=0.01)
 
-    async def fetch(query: str) -> tuple[int, Any]:
+    async def fetch(query: str, token: str = TOKEN) -> tuple[int, Any]:
         async with TestClient(TestServer(build_app(manager, token=TOKEN)),
-                              headers={"Authorization": "Bearer " + TOKEN}) as client:
+                              headers={"Authorization": "Bearer " + token}) as client:
             answer = await client.get("/api/series" + query)
             return answer.status, await answer.json()
 
@@ -217,5 +217,27 @@ def test_the_series_endpoint(tmp_path: Path) -> None:
                              ("?from=9&to=3", "?from=9 is after ?to=3")):
             status, error = asyncio.run(fetch(query))
             assert status == 400 and words in error["error"], (query, error)
+        status, error = asyncio.run(fetch("", token="wrong" * 8))
+        assert status == 401 and "token" in error["error"]  # the run is the job's, like its status
     finally:
         manager.close()
+
+
+def test_a_manager_restarted_from_its_log_has_the_run_it_had(tmp_path: Path) -> None:
+    """Manager.restore reads the history back: the page and the histograms go on from where they were."""
+    config = JobConfig(job_id="r", job_dir=str(tmp_path), nproc_per_node=2)
+    first = Manager(config, EventLog(tmp_path / "events.db"))
+    t = 50.0
+    for step in range(1, 31):
+        t += 0.25
+        first.on_messages([StepCommitted(rank, 0, step, t, {"loss": 3.0 / step}) for rank in range(2)])
+    before = first.history.view()
+    first.events.flush()
+    first.close()
+    again = Manager(config, EventLog(tmp_path / "events.db"), restoring=True)
+    try:
+        again.restore()
+        assert again.history.view() == before and before["step_times"]
+        assert again.history.step_seconds.count == 29 and again.history.rank_step_seconds["1"].count == 29
+    finally:
+        again.close()

@@ -106,18 +106,31 @@ class Downsampled:
         """
         if self.origin is None:
             return []
-        origin, width = self.origin, self.width
+        origin, width, n, total, low, high = self.origin, self.width, self._n, self._sum, self._min, self._max
         lo = 0 if first is None else max(0, (first - origin) // width)
-        hi = len(self._n) - 1 if last is None else min(len(self._n) - 1, (last - origin) // width)
-        chosen = [i for i in range(lo, hi + 1) if self._n[i]]
-        group = max(1, math.ceil(len(chosen) / max(1, limit)))
+        hi = len(n) - 1 if last is None else min(len(n) - 1, (last - origin) // width)
+        filled = sum(1 for i in range(lo, hi + 1) if n[i])
+        group = max(1, math.ceil(filled / max(1, limit)))
         out: list[list[float]] = []
-        for g in range(0, len(chosen), group):
-            members = chosen[g:g + group]
-            n = sum(self._n[i] for i in members)
-            out.append([origin + members[0] * width, min(origin + (members[-1] + 1) * width - 1, self.last_step),
-                        sum(self._sum[i] for i in members) / n, min(self._min[i] for i in members),
-                        max(self._max[i] for i in members)])
+        count, acc, least, most, start, members = 0, 0.0, math.inf, -math.inf, 0, 0
+        for i in range(lo, hi + 1):
+            if not n[i]:
+                continue
+            if members == 0:
+                start = i
+            count += n[i]
+            acc += total[i]
+            least = low[i] if low[i] < least else least
+            most = high[i] if high[i] > most else most
+            members += 1
+            if members == group:
+                out.append([origin + start * width, min(origin + (i + 1) * width - 1, self.last_step), acc / count,
+                            least, most])
+                count, acc, least, most, members = 0, 0.0, math.inf, -math.inf, 0
+        if members:
+            end = max(i for i in range(lo, hi + 1) if n[i])
+            out.append([origin + start * width, min(origin + (end + 1) * width - 1, self.last_step), acc / count,
+                        least, most])
         return out
 
 
