@@ -66,5 +66,6 @@ def test_a_real_jobs_metrics(tmp_path: Path, reap: list[int]) -> None:
     assert got[("undying_checkpoint_save_seconds_count", (("part", "blocking"),))] >= 3
     assert got[("undying_checkpoint_written_bytes_total", ())] >= 3 * got[("undying_checkpoint_bytes", ())] > 0
     assert got[("undying_checkpoint_failures_total", ())] == 0
+    assert 0 < got[("undying_step_value", (("name", "loss"),))] < early[("undying_step_value", (("name", "loss"),))]
     # (read a moment apart from the status: a spare may have warmed up in between)
     assert abs(got[("undying_spares_ready", ())] - status["spares_ready"]) <= 1

@@ -54,7 +54,7 @@ def test_every_query_names_a_metric_the_job_exports(exported: set[str]) -> None:
         assert panel["targets"] and all(METRIC.search(t["expr"]) for t in panel["targets"]), panel["title"]
     used = {name for q in found for name in METRIC.findall(q)}
     for headline in ("undying_step_seconds_bucket", "undying_rank_step_seconds_bucket", "undying_incidents_total",
-                     "undying_goodput_ratio", "undying_spares_ready", "undying_checkpoint_last_step",
+                     "undying_goodput_ratio", "undying_spares_ready", "undying_step_value", "undying_checkpoint_last_step",
                      "undying_checkpoint_save_seconds_bucket", "undying_checkpoint_bytes",
                      "undying_checkpoint_failures_total", "undying_recovery_seconds_bucket"):
         assert headline in used, f"the dashboard does not show {headline}"

@@ -154,6 +154,8 @@ def test_the_histograms_and_gauges_as_scraped() -> None:
     assert got[("undying_spares_ready", ())] == 2
     assert got[("undying_goodput_ratio", ())] == 0.9
     assert got[("undying_goodput_lost_seconds", (("cause", "recovery"),))] == 3.0
+    assert got[("undying_step_value", (("name", "loss"),))] == pytest.approx(1.0 / 30)  # the newest step's
+    assert got[("undying_step_value", (("name", "lr"),))] == pytest.approx(0.1)
     # Every kind from 0 before the first incident.
     for kind in IncidentKind:
         assert got[("undying_incidents_total", (("kind", kind.value),))] == 0
@@ -212,7 +214,7 @@ def test_the_series_endpoint(tmp_path: Path) -> None:
         status, zoomed = asyncio.run(fetch("?from=1000&to=1100&points=2000"))
         assert status == 200 and zoomed["step_times"][0][0] >= 998 and zoomed["step_times"][-1][1] <= 1101
         assert len(zoomed["step_times"]) == 51  # the stored buckets of 2 steps, none merged further
-        for query, words in (("?points=5", "?points= must be a whole number from 10"),
+        for query, words in (("?points=5", "?points= must be a whole number from 10"), ("?to=%C2%B2", "?to= must"),
                              ("?from=abc", "?from= must be a whole number"),
                              ("?from=9&to=3", "?from=9 is after ?to=3")):
             status, error = asyncio.run(fetch(query))

@@ -181,6 +181,7 @@ class RunHistory:
         self.job = Downsampled(capacity)  # each step: from the previous step's last commit to its own
         self.ranks: dict[int, Downsampled] = {}  # each rank's time between its consecutive commits
         self.values: dict[str, Downsampled] = {}  # each step.log name: the mean over the ranks that gave it
+        self.last_values: dict[str, float] = {}  # each name's mean at the newest step that had it
         self.step_seconds = Histogram(STEP_BUCKETS)
         self.rank_step_seconds: dict[str, Histogram] = {}
         self.save_seconds = {"blocking": Histogram(SAVE_BUCKETS), "write": Histogram(SAVE_BUCKETS)}
@@ -227,7 +228,9 @@ class RunHistory:
                         len(self.values.keys() | sums.keys()) < MAX_VALUES and _NAME.fullmatch(name)):
                     sums.setdefault(name, []).append(float(value))
         for name, values in sums.items():
-            self.values.setdefault(name, Downsampled(self.capacity)).add(step, math.fsum(values) / len(values))
+            mean = math.fsum(values) / len(values)
+            self.values.setdefault(name, Downsampled(self.capacity)).add(step, mean)
+            self.last_values[name] = mean
         for old in [s for s in self._done if s < step - 2]:
             del self._done[old]
         for old in [s for s in self._pending if s < step - _PENDING_STEPS]:

@@ -298,7 +298,7 @@ def _series_query(query: Mapping[str, str]) -> tuple[int | None, int | None, int
         raw = query.get(name)
         if raw is None or raw == "":
             return None
-        if not raw.isdigit() or len(raw) > 16 or not low <= int(raw) <= high:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 16 or not low <= int(raw) <= high:
             raise _Malformed(f"?{name}= must be a whole number from {low} to {high}, got {_short(raw)}; "
                              f"e.g. /api/series?from=100&to=500&points=400")
         return int(raw)

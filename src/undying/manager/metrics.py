@@ -167,6 +167,12 @@ def _steps(status: Mapping[str, Any], history: RunHistory) -> Iterator[Metric]:
     if times:
         last.add_metric([], float(times[-1][1]))
     yield last
+    logged = GaugeMetricFamily("undying_step_value",
+                               "The newest completed step's values given to step.log (the mean over the ranks), "
+                               "by name: the first 8 names logged.", labels=["name"])
+    for name, value in sorted(history.last_values.items()):
+        logged.add_metric([name], value)
+    yield logged
     yield _histograms("undying_step_seconds",
                       "Seconds of each step of the job: from the last commit of the step before to the last "
                       "commit of this one (every rank's).", None, {"": history.step_seconds})
