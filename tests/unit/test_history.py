@@ -243,3 +243,11 @@ def test_a_manager_restarted_from_its_log_has_the_run_it_had(tmp_path: Path) -> 
         assert again.history.step_seconds.count == 29 and again.history.rank_step_seconds["1"].count == 29
     finally:
         again.close()
+
+
+def test_a_log_that_cannot_be_read_back_leaves_the_history_empty_not_the_manager_stuck(tmp_path: Path) -> None:
+    broken = tmp_path / "events.db"
+    broken.write_bytes(b"not a database at all" * 100)
+    history = RunHistory()
+    history.replay(broken, 2)  # said once in the log; no exception
+    assert history.view()["step_times"] == [] and history.step_seconds.count == 0

@@ -22,6 +22,7 @@ page and the histograms go on from where the old manager was.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +34,8 @@ from undying.manager.events import LogReader
 from undying.protocol.worker_wire import CheckpointSaved
 
 __all__ = ["RunHistory", "Downsampled", "Histogram", "STEP_BUCKETS", "SAVE_BUCKETS", "LABELLED_RANKS"]
+
+log = logging.getLogger("undying.manager")
 
 # A step takes milliseconds (a small model on CPU) to minutes (a large one, a recovery inside it).
 STEP_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -264,16 +267,24 @@ class RunHistory:
             losses[cause] = float(seconds)
         self.goodput = (float(ratio), losses)
 
-    def replay(self, log: Path, world_size: int) -> None:
-        """A restarted manager: the run so far, read back from the job's event log."""
-        with LogReader(log) as reader:
-            for c in reader.commits():
-                self.commit(c.rank, c.step, c.t, c.metrics, world_size)
-            for e in reader.events("checkpoint_saved"):
-                d = e.data
-                self.checkpoint(CheckpointSaved(int(e.rank or 0), int(d.get("step", 0)), str(d.get("kind", "")),
-                                                str(d.get("path", "")), float(d.get("blocking_s", 0.0)),
-                                                float(d.get("write_s", 0.0)), int(d.get("bytes", 0)), e.t))
+    def replay(self, path: Path, world_size: int) -> None:
+        """A restarted manager: the run so far, read back from the job's event log.
+
+        The history is a view: a log it cannot read leaves it empty (said once),
+        never a manager that cannot carry its job on.
+        """
+        try:
+            with LogReader(path) as reader:
+                for c in reader.commits():
+                    self.commit(c.rank, c.step, c.t, c.metrics, world_size)
+                for e in reader.events("checkpoint_saved"):
+                    d = e.data
+                    self.checkpoint(CheckpointSaved(int(e.rank or 0), int(d.get("step", 0)), str(d.get("kind", "")),
+                                                    str(d.get("path", "")), float(d.get("blocking_s", 0.0)),
+                                                    float(d.get("write_s", 0.0)), int(d.get("bytes", 0)), e.t))
+        except (LogReader.Error, OSError, ValueError, TypeError) as e:
+            log.warning("the run's history (the page's charts, the step-time histograms) starts afresh: the event "
+                        "log %s could not be read back (%s: %s)", path, type(e).__name__, e)
 
     # --- read by the page and the metrics ---------------------------------------------
 
