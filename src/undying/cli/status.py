@@ -19,15 +19,17 @@ from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
+from undying.cli.summary import LOSS_WORDS, duration, goodput_line, logged_account
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import LogReader, read_job
 from undying.manager.jobdir import JobDir
 
-__all__ = ["add_parser", "collect_status", "render", "view", "watch"]
+__all__ = ["add_parser", "collect_status", "render", "view", "watch", "slow_finding"]
 
 # Job states after which nothing changes any more (JobState.terminal, as strings from the API).
 TERMINAL = frozenset({"succeeded", "failed", "stopped", "preempted"})
@@ -129,6 +131,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
                        "machine lost); run the same `undying run` command again to resume from its latest "
                        "checkpoint")
         state = "interrupted"
+    step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
+    account = logged_account(jd.events_db, step=step)
     return {
         "job_id": job.get("job_id"),
         "state": state,
@@ -136,7 +140,9 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "world_size": job.get("world_size"),
         "started_at": job.get("started_at"),
         # A rank's row is not rewritten per step (the manager keeps steps in their own table).
-        "step": min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0),
+        "step": step,
+        "progress": account.progress.to_dict(),
+        "goodput": account.goodput.to_dict(),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": exit_reason,
         "preemption": job.get("preemption"),
@@ -166,9 +172,12 @@ def render(status: dict[str, Any], console: Console) -> None:
     console.print(view(status))
 
 
-def view(status: dict[str, Any], note: str = "") -> Group:
-    """The job as rich renderables: header, trace switch, step time, ranks, incidents.
+def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
+    """The job as rich renderables: header, progress, goodput, trace switch, step time, ranks, incidents.
 
+    Every part reads at 80 columns: lines wrap, and what would make a table
+    too wide (an incident's timeline, its error, a slow rank's finding) is on
+    lines of its own under the table. ``bar``: a progress bar (``--watch``).
     Values that come from the job (ids, errors, tracebacks) go in as ``Text``,
     never as console markup, so a traceback holding ``[/]`` prints as itself.
     """
@@ -177,6 +186,12 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         parts.append(Text(note, style="yellow"))
     if status.get("exit_reason"):
         parts.append(Text("  " + str(status["exit_reason"])))
+    progress = status.get("progress") or {}
+    if progress:
+        parts.extend(_progress_lines(progress, bar=bar))
+    goodput = status.get("goodput") or {}
+    if goodput.get("ratio") is not None:
+        parts.append(Text(goodput_line(goodput)))
     parts.extend(_checkpoint_lines(status))
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
@@ -194,11 +209,37 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         return Group(*parts)
     parts.append(_incidents_table(incidents))
     for i in incidents:
+        parts.extend(_incident_details(i, goodput))
+    for i in incidents:
         if i.get("traceback"):
             parts.append(Text.assemble(
                 (f"incident {i['id']}", "bold"), f" traceback (rank {i['rank']}):\n", str(i["traceback"])
             ))
     return Group(*parts)
+
+
+def _progress_lines(progress: dict[str, Any], *, bar: bool) -> list[RenderableType]:
+    """Step of total, epoch, rate and ETA; the last values given to ``step.log``; with ``bar``, a bar."""
+    total = progress.get("total_steps")
+    step = progress.get("step") or 0
+    words = [f"step {step}" + (f" of {total}" if total is not None else "")
+             + (f" ({progress['fraction']:.0%})" if progress.get("fraction") is not None else "")]
+    if progress.get("epoch") is not None:
+        words.append(f"epoch {progress['epoch'] + 1}" + (f" of {progress['epochs']}" if progress.get("epochs") else ""))
+    if progress.get("steps_per_s"):
+        words.append(f"{progress['steps_per_s']:.3g} steps/s")
+    if progress.get("samples_per_s"):
+        words.append(f"{progress['samples_per_s']:.4g} samples/s")
+    if progress.get("eta_s") is not None:
+        words.append(f"ETA {duration(progress['eta_s'])}")
+    lines: list[RenderableType] = [Text("progress: " + ", ".join(words))]
+    if bar and total:
+        lines.append(ProgressBar(total=float(total), completed=float(min(step, total)), width=40))
+    values = progress.get("values") or {}
+    if values:
+        shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(values.items()))
+        lines.append(Text(f"  last values (step {progress.get('values_step')}, mean over ranks): {shown}"))
+    return lines
 
 
 def _checkpoint_lines(status: dict[str, Any]) -> list[Text]:
@@ -270,21 +311,65 @@ def _ranks_table(ranks: Sequence[dict[str, Any]]) -> Table:
     # The phase column appears when the manager reports phases, so older output stays as it was.
     keys = ["rank", "node", "state", *(["phase"] if any("phase" in r for r in ranks) else []),
             "step", "generation", "pid", "restarts"]
-    table = Table(*keys, title="ranks")
+    headers = {"generation": "gen", "restarts": "restarts"}
+    table = Table(title="ranks")
+    for k in keys:
+        table.add_column(headers.get(k, k), overflow="fold")
     for r in ranks:
         table.add_row(*(Text(str(r.get(k, "-"))) for k in keys))
     return table
 
 
 def _incidents_table(incidents: Sequence[dict[str, Any]]) -> Table:
-    table = Table("#", "kind", "rank", "step", "action", "status", "mttr s", "timeline (s since fault)",
-                  title="incidents")
+    """One row per incident, short cells only; its timeline and findings follow on lines of their own."""
+    table = Table(title="incidents")
+    for header in ("#", "kind", "rank", "step", "action", "status", "MTTR s"):
+        table.add_column(header, overflow="fold")
     for i in incidents:
-        timeline = ", ".join(f"{k} {v:.3f}" for k, v in (i.get("phases") or {}).items())
         mttr = "-" if i.get("mttr_s") is None else f"{i['mttr_s']:.3f}"
-        cells = (i["id"], i["kind"], i["rank"], i["step"], i["action"], i["status"], mttr, timeline)
+        cells = (i["id"], i["kind"], i["rank"], i["step"], i.get("action") or "-", i["status"], mttr)
         table.add_row(*(Text(str(c)) for c in cells))
     return table
+
+
+def _incident_details(incident: dict[str, Any], goodput: dict[str, Any]) -> list[Text]:
+    """An incident's lines under the table: its finding (a slow rank's), error, timeline and what it cost."""
+    lines = []
+    head = f"  #{incident['id']} "
+    finding = slow_finding(incident)
+    if finding:
+        lines.append(Text(head + finding))
+    if incident.get("error"):
+        lines.append(Text(head + "error: " + str(incident["error"]).strip().splitlines()[-1]))
+    phases = incident.get("phases") or {}
+    if phases:
+        timeline = ", ".join(f"{k} {float(v):.3f}" for k, v in phases.items())
+        lines.append(Text(head + f"timeline (s since fault): {timeline}"))
+    spent = next((g for g in goodput.get("incidents") or [] if g.get("id") == incident.get("id")), None)
+    if spent:
+        cost = ", ".join(f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items()
+                         if k.endswith("_s") and v >= 0.005)
+        if cost:
+            lines.append(Text(head + f"cost in wall time: {cost}"))
+    return lines
+
+
+def slow_finding(incident: dict[str, Any]) -> str:
+    """A slow rank's or node's finding in words: which rank, since which step, by how much, in which phase."""
+    if incident.get("kind") not in ("slow_rank", "slow_node"):
+        return ""
+    detail = incident.get("detail") or {}
+    who = (f"node {detail['node']} (ranks {', '.join(map(str, detail.get('ranks') or []))})"
+           if incident["kind"] == "slow_node" and "node" in detail else f"rank {detail.get('rank', incident['rank'])}")
+    since = detail.get("since_step", incident.get("step"))
+    words = f"{who} slower since step {since}"
+    if detail.get("excess_s") is not None:
+        words += f", +{float(detail['excess_s']) * 1000:.1f} ms a step"
+    if detail.get("factor"):
+        words += f" (x{float(detail['factor']):.2f})"
+    if detail.get("phase"):
+        words += f" in {detail['phase']}"
+    return words
 
 
 # --- --watch -------------------------------------------------------------------

@@ -389,6 +389,15 @@ class LogReader:
         return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
             "SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")]
 
+    def commit_times(self) -> list[tuple[int, int, float]]:
+        """Every logged commit as (rank, step, time), in time order: the commits without their values (cheaper)."""
+        return [(int(r), int(s), float(t)) for r, s, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")]
+
+    def commits_of_step(self, step: int) -> list[Commit]:
+        """The commits of one step (each rank's, and again for a step re-run), in time order."""
+        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
+            "SELECT rank, step, generation, t, metrics FROM steps WHERE step = ? ORDER BY t", (step,))]
+
     def first_commit_times(self) -> dict[int, float]:
         """When each rank first committed a step (unix seconds), by rank."""
         return {int(r): float(t) for r, t in self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")}
@@ -397,6 +406,11 @@ class LogReader:
         """The events of one kind (``done``, ``checkpoint_saved``, ...), oldest first."""
         return [LoggedEvent(int(i), float(t), g, r, k, json.loads(d)) for i, t, g, r, k, d in self._db.execute(
             "SELECT id, t, generation, rank, kind, data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+
+    def newest_event_t(self) -> float | None:
+        """When the newest event was logged (unix seconds); None for a log with none."""
+        (t,) = self._db.execute("SELECT MAX(t) FROM events").fetchone()
+        return None if t is None else float(t)
 
     def count_events(self) -> int:
         """How many events the log holds (of every kind)."""

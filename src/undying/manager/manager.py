@@ -372,19 +372,19 @@ class Manager:
         ranks = self.ranks
         rows = [row for row in rows if row[0] in ranks]  # (not a process numbered before a regroup)
         self.events.steps(rows)
-        for rank, step, generation, t, _ in rows:
-            self._commit(rank, step, generation, t)
+        for rank, step, generation, t, metrics in rows:
+            self._commit(rank, step, generation, t, metrics)
         self.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
 
     def _on_commit(self, message: StepCommitted) -> None:
         self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
-        self._commit(message.rank, message.step, message.generation, message.t)
+        self._commit(message.rank, message.step, message.generation, message.t, message.metrics)
 
-    def _commit(self, rank: int, step: int, generation: int, t: float) -> None:
+    def _commit(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
         core = self.core
         if core.book.commit(rank, step, generation, t):
             self.events.event("step_rerun", rank=rank, step=step)
-        core.clock.committed(rank, step, t)
+        core.clock.committed(rank, step, t, metrics)
         if core.machine.state is JobState.STARTING:
             core.move(JobState.RUNNING)
         self._maybe_finish_recovery(rank, t, generation)
@@ -409,6 +409,7 @@ class Manager:
         self.events.event(message.phase, generation=message.generation, rank=message.rank, step=message.step,
                           **message.detail)
         self.checkpoints.on_state_reported(message.phase, message.detail)
+        self.core.clock.reported(message.phase, message.detail)
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
 
@@ -438,6 +439,7 @@ class Manager:
     def _on_checkpoint(self, message: CheckpointSaved) -> None:
         self.checkpoints.on_saved(message)
         if not message.error:
+            self.core.clock.saved(message.step, message.t, message.blocking_s)
             self.regrouping.on_saved(message.kind, message.path)
         self.gasp.on_saved(message)
 
