@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -29,12 +31,14 @@ from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import LogReader, read_job
 from undying.manager.jobdir import JobDir
 
-__all__ = ["add_parser", "collect_status", "render", "view", "watch", "slow_finding"]
+__all__ = ["add_parser", "collect_status", "render", "view", "watch", "slow_finding", "step_values", "write_steps"]
 
 # Job states after which nothing changes any more (JobState.terminal, as strings from the API).
 TERMINAL = frozenset({"succeeded", "failed", "stopped", "preempted"})
 # Polls in a row a manager may miss (a busy machine) before --watch decides it is gone.
 MAX_MISSES = 3
+# --watch polls the manager once per interval: bounded both ways, so a typo neither floods it nor freezes the view.
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 3600.0
 _SPARKS = "▁▂▃▄▅▆▇█"
 
 
@@ -51,7 +55,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--watch", action="store_true",
                    help="follow the running job, redrawn about once a second, until it ends")
     p.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
-                   help="with --watch: seconds between updates (default 1)")
+                   help=f"with --watch: seconds between updates, {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g} "
+                   "(default 1)")
+    p.add_argument("--steps", action="store_true",
+                   help="print the values each rank gave step.log at each step, as CSV (one row per rank and "
+                   "step: step, rank, generation, time, then one column per name), or with --json as JSON; "
+                   "reads the job dir's event log, running or not")
     p.set_defaults(func=run)
 
 
@@ -60,8 +69,9 @@ def _positive_seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise UsageError(f"--interval must be a number of seconds, got {value!r}") from None
-    if not 0 < seconds < float("inf"):
-        raise UsageError(f"--interval must be a finite number of seconds above 0, got {value}")
+    if not MIN_INTERVAL_S <= seconds <= MAX_INTERVAL_S:
+        raise UsageError(f"--interval must be between {MIN_INTERVAL_S:g} and {MAX_INTERVAL_S:g} seconds "
+                         f"(a poll of the manager each time), got {value}")
     return seconds
 
 
@@ -153,12 +163,27 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps:
+        if args.watch:
+            raise UsageError("--steps prints the values logged so far; it does not mix with --watch")
+        if args.manager is not None:
+            raise UsageError("--steps reads the job's event log: pass --job-dir (the job's folder), not --manager")
+        jd = resolve_job_dir(args.job_dir)
+        try:
+            write_steps(jd, sys.stdout, as_json=args.json)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback at exit either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if args.watch:
         if args.json:
             raise UsageError("--watch redraws a view in the terminal; for JSON, poll `undying status --json`")
         return watch(args.job_dir, args.manager, Console(), interval=args.interval, token_file=args.token_file)
     status = collect_status(args.job_dir, args.manager, args.token_file)
     if args.json:
+        if args.manager is None:
+            with contextlib.suppress(UsageError, JobNotRunningError):
+                status["step_values"] = step_values(resolve_job_dir(args.job_dir))
         sys.stdout.write(json.dumps(status, default=str) + "\n")
         return 0
     render(status, Console())
@@ -385,7 +410,7 @@ def watch(job_dir: str | None, manager: str | None, console: Console, *, interva
     jd = None if manager is not None else resolve_job_dir(job_dir)
     api = _running_api(jd, manager, token_file)
     status = _live_status(api)
-    with Live(view(status), console=console, auto_refresh=False, transient=False) as live:
+    with Live(view(status, bar=True), console=console, auto_refresh=False, transient=False) as live:
         code = _follow(live, api, jd, status, interval)
     if not console.is_terminal:
         console.line()  # Live leaves its last frame unterminated on a file or a pipe
@@ -400,7 +425,7 @@ def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], int
         try:
             status = _live_status(api)
             misses = 0
-            live.update(view(status), refresh=True)
+            live.update(view(status, bar=True), refresh=True)
             continue
         except JobNotRunningError:
             misses += 1
@@ -408,16 +433,17 @@ def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], int
         # with --manager alone, a few missed polls in a row say it.
         retry = not _launcher_gone(jd) if jd is not None else misses < MAX_MISSES
         if retry:
-            live.update(view(status, note=f"the manager at {url} is not answering; retrying"), refresh=True)
+            live.update(view(status, note=f"the manager at {url} is not answering; retrying", bar=True),
+                        refresh=True)
             continue
         # The launcher exits right after the job ends, often before a poll sees the final state.
         final = _logged_status(jd) if jd is not None and jd.events_db.exists() else None
         if final is not None and final.get("state") in TERMINAL:
-            live.update(view(final), refresh=True)
+            live.update(view(final, bar=True), refresh=True)
             return 0
         last = final or status
         live.update(view(last, note=f"the manager at {url} stopped answering while the job was "
-                                    f"{last.get('state')}: its launcher is gone"), refresh=True)
+                                    f"{last.get('state')}: its launcher is gone", bar=True), refresh=True)
         return 0 if last.get("state") == "stopping" else 1
     return 0
 
@@ -443,3 +469,38 @@ def _launcher_gone(jd: JobDir) -> bool:
     except JobNotRunningError:
         return True
     return False
+
+
+# --- --steps ---------------------------------------------------------------------
+
+
+def step_values(jd: JobDir) -> list[dict[str, Any]]:
+    """What each rank gave ``step.log`` at each step, from the job's log: one row per rank and step.
+
+    A step run again after a recovery keeps its newest commit (the one that
+    counts; ``runs`` says how many times the rank committed it). Ordered by
+    step, then rank.
+    """
+    with LogReader(jd.events_db) as reader:
+        commits = reader.commits()
+    newest: dict[tuple[int, int], dict[str, Any]] = {}
+    runs: dict[tuple[int, int], int] = {}
+    for c in commits:  # (in time order: the later commit of a step wins)
+        key = (c.step, c.rank)
+        runs[key] = runs.get(key, 0) + 1
+        newest[key] = {"step": c.step, "rank": c.rank, "generation": c.generation, "t": c.t, "values": c.metrics}
+    return [dict(newest[k], runs=runs[k]) for k in sorted(newest)]
+
+
+def write_steps(jd: JobDir, out: TextIO, *, as_json: bool) -> None:
+    """``--steps``: the rows of ``step_values`` as CSV (a column per name given to ``step.log``) or JSON."""
+    rows = step_values(jd)
+    if as_json:
+        out.write(json.dumps({"job_dir": str(jd.path), "steps": rows}) + "\n")
+        return
+    names = sorted({name for r in rows for name in r["values"]})
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["step", "rank", "generation", "time", "runs", *names])
+    for r in rows:
+        writer.writerow([r["step"], r["rank"], r["generation"], f"{r['t']:.6f}", r["runs"],
+                         *(repr(r["values"][n]) if n in r["values"] else "" for n in names)])
