@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import pytest
 
+from undying.config import JobConfig
+from undying.manager.events import EventLog
+from undying.manager.manager import Manager
 from undying.manager.progress import RATE_WINDOW, JobSteps, Plan, compute, mean_values
 from undying.manager.step_clock import PLAN_EVENT, StepClock
+from undying.protocol.worker_wire import CheckpointSaved, Progress, StepCommitted
 
 
 def test_a_step_is_done_when_every_rank_committed_it_and_its_values_are_the_ranks_mean() -> None:
@@ -89,3 +95,26 @@ def test_the_step_clock_feeds_progress_from_commits_the_plan_and_saves() -> None
     assert len(clock.ledger) == 4 and [s.step for s in clock.stalls] == [2]
     p = compute(4, clock.plan, clock.job_steps.recent, world_size=2, values=clock.job_steps.last_values)
     assert p.steps_per_s == pytest.approx(1.0) and p.eta_s == pytest.approx(4.0) and p.epoch == 0
+
+
+def test_the_managers_status_carries_progress_and_goodput(tmp_path: Path) -> None:
+    """The reports a real Manager takes (a plan, commits with values, a save) reach /api/status's fields."""
+    events = EventLog(tmp_path / "events.db")
+    manager = Manager(JobConfig(job_id="p", job_dir=str(tmp_path), nproc_per_node=2), events)
+    manager.core.started_at = t0 = time.time() - 10  # the job started 10 s ago; its steps are in the past
+    plan = {"total_steps": 10, "steps_per_epoch": 5, "origin": [0, 0], "batch_size": 4}
+    manager.on_messages([Progress(0, 0, PLAN_EVENT, t0, step=0, detail=plan)])
+    manager.on_messages([StepCommitted(r, 0, s, t0 + 1 + 0.5 * s + 0.01 * r, {"loss": float(10 * s + r)})
+                         for s in range(1, 5) for r in (0, 1)])
+    manager.on_messages([CheckpointSaved(0, 2, "periodic", "/ckpt/2", 0.05, 0.2, 100, t0 + 2.3)])
+    status = manager.status()
+    progress, goodput = status["progress"], status["goodput"]
+    assert (progress["step"], progress["total_steps"], progress["epoch"], progress["epochs"]) == (4, 10, 0, 2)
+    assert progress["steps_per_s"] == pytest.approx(2.0) and progress["eta_s"] == pytest.approx(3.0)
+    assert progress["samples_per_s"] == pytest.approx(2.0 * 4 * 2)
+    assert progress["values"] == {"loss": 40.5} and progress["values_step"] == 4
+    assert goodput["losses"]["startup"] == pytest.approx(1.51, abs=1e-3)
+    assert goodput["losses"]["checkpoint"] == pytest.approx(0.05, abs=1e-3)
+    assert goodput["goodput_s"] == pytest.approx(1.5 - 0.05, abs=1e-3)
+    assert goodput["goodput_s"] + sum(goodput["losses"].values()) == pytest.approx(goodput["wall_s"], abs=2e-3)
+    manager.close()

@@ -122,7 +122,8 @@ def incident_line(incident: dict[str, Any], goodput: dict[str, Any] | None = Non
         line += f", MTTR {duration(mttr)}"
     spent = next((i for i in (goodput or {}).get("incidents") or [] if i.get("id") == incident.get("id")), None)
     if spent:
-        parts = [f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items() if k.endswith("_s")]
+        parts = [f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items()
+                 if k.endswith("_s") and v >= 0.005]
         line += f" (cost: {', '.join(parts)})"
     return line
 
