@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -115,3 +117,28 @@ def test_steps_needs_the_job_dir_and_does_not_mix_with_watch(capsys: pytest.Capt
     assert "--steps reads the job's event log: pass --job-dir" in capsys.readouterr().err
     assert main(["status", "--steps", "--watch", "--manager", "127.0.0.1:9"]) == 2
     assert "does not mix with --watch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_checkpoint_listing_fits_and_names_each_problem(width: int, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from undying.checkpoint import save_replicated
+    from undying.checkpoint.mac import key_from_token, using_key
+
+    root = tmp_path / ("a-checkpoint-root-whose-path-is-long-" * 3) / "checkpoints"
+    with using_key(key_from_token(os.environ["UNDYING_TOKEN"])):  # signed as a job of the session's token
+        save_replicated(root, 10, {"w": torch.ones(10)}, job_id="j", world_size=4)
+        save_replicated(root, 20, {"w": torch.ones(10)}, job_id="j", world_size=4, kind="dying-gasp")
+    state = root / "step-000000020" / "state.pt"
+    with open(state, "r+b") as f:
+        f.truncate(10)
+    monkeypatch.setenv("COLUMNS", str(width))
+    assert main(["checkpoints", "list", "--root", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= width and "…" not in text
+    flat = "".join(line.strip() for line in text.splitlines())
+    assert "dying-gasp" in flat and "periodic" in flat and str(root).replace(" ", "") in flat
+    assert "step 20 (step-000000020): file state.pt has size 10, manifest says" in " ".join(text.split())
