@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
+from tests.integration.jobs import manager_url, start_job, wait_running
 from tests.oracle import Oracle, Outcome, crash
+from undying.cli.status import watch
 from undying.cli.summary import end_summary, logged_account
 
 SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.02")  # 64 steps of at least 20 ms; the losses are the unpaced run's
@@ -125,3 +128,19 @@ def test_status_of_the_finished_job_at_80_columns_and_its_step_export(crashed: O
     status = json.loads(_status(crashed.job_dir, "--json"))
     assert status["progress"]["step"] == 64 and status["goodput"]["ratio"] > 0
     assert len(status["step_values"]) == 64 * 2
+
+
+def test_watch_follows_a_live_job_with_its_progress_to_its_end(tmp_path: Path, reap: list[int]) -> None:
+    """`undying status --watch` on a real job: rate and ETA while it runs, a bar, and it ends when the job does."""
+    job_dir = tmp_path / "job"
+    launcher = start_job(job_dir, ["--epochs", "3", "--step-seconds", "0.05"], ranks=2, run_args=["--spares", "0"],
+                         reap=reap)
+    wait_running(manager_url(job_dir), min_step=2)
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)  # every frame, as a terminal
+    assert watch(str(job_dir), None, console, interval=0.2) == 0
+    assert launcher.wait(timeout=60) == 0
+    frames = out.getvalue()
+    assert "steps/s" in frames and "ETA " in frames, "a running job's rate and ETA"
+    assert "progress: step 96 of 96 (100%), epoch 3 of 3" in frames and "96/96" in frames
+    assert "succeeded" in frames and "goodput " in frames

@@ -100,7 +100,7 @@ def test_watch_draws_a_progress_bar_and_ends_with_the_job(scripted: list[Scripte
     con = Console(file=out, width=80, color_system=None, force_terminal=False)
     assert watch(None, api.url, con, interval=0.1) == 0
     text = out.getvalue()
-    assert "━" in text, "a progress bar"
+    assert "━" in text and "4/4" in text, "a progress bar"
     assert "progress: step 4 of 4 (100%)" in text and "goodput 86.1%" in text
     assert max(len(line) for line in text.splitlines()) <= 80
 

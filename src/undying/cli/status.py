@@ -259,7 +259,10 @@ def _progress_lines(progress: dict[str, Any], *, bar: bool) -> list[RenderableTy
         words.append(f"ETA {duration(progress['eta_s'])}")
     lines: list[RenderableType] = [Text("progress: " + ", ".join(words))]
     if bar and total:
-        lines.append(ProgressBar(total=float(total), completed=float(min(step, total)), width=40))
+        grid = Table.grid(padding=(0, 1))  # (a bar alone leaves its line open: the next line would run on)
+        grid.add_row(ProgressBar(total=float(total), completed=float(min(step, total)), width=40),
+                     Text(f"{min(step, total)}/{total}"))
+        lines.append(grid)
     values = progress.get("values") or {}
     if values:
         shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(values.items()))
