@@ -117,3 +117,19 @@ def test_a_clock_that_steps_back_is_taken_as_equal() -> None:
     g = account(steps, [], [], start=0.0, end=4.0, ended=True)
     adds_up(g)
     assert g.goodput_s == pytest.approx(3.0)
+
+
+def test_a_resumed_job_starts_its_ledger_at_the_resumed_step_and_a_step_before_it_fits() -> None:
+    steps = ledger((501, 1.0), (502, 2.0), (503, 3.0), (502, 5.0))  # resumed at 500; 502 re-run
+    assert [(s, a, b) for s, a, b, _ in steps.superseded] == [(502, 1.0, 2.0)]
+    steps.done(499, 6.0)  # (never expected, but a step before the first one seen has a place too)
+    steps.done(499, 7.0)
+    assert steps.superseded[-1][:3] == (499, 5.0, 6.0)
+    assert steps.execution_before(502, 4.0) == 2.0 and steps.execution_before(502, 9.0) == 5.0
+
+
+def test_older_stalls_given_as_their_sum_are_taken_from_the_steps_that_count() -> None:
+    steps = ledger(*((s, float(s)) for s in range(1, 11)))
+    g = account(steps, [], [Stall(8, 8.5, 0.1)], start=0.0, end=10.0, ended=True, folded_stall_s=0.3)
+    adds_up(g)
+    assert g.losses["checkpoint"] == pytest.approx(0.4) and g.goodput_s == pytest.approx(9.0 - 0.4)

@@ -61,13 +61,14 @@ class StepLedger:
     Each completed step (every rank committed it) owns the time from the
     previous completed step to it. A step completed again (after a roll-back)
     supersedes its earlier execution, whose interval is re-run work. Memory is
-    16 bytes per completed step plus one entry per superseded execution.
+    16 bytes per completed step (its time, and where its latest execution is)
+    plus one entry per superseded execution.
     """
 
     def __init__(self) -> None:
         self._times = array("d")  # when each completed step completed, in order (never decreasing)
-        self._steps = array("q")
-        self._latest: dict[int, int] = {}  # step -> index of its latest execution
+        self._base = 0  # the step _latest[0] is of (steps are dense from the first one seen)
+        self._latest = array("q")  # step - _base -> index of its latest execution in _times, -1 for none
         self.superseded: list[tuple[int, float, float, float]] = []  # (step, start, end, superseded at)
 
     def __len__(self) -> int:
@@ -86,13 +87,29 @@ class StepLedger:
         if self._times:
             t = max(t, self._times[-1])
         index = len(self._times)
-        previous = self._latest.get(step)
+        previous = self._index_of(step)
         if previous is not None:
             start, end = self._interval(previous)
             self.superseded.append((step, start, end, t))
         self._times.append(t)
-        self._steps.append(step)
-        self._latest[step] = index
+        self._set_index(step, index)
+
+    def _index_of(self, step: int) -> int | None:
+        slot = step - self._base
+        if 0 <= slot < len(self._latest) and self._latest[slot] >= 0:
+            return self._latest[slot]
+        return None
+
+    def _set_index(self, step: int, index: int) -> None:
+        if not self._latest:
+            self._base = step
+        elif step < self._base:  # (a step before the first one seen: room made in front, rarely)
+            self._latest = array("q", [-1] * (self._base - step)) + self._latest
+            self._base = step
+        slot = step - self._base
+        if slot >= len(self._latest):
+            self._latest.extend([-1] * (slot + 1 - len(self._latest)))
+        self._latest[slot] = index
 
     def _interval(self, index: int) -> tuple[float, float]:
         end = self._times[index]
@@ -105,7 +122,7 @@ class StepLedger:
 
     def execution_before(self, step: int, t: float) -> float | None:
         """When the newest execution of ``step`` that completed by ``t`` completed."""
-        latest = self._latest.get(step)
+        latest = self._index_of(step)
         if latest is not None and self._times[latest] <= t:
             return self._times[latest]
         ends = [end for s, _, end, _ in self.superseded if s == step and end <= t]
@@ -146,8 +163,12 @@ class _Piece:
 
 
 def account(ledger: StepLedger, incidents: Sequence[Mapping[str, Any]], stalls: Iterable[Stall], *,
-            start: float, end: float, ended: bool) -> Goodput:
-    """Cut [start, end] into goodput and named losses (see the module's docstring)."""
+            start: float, end: float, ended: bool, folded_stall_s: float = 0.0) -> Goodput:
+    """Cut [start, end] into goodput and named losses (see the module's docstring).
+
+    ``folded_stall_s``: the stalls of older saves, given as their sum (a long
+    job's manager keeps the recent ones only): each lies in a step that counts.
+    """
     end = max(end, start)
     pieces = _overlays(ledger, incidents, stalls, end)
     losses = dict.fromkeys(LOSSES, 0.0)
@@ -187,6 +208,9 @@ def account(ledger: StepLedger, incidents: Sequence[Mapping[str, Any]], stalls: 
         if spent:
             views.append({"id": incident["id"], "kind": incident["kind"],
                           **{f"{k}_s": round(v, 3) for k, v in spent.items()}})
+    folded = min(folded_stall_s, max(0.0, counted))
+    counted -= folded
+    losses["checkpoint"] += folded
     return Goodput(wall_s=end - start, goodput_s=max(0.0, counted),
                    losses={k: max(0.0, v) for k, v in losses.items()}, incidents=views)
 

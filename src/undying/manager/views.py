@@ -66,8 +66,9 @@ def job_progress(core: JobCore) -> Progress:
 def job_goodput(core: JobCore, incidents: list[dict[str, Any]]) -> Goodput:
     """The job's goodput so far (to its end once it ended), with its losses named (``goodput.account``)."""
     ended = core.state.terminal
-    return account(core.clock.ledger, incidents, core.clock.stalls, start=core.started_at,
-                   end=core.machine.since if ended else time.time(), ended=ended)
+    clock = core.clock
+    return account(clock.ledger, incidents, clock.stalls, start=core.started_at,
+                   end=core.machine.since if ended else time.time(), ended=ended, folded_stall_s=clock.folded_stall_s)
 
 
 def rank_views(core: JobCore) -> list[dict[str, Any]]:
