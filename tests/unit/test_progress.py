@@ -118,3 +118,26 @@ def test_the_managers_status_carries_progress_and_goodput(tmp_path: Path) -> Non
     assert goodput["goodput_s"] == pytest.approx(1.5 - 0.05, abs=1e-3)
     assert goodput["goodput_s"] + sum(goodput["losses"].values()) == pytest.approx(goodput["wall_s"], abs=2e-3)
     manager.close()
+
+
+def test_a_restarted_manager_goes_on_with_the_progress_and_goodput_its_log_kept(tmp_path: Path) -> None:
+    config = JobConfig(job_id="r", job_dir=str(tmp_path), nproc_per_node=2)
+    first = Manager(config, EventLog(tmp_path / "events.db"))
+    first.core.started_at = t0 = time.time() - 10
+    first.events.set_job("started_at", t0)
+    plan = {"total_steps": 10, "steps_per_epoch": 5, "origin": [0, 0], "batch_size": 4}
+    first.on_messages([Progress(0, 0, PLAN_EVENT, t0, step=0, detail=plan)])
+    first.on_messages([StepCommitted(r, 0, s, t0 + 1 + 0.5 * s + 0.01 * r, {"loss": 1.0})
+                       for s in range(1, 5) for r in (0, 1)])
+    first.on_messages([CheckpointSaved(0, 2, "periodic", "/ckpt/2", 0.05, 0.2, 100, t0 + 2.3)])
+    before = first.status()
+    first.close()  # (the manager dies; its log stays)
+    second = Manager(config, EventLog(tmp_path / "events.db"), restoring=True)
+    second.restore()
+    after = second.status()
+    for key in ("step", "total_steps", "epoch", "steps_per_s", "eta_s", "samples_per_s"):
+        assert after["progress"][key] == before["progress"][key], key
+    assert after["goodput"]["goodput_s"] == pytest.approx(before["goodput"]["goodput_s"], abs=1e-3)
+    assert after["goodput"]["losses"]["checkpoint"] == pytest.approx(0.05, abs=1e-3)
+    assert after["goodput"]["losses"]["startup"] == pytest.approx(before["goodput"]["losses"]["startup"], abs=1e-3)
+    second.close()

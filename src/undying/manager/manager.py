@@ -202,6 +202,7 @@ class Manager:
         if "nodes" in job:
             core.set_layout([int(n) for n in job["nodes"]], persist=False)
         core.book.restore(saved.ranks, saved.committed)
+        core.clock.replay(saved.commits, saved.reports)
         open_incidents: list[Incident] = []
         for incident in saved.incidents:
             core.incidents.append(incident)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from undying.manager.goodput import Stall, StepLedger
@@ -60,6 +60,18 @@ class StepClock:
             self.stalls.append(Stall(step, t, blocking_s))
         if len(self.stalls) > KEPT_STALLS:  # (a status poll must not grow with the job's length)
             self.folded_stall_s += self.stalls.popleft().seconds
+
+    def replay(self, commits: Iterable[tuple[int, int, float]],
+               reports: Iterable[tuple[str, float, Mapping[str, Any]]]) -> None:
+        """A restarted manager's clock, fed again what the log kept: the commits (without their values),
+        the plan and the saves' stalls, so progress and goodput go on from where they were."""
+        for rank, step, t in commits:
+            self.committed(rank, step, t)
+        for kind, t, data in reports:
+            if kind == PLAN_EVENT:
+                self.reported(kind, data)
+            elif kind == "checkpoint_saved":
+                self.saved(int(data.get("step", 0)), t, float(data.get("blocking_s") or 0.0))
 
     def longest_rank_step_s(self) -> float:
         return max(self._rank_step_s, default=0.0)
