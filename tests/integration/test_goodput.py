@@ -105,6 +105,8 @@ def test_the_end_summary_and_the_banner_say_how_the_job_went(crashed: Outcome) -
     assert f"status:      undying status --job-dir {crashed.job_dir}" in printed
     assert "status page: http://127.0.0.1:" in printed
     assert lines[0] in printed and lines[-1] in printed
+    # The launcher's own verdict stays the last line (a resume's count of re-run steps is read there).
+    assert f"job {crashed.job_dir.name} succeeded: 2 ranks" in printed.strip().splitlines()[-1]
 
 
 def _status(job_dir: Path, *args: str, columns: int = 80) -> str:

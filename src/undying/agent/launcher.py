@@ -114,8 +114,8 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         await runner.cleanup()
         job_dir.clear_manager()
         manager.close()
+    print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
     _report(config, manager, final)
-    print_end_summary(config.job_dir)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
 
 

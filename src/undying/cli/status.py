@@ -367,7 +367,7 @@ def _incident_details(incident: dict[str, Any], goodput: dict[str, Any]) -> list
     finding = slow_finding(incident)
     if finding:
         lines.append(Text(head + finding))
-    if incident.get("error"):
+    if incident.get("error") and not finding:  # (a finding's error is its sentence: said above in short)
         lines.append(Text(head + "error: " + str(incident["error"]).strip().splitlines()[-1]))
     phases = incident.get("phases") or {}
     if phases:
