@@ -143,6 +143,6 @@ def test_watch_follows_a_live_job_with_its_progress_to_its_end(tmp_path: Path, r
     assert watch(str(job_dir), None, console, interval=0.2) == 0
     assert launcher.wait(timeout=60) == 0
     frames = out.getvalue()
-    assert "steps/s" in frames and "ETA " in frames, "a running job's rate and ETA"
+    assert "steps/s" in frames and "samples/s" in frames and "ETA " in frames, "a running job's rate and ETA"
     assert "progress: step 96 of 96 (100%), epoch 3 of 3" in frames and "96/96" in frames
     assert "succeeded" in frames and "goodput " in frames
