@@ -133,3 +133,27 @@ def test_older_stalls_given_as_their_sum_are_taken_from_the_steps_that_count() -
     g = account(steps, [], [Stall(8, 8.5, 0.1)], start=0.0, end=10.0, ended=True, folded_stall_s=0.3)
     adds_up(g)
     assert g.losses["checkpoint"] == pytest.approx(0.4) and g.goodput_s == pytest.approx(9.0 - 0.4)
+
+
+def test_a_regroup_recovers_until_its_last_milestone_and_one_without_any_until_its_first_step() -> None:
+    done = [(1, 1.0), (2, 2.0), (3, 9.0), (4, 10.0)]
+    regroup = dict(crash(1, 2.5, detected=2.6, decided=3.0, checkpoint_written=4.0, first_step_done=9.0),
+                   kind="node-loss", action="regroup")
+    g = account(ledger(*done), [regroup], [], start=0.0, end=10.0, ended=True)
+    adds_up(g)
+    assert g.losses["recovery"] == pytest.approx(0.4 + 1.0)  # decided, then to the checkpoint written
+    assert g.goodput_s == pytest.approx(1.0 + 5.0 + 1.0)  # (the new world's start to its first step counts)
+    bare = crash(1, 2.5, detected=2.6, decided=3.0, first_step_done=9.0)
+    g = account(ledger(*done), [bare], [], start=0.0, end=10.0, ended=True)
+    adds_up(g)
+    assert g.losses["recovery"] == pytest.approx(0.4 + 6.0) and g.goodput_s == pytest.approx(2.0)
+
+
+def test_a_regroups_save_is_recovery_and_its_wait_for_the_new_worlds_processes_is_the_wait() -> None:
+    done = [(1, 1.0), (2, 2.0), (3, 9.0)]
+    regroup = dict(crash(1, 2.5, detected=2.6, decided=3.0, checkpoint_written=4.0, replacement_ready=7.0,
+                         group_rebuilt=7.5, state_restored=8.0, first_step_done=9.0), kind="node-loss")
+    g = account(ledger(*done), [regroup], [], start=0.0, end=9.0, ended=True)
+    adds_up(g)
+    assert g.losses["recovery"] == pytest.approx(0.4 + 1.0 + 1.0)
+    assert g.losses["spare_wait"] == pytest.approx(3.0) and g.goodput_s == pytest.approx(1.0 + 1.0)

@@ -12,7 +12,8 @@ pieces that add up to it exactly:
 - ``checkpoint``: the training loop's stalls for checkpoint copies (the
   ``blocking_s`` of each save);
 - per incident, from its timeline: ``detection`` (the fault to its detection),
-  ``recovery`` (the decision, the new group, the state restored),
+  ``recovery`` (the decision, a regroup's save, the new group, the state
+  restored),
   ``spare_wait`` (the decision to the replacement process being ready),
   ``rerun`` (work thrown away: the step in flight at the fault, and every
   completed step executed again after a roll-back), ``preemption`` (a SIGTERM
@@ -254,14 +255,20 @@ def _incident_pieces(ledger: StepLedger, incident: Mapping[str, Any], order: int
     open_ = incident.get("status") == "open"
     stop = phases.get("first_step_done", end if open_ else None)
     marks: list[tuple[str, float | None]] = [("detection", phases.get("detected", fault)),
-                                              ("recovery", phases.get("decided"))]
+                                              ("recovery", phases.get("decided")),
+                                              ("recovery", phases.get("checkpoint_written"))]  # (a regroup's save)
     if "replacement_ready" in phases:
         marks.append(("spare_wait", phases["replacement_ready"]))
     restored = [phases[k] for k in ("replacement_ready", "group_rebuilt", "state_restored") if k in phases]
+    # A regroup (or a whole-job restart) has its own milestones (checkpoint_written, ...): its recovery runs
+    # to the last of them; with none at all, to its first step done (that step counted as recovery, not work).
+    others = [v for k, v in phases.items() if k not in ("detected", "decided", "first_step_done")]
     if restored:
         marks.append(("recovery", max(restored)))
     elif open_ and "decided" in phases:  # under way: waiting for the replacement, or rebuilding
         marks.append(("spare_wait" if incident.get("action") == "replace" else "recovery", end))
+    elif others or stop is not None:
+        marks.append(("recovery", max(others) if others else stop))
     pieces = []
     at = fault
     for label, until in marks:
