@@ -142,3 +142,32 @@ def test_the_checkpoint_listing_fits_and_names_each_problem(width: int, tmp_path
     flat = "".join(line.strip() for line in text.splitlines())
     assert "dying-gasp" in flat and "periodic" in flat and str(root).replace(" ", "") in flat
     assert "step 20 (step-000000020): file state.pt has size 10, manifest says" in " ".join(text.split())
+
+
+def test_the_banner_names_the_job_its_folder_page_and_status_command() -> None:
+    from undying.cli.summary import banner
+
+    lines = banner("j1", "/jobs/j1", "http://127.0.0.1:8080", ranks=4)
+    assert lines[0] == "undying: job j1 started, 4 ranks"
+    assert "job dir:     /jobs/j1" in lines[1]
+    assert "status page: http://127.0.0.1:8080/  (add ?token=<the token in /jobs/j1/token>)" in lines[2]
+    assert "status:      undying status --job-dir /jobs/j1" in lines[3]
+    assert "open to anyone" in banner("j1", "/jobs/j1", "http://h:1/", ranks=1, open_status=True)[2]
+    assert all(len(line) <= 100 for line in lines)
+
+
+def test_durations_and_losses_in_words() -> None:
+    from undying.cli.summary import duration, loss_words
+
+    assert [duration(s) for s in (0.4213, 41.25, 725, 11045, None)] == ["0.42 s", "41.2 s", "12 min 5 s",
+                                                                       "3 h 4 min", "-"]
+    words = loss_words({"wall_s": 100.0, "losses": {"startup": 3.0, "rerun": 0.01, "spare_wait": 5.0}})
+    assert words == "waiting for a replacement 5.00 s, start-up 3.00 s"  # (0.01 s of 100 s: below notice)
+
+
+def test_an_end_summary_of_a_log_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    from undying.cli.summary import print_end_summary
+
+    out = io.StringIO()
+    print_end_summary(tmp_path / "no-such-job", out=out)
+    assert out.getvalue().startswith("undying: no summary: the job's log in ") and out.getvalue().count("\n") == 1
