@@ -23,6 +23,7 @@ from pathlib import Path
 from undying.agent.agent import Agent
 from undying.agent.netif import interface_for
 from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
+from undying.cli.summary import print_banner, print_end_summary
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.auth import ensure_token
@@ -87,6 +88,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         {"url": url, "pid": os.getpid(), "job_id": config.job_id, "control_port": control_port, "started_at": time.time()}
     )
     events.set_job("url", url, flush=True)
+    print_banner(config.job_id, config.job_dir, url, ranks=config.world_size, open_status=config.open_status)
     log.info("job %s: %d ranks, manager at %s, job dir %s", config.job_id, config.world_size, url, config.job_dir)
     loop = asyncio.get_running_loop()
     interrupted: list[int] = []
@@ -112,6 +114,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         await runner.cleanup()
         job_dir.clear_manager()
         manager.close()
+    print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
     _report(config, manager, final)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
 

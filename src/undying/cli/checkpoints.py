@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from undying.checkpoint import Checkpoint, CheckpointError, Store, scan
 from undying.checkpoint.mac import key_from_token, using_key
@@ -128,6 +129,23 @@ def _select(store: Store, step: int | None, *, checksums: bool) -> list[Checkpoi
     return chosen
 
 
+def _print_list(console: Console, where: str, rows: list[dict[str, Any]]) -> None:
+    """The listing at any width (80 columns included): short cells in the table, a long root and each
+    problem on lines of their own; paths and problems go in as text, never as console markup."""
+    console.print(Text(f"checkpoints in {where}"))
+    table = Table()
+    for header in ("step", "kind", "world size", "layout", "size", "valid", "age"):
+        table.add_column(header, overflow="fold")
+    for r in rows:
+        cells = (r["step"], r["kind"] or "-", r["world_size"] or "-", r["layout"] or "-", _human(r["bytes"]),
+                 "yes" if r["valid"] else "no", _age(r["age_s"]))
+        table.add_row(*(Text(str(c), style="red" if c == "no" else "") for c in cells))
+    console.print(table)
+    for r in rows:
+        for problem in r["problems"]:
+            console.print(Text(f"  step {r['step']} ({r['name']}): {problem}", style="red"))
+
+
 def run(args: argparse.Namespace) -> int:
     store = resolve_root(args.job_dir, args.root)
     key = _key(args)
@@ -149,16 +167,9 @@ def _run(args: argparse.Namespace, store: Store, *, mac_checked: bool) -> int:
             return 0
         console = Console(file=out)
         if not rows:
-            console.print(f"no checkpoints under {where}")
+            console.print(Text(f"no checkpoints under {where}"))
             return 0
-        table = Table("step", "kind", "world size", "layout", "size", "valid", "age", title=f"checkpoints in {where}")
-        for r in rows:
-            valid = "yes" if r["valid"] else "[red]no[/red]: " + "; ".join(r["problems"])
-            table.add_row(
-                str(r["step"]), r["kind"] or "-", str(r["world_size"] or "-"), r["layout"] or "-",
-                _human(r["bytes"]), valid, _age(r["age_s"]),
-            )  # fmt: skip
-        console.print(table)
+        _print_list(console, where, rows)
         return 0
     if args.action == "verify":
         found = _select(store, args.step, checksums=True)

@@ -10,29 +10,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
+from undying.cli.summary import LOSS_WORDS, duration, goodput_line, logged_account
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import LogReader, read_job
 from undying.manager.jobdir import JobDir
 
-__all__ = ["add_parser", "collect_status", "render", "view", "watch"]
+__all__ = ["add_parser", "collect_status", "render", "view", "watch", "slow_finding", "step_values", "write_steps"]
 
 # Job states after which nothing changes any more (JobState.terminal, as strings from the API).
 TERMINAL = frozenset({"succeeded", "failed", "stopped", "preempted"})
 # Polls in a row a manager may miss (a busy machine) before --watch decides it is gone.
 MAX_MISSES = 3
+# --watch polls the manager once per interval: bounded both ways, so a typo neither floods it nor freezes the view.
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 3600.0
 _SPARKS = "▁▂▃▄▅▆▇█"
 
 
@@ -49,7 +55,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--watch", action="store_true",
                    help="follow the running job, redrawn about once a second, until it ends")
     p.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
-                   help="with --watch: seconds between updates (default 1)")
+                   help=f"with --watch: seconds between updates, {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g} "
+                   "(default 1)")
+    p.add_argument("--steps", action="store_true",
+                   help="print the values each rank gave step.log at each step, as CSV (one row per rank and "
+                   "step: step, rank, generation, time, then one column per name), or with --json as JSON; "
+                   "reads the job dir's event log, running or not")
     p.set_defaults(func=run)
 
 
@@ -58,8 +69,9 @@ def _positive_seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise UsageError(f"--interval must be a number of seconds, got {value!r}") from None
-    if not 0 < seconds < float("inf"):
-        raise UsageError(f"--interval must be a finite number of seconds above 0, got {value}")
+    if not MIN_INTERVAL_S <= seconds <= MAX_INTERVAL_S:
+        raise UsageError(f"--interval must be between {MIN_INTERVAL_S:g} and {MAX_INTERVAL_S:g} seconds "
+                         f"(a poll of the manager each time), got {value}")
     return seconds
 
 
@@ -129,6 +141,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
                        "machine lost); run the same `undying run` command again to resume from its latest "
                        "checkpoint")
         state = "interrupted"
+    step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
+    account = logged_account(jd.events_db, step=step)
     return {
         "job_id": job.get("job_id"),
         "state": state,
@@ -136,7 +150,9 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "world_size": job.get("world_size"),
         "started_at": job.get("started_at"),
         # A rank's row is not rewritten per step (the manager keeps steps in their own table).
-        "step": min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0),
+        "step": step,
+        "progress": account.progress.to_dict(),
+        "goodput": account.goodput.to_dict(),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": exit_reason,
         "preemption": job.get("preemption"),
@@ -147,12 +163,27 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps:
+        if args.watch:
+            raise UsageError("--steps prints the values logged so far; it does not mix with --watch")
+        if args.manager is not None:
+            raise UsageError("--steps reads the job's event log: pass --job-dir (the job's folder), not --manager")
+        jd = resolve_job_dir(args.job_dir)
+        try:
+            write_steps(jd, sys.stdout, as_json=args.json)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback at exit either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if args.watch:
         if args.json:
             raise UsageError("--watch redraws a view in the terminal; for JSON, poll `undying status --json`")
         return watch(args.job_dir, args.manager, Console(), interval=args.interval, token_file=args.token_file)
     status = collect_status(args.job_dir, args.manager, args.token_file)
     if args.json:
+        if args.manager is None:
+            with contextlib.suppress(UsageError, JobNotRunningError):
+                status["step_values"] = step_values(resolve_job_dir(args.job_dir))
         sys.stdout.write(json.dumps(status, default=str) + "\n")
         return 0
     render(status, Console())
@@ -166,9 +197,12 @@ def render(status: dict[str, Any], console: Console) -> None:
     console.print(view(status))
 
 
-def view(status: dict[str, Any], note: str = "") -> Group:
-    """The job as rich renderables: header, trace switch, step time, ranks, incidents.
+def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
+    """The job as rich renderables: header, progress, goodput, trace switch, step time, ranks, incidents.
 
+    Every part reads at 80 columns: lines wrap, and what would make a table
+    too wide (an incident's timeline, its error, a slow rank's finding) is on
+    lines of its own under the table. ``bar``: a progress bar (``--watch``).
     Values that come from the job (ids, errors, tracebacks) go in as ``Text``,
     never as console markup, so a traceback holding ``[/]`` prints as itself.
     """
@@ -177,6 +211,12 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         parts.append(Text(note, style="yellow"))
     if status.get("exit_reason"):
         parts.append(Text("  " + str(status["exit_reason"])))
+    progress = status.get("progress") or {}
+    if progress:
+        parts.extend(_progress_lines(progress, bar=bar))
+    goodput = status.get("goodput") or {}
+    if goodput.get("ratio") is not None:
+        parts.append(Text(goodput_line(goodput)))
     parts.extend(_checkpoint_lines(status))
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
@@ -194,11 +234,40 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         return Group(*parts)
     parts.append(_incidents_table(incidents))
     for i in incidents:
+        parts.extend(_incident_details(i, goodput))
+    for i in incidents:
         if i.get("traceback"):
             parts.append(Text.assemble(
                 (f"incident {i['id']}", "bold"), f" traceback (rank {i['rank']}):\n", str(i["traceback"])
             ))
     return Group(*parts)
+
+
+def _progress_lines(progress: dict[str, Any], *, bar: bool) -> list[RenderableType]:
+    """Step of total, epoch, rate and ETA; the last values given to ``step.log``; with ``bar``, a bar."""
+    total = progress.get("total_steps")
+    step = progress.get("step") or 0
+    words = [f"step {step}" + (f" of {total}" if total is not None else "")
+             + (f" ({progress['fraction']:.0%})" if progress.get("fraction") is not None else "")]
+    if progress.get("epoch") is not None:
+        words.append(f"epoch {progress['epoch'] + 1}" + (f" of {progress['epochs']}" if progress.get("epochs") else ""))
+    if progress.get("steps_per_s"):
+        words.append(f"{progress['steps_per_s']:.3g} steps/s")
+    if progress.get("samples_per_s"):
+        words.append(f"{progress['samples_per_s']:.4g} samples/s")
+    if progress.get("eta_s") is not None:
+        words.append(f"ETA {duration(progress['eta_s'])}")
+    lines: list[RenderableType] = [Text("progress: " + ", ".join(words))]
+    if bar and total:
+        grid = Table.grid(padding=(0, 1))  # (a bar alone leaves its line open: the next line would run on)
+        grid.add_row(ProgressBar(total=float(total), completed=float(min(step, total)), width=40),
+                     Text(f"{min(step, total)}/{total}"))
+        lines.append(grid)
+    values = progress.get("values") or {}
+    if values:
+        shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(values.items()))
+        lines.append(Text(f"  last values (step {progress.get('values_step')}, mean over ranks): {shown}"))
+    return lines
 
 
 def _checkpoint_lines(status: dict[str, Any]) -> list[Text]:
@@ -270,21 +339,65 @@ def _ranks_table(ranks: Sequence[dict[str, Any]]) -> Table:
     # The phase column appears when the manager reports phases, so older output stays as it was.
     keys = ["rank", "node", "state", *(["phase"] if any("phase" in r for r in ranks) else []),
             "step", "generation", "pid", "restarts"]
-    table = Table(*keys, title="ranks")
+    headers = {"generation": "gen", "restarts": "restarts"}
+    table = Table(title="ranks")
+    for k in keys:
+        table.add_column(headers.get(k, k), overflow="fold")
     for r in ranks:
         table.add_row(*(Text(str(r.get(k, "-"))) for k in keys))
     return table
 
 
 def _incidents_table(incidents: Sequence[dict[str, Any]]) -> Table:
-    table = Table("#", "kind", "rank", "step", "action", "status", "mttr s", "timeline (s since fault)",
-                  title="incidents")
+    """One row per incident, short cells only; its timeline and findings follow on lines of their own."""
+    table = Table(title="incidents")
+    for header in ("#", "kind", "rank", "step", "action", "status", "MTTR s"):
+        table.add_column(header, overflow="fold")
     for i in incidents:
-        timeline = ", ".join(f"{k} {v:.3f}" for k, v in (i.get("phases") or {}).items())
         mttr = "-" if i.get("mttr_s") is None else f"{i['mttr_s']:.3f}"
-        cells = (i["id"], i["kind"], i["rank"], i["step"], i["action"], i["status"], mttr, timeline)
+        cells = (i["id"], i["kind"], i["rank"], i["step"], i.get("action") or "-", i["status"], mttr)
         table.add_row(*(Text(str(c)) for c in cells))
     return table
+
+
+def _incident_details(incident: dict[str, Any], goodput: dict[str, Any]) -> list[Text]:
+    """An incident's lines under the table: its finding (a slow rank's), error, timeline and what it cost."""
+    lines = []
+    head = f"  #{incident['id']} "
+    finding = slow_finding(incident)
+    if finding:
+        lines.append(Text(head + finding))
+    if incident.get("error") and not finding:  # (a finding's error is its sentence: said above in short)
+        lines.append(Text(head + "error: " + str(incident["error"]).strip().splitlines()[-1]))
+    phases = incident.get("phases") or {}
+    if phases:
+        timeline = ", ".join(f"{k} {float(v):.3f}" for k, v in phases.items())
+        lines.append(Text(head + f"timeline (s since fault): {timeline}"))
+    spent = next((g for g in goodput.get("incidents") or [] if g.get("id") == incident.get("id")), None)
+    if spent:
+        cost = ", ".join(f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items()
+                         if k.endswith("_s") and v >= 0.005)
+        if cost:
+            lines.append(Text(head + f"cost in wall time: {cost}"))
+    return lines
+
+
+def slow_finding(incident: dict[str, Any]) -> str:
+    """A slow rank's or node's finding in words: which rank, since which step, by how much, in which phase."""
+    if incident.get("kind") not in ("slow_rank", "slow_node"):
+        return ""
+    detail = incident.get("detail") or {}
+    who = (f"node {detail['node']} (ranks {', '.join(map(str, detail.get('ranks') or []))})"
+           if incident["kind"] == "slow_node" and "node" in detail else f"rank {detail.get('rank', incident['rank'])}")
+    since = detail.get("since_step", incident.get("step"))
+    words = f"{who} slower since step {since}"
+    if detail.get("excess_s") is not None:
+        words += f", +{float(detail['excess_s']) * 1000:.1f} ms a step"
+    if detail.get("factor"):
+        words += f" (x{float(detail['factor']):.2f})"
+    if detail.get("phase"):
+        words += f" in {detail['phase']}"
+    return words
 
 
 # --- --watch -------------------------------------------------------------------
@@ -300,7 +413,7 @@ def watch(job_dir: str | None, manager: str | None, console: Console, *, interva
     jd = None if manager is not None else resolve_job_dir(job_dir)
     api = _running_api(jd, manager, token_file)
     status = _live_status(api)
-    with Live(view(status), console=console, auto_refresh=False, transient=False) as live:
+    with Live(view(status, bar=True), console=console, auto_refresh=False, transient=False) as live:
         code = _follow(live, api, jd, status, interval)
     if not console.is_terminal:
         console.line()  # Live leaves its last frame unterminated on a file or a pipe
@@ -315,7 +428,7 @@ def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], int
         try:
             status = _live_status(api)
             misses = 0
-            live.update(view(status), refresh=True)
+            live.update(view(status, bar=True), refresh=True)
             continue
         except JobNotRunningError:
             misses += 1
@@ -323,16 +436,17 @@ def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], int
         # with --manager alone, a few missed polls in a row say it.
         retry = not _launcher_gone(jd) if jd is not None else misses < MAX_MISSES
         if retry:
-            live.update(view(status, note=f"the manager at {url} is not answering; retrying"), refresh=True)
+            live.update(view(status, note=f"the manager at {url} is not answering; retrying", bar=True),
+                        refresh=True)
             continue
         # The launcher exits right after the job ends, often before a poll sees the final state.
         final = _logged_status(jd) if jd is not None and jd.events_db.exists() else None
         if final is not None and final.get("state") in TERMINAL:
-            live.update(view(final), refresh=True)
+            live.update(view(final, bar=True), refresh=True)
             return 0
         last = final or status
         live.update(view(last, note=f"the manager at {url} stopped answering while the job was "
-                                    f"{last.get('state')}: its launcher is gone"), refresh=True)
+                                    f"{last.get('state')}: its launcher is gone", bar=True), refresh=True)
         return 0 if last.get("state") == "stopping" else 1
     return 0
 
@@ -358,3 +472,38 @@ def _launcher_gone(jd: JobDir) -> bool:
     except JobNotRunningError:
         return True
     return False
+
+
+# --- --steps ---------------------------------------------------------------------
+
+
+def step_values(jd: JobDir) -> list[dict[str, Any]]:
+    """What each rank gave ``step.log`` at each step, from the job's log: one row per rank and step.
+
+    A step run again after a recovery keeps its newest commit (the one that
+    counts; ``runs`` says how many times the rank committed it). Ordered by
+    step, then rank.
+    """
+    with LogReader(jd.events_db) as reader:
+        commits = reader.commits()
+    newest: dict[tuple[int, int], dict[str, Any]] = {}
+    runs: dict[tuple[int, int], int] = {}
+    for c in commits:  # (in time order: the later commit of a step wins)
+        key = (c.step, c.rank)
+        runs[key] = runs.get(key, 0) + 1
+        newest[key] = {"step": c.step, "rank": c.rank, "generation": c.generation, "t": c.t, "values": c.metrics}
+    return [dict(newest[k], runs=runs[k]) for k in sorted(newest)]
+
+
+def write_steps(jd: JobDir, out: TextIO, *, as_json: bool) -> None:
+    """``--steps``: the rows of ``step_values`` as CSV (a column per name given to ``step.log``) or JSON."""
+    rows = step_values(jd)
+    if as_json:
+        out.write(json.dumps({"job_dir": str(jd.path), "steps": rows}) + "\n")
+        return
+    names = sorted({name for r in rows for name in r["values"]})
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["step", "rank", "generation", "time", "runs", *names])
+    for r in rows:
+        writer.writerow([r["step"], r["rank"], r["generation"], f"{r['t']:.6f}", r["runs"],
+                         *(repr(r["values"][n]) if n in r["values"] else "" for n in names)])

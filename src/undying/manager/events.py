@@ -15,6 +15,7 @@ queries in the command line, the demo, the oracle or the manager.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -126,6 +127,10 @@ class SavedJob:
     ranks: list[RankInfo]
     committed: dict[int, set[int]]
     incidents: list[Incident]
+    # What the step clock is fed again (progress, goodput): every commit (rank, step, time) in time order,
+    # and the plan and checkpoint reports (kind, time, data) in order.
+    commits: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    reports: list[tuple[str, float, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 
 def _rank_from_row(view: dict[str, Any]) -> RankInfo:
@@ -227,14 +232,19 @@ class EventLog:
     def saved_job(self) -> SavedJob:
         """Everything a restarted manager needs from the log, read on this (the loop's) connection."""
         committed: dict[int, set[int]] = defaultdict(set)
-        for rank, step in self._db.execute("SELECT rank, step FROM steps"):
+        commits = []
+        for rank, step, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t"):
             committed[int(rank)].add(int(step))
+            commits.append((int(rank), int(step), float(t)))
         return SavedJob(
             facts=_job_facts(self._db),
             ranks=[_rank_from_row(json.loads(d)) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
             committed=dict(committed),
             incidents=[_incident_from_row(json.loads(d))
                        for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
+            commits=commits,
+            reports=[(str(k), float(t), json.loads(d)) for k, t, d in self._db.execute(
+                "SELECT kind, t, data FROM events WHERE kind IN ('steps_planned', 'checkpoint_saved') ORDER BY id")],
         )
 
     def forget_ranks(self, first: int) -> None:
@@ -389,6 +399,15 @@ class LogReader:
         return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
             "SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")]
 
+    def commit_times(self) -> list[tuple[int, int, float]]:
+        """Every logged commit as (rank, step, time), in time order: the commits without their values (cheaper)."""
+        return [(int(r), int(s), float(t)) for r, s, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")]
+
+    def commits_of_step(self, step: int) -> list[Commit]:
+        """The commits of one step (each rank's, and again for a step re-run), in time order."""
+        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
+            "SELECT rank, step, generation, t, metrics FROM steps WHERE step = ? ORDER BY t", (step,))]
+
     def first_commit_times(self) -> dict[int, float]:
         """When each rank first committed a step (unix seconds), by rank."""
         return {int(r): float(t) for r, t in self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")}
@@ -397,6 +416,11 @@ class LogReader:
         """The events of one kind (``done``, ``checkpoint_saved``, ...), oldest first."""
         return [LoggedEvent(int(i), float(t), g, r, k, json.loads(d)) for i, t, g, r, k, d in self._db.execute(
             "SELECT id, t, generation, rank, kind, data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+
+    def newest_event_t(self) -> float | None:
+        """When the newest event was logged (unix seconds); None for a log with none."""
+        (t,) = self._db.execute("SELECT MAX(t) FROM events").fetchone()
+        return None if t is None else float(t)
 
     def count_events(self) -> int:
         """How many events the log holds (of every kind)."""

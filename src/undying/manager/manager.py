@@ -205,6 +205,7 @@ class Manager:
             core.set_layout([int(n) for n in job["nodes"]], persist=False)
         core.book.restore(saved.ranks, saved.committed)
         self.history.replay(self.events.path, self.world_size)
+        core.clock.replay(saved.commits, saved.reports)
         open_incidents: list[Incident] = []
         for incident in saved.incidents:
             core.incidents.append(incident)
@@ -376,20 +377,20 @@ class Manager:
         rows = [row for row in rows if row[0] in ranks]  # (not a process numbered before a regroup)
         self.events.steps(rows)
         self.history.commits(rows, self.world_size)
-        for rank, step, generation, t, _ in rows:
-            self._commit(rank, step, generation, t)
+        for rank, step, generation, t, metrics in rows:
+            self._commit(rank, step, generation, t, metrics)
         self.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
 
     def _on_commit(self, message: StepCommitted) -> None:
         self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
         self.history.commit(message.rank, message.step, message.t, message.metrics, self.world_size)
-        self._commit(message.rank, message.step, message.generation, message.t)
+        self._commit(message.rank, message.step, message.generation, message.t, message.metrics)
 
-    def _commit(self, rank: int, step: int, generation: int, t: float) -> None:
+    def _commit(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
         core = self.core
         if core.book.commit(rank, step, generation, t):
             self.events.event("step_rerun", rank=rank, step=step)
-        core.clock.committed(rank, step, t)
+        core.clock.committed(rank, step, t, metrics)
         if core.machine.state is JobState.STARTING:
             core.move(JobState.RUNNING)
         self._maybe_finish_recovery(rank, t, generation)
@@ -414,6 +415,7 @@ class Manager:
         self.events.event(message.phase, generation=message.generation, rank=message.rank, step=message.step,
                           **message.detail)
         self.checkpoints.on_state_reported(message.phase, message.detail)
+        self.core.clock.reported(message.phase, message.detail)
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
 
@@ -444,6 +446,7 @@ class Manager:
         self.checkpoints.on_saved(message)
         self.history.checkpoint(message)
         if not message.error:
+            self.core.clock.saved(message.step, message.t, message.blocking_s)
             self.regrouping.on_saved(message.kind, message.path)
         self.gasp.on_saved(message)
 

@@ -79,6 +79,9 @@ class StatusCollector(Collector):
         yield from _incidents(status.get("incidents") or [])
         yield from _checkpoints(status.get("checkpoints") or {}, int(status.get("step") or 0), self._history)
         yield from _trace(status.get("trace") or {})
+        goodput = status.get("goodput") or {}
+        if goodput.get("ratio") is not None:  # worked out with the status (views.job_goodput)
+            self._history.set_goodput(float(goodput["ratio"]), goodput.get("losses") or {})
         yield from _goodput(self._history)
 
 

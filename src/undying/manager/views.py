@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
+from undying.manager.goodput import Goodput, account
 from undying.manager.preemption import Preemption
+from undying.manager.progress import Progress, compute
 from undying.manager.recovery import Recoveries
 from undying.manager.regrouping import Regrouping
 from undying.manager.state import RankState
 from undying.manager.trace_control import TraceControl
 
-__all__ = ["job_status", "rank_views"]
+__all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]
 
 
 def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption, recoveries: Recoveries,
                regrouping: Regrouping, trace: TraceControl) -> dict[str, Any]:
     config = core.config
     grace, basis = preemption.grace_period()
+    incidents = [i.to_dict() for i in core.incidents]
     return {
         "job_id": config.job_id,
         "state": core.state.value,
@@ -44,10 +48,27 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "preemption": preemption.view,
         "trace": trace.status(),
         "step_times": [list(p) for p in core.clock.step_times],
+        "progress": job_progress(core).to_dict(),
+        "goodput": job_goodput(core, incidents).to_dict(),
         "ranks": rank_views(core),
         "nodes": [a.view() for a in core.agents.values()],
-        "incidents": [i.to_dict() for i in core.incidents],
+        "incidents": incidents,
     }
+
+
+def job_progress(core: JobCore) -> Progress:
+    """Step of total, epoch, rate, ETA and the last values given to ``step.log`` (``progress.compute``)."""
+    clock = core.clock
+    return compute(core.book.slowest_step(), clock.plan, clock.job_steps.recent, world_size=core.book.world_size,
+                   values=clock.job_steps.last_values, running=not core.winding_down)
+
+
+def job_goodput(core: JobCore, incidents: list[dict[str, Any]]) -> Goodput:
+    """The job's goodput so far (to its end once it ended), with its losses named (``goodput.account``)."""
+    ended = core.state.terminal
+    clock = core.clock
+    return account(clock.ledger, incidents, clock.stalls, start=core.started_at,
+                   end=core.machine.since if ended else time.time(), ended=ended, folded_stall_s=clock.folded_stall_s)
 
 
 def rank_views(core: JobCore) -> list[dict[str, Any]]:

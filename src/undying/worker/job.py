@@ -299,6 +299,11 @@ class Job:
             self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
                                 detail=self._shards.layout(state)))
         committed = self._load_waiting(state)
+        if self.managed and self.rank == 0:  # the progress `undying status` shows: of how many steps, which epoch
+            self._send(Progress(self.rank, self.generation, "steps_planned", time.time(), step=committed, detail={
+                "total_steps": cursor.total_steps, "steps_per_epoch": cursor.steps_per_epoch,
+                "origin": list(cursor.origin),
+                "batch_size": b if isinstance(b := getattr(state.loader, "batch_size", None), int) else None}))
         if self.managed and state.sharded and not self._shards.replicate_initial(state, committed):
             committed = self._rejoin.recover(state, committed, clean=True)
         while True:

@@ -1,0 +1,208 @@
+"""What ``undying run`` says at its start and at its end, and a job's account read back from its log.
+
+The banner names the job, its folder, the status page and the one command that
+shows the status. The end summary says how the job went: steps, wall time,
+incidents with their MTTR, steps re-run, goodput with its losses, and where the
+checkpoints are. Both are plain lines (the launcher's stderr may be a file).
+
+``logged_account`` computes progress and goodput from a job's SQLite log with
+the manager's own pure functions (``manager.progress``, ``manager.goodput``),
+so a finished job reads as the running one did.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from undying.errors import UsageError
+from undying.manager.events import LogReader
+from undying.manager.goodput import Goodput, Stall, StepLedger, account
+from undying.manager.jobdir import JobDir
+from undying.manager.progress import JobSteps, Plan, Progress, compute, mean_values
+from undying.manager.step_clock import PLAN_EVENT
+
+__all__ = ["Account", "logged_account", "banner", "print_banner", "end_summary", "print_end_summary",
+           "loss_words", "duration"]
+
+TERMINAL = frozenset({"succeeded", "failed", "stopped", "preempted"})
+# The losses as a person reads them.
+LOSS_WORDS = {"startup": "start-up", "checkpoint": "checkpoint stalls", "detection": "detection",
+              "recovery": "recovery", "spare_wait": "waiting for a replacement", "rerun": "re-run work",
+              "preemption": "preemption", "shutdown": "shutdown", "in_flight": "step in flight"}
+
+
+@dataclass(frozen=True)
+class Account:
+    progress: Progress
+    goodput: Goodput
+
+
+def logged_account(path: Path, *, step: int | None = None) -> Account:
+    """Progress and goodput of the job whose log is ``path``, running or not.
+
+    ``step``: the slowest rank's step as the caller read it (else the newest
+    step every rank completed). The end is the job's ``ended_at``; for a job
+    that never recorded one (running, or interrupted), the newest record.
+    """
+    with LogReader(path) as reader:
+        job = reader.job()
+        steps = JobSteps(int(job.get("world_size") or 1))
+        ledger = StepLedger()
+        newest = 0.0
+        for rank, s, t in reader.commit_times():
+            newest = max(newest, t)
+            done = steps.commit(rank, s, t)
+            if done is not None:
+                ledger.done(s, done[0])
+        last = steps.recent[-1][0] if steps.recent else None
+        values = None
+        if last is not None:
+            latest: dict[int, dict[str, float]] = {}
+            for commit in reader.commits_of_step(last):
+                latest[commit.rank] = commit.metrics  # (the newest execution of each rank's)
+            values = (last, mean_values(latest.values()))
+        plans = reader.events(PLAN_EVENT)
+        plan = Plan.from_detail(plans[-1].data) if plans else None
+        stalls = [Stall(int(e.data.get("step", 0)), e.t, float(e.data.get("blocking_s") or 0.0))
+                  for e in reader.events("checkpoint_saved")]
+        incidents = reader.incidents()
+        newest = max(newest, reader.newest_event_t() or 0.0)
+    state = job.get("state")
+    ended = state in TERMINAL
+    started = float(job.get("started_at") or (ledger.first_t or newest))
+    end = float(job["ended_at"]) if ended and job.get("ended_at") else max(newest, started)
+    progress = compute(step if step is not None else (last or 0), plan, list(steps.recent),
+                       world_size=steps.world_size, values=values if values and values[1] else None, running=False)
+    return Account(progress, account(ledger, incidents, stalls, start=started, end=end, ended=ended))
+
+
+# --- words ------------------------------------------------------------------
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds as a person reads them: 0.42 s, 41.2 s, 12 min 5 s, 3 h 4 min."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+def loss_words(goodput: dict[str, Any], *, least: float = 0.0005) -> str:
+    """The losses above ``least`` of the wall time, largest first: "start-up 3.1 s, recovery 0.9 s"."""
+    wall = float(goodput.get("wall_s") or 0.0)
+    losses = sorted(((v, k) for k, v in (goodput.get("losses") or {}).items() if wall and v / wall >= least),
+                    reverse=True)
+    return ", ".join(f"{LOSS_WORDS.get(k, k)} {duration(v)}" for v, k in losses) or "none"
+
+
+def goodput_line(goodput: dict[str, Any]) -> str:
+    ratio = goodput.get("ratio")
+    if ratio is None:
+        return "goodput: - (no time has passed)"
+    return (f"goodput {ratio:.1%} ({duration(goodput.get('goodput_s'))} of {duration(goodput.get('wall_s'))} "
+            f"on steps that count); lost: {loss_words(goodput)}")
+
+
+def incident_line(incident: dict[str, Any], goodput: dict[str, Any] | None = None) -> str:
+    """One incident in a line: what, whose, when, what was done, and its MTTR with what it cost."""
+    mttr = incident.get("mttr_s")
+    line = (f"#{incident['id']} {incident['kind']} of rank {incident['rank']} at step {incident['step']}: "
+            f"{incident.get('action') or '-'}, {incident.get('status')}")
+    if mttr is not None:
+        line += f", MTTR {duration(mttr)}"
+    spent = next((i for i in (goodput or {}).get("incidents") or [] if i.get("id") == incident.get("id")), None)
+    if spent:
+        parts = [f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items()
+                 if k.endswith("_s") and v >= 0.005]
+        line += f" (cost: {', '.join(parts)})"
+    return line
+
+
+# --- the banner ---------------------------------------------------------------
+
+
+def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False) -> list[str]:
+    """The lines ``undying run`` prints once its manager answers."""
+    page = f"{url.rstrip('/')}/"
+    how = "open to anyone on its address (--open-status)" if open_status else \
+        f"add ?token=<the token in {Path(job_dir) / 'token'}>"
+    return [
+        f"undying: job {job_id} started, {ranks} rank{'s' if ranks != 1 else ''}",
+        f"  job dir:     {job_dir}",
+        f"  status page: {page}  ({how})",
+        f"  status:      undying status --job-dir {job_dir}  (--watch to follow it)",
+    ]
+
+
+def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
+                 out: TextIO | None = None) -> None:
+    stream = out or sys.stderr
+    stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status)) + "\n")
+    stream.flush()
+
+
+# --- the end summary ----------------------------------------------------------
+
+
+def end_summary(job_dir: str | Path) -> list[str]:
+    """How the job in ``job_dir`` went, from its log: the lines ``undying run`` prints at its end."""
+    jd = JobDir(Path(job_dir))
+    with LogReader(jd.events_db) as reader:
+        job = reader.job()
+        incidents = reader.incidents()
+    account_ = logged_account(jd.events_db)
+    goodput = account_.goodput.to_dict()
+    progress = account_.progress
+    state = job.get("state", "?")
+    total = f" of {progress.total_steps}" if progress.total_steps is not None else ""
+    lines = [f"undying: job {job.get('job_id')} {state}: step {progress.step}{total}, "
+             f"wall time {duration(goodput['wall_s'])}"]
+    if progress.values:
+        shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(progress.values.items()))
+        lines.append(f"  last values (step {progress.values_step}, mean over ranks): {shown}")
+    lines.append("  " + goodput_line(goodput))
+    recovered = [i for i in incidents if i.get("mttr_s") is not None]
+    if incidents:
+        mttrs = [float(i["mttr_s"]) for i in recovered]
+        mean = f", mean MTTR {duration(sum(mttrs) / len(mttrs))}" if mttrs else ""
+        lines.append(f"  incidents: {len(incidents)}, {len(recovered)} recovered{mean}")
+        lines.extend("    " + incident_line(i, goodput) for i in incidents)
+    else:
+        lines.append("  incidents: none")
+    rerun = job.get("rerun_steps") or []
+    lines.append(f"  steps re-run: {len(rerun)}" + (f" ({_steps_words(rerun)})" if rerun else ""))
+    last = job.get("last_checkpoint") or {}
+    where = job.get("checkpoint_dir") or "-"
+    saved = f" (newest: step {last['step']}, {last.get('path')})" if last.get("step") is not None else \
+        " (none saved by this launch)"
+    lines.append(f"  checkpoints: {where}{saved}")
+    lines.append(f"  details: undying status --job-dir {jd.path}")
+    return lines
+
+
+def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:
+    """Print the end summary; a log that cannot be read is said in one line (the job's exit code stands)."""
+    stream = out or sys.stderr
+    try:
+        lines = end_summary(job_dir)
+    except (OSError, UsageError, LogReader.Error, ValueError) as e:
+        lines = [f"undying: no summary: the job's log in {job_dir} cannot be read ({e})"]
+    except Exception as e:  # noqa: BLE001 - a summary never turns a job's result into a traceback
+        lines = [f"undying: no summary ({type(e).__name__}: {e})"]
+    stream.write("\n".join(lines) + "\n")
+    stream.flush()
+
+
+def _steps_words(steps: list[int], most: int = 8) -> str:
+    shown = ", ".join(map(str, steps[:most]))
+    return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
