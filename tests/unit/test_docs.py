@@ -325,3 +325,13 @@ def test_every_page_is_in_the_navigation() -> None:
                      "benchmarks.md", "architecture.md", "security.md", "kubernetes.md", "diagnosis.md",
                      "tracing.md", "sharded-state.md", "adopting.md", "metrics.md"):
         assert required in nav
+
+
+def test_ci_builds_the_site_strictly() -> None:
+    """CI runs the strict build, and without -q: mkdocs 1.6 quiet counts no warnings, so strict never fails."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    builds = re.findall(r"mkdocs build[^&\n]*", ci)
+    assert builds, ".ci/run does not build the docs"
+    for build in builds:
+        assert "--strict" in build and not re.search(r"\s-q\b|--quiet", build), build
+    assert ".[test,docs]" in ci or "[docs]" in ci
