@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 EXAMPLES = ROOT / "examples"
-WIDTH = 90  # the help's line width on the page: argparse reads COLUMNS
+WIDTH = 80  # the help's line width on the page (argparse reads COLUMNS, and leaves 2): fits the page's code block
 
 _INTRO = """\
 # Commands
@@ -46,7 +46,8 @@ The commands in short:
 | --- | --- |
 {table}
 
-Exit codes of every command: `0` done, `1` the job failed, `2` bad input (one
+Exit codes of every command: `0` done, `1` the job failed (for `undying
+checkpoints verify`: a problem found), `2` bad input (one
 line on stderr naming the input and what to do: see
 [Troubleshooting](troubleshooting.md)), `130` stopped by Ctrl-C. `undying run`
 adds `75`, `74` and `143` for a preempted job (below). A refused option is one
