@@ -12,7 +12,8 @@ page. Nothing is written into ``docs/``. ``tests/unit/test_docs.py`` imports
 ``examples.md``: every script in ``examples/`` as it is in the repository.
 A page that links a script (``../examples/undying_fsdp.py``, which a
 repository viewer opens as the file) is pointed at that script on this page
-instead, since the site holds no files from outside ``docs/``.
+instead, and a link to any other repository file outside ``docs/`` keeps its
+text without the link, since the site holds no files from outside ``docs/``.
 
 The parsers import no torch (a tested rule of the CLI), so the build needs
 only undying's light dependencies.
@@ -120,16 +121,30 @@ def render_examples() -> str:
     return "\n".join(parts)
 
 
-_EXAMPLE_LINK = re.compile(r"\]\((?:\.\./)+examples/([A-Za-z0-9_]+)\.py\)")
+_REPO_LINK = re.compile(r"\[([^\]]*)\]\(((?:\.\./)+)([^)#\s]+)(#[^)\s]*)?\)")
 
 
-def example_links(markdown: str, depth: int) -> str:
-    """``markdown`` with links to a script under ``examples/`` pointed at its place on the examples page.
+def repository_links(markdown: str, depth: int) -> str:
+    """``markdown`` with links to repository files outside ``docs/`` made right for the site.
 
-    ``depth``: how many folders below ``docs/`` the page is (the link's ``../`` count is one more).
+    A page links ``../examples/undying_fsdp.py`` or ``../bench/cli.py``: right
+    in the repository, nowhere on the site, which holds only ``docs/``. A
+    script of ``examples/`` becomes a link to its place on the examples page;
+    any other file keeps the link's text (its path, usually) without the link.
+    ``depth``: how many folders below ``docs/`` the page is. Links that stay
+    inside ``docs/`` are left alone.
     """
-    up = "../" * depth
-    return _EXAMPLE_LINK.sub(lambda m: f"]({up}examples.md#{m.group(1)})", markdown)
+
+    def fix(m: re.Match[str]) -> str:
+        text, ups, target = m.group(1), m.group(2).count("../"), m.group(3)
+        if ups <= depth:
+            return m.group(0)  # a page of the site
+        example = re.fullmatch(r"examples/([A-Za-z0-9_]+)\.py", target)
+        if example and ups == depth + 1:
+            return f"[{text}]({'../' * depth}examples.md#{example.group(1)})"
+        return text
+
+    return _REPO_LINK.sub(fix, markdown)
 
 
 def on_files(files: Any, config: Any) -> Any:
@@ -142,5 +157,5 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """mkdocs hook: links to ``../examples/*.py`` lead to the examples page."""
-    return example_links(markdown, page.file.src_uri.count("/"))
+    """mkdocs hook: links to repository files outside ``docs/`` (see ``repository_links``)."""
+    return repository_links(markdown, page.file.src_uri.count("/"))

@@ -114,10 +114,13 @@ def test_examples_page_holds_every_script_and_links_lead_there() -> None:
     for script in sorted((ROOT / "examples").glob("*.py")):
         assert f"{{#{script.stem}}}" in page
         assert script.read_text().strip().splitlines()[-1] in page
-    assert hook.example_links("see [x](../examples/undying_fsdp.py).", 0) == \
-        "see [x](examples.md#undying_fsdp)."
-    assert hook.example_links("[x](../../examples/a_b.py)", 1) == "[x](../examples.md#a_b)"
-    assert hook.example_links("[x](examples.md)", 0) == "[x](examples.md)"
+    fix = hook.repository_links
+    assert fix("see [x](../examples/undying_fsdp.py).", 0) == "see [x](examples.md#undying_fsdp)."
+    assert fix("[x](../../examples/a_b.py)", 1) == "[x](../examples.md#a_b)"
+    assert fix("[`bench/cli.py`](../bench/cli.py)", 0) == "`bench/cli.py`"  # nowhere on the site
+    assert fix("[`README`](../../README.md#commands)", 1) == "`README`"
+    for inside in ("[x](examples.md)", "[x](../tracing.md)", "[a](#b)"):
+        assert fix(inside, 1 if inside.startswith("[x](../") else 0) == inside
 
 
 def test_tutorial_diffs_are_the_examples() -> None:
@@ -335,3 +338,24 @@ def test_ci_builds_the_site_strictly() -> None:
     for build in builds:
         assert "--strict" in build and not re.search(r"\s-q\b|--quiet", build), build
     assert ".[test,docs]" in ci or "[docs]" in ci
+
+
+def test_api_page_documents_every_public_name() -> None:
+    """Each name ``undying`` and ``undying.worker`` export has its ``:::`` entry on the Python API page."""
+    module = ast.parse((SRC / "worker" / "__init__.py").read_text())
+    where: dict[str, str] = {}
+    exported: set[str] = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "_WHERE":
+                where = ast.literal_eval(node.value)
+            elif node.targets[0].id == "__all__":
+                exported |= set(ast.literal_eval(node.value))
+    top = ast.parse((SRC / "__init__.py").read_text())
+    for node in ast.walk(top):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "__all__":
+            exported |= set(ast.literal_eval(node.value)) - {"__version__"}
+    assert {"init", "Job", "State", "Step"} <= exported
+    page = (DOCS / "reference" / "api.md").read_text()
+    for name in sorted(exported):
+        assert f"::: undying.worker.{where[name]}.{name}\n" in page, f"{name} is not on docs/reference/api.md"
