@@ -135,6 +135,12 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
         first = int(page.text_content("#step") or 0)
         page.wait_for_function(f"Number(document.getElementById('step').textContent) > {first}", timeout=10_000)
         page.evaluate("window.stillTheSamePage = true")
+        # Progress and goodput, as the status API gives them: the total, a rate, an ETA, a share.
+        page.wait_for_function("document.getElementById('eta').textContent !== '–'", timeout=10_000)
+        progress = status()["progress"]
+        assert str(progress["total_steps"]) in (page.text_content("#total-steps") or "")
+        assert float(page.text_content("#rate") or 0) > 0
+        assert (page.text_content("#goodput") or "").endswith("%")
 
         injected = api_post(url, "/api/inject", {"kind": "crash", "rank": 1}, token=token)
         assert injected["pid"] == pids[1]
