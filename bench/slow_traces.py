@@ -18,6 +18,13 @@ where tests/unit/test_detect_recorded.py replays them through
     python bench/slow_traces.py                      # every case (about 4-6 min on 2 busy cores)
     python bench/slow_traces.py --cases r4-long-compute,r2-short-uniform
     python bench/slow_traces.py --out /tmp/traces    # somewhere else
+    python bench/slow_traces.py --replay             # the detector over the recordings: a table
+
+``--replay`` records nothing: it runs the detector over every recording, as
+the manager would online and as ``undying diagnose`` does offline, and prints
+per case the job's step time, where the slowdown began and how large it was
+(what the worker says it slept), when it was found, and the start and size
+each reported; the fault-free cases' findings are false alarms.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from undying.cli.demo import FaultPlan, run_job
-from undying.trace.analyze import load_trace
+from undying.trace.analyze import StepRow, find_slow, load_trace
+from undying.trace.summary import StepPhases
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "unit" / "data" / "slow_traces"
 # Where the slowdown starts, per phase: at, and off, window boundaries (windows are steps 1-10, 11-20, ...).
@@ -114,13 +123,59 @@ def record(case: Case, scratch: Path, steps: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def replay(folder: Path) -> list[dict[str, Any]]:
+    """The detector over every recording in ``folder``: one row per case (see the module doc)."""
+    out = []
+    for path in sorted(folder.glob("*.json.gz")):
+        rec = json.loads(gzip.decompress(path.read_bytes()))
+        rows = {int(r): [StepRow(int(r), x[0], x[1], x[2], StepPhases(*x[3:])) for x in xs]
+                for r, xs in rec["rows"].items()}  # fmt: skip
+        nodes = {r: "vm" for r in rows}
+        online = find_slow(rows, nodes, refine=False)[0]
+        offline = find_slow(rows, nodes)[0]
+        inj = rec["injected"] or {}
+        row: dict[str, Any] = {
+            "case": rec["name"], "ranks": rec["ranks"],
+            "step_ms": round(1000 * median(r.phases.step for rs in rows.values() for r in rs), 1),
+            "slowed": f"rank {inj['rank']} {inj['phase']}" if inj else "-", "from_step": inj.get("step"),
+            "slept_ms": rec.get("extra_ms"), "findings": len(online),
+        }  # fmt: skip
+        hit = [f for f in online if inj and (f.rank, f.phase) == (inj["rank"], inj["phase"])]
+        off = [f for f in offline if inj and (f.rank, f.phase) == (inj["rank"], inj["phase"])]
+        if hit:
+            row |= {"found_after": hit[0].evidence["found_at_step"] - inj["step"],
+                    "online_since": hit[0].since_step, "online_ms": round(1000 * hit[0].excess_s, 1)}
+        if off:
+            row |= {"diagnose_since": off[0].since_step, "diagnose_ms": round(1000 * off[0].excess_s, 1),
+                    "step_factor": off[0].step_factor}
+        out.append(row)
+    return out
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    cols = ["case", "step_ms", "slowed", "from_step", "slept_ms", "findings", "found_after", "online_since",
+            "online_ms", "diagnose_since", "diagnose_ms", "step_factor"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
+    uniform = [r for r in rows if r["slowed"] == "-"]
+    slowed = [r for r in rows if r["slowed"] != "-"]
+    found = [r for r in slowed if r.get("found_after") is not None and r["found_after"] <= 50 and r["findings"] == 1]
+    lines.append(f"\nfault-free jobs: {len(uniform)}, false alarms: {sum(r['findings'] for r in uniform)}; "
+                 f"slowed jobs: {len(slowed)}, found within 50 steps with no other finding: {len(found)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all): "
                    + ", ".join(c.name for c in all_cases()))
     p.add_argument("--steps", type=int, default=120, help="steps per job (default 120)")
     p.add_argument("--out", type=Path, default=OUT, help=f"where the JSON files go (default {OUT})")
+    p.add_argument("--replay", action="store_true", help="record nothing: the detector over the recordings in --out")
     args = p.parse_args(argv)
+    if args.replay:
+        print(render(replay(args.out)))
+        return 0
     cases = all_cases()
     if args.cases:
         wanted = set(args.cases.split(","))

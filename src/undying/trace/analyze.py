@@ -272,20 +272,28 @@ def find_slow(
     window: int = 10,
     threshold: float = 0.08,
     patience: int = 2,
+    refine: bool = True,
 ) -> tuple[list[Finding], list[dict[str, Any]]]:
     """The findings in a job's per-step phases, and the window summaries the detector was given.
 
     A pure function (what ``load_trace`` runs once the files are read): the
-    manager's window summaries and detector, then each finding's onset and
-    size made exact to the step from the per-step rows (``_refine``).
+    manager's window summaries and detector, then, with ``refine``, each
+    finding's onset and size made exact to the step from the per-step rows
+    (``_refine``); without, the findings are the manager's own. Each
+    finding's evidence says at which step it was made (``found_at_step``: the
+    last step of the window that completed it; None when only the end did).
     """
     summaries = _summaries(step_rows, nodes, window)
     detector = SlowDetector(threshold, patience, world_size=sum(1 for rows in step_rows.values() if rows))
     findings: list[Finding] = []
     for s in summaries:
-        findings.extend(detector.add(s))
-    findings.extend(detector.flush())
-    return [_refine(f, step_rows, window) for f in findings], summaries
+        for f in detector.add(s):
+            f.evidence["found_at_step"] = s["last_step"]
+            findings.append(f)
+    for f in detector.flush():
+        f.evidence["found_at_step"] = None
+        findings.append(f)
+    return ([_refine(f, step_rows, window) for f in findings] if refine else findings), summaries
 
 
 def _summaries(step_rows: dict[int, list[StepRow]], nodes: dict[int, str], window: int) -> list[dict[str, Any]]:
