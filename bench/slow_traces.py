@@ -56,6 +56,7 @@ REGIMES: dict[str, tuple[list[str], str]] = {
     "short": ([], "the demo's model: ~10 ms steps on an idle 2-core machine, forward ~4% of it"),
     "long": (["--step-seconds", "0.06"], "padded to 60 ms: the forward pass ~1% of the step (a loaded machine)"),
     "big": (["--hidden", "384", "--layers", "3"], "a larger model: the step is mostly real compute"),
+    "comm": ([], "the demo's model with comm markers on too (--trace comm): compute less collective wait"),
 }
 PHASE_CASES = ("uniform", "compute", "data", "ckpt")
 
@@ -93,7 +94,7 @@ def record(case: Case, scratch: Path, steps: int) -> dict[str, Any]:
     args, about = REGIMES[case.regime]
     # 16-sample batches, so an epoch is samples / ranks / 16 steps.
     script_args = [*args, "--samples", str(steps * case.ranks * 16), "--epochs", "1"]
-    run_args = ["--spares", "0", "--trace", "on"]
+    run_args = ["--spares", "0", "--trace", "comm" if case.regime == "comm" else "on"]
     faults: list[FaultPlan] = []
     if case.phase == "ckpt":
         run_args += ["--save-every", "1"]

@@ -4,7 +4,9 @@ The recordings (tests/unit/data/slow_traces/, made by bench/slow_traces.py) are
 real ``undying run --trace on`` jobs of the demo script on this 2-core machine:
 2 and 4 ranks; short steps (the demo's model, ~10 ms idle), long ones (padded
 to 60 ms: the forward pass ~1% of the step, as the demo's is on a loaded
-machine) and a larger model (real compute); fault-free, or one rank slowed
+machine) and a larger model (real compute), the demo's model with comm markers
+on too (compute judged as step less collective wait, the forward pass a second
+witness); fault-free, or one rank slowed
 1.5x by ``undying inject slow`` in compute, data or checkpoint from a known
 step. Replaying them is deterministic: no process, no clock, no load.
 """
@@ -61,8 +63,9 @@ def online(rows: dict[int, list[StepRow]], window: int = 10) -> list[tuple[int, 
 
 def test_the_recordings_cover_short_and_long_steps_2_and_4_ranks_every_phase() -> None:
     assert {(c.split("-")[0], c.split("-")[1]) for c in CASES} == {
-        (r, g) for r in ("r2", "r4") for g in ("short", "long", "big")}  # fmt: skip
-    assert {c.rsplit("-", 1)[1] for c in SLOWED} == {"compute", "data", "ckpt"} and len(SLOWED) == 18
+        (r, g) for r in ("r2", "r4") for g in ("short", "long", "big", "comm")}  # fmt: skip
+    assert {c.rsplit("-", 1)[1] for c in SLOWED} == {"compute", "data", "ckpt"} and len(SLOWED) == 24
+    assert all(x[7] is not None for c in CASES if "-comm-" in c for x in load(c)["rows"]["0"])  # comm markers
     steps = {c: median(x[3] for x in load(c)["rows"]["0"]) for c in UNIFORM}
     assert min(steps.values()) < 0.02 and max(steps.values()) > 0.055, steps  # a 3x range of step times
 
@@ -102,8 +105,10 @@ def test_a_slowed_rank_is_found_with_its_start_and_size(name: str) -> None:
         f.describe() for _, f in found]  # fmt: skip
     at, f = found[0]
     assert 0 < at - start <= 50
-    assert abs(f.since_step - start) <= 10  # windows of 10 steps
-    assert abs(f.excess_s - extra) <= 0.2 * extra, (f.excess_s, extra)
+    # Online the start is a window's first step and the size a window-level estimate: the onset's
+    # window is partly slow, and a loaded machine's windows keep some long steps.
+    assert abs(f.since_step - start) <= 10
+    assert abs(f.excess_s - extra) <= 0.3 * extra, (f.excess_s, extra)
     # Offline (undying diagnose): to the step.
     [g] = find_slow(rows, {})[0]
     assert (g.rank, g.phase) == (rank, phase)
