@@ -48,6 +48,9 @@ the detector's unit, 8% of the step by default), so that a miss can be tuned
 from numbers. For the uniform jobs it lists the largest excesses any rank
 showed in any window: how close noise came to the bar.
 
+For the detector at several step times (short, long and padded steps, 2 and 4
+ranks), over recordings replayed without processes, see bench/slow_traces.py.
+
 Run it from the repository root::
 
     python bench/slow_detection.py            # every case, text report (about 5-8 min on 2 cores)

@@ -15,7 +15,7 @@ The files land in ``tests/unit/data/slow_traces/`` (one small gzipped JSON per c
 where tests/unit/test_detect_recorded.py replays them through
 ``SlowDetector`` (no processes, no timings asserted)::
 
-    python bench/slow_traces.py                      # every case (about 4-6 min on 2 busy cores)
+    python bench/slow_traces.py                      # every case (about 6-8 min on 2 busy cores)
     python bench/slow_traces.py --cases r4-long-compute,r2-short-uniform
     python bench/slow_traces.py --out /tmp/traces    # somewhere else
     python bench/slow_traces.py --replay             # the detector over the recordings: a table
