@@ -5,11 +5,14 @@ Each case is a real ``undying run --trace on`` job of the demo script
 slowed by the real ``undying inject slow``, at a chosen step time: the demo's
 own small model (steps of about 10 ms on an idle 2-core machine, far longer
 under load), the same padded to a long step (``--step-seconds``: the forward
-pass then a tiny share of the step, as the demo's is on a loaded machine), or a
-larger model whose step is real compute. The recording keeps what the detector
-and the offline diagnosis read: every (rank, step)'s phases as
-``undying.trace.analyze.load_trace`` rebuilds them from the trace files, plus
-where the slowdown really started (the worker's ``fault_injected`` event).
+pass then a tiny share of the step, as the demo's is on a loaded machine), a
+larger model whose step is real compute, or the demo's model under ``--trace
+comm`` (compute judged as the step less the collective wait). The slowdown
+starts at, or off, a window boundary (``AT_STEP``). The recording keeps what the
+detector and the offline diagnosis read: every (rank, step)'s phases as
+``undying.trace.analyze.load_trace`` rebuilds them from the trace files, where
+the slowdown really started (the worker's ``fault_injected`` event) and how long
+the worker says it sleeps per step (its log line).
 
 The files land in ``tests/unit/data/slow_traces/`` (one small gzipped JSON per case),
 where tests/unit/test_detect_recorded.py replays them through
