@@ -39,12 +39,17 @@ from the log's ``fault_injected`` event.
   two slow ranks, or one) is reported beside it.
 
 Every case also runs the offline analyzer over its own trace files (real node
-names), and reports per window the numbers the detector compared
+names): whether it found the slowed rank, and how far the start it gives
+(``undying diagnose``'s, to the step) is from the step the slowdown really
+began, with the size it gives in ms ("start off by", "diag ms"). It also reports per window the numbers the detector compared
 (``SlowDetector.phase_excess``: the slowed rank's phase against the other
 ranks' median, the excess as a share of the window's median step and in bars,
 the detector's unit, 8% of the step by default), so that a miss can be tuned
 from numbers. For the uniform jobs it lists the largest excesses any rank
 showed in any window: how close noise came to the bar.
+
+For the detector at several step times (short, long and padded steps, 2 and 4
+ranks), over recordings replayed without processes, see bench/slow_traces.py.
 
 Run it from the repository root::
 
@@ -303,14 +308,14 @@ def compact_incident(incident: dict[str, Any], done: dict[int, float]) -> dict[s
         "ranks": d.get("ranks"), "phase": d.get("phase"), "since_step": incident["step"],
         "raised_after_step": done_step_at(done, incident["fault_t"]),
         "factor": _r(d.get("factor")), "excess_ms": _r(1000 * d.get("excess_s", 0.0), 2),
-        "windows": (d.get("evidence") or {}).get("windows"), "error": incident.get("error"),
+        "step_factor": _r(d.get("step_factor")), "windows": (d.get("evidence") or {}).get("windows"), "error": incident.get("error"),
     }
 
 
 def compact_finding(f: dict[str, Any]) -> dict[str, Any]:
     return {"kind": f["kind"], "rank": f["rank"], "node": f["node"], "ranks": f["ranks"],
             "phase": f["phase"], "since_step": f["since_step"], "factor": _r(f.get("factor")),
-            "excess_ms": _r(1000 * f["excess_s"], 2)}
+            "excess_ms": _r(1000 * f["excess_s"], 2), "step_factor": _r(f.get("step_factor"))}
 
 
 # --- the trace files, offline ----------------------------------------------------
@@ -418,8 +423,15 @@ def judge_slow_rank(result: dict[str, Any], case: Case, start: int | None,
         result["steps_to_detect"] = None
         result["within_target"] = False
     result["wrong_incidents"] = [i for i in result["incidents"] if i not in right[:1]]
-    result["offline_detected"] = any(f["kind"] == "slow_rank" and f["rank"] == rank
-                                     and f["phase"] == case.phase for f in result["offline"])
+    offline_right = [f for f in result["offline"]
+                     if f["kind"] == "slow_rank" and f["rank"] == rank and f["phase"] == case.phase]
+    result["offline_detected"] = bool(offline_right)
+    # Since which step and by how much, as `undying diagnose` says it (to the step) and online (a window).
+    if offline_right and start is not None:
+        result["diagnose_since_off_by"] = offline_right[0]["since_step"] - start
+        result["diagnose_excess_ms"] = offline_right[0]["excess_ms"]
+    if right and start is not None:
+        result["online_since_off_by"] = right[0]["since_step"] - start
     result["windows"] = [r for r in window_excess(summaries)
                          if r["rank"] == rank and r["phase"] == case.phase]
 
@@ -474,7 +486,7 @@ def render(result: dict[str, Any], out: TextIO) -> None:
     print(f"\nworkload: {w['ranks']} ranks (gloo, CPU), MLP {w['features']}->{w['hidden']}x{w['layers']}->1, "
           f"batch {w['batch_size']}/rank; slowdowns armed at step {w['at_step']}", file=out)
     print(f"\n{'case':20} {'trace':5} {'job ms before->after':>21} {'slowed from':>11} {'incident':>22} "
-          f"{'steps':>6} {'<=50':>5} {'others':>6} {'offline':>7}", file=out)
+          f"{'steps':>6} {'<=50':>5} {'others':>6} {'offline':>7} {'start off by':>12} {'diag ms':>7}", file=out)
     for r in result["cases"]:
         if r["kind"] != "slow_rank":
             continue
@@ -485,7 +497,8 @@ def render(result: dict[str, Any], out: TextIO) -> None:
         slowed = ",".join(str(v) for v in r.get("slowed_from", {}).values())
         print(f"{r['name']:20} {r['trace']:5} {ms:>21} {slowed:>11} {inc:>22} "
               f"{_f(r.get('steps_to_detect'), '{:d}'):>6} {'yes' if r.get('within_target') else 'NO':>5} "
-              f"{len(r.get('wrong_incidents', [])):>6} {'yes' if r.get('offline_detected') else 'no':>7}",
+              f"{len(r.get('wrong_incidents', [])):>6} {'yes' if r.get('offline_detected') else 'no':>7} "
+              f"{_f(r.get('diagnose_since_off_by'), '{:+d}'):>12} {_f(r.get('diagnose_excess_ms'), '{:.1f}'):>7}",
               file=out)
         for i in r.get("wrong_incidents", []):
             print(f"    other incident: {i['error']}", file=out)

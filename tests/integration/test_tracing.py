@@ -110,3 +110,57 @@ def test_a_slowed_rank_is_found_while_the_job_trains_on(oracle: Oracle, tmp_path
     assert found, outcome.incidents
     assert found[0]["detail"]["phase"] == "compute"
     assert 10 <= found[0]["step"] <= 70, found[0]
+
+
+@pytest.mark.alone
+def test_a_slowed_data_loader_is_diagnosed_and_the_trace_opens_in_perfetto(oracle: Oracle, tmp_path: Path) -> None:
+    """2 ranks, every marker on (collectives too), saves every 8 steps, rank 1's data wait 1.5x from step 20.
+
+    Online: an incident that says which rank, since which step, by how much (ms
+    and factor) and in which phase. Offline: ``undying diagnose`` dates it to
+    the step. ``undying trace export --perfetto``: valid trace-event JSON with
+    every rank's steps, collectives, checkpoint saves and the incident.
+    """
+    start = 20
+    outcome = oracle.assert_survives(
+        tmp_path / "job", [slow(1, start, "data", 1.5)], ranks=2,
+        extra_run_args=("--spares", "0", "--trace", "comm", "--save-every", "8"),
+    )  # fmt: skip
+    found = [i for i in outcome.incidents if i["kind"] == "slow_rank"]
+    assert len(found) == 1, [i["error"] for i in found]
+    incident = found[0]
+    detail = incident["detail"]
+    assert (incident["rank"], detail["phase"]) == (1, "data")
+    assert start <= detail["since_step"] <= start + 10 and incident["step"] == detail["since_step"]
+    assert detail["excess_s"] > 0 and detail["step_factor"] > 1 and detail["factor"] > 1
+    job_dir = tmp_path / "job"
+
+    diag = _undying("diagnose", str(job_dir / "traces"), "--json")
+    assert diag.returncode == 0, diag.stderr
+    [finding] = json.loads(diag.stdout)["findings"]
+    assert (finding["rank"], finding["phase"]) == (1, "data")
+    assert abs(finding["since_step"] - start) <= 5, finding
+
+    out = tmp_path / "trace.json"
+    exported = _undying("trace", "export", "--job-dir", str(job_dir), "--perfetto", str(out))
+    assert exported.returncode == 0, exported.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    for e in events:
+        assert isinstance(e["name"], str) and e["ph"] in ("X", "i", "M"), e
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
+    assert {(1, "rank 0"), (2, "rank 1")} <= {(p, n.split(" (")[0]) for p, n in names}
+    kinds = {(e["pid"], e["cat"]) for e in events if e["ph"] == "X"}
+    assert {(p, k) for p in (1, 2) for k in ("step", "fp", "data", "comm", "ckpt")} <= kinds
+    marks = [e for e in events if e["ph"] == "i"]
+    assert {e["pid"] for e in marks} == {0, 2} and all(e["args"]["kind"] == "slow_rank" for e in marks)
+    # One time axis: rank 1's step records in order, in microseconds, the incident after the slowdown began.
+    steps = sorted((e["args"]["step"], e["ts"], e["dur"]) for e in events if e["pid"] == 2 and e.get("cat") == "step")
+    assert all(a[1] < b[1] for a, b in zip(steps, steps[1:], strict=False))
+    began = next(ts for step, ts, _ in steps if step == start)
+    assert all(e["ts"] > began for e in marks)
+    assert 1e3 < steps[-1][1] - steps[0][1] < 600e6  # µs: more than a millisecond, less than 10 minutes

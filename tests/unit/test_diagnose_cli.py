@@ -40,7 +40,10 @@ def test_prints_findings_and_the_ranked_table_and_writes_the_report(traces: Path
     assert f"HTML report: {report}" in out
     html = report.read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
-    assert html.count("<img ") == 4 and html.count("data:image/png;base64,") == 4
+    # a heat map of every phase measured (the forward pass too; this job saves no checkpoint,
+    # so none of checkpoint stalls), the stacked bars, the outliers
+    assert html.count("<img ") == 7 and html.count("data:image/png;base64,") == 7
+    assert "<img alt='fp: forward pass heat map'" in html and "<img alt='ckpt: " not in html
 
 
 def test_json_and_a_chosen_report_path(traces: Path, tmp_path: Path) -> None:

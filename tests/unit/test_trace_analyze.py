@@ -123,6 +123,9 @@ def test_the_report_is_one_self_contained_file(slow_job: Path, tmp_path: Path) -
     assert text.startswith("<!doctype html>") and text.rstrip().endswith("</html>")
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text)  # nothing fetched from elsewhere
     assert "<link" not in text and "<script" not in text
-    assert text.count("data:image/png;base64,") == 4  # 2 heat maps, the stacked bars, the outliers
+    # a heat map of every phase measured (the forward pass too), the stacked bars, the outliers
+    assert text.count("data:image/png;base64,") == 8
+    for phase in ("step", "fp", "compute", "comm", "data", "ckpt"):
+        assert f"<img alt='{phase}: " in text, phase
     assert "rank 1 is compute-slow" in text and "Ranks, slowest first" in text
     assert [p.name for p in path.parent.iterdir()] == ["report.html"]  # no temporary file left

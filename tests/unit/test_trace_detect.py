@@ -9,6 +9,7 @@ import pytest
 
 from tests.unit.test_trace_summary import summaries_of, synth_job
 from undying.trace.detect import Finding, SlowDetector, describe_finding
+from undying.trace.finding import onset
 
 
 def detect(recs: dict[int, list[dict[str, Any]]], **kw: Any) -> list[tuple[int, Finding]]:
@@ -194,3 +195,22 @@ def test_bad_settings_are_refused() -> None:
         SlowDetector(threshold=8)
     with pytest.raises(ValueError, match="patience"):
         SlowDetector(patience=0)
+
+
+# --- since which step, by how much -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("xs", "since", "size"),
+    [
+        ([8, 8, 8], 1, 8),  # evidence rose with the slowdown
+        ([1.7, 1.7, 1.7, 15.7, 15.6], 31, 15.65),  # a little slow for long, then much slower
+        ([1, 2, 5.5, 8, 8.2], 21, 8),  # the onset inside a window: that window half slow
+        ([1, 2, 8, 3.5, 8, 8], 21, 8),  # a dip inside the slowdown does not restart it
+        ([6, 5, 7, 6], 1, 6),  # noise around one level: no split
+    ],
+)
+def test_onset_splits_where_the_level_changed(xs: list[float], since: int, size: float) -> None:
+    history = [(1 + 10 * i, 0.0, x) for i, x in enumerate(xs)]
+    assert onset(history) == (since, pytest.approx(size))
+    assert onset([]) is None

@@ -23,8 +23,10 @@ __all__ = ["add_parser", "run"]
 
 _DESCRIPTION = """\
 Diagnose a job from its trace files: find the slow rank or node and say which
-phase is slow (compute, data loading or checkpoint stalls), by how much and
-since which step.
+phase is slow (compute, data loading or checkpoint stalls), by how much (ms per
+step, and as a factor of the others' phase and of the step before) and since
+which step: the manager's method over windows of steps, then the start and the
+size found to the step from every step's phases.
 
 TRACE_DIR is the job's trace dir (by default <job dir>/traces; the newest job in
 it is read), one job's folder in it (<trace dir>/<job id>), or a rank folder.

@@ -173,6 +173,7 @@ class IncidentDetail(TypedDict, total=False):
     factor: float | None
     excess_s: float
     since_step: int
+    step_factor: float | None
     evidence: dict[str, Any]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "RankRow",
     "TraceTable",
     "load_trace",
+    "find_slow",
     "find_job_dir",
     "OUTLIER_LIST_MAX",
 ]
@@ -255,18 +256,44 @@ def load_trace(
             f"the trace files under {job_dir} hold no completed step (no 'step' records): "
             "were the step markers on (undying trace on)?"
         )
-    summaries = _summaries(step_rows, nodes, window)
-    detector = SlowDetector(threshold, patience, world_size=sum(1 for rows in step_rows.values() if rows))
-    findings: list[Finding] = []
-    for s in summaries:
-        findings.extend(detector.add(s))
-    findings.extend(detector.flush())
+    findings, summaries = find_slow(step_rows, nodes, window=window, threshold=threshold, patience=patience)
     ranks = _rank_rows(step_rows, nodes)
     return TraceTable(
         path=job_dir, job=job, other_jobs=others, steps=step_rows, ranks=ranks, findings=findings,
         summaries=summaries, files=files, records=records, bad_lines=bad, rerun_steps=rerun,
         skipped=skipped, window=window, threshold=threshold, patience=patience,
     )  # fmt: skip
+
+
+def find_slow(
+    step_rows: dict[int, list[StepRow]],
+    nodes: dict[int, str],
+    *,
+    window: int = 10,
+    threshold: float = 0.08,
+    patience: int = 2,
+    refine: bool = True,
+) -> tuple[list[Finding], list[dict[str, Any]]]:
+    """The findings in a job's per-step phases, and the window summaries the detector was given.
+
+    A pure function (what ``load_trace`` runs once the files are read): the
+    manager's window summaries and detector, then, with ``refine``, each
+    finding's onset and size made exact to the step from the per-step rows
+    (``_refine``); without, the findings are the manager's own. Each
+    finding's evidence says at which step it was made (``found_at_step``: the
+    last step of the window that completed it; None when only the end did).
+    """
+    summaries = _summaries(step_rows, nodes, window)
+    detector = SlowDetector(threshold, patience, world_size=sum(1 for rows in step_rows.values() if rows))
+    findings: list[Finding] = []
+    for s in summaries:
+        for f in detector.add(s):
+            f.evidence["found_at_step"] = s["last_step"]
+            findings.append(f)
+    for f in detector.flush():
+        f.evidence["found_at_step"] = None
+        findings.append(f)
+    return ([_refine(f, step_rows, window) for f in findings] if refine else findings), summaries
 
 
 def _summaries(step_rows: dict[int, list[StepRow]], nodes: dict[int, str], window: int) -> list[dict[str, Any]]:
@@ -282,6 +309,84 @@ def _summaries(step_rows: dict[int, list[StepRow]], nodes: dict[int, str], windo
         for rank in sorted(buckets[w]):
             out.append(window_summary(rank, nodes.get(rank), w, buckets[w][rank]))
     return out
+
+
+def _excess_by_step(rank: int, basis: str, step_rows: dict[int, list[StepRow]], span: int = 5) -> dict[int, float]:
+    """Step -> ``rank``'s ``basis`` value (a StepPhases field) over the other ranks' usual at that step.
+
+    The others' usual is the median of their per-step median over the ``span``
+    steps either side: one rank descheduled for a step or two on a loaded
+    machine (with 2 ranks, the only other one) must not read as the slow
+    rank's excess dropping there.
+    """
+    by_step: dict[int, dict[int, float]] = {}
+    for r, rows in step_rows.items():
+        for row in rows:
+            value = getattr(row.phases, basis)
+            if value is not None:
+                by_step.setdefault(row.step, {})[r] = float(value)
+    others: dict[int, float] = {}
+    for step, values in by_step.items():
+        m = _others_median(values, rank)
+        if m is not None:
+            others[step] = m
+    out: dict[int, float] = {}
+    for step, values in by_step.items():
+        near = [others[s] for s in range(step - span, step + span + 1) if s in others]
+        if rank in values and near:
+            out[step] = values[rank] - median(near)
+    return out
+
+
+def _step_onset(excess: dict[int, float], near: int, window: int) -> tuple[int, float] | None:
+    """The step a slowdown began and its size (seconds per step), from one rank's excess step by step.
+
+    The detector works on windows, so its ``since`` is a window's first step;
+    the files have every step. The level is the median excess over the three
+    windows after ``near`` + one window (well inside the slowdown); the onset is
+    the first step within a window of ``near`` from which at least 4 of 5 steps
+    stand at half that level or more (one step of noise neither starts nor
+    breaks it); the size, the median excess from there over three windows.
+    """
+    after = [excess[s] for s in range(near + window, near + 4 * window) if s in excess]
+    if len(after) < window:
+        after = [x for s, x in excess.items() if s >= near]
+    if not after:
+        return None
+    half = median(after) / 2
+    if half <= 0:
+        return None
+    for start in range(near - window, near + window + 1):
+        run = [excess[s] for s in range(start, start + 5) if s in excess]
+        if start in excess and excess[start] >= half and len(run) >= 4 and sum(x >= half for x in run) >= 4:
+            slowed = [excess[s] for s in range(start, start + 3 * window) if s in excess]
+            return start, median(slowed)
+    return None
+
+
+def _refine(finding: Finding, step_rows: dict[int, list[StepRow]], window: int) -> Finding:
+    """A finding's onset and size to the step, from the per-step phases (see ``_step_onset``)."""
+    basis = finding.evidence.get("basis") or finding.phase
+    if basis not in StepPhases._fields:
+        return finding
+    onsets = [_step_onset(_excess_by_step(r, basis, step_rows), finding.since_step, window) for r in finding.ranks]
+    if any(o is None for o in onsets):
+        return finding
+    found = [o for o in onsets if o is not None]
+    since = int(median(o[0] for o in found))
+    size = sum(o[1] for o in found) / len(found)
+    # The job's step before the slowdown: the median over ranks, over the three windows before it.
+    per_step: dict[int, list[float]] = {}
+    for rows in step_rows.values():
+        for row in rows:
+            if since - 3 * window <= row.step < since:
+                per_step.setdefault(row.step, []).append(row.phases.step)
+    base = median(median(v) for v in per_step.values()) if per_step else 0.0
+    return replace(
+        finding, since_step=since, excess_s=round(size, 6),
+        step_factor=round((base + size) / base, 4) if base > 0 else finding.step_factor,
+        evidence={**finding.evidence, "onset": "steps"},
+    )  # fmt: skip
 
 
 def _others_median(values: dict[int, float], rank: int) -> float | None:

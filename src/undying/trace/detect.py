@@ -52,7 +52,16 @@ Corroboration and special cases:
   the one piece of compute measured alone, is compared instead, by its own
   excess. A rank slow only in its backward pass then goes unseen, and one
   slower throughout shows only its forward share: turn comm markers on to
-  diagnose compute.
+  diagnose compute. The forward pass is judged whatever share of the step it
+  is. It once had to be 2% of the step at least: the demo's forward pass
+  (0.4 ms) is 4% of its 9 ms step on an idle 2-core machine but under 1% of
+  the 45-67 ms step the same job takes on a loaded one, so compute went
+  unjudged and a rank sleeping 22 ms per forward pass (74x the others') was
+  never found. A small share needs no gate: the excess is measured in bars of
+  the step, so a sliver of the step cannot make noise look like a bar.
+- since which step and by how much: the windows of the run that made the
+  finding, not all those since the evidence first rose (``onset``); offline,
+  ``undying diagnose`` then finds the step itself from the per-step phases.
 - nodes: all the ranks of one node (2 or more, and not every rank of the job)
   slow together make one ``slow_node`` finding, not one per rank. A node has
   its own evidence: each window adds the excess, over the median of the ranks
@@ -78,78 +87,17 @@ on a 2-core machine, no finding in the uniform job and the slowed rank found
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-__all__ = ["Finding", "SlowDetector", "PHASES", "describe_finding", "run_detector"]
+from undying.trace.finding import Finding, describe_finding, onset
+
+__all__ = ["Finding", "SlowDetector", "PHASES", "describe_finding", "onset", "run_detector"]
 
 PHASES = ("compute", "data", "ckpt")
-
-# Names of the phases in sentences.
-_PHASE_WORDS = {"compute": "compute", "data": "data-loader wait", "ckpt": "checkpoint stall"}
-
-
-@dataclass
-class Finding:
-    """A slow rank or a slow node, with the numbers that show it.
-
-    ``factor`` is the slow one's phase time over the others' median (None when
-    the others spend no time at all in that phase); ``excess_s`` is the extra
-    time per step, averaged over the windows that made the finding.
-    """
-
-    kind: str  # "slow_rank" or "slow_node"
-    rank: int  # -1 for a node
-    node: str
-    ranks: list[int]
-    phase: str  # "compute", "data" or "ckpt"
-    factor: float | None
-    excess_s: float
-    since_step: int
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able form (incident payloads, ``diagnose --json``)."""
-        return asdict(self)
-
-    def describe(self) -> str:
-        """One sentence a person can act on."""
-        return describe_finding(self.to_dict())
-
-
-def _ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if abs(seconds) >= 1:
-        return f"{seconds:.2f} s"
-    if abs(seconds) < 0.01:
-        return f"{seconds * 1000:.1f} ms"
-    return f"{seconds * 1000:.0f} ms"
-
-
-def describe_finding(f: dict[str, Any]) -> str:
-    """The sentence for a finding given as a dict (a Finding's ``to_dict``, or an incident's copy)."""
-    phase = f["phase"]
-    slow = f"{phase}-slow"
-    who = f"rank {f['rank']}" if f["kind"] == "slow_rank" else (
-        f"node {f['node']} (ranks {', '.join(str(r) for r in f['ranks'])})"
-    )
-    ev = f.get("evidence") or {}
-    factor = f.get("factor")
-    what = "forward pass" if ev.get("basis") == "fp" else _PHASE_WORDS.get(phase, phase)
-    if factor is not None:
-        size = f"{factor:.2f}x the others' {what}"
-    else:
-        size = f"{_ms(f['excess_s'])} of {what} per step where the others have none"
-    text = f"{who} is {slow}: {size} since step {f['since_step']}"
-    extra = [f"+{_ms(f['excess_s'])} per step"]
-    if ev.get("comm") is not None and ev.get("others_comm") is not None:
-        extra.append(f"comm wait {_ms(ev['comm'])} vs {_ms(ev['others_comm'])}")
-    if ev.get("basis") == "fp":
-        extra.append("judged by the forward pass" + (": comm markers off" if ev.get("comm") is None else ""))
-    return f"{text} ({'; '.join(extra)})"
 
 
 def _median_without(values: list[float], i: int) -> float:
@@ -171,6 +119,10 @@ def _others_medians(values: dict[int, float]) -> dict[int, float]:
     return {r: _median_without(sorted_vals, i) for i, r in enumerate(order)}
 
 
+# Windows of history a track keeps for its onset and size (a finding needs a few; 64 is ample).
+_HISTORY = 64
+
+
 @dataclass
 class _Track:
     """What the detector remembers about one (rank, phase) or (node, phase)."""
@@ -186,6 +138,16 @@ class _Track:
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     basis: str = ""
+    # (first step, bars, seconds) of each window since the evidence last rose from 0,
+    # the newest last: where the slowdown began and how large it is are read from these.
+    history: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
+    # The windows' median steps before the evidence rose (the job before the slowdown): a few,
+    # as a loaded machine's step time wanders from one window to the next.
+    base_steps: deque[float] = field(default_factory=lambda: deque(maxlen=3))
+
+    @property
+    def base_step(self) -> float:
+        return median(self.base_steps) if self.base_steps else 0.0
 
     def mean(self, key: str) -> float | None:
         n = self.counts.get(key, 0)
@@ -218,7 +180,6 @@ class SlowDetector:
         world_size: int | None = None,
         lag: int = 2,
         min_steps: int = 3,
-        min_fp_share: float = 0.02,
     ) -> None:
         if not 0 < threshold < 1:
             raise ValueError(f"threshold is a fraction of the step time, between 0 and 1, got {threshold}")
@@ -229,7 +190,6 @@ class SlowDetector:
         self.world_size = world_size
         self.lag = max(1, lag)
         self.min_steps = min_steps
-        self.min_fp_share = min_fp_share
         # A node's evidence is its least slow rank's: noise rarely lifts all of
         # them at once, so half a bar less is enough, and it lets the node be
         # reported before its ranks' patience with it runs out.
@@ -333,12 +293,18 @@ class SlowDetector:
         comm_others = _others_medians(comm) if comm_known else {}
         groups = self._node_groups(rows)
         found: list[Finding] = []
+        waited = self._waited_for(rows, step, comm, comm_others)
         for phase in PHASES:
             basis = self._basis(phase, rows, step, comm)
             if basis is None:
                 continue
             values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
             per_rank = self._excess(phase, basis, values, step, comm, comm_others)
+            if basis == "compute" and waited:
+                # What a rank waited for another's data or checkpoint outside the traced collectives
+                # (a script's own all_reduce) shows as its compute: not its own slowness.
+                per_rank = {r: (x - max((w for q, w in waited.items() if q != r), default=0.0), ev)
+                            for r, (x, ev) in per_rank.items()}  # fmt: skip
             fp_excess: dict[int, tuple[float, dict[str, Any]]] = {}
             fpv: dict[int, float] | None = None
             if phase == "compute" and basis == "compute":
@@ -353,7 +319,7 @@ class SlowDetector:
                     x = fp_excess[rank][0]
                     ev = {**fp_excess[rank][1], "comm": ev.get("comm"), "others_comm": ev.get("others_comm")}
                     z = x / bar
-                self._update(self._track(rank, phase), z, x, first, ev)
+                self._update(self._track(rank, phase), z, x, first, ev, step)
             for node, ranks in groups.items():
                 zs, xs = self._node_excess(ranks, values, comm, bar)
                 if fpv is not None:  # the forward pass witnesses for a node as it does for its ranks
@@ -362,11 +328,34 @@ class SlowDetector:
                         zs, xs = fzs, fxs
                 z = min(zs)  # the node is as slow as its least slow rank: all of them, or it is not the node
                 ev = {f"rank{r}": x for r, x in zip(ranks, xs, strict=True)}
-                self._update(self._node_track(node, phase), z, sum(xs) / len(xs), first, ev)
+                self._update(self._node_track(node, phase), z, sum(xs) / len(xs), first, ev, step)
             found.extend(self._decide(phase, per_rank, groups))
         return found
 
-    def _update(self, track: _Track, z: float, x: float, first: int, ev: dict[str, Any]) -> None:
+    def _waited_for(
+        self, rows: dict[int, dict[str, Any]], step: float, comm: dict[int, float], comm_others: dict[int, float]
+    ) -> dict[int, float]:
+        """Per rank, its largest excess this window in data or checkpoint: what the others waited for it.
+
+        The others wait for a rank slow in data or checkpoint; where no marker
+        catches that wait (a collective of the script's own, not DDP's) it reads
+        as their compute. With 2 ranks the other's median is the slow rank
+        itself, so the fast one's compute excess is as large as the slow one's
+        data excess: seen in a real 2-rank job whose rank 1 was slowed in data,
+        where rank 0 was also found "compute-slow" by the same +3.5 ms. (With 3
+        ranks, half of it; from 4 the median of the others holds the wait.)
+        Only with comm markers: without them compute is judged by the forward pass.
+        """
+        if not comm:
+            return {}
+        out: dict[int, float] = {}
+        for phase in ("data", "ckpt"):
+            values = {r: float(s.get(phase) or 0.0) for r, s in rows.items()}
+            for r, (x, _) in self._excess(phase, phase, values, step, comm, comm_others).items():
+                out[r] = max(out.get(r, 0.0), x)
+        return {r: x for r, x in out.items() if x > 0}
+
+    def _update(self, track: _Track, z: float, x: float, first: int, ev: dict[str, Any], step: float) -> None:
         """Add one window's excess (``z`` in bars, ``x`` in seconds) to a rank's or node's evidence."""
         before = track.evidence
         gain = min(z, 2.0) - self.slack
@@ -380,6 +369,8 @@ class SlowDetector:
             if before == 0:
                 track.since, track.run_sum, track.run_n = first, 0.0, 0
                 track.sums, track.counts = {}, {}
+                track.history.clear()
+            track.history.append((first, z, x))
             track.run_sum += x
             track.run_n += 1
             if gain > 0:  # the numbers of the windows that were slow, not of those in between
@@ -390,6 +381,8 @@ class SlowDetector:
                         track.counts[key] = track.counts.get(key, 0) + 1
         else:
             track.run_sum, track.run_n, track.deferred = 0.0, 0, 0
+            if not track.active:
+                track.base_steps.append(step)
 
     def _decide(
         self, phase: str, per_rank: dict[int, tuple[float, dict[str, Any]]], groups: dict[str, list[int]]
@@ -472,8 +465,10 @@ class SlowDetector:
             return phase
         # Without comm records compute includes the wait for the slowest rank:
         # judge by the forward pass, the one piece of compute measured alone.
-        fp = sorted(float(s.get("fp") or 0.0) for s in rows.values())
-        return "fp" if median(fp) >= self.min_fp_share * step else None
+        # Whatever share of the step it is: excess is measured in bars of the step, so a
+        # forward pass that is a sliver of a long step cannot make noise look like a bar.
+        fp = [float(s.get("fp") or 0.0) for s in rows.values()]
+        return "fp" if median(fp) > 0 else None
 
     def _excess(
         self,
@@ -536,10 +531,11 @@ class SlowDetector:
         ev["longest"] = track.sums.get("longest", 0.0) == track.counts.get("longest", -1)
         if "shortest_comm" in track.counts:
             ev["shortest_comm"] = track.sums["shortest_comm"] == track.counts["shortest_comm"]
+        since, excess = self._onset(track)
         return Finding(
             kind="slow_rank", rank=rank, node=self.nodes.get(rank, ""), ranks=[rank], phase=phase,
-            factor=self._factor(ev), excess_s=round(track.run_sum / max(1, track.run_n), 6),
-            since_step=track.since, evidence=ev,
+            factor=self._factor(ev), excess_s=round(excess, 6), since_step=since,
+            step_factor=_step_factor(track.base_step, excess), evidence=ev,
         )  # fmt: skip
 
     def _node_finding(self, node: str, ranks: list[int], phase: str, nt: _Track) -> Finding:
@@ -556,11 +552,16 @@ class SlowDetector:
         ev["windows"] = nt.run_n
         ev["evidence"] = round(nt.evidence, 3)
         ev["per_rank_excess"] = {str(r): _round(nt.mean(f"rank{r}")) for r in ranks}
+        since, excess = self._onset(nt)
         return Finding(
             kind="slow_node", rank=-1, node=node, ranks=list(ranks), phase=phase,
-            factor=self._factor(ev), excess_s=round(nt.run_sum / max(1, nt.run_n), 6),
-            since_step=nt.since, evidence=ev,
+            factor=self._factor(ev), excess_s=round(excess, 6), since_step=since,
+            step_factor=_step_factor(nt.base_step, excess), evidence=ev,
         )  # fmt: skip
+
+    def _onset(self, track: _Track) -> tuple[int, float]:
+        found = onset(track.history)
+        return found if found is not None else (track.since, track.run_sum / max(1, track.run_n))
 
     # --- for reports ----------------------------------------------------------
 
@@ -573,6 +574,10 @@ class SlowDetector:
 
     def _node_ranks(self, node: str) -> list[int]:
         return [r for r, n in self.nodes.items() if n == node]
+
+
+def _step_factor(base_step: float, excess: float) -> float | None:
+    return round((base_step + excess) / base_step, 4) if base_step > 0 else None
 
 
 def _round(v: Any) -> Any:

@@ -9,8 +9,9 @@ What it shows, in the order someone chasing a slow job reads it:
 1. the findings, each in a sentence and with the numbers that convinced the
    detector;
 2. the ranks ranked by how far each stands from the others;
-3. a rank x step heat map of step time (when the job got slow), and one of
-   compute (or forward time without comm markers: who made it slow);
+3. a rank x step heat map of every phase measured: step time (when the job
+   got slow), forward pass, compute, collective wait, data-loader wait and
+   checkpoint stall (who made it slow, and in what), the findings' onsets marked;
 4. per rank, compute against collective wait (stacked with data and
    checkpoint time): the slow rank computes longest and waits least;
 5. data-loader waits and checkpoint stalls over the steps, the outliers marked.
@@ -67,8 +68,22 @@ def _esc(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _heatmap(table: TraceTable, attr: str, title: str) -> str | None:
-    """A rank x step image of one phase (seconds), binned when there are many steps."""
+# Every phase the markers measure, in the order a reader wants them: the heat maps drawn.
+PHASE_PLOTS = (
+    ("step", "step time"),
+    ("fp", "forward pass"),
+    ("compute", "compute (step less data, checkpoint and collective wait)"),
+    ("comm", "collective wait"),
+    ("data", "data-loader wait"),
+    ("ckpt", "checkpoint stall (the training loop's part of a save)"),
+)
+
+
+def _heatmap(table: TraceTable, attr: str, title: str, marks: list[int] | None = None) -> str | None:
+    """A rank x step image of one phase (seconds), binned when there are many steps; None when never measured.
+
+    ``marks``: steps to draw a dashed line at (where findings say a slowdown began).
+    """
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -84,8 +99,8 @@ def _heatmap(table: TraceTable, attr: str, title: str) -> str | None:
             value = getattr(row.phases, attr)
             if value is not None:
                 grid[i, row.step - first] = value
-    if np.all(np.isnan(grid)):
-        return None
+    if np.all(np.isnan(grid)) or not np.any(grid[np.isfinite(grid)] > 0):
+        return None  # a phase the job never had (no comm markers, no checkpoint): nothing to show
     per_bin = max(1, math.ceil(width / MAX_HEATMAP_COLUMNS))
     if per_bin > 1:
         cols = math.ceil(width / per_bin)
@@ -109,6 +124,8 @@ def _heatmap(table: TraceTable, attr: str, title: str) -> str | None:
     ax.set_ylabel("rank")
     ax.set_xlabel("step" + (f" (bins of {per_bin} steps, median)" if per_bin > 1 else ""))
     ax.set_title(title)
+    for step in marks or []:
+        ax.axvline(step - 0.5, color="#2aa1ff", linestyle="--", linewidth=1.2)
     fig.colorbar(im, ax=ax, label="ms", pad=0.01)
     uri = _fig_png(fig)
     plt.close(fig)
@@ -186,7 +203,9 @@ def _finding_html(f: Finding) -> str:
         ("judged by", ev.get("basis")),
         ("its value, ms per step", _ms(ev.get("value"))),
         ("the others' median, ms", _ms(ev.get("others_median"))),
+        ("since step", f.since_step),
         ("excess, ms per step", _ms(f.excess_s)),
+        ("its steps over the job's before", "-" if f.step_factor is None else f"{f.step_factor:.2f}x"),
         ("bar (threshold x step), ms", _ms(ev.get("bar"))),
         ("step time, ms", _ms(ev.get("step"))),
     ]
@@ -252,14 +271,16 @@ def render_report(table: TraceTable, findings: list[Finding]) -> str:
     out.append("</table><p class=note>score: the rank's largest excess over the others' median in any phase, "
                "as a share of the step time (compute counts only when it also waits least in the collectives).</p>")
 
-    out.append("<h2>Step time and compute, rank x step</h2>")
-    for attr, title in (("step", "step time"),
-                        ("compute" if table.comm_known else "fp",
-                         "compute (step less data, checkpoint and collective wait)" if table.comm_known
-                         else "forward pass (comm markers off)")):  # fmt: skip
-        uri = _heatmap(table, attr, title)
+    out.append("<h2>Every phase, rank x step</h2>")
+    marks = sorted({f.since_step for f in findings})
+    for attr, title in PHASE_PLOTS:
+        if attr == "compute" and not table.comm_known:
+            title = "compute (comm markers off: it includes the wait for the slowest rank)"
+        uri = _heatmap(table, attr, title, marks)
         if uri:
-            out.append(f"<p><img alt='{_esc(title)} heat map' src='{uri}'></p>")
+            out.append(f"<p><img alt='{_esc(attr)}: {_esc(title)} heat map' src='{uri}'></p>")
+    if marks:
+        out.append("<p class=note>Dashed lines: the step each finding says the slowdown began.</p>")
 
     out.append("<h2>Compute vs collective wait</h2>")
     uri = _stacked(table)
