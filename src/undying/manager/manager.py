@@ -25,6 +25,7 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.commands import Injector
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
+from undying.manager.divergence import Divergence
 from undying.manager.events import EventLog
 from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries, Recovery
@@ -52,6 +53,7 @@ from undying.protocol.worker_wire import (
     FaultInjected,
     Hello,
     Progress,
+    StepBegun,
     StepCommitted,
     StopProposal,
     Terminated,
@@ -79,6 +81,7 @@ class Manager:
         self.gasp = Preemption(core, self.checkpoints)
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
+        self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({
@@ -87,6 +90,7 @@ class Manager:
             FaultInjected: self._on_fault_injected, Fatal: self._on_fatal, CheckpointSaved: self._on_checkpoint,
             StopProposal: self._on_stop_proposal, Terminated: self._on_terminated,
             RankSpawned: self._on_rank_spawned, SpareEvent: self._on_spare_event, Done: self._on_done,
+            StepBegun: self.divergence.on_begun,
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
             return  # restore() reads the job back from its log
@@ -409,6 +413,7 @@ class Manager:
         self.events.event(message.phase, generation=message.generation, rank=message.rank, step=message.step,
                           **message.detail)
         self.checkpoints.on_state_reported(message.phase, message.detail)
+        self.divergence.on_progress(message)
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
 

@@ -29,6 +29,7 @@ from undying.protocol.worker_wire import (
     FaultInjected,
     Hello,
     Progress,
+    StepBegun,
     StepCommitted,
     StopProposal,
     Terminated,
@@ -343,7 +344,7 @@ class JobEnded(Message, frozen=True):
 
 
 FromAgent = AgentJoin | NumberedReports
-Report = (Hello | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
+Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
           | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
           | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
 ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank | KillRank | TellRank

@@ -17,7 +17,7 @@ from typing import Any
 from undying.protocol.codec import Codec, Message, members
 
 __all__ = [
-    "Hello", "Heartbeat", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
+    "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
     "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady", "SpareTaken",
     "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
     "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker", "decode_to_worker",
@@ -56,6 +56,22 @@ class Heartbeat(Message, frozen=True):
     step: int = 0
     collectives: int = -1
     progress_t: float = 0.0
+
+
+class StepBegun(Message, frozen=True):
+    """A rank began a step with this batch: ``batch`` fingerprints it (``undying.worker.fingerprint``).
+
+    Sent when the step's batch is known (``step.batch``, or what the script
+    hands to ``step.uses``), so the batch of a step a rank died in is on record:
+    the rank that re-runs that step must begin it with the same batch, or the
+    run after the fault is not the run it replaces (the manager's
+    ``divergence``).
+    """
+
+    rank: int
+    generation: int
+    step: int
+    batch: str
 
 
 class StepCommitted(Message, frozen=True):
@@ -252,14 +268,14 @@ class TraceSet(Message, frozen=True):
     comm_from_step: int = 0
 
 
-WorkerReport = (Hello | Heartbeat | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
+WorkerReport = (Hello | Heartbeat | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
                 | Done | CheckpointSaved | Terminated | StopProposal | SpareReady | SpareTaken)
 WorkerCommand = Preempt | StopAt | Stop | Assign | Abort | ArmFault | TraceSet
 
 # A worker's reports about the job, which its agent forwards to the manager as they came.
 FORWARDED: tuple[type[Message], ...] = (
-    Hello, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done, CheckpointSaved,
-    Terminated, StopProposal,
+    Hello, StepBegun, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done,
+    CheckpointSaved, Terminated, StopProposal,
 )
 
 COMMANDS = members(WorkerCommand)
