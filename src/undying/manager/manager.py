@@ -16,6 +16,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from itertools import repeat
 from typing import Any
 
@@ -66,7 +67,7 @@ __all__ = ["Manager", "AgentHandle"]
 log = logging.getLogger("undying.manager")
 
 # A commit as the log's steps table takes it: rank, step, generation, time, metrics.
-CommitRow = tuple[int, int, int, float, dict[str, float]]
+CommitRow = tuple[int, int, int, float, Mapping[str, float | str]]  # ("inf", "nan": as the wire carries them)
 
 
 class Manager:

@@ -28,6 +28,7 @@ from undying.protocol.worker_wire import (
     Fatal,
     FaultInjected,
     Hello,
+    Metric,
     Progress,
     StepBegun,
     StepCommitted,
@@ -184,7 +185,7 @@ class NodeStep(Message, frozen=True):
     step: int
     ranks: list[int]
     t: list[float]
-    metrics: list[dict[str, float]]
+    metrics: list[dict[str, Metric]]
     fingerprints: list[str] = []
 
     def __post_init__(self) -> None:

@@ -46,6 +46,7 @@ from undying.protocol.worker_wire import (
     Stop,
     StopAt,
     TraceSet,
+    wire_metrics,
 )
 from undying.worker import rng
 from undying.worker.channel import AgentChannel
@@ -396,7 +397,8 @@ class Job:
         self.ctx.phase = "step"
         self.tracing.committed(step.index)
         if self.managed:
-            self._send(StepCommitted(self.rank, self.generation, step.index, time.time(), step.metrics))
+            self._send(StepCommitted(self.rank, self.generation, step.index, time.time(),
+                                     wire_metrics(step.metrics)))
 
     def _check_state_loadable(self, state: State, index: int) -> None:
         """Once, at the first commit: a state that weights_only=True would refuse fails now, by name."""
