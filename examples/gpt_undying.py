@@ -31,8 +31,9 @@ grad_clip = 1.0
 
 def prepare(data_dir: str) -> int:
     """Make a text file (no download) and tokenize it by characters into train.bin and val.bin; the vocab size."""
-    words = ("the quick brown fox jumps over a lazy dog while seven wise owls watch quietly from old oak "
-             "trees and the river runs past green hills toward the silver sea under bright morning light").split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wise",
+             "owls", "watch", "quietly", "from", "old", "oak", "trees", "and", "river", "runs", "past", "green",
+             "hills", "toward", "silver", "sea", "under", "bright", "morning", "light"]
     rng = random.Random(0)
     text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + "." for _ in range(3000))
     chars = sorted(set(text))
