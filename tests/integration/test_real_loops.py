@@ -15,6 +15,7 @@ and plain variables in job.state.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(job_dir: Path, args: Sequence[str], faults: Sequence[FaultPlan] = (),
-         extra: Sequence[str] = ()) -> tuple[RunRecord, str]:
-    rc = run_job(job_dir, list(args), ranks=2, script=LOOP, faults=faults, timeout_s=170,
+         extra: Sequence[str] = (), timeout_s: float = 170) -> tuple[RunRecord, str]:
+    rc = run_job(job_dir, list(args), ranks=2, script=LOOP, faults=faults, timeout_s=timeout_s,
                  extra_run_args=["--spares", "0", *extra])
     log = (job_dir.parent / f"{job_dir.name}.log").read_text(errors="replace")
     assert rc == 0, f"the job exited {rc}\n{log[-3000:]}"
@@ -92,3 +93,17 @@ def _commits(job_dir: Path) -> list[dict[str, Any]]:
 
     with LogReader(job_dir / "events.db") as reader:
         return [c.to_dict() for c in reader.commits()]
+
+
+@pytest.mark.skipif(os.environ.get("UNDYING_SLOW_TESTS") != "1",
+                    reason="torch.compile takes about a minute per process on a 2-core machine (the job, its "
+                    "replacement and the fault-free reference each compile): run with UNDYING_SLOW_TESTS=1")
+@pytest.mark.timeout(1200)
+def test_a_compiled_model_recovers_identically(tmp_path: Path, tokens: Path) -> None:
+    args = ["--tokens", str(tokens), "--compile", "--steps", "6"]
+    extra = ["--init-timeout", "400"]
+    baseline, _ = _run(tmp_path / "base", args, extra=extra, timeout_s=500)
+    faulty, log = _run(tmp_path / "job", args, [crash(1, 4, "backward")], extra=extra, timeout_s=500)
+    comparison = compare_runs(baseline, faulty)
+    assert comparison.identical, f"{comparison.reasons}\n{log[-2000:]}"
+    assert _kinds(faulty) == [("crash", 1, "recovered")]
