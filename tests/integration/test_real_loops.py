@@ -26,6 +26,7 @@ import pytest
 from tests.oracle import crash
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.oracle import RunRecord, compare_runs, load_run
+from undying.manager.events import LogReader
 
 LOOP = Path(__file__).resolve().parent / "loops" / "loop.py"
 
@@ -62,6 +63,8 @@ def test_an_unseeded_dataset_ends_in_a_diverged_incident(tmp_path: Path) -> None
     assert (incident["rank"], incident["detail"]["fingerprint"]) == (1, "batch")
     assert incident["step"] >= 5 and "another batch" in incident["error"]
     assert ("crash", 1, "recovered") in _kinds(run)
+    with LogReader(tmp_path / "job" / "events.db") as reader:
+        assert "warning: the run diverged after a fault (rank 1 at step" in reader.job()["exit_reason"]
 
 
 def test_a_prefetching_loop_ends_in_a_diverged_incident(tmp_path: Path, tokens: Path) -> None:
@@ -89,8 +92,6 @@ def test_the_fixed_loops_recover_identically(tmp_path: Path, tokens: Path, args:
 
 
 def _commits(job_dir: Path) -> list[dict[str, Any]]:
-    from undying.manager.events import LogReader
-
     with LogReader(job_dir / "events.db") as reader:
         return [c.to_dict() for c in reader.commits()]
 

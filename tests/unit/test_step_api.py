@@ -130,6 +130,7 @@ def test_a_rerun_step_with_another_batch_is_a_diverged_incident(tmp_path: Path) 
     assert (incident.kind, incident.rank, incident.step, incident.status) == ("diverged", 1, 7, "observed")
     assert incident.detail["fingerprint"] == "batch"  # type: ignore[typeddict-item]
     assert "rank 1 began step 7 with another batch" in incident.error
+    assert divergence.warning().startswith("; warning: the run diverged after a fault (rank 1 at step 7)")
     events.flush()
     with LogReader(tmp_path / "events.db") as reader:
         assert [i["kind"] for i in reader.incidents()] == ["diverged"]
@@ -137,6 +138,7 @@ def test_a_rerun_step_with_another_batch_is_a_diverged_incident(tmp_path: Path) 
 
 def test_a_restored_state_that_is_not_its_donors_is_a_diverged_incident(tmp_path: Path) -> None:
     divergence, _ = _divergence(tmp_path)
+    assert divergence.warning() == ""
     divergence.on_progress(Progress(1, 1, "state_loaded", 0.0, step=5, detail={"digest": "x", "donor_digest": "x"}))
     divergence.on_progress(Progress(1, 1, "state_restored", 0.0, step=5, detail={"donor": 0}))
     assert divergence.core.incidents == []
@@ -144,3 +146,29 @@ def test_a_restored_state_that_is_not_its_donors_is_a_diverged_incident(tmp_path
     [incident] = divergence.core.incidents
     assert (incident.kind, incident.rank, incident.step) == ("diverged", 1, 5)
     assert incident.detail["fingerprint"] == "state"  # type: ignore[typeddict-item]
+
+
+def test_plain_variables_a_scaler_and_an_ema_copy_are_saved_as_plain_data() -> None:
+    """What a script keeps across steps, in job.state: loaded back with weights_only=True, bit for bit."""
+    import copy
+    import io
+
+    def build(seed: int) -> tuple[State, dict[str, float], torch.amp.GradScaler, torch.nn.Module]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        run = {"iter_num": seed, "best_val_loss": 1e9 - seed, "tokens_seen": 10 * seed}
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (10 + seed))
+        ema = copy.deepcopy(model)
+        return State(model=model, run=run, scaler=scaler, ema=ema), run, scaler, ema
+
+    saved, run, scaler, ema = build(1)
+    scaler.scale(torch.ones(1))  # its scale exists from its first use
+    scaler.update(new_scale=123.0)
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    loaded, run2, scaler2, ema2 = build(2)
+    loaded.load_state_dict(torch.load(buffer, weights_only=True))
+    assert run2 == run and scaler2.get_scale() == 123.0
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), ema2.parameters(), strict=True))
+    assert loaded.digest() == saved.digest()

@@ -81,6 +81,15 @@ class Divergence:
                        f"rank {message.rank}'s state at step {message.step}, loaded from a peer, is not the "
                        f"state it was sent (fingerprint {str(mine)[:16]}, the donor's {str(donor)[:16]})")
 
+    def warning(self) -> str:
+        """What the job's end says of a run that diverged ("" when none did): it is not the run without faults."""
+        found = sorted({(rank, step) for rank, step, _ in self._said})
+        if not found:
+            return ""
+        where = ", ".join(f"rank {rank} at step {step}" for rank, step in found[:5])
+        return (f"; warning: the run diverged after a fault ({where}{', ...' if len(found) > 5 else ''}): its losses "
+                "are not those of the run without it (see the diverged incidents)")
+
     def _diverged(self, rank: int, step: int, which: str, expected: str, got: str, what: str) -> None:
         if (rank, step, which) in self._said:
             return

@@ -520,7 +520,7 @@ class Manager:
             last = self.checkpoints.last["step"] if self.checkpoints.last else \
                 self.checkpoints.resumed_from["step"] if self.checkpoints.resumed_from else None
             core.exit_reason = "every rank finished its last step" + core.health.warning(core.book.newest_step(),
-                                                                                          last)
+                                                                                          last) + self.divergence.warning()
             core.move(JobState.STOPPING)
             core.end(JobState.SUCCEEDED)
 
