@@ -5,7 +5,8 @@ with the one reported for the same rank and step before a fault
 (``manager.divergence``): a replacement, or a survivor re-running the step,
 must draw the same batch, or its losses are not those of the run it replaces.
 
-Tensors on the CPU are hashed whole (BLAKE2b over their bytes); a tensor on an accelerator is summarized on its device (its
+Tensors on the CPU are hashed whole (BLAKE2b over their bytes, with their
+dtype and shape); a tensor on an accelerator is summarized on its device (its
 shape, dtype and two sums, one weighted by position) so that no batch is
 copied to the host every step. Other values are hashed by their ``repr``.
 """
