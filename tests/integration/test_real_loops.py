@@ -4,7 +4,9 @@ Each job is ``loops/loop.py`` on 2 ranks (CPU, gloo), a dozen steps. Two
 habits break identical recovery: a dataset from an unseeded generator, and a
 batch fetched at the end of the previous step (prefetch). After a SIGKILL of
 one rank, each ends with a ``diverged`` incident naming the rank, the step
-and the fingerprint, never with the crash merely "recovered". Their fixed
+and the fingerprint, never with the crash merely "recovered"; so does a
+layer whose ``load_state_dict`` restores nothing (the replacement's state is
+not its donor's). Their fixed
 versions (the dataset built after ``undying.init()``, which seeds it; the
 batch drawn inside the step) recover with every loss identical, bit for bit,
 to the run without the fault: the fixed draw loop with gradient accumulation
@@ -71,6 +73,13 @@ def test_a_prefetching_loop_ends_in_a_diverged_incident(tmp_path: Path, tokens: 
     run, _ = _run(tmp_path / "job", ["--tokens", str(tokens), "--fetch", "prefetch"], [crash(0, 5, "backward")])
     incident = _diverged(run)
     assert (incident["rank"], incident["step"], incident["detail"]["fingerprint"]) == (0, 5, "batch")
+
+
+def test_a_state_that_does_not_load_back_ends_in_a_diverged_incident(tmp_path: Path, tokens: Path) -> None:
+    run, _ = _run(tmp_path / "job", ["--tokens", str(tokens), "--lossy-load"], [crash(1, 5, "backward")])
+    incident = _diverged(run)
+    assert (incident["rank"], incident["detail"]["fingerprint"]) == (1, "state")
+    assert "loaded from a peer, is not the state it was sent" in incident["error"]
 
 
 @pytest.mark.parametrize("args", [

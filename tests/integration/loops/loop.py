@@ -13,7 +13,8 @@ clipping, an EMA copy of the model, evaluation every N steps outside the step
 dict in job.state. Two habits break identical recovery, on purpose, for the
 test that shows they are detected: ``--data unseeded`` (a dataset from an
 unseeded generator) and ``--fetch prefetch`` (the next batch fetched at the
-end of a step).
+end of a step); and ``--lossy-load``, a layer whose ``load_state_dict``
+restores nothing, breaks the state a replacement receives.
 """
 
 import argparse
@@ -41,6 +42,7 @@ p.add_argument("--amp", action="store_true")
 p.add_argument("--inf-at", type=int, default=0, help="make this step's gradients inf (the scaler skips it)")
 p.add_argument("--eval-every", type=int, default=0)
 p.add_argument("--compile", action="store_true")
+p.add_argument("--lossy-load", action="store_true", help="a layer whose load_state_dict restores nothing")
 args = p.parse_args()
 
 VOCAB, BLOCK, BATCH = 64, 8, 4
@@ -67,7 +69,15 @@ def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-model = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, VOCAB))
+class Forgetful(nn.Linear):
+    """A layer whose load_state_dict keeps what it has: a state that does not survive a transfer."""
+
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+hidden = Forgetful(32, 32) if args.lossy_load else nn.Linear(32, 32)
+model = nn.Sequential(nn.Embedding(VOCAB, 32), hidden, nn.GELU(), nn.Linear(32, VOCAB))
 ema = copy.deepcopy(model)
 ddp = job.ddp(torch.compile(model) if args.compile else model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
