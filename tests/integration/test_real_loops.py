@@ -89,12 +89,15 @@ def test_a_state_that_does_not_load_back_ends_in_a_diverged_incident(tmp_path: P
 def test_the_fixed_loops_recover_identically(tmp_path: Path, tokens: Path, args: list[str]) -> None:
     args = ["--tokens", str(tokens), *args]
     baseline, _ = _run(tmp_path / "base", args)
-    faulty, log = _run(tmp_path / "job", args, [crash(1, 6, "backward")])
+    # Rank 0 dies: its replacement logs what it restored (the scaler's scale, the EMA's best validation
+    # loss, the plain variables' token count), each compared with the run without the fault.
+    faulty, log = _run(tmp_path / "job", args, [crash(0, 6, "backward")])
     comparison = compare_runs(baseline, faulty)
     assert comparison.identical, f"{comparison.reasons}\n{log[-2000:]}"
-    assert _kinds(faulty) == [("crash", 1, "recovered")]
+    assert _kinds(faulty) == [("crash", 0, "recovered")]
+    commits = {c["step"]: c["metrics"] for c in _commits(tmp_path / "job") if c["rank"] == 0}
+    assert commits == {c["step"]: c["metrics"] for c in _commits(tmp_path / "base") if c["rank"] == 0}
     if "--amp" in args:
-        commits = {c["step"]: c["metrics"] for c in _commits(tmp_path / "job") if c["metrics"]}
         assert commits[3]["loss"] == float("inf") and commits[4]["scale"] == commits[2]["scale"] / 2, \
             "the step the scaler skipped is counted, and the scaler's state carried"
         assert len(commits) == 12 and commits[12]["best_val"] < 1e9  # evaluation ran, outside the 12 steps
