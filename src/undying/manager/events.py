@@ -24,7 +24,7 @@ import sqlite3
 import time
 import urllib.parse
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -74,16 +74,16 @@ CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 _encode_json = msgspec.json.Encoder().encode
 
 
-def _metrics_json(metrics: dict[str, float]) -> str:
+def _metrics_json(metrics: Mapping[str, float | str]) -> str:
     """A commit's metrics as the steps table keeps them (JSON text), on the path of every rank's every step.
 
     msgspec writes it 30x faster than ``json.dumps``; but it writes NaN and
     infinities as null, and a NaN loss must read back as NaN (the oracle
     compares losses), so those rare rows take ``json.dumps``, which keeps them.
     """
-    if all(math.isfinite(v) for v in metrics.values()):
+    if all(not isinstance(v, str) and math.isfinite(v) for v in metrics.values()):
         return _encode_json(metrics).decode()
-    return json.dumps(metrics)
+    return json.dumps({k: float(v) for k, v in metrics.items()})  # ("inf", "nan": how the wire carries them)
 
 
 @dataclass(frozen=True)
@@ -265,14 +265,14 @@ class EventLog:
         )
         self._dirty = True
 
-    def step(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
+    def step(self, rank: int, step: int, generation: int, t: float, metrics: Mapping[str, float | str]) -> None:
         self._exec(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
             (rank, step, generation, t, _metrics_json(metrics)),
         )
         self._dirty = True
 
-    def steps(self, rows: list[tuple[int, int, int, float, dict[str, float]]]) -> None:
+    def steps(self, rows: Sequence[tuple[int, int, int, float, Mapping[str, float | str]]]) -> None:
         """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
         self._exec_many(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",

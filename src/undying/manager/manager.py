@@ -16,6 +16,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from itertools import repeat
 from typing import Any
 
@@ -25,6 +26,7 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.commands import Injector
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
+from undying.manager.divergence import Divergence
 from undying.manager.events import EventLog
 from undying.manager.history import RunHistory
 from undying.manager.preemption import Preemption
@@ -53,11 +55,13 @@ from undying.protocol.worker_wire import (
     FaultInjected,
     Hello,
     Progress,
+    StepBegun,
     StepCommitted,
     StopProposal,
     Terminated,
     TraceSet,
     TraceSummary,
+    float_metrics,
 )
 
 __all__ = ["Manager", "AgentHandle"]
@@ -65,7 +69,7 @@ __all__ = ["Manager", "AgentHandle"]
 log = logging.getLogger("undying.manager")
 
 # A commit as the log's steps table takes it: rank, step, generation, time, metrics.
-CommitRow = tuple[int, int, int, float, dict[str, float]]
+CommitRow = tuple[int, int, int, float, Mapping[str, float | str]]  # ("inf", "nan": as the wire carries them)
 
 
 class Manager:
@@ -81,6 +85,7 @@ class Manager:
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
         self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
+        self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({
@@ -89,6 +94,7 @@ class Manager:
             FaultInjected: self._on_fault_injected, Fatal: self._on_fatal, CheckpointSaved: self._on_checkpoint,
             StopProposal: self._on_stop_proposal, Terminated: self._on_terminated,
             RankSpawned: self._on_rank_spawned, SpareEvent: self._on_spare_event, Done: self._on_done,
+            StepBegun: self.divergence.on_begun,
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
             return  # restore() reads the job back from its log
@@ -374,17 +380,19 @@ class Manager:
 
     def _on_commits(self, rows: list[CommitRow]) -> None:
         ranks = self.ranks
-        rows = [row for row in rows if row[0] in ranks]  # (not a process numbered before a regroup)
-        self.events.steps(rows)
-        self.history.commits(rows, self.world_size)
-        for rank, step, generation, t, metrics in rows:
+        numbers = [(rank, step, generation, t, float_metrics(metrics)) for rank, step, generation, t, metrics in rows
+                   if rank in ranks]  # (not a process numbered before a regroup)
+        self.events.steps(numbers)
+        self.history.commits(numbers, self.world_size)
+        for rank, step, generation, t, metrics in numbers:
             self._commit(rank, step, generation, t, metrics)
         self.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
 
     def _on_commit(self, message: StepCommitted) -> None:
-        self.events.step(message.rank, message.step, message.generation, message.t, message.metrics)
-        self.history.commit(message.rank, message.step, message.t, message.metrics, self.world_size)
-        self._commit(message.rank, message.step, message.generation, message.t, message.metrics)
+        metrics = float_metrics(message.metrics)
+        self.events.step(message.rank, message.step, message.generation, message.t, metrics)
+        self.history.commit(message.rank, message.step, message.t, metrics, self.world_size)
+        self._commit(message.rank, message.step, message.generation, message.t, metrics)
 
     def _commit(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
         core = self.core
@@ -416,6 +424,7 @@ class Manager:
                           **message.detail)
         self.checkpoints.on_state_reported(message.phase, message.detail)
         self.core.clock.reported(message.phase, message.detail)
+        self.divergence.on_progress(message)
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
 
@@ -523,7 +532,7 @@ class Manager:
             last = self.checkpoints.last["step"] if self.checkpoints.last else \
                 self.checkpoints.resumed_from["step"] if self.checkpoints.resumed_from else None
             core.exit_reason = "every rank finished its last step" + core.health.warning(core.book.newest_step(),
-                                                                                          last)
+                                                                                          last) + self.divergence.warning()
             core.move(JobState.STOPPING)
             core.end(JobState.SUCCEEDED)
 

@@ -103,6 +103,7 @@ class IncidentKind(enum.StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"  # saves fail (a full disk): retried at the next save
     SLOW_RANK = "slow_rank"  # found by slow-rank detection
     SLOW_NODE = "slow_node"
+    DIVERGED = "diverged"  # a re-run step's batch, or a restored state, is not the one it replaces (divergence)
 
 
 class IncidentStatus(enum.StrEnum):

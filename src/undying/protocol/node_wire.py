@@ -28,7 +28,9 @@ from undying.protocol.worker_wire import (
     Fatal,
     FaultInjected,
     Hello,
+    Metric,
     Progress,
+    StepBegun,
     StepCommitted,
     StopProposal,
     Terminated,
@@ -183,7 +185,7 @@ class NodeStep(Message, frozen=True):
     step: int
     ranks: list[int]
     t: list[float]
-    metrics: list[dict[str, float]]
+    metrics: list[dict[str, Metric]]
     fingerprints: list[str] = []
 
     def __post_init__(self) -> None:
@@ -343,7 +345,7 @@ class JobEnded(Message, frozen=True):
 
 
 FromAgent = AgentJoin | NumberedReports
-Report = (Hello | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
+Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
           | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
           | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
 ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank | KillRank | TellRank

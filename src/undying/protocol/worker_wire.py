@@ -10,18 +10,21 @@ spare's own words stay with the agent.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from undying.protocol.codec import Codec, Message, members
 
 __all__ = [
-    "Hello", "Heartbeat", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
+    "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
     "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady", "SpareTaken",
     "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
     "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker", "decode_to_worker",
-    "spare_beat_interval",
+    "spare_beat_interval", "Metric", "wire_metrics",
 ]
 
 
@@ -58,14 +61,62 @@ class Heartbeat(Message, frozen=True):
     progress_t: float = 0.0
 
 
+class StepBegun(Message, frozen=True):
+    """A rank began a step with this batch: ``batch`` fingerprints it (``undying.worker.fingerprint``).
+
+    Sent when the step's batch is known (``step.batch``, or what the script
+    hands to ``step.uses``), so the batch of a step a rank died in is on record:
+    the rank that re-runs that step must begin it with the same batch, or the
+    run after the fault is not the run it replaces (the manager's
+    ``divergence``).
+    """
+
+    rank: int
+    generation: int
+    step: int
+    batch: str
+
+
+Metric = str | float  # a step.log value: a number, or "inf", "-inf", "nan" (JSON has no such numbers)
+
+
+def wire_metrics(metrics: Mapping[str, float | str]) -> dict[str, Metric]:
+    """Metrics as they travel and are kept: a non-finite number as its name, which JSON can carry.
+
+    A loss of ``inf`` (a step whose gradients a GradScaler skipped) would be
+    ``null`` in JSON, and no float: the commit would be refused at the agent.
+    """
+    return {name: value if not isinstance(value, float) or math.isfinite(value) else repr(value)
+            for name, value in metrics.items()}
+
+
+def float_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
+    """Metrics as numbers again (``wire_metrics`` undone): what the manager computes and logs with."""
+    return {name: float(value) for name, value in metrics.items()}
+
+
 class StepCommitted(Message, frozen=True):
-    """A rank finished a step's body: its state is now at ``step``."""
+    """A rank finished a step's body: its state is now at ``step``.
+
+    ``metrics``: what the step logged (``step.log``), by name; a non-finite
+    value travels as ``"inf"``, ``"-inf"`` or ``"nan"`` (``wire_metrics``).
+    """
 
     rank: int
     generation: int
     step: int
     t: float
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Metric] = {}
+
+    def __post_init__(self) -> None:
+        if any(isinstance(v, float) and not math.isfinite(v) for v in self.metrics.values()):
+            msgspec.structs.force_setattr(self, "metrics", wire_metrics(self.metrics))
+        for name, value in self.metrics.items():
+            if isinstance(value, str) and value not in _NON_FINITE:
+                raise ValueError(f"metric {name!r} is {value!r}: a number, or one of {', '.join(_NON_FINITE)}")
+
+
+_NON_FINITE = ("inf", "-inf", "nan")
 
 
 class Progress(Message, frozen=True):
@@ -252,14 +303,14 @@ class TraceSet(Message, frozen=True):
     comm_from_step: int = 0
 
 
-WorkerReport = (Hello | Heartbeat | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
+WorkerReport = (Hello | Heartbeat | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
                 | Done | CheckpointSaved | Terminated | StopProposal | SpareReady | SpareTaken)
 WorkerCommand = Preempt | StopAt | Stop | Assign | Abort | ArmFault | TraceSet
 
 # A worker's reports about the job, which its agent forwards to the manager as they came.
 FORWARDED: tuple[type[Message], ...] = (
-    Hello, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done, CheckpointSaved,
-    Terminated, StopProposal,
+    Hello, StepBegun, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done,
+    CheckpointSaved, Terminated, StopProposal,
 )
 
 COMMANDS = members(WorkerCommand)

@@ -10,12 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from undying.worker.job import Job, Step, init
+    from undying.worker.job import Job, init
     from undying.worker.state import State
+    from undying.worker.step import Step
 
 __all__ = ["Job", "Step", "init", "State"]
 
-_WHERE = {"Job": "job", "Step": "job", "init": "job", "State": "state"}
+_WHERE = {"Job": "job", "Step": "step", "init": "job", "State": "state"}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,6 @@ propagates, so the process exits and the manager's policy decides.
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import logging
 import os
@@ -22,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -43,10 +41,12 @@ from undying.protocol.worker_wire import (
     Hello,
     Preempt,
     Progress,
+    StepBegun,
     StepCommitted,
     Stop,
     StopAt,
     TraceSet,
+    wire_metrics,
 )
 from undying.worker import rng
 from undying.worker.channel import AgentChannel
@@ -64,9 +64,11 @@ from undying.worker.group import (
     is_comm_failure,
 )
 from undying.worker.rejoin import Rejoin
+from undying.worker.seed import seed_everything, seed_from_env
 from undying.worker.sharding import full_digest
 from undying.worker.shards import Shards
 from undying.worker.state import State
+from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.threads import StoppedAtExit
 from undying.worker.tracing import WorkerTracing
 
@@ -77,18 +79,30 @@ log = logging.getLogger("undying.worker")
 _job: Job | None = None
 
 
-def init() -> Job:
+def init(seed: int | None = None) -> Job:
     """Join the job and set up ``torch.distributed`` for its current generation.
 
-    Call it once, near the top of the script, before building samplers that
-    ask ``torch.distributed`` for the rank. Safe to call after the script's own
-    ``init_process_group``. Outside ``undying run`` it returns an unmanaged job
-    (plain ``torchrun`` or ``python``) that trains without fault tolerance.
+    Call it once, near the top of the script, before building the dataset,
+    the model and samplers that ask ``torch.distributed`` for the rank. Safe to
+    call after the script's own ``init_process_group``. Outside ``undying run``
+    it returns an unmanaged job (plain ``torchrun`` or ``python``) that trains
+    without fault tolerance.
+
+    ``seed`` is the job's seed (default: ``undying run --seed``, else 0). It
+    seeds torch, Python's ``random`` and NumPy here, before the script's setup
+    runs, so a replacement rank builds the same dataset and model as the rank
+    it replaces; it is also the default seed of ``job.steps``. A script that
+    seeds itself after this call wins.
     """
     global _job
     if _job is None:
+        job_seed = seed_from_env() if seed is None else seed
+        seed_everything(job_seed)
         env = WorkerEnv.from_environ()
-        _job = Job(env)
+        _job = Job(env, seed=job_seed)
+    elif seed is not None and seed != _job.seed:
+        raise UsageError(f"undying.init(seed={seed}) after this process joined with seed {_job.seed}: "
+                         "call init once, with the seed the job uses")
     return _job
 
 
@@ -110,58 +124,6 @@ def _prewarm_imports() -> None:
     StoppedAtExit(target, name="undying-prewarm", join_s=30)
 
 
-class Outcome(enum.Enum):
-    PENDING = "pending"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-
-class Step:
-    """One training step as a transaction: ``with step:`` around its body."""
-
-    def __init__(self, job: Job, index: int, epoch: int, batch: Any) -> None:
-        self.index = index
-        self.epoch = epoch
-        self.batch = batch
-        self.generation = job.generation
-        self.metrics: dict[str, float] = {}
-        self.outcome = Outcome.PENDING
-        self.optimizer_stepped = False
-        self._job = job
-
-    def log(self, **metrics: float | torch.Tensor) -> None:
-        """Record values of this step (e.g. ``loss=loss``); committed with the step."""
-        for name, value in metrics.items():
-            self.metrics[name] = float(value.item() if isinstance(value, torch.Tensor) else value)
-
-    def __enter__(self) -> Step:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
-        if exc is None:
-            if self._job._replicate_before_commit(self):
-                self.outcome = Outcome.COMMITTED
-                self._job._commit(self)
-            return False
-        if self._job.managed and is_comm_failure(exc):
-            self.outcome = Outcome.ABORTED
-            self._job.ctx.aborted(exc)
-            return True
-        self.outcome = Outcome.FAILED
-        if isinstance(exc, Exception):
-            self._job.ctx.report_fatal(self.index, exc)
-        return False
-
-    def __repr__(self) -> str:
-        return f"Step(index={self.index}, epoch={self.epoch}, generation={self.generation})"
-
-
 class Job:
     """This process's membership in an undying job.
 
@@ -170,8 +132,9 @@ class Job:
     ``worker.shards``) and the DDP wrapper get it, never this object.
     """
 
-    def __init__(self, env: WorkerEnv | None) -> None:
+    def __init__(self, env: WorkerEnv | None, *, seed: int = 0) -> None:
         self.env = env
+        self.seed = seed
         self.managed = env is not None
         if env is None:
             self.ctx = _unmanaged_context()
@@ -190,6 +153,9 @@ class Job:
         self._state_checked = False  # the state's weights_only round trip, done at the first commit
         self._wrappers: list[GenerationalDDP] = []
         self._current: Step | None = None
+        self._hooks = StepHooks(self._replicate_before_commit, self._commit,
+                                lambda exc: self.managed and is_comm_failure(exc), self.ctx.aborted,
+                                self.ctx.report_fatal, self._began)
         self._state: State | None = None
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
@@ -279,14 +245,16 @@ class Job:
         *,
         total: int | None = None,
         epochs: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> Iterator[Step]:
         """Yield the job's steps from where it is, each a transaction.
 
         ``total`` counts steps; ``epochs`` counts passes over ``state.loader``
-        (the loop calls ``sampler.set_epoch``). ``seed`` seeds the random state
-        of every step (derived per rank and step, see ``undying.worker.rng``).
+        (the loop calls ``sampler.set_epoch``). ``seed`` (default: the job's,
+        ``undying.init(seed=...)``) seeds the random state of every step
+        (derived per rank and step, see ``undying.worker.rng``).
         """
+        seed = self.seed if seed is None else seed
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
         ctx = self.ctx
@@ -317,7 +285,7 @@ class Job:
                 rng.reseed(seed, self.rank, "body", index)
                 if self.managed:
                     ctx.faults.check("step", index)
-                step = Step(self, index, cursor.epoch_of(index), batch)
+                step = Step(self._hooks, index, cursor.epoch_of(index), batch, self.generation)
                 self._current = step
                 yield step
                 if step.outcome is Outcome.COMMITTED:
@@ -373,7 +341,8 @@ class Job:
                 except UsageError as e:
                     ctx.report_fatal(committed, e)
                     raise
-            origin = payload.pop("_undying", {}).get("data_origin")
+            meta = payload.pop("_undying", {})
+            origin = meta.get("data_origin")
             state.load_state_dict(payload)
             ctx.stash = None
             ctx.current_step = committed
@@ -386,7 +355,10 @@ class Job:
             else:
                 if origin is not None:
                     ctx.set_data_origin((int(origin[0]), int(origin[1])))
-                self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
+                # A peer's state: its donor's fingerprint and ours once loaded (the manager's divergence compares).
+                digests = {"digest": state.digest(), "donor_digest": str(meta["digest"])} if "digest" in meta else {}
+                self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed,
+                                    detail=digests))
         return committed
 
     # --- the transaction's hooks --------------------------------------------
@@ -423,11 +395,15 @@ class Job:
             self.ctx.aborted(e)
             return False
 
+    def _began(self, step: Step, fingerprint: str) -> None:
+        self._send(StepBegun(self.rank, self.generation, step.index, fingerprint))
+
     def _commit(self, step: Step) -> None:
         self.ctx.phase = "step"
         self.tracing.committed(step.index)
         if self.managed:
-            self._send(StepCommitted(self.rank, self.generation, step.index, time.time(), step.metrics))
+            self._send(StepCommitted(self.rank, self.generation, step.index, time.time(),
+                                     wire_metrics(step.metrics)))
 
     def _check_state_loadable(self, state: State, index: int) -> None:
         """Once, at the first commit: a state that weights_only=True would refuse fails now, by name."""

@@ -112,6 +112,7 @@ class Rejoin:
         self.checkpoints = checkpoints
         self.wrappers = wrappers
         self.purpose = ""  # of the generation joined last (see GenerationRecord.purpose)
+        self.restored_digests: dict[str, str] = {}  # a receiver's state and its donor's, told with state_restored
 
     # --- generations ---------------------------------------------------------------
 
@@ -223,8 +224,9 @@ class Rejoin:
                 generation = ctx.generation + 1
                 continue
             status = restored.status
+            digests, self.restored_digests = self.restored_digests, {}
             ctx.send(Progress(ctx.rank, ctx.generation, "state_restored", time.time(), step=restored.target,
-                              detail={"donor": restored.donor, "receivers": list(restored.receivers)}))
+                              detail={"donor": restored.donor, "receivers": list(restored.receivers), **digests}))
             ctx.current_step = restored.target
             if regroup:
                 save_and_leave(ctx, state, restored.target, restored.donor, self.checkpoints)
@@ -299,17 +301,21 @@ class Rejoin:
         receivers = tuple(r for donor, r in plan.transfers() if donor == me)
         if receivers:
             assert state is not None
-            send_state({**state.state_dict(), "_undying": {"data_origin": ctx.data_origin}}, receivers)
+            # The donor's fingerprint travels with it: the receiver's state, once loaded, must show the same.
+            send_state({**state.state_dict(), "_undying": {"data_origin": ctx.data_origin, "digest": state.digest()}},
+                       receivers)
         source = plan.source(me)
         if source.kind != "peer":
             return None
         assert source.rank is not None and plan.target is not None
         payload = recv_state(source.rank)
-        origin = payload.pop("_undying", {}).get("data_origin")
+        meta = payload.pop("_undying", {})
+        origin = meta.get("data_origin")
         if state is not None:
             state.load_state_dict(payload)
+            self.restored_digests = {"digest": state.digest(), "donor_digest": str(meta.get("digest", ""))}
         else:
-            ctx.stash = (plan.target, payload)
+            ctx.stash = (plan.target, {**payload, "_undying": meta})
         if origin is not None:
             ctx.set_data_origin((int(origin[0]), int(origin[1])))
         return RankStatus(Member(ctx.rank, plan.target), MODE_REPLICATED)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from undying.errors import UsageError
 from undying.worker.dtensor import has_dtensors, is_dtensor
@@ -55,10 +56,12 @@ class State:
         sharded: bool | None = None,
         **extras: Any,
     ) -> None:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module  # a DDP's state is its module's (what job.ddp(model) wraps)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise UsageError(
                 f"State(model=...) needs a torch.nn.Module, got {type(model).__name__}; "
-                "pass the unwrapped model, not the value of job.ddp(model)"
+                "pass the model (an nn.Module)"
             )
         for name, value in extras.items():
             if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")) and not isinstance(value, dict):
