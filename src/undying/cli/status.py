@@ -177,6 +177,8 @@ def view(status: dict[str, Any], note: str = "") -> Group:
         parts.append(Text(note, style="yellow"))
     if status.get("exit_reason"):
         parts.append(Text("  " + str(status["exit_reason"])))
+    if status.get("recovery_mode"):
+        parts.append(Text("  " + str(status["recovery_mode"])))
     parts.extend(_checkpoint_lines(status))
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))

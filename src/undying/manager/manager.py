@@ -257,7 +257,7 @@ class Manager:
             return
         # A rank is finished when it exits cleanly, or when the job's final
         # barrier completed on some rank: then this one passed it too.
-        if returncode == 0 or finished_steps or core.book.any_done():
+        if self.detection.finished(returncode, finished_steps):
             if returncode != 0:
                 self.events.event("exit_after_done", rank=rank, returncode=returncode)
             info.state = RankState.DONE
