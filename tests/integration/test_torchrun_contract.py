@@ -304,3 +304,41 @@ def test_a_rank_stuck_in_its_exit_is_ended_after_the_exit_grace_and_the_job_succ
     assert sorted(e["rank"] for e in stuck) == [0, 1] and all(e["exit_grace_s"] == 2 for e in stuck), stuck
     assert "its script returned, but the process was still in its exit 2s later" in log.read_text()
     assert took < 60, f"{took:.1f}s: the exit grace, never the init timeout"
+
+
+def test_a_module_with_torchruns_stream_flags(tmp_path: Path, reap: list[int]) -> None:
+    """-m runs a module as `python -m`; --redirects 1 sends stdout to the files only, --tee 2 stderr to both;
+    --local-ranks-filter 0 keeps rank 1 off the console (its files get everything)."""
+    package = tmp_path / "trainpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "main.py").write_text(textwrap.dedent("""
+        import os, sys
+        rank = os.environ["RANK"]
+        print(f"out of rank {rank} args {sys.argv[1:]}", flush=True)
+        print(f"err of rank {rank}", file=sys.stderr, flush=True)
+    """))
+    logs = tmp_path / "logs"
+    process, job_dir, log = _undying(tmp_path, "job", ["--nproc-per-node", "2", "--job-id", "mod", "--log-dir",
+                                                       str(logs), "-r", "1", "--tee", "2", "--local-ranks-filter", "0",
+                                                       "-m"], Path("trainpkg.main"), ["--n", "3"], reap)
+    assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
+    console = log.read_text()
+    for rank in (0, 1):
+        folder = logs / "mod" / "attempt_0" / str(rank)
+        assert (folder / "stdout.log").read_text() == f"out of rank {rank} args ['--n', '3']\n"
+        assert (folder / "stderr.log").read_text() == f"err of rank {rank}\n"
+    assert "err of rank 0" in console  # teed, and rank 0 is on the console
+    assert "out of rank" not in console and "err of rank 1" not in console, console
+    assert "whole-group restart" in console  # (the module does not import undying)
+
+
+def test_no_python_runs_a_program_with_torchruns_environment(tmp_path: Path, reap: list[int]) -> None:
+    program = tmp_path / "train.sh"
+    program.write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE role $ROLE_NAME args $*" > "$1/$RANK"\n')
+    program.chmod(0o755)
+    process, job_dir, log = _undying(tmp_path, "job", ["--nproc-per-node", "2", "--no-python", "--role", "trainer"],
+                                     program, [str(tmp_path)], reap)
+    assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / str(rank)).read_text() == f"rank {rank} of 2 role trainer args {tmp_path}\n"
