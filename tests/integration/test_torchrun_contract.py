@@ -269,6 +269,10 @@ def test_a_killed_rank_that_is_not_recovered_is_no_success(tmp_path: Path, reap:
     assert process.wait(timeout=60) == 1, log.read_text()[-3000:]
     reason = job_table(job_dir / "events.db")["exit_reason"]
     assert "rank 1 exited (killed by SIGKILL)" in reason and "(--max-restarts 0)" in reason, reason
+    shown = subprocess.run([sys.executable, "-m", "undying", "status", "--job-dir", str(job_dir)], env=_env(),
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert "whole-group restart: this script does not use undying's step API" in " ".join(shown.stdout.split()), \
+        shown.stdout + shown.stderr
 
 
 def test_torchruns_error_file_is_read_back_into_the_failure_report(tmp_path: Path, reap: list[int]) -> None:

@@ -240,7 +240,6 @@ def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["--rdzv-backend", "etcd"], ["--rdzv-backend 'etcd'", "undying's manager is the rendezvous", "c10d"]),
     (["--standalone", "--nnodes", "2"], ["--standalone runs one node"]),
     (["--standalone", "--rdzv-endpoint", "h:1"], ["--standalone runs one node"]),
-    (["--nproc-per-node", "lots"], ["--nproc-per-node: expected a number or one of auto, cpu, gpu"]),
     (["--nproc_per_node", "0"], ["--nproc-per-node must be at least 1"]),
     (["--redirects", "5"], ["--redirects: each value must be 0-3"]),
     (["--tee", "0:x"], ["--tee: expected 0-3"]),
@@ -258,6 +257,15 @@ def test_run_with_bad_torchrun_flags(capsys: pytest.CaptureFixture[str], script:
                                      flags: list[str], words: list[str]) -> None:
     fails(capsys, ["run", *flags, "--job-dir", str(job_dir), str(script)], *words)
     assert not job_dir.exists()
+
+
+def test_a_word_for_nproc_per_node_that_torchrun_does_not_take(capsys: pytest.CaptureFixture[str],
+                                                                 script: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--nproc-per-node", "lots", str(script)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nproc-per-node" in err and "expected a number or one of auto, cpu, gpu" in err
 
 
 def _config(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:

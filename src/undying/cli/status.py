@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
+from undying.config import WHOLE_GROUP_LINE
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import LogReader, read_job
 from undying.manager.jobdir import JobDir
@@ -139,6 +140,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "step": min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": exit_reason,
+        "recovery_mode": "" if (job.get("config") or {}).get("step_api", True) else
+        WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", 3)),
         "preemption": job.get("preemption"),
         "ranks": data["ranks"],
         "incidents": data["incidents"],

@@ -40,9 +40,9 @@ def nproc_arg(raw: str) -> str:
         return raw
     try:
         value = int(raw)
-    except ValueError:
-        raise UsageError(f"--nproc-per-node: expected a number or one of {', '.join(NPROC_WORDS)}, "
-                         f"got {raw!r:.40}") from None
+    except ValueError:  # (argparse's own refusal: one line, exit 2, as for any option's type)
+        raise argparse.ArgumentTypeError(f"expected a number or one of {', '.join(NPROC_WORDS)}, "
+                                         f"got {raw!r:.40}") from None
     if value < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {value}; "
                          "pass the number of worker processes to start on this node")
