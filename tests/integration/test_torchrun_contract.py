@@ -126,6 +126,17 @@ def test_a_torchrun_command_line_runs_with_torchruns_environment(tmp_path: Path,
         assert mine["UNDYING_SEED"] == "0"
 
 
+def test_a_fault_free_run_of_a_step_api_script_prints_no_warning(tmp_path: Path, reap: list[int]) -> None:
+    """The success line and the spares let go at the end are no warnings (the other test: an unchanged script)."""
+    from undying.demo import TRAIN_SCRIPT
+
+    process, _, log = _undying(tmp_path, "job", ["--nproc-per-node", "2", "--spares", "1", "--port", "0"],
+                               TRAIN_SCRIPT, ["--epochs", "1"], reap)
+    assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "succeeded" in text and "WARNING" not in text and "whole-group restart" not in text, text[-3000:]
+
+
 # The DDP tutorial's pattern, unchanged: a Trainer class, a snapshot per epoch, resumed from when it exists.
 SNAPSHOT_SCRIPT = textwrap.dedent("""
     import json, os, sys, time

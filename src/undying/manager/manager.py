@@ -170,6 +170,8 @@ class Manager:
             record = core.open_generation("start" if resume is None else f"resume from step {resume.step}")
             for info in core.ranks.values():
                 core.spawn(info.rank, record, joining=False, resume_from=resume.url if resume else "")
+            if not self.recoveries.step_api:
+                core.move(JobState.RUNNING)  # (its ranks commit no step to say so: started is running)
         for agent in core.agents.values():
             agent.keep_spares()
         watchdog = asyncio.create_task(self._watch())
