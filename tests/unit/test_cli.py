@@ -321,3 +321,17 @@ def test_a_script_that_imports_undying_uses_the_step_api(tmp_path: Path) -> None
     assert not uses_step_api(str(plain))
     assert uses_step_api(str(adopted)) and uses_step_api(str(nested))
     assert not uses_step_api("/bin/true", no_python=True)
+
+
+def test_max_restarts_given_to_a_step_api_script_says_its_new_meaning(capsys: pytest.CaptureFixture[str],
+                                                                        tmp_path: Path, script: Path) -> None:
+    adopted = tmp_path / "adopted.py"
+    adopted.write_text("import undying\n")
+    _, config = _config(["--max-restarts", "2", str(adopted)])
+    assert (config.max_restarts, config.max_step_recoveries) == (2, 3)
+    assert capsys.readouterr().err.strip() == (
+        "undying: note: --max-restarts 2 bounds whole-group restarts (torchrun's meaning); recoveries at one step "
+        "are bounded by --max-step-recoveries (3)")
+    _config(["--max-restarts", "2", str(script)])  # a torchrun script: the flag means what it always meant
+    _config([str(adopted)])
+    assert capsys.readouterr().err == ""

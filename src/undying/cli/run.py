@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import uuid
 
@@ -21,6 +22,7 @@ from undying.config import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
+    WHOLE_GROUP_LINE,
     CheckpointConfig,
     JobConfig,
     LaunchConfig,
@@ -77,11 +79,10 @@ no checkpoint at all.""",
                    help=f"the job's name: {JOB_ID_RULE} (default: job-<date>-<time>-<random>)")
     p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
     p.add_argument(
-        "--max-restarts", "--max_restarts", type=int, default=3,
+        "--max-restarts", "--max_restarts", type=int, default=None,
         help="whole-group restarts before the job fails, torchrun's meaning: every rank started again (from "
         "the latest valid checkpoint, or, for a script that does not use the step API, from its start) "
-        "(default 3). Before undying 0.x this flag limited recoveries at one step: that is "
-        "--max-step-recoveries now",
+        "(default 3). This flag used to limit recoveries at one step: that is --max-step-recoveries now",
     )
     p.add_argument(
         "--max-step-recoveries", type=int, default=3,
@@ -242,6 +243,13 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         )
     if args.manager is not None and not args.job_id:
         raise UsageError("--manager needs --job-id: the id the manager was started with")
+    step_api = uses_step_api(args.script, module=args.module, no_python=args.no_python)
+    if args.max_restarts is None:
+        args.max_restarts = 3
+    elif step_api:  # the one flag whose meaning changed: said where it could be read the old way
+        sys.stderr.write(f"undying: note: --max-restarts {args.max_restarts} bounds whole-group restarts "
+                         f"(torchrun's meaning); recoveries at one step are bounded by --max-step-recoveries "
+                         f"({args.max_step_recoveries})\n")
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     check_job_id(job_id)
     timeouts = Timeouts(
@@ -273,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         max_step_recoveries=args.max_step_recoveries,
         max_retries=args.max_retries,
         seed=args.seed,
-        step_api=uses_step_api(args.script, module=args.module, no_python=args.no_python),
+        step_api=step_api,
         launch=LaunchConfig(
             module=args.module, no_python=args.no_python, log_dir=args.log_dir, redirects=args.redirects,
             tee=args.tee, local_ranks_filter=args.local_ranks_filter, role=args.role,
@@ -342,4 +350,7 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
         )
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
+    if not config.step_api:
+        sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
+                         f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
     return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir))

@@ -115,8 +115,8 @@ def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's flags that ``undying run`` did not have under the same name (the others are in run.py)."""
     g = p.add_argument_group("torchrun's flags (the same spellings; `undying run` takes a torchrun command line)")
     g.add_argument("--standalone", action="store_true",
-                   help="one node, the manager in this launcher on a free port (as torchrun's --standalone); "
-                   "the default when no --rdzv-endpoint or --manager is given")
+                   help="one node, the manager in this launcher with its store on a free port (as torchrun's "
+                   "--standalone); without it one node runs the same way, its store on --port")
     g.add_argument("--rdzv-backend", "--rdzv_backend", default="static", metavar="BACKEND",
                    help="static or c10d: undying's manager is the rendezvous either way; etcd is refused")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", metavar="HOST[:PORT]",
