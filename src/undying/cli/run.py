@@ -238,11 +238,15 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     fewest, most = args.nnodes
     if args.manager is None and (most != 1 or args.node_rank != 0):
         raise UsageError(
-            "--nnodes > 1 needs --manager HOST:PORT: start `undying manager --job-id J` on one host, then "
-            "`undying run --nnodes N --node-rank I --manager HOST:PORT --job-id J ...` on every node"
+            "--nnodes > 1 needs --manager HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT): start "
+            "`undying manager --job-id J` on one host, then `undying run --nnodes N --node-rank I --manager "
+            "HOST:PORT --job-id J ...` on every node"
+            + (f" (torchrun's static rendezvous at --master-addr {args.master_addr}: run the manager there)"
+               if args.master_addr else "")
         )
     if args.manager is not None and not args.job_id:
-        raise UsageError("--manager needs --job-id: the id the manager was started with")
+        raise UsageError("--manager needs --job-id: the id the manager was started with (torchrun's flags: "
+                         "--rdzv-endpoint needs --rdzv-id)")
     step_api = uses_step_api(args.script, module=args.module, no_python=args.no_python)
     if args.max_restarts is None:
         args.max_restarts = 3
