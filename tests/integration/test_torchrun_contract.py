@@ -130,7 +130,7 @@ def test_a_fault_free_run_of_a_step_api_script_prints_no_warning(tmp_path: Path,
     """The success line and the spares let go at the end are no warnings (the other test: an unchanged script)."""
     from undying.demo import TRAIN_SCRIPT
 
-    process, _, log = _undying(tmp_path, "job", ["--nproc-per-node", "2", "--spares", "1", "--port", "0"],
+    process, _, log = _undying(tmp_path, "job", ["--nproc-per-node", "2", "--spares", "1"],
                                TRAIN_SCRIPT, ["--epochs", "1"], reap)
     assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
     text = log.read_text()
@@ -202,7 +202,8 @@ SNAPSHOT_SCRIPT = textwrap.dedent("""
 def _undying(tmp_path: Path, name: str, flags: list[str], script: Path, script_args: list[str],
              reap: list[int]) -> tuple[subprocess.Popen[bytes], Path, Path]:
     job_dir, log = tmp_path / name, tmp_path / f"{name}.log"
-    process = _launch(["undying", "run"], ["--job-dir", str(job_dir), "--spares", "0", "--stop-grace", "3", *flags],
+    process = _launch(["undying", "run"], ["--job-dir", str(job_dir), "--spares", "0", "--stop-grace", "3", "--port", "0",
+                                            *flags],
                       script, script_args, log, tmp_path, reap)
     return process, job_dir, log
 
