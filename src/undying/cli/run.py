@@ -72,7 +72,7 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
 written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
-    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, default="1", metavar="N",
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, default=1, metavar="N",
                    help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
                    "(default 1)")
     p.add_argument("--job-id", type=job_id_arg, default=None,

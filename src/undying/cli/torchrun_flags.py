@@ -34,7 +34,7 @@ _RDZV_CONF = {"join_timeout": "node_wait", "timeout": "node_wait"}
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "")
 
 
-def nproc_arg(raw: str) -> str:
+def nproc_arg(raw: str) -> int | str:
     """``--nproc-per-node``: a number >= 1, or torchrun's auto, cpu or gpu (resolved when the job starts)."""
     if raw in NPROC_WORDS:
         return raw
@@ -46,13 +46,13 @@ def nproc_arg(raw: str) -> str:
     if value < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {value}; "
                          "pass the number of worker processes to start on this node")
-    return str(value)
+    return value
 
 
-def resolve_nproc(raw: str) -> int:
+def resolve_nproc(raw: int | str) -> int:
     """torchrun's meaning: cpu = the CPU count, gpu = the CUDA devices, auto = gpu if any, else cpu."""
-    if raw not in NPROC_WORDS:
-        return int(raw)
+    if isinstance(raw, int):
+        return raw
     if raw == "cpu":
         return os.cpu_count() or 1
     import torch  # (only for gpu/auto: the count of devices)
