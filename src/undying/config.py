@@ -33,6 +33,9 @@ __all__ = [
     "DEFAULT_MANAGER_PORT",
     "ConnectionLimits",
     "default_max_connections",
+    "LaunchConfig",
+    "worker_dir",
+    "WHOLE_GROUP_LINE",
 ]
 
 _MAX_TIMEOUT_S = 24 * 3600.0
@@ -74,6 +77,10 @@ class Timeouts:
     # one line and answer): one stopped or wedged is killed and the rank goes to another
     # spare or a fresh process, instead of the recovery waiting out ``init``.
     spare_take: float = 2.0
+    # A rank whose script returned but whose process has not exited this long after (stuck in its
+    # own exit: a thread that never ends, a deadlocked atexit handler) is killed; the job's result
+    # stands, with the stuck exit noted. Never the init timeout: the script's work is done.
+    exit: float = 10.0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -119,6 +126,24 @@ EXIT_REGROUPED = 77
 EXIT_SCRIPT_ERROR = 78
 # Where the first rank whose script could not run leaves the error, in the job dir, for the manager.
 SCRIPT_ERROR_FILE = "script-error.txt"
+# Each worker process's own folder in the job dir: <job dir>/workers/<rank>-<incarnation>/, holding
+# torchrun's error file (error.json, TORCHELASTIC_ERROR_FILE) and the mark that its script returned.
+WORKERS_DIR = "workers"
+ERROR_FILE = "error.json"
+RETURNED_FILE = "returned"
+
+
+def worker_dir(job_dir: str, rank: int, incarnation: int) -> str:
+    """The folder of the process that holds ``rank`` as ``incarnation`` (the agent and the manager agree on it)."""
+    return os.path.join(os.path.abspath(job_dir), WORKERS_DIR, f"{rank}-{incarnation}")
+
+
+# What the start banner and `undying status` say of a job whose script does not use the step API.
+WHOLE_GROUP_LINE = ("whole-group restart: this script does not use undying's step API, so a fault restarts every "
+                    "rank (--max-restarts {max_restarts}) and a script that saves its own snapshot resumes from "
+                    "it; to recover a rank in place instead, adopt the step API (README: \"Adopting it\", about "
+                    "ten lines)")
+
 # `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one after.
 DEFAULT_MANAGER_PORT = 29400
 
@@ -290,6 +315,53 @@ class ConnectionLimits:
 
 
 
+# The workers' output streams, as torchrun's --redirects/--tee take them: none, stdout, stderr, both.
+STREAMS = ("none", "stdout", "stderr", "both")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How this node starts its workers, as torchrun's flags say it (the same on every node, or per node).
+
+    ``redirects``/``tee``: per local rank (key -1: every rank not named) a number 0-3 (torchrun's
+    ``Std``: 0 none, 1 stdout, 2 stderr, 3 both) of the streams that go to a file under
+    ``log_dir`` (redirects: only there; tee: there and on the console). ``local_ranks_filter``:
+    the local ranks whose output reaches the console (empty: all).
+    """
+
+    # Run the script as a module (python -m), or as an executable with no Python (--no-python).
+    module: bool = False
+    no_python: bool = False
+    log_dir: str = ""
+    redirects: dict[int, int] = field(default_factory=dict)
+    tee: dict[int, int] = field(default_factory=dict)
+    local_ranks_filter: tuple[int, ...] = ()
+    # ROLE_NAME, as torchrun's --role gives it.
+    role: str = "default"
+    # MASTER_ADDR/MASTER_PORT: where a script that hosts its own store (rank 0) puts it; "" and 0:
+    # loopback and a free port on one node; the manager's host and port 29500 on several.
+    master_addr: str = ""
+    master_port: int = 0
+
+    def validate(self) -> None:
+        if self.module and self.no_python:
+            raise UsageError("-m/--module and --no-python exclude each other: a module is run by Python")
+        for option, table in (("--redirects", self.redirects), ("--tee", self.tee)):
+            for local, std in table.items():
+                if not 0 <= std <= 3 or local < -1:
+                    raise UsageError(f"{option}: expected 0-3 or LOCAL_RANK:0-3,..., got {local}:{std}")
+        if (self.redirects or self.tee) and not self.log_dir:
+            raise UsageError("--redirects/--tee need --log-dir DIR: the folder the streams are written to")
+        if not 0 <= self.master_port < 65536:
+            raise UsageError(f"--master-port must be in [0, 65535], got {self.master_port}")
+        if not self.role or len(self.role) > 256 or not self.role.isprintable():
+            raise UsageError(f"--role must be 1 to 256 printable characters, got {self.role!r:.80}")
+
+    def streams(self, local_rank: int, table: dict[int, int]) -> int:
+        """The torchrun Std number (0-3) for ``local_rank`` in ``table``."""
+        return table.get(local_rank, table.get(-1, 0))
+
+
 @dataclass(frozen=True)
 class JobConfig:
     job_id: str
@@ -303,7 +375,12 @@ class JobConfig:
     port: int = 29500
     http_port: int = 0
     backend: str = "gloo"
+    # Whole-group restarts (torchrun's --max-restarts): every rank started again, from the latest
+    # valid checkpoint or, for a script that does not use the step API, from the start (its own
+    # snapshot is its to load).
     max_restarts: int = 3
+    # Recoveries of faults at one step before the job stops (a fault repeating at one step is a bug).
+    max_step_recoveries: int = 3
     # In-place retries of a communication error at one step before the rank is replaced.
     max_retries: int = 3
     # Hot spares per node: processes with torch imported, waiting to replace a rank.
@@ -323,6 +400,12 @@ class JobConfig:
     start_fresh: bool = False
     # Train again a job whose log says it already succeeded (else: say so and exit 0).
     force: bool = False
+    # The job's seed: every worker's UNDYING_SEED (undying.init seeds torch, random and NumPy from it).
+    seed: int = 0
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # The script uses undying's step API (it imports undying); False: a fault restarts the whole group,
+    # no init or step timeout applies, and the banner and the status say so.
+    step_api: bool = True
 
     @property
     def checkpoint_dir(self) -> str:
@@ -369,12 +452,17 @@ class JobConfig:
             raise UsageError(f"--max-retries must be >= 0, got {self.max_retries}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_step_recoveries < 0:
+            raise UsageError(f"--max-step-recoveries must be >= 0, got {self.max_step_recoveries}")
+        if not 0 <= self.seed < 2**63:
+            raise UsageError(f"--seed must be between 0 and 2**63-1, got {self.seed}")
         if self.backend not in ("gloo", "nccl"):
             raise UsageError(f"--backend must be gloo or nccl, got {self.backend!r}")
         self.timeouts.validate()
         self.checkpoint.validate()
         self.trace.validate()
         self.connections.validate()
+        self.launch.validate()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -389,8 +477,13 @@ class JobConfig:
             body["checkpoint"] = CheckpointConfig(**body.get("checkpoint", {}))
             body["trace"] = TraceConfig(**body.get("trace", {}))
             body["connections"] = ConnectionLimits.from_dict(body.get("connections"))
+            launch = dict(body.get("launch", {}))
+            for table in ("redirects", "tee"):  # (JSON keys are strings)
+                launch[table] = {int(k): int(v) for k, v in launch.get(table, {}).items()}
+            launch["local_ranks_filter"] = tuple(launch.get("local_ranks_filter", ()))
+            body["launch"] = LaunchConfig(**launch)
             return cls(**body)
-        except TypeError as e:
+        except (TypeError, ValueError, AttributeError) as e:
             raise UsageError(f"a job configuration this version cannot read: {e}") from e
 
     def differences(self, other: JobConfig) -> list[str]:
@@ -398,8 +491,10 @@ class JobConfig:
         mine, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
         per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.switch_file", "job_id_given",
                     "open_status"}
+        per_node |= {"launch.log_dir", "launch.local_ranks_filter"}
         return sorted(k for k in mine.keys() | theirs.keys()
-                      if k not in per_node and not k.startswith("connections.") and mine.get(k) != theirs.get(k))
+                      if k not in per_node and not k.startswith(("connections.", "launch.redirects", "launch.tee"))
+                      and mine.get(k) != theirs.get(k))
 
     def timeout_env(self) -> dict[str, str]:
         """The timeouts a worker needs, as environment variables."""

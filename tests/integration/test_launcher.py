@@ -102,10 +102,10 @@ def test_inject_rejects_a_rank_that_does_not_exist(tmp_path: Path, reap: list[in
 
 
 def test_a_bug_is_not_a_fault(tmp_path: Path) -> None:
-    """A user exception at the same step again after recovery stops the job after --max-restarts."""
+    """A user exception at the same step again after recovery stops the job after --max-step-recoveries."""
     job_dir = tmp_path / "job"
     rc = run_job(job_dir, ["--epochs", "1", "--fail-at-step", "5", "--fail-rank", "1"], ranks=2,
-                 extra_run_args=["--max-restarts", "2"], timeout_s=150)
+                 extra_run_args=["--max-step-recoveries", "2"], timeout_s=150)
     assert rc == 1
     incidents = load_run(job_dir / "events.db").incidents
     errors = [i for i in incidents if i["kind"] == "error"]
@@ -113,7 +113,7 @@ def test_a_bug_is_not_a_fault(tmp_path: Path) -> None:
     assert all(i["rank"] == 1 and i["step"] == 5 for i in errors)
     assert "ValueError: a bug in the training script at step 5" in errors[-1]["traceback"]
     log = (tmp_path / "job.log").read_text()
-    assert "FAILED" in log and "--max-restarts 2" in log and "ValueError" in log
+    assert "FAILED" in log and "--max-step-recoveries 2" in log and "ValueError" in log
 
 
 def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:

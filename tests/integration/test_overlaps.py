@@ -42,11 +42,11 @@ def test_the_replacement_hangs_once_it_has_joined(oracle: Oracle, tmp_path: Path
 
 
 def test_a_replacement_that_always_dies_ends_in_a_clear_failure(oracle: Oracle, tmp_path: Path) -> None:
-    """The same rank lost at the same step past --max-restarts: a bug, not bad luck; the job fails and says so."""
+    """The same rank lost at the same step past --max-step-recoveries: a bug, not bad luck; the job fails and says so."""
     started = time.monotonic()
     outcome = oracle.run(tmp_path / "job", ["--epochs", "2"], 4,
                          [crash(0, 5, "forward"), crash(0, 1, "rejoin")],
-                         extra_run_args=("--spares", "0", "--max-restarts", "1"))
+                         extra_run_args=("--spares", "0", "--max-step-recoveries", "1"))
     assert outcome.returncode == 1
     assert time.monotonic() - started < 90, "failed promptly, not after a timeout"
     summary = job_summary(outcome.job_dir)["job"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
 
 import pytest
 
 from undying.cli.main import main
+from undying.config import JobConfig
 
 
 @pytest.fixture
@@ -226,3 +229,109 @@ def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["inject", "explode", "--rank", "0"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# --- torchrun's command line ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--rdzv-id", "a/b"], ["--rdzv-id 'a/b' is not a valid job id"]),
+    (["--rdzv_id", "j1", "--job-id", "j2"], ["--rdzv-id j1 and --job-id j2 name different jobs"]),
+    (["--rdzv-backend", "etcd"], ["--rdzv-backend 'etcd'", "undying's manager is the rendezvous", "c10d"]),
+    (["--standalone", "--nnodes", "2"], ["--standalone runs one node"]),
+    (["--standalone", "--rdzv-endpoint", "h:1"], ["--standalone runs one node"]),
+    (["--nproc_per_node", "0"], ["--nproc-per-node must be at least 1"]),
+    (["--redirects", "5"], ["--redirects: each value must be 0-3"]),
+    (["--tee", "0:x"], ["--tee: expected 0-3"]),
+    (["--redirects", "3"], ["--redirects/--tee need --log-dir"]),
+    (["-m", "--no-python"], ["-m/--module and --no-python exclude each other"]),
+    (["--local-ranks-filter", "a"], ["--local-ranks-filter: expected local ranks"]),
+    (["--rdzv-conf", "nonsense"], ["--rdzv-conf: expected KEY=VALUE"]),
+    (["--rdzv-conf", "join_timeout=-3"], ["--rdzv-conf join_timeout must be > 0"]),
+    (["--monitor-interval", "0"], ["--monitor-interval must be > 0"]),
+    (["--max-step-recoveries", "-1"], ["--max-step-recoveries must be >= 0"]),
+    (["--master-port", "70000"], ["--master-port must be in [0, 65535]"]),
+    (["--exit-grace", "0"], ["timeout exit must be > 0"]),
+])
+def test_run_with_bad_torchrun_flags(capsys: pytest.CaptureFixture[str], script: Path, job_dir: Path,
+                                     flags: list[str], words: list[str]) -> None:
+    fails(capsys, ["run", *flags, "--job-dir", str(job_dir), str(script)], *words)
+    assert not job_dir.exists()
+
+
+def test_a_word_for_nproc_per_node_that_torchrun_does_not_take(capsys: pytest.CaptureFixture[str],
+                                                                 script: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--nproc-per-node", "lots", str(script)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nproc-per-node" in err and "expected a number or one of auto, cpu, gpu" in err
+
+
+def _config(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
+    from undying.cli.main import build_parser
+    from undying.cli.run import config_from_args
+
+    args = build_parser().parse_args(["run", *argv])
+    return args, config_from_args(args)
+
+
+def test_torchruns_rendezvous_maps_onto_the_manager_and_the_job_id(capsys: pytest.CaptureFixture[str],
+                                                                    script: Path) -> None:
+    args, config = _config(["--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d",
+                            "--rdzv_endpoint", "host0:29411", "--rdzv_id", "tutorial-7",
+                            "--rdzv_conf", "join_timeout=45,read_timeout=5,is_host=1", str(script), "--n", "3"])
+    assert args.manager == "host0:29411" and config.job_id == "tutorial-7" and config.node_rank == 1
+    assert config.timeouts.node_wait == 45 and config.nnodes == 2
+    assert args.script_args == ["--n", "3"]
+    err = capsys.readouterr().err
+    assert err.strip() == ("undying: note: --rdzv-conf read_timeout, is_host: no meaning here (undying's manager "
+                           "is the rendezvous); ignored")
+    args, _ = _config(["--nnodes", "2", "--rdzv-endpoint", "host0", "--rdzv-id", "j", str(script)])
+    assert args.manager == "host0:29400"  # torchrun's default port, and `undying manager`'s
+
+
+def test_standalone_picks_a_free_port_and_nproc_words_resolve(script: Path) -> None:
+    _, config = _config(["--standalone", "--nproc-per-node", "cpu", str(script)])
+    assert config.port == 0 and config.nproc_per_node == (os.cpu_count() or 1)
+    _, config = _config(["--nproc-per-node", "2", str(script)])
+    assert config.port == 29500 and config.nproc_per_node == 2
+
+
+def test_torchruns_launch_flags_reach_the_config(script: Path, tmp_path: Path) -> None:
+    _, config = _config(["--log_dir", str(tmp_path), "-r", "1", "--tee", "0:2,1:3", "--local_ranks_filter", "1,0",
+                         "--role", "trainer", "--master_addr", "10.0.0.1", "--master_port", "29600", "--seed", "7",
+                         "--max_restarts", "5", "--max-step-recoveries", "2", "--monitor_interval", "5",
+                         "--start_method", "fork", "--run_path", "--exit-grace", "4", str(script)])
+    launch = config.launch
+    assert (launch.redirects, launch.tee, launch.local_ranks_filter) == ({-1: 1}, {0: 2, 1: 3}, (0, 1))
+    assert (launch.role, launch.master_addr, launch.master_port) == ("trainer", "10.0.0.1", 29600)
+    assert (config.seed, config.max_restarts, config.max_step_recoveries) == (7, 5, 2)
+    assert config.timeouts.exit == 4
+    assert config.step_api is False  # the script does not import undying
+
+
+def test_a_script_that_imports_undying_uses_the_step_api(tmp_path: Path) -> None:
+    from undying.cli.step_api import uses_step_api
+
+    plain, adopted, nested = tmp_path / "plain.py", tmp_path / "adopted.py", tmp_path / "nested.py"
+    plain.write_text("import torch\nprint('undying')\n")
+    adopted.write_text("import os\nimport undying\n")
+    nested.write_text("def main():\n    from undying import init\n")
+    assert not uses_step_api(str(plain))
+    assert uses_step_api(str(adopted)) and uses_step_api(str(nested))
+    assert not uses_step_api("/bin/true", no_python=True)
+
+
+def test_max_restarts_given_to_a_step_api_script_says_its_new_meaning(capsys: pytest.CaptureFixture[str],
+                                                                        tmp_path: Path, script: Path) -> None:
+    adopted = tmp_path / "adopted.py"
+    adopted.write_text("import undying\n")
+    _, config = _config(["--max-restarts", "2", str(adopted)])
+    assert (config.max_restarts, config.max_step_recoveries) == (2, 3)
+    assert capsys.readouterr().err.strip() == (
+        "undying: note: --max-restarts 2 bounds whole-group restarts (torchrun's meaning); recoveries at one step "
+        "are bounded by --max-step-recoveries (3)")
+    _config(["--max-restarts", "2", str(script)])  # a torchrun script: the flag means what it always meant
+    _config([str(adopted)])
+    assert capsys.readouterr().err == ""

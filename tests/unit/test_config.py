@@ -138,3 +138,39 @@ def test_an_elastic_job_spans_min_to_max_nodes() -> None:
     assert "min_nodes" in fixed.differences(elastic)  # every node must agree on it
     with pytest.raises(UsageError, match="1 <= MIN <= MAX"):
         dataclasses.replace(fixed, min_nodes=4).validate()
+
+
+def test_torchruns_launch_settings_travel_to_a_manager_and_back() -> None:
+    """An agent sends its JobConfig as JSON: the launch settings (int keys, a tuple) come back equal."""
+    import json
+
+    from undying.config import LaunchConfig
+
+    config = JobConfig(job_id="j", job_dir="d", seed=7, max_step_recoveries=2, step_api=False,
+                       launch=LaunchConfig(module=True, log_dir="logs", redirects={-1: 1}, tee={0: 3, 1: 2},
+                                           local_ranks_filter=(0,), role="trainer", master_port=29600))
+    back = JobConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert back == config
+    # The streams and the log folder are each node's own; the rest is the job's.
+    other = dataclasses.replace(config, launch=dataclasses.replace(config.launch, tee={}, log_dir="elsewhere"))
+    assert config.differences(other) == []
+    assert config.differences(dataclasses.replace(config, seed=8)) == ["seed"]
+
+
+@pytest.mark.parametrize(("launch", "words"), [
+    ({"module": True, "no_python": True}, "exclude each other"),
+    ({"redirects": {0: 4}, "log_dir": "x"}, "--redirects"),
+    ({"tee": {-1: 3}}, "need --log-dir"),
+    ({"role": ""}, "--role must be 1 to 256 printable characters"),
+    ({"master_port": 65536}, "--master-port"),
+])
+def test_bad_launch_settings_name_the_flag(launch: dict[str, Any], words: str) -> None:
+    from undying.config import LaunchConfig
+
+    with pytest.raises(UsageError, match=words):
+        JobConfig(job_id="j", job_dir="d", launch=LaunchConfig(**launch)).validate()
+
+
+def test_the_exit_grace_reaches_workers_as_a_timeout() -> None:
+    env = JobConfig(job_id="j", job_dir="d", timeouts=Timeouts(exit=3.5)).timeout_env()
+    assert env[f"{ENV_PREFIX}TIMEOUT_EXIT"] == "3.5"

@@ -47,7 +47,7 @@ def test_a_repeating_comm_error_climbs_the_ladder(max_restarts: int, max_retries
         current.action = d.action.value
         actions.append(d.action)
     assert actions == [Action.RETRY] * max_retries + [Action.REPLACE] * max_restarts + [Action.FAIL]
-    assert f"--max-restarts {max_restarts}" in d.reason
+    assert f"--max-step-recoveries {max_restarts}" in d.reason
 
 
 def test_retries_of_other_steps_do_not_use_up_this_steps_retries() -> None:
@@ -70,7 +70,7 @@ def test_fails_once_the_same_fault_repeated_max_restarts_times(max_restarts: int
     history.append(current)
     d = decide(current, history, ctx(max_restarts))
     assert d.action is Action.FAIL
-    assert "step 5" in d.reason and f"--max-restarts {max_restarts}" in d.reason
+    assert "step 5" in d.reason and f"--max-step-recoveries {max_restarts}" in d.reason
     assert f"already recovered {max_restarts} time(s)" in d.reason
     assert ("raised" if kind == "error" else "failed") in d.reason
 
@@ -78,7 +78,7 @@ def test_fails_once_the_same_fault_repeated_max_restarts_times(max_restarts: int
 def test_with_max_restarts_zero_the_first_fault_fails() -> None:
     d = decide(incident(step=9), [], ctx(max_restarts=0))
     assert d.action is Action.FAIL
-    assert "step 9" in d.reason and "--max-restarts 0" in d.reason
+    assert "step 9" in d.reason and "--max-step-recoveries 0" in d.reason
 
 
 @pytest.mark.parametrize(
@@ -169,3 +169,35 @@ def test_ranks_not_running_steps_or_of_an_older_generation_do_not_count() -> Non
 def test_a_job_of_one_rank_blames_that_rank() -> None:
     assert stall_culprits([_progress(0, 5)]) == [0]
     assert stall_culprits([_progress(0, 5, phase="init")]) == []
+
+
+# --- a script that does not use the step API: torchrun's recovery, the whole group restarts ---------------
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang", "error", "comm-error", "node-loss"])
+def test_without_the_step_api_every_fault_restarts_the_whole_group(kind: str) -> None:
+    d = decide(incident(kind, rank=1), [], PolicyContext(max_restarts=2, holders_alive=3, step_api=False))
+    assert d.action is Action.RESTART
+    assert "whole-group restart 1 of at most 2" in d.reason and "does not use undying's step API" in d.reason
+
+
+def test_without_the_step_api_restarts_are_bounded_by_max_restarts() -> None:
+    assert decide(incident(), [], PolicyContext(2, 3, restarts=1, step_api=False)).action is Action.RESTART
+    d = decide(incident(), [], PolicyContext(2, 3, restarts=2, step_api=False))
+    assert d.action is Action.FAIL
+    assert "restarted 2 time(s) (--max-restarts 2)" in d.reason
+
+
+def test_without_the_step_api_a_script_error_still_fails_at_once() -> None:
+    i = incident("script-error")
+    i.error = "the training script could not run"
+    assert decide(i, [], PolicyContext(3, 3, step_api=False)).action is Action.FAIL
+
+
+def test_the_per_step_limit_has_its_own_name_and_bound() -> None:
+    """--max-step-recoveries bounds recoveries at one step; --max-restarts the whole-group restarts."""
+    history = [incident(action="replace")]
+    c = PolicyContext(max_restarts=0, holders_alive=3, max_step_recoveries=2)
+    assert decide(incident(), history, c).action is Action.REPLACE
+    d = decide(incident(), history, PolicyContext(max_restarts=5, holders_alive=3, max_step_recoveries=1))
+    assert d.action is Action.FAIL and "--max-step-recoveries 1" in d.reason

@@ -21,8 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from undying.agent.exits import returned_exit
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
+from undying.agent.torchrun_env import TorchrunEnv
 from undying.agent.zygote import Zygote, start_mode
 from undying.config import JobConfig, step_timeout
 from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
@@ -69,6 +71,7 @@ class _Worker:
     beat: Heartbeat | None = None  # the latest, with the rank's progress
     stall_reported_t: float = 0.0  # the progress time of the stall last reported
     last_commit: tuple[int, int, float] = (-1, -1, 0.0)  # generation, step, time
+    incarnation: int = 0  # the manager's number for this process as the rank's holder
 
     def progress(self) -> RankProgress:
         beat = self.beat
@@ -121,6 +124,7 @@ class Agent:
         self._start_mode = start_mode()
         self._zygote: Zygote | None = None
         self._from_worker = self._worker_handlers()
+        self._torchrun = TorchrunEnv(config, node)  # torchrun's variables (agent/torchrun_env.py)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -150,7 +154,8 @@ class Agent:
             task.add_done_callback(_report_crash)
 
     async def _start_zygote(self, zygote: Zygote) -> None:
-        await zygote.start(self._base_environment(), self.config.timeouts.init)
+        # (one thread at import, whatever the workers get: the zygote forks)
+        await zygote.start({"OMP_NUM_THREADS": "1", **self._base_environment()}, self.config.timeouts.init)
 
     def set_trace(self, switch: TraceSet) -> None:
         """Every worker of this node, and every later one, follows this trace switch."""
@@ -184,6 +189,8 @@ class Agent:
                     continue
                 if worker.last_seen:
                     phase, silent, limit = "heartbeat", now - worker.last_seen, timeouts.heartbeat
+                elif not self.config.step_api:
+                    continue  # a script that never speaks to undying: no init timeout (whole-group restarts)
                 else:
                     phase, silent, limit = "init", now - worker.started, timeouts.init
                 if silent > limit:
@@ -247,26 +254,18 @@ class Agent:
         for key, value in self.extra_env.items():
             env.setdefault(key, value)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self._torchrun.base(env))
         return env
 
     def _rank_environment(self, rank: int, record: GenerationRecord, joining: bool,
                           resume_from: str = "", incarnation: int = 0) -> dict[str, str]:
-        """What makes a process rank ``rank`` of ``record``'s generation."""
+        """What makes a process rank ``rank`` of ``record``'s generation: torchrun's variables and undying's."""
         return {
+            **self._torchrun.rank(rank, record, incarnation, self.manager_host),
             f"{ENV_PREFIX}INCARNATION": str(incarnation),
             f"{ENV_PREFIX}RESUME_FROM": resume_from,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank % self.config.nproc_per_node),
-            "GROUP_RANK": str(self.node),
-            "WORLD_SIZE": str(record.world_size),
-            "LOCAL_WORLD_SIZE": str(self.config.nproc_per_node),
             # The generation's store lives in the manager: across hosts, where this agent reached it.
-            "MASTER_ADDR": self.manager_host or record.store_host,
-            "MASTER_PORT": str(record.store_port),
-            # The launcher hosts the store: ranks must connect, never host (as with torchrun).
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": str(record.generation),
+            f"{ENV_PREFIX}STORE_ADDR": f"{self.manager_host or record.store_host}:{record.store_port}",
             f"{ENV_PREFIX}CONTROL_ADDR": f"{self.manager_host or self.config.host}:{self.control_port}",
             f"{ENV_PREFIX}GENERATION": str(record.generation),
             f"{ENV_PREFIX}JOINING": "1" if joining else "0",
@@ -275,7 +274,9 @@ class Agent:
 
     def _start_process(self, env: dict[str, str], *, spare: bool) -> Process:
         """A worker: forked by the zygote when there is one, else a fresh interpreter (agent/zygote.py)."""
-        args = [*(["--spare"] if spare else []), self._script, *self._script_args]
+        launch = self.config.launch
+        kind = ["-m"] if launch.module else ["--no-python"] if launch.no_python else []
+        args = [*(["--spare"] if spare else []), *kind, self._script, *self._script_args]
         process: Process | None = None
         if self._zygote is not None:
             process = self._zygote.spawn(args, env, os.getcwd())
@@ -306,7 +307,7 @@ class Agent:
         """
         rank_env = self._rank_environment(rank, record, joining, resume_from, incarnation)
         process, warm = self._give_rank(rank, rank_env, incarnation, spare_ok=joining)
-        worker = _Worker(rank=rank, process=process, started=time.time(),
+        worker = _Worker(rank=rank, process=process, started=time.time(), incarnation=incarnation,
                          pending=[*self._armed_early.pop(rank, []),
                                   *(self._for_replacement.pop(rank, []) if joining else [])])
         old = self._workers.get(rank)
@@ -358,7 +359,8 @@ class Agent:
                     "another warm spare" if warm else "a new process")
         self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited, replaced_by=process.pid,
                           replacement="warm spare" if warm else "new process")
-        replacement = _Worker(rank=take.rank, process=process, started=time.time(), pending=worker.pending)
+        replacement = _Worker(rank=take.rank, process=process, started=time.time(), pending=worker.pending,
+                              incarnation=take.incarnation)
         self._workers[take.rank] = replacement
         self._by_pid[process.pid] = replacement
         self._manager.on_message(RankSpawned(take.rank, process.pid, warm, take.incarnation))
@@ -385,6 +387,9 @@ class Agent:
         if not self.spares.exited(process.pid, returncode):
             worker = self._by_pid.pop(process.pid, None)
             if worker is not None:
+                # A script that returned is done, whatever its exit took (agent/exits.py).
+                returncode = returned_exit(self.config, worker.rank, worker.incarnation, worker.pid, returncode,
+                                           self._spare_event)
                 self._manager.on_exit(worker.rank, worker.pid, returncode, t)
         self._zygote_idle()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from undying.agent.agent import Agent
 from undying.agent.netif import interface_for
 from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
 from undying.cli.summary import print_banner, print_end_summary
-from undying.config import JobConfig
+from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
 from undying.manager.auth import ensure_token
 from undying.manager.checkpoint_health import resume_line
@@ -42,8 +43,16 @@ __all__ = ["launch"]
 log = logging.getLogger("undying.launcher")
 
 
-def _check_script(script: str) -> str | None:
+def _check_script(script: str, config: JobConfig) -> str | None:
     """A missing or unreadable script is a usage error; one that does not compile is returned, in two lines."""
+    if config.launch.module:
+        if not all(part.isidentifier() for part in script.split(".")):
+            raise UsageError(f"-m {script}: not a module name (dotted Python identifiers, e.g. pkg.train)")
+        return None  # (a module that cannot be imported: the first rank says so, as a script error)
+    if config.launch.no_python:
+        if shutil.which(script) is None:
+            raise UsageError(f"--no-python {script}: no such executable program (a path, or a name on PATH)")
+        return None
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"training script {script} does not exist; pass the path of a Python file")
@@ -90,6 +99,8 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
     events.set_job("url", url, flush=True)
     print_banner(config.job_id, config.job_dir, url, ranks=config.world_size, open_status=config.open_status)
     log.info("job %s: %d ranks, manager at %s, job dir %s", config.job_id, config.world_size, url, config.job_dir)
+    if not config.step_api:
+        say(f"job {config.job_id}: {WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}")
     loop = asyncio.get_running_loop()
     interrupted: list[int] = []
 
@@ -122,10 +133,8 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
 def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
     recovered = [i for i in manager.incidents if i.status == "recovered"]
     if final is JobState.SUCCEEDED:
-        log.warning(
-            "job %s succeeded: %d ranks, generation %d, %d incident(s) recovered, %d step(s) re-run",
-            config.job_id, config.world_size, manager.generation, len(recovered), len(manager.rerun_steps),
-        )
+        say(f"job {config.job_id} succeeded: {config.world_size} ranks, generation {manager.generation}, "
+            f"{len(recovered)} incident(s) recovered, {len(manager.rerun_steps)} step(s) re-run")
         health = manager.checkpoint_health
         if health.failures:
             # The last line printed: a success whose saves failed says so, and what it left on disk.
@@ -142,10 +151,16 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
         log.warning("job %s stopped: %s", config.job_id, manager.exit_reason)
 
 
+def say(line: str) -> None:
+    """A line the user reads whatever the log level, and no warning: the start and end of a run that went well."""
+    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
+    sys.stderr.flush()
+
+
 def launch(config: JobConfig, script: str, script_args: list[str]) -> int:
     """Run the job to its end; returns the launcher's exit code."""
     config.validate()
-    broken = _check_script(script)
+    broken = _check_script(script, config)
     if broken is not None:  # before any rank, folder or port: the error where it is, and exit 1
         sys.stderr.write(f"undying: error in the training script: {broken}\n")
         return 1

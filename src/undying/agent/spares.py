@@ -142,9 +142,10 @@ class SparePool:
         spare = self.spares.pop(pid, None)
         if spare is None:
             return False
-        log.warning("node %d: spare pid %d exited (%d)", self.node, pid, returncode)
-        if self._stopping():
+        if self._stopping():  # (let go with the job's end: a normal exit, no warning)
+            log.info("node %d: spare pid %d exited (%d)", self.node, pid, returncode)
             return True
+        log.warning("node %d: spare pid %d exited (%d)", self.node, pid, returncode)
         self._report("spare_exited", pid, returncode=returncode, warm=spare.writer is not None)
         self._failures = 0 if spare.writer is not None else self._failures + 1
         delay = min(30.0, 0.5 * 2 ** (self._failures - 1)) if self._failures else 0.0

@@ -31,6 +31,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = _Parser(
         prog="undying",
+        allow_abbrev=False,  # (an abbreviation after `run SCRIPT` is the script's, never --verbose's)
         description="Fault-tolerant distributed PyTorch training: survivors keep their state, "
         "dead ranks are replaced, only the step in flight is re-run.",
     )

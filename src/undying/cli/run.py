@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import uuid
 
 from undying.cli.limits import add_connection_arguments, connection_limits
+from undying.cli.step_api import uses_step_api
+from undying.cli.torchrun_flags import (
+    add_torchrun_arguments,
+    apply_torchrun_arguments,
+    nproc_arg,
+    resolve_nproc,
+)
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
+    WHOLE_GROUP_LINE,
     CheckpointConfig,
     JobConfig,
+    LaunchConfig,
     Timeouts,
     TraceConfig,
 )
@@ -31,13 +41,18 @@ _DEFAULTS = Timeouts()
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
-        help="run a training script on N ranks, recovering from faults",
+        help="run a training script on N ranks, recovering from faults (takes torchrun's flags)",
+        allow_abbrev=False,  # an abbreviation is the script's argument, never one of ours
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=f"""\
-Run SCRIPT on --nproc-per-node ranks with the torchrun environment (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). When a rank
-dies, the others keep their state in memory, a new process takes its place, its
-state comes from a peer, and only the step in flight is re-run.
+Run SCRIPT on --nproc-per-node ranks with torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*, ...) and torchrun's flags:
+replace the word `torchrun` with `undying run`. Everything after SCRIPT is the
+script's own. When a rank of a script that uses undying's step API dies, the
+others keep their state in memory, a new process takes its place, its state
+comes from a peer, and only the step in flight is re-run. A script that does
+not use it gets torchrun's recovery: the whole group restarts (--max-restarts),
+and a script that saves its own snapshot resumes from it.
 
 The manager runs inside this launcher: its event log is <job dir>/events.db and
 its HTTP API address is in <job dir>/manager.json (see `undying status`).
@@ -57,15 +72,26 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
 written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
-    p.add_argument("-n", "--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, default=1, metavar="N",
+                   help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
+                   "(default 1)")
     p.add_argument("--job-id", type=job_id_arg, default=None,
                    help=f"the job's name: {JOB_ID_RULE} (default: job-<date>-<time>-<random>)")
     p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
     p.add_argument(
-        "--max-restarts", type=int, default=3,
+        "--max-restarts", "--max_restarts", type=int, default=None,
+        help="whole-group restarts before the job fails, torchrun's meaning: every rank started again (from "
+        "the latest valid checkpoint, or, for a script that does not use the step API, from its start) "
+        "(default 3). This flag used to limit recoveries at one step: that is --max-step-recoveries now",
+    )
+    p.add_argument(
+        "--max-step-recoveries", type=int, default=3,
         help="recoveries allowed for faults at the same step before the job stops; a fault that "
         "repeats at one step is a bug (default 3)",
     )
+    p.add_argument("--seed", type=int, default=0,
+                   help="the job's seed, given to every worker as UNDYING_SEED: undying.init() seeds torch, random "
+                   "and NumPy from it, so a replacement builds what the rank it replaces built (default 0)")
     p.add_argument(
         "--max-retries", type=int, default=3,
         help="in-place retries of a communication error at the same step; then the rank whose "
@@ -119,7 +145,8 @@ no checkpoint at all.""",
     tr.add_argument("--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), default=1000.0, metavar="MB",
                     help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
                     "(default 1000)")
-    p.add_argument("--port", type=int, default=29500, help="the manager's c10d store port; 0 picks a free one (default 29500)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the manager's c10d store port; 0 picks a free one (default 29500; --standalone: 0)")
     p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
     p.add_argument("--open-status", action="store_true",
                    help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
@@ -132,7 +159,7 @@ no checkpoint at all.""",
                    "node is lost and no host replaces it within --node-wait it goes on with the nodes it has, "
                    "down to MIN; a node joining later grows it back, up to MAX. Without MIN:MAX such a job "
                    "saves its survivors' state and restarts from it once the lost node is replaced")
-    m.add_argument("--node-rank", type=int, default=0,
+    m.add_argument("--node-rank", "--node_rank", type=int, default=0,
                    help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
     m.add_argument("--manager", default=None, metavar="HOST:PORT",
                    help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
@@ -171,9 +198,14 @@ no checkpoint at all.""",
                    f"job waits for more than MIN nodes at start (default {_DEFAULTS.node_wait:.0f})")
     t.add_argument("--stop-grace", type=finite_arg("--stop-grace"), default=_DEFAULTS.stop_grace,
                    help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
+    t.add_argument("--exit-grace", type=finite_arg("--exit-grace"), default=_DEFAULTS.exit,
+                   help="a rank whose script returned and whose process is still there this long after (stuck "
+                   "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
+                   f"stands and the stuck exit is noted (default {_DEFAULTS.exit:g})")
     add_connection_arguments(p)
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_torchrun_arguments(p)
+    p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
     p.set_defaults(func=run)
 
 
@@ -202,14 +234,26 @@ def _nnodes(raw: str) -> tuple[int, int]:
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
+    apply_torchrun_arguments(args)
     fewest, most = args.nnodes
     if args.manager is None and (most != 1 or args.node_rank != 0):
         raise UsageError(
-            "--nnodes > 1 needs --manager HOST:PORT: start `undying manager --job-id J` on one host, then "
-            "`undying run --nnodes N --node-rank I --manager HOST:PORT --job-id J ...` on every node"
+            "--nnodes > 1 needs --manager HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT): start "
+            "`undying manager --job-id J` on one host, then `undying run --nnodes N --node-rank I --manager "
+            "HOST:PORT --job-id J ...` on every node"
+            + (f" (torchrun's static rendezvous at --master-addr {args.master_addr}: run the manager there)"
+               if args.master_addr else "")
         )
     if args.manager is not None and not args.job_id:
-        raise UsageError("--manager needs --job-id: the id the manager was started with")
+        raise UsageError("--manager needs --job-id: the id the manager was started with (torchrun's flags: "
+                         "--rdzv-endpoint needs --rdzv-id)")
+    step_api = uses_step_api(args.script, module=args.module, no_python=args.no_python)
+    if args.max_restarts is None:
+        args.max_restarts = 3
+    elif step_api:  # the one flag whose meaning changed: said where it could be read the old way
+        sys.stderr.write(f"undying: note: --max-restarts {args.max_restarts} bounds whole-group restarts "
+                         f"(torchrun's meaning); recoveries at one step are bounded by --max-step-recoveries "
+                         f"({args.max_step_recoveries})\n")
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     check_job_id(job_id)
     timeouts = Timeouts(
@@ -224,12 +268,13 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         step=args.step_timeout,
         node_wait=args.node_wait,
         spare_take=args.spare_take_timeout,
+        exit=args.exit_grace,
     )
     return JobConfig(
         job_id=job_id,
         job_id_given=args.job_id is not None,
         job_dir=str(args.job_dir or default_job_dir(job_id)),
-        nproc_per_node=args.nproc_per_node,
+        nproc_per_node=resolve_nproc(args.nproc_per_node),
         nnodes=most,
         min_nodes=fewest if fewest < most else 0,
         node_rank=args.node_rank,
@@ -237,7 +282,15 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         http_port=args.http_port,
         backend=args.backend,
         max_restarts=args.max_restarts,
+        max_step_recoveries=args.max_step_recoveries,
         max_retries=args.max_retries,
+        seed=args.seed,
+        step_api=step_api,
+        launch=LaunchConfig(
+            module=args.module, no_python=args.no_python, log_dir=args.log_dir, redirects=args.redirects,
+            tee=args.tee, local_ranks_filter=args.local_ranks_filter, role=args.role,
+            master_addr=args.master_addr, master_port=args.master_port,
+        ),
         spares=args.spares,
         open_status=args.open_status,
         start_fresh=args.start_fresh,
@@ -299,6 +352,9 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
             "no token for the manager: pass --token-file PATH or set UNDYING_TOKEN (the manager wrote it to "
             "<its job dir>/token), or pass --job-dir of the manager's job dir on this host"
         )
-    if not Path(args.script).is_file():
+    if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
+    if not config.step_api:
+        sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
+                         f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
     return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir))

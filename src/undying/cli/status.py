@@ -27,6 +27,7 @@ from rich.text import Text
 
 from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
 from undying.cli.summary import LOSS_WORDS, duration, goodput_line, logged_account
+from undying.config import WHOLE_GROUP_LINE
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import LogReader, read_job
 from undying.manager.jobdir import JobDir
@@ -155,6 +156,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "goodput": account.goodput.to_dict(),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": exit_reason,
+        "recovery_mode": "" if (job.get("config") or {}).get("step_api", True) else
+        WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", 3)),
         "preemption": job.get("preemption"),
         "ranks": data["ranks"],
         "incidents": data["incidents"],
@@ -211,6 +214,8 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
         parts.append(Text(note, style="yellow"))
     if status.get("exit_reason"):
         parts.append(Text("  " + str(status["exit_reason"])))
+    if status.get("recovery_mode"):
+        parts.append(Text("  " + str(status["recovery_mode"])))
     progress = status.get("progress") or {}
     if progress:
         parts.extend(_progress_lines(progress, bar=bar))

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import time
 from dataclasses import dataclass
 
-from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
+from undying.config import ERROR_FILE, EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, worker_dir
 from undying.manager.core import JobCore
 from undying.manager.policy import stall_culprits
 from undying.manager.recovery import Recoveries
@@ -92,6 +93,24 @@ def script_error(job_dir: str, rank: int) -> str:
     return f"the training script could not run: {where}; fix it and run the same command again"
 
 
+def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
+    """The error and traceback a rank's process left in torchrun's error file (``@record`` writes it), or ("", "").
+
+    torchrun reads the same file back into its failure report; so does the manager. A file
+    that is missing, unreadable or not torchrun's JSON says nothing (the exit code speaks).
+    """
+    path = os.path.join(worker_dir(job_dir, rank, incarnation), ERROR_FILE)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            data = json.loads(f.read(1 << 20))
+        message = data["message"]
+        if isinstance(message, str):
+            return message[:2000], ""
+        return str(message.get("message", ""))[:2000], str(message.get("extraInfo", {}).get("py_callstack", ""))[:20000]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "", ""
+
+
 class Detection:
     def __init__(self, core: JobCore, recoveries: Recoveries) -> None:
         self.core = core
@@ -113,13 +132,30 @@ class Detection:
         found = classify_exit(cause, step=info.step + 1,
                               script_error=script_error(self.core.config.job_dir, info.rank)
                               if returncode == EXIT_SCRIPT_ERROR else "")
+        error, traceback = found.error, found.traceback
+        if not traceback and not cause.hung and not cause.lost:
+            told, stack = error_file(self.core.config.job_dir, info.rank, info.incarnation)
+            if told:  # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
+                error, traceback = f"{error}: {told}", f"rank {info.rank}:\n{stack}" if stack else ""
         incident = self.recoveries.new_incident(kind=found.kind, rank=info.rank, step=info.step + 1,
                                                 fault_t=found.fault_t, detected_t=found.detected_t,
-                                                error=found.error, traceback=found.traceback)
+                                                error=error, traceback=traceback)
         incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
         if cause.injected:
             incident.detail["injected"] = True
         self.recoveries.handle(incident)
+
+    def finished(self, returncode: int, finished_steps: bool) -> bool:
+        """Whether a rank's exit ends its part of the job rather than being a fault.
+
+        A clean exit, or an exit after its last step, is. So is any exit once
+        the job's final barrier completed on some rank (then this one passed
+        it too), but only for a script that uses the step API: without it there
+        is no barrier, and a rank killed after another one finished is a fault.
+        """
+        if returncode == 0 or finished_steps:
+            return True
+        return self.recoveries.step_api and self.core.book.any_done()
 
     def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
         """A rank fell silent: kill it; its exit is then recovered as a hang (replace)."""

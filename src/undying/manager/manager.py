@@ -178,6 +178,8 @@ class Manager:
             record = core.open_generation("start" if resume is None else f"resume from step {resume.step}")
             for info in core.ranks.values():
                 core.spawn(info.rank, record, joining=False, resume_from=resume.url if resume else "")
+            if not self.recoveries.step_api:
+                core.move(JobState.RUNNING)  # (its ranks commit no step to say so: started is running)
         for agent in core.agents.values():
             agent.keep_spares()
         watchdog = asyncio.create_task(self._watch())
@@ -267,7 +269,7 @@ class Manager:
             return
         # A rank is finished when it exits cleanly, or when the job's final
         # barrier completed on some rank: then this one passed it too.
-        if returncode == 0 or finished_steps or core.book.any_done():
+        if self.detection.finished(returncode, finished_steps):
             if returncode != 0:
                 self.events.event("exit_after_done", rank=rank, returncode=returncode)
             info.state = RankState.DONE

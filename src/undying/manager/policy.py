@@ -13,18 +13,21 @@ from dataclasses import dataclass
 from undying.manager.state import Incident, IncidentKind
 from undying.protocol.node_wire import RankProgress
 
-__all__ = ["Action", "Decision", "PolicyContext", "decide", "stall_culprits"]
+__all__ = ["Action", "Decision", "PolicyContext", "WHOLE_GROUP", "decide", "stall_culprits"]
 
 
 class Action(str, enum.Enum):
     RETRY = "retry"  # same processes, new process groups, re-run the step
     REPLACE = "replace"  # new processes for the dead ranks, state from peers
-    RESTART = "restart"  # no peer holds the state: every rank restarts from the latest valid checkpoint
+    # Every rank starts again: from the latest valid checkpoint when no peer holds the state, or, for a
+    # script that does not use the step API (torchrun's recovery), from its start (its own snapshot).
+    RESTART = "restart"
     FAIL = "fail"  # stop the job with a report
 
 
 @dataclass(frozen=True)
 class PolicyContext:
+    # Whole-group restarts allowed (torchrun's --max-restarts): the restart rung's bound.
     max_restarts: int
     # Ranks whose processes are alive and hold state (not replacements waiting for it).
     holders_alive: int
@@ -36,6 +39,15 @@ class PolicyContext:
     restarts: int = 0
     # The restore planner's words when no complete state exists (a shard in no survivor and no checkpoint).
     no_state: str = ""
+    # Recoveries of faults at one step (--max-step-recoveries); None: as many as max_restarts.
+    max_step_recoveries: int | None = None
+    # The script uses undying's step API; False: it holds no state undying can move, so a fault
+    # restarts the whole group (torchrun's recovery), up to max_restarts times.
+    step_api: bool = True
+
+    @property
+    def step_limit(self) -> int:
+        return self.max_restarts if self.max_step_recoveries is None else self.max_step_recoveries
 
 
 @dataclass(frozen=True)
@@ -46,12 +58,15 @@ class Decision:
 
 def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
     """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank
-    (up to ``max_restarts`` times for one rank at one step) -> restart every rank from the
+    (up to ``max_step_recoveries`` times for one rank at one step) -> restart every rank from the
     latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
     fail with a report. A script that cannot run (a SyntaxError or ImportError) fails at once:
-    no replacement would run it either."""
+    no replacement would run it either. A script that does not use the step API has one rung
+    below failing: the whole group restarts (``max_restarts`` times), as under torchrun."""
     if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
+    if not ctx.step_api:
+        return _restart_group(incident, ctx)
     if ctx.no_state and ctx.holders_alive > 0:
         return Decision(Action.FAIL, f"the surviving ranks do not hold the whole training state and no valid "
                                      f"checkpoint has the rest ({ctx.no_state}); restart the job")
@@ -76,12 +91,12 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
         if retries < ctx.max_retries:
             return Decision(Action.RETRY, "collective failed with every process alive")
     replacements = sum(1 for i in earlier if i.rank == incident.rank and i.action == Action.REPLACE.value)
-    if replacements >= ctx.max_restarts:
+    if replacements >= ctx.step_limit:
         what = "raised" if incident.kind is IncidentKind.ERROR else "failed"
         return Decision(
             Action.FAIL,
             f"rank {incident.rank} {what} at step {incident.step}, which was already recovered "
-            f"{replacements} time(s) at that step (--max-restarts {ctx.max_restarts}); "
+            f"{replacements} time(s) at that step (--max-step-recoveries {ctx.step_limit}); "
             "a fault that repeats at the same step is a bug, not bad luck",
         )
     if incident.kind is IncidentKind.COMM_ERROR:
@@ -92,6 +107,27 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
         )
     what = "stopped answering and was killed" if incident.kind is IncidentKind.HANG else "exited"
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
+
+
+WHOLE_GROUP = "this script does not use undying's step API"
+
+
+def _restart_group(incident: Incident, ctx: PolicyContext) -> Decision:
+    """torchrun's recovery for a script undying cannot recover in place: every rank starts again."""
+    what = {IncidentKind.HANG: "hung and was killed", IncidentKind.NODE_LOSS: "was lost with its node",
+            IncidentKind.COMM_ERROR: "lost its link"}.get(incident.kind, "exited")
+    if ctx.restarts >= ctx.max_restarts:
+        return Decision(
+            Action.FAIL,
+            f"rank {incident.rank} {what} ({incident.error or incident.kind}); the whole group was already "
+            f"restarted {ctx.restarts} time(s) (--max-restarts {ctx.max_restarts}): {WHOLE_GROUP}, so a "
+            "fault restarts every rank",
+        )
+    return Decision(
+        Action.RESTART,
+        f"rank {incident.rank} {what}; whole-group restart {ctx.restarts + 1} of at most {ctx.max_restarts}: "
+        f"{WHOLE_GROUP}, so every rank starts again (a script that saves its own snapshot resumes from it)",
+    )
 
 
 def stall_culprits(progress: Sequence[RankProgress]) -> list[int]:

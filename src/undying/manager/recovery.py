@@ -73,6 +73,13 @@ class Recoveries:
         # Every rank of a lost node is replaced in the same new generation: set while they are handled.
         self.one_generation = False
         self._shared_record: GenerationRecord | None = None
+        # A rank said hello: the script uses the step API even if the launcher's look at it said otherwise.
+        self.hello_seen = False
+
+    @property
+    def step_api(self) -> bool:
+        """Whether the script uses undying's step API (else a fault restarts the whole group)."""
+        return self.core.config.step_api or self.hello_seen
 
     def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float, detected_t: float,
                      error: str = "", traceback: str = "") -> Incident:
@@ -148,8 +155,11 @@ class Recoveries:
     def handle(self, incident: Incident) -> None:
         """Decide the rung for ``incident`` by the restore plan and the policy, and carry it out."""
         core = self.core
-        found, words = self.plan(incident)
-        incident.detail["restore_plan"] = words
+        if self.step_api:
+            found, words = self.plan(incident)
+            incident.detail["restore_plan"] = words
+        else:  # (no state of the script's is undying's to plan: every rank starts again)
+            found, words, self.restart_from = None, "", None
         # Ranks that keep state through this recovery: none when every rank must start from the checkpoint.
         holders = self.holders_alive(incident.rank)
         if found is not None and found.needs_checkpoint and not self.checkpoints.sharded:
@@ -158,7 +168,8 @@ class Recoveries:
             incident, core.incidents,
             PolicyContext(core.config.max_restarts, holders, core.config.max_retries,
                           checkpoint_step=self.restart_from.step if self.restart_from else None,
-                          restarts=self.restarts,
+                          restarts=self.restarts, max_step_recoveries=core.config.max_step_recoveries,
+                          step_api=self.step_api,
                           # (a failed collective loses no process: its retry needs no state from anyone)
                           no_state=words if found is None and incident.kind is not IncidentKind.COMM_ERROR else ""),
         )
@@ -211,8 +222,44 @@ class Recoveries:
             warm = core.spawn(incident.rank, record, joining=True)
             incident.detail["replacement"] = "warm spare" if warm else "new process"
             core.events.incident(incident)
+        elif decision.action is Action.RESTART and self.restart_from is None:
+            self._restart_group(incident, record)
         elif decision.action is Action.RESTART:
             self._restart_all(incident, record)
+
+    def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:
+        """torchrun's recovery for a script that does not use the step API: every rank starts again, now.
+
+        Every live rank is killed (its peers of the old group would wait on the
+        dead one forever) and every rank, a finished one too, gets a new
+        process in the new generation, from the script's start: a script that
+        saves its own snapshot loads it. No rank of such a script commits a
+        step, so the round ends here, with the new processes started.
+        """
+        core = self.core
+        assert self.current is not None
+        self.restarts += 1
+        for info in core.ranks.values():
+            if info.state is not RankState.EXITED:
+                core.kill(info.rank)
+        core.book.finished.clear()
+        for info in core.ranks.values():
+            self.current.replaced.add(info.rank)
+            core.spawn(info.rank, record, joining=False)
+        started = time.time()
+        incident.detail.update({"restart": self.restarts, "replacement": "every rank: new processes"})
+        core.events.event("restarted", generation=record.generation, step=0, path="", kind="whole-group",
+                          lost_steps=0, restart=self.restarts)
+        log.warning("job %s gen %d: every rank starts again (whole-group restart %d of at most %d)",
+                    core.config.job_id, record.generation, self.restarts, core.config.max_restarts)
+        for settled in self.current.incidents:
+            if settled.status is IncidentStatus.OPEN:
+                settled.phases["replacement_ready"] = started
+                settled.settle(IncidentStatus.RECOVERED)
+                settled.detail["generation"] = record.generation
+            core.events.incident(settled)
+        self.current = None
+        core.move(JobState.RUNNING)
 
     def _restart_all(self, incident: Incident, record: GenerationRecord) -> None:
         """The restart rung: new processes for every rank, all starting from the latest valid checkpoint.
@@ -243,7 +290,8 @@ class Recoveries:
                     core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
 
     def on_joined(self, rank: int, t: float) -> None:
-        """A rank's process joined its generation: a replacement is ready."""
+        """A rank's process joined its generation: a replacement is ready (and the script uses the step API)."""
+        self.hello_seen = True
         if self.current is not None and rank in self.current.replaced:
             self.current.ready[rank] = t
 

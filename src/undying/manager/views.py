@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from undying.config import WHOLE_GROUP_LINE
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.goodput import Goodput, account
@@ -36,6 +37,7 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "rerun_steps": sorted(core.book.rerun_steps),
         "spares_ready": sum(a.spares_ready() for a in core.agents.values()),
         "exit_reason": core.exit_reason,
+        "recovery_mode": "" if recoveries.step_api else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts),
         "checkpoints": {
             "dir": checkpoints.dir,
             "last": checkpoints.last,

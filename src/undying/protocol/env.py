@@ -8,6 +8,8 @@ or drop them as a whole.
 
 from __future__ import annotations
 
-__all__ = ["ENV_PREFIX"]
+__all__ = ["ENV_PREFIX", "SEED_ENV"]
 
 ENV_PREFIX = "UNDYING_"
+# The job's seed (`undying run --seed`), which undying.init() seeds torch, random and NumPy from.
+SEED_ENV = f"{ENV_PREFIX}SEED"

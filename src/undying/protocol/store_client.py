@@ -263,7 +263,9 @@ def use_for_env_rendezvous() -> None:
         query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
         rank = int(query.get("rank", os.environ["RANK"]))
         world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
-        store = hold("generation", JobStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        # (MASTER_ADDR/PORT are the script's own store's, TORCHELASTIC_USE_AGENT_STORE=False; the job's is here)
+        host, _, port = os.environ.get("UNDYING_STORE_ADDR", "").rpartition(":")
+        store = hold("generation", JobStore(host or os.environ["MASTER_ADDR"], int(port or os.environ["MASTER_PORT"]),
                                             generation_store(int(os.environ["UNDYING_GENERATION"])), key, timeout))
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")

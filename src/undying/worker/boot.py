@@ -13,6 +13,13 @@ no interpreter start and no torch import on the recovery's critical path.
 By default a worker is not started with ``python -m`` at all: the agent's
 zygote (``undying.worker.zygote``), which imported torch once, forks it and
 calls ``main`` with the arguments, and the zygote as the parent it dies with.
+
+``-m MODULE`` runs a module as ``python -m`` does, ``--no-python PROGRAM``
+executes a program (torchrun's flags of the same names). The rank's output
+streams go where torchrun's ``--redirects``/``--tee``/``--local-ranks-filter``
+send them (``worker/streams.py``). When the script returns, the process marks
+it (the agent counts the rank done) and arms ``--exit-grace``: an exit stuck
+past it is ended by SIGALRM (``agent/exits.py``).
 """
 
 from __future__ import annotations
@@ -132,8 +139,11 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     spare = bool(args) and args[0] == "--spare"
     if spare:
         args = args[1:]
+    kind = args[0] if args and args[0] in ("-m", "--no-python") else ""
+    if kind:
+        args = args[1:]
     if not args:
-        sys.stderr.write("usage: python -m undying.worker.boot [--spare] SCRIPT [ARGS...]\n")
+        sys.stderr.write("usage: python -m undying.worker.boot [--spare] [-m|--no-python] SCRIPT [ARGS...]\n")
         sys.exit(2)
     if parent is None:
         parent = int(os.environ.get("UNDYING_AGENT_PID", os.getppid()))
@@ -141,8 +151,13 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     script = args[0]
     if spare:
         _wait_as_spare(Path(script))
+    from undying.worker.streams import direct_streams
+
+    direct_streams()  # --redirects, --tee, --local-ranks-filter: this rank's environment says where
+    if kind == "--no-python":
+        os.execvp(script, args)  # (the parent-death signal stays armed across exec)
     sys.argv = args
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.getcwd() if kind else os.path.dirname(os.path.abspath(script)))
     # Registered first, so it runs last, after the script's own exit handlers: the interpreter's
     # shutdown then skips collecting torch's object graph, which took a worker 1.3-3 s of CPU
     # after its last step (every job end, and a whole-job restart, waited for it).
@@ -151,7 +166,17 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
 
     use_for_env_rendezvous()  # the script's own init_process_group() meets its peers on the job's store
     try:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            if kind:
+                runpy.run_module(script, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise
+            _returned()
+            raise
+        _returned()
     except (SyntaxError, ImportError) as e:
         from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
 
@@ -175,6 +200,27 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
             sys.stderr.write(message + "\n")
             sys.stderr.flush()
         os._exit(EXIT_SCRIPT_ERROR)
+
+
+def _returned() -> None:
+    """The script is done: say so to the agent (a file it reads at the exit) and bound the exit itself.
+
+    SIGALRM's default action ends the process in the kernel, with no need of the
+    interpreter lock: an exit deadlocked on it (a thread joining one that waits
+    for the lock) ends too.
+    """
+    marker = os.environ.get("UNDYING_RETURNED_FILE", "")
+    if not marker:
+        return
+    try:
+        grace = float(os.environ.get("UNDYING_TIMEOUT_EXIT", "10"))
+    except ValueError:
+        grace = 10.0
+    with contextlib.suppress(OSError), open(marker, "w") as f:
+        f.write(str(time.time()))
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
+    signal.setitimer(signal.ITIMER_REAL, max(0.01, grace))
 
 
 def script_error(e: BaseException) -> str:

@@ -18,11 +18,10 @@ from collections.abc import Mapping
 import torch
 
 from undying.errors import UsageError
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import SEED_ENV
 
 __all__ = ["SEED_ENV", "seed_from_env", "seed_everything"]
 
-SEED_ENV = f"{ENV_PREFIX}SEED"
 
 
 def seed_from_env(env: Mapping[str, str] | None = None) -> int:
