@@ -60,8 +60,10 @@ def _diverged(run: RunRecord) -> dict[str, Any]:
 
 
 def test_an_unseeded_dataset_ends_in_a_diverged_incident(tmp_path: Path) -> None:
-    run, _ = _run(tmp_path / "job", ["--batches", "loader", "--data", "unseeded"], [crash(1, 5, "backward")])
+    run, log = _run(tmp_path / "job", ["--batches", "loader", "--data", "unseeded"], [crash(1, 5, "backward")])
     incident = _diverged(run)
+    # The run's last word is a warning, not a plain "succeeded": its losses are not the fault-free run's.
+    assert "warning: the run diverged after a fault" in log.strip().splitlines()[-1], log[-2000:]
     assert (incident["rank"], incident["detail"]["fingerprint"]) == (1, "batch")
     assert incident["step"] >= 5 and "another batch" in incident["error"]
     assert ("crash", 1, "recovered") in _kinds(run)

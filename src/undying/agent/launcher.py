@@ -135,6 +135,10 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
     if final is JobState.SUCCEEDED:
         say(f"job {config.job_id} succeeded: {config.world_size} ranks, generation {manager.generation}, "
             f"{len(recovered)} incident(s) recovered, {len(manager.rerun_steps)} step(s) re-run")
+        if any(i.kind == "diverged" for i in manager.incidents):
+            # A recovery that did not reproduce the run is not a plain success: the last line says so.
+            _, _, warning = manager.exit_reason.partition("; warning: ")
+            log.warning("job %s: warning: %s", config.job_id, warning or "the run diverged after a fault")
         health = manager.checkpoint_health
         if health.failures:
             # The last line printed: a success whose saves failed says so, and what it left on disk.
