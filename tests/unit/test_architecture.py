@@ -34,7 +34,8 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("undying.protocol", "undying.errors", "undying.inputs")),
 ]
 DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
-                    "undying.manager.step_clock", "undying.manager.state", "undying.checkpoint.planner")
+                    "undying.manager.step_clock", "undying.manager.state", "undying.checkpoint.planner",
+                    "undying.manager.regroup_policy", "undying.manager.preemption_policy", "undying.manager.standby")
 MAX_LINES = 600
 MAX_EXPORTS = 15
 

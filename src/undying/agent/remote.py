@@ -35,7 +35,6 @@ from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.protocol.codec import Codec, Handlers, Message
 from undying.protocol.node_wire import (
-    STANDBY_NODE,
     AbortRank,
     Acked,
     AgentFenced,
@@ -58,6 +57,7 @@ from undying.protocol.node_wire import (
     RanksStalled,
     SpawnRank,
     StandbyBeat,
+    StandbyJoin,
     StandbyParked,
     StopNode,
     TellRank,
@@ -77,6 +77,7 @@ __all__ = ["ManagerClient", "run_node", "parse_manager_address"]
 log = logging.getLogger("undying.agent.remote")
 
 _STATE_EVERY_S = 0.5
+_STANDBY = -1  # a standby's node number (in its logs) until the manager gives it one
 # Reports kept while the manager is unreachable are never dropped (each is a step someone trained);
 # past every this many the agent says how many it holds, so a long outage shows in its log.
 _KEPT_WARN_EVERY = 100_000
@@ -262,7 +263,7 @@ class NodeRunner:
         self.token = token
         self.client = ManagerClient()
         # A standby has no node until the manager gives it a lost one (``_park``).
-        self.node = STANDBY_NODE if standby else config.node_rank
+        self.node = _STANDBY if standby else config.node_rank
         self.agent = Agent(config, node=self.node, script=script, script_args=script_args,
                            manager=self.client, control_port=0)
         if standby:  # enough warm spares for a whole node's ranks
@@ -377,14 +378,15 @@ class NodeRunner:
 
     def _join_message(self) -> AgentJoin:
         return AgentJoin(
-            job_id=self.config.job_id, node=self.node, nnodes=self.config.nnodes,
+            job_id=self.config.job_id, node=max(self.node, 0), nnodes=self.config.nnodes,
             nproc_per_node=self.config.nproc_per_node, token=self.token, session=self.session,
             pid=os.getpid(), host=socket.gethostname(), config=self.config.to_dict(),
             live={str(r): pid for r, pid in self.agent.live_pids().items()}, t=time.time(),
         )
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(encode(self._join_message()))
+        join = self._join_message()
+        writer.write(encode(StandbyJoin(join) if self.node == _STANDBY else join))
         line = await asyncio.wait_for(reader.readline(), 30.0)
         if not line:
             raise ConnectionError("the manager closed the connection")

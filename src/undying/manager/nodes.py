@@ -36,7 +36,6 @@ from undying.protocol.codec import Handlers, Message, MessageError
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
     FROM_WORKERS,
-    STANDBY_NODE,
     AbortRank,
     Acked,
     AgentFenced,
@@ -58,6 +57,7 @@ from undying.protocol.node_wire import (
     RanksStalled,
     SpawnRank,
     StandbyBeat,
+    StandbyJoin,
     StandbyParked,
     StopNode,
     TellRank,
@@ -402,11 +402,11 @@ class AgentServer:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
             join = decode_from_agent(line) if line else None
-            if not isinstance(join, AgentJoin):
+            if not isinstance(join, (AgentJoin, StandbyJoin)):
                 return  # not an agent: nothing to say to it
             first = b""  # a standby given a node: the line it sent first as the node's agent
-            if join.node == STANDBY_NODE:
-                parked = await self._park(join, writer)
+            if isinstance(join, StandbyJoin):
+                parked = await self._park(join.join, writer)
                 first = await self.standbys.serve(parked, reader, _JOIN_LIMIT) if parked is not None else b""
                 if parked is None or parked.seated is None:
                     return

@@ -43,7 +43,7 @@ __all__ = [
     "NodeLeaving", "RankExited", "RankHung", "RankProgress", "RanksStalled", "SpareEvent", "TraceFileSet",
     "TraceFileError", "NodeStep", "NumberedReports", "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report",
     "FROM_WORKERS", "encode", "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line",
-    "STANDBY_NODE", "StandbyParked", "StandbyBeat",
+    "StandbyJoin", "StandbyParked", "StandbyBeat",
 ]
 
 
@@ -345,8 +345,13 @@ class JobEnded(Message, frozen=True):
 
 # --- a warm standby agent (``undying run --standby``) --------------------------
 
-# The node an AgentJoin names when it is a standby's: it has no node until the manager gives it a lost one.
-STANDBY_NODE = -1
+class StandbyJoin(Message, frozen=True):
+    """First message of a standby agent: its join, checked as a node's would be (its ``node`` is ignored).
+
+    It has no node until the manager gives it a lost one; it is parked meanwhile.
+    """
+
+    join: AgentJoin
 
 
 class StandbyParked(Message, frozen=True):
@@ -371,7 +376,7 @@ class StandbyBeat(Message, frozen=True):
     t: float
 
 
-FromAgent = AgentJoin | NumberedReports | StandbyBeat
+FromAgent = AgentJoin | NumberedReports | StandbyJoin | StandbyBeat
 Report = (Hello | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
           | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
           | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
