@@ -26,6 +26,7 @@ from tests.unit.test_nodes import (
     run,
     state,
 )
+from undying.cli.main import main
 from undying.manager.nodes import AgentServer
 from undying.manager.service import ManagerOptions, _Gate
 from undying.manager.standby import Promote, SlotFacts, StandbyFacts, promotions
@@ -209,3 +210,25 @@ def test_a_standby_with_other_flags_is_refused_and_one_parked_hears_the_jobs_end
             await server.close()
 
     run(body())
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["run", "--standby", "--job-id", "j", "t.py"], ["--standby needs --manager HOST:PORT"]),
+        (["run", "--standby", "--manager", "10.0.0.1:29400", "--node-rank", "1", "--nnodes", "2", "--job-id", "j",
+          "t.py"], ["takes no --node-rank", "the manager gives a standby the rank of the node it replaces"]),
+    ],
+)
+def test_a_standby_without_a_manager_or_with_a_node_rank_is_refused_saying_why(
+        argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_run_help_explains_standby(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--standby" in help_text and "takes that node's rank" in help_text
