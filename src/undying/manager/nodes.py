@@ -397,20 +397,20 @@ class AgentServer:
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
         slot: RemoteAgent | None = None
-        session = ""
+        session, first = "", b""  # (first: the line a standby given a node sent first as the node's agent)
         try:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
             join = decode_from_agent(line) if line else None
             if not isinstance(join, (AgentJoin, StandbyJoin)):
                 return  # not an agent: nothing to say to it
-            first = b""  # a standby given a node: the line it sent first as the node's agent
             if isinstance(join, StandbyJoin):
                 parked = await self._park(join.join, writer)
-                first = await self.standbys.serve(parked, reader, _JOIN_LIMIT) if parked is not None else b""
-                if parked is None or parked.seated is None:
-                    return
-                slot, session = self.slots[parked.seated[0]], parked.seated[1]
+                try:  # (it passed the gate: its lines may be a node's, 16 MiB)
+                    first = await self.standbys.serve(parked, reader, _LINE_LIMIT) if parked is not None else b""
+                finally:  # given a node: from now on (a failed read included) the connection is the node's
+                    if parked is not None and parked.seated is not None:
+                        slot, session = self.slots[parked.seated[0]], parked.seated[1]
             else:
                 slot, session = await self._admit(join, writer)
             if slot is None:
