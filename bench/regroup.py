@@ -10,6 +10,10 @@ node i's agent on host i + 1. Three scenarios, each run ``--repeats`` times:
 * replace: node 1's host is lost at step S (every process on it SIGKILLed) and a
   new host joins as node 1 as soon as the manager has declared the node lost, as
   a cluster scheduler would start a new pod. The ranks' state comes from peers.
+* standby: as replace, but a warm standby agent (``undying run --standby``) was
+  parked on a third host before the fault, its zygote and two spares warm; the
+  manager gives it node 1's rank when the node is lost, and the ranks start on
+  its spares. Nothing is started after the fault.
 * shrink: ``--nnodes 1:2``; node 1's host is lost at step S and nothing replaces
   it. After ``--node-wait`` the survivors save their newest step and the job
   starts again on node 0 alone from it (a regroup).
@@ -47,7 +51,7 @@ from undying.demo.cluster import Cluster, wait_for
 from undying.demo.hosts import Hosts, netns_unavailable_reason
 from undying.manager.events import read_job
 
-SCENARIOS = ("replace", "shrink", "grow")
+SCENARIOS = ("replace", "standby", "shrink", "grow")
 PHASES = ("detected", "decided", "checkpoint_written", "replacement_ready", "group_rebuilt", "state_restored",
           "first_step_done")
 
@@ -60,12 +64,16 @@ def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict[str, A
     run_args = ["--heartbeat-timeout", str(args.heartbeat_timeout), "--spares", str(args.spares),
                 "--node-wait", str(args.node_wait), "--rendezvous-timeout", "120"]
     cluster = Cluster(hosts, root, job_id, script_args, run_args=run_args,
-                      min_nodes=1 if scenario != "replace" else 0)
+                      min_nodes=1 if scenario in ("shrink", "grow") else 0)
     try:
         cluster.start_manager()
         cluster.start_agent(0, 1)
         if scenario != "grow":
             cluster.start_agent(1, 2)
+        if scenario == "standby":
+            cluster.start_standby(3)
+            want = max(args.spares, 2)  # a standby keeps as many warm spares as a node has ranks, at least
+            wait_for(lambda: cluster.log("standby3").count("is warm") >= want, 180, "the standby's warm spares")
         cluster.wait_for_step(args.at_step, timeout=180)
         fault_t = time.time()
         if scenario == "grow":
@@ -103,10 +111,12 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         got = [v for v in values if v is not None]
         return round(statistics.median(got), 3) if got else None
 
+    mttrs = [r["mttr_s"] for r in runs if r["mttr_s"] is not None]
     return {
         "runs": len(runs), "ok": sum(r["exit_code"] == 0 for r in runs),
         "phases": {p: med([r["phases"].get(p) for r in runs]) for p in PHASES},
         "mttr_s": med([r["mttr_s"] for r in runs]),
+        "mttr_min_s": min(mttrs, default=None), "mttr_max_s": max(mttrs, default=None),
         "mttr_without_node_wait_s": med([r["mttr_without_node_wait_s"] for r in runs]),
         "lost_steps": max((r["lost_steps"] for r in runs), default=0),
         "world_size_after": runs[-1]["world_size"] if runs else None,
@@ -125,6 +135,14 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"{name:<9}{cells}{s['mttr_without_node_wait_s'] or '-':>12}{s['lost_steps']:>6}"
                      f"{s['world_size_after']:>6}  ({s['ok']}/{s['runs']} ok)")
     lines.append("seconds from the fault (the SIGKILL of the host, or the join); first_step_done is the MTTR")
+    for name, s in result["scenarios"].items():
+        lines.append(f"{name}: MTTR median {s['mttr_s']}, min {s['mttr_min_s']}, max {s['mttr_max_s']} "
+                     f"({s['runs']} runs)")
+    scenarios = result["scenarios"]
+    if "replace" in scenarios and "standby" in scenarios and scenarios["standby"]["mttr_s"]:
+        cold, warm = scenarios["replace"]["mttr_s"], scenarios["standby"]["mttr_s"]
+        lines.append(f"standby vs replace (a cold host): MTTR {warm} s vs {cold} s, {cold / warm:.1f}x faster"
+                     if cold else "")
     return "\n".join(lines)
 
 
@@ -150,14 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         p.error(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
+    started, machine = time.strftime("%Y-%m-%d %H:%M"), _machine()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="undying-bench-regroup-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        runs = {s: [run_once(s, args, root) for _ in range(args.repeats)] for s in scenarios}
+        # Interleaved (one of each scenario, then again): a load that changes meanwhile hits every scenario alike.
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
+        for _ in range(args.repeats):
+            for s in scenarios:
+                runs[s].append(run_once(s, args, root))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "args": vars(args),
+    result = {"date": f"{started} to {time.strftime('%H:%M')}", "machine": f"{machine}; at the end {_machine()}",
+              "args": vars(args),
               "scenarios": {s: summarize(r) for s, r in runs.items()}, "runs": runs}
     text = render(result)
     print(text, file=sys.stderr if args.json else sys.stdout)
@@ -170,7 +194,8 @@ def _machine() -> str:
     import os
     import platform
 
-    return f"{os.cpu_count()} CPU {platform.machine()}, load {os.getloadavg()[0]:.1f}"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} CPU {platform.machine()}, load average {load}"
 
 
 if __name__ == "__main__":

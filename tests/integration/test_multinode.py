@@ -240,3 +240,29 @@ def test_a_lost_node_that_nobody_replaces_fails_the_job_saying_what_to_do(
     assert "node 1 lost" in reason and "--node-rank" in reason and "is saved in" in reason, reason
     saved = reason.split("is saved in ")[1].split(":")[0]
     assert (Path(saved) / "manifest.json").exists(), reason  # the survivors' state: resume loses nothing
+
+
+def test_a_warm_standby_takes_a_lost_nodes_rank_and_its_ranks_start_on_its_spares(
+        cluster: Cluster, oracle: Oracle) -> None:
+    """`undying run --standby` on a third host: parked with its zygote and two spares warm, no node rank.
+
+    Node 1's host is killed; the manager gives the standby node 1's rank at once,
+    and ranks 2 and 3 start on its warm spares (no host to wait for, no torch to
+    import): every loss is the fault-free run's, no step ran twice.
+    """
+    hosts = cluster.hosts
+    assert isinstance(hosts, Hosts)
+    standby = hosts.add_host()
+    cluster.start()
+    cluster.start_standby(standby)
+    wait_for(lambda: cluster.log(f"standby{standby}").count("is warm") >= 2, 90, "the standby's two warm spares")
+    cluster.wait_for_step(15)
+    hosts.kill_host(2)
+    assert cluster.wait(120) == 0, cluster.logs() + cluster.log(f"standby{standby}")[-3000:]
+    job = _assert_identical(oracle, cluster)
+    lost = [i for i in job["incidents"] if i["kind"] == "node-loss"]
+    assert sorted(i["rank"] for i in lost) == [2, 3] and all(i["status"] == "recovered" for i in lost), lost
+    assert all(i["detail"]["replacement"] == "warm spare" for i in lost), lost
+    assert "gave this agent node 1" in cluster.log(f"standby{standby}")
+    assert cluster.standbys[standby].returncode == 0  # it ended with the job, as node 1's agent
+    assert set(job["job"]["sessions"]) == {"0", "1"}

@@ -35,7 +35,8 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
 ]
 DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
                     "undying.manager.step_clock", "undying.manager.state", "undying.checkpoint.planner",
-                    "undying.manager.progress", "undying.manager.goodput")
+                    "undying.manager.progress", "undying.manager.goodput",
+                    "undying.manager.regroup_policy", "undying.manager.preemption_policy", "undying.manager.standby")
 MAX_LINES = 600
 MAX_EXPORTS = 15
 

@@ -270,6 +270,8 @@ class Agent:
             f"{ENV_PREFIX}GENERATION": str(record.generation),
             f"{ENV_PREFIX}JOINING": "1" if joining else "0",
             f"{ENV_PREFIX}BACKEND": self.config.backend,
+            # (again: a standby's spare started before the manager gave its agent a node)
+            f"{ENV_PREFIX}NODE_NAME": self._base_environment()[f"{ENV_PREFIX}NODE_NAME"],
         }
 
     def _start_process(self, env: dict[str, str], *, spare: bool) -> Process:

@@ -7,6 +7,12 @@ workers train on (the manager is only needed to recover), the agent keeps
 what it has to report and connects again with its session; a restarted
 manager takes it back from its log. If the manager instead declared this node
 lost meanwhile, the agent is fenced: it kills its workers and joins afresh.
+
+A warm standby (``undying run --standby``) joins with no node: the manager
+parks it (``StandbyParked``), it starts its zygote and enough spares for a
+node's ranks and beats (``StandbyBeat``). When a node is lost the manager
+welcomes it as that node on the same connection; from then on it is that
+node's agent, and the lost ranks' replacements start on its warm spares.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ from undying.protocol.node_wire import (
     RankSpawned,
     RanksStalled,
     SpawnRank,
+    StandbyBeat,
+    StandbyJoin,
+    StandbyParked,
     StopNode,
     TellRank,
     TraceFileError,
@@ -68,6 +77,7 @@ __all__ = ["ManagerClient", "run_node", "parse_manager_address"]
 log = logging.getLogger("undying.agent.remote")
 
 _STATE_EVERY_S = 0.5
+_STANDBY = -1  # a standby's node number (in its logs) until the manager gives it one
 # Reports kept while the manager is unreachable are never dropped (each is a step someone trained);
 # past every this many the agent says how many it holds, so a long outage shows in its log.
 _KEPT_WARN_EVERY = 100_000
@@ -246,15 +256,20 @@ class NodeRunner:
     """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
 
     def __init__(self, config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
-                 *, job_dir_given: bool = True) -> None:
+                 *, job_dir_given: bool = True, standby: bool = False) -> None:
         self.config = config
         self._job_dir_given = job_dir_given
         self.manager_host, self.manager_port = parse_manager_address(manager)
         self.token = token
         self.client = ManagerClient()
-        self.agent = Agent(config, node=config.node_rank, script=script, script_args=script_args,
+        # A standby has no node until the manager gives it a lost one (``_park``).
+        self.node = _STANDBY if standby else config.node_rank
+        self.agent = Agent(config, node=self.node, script=script, script_args=script_args,
                            manager=self.client, control_port=0)
-        self.agent.manager_host = self.manager_host
+        if standby:  # enough warm spares for a whole node's ranks
+            self.agent.spares.want = max(config.spares, config.nproc_per_node)
+        else:  # (a standby's agent waits for its zygote at start: its spares are forked from it)
+            self.agent.manager_host = self.manager_host
         self.agent.extra_env[KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
         self.agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # and reach the job's stores
         self.session = ""
@@ -267,6 +282,7 @@ class NodeRunner:
     async def run(self) -> int:
         self._choose_interface()
         await self.agent.start()
+        self.agent.manager_host = self.manager_host
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -289,18 +305,18 @@ class NodeRunner:
 
             name = interface_for(source_address(self.manager_host))
         except Exception as e:  # no route yet, an exotic platform: gloo's own choice stands
-            log.info("node %d: no interface found toward %s (%s)", self.config.node_rank, self.manager_host, e)
+            log.info("node %d: no interface found toward %s (%s)", self.node, self.manager_host, e)
             return
         if name and name != "lo":
             self.agent.extra_env["GLOO_SOCKET_IFNAME"] = name
-            log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", self.config.node_rank, name)
+            log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", self.node, name)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._leaving:
             return
-        self._leaving = f"{sig.name} to the agent of node {self.config.node_rank}"
-        log.warning("node %d: %s: this node leaves the job", self.config.node_rank, sig.name)
-        self.client.send(NodeLeaving(self.config.node_rank, self._leaving, time.time()))
+        self._leaving = f"{sig.name} to the agent of node {self.node}"
+        log.warning("node %d: %s: this node leaves the job", self.node, sig.name)
+        self.client.send(NodeLeaving(self.node, self._leaving, time.time()))
         self._leave.set()
 
     async def _serve(self) -> int:
@@ -317,7 +333,7 @@ class NodeRunner:
             except (OSError, asyncio.TimeoutError) as e:
                 if time.monotonic() - offline_since > limit:
                     log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); stopping",
-                              self.config.node_rank, self.manager_host, self.manager_port, limit, e)
+                              self.node, self.manager_host, self.manager_port, limit, e)
                     return 1
                 await self._sleep_or_leave(0.5)
                 continue
@@ -325,10 +341,10 @@ class NodeRunner:
                 await self._session(reader, writer)
                 offline_since = time.monotonic()
             except _Refused as e:
-                log.error("node %d: the manager refused this agent: %s", self.config.node_rank, e)
+                log.error("node %d: the manager refused this agent: %s", self.node, e)
                 return 2
             except _Fenced as e:
-                log.warning("node %d: fenced: %s", self.config.node_rank, e)
+                log.warning("node %d: fenced: %s", self.node, e)
                 self.client.new_session()
                 await self.agent.stop_all(0.0)
                 self.agent.resume_after_stop()
@@ -336,11 +352,11 @@ class NodeRunner:
                 offline_since = time.monotonic()
             except (ConnectionError, OSError, asyncio.TimeoutError, ValueError) as e:
                 log.warning("node %d: the connection to the manager failed (%s: %s); connecting again",
-                            self.config.node_rank, type(e).__name__, e)
+                            self.node, type(e).__name__, e)
                 await self._sleep_or_leave(0.5)
             except _Ended as e:
                 ended = e.ended
-                log.warning("node %d: the job %s: %s", self.config.node_rank, ended.state, ended.reason)
+                log.warning("node %d: the job %s: %s", self.node, ended.state, ended.reason)
                 return ended.exit_code
             finally:
                 self.client.disconnected()
@@ -362,31 +378,32 @@ class NodeRunner:
 
     def _join_message(self) -> AgentJoin:
         return AgentJoin(
-            job_id=self.config.job_id, node=self.config.node_rank, nnodes=self.config.nnodes,
+            job_id=self.config.job_id, node=max(self.node, 0), nnodes=self.config.nnodes,
             nproc_per_node=self.config.nproc_per_node, token=self.token, session=self.session,
             pid=os.getpid(), host=socket.gethostname(), config=self.config.to_dict(),
             live={str(r): pid for r, pid in self.agent.live_pids().items()}, t=time.time(),
         )
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(encode(self._join_message()))
+        join = self._join_message()
+        writer.write(encode(StandbyJoin(join) if self.node == _STANDBY else join))
         line = await asyncio.wait_for(reader.readline(), 30.0)
         if not line:
             raise ConnectionError("the manager closed the connection")
         reply = decode_to_agent(line)
+        if isinstance(reply, StandbyParked):
+            welcome = await self._park(reply, reader, writer)
+            if welcome is None:
+                return  # the connection broke, or this agent leaves
+            reply = welcome
         if not isinstance(reply, AgentWelcome):
             self._commands.handle(reply)  # a refusal or a fence raises
             raise ConnectionError(f"unexpected first reply {reply!r:.200}")
         resumed = self.session == reply.session
         self.session = reply.session
-        self.agent.control_port = reply.control_port
-        if not self._job_dir_given and reply.job_dir and reply.job_dir != self.agent.config.job_dir:
-            # One job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
-            self.agent.config = dataclasses.replace(self.agent.config, job_dir=reply.job_dir)
-        if reply.trace is not None:
-            self.agent.set_trace(reply.trace)
+        self._follow(reply.control_port, reply.job_dir, reply.trace)
         kept = self.client.connected(writer, reply.acked)
-        log.warning("node %d: %s the manager at %s:%d (session %s%s)", self.config.node_rank,
+        log.warning("node %d: %s the manager at %s:%d (session %s%s)", self.node,
                     "back with" if resumed else "joined", self.manager_host, self.manager_port, reply.session,
                     f", {kept} reports kept while away sent" if kept else "")
         self._last_beat = time.monotonic()
@@ -406,20 +423,86 @@ class NodeRunner:
                     read.cancel()
                     if time.monotonic() - self._last_beat > self._silence_limit():
                         log.warning("node %d: no word from the manager for %.1fs; connecting again",
-                                    self.config.node_rank, time.monotonic() - self._last_beat)
+                                    self.node, time.monotonic() - self._last_beat)
                         return
                     continue
                 line = read.result()
                 if not line:
-                    log.warning("node %d: the manager closed the connection; connecting again", self.config.node_rank)
+                    log.warning("node %d: the manager closed the connection; connecting again", self.node)
                     return
                 self._last_beat = time.monotonic()
                 self._commands.handle(decode_to_agent(line))
         except (ConnectionError, asyncio.IncompleteReadError) as e:
-            log.warning("node %d: connection to the manager failed (%s); connecting again", self.config.node_rank, e)
+            log.warning("node %d: connection to the manager failed (%s); connecting again", self.node, e)
         finally:
             beat.cancel()
             leave.cancel()
+
+    def _follow(self, control_port: int, job_dir: str, trace: TraceSet | None) -> None:
+        """What the manager says of the job: the control store's port, the job dir, the trace switch."""
+        self.agent.control_port = control_port
+        if not self._job_dir_given and job_dir and job_dir != self.agent.config.job_dir:
+            # One job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
+            self.agent.config = dataclasses.replace(self.agent.config, job_dir=job_dir)
+        if trace is not None:
+            self.agent.set_trace(trace)
+
+    async def _park(self, parked: StandbyParked, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> AgentWelcome | None:
+        """A standby: spares warm, beating, until the manager gives it a node (the welcome returned).
+
+        None: the connection broke or went silent (the caller connects again and
+        parks again), or the agent leaves. The job's end or a refusal raise.
+        """
+        self._follow(parked.control_port, parked.job_dir, parked.trace)
+        self.agent.keep_spares()
+        log.info("standby: parked at the manager at %s:%d; warming %d spare(s)", self.manager_host,
+                 self.manager_port, self.agent.spares.want)
+        self._last_beat = time.monotonic()
+        beat = asyncio.ensure_future(self._beat_parked(writer))
+        leave = asyncio.ensure_future(self._leave.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(reader.readline())
+                done, _ = await asyncio.wait({read, leave}, timeout=self._silence_limit(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if leave in done or read not in done:
+                    read.cancel()
+                    if leave in done or time.monotonic() - self._last_beat > self._silence_limit():
+                        return None
+                    continue
+                line = read.result()
+                if not line:
+                    return None
+                self._last_beat = time.monotonic()
+                message = decode_to_agent(line)
+                if isinstance(message, AgentWelcome):
+                    self._become(message.node)
+                    return message
+                if not isinstance(message, ManagerBeat):
+                    self._commands.handle(message)  # the job's end or a refusal raises; nothing else is for a standby
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            log.warning("standby: the connection to the manager failed (%s); connecting again", e)
+            return None
+        finally:
+            beat.cancel()
+            leave.cancel()
+
+    async def _beat_parked(self, writer: asyncio.StreamWriter) -> None:
+        while not writer.is_closing():
+            writer.write(encode(StandbyBeat(self.agent.spares_ready(), time.time())))
+            await asyncio.sleep(_STATE_EVERY_S)
+
+    def _become(self, node: int) -> None:
+        """The standby is node ``node`` now: its ranks, its reports and its spares go by that number."""
+        log.info("standby: the manager gave this agent node %d (a lost node's); its ranks start on the warm spares",
+                 node)
+        self.node = node
+        self.config = dataclasses.replace(self.config, node_rank=node)
+        agent = self.agent
+        agent.node = agent.spares.node = node
+        agent.config = dataclasses.replace(agent.config, node_rank=node)
+        agent.spares.want = self.config.spares
 
     def _silence_limit(self) -> float:
         return self.config.timeouts.heartbeat
@@ -428,7 +511,7 @@ class NodeRunner:
         while True:
             agent = self.agent
             self.client.send(AgentState(
-                node=self.config.node_rank, live={str(r): p for r, p in agent.live_pids().items()},
+                node=self.node, live={str(r): p for r, p in agent.live_pids().items()},
                 phases={str(r): p for r, p in agent.phases().items()}, spares_ready=agent.spares_ready(),
                 t=time.time()))
             await asyncio.sleep(_STATE_EVERY_S)
@@ -450,7 +533,7 @@ class NodeRunner:
             AgentRefused: _refused,
             AgentFenced: _fenced,
             JobEnded: _ended,
-        }, otherwise=lambda message: log.warning("node %d: unexpected command %r", self.config.node_rank, message))
+        }, otherwise=lambda message: log.warning("node %d: unexpected command %r", self.node, message))
 
     def _spawn(self, message: SpawnRank) -> None:
         pid, warm = self.agent.spawn(message.rank, message.record, joining=message.joining,
@@ -469,10 +552,14 @@ class NodeRunner:
 
 
 def run_node(config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
-             *, job_dir_given: bool = True) -> int:
-    """Run this node's agent until the job ends (its exit code) or the node leaves (143)."""
+             *, job_dir_given: bool = True, standby: bool = False) -> int:
+    """Run this node's agent until the job ends (its exit code) or the node leaves (143).
+
+    ``standby``: join as a warm standby with no node, until the manager gives it a lost one.
+    """
     config.validate()
-    return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given).run())
+    return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given,
+                                  standby=standby).run())
 
 
 def _satisfies_the_seam(client: ManagerClient) -> ManagerLink:

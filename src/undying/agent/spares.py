@@ -90,12 +90,14 @@ class SparePool:
         self.taking: dict[int, Take] = {}  # pid of a spare given a rank -> the rank, until it answers
         self._failures = 0  # spares in a row that died before they were warm
         self.beat_s = spare_beat_interval(config.timeout_env())
+        # How many to keep: ``--spares``; a standby keeps enough for a whole node's ranks until it has a node.
+        self.want = config.spares
 
     def keep(self) -> None:
-        """Start spares until ``config.spares`` are warm or warming."""
+        """Start spares until ``want`` are warm or warming."""
         if self._stopping():
             return
-        while len(self.spares) < self.config.spares:
+        while len(self.spares) < self.want:
             process = self._start()
             self.spares[process.pid] = Spare(process)
             log.info("node %d: warming a spare, pid %d", self.node, process.pid)

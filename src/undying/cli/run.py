@@ -163,6 +163,10 @@ no checkpoint at all.""",
                    help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
     m.add_argument("--manager", default=None, metavar="HOST:PORT",
                    help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
+    m.add_argument("--standby", action="store_true",
+                   help="join the job at --manager as a warm standby with no node rank: its worker zygote and "
+                   "spares (at least -n) stay warm, and when a node is lost it takes that node's rank and its "
+                   "ranks start on those spares instead of waiting for a new host (pass the job's other flags)")
     m.add_argument("--token-file", default=None, metavar="PATH",
                    help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it)")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
@@ -244,6 +248,9 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             + (f" (torchrun's static rendezvous at --master-addr {args.master_addr}: run the manager there)"
                if args.master_addr else "")
         )
+    if args.standby and (args.manager is None or args.node_rank != 0):
+        raise UsageError("--standby needs --manager HOST:PORT and takes no --node-rank: the manager gives a "
+                         "standby the rank of the node it replaces")
     if args.manager is not None and not args.job_id:
         raise UsageError("--manager needs --job-id: the id the manager was started with (torchrun's flags: "
                          "--rdzv-endpoint needs --rdzv-id)")
@@ -357,4 +364,5 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
     if not config.step_api:
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
                          f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
-    return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir))
+    return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir),
+                    standby=args.standby)

@@ -52,6 +52,7 @@ class Cluster:
         self.script = script
         self.manager: subprocess.Popen[bytes] | None = None
         self.agents: dict[int, subprocess.Popen[bytes]] = {}  # node -> its latest agent
+        self.standbys: dict[int, subprocess.Popen[bytes]] = {}  # host -> a standby agent started there
         self._logs: list[Any] = []
         self._starts = 0
 
@@ -76,13 +77,24 @@ class Cluster:
         return manager
 
     def start_agent(self, node: int, host: int, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        process = self.hosts.popen(host, self._agent_argv(node, extra), stdout=self._log(f"node{node}"),
+                                   stderr=subprocess.STDOUT)
+        self.agents[node] = process
+        return process
+
+    def _agent_argv(self, node: int, extra: Sequence[str]) -> list[str]:
         nnodes = f"{self.min_nodes}:{self.nnodes}" if self.min_nodes else str(self.nnodes)
-        argv = [sys.executable, "-m", "undying", "-v", "run", "--nnodes", nnodes, "--node-rank", str(node),
+        return [sys.executable, "-m", "undying", "-v", "run", "--nnodes", nnodes,
+                *(["--node-rank", str(node)] if node >= 0 else []),
                 "--manager", f"{self.hosts.addr(self.manager_host)}:{self.port}", "-n", str(self.nproc_per_node),
                 "--job-id", self.job_id, "--token-file", str(self.job_dir / TOKEN_FILE), "--stop-grace", "3",
                 *self.run_args, *extra, str(self.script), *self.script_args]
-        process = self.hosts.popen(host, argv, stdout=self._log(f"node{node}"), stderr=subprocess.STDOUT)
-        self.agents[node] = process
+
+    def start_standby(self, host: int, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """A warm standby agent (``--standby``) on ``host``; its log is ``standby<host>``."""
+        process = self.hosts.popen(host, self._agent_argv(-1, ["--standby", *extra]),
+                                   stdout=self._log(f"standby{host}"), stderr=subprocess.STDOUT)
+        self.standbys[host] = process
         return process
 
     def start(self) -> None:
@@ -99,7 +111,7 @@ class Cluster:
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the job did not end within {timeout}s; manager log:\n"
                                  f"{self.log('manager')[-4000:]}") from None
-        for agent in self.agents.values():
+        for agent in [*self.agents.values(), *self.standbys.values()]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.wait(timeout=15)
         return code

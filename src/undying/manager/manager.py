@@ -345,6 +345,9 @@ class Manager:
     def welcome_trace(self) -> TraceSet:
         return self.tracing.message()
 
+    def on_standby(self, what: str, detail: dict[str, Any]) -> None:
+        self.events.event(what, **detail)  # a standby parked, given a node, or dropped (manager/standbys.py)
+
     def on_message(self, message: Message) -> None:
         if getattr(message, "rank", 0) not in self.ranks:
             return  # a process numbered before a regroup, its last words

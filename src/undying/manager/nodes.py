@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from undying.manager.conns import QuietLog, read_line
+from undying.manager.standby import SlotFacts
+from undying.manager.standbys import Parked, Standbys
 from undying.protocol.codec import Handlers, Message, MessageError
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
@@ -54,6 +56,9 @@ from undying.protocol.node_wire import (
     RankSpawned,
     RanksStalled,
     SpawnRank,
+    StandbyBeat,
+    StandbyJoin,
+    StandbyParked,
     StopNode,
     TellRank,
     TraceFileError,
@@ -97,6 +102,8 @@ class NodeEvents(ManagerLink, Protocol):
     def on_node_joined(self, node: int, session: str, host: str, live: dict[int, int]) -> None: ...
 
     def welcome_trace(self) -> TraceSet: ...
+
+    def on_standby(self, what: str, detail: dict[str, Any]) -> None: ...
 
 
 # Checks a join against the job (token, job id, node range, flags); returns a refusal or "".
@@ -290,6 +297,8 @@ class AgentServer:
         self.control_port = 0
         self.job_dir = ""
         self._handlers = self._report_handlers()
+        # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they go.
+        self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail))
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
@@ -349,6 +358,7 @@ class AgentServer:
             if now - last_beat >= MANAGER_BEAT_S:
                 last_beat = now
                 beat = encode(ManagerBeat(now))  # the same for every node
+            self.standbys.beat(beat, now, self.heartbeat_s)
             for slot in list(self.slots.values()):
                 if not slot.attached:
                     continue
@@ -366,6 +376,12 @@ class AgentServer:
         self.on_change()
         if self._events is not None:
             self._events.on_node_lost(slot.node, reason, time.time())
+            self.place_standbys()  # a warm standby takes the node: the replacements waiting in the slot go to it
+
+    def place_standbys(self) -> None:
+        """Lost nodes to parked standbys (``standby.promotions`` decides which to which)."""
+        facts = [SlotFacts(s.node, s.attached, s.lost_at) for s in self.slots.values()]
+        self.standbys.place(facts, self.heartbeat_s, closed=self._closed or self._events is None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= self.max_connections:
@@ -381,18 +397,26 @@ class AgentServer:
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
         slot: RemoteAgent | None = None
-        session = ""
+        session, first = "", b""  # (first: the line a standby given a node sent first as the node's agent)
         try:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
             join = decode_from_agent(line) if line else None
-            if not isinstance(join, AgentJoin):
+            if not isinstance(join, (AgentJoin, StandbyJoin)):
                 return  # not an agent: nothing to say to it
-            slot, session = await self._admit(join, writer)
+            if isinstance(join, StandbyJoin):
+                parked = await self._park(join.join, writer)
+                try:  # (it passed the gate: its lines may be a node's, 16 MiB)
+                    first = await self.standbys.serve(parked, reader, _LINE_LIMIT) if parked is not None else b""
+                finally:  # given a node: from now on (a failed read included) the connection is the node's
+                    if parked is not None and parked.seated is not None:
+                        slot, session = self.slots[parked.seated[0]], parked.seated[1]
+            else:
+                slot, session = await self._admit(join, writer)
             if slot is None:
                 return
             while True:
-                line = await read_line(reader, _LINE_LIMIT)
+                line, first = first or await read_line(reader, _LINE_LIMIT), b""
                 # This connection speaks for the node only while it is the slot's: the agent may have
                 # resumed its session on a new one (then closing this one is no loss), or been fenced.
                 current = slot.session == session and slot.writer is writer
@@ -408,6 +432,8 @@ class AgentServer:
                 except MessageError as e:
                     log.warning("node %d: dropped a bad message: %s", slot.node, e)
                     continue
+                if isinstance(reports, StandbyBeat):
+                    continue  # a standby's last beat, sent as it was given this node
                 if not isinstance(reports, NumberedReports):  # (a second AgentJoin)
                     log.warning("node %d: dropped an unexpected %s", slot.node, type(reports).__name__)
                     continue
@@ -462,19 +488,36 @@ class AgentServer:
                 writer.write(encode(AgentRefused(refusal)))
                 await writer.drain()
                 return None, ""
-            session = secrets.token_hex(8)
-            self.received[join.node] = 0  # a new member numbers its reports from 1
-        assert self._events is not None
+            return slot, self._seat(join.node, join, writer)
+        self._welcome(slot, join, writer, session)
+        return slot, session
+
+    def _seat(self, node: int, join: AgentJoin, writer: asyncio.StreamWriter) -> str:
+        """A new agent for ``node`` (a host joining, or a standby given the node): a new session."""
+        session = secrets.token_hex(8)
+        self.received[node] = 0  # a new member numbers its reports from 1
+        self._welcome(self.slots[node], join, writer, session)
+        return session
+
+    def _welcome(self, slot: RemoteAgent, join: AgentJoin, writer: asyncio.StreamWriter, session: str) -> None:
+        events = self._node_events()
         slot.attach(writer, join, session)
-        trace = self._events.welcome_trace()
-        writer.write(encode(AgentWelcome(session, join.node, self.control_port, self.job_dir, trace,
-                                         acked=self.received.get(join.node, 0))))
+        writer.write(encode(AgentWelcome(session, slot.node, self.control_port, self.job_dir, events.welcome_trace(),
+                                         acked=self.received.get(slot.node, 0))))
         slot.send_waiting()
-        log.info("node %d joined from %s (agent pid %d, session %s)", join.node, join.host, join.pid, session)
-        self._events.on_node_joined(join.node, session, join.host, slot.live)
+        log.info("node %d joined from %s (agent pid %d, session %s)", slot.node, join.host, join.pid, session)
+        events.on_node_joined(slot.node, session, join.host, slot.live)
         self._joined.set()
         self.on_change()
-        return slot, session
+
+    async def _park(self, join: AgentJoin, writer: asyncio.StreamWriter) -> Parked | None:
+        """A standby's join: checked as a node's would be (any node number), parked, maybe given a lost node."""
+        while self._events is None:  # (the job's flags come from a node's join, never a standby's)
+            await asyncio.sleep(0.05)
+        parked = await self.standbys.park(join, writer, self._check,
+                                          StandbyParked(self.control_port, self.job_dir, self._node_events().welcome_trace()))
+        self.place_standbys()  # a node lost before it came: it is given one at once
+        return parked
 
     def _take(self, slot: RemoteAgent, session: str, writer: asyncio.StreamWriter, line: NumberedReports) -> None:
         """A line of reports, in order; each taken once, however often it is sent (by its number).

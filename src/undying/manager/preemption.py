@@ -7,6 +7,10 @@ where it is, tells all of them the step to stop after, has that step saved
 (the dying gasp) and leaves. Whatever happens (a rank too slow, a save that
 fails, a SIGTERM at the very end), the job ends PREEMPTED with a checkpoint
 named and the steps a relaunch re-runs counted, or says why there is none.
+
+What to do is decided by pure functions (``preemption_policy``: what a SIGTERM
+does, the stop step, the ending); this module is their executor: it talks to
+the ranks, waits within the grace period, looks on disk, and ends the job.
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from undying.checkpoint import Checkpoint
 from undying.checkpoint.gasp import Measurement, recent_dying_gasp
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
+from undying.manager.preemption_policy import (
+    OnSigterm,
+    Outcome,
+    Saved,
+    fallback_outcome,
+    gasp_outcome,
+    on_sigterm,
+    resume_reruns,
+    stop_step,
+)
 from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState
 from undying.protocol.worker_wire import CheckpointSaved, Preempt, StopAt
 
@@ -62,11 +76,12 @@ class Preemption:
         """
         core = self.core
         t = time.time() if t is None else t
-        if self.view is not None:
+        decision = on_sigterm(preempting=self.view is not None, winding_down=core.winding_down)
+        if decision is OnSigterm.AGAIN:
             core.events.event("sigterm_again", reason=reason)
             log.warning("job %s: %s: the dying gasp under way stands", core.config.job_id, reason)
             return
-        if core.winding_down:
+        if decision is OnSigterm.IGNORE:
             return
         grace, how = self.grace_period()
         self.view = {"reason": reason, "t": t, "grace_period_s": round(grace, 3), "grace_basis": how}
@@ -97,7 +112,7 @@ class Preemption:
                 # Steps were trained since: reusing it would lose them. Write a new one.
                 core.events.event("dying_gasp_not_reused", step=reused.step, newest_step=newest)
                 reused = None
-        stop_step = -1
+        stop = -1
         late: list[int] = []
         if reused is not None:
             incident.detail["reused"] = reused.url
@@ -105,8 +120,8 @@ class Preemption:
                               age_s=round(time.time() - (reused.manifest.created_at if reused.manifest else 0), 3))
             await core.stop_all(config.timeouts.stop_grace)
         else:
-            stop_step, late = await self._stop_at_agreed_step(incident, newest, deadline, grace)
-        await self._report(incident, t0, grace, reused, stop_step, late)
+            stop, late = await self._stop_at_agreed_step(incident, newest, deadline, grace)
+        await self._report(incident, t0, grace, reused, stop, late)
 
     async def _stop_at_agreed_step(self, incident: Incident, newest: int, deadline: float,
                                    grace: float) -> tuple[int, list[int]]:
@@ -120,12 +135,12 @@ class Preemption:
         answer_by = time.monotonic() + min(2.0, grace / 4)
         while time.monotonic() < answer_by and not live <= set(self.proposals):
             await asyncio.sleep(0.01)
-        stop_step = max(self.proposals.values(), default=newest)
+        stop = stop_step(self.proposals, newest)
         incident.phases["decided"] = time.time()
-        core.events.event("stop_step", step=stop_step, proposals=dict(self.proposals),
+        core.events.event("stop_step", step=stop, proposals=dict(self.proposals),
                           missing=sorted(live - set(self.proposals)))
         for r in live:
-            core.agent_of(r).tell(r, StopAt(stop_step, max(0.5, deadline - time.time())))
+            core.agent_of(r).tell(r, StopAt(stop, max(0.5, deadline - time.time())))
         while time.time() < deadline and core.live_ranks():
             await asyncio.sleep(0.02)
         late = sorted(core.live_ranks())
@@ -134,83 +149,62 @@ class Preemption:
             phases = {r: p for a in core.agents.values() for r, p in a.phases().items()}
             killed = [f"rank {r} ({phases.get(r, '?')}, last committed step {core.ranks[r].step})" for r in late]
             incident.detail["killed_ranks"] = late
-            core.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop_step, ranks=late,
+            core.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop, ranks=late,
                               where=killed)
             log.error("job %s: the grace period of %.1fs passed before every rank finished step %d; killing "
-                      "%s", core.config.job_id, grace, stop_step, ", ".join(killed))
+                      "%s", core.config.job_id, grace, stop, ", ".join(killed))
             for r in late:  # as Kubernetes would at the deadline: no word, no handler
                 core.kill(r)
             await core.stop_all(0.0)
-        return stop_step, late
+        return stop, late
 
     async def _report(self, incident: Incident, t0: float, grace: float, reused: Checkpoint | None,
-                      stop_step: int, late: list[int]) -> None:
-        """Which checkpoint a relaunch resumes from and what it re-runs; the job ends PREEMPTED."""
+                      stop: int, late: list[int]) -> None:
+        """Which checkpoint a relaunch resumes from and what it re-runs (``preemption_policy``); the job ends."""
         core = self.core
-        assert self.view is not None
         gasp = self._gasp
         took = round(time.time() - t0, 3)
-        if core.book.all_done():
+        outcome = gasp_outcome(all_done=core.book.all_done(), reused=_saved(reused), gasp=gasp, stop=stop, t0=t0,
+                               gasp_reuse_s=core.config.checkpoint.gasp_reuse_s)
+        if outcome is None:  # no dying gasp stands: what is on disk
+            latest = await asyncio.to_thread(self.checkpoints.latest)
+            outcome = fallback_outcome(gasp=gasp, stop=stop, late=late, grace=grace, latest=_saved(latest),
+                                       committed=core.book.newest_step())
+        core.exit_reason = outcome.exit_reason
+        if outcome.succeeded:
             incident.settle(IncidentStatus.IGNORED)
             core.events.incident(incident)
-            core.exit_reason = "every rank finished its last step (a SIGTERM came at the end)"
             core.end(JobState.SUCCEEDED)
             return
-        if reused is not None:
-            step, path = reused.step, reused.url
-            what = (f"reused the dying gasp written at most {core.config.checkpoint.gasp_reuse_s:.0f}s "
-                    "earlier")
-        elif gasp is not None and gasp.step == stop_step and not gasp.error:
-            step, path = gasp.step, gasp.path
-            what = (f"dying gasp written in {gasp.write_s:.3f}s, {gasp.t - t0:.3f}s after SIGTERM"
-                    if gasp.kind == "dying-gasp" else "the checkpoint of that step already existed")
-            incident.phases["checkpoint_written"] = gasp.t
-        else:
-            step, path, what = await self._fallback(gasp, stop_step, late, grace)
-        # What a resume from that checkpoint runs again: every step committed after it (0: nothing lost).
-        committed_end = max([stop_step if gasp is not None and gasp.step == stop_step and not gasp.error else -1,
-                             *(r.step for r in core.ranks.values())])
-        resume_reruns = max(0, committed_end - step) if step >= 0 and reused is None else 0
+        self._end_preempted(incident, outcome, gasp, stop, late, took)
+
+    def _end_preempted(self, incident: Incident, outcome: Outcome, gasp: CheckpointSaved | None, stop: int,
+                       late: list[int], took: float) -> None:
+        core = self.core
+        assert self.view is not None
+        step, path, what = outcome.step, outcome.path, outcome.what
+        reruns = resume_reruns(outcome, gasp=gasp, stop=stop, rank_steps=[r.step for r in core.ranks.values()])
+        if outcome.gasp_t is not None:
+            incident.phases["checkpoint_written"] = outcome.gasp_t
         if gasp is not None and gasp.error:
             incident.detail["dying_gasp_error"] = gasp.error
         incident.phases["exited"] = time.time()
         incident.settle(IncidentStatus.DUMPED if step >= 0 else IncidentStatus.FAILED)
-        incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
+        incident.detail.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop,
                                 "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
-                                "sigterm_to_exit_s": took, "resume_reruns": resume_reruns})
+                                "sigterm_to_exit_s": took, "resume_reruns": reruns})
         core.events.incident(incident)
-        self.view.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop_step,
+        self.view.update({"checkpoint_step": step, "checkpoint": path, "stop_step": stop,
                           "detail": what, "sigterm_to_exit_s": took, "killed_ranks": late,
                           "dying_gasp_write_s": gasp.write_s if gasp is not None else None,
                           "dying_gasp_error": gasp.error if gasp is not None else "",
-                          "resume_reruns": resume_reruns})
-        core.exit_reason = (f"preempted, checkpoint at step {step} ({what}); run the same command to resume"
-                            if step >= 0 else f"preempted, no checkpoint: {what}")
+                          "resume_reruns": reruns})
         core.events.event("preempted", step=step, path=path, detail=what, sigterm_to_exit_s=took,
-                          resume_reruns=resume_reruns)
+                          resume_reruns=reruns)
         core.events.set_job("preemption", self.view)
         log.warning("job %s: %s", core.config.job_id, core.exit_reason)
         core.end(JobState.PREEMPTED)
 
-    async def _fallback(self, gasp: CheckpointSaved | None, stop_step: int, late: list[int],
-                        grace: float) -> tuple[int, str, str]:
-        """No dying gasp reported: one found on disk unreported, the latest valid checkpoint, or none."""
-        latest = await asyncio.to_thread(self.checkpoints.latest)
-        if gasp is not None and gasp.error:
-            why = gasp.error
-        elif late:
-            who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
-            why = f"{who} still running when the grace period of {grace:.1f}s ran out, killed"
-        else:
-            why = f"not written within the grace period of {grace:.1f}s"
-        committed = self.core.book.newest_step()
-        if latest is None:
-            return -1, "", f"the dying gasp of step {stop_step} was not taken ({why}) and there is no checkpoint"
-        if latest.kind == "dying-gasp" and latest.step == stop_step:
-            # Written, but its report was cut off by the kill: it stands as a dying gasp.
-            return latest.step, latest.url, f"dying gasp {latest.name} found on disk, unreported ({why})"
-        rerun = (f"steps {latest.step + 1}..{committed} will be re-run" if committed > latest.step
-                 else "no step is lost")
-        taken = "could not be written" if gasp is not None and gasp.error else "was not taken"
-        return latest.step, latest.url, (f"the dying gasp of step {stop_step} {taken} ({why}); the latest valid "
-                                         f"checkpoint {latest.name} ({latest.kind}) stands: {rerun}")
+
+def _saved(checkpoint: Checkpoint | None) -> Saved | None:
+    return None if checkpoint is None else Saved(checkpoint.step, checkpoint.url, checkpoint.kind, checkpoint.name)

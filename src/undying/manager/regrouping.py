@@ -9,7 +9,9 @@ renumbered in place, as torchrun restarts its workers when an elastic job's
 membership changes. A sharded state is not whole on the survivors (a lost
 node's shards and their replicas were there): it starts again from the
 latest persisted checkpoint, its steps since re-run. The regroup's record and
-what a second fault makes of it are in ``undying.manager.regroup``.
+what a second fault makes of it are in ``undying.manager.regroup``; when to
+grow, form the world, wait, re-plan or fail is decided by the pure functions of
+``undying.manager.regroup_policy``, which this module carries out.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection, describe_exit
 from undying.manager.recovery import Recoveries
-from undying.manager.regroup import LOG_KEY, SAVED_KINDS, Regroup, max_attempts
+from undying.manager.regroup import LOG_KEY, SAVED_KINDS, Regroup
+from undying.manager.regroup_policy import (
+    Replan,
+    WorldNext,
+    form_world,
+    grow,
+    overdue,
+    replan,
+    waiting_for_members,
+)
 from undying.manager.state import IncidentKind, JobState, RankInfo, RankState
 
 __all__ = ["Regrouping"]
@@ -55,22 +66,20 @@ class Regrouping:
         is taken once it completed; none once a rank finished its last step.
         """
         core = self.core
-        extra = [n for n in core.nodes_available() if n not in core.book.nodes]
-        if (not core.config.elastic or not extra or core.state is not JobState.RUNNING
-                or self.recoveries.current is not None or len(core.book.nodes) >= core.config.nnodes
-                or core.book.any_done()):
+        decision = grow(elastic=core.config.elastic, available=core.nodes_available(), trained=core.book.nodes,
+                        nnodes=core.config.nnodes, running=core.state is JobState.RUNNING,
+                        recovering=self.recoveries.current is not None, any_done=core.book.any_done())
+        if decision is None:
             return
         now = time.time()
-        view = core.agents[extra[0]].view()
-        nodes = f"node{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))}"
+        view = core.agents[decision.nodes[0]].view()
         incident = self.recoveries.new_incident(kind=IncidentKind.NODE_JOINED, rank=-1, step=core.book.newest_step(),
                                                 fault_t=now, detected_t=now,
-                                                error=f"{nodes} joined ({view.get('host', '')})")
+                                                error=f"{decision.named} joined ({view.get('host', '')})")
         incident.action = "regroup"
         incident.phases["decided"] = now
         core.events.incident(incident)
-        grown = min(core.config.nnodes, len(core.book.nodes) + len(extra))
-        self.begin(f"{nodes} joined: the job grows to {grown} nodes")
+        self.begin(f"{decision.named} joined: the job grows to {decision.size} nodes")
 
     def begin(self, why: str, *, again: Regroup | None = None) -> None:
         """Go on with the nodes the job has now: save the state they hold, then start again from it.
@@ -114,22 +123,23 @@ class Regrouping:
         core = self.core
         config = core.config
         regroup = self.regroup
-        if regroup is None or regroup.remaining():
-            return
-        if regroup.restored_at and time.time() - regroup.restored_at < config.timeouts.heartbeat and not all(
-                a.attached for a in core.agents.values()):
-            return  # a restarted manager: the agents have their heartbeat timeout to come back (the watch retries)
+        if regroup is None or waiting_for_members(regroup, now=time.time(), heartbeat_s=config.timeouts.heartbeat,
+                                                  all_attached=all(a.attached for a in core.agents.values())):
+            return  # (a restarted manager's agents have their heartbeat timeout to come back: the watch retries)
         if regroup.checkpoint is None:
             # The members saved synchronously before they left: the newest valid checkpoint is theirs.
             regroup.checkpoint = self.checkpoints.latest()
         ckpt = regroup.checkpoint
-        nodes = core.nodes_available()[: config.nnodes]
-        if ckpt is None:
-            core.fail(f"{regroup.cause()}: no rank saved the state (exits: {regroup.left or 'none alive'}) and there "
-                      f"is no checkpoint in {self.checkpoints.dir} to start from")
+        world = form_world(regroup, checkpoint_step=ckpt.step if ckpt is not None else None,
+                           checkpoint_dir=str(self.checkpoints.dir), available=core.nodes_available(),
+                           nnodes=config.nnodes, fewest=config.fewest_nodes)
+        nodes = world.nodes
+        if world.next is WorldNext.FAIL:
+            core.fail(world.reason)
             return
-        if len(nodes) < config.fewest_nodes:
-            if not regroup.waiting_since:
+        assert ckpt is not None
+        if world.next is WorldNext.WAIT_FOR_NODES:
+            if world.first_wait:
                 regroup.waiting_since = time.time()
                 self.persist()
                 core.events.event("waiting_for_nodes", nodes=nodes, need=config.fewest_nodes,
@@ -138,7 +148,7 @@ class Regrouping:
                             "`undying run --node-rank I --manager ...` on a host", config.job_id, ckpt.step,
                             ckpt.url, config.fewest_nodes, len(nodes))
             return
-        lost = max(0, regroup.step - ckpt.step)
+        lost = world.lost_steps
         before = (list(core.book.nodes), core.book.world_size)
         core.set_layout(nodes, step=ckpt.step)
         record = core.open_generation(f"{len(nodes)} node(s) {nodes}, {core.book.world_size} ranks, "
@@ -176,11 +186,12 @@ class Regrouping:
         core = self.core
         config = core.config
         now = time.time()
-        if regroup.replan_due(now):  # a second fault broke it before the state was saved
-            if regroup.attempt >= max_attempts(regroup.first_members, config.max_retries):
-                self.recoveries.fail(f"{regroup.cause()}; the regroup broke {regroup.attempt} times, its limit")
-            else:
-                self.begin(regroup.why, again=regroup)
+        again = replan(regroup, now=now, max_retries=config.max_retries)  # a second fault broke it before the save
+        if again is Replan.FAIL:
+            self.recoveries.fail(f"{regroup.cause()}; the regroup broke {regroup.attempt} times, its limit")
+            return
+        if again is Replan.AGAIN:
+            self.begin(regroup.why, again=regroup)
             return
         for rank in regroup.to_release():  # the state is saved: whoever is left holds nothing more
             regroup.released.append(rank)
@@ -189,21 +200,13 @@ class Regrouping:
         self.maybe_form_world()  # (also what a restarted manager waited for)
         if self.regroup is not regroup:
             return
-        if regroup.waiting_since:
-            if now - regroup.waiting_since <= config.timeouts.rendezvous:
-                return
-            have = core.nodes_available()
-            saved = regroup.checkpoint.url if regroup.checkpoint is not None else regroup.saved
-            step = regroup.checkpoint.step if regroup.checkpoint is not None else regroup.step
-            self.recoveries.fail(
-                f"{regroup.cause()}; the job needs {config.fewest_nodes} node(s) and has {len(have)} ({have}), "
-                f"and none joined within the rendezvous timeout ({config.timeouts.rendezvous:.0f}s). The state "
-                f"of step {step} is saved in {saved}: start the missing nodes "
-                "(`undying run --node-rank I --manager ...`) and run the job again to resume from it")
-        elif now - regroup.started > config.timeouts.recovery:
-            still = sorted(set(regroup.members) - set(regroup.left))
-            self.recoveries.fail(f"{regroup.cause()}; ranks {still} did not save and leave within the recovery "
-                                 f"timeout ({config.timeouts.recovery:.0f}s)")
+        saved = regroup.checkpoint
+        why = overdue(regroup, now=now, rendezvous_s=config.timeouts.rendezvous, recovery_s=config.timeouts.recovery,
+                      fewest=config.fewest_nodes, available=core.nodes_available(),
+                      saved_step=saved.step if saved is not None else regroup.step,
+                      saved_at=saved.url if saved is not None else regroup.saved)
+        if why:
+            self.recoveries.fail(why)
 
     def member_exited(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
         """A process ended during the regroup: a member leaving as asked, a second fault, or old news."""

@@ -215,7 +215,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
 
 async def _tell_nodes(server: AgentServer, ended: JobEnded) -> None:
-    """Every attached agent hears how the job ended, and exits with its code."""
+    """Every attached agent hears how the job ended, and exits with its code (so does every standby)."""
+    server.standbys.tell_all(ended)
     for slot in server.slots.values():
         slot.send(ended)
         if slot.writer is not None:

@@ -45,6 +45,7 @@ __all__ = [
     "NodeLeaving", "RankExited", "RankHung", "RankProgress", "RanksStalled", "SpareEvent", "TraceFileSet",
     "TraceFileError", "NodeStep", "NumberedReports", "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report",
     "FROM_WORKERS", "encode", "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line",
+    "StandbyJoin", "StandbyParked", "StandbyBeat",
 ]
 
 
@@ -344,12 +345,45 @@ class JobEnded(Message, frozen=True):
     exit_code: int
 
 
-FromAgent = AgentJoin | NumberedReports
+# --- a warm standby agent (``undying run --standby``) --------------------------
+
+class StandbyJoin(Message, frozen=True):
+    """First message of a standby agent: its join, checked as a node's would be (its ``node`` is ignored).
+
+    It has no node until the manager gives it a lost one; it is parked meanwhile.
+    """
+
+    join: AgentJoin
+
+
+class StandbyParked(Message, frozen=True):
+    """The manager's answer to a standby's join: it is the job's, with no node yet; keep warm and beat.
+
+    It carries what the standby's zygote and spares must know before they
+    start (the job dir, the control store's port, the trace switch). When a
+    node is lost the manager gives it that node with an ``AgentWelcome`` on
+    the same connection (a new session, the node's number); from then on it is
+    that node's agent.
+    """
+
+    control_port: int
+    job_dir: str
+    trace: TraceSet | None = None
+
+
+class StandbyBeat(Message, frozen=True):
+    """A parked standby's beat (about twice a second): it is alive, and how many of its spares are warm."""
+
+    spares_ready: int
+    t: float
+
+
+FromAgent = AgentJoin | NumberedReports | StandbyJoin | StandbyBeat
 Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
           | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
           | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
 ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank | KillRank | TellRank
-           | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet | JobEnded)
+           | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet | JobEnded | StandbyParked)
 
 # The reports the manager takes as its workers' messages (``on_messages``, in runs): what workers
 # forward, and the agent's word on its spares, which the manager logs as it logs the workers'.
