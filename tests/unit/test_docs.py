@@ -142,7 +142,8 @@ def test_tutorial_diffs_are_the_examples() -> None:
 # Events whose name comes from a message rather than the code that logs it: the manager relays a
 # worker's Progress phase and an agent's SpareEvent under their own names. Their names are found
 # where those messages are made (below); a new relay must be added here and its names there.
-_RELAYED = {"message.phase", "message.what"}
+# "what": the manager's on_standby, which logs what manager/standbys.py records (its _record calls).
+_RELAYED = {"message.phase", "message.what", "what"}
 
 
 def _event_names() -> dict[str, str]:
@@ -162,7 +163,7 @@ def _event_names() -> dict[str, str]:
                     relays.add(ast.unparse(first))
                 else:
                     found.setdefault(literal, f"{where}:{node.lineno}")
-            elif name in ("_spare_event", "_report") and literal is not None:  # an agent's spare events
+            elif name in ("_spare_event", "_report", "_record") and literal is not None:  # spares', standbys' events
                 found.setdefault(literal, f"{where}:{node.lineno}")
             elif name == "Progress":  # a worker's milestone: Progress(rank, generation, phase, ...)
                 phase = args[2] if len(args) > 2 else next((k.value for k in node.keywords if k.arg == "phase"), None)
