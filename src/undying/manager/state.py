@@ -103,6 +103,7 @@ class IncidentKind(enum.StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"  # saves fail (a full disk): retried at the next save
     SLOW_RANK = "slow_rank"  # found by slow-rank detection
     SLOW_NODE = "slow_node"
+    NUMERIC = "numeric"  # a step's numeric check failed and was replayed (worker.numerics): the verdict
 
 
 class IncidentStatus(enum.StrEnum):

@@ -58,7 +58,10 @@ class GenerationalDDP:
             # regrouping now, in parameter order, gives every DDP this wrapper
             # builds one and the same layout from its first iteration on.
             ddp.reducer._push_all_rebuilt_params()
-            if hooked:
+            if ctx.numerics is not None:  # fingerprints of the local gradients, around the traced hook if any
+                ctx.numerics.hook(ddp, *((CommHookState(ctx.tracing, ddp.process_group, dist.get_world_size(
+                    ddp.process_group)), traced_allreduce_hook) if hooked else ()))
+            elif hooked:
                 # Comm markers: DDP's own all-reduce, done by a hook that times it (no bit changes).
                 # A DDP takes a hook only before its first step, so switching comm rebuilds it,
                 # on every rank at the same step (see TraceSet.comm_from_step).
@@ -71,8 +74,9 @@ class GenerationalDDP:
             self._hooked = hooked
         return self._ddp
 
-    def _in_backward(self, grad: torch.Tensor) -> None:
+    def _in_backward(self, grad: torch.Tensor) -> torch.Tensor | None:
         self._ctx.faults.check("backward", self._ctx.current_step)
+        return self._ctx.faults.corrupt(grad, self.module)  # nan/bitflip drills
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._ctx.faults.check("forward", self._ctx.current_step)

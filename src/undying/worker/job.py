@@ -63,6 +63,7 @@ from undying.worker.group import (
     collectives_entered,
     is_comm_failure,
 )
+from undying.worker.numerics import NumericFault, Numerics, NumericsGuard
 from undying.worker.rejoin import Rejoin
 from undying.worker.sharding import full_digest
 from undying.worker.shards import Shards
@@ -115,6 +116,7 @@ class Outcome(enum.Enum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     FAILED = "failed"
+    REPLAY = "replay"  # a failed numeric check: the same step again (worker.numerics)
 
 
 class Step:
@@ -153,6 +155,12 @@ class Step:
             self.outcome = Outcome.ABORTED
             self._job.ctx.aborted(exc)
             return True
+        guard = self._job._numerics
+        if guard is not None and isinstance(exc, NumericFault) and (verdict := guard.resolve(self, exc)) != "stop":
+            self.outcome = Outcome.REPLAY if verdict == "replay" else Outcome.COMMITTED
+            if verdict == "skip":
+                self._job._commit(self)  # nothing trained, the data moves on
+            return True
         self.outcome = Outcome.FAILED
         if isinstance(exc, Exception):
             self._job.ctx.report_fatal(self.index, exc)
@@ -190,6 +198,7 @@ class Job:
         self._state_checked = False  # the state's weights_only round trip, done at the first commit
         self._wrappers: list[GenerationalDDP] = []
         self._current: Step | None = None
+        self._numerics: NumericsGuard | None = None
         self._state: State | None = None
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
@@ -280,12 +289,15 @@ class Job:
         total: int | None = None,
         epochs: int | None = None,
         seed: int = 0,
+        numerics: Numerics | bool | None = None,
     ) -> Iterator[Step]:
         """Yield the job's steps from where it is, each a transaction.
 
         ``total`` counts steps; ``epochs`` counts passes over ``state.loader``
         (the loop calls ``sampler.set_epoch``). ``seed`` seeds the random state
         of every step (derived per rank and step, see ``undying.worker.rng``).
+        ``numerics`` (True or a ``Numerics``) checks each step before it commits
+        and replays a failed one in place (see ``undying.worker.numerics``).
         """
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
@@ -294,6 +306,9 @@ class Job:
                             origin=ctx.data_origin)
         ctx.cursor = cursor
         self._state = state
+        config = Numerics.of(numerics)
+        self._numerics = ctx.numerics = None if config is None else NumericsGuard(
+            config, state, self.rank, lambda: self.generation, self._send, cursor)
         self._attach(state)
         if self.managed and self.rank == 0:
             self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
@@ -319,6 +334,8 @@ class Job:
                     ctx.faults.check("step", index)
                 step = Step(self, index, cursor.epoch_of(index), batch)
                 self._current = step
+                if self._numerics is not None:
+                    self._numerics.begin(step)
                 yield step
                 if step.outcome is Outcome.COMMITTED:
                     committed = index
@@ -328,6 +345,8 @@ class Job:
                     if self.managed and not self._checkpoints.maybe_save(state, index, self._shards,
                                                                             last=index == cursor.total_steps):
                         committed = self._rejoin.recover(state, committed, clean=True)
+                elif step.outcome is Outcome.REPLAY:
+                    pass  # the same step from the same state, batch and random state (worker.numerics)
                 elif step.outcome is Outcome.ABORTED:
                     committed = self._rejoin.recover(state, committed, clean=not step.optimizer_stepped)
                 else:
@@ -402,6 +421,8 @@ class Job:
         if self._shards.quiet:
             return  # torch creating optimizer state for a sharded save or load: no training step
         step = self._current
+        if step is not None and step.outcome is Outcome.PENDING and self._numerics is not None:
+            self._numerics.check(step)  # raises NumericFault before any state changes
         if step is not None and step.outcome is Outcome.PENDING:
             step.optimizer_stepped = True
         if self.managed:

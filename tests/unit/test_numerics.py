@@ -1,0 +1,149 @@
+"""Numeric checks and exact replay (undying.worker.numerics), one process, through the real step loop.
+
+An unmanaged job (no ``undying run``) runs the same transaction, checks and
+replay as a managed rank; the multi-rank paths (fingerprints over DDP,
+the incident, the drills) are in tests/integration/test_numerics.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from undying.errors import UsageError
+from undying.worker.faults import flip_bit
+from undying.worker.job import Job, Outcome
+from undying.worker.numerics import Numerics, NumericFault
+
+STEPS = 8
+
+
+def _run(numerics: Any, poison: Callable[[int, int], bool] = lambda step, attempt: False, *,
+         skip: frozenset[int] = frozenset(), spike: Callable[[int, int], bool] = lambda step, attempt: False,
+         batchnorm: bool = False) -> tuple[dict[int, float], list[int], torch.nn.Module]:
+    """Train STEPS steps; ``poison(step, attempt)`` puts a NaN into that run of the step's loss.
+
+    Returns each committed step's loss, how many times each step's body ran, and the model.
+    """
+    torch.manual_seed(0)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 4, generator=data), torch.randn(64, 1, generator=data)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, 8)]
+    if batchnorm:
+        layers.append(torch.nn.BatchNorm1d(8))
+    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    job = Job(None)
+    state = job.state(model=model, optimizer=optimizer, loader=loader)
+    losses: dict[int, float] = {}
+    runs = [0] * (STEPS + 1)
+    for step in job.steps(state, total=STEPS, numerics=numerics):
+        with step:
+            runs[step.index] += 1
+            if step.index in skip:
+                continue
+            inputs, targets = step.batch
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            if poison(step.index, runs[step.index]):
+                loss = loss * float("nan")
+            if spike(step.index, runs[step.index]):
+                loss = loss * 1000
+            step.log(loss=loss)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if step.outcome is Outcome.COMMITTED and step.metrics:
+            losses[step.index] = step.metrics["loss"]
+    return losses, runs, model
+
+
+def _same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def test_transient_nan_is_replayed_and_the_run_is_the_fault_free_one() -> None:
+    base, base_runs, base_model = _run(True, batchnorm=True)
+    assert base_runs[1:] == [1] * STEPS
+    losses, runs, model = _run(True, lambda step, attempt: step == 3 and attempt == 1, batchnorm=True)
+    assert runs[3] == 2 and sum(runs) == STEPS + 1  # step 3 ran twice, every other once
+    assert losses == base  # bit for bit: the same batch, random state and buffers on the replay
+    assert _same_model(model, base_model)
+
+
+def test_without_checks_a_nan_trains_into_the_model() -> None:
+    """The test above can fail: unchecked, the same NaN reaches the weights."""
+    _, runs, model = _run(None, lambda step, attempt: step == 3 and attempt == 1)
+    assert runs[3] == 1
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_persistent_nan_skips_the_batch_like_a_run_that_skips_it() -> None:
+    skipped, _, _ = _run(None, skip=frozenset({4}))
+    losses, runs, model = _run(True, lambda step, attempt: step == 4)
+    assert runs[4] == 2 and 4 not in losses
+    assert losses == skipped  # the rest identical to a fault-free run that skips the same batch
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_persistent_nan_with_stop_fails_the_step_with_a_report() -> None:
+    with pytest.raises(NumericFault) as caught:
+        _run(Numerics(on_persistent="stop"), lambda step, attempt: step == 5)
+    text = str(caught.value)
+    assert "step 5" in text and "the loss is nan" in text and "failed the same way, bit for bit" in text
+    assert "rank 0: {'epoch': 0, 'batch': 4}" in text  # where the batch is
+
+
+def test_a_spike_is_found_after_the_warmup_and_replayed() -> None:
+    config = Numerics(spike_factor=50, window=4, warmup=3)
+    base, _, _ = _run(config)
+    losses, runs, _ = _run(config, spike=lambda step, attempt: step == 6 and attempt == 1)
+    assert runs[6] == 2 and losses == base
+    # Within the warm-up the same spike is not judged: it commits.
+    _, runs, _ = _run(config, spike=lambda step, attempt: step == 2 and attempt == 1)
+    assert runs[2] == 1
+
+
+def test_a_grad_scaler_skip_is_not_a_fault() -> None:
+    """Inf gradients a GradScaler skips never reach optimizer.step: the step commits, nothing replayed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # overflows the float32 gradients
+    job = Job(None)
+    state = job.state(model=model, optimizer=optimizer)
+    runs = 0
+    for step in job.steps(state, total=3, numerics=Numerics(scaler=scaler)):
+        with step:
+            runs += 1
+            loss = model(torch.full((2, 4), 1e3)).sum()
+            step.log(loss=loss)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert runs == 3  # no replay
+    assert scaler.get_scale() < 2.0 ** 127  # the scaler did its own work
+
+
+def test_bad_options_are_refused_by_name() -> None:
+    with pytest.raises(UsageError, match="spike_factor"):
+        Numerics(spike_factor=0.5)
+    with pytest.raises(UsageError, match="warmup <= window"):
+        Numerics(window=3, warmup=5)
+    with pytest.raises(UsageError, match="on_persistent"):
+        Numerics(on_persistent="pray")
+    with pytest.raises(UsageError, match="numerics"):
+        Numerics.of("yes")  # type: ignore[arg-type]
+
+
+def test_flip_bit_flips_one_exponent_bit() -> None:
+    t = torch.tensor([0.01, 1.0])
+    flip_bit(t)
+    assert t[1] == 1.0 and t[0] > 1e30
+    flip_bit(t)
+    assert t[0] == torch.tensor(0.01)
