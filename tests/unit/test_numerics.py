@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from undying.errors import UsageError
 from undying.worker.faults import flip_bit
 from undying.worker.job import Job, Outcome
-from undying.worker.numerics import Numerics, NumericFault
+from undying.worker.numerics import NumericFault, Numerics
 
 STEPS = 8
 

@@ -47,8 +47,8 @@ class Injector:
             raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(InjectKind)}")
         if kind == "slow":
             return self._inject_slow(rank, at_step, phase or "compute", factor)
-        if kind in ("nan", "bitflip") and factor is None and phase is None:  # manager.numerics
-            return arm_numeric(self.core, kind, rank, at_step, how)
+        if kind in ("nan", "bitflip"):  # manager.numerics
+            return arm_numeric(self.core, kind, rank, at_step, how, phase, factor)
         if factor is not None:
             raise UsageError("factor applies to slow only (undying inject slow --factor F)")
         if how is not None and (kind != "hang" or how not in HangHow):

@@ -40,19 +40,29 @@ def on_numeric_fault(core: JobCore, message: Progress) -> None:
     core.events.incident(incident)
 
 
-def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: str | None) -> dict[str, Any]:
-    """Arm a NaN or a bit flip in a rank's step (``undying inject nan|bitflip``)."""
+def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: str | None,
+                phase: str | None = None, factor: float | None = None) -> dict[str, Any]:
+    """Arm a NaN or a bit flip in a rank's step (``undying inject nan|bitflip``).
+
+    A NaN and a gradient flip strike in backward, before the all-reduce; a
+    weight flip at the step's backward too, in the model itself (``phase``
+    may be given only as that).
+    """
     allowed = _HOWS[kind]
     how = how or allowed[0]
     if how not in allowed or how not in NumericHow:
         raise UsageError(f"how={how!r} does not apply to {kind}; choose one of {', '.join(allowed)}")
+    if factor is not None:
+        raise UsageError("factor applies to slow only (undying inject slow --factor F)")
+    if phase not in (None, "backward"):
+        raise UsageError(f"{kind} strikes in backward; phase={phase!r} does not apply (leave it out)")
     if rank not in core.ranks:
         raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
     if core.winding_down:
         raise UsageError(f"job {core.config.job_id} is {core.state.value}; nothing to inject into")
     info = core.ranks[rank]
     fault = ArmFault(kind=f"{kind}:{how}", at_step=at_step if at_step is not None else info.step + 1,
-                     phase="step" if how == "param" else "backward")
+                     phase="backward")
     core.agents[info.node].arm(rank, fault)
     core.events.event("fault_armed", rank=rank, kind=fault.kind, at_step=fault.at_step, phase=fault.phase)
     return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": fault.phase,

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from undying.worker.job import Job, Step, init
+    from undying.worker.numerics import Numerics
     from undying.worker.state import State
 
-__all__ = ["Job", "Step", "init", "State"]
+__all__ = ["Job", "Step", "init", "State", "Numerics"]
 
-_WHERE = {"Job": "job", "Step": "job", "init": "job", "State": "state"}
+_WHERE = {"Job": "job", "Step": "job", "init": "job", "State": "state", "Numerics": "numerics"}
 
 
 def __getattr__(name: str) -> Any:
