@@ -7,14 +7,18 @@ the incident, the drills) are in tests/integration/test_numerics.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.unit.test_http_auth import Served
 from undying.errors import UsageError
+from undying.protocol.worker_wire import Progress
 from undying.worker.faults import flip_bit
 from undying.worker.job import Job, Outcome
 from undying.worker.numerics import NumericFault, Numerics
@@ -147,3 +151,34 @@ def test_flip_bit_flips_one_exponent_bit() -> None:
     assert t[1] == 1.0 and t[0] > 1e30
     flip_bit(t)
     assert t[0] == torch.tensor(0.01)
+
+
+# --- the manager's side: the drills armed, the verdict recorded ------------------------------------------
+
+
+def test_the_manager_arms_drills_and_records_the_verdict_as_an_incident(tmp_path: Path) -> None:
+    served = Served(tmp_path)
+    try:
+        manager = served.manager
+
+        async def drive() -> list[Any]:
+            answers = [manager.inject("nan", 1, 7, None, "persistent"), manager.inject("bitflip", 0, None, None, None)]
+            for kind, rank, phase, how in (("nan", 0, None, "grad"), ("bitflip", 0, "forward", None),
+                                           ("nan", 0, None, "sideways")):
+                with pytest.raises(UsageError):
+                    manager.inject(kind, rank, 5, phase, how)
+            manager.handlers.handle(Progress(0, 0, "numeric_fault", time.time(), step=7, detail={
+                "verdict": "transient", "action": "replayed", "summary": "step 7: the loss is nan; ...",
+                "suspects": [1], "reason": "the loss is nan", "first": {"loss": "nan"}, "replay": {"loss": 0.5}}))
+            return answers
+
+        answers = served.call(drive)
+        assert [a["phase"] for a in answers] == ["backward", "backward"] and answers[1]["how"] == "grad"
+        assert [c for c in served.agent.calls if c[0] == "arm"] == [("arm", 1, "nan:persistent", 7),
+                                                                     ("arm", 0, "bitflip:grad", 1)]
+        (incident,) = manager.incidents
+        assert (incident.kind, incident.rank, incident.step, incident.action, incident.status) == (
+            "numeric", 1, 7, "replayed", "recovered")
+        assert [e for e in served.snapshot()["events"] if e[0] == "numeric_fault"]
+    finally:
+        served.close()

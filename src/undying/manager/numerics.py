@@ -2,7 +2,8 @@
 
 Rank 0 reports each numeric fault once, after the replay decided it
 (``worker.numerics``): transient (replayed, committed as the fault-free run),
-persistent (the batch skipped, or the job stopped) or non-deterministic. The
+persistent (the batch skipped, or the job stopped: it fails at once, as no
+replacement would pass that step) or non-deterministic. The
 incident names the rank whose gradients changed between the two runs, or, for
 a persistent fault, the rank whose own gradients were not finite.
 """
@@ -32,12 +33,14 @@ def on_numeric_fault(core: JobCore, message: Progress) -> None:
     incident = Incident(
         id=len(core.incidents) + 1, kind=IncidentKind.NUMERIC, rank=suspects[0] if suspects else -1,
         step=message.step, fault_t=message.t, recovery=0,
-        action=action, status=IncidentStatus.OBSERVED if action == "stop" else IncidentStatus.RECOVERED,
+        action=action, status=IncidentStatus.FAILED if action == "stop" else IncidentStatus.RECOVERED,
         error=str(detail.get("summary", "")), detail=cast(IncidentDetail, {**detail, "ranks": suspects}),
     )
     incident.phases["detected"] = message.t
     core.incidents.append(incident)
     core.events.incident(incident)
+    if action == "stop":  # the policy's word: no replacement would pass this step either
+        core.fail(f"numeric fault, stopped by policy: {incident.error}")
 
 
 def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: str | None,

@@ -64,7 +64,10 @@ class Numerics:
     ``spike_factor`` (None: no spike check) flags a loss above that multiple of
     the median of the last ``window`` committed losses, from ``warmup`` of them on.
     ``on_persistent`` is ``skip`` or ``stop``. ``scaler``: the script's
-    ``GradScaler``, whose per-step bookkeeping a replay resets.
+    ``GradScaler``, whose per-step bookkeeping a replay resets. ``fingerprints``
+    (on by default): each rank's gradients checksummed before the all-reduce,
+    which lets an incident name the rank; off, a step costs one pass over the
+    gradients less, and a transient fault names no rank.
     """
 
     metric: str = "loss"
@@ -73,6 +76,7 @@ class Numerics:
     warmup: int = 20
     on_persistent: str = "skip"
     scaler: Any = None
+    fingerprints: bool = True
 
     def __post_init__(self) -> None:
         if self.spike_factor is not None and not (math.isfinite(self.spike_factor) and self.spike_factor > 1):
@@ -120,10 +124,11 @@ def _bits(values: dict[str, float | None]) -> tuple[Any, ...]:
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits summed as integers: exact, and any single flipped bit changes it."""
+    """The tensor's bits summed as integers, modulo 2**32 for 4-byte values: exact, and any single flipped
+    bit changes it (by +-2**k, k < 32). Summed in 32 bits, not 64: a tenth of the time on CPU (measured)."""
     flat = t.detach().reshape(-1)
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    return flat.view(as_int).sum(dtype=torch.int64)
+    return flat.view(as_int).sum(dtype=torch.int64 if as_int is torch.int64 else torch.int32)
 
 
 @dataclass
@@ -182,6 +187,10 @@ class NumericsGuard:
 
     def hook(self, ddp: Any, inner: Any = None, inner_hook: Callable[..., Any] | None = None) -> None:
         """Register the fingerprint hook on a fresh DDP (around ``inner_hook`` when tracing wants one)."""
+        if not self.config.fingerprints:
+            if inner_hook is not None:
+                ddp.register_comm_hook(inner, inner_hook)
+            return
         group = ddp.process_group
         ddp.register_comm_hook(FingerprintState(self, group, dist.get_world_size(group), inner, inner_hook),
                                fingerprint_hook)
