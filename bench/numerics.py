@@ -5,9 +5,9 @@ Method
 One workload, the demo job (``undying/demo/train.py``: a seeded regression MLP,
 DDP over gloo on CPU, 4 ranks, recovery.py's size by default), run as whole
 jobs by ``undying run``, twice per repetition: ``--numerics off`` and
-``--numerics skip`` (``job.steps(..., numerics=Numerics())``: every step's loss
-and gradient norm checked in the optimizer's pre-hook, and every gradient bucket
-fingerprinted by a DDP comm hook before its all-reduce). Which mode runs first
+``--numerics skip`` (``job.steps(..., numerics=Numerics())``: every gradient
+summed as backward computes it, before the all-reduce, the loss and the
+verdict the all-reduce carries checked in the optimizer's pre-hook). Which mode runs first
 alternates between repetitions. Step time as in recovery.py: done(s) is when
 the last rank committed step s, a step time is done(s) - done(s-1), the first
 ``--warmup`` steps are skipped, and a run's figure is the median. The overhead
@@ -19,7 +19,7 @@ this is the price of the checks on a healthy job. It reports; it asserts nothing
 Whole jobs on a shared 2-core machine spread by tens of percent, far more than
 the target; so the checks' own cost is also timed directly (``micro``): one
 process, a 1-rank gloo group, the workload's model twice, one under DDP's
-built-in all-reduce and one under undying's checks (the fingerprint hook, the
+built-in all-reduce and one under undying's checks (the gradient hooks, the
 step's ``begin`` and ``check``); a full training step (forward, backward,
 optimizer) of each per round, the order alternating, ``--micro-rounds``
 rounds; the cost is the median of the paired differences, as a share of the
@@ -122,12 +122,9 @@ def render(result: dict[str, Any], out: TextIO) -> None:
     print(f"  overhead: {result['overhead_pct']}% median (range {result['overhead_pct_min']} .. "
           f"{result['overhead_pct_max']}; each {result['overhead_pct_each']}); target <= {TARGET_PCT}%", file=out)
     m = result["micro"]
-    print(f"  timed directly ({m['rounds']} rounds, {m['params']} parameters, 1 rank, step alone {m['step_ms']} ms):",
-          file=out)
-    for name, what in (("finite", "finite checks only (fingerprints=False)"), ("fingerprints", "with fingerprints")):
-        c = m[name]
-        print(f"    {what}: {c['cost_ms']} ms a step, {c['cost_pct_of_step']}% of the step alone, "
-              f"{c['cost_pct_of_job_step']}% of the 4-rank job's unchecked step", file=out)
+    print(f"  timed directly ({m['rounds']} rounds, {m['params']} parameters, 1 rank): {m['cost_ms']} ms a step, "
+          f"{m['cost_pct_of_step']}% of the step alone ({m['step_ms']} ms), {m['cost_pct_of_job_step']}% of the "
+          "4-rank job's unchecked step", file=out)
 
 
 def micro(workload: Workload, rounds: int) -> dict[str, Any]:
@@ -158,13 +155,11 @@ def micro(workload: Workload, rounds: int) -> dict[str, Any]:
         def __init__(self, index: int) -> None:
             self.index, self.generation, self.metrics = index, 0, {}
 
-    kinds = {"plain": None, "finite": Numerics(fingerprints=False), "fingerprints": Numerics()}
+    kinds = {"plain": None, "checked": Numerics()}
     runs: dict[str, tuple[Any, Any, NumericsGuard | None]] = {}
     for name, config in kinds.items():
         model, ddp, opt = build()
         guard = None if config is None else NumericsGuard(config, State(model=model), 0, lambda: 0, lambda m: None)
-        if guard is not None:
-            guard.hook(ddp)
         runs[name] = (ddp, opt, guard)
     x, y = torch.randn(workload.batch_size, workload.features), torch.randn(workload.batch_size, 1)
 
@@ -189,14 +184,13 @@ def micro(workload: Workload, rounds: int) -> dict[str, Any]:
             one(name, i)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
-        for name in names[i % 3:] + names[:i % 3]:  # the order rotates
+        for name in names[i % 2:] + names[:i % 2]:  # the order alternates
             times[name].append(one(name, i))
     step_ms = 1000 * statistics.median(times["plain"])
     out: dict[str, Any] = {"rounds": rounds, "params": sum(p.numel() for p in runs["plain"][0].parameters()),
                            "step_ms": round(step_ms, 3)}
-    for name in ("finite", "fingerprints"):
-        cost_ms = 1000 * statistics.median([b - a for a, b in zip(times["plain"], times[name], strict=True)])
-        out[name] = {"cost_ms": round(cost_ms, 4), "cost_pct_of_step": round(100 * cost_ms / step_ms, 2)}
+    cost_ms = 1000 * statistics.median([b - a for a, b in zip(times["plain"], times["checked"], strict=True)])
+    out.update(cost_ms=round(cost_ms, 4), cost_pct_of_step=round(100 * cost_ms / step_ms, 2))
     return out
 
 
@@ -236,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"micro: {args.micro_rounds} rounds in this process ...", file=text, flush=True)
         timed = micro(workload, args.micro_rounds)
         unchecked_ms = summarize(reps)["modes"]["off"]["step_ms"]
-        for name in ("finite", "fingerprints"):
-            timed[name]["cost_pct_of_job_step"] = (round(100 * timed[name]["cost_ms"] / unchecked_ms, 2)
-                                                   if unchecked_ms else None)
+        timed["cost_pct_of_job_step"] = round(100 * timed["cost_ms"] / unchecked_ms, 2) if unchecked_ms else None
         result = {
             "micro": timed,
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "repeats": args.repeats,

@@ -76,7 +76,6 @@ class JobContext:
     # Where the data stands: (step, batches read per rank after it); see DataCursor.origin.
     data_origin: tuple[int, int] | None = None
     cursor: DataCursor | None = None
-    numerics: Any = None  # the step checks' NumericsGuard (worker.numerics); the DDP wrapper hooks it in
     # A load that needs the State (a sharded checkpoint, a shard received before the model existed).
     deferred: tuple[int, Callable[[State], None]] | None = None
     # A whole (replicated) state read or received before the State existed: (step, state dict).

@@ -58,10 +58,7 @@ class GenerationalDDP:
             # regrouping now, in parameter order, gives every DDP this wrapper
             # builds one and the same layout from its first iteration on.
             ddp.reducer._push_all_rebuilt_params()
-            if ctx.numerics is not None:  # fingerprints of the local gradients, around the traced hook if any
-                ctx.numerics.hook(ddp, *((CommHookState(ctx.tracing, ddp.process_group, dist.get_world_size(
-                    ddp.process_group)), traced_allreduce_hook) if hooked else ()))
-            elif hooked:
+            if hooked:
                 # Comm markers: DDP's own all-reduce, done by a hook that times it (no bit changes).
                 # A DDP takes a hook only before its first step, so switching comm rebuilds it,
                 # on every rank at the same step (see TraceSet.comm_from_step).

@@ -307,7 +307,7 @@ class Job:
         ctx.cursor = cursor
         self._state = state
         config = Numerics.of(numerics)
-        self._numerics = ctx.numerics = None if config is None else NumericsGuard(
+        self._numerics = None if config is None else NumericsGuard(
             config, state, self.rank, lambda: self.generation, self._send, cursor)
         self._attach(state)
         if self.managed and self.rank == 0:
