@@ -65,3 +65,5 @@ def test_a_persistent_nan_with_stop_ends_the_job_with_a_report(oracle: Oracle, t
     assert numeric["step"] == 4 and numeric["action"] == "stop" and numeric["rank"] == 3, numeric
     errors = [e["error"] for e in outcome.events("user_error")]
     assert errors and all("step 4" in e and "bit for bit" in e and "batches rank 0:" in e for e in errors), errors
+    assert not [e for e in outcome.events("spawned") if e["joining"]], "a stopped job replaces no rank"
+    assert "numeric fault, stopped by policy" in outcome.log(), outcome.log()[-2000:]
