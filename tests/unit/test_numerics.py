@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.unit.test_http_auth import Served
 from undying.errors import UsageError
-from undying.protocol.worker_wire import Progress
-from undying.worker.faults import flip_bit
+from undying.protocol.worker_wire import ArmFault, Progress
+from undying.worker.faults import FaultSwitch, flip_bit
 from undying.worker.job import Job, Outcome
 from undying.worker.numerics import NumericFault, Numerics
 
@@ -182,3 +182,77 @@ def test_the_manager_arms_drills_and_records_the_verdict_as_an_incident(tmp_path
         assert [e for e in served.snapshot()["events"] if e[0] == "numeric_fault"]
     finally:
         served.close()
+
+
+def test_a_replay_that_fails_differently_is_called_nondeterministic() -> None:
+    """First run a NaN loss, the replay an infinite one: not reproduced bit for bit, so not the data's doing."""
+    told: list[Any] = []
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = Job(None)
+    state = job.state(model=model, optimizer=optimizer)
+    runs = 0
+    for step in job.steps(state, total=4, numerics=True):
+        with step:
+            assert job._numerics is not None
+            job._numerics._send = told.append  # the report rank 0 would send to the manager
+            loss = model(torch.ones(2, 4)).sum()
+            if step.index == 2:
+                runs += 1
+                loss = loss.abs() * (float("nan") if runs == 1 else float("inf"))
+            step.log(loss=loss)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    (report,) = told
+    assert isinstance(report, Progress) and report.phase == "numeric_fault" and report.step == 2
+    assert report.detail["verdict"] == "nondeterministic" and report.detail["action"] == "skip"
+    assert "failed differently (the loss is inf)" in report.detail["summary"]
+    assert report.detail["suspects"] == [0]  # its gradients changed between the runs
+    assert report.detail["first"]["loss"] == "nan" and report.detail["replay"]["loss"] == "inf"
+
+
+def test_drills_strike_the_step_they_are_armed_for() -> None:
+    """nan:once strikes one run, nan:persistent every run of its step only, bitflip:param the weight itself."""
+    told: list[Any] = []
+    switch = FaultSwitch(3, told.append, {})
+    module = torch.nn.Linear(2, 1)
+    weight = module.weight.detach().clone()
+    switch.arm(ArmFault(kind="nan:once", at_step=2, phase="backward"))
+    switch.arm(ArmFault(kind="nan:persistent", at_step=4, phase="backward"))
+    grad = torch.ones(3)
+    struck = []
+    for step in (1, 2, 2, 3, 4, 4, 5):
+        switch.check("step", step)
+        out = switch.corrupt(grad, module)
+        struck.append(out is not None and bool(torch.isnan(out[0])))
+    assert struck == [False, True, False, False, True, True, False]
+    assert torch.equal(grad, torch.ones(3))  # the gradient handed in is not written: a new one is returned
+    switch.arm(ArmFault(kind="bitflip:param", at_step=6, phase="backward"))
+    switch.check("step", 6)
+    assert switch.corrupt(grad, module) is None
+    assert not torch.equal(module.weight, weight) and torch.equal(module.weight.view(-1)[1:], weight.view(-1)[1:])
+    assert [(m.kind, m.step) for m in told] == [("nan:once", 2), ("nan:persistent", 4), ("nan:persistent", 4),
+                                               ("bitflip:param", 6)]
+
+
+def test_a_second_loop_over_the_same_model_replaces_the_first_ones_hooks() -> None:
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = Job(None)
+    state = job.state(model=model, optimizer=optimizer)
+    guards = []
+    for total in (2, 4):
+        for step in job.steps(state, total=total, numerics=True):
+            with step:
+                guards.append(job._numerics)
+                loss = model(torch.ones(2, 4)).sum()
+                step.log(loss=loss)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    first, second = guards[0], guards[-1]
+    assert first is not second and first is not None and second is not None
+    assert len(second._sums) == 2  # this backward's two gradients, once each
+    assert len(first._sums) == 2  # left as the first loop's last step left it: its hooks are gone

@@ -40,6 +40,7 @@ import math
 import statistics
 import struct
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ __all__ = ["Numerics", "NumericFault", "NumericsGuard"]
 
 # The extra the loss history travels in (with the state: a replacement judges spikes as its peers do).
 HISTORY_EXTRA = "undying_numerics_losses"
+# Each checked model's gradient hooks (weakly: a model that goes away takes its entry with it).
+_HOOKS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 _POLICIES = ("skip", "stop")
 
 
@@ -144,8 +147,12 @@ class NumericsGuard:
         model = state.model
         params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self._expected = len(params)
-        for param in params:  # once the gradient is accumulated, before DDP's reducer copies it to its bucket
-            param.register_post_accumulate_grad_hook(self._on_grad)
+        for handle in _HOOKS.pop(model, []) if model is not None else []:
+            handle.remove()  # a model checked by an earlier job.steps() loop: one guard's hooks at a time
+        handles = [param.register_post_accumulate_grad_hook(self._on_grad)  # before DDP's reducer copies it
+                   for param in params]
+        if model is not None:
+            _HOOKS[model] = handles
         self.history: dict[str, float] = {}
         if config.spike_factor is not None:
             state.extras[HISTORY_EXTRA] = self.history  # moved and saved with the state
