@@ -24,6 +24,7 @@ def test_transient_nan_is_replayed_and_names_its_rank(oracle: Oracle, tmp_path: 
     detail = incident["detail"]
     assert detail["verdict"] == "transient" and detail["suspects"] == [2], detail
     assert detail["first"]["grad_norm"] == "nan" and detail["replay"]["grad_norm"] == detail["replay"]["grad_norm"]
+    assert 0 < incident["mttr_s"] < 10, incident  # from the failed check to the replay's commit
     # The checks and the fingerprint hook change no bit: the same as the job without them.
     unchecked = compare_runs(oracle.baseline(("--epochs", "2"), 4), outcome.run)
     assert unchecked.identical, unchecked.reasons

@@ -77,6 +77,9 @@ FAULTS: dict[str, FaultPlan] = {
     "nan": FaultPlan("nan", rank=1, at_step=10, phase="backward", how="once", expect="numeric",
                      description="a NaN in rank 1's gradient before the all-reduce, once (numeric checks on: "
                      "the step is replayed in place)", script_args=("--numerics", "skip")),
+    "bitflip": FaultPlan("bitflip", rank=3, at_step=10, phase="backward", how="grad", expect="numeric",
+                         description="one exponent bit of rank 3's gradient flipped before the all-reduce, once "
+                         "(numeric checks on: the step is replayed in place)", script_args=("--numerics", "skip")),
     "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
                          description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
                          "the same command again resumes"),

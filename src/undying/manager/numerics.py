@@ -30,13 +30,17 @@ def on_numeric_fault(core: JobCore, message: Progress) -> None:
     detail: dict[str, Any] = dict(message.detail)
     suspects = [int(r) for r in detail.get("suspects", []) if isinstance(r, int)]
     action = str(detail.get("action", ""))
+    failed_t = detail.pop("fault_t", None)
+    fault_t = float(failed_t) if isinstance(failed_t, int | float) and failed_t <= message.t else message.t
     incident = Incident(
         id=len(core.incidents) + 1, kind=IncidentKind.NUMERIC, rank=suspects[0] if suspects else -1,
-        step=message.step, fault_t=message.t, recovery=0,
+        step=message.step, fault_t=fault_t, recovery=0,
         action=action, status=IncidentStatus.FAILED if action == "stop" else IncidentStatus.RECOVERED,
         error=str(detail.get("summary", "")), detail=cast(IncidentDetail, {**detail, "ranks": suspects}),
     )
-    incident.phases["detected"] = message.t
+    incident.phases["detected"] = fault_t  # the check failed
+    if action != "stop":  # replayed (and committed) or skipped: the job steps on, mttr_s is the replay's time
+        incident.phases["first_step_done"] = message.t
     core.incidents.append(incident)
     core.events.incident(incident)
     if action == "stop":  # the policy's word: no replacement would pass this step either

@@ -111,6 +111,7 @@ class NumericFault(UndyingError):
         self.reason = reason
         self.values = values
         self.prints = prints
+        self.t = time.time()  # when the check failed: the incident's timeline starts here
 
 
 @dataclass
@@ -346,7 +347,7 @@ class NumericsGuard:
             return
         self._send(Progress(self._rank, self._generation(), "numeric_fault", time.time(), step=step.index, detail={
             "verdict": verdict, "action": action, "summary": summary, "suspects": suspects,
-            "reason": first.reason, "first": _plain(first.values), "replay": _plain(replay), **extra}))
+            "fault_t": first.t, "reason": first.reason, "first": _plain(first.values), "replay": _plain(replay), **extra}))
 
 
 def _plain(values: dict[str, float | None]) -> dict[str, float | str | None]:
