@@ -256,3 +256,29 @@ def test_a_second_loop_over_the_same_model_replaces_the_first_ones_hooks() -> No
     assert first is not second and first is not None and second is not None
     assert len(second._sums) == 2  # this backward's two gradients, once each
     assert len(first._sums) == 2  # left as the first loop's last step left it: its hooks are gone
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_a_nan_only_in_the_gradients_is_found(unused: bool) -> None:
+    """A finite loss with a NaN gradient: found by the mark the last gradient carries, or (a parameter
+    that gets no gradient, so no backward reaches the mark) by the full norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    spare = torch.nn.Linear(1, 1)  # in the state, never in the forward pass
+    holder = torch.nn.ModuleList([model, spare]) if unused else model
+    optimizer = torch.optim.SGD(holder.parameters(), lr=0.1)
+    job = Job(None)
+    state = job.state(model=holder, optimizer=optimizer)
+    runs, strike = [0] * 5, [False]
+    model[1].weight.register_hook(lambda g: g * float("nan") if strike[0] else None)
+    for step in job.steps(state, total=4, numerics=True):
+        with step:
+            runs[step.index] += 1
+            strike[0] = step.index == 2 and runs[2] == 1
+            loss = model(torch.ones(2, 4)).pow(2).sum()
+            step.log(loss=loss)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert runs[1:] == [1, 2, 1, 1]
+    assert all(torch.isfinite(p).all() for p in holder.parameters())

@@ -142,6 +142,7 @@ class NumericsGuard:
         self._send = send
         self._cursor = cursor
         self._sums: list[torch.Tensor] = []  # this attempt's local gradient norms, one per gradient computed
+        self._marked_at = 0  # how many gradients the mark covers: all of them, or it is not trusted
         self._marked: torch.Tensor | None = None  # whose gradient's first element carries the verdict
         self._pending: _Attempt | None = None
         self._buffers: list[torch.Tensor] = []
@@ -189,11 +190,13 @@ class NumericsGuard:
         first = grad.view(-1)[:1]
         first.copy_(torch.where(torch.isfinite(total), first, torch.full_like(first, float("nan"))))
         self._marked = param
+        self._marked_at = len(self._sums)
 
     def begin(self, step: Any) -> None:
         """A step (or its replay) starts: forget the last attempt's prints, keep the buffers to put back."""
         self._sums = []
         self._marked = None
+        self._marked_at = 0
         model = self._state.model
         if model is not None:
             self._buffers = [b.detach().clone() for b in model.buffers()]
@@ -250,7 +253,8 @@ class NumericsGuard:
         loss = step.metrics.get(self.config.metric)
         marked = self._marked
         grad = marked.grad if marked is not None else None
-        if (not full and grad is not None and type(grad) is torch.Tensor and grad.numel()
+        if (not full and grad is not None and self._marked_at == len(self._sums) and type(grad) is torch.Tensor
+                and grad.numel()
                 and math.isfinite(float(grad.view(-1)[0].item())) and (loss is None or math.isfinite(loss))):
             return {"loss": loss, "grad_norm": None}  # every rank's gradients finite: the norm is not needed
         model = self._state.model
