@@ -20,14 +20,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from undying.worker import Job, State, Step, init
+    from undying.worker import Job, Numerics, State, Step, init
 
 __version__ = "0.1.0"
-__all__ = ["init", "Job", "State", "Step", "__version__"]
+__all__ = ["init", "Job", "State", "Step", "Numerics", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("init", "Job", "State", "Step"):
+    if name in ("init", "Job", "State", "Step", "Numerics"):
         import undying.worker
 
         return getattr(undying.worker, name)

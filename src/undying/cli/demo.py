@@ -55,6 +55,7 @@ class FaultPlan:
     how: str | None = None  # for hang: stop, spin or block
     factor: float | None = None  # for slow: how much longer the rank's steps take
     expect: str = ""  # the incident kind the fault must produce (default: its own kind)
+    script_args: tuple[str, ...] = ()  # what the demo script needs for this fault, in both runs
 
     @property
     def incident_kind(self) -> str:
@@ -73,6 +74,12 @@ FAULTS: dict[str, FaultPlan] = {
     "slow": FaultPlan("slow", rank=2, at_step=10, phase="compute", factor=1.5, expect="slow_rank",
                       description="rank 2's compute 1.5x slower from step 10, tracing on (found as a slow rank; "
                       "the job trains on)", run_args=("--trace", "on")),
+    "nan": FaultPlan("nan", rank=1, at_step=10, phase="backward", how="once", expect="numeric",
+                     description="a NaN in rank 1's gradient before the all-reduce, once (numeric checks on: "
+                     "the step is replayed in place)", script_args=("--numerics", "skip")),
+    "bitflip": FaultPlan("bitflip", rank=3, at_step=10, phase="backward", how="grad", expect="numeric",
+                         description="one exponent bit of rank 3's gradient flipped before the all-reduce, once "
+                         "(numeric checks on: the step is replayed in place)", script_args=("--numerics", "skip")),
     "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
                          description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
                          "the same command again resumes"),
@@ -239,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         return node_loss.refuse(why, as_json=args.json)
     console = Console(stderr=True)
     root = Path(tempfile.mkdtemp(prefix="undying-demo-"))
-    script_args = [*JOB_ARGS, "--epochs", str(args.epochs)]
+    script_args = [*JOB_ARGS, "--epochs", str(args.epochs), *fault.script_args]
     base_args, base_run_args = script_args, None
     if fault.kind == "node-loss":  # a smaller job with slower steps: time to lose a host mid-run
         script_args = node_loss.script_args(args.epochs)

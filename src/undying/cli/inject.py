@@ -25,13 +25,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "next collective fails on every rank while all processes live (a comm-error without "
         "--at-step happens at the rank's next step); `slow --factor F --phase compute|data|ckpt` "
         "makes the rank's steps F times as long from then on, the extra time spent in that phase "
-        "(found by slow-rank detection when tracing is on; the job trains on).",
+        "(found by slow-rank detection when tracing is on; the job trains on); `nan [--persistent]` puts a NaN "
+        "into the rank's gradient before the all-reduce, at one run of the step (a replay passes) or at every "
+        "run of it (as a bad batch would); `bitflip --target grad|param` flips one exponent bit of the rank's "
+        "gradient (before the all-reduce) or of a weight of its model, without an error. The last two are "
+        "drills for a job that runs with numeric checks (job.steps(..., numerics=True)).",
     )
     p.add_argument("kind", choices=[k.value for k in InjectKind],
                    help="the fault: crash (SIGKILL of the rank's process), hang (SIGSTOP of it: "
                    "found by its missing heartbeats, then killed and replaced) or comm-error (the "
                    "rank breaks its process group's connections, so a real collective fails) or slow "
-                   "(the rank's steps take --factor times as long)")
+                   "(the rank's steps take --factor times as long) or nan (a NaN in the rank's gradient) or bitflip "
+                   "(one bit of the rank's gradient or weight flipped)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
     p.add_argument(
@@ -51,6 +56,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "Python) or block (a deadlock); spin and block keep the process beating and are found by "
         "the step timeout; they happen at a step (the next one without --at-step)",
     )
+    p.add_argument("--persistent", action="store_true",
+                   help="for nan: at every run of the step (a replay too), as a bad batch would; default: the "
+                   "first run only, a transient fault")
+    p.add_argument("--target", choices=("grad", "param"), default=None,
+                   help="for bitflip: the rank's local gradient before the all-reduce (grad, the default) or "
+                   "the first weight of its model (param: the model stays wrong)")
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=run)
@@ -63,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--at-step must be >= 1, got {args.at_step}")
     if args.how is not None and args.kind != "hang":
         raise UsageError(f"--how applies to hang only, not {args.kind}")
+    if args.persistent and args.kind != "nan":
+        raise UsageError(f"--persistent applies to nan only, not {args.kind}")
+    if args.target is not None and args.kind != "bitflip":
+        raise UsageError(f"--target applies to bitflip only, not {args.kind}")
+    if args.kind in ("nan", "bitflip") and args.phase not in (None, "backward"):
+        raise UsageError(f"{args.kind} strikes in backward, before the all-reduce; leave --phase out")
     if args.kind == "slow":
         if args.factor is None:
             raise UsageError("slow needs --factor F (e.g. --factor 1.2 for steps 20% slower)")
@@ -76,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     api = connect(args.manager, args.job_dir, args.token_file)
     body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how,
             "factor": args.factor}
+    if args.kind in ("nan", "bitflip"):
+        body["how"] = (args.target or "grad") if args.kind == "bitflip" else ("persistent" if args.persistent else "once")
     answer = api.post("/api/inject", body)
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")

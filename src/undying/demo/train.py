@@ -37,6 +37,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=0,
                    help="raise a ValueError at this step (a bug, not a fault)")
     p.add_argument("--fail-rank", type=int, default=-1, help="with --fail-at-step: only on this rank (-1: every rank)")
+    p.add_argument("--numerics", choices=("off", "skip", "stop"), default="off",
+                   help="check each step's loss and gradient norm (undying.Numerics); a fault that replays the "
+                   "same way skips the batch or stops the job")
+    p.add_argument("--bad-sample", type=int, default=-1,
+                   help="make this sample's features NaN: the batch holding it fails every time (a bad batch)")
+    p.add_argument("--skip-steps", default="",
+                   help="comma-separated steps whose body does nothing (the fault-free twin of a skipped batch)")
     return p.parse_args()
 
 
@@ -51,6 +58,10 @@ def main() -> None:
     x = torch.randn(args.samples, args.features, generator=data)
     w = torch.randn(args.features, 1, generator=data)
     y = torch.tanh(x @ w) + 0.1 * torch.randn(args.samples, 1, generator=data)
+    if args.bad_sample >= 0:
+        x[args.bad_sample] = float("nan")
+    skip = {int(s) for s in args.skip_steps.split(",") if s}
+    numerics = undying.Numerics(on_persistent=args.numerics) if args.numerics != "off" else None
     dataset = TensorDataset(x, y)
     sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(dataset, seed=7)
     if args.loader == "stateful":
@@ -72,8 +83,10 @@ def main() -> None:
 
     ddp = job.ddp(model)
     state = job.state(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
-    for step in job.steps(state, epochs=args.epochs):
+    for step in job.steps(state, epochs=args.epochs, numerics=numerics):
         with step:
+            if step.index in skip:
+                continue
             started = time.monotonic()
             inputs, targets = step.batch
             if step.index == args.fail_at_step and args.fail_rank in (-1, job.rank):

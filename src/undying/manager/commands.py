@@ -18,6 +18,7 @@ from typing import Any
 from undying.errors import UsageError
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
+from undying.manager.numerics import arm_numeric
 from undying.protocol.kinds import HangHow, InjectKind, InjectPhase, SlowPhase
 from undying.protocol.worker_wire import ArmFault
 
@@ -46,6 +47,8 @@ class Injector:
             raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(InjectKind)}")
         if kind == "slow":
             return self._inject_slow(rank, at_step, phase or "compute", factor)
+        if kind in ("nan", "bitflip"):  # manager.numerics
+            return arm_numeric(self.core, kind, rank, at_step, how, phase, factor)
         if factor is not None:
             raise UsageError("factor applies to slow only (undying inject slow --factor F)")
         if how is not None and (kind != "hang" or how not in HangHow):

@@ -29,6 +29,7 @@ from undying.manager.detection import Detection
 from undying.manager.divergence import Divergence
 from undying.manager.events import EventLog
 from undying.manager.history import RunHistory
+from undying.manager.numerics import NUMERIC_PHASE, on_numeric_fault
 from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries, Recovery
 from undying.manager.regroup import LOG_KEY as REGROUP_KEY
@@ -432,6 +433,8 @@ class Manager:
         self.divergence.on_progress(message)
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
+        if message.phase == NUMERIC_PHASE:  # a step's numeric check, replayed: its verdict (manager.numerics)
+            on_numeric_fault(self.core, message)
 
     def _on_comm_failure(self, message: CommFailure) -> None:
         info = self.ranks[message.rank]

@@ -104,6 +104,7 @@ class IncidentKind(enum.StrEnum):
     SLOW_RANK = "slow_rank"  # found by slow-rank detection
     SLOW_NODE = "slow_node"
     DIVERGED = "diverged"  # a re-run step's batch, or a restored state, is not the one it replaces (divergence)
+    NUMERIC = "numeric"  # a step's numeric check failed and was replayed (worker.numerics): the verdict
 
 
 class IncidentStatus(enum.StrEnum):

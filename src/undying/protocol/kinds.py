@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from undying.protocol.codec import Choice
 
-__all__ = ["InjectKind", "HangHow", "InjectPhase", "SlowPhase", "WorkerPhase", "RecoveryPhase"]
+__all__ = ["InjectKind", "HangHow", "InjectPhase", "SlowPhase", "WorkerPhase", "RecoveryPhase", "NumericHow"]
 
 
 class InjectKind(Choice):
@@ -18,6 +18,8 @@ class InjectKind(Choice):
     HANG = "hang"
     COMM_ERROR = "comm-error"
     SLOW = "slow"
+    NAN = "nan"
+    BITFLIP = "bitflip"
 
 
 class HangHow(Choice):
@@ -73,3 +75,18 @@ class RecoveryPhase(Choice):
     GROUP_REBUILT = "group_rebuilt"
     STATE_RESTORED = "state_restored"
     FIRST_STEP_DONE = "first_step_done"
+
+
+class NumericHow(Choice):
+    """How an injected numeric fault strikes (``how`` of ``/api/inject``).
+
+    For nan: ``once`` (the first run of the step only: a replay passes) or
+    ``persistent`` (every run of that step: as a bad batch would). For bitflip:
+    the tensor whose bit flips, ``grad`` (the rank's local gradient, before the
+    all-reduce) or ``param`` (a weight of the rank's model, which stays wrong).
+    """
+
+    ONCE = "once"
+    PERSISTENT = "persistent"
+    GRAD = "grad"
+    PARAM = "param"

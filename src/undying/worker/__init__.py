@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from undying.worker.job import Job, init
+    from undying.worker.numerics import Numerics
     from undying.worker.state import State
     from undying.worker.step import Step
 
-__all__ = ["Job", "Step", "init", "State"]
+__all__ = ["Job", "Step", "init", "State", "Numerics"]
 
-_WHERE = {"Job": "job", "Step": "step", "init": "job", "State": "state"}
+_WHERE = {"Job": "job", "Step": "step", "init": "job", "State": "state", "Numerics": "numerics"}
 
 
 def __getattr__(name: str) -> Any:

@@ -121,8 +121,9 @@ class GenerationalDDP(DistributedDataParallel):
     def _has_comm_hook(self) -> bool:
         return any(name in ("register_comm_hook", "_register_builtin_comm_hook") for name, _, _ in self._registered)
 
-    def _in_backward(self, grad: torch.Tensor) -> None:
+    def _in_backward(self, grad: torch.Tensor) -> torch.Tensor | None:
         self._ctx.faults.check("backward", self._ctx.current_step)
+        return self._ctx.faults.corrupt(grad, self.module)  # nan/bitflip drills
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.current()(*args, **kwargs)

@@ -12,11 +12,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
 
 from undying.protocol.codec import Message
 from undying.protocol.worker_wire import ArmFault, FaultInjected
 
-__all__ = ["FaultSwitch", "crash_self", "stop_self", "spin_forever", "block_forever"]
+__all__ = ["FaultSwitch", "crash_self", "stop_self", "spin_forever", "block_forever", "flip_bit", "NUMERIC_KINDS"]
 
 
 def crash_self() -> None:
@@ -43,6 +46,16 @@ def block_forever() -> None:
     threading.Event().wait()
 
 
+NUMERIC_KINDS = ("nan", "bitflip")
+
+
+def flip_bit(t: Any) -> None:
+    """Flip the top exponent bit of the tensor's first element, in place: 0.01 becomes about 1e36."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    view = t.reshape(-1)[:1].view(as_int)
+    view.bitwise_xor_(1 << (8 * t.element_size() - 2))
+
+
 class FaultSwitch:
     """``actions`` says what each fault kind does: crash (SIGKILL), comm-error (break links)."""
 
@@ -52,13 +65,51 @@ class FaultSwitch:
         self._report = report
         self._actions = actions
         self._armed: tuple[ArmFault, ...] = ()
+        self._numeric: tuple[ArmFault, ...] = ()  # nan and bitflip: done to a tensor (see corrupt)
         self._lock = threading.Lock()
+        self.step = 0  # the step running now (its start is checked every step)
 
     def arm(self, fault: ArmFault) -> None:
         with self._lock:
-            self._armed = (*self._armed, fault)
+            if fault.kind.split(":")[0] in NUMERIC_KINDS:
+                self._numeric = (*self._numeric, fault)
+            else:
+                self._armed = (*self._armed, fault)
+
+    def corrupt(self, grad: Any, module: Any) -> Any:
+        """In backward, on this rank's own gradient before its all-reduce: a NaN or a flipped bit, if armed.
+
+        Returns the gradient to use instead (None: unchanged). ``nan:persistent``
+        strikes every run of its step (a replay too), the others the first run
+        of a step at or after theirs. ``bitflip:param`` flips a bit of the
+        module's first weight instead, through ``.data``: no error, the model
+        itself is wrong from now on.
+        """
+        if not self._numeric:
+            return None
+        step = self.step
+        with self._lock:
+            due = next((f for f in self._numeric
+                        if (step == f.at_step if f.kind.endswith(":persistent") else step >= f.at_step)), None)
+            if due is None:
+                return None
+            if not due.kind.endswith(":persistent"):
+                self._numeric = tuple(f for f in self._numeric if f is not due)
+        self._report(FaultInjected(self._rank, due.kind, step, due.phase, time.time()))
+        if due.kind.startswith("nan"):
+            out = grad.clone()
+            out.view(-1)[0] = float("nan")
+            return out
+        if due.kind == "bitflip:param":
+            flip_bit(next(module.parameters()).data)
+            return None
+        out = grad.clone()
+        flip_bit(out)
+        return out
 
     def check(self, phase: str, step: int) -> None:
+        if phase == "step":
+            self.step = step
         if not self._armed:
             return
         with self._lock:

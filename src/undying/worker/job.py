@@ -63,6 +63,7 @@ from undying.worker.group import (
     collectives_entered,
     is_comm_failure,
 )
+from undying.worker.numerics import NumericFault, Numerics, NumericsGuard
 from undying.worker.rejoin import Rejoin
 from undying.worker.seed import seed_everything, seed_from_env
 from undying.worker.sharding import full_digest
@@ -155,7 +156,8 @@ class Job:
         self._current: Step | None = None
         self._hooks = StepHooks(self._replicate_before_commit, self._commit,
                                 lambda exc: self.managed and is_comm_failure(exc), self.ctx.aborted,
-                                self.ctx.report_fatal, self._began)
+                                self.ctx.report_fatal, self._began, self._numeric_verdict)
+        self._numerics: NumericsGuard | None = None
         self._state: State | None = None
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
@@ -246,6 +248,7 @@ class Job:
         total: int | None = None,
         epochs: int | None = None,
         seed: int | None = None,
+        numerics: Numerics | bool | None = None,
     ) -> Iterator[Step]:
         """Yield the job's steps from where it is, each a transaction.
 
@@ -253,6 +256,8 @@ class Job:
         (the loop calls ``sampler.set_epoch``). ``seed`` (default: the job's,
         ``undying.init(seed=...)``) seeds the random state of every step
         (derived per rank and step, see ``undying.worker.rng``).
+        ``numerics`` (True or a ``Numerics``) checks each step before it commits
+        and replays a failed one in place (see ``undying.worker.numerics``).
         """
         seed = self.seed if seed is None else seed
         if not isinstance(state, State):
@@ -262,6 +267,9 @@ class Job:
                             origin=ctx.data_origin)
         ctx.cursor = cursor
         self._state = state
+        config = Numerics.of(numerics)
+        self._numerics = None if config is None else NumericsGuard(
+            config, state, self.rank, lambda: self.generation, self._send, cursor)
         self._attach(state)
         if self.managed and self.rank == 0:
             self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
@@ -287,6 +295,8 @@ class Job:
                     ctx.faults.check("step", index)
                 step = Step(self._hooks, index, cursor.epoch_of(index), batch, self.generation)
                 self._current = step
+                if self._numerics is not None:
+                    self._numerics.begin(step)
                 yield step
                 if step.outcome is Outcome.COMMITTED:
                     committed = index
@@ -296,6 +306,8 @@ class Job:
                     if self.managed and not self._checkpoints.maybe_save(state, index, self._shards,
                                                                             last=index == cursor.total_steps):
                         committed = self._rejoin.recover(state, committed, clean=True)
+                elif step.outcome is Outcome.REPLAY:
+                    pass  # the same step from the same state, batch and random state (worker.numerics)
                 elif step.outcome is Outcome.ABORTED:
                     committed = self._rejoin.recover(state, committed, clean=not step.optimizer_stepped)
                 else:
@@ -374,6 +386,8 @@ class Job:
         if self._shards.quiet:
             return  # torch creating optimizer state for a sharded save or load: no training step
         step = self._current
+        if step is not None and step.outcome is Outcome.PENDING and self._numerics is not None:
+            self._numerics.check(step)  # raises NumericFault before any state changes
         if step is not None and step.outcome is Outcome.PENDING:
             step.optimizer_stepped = True
         if self.managed:
@@ -394,6 +408,14 @@ class Job:
             step.optimizer_stepped = True  # the body ran to its end: the live state is past the committed step
             self.ctx.aborted(e)
             return False
+
+    def _numeric_verdict(self, step: Step, exc: BaseException) -> str | None:
+        """A failed numeric check's outcome ("replay", "skip"), or None: the step fails (no check, or "stop")."""
+        guard = self._numerics
+        if guard is None or not isinstance(exc, NumericFault):
+            return None
+        verdict = guard.resolve(step, exc)
+        return None if verdict == "stop" else verdict
 
     def _began(self, step: Step, fingerprint: str) -> None:
         self._send(StepBegun(self.rank, self.generation, step.index, fingerprint))

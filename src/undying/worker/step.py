@@ -28,6 +28,7 @@ class Outcome(enum.Enum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     FAILED = "failed"
+    REPLAY = "replay"  # a failed numeric check: the same step again (worker.numerics)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class StepHooks:
     aborted: Callable[[BaseException], None]
     failed: Callable[[int, BaseException], None]
     began: Callable[[Step, str], None]  # the step's batch fingerprint, reported
+    # A failed numeric check's verdict (worker.numerics): "replay", "skip", or None (the step fails).
+    numeric: Callable[[Step, BaseException], str | None]
 
 
 class Step:
@@ -127,6 +130,12 @@ class Step:
         if hooks.is_fault(exc):
             self.outcome = Outcome.ABORTED
             hooks.aborted(exc)
+            return True
+        verdict = hooks.numeric(self, exc)
+        if verdict is not None:  # replayed in place, or skipped: the step commits nothing, the data moves on
+            self.outcome = Outcome.REPLAY if verdict == "replay" else Outcome.COMMITTED
+            if verdict == "skip":
+                hooks.commit(self)
             return True
         self.outcome = Outcome.FAILED
         if isinstance(exc, Exception):

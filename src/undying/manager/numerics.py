@@ -1,0 +1,76 @@
+"""The manager's side of numeric faults: a worker's verdict becomes an incident; nan and bitflip drills are armed.
+
+Rank 0 reports each numeric fault once, after the replay decided it
+(``worker.numerics``): transient (replayed, committed as the fault-free run),
+persistent (the batch skipped, or the job stopped: it fails at once, as no
+replacement would pass that step) or non-deterministic. The
+incident names the rank whose gradients changed between the two runs, or, for
+a persistent fault, the rank whose own gradients were not finite.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from undying.errors import UsageError
+from undying.manager.core import JobCore
+from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
+from undying.protocol.kinds import NumericHow
+from undying.protocol.worker_wire import ArmFault, Progress
+
+__all__ = ["on_numeric_fault", "arm_numeric", "NUMERIC_PHASE"]
+
+NUMERIC_PHASE = "numeric_fault"
+# How each kind may strike, and the first the default.
+_HOWS = {"nan": ("once", "persistent"), "bitflip": ("grad", "param")}
+
+
+def on_numeric_fault(core: JobCore, message: Progress) -> None:
+    """Record a worker's numeric verdict as an incident (the job went on, or stops by its own report)."""
+    detail: dict[str, Any] = dict(message.detail)
+    suspects = [int(r) for r in detail.get("suspects", []) if isinstance(r, int)]
+    action = str(detail.get("action", ""))
+    failed_t = detail.pop("fault_t", None)
+    fault_t = float(failed_t) if isinstance(failed_t, int | float) and failed_t <= message.t else message.t
+    incident = Incident(
+        id=len(core.incidents) + 1, kind=IncidentKind.NUMERIC, rank=suspects[0] if suspects else -1,
+        step=message.step, fault_t=fault_t, recovery=0,
+        action=action, status=IncidentStatus.FAILED if action == "stop" else IncidentStatus.RECOVERED,
+        error=str(detail.get("summary", "")), detail=cast(IncidentDetail, {**detail, "ranks": suspects}),
+    )
+    incident.phases["detected"] = fault_t  # the check failed
+    if action != "stop":  # replayed (and committed) or skipped: the job steps on, mttr_s is the replay's time
+        incident.phases["first_step_done"] = message.t
+    core.incidents.append(incident)
+    core.events.incident(incident)
+    if action == "stop":  # the policy's word: no replacement would pass this step either
+        core.fail(f"numeric fault, stopped by policy: {incident.error}")
+
+
+def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: str | None,
+                phase: str | None = None, factor: float | None = None) -> dict[str, Any]:
+    """Arm a NaN or a bit flip in a rank's step (``undying inject nan|bitflip``).
+
+    A NaN and a gradient flip strike in backward, before the all-reduce; a
+    weight flip at the step's backward too, in the model itself (``phase``
+    may be given only as that).
+    """
+    allowed = _HOWS[kind]
+    how = how or allowed[0]
+    if how not in allowed or how not in NumericHow:
+        raise UsageError(f"how={how!r} does not apply to {kind}; choose one of {', '.join(allowed)}")
+    if factor is not None:
+        raise UsageError("factor applies to slow only (undying inject slow --factor F)")
+    if phase not in (None, "backward"):
+        raise UsageError(f"{kind} strikes in backward; phase={phase!r} does not apply (leave it out)")
+    if rank not in core.ranks:
+        raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
+    if core.winding_down:
+        raise UsageError(f"job {core.config.job_id} is {core.state.value}; nothing to inject into")
+    info = core.ranks[rank]
+    fault = ArmFault(kind=f"{kind}:{how}", at_step=at_step if at_step is not None else info.step + 1,
+                     phase="backward")
+    core.agents[info.node].arm(rank, fault)
+    core.events.event("fault_armed", rank=rank, kind=fault.kind, at_step=fault.at_step, phase=fault.phase)
+    return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": fault.phase,
+            "how": how}
