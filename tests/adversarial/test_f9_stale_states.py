@@ -10,6 +10,7 @@ from step 1; incidents of a failed job stayed open. (The launcher-SIGKILL
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,14 @@ RANKS = 2
 
 
 def _undying_lines(log: Path) -> list[str]:
-    return [line for line in log.read_text().splitlines() if line.strip()]
+    """The log's lines after the start banner (the job's id, folder, page and status command), which any run
+    prints first and which says nothing of the error."""
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    if lines and re.match(r"undying: job \S+ started, ", lines[0]):
+        lines = lines[1:]
+        while lines and lines[0].startswith("  "):
+            lines = lines[1:]
+    return lines
 
 
 @pytest.mark.parametrize(("source", "expected"), [

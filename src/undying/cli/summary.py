@@ -164,6 +164,8 @@ def end_summary(job_dir: str | Path) -> list[str]:
     goodput = account_.goodput.to_dict()
     progress = account_.progress
     state = job.get("state", "?")
+    if state == "failed" and progress.step == 0 and not any(i.get("mttr_s") is not None for i in incidents):
+        return []  # nothing trained and nothing recovered: the failure's own line says it all
     total = f" of {progress.total_steps}" if progress.total_steps is not None else ""
     lines = [f"undying: job {job.get('job_id')} {state}: step {progress.step}{total}, "
              f"wall time {duration(goodput['wall_s'])}"]
@@ -199,8 +201,9 @@ def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:
         lines = [f"undying: no summary: the job's log in {job_dir} cannot be read ({e})"]
     except Exception as e:  # noqa: BLE001 - a summary never turns a job's result into a traceback
         lines = [f"undying: no summary ({type(e).__name__}: {e})"]
-    stream.write("\n".join(lines) + "\n")
-    stream.flush()
+    if lines:
+        stream.write("\n".join(lines) + "\n")
+        stream.flush()
 
 
 def _steps_words(steps: list[int], most: int = 8) -> str:
