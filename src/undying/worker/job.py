@@ -71,6 +71,7 @@ from undying.worker.state import State
 from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.threads import StoppedAtExit
 from undying.worker.tracing import WorkerTracing
+from undying.worker.virtual import invariant_mode
 
 __all__ = ["init", "Job", "Step"]
 
@@ -246,20 +247,26 @@ class Job:
         total: int | None = None,
         epochs: int | None = None,
         seed: int | None = None,
+        virtual_ranks: int | None = None,
     ) -> Iterator[Step]:
         """Yield the job's steps from where it is, each a transaction.
 
         ``total`` counts steps; ``epochs`` counts passes over ``state.loader``
         (the loop calls ``sampler.set_epoch``). ``seed`` (default: the job's,
         ``undying.init(seed=...)``) seeds the random state of every step
-        (derived per rank and step, see ``undying.worker.rng``).
+        (derived per rank and step, see ``undying.worker.rng``). ``virtual_ranks``
+        (default: ``undying run --virtual-ranks``) opts in to invariant mode
+        (``undying.worker.virtual``): the same losses on any number of ranks.
         """
         seed = self.seed if seed is None else seed
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
         ctx = self.ctx
-        cursor = DataCursor(state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs,
-                            origin=ctx.data_origin)
+        virtual = invariant_mode(ctx, state, virtual_ranks, seed=seed, total=total, epochs=epochs)
+        for wrapper in self._wrappers:
+            wrapper.invariant = virtual is not None
+        cursor = virtual.cursor if virtual is not None else DataCursor(
+            state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs, origin=ctx.data_origin)
         ctx.cursor = cursor
         self._state = state
         self._attach(state)
@@ -280,12 +287,13 @@ class Job:
                 if not self._preemption.may_start(index, committed):
                     dying_gasp(ctx, state, committed, self._checkpoints, self._shards)
                 self.tracing.step_started(index, self.generation)
-                batch = self.tracing.batch(cursor.batch_for, index) if self.tracing.active \
-                    else cursor.batch_for(index)
+                batch = None if virtual is not None else self.tracing.batch(cursor.batch_for, index) \
+                    if self.tracing.active else cursor.batch_for(index)
                 rng.reseed(seed, self.rank, "body", index)
                 if self.managed:
                     ctx.faults.check("step", index)
-                step = Step(self._hooks, index, cursor.epoch_of(index), batch, self.generation)
+                step = Step(self._hooks, index, cursor.epoch_of(index), batch, self.generation,
+                            virtual.micro_steps if virtual is not None else None)
                 self._current = step
                 yield step
                 if step.outcome is Outcome.COMMITTED:
