@@ -22,7 +22,7 @@ import pytest
 from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import crash
 from undying.cli.demo import FaultPlan, run_job
-from undying.demo.cluster import Cluster
+from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import RunRecord, compare_runs, load_run
 from undying.manager.events import read_job
 
@@ -71,17 +71,39 @@ def test_a_killed_rank_replaced_in_invariant_mode_changes_nothing(reference: Run
     assert incidents and incidents[0]["rank"] == 1 and incidents[0]["status"] == "recovered", run.incidents
 
 
-# The job that shrinks: 32 steps of ~0.1 s on 2 nodes of 2 ranks; node 1's host dies at step 10.
-SHRINK_ARGS = ["--epochs", "1", "--samples", "1024"]
+# The jobs that shrink and grow: 64 steps of ~0.1 s on up to 2 nodes of 2 ranks.
+SHRINK_ARGS = ["--epochs", "1", "--samples", "2048"]
 RUN_ARGS = ["--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60", *VIRTUAL]
 
 
+@pytest.fixture(scope="module")
+def unchanged(tmp_path_factory: pytest.TempPathFactory) -> RunRecord:
+    """The elastic tests' reference: their job on 2 ranks of one host, fault-free, never regrouped."""
+    return _one_digest(_run(tmp_path_factory.mktemp("invariant") / "unchanged", 2, script_args=SHRINK_ARGS))
+
+
+def _assert_regroups(cluster: Cluster, unchanged: RunRecord, sizes: list[tuple[int, int]]) -> None:
+    """The job regrouped through ``sizes`` (from, to world size), each recovered, and every loss is the unchanged run's."""
+    job = read_job(cluster.job_dir / "events.db")
+    regroups = [i for i in job["incidents"] if i["action"] == "regroup"]
+    assert all(i["status"] == "recovered" for i in regroups), job["incidents"]
+    seen: list[tuple[int, int]] = []
+    for incident in regroups:  # one incident per lost rank, each naming the one regroup
+        size = (incident["detail"]["regroup"]["from_world_size"], incident["detail"]["regroup"]["world_size"])
+        if not seen or seen[-1] != size:
+            seen.append(size)
+    assert seen == sizes, job["incidents"]
+    run = load_run(cluster.job_dir / "events.db")
+    comparison = compare_runs(unchanged, _one_digest(run))
+    assert comparison.identical, (comparison.reasons, cluster.logs())
+    assert comparison.steps == 64 and not run.rerun_steps
+
+
 def test_a_shrink_in_invariant_mode_gives_the_losses_of_the_job_that_never_shrank(
-        make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:  # noqa: F811
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
     """--nnodes 1:2, 4 virtual ranks on 2 nodes of 2 ranks: node 1's host is lost and nobody replaces it; the
     job goes on with 2 ranks (2 virtual ranks each). Every loss equals the fault-free run's on 2 ranks on one
-    host, which never changed, bit for bit (the default mode would equal only a job saved and resumed on 2)."""
-    reference = _run(tmp_path / "unchanged", 2, script_args=SHRINK_ARGS)
+    host, which never changed, bit for bit (the default mode equals only a job saved and resumed on 2)."""
     hosts = make_hosts(3)
     cluster = Cluster(hosts, tmp_path, "shrink", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
                       run_args=[*RUN_ARGS, "--node-wait", "3"], script=SCRIPT)
@@ -92,13 +114,43 @@ def test_a_shrink_in_invariant_mode_gives_the_losses_of_the_job_that_never_shran
         assert cluster.wait(150) == 0, cluster.logs()
     finally:
         cluster.close()
-    job = read_job(cluster.job_dir / "events.db")
-    regroups = [i for i in job["incidents"] if i["action"] == "regroup"]
-    assert regroups and all(i["status"] == "recovered" for i in regroups), job["incidents"]
-    detail = regroups[0]["detail"]["regroup"]
-    assert (detail["from_world_size"], detail["world_size"]) == (4, 2), detail
-    assert job["job"]["world_size"] == 2
-    run = load_run(cluster.job_dir / "events.db")
-    comparison = compare_runs(_one_digest(reference), _one_digest(run))
-    assert comparison.identical, (comparison.reasons, cluster.logs())
-    assert not run.rerun_steps
+    _assert_regroups(cluster, unchanged, [(4, 2)])
+
+
+def test_a_grow_in_invariant_mode_gives_the_losses_of_the_job_that_never_grew(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
+    """--nnodes 1:2: node 0 starts alone (2 ranks, 2 virtual ranks each); node 1 joins and the job regroups on
+    4 ranks (1 virtual rank each). Every loss equals the unchanged 2-rank run's, bit for bit."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "grow", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
+                      run_args=[*RUN_ARGS, "--node-wait", "2"], script=SCRIPT)
+    try:
+        cluster.start_manager()
+        cluster.start_agent(0, 1)
+        status = cluster.wait_for_step(8)
+        assert status["world_size"] == 2, status
+        cluster.start_agent(1, 2)
+        assert cluster.wait(150) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    _assert_regroups(cluster, unchanged, [(2, 4)])
+
+
+def test_a_shrink_then_a_grow_in_invariant_mode_change_no_loss(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
+    """4 ranks on 2 nodes; node 1's host is lost (4 -> 2 ranks), then a new host joins as node 1 (2 -> 4):
+    every loss equals the unchanged 2-rank run's, bit for bit."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "shrinkgrow", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
+                      run_args=[*RUN_ARGS, "--node-wait", "3"], script=SCRIPT)
+    try:
+        cluster.start()
+        cluster.wait_for_step(8)
+        hosts.kill_host(2)
+        wait_for(lambda: (s := cluster.status())["world_size"] == 2 and s["state"] == "running" and s, 60,
+                 "the job to run on 2 ranks")
+        cluster.start_agent(1, hosts.add_host())
+        assert cluster.wait(150) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    _assert_regroups(cluster, unchanged, [(4, 2), (2, 4)])
