@@ -196,7 +196,8 @@ def _step_timeout(raw: str) -> float:
 
 def _virtual_ranks(raw: str) -> int:
     if not raw.strip().isdigit() or int(raw) < 1:
-        raise argparse.ArgumentTypeError(f"--virtual-ranks {raw!r}: give a whole number >= 1 (the job's data-parallel width)")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of virtual ranks: give a whole number >= 1 "
+                                         "(the job's data-parallel width)")
     return int(raw)
 
 

@@ -15,13 +15,16 @@ run on however many physical ranks it has at each moment. Each virtual rank
 A physical rank runs its virtual ranks (a contiguous block, ``layout``) one
 after the other inside the step (``for v in step.virtual_ranks():``), and
 keeps each one's gradient apart. The reduction is then undying's own, not
-DDP's reducer: every rank all-gathers the per-virtual-rank gradient buffers
-(flattened, padded to the largest block) and folds them left to right over
-``v = 0 .. V-1``, then divides by ``V``. The float additions happen in the
-same order on every rank and for every physical layout, so the gradient, the
-optimizer step and the next loss are bit-identical on 1, 2, 3 or 4 physical
-ranks, and across a shrink or a grow. The price is an all-gather of ``V``
-gradients instead of an all-reduce of one (see docs/elastic.md).
+DDP's reducer: the per-virtual-rank gradient buffers (flattened) go, slice by
+slice, to the rank that owns that slice of the parameters (an all-to-all);
+each rank folds its slice left to right over ``v = 0 .. V-1`` and divides by
+``V``, and an all-gather hands every rank the whole result. Element by
+element the additions happen in the same order on every rank and for every
+physical layout, so the gradient, the optimizer step and the next loss are
+bit-identical on 1, 2, 3 or 4 physical ranks, and across a shrink or a grow.
+The price: about ``V/N + 1`` gradients' worth of traffic per rank instead of
+a ring all-reduce's 2, no overlap with backward, and the micro-steps' smaller
+batches (see docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from undying.worker.state import State
     from undying.worker.step import Step
 
-__all__ = ["VIRTUAL_RANKS_ENV", "virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold"]
+__all__ = ["VIRTUAL_RANKS_ENV", "virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold", "fold_across"]
 
 VIRTUAL_RANKS_ENV = f"{ENV_PREFIX}VIRTUAL_RANKS"
 
@@ -89,6 +92,35 @@ def fold(buffers: list[torch.Tensor]) -> torch.Tensor:
     for buffer in buffers[1:]:
         total.add_(buffer)
     return total.div_(len(buffers))
+
+
+def fold_across(buffers: list[torch.Tensor], virtual: int, world_size: int) -> torch.Tensor:
+    """The mean of all ``virtual`` ranks' buffers, folded in virtual-rank order; ``buffers`` are this rank's block.
+
+    An all-to-all sends each rank its slice of every virtual rank's buffer; it
+    folds them in virtual-rank order (element by element the same sums as
+    folding the whole buffers on one rank), and an all-gather hands the folded
+    slices to everyone. Each rank moves about ``V/N + 1`` buffers of data
+    instead of the ``V`` an all-gather of whole buffers would.
+    """
+    if world_size == 1:
+        return fold(buffers)
+    blocks = layout(virtual, world_size)
+    widest = max(len(b) for b in blocks)
+    length = buffers[0].numel()
+    dtype = buffers[0].dtype
+    chunk = -(-length // world_size)
+    local = torch.zeros(widest, world_size * chunk, dtype=dtype)
+    for i, buffer in enumerate(buffers):
+        local[i, :length].copy_(buffer)
+    # [rank it goes to, virtual rank of mine, slice]: rank j gets its slice of each of my buffers.
+    sent = local.view(widest, world_size, chunk).transpose(0, 1).contiguous()
+    received = torch.empty_like(sent)  # [rank it came from, its virtual rank, my slice]
+    dist.all_to_all_single(received, sent)
+    folded = fold([received[r, i] for r, block in enumerate(blocks) for i in range(len(block))])
+    slices = [torch.empty(chunk, dtype=dtype) for _ in range(world_size)]
+    dist.all_gather(slices, folded)
+    return torch.cat(slices)[:length]
 
 
 class VirtualRank:
@@ -176,7 +208,7 @@ class VirtualRanks:
                 raise UsageError(f"step {step.index}: virtual rank {v} logged {sorted(micro.metrics)}, virtual "
                                  f"rank {mine[0]} logged {names}: every virtual rank logs the same names")
             buffers.append(self._take_grads(micro, names))
-        mean = self._reduce(buffers, len(mine))
+        mean = fold_across(buffers, self.count, ctx.world_size if dist.is_initialized() else 1)
         self._put_grads(mean)
         assert names is not None
         offset = mean.numel() - len(names)
@@ -193,21 +225,6 @@ class VirtualRanks:
         parts.append(torch.tensor([micro.metrics[n] for n in names], dtype=self._dtype))
         self._clear_grads()
         return torch.cat(parts)
-
-    def _reduce(self, buffers: list[torch.Tensor], mine: int) -> torch.Tensor:
-        """All-gather every rank's block of buffers, then fold over virtual ranks 0..V-1 on every rank."""
-        if not dist.is_initialized() or self._ctx.world_size == 1:
-            return fold(buffers)
-        blocks = layout(self.count, self._ctx.world_size)
-        widest = max(len(b) for b in blocks)
-        length = buffers[0].numel()
-        local = torch.zeros(widest, length, dtype=self._dtype)
-        for i, buffer in enumerate(buffers):
-            local[i].copy_(buffer)
-        gathered = [torch.empty_like(local) for _ in blocks]
-        dist.all_gather(gathered, local)
-        ordered = [gathered[r][i] for r, block in enumerate(blocks) for i in range(len(block))]
-        return fold(ordered)
 
     def _put_grads(self, mean: torch.Tensor) -> None:
         offset = 0
