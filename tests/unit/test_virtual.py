@@ -4,6 +4,7 @@ tests/integration/test_invariant.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from undying.cli.main import main
+from undying.demo.shrink import check_incidents, refuse
 from undying.errors import UsageError
 from undying.worker import rng
 from undying.worker.job import Job
@@ -132,3 +134,21 @@ def test_undying_run_checks_virtual_ranks(capsys: pytest.CaptureFixture[str], tm
     assert "argument --virtual-ranks: '0' is not a number of virtual ranks" in capsys.readouterr().err
     assert main(["run", "-n", "4", "--virtual-ranks", "2", *argv[1:]]) == 2
     assert "--virtual-ranks 2 with up to 4 ranks: each rank runs at least one virtual rank" in capsys.readouterr().err
+
+
+def test_the_shrink_demo_checks_its_incidents() -> None:
+    """``undying demo --fault shrink`` passes only when node 1's ranks were lost and regrouped and node 1 joined."""
+    lost = [{"kind": "node-loss", "rank": r, "status": "recovered"} for r in (2, 3)]
+    joined = {"kind": "node-joined", "rank": -1, "status": "recovered"}
+    assert check_incidents([*lost, joined]) == []
+    assert check_incidents(lost) == ["no node-joined incident: the job did not grow back"]
+    assert check_incidents([lost[0], joined]) == ["node-loss incidents name ranks [2], not node 1's ranks [2, 3]"]
+    assert check_incidents([*lost, {**joined, "status": "failed"}]) == ["incident node-joined of rank -1 is failed"]
+
+
+def test_the_shrink_demo_refuses_in_one_line_with_the_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    assert refuse("not root", as_json=True) == 2
+    out, err = capsys.readouterr()
+    assert err == "undying: error: demo --fault shrink cannot run here: not root\n"
+    result = json.loads(out)
+    assert result["fault"] == "shrink" and result["ok"] is False and result["identical"] is False
