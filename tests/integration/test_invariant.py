@@ -154,3 +154,25 @@ def test_a_shrink_then_a_grow_in_invariant_mode_change_no_loss(
     finally:
         cluster.close()
     _assert_regroups(cluster, unchanged, [(4, 2), (2, 4)])
+
+
+def test_a_rank_killed_after_a_shrink_in_invariant_mode_changes_no_loss(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
+    """The shrink above, then rank 1 (now virtual ranks 2 and 3) SIGKILLed in a backward pass on 2 ranks and
+    replaced: every loss is still the unchanged 2-rank run's."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "shrinkcrash", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
+                      run_args=[*RUN_ARGS, "--node-wait", "3"], script=SCRIPT)
+    try:
+        cluster.start()
+        cluster.wait_for_step(8)
+        hosts.kill_host(2)
+        status = wait_for(lambda: (s := cluster.status())["world_size"] == 2 and s["state"] == "running" and s, 60,
+                          "the job to run on 2 ranks")
+        cluster.inject({"kind": "crash", "rank": 1, "phase": "backward", "at_step": status["step"] + 3})
+        assert cluster.wait(150) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    _assert_regroups(cluster, unchanged, [(4, 2)])
+    crashes = [i for i in read_job(cluster.job_dir / "events.db")["incidents"] if i["kind"] == "crash"]
+    assert [(i["rank"], i["status"]) for i in crashes] == [(1, "recovered")], crashes
