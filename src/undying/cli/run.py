@@ -22,7 +22,7 @@ from undying.config import (
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
 from undying.manager.jobdir import default_job_dir
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import VIRTUAL_RANKS_ENV
 
 __all__ = ["add_parser"]
 
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         if args.nproc_per_node * args.nnodes[1] > args.virtual_ranks:
             raise UsageError(f"--virtual-ranks {args.virtual_ranks} with up to {args.nproc_per_node * args.nnodes[1]} "
                              "ranks: each rank runs at least one virtual rank; raise --virtual-ranks or run fewer ranks")
-        os.environ[f"{ENV_PREFIX}VIRTUAL_RANKS"] = str(args.virtual_ranks)
+        os.environ[VIRTUAL_RANKS_ENV] = str(args.virtual_ranks)
     if args.manager is not None:
         return _run_node(args, config, script_args)
     if args.checkpoint_dir:

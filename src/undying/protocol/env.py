@@ -8,6 +8,8 @@ or drop them as a whole.
 
 from __future__ import annotations
 
-__all__ = ["ENV_PREFIX"]
+__all__ = ["ENV_PREFIX", "VIRTUAL_RANKS_ENV"]
 
 ENV_PREFIX = "UNDYING_"
+# undying run --virtual-ranks V, for the workers (undying.worker.virtual): invariant mode.
+VIRTUAL_RANKS_ENV = f"{ENV_PREFIX}VIRTUAL_RANKS"

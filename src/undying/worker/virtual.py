@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from undying.errors import UsageError
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import VIRTUAL_RANKS_ENV
 from undying.worker import rng
 from undying.worker.data import DataCursor
 
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
     from undying.worker.step import Step
 
 __all__ = ["VIRTUAL_RANKS_ENV", "virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold", "fold_across"]
-
-VIRTUAL_RANKS_ENV = f"{ENV_PREFIX}VIRTUAL_RANKS"
 
 
 def virtual_ranks_from_env(env: Mapping[str, str] | None = None) -> int | None:
