@@ -206,7 +206,10 @@ class VirtualRanks:
                 raise UsageError(f"step {step.index}: virtual rank {v} logged {sorted(micro.metrics)}, virtual "
                                  f"rank {mine[0]} logged {names}: every virtual rank logs the same names")
             buffers.append(self._take_grads(micro, names))
-        mean = fold_across(buffers, self.count, ctx.world_size if dist.is_initialized() else 1)
+        world = ctx.world_size if dist.is_initialized() else 1
+        # A comm marker, as DDP's all-reduce gets one (`undying trace on --comm`): slow-rank diagnosis sees it.
+        with ctx.tracing.tracer.span("comm", name="ordered_fold", bytes=buffers[0].numel() * buffers[0].element_size()):
+            mean = fold_across(buffers, self.count, world)
         self._put_grads(mean)
         assert names is not None
         offset = mean.numel() - len(names)
