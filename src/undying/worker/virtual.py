@@ -106,9 +106,9 @@ def fold_across(buffers: list[torch.Tensor], virtual: int, world_size: int) -> t
     blocks = layout(virtual, world_size)
     widest = max(len(b) for b in blocks)
     length = buffers[0].numel()
-    dtype = buffers[0].dtype
+    dtype, device = buffers[0].dtype, buffers[0].device  # on the gradients' device (NCCL needs CUDA tensors)
     chunk = -(-length // world_size)
-    local = torch.zeros(widest, world_size * chunk, dtype=dtype)
+    local = torch.zeros(widest, world_size * chunk, dtype=dtype, device=device)
     for i, buffer in enumerate(buffers):
         local[i, :length].copy_(buffer)
     # [rank it goes to, virtual rank of mine, slice]: rank j gets its slice of each of my buffers.
@@ -116,7 +116,7 @@ def fold_across(buffers: list[torch.Tensor], virtual: int, world_size: int) -> t
     received = torch.empty_like(sent)  # [rank it came from, its virtual rank, my slice]
     dist.all_to_all_single(received, sent)
     folded = fold([received[r, i] for r, block in enumerate(blocks) for i in range(len(block))])
-    slices = [torch.empty(chunk, dtype=dtype) for _ in range(world_size)]
+    slices = [torch.empty(chunk, dtype=dtype, device=device) for _ in range(world_size)]
     dist.all_gather(slices, folded)
     return torch.cat(slices)[:length]
 
@@ -223,7 +223,8 @@ class VirtualRanks:
         """One virtual rank's gradients (and logged values) as one flat buffer; the live gradients cleared."""
         parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self._dtype)
                  for p in self.params]
-        parts.append(torch.tensor([micro.metrics[n] for n in names], dtype=self._dtype))
+        device = self.params[0].device if self.params else None
+        parts.append(torch.tensor([micro.metrics[n] for n in names], dtype=self._dtype, device=device))
         self._clear_grads()
         return torch.cat(parts)
 
