@@ -30,7 +30,7 @@ from rich.table import Table
 
 from undying.cli.client import api_get, api_post
 from undying.config import EXIT_PREEMPTED
-from undying.demo import TRAIN_SCRIPT, node_loss
+from undying.demo import TRAIN_SCRIPT, node_loss, shrink
 from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
 from undying.errors import UsageError
 from undying.manager.auth import find_token
@@ -87,6 +87,10 @@ FAULTS: dict[str, FaultPlan] = {
                            description=f"{node_loss.NNODES} nodes x {node_loss.NPROC_PER_NODE} ranks on network-"
                            f"namespace hosts; node {node_loss.LOST_NODE}'s host lost mid-run (every process on it "
                            "SIGKILLed), a new host joins in its place"),
+    "shrink": FaultPlan("node-loss", rank=2, at_step=shrink.LOSE_AT_STEP, phase="step",
+                        description="invariant mode (--virtual-ranks 4), 2 nodes x 2 ranks on network-namespace "
+                        "hosts; node 1's host lost, the job shrinks to 2 ranks, then a new host joins and it grows "
+                        "back to 4"),
 }
 
 # The seeded job: 4 ranks, 128 steps an epoch.
@@ -243,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
     fault = FAULTS[args.fault]
     if fault.kind == "node-loss" and (why := node_loss.unavailable_reason()) is not None:
-        return node_loss.refuse(why, as_json=args.json)
+        return (shrink.refuse if args.fault == "shrink" else node_loss.refuse)(why, as_json=args.json)
     console = Console(stderr=True)
     root = Path(tempfile.mkdtemp(prefix="undying-demo-"))
     script_args = [*JOB_ARGS, "--epochs", str(args.epochs), *fault.script_args]
@@ -251,11 +255,16 @@ def run(args: argparse.Namespace) -> int:
     if fault.kind == "node-loss":  # a smaller job with slower steps: time to lose a host mid-run
         script_args = node_loss.script_args(args.epochs)
         base_args, base_run_args = node_loss.baseline_args(args.epochs), list(node_loss.BASELINE_RUN_ARGS)
+    base_script = TRAIN_SCRIPT
+    if args.fault == "shrink":  # the invariant job, its fault-free run on 4 ranks of one host
+        script_args, base_args, base_script = shrink.script_args(args.epochs), shrink.baseline_args(args.epochs), \
+            shrink.INVARIANT_SCRIPT
+        base_run_args = [*node_loss.BASELINE_RUN_ARGS, *shrink.VIRTUAL_RUN_ARGS]
     started = time.monotonic()
     try:
         console.print(f"[bold]undying demo[/bold]: seeded {RANKS}-rank CPU job, fault: {fault.description}")
         console.print("  run 1/2: without the fault ...")
-        rc_base = run_job(root / "fault-free", base_args, extra_run_args=base_run_args)
+        rc_base = run_job(root / "fault-free", base_args, extra_run_args=base_run_args, script=base_script)
         console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
         baseline = load_run(root / "fault-free" / "events.db")
         exit_codes = {"fault_free": rc_base}
@@ -269,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
             faulty_incidents = [*[i for i in faulty.incidents if i["kind"] != "preempt"], preempt_incident]
             exit_codes["preempted"] = rc_term
             rc_ok = rc_term == EXIT_PREEMPTED
+        elif args.fault == "shrink":
+            shrunk = shrink.run_with_shrink(root, script_args, console)
+            rc_fault, faulty = shrunk.returncode, shrunk.record  # type: ignore[assignment]
+            faulty_incidents = faulty.incidents
+            fault_reasons = [*shrunk.reasons, *shrink.check_incidents(faulty_incidents)]
+            rc_ok = True
         elif fault.kind == "node-loss":
             lost = node_loss.run_with_node_loss(root, script_args, console)
             # rc_fault None: the job never ended (lost.reasons says why); exit_codes shows it as null
@@ -295,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
             reasons.append(f"no {fault.incident_kind} incident{who} was recorded: the fault was not found")
         ok = not reasons and rc_base == 0 and rc_fault == 0 and rc_ok
         result: dict[str, Any] = {
-            "fault": fault.kind,
+            "fault": args.fault,
             "identical": comparison.identical,
             "steps": comparison.steps,
             "lost_steps": comparison.lost_steps,

@@ -32,6 +32,7 @@ from undying.config import (
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
 from undying.manager.jobdir import default_job_dir
+from undying.protocol.env import VIRTUAL_RANKS_ENV
 
 __all__ = ["add_parser"]
 
@@ -207,6 +208,10 @@ no checkpoint at all.""",
                    "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
                    f"stands and the stuck exit is noted (default {_DEFAULTS.exit:g})")
     add_connection_arguments(p)
+    p.add_argument("--virtual-ranks", type=_virtual_ranks, default=None, metavar="V",
+                   help="invariant mode: the job is defined by V data-parallel virtual ranks, each rank runs some of "
+                        "them, and the losses are bit-identical on any number of ranks <= V, across shrink and grow "
+                        "(the script loops over step.virtual_ranks(); see docs/elastic.md). Give it on every node")
     add_torchrun_arguments(p)
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
@@ -223,6 +228,13 @@ def _step_timeout(raw: str) -> float:
     if not 0 < value < float("inf"):  # nan fails this too
         raise UsageError(f"--step-timeout must be > 0 seconds (or 'auto') and finite, got {raw!r}")
     return value
+
+
+def _virtual_ranks(raw: str) -> int:
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of virtual ranks: give a whole number >= 1 "
+                                         "(the job's data-parallel width)")
+    return int(raw)
 
 
 def _nnodes(raw: str) -> tuple[int, int]:
@@ -329,6 +341,11 @@ def run(args: argparse.Namespace) -> int:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     config = config_from_args(args)
+    if args.virtual_ranks is not None:  # the workers inherit it (worker.virtual reads it)
+        if args.nproc_per_node * args.nnodes[1] > args.virtual_ranks:
+            raise UsageError(f"--virtual-ranks {args.virtual_ranks} with up to {args.nproc_per_node * args.nnodes[1]} "
+                             "ranks: each rank runs at least one virtual rank; raise --virtual-ranks or run fewer ranks")
+        os.environ[VIRTUAL_RANKS_ENV] = str(args.virtual_ranks)
     if args.manager is not None:
         return _run_node(args, config, script_args)
     if args.checkpoint_dir:

@@ -52,6 +52,8 @@ _OWN = frozenset({"no_sync", "forward", "train"})
 class GenerationalDDP(DistributedDataParallel):
     """A DDP to the script, rebuilt around the same module on every new process-group generation."""
 
+    invariant = False  # set by job.steps in invariant mode: forward is the module's, gradients reduced by undying
+
     def __init__(self, ctx: JobContext, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
         torch.nn.Module.__init__(self)  # not DDP's: that one binds a group, which the live DDP does
         self.module = module
@@ -86,8 +88,8 @@ class GenerationalDDP(DistributedDataParallel):
 
     def current(self) -> torch.nn.Module:
         """The live DDP of this generation (built now if needed: a collective), or the module alone on one rank."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self.module
+        if self.invariant or not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.module  # invariant mode reduces itself (worker.virtual): no DDP, no reducer
         ctx = self._ctx
         hooked = ctx.tracing.comm_hook_at(ctx.current_step) and not self._has_comm_hook()
         ddp: DistributedDataParallel | None = self.__dict__["_ddp"]

@@ -72,6 +72,7 @@ from undying.worker.state import State
 from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.threads import StoppedAtExit
 from undying.worker.tracing import WorkerTracing
+from undying.worker.virtual import invariant_mode
 
 __all__ = ["init", "Job", "Step"]
 
@@ -249,6 +250,7 @@ class Job:
         epochs: int | None = None,
         seed: int | None = None,
         numerics: Numerics | bool | None = None,
+        virtual_ranks: int | None = None,
     ) -> Iterator[Step]:
         """Yield the job's steps from where it is, each a transaction.
 
@@ -258,13 +260,18 @@ class Job:
         (derived per rank and step, see ``undying.worker.rng``).
         ``numerics`` (True or a ``Numerics``) checks each step before it commits
         and replays a failed one in place (see ``undying.worker.numerics``).
+        ``virtual_ranks`` (default: ``undying run --virtual-ranks``) opts in to invariant mode
+        (``undying.worker.virtual``): the same losses on any number of ranks.
         """
         seed = self.seed if seed is None else seed
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
         ctx = self.ctx
-        cursor = DataCursor(state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs,
-                            origin=ctx.data_origin)
+        virtual = invariant_mode(ctx, state, virtual_ranks, seed=seed, total=total, epochs=epochs)
+        for wrapper in self._wrappers:
+            wrapper.invariant = virtual is not None
+        cursor = virtual.cursor if virtual is not None else DataCursor(
+            state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs, origin=ctx.data_origin)
         ctx.cursor = cursor
         self._state = state
         config = Numerics.of(numerics)
@@ -288,12 +295,13 @@ class Job:
                 if not self._preemption.may_start(index, committed):
                     dying_gasp(ctx, state, committed, self._checkpoints, self._shards)
                 self.tracing.step_started(index, self.generation)
-                batch = self.tracing.batch(cursor.batch_for, index) if self.tracing.active \
-                    else cursor.batch_for(index)
+                batch = None if virtual is not None else self.tracing.batch(cursor.batch_for, index) \
+                    if self.tracing.active else cursor.batch_for(index)
                 rng.reseed(seed, self.rank, "body", index)
                 if self.managed:
                     ctx.faults.check("step", index)
-                step = Step(self._hooks, index, cursor.epoch_of(index), batch, self.generation)
+                step = Step(self._hooks, index, cursor.epoch_of(index), batch, self.generation,
+                            virtual.micro_steps if virtual is not None else None)
                 self._current = step
                 if self._numerics is not None:
                     self._numerics.begin(step)

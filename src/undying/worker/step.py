@@ -10,7 +10,7 @@ attempt, so the step says whether this one counted (``step.committed``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -54,7 +54,8 @@ class Step:
     this attempt counted: an attempt a peer's fault aborted is run again.
     """
 
-    def __init__(self, hooks: StepHooks, index: int, epoch: int, batch: Any, generation: int) -> None:
+    def __init__(self, hooks: StepHooks, index: int, epoch: int, batch: Any, generation: int,
+                 virtual: Callable[[Step], Iterator[Any]] | None = None) -> None:
         self.index = index
         self.epoch = epoch
         self.batch = batch
@@ -65,6 +66,7 @@ class Step:
         self.fingerprint = ""
         self._hooks = hooks
         self._inside = False
+        self._virtual = virtual  # invariant mode's micro-steps (worker.virtual), None otherwise
         if batch is not None:
             self._report(batch_fingerprint(batch))
 
@@ -89,6 +91,13 @@ class Step:
             self.fingerprint = batch_fingerprint(self.fingerprint, *batch)
             return
         self._report(batch_fingerprint(*batch))
+
+    def virtual_ranks(self) -> Iterator[Any]:
+        """Invariant mode (``--virtual-ranks V``): this rank's virtual ranks, one micro-step each (see worker.virtual)."""
+        if self._virtual is None:
+            raise UsageError("step.virtual_ranks() needs invariant mode: undying run --virtual-ranks V, "
+                             "or job.steps(..., virtual_ranks=V)")
+        return self._virtual(self)
 
     def log(self, **metrics: float | torch.Tensor) -> None:
         """Record values of this step (e.g. ``loss=loss``); committed with the step, dropped with an aborted attempt.
