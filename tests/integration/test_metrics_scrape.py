@@ -57,8 +57,11 @@ def test_a_real_jobs_metrics(tmp_path: Path, reap: list[int]) -> None:
     # Each step of the job counted once (the first has no step before it), the crashed one included.
     assert got[("undying_step_seconds_count", ())] == step - 1
     assert got[("undying_step_seconds_sum", ())] >= 0.03 * (step - 1)
-    # The recovery's step is the slowest: it is in a bucket above the ordinary steps'.
-    assert got[("undying_step_seconds_bucket", (("le", "0.25"),))] < step - 1
+    # The recovery is inside a step's time (fault to first step done falls between two commits), so the
+    # histogram's sum holds it: not a timing threshold (a warm recovery may take under 0.25 s here).
+    mttr = status["incidents"][0]["mttr_s"]
+    assert mttr is not None and got[("undying_step_seconds_sum", ())] >= mttr
+    assert got[("undying_step_seconds_bucket", (("le", "+Inf"),))] == step - 1
     for rank in ("0", "1"):
         assert got[("undying_rank_step_seconds_count", (("rank", rank),))] >= step - 3
     assert got[("undying_checkpoint_last_step", ())] >= 60 and got[("undying_checkpoint_last_step", ())] % 20 == 0
