@@ -99,24 +99,6 @@ def _assert_regroups(cluster: Cluster, unchanged: RunRecord, sizes: list[tuple[i
     assert comparison.steps == 64 and not run.rerun_steps
 
 
-def test_a_shrink_in_invariant_mode_gives_the_losses_of_the_job_that_never_shrank(
-        make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
-    """--nnodes 1:2, 4 virtual ranks on 2 nodes of 2 ranks: node 1's host is lost and nobody replaces it; the
-    job goes on with 2 ranks (2 virtual ranks each). Every loss equals the fault-free run's on 2 ranks on one
-    host, which never changed, bit for bit (the default mode equals only a job saved and resumed on 2)."""
-    hosts = make_hosts(3)
-    cluster = Cluster(hosts, tmp_path, "shrink", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
-                      run_args=[*RUN_ARGS, "--node-wait", "3"], script=SCRIPT)
-    try:
-        cluster.start()
-        cluster.wait_for_step(10)
-        hosts.kill_host(2)
-        assert cluster.wait(150) == 0, cluster.logs()
-    finally:
-        cluster.close()
-    _assert_regroups(cluster, unchanged, [(4, 2)])
-
-
 def test_a_grow_in_invariant_mode_gives_the_losses_of_the_job_that_never_grew(
         make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
     """--nnodes 1:2: node 0 starts alone (2 ranks, 2 virtual ranks each); node 1 joins and the job regroups on
@@ -158,8 +140,11 @@ def test_a_shrink_then_a_grow_in_invariant_mode_change_no_loss(
 
 def test_a_rank_killed_after_a_shrink_in_invariant_mode_changes_no_loss(
         make_hosts: Callable[[int], Hosts], tmp_path: Path, unchanged: RunRecord) -> None:  # noqa: F811
-    """The shrink above, then rank 1 (now virtual ranks 2 and 3) SIGKILLed in a backward pass on 2 ranks and
-    replaced: every loss is still the unchanged 2-rank run's."""
+    """--nnodes 1:2, 4 virtual ranks on 2 nodes of 2 ranks: node 1's host is lost and nobody replaces it; the
+    job goes on with 2 ranks (2 virtual ranks each); then rank 1 (now virtual ranks 2 and 3) is SIGKILLed in a
+    backward pass and replaced. Every loss equals the fault-free run's on 2 ranks on one host, which never
+    changed, bit for bit (the default mode equals only a job saved and resumed on 2). This is also the
+    shrink's own test: the shrink alone is the first half of this run, compared step by step."""
     hosts = make_hosts(3)
     cluster = Cluster(hosts, tmp_path, "shrinkcrash", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
                       run_args=[*RUN_ARGS, "--node-wait", "3"], script=SCRIPT)
