@@ -12,6 +12,7 @@ from pathlib import Path
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan
 from undying.demo.oracle import compare_runs
+from undying.manager.events import LogReader
 
 CHECKED = ("--epochs", "2", "--numerics", "skip")
 
@@ -64,7 +65,12 @@ def test_a_persistent_nan_with_stop_ends_the_job_with_a_report(oracle: Oracle, t
     assert outcome.run.state == "failed"
     (numeric,) = [i for i in outcome.incidents if i["kind"] == "numeric"]
     assert numeric["step"] == 4 and numeric["action"] == "stop" and numeric["rank"] == 3, numeric
+    # The report is the job's failure reason (the ranks' own copies of it may arrive after the job stopped them).
+    with LogReader(outcome.job_dir / "events.db") as reader:
+        reason = str(reader.job()["exit_reason"])
+    assert "step 4" in reason and "bit for bit" in reason and "batches rank 0:" in reason and "values first" in reason, \
+        reason
     errors = [e["error"] for e in outcome.events("user_error")]
-    assert errors and all("step 4" in e and "bit for bit" in e and "batches rank 0:" in e for e in errors), errors
+    assert all("step 4" in e and "bit for bit" in e and "batches rank 0:" in e for e in errors), errors
     assert not [e for e in outcome.events("spawned") if e["joining"]], "a stopped job replaces no rank"
     assert "numeric fault, stopped by policy" in outcome.log(), outcome.log()[-2000:]

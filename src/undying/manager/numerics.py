@@ -44,7 +44,19 @@ def on_numeric_fault(core: JobCore, message: Progress) -> None:
     core.incidents.append(incident)
     core.events.incident(incident)
     if action == "stop":  # the policy's word: no replacement would pass this step either
-        core.fail(f"numeric fault, stopped by policy: {incident.error}")
+        core.fail(f"numeric fault, stopped by policy: {_report(incident.error, detail)}")
+
+
+def _report(summary: str, detail: dict[str, Any]) -> str:
+    """The stop's report in the job's failure reason: the step and verdict, the values, every rank's batch.
+
+    The ranks raise the same text, but the job fails on this incident first:
+    their own reports may come after it stopped them, so this one is whole.
+    """
+    batches = detail.get("batches") or {}
+    where = "; ".join(f"rank {r}: {b}" for r, b in sorted(batches.items(), key=lambda item: int(item[0])))
+    return (f"{summary}; values first {detail.get('first')}, replay {detail.get('replay')}"
+            + (f"; batches {where}" if where else ""))
 
 
 def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: str | None,
