@@ -171,3 +171,22 @@ def test_an_end_summary_of_a_log_that_cannot_be_read_is_one_line(tmp_path: Path)
     out = io.StringIO()
     print_end_summary(tmp_path / "no-such-job", out=out)
     assert out.getvalue().startswith("undying: no summary: the job's log in ") and out.getvalue().count("\n") == 1
+
+
+def test_the_demos_report_fits_80_columns_with_nothing_cut() -> None:
+    """The demo's incidents at 80 columns: no cell cut to "…", each timeline on a line of its own."""
+    from undying.cli.demo import _render
+
+    phases = {"detected": 0.012, "decided": 0.013, "replacement_ready": 0.121, "group_rebuilt": 0.187,
+              "state_restored": 0.203, "first_step_done": 0.254}
+    result = {"incidents": [{"kind": "crash", "rank": 2, "step": 11, "action": "replace", "status": "recovered",
+                             "mttr_s": 0.254, "phases": phases}],
+              "identical": True, "steps": 384, "final_state_identical": True, "lost_steps": 0, "wall_s": 18.9,
+              "reasons": [], "ok": True}
+    out = io.StringIO()
+    _render(result, Console(file=out, width=80, color_system=None))
+    text = out.getvalue()
+    assert "…" not in text, text
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    for word in ("crash", "replace", "recovered", "0.254", "first_step_done 0.254", "detected 0.012"):
+        assert word in text, (word, text)

@@ -27,6 +27,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from undying.cli.client import api_get, api_post
 from undying.config import EXIT_PREEMPTED
@@ -352,16 +353,20 @@ def _render(result: dict[str, Any], console: Console) -> None:
     if any(i["kind"] == "preempt" for i in result["incidents"]):
         names = ["detected", "decided", "checkpoint_written", "exited", "relaunched", "state_restored",
                  "first_step_done"]
-    table = Table("kind", "rank", "step", "action", "status", "mttr s", *names,
-                  title="incidents (timeline in seconds since the fault)")
-    for i in result["incidents"]:
+    # The table holds what fits 80 columns; each incident's timeline is a line of its own under it.
+    table = Table("kind", "rank", "step", "action", "status", "mttr s", title="incidents")
+    timelines: list[Text] = []
+    for n, i in enumerate(result["incidents"], 1):
         phases = i["phases"]
         table.add_row(
-            i["kind"], str(i["rank"]), str(i["step"]), i["action"], i["status"],
+            f"{n} {i['kind']}", str(i["rank"]), str(i["step"]), str(i["action"]), str(i["status"]),
             "-" if i["mttr_s"] is None else f"{i['mttr_s']:.3f}",
-            *(f"{phases[p]:.3f}" if p in phases else "-" for p in names),
         )
+        shown = ", ".join(f"{p} {phases[p]:.3f}" for p in names if p in phases)
+        timelines.append(Text(f"  {n}: timeline in seconds since the fault: {shown or '-'}"))
     console.print(table)
+    for line in timelines:
+        console.print(line)
     verdict = "[green]identical[/green]" if result["identical"] else "[red]DIFFERENT[/red]"
     console.print(
         f"per-step losses over {result['steps']} steps: {verdict}; final state identical: "
