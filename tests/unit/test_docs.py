@@ -360,3 +360,19 @@ def test_api_page_documents_every_public_name() -> None:
     page = (DOCS / "reference" / "api.md").read_text()
     for name in sorted(exported):
         assert f"::: undying.worker.{where[name]}.{name}\n" in page, f"{name} is not on docs/reference/api.md"
+
+
+def test_docs_hold_only_small_files() -> None:
+    """Raw benchmark output belongs in docs/ as one JSON file, never a bench's whole --out folder.
+
+    A recovery run once wrote its logs, event databases and checkpoints (84 MB)
+    into a folder named like its JSON file, and that folder was committed.
+    """
+    large = [
+        f"{path.relative_to(ROOT)} ({path.stat().st_size // 1024} KiB)"
+        for path in DOCS.rglob("*")
+        if path.is_file() and path.stat().st_size > 512 * 1024
+    ]
+    assert not large, f"files too large for docs/: {large}"
+    folders = [p.relative_to(ROOT) for p in DOCS.glob("*.json") if not p.is_file()]
+    assert not folders, f"JSON names that are folders in docs/: {folders}"
