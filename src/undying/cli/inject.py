@@ -59,9 +59,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--persistent", action="store_true",
                    help="for nan: at every run of the step (a replay too), as a bad batch would; default: the "
                    "first run only, a transient fault")
-    p.add_argument("--target", choices=("grad", "param"), default=None,
+    p.add_argument("--target", choices=("grad", "param", "grad-finite"), default=None,
                    help="for bitflip: the rank's local gradient before the all-reduce (grad, the default) or "
-                   "the first weight of its model (param: the model stays wrong)")
+                   "the first weight of its model (param: the model stays wrong), or grad-finite: the top "
+                   "mantissa bit of the gradient's largest value, which stays finite and no spike (only "
+                   "`undying run --verify-every` finds it)")
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=run)

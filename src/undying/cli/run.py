@@ -33,6 +33,8 @@ from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
 from undying.manager.jobdir import default_job_dir
 from undying.protocol.env import VIRTUAL_RANKS_ENV
+from undying.protocol.verify_wire import VERIFY_EVERY_ENV
+from undying.worker.verify_plan import check_every
 
 __all__ = ["add_parser"]
 
@@ -212,6 +214,15 @@ no checkpoint at all.""",
                    help="invariant mode: the job is defined by V data-parallel virtual ranks, each rank runs some of "
                         "them, and the losses are bit-identical on any number of ranks <= V, across shrink and grow "
                         "(the script loops over step.virtual_ranks(); see docs/elastic.md). Give it on every node")
+    p.add_argument("--verify-every", default=None, metavar="K",
+                   help="check for silent data corruption without waiting for a NaN: every K steps one rank's step "
+                        "(the ranks in turn) is replayed by a verifier process from another rank's copy of the "
+                        "pre-step state and the rank's batch, and its local gradient fingerprint compared bit for "
+                        "bit; a mismatch is an `sdc` incident naming the rank, and the job rolls back to the last "
+                        "verified state and re-runs from there. It never blocks a step (a verifier that falls "
+                        "behind leaves steps unverified, and the job's verify_summary says how many). Turns the "
+                        "numeric checks on (job.steps(numerics=...)); the same as Numerics(verify_every=K). "
+                        "A whole number of steps from 1 (see docs/numerics.md)")
     add_torchrun_arguments(p)
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
@@ -346,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--virtual-ranks {args.virtual_ranks} with up to {args.nproc_per_node * args.nnodes[1]} "
                              "ranks: each rank runs at least one virtual rank; raise --virtual-ranks or run fewer ranks")
         os.environ[VIRTUAL_RANKS_ENV] = str(args.virtual_ranks)
+    if args.verify_every is not None:  # the workers inherit it (worker.verify reads it)
+        os.environ[VERIFY_EVERY_ENV] = str(check_every(args.verify_every))
     if args.manager is not None:
         return _run_node(args, config, script_args)
     if args.checkpoint_dir:

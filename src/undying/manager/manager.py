@@ -43,6 +43,7 @@ from undying.manager.state import (
     RankState,
 )
 from undying.manager.trace_control import TraceControl
+from undying.manager.verification import SDC_PHASE, on_sdc
 from undying.manager.views import job_status
 from undying.protocol.codec import Handlers, Message
 from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent
@@ -435,6 +436,8 @@ class Manager:
                                     message.detail, message.t)
         if message.phase == NUMERIC_PHASE:  # a step's numeric check, replayed: its verdict (manager.numerics)
             on_numeric_fault(self.core, message)
+        elif message.phase == SDC_PHASE:  # a step that differed from its replay (manager.verification)
+            on_sdc(self.core, message)
 
     def _on_comm_failure(self, message: CommFailure) -> None:
         info = self.ranks[message.rank]

@@ -22,7 +22,7 @@ __all__ = ["on_numeric_fault", "arm_numeric", "NUMERIC_PHASE"]
 
 NUMERIC_PHASE = "numeric_fault"
 # How each kind may strike, and the first the default.
-_HOWS = {"nan": ("once", "persistent"), "bitflip": ("grad", "param")}
+_HOWS = {"nan": ("once", "persistent"), "bitflip": ("grad", "param", "grad-finite")}
 
 
 def on_numeric_fault(core: JobCore, message: Progress) -> None:

@@ -105,6 +105,7 @@ class IncidentKind(enum.StrEnum):
     SLOW_NODE = "slow_node"
     DIVERGED = "diverged"  # a re-run step's batch, or a restored state, is not the one it replaces (divergence)
     NUMERIC = "numeric"  # a step's numeric check failed and was replayed (worker.numerics): the verdict
+    SDC = "sdc"  # a rank's step differed from its replay elsewhere (--verify-every): rolled back (worker.verify)
 
 
 class IncidentStatus(enum.StrEnum):

@@ -20,4 +20,4 @@ brings torch only where it is used).
 """
 
 __all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations", "seams",
-           "store_wire", "store_client", "channel_key"]
+           "store_wire", "store_client", "channel_key", "verify_wire"]

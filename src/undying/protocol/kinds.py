@@ -90,3 +90,4 @@ class NumericHow(Choice):
     PERSISTENT = "persistent"
     GRAD = "grad"
     PARAM = "param"
+    GRAD_FINITE = "grad-finite"  # the top mantissa bit of the largest local gradient value: stays finite

@@ -56,6 +56,15 @@ def flip_bit(t: Any) -> None:
     view.bitwise_xor_(1 << (8 * t.element_size() - 2))
 
 
+def flip_mantissa(t: Any) -> None:
+    """Flip the top mantissa bit of the tensor's largest value, in place: finite, off by a quarter to a half."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    mantissa = {2: 9, 4: 22, 8: 51}[t.element_size()] if t.dtype != torch.bfloat16 else 6
+    flat = t.reshape(-1)
+    at = int(flat.detach().abs().argmax())
+    flat[at:at + 1].view(as_int).bitwise_xor_(1 << mantissa)
+
+
 class FaultSwitch:
     """``actions`` says what each fault kind does: crash (SIGKILL), comm-error (break links)."""
 
@@ -104,7 +113,10 @@ class FaultSwitch:
             flip_bit(next(module.parameters()).data)
             return None
         out = grad.clone()
-        flip_bit(out)
+        if due.kind == "bitflip:grad-finite":  # finite, no spike: only --verify-every's replay finds it
+            flip_mantissa(out)
+        else:
+            flip_bit(out)
         return out
 
     def check(self, phase: str, step: int) -> None:

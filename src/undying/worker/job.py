@@ -72,6 +72,7 @@ from undying.worker.state import State
 from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.threads import StoppedAtExit
 from undying.worker.tracing import WorkerTracing
+from undying.worker.verify import Verification, serve, serving, start_verification, verify_every
 from undying.worker.virtual import invariant_mode
 
 __all__ = ["init", "Job", "Step"]
@@ -159,6 +160,7 @@ class Job:
                                 lambda exc: self.managed and is_comm_failure(exc), self.ctx.aborted,
                                 self.ctx.report_fatal, self._began, self._numeric_verdict)
         self._numerics: NumericsGuard | None = None
+        self._verify: Verification | None = None  # --verify-every (worker.verify)
         self._state: State | None = None
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
@@ -266,6 +268,9 @@ class Job:
         seed = self.seed if seed is None else seed
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
+        if serving():  # this process is the job's verifier (worker.verify): it replays steps, it does not train
+            yield from serve(state, Numerics.of(numerics) or Numerics())
+            return
         ctx = self.ctx
         virtual = invariant_mode(ctx, state, virtual_ranks, seed=seed, total=total, epochs=epochs)
         for wrapper in self._wrappers:
@@ -275,8 +280,12 @@ class Job:
         ctx.cursor = cursor
         self._state = state
         config = Numerics.of(numerics)
+        every = verify_every(config.verify_every if config is not None else None)
+        config = Numerics() if config is None and every is not None else config  # the fingerprints are its
         self._numerics = None if config is None else NumericsGuard(
             config, state, self.rank, lambda: self.generation, self._send, cursor)
+        self._verify = start_verification(every, managed=self.managed, rank=self.rank, world=self.world_size,
+                                          seed=seed, generation=lambda: self.generation, send=self._send)
         self._attach(state)
         if self.managed and self.rank == 0:
             self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
@@ -292,6 +301,12 @@ class Job:
         while True:
             while committed < cursor.total_steps:
                 index = committed + 1
+                verify = self._verify
+                if verify is not None and verify.due(index):
+                    back = self._verified(state, committed, verify.begin, index, state)
+                    if back is not None:
+                        committed = back
+                        continue
                 if not self._preemption.may_start(index, committed):
                     dying_gasp(ctx, state, committed, self._checkpoints, self._shards)
                 self.tracing.step_started(index, self.generation)
@@ -322,9 +337,16 @@ class Job:
                     raise UsageError(
                         f"step {index} was not run as a transaction: put its body inside `with step:`"
                     )
+            if (verify := self._verify) is not None:  # what the verifier still owes: a flip in the last steps
+                back = self._verified(state, committed, verify.finish, state, committed)
+                if back is not None:
+                    committed = back
+                    continue
             if self._finished(state, committed):
                 break
             committed = self._rejoin.recover(state, committed, clean=True)
+        if self._verify is not None:
+            self._verify.close()
         if self.managed:
             ctx.phase = "done"
             self._checkpoints.finish_writes()
@@ -396,6 +418,8 @@ class Job:
         step = self._current
         if step is not None and step.outcome is Outcome.PENDING and self._numerics is not None:
             self._numerics.check(step)  # raises NumericFault before any state changes
+            if self._verify is not None:  # the suspect of a verified step: its fingerprint, for the replay
+                self._verify.after_check(step, self._numerics.prints())
         if step is not None and step.outcome is Outcome.PENDING:
             step.optimizer_stepped = True
         if self.managed:
@@ -424,6 +448,24 @@ class Job:
             return None
         verdict = guard.resolve(step, exc)
         return None if verdict == "stop" else verdict
+
+    def _verified(self, state: State, committed: int, call: Callable[..., int | None], *args: Any) -> int | None:
+        """``--verify-every``'s word at a verified step or the loop's end: None, or the committed step to go on from.
+
+        A roll-back re-runs from the verified state's step; the agreement's
+        broadcast failing (a peer's fault) is recovered as an aborted step.
+        """
+        try:
+            back = call(*args)
+        except Exception as e:
+            if not (self.managed and is_comm_failure(e)):
+                raise
+            self.ctx.aborted(e)
+            return self._rejoin.recover(state, committed, clean=True)
+        if back is None:
+            return None
+        self.ctx.current_step = back - 1
+        return back - 1
 
     def _began(self, step: Step, fingerprint: str) -> None:
         self._send(StepBegun(self.rank, self.generation, step.index, fingerprint))

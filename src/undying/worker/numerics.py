@@ -51,6 +51,7 @@ import torch.distributed as dist
 from undying.errors import UndyingError, UsageError
 from undying.protocol.codec import Message
 from undying.protocol.worker_wire import Progress
+from undying.worker.verify_plan import check_every
 
 __all__ = ["Numerics", "NumericFault", "NumericsGuard"]
 
@@ -79,12 +80,15 @@ class Numerics:
     warmup: int = 20
     on_persistent: str = "skip"
     scaler: Any = None
+    verify_every: int | None = None  # every K steps one rank's step replayed elsewhere (worker.verify)
 
     def __post_init__(self) -> None:
         if self.spike_factor is not None and not (math.isfinite(self.spike_factor) and self.spike_factor > 1):
             raise UsageError(f"Numerics(spike_factor=...) must be a number above 1 (e.g. 10), got {self.spike_factor}")
         if self.window < 1 or self.warmup < 1 or self.warmup > self.window:
             raise UsageError(f"Numerics needs 1 <= warmup <= window, got warmup={self.warmup} window={self.window}")
+        if self.verify_every is not None:
+            check_every(self.verify_every, "Numerics(verify_every=...)")
         if self.on_persistent not in _POLICIES:
             raise UsageError(f"Numerics(on_persistent=...) must be one of {', '.join(_POLICIES)}, "
                              f"got {self.on_persistent!r}")
@@ -245,6 +249,10 @@ class NumericsGuard:
         batches = "; ".join(f"rank {r}: {d['batch']}" for r, d in enumerate(ranks))
         fault.args = (f"{summary}; values first {first.values}, replay {fault.values}; batches {batches}",)
         return "stop"
+
+    def prints(self) -> list[int]:
+        """This attempt's local gradient fingerprint (``--verify-every`` compares it with a replay's)."""
+        return self._local_prints()
 
     # --- the checks -------------------------------------------------------------------
 

@@ -1,0 +1,477 @@
+"""``--verify-every K``: a step replayed by another process, its gradient fingerprint compared bit for bit.
+
+The decisions are ``worker.verify_plan``'s; this module carries them out.
+
+- **The verifier.** When the loop starts, rank 0 starts the *verifier*: the
+  job's own script, run again as a process outside the job's process group
+  (a world of one, with the suspect's batch shipped to it), whose
+  ``job.steps`` serves replays (``serve``) instead of training. It starts cold,
+  off every step's path; requests wait for it in the job dir's ``verify/``
+  folder. It leaves when rank 0's process does (it watches its parent).
+- **A verified step** (steps K, 2K, ...). At its start rank 0 reads the
+  verifier's answers and says (one small broadcast) whether this step is
+  verified and whether the job rolls back. The *holder* (``holder_of``)
+  copies its pre-step state and writes it to ``verify/`` from a thread; the
+  *suspect* (``suspect_of``), once its gradients are in and checked, writes
+  its batch and its local gradient fingerprint (the numeric guard's: one sum
+  per gradient, before the all-reduce) the same way. Nothing waits for the
+  verifier: the step commits as it would have.
+- **The replay.** The verifier loads the holder's state, reseeds as the
+  suspect did for that step (``worker.rng``), runs the script's body on the
+  suspect's batch up to ``optimizer.step()`` (stopped there, nothing stepped)
+  and compares the fingerprints: equal bit for bit, or an ``sdc`` found.
+- **A mismatch** rolls every rank back to the last verified state (the holder's
+  file of it, so a rank whose memory is corrupt does not restore its own
+  copy) and the job re-runs from that step; rank 0 reports the ``sdc``
+  incident naming the rank and how many committed steps are re-run.
+- **The end.** When the last step is done, rank 0 waits for the answers still
+  due while the verifier makes progress (not past ``STALL_S`` without one), so
+  a flip in the last steps is found too; what stays unanswered is reported as
+  not done (``verify_summary``), never as passed.
+
+What it cannot see: a corruption the verifier computes too (a deterministic
+bug of the model or the library, a corrupt input batch), and a fault that
+changes neither gradient sum of the suspect. It needs the step's batch from
+``job.steps``' loader (``step.batch``) and a replicated (DDP) state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from undying.errors import UndyingError
+from undying.protocol.codec import Message
+from undying.protocol.env import ENV_PREFIX, SEED_ENV
+from undying.protocol.verify_wire import (
+    VERIFY_CODEC,
+    VERIFY_DIR_ENV,
+    VERIFY_EVERY_ENV,
+    VerifyRequest,
+    VerifyResult,
+    file_name,
+)
+from undying.protocol.worker_wire import Progress
+from undying.worker import rng
+from undying.worker.numerics import Numerics, NumericsGuard
+from undying.worker.step import Outcome, Step, StepHooks
+from undying.worker.verify_plan import Decision, Ledger, check_every, due, holder_of, suspect_of
+
+__all__ = ["Verification", "start_verification", "verify_every", "serving", "serve", "SDC_PHASE"]
+
+log = logging.getLogger("undying.worker")
+
+SDC_PHASE = "sdc"
+STALL_S = 5.0  # at the loop's end: how long rank 0 waits for an answer the verifier still owes
+STARTUP_S = 60.0  # ... and for a verifier still starting (importing torch, building the script's model)
+_POLL_S = 0.02
+# The verifier's environment keeps the job's seed and K, and none of the job's own (its keys, its addresses).
+_KEPT = (SEED_ENV, VERIFY_EVERY_ENV)
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")
+
+
+def verify_every(asked: int | None) -> int | None:
+    """K from ``Numerics(verify_every=K)``, else from ``undying run --verify-every K``; None: no verification."""
+    if asked is not None:
+        return asked
+    raw = os.environ.get(VERIFY_EVERY_ENV)
+    return check_every(raw, VERIFY_EVERY_ENV) if raw else None
+
+
+def start_verification(every: int | None, *, managed: bool, rank: int, world: int, seed: int,
+                       generation: Callable[[], int], send: Callable[[Message], None]) -> Verification | None:
+    """``--verify-every K`` for one loop (rank 0 starts the verifier), or None: not asked, or not possible."""
+    job_dir = os.environ.get(f"{ENV_PREFIX}JOB_DIR", "")
+    if every is None:
+        return None
+    if not managed or not job_dir:
+        log.warning("verify_every=%d needs a job run by `undying run`: steps are not verified", every)
+        return None
+    verification = Verification(every, rank=rank, world=world, seed=seed, job_dir=job_dir,
+                                generation=generation, send=send)
+    verification.start()
+    return verification
+
+
+def serving() -> bool:
+    """Whether this process is a job's verifier (rank 0 started it with the folder to serve)."""
+    return bool(os.environ.get(VERIFY_DIR_ENV))
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Whole or not at all: the reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _save(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _detached(state_dict: Any) -> Any:
+    """A copy no later step can change (the holder's pre-step state, taken before the body runs)."""
+    return copy.deepcopy(state_dict)
+
+
+class Verification:
+    """One rank's part in ``--verify-every`` for one ``job.steps`` loop (rank 0 also keeps the book)."""
+
+    def __init__(self, every: int, *, rank: int, world: int, seed: int, job_dir: str,
+                 generation: Callable[[], int], send: Callable[[Message], None]) -> None:
+        self.every = every
+        self._rank = rank
+        self._world = world
+        self._seed = seed
+        self._generation = generation
+        self._send = send
+        self.folder = Path(job_dir) / "verify"
+        self._ledger = Ledger()
+        self._owner = 0  # rank 0's PID: with the round number, what names this loop's files
+        self._round_no = 0
+        self._issued: tuple[int, int, int] | None = None  # (step, suspect, holder) of the step verified now
+        self._writes: list[threading.Thread] = []
+        self._process: subprocess.Popen[bytes] | None = None
+        self._overdue_said = False
+        self._errors_said = False
+
+    # --- the loop's seams -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Rank 0: the verifier process, and the notice that says what is verified (and by whom)."""
+        if self._rank != 0:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._owner = os.getpid()
+        detail: dict[str, Any] = {"every": self.every, "folder": str(self.folder), "world_size": self._world}
+        try:
+            self._process = self._spawn()
+            detail["pid"] = self._process.pid
+        except OSError as e:  # no verifier: said once, the job trains unverified (the summary says not done)
+            detail["error"] = f"the verifier could not start: {e}"
+        self._send(Progress(0, self._generation(), "verify_started", time.time(), detail=detail))
+
+    def due(self, index: int) -> bool:
+        return due(index, self.every)
+
+    def begin(self, index: int, state: Any) -> int | None:
+        """At a verified step's start: rank 0's decision, on every rank; a step to roll back to, or None.
+
+        A collective (one broadcast): a peer's fault raises here, as in any
+        collective, and the loop recovers as for an aborted step.
+        """
+        suspect = suspect_of(index, self.every, self._world)
+        decision = self._agree(lambda: self._ledger.plan(index, suspect, self._results()))
+        self._issued = None
+        if decision.rollback_to:
+            return self._roll_back(state, decision, committed=index - 1)
+        if decision.issue:
+            holder = holder_of(suspect, self._world)
+            self._issued = (index, suspect, holder)
+            if self._rank == holder:
+                self._in_background(self._path("pre", self._round_no, index, "pt"), _detached(state.state_dict()))
+        return None
+
+    def after_check(self, step: Any, prints: list[int]) -> None:
+        """The suspect, once its gradients passed the numeric checks: its batch and fingerprint, for the replay."""
+        issued = self._issued
+        if issued is None or issued[0] != step.index or issued[1] != self._rank or step.batch is None:
+            return
+        request = VerifyRequest(self._round(self._round_no), step.index, self._rank, issued[2], self._seed,
+                                list(prints), time.time())
+        batch = _detached(step.batch)
+        self._in_background(self._path("batch", self._round_no, step.index, "pt"), batch,
+                            then=(self._path("req", self._round_no, step.index, "json"),
+                                  VERIFY_CODEC.encode(request)))
+
+    def finish(self, state: Any, committed: int) -> int | None:
+        """After the last step: wait (bounded) for what the verifier owes; a step to roll back to, or None."""
+        if self._rank == 0:
+            self._wait_for_answers()
+        decision = self._agree(lambda: self._ledger.settle(self._results()) or Decision(False))
+        if decision.rollback_to:
+            return self._roll_back(state, decision, committed=committed)
+        return None
+
+    def close(self) -> None:
+        """The loop ended: the report (rank 0), the verifier stopped, the folder's files removed."""
+        for thread in self._writes:
+            thread.join(timeout=30)
+        if self._rank != 0:
+            return
+        summary = self._ledger.summary()
+        self._send(Progress(0, self._generation(), "verify_summary", time.time(), detail={
+            **summary, "every": self.every,
+            "note": "steps not verified: " + (f"{summary['skipped']} skipped (the verifier was behind), "
+                                             f"{summary['not_done']} unanswered at the end, "
+                                             f"{summary['errors']} that could not be replayed")}))
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()  # a stopped verifier takes SIGKILL too; it holds nothing of the job's
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+        for path in [*self.folder.glob(f"*-{self._owner}r*"), *self.folder.glob("ready-*")]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    # --- rank 0's book ----------------------------------------------------------------
+
+    def _results(self) -> list[tuple[int, bool | None]]:
+        """The verifier's answers to this round's requests, read once (their files removed)."""
+        out: list[tuple[int, bool | None]] = []
+        prefix = f"res-{self._round(self._round_no)}-"
+        for path in sorted(self.folder.glob(prefix + "*.json")):
+            try:
+                result = VERIFY_CODEC.decode(path.read_bytes())
+                path.unlink()
+            except (OSError, ValueError) as e:
+                log.info("verification answer %s unreadable (%s): left for the next look", path.name, e)
+                continue
+            if not isinstance(result, VerifyResult):
+                continue
+            if result.match is False and result.differing == [-1]:
+                out.append((result.step, None))  # the replay could not run: not a verdict
+                if not self._errors_said:
+                    self._errors_said = True
+                    self._send(Progress(0, self._generation(), "verify_error", time.time(), step=result.step,
+                                        detail={"rank": result.rank, "log": str(self.folder / "verifier.log")}))
+                continue
+            out.append((result.step, result.match))
+            if result.match:  # an older verified state's file is no longer needed
+                self._forget_older_states(result.step)
+        return out
+
+    def _agree(self, decide: Callable[[], Decision]) -> Decision:
+        """Rank 0 decides; every rank gets the same decision (one broadcast of a few integers)."""
+        values = torch.zeros(7, dtype=torch.int64)
+        if self._rank == 0:
+            decision = decide()
+            values[:6] = torch.tensor(decision.encode(), dtype=torch.int64)
+            values[6] = self._owner
+            if self._ledger.overdue and not self._overdue_said:
+                self._overdue_said = True
+                self._send(Progress(0, self._generation(), "verify_overdue", time.time(), detail={
+                    "waiting": len(self._ledger.pending), "oldest": min(self._ledger.pending, default=0),
+                    "skipped": self._ledger.skipped,
+                    "note": "the verifier is behind or stopped: steps go on unverified, none counted as passed"}))
+            elif not self._ledger.overdue:
+                self._overdue_said = False
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(values, src=0)
+        decided = Decision.decode(values[:6].tolist())
+        self._owner = int(values[6])
+        self._round_no = decided.round_no
+        return decided
+
+    def _wait_for_answers(self) -> None:
+        """Rank 0 at the end: until nothing is owed, or the verifier is gone or silent for STALL_S."""
+        last = time.monotonic()
+        owed = len(self._ledger.pending)
+        while self._ledger.pending:
+            if self._process is None or self._process.poll() is not None:
+                return
+            ready = (self.folder / f"ready-{self._process.pid}").exists()
+            have = {int(p.name.rsplit("-", 1)[1].split(".")[0])
+                    for p in self.folder.glob(f"res-{self._round(self._round_no)}-*.json")}
+            still = len([s for s in self._ledger.pending if s not in have])
+            if still == 0:
+                return
+            if still < owed:
+                owed, last = still, time.monotonic()
+            elif time.monotonic() - last > (STALL_S if ready else STARTUP_S):
+                return
+            time.sleep(_POLL_S)
+
+    # --- the roll-back ----------------------------------------------------------------
+
+    def _roll_back(self, state: Any, decision: Decision, *, committed: int) -> int:
+        """Every rank: the verified state (the holder's file of it) loaded; the loop re-runs from its step."""
+        for thread in self._writes:
+            thread.join(timeout=60)
+        self._writes = []
+        path = self._path("pre", decision.source_round, decision.rollback_to, "pt")
+        state.load_state_dict(torch.load(path, weights_only=True))
+        state.discard_gradients()
+        if self._rank == 0:  # what the verifier still has of the old round would be answered for nothing
+            for stale in self.folder.glob(f"req-{self._round(decision.round_no - 1)}-*.json"):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+        rerun = committed - decision.rollback_to + 1
+        if self._rank == 0:
+            self._send(Progress(0, self._generation(), SDC_PHASE, time.time(), step=decision.bad_step, detail={
+                "rank": decision.bad_rank, "rolled_back_to": decision.rollback_to - 1, "rerun_steps": rerun,
+                "source": path.name,
+                "summary": f"step {decision.bad_step}: rank {decision.bad_rank}'s gradients differ from their "
+                           f"replay on the verifier, bit for bit: silent data corruption; rolled back to the "
+                           f"state after step {decision.rollback_to - 1} (the last verified) and re-running "
+                           f"{rerun} committed step{'s' if rerun != 1 else ''}"}))
+        return decision.rollback_to
+
+    def _forget_older_states(self, step: int) -> None:
+        for path in self.folder.glob(f"pre-{self._owner}r*-*.pt"):
+            with contextlib.suppress(ValueError, OSError):
+                if int(path.name.rsplit("-", 1)[1].split(".")[0]) < step:
+                    path.unlink()
+
+    # --- files ------------------------------------------------------------------------
+
+    def _round(self, round_no: int) -> str:
+        return f"{self._owner}r{round_no:04d}"
+
+    def _path(self, kind: str, round_no: int, step: int, suffix: str) -> Path:
+        return self.folder / file_name(kind, self._round(round_no), step, suffix)
+
+    def _in_background(self, path: Path, obj: Any, then: tuple[Path, bytes] | None = None) -> None:
+        """Written from a thread: the step goes on (the files are whole when they appear)."""
+        def write() -> None:
+            try:
+                _save(path, obj)
+                if then is not None:
+                    _write(*then)
+            except OSError as e:  # a full disk: this verification is not done (the book says so)
+                log.info("verification file %s not written: %s", path, e)
+
+        self._writes = [t for t in self._writes if t.is_alive()]
+        thread = threading.Thread(target=write, name="undying-verify-write", daemon=True)
+        thread.start()
+        self._writes.append(thread)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """The job's script again, as the verifier: a world of one on loopback, none of the job's keys."""
+        env = {k: v for k, v in os.environ.items()
+               if (not k.startswith(ENV_PREFIX) or k in _KEPT) and k not in _TORCHRUN}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update({VERIFY_DIR_ENV: str(self.folder), VERIFY_EVERY_ENV: str(self.every), SEED_ENV: str(self._seed),
+                    "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        command = [sys.executable, "-m", spec.name] if spec is not None and spec.name else \
+            [sys.executable, sys.argv[0]]
+        logfile = (self.folder / "verifier.log").open("ab")
+        try:
+            return subprocess.Popen([*command, *sys.argv[1:]], env=env, stdin=subprocess.DEVNULL, stdout=logfile,
+                                    stderr=subprocess.STDOUT, cwd=os.getcwd())
+        finally:
+            logfile.close()
+
+
+# --- the verifier's side ------------------------------------------------------------------
+
+
+class _Replayed(UndyingError):
+    """Raised at ``optimizer.step()`` in a replay: the fingerprint is taken, nothing steps."""
+
+
+def _nowhere(message: Message) -> None:
+    """The verifier reports to no one: its answers are files."""
+
+
+def serve(state: Any, config: Numerics) -> Iterator[Step]:
+    """The verifier's loop: each request's step, replayed from the holder's state on the suspect's batch.
+
+    Each replay is a step the script's own body runs (``with step:``), stopped
+    at ``optimizer.step()``; a numeric guard's gradient hooks take the
+    fingerprint, as on the ranks. Ends when the rank 0 that started it (its
+    parent) is gone. A request whose files cannot be read is answered as not
+    replayed (``differing == [-1]``), never as a verdict.
+    """
+    folder = Path(os.environ[VERIFY_DIR_ENV])
+    parent = os.getppid()
+    replaying = [False]
+    _write(folder / f"ready-{os.getpid()}", b"")  # rank 0 waits for answers at the end only while this is up
+
+    def stop_at_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if replaying[0]:
+            raise _Replayed("replayed up to optimizer.step()")
+
+    if state.optimizer is not None:
+        state.optimizer.register_step_pre_hook(stop_at_optimizer)
+    guard = NumericsGuard(config, state, 0, lambda: 0, _nowhere)  # its gradient hooks take the fingerprint
+    hooks = StepHooks(before_commit=lambda step: False, commit=lambda step: None, is_fault=lambda exc: False,
+                      aborted=lambda exc: None, failed=lambda index, exc: None, began=lambda step, fp: None,
+                      numeric=lambda step, exc: "replay" if isinstance(exc, _Replayed) else None)
+    while os.getppid() == parent:
+        found = sorted(folder.glob("req-*.json"))
+        if not found:
+            time.sleep(_POLL_S)
+            continue
+        path = found[0]
+        loaded = _load_request(folder, path)
+        if loaded is None:
+            time.sleep(_POLL_S)  # the holder's state is still being written
+            continue
+        request, batch, pre, error = loaded
+        started = time.monotonic()
+        prints: list[int] = []
+        if pre is not None:
+            state.load_state_dict(pre)
+            state.discard_gradients()
+            rng.reseed(request.seed, request.rank, "body", request.step)
+            step = Step(hooks, request.step, 0, batch, 0)
+            guard.begin(step)
+            replaying[0] = True
+            try:
+                yield step
+            finally:
+                replaying[0] = False
+            if step.outcome is Outcome.REPLAY:
+                prints = guard.prints()
+            else:
+                error = f"the body of step {request.step} ended without optimizer.step() ({step.outcome.value})"
+        same = not error and prints == request.prints
+        differing = [-1] if error else [i for i in range(max(len(prints), len(request.prints)))
+                                        if prints[i:i + 1] != request.prints[i:i + 1]]
+        result = VerifyResult(request.round, request.step, request.rank, request.holder, same, differing,
+                              round(time.monotonic() - started, 6), time.time())
+        if error:
+            log.warning("verifier: step %d of rank %d not replayed: %s", request.step, request.rank, error)
+        _write(folder / file_name("res", request.round, request.step, "json"), VERIFY_CODEC.encode(result))
+        for done in (path, folder / file_name("batch", request.round, request.step, "pt")):
+            with contextlib.suppress(OSError):
+                done.unlink()
+
+
+def _load_request(folder: Path, path: Path) -> tuple[VerifyRequest, Any, Any, str] | None:
+    """A request, its batch and the holder's state (None for the state, with why, when they cannot be read).
+
+    None: the holder's state is not there yet (it is written from a thread);
+    past a minute it is answered as not replayed.
+    """
+    try:
+        request = VERIFY_CODEC.decode(path.read_bytes())
+    except (OSError, ValueError) as e:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        log.warning("verifier: request %s unreadable, dropped: %s", path.name, e)
+        return None
+    if not isinstance(request, VerifyRequest):
+        return None
+    pre = folder / file_name("pre", request.round, request.step, "pt")
+    if not pre.exists():
+        if time.time() - request.t < 60:
+            return None
+        return request, None, None, f"the holder's state {pre.name} never came"
+    try:
+        batch = torch.load(folder / file_name("batch", request.round, request.step, "pt"), weights_only=True)
+        return request, batch, torch.load(pre, weights_only=True), ""
+    except Exception as e:  # a file torn by a full disk, or refused by weights_only: not a verdict
+        return request, None, None, f"{type(e).__name__}: {e}"
