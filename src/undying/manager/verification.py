@@ -25,7 +25,7 @@ SDC_PHASE = "sdc"  # the worker's phase (worker.verify.SDC_PHASE): the roles sha
 def on_sdc(core: JobCore, message: Progress) -> None:
     """Record a verification's mismatch as an ``sdc`` incident naming the rank (the job rolled back and goes on)."""
     detail: dict[str, Any] = dict(message.detail)
-    rank = detail.get("rank")
+    rank = detail.get("suspect")
     incident = Incident(
         id=len(core.incidents) + 1, kind=IncidentKind.SDC, rank=rank if isinstance(rank, int) else -1,
         step=message.step, fault_t=message.t, recovery=0, action="rolled_back", status=IncidentStatus.RECOVERED,

@@ -130,6 +130,14 @@ def _detached(state_dict: Any) -> Any:
     return copy.deepcopy(state_dict)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): Linux's /proc says; elsewhere, never."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class Verification:
     """One rank's part in ``--verify-every`` for one ``job.steps`` loop (rank 0 also keeps the book)."""
 
@@ -216,13 +224,14 @@ class Verification:
         if self._rank != 0:
             return
         summary = self._ledger.summary()
+        process = self._process
+        exited = None if process is None else process.poll()
         self._send(Progress(0, self._generation(), "verify_summary", time.time(), detail={
-            **summary, "every": self.every,
+            **summary, "every": self.every, "verifier_exit": exited,
             "note": "steps not verified: " + (f"{summary['skipped']} skipped (the verifier was behind), "
                                              f"{summary['not_done']} unanswered at the end, "
                                              f"{summary['errors']} that could not be replayed")}))
-        process = self._process
-        if process is not None and process.poll() is None:
+        if process is not None and exited is None:
             process.kill()  # a stopped verifier takes SIGKILL too; it holds nothing of the job's
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=10)
@@ -250,11 +259,9 @@ class Verification:
                 if not self._errors_said:
                     self._errors_said = True
                     self._send(Progress(0, self._generation(), "verify_error", time.time(), step=result.step,
-                                        detail={"rank": result.rank, "log": str(self.folder / "verifier.log")}))
+                                        detail={"suspect": result.rank, "log": str(self.folder / "verifier.log")}))
                 continue
             out.append((result.step, result.match))
-            if result.match:  # an older verified state's file is no longer needed
-                self._forget_older_states(result.step)
         return out
 
     def _agree(self, decide: Callable[[], Decision]) -> Decision:
@@ -262,6 +269,7 @@ class Verification:
         values = torch.zeros(7, dtype=torch.int64)
         if self._rank == 0:
             decision = decide()
+            self._forget_older_states(self._ledger.passed)  # the last verified state's file is the one kept
             values[:6] = torch.tensor(decision.encode(), dtype=torch.int64)
             values[6] = self._owner
             if self._ledger.overdue and not self._overdue_said:
@@ -283,10 +291,12 @@ class Verification:
         """Rank 0 at the end: until nothing is owed, or the verifier is gone or silent for STALL_S."""
         last = time.monotonic()
         owed = len(self._ledger.pending)
+        ready = False
         while self._ledger.pending:
-            if self._process is None or self._process.poll() is not None:
-                return
-            ready = (self.folder / f"ready-{self._process.pid}").exists()
+            if self._process is None or self._process.poll() is not None or _stopped(self._process.pid):
+                return  # gone, or stopped (SIGSTOP): nothing will come; the summary says not done
+            if not ready and (self.folder / f"ready-{self._process.pid}").exists():
+                ready, last = True, time.monotonic()  # up now: from here it answers or stalls
             have = {int(p.name.rsplit("-", 1)[1].split(".")[0])
                     for p in self.folder.glob(f"res-{self._round(self._round_no)}-*.json")}
             still = len([s for s in self._ledger.pending if s not in have])
@@ -315,7 +325,7 @@ class Verification:
         rerun = committed - decision.rollback_to + 1
         if self._rank == 0:
             self._send(Progress(0, self._generation(), SDC_PHASE, time.time(), step=decision.bad_step, detail={
-                "rank": decision.bad_rank, "rolled_back_to": decision.rollback_to - 1, "rerun_steps": rerun,
+                "suspect": decision.bad_rank, "rolled_back_to": decision.rollback_to - 1, "rerun_steps": rerun,
                 "source": path.name,
                 "summary": f"step {decision.bad_step}: rank {decision.bad_rank}'s gradients differ from their "
                            f"replay on the verifier, bit for bit: silent data corruption; rolled back to the "

@@ -1,0 +1,107 @@
+"""``--verify-every K`` in a real 4-rank DDP job: a finite bit flip found by a replay elsewhere, rolled back.
+
+The verifier is a real process (the job's script again, outside the job's
+process group); the flip is a real drill (``/api/inject bitflip`` with
+``grad-finite``: the top mantissa bit of the rank's largest local gradient
+value, finite and no spike, so the numeric checks pass it). The oracle: the
+same seeded job without the fault (tests/oracle.py's cached baseline).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from tests.oracle import Oracle
+from undying.cli.demo import FaultPlan, run_job
+from undying.demo.oracle import load_run
+from undying.manager.events import LogReader
+from undying.worker.verify_plan import suspect_of
+
+EPOCHS = ("--epochs", "2")  # the baseline other tests use: 4 ranks, 32 steps
+VERIFY_ALL = ("--spares", "0", "--verify-every", "1")
+
+
+def _final_losses(events_db: Path) -> tuple[dict[int, float], list[int]]:
+    """Each step's loss as its last commit on every rank logged it (after a roll-back: the re-run's), and the
+    steps where the ranks' last commits disagree."""
+    last: dict[tuple[int, int], float] = {}
+    with LogReader(events_db) as reader:
+        for commit in reader.commits():  # in time order: a re-run's commit comes after the one it replaces
+            last[(commit.rank, commit.step)] = commit.metrics["loss"]
+    by_step: dict[int, set[float]] = {}
+    for (_, step), loss in last.items():
+        by_step.setdefault(step, set()).add(loss)
+    return {s: next(iter(v)) for s, v in by_step.items() if len(v) == 1}, sorted(s for s, v in by_step.items()
+                                                                                 if len(v) > 1)
+
+
+def test_a_finite_gradient_flip_is_found_at_its_step_and_rolled_back(oracle: Oracle, tmp_path: Path) -> None:
+    at, rank = 11, suspect_of(11, 1, 4)  # with K=1 the rank whose step 11 is replayed: the flip is caught there
+    assert rank == 2
+    flip = FaultPlan("bitflip", rank=rank, at_step=at, phase="backward", how="grad-finite", expect="sdc")
+    outcome = oracle.run(tmp_path / "job", EPOCHS, 4, [flip], VERIFY_ALL)
+    assert outcome.returncode == 0, outcome.log()[-3000:]
+    assert outcome.events("fault_injected"), "the flip did not fire"
+    (sdc,) = [i for i in outcome.incidents if i["kind"] == "sdc"]
+    detail = sdc["detail"]
+    assert (sdc["step"], sdc["rank"], sdc["action"], sdc["status"]) == (at, rank, "rolled_back", "recovered"), sdc
+    assert not [i for i in outcome.incidents if i["kind"] == "numeric"], "a finite flip passes the numeric checks"
+    # Rolled back to the last verified state (step 10's pre-step state: step 10 passed), re-run from there.
+    assert detail["rolled_back_to"] == at - 2, detail
+    rerun = load_run(outcome.job_dir / "events.db").rerun_steps
+    assert rerun == list(range(at - 1, at - 1 + detail["rerun_steps"])), (rerun, detail)
+    # The oracle: after the roll-back every step's loss is the fault-free run's, bit for bit, and so is the state.
+    baseline = oracle.baseline(EPOCHS, 4)
+    losses, disagree = _final_losses(outcome.job_dir / "events.db")
+    assert not disagree and losses == baseline.losses, (disagree, sorted(
+        s for s in baseline.losses if losses.get(s) != baseline.losses[s]))
+    assert outcome.run.digests == baseline.digests
+    # The first run of the steps after the flip trained on the flipped gradient: they differed (it mattered).
+    assert outcome.run.inconsistent_steps, "the flip changed no loss: the test would pass without the roll-back"
+    (summary,) = outcome.events("verify_summary")
+    assert summary["mismatched"] == 1 and summary["not_done"] == 0 and summary["skipped"] == 0, summary
+
+
+def test_a_stopped_verifier_never_blocks_a_step(tmp_path: Path) -> None:
+    """SIGSTOP the verifier as it starts: every step still commits, and the job says what went unverified."""
+    job = tmp_path / "job"
+    args = ["--epochs", "1", "--samples", "5120"]  # 80 steps on 4 ranks: past the 64 verifications that may wait
+    result: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(run_job(
+        job, args, ranks=4, timeout_s=170, extra_run_args=list(VERIFY_ALL))), daemon=True)
+    runner.start()
+    pid = 0
+    deadline = time.monotonic() + 90
+    while not pid and time.monotonic() < deadline and runner.is_alive():
+        if (job / "events.db").exists():
+            try:
+                with LogReader(job / "events.db") as reader:
+                    started = reader.events("verify_started")
+            except Exception:  # the log being created
+                started = []
+            pid = int(started[0].data["pid"]) if started else 0
+        time.sleep(0.05)
+    assert pid, "the verifier never started"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        runner.join(timeout=175)
+        assert result == [0], (result, (tmp_path / "job.log").read_text()[-3000:])
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)  # the job kills it at its end; this only if it did not
+        except ProcessLookupError:
+            pass
+    with LogReader(job / "events.db") as reader:
+        commits = reader.commit_times()
+        overdue = reader.events("verify_overdue")
+        (summary,) = reader.events("verify_summary")
+    assert {(r, s) for r, s, _ in commits} == {(r, s) for r in range(4) for s in range(1, 81)}
+    assert len(commits) == 4 * 80  # every step committed once on every rank
+    assert overdue and overdue[0].data["skipped"] >= 1, overdue
+    data = summary.data
+    assert data["verified"] == 0 and data["passed"] == 0, data  # nothing counted as passed
+    assert data["skipped"] + data["not_done"] == 80 and data["skipped"] >= 16, data
