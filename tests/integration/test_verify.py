@@ -9,6 +9,7 @@ same seeded job without the fault (tests/oracle.py's cached baseline).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -91,10 +92,8 @@ def test_a_stopped_verifier_never_blocks_a_step(tmp_path: Path) -> None:
         runner.join(timeout=175)
         assert result == [0], (result, (tmp_path / "job.log").read_text()[-3000:])
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # the job kills it at its end; this only if it did not
-        except ProcessLookupError:
-            pass
     with LogReader(job / "events.db") as reader:
         commits = reader.commit_times()
         overdue = reader.events("verify_overdue")
