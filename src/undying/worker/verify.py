@@ -324,7 +324,7 @@ class Verification:
                     stale.unlink()
         rerun = committed - decision.rollback_to + 1
         if self._rank == 0:
-            self._send(Progress(0, self._generation(), SDC_PHASE, time.time(), step=decision.bad_step, detail={
+            self._send(Progress(0, self._generation(), "sdc", time.time(), step=decision.bad_step, detail={
                 "suspect": decision.bad_rank, "rolled_back_to": decision.rollback_to - 1, "rerun_steps": rerun,
                 "source": path.name,
                 "summary": f"step {decision.bad_step}: rank {decision.bad_rank}'s gradients differ from their "
