@@ -9,7 +9,15 @@ import pytest
 
 from undying.errors import UsageError
 from undying.worker.numerics import Numerics
-from undying.worker.verify_plan import MAX_EVERY, Decision, Ledger, check_every, due, holder_of, suspect_of
+from undying.worker.verify_plan import (
+    MAX_EVERY,
+    Decision,
+    Ledger,
+    check_every,
+    due,
+    holder_of,
+    suspect_of,
+)
 
 
 @pytest.mark.parametrize(("raw", "every"), [(1, 1), ("100", 100), (" 7 ", 7), (MAX_EVERY, MAX_EVERY)])
