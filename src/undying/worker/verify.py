@@ -166,6 +166,10 @@ class Verification:
         if self._rank != 0:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.iterdir():  # an earlier launch's or an earlier rank 0's: never answered now
+            if stale.name != "verifier.log":
+                with contextlib.suppress(OSError):
+                    stale.unlink()
         self._owner = os.getpid()
         detail: dict[str, Any] = {"every": self.every, "folder": str(self.folder), "world_size": self._world}
         try:
