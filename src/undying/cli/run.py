@@ -222,7 +222,7 @@ no checkpoint at all.""",
                         "verified state and re-runs from there. It never blocks a step (a verifier that falls "
                         "behind leaves steps unverified, and the job's verify_summary says how many). Turns the "
                         "numeric checks on (job.steps(numerics=...)); the same as Numerics(verify_every=K). "
-                        "A whole number of steps from 1 (see docs/numerics.md)")
+                        "A whole number of steps from 1; give the same K on every node (see docs/numerics.md)")
     add_torchrun_arguments(p)
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
