@@ -61,8 +61,8 @@ def test_decision_travels_as_integers() -> None:
 
 def test_passing_verifications_move_the_last_verified_state() -> None:
     ledger = Ledger()
-    assert ledger.plan(1, 0, []).issue
-    assert ledger.plan(2, 1, [(1, True)]).issue
+    assert ledger.decide(1, 0, []).issue
+    assert ledger.decide(2, 1, [(1, True)]).issue
     assert (ledger.passed, ledger.pending) == (1, {2: 1})
     assert ledger.summary() == {"verified": 1, "passed": 1, "mismatched": 0, "skipped": 0, "not_done": 1,
                                 "errors": 0}
@@ -71,8 +71,8 @@ def test_passing_verifications_move_the_last_verified_state() -> None:
 def test_a_mismatch_rolls_back_to_the_newest_passed_step_and_starts_a_round() -> None:
     ledger = Ledger()
     for step in range(1, 6):
-        ledger.plan(step, step % 4, [])
-    decision = ledger.plan(6, 2, [(1, True), (2, True), (3, False), (4, True), (5, True)])
+        ledger.decide(step, step % 4, [])
+    decision = ledger.decide(6, 2, [(1, True), (2, True), (3, False), (4, True), (5, True)])
     # Step 3 differed: back to step 2's pre-step state (the last verified); 4 and 5 passed too late to count.
     assert decision == Decision(False, rollback_to=2, bad_step=3, bad_rank=3, round_no=1, source_round=0)
     assert ledger.pending == {} and ledger.passed == 2 and ledger.mismatched == 1
@@ -80,42 +80,42 @@ def test_a_mismatch_rolls_back_to_the_newest_passed_step_and_starts_a_round() ->
 
 def test_a_mismatch_with_nothing_passed_rolls_back_to_the_failed_steps_own_pre_state() -> None:
     ledger = Ledger()
-    ledger.plan(5, 0, [])
-    decision = ledger.plan(10, 1, [(5, False)])
+    ledger.decide(5, 0, [])
+    decision = ledger.decide(10, 1, [(5, False)])
     assert (decision.rollback_to, decision.bad_step, decision.source_round) == (5, 5, 0)
 
 
 def test_after_a_roll_back_the_old_rounds_verified_state_still_counts() -> None:
     ledger = Ledger()
-    ledger.plan(2, 1, [])
-    ledger.plan(3, 2, [])
-    first = ledger.plan(4, 3, [(2, True), (3, False)])
+    ledger.decide(2, 1, [])
+    ledger.decide(3, 2, [])
+    first = ledger.decide(4, 3, [(2, True), (3, False)])
     assert (first.rollback_to, first.round_no) == (2, 1)
-    ledger.plan(2, 1, [])  # the re-run of step 2, in round 1
-    again = ledger.plan(3, 2, [(2, False)])
+    ledger.decide(2, 1, [])  # the re-run of step 2, in round 1
+    again = ledger.decide(3, 2, [(2, False)])
     assert (again.rollback_to, again.source_round, again.round_no) == (2, 0, 2)  # round 0's file of step 2
 
 
 def test_answers_to_steps_not_waiting_are_ignored_and_a_replay_error_is_no_verdict() -> None:
     ledger = Ledger()
-    ledger.plan(1, 0, [])
-    assert ledger.plan(2, 1, [(7, False), (1, None)]).issue  # 7 was never asked (an old round's answer)
+    ledger.decide(1, 0, [])
+    assert ledger.decide(2, 1, [(7, False), (1, None)]).issue  # 7 was never asked (an old round's answer)
     assert (ledger.errors, ledger.mismatched, ledger.passed) == (1, 0, 0)
 
 
 def test_a_full_queue_skips_steps_and_says_overdue_never_blocks() -> None:
     ledger = Ledger(max_pending=2)
-    assert ledger.plan(1, 0, []).issue and ledger.plan(2, 1, []).issue
-    skipped = ledger.plan(3, 2, [])
+    assert ledger.decide(1, 0, []).issue and ledger.decide(2, 1, []).issue
+    skipped = ledger.decide(3, 2, [])
     assert not skipped.issue and not skipped.rollback_to and ledger.overdue
-    assert ledger.plan(4, 3, [(1, True)]).issue and not ledger.overdue  # caught up: verified again
+    assert ledger.decide(4, 3, [(1, True)]).issue and not ledger.overdue  # caught up: verified again
     assert ledger.summary()["skipped"] == 1
 
 
 def test_a_step_run_again_after_a_peers_fault_is_verified_once_more() -> None:
     ledger = Ledger()
-    ledger.plan(4, 3, [])
-    assert ledger.plan(4, 3, []).issue and ledger.pending == {4: 3}
+    ledger.decide(4, 3, [])
+    assert ledger.decide(4, 3, []).issue and ledger.pending == {4: 3}
 
 
 def test_the_decisions_import_no_torch() -> None:

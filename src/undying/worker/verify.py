@@ -189,7 +189,7 @@ class Verification:
         collective, and the loop recovers as for an aborted step.
         """
         suspect = suspect_of(index, self.every, self._world)
-        decision = self._agree(lambda: self._ledger.plan(index, suspect, self._results()))
+        decision = self._agree(lambda: self._ledger.decide(index, suspect, self._results()))
         self._issued = None
         if decision.rollback_to:
             return self._roll_back(state, decision, committed=index - 1)

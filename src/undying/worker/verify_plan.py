@@ -129,7 +129,7 @@ class Ledger:
             self.overdue = False
         return None
 
-    def plan(self, step: int, suspect: int, results: list[tuple[int, bool | None]]) -> Decision:
+    def decide(self, step: int, suspect: int, results: list[tuple[int, bool | None]]) -> Decision:
         """The decision at verified step ``step``: a roll-back found in ``results``, or whether to verify it."""
         back = self.settle(results)
         if back is not None:
