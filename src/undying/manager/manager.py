@@ -434,7 +434,7 @@ class Manager:
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
         if message.phase == NUMERIC_PHASE:  # a step's numeric check, replayed: its verdict (manager.numerics)
-            on_numeric_fault(self.core, message)
+            on_numeric_fault(self.core, message, self.recoveries)
 
     def _on_comm_failure(self, message: CommFailure) -> None:
         info = self.ranks[message.rank]
