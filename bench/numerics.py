@@ -166,7 +166,8 @@ def micro(workload: Workload, rounds: int) -> dict[str, Any]:
     runs: dict[str, tuple[Any, Any, NumericsGuard | None]] = {}
     for name, config in kinds.items():
         model, ddp, opt = build()
-        guard = None if config is None else NumericsGuard(config, State(model=model), 0, lambda: 0, lambda m: None)
+        guard = None if config is None else NumericsGuard(config, State(model=model, optimizer=opt), 0, lambda: 0,
+                                                          lambda m: None)
         runs[name] = (ddp, opt, guard)
     x, y = torch.randn(workload.batch_size, workload.features), torch.randn(workload.batch_size, 1)
 
