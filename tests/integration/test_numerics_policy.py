@@ -51,16 +51,16 @@ def test_rollback_goes_back_n_steps_and_the_rest_is_a_run_without_their_batches(
 
 def test_a_rank_found_at_fault_twice_is_replaced_like_a_crash(oracle: Oracle, tmp_path: Path) -> None:
     faults = tuple(FaultPlan("nan", rank=1, at_step=s, phase="backward", how="once", expect="numeric")
-                   for s in (3, 5))
+                   for s in (2, 4))  # the second with 4 steps (1.2 s) left: the kill lands mid-run
     outcome = _run(oracle, tmp_path / "job", (*ARGS, "--step-seconds", "0.3"), ("--numerics", "skip"), faults)
     assert outcome.returncode == 0, outcome.log()[-3000:]
     assert outcome.comparison.identical and outcome.comparison.lost_steps == 0, outcome.comparison.reasons
     transient = [i for i in outcome.incidents if i["detail"].get("verdict") == "transient"]
-    assert [(i["step"], i["rank"]) for i in transient] == [(3, 1), (5, 1)], outcome.incidents
+    assert [(i["step"], i["rank"]) for i in transient] == [(2, 1), (4, 1)], outcome.incidents
     (replaced,) = [i for i in outcome.incidents if i["detail"].get("faulty_rank")]
     assert replaced["rank"] == 1 and replaced["action"] == "replace" and replaced["status"] == "recovered", replaced
-    assert "found at fault 2 times" in replaced["error"] and "steps 3, 5" in replaced["error"], replaced
+    assert "found at fault 2 times" in replaced["error"] and "steps 2, 4" in replaced["error"], replaced
     (event,) = outcome.events("faulty_rank")
-    assert event["rank"] == 1 and event["host"] and event["steps"] == [3, 5], event
+    assert event["rank"] == 1 and event["host"] and event["steps"] == [2, 4], event
     assert [e["rank"] for e in outcome.events("spawned") if e["joining"]] == [1], "rank 1, and only it, replaced"
     assert len(outcome.incidents) == 3, outcome.incidents  # one fault found once (rank 1's first NaN) is not enough

@@ -88,9 +88,9 @@ def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) ->
     """A rank at fault ``FAULTS_TO_REPLACE`` times is replaced as a crashed one is: killed, its exit recovered."""
     faults = _faults_of(core, rank)
     info = core.ranks.get(rank)
-    if len(faults) < FAULTS_TO_REPLACE or info is None or core.winding_down or info.state is RankState.EXITED \
-            or info.pid in recoveries.condemned:
-        return
+    if len(faults) < FAULTS_TO_REPLACE or info is None or core.winding_down \
+            or info.state in (RankState.EXITED, RankState.DONE) or info.pid in recoveries.condemned:
+        return  # (a rank that finished its steps has nothing left to get wrong)
     agent = core.agents.get(info.node)
     host = str(getattr(agent, "host", "") or core.config.host)
     steps = [i.step for i in faults]
