@@ -169,6 +169,9 @@ def _bits(values: dict[str, float | None]) -> tuple[Any, ...]:
     return tuple((k, None if v is None else struct.pack("<d", v)) for k, v in sorted(values.items()))
 
 
+_OWN_SUM_DTYPES = (torch.float32, torch.float64)  # summed in their own type: the norm needs no dtype argument
+
+
 def _sum_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -227,15 +230,20 @@ class NumericsGuard:
         grad = param.grad
         if grad is None:
             return
-        self._sums.append(torch.linalg.vector_norm(grad.detach(), dtype=_sum_dtype(grad)))
-        if len(self._sums) % self._expected or type(grad) is not torch.Tensor or not grad.is_contiguous() \
+        sums = self._sums
+        # As few operations as the work allows: each costs a dispatch, about as much as a small gradient's norm.
+        g = grad.detach() if grad.requires_grad else grad  # (a gradient with a graph: create_graph=True)
+        sums.append(torch.linalg.vector_norm(g) if g.dtype in _OWN_SUM_DTYPES else
+                    torch.linalg.vector_norm(g, dtype=_sum_dtype(g)))
+        if len(sums) % self._expected or type(grad) is not torch.Tensor or not grad.is_contiguous() \
                 or grad.numel() == 0:
             return
-        total = torch.stack(self._sums).square().sum()  # the local norm, squared: inf once it overflows
-        first = grad.view(-1)[:1]
-        first.copy_(torch.where(torch.isfinite(total), first, torch.full_like(first, float("nan"))))
+        local = torch.stack(sums)
+        # The local norm squared (inf once it overflows) times 0, plus 1: 1 while it is finite, else NaN; the
+        # first element times that is itself, bit for bit (-0.0 and a NaN too), or NaN.
+        g.view(-1)[:1].mul_(torch.dot(local, local).mul_(0).add_(1))
         self._marked = param
-        self._marked_at = len(self._sums)
+        self._marked_at = len(sums)
 
     def begin(self, step: Any) -> None:
         """A step (or its replay) starts: forget the last attempt's prints, keep the buffers to put back."""
