@@ -20,10 +20,13 @@ Whole jobs on a shared 2-core machine spread by tens of percent, far more than
 the target; so the checks' own cost is also timed directly (``micro``): one
 process, a 1-rank gloo group, the workload's model twice, one under DDP's
 built-in all-reduce and one under undying's checks (the gradient hooks, the
-step's ``begin`` and ``check``); a full training step (forward, backward,
-optimizer) of each per round, the order alternating, ``--micro-rounds``
-rounds; the cost is the median of the paired differences, as a share of the
-unchecked step's median, and of the whole job's unchecked step time.
+step's ``begin`` and ``check``), and a third with ``on_persistent="rollback"``
+(the same checks plus the snapshot ring's copy of the state before each step);
+a full training step (forward, backward, optimizer) of each per round, the
+order rotating, ``--micro-rounds`` rounds; a cost is the median of the paired
+differences, as a share of the unchecked step's median, and of the whole job's
+unchecked step time. Beside it, one read of the gradients (a norm of each,
+timed alone): the floor of any check that looks at every gradient.
 
 Run it from the repository root::
 
@@ -125,6 +128,10 @@ def render(result: dict[str, Any], out: TextIO) -> None:
     print(f"  timed directly ({m['rounds']} rounds, {m['params']} parameters, 1 rank): {m['cost_ms']} ms a step, "
           f"{m['cost_pct_of_step']}% of the step alone ({m['step_ms']} ms), {m['cost_pct_of_job_step']}% of the "
           "4-rank job's unchecked step", file=out)
+    print(f"  one read of the gradients alone (a norm of each, the floor of any check of them): {m['read_ms']} ms, "
+          f"{m['read_pct_of_step']}% of the step alone", file=out)
+    print(f"  --numerics rollback's snapshot ring (2 steps): +{m['rollback_ring_ms']} ms a step over the checks "
+          f"({m['rollback_ring_pct_of_step']}% of the step alone), {m['rollback_ring_mib']} MiB held", file=out)
 
 
 def micro(workload: Workload, rounds: int) -> dict[str, Any]:
@@ -155,11 +162,12 @@ def micro(workload: Workload, rounds: int) -> dict[str, Any]:
         def __init__(self, index: int) -> None:
             self.index, self.generation, self.metrics = index, 0, {}
 
-    kinds = {"plain": None, "checked": Numerics()}
+    kinds = {"plain": None, "checked": Numerics(), "rollback": Numerics(on_persistent="rollback", rollback_steps=2)}
     runs: dict[str, tuple[Any, Any, NumericsGuard | None]] = {}
     for name, config in kinds.items():
         model, ddp, opt = build()
-        guard = None if config is None else NumericsGuard(config, State(model=model), 0, lambda: 0, lambda m: None)
+        guard = None if config is None else NumericsGuard(config, State(model=model, optimizer=opt), 0, lambda: 0,
+                                                          lambda m: None)
         runs[name] = (ddp, opt, guard)
     x, y = torch.randn(workload.batch_size, workload.features), torch.randn(workload.batch_size, 1)
 
@@ -184,13 +192,26 @@ def micro(workload: Workload, rounds: int) -> dict[str, Any]:
             one(name, i)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
-        for name in names[i % 2:] + names[:i % 2]:  # the order alternates
+        for name in names[i % len(names):] + names[:i % len(names)]:  # the order rotates
             times[name].append(one(name, i))
     step_ms = 1000 * statistics.median(times["plain"])
     out: dict[str, Any] = {"rounds": rounds, "params": sum(p.numel() for p in runs["plain"][0].parameters()),
                            "step_ms": round(step_ms, 3)}
     cost_ms = 1000 * statistics.median([b - a for a, b in zip(times["plain"], times["checked"], strict=True)])
     out.update(cost_ms=round(cost_ms, 4), cost_pct_of_step=round(100 * cost_ms / step_ms, 2))
+    ring_ms = 1000 * statistics.median([b - a for a, b in zip(times["checked"], times["rollback"], strict=True)])
+    ring = runs["rollback"][2].ring if runs["rollback"][2] is not None else None
+    out.update(rollback_ring_ms=round(ring_ms, 4), rollback_ring_pct_of_step=round(100 * ring_ms / step_ms, 2),
+               rollback_ring_mib=round(ring.nbytes / 2**20, 2) if ring is not None else None)
+    # The floor of any check of every gradient: one read of them, timed alone on the gradients of a step.
+    grads = [p.grad for p in runs["plain"][0].module.parameters() if p.grad is not None]
+    reads = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        torch._foreach_norm(grads)
+        reads.append(time.perf_counter() - start)
+    read_ms = 1000 * statistics.median(reads)
+    out.update(read_ms=round(read_ms, 4), read_pct_of_step=round(100 * read_ms / step_ms, 2))
     return out
 
 

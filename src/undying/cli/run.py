@@ -32,7 +32,7 @@ from undying.config import (
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
 from undying.manager.jobdir import default_job_dir
-from undying.protocol.env import VIRTUAL_RANKS_ENV
+from undying.protocol.env import NUMERICS_ENV, VIRTUAL_RANKS_ENV
 from undying.protocol.verify_wire import VERIFY_EVERY_ENV
 from undying.worker.verify_plan import check_every
 
@@ -223,6 +223,18 @@ no checkpoint at all.""",
                         "behind leaves steps unverified, and the job's verify_summary says how many). Turns the "
                         "numeric checks on (job.steps(numerics=...)); the same as Numerics(verify_every=K). "
                         "A whole number of steps from 1; give the same K on every node (see docs/numerics.md)")
+    p.add_argument("--numerics", choices=("skip", "rollback", "stop"), default=None, metavar="POLICY",
+                   help="check every step before it commits (a script using the step API, no code change): the "
+                   "loss and gradient norm finite, and with --spike-factor no loss spike; a failed step is replayed "
+                   "in place, and one that fails again bit for bit is the data's fault: POLICY skip (the batch), "
+                   "rollback (go back --rollback-steps steps and skip their batches) or stop (fail with a report). "
+                   "Sets job.steps(numerics=...)'s default; a script's own Numerics(...) wins. See docs/numerics.md")
+    p.add_argument("--spike-factor", type=finite_arg("--spike-factor"), default=None, metavar="F",
+                   help="with --numerics: a loss above F x the median of the last 50 committed losses is a fault "
+                   "(after 20 of them; F > 1, e.g. 10)")
+    p.add_argument("--rollback-steps", type=_rollback_steps, default=None, metavar="N",
+                   help="with --numerics rollback: how many steps to go back (1-64, default 2); each is a copy of "
+                   "the model and optimizer state held in memory")
     add_torchrun_arguments(p)
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
@@ -246,6 +258,35 @@ def _virtual_ranks(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a number of virtual ranks: give a whole number >= 1 "
                                          "(the job's data-parallel width)")
     return int(raw)
+
+
+def _rollback_steps(raw: str) -> int:
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 64:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps to roll back: give a whole number "
+                                         "from 1 to 64 (each is a copy of the state in memory)")
+    return int(raw)
+
+
+def numerics_env(args: argparse.Namespace) -> str | None:
+    """NUMERICS_ENV's value for ``--numerics`` and its sub-options (None: off), each checked by name."""
+    if args.numerics is None:
+        given = [o for o, v in (("--spike-factor", args.spike_factor), ("--rollback-steps", args.rollback_steps))
+                 if v is not None]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise UsageError(f"{' and '.join(given)} {verb} to the numeric checks: add --numerics skip|rollback|stop")
+        return None
+    if args.rollback_steps is not None and args.numerics != "rollback":
+        raise UsageError(f"--rollback-steps applies to --numerics rollback, not --numerics {args.numerics}")
+    if args.spike_factor is not None and not args.spike_factor > 1:
+        raise UsageError(f"--spike-factor must be above 1 (a multiple of the recent median loss, e.g. 10), "
+                         f"got {args.spike_factor:g}")
+    fields = [f"on_persistent={args.numerics}"]
+    if args.spike_factor is not None:
+        fields.append(f"spike_factor={args.spike_factor!r}")
+    if args.rollback_steps is not None:
+        fields.append(f"rollback_steps={args.rollback_steps}")
+    return ",".join(fields)
 
 
 def _nnodes(raw: str) -> tuple[int, int]:
@@ -359,6 +400,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ[VIRTUAL_RANKS_ENV] = str(args.virtual_ranks)
     if args.verify_every is not None:  # the workers inherit it (worker.verify reads it)
         os.environ[VERIFY_EVERY_ENV] = str(check_every(args.verify_every))
+    if (numerics := numerics_env(args)) is not None:  # the workers inherit it (worker.numerics reads it)
+        os.environ[NUMERICS_ENV] = numerics
     if args.manager is not None:
         return _run_node(args, config, script_args)
     if args.checkpoint_dir:

@@ -435,7 +435,7 @@ class Manager:
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
         if message.phase == NUMERIC_PHASE:  # a step's numeric check, replayed: its verdict (manager.numerics)
-            on_numeric_fault(self.core, message)
+            on_numeric_fault(self.core, message, self.recoveries)
         elif message.phase == SDC_PHASE:  # a step that differed from its replay (manager.verification)
             on_sdc(self.core, message)
 

@@ -6,15 +6,33 @@ persistent (the batch skipped, or the job stopped: it fails at once, as no
 replacement would pass that step) or non-deterministic. The
 incident names the rank whose gradients changed between the two runs, or, for
 a persistent fault, the rank whose own gradients were not finite.
+
+A rank named alone by ``FAULTS_TO_REPLACE`` faults of the job (transient or
+non-deterministic: its gradients changed between a step and its replay) is
+replaced like a crash: its process is killed, and the recovery's usual path
+(``manager.recovery``) puts a new one in its place with the state from a peer;
+the incident says why, and a ``faulty_rank`` event names its host, which a
+multi-node job should take out of placement (quarantine). A persistent fault
+is the data's, not a rank's: it does not count.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 from undying.errors import UsageError
 from undying.manager.core import JobCore
-from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
+from undying.manager.policy import Action, Decision
+from undying.manager.recovery import Recoveries
+from undying.manager.state import (
+    Incident,
+    IncidentDetail,
+    IncidentKind,
+    IncidentStatus,
+    JobState,
+    RankState,
+)
 from undying.protocol.kinds import NumericHow
 from undying.protocol.worker_wire import ArmFault, Progress
 
@@ -23,9 +41,13 @@ __all__ = ["on_numeric_fault", "arm_numeric", "NUMERIC_PHASE"]
 NUMERIC_PHASE = "numeric_fault"
 # How each kind may strike, and the first the default.
 _HOWS = {"nan": ("once", "persistent"), "bitflip": ("grad", "param", "grad-finite")}
+# A rank named alone by this many faults (since it was last replaced for them) is replaced like a crash.
+FAULTS_TO_REPLACE = 2
+# Verdicts that name a rank: its own gradients changed between the step and its replay.
+_RANK_VERDICTS = ("transient", "nondeterministic")
 
 
-def on_numeric_fault(core: JobCore, message: Progress) -> None:
+def on_numeric_fault(core: JobCore, message: Progress, recoveries: Recoveries | None = None) -> None:
     """Record a worker's numeric verdict as an incident (the job went on, or stops by its own report)."""
     detail: dict[str, Any] = dict(message.detail)
     suspects = [int(r) for r in detail.get("suspects", []) if isinstance(r, int)]
@@ -45,6 +67,51 @@ def on_numeric_fault(core: JobCore, message: Progress) -> None:
     core.events.incident(incident)
     if action == "stop":  # the policy's word: no replacement would pass this step either
         core.fail(f"numeric fault, stopped by policy: {_report(incident.error, detail)}")
+    elif recoveries is not None and len(suspects) == 1 and detail.get("verdict") in _RANK_VERDICTS:
+        _replace_if_found_again(core, recoveries, suspects[0])
+
+
+def _faults_of(core: JobCore, rank: int) -> list[Incident]:
+    """The numeric faults that named ``rank`` alone since it was last replaced for them."""
+    found: list[Incident] = []
+    for incident in core.incidents:
+        if incident.kind is not IncidentKind.NUMERIC or incident.rank != rank:
+            continue
+        if incident.detail.get("faulty_rank"):
+            found = []  # a new process since: its own count starts
+        elif incident.detail.get("verdict") in _RANK_VERDICTS and incident.detail.get("ranks") == [rank]:
+            found.append(incident)
+    return found
+
+
+def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) -> None:
+    """A rank at fault ``FAULTS_TO_REPLACE`` times is replaced as a crashed one is: killed, its exit recovered."""
+    faults = _faults_of(core, rank)
+    info = core.ranks.get(rank)
+    if len(faults) < FAULTS_TO_REPLACE or info is None or core.winding_down \
+            or info.state in (RankState.EXITED, RankState.DONE) or info.pid in recoveries.condemned:
+        return  # (a rank that finished its steps has nothing left to get wrong)
+    agent = core.agents.get(info.node)
+    host = str(getattr(agent, "host", "") or core.config.host)
+    steps = [i.step for i in faults]
+    reason = (f"rank {rank} was found at fault {len(faults)} times (numeric faults at steps "
+              f"{', '.join(map(str, steps))}, its gradients changed on replay each time): its process is replaced "
+              f"like a crashed one; its host {host} (node {info.node}) is suspect")
+    now = time.time()
+    incident = recoveries.new_incident(kind=IncidentKind.NUMERIC, rank=rank, step=info.step + 1, fault_t=now,
+                                       detected_t=now, error=reason)
+    incident.detail.update(cast(IncidentDetail, {"faulty_rank": True, "host": host, "node": info.node,
+                                                  "faults": [i.id for i in faults], "fault_steps": steps}))
+    incident.action = Action.REPLACE.value
+    incident.phases["decided"] = now
+    core.events.event("faulty_rank", rank=rank, node=info.node, host=host, faults=len(faults), steps=steps,
+                      incident=incident.id, reason=reason)
+    # Quarantine: in a multi-node job no new rank should be placed on this host until it requalifies; the
+    # host state (drain/quarantine) is wired here at merge: e.g. core.hosts.quarantine(host, reason).
+    core.events.incident(incident)
+    core.move(JobState.RECOVERING)
+    recoveries.condemned[info.pid] = (incident, Decision(Action.REPLACE, reason))
+    core.kill(rank)  # its exit carries on in the recovery's usual path: a new process, the state from a peer
 
 
 def _report(summary: str, detail: dict[str, Any]) -> str:

@@ -19,8 +19,11 @@ put back as they were before the step. The replay decides:
   fingerprint changed between the two runs;
 - it fails the same way, bit for bit, with every rank's fingerprint equal: the
   data or the model is at fault. Policy: ``skip`` (the step commits nothing
-  but moves the data on) or ``stop`` (the step fails with a report naming the
-  step, each rank's batch indices and the values);
+  but moves the data on), ``rollback`` (the state goes back to before step
+  ``s - N + 1``, held in memory by a ``SnapshotRing``, and the batches of steps
+  ``s - N + 1 .. s`` are skipped: the rest of the run is a run that never had
+  them) or ``stop`` (the step fails with a report naming the step, each
+  rank's batch indices and the values);
 - it fails differently: non-determinism or hardware; said so, then the same policy.
 
 Every rank takes the same decision without a vote: the values checked are
@@ -37,6 +40,7 @@ is computed only when a value is wrong.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import struct
 import time
@@ -50,7 +54,9 @@ import torch.distributed as dist
 
 from undying.errors import UndyingError, UsageError
 from undying.protocol.codec import Message
+from undying.protocol.env import NUMERICS_ENV
 from undying.protocol.worker_wire import Progress
+from undying.worker.snapshots import MAX_SNAPSHOTS, SnapshotRing
 from undying.worker.verify_plan import check_every
 
 __all__ = ["Numerics", "NumericFault", "NumericsGuard"]
@@ -59,7 +65,10 @@ __all__ = ["Numerics", "NumericFault", "NumericsGuard"]
 HISTORY_EXTRA = "undying_numerics_losses"
 # Each checked model's gradient hooks (weakly: a model that goes away takes its entry with it).
 _HOOKS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-_POLICIES = ("skip", "stop")
+_POLICIES = ("skip", "stop", "rollback")
+# The fields ``undying run --numerics`` may set through NUMERICS_ENV, and how each is read.
+_ENV_FIELDS: dict[str, Callable[[str], Any]] = {"on_persistent": str, "spike_factor": float, "window": int,
+                                                "warmup": int, "rollback_steps": int}
 
 
 @dataclass(frozen=True)
@@ -70,8 +79,10 @@ class Numerics:
     logged before ``optimizer.step()`` and the same on every rank (all-reduced).
     ``spike_factor`` (None: no spike check) flags a loss above that multiple of
     the median of the last ``window`` committed losses, from ``warmup`` of them on.
-    ``on_persistent`` is ``skip`` or ``stop``. ``scaler``: the script's
-    ``GradScaler``, whose per-step bookkeeping a replay resets.
+    ``on_persistent`` is ``skip``, ``stop`` or ``rollback`` (go back
+    ``rollback_steps`` steps, from an in-memory snapshot of each, and skip
+    their batches). ``scaler``: the script's ``GradScaler``, whose per-step
+    bookkeeping a replay resets.
     """
 
     metric: str = "loss"
@@ -81,6 +92,7 @@ class Numerics:
     on_persistent: str = "skip"
     scaler: Any = None
     verify_every: int | None = None  # every K steps one rank's step replayed elsewhere (worker.verify)
+    rollback_steps: int = 2
 
     def __post_init__(self) -> None:
         if self.spike_factor is not None and not (math.isfinite(self.spike_factor) and self.spike_factor > 1):
@@ -92,14 +104,45 @@ class Numerics:
         if self.on_persistent not in _POLICIES:
             raise UsageError(f"Numerics(on_persistent=...) must be one of {', '.join(_POLICIES)}, "
                              f"got {self.on_persistent!r}")
+        if isinstance(self.rollback_steps, bool) or not isinstance(self.rollback_steps, int) \
+                or not 1 <= self.rollback_steps <= MAX_SNAPSHOTS:
+            raise UsageError(f"Numerics(rollback_steps=...) must be a whole number from 1 to {MAX_SNAPSHOTS} "
+                             f"(each is a copy of the state in memory), got {self.rollback_steps!r}")
 
     @staticmethod
-    def of(value: Numerics | bool | None) -> Numerics | None:
-        """``numerics=True`` is ``Numerics()``; False or None: no checks."""
-        if value is None or value is False:
+    def from_env(env: dict[str, str] | None = None) -> Numerics | None:
+        """What ``undying run --numerics ...`` asked for (NUMERICS_ENV: ``field=value,...``), or None."""
+        raw = (os.environ if env is None else env).get(NUMERICS_ENV, "").strip()
+        if not raw:
             return None
-        if value is True:
-            return Numerics()
+        fields: dict[str, Any] = {}
+        for item in raw.split(","):
+            name, _, value = item.partition("=")
+            read = _ENV_FIELDS.get(name.strip())
+            try:
+                if read is None:
+                    raise ValueError(name)
+                fields[name.strip()] = read(value.strip())
+            except ValueError:
+                raise UsageError(f"{NUMERICS_ENV}={raw!r}: {item.strip()!r} is not one of "
+                                 f"{', '.join(f + '=VALUE' for f in _ENV_FIELDS)}; set it with undying run "
+                                 "--numerics POLICY [--spike-factor F] [--rollback-steps N]") from None
+        return Numerics(**fields)
+
+    @staticmethod
+    def of(value: Numerics | bool | None, env: dict[str, str] | None = None) -> Numerics | None:
+        """The checks of ``job.steps(numerics=value)``.
+
+        A ``Numerics`` is taken as it is; False: no checks. None (the default)
+        and True take ``undying run --numerics``'s settings (NUMERICS_ENV), so a
+        script gets the checks with no change; without them None is no checks
+        and True is ``Numerics()``.
+        """
+        if value is False:
+            return None
+        if value is None or value is True:
+            configured = Numerics.from_env(env)
+            return configured if configured is not None or value is None else Numerics()
         if isinstance(value, Numerics):
             return value
         raise UsageError(f"job.steps(numerics=...) takes True, False or an undying Numerics, got {type(value).__name__}")
@@ -128,6 +171,9 @@ class _Attempt:
 def _bits(values: dict[str, float | None]) -> tuple[Any, ...]:
     """Values compared bit for bit (NaN equals the same NaN)."""
     return tuple((k, None if v is None else struct.pack("<d", v)) for k, v in sorted(values.items()))
+
+
+_OWN_SUM_DTYPES = (torch.float32, torch.float64)  # summed in their own type: the norm needs no dtype argument
 
 
 def _sum_dtype(t: torch.Tensor) -> torch.dtype:
@@ -159,6 +205,8 @@ class NumericsGuard:
                    for param in params]
         if model is not None:
             _HOOKS[model] = handles
+        # The pre-step states a roll-back goes back to (policy rollback only: a copy of the state a step).
+        self.ring = SnapshotRing(config.rollback_steps) if config.on_persistent == "rollback" else None
         self.history: dict[str, float] = {}
         if config.spike_factor is not None:
             state.extras[HISTORY_EXTRA] = self.history  # moved and saved with the state
@@ -186,15 +234,20 @@ class NumericsGuard:
         grad = param.grad
         if grad is None:
             return
-        self._sums.append(torch.linalg.vector_norm(grad.detach(), dtype=_sum_dtype(grad)))
-        if len(self._sums) % self._expected or type(grad) is not torch.Tensor or not grad.is_contiguous() \
+        sums = self._sums
+        # As few operations as the work allows: each costs a dispatch, about as much as a small gradient's norm.
+        g = grad.detach() if grad.requires_grad else grad  # (a gradient with a graph: create_graph=True)
+        sums.append(torch.linalg.vector_norm(g) if g.dtype in _OWN_SUM_DTYPES else
+                    torch.linalg.vector_norm(g, dtype=_sum_dtype(g)))
+        if len(sums) % self._expected or type(grad) is not torch.Tensor or not grad.is_contiguous() \
                 or grad.numel() == 0:
             return
-        total = torch.stack(self._sums).square().sum()  # the local norm, squared: inf once it overflows
-        first = grad.view(-1)[:1]
-        first.copy_(torch.where(torch.isfinite(total), first, torch.full_like(first, float("nan"))))
+        local = torch.stack(sums)
+        # The local norm squared (inf once it overflows) times 0, plus 1: 1 while it is finite, else NaN; the
+        # first element times that is itself, bit for bit (-0.0 and a NaN too), or NaN.
+        g.view(-1)[:1].mul_(torch.dot(local, local).mul_(0).add_(1))
         self._marked = param
-        self._marked_at = len(self._sums)
+        self._marked_at = len(sums)
 
     def begin(self, step: Any) -> None:
         """A step (or its replay) starts: forget the last attempt's prints, keep the buffers to put back."""
@@ -204,6 +257,8 @@ class NumericsGuard:
         model = self._state.model
         if model is not None:
             self._buffers = [b.detach().clone() for b in model.buffers()]
+        if self.ring is not None:
+            self.ring.save(step.index, self._state)
 
     def check(self, step: Any) -> None:
         """Before the optimizer steps: raise NumericFault if a value fails; on a passing replay, report."""
@@ -229,21 +284,34 @@ class NumericsGuard:
         self._pending = None
         first = pending.fault
         ranks = self._gather({"changed": fault.prints != first.prints, "finite": self._local_finite(),
-                              "batch": self._batch_indices(step.index)})
+                              "batch": self._batch_indices(step.index),
+                              "oldest": self.ring.oldest if self.ring is not None else None})
         changed = [r for r, d in enumerate(ranks) if d["changed"]]
         same = first.reason == fault.reason and _bits(first.values) == _bits(fault.values) and not changed
         verdict = "persistent" if same else "nondeterministic"
         suspects = changed or [r for r, d in enumerate(ranks) if d["finite"] is False]
         policy = self.config.on_persistent
+        extra: dict[str, Any] = {"batches": {str(r): d["batch"] for r, d in enumerate(ranks)}}
+        outcome = "; the batch is skipped" if policy == "skip" else "; the job stops"
+        back_to = step.index
+        if policy == "rollback":
+            # Every rank goes back to the same step: the latest pre-state that every ring holds, N steps back at most.
+            held = [d["oldest"] for d in ranks]
+            back_to = max([step.index - self.config.rollback_steps + 1,
+                           *(h if isinstance(h, int) else step.index for h in held)])
+            extra.update(rolled_back=list(range(back_to, step.index)), skipped=list(range(back_to, step.index + 1)))
+            outcome = (f"; rolled back to the state before step {back_to}, the batches of steps {back_to}.."
+                       f"{step.index} skipped" if back_to < step.index else
+                       f"; no earlier state held (the ring starts at step {step.index}): the batch is skipped")
         summary = (f"step {step.index}: {first.reason}; the replay " +
                    ("failed the same way, bit for bit: the data or the model is at fault" if same else
                     f"failed differently ({fault.reason}): non-determinism or hardware") +
-                   (f"; ranks whose gradients changed: {changed}" if changed else "") +
-                   ("; the batch is skipped" if policy == "skip" else "; the job stops"))
-        self._report(step, verdict, policy, summary, suspects, first, fault.values,
-                     {"batches": {str(r): d["batch"] for r, d in enumerate(ranks)}})
-        if policy == "skip":
+                   (f"; ranks whose gradients changed: {changed}" if changed else "") + outcome)
+        self._report(step, verdict, policy, summary, suspects, first, fault.values, extra)
+        if policy in ("skip", "rollback"):
             self._rewind()
+            if back_to < step.index and self.ring is not None:
+                self.ring.restore(back_to, self._state)  # the skipped steps' batches never trained this state
             step.metrics.clear()  # nothing trained: no value of this step stands
             return "skip"
         batches = "; ".join(f"rank {r}: {d['batch']}" for r, d in enumerate(ranks))
