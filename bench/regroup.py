@@ -175,11 +175,11 @@ def render(result: dict[str, Any]) -> str:
              f"{result['args']['step_seconds']}s, heartbeat timeout {result['args']['heartbeat_timeout']}s, node-wait "
              f"{result['args']['node_wait']}s, spares {result['args']['spares']}; medians of "
              f"{result['args']['repeats']}"]
-    header = f"{'scenario':<9}" + "".join(f"{p[:14]:>15}" for p in PHASES) + f"{'-node-wait':>12}{'lost':>6}{'ranks':>6}"
+    header = f"{'scenario':<17}" + "".join(f"{p[:14]:>15}" for p in PHASES) + f"{'-node-wait':>12}{'lost':>6}{'ranks':>6}"
     lines.append(header)
     for name, s in result["scenarios"].items():
         cells = "".join(f"{s['phases'][p] if s['phases'][p] is not None else '-':>15}" for p in PHASES)
-        lines.append(f"{name:<9}{cells}{s['mttr_without_node_wait_s'] or '-':>12}{s['lost_steps']:>6}"
+        lines.append(f"{name:<17}{cells}{s['mttr_without_node_wait_s'] or '-':>12}{s['lost_steps']:>6}"
                      f"{s['world_size_after']:>6}  ({s['ok']}/{s['runs']} ok)")
     lines.append("seconds from the fault (the SIGKILL of the host, or the join); first_step_done is the MTTR")
     for name, s in result["scenarios"].items():

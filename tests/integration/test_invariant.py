@@ -15,8 +15,8 @@ The suite's time is tight, so each run checks all it can: the 3-rank run is
 also the one a rank is killed in; the shrink's run also has a rank killed
 during its regroup and another one after it; the grow's run has a rank killed
 during its regroup; the clean shrink then grow is ``undying demo --fault
-shrink`` itself. The fault-free references are the oracle's, shared by the
-pytest-xdist workers.
+shrink`` itself. The fault-free references are the oracle's, made once and
+shared by the pytest-xdist workers.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from undying.manager.events import LogReader, read_job
 
 SCRIPT = Path(__file__).resolve().parents[2] / "src" / "undying" / "demo" / "invariant_train.py"
 VIRTUAL = ["--virtual-ranks", "4"]
-# 256 samples over 4 virtual ranks in batches of 8: 8 steps.
+# 256 samples over 4 virtual ranks in batches of 8: 8 steps (a step costs ~0.2 s of a loaded machine's
+# time on 1 rank, which runs all 4 virtual ranks: 8 steps are what these runs need).
 SCRIPT_ARGS = ["--epochs", "1", "--samples", "256"]
 
 
@@ -89,8 +90,10 @@ def test_on_3_ranks_and_with_a_rank_killed_and_replaced_the_losses_are_the_same(
     assert incidents and incidents[0]["rank"] == 1 and incidents[0]["status"] == "recovered", run.incidents
 
 
-# The jobs that shrink and grow: 64 steps of ~0.1 s on up to 2 nodes of 2 ranks.
-SHRINK_ARGS = ["--epochs", "1", "--samples", "2048"]
+# The jobs that shrink and grow: 64 steps of at least 0.1 s (time for a change to land mid-run) on up to
+# 2 nodes of 2 ranks. Their reference runs at full speed (the oracle drops --step-seconds: same losses).
+SHRINK_ARGS = ["--epochs", "1", "--samples", "2048", "--step-seconds", "0.1"]
+STEPS = 64
 RUN_ARGS = ["--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60", *VIRTUAL]
 
 
@@ -116,7 +119,7 @@ def _assert_regroups(job_dir: Path, unchanged: RunRecord, sizes: list[tuple[int,
     run = load_run(job_dir / "events.db")
     comparison = compare_runs(unchanged, _one_digest(run))
     assert comparison.identical, (comparison.reasons, logs())
-    assert comparison.steps == 64 and not run.rerun_steps
+    assert comparison.steps == STEPS and not run.rerun_steps
     return job
 
 
@@ -139,7 +142,7 @@ def test_a_grow_with_a_rank_killed_during_its_regroup_changes_no_loss(
     members restored the state, before it is saved). Every loss equals the unchanged 2-rank run's, bit for bit,
     and no step runs twice."""
     hosts = make_hosts(3)
-    cluster = Cluster(hosts, tmp_path, "grow", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
+    cluster = Cluster(hosts, tmp_path, "grow", SHRINK_ARGS, min_nodes=1,
                       run_args=[*RUN_ARGS, "--node-wait", "2"], script=SCRIPT)
     try:
         cluster.start_manager()
@@ -155,6 +158,10 @@ def test_a_grow_with_a_rank_killed_during_its_regroup_changes_no_loss(
     job = _assert_regroups(cluster.job_dir, unchanged, [(2, 4)], cluster.logs)
     assert _fired(cluster.job_dir) == [(1, "regroup")]
     assert _crashes(job) == [(1, "recovered", True)], job["incidents"]
+    regroup = next(i for i in job["incidents"] if i["kind"] == "node-joined")["detail"]["regroup"]
+    # The saver (rank 0) saved; its confirmation failed with rank 1 gone, and it left all the same: one attempt.
+    assert regroup["attempts"] == 1 and regroup["checkpoint_kind"] == "regroup", regroup
+    assert regroup["faults"] == ["rank 1 killed by SIGKILL"], regroup
     assert any(i["kind"] == "node-joined" and i["status"] == "recovered" for i in job["incidents"]), job["incidents"]
     assert job["job"]["world_size"] == 4
 
@@ -167,7 +174,7 @@ def test_a_shrink_with_a_rank_killed_during_its_regroup_and_another_after_it_cha
     in a backward pass and replaced. Every loss equals the fault-free run's on 2 ranks on one host, which never
     changed, bit for bit (the default mode equals only a job saved and resumed on 2), and no step runs twice."""
     hosts = make_hosts(3)
-    cluster = Cluster(hosts, tmp_path, "shrinkcrash", [*SHRINK_ARGS, "--step-seconds", "0.1"], min_nodes=1,
+    cluster = Cluster(hosts, tmp_path, "shrinkcrash", SHRINK_ARGS, min_nodes=1,
                       run_args=[*RUN_ARGS, "--node-wait", "3"], script=SCRIPT)
     try:
         cluster.start()
@@ -223,7 +230,7 @@ def test_demo_shrink_then_grow_in_invariant_mode_keeps_every_loss(tmp_path: Path
     assert demo.returncode == 0, context
     assert result["fault"] == "shrink" and result["ok"] is True and result["reasons"] == [], context
     assert result["identical"] is True and result["final_state_identical"] is True, context
-    assert result["lost_steps"] == 0 and result["steps"] == 64 and result["ranks"] == 4, context
+    assert result["lost_steps"] == 0 and result["steps"] == STEPS and result["ranks"] == 4, context
     assert result["exit_codes"] == {"fault_free": 0, "with_fault": 0}, context
     lost = [i for i in result["incidents"] if i["kind"] == "node-loss"]
     assert sorted(i["rank"] for i in lost) == [2, 3], context
