@@ -19,6 +19,17 @@ node i's agent on host i + 1. Three scenarios, each run ``--repeats`` times:
   starts again on node 0 alone from it (a regroup).
 * grow: ``--nnodes 1:2`` started with node 0 alone; at step S node 1 joins and the
   job regroups on both nodes.
+* shrink-invariant, grow-invariant: shrink and grow in invariant mode
+  (``--virtual-ranks 4``, ``undying/demo/invariant_train.py``: the same MLP, the
+  same global batch of ``4 x --batch-size`` at 4 ranks, split over the 4 virtual
+  ranks), for MTTR and step time against the default mode at the same world
+  size. Run them interleaved with shrink and grow.
+
+Besides the MTTR, every run reports the steady-state step time before the fault
+and after the recovery (rank 0's commits: the median gap between consecutive
+steps, the first 3 steps of each side left out as warm-up). With
+``--step-seconds`` above the step's work that is the pacing only: measure step
+time with ``--step-seconds 0`` and more ``--samples``.
 
 From the manager's incident (every phase is measured from the fault: the
 SIGKILL, or the join) the report takes detection, the decision, the regroup's
@@ -47,24 +58,33 @@ import time
 from pathlib import Path
 from typing import Any
 
+from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.hosts import Hosts, netns_unavailable_reason
-from undying.manager.events import read_job
+from undying.demo.shrink import INVARIANT_SCRIPT
+from undying.manager.events import LogReader, read_job
 
-SCENARIOS = ("replace", "standby", "shrink", "grow")
+SCENARIOS = ("replace", "standby", "shrink", "grow", "shrink-invariant", "grow-invariant")
+INVARIANT = "-invariant"  # the suffix of a scenario run in invariant mode (--virtual-ranks 4)
+VIRTUAL_RANKS = 4
 PHASES = ("detected", "decided", "checkpoint_written", "replacement_ready", "group_rebuilt", "state_restored",
           "first_step_done")
 
 
 def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    invariant = scenario.endswith(INVARIANT)
+    scenario, mode = scenario.removesuffix(INVARIANT), scenario
     hosts = Hosts(4)
-    job_id = f"{scenario}-{int(time.time() * 1000) % 10**8}"
+    job_id = f"{mode}-{int(time.time() * 1000) % 10**8}"
     script_args = ["--samples", str(args.samples), "--epochs", str(args.epochs),
-                   "--step-seconds", str(args.step_seconds)]
+                   "--step-seconds", str(args.step_seconds), "--batch-size", str(args.batch_size)]
     run_args = ["--heartbeat-timeout", str(args.heartbeat_timeout), "--spares", str(args.spares),
                 "--node-wait", str(args.node_wait), "--rendezvous-timeout", "120"]
+    if invariant:  # the job of 4 virtual ranks: each reads --batch-size, as each of 4 ranks does by default
+        run_args += ["--virtual-ranks", str(VIRTUAL_RANKS)]
     cluster = Cluster(hosts, root, job_id, script_args, run_args=run_args,
-                      min_nodes=1 if scenario in ("shrink", "grow") else 0)
+                      min_nodes=1 if scenario in ("shrink", "grow") else 0,
+                      script=INVARIANT_SCRIPT if invariant else TRAIN_SCRIPT)
     try:
         cluster.start_manager()
         cluster.start_agent(0, 1)
@@ -96,14 +116,32 @@ def run_once(scenario: str, args: argparse.Namespace, root: Path) -> dict[str, A
     regroup = (first.get("detail") or {}).get("regroup") or {}
     mttr = phases.get("first_step_done")
     waited = args.node_wait if scenario == "shrink" else 0.0
+    before_s, after_s = _steady_step_times(cluster.job_dir / "events.db", fault_t, fault_t + (mttr or 0.0))
     return {
-        "scenario": scenario, "exit_code": code, "state": job["job"].get("state"),
+        "scenario": mode, "exit_code": code, "state": job["job"].get("state"),
         "phases": phases, "mttr_s": mttr,
         "mttr_without_node_wait_s": round(mttr - waited, 3) if mttr is not None else None,
         "lost_steps": len(job["job"].get("rerun_steps", [])) + int((first.get("detail") or {}).get("lost_steps", 0)),
         "world_size": job["job"].get("world_size"), "action": first.get("action"),
         "regroup_step": regroup.get("checkpoint_step"), "regroup_kind": regroup.get("checkpoint_kind"),
+        "step_s_before": before_s, "step_s_after": after_s,
     }
+
+
+def _steady_step_times(db: Path, fault_t: float, recovered_t: float, warmup: int = 3) -> tuple[float | None, ...]:
+    """Rank 0's median gap between consecutive steps before ``fault_t`` and after ``recovered_t`` (seconds).
+
+    The first ``warmup`` steps of each side are left out (a fresh group's first
+    steps build buffers and warm caches); a gap across a missing step is no step.
+    """
+    with LogReader(db) as reader:
+        times = sorted((s, t) for r, s, t in reader.commit_times() if r == 0)
+
+    def median_gap(side: list[tuple[int, float]]) -> float | None:
+        gaps = [b[1] - a[1] for a, b in zip(side[warmup:], side[warmup + 1:], strict=False) if b[0] == a[0] + 1]
+        return round(statistics.median(gaps), 4) if gaps else None
+
+    return (median_gap([c for c in times if c[1] < fault_t]), median_gap([c for c in times if c[1] > recovered_t]))
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,7 +158,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "mttr_without_node_wait_s": med([r["mttr_without_node_wait_s"] for r in runs]),
         "lost_steps": max((r["lost_steps"] for r in runs), default=0),
         "world_size_after": runs[-1]["world_size"] if runs else None,
+        **{f"{k}_{how}": v for k in ("step_s_before", "step_s_after")
+           for how, v in _spread([r.get(k) for r in runs]).items()},
     }
+
+
+def _spread(values: list[float | None]) -> dict[str, float | None]:
+    """The median, min and max of ``values`` (None ones left out)."""
+    got = [v for v in values if v is not None]
+    return {"median": round(statistics.median(got), 4) if got else None,
+            "min": min(got, default=None), "max": max(got, default=None)}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -128,16 +175,18 @@ def render(result: dict[str, Any]) -> str:
              f"{result['args']['step_seconds']}s, heartbeat timeout {result['args']['heartbeat_timeout']}s, node-wait "
              f"{result['args']['node_wait']}s, spares {result['args']['spares']}; medians of "
              f"{result['args']['repeats']}"]
-    header = f"{'scenario':<9}" + "".join(f"{p[:14]:>15}" for p in PHASES) + f"{'-node-wait':>12}{'lost':>6}{'ranks':>6}"
+    header = f"{'scenario':<17}" + "".join(f"{p[:14]:>15}" for p in PHASES) + f"{'-node-wait':>12}{'lost':>6}{'ranks':>6}"
     lines.append(header)
     for name, s in result["scenarios"].items():
         cells = "".join(f"{s['phases'][p] if s['phases'][p] is not None else '-':>15}" for p in PHASES)
-        lines.append(f"{name:<9}{cells}{s['mttr_without_node_wait_s'] or '-':>12}{s['lost_steps']:>6}"
+        lines.append(f"{name:<17}{cells}{s['mttr_without_node_wait_s'] or '-':>12}{s['lost_steps']:>6}"
                      f"{s['world_size_after']:>6}  ({s['ok']}/{s['runs']} ok)")
     lines.append("seconds from the fault (the SIGKILL of the host, or the join); first_step_done is the MTTR")
     for name, s in result["scenarios"].items():
         lines.append(f"{name}: MTTR median {s['mttr_s']}, min {s['mttr_min_s']}, max {s['mttr_max_s']} "
-                     f"({s['runs']} runs)")
+                     f"({s['runs']} runs); step time before {s.get('step_s_before_median')} s "
+                     f"({s.get('step_s_before_min')}-{s.get('step_s_before_max')}), after "
+                     f"{s.get('step_s_after_median')} s ({s.get('step_s_after_min')}-{s.get('step_s_after_max')})")
     scenarios = result["scenarios"]
     if "replace" in scenarios and "standby" in scenarios and scenarios["standby"]["mttr_s"]:
         cold, warm = scenarios["replace"]["mttr_s"], scenarios["standby"]["mttr_s"]
@@ -153,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--at-step", type=int, default=15, help="the fault once the job passed this step")
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--step-seconds", type=float, default=0.1)
+    p.add_argument("--step-seconds", type=float, default=0.1,
+                   help="every step lasts at least this long (0: as fast as it runs, to measure step time)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="samples per rank per step (per virtual rank in the invariant scenarios)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
     p.add_argument("--node-wait", type=float, default=5.0)
     p.add_argument("--spares", type=int, default=1)

@@ -21,6 +21,7 @@ from typing import Any
 from filelock import FileLock
 
 from undying.cli.demo import FaultPlan, run_job
+from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import Comparison, RunRecord, compare_runs, load_run
 from undying.manager.events import connect_readonly, read_job
 
@@ -99,20 +100,21 @@ class Oracle:
                 done.write_text(repr(key))
         return folder
 
-    def baseline(self, script_args: Sequence[str], ranks: int) -> RunRecord:
-        """The fault-free record of the demo job with ``script_args`` on ``ranks`` ranks.
+    def baseline(self, script_args: Sequence[str], ranks: int, *, script: Path | None = None,
+                 run_args: Sequence[str] = ()) -> RunRecord:
+        """The fault-free record of the demo job (or ``script``, run with ``run_args``) on ``ranks`` ranks.
 
         ``--step-seconds`` only makes a step last longer (the losses are the same):
         the reference runs at full speed, and a paced job and an unpaced one of
         the same arguments share it.
         """
         script_args = _without_option(script_args, "--step-seconds")
-        key = (ranks, tuple(script_args))
+        key = (ranks, tuple(script_args), *((str(script), tuple(run_args)) if script or run_args else ()))
         if key not in self._baselines:
             def make(folder: Path) -> None:
                 job_dir = folder / "job"
                 rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180,
-                             extra_run_args=["--spares", "0"])
+                             extra_run_args=["--spares", "0", *run_args], script=script or TRAIN_SCRIPT)
                 assert rc == 0, f"the fault-free run failed ({rc}); log: {job_dir}.log"
             folder = self._shared("baseline", key, make)
             self._baselines[key] = load_run(folder / "job" / "events.db")

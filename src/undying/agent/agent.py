@@ -26,7 +26,7 @@ from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
 from undying.agent.zygote import Zygote, start_mode
-from undying.config import JobConfig, step_timeout
+from undying.config import EXIT_REGROUPED, JobConfig, step_timeout
 from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
 from undying.protocol.codec import Handlers, Message, MessageError
 from undying.protocol.env import ENV_PREFIX
@@ -123,6 +123,7 @@ class Agent:
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
         self._start_mode = start_mode()
         self._zygote: Zygote | None = None
+        self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
         self._from_worker = self._worker_handlers()
         self._torchrun = TorchrunEnv(config, node)  # torchrun's variables (agent/torchrun_env.py)
 
@@ -280,6 +281,7 @@ class Agent:
         kind = ["-m"] if launch.module else ["--no-python"] if launch.no_python else []
         args = [*(["--spare"] if spare else []), *kind, self._script, *self._script_args]
         process: Process | None = None
+        self._regrouping = False
         if self._zygote is not None:
             process = self._zygote.spawn(args, env, os.getcwd())
         elif self._start_mode == "zygote" and self._port:  # let go while the node was idle: back for the next
@@ -393,16 +395,18 @@ class Agent:
                 returncode = returned_exit(self.config, worker.rank, worker.incarnation, worker.pid, returncode,
                                            self._spare_event)
                 self._manager.on_exit(worker.rank, worker.pid, returncode, t)
+                self._regrouping |= returncode == EXIT_REGROUPED and self.config.elastic
         self._zygote_idle()
 
     def _zygote_idle(self) -> None:
         """A node left with no worker and no spare holds no process but its agent: the zygote goes too.
 
         (A job waiting for nodes, a node stopped: nothing of the job runs on the host.) The next worker
-        wanted starts the zygote again; that worker, and any other before it is ready, starts fresh.
+        wanted starts it again; that one, and any before it is ready, starts fresh. Kept when an elastic
+        job's regroup member leaves (EXIT_REGROUPED): it goes on here at once (forked 1-2 s, fresh 25 s).
         """
         zygote = self._zygote
-        if zygote is None or not zygote.alive:
+        if zygote is None or not zygote.alive or self._regrouping:
             return
         if any(w.process.returncode is None for w in self._workers.values()) or any(
                 s.process.returncode is None for s in self.spares.spares.values()):
