@@ -152,6 +152,7 @@ async def _serve(options: ManagerOptions) -> int:
         server.received = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
         server.persisted = dict(server.received)
     manager = Manager(config, events, restoring=restart)
+    server.standbys.blocked = lambda: manager.core.hosts.blocked_hosts()  # no standby on a drained host
     runner = None
     try:
         if restart:

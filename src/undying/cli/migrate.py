@@ -1,0 +1,80 @@
+"""``undying migrate``, ``undying drain`` and ``undying undrain``: planned moves of a running job.
+
+Each talks to the job's manager over its HTTP API with the job's token, as
+``undying inject`` does; the manager checks the request and carries it out
+(``undying.manager.migration``). No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from undying.cli.client import add_job_arguments, connect
+from undying.errors import UsageError
+
+__all__ = ["add_parsers"]
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "migrate",
+        help="move a rank of a running job to a warm spare at a step boundary, losing nothing",
+        description="Move a rank of a running job to another process at a step boundary while training "
+        "goes on: the rank leaves at the start of a step (its last step committed), a warm spare of its "
+        "node (or a new process when none is warm) takes the rank and gets the state from a peer, and "
+        "every rank runs the next step once. No step is re-run to completion and the losses are those of "
+        "the run without the move. The incident log records it as a planned `migration` with its "
+        "timeline. Use it to take a rank off a process before it fails, or to exercise the path.",
+    )
+    p.add_argument("--rank", type=int, required=True, help="the rank to move")
+    p.add_argument("--to", metavar="HOST", default=None,
+                   help="the host to move it to: the rank's own node's host (the default), where it takes "
+                   "a warm spare; `undying status` lists each node's host")
+    add_job_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
+    p.set_defaults(func=_migrate)
+
+    for name, words in (
+        ("drain", "Mark a host drained: it gets no new ranks (a standby parked there is not promoted, "
+                  "no rank moves there) until `undying undrain HOST`. Refused, with nothing changed, "
+                  "while a rank of the job still runs on it and there is nowhere to move it."),
+        ("undrain", "Put a drained or quarantined host back: it may get ranks again. This is the one "
+                    "way to clear either state; `undying status` lists the hosts that are out and why."),
+    ):
+        q = sub.add_parser(name, help=words.split(":")[0].split(".")[0].lower(), description=words)
+        q.add_argument("host", metavar="HOST", help="the host, as `undying status` lists it under nodes")
+        if name == "drain":
+            q.add_argument("--reason", default="", help="why, for the status and the log (e.g. 'disk swap')")
+        add_job_arguments(q)
+        q.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
+        q.set_defaults(func=_host_command, what=name)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    if args.rank < 0:
+        raise UsageError(f"--rank must be >= 0, got {args.rank}")
+    api = connect(args.manager, args.job_dir, args.token_file)
+    answer = api.post("/api/migrate", {"rank": args.rank, "to": args.to})
+    if args.json:
+        sys.stdout.write(json.dumps(answer) + "\n")
+    else:
+        print(f"migrating: rank {answer['migrating']} (pid {answer['pid']}) leaves after step "
+              f"{answer['boundary_step']} for a {answer['replacement']} on {answer['to']}; "
+              "`undying status` shows the planned incident and its timeline")
+    return 0
+
+
+def _host_command(args: argparse.Namespace) -> int:
+    api = connect(args.manager, args.job_dir, args.token_file)
+    body = {"host": args.host, **({"reason": args.reason} if args.what == "drain" else {})}
+    answer = api.post(f"/api/{args.what}", body)
+    if args.json:
+        sys.stdout.write(json.dumps(answer) + "\n")
+    elif args.what == "drain":
+        print(f"host {answer['host']}: {answer['state']} ({answer['reason']}); `undying undrain "
+              f"{answer['host']}` puts it back")
+    else:
+        print(f"host {answer['host']}: ok (was {answer['was']})")
+    return 0
