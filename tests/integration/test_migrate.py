@@ -9,10 +9,20 @@ incident, recovered, with its timeline and the warm spare that took the rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
+from undying.cli.client import api_post
 from undying.cli.demo import FAULTS
+from undying.demo.cluster import Cluster, wait_for
+from undying.demo.oracle import compare_runs, load_run
+from undying.errors import UsageError
+from undying.manager.events import read_job
 
 SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.02")  # test_goodput's: its baseline is shared
 
@@ -34,3 +44,61 @@ def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, t
     assert incident["mttr_s"] is not None and incident["mttr_s"] > 0
     # The replacement's state came from the other rank, at the boundary: the step after it ran once, there.
     assert incident["detail"]["restored_step"] == incident["step"]
+
+
+# test_multinode's job (2 nodes x 2 ranks, 96 paced steps): its fault-free 4-rank baseline is shared.
+MULTINODE_ARGS = ["--epochs", "3", "--samples", "2048", "--step-seconds", "0.1"]
+MULTINODE_RUN = ["--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60"]
+
+
+def test_a_drained_hosts_node_moves_to_a_standby_with_identical_losses(
+        make_hosts: Callable[[int], Hosts], oracle: Oracle, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`undying drain HOST` on a network-namespace host: its node's two ranks leave at one step boundary,
+    the standby parked on a third host takes the node on its warm spares, the losses are the fault-free run's."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "mg", MULTINODE_ARGS, run_args=MULTINODE_RUN)
+    try:
+        cluster.start_manager()
+        for node in range(2):  # (namespaces share the machine's hostname: each agent is given its own)
+            monkeypatch.setenv("UNDYING_HOST_NAME", f"host{node + 1}")
+            cluster.start_agent(node, node + 1)
+        standby = hosts.add_host()
+        monkeypatch.setenv("UNDYING_HOST_NAME", f"host{standby}")
+        cluster.start_standby(standby)
+        wait_for(lambda: cluster.log(f"standby{standby}").count("is warm") >= 2, 90, "the standby's two warm spares")
+        cluster.wait_for_step(10)
+        with hosts.inside(0):
+            idle = _post_error(cluster, "/api/drain", {"host": "host9"})  # runs nothing: drained at once
+            answer = api_post(cluster.url(), "/api/drain", {"host": "host2", "reason": "disk swap"},
+                              token=cluster.token)
+        assert idle is None
+        [moved] = answer["moved"]
+        assert (moved["migrating_node"], moved["ranks"], moved["to"]) == (1, [2, 3], f"host{standby}"), answer
+        out = {m["host"]: m for m in cluster.status()["hosts_out"]}
+        assert out["host2"]["state"] == "drained" and out["host2"]["reason"] == "disk swap", out
+        assert cluster.wait(120) == 0, cluster.logs() + cluster.log(f"standby{standby}")[-3000:]
+        run = load_run(cluster.job_dir / "events.db")
+        comparison = compare_runs(oracle.baseline(MULTINODE_ARGS, ranks=4), run)
+        assert comparison.identical and comparison.lost_steps == 0 and not run.rerun_steps, comparison.reasons
+        job = read_job(cluster.job_dir / "events.db")
+        incidents = job["incidents"]
+        assert sorted(i["rank"] for i in incidents) == [2, 3], incidents
+        assert all((i["kind"], i["action"], i["status"]) == ("migration", "migrate", "recovered")
+                   for i in incidents), incidents
+        assert all(i["detail"]["replacement"] == "warm spare" for i in incidents), incidents
+        assert len({i["detail"]["generation"] for i in incidents}) == 1  # one new generation for the node
+        assert "gave this agent node 1" in cluster.log(f"standby{standby}")
+        assert cluster.agents[1].returncode == 0  # the drained host's agent was told it is done
+        assert {m["host"] for m in job["job"]["hosts"]} == {"host2", "host9"}  # kept in the log
+    finally:
+        cluster.close()
+
+
+def _post_error(cluster: Cluster, path: str, body: dict[str, Any]) -> str | None:
+    """The manager's 400 for ``body`` (None: it was accepted)."""
+    try:
+        api_post(cluster.url(), path, body, token=cluster.token)
+    except UsageError as e:
+        return str(e)
+    return None

@@ -28,10 +28,16 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "the run without the move. The incident log records it as a planned `migration` with its "
         "timeline. Use it to take a rank off a process before it fails, or to exercise the path.",
     )
-    p.add_argument("--rank", type=int, required=True, help="the rank to move")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, help="the rank to move")
+    which.add_argument("--node", type=int,
+                       help="the node to move: every rank of it leaves at the same boundary and a standby agent "
+                       "(`undying run --standby`) parked on --to takes the node")
     p.add_argument("--to", metavar="HOST", default=None,
-                   help="the host to move it to: the rank's own node's host (the default), where it takes "
-                   "a warm spare; `undying status` lists each node's host")
+                   help="where to: for --rank, its own node's host (the default), where it takes a warm spare, or "
+                   "another host with a standby parked there when the rank is its node's only one; for --node, the "
+                   "host of a parked standby (default: any standby not on a drained host); `undying status` lists "
+                   "each node's host")
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=_migrate)
@@ -53,12 +59,17 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    if args.rank < 0:
-        raise UsageError(f"--rank must be >= 0, got {args.rank}")
+    for name in ("rank", "node"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
     api = connect(args.manager, args.job_dir, args.token_file)
-    answer = api.post("/api/migrate", {"rank": args.rank, "to": args.to})
+    which = {"rank": args.rank} if args.rank is not None else {"node": args.node}
+    answer = api.post("/api/migrate", {**which, "to": args.to})
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")
+    elif "migrating_node" in answer:
+        print(f"migrating: node {answer['migrating_node']} (ranks {', '.join(map(str, answer['ranks']))}) leaves "
+              f"{answer['from']} after step {answer['boundary_step']} for the standby on {answer['to']}")
     else:
         print(f"migrating: rank {answer['migrating']} (pid {answer['pid']}) leaves after step "
               f"{answer['boundary_step']} for a {answer['replacement']} on {answer['to']}; "

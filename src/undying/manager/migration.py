@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
@@ -37,7 +37,11 @@ from undying.manager.hosts import LOG_KEY, HostBook, HostMark, check_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
 from undying.manager.state import IncidentKind, JobState, RankInfo, RankState
+from undying.protocol.node_wire import JobEnded
 from undying.protocol.worker_wire import ArmFault
+
+if TYPE_CHECKING:
+    from undying.manager.nodes import AgentServer
 
 __all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move"]
 
@@ -49,7 +53,8 @@ LEAD_STEPS = 2
 
 
 # What each POST of the HTTP API takes (manager/http.py): its body's example, for the errors.
-MOVE_EXAMPLES = {"migrate": '{"rank": 1, "to": "HOST"}', "drain": '{"host": "HOST"}', "undrain": '{"host": "HOST"}'}
+MOVE_EXAMPLES = {"migrate": '{"rank": 1, "to": "HOST"} or {"node": 1, "to": "HOST"}', "drain": '{"host": "HOST"}',
+                 "undrain": '{"host": "HOST"}'}
 _MAX_RANK = 1 << 20
 
 
@@ -57,11 +62,18 @@ def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: st
     """``POST /api/<what>`` with its JSON body, checked whole before anything is done; UsageError names the field."""
     example = MOVE_EXAMPLES[what]
     if what == "migrate":
-        rank, to = body.get("rank"), body.get("to")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
-            raise UsageError(f'migrate needs a "rank" (a whole number from 0), got {str(rank)[:40]!r}; e.g. {example}')
+        rank, to, node = body.get("rank"), body.get("to"), body.get("node")
         if to is not None and not isinstance(to, str):
             raise UsageError(f'"to" must be a host name (a string), got {str(to)[:40]!r}; e.g. {example}')
+        if node is not None and rank is not None:
+            raise UsageError(f'migrate takes a "rank" or a "node", not both; e.g. {example}')
+        if node is not None:
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node <= _MAX_RANK:
+                raise UsageError(f'"node" must be a whole number from 0, got {str(node)[:40]!r}; e.g. {example}')
+            return migrations.migrate_node(node, to, by=by)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
+            raise UsageError(f'migrate needs a "rank" or a "node" (a whole number from 0, not both), got '
+                             f'{str(rank)[:40]!r}; e.g. {example}')
         return migrations.migrate(rank, to, by=by)
     host = body.get("host")
     if not isinstance(host, str):
@@ -80,6 +92,7 @@ class _Pending:
     to: str
     by: str
     t: float  # when it was armed: the incident's "planned" time
+    node: int | None = None  # a whole node's move (to a standby on ``to``): every rank of it leaves
 
 
 class Migrations:
@@ -91,6 +104,7 @@ class Migrations:
         self.detection = detection
         self._busy = busy  # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
         self.pending: dict[int, _Pending] = {}  # pid -> the move it is armed for
+        self.server: AgentServer | None = None  # the agents' server (a multi-node job): standbys, slots
 
     @property
     def hosts(self) -> HostBook:
@@ -113,11 +127,13 @@ class Migrations:
             raise UsageError(f"cannot migrate rank {rank} now: {why}")
         host = self.host_of(info.node)
         target = host if to is None or to in (host, "localhost") else check_host(to)
+        if target != host and sum(1 for r in core.ranks.values() if r.node == info.node) == 1:
+            return self.migrate_node(info.node, target, by=by)  # the node's one rank: the node moves
         if target != host:
             raise UsageError(
-                f"rank {rank} runs on node {info.node} (host {host}); a rank moves to a warm spare of its own "
-                f"node (leave --to out, or give --to {host}); to take host {host} out, drain it "
-                f"(`undying drain {host}`) with a standby agent parked elsewhere")
+                f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them moves to a warm "
+                f"spare of its own node (leave --to out, or give --to {host}), or the whole node moves to a "
+                f"standby on {target} (`undying migrate --node {info.node} --to {target}`)")
         if self.hosts.blocked(host):
             raise UsageError(f"host {host} is {self.hosts.state(host).value}: it gets no new ranks; "
                              f"`undying undrain {host}` first")
@@ -134,20 +150,56 @@ class Migrations:
         return {"migrating": rank, "pid": info.pid, "from": host, "to": target, "boundary_step": boundary,
                 "replacement": "warm spare" if spares else "new process"}
 
+    def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
+        """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to`` takes the node."""
+        core = self.core
+        if node not in core.agents or node not in core.book.nodes:
+            raise UsageError(f"node {node} is not a node of this job; it trains on nodes "
+                             f"{', '.join(map(str, core.book.nodes))}")
+        ranks = [r for r in core.ranks.values() if r.node == node]
+        for info in ranks:
+            why = self._why_not_now(info)
+            if why:
+                raise UsageError(f"cannot move node {node} now: {why}")
+        host = self.host_of(node)
+        standby = self._standby_on(to, avoid={host})
+        boundary = max(max(r.step for r in ranks), core.book.newest_step()) + LEAD_STEPS
+        now = time.time()
+        for info in ranks:
+            self.pending[info.pid] = _Pending(info.rank, info.pid, boundary, host, standby, by, now, node=node)
+            core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
+        core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks], boundary=boundary,
+                          host=host, to=standby, by=by)
+        log.info("job %s: node %d (%s) moves to the standby on %s after step %d", core.config.job_id, node, host,
+                 standby, boundary)
+        return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host, "to": standby,
+                "boundary_step": boundary, "replacement": "standby agent"}
+
     def drain(self, host: str, *, by: str = "api", reason: str = "") -> dict[str, Any]:
-        """Mark ``host`` drained; refused, with nothing changed, while a rank of the job runs there."""
+        """Mark ``host`` drained and move every node of the job on it to a standby parked elsewhere.
+
+        Refused, with nothing changed, when there are fewer standbys (not on a
+        drained or quarantined host) than nodes to move.
+        """
         check_host(host)
-        on_host = sorted(r.rank for r in self.core.ranks.values()
-                         if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host)
-        if on_host:
-            nodes = sorted({self.core.ranks[r].node for r in on_host})
+        nodes = sorted({r.node for r in self.core.ranks.values()
+                        if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host})
+        free = [h for h in self._parked_hosts() if h != host and not self.hosts.blocked(h)]
+        if len(free) < len(nodes):
             raise UsageError(
-                f"host {host} runs rank(s) {', '.join(map(str, on_host))} of node(s) {', '.join(map(str, nodes))} "
-                f"and there is nowhere to move them: every other host is full, and moving a whole node to a "
-                f"standby is not done by drain yet; stop the job or let it finish, then drain {host}")
+                f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is nowhere to move "
+                f"{'them' if len(nodes) > 1 else 'it'}: {len(free)} standby agent(s) parked on other hosts "
+                f"(`undying run --standby ...` on a host that is not drained); start one, or stop the job, "
+                f"then drain {host}")
+        for node in nodes:
+            why = next((w for info in self.core.ranks.values() if info.node == node
+                        for w in [self._why_not_now(info)] if w), "")
+            if why:
+                raise UsageError(f"cannot drain host {host} now: {why}")
         mark = self.hosts.drain(host, by=by, reason=reason, t=time.time())
         self._record("host_drained", mark)
-        return {"host": host, "state": mark.state.value, "reason": mark.reason, "moved": []}
+        moved = [self.migrate_node(node, free[i], by=by) for i, node in enumerate(nodes)]
+        return {"host": host, "state": mark.state.value, "reason": mark.reason, "moved": moved}
 
     def quarantine(self, host: str, reason: str, *, by: str = "numerics") -> dict[str, Any]:
         """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks there."""
@@ -181,25 +233,57 @@ class Migrations:
             self.core.events.event("migration_failed", rank=pending.rank, pid=pid, returncode=returncode)
             return False
         core = self.core
+        previous = core.generations.current
+        core.move(JobState.RECOVERING)
+        if pending.node is None:
+            self._replace(info, pending, t)
+        else:
+            self._move_node(info, pending, t)
+        for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
+            if peer.state is not RankState.EXITED and peer.generation <= previous:
+                core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
+        return True
+
+    def _replace(self, info: RankInfo, pending: _Pending, t: float) -> None:
+        """The planned incident of one rank, carried out as the recovery's replacement."""
+        core = self.core
         self.detection.injected.pop(info.rank, None)  # (its "migrate" report is no fault to time a crash from)
         incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=info.step,
                                                 fault_t=t, detected_t=t,
-                                                error=f"planned: rank {info.rank} moved from pid {pid} on "
+                                                error=f"planned: rank {info.rank} moved from pid {pending.pid} on "
                                                       f"{pending.host} (by {pending.by})")
         incident.phases["decided"] = time.time()
         incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": info.step, "from": pending.host,
-                                        "to": pending.to, "by": pending.by, "pid": pid}
+                                        "to": pending.to, "by": pending.by, "pid": pending.pid,
+                                        **({"node": pending.node} if pending.node is not None else {})}
         incident.action = "migrate"
         core.events.event("decided", rank=info.rank, incident=incident.id, action="migrate",
                           reason="planned migration")
-        core.move(JobState.RECOVERING)
-        previous = core.generations.current
         self.recoveries.execute(incident, Decision(Action.REPLACE, "planned migration"))
-        for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
-            if peer.rank != info.rank and peer.state is not RankState.EXITED:
-                core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
         core.events.incident(incident)
-        return True
+
+    def _move_node(self, first: RankInfo, pending: _Pending, t: float) -> None:
+        """The node's first rank left at its boundary: the node's agent is let go, every rank of it is
+        replaced in one new generation, and the standby on the target host is given the node."""
+        core, node = self.core, pending.node
+        assert node is not None and self.server is not None
+        slot = self.server.slots[node]
+        slot.send(JobEnded("moved", f"node {node} moved to a standby on {pending.to} ({self.hosts.state(pending.host).value} "
+                                    f"host {pending.host}); this agent is done", 0))
+        slot.detach(f"moved to {pending.to}")
+        self.recoveries.one_generation = True
+        try:
+            for info in sorted(core.ranks.values(), key=lambda r: r.rank):
+                if info.node != node:
+                    continue
+                mine = pending if info is first else self.pending.pop(info.pid, None)
+                if info is not first and info.state not in (RankState.EXITED, RankState.DONE):
+                    info.state = RankState.EXITED  # its process goes with its agent (fenced if it lingers)
+                    core.book.persist(info)
+                self._replace(info, mine or pending, t)
+        finally:
+            self.recoveries.end_shared_generation()
+        self._place_on(pending.to)
 
     # --- helpers ------------------------------------------------------------------
 
@@ -219,6 +303,39 @@ class Migrations:
         if any(p.rank == info.rank for p in self.pending.values()):
             return f"rank {info.rank} is already being moved"
         return ""
+
+    def _parked_hosts(self) -> list[str]:
+        if self.server is None:
+            return []
+        return [p.join.host for p in self.server.standbys.parked.values()]
+
+    def _standby_on(self, to: str | None, *, avoid: set[str]) -> str:
+        """The host of the standby a node moves to: ``to`` (one must be parked there) or any not avoided."""
+        hosts = [h for h in self._parked_hosts() if h not in avoid and not self.hosts.blocked(h)]
+        if to is not None:
+            check_host(to)
+            if self.hosts.blocked(to):
+                raise UsageError(f"host {to} is {self.hosts.state(to).value}: it gets no new ranks; "
+                                 f"`undying undrain {to}` first")
+            if to not in hosts:
+                raise UsageError(f"no standby agent is parked on host {to} (parked on: {', '.join(hosts) or 'none'}); "
+                                 f"start one there with `undying run --standby ...`")
+            return to
+        if not hosts:
+            raise UsageError("no standby agent is parked to move the node to; start one on another host with "
+                             "`undying run --standby ...`")
+        return hosts[0]
+
+    def _place_on(self, host: str) -> None:
+        """Give the moved node to the standby on ``host``: the others are passed over this once."""
+        assert self.server is not None
+        standbys, others = self.server.standbys, self.hosts.blocked_hosts()
+        blocked = standbys.blocked
+        standbys.blocked = lambda: others | {h for h in self._parked_hosts() if h != host}
+        try:
+            self.server.place_standbys()
+        finally:
+            standbys.blocked = blocked
 
     def _record(self, what: str, mark: HostMark) -> None:
         self.core.events.event(what, **mark.to_dict())

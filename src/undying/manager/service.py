@@ -153,6 +153,7 @@ async def _serve(options: ManagerOptions) -> int:
         server.persisted = dict(server.received)
     manager = Manager(config, events, restoring=restart)
     server.standbys.blocked = lambda: manager.core.hosts.blocked_hosts()  # no standby on a drained host
+    manager.migrations.server = server  # a node moved (undying migrate --node, drain) goes to a standby
     runner = None
     try:
         if restart:
