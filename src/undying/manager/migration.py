@@ -65,6 +65,8 @@ def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: st
         rank, to, node = body.get("rank"), body.get("to"), body.get("node")
         if to is not None and not isinstance(to, str):
             raise UsageError(f'"to" must be a host name (a string), got {str(to)[:40]!r}; e.g. {example}')
+        if to is not None:
+            check_host(to)
         if node is not None and rank is not None:
             raise UsageError(f'migrate takes a "rank" or a "node", not both; e.g. {example}')
         if node is not None:
@@ -78,6 +80,7 @@ def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: st
     host = body.get("host")
     if not isinstance(host, str):
         raise UsageError(f'{what} needs a "host" (a string), got {str(host)[:40]!r}; e.g. {example}')
+    check_host(host)
     if what == "drain":
         return migrations.drain(host, by=by, reason=str(body.get("reason") or "")[:500])
     return migrations.undrain(host, by=by)
