@@ -9,6 +9,7 @@ incident, recovered, with its timeline and the warm spare that took the rank.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,10 @@ from undying.cli.demo import FAULTS
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import compare_runs, load_run
 from undying.errors import UsageError
-from undying.manager.events import read_job
+from undying.manager.events import connect_readonly, read_job
 
-SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.02")  # test_goodput's: its baseline is shared
+# test_goodput's job (2 ranks, 64 steps), paced: its fault-free baseline (pacing aside) is shared.
+SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.1")
 
 
 def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, tmp_path: Path) -> None:
@@ -44,6 +46,19 @@ def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, t
     assert incident["mttr_s"] is not None and incident["mttr_s"] > 0
     # The replacement's state came from the other rank, at the boundary: the step after it ran once, there.
     assert incident["detail"]["restored_step"] == incident["step"]
+    # It was started while the rank trained on, before the boundary opened the generation it joined.
+    db = connect_readonly(outcome.job_dir / "events.db")
+    try:
+        order = [(kind, {**json.loads(data), "generation": generation}) for kind, generation, data in db.execute(
+            "SELECT kind, generation, data FROM events WHERE kind IN ('spawned', 'generation_opened') ORDER BY id")]
+    finally:
+        db.close()
+    generation = incident["detail"]["generation"]
+    spawned = next(i for i, (k, d) in enumerate(order) if k == "spawned" and d.get("joining"))
+    opened = next(i for i, (k, d) in enumerate(order) if k == "generation_opened" and d["generation"] == generation)
+    assert spawned < opened, order
+    # Ready before the boundary: the stall is the group rebuilt, the state sent and one step.
+    assert incident["phases"]["replacement_ready"] <= incident["phases"]["detected"], incident["phases"]
 
 
 # test_multinode's job (2 nodes x 2 ranks, 96 paced steps): its fault-free 4-rank baseline is shared.

@@ -81,7 +81,7 @@ FAULTS: dict[str, FaultPlan] = {
     "bitflip": FaultPlan("bitflip", rank=3, at_step=10, phase="backward", how="grad", expect="numeric",
                          description="one exponent bit of rank 3's gradient flipped before the all-reduce, once "
                          "(numeric checks on: the step is replayed in place)", script_args=("--numerics", "skip")),
-    "migrate": FaultPlan("migrate", rank=1, at_step=1, phase="step", expect="migration",
+    "migrate": FaultPlan("migrate", rank=1, at_step=5, phase="step", expect="migration",
                          description="`undying migrate --rank 1` while training: rank 1 leaves at a step boundary "
                          "for a warm spare, which takes the state from a peer (a planned move)",
                          run_args=("--spares", "1")),
@@ -237,7 +237,9 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
                 offset = status["step"]
             token = find_token(job_dir.path, None)
             for fault in faults:
-                if fault.kind == "migrate":  # a planned move, now (at the next step boundary): manager.migration
+                if fault.kind == "migrate":  # a planned move, once the job measured its steps: manager.migration
+                    while api_get(info["url"], "/api/status", token=token)["step"] < fault.at_step + offset:
+                        time.sleep(0.02)
                     api_post(info["url"], "/api/migrate", {"rank": fault.rank}, token=token)
                     continue
                 body = {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step + offset,

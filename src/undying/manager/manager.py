@@ -427,6 +427,7 @@ class Manager:
         info.last_seen = message.t
         info.state = RankState.RECOVERING if message.joining else RankState.STARTING
         self.recoveries.on_joined(message.rank, message.t)
+        self.migrations.on_hello(message.rank, message.t)  # (a moved rank's replacement, started ahead, is ready)
         self.core.book.persist(info)
 
     def _on_progress(self, message: Progress) -> None:
@@ -456,6 +457,8 @@ class Manager:
         self.detection.on_comm_failure(message)
 
     def _on_fault_injected(self, message: FaultInjected) -> None:
+        if message.kind == "migrate" and self.migrations.on_left(message):
+            return  # a moved rank at its boundary (manager.migration)
         if message.kind != "slow":  # a slowdown is no fault a later exit should be timed from
             self.detection.injected[message.rank] = (message.t, message.kind)
         self.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,

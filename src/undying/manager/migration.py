@@ -25,6 +25,7 @@ fact in the log, so a restarted manager keeps it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,9 +37,10 @@ from undying.manager.detection import Detection
 from undying.manager.hosts import LOG_KEY, HostBook, HostMark, check_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
-from undying.manager.state import IncidentKind, JobState, RankInfo, RankState
+from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
+from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import JobEnded
-from undying.protocol.worker_wire import ArmFault
+from undying.protocol.worker_wire import ArmFault, FaultInjected
 
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
@@ -47,9 +49,13 @@ __all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move"]
 
 log = logging.getLogger("undying.manager")
 
-# How many steps past the newest committed one the boundary is set: every rank hears the arming
-# before it begins the boundary's next step (a late one leaves at the step after: still a boundary).
+# How many steps past the newest committed one the boundary is set, at least: every rank hears the
+# arming before it begins the boundary's next step (a late one leaves at the step after: still a boundary).
 LEAD_STEPS = 2
+# And time enough for the replacement, started at once, to be ready (a warm spare runs the script to
+# its join; a new process imports torch first): measured on a loaded 2-core machine, with room.
+READY_S = {True: 2.0, False: 10.0}
+MAX_LEAD_STEPS = 10_000
 
 
 # What each POST of the HTTP API takes (manager/http.py): its body's example, for the errors.
@@ -86,7 +92,7 @@ def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: st
     return migrations.undrain(host, by=by)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Pending:
     rank: int
     pid: int
@@ -96,6 +102,9 @@ class _Pending:
     by: str
     t: float  # when it was armed: the incident's "planned" time
     node: int | None = None  # a whole node's move (to a standby on ``to``): every rank of it leaves
+    generation: int = -1  # a rank's move: the generation its replacement, started ahead, waits for
+    warm: bool = False  # that replacement is a warm spare (else a new process)
+    ready_t: float = 0.0  # when it said hello (0: not yet)
 
 
 class Migrations:
@@ -140,18 +149,24 @@ class Migrations:
         if self.hosts.blocked(host):
             raise UsageError(f"host {host} is {self.hosts.state(host).value}: it gets no new ranks; "
                              f"`undying undrain {host}` first")
-        boundary = max(info.step, core.book.newest_step()) + LEAD_STEPS
+        old_pid, agent = info.pid, core.agents[info.node]
+        boundary = self._boundary(max(info.step, core.book.newest_step()), warm=agent.spares_ready() > 0)
         now = time.time()
-        pending = _Pending(rank, info.pid, boundary, host, target, by, now)
-        self.pending[info.pid] = pending
-        core.agents[info.node].arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
-        spares = core.agents[info.node].spares_ready()
-        core.events.event("migration_planned", rank=rank, pid=info.pid, boundary=boundary, host=host, to=target,
-                          by=by, spares_ready=spares)
+        agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))  # (before the spawn: the old one)
+        # The replacement starts now, while the rank trains on: it waits for the generation the boundary opens.
+        generations = core.generations
+        ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
+                                 store_host=generations.host, store_port=generations.store_port(),
+                                 reason=f"migration of rank {rank} (opened at the boundary)")
+        warm = core.spawn(rank, ahead, joining=True)
+        self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
+                                         warm=warm)
+        core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
+                          by=by, replacement="warm spare" if warm else "new process")
         log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id, rank,
-                 info.pid, "warm spare" if spares else "new process", target, boundary)
-        return {"migrating": rank, "pid": info.pid, "from": host, "to": target, "boundary_step": boundary,
-                "replacement": "warm spare" if spares else "new process"}
+                 old_pid, "warm spare" if warm else "new process", target, boundary)
+        return {"migrating": rank, "pid": old_pid, "from": host, "to": target, "boundary_step": boundary,
+                "replacement": "warm spare" if warm else "new process"}
 
     def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
         """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to`` takes the node."""
@@ -229,39 +244,83 @@ class Migrations:
 
     def on_exit(self, info: RankInfo, pid: int, returncode: int, t: float) -> bool:
         """True when this exit was a planned migration's, now carried out as a replacement."""
-        pending = self.pending.pop(pid, None)
-        if pending is None:
+        pending = self.pending.get(pid)
+        if pending is None or pending.node is None:  # (a moved rank's old process: its exit is not reported)
             return False
+        del self.pending[pid]
         if returncode != EXIT_MIGRATED:  # it died before its boundary: a fault like any other
             self.core.events.event("migration_failed", rank=pending.rank, pid=pid, returncode=returncode)
             return False
         core = self.core
         previous = core.generations.current
         core.move(JobState.RECOVERING)
-        if pending.node is None:
-            self._replace(info, pending, t)
-        else:
-            self._move_node(info, pending, t)
+        self._move_node(info, pending, t)
         for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
             if peer.state is not RankState.EXITED and peer.generation <= previous:
                 core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
         return True
 
-    def _replace(self, info: RankInfo, pending: _Pending, t: float) -> None:
-        """The planned incident of one rank, carried out as the recovery's replacement."""
+    def on_hello(self, rank: int, t: float) -> None:
+        """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process said it long ago)."""
+        for pending in self.pending.values():
+            if pending.rank == rank and pending.node is None and not pending.ready_t:
+                pending.ready_t = t
+
+    def on_left(self, message: FaultInjected) -> bool:
+        """A moved rank says it leaves at its boundary: open the generation its replacement waits for.
+
+        The old process exits right after saying so (its exit is not reported:
+        its agent gave the rank to the replacement); the peers, waiting in the
+        next step's first collective, are told to leave the old generation.
+        """
+        pending = next((p for p in self.pending.values() if p.rank == message.rank and p.node is None), None)
+        if pending is None:
+            return False
+        del self.pending[pending.pid]
         core = self.core
+        core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
+                          phase=message.phase)
+        if core.generations.current + 1 != pending.generation:  # a recovery took the job on meanwhile: the
+            core.events.event("migration_failed", rank=pending.rank, pid=pending.pid,  # replacement joined it
+                              returncode=None, generation=core.generations.current)
+            return True
+        previous, info, now = core.generations.current, core.ranks[message.rank], time.time()
+        core.move(JobState.RECOVERING)
+        incident = self._incident(info, pending, message.t, now, step=message.step - 1)
+        record = core.open_generation(f"migration of rank {info.rank}: replace")
+        recovery = self.recoveries.current
+        assert recovery is not None
+        recovery.renew(record.generation)
+        recovery.replaced.add(info.rank)
+        if pending.ready_t:  # the replacement said hello before the boundary: ready and waiting
+            recovery.ready[info.rank] = pending.ready_t
+        incident.detail["replacement"] = "warm spare" if pending.warm else "new process"
+        core.events.incident(incident)
+        for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
+            if peer.rank != info.rank and peer.state is not RankState.EXITED:
+                core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
+        return True
+
+    def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:
+        """The planned ``migration`` incident of a rank that left at its boundary (``step``)."""
         self.detection.injected.pop(info.rank, None)  # (its "migrate" report is no fault to time a crash from)
-        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=info.step,
-                                                fault_t=t, detected_t=t,
+        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=step,
+                                                fault_t=t, detected_t=now,
                                                 error=f"planned: rank {info.rank} moved from pid {pending.pid} on "
                                                       f"{pending.host} (by {pending.by})")
-        incident.phases["decided"] = time.time()
-        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": info.step, "from": pending.host,
+        incident.phases["decided"] = now
+        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": step, "from": pending.host,
                                         "to": pending.to, "by": pending.by, "pid": pending.pid,
                                         **({"node": pending.node} if pending.node is not None else {})}
         incident.action = "migrate"
-        core.events.event("decided", rank=info.rank, incident=incident.id, action="migrate",
-                          reason="planned migration")
+        self.core.events.event("decided", rank=info.rank, incident=incident.id, action="migrate",
+                               reason="planned migration")
+        return incident
+
+    def _replace(self, info: RankInfo, pending: _Pending, t: float) -> None:
+        """The planned incident of one rank, carried out as the recovery's replacement."""
+        core = self.core
+        incident = self._incident(info, pending, t, t, step=info.step)
         self.recoveries.execute(incident, Decision(Action.REPLACE, "planned migration"))
         core.events.incident(incident)
 
@@ -303,9 +362,23 @@ class Migrations:
             return busy
         if info.state in (RankState.EXITED, RankState.DONE) or not info.pid:
             return f"rank {info.rank} has no running process ({info.state.value})"
-        if any(p.rank == info.rank for p in self.pending.values()):
+        if any(p.rank == info.rank and (p.node is not None or p.generation > core.generations.current)
+               for p in self.pending.values()):
             return f"rank {info.rank} is already being moved"
         return ""
+
+    def _boundary(self, newest: int, *, warm: bool) -> int:
+        """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least), and
+        before the job's last steps (its plan says how many it has): else refused."""
+        step_s = self.core.clock.median_rank_step_s()
+        lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS, math.ceil(READY_S[warm] / step_s)))
+        plan = self.core.clock.plan
+        if plan is not None:
+            lead = min(lead, plan.total_steps - 2 - newest)  # (the replacement's start may then be in the stall)
+            if lead < LEAD_STEPS:
+                raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step boundary "
+                                 f"{LEAD_STEPS} steps ahead of step {newest}; nothing to move")
+        return newest + lead
 
     def _parked_hosts(self) -> list[str]:
         if self.server is None:
