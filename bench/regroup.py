@@ -117,7 +117,8 @@ def run_migrate(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     time between the boundary step's commit and the next one's on every rank,
     set beside the job's median step (commit to commit) and the incident's own
     timeline (from the exit at the boundary). Target: a stall under one step
-    plus the group rebuild (replacement ready to group rebuilt).
+    plus the group rebuild (from the boundary, or from the replacement ready
+    when it was not ready by then, to the group rebuilt).
     """
     hosts = Hosts(3)
     job_id = f"migrate-{int(time.time() * 1000) % 10**8}"
@@ -145,7 +146,8 @@ def run_migrate(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     gaps = [done[s + 1] - done[s] for s in sorted(done) if s + 1 in done]
     boundary = int(moved.get("step", 0))
     stall = done[boundary + 1] - done[boundary] if boundary in done and boundary + 1 in done else None
-    rebuild = (phases["group_rebuilt"] - phases["replacement_ready"]
+    # The group rebuild: from the boundary, or from the replacement's start when it was not ready by then.
+    rebuild = (phases["group_rebuilt"] - max(0.0, phases["replacement_ready"])
                if "group_rebuilt" in phases and "replacement_ready" in phases else None)
     step = statistics.median(gaps) if gaps else None
     return {

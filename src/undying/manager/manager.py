@@ -300,6 +300,7 @@ class Manager:
         self.events.event("started", generation=info.generation, rank=rank, pid=pid, spare=warm,
                           incarnation=incarnation)
         self.core.book.persist(info)
+        self.migrations.on_spawned(rank, warm)  # (a moved rank's replacement on another host: what it was)
         recovery = self.recoveries.current
         if recovery is not None:  # (a stuck spare's rank goes to another spare or a new process: said as it is)
             for incident in recovery.incidents:

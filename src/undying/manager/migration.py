@@ -150,7 +150,8 @@ class Migrations:
             raise UsageError(f"host {host} is {self.hosts.state(host).value}: it gets no new ranks; "
                              f"`undying undrain {host}` first")
         old_pid, agent = info.pid, core.agents[info.node]
-        boundary = self._boundary(max(info.step, core.book.newest_step()), warm=agent.spares_ready() > 0)
+        spares = agent.spares_ready()
+        boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
         now = time.time()
         agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))  # (before the spawn: the old one)
         # The replacement starts now, while the rank trains on: it waits for the generation the boundary opens.
@@ -158,7 +159,7 @@ class Migrations:
         ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
                                  store_host=generations.host, store_port=generations.store_port(),
                                  reason=f"migration of rank {rank} (opened at the boundary)")
-        warm = core.spawn(rank, ahead, joining=True)
+        warm = core.spawn(rank, ahead, joining=True) or spares > 0  # (a node across the network says later)
         self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
                                          warm=warm)
         core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
@@ -259,6 +260,12 @@ class Migrations:
             if peer.state is not RankState.EXITED and peer.generation <= previous:
                 core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
         return True
+
+    def on_spawned(self, rank: int, warm: bool) -> None:
+        """A node across the network says what it started for ``rank``: a moved rank's replacement's kind."""
+        for pending in self.pending.values():
+            if pending.rank == rank and pending.node is None:
+                pending.warm = warm
 
     def on_hello(self, rank: int, t: float) -> None:
         """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process said it long ago)."""
