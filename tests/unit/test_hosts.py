@@ -22,7 +22,7 @@ from undying.errors import UsageError
 from undying.manager.events import EventLog, LogReader
 from undying.manager.hosts import HostBook, HostState, check_host
 from undying.manager.manager import Manager
-from undying.manager.migration import request_move
+from undying.manager.migration import quarantine, request_move
 from undying.manager.standby import SlotFacts
 from undying.manager.standbys import Parked, Standbys
 from undying.protocol.node_wire import AgentJoin
@@ -95,6 +95,19 @@ def test_drain_quarantine_and_undrain_are_logged_shown_and_kept_across_a_manager
         assert [m["host"] for m in again.status()["hosts_out"]] == ["idle", "sick"]
     finally:
         again.close()
+
+
+def test_the_fault_policys_one_call_quarantines_a_host_named_or_by_its_rank(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    try:
+        assert quarantine(manager.core, host="h1", reason="rank 1 found at fault twice") == {
+            "host": "h1", "state": "quarantined", "reason": "rank 1 found at fault twice"}
+        with pytest.raises(UsageError, match="quarantine needs a host or a rank of this job, got rank 9"):
+            quarantine(manager.core, rank=9, reason="x")
+        assert [m["by"] for m in manager.status()["hosts_out"]] == ["numerics"]
+        assert manager.migrations.undrain("h1")["was"] == "quarantined"  # the one clear surface
+    finally:
+        manager.close()
 
 
 def test_a_move_is_refused_saying_why_while_the_job_cannot_take_one(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from undying.protocol.worker_wire import ArmFault, FaultInjected
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
 
-__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move"]
+__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine"]
 
 log = logging.getLogger("undying.manager")
 
@@ -90,6 +90,27 @@ def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: st
     if what == "drain":
         return migrations.drain(host, by=by, reason=str(body.get("reason") or "")[:500])
     return migrations.undrain(host, by=by)
+
+
+def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str | None = None,
+               by: str = "numerics") -> dict[str, Any]:
+    """Quarantine a host, named or as the one ``rank`` runs on, with the fault policy's ``reason``.
+
+    The one call a fault policy makes (``manager.numerics``: a rank found at
+    fault twice): the host gets no new ranks until an operator runs
+    ``undying undrain HOST``; recorded as ``host_quarantined`` and kept in the
+    log. Its ranks train on: moving them is the operator's call (``drain``).
+    """
+    if host is None:
+        if rank is None or rank not in core.ranks:
+            raise UsageError(f"quarantine needs a host or a rank of this job, got rank {rank!r}")
+        agent = core.agents.get(core.ranks[rank].node)
+        host = str(agent.view().get("host", "")) if agent is not None else ""
+    mark = core.hosts.quarantine(host, reason=reason, by=by, t=time.time())
+    core.events.event("host_quarantined", **mark.to_dict())
+    core.events.set_job(LOG_KEY, core.hosts.to_log(), flush=True)
+    log.warning("job %s: host %s quarantined: %s", core.config.job_id, host, mark.reason)
+    return {"host": host, "state": mark.state.value, "reason": mark.reason}
 
 
 @dataclass
@@ -222,10 +243,7 @@ class Migrations:
 
     def quarantine(self, host: str, reason: str, *, by: str = "numerics") -> dict[str, Any]:
         """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks there."""
-        mark = self.hosts.quarantine(host, reason=reason, by=by, t=time.time())
-        self._record("host_quarantined", mark)
-        log.warning("job %s: host %s quarantined: %s", self.core.config.job_id, host, mark.reason)
-        return {"host": host, "state": mark.state.value, "reason": mark.reason}
+        return quarantine(self.core, host=host, reason=reason, by=by)
 
     def undrain(self, host: str, *, by: str = "api") -> dict[str, Any]:
         """Put a drained or quarantined host back (the one clear surface for both)."""
@@ -420,6 +438,6 @@ class Migrations:
         finally:
             standbys.blocked = blocked
 
-    def _record(self, what: str, mark: HostMark) -> None:
+    def _record(self, what: str, mark: HostMark) -> None:  # (as quarantine() records its own)
         self.core.events.event(what, **mark.to_dict())
         self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)
