@@ -1,53 +1,85 @@
-"""A planned move (``undying migrate``): a rank leaves at a step boundary for a warm spare, nothing lost.
+"""Planned moves (``undying migrate``, ``undying drain``): ranks leave at a step boundary, nothing lost.
 
-One seeded 2-rank job (the configuration of test_goodput, whose fault-free
-baseline the oracle caches): once it runs with a warm spare, rank 1 is moved.
-The per-step losses and the final state equal the run without the move, no
-step completed twice, and the incident log holds one planned ``migration``
-incident, recovered, with its timeline and the warm spare that took the rank.
+Two jobs, each with the oracle (per-step losses and the final state equal the
+run without the move, no step completed twice) and the incident log (planned
+``migration`` incidents, recovered, with their timelines):
+
+* one host, 2 ranks (test_goodput's job, whose fault-free baseline is shared):
+  the commands themselves on the live job, then rank 1 moved to a warm spare
+  started before the boundary;
+* network-namespace hosts, 2 nodes x 2 ranks (test_multinode's job and
+  baseline): a host drained, its node moved to the standby parked on a third.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.jobs import manager_url, start_job, status
 from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.cli.client import api_post
-from undying.cli.demo import FAULTS
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import compare_runs, load_run
 from undying.errors import UsageError
 from undying.manager.events import connect_readonly, read_job
 
 # test_goodput's job (2 ranks, 64 steps), paced: its fault-free baseline (pacing aside) is shared.
-SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.1")
+SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.3")  # (time for the commands, each a new process)
 
 
-def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, tmp_path: Path) -> None:
-    outcome = oracle.assert_survives(tmp_path / "job", [FAULTS["migrate"]], ranks=2, script_args=SCRIPT_ARGS,
-                                     extra_run_args=("--spares", "1"), when_warm=True)
-    assert outcome.run.rerun_steps == []  # no step completed twice (the oracle says so too)
-    [incident] = outcome.incidents
-    assert (incident["kind"], incident["rank"], incident["action"]) == ("migration", 1, "migrate")
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "undying", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, tmp_path: Path,
+                                                                reap: list[int]) -> None:
+    """The commands themselves on one live job: `undying migrate --rank 1`, drain refused (nowhere to go),
+    another host drained, listed by the status and put back; then the oracle and the incident."""
+    job_dir = tmp_path / "job"
+    process = start_job(job_dir, list(SCRIPT_ARGS), ranks=2, run_args=["--spares", "1"], reap=reap)
+    url = manager_url(job_dir)
+    wait_for(lambda: (s := status(url))["state"] == "running" and s["step"] >= 5 and s["spares_ready"] >= 1, 90,
+             "the job running past step 5 with a warm spare")
+    where = ["--job-dir", str(job_dir)]
+    moved = _cli("migrate", "--rank", "1", "--json", *where)
+    assert moved.returncode == 0, moved
+    answer = json.loads(moved.stdout)
+    assert (answer["migrating"], answer["replacement"]) == (1, "warm spare"), answer
+    refused = _cli("drain", "localhost", *where)
+    assert refused.returncode == 2 and "there is nowhere to move it" in refused.stderr, refused
+    drained = _cli("drain", "rack7-b", "--reason", "disk swap", *where)
+    assert drained.returncode == 0 and "host rack7-b: drained (disk swap)" in drained.stdout, drained
+    shown = json.loads(_cli("status", "--json", *where).stdout)["hosts_out"]
+    assert [(m["host"], m["state"], m["reason"]) for m in shown] == [("rack7-b", "drained", "disk swap")]
+    assert _cli("undrain", "rack7-b", *where).stdout.strip() == "host rack7-b: ok (was drained)"
+    assert process.wait(timeout=120) == 0, (job_dir.parent / "job.log").read_text()[-3000:]
+
+    run = load_run(job_dir / "events.db")
+    comparison = compare_runs(oracle.baseline(SCRIPT_ARGS, ranks=2), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+    assert run.rerun_steps == []  # no step completed twice
+    [incident] = run.incidents
+    assert (incident["kind"], incident["rank"], incident["action"], incident["status"]) == (
+        "migration", 1, "migrate", "recovered")
     assert incident["detail"]["replacement"] == "warm spare"
-    moved = incident["detail"]["migration"]
-    [planned] = outcome.events("migration_planned")
-    # It left at a boundary: its last committed step is the one the incident names, at or past the plan's.
-    assert moved["boundary_step"] == incident["step"] >= planned["boundary"]
+    # It left at its boundary: the step the plan named, committed by the old process, then nothing of the next.
+    assert incident["detail"]["migration"]["boundary_step"] == incident["step"] == answer["boundary_step"]
+    assert incident["detail"]["restored_step"] == incident["step"]  # the replacement's state: that step's
     phases = incident["phases"]
     for phase in ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done"):
         assert phase in phases, phases
-    assert incident["mttr_s"] is not None and incident["mttr_s"] > 0
-    # The replacement's state came from the other rank, at the boundary: the step after it ran once, there.
-    assert incident["detail"]["restored_step"] == incident["step"]
-    # It was started while the rank trained on, before the boundary opened the generation it joined.
-    db = connect_readonly(outcome.job_dir / "events.db")
+    # Started while the rank trained on, ready before the boundary opened the generation it joined:
+    # the stall is the group rebuilt, the state sent and one step.
+    assert phases["replacement_ready"] <= phases["detected"], phases
+    db = connect_readonly(job_dir / "events.db")
     try:
         order = [(kind, {**json.loads(data), "generation": generation}) for kind, generation, data in db.execute(
             "SELECT kind, generation, data FROM events WHERE kind IN ('spawned', 'generation_opened') ORDER BY id")]
@@ -57,8 +89,6 @@ def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, t
     spawned = next(i for i, (k, d) in enumerate(order) if k == "spawned" and d.get("joining"))
     opened = next(i for i, (k, d) in enumerate(order) if k == "generation_opened" and d["generation"] == generation)
     assert spawned < opened, order
-    # Ready before the boundary: the stall is the group rebuilt, the state sent and one step.
-    assert incident["phases"]["replacement_ready"] <= incident["phases"]["detected"], incident["phases"]
 
 
 # test_multinode's job (2 nodes x 2 ranks, 96 paced steps): its fault-free 4-rank baseline is shared.

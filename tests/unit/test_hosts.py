@@ -15,8 +15,10 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from rich.console import Console
 
 from tests.unit.test_nodes import join_message
+from undying.cli.status import view
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog, LogReader
@@ -79,6 +81,9 @@ def test_drain_quarantine_and_undrain_are_logged_shown_and_kept_across_a_manager
     assert moves.undrain("gone", by="op") == {"host": "gone", "state": "ok", "was": "drained"}
     with pytest.raises(UsageError, match="host gone is not drained or quarantined; nothing to undrain"):
         moves.undrain("gone")
+    console = Console(record=True, width=80)
+    console.print(view(manager.status()))
+    assert "host idle: drained by op: disk swap" in console.export_text()  # `undying status`, as text
     shown = {m["host"]: m for m in manager.status()["hosts_out"]}
     assert set(shown) == {"idle", "sick"}
     assert (shown["sick"]["state"], shown["sick"]["reason"], shown["sick"]["by"]) == (

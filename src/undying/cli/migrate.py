@@ -86,6 +86,9 @@ def _host_command(args: argparse.Namespace) -> int:
     elif args.what == "drain":
         print(f"host {answer['host']}: {answer['state']} ({answer['reason']}); `undying undrain "
               f"{answer['host']}` puts it back")
+        for moved in answer.get("moved", []):
+            print(f"  node {moved['migrating_node']} (ranks {', '.join(map(str, moved['ranks']))}) moves to the "
+                  f"standby on {moved['to']} after step {moved['boundary_step']}")
     else:
         print(f"host {answer['host']}: ok (was {answer['was']})")
     return 0
