@@ -1,25 +1,32 @@
 """Planned moves: a rank migrated to another process at a step boundary, hosts drained and put back.
 
 An operator moves a rank off a process before it fails (``undying migrate
---rank R``): the rank is armed to leave at the start of a step, when its last
-step is committed and nothing of the next is begun. It exits with
-``EXIT_MIGRATED``; this module expects that exit and turns it into a planned
-``migration`` incident whose action is the recovery's replacement: the next
-generation, a warm spare (or a new process) for the rank, which takes the
-committed state from a peer. The peers are told to leave the old generation at
-once (they wait in the next step's first collective, which the leaving rank
-never joined, so no rank completed it), and every rank runs that step once.
-No step is re-run to completion, no state is lost, and the losses are those
-of the run without the move (``tests/integration/test_migrate.py``). The
-incident carries the timeline (planned, detected, decided, replacement ready,
-group rebuilt, state restored, first step done): the stall is the time from
-the exit to the first step done.
+--rank R``). Its replacement starts at once, on a warm spare of its node, into
+the generation the move will open, and waits there while the rank trains on.
+The rank is armed to leave at the start of a step (the boundary: its last
+step committed, nothing of the next begun), far enough ahead for the
+replacement to be ready. There it says so (a ``FaultInjected`` of kind
+``migrate``) and exits with ``EXIT_MIGRATED``; this module opens the
+generation as a planned ``migration`` incident of the recovery's round and
+tells the peers to leave the old one at once (they wait in the next step's
+first collective, which the leaving rank never joined, so no rank completed
+it). They meet the replacement, which takes the committed state from a peer,
+and every rank runs that step once. No step is re-run to completion, no
+state is lost, and the losses are those of the run without the move
+(``tests/integration/test_migrate.py``). The incident carries the timeline
+(detected at the boundary, the replacement ready before it, the group
+rebuilt, the state restored, the first step done): the stall.
 
-Hosts: ``drain`` marks a host drained in the one host book (``hosts.py``,
-shared with a fault policy's quarantine) and refuses with the reason when a
-rank of the job still runs there and there is nowhere to move it; ``undrain``
-puts a drained or quarantined host back. Each change is an event and a job
-fact in the log, so a restarted manager keeps it.
+A whole node moves (``--node N --to HOST``, and ``drain``) to a standby agent
+parked on the target: every rank of the node leaves at one boundary; at the
+first one's exit the node's old agent is told it is done and let go, every
+rank of the node is replaced in one new generation, and the standby is given
+the node's number as it would be for a lost node.
+
+Hosts: the one host book (``hosts.py``) says which hosts are drained (by an
+operator) or quarantined (by a fault policy: ``quarantine``); such a host
+gets no new ranks until ``undrain``. Each change is an event and a job fact
+in the log, so a restarted manager keeps it.
 """
 
 from __future__ import annotations
