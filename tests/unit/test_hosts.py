@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from tests.unit.test_nodes import join_message
+from tests.unit.test_nodes import JOB, TOKEN, job_config, join_message
 from undying.cli.status import view
 from undying.config import JobConfig
 from undying.errors import UsageError
@@ -25,6 +25,7 @@ from undying.manager.events import EventLog, LogReader
 from undying.manager.hosts import HostBook, HostState, check_host
 from undying.manager.manager import Manager
 from undying.manager.migration import quarantine, request_move
+from undying.manager.service import ManagerOptions, _Gate
 from undying.manager.standby import SlotFacts
 from undying.manager.standbys import Parked, Standbys
 from undying.protocol.node_wire import AgentJoin
@@ -167,3 +168,17 @@ def test_a_standby_parked_on_a_drained_host_is_passed_over_for_a_lost_node(tmp_p
     done = standbys.place([SlotFacts(1, attached=False, lost_at=now)], silence_limit_s=10.0)
     assert [p.standby for p in done] == [2] and seated == [(1, "fine-host")]  # not the one with more spares
 
+
+
+def test_a_new_agent_from_a_drained_host_is_refused_and_one_coming_back_is_let_in(tmp_path: Path) -> None:
+    """The join gate of `undying manager`: a drained host gets no node, a node's agent reconnecting keeps its."""
+    gate = _Gate(ManagerOptions(job_id=JOB, job_dir=str(tmp_path), host="127.0.0.1", port=0, http_port=0),
+                 TOKEN)
+    gate.config = job_config(tmp_path)
+    book = HostBook()
+    book.drain("host-1", by="op", reason="", t=1.0)
+    gate.host_out = lambda host: book.state(host).value if book.blocked(host) else ""
+    assert gate(join_message(tmp_path, 0)) == ""  # host-0: ok
+    refused = gate(join_message(tmp_path, 1))
+    assert refused == "host host-1 is drained: it gets no new ranks; `undying undrain host-1` first", refused
+    assert gate(join_message(tmp_path, 1, session="s-1")) == ""  # its own agent, after a manager restart
