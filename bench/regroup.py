@@ -30,6 +30,9 @@ and after the recovery (rank 0's commits: the median gap between consecutive
 steps, the first 3 steps of each side left out as warm-up). With
 ``--step-seconds`` above the step's work that is the pacing only: measure step
 time with ``--step-seconds 0`` and more ``--samples``.
+* migrate: no fault: at step S rank 3 is moved (``undying migrate --rank 3``) to a
+  warm spare of its node at a step boundary; its stall is set beside a step and
+  the group rebuild (``run_migrate``).
 
 From the manager's incident (every phase is measured from the fault: the
 SIGKILL, or the join) the report takes detection, the decision, the regroup's
@@ -58,13 +61,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from undying.cli.client import api_post
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.hosts import Hosts, netns_unavailable_reason
 from undying.demo.shrink import INVARIANT_SCRIPT
 from undying.manager.events import LogReader, read_job
 
-SCENARIOS = ("replace", "standby", "shrink", "grow", "shrink-invariant", "grow-invariant")
+SCENARIOS = ("replace", "standby", "shrink", "grow", "shrink-invariant", "grow-invariant", "migrate")
 INVARIANT = "-invariant"  # the suffix of a scenario run in invariant mode (--virtual-ranks 4)
 VIRTUAL_RANKS = 4
 PHASES = ("detected", "decided", "checkpoint_written", "replacement_ready", "group_rebuilt", "state_restored",
@@ -142,6 +146,56 @@ def _steady_step_times(db: Path, fault_t: float, recovered_t: float, warmup: int
         return round(statistics.median(gaps), 4) if gaps else None
 
     return (median_gap([c for c in times if c[1] < fault_t]), median_gap([c for c in times if c[1] > recovered_t]))
+def run_migrate(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """migrate: a planned move (``undying migrate --rank 3``) to a warm spare of node 1, no host lost.
+
+    The rank leaves at a step boundary (``manager.migration``); the stall is the
+    time between the boundary step's commit and the next one's on every rank,
+    set beside the job's median step (commit to commit) and the incident's own
+    timeline (from the exit at the boundary). Target: a stall under one step
+    plus the group rebuild (from the boundary, or from the replacement ready
+    when it was not ready by then, to the group rebuilt).
+    """
+    hosts = Hosts(3)
+    job_id = f"migrate-{int(time.time() * 1000) % 10**8}"
+    script_args = ["--samples", str(args.samples), "--epochs", str(args.epochs),
+                   "--step-seconds", str(args.step_seconds)]
+    run_args = ["--heartbeat-timeout", str(args.heartbeat_timeout), "--spares", str(max(1, args.spares)),
+                "--rendezvous-timeout", "120"]
+    cluster = Cluster(hosts, root, job_id, script_args, run_args=run_args)
+    try:
+        cluster.start()
+        cluster.wait_for_step(args.at_step, timeout=180)
+        wait_for(lambda: cluster.status()["spares_ready"] >= 2, 120, "a warm spare on each node")
+        with hosts.inside(cluster.manager_host):
+            api_post(cluster.url(), "/api/migrate", {"rank": 3}, token=cluster.token)
+        code = cluster.wait(600)
+    finally:
+        cluster.close()
+        hosts.close()
+    job = read_job(cluster.job_dir / "events.db")
+    moved = next((i for i in job["incidents"] if i["kind"] == "migration"), {})
+    phases = {p: round(v, 3) for p, v in (moved.get("phases") or {}).items()}
+    done: dict[int, float] = {}  # step -> when its last rank committed it
+    for commit in job["steps"]:
+        done[commit["step"]] = max(done.get(commit["step"], 0.0), commit["t"])
+    gaps = [done[s + 1] - done[s] for s in sorted(done) if s + 1 in done]
+    boundary = int(moved.get("step", 0))
+    stall = done[boundary + 1] - done[boundary] if boundary in done and boundary + 1 in done else None
+    # The group rebuild: from the boundary, or from the replacement's start when it was not ready by then.
+    rebuild = (phases["group_rebuilt"] - max(0.0, phases["replacement_ready"])
+               if "group_rebuilt" in phases and "replacement_ready" in phases else None)
+    step = statistics.median(gaps) if gaps else None
+    return {
+        "scenario": "migrate", "exit_code": code, "state": job["job"].get("state"),
+        "phases": phases, "mttr_s": phases.get("first_step_done"), "mttr_without_node_wait_s": phases.get("first_step_done"),
+        "lost_steps": len(job["job"].get("rerun_steps", [])), "world_size": job["job"].get("world_size"),
+        "action": moved.get("action"), "replacement": (moved.get("detail") or {}).get("replacement"),
+        "boundary_step": boundary, "stall_s": round(stall, 3) if stall is not None else None,
+        "median_step_s": round(step, 4) if step is not None else None,
+        "group_rebuild_s": round(rebuild, 3) if rebuild is not None else None,
+        "target_s": round(step + rebuild, 3) if step is not None and rebuild is not None else None,
+    }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,6 +214,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "world_size_after": runs[-1]["world_size"] if runs else None,
         **{f"{k}_{how}": v for k in ("step_s_before", "step_s_after")
            for how, v in _spread([r.get(k) for r in runs]).items()},
+        **({k: med([r[k] for r in runs]) for k in ("stall_s", "median_step_s", "group_rebuild_s", "target_s")}
+           if runs and "stall_s" in runs[0] else {}),
     }
 
 
@@ -188,6 +244,10 @@ def render(result: dict[str, Any]) -> str:
                      f"({s.get('step_s_before_min')}-{s.get('step_s_before_max')}), after "
                      f"{s.get('step_s_after_median')} s ({s.get('step_s_after_min')}-{s.get('step_s_after_max')})")
     scenarios = result["scenarios"]
+    if "migrate" in scenarios:
+        m = scenarios["migrate"]
+        lines.append(f"migrate: stall (boundary commit to the next) median {m['stall_s']} s; target (a step "
+                     f"{m['median_step_s']} s + the group rebuild {m['group_rebuild_s']} s) {m['target_s']} s")
     if "replace" in scenarios and "standby" in scenarios and scenarios["standby"]["mttr_s"]:
         cold, warm = scenarios["replace"]["mttr_s"], scenarios["standby"]["mttr_s"]
         lines.append(f"standby vs replace (a cold host): MTTR {warm} s vs {cold} s, {cold / warm:.1f}x faster"
@@ -228,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
         for _ in range(args.repeats):
             for s in scenarios:
-                runs[s].append(run_once(s, args, root))
+                runs[s].append(run_migrate(args, root) if s == "migrate" else run_once(s, args, root))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

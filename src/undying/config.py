@@ -124,6 +124,9 @@ EXIT_REGROUPED = 77
 # A worker whose script could not run: a SyntaxError or ImportError (printed by the worker in a few
 # lines). No fault to recover from: the job fails at once. 78 is EX_CONFIG.
 EXIT_SCRIPT_ERROR = 78
+# A worker whose rank an operator moved to another process (`undying migrate`): it leaves at a step
+# boundary, its replacement takes the state from a peer; the manager expects this exit.
+EXIT_MIGRATED = 79
 # Where the first rank whose script could not run leaves the error, in the job dir, for the manager.
 SCRIPT_ERROR_FILE = "script-error.txt"
 # Each worker process's own folder in the job dir: <job dir>/workers/<rank>-<incarnation>/, holding

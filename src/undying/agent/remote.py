@@ -380,7 +380,7 @@ class NodeRunner:
         return AgentJoin(
             job_id=self.config.job_id, node=max(self.node, 0), nnodes=self.config.nnodes,
             nproc_per_node=self.config.nproc_per_node, token=self.token, session=self.session,
-            pid=os.getpid(), host=socket.gethostname(), config=self.config.to_dict(),
+            pid=os.getpid(), host=os.environ.get("UNDYING_HOST_NAME") or socket.gethostname(), config=self.config.to_dict(),
             live={str(r): pid for r, pid in self.agent.live_pids().items()}, t=time.time(),
         )
 

@@ -81,6 +81,10 @@ FAULTS: dict[str, FaultPlan] = {
     "bitflip": FaultPlan("bitflip", rank=3, at_step=10, phase="backward", how="grad", expect="numeric",
                          description="one exponent bit of rank 3's gradient flipped before the all-reduce, once "
                          "(numeric checks on: the step is replayed in place)", script_args=("--numerics", "skip")),
+    "migrate": FaultPlan("migrate", rank=1, at_step=5, phase="step", expect="migration",
+                         description="`undying migrate --rank 1` while training: rank 1 leaves at a step boundary "
+                         "for a warm spare, which takes the state from a peer (a planned move)",
+                         run_args=("--spares", "1")),
     "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
                          description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
                          "the same command again resumes"),
@@ -233,6 +237,11 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
                 offset = status["step"]
             token = find_token(job_dir.path, None)
             for fault in faults:
+                if fault.kind == "migrate":  # a planned move, once the job measured its steps: manager.migration
+                    while api_get(info["url"], "/api/status", token=token)["step"] < fault.at_step + offset:
+                        time.sleep(0.02)
+                    api_post(info["url"], "/api/migrate", {"rank": fault.rank}, token=token)
+                    continue
                 body = {"kind": fault.kind, "rank": fault.rank, "at_step": fault.at_step + offset,
                         "phase": fault.phase, "how": fault.how, "factor": fault.factor}
                 api_post(info["url"], "/api/inject", body, token=token)

@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from undying import __version__
 from undying.cli import chaos, checkpoints, demo, diagnose, inject, k8s, manager, run, status, trace
+from undying.cli import migrate as moves
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(sub)
     checkpoints.add_parser(sub)
     inject.add_parser(sub)
+    moves.add_parsers(sub)  # migrate, drain, undrain
     demo.add_parser(sub)
     chaos.add_parser(sub)
     trace.add_parser(sub)

@@ -159,6 +159,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "recovery_mode": "" if (job.get("config") or {}).get("step_api", True) else
         WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", 3)),
         "preemption": job.get("preemption"),
+        "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/hosts.py)
         "ranks": data["ranks"],
         "incidents": data["incidents"],
         "live": False,
@@ -225,6 +226,8 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     parts.extend(_checkpoint_lines(status))
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
+    for mark in status.get("hosts_out") or []:  # no new ranks there until `undying undrain HOST`
+        parts.append(Text(f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: {mark.get('reason')}"))
     if "trace" in status:
         parts.append(_trace_line(status.get("trace") or {}))
     if status.get("step_times"):

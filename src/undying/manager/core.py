@@ -20,6 +20,7 @@ from undying.manager.book import RankBook
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.events import EventLog
 from undying.manager.generations import Generations
+from undying.manager.hosts import HostBook
 from undying.manager.state import (
     Incident,
     IncidentStatus,
@@ -48,6 +49,7 @@ class JobCore:
         self.agents: dict[int, AgentHandle] = {}
         self.incidents: list[Incident] = []
         self.health = CheckpointHealth(events, self.incidents)  # failed saves as incidents
+        self.hosts = HostBook()  # drained and quarantined hosts: no new ranks there (manager/hosts.py)
         self.exit_reason = ""
         self.started_at = time.time()
         self.finished = asyncio.Event()

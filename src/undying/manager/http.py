@@ -8,6 +8,8 @@ GET  /api/incidents   incidents with their timelines
 GET  /api/series      the whole run for the page's charts, downsampled: ?from=S&to=S&points=N (all optional)
 POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?, "factor": F?}
 POST /api/stop        stop the job
+POST /api/migrate     {"rank": R, "to": HOST?}: move a rank to a warm spare at a step boundary
+POST /api/drain       {"host": H, "reason": "..."?}: no new ranks on the host; POST /api/undrain {"host": H} clears it
 GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, "t": when, "error": ""}
 PUT  /api/trace       set it whole, as the switch file does: {"step": "on", "comm": "off"}
 POST /api/trace       change it as the CLI does: {"on": true, "comm": false}
@@ -66,6 +68,7 @@ from undying.manager.auth import (
 from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite, QuietLog
 from undying.manager.manager import Manager
 from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
+from undying.manager.migration import MOVE_EXAMPLES, request_move
 from undying.manager.page import status_page
 from undying.protocol.trace_switch import TraceSwitch
 
@@ -224,6 +227,16 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         except UsageError as e:
             return _error(400, str(e))
 
+    async def move(request: web.Request) -> web.Response:  # migrate, drain, undrain (manager/migration.py)
+        what = request.path.rsplit("/", 1)[-1]
+        body = await _body(request, MOVE_EXAMPLES[what])
+        if isinstance(body, web.Response):
+            return body
+        try:
+            return _json(request_move(manager.migrations, what, body, _who(request, body)))
+        except UsageError as e:
+            return _error(400, str(e))
+
     async def stop(request: web.Request) -> web.Response:
         manager.stop("stopped through the API")
         return _json({"stopping": True})
@@ -240,6 +253,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     app.router.add_get("/api/series", series)
     app.router.add_post("/api/inject", inject)
     app.router.add_post("/api/stop", stop)
+    for what in MOVE_EXAMPLES:
+        app.router.add_post(f"/api/{what}", move)
     app.router.add_get("/api/trace", trace_get)
     app.router.add_put("/api/trace", trace_put)
     app.router.add_post("/api/trace", trace_post)

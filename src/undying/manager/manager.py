@@ -29,6 +29,8 @@ from undying.manager.detection import Detection
 from undying.manager.divergence import Divergence
 from undying.manager.events import EventLog
 from undying.manager.history import RunHistory
+from undying.manager.hosts import LOG_KEY as HOSTS_KEY
+from undying.manager.migration import Migrations
 from undying.manager.numerics import NUMERIC_PHASE, on_numeric_fault
 from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries, Recovery
@@ -86,6 +88,8 @@ class Manager:
         self.gasp = Preemption(core, self.checkpoints)
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
+        self.migrations = Migrations(core, self.recoveries, self.detection,  # undying migrate / drain / undrain
+                                     busy=lambda: "the job is regrouping" if self.regrouping.active else "")
         self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
         self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
@@ -227,6 +231,7 @@ class Manager:
                                                incidents=open_incidents)
         self.sessions = {int(n): str(s) for n, s in job.get("sessions", {}).items()}
         self.regrouping.restore(job.get(REGROUP_KEY))
+        self.migrations.restore(job.get(HOSTS_KEY))
         self.events.event("manager_restarted", generation=self.generation, state=self.state.value,
                           incidents=len(core.incidents), open_incidents=[i.id for i in open_incidents])
         log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to %d",
@@ -269,6 +274,8 @@ class Manager:
         if self.regrouping.active:
             self.regrouping.member_exited(info, pid, returncode, t)
             return
+        if self.migrations.on_exit(info, pid, returncode, t):
+            return  # a planned move: its replacement is under way
         # A rank is finished when it exits cleanly, or when the job's final
         # barrier completed on some rank: then this one passed it too.
         if self.detection.finished(returncode, finished_steps):
@@ -294,6 +301,7 @@ class Manager:
         self.events.event("started", generation=info.generation, rank=rank, pid=pid, spare=warm,
                           incarnation=incarnation)
         self.core.book.persist(info)
+        self.migrations.on_spawned(rank, warm)  # (a moved rank's replacement on another host: what it was)
         recovery = self.recoveries.current
         if recovery is not None:  # (a stuck spare's rank goes to another spare or a new process: said as it is)
             for incident in recovery.incidents:
@@ -421,6 +429,7 @@ class Manager:
         info.last_seen = message.t
         info.state = RankState.RECOVERING if message.joining else RankState.STARTING
         self.recoveries.on_joined(message.rank, message.t)
+        self.migrations.on_hello(message.rank, message.t)  # (a moved rank's replacement, started ahead, is ready)
         self.core.book.persist(info)
 
     def _on_progress(self, message: Progress) -> None:
@@ -452,6 +461,8 @@ class Manager:
         self.detection.on_comm_failure(message)
 
     def _on_fault_injected(self, message: FaultInjected) -> None:
+        if message.kind == "migrate" and self.migrations.on_left(message):
+            return  # a moved rank at its boundary (manager.migration)
         if message.kind != "slow":  # a slowdown is no fault a later exit should be timed from
             self.detection.injected[message.rank] = (message.t, message.kind)
         self.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from undying.errors import UsageError
 from undying.manager.core import JobCore
+from undying.manager.migration import quarantine
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
 from undying.manager.state import (
@@ -106,8 +107,9 @@ def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) ->
     incident.phases["decided"] = now
     core.events.event("faulty_rank", rank=rank, node=info.node, host=host, faults=len(faults), steps=steps,
                       incident=incident.id, reason=reason)
-    # Quarantine: in a multi-node job no new rank should be placed on this host until it requalifies; the
-    # host state (drain/quarantine) is wired here at merge: e.g. core.hosts.quarantine(host, reason).
+    if core.config.nnodes > 1 and host:  # no new rank (standby, joining agent, move) placed there until undrained
+        quarantine(core, host=host, reason=reason)
+        incident.detail.update(cast(IncidentDetail, {"quarantined": True}))
     core.events.incident(incident)
     core.move(JobState.RECOVERING)
     recoveries.condemned[info.pid] = (incident, Decision(Action.REPLACE, reason))

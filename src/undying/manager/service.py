@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class _Gate:
         self.options = options
         self.token = token
         self.config: JobConfig | None = None
+        self.host_out: Callable[[str], str] = lambda host: ""  # "drained"/"quarantined": no new ranks there
 
     def __call__(self, join: AgentJoin) -> str:
         if not tokens_match(join.token, self.token):
@@ -100,6 +102,8 @@ class _Gate:
         if differ:
             return ("this agent's flags differ from the job's in " + ", ".join(differ)
                     + "; every node must pass the same `undying run` flags")
+        if not join.session and (out := self.host_out(join.host)):  # (a node's agent coming back is let in)
+            return f"host {join.host} is {out}: it gets no new ranks; `undying undrain {join.host}` first"
         return ""
 
 
@@ -152,6 +156,9 @@ async def _serve(options: ManagerOptions) -> int:
         server.received = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
         server.persisted = dict(server.received)
     manager = Manager(config, events, restoring=restart)
+    server.standbys.blocked = lambda: manager.core.hosts.blocked_hosts()  # no standby on a drained host
+    gate.host_out = lambda host: manager.core.hosts.state(host).value if manager.core.hosts.blocked(host) else ""
+    manager.migrations.server = server  # a node moved (undying migrate --node, drain) goes to a standby
     runner = None
     try:
         if restart:

@@ -74,6 +74,8 @@ class Standbys:
         self._seat = seat
         self._record = record
         self._next = 0
+        # () -> the hosts drained or quarantined (manager/hosts.py): a standby parked there is not promoted.
+        self.blocked: Callable[[], set[str]] = set
 
     async def park(self, join: AgentJoin, writer: asyncio.StreamWriter, check: Callable[[AgentJoin], str],
                    welcome: StandbyParked) -> Parked | None:
@@ -132,7 +134,9 @@ class Standbys:
     def place(self, slots: list[SlotFacts], silence_limit_s: float, *, closed: bool = False) -> list[Promote]:
         """Give lost nodes to standbys (``standby.promotions`` decides); returns what was done."""
         now = time.time()
-        facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, now - p.last_heard) for p in self.parked.values()]
+        out = self.blocked()
+        facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, now - p.last_heard) for p in self.parked.values()
+                 if p.join.host not in out]
         done = promotions(slots, facts, silence_limit_s=silence_limit_s, closed=closed)
         for promote in done:
             parked = self.parked.pop(promote.standby)

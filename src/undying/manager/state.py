@@ -106,6 +106,7 @@ class IncidentKind(enum.StrEnum):
     DIVERGED = "diverged"  # a re-run step's batch, or a restored state, is not the one it replaces (divergence)
     NUMERIC = "numeric"  # a step's numeric check failed and was replayed (worker.numerics): the verdict
     SDC = "sdc"  # a rank's step differed from its replay elsewhere (--verify-every): rolled back (worker.verify)
+    MIGRATION = "migration"  # planned: an operator moved a rank (undying migrate / drain), no step lost
 
 
 class IncidentStatus(enum.StrEnum):
@@ -152,6 +153,7 @@ class IncidentDetail(TypedDict, total=False):
     restored_step: int
     regroup: dict[str, Any]
     closed: str
+    migration: dict[str, Any]  # a planned move: planned_t, boundary_step, from, to, by (manager/migration.py)
     # A preemption.
     grace_period_s: float
     reused: str

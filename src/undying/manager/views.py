@@ -54,6 +54,7 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "goodput": job_goodput(core, incidents).to_dict(),
         "ranks": rank_views(core),
         "nodes": [a.view() for a in core.agents.values()],
+        "hosts_out": core.hosts.view(),  # drained or quarantined: no new ranks there (manager/hosts.py)
         "incidents": incidents,
     }
 

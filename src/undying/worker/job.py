@@ -29,6 +29,7 @@ import torch.distributed as dist
 from undying.checkpoint.checks import check_compatible, tensor_shapes
 from undying.checkpoint.mac import key_from_environ, set_key
 from undying.checkpoint.safe_load import check_state_loadable
+from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.protocol.codec import Message
 from undying.protocol.store_client import JobStore
@@ -149,7 +150,8 @@ class Job:
                 env, env.rank, env.world_size, env.local_rank, env.generation, self._send,
                 FaultSwitch(env.rank, self._send,
                             {"crash": crash_self, "hang": stop_self, "hang:spin": spin_forever,
-                             "hang:block": block_forever, "comm-error": break_connections}),
+                             "hang:block": block_forever, "comm-error": break_connections,
+                             "migrate": self._leave_for_migration}),
                 WorkerTracing(env, env.rank, self._send), close_channel=self._close_channel,
                 clock=SaveClock(env.checkpoint.save_every, env.checkpoint.save_interval),
             )
@@ -545,6 +547,11 @@ class Job:
             self.tracing.arm_slowdown(message)
         else:
             self.ctx.faults.arm(message)
+
+    def _leave_for_migration(self) -> None:
+        """``undying migrate``: at a step's start (the last one committed, nothing begun) this process
+        leaves; the manager expects the exit and gives the rank to a replacement that takes the state."""
+        self.ctx.exit_now(EXIT_MIGRATED)
 
     def _on_abort(self, message: Abort) -> None:
         if message.generation == self.generation:

@@ -1,0 +1,115 @@
+"""A host's placement state: ``ok``, ``drained`` by an operator, or ``quarantined`` by a fault policy.
+
+One state per host, shared by the two ways a host is taken out: an operator
+drains it (``undying drain HOST``, before maintenance) and a fault policy
+quarantines it (a rank found at fault twice there: ``quarantine``, with the
+reason). Either way the host gets no new ranks (a standby on it is not
+promoted, a migration does not go to it) until an operator clears it
+(``undying undrain HOST``, the one clear surface for both). The record is a
+plain value kept in the job's log (``to_log`` / ``from_log``), so a
+restarted manager keeps it. Pure: no I/O, no clock (times are given).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from undying.errors import UsageError
+
+__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host"]
+
+LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
+_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")  # a hostname, an IPv4 or a bracketed or bare IPv6
+
+
+class HostState(enum.StrEnum):
+    OK = "ok"
+    DRAINED = "drained"  # by an operator: no new ranks until undrained
+    QUARANTINED = "quarantined"  # by a fault policy (with its reason): no new ranks until cleared
+
+
+@dataclass(frozen=True)
+class HostMark:
+    """Why a host is out: its state, who put it there, the reason, and when."""
+
+    host: str
+    state: HostState
+    reason: str
+    by: str
+    t: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
+
+
+def check_host(host: object) -> str:
+    """A host name as given on the command line or in a request, checked; the error names it."""
+    if not isinstance(host, str) or not _HOST.match(host):
+        raise UsageError(f"host {host!r} is not a host name or address (letters, digits, '.', '-', ':', "
+                         f"at most 255 characters); give it as `undying status` lists it under nodes")
+    return host
+
+
+class HostBook:
+    """Every host that is not ``ok``; a host absent from it is ``ok``."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, HostMark] = {}
+
+    def state(self, host: str) -> HostState:
+        mark = self._marks.get(host)
+        return mark.state if mark is not None else HostState.OK
+
+    def blocked(self, host: str) -> bool:
+        """Whether ``host`` may get no new ranks."""
+        return host in self._marks
+
+    def blocked_hosts(self) -> set[str]:
+        return set(self._marks)
+
+    def drain(self, host: str, *, by: str, reason: str, t: float) -> HostMark:
+        """An operator takes the host out. A quarantined host stays quarantined (its reason is kept)."""
+        mark = self._marks.get(check_host(host))
+        if mark is not None and mark.state is HostState.QUARANTINED:
+            return mark
+        mark = HostMark(host, HostState.DRAINED, reason or "drained by an operator", by, t)
+        self._marks[host] = mark
+        return mark
+
+    def quarantine(self, host: str, *, reason: str, by: str, t: float) -> HostMark:
+        """A fault policy takes the host out, with its reason (a drained host becomes quarantined)."""
+        if not reason.strip():
+            raise UsageError(f"quarantining host {host!r} needs a reason (what was found at fault there)")
+        mark = HostMark(check_host(host), HostState.QUARANTINED, reason.strip()[:500], by, t)
+        self._marks[host] = mark
+        return mark
+
+    def clear(self, host: str) -> HostMark | None:
+        """An operator puts the host back (drained or quarantined); the mark it had, or None (it was ok)."""
+        return self._marks.pop(check_host(host), None)
+
+    def view(self) -> list[dict[str, Any]]:
+        """The hosts that are out, for `undying status` and the page: oldest first."""
+        return [m.to_dict() for m in sorted(self._marks.values(), key=lambda m: m.t)]
+
+    def to_log(self) -> list[dict[str, Any]]:
+        return self.view()
+
+    @classmethod
+    def from_log(cls, logged: object) -> HostBook:
+        """The book a manager wrote (nothing, or a list of marks); anything unreadable is left out."""
+        book = cls()
+        if not isinstance(logged, list):
+            return book
+        for item in logged:
+            try:
+                mark = HostMark(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")),
+                                str(item.get("by", "")), float(item.get("t", 0.0)))
+            except (KeyError, TypeError, ValueError):
+                continue
+            if mark.state is not HostState.OK:
+                book._marks[mark.host] = mark
+        return book

@@ -1,0 +1,450 @@
+"""Planned moves: a rank migrated to another process at a step boundary, hosts drained and put back.
+
+An operator moves a rank off a process before it fails (``undying migrate
+--rank R``). Its replacement starts at once, on a warm spare of its node, into
+the generation the move will open, and waits there while the rank trains on.
+The rank is armed to leave at the start of a step (the boundary: its last
+step committed, nothing of the next begun), far enough ahead for the
+replacement to be ready. There it says so (a ``FaultInjected`` of kind
+``migrate``) and exits with ``EXIT_MIGRATED``; this module opens the
+generation as a planned ``migration`` incident of the recovery's round and
+tells the peers to leave the old one at once (they wait in the next step's
+first collective, which the leaving rank never joined, so no rank completed
+it). They meet the replacement, which takes the committed state from a peer,
+and every rank runs that step once. No step is re-run to completion, no
+state is lost, and the losses are those of the run without the move
+(``tests/integration/test_migrate.py``). The incident carries the timeline
+(detected at the boundary, the replacement ready before it, the group
+rebuilt, the state restored, the first step done): the stall.
+
+A whole node moves (``--node N --to HOST``, and ``drain``) to a standby agent
+parked on the target: every rank of the node leaves at one boundary; at the
+first one's exit the node's old agent is told it is done and let go, every
+rank of the node is replaced in one new generation, and the standby is given
+the node's number as it would be for a lost node.
+
+Hosts: the one host book (``hosts.py``) says which hosts are drained (by an
+operator) or quarantined (by a fault policy: ``quarantine``); such a host
+gets no new ranks until ``undrain``. Each change is an event and a job fact
+in the log, so a restarted manager keeps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from undying.config import EXIT_MIGRATED
+from undying.errors import UsageError
+from undying.manager.core import JobCore
+from undying.manager.detection import Detection
+from undying.manager.hosts import LOG_KEY, HostBook, HostMark, check_host
+from undying.manager.policy import Action, Decision
+from undying.manager.recovery import Recoveries
+from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.node_wire import JobEnded
+from undying.protocol.worker_wire import ArmFault, FaultInjected
+
+if TYPE_CHECKING:
+    from undying.manager.nodes import AgentServer
+
+__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine"]
+
+log = logging.getLogger("undying.manager")
+
+# How many steps past the newest committed one the boundary is set, at least: every rank hears the
+# arming before it begins the boundary's next step (a late one leaves at the step after: still a boundary).
+LEAD_STEPS = 2
+# And time enough for the replacement, started at once, to be ready (a warm spare runs the script to
+# its join; a new process imports torch first): measured on a loaded 2-core machine, with room.
+READY_S = {True: 2.0, False: 10.0}
+MAX_LEAD_STEPS = 10_000
+
+
+# What each POST of the HTTP API takes (manager/http.py): its body's example, for the errors.
+MOVE_EXAMPLES = {"migrate": '{"rank": 1, "to": "HOST"} or {"node": 1, "to": "HOST"}', "drain": '{"host": "HOST"}',
+                 "undrain": '{"host": "HOST"}'}
+_MAX_RANK = 1 << 20
+
+
+def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: str) -> dict[str, Any]:
+    """``POST /api/<what>`` with its JSON body, checked whole before anything is done; UsageError names the field."""
+    example = MOVE_EXAMPLES[what]
+    if what == "migrate":
+        rank, to, node = body.get("rank"), body.get("to"), body.get("node")
+        if to is not None and not isinstance(to, str):
+            raise UsageError(f'"to" must be a host name (a string), got {str(to)[:40]!r}; e.g. {example}')
+        if to is not None:
+            check_host(to)
+        if node is not None and rank is not None:
+            raise UsageError(f'migrate takes a "rank" or a "node", not both; e.g. {example}')
+        if node is not None:
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node <= _MAX_RANK:
+                raise UsageError(f'"node" must be a whole number from 0, got {str(node)[:40]!r}; e.g. {example}')
+            return migrations.migrate_node(node, to, by=by)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
+            raise UsageError(f'migrate needs a "rank" or a "node" (a whole number from 0, not both), got '
+                             f'{str(rank)[:40]!r}; e.g. {example}')
+        return migrations.migrate(rank, to, by=by)
+    host = body.get("host")
+    if not isinstance(host, str):
+        raise UsageError(f'{what} needs a "host" (a string), got {str(host)[:40]!r}; e.g. {example}')
+    check_host(host)
+    if what == "drain":
+        return migrations.drain(host, by=by, reason=str(body.get("reason") or "")[:500])
+    return migrations.undrain(host, by=by)
+
+
+def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str | None = None,
+               by: str = "numerics") -> dict[str, Any]:
+    """Quarantine a host, named or as the one ``rank`` runs on, with the fault policy's ``reason``.
+
+    The one call a fault policy makes (``manager.numerics``: a rank found at
+    fault twice): the host gets no new ranks until an operator runs
+    ``undying undrain HOST``; recorded as ``host_quarantined`` and kept in the
+    log. Its ranks train on: moving them is the operator's call (``drain``).
+    """
+    if host is None:
+        if rank is None or rank not in core.ranks:
+            raise UsageError(f"quarantine needs a host or a rank of this job, got rank {rank!r}")
+        agent = core.agents.get(core.ranks[rank].node)
+        host = str(agent.view().get("host", "")) if agent is not None else ""
+    mark = core.hosts.quarantine(host, reason=reason, by=by, t=time.time())
+    core.events.event("host_quarantined", **mark.to_dict())
+    core.events.set_job(LOG_KEY, core.hosts.to_log(), flush=True)
+    log.warning("job %s: host %s quarantined: %s", core.config.job_id, host, mark.reason)
+    return {"host": host, "state": mark.state.value, "reason": mark.reason}
+
+
+@dataclass
+class _Pending:
+    rank: int
+    pid: int
+    boundary: int  # the last step the rank commits before it leaves
+    host: str
+    to: str
+    by: str
+    t: float  # when it was armed: the incident's "planned" time
+    node: int | None = None  # a whole node's move (to a standby on ``to``): every rank of it leaves
+    generation: int = -1  # a rank's move: the generation its replacement, started ahead, waits for
+    warm: bool = False  # that replacement is a warm spare (else a new process)
+    ready_t: float = 0.0  # when it said hello (0: not yet)
+
+
+class Migrations:
+    """The planned moves of one job: armed ranks waiting for their boundary, and the host book."""
+
+    def __init__(self, core: JobCore, recoveries: Recoveries, detection: Detection, *, busy: Any) -> None:
+        self.core = core
+        self.recoveries = recoveries
+        self.detection = detection
+        self._busy = busy  # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
+        self.pending: dict[int, _Pending] = {}  # pid -> the move it is armed for
+        self.server: AgentServer | None = None  # the agents' server (a multi-node job): standbys, slots
+
+    @property
+    def hosts(self) -> HostBook:
+        return self.core.hosts
+
+    def host_of(self, node: int) -> str:
+        agent = self.core.agents.get(node)
+        return str(agent.view().get("host", "")) if agent is not None else ""
+
+    # --- the operator's commands ----------------------------------------------------
+
+    def migrate(self, rank: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
+        """Arm ``rank`` to leave at the next boundary, for a warm spare of its node (``to``: that node's host)."""
+        core = self.core
+        if rank not in core.ranks:
+            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
+        info = core.ranks[rank]
+        why = self._why_not_now(info)
+        if why:
+            raise UsageError(f"cannot migrate rank {rank} now: {why}")
+        host = self.host_of(info.node)
+        target = host if to is None or to in (host, "localhost") else check_host(to)
+        if target != host and sum(1 for r in core.ranks.values() if r.node == info.node) == 1:
+            return self.migrate_node(info.node, target, by=by)  # the node's one rank: the node moves
+        if target != host:
+            raise UsageError(
+                f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them moves to a warm "
+                f"spare of its own node (leave --to out, or give --to {host}), or the whole node moves to a "
+                f"standby on {target} (`undying migrate --node {info.node} --to {target}`)")
+        if self.hosts.blocked(host):
+            raise UsageError(f"host {host} is {self.hosts.state(host).value}: it gets no new ranks; "
+                             f"`undying undrain {host}` first")
+        old_pid, agent = info.pid, core.agents[info.node]
+        spares = agent.spares_ready()
+        boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
+        now = time.time()
+        agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))  # (before the spawn: the old one)
+        # The replacement starts now, while the rank trains on: it waits for the generation the boundary opens.
+        generations = core.generations
+        ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
+                                 store_host=generations.host, store_port=generations.store_port(),
+                                 reason=f"migration of rank {rank} (opened at the boundary)")
+        warm = core.spawn(rank, ahead, joining=True) or spares > 0  # (a node across the network says later)
+        self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
+                                         warm=warm)
+        core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
+                          by=by, replacement="warm spare" if warm else "new process")
+        log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id, rank,
+                 old_pid, "warm spare" if warm else "new process", target, boundary)
+        return {"migrating": rank, "pid": old_pid, "from": host, "to": target, "boundary_step": boundary,
+                "replacement": "warm spare" if warm else "new process"}
+
+    def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
+        """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to`` takes the node."""
+        core = self.core
+        if node not in core.agents or node not in core.book.nodes:
+            raise UsageError(f"node {node} is not a node of this job; it trains on nodes "
+                             f"{', '.join(map(str, core.book.nodes))}")
+        ranks = [r for r in core.ranks.values() if r.node == node]
+        for info in ranks:
+            why = self._why_not_now(info)
+            if why:
+                raise UsageError(f"cannot move node {node} now: {why}")
+        host = self.host_of(node)
+        standby = self._standby_on(to, avoid={host})
+        boundary = max(max(r.step for r in ranks), core.book.newest_step()) + LEAD_STEPS
+        now = time.time()
+        for info in ranks:
+            self.pending[info.pid] = _Pending(info.rank, info.pid, boundary, host, standby, by, now, node=node)
+            core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
+        core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks], boundary=boundary,
+                          host=host, to=standby, by=by)
+        log.info("job %s: node %d (%s) moves to the standby on %s after step %d", core.config.job_id, node, host,
+                 standby, boundary)
+        return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host, "to": standby,
+                "boundary_step": boundary, "replacement": "standby agent"}
+
+    def drain(self, host: str, *, by: str = "api", reason: str = "") -> dict[str, Any]:
+        """Mark ``host`` drained and move every node of the job on it to a standby parked elsewhere.
+
+        Refused, with nothing changed, when there are fewer standbys (not on a
+        drained or quarantined host) than nodes to move.
+        """
+        check_host(host)
+        nodes = sorted({r.node for r in self.core.ranks.values()
+                        if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host})
+        free = [h for h in self._parked_hosts() if h != host and not self.hosts.blocked(h)]
+        if len(free) < len(nodes):
+            raise UsageError(
+                f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is nowhere to move "
+                f"{'them' if len(nodes) > 1 else 'it'}: {len(free)} standby agent(s) parked on other hosts "
+                f"(`undying run --standby ...` on a host that is not drained); start one, or stop the job, "
+                f"then drain {host}")
+        for node in nodes:
+            why = next((w for info in self.core.ranks.values() if info.node == node
+                        for w in [self._why_not_now(info)] if w), "")
+            if why:
+                raise UsageError(f"cannot drain host {host} now: {why}")
+        mark = self.hosts.drain(host, by=by, reason=reason, t=time.time())
+        self._record("host_drained", mark)
+        moved = [self.migrate_node(node, free[i], by=by) for i, node in enumerate(nodes)]
+        return {"host": host, "state": mark.state.value, "reason": mark.reason, "moved": moved}
+
+    def quarantine(self, host: str, reason: str, *, by: str = "numerics") -> dict[str, Any]:
+        """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks there."""
+        return quarantine(self.core, host=host, reason=reason, by=by)
+
+    def undrain(self, host: str, *, by: str = "api") -> dict[str, Any]:
+        """Put a drained or quarantined host back (the one clear surface for both)."""
+        mark = self.hosts.clear(host)
+        if mark is None:
+            raise UsageError(f"host {host} is not drained or quarantined; nothing to undrain "
+                             f"(`undying status` lists the hosts that are)")
+        self.core.events.event("host_cleared", host=host, was=mark.state.value, by=by)
+        self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)
+        return {"host": host, "state": "ok", "was": mark.state.value}
+
+    def restore(self, logged: object) -> None:
+        """A restarted manager's host book, read back from the log."""
+        self.core.hosts = HostBook.from_log(logged)
+
+    # --- the planned exit ---------------------------------------------------------
+
+    def on_exit(self, info: RankInfo, pid: int, returncode: int, t: float) -> bool:
+        """True when this exit was a planned migration's, now carried out as a replacement."""
+        pending = self.pending.get(pid)
+        if pending is None or pending.node is None:  # (a moved rank's old process: its exit is not reported)
+            return False
+        del self.pending[pid]
+        if returncode != EXIT_MIGRATED:  # it died before its boundary: a fault like any other
+            self.core.events.event("migration_failed", rank=pending.rank, pid=pid, returncode=returncode)
+            return False
+        core = self.core
+        previous = core.generations.current
+        core.move(JobState.RECOVERING)
+        self._move_node(info, pending, t)
+        for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
+            if peer.state is not RankState.EXITED and peer.generation <= previous:
+                core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
+        return True
+
+    def on_spawned(self, rank: int, warm: bool) -> None:
+        """A node across the network says what it started for ``rank``: a moved rank's replacement's kind."""
+        for pending in self.pending.values():
+            if pending.rank == rank and pending.node is None:
+                pending.warm = warm
+
+    def on_hello(self, rank: int, t: float) -> None:
+        """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process said it long ago)."""
+        for pending in self.pending.values():
+            if pending.rank == rank and pending.node is None and not pending.ready_t:
+                pending.ready_t = t
+
+    def on_left(self, message: FaultInjected) -> bool:
+        """A moved rank says it leaves at its boundary: open the generation its replacement waits for.
+
+        The old process exits right after saying so (its exit is not reported:
+        its agent gave the rank to the replacement); the peers, waiting in the
+        next step's first collective, are told to leave the old generation.
+        """
+        pending = next((p for p in self.pending.values() if p.rank == message.rank and p.node is None), None)
+        if pending is None:
+            return False
+        del self.pending[pending.pid]
+        core = self.core
+        core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
+                          phase=message.phase)
+        if core.generations.current + 1 != pending.generation:  # a recovery took the job on meanwhile: the
+            core.events.event("migration_failed", rank=pending.rank, pid=pending.pid,  # replacement joined it
+                              returncode=None, generation=core.generations.current)
+            return True
+        previous, info, now = core.generations.current, core.ranks[message.rank], time.time()
+        core.move(JobState.RECOVERING)
+        incident = self._incident(info, pending, message.t, now, step=message.step - 1)
+        record = core.open_generation(f"migration of rank {info.rank}: replace")
+        recovery = self.recoveries.current
+        assert recovery is not None
+        recovery.renew(record.generation)
+        recovery.replaced.add(info.rank)
+        if pending.ready_t:  # the replacement said hello before the boundary: ready and waiting
+            recovery.ready[info.rank] = pending.ready_t
+        incident.detail["replacement"] = "warm spare" if pending.warm else "new process"
+        core.events.incident(incident)
+        for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
+            if peer.rank != info.rank and peer.state is not RankState.EXITED:
+                core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
+        return True
+
+    def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:
+        """The planned ``migration`` incident of a rank that left at its boundary (``step``)."""
+        self.detection.injected.pop(info.rank, None)  # (its "migrate" report is no fault to time a crash from)
+        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=step,
+                                                fault_t=t, detected_t=now,
+                                                error=f"planned: rank {info.rank} moved from pid {pending.pid} on "
+                                                      f"{pending.host} (by {pending.by})")
+        incident.phases["decided"] = now
+        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": step, "from": pending.host,
+                                        "to": pending.to, "by": pending.by, "pid": pending.pid,
+                                        **({"node": pending.node} if pending.node is not None else {})}
+        incident.action = "migrate"
+        self.core.events.event("decided", rank=info.rank, incident=incident.id, action="migrate",
+                               reason="planned migration")
+        return incident
+
+    def _replace(self, info: RankInfo, pending: _Pending, t: float) -> None:
+        """The planned incident of one rank, carried out as the recovery's replacement."""
+        core = self.core
+        incident = self._incident(info, pending, t, t, step=info.step)
+        self.recoveries.execute(incident, Decision(Action.REPLACE, "planned migration"))
+        core.events.incident(incident)
+
+    def _move_node(self, first: RankInfo, pending: _Pending, t: float) -> None:
+        """The node's first rank left at its boundary: the node's agent is let go, every rank of it is
+        replaced in one new generation, and the standby on the target host is given the node."""
+        core, node = self.core, pending.node
+        assert node is not None and self.server is not None
+        slot = self.server.slots[node]
+        slot.send(JobEnded("moved", f"node {node} moved to a standby on {pending.to} ({self.hosts.state(pending.host).value} "
+                                    f"host {pending.host}); this agent is done", 0))
+        slot.detach(f"moved to {pending.to}")
+        self.recoveries.one_generation = True
+        try:
+            for info in sorted(core.ranks.values(), key=lambda r: r.rank):
+                if info.node != node:
+                    continue
+                mine = pending if info is first else self.pending.pop(info.pid, None)
+                if info is not first and info.state not in (RankState.EXITED, RankState.DONE):
+                    info.state = RankState.EXITED  # its process goes with its agent (fenced if it lingers)
+                    core.book.persist(info)
+                self._replace(info, mine or pending, t)
+        finally:
+            self.recoveries.end_shared_generation()
+        self._place_on(pending.to)
+
+    # --- helpers ------------------------------------------------------------------
+
+    def _why_not_now(self, info: RankInfo) -> str:
+        core = self.core
+        if core.state is not JobState.RUNNING:
+            return f"the job is {core.state.value} (a move starts only while it trains undisturbed)"
+        if self.recoveries.current is not None:
+            return "a recovery is under way; try again once `undying status` shows the job running"
+        if not self.recoveries.step_api:
+            return "the script does not use undying's step API, so no step boundary can be agreed"
+        busy = self._busy()
+        if busy:
+            return busy
+        if info.state in (RankState.EXITED, RankState.DONE) or not info.pid:
+            return f"rank {info.rank} has no running process ({info.state.value})"
+        if any(p.rank == info.rank and (p.node is not None or p.generation > core.generations.current)
+               for p in self.pending.values()):
+            return f"rank {info.rank} is already being moved"
+        return ""
+
+    def _boundary(self, newest: int, *, warm: bool) -> int:
+        """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least), and
+        before the job's last steps (its plan says how many it has): else refused."""
+        step_s = self.core.clock.median_rank_step_s()
+        lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS, math.ceil(READY_S[warm] / step_s)))
+        plan = self.core.clock.plan
+        if plan is not None:
+            lead = min(lead, plan.total_steps - 2 - newest)  # (the replacement's start may then be in the stall)
+            if lead < LEAD_STEPS:
+                raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step boundary "
+                                 f"{LEAD_STEPS} steps ahead of step {newest}; nothing to move")
+        return newest + lead
+
+    def _parked_hosts(self) -> list[str]:
+        if self.server is None:
+            return []
+        return [p.join.host for p in self.server.standbys.parked.values()]
+
+    def _standby_on(self, to: str | None, *, avoid: set[str]) -> str:
+        """The host of the standby a node moves to: ``to`` (one must be parked there) or any not avoided."""
+        hosts = [h for h in self._parked_hosts() if h not in avoid and not self.hosts.blocked(h)]
+        if to is not None:
+            check_host(to)
+            if self.hosts.blocked(to):
+                raise UsageError(f"host {to} is {self.hosts.state(to).value}: it gets no new ranks; "
+                                 f"`undying undrain {to}` first")
+            if to not in hosts:
+                raise UsageError(f"no standby agent is parked on host {to} (parked on: {', '.join(hosts) or 'none'}); "
+                                 f"start one there with `undying run --standby ...`")
+            return to
+        if not hosts:
+            raise UsageError("no standby agent is parked to move the node to; start one on another host with "
+                             "`undying run --standby ...`")
+        return hosts[0]
+
+    def _place_on(self, host: str) -> None:
+        """Give the moved node to the standby on ``host``: the others are passed over this once."""
+        assert self.server is not None
+        standbys, others = self.server.standbys, self.hosts.blocked_hosts()
+        blocked = standbys.blocked
+        standbys.blocked = lambda: others | {h for h in self._parked_hosts() if h != host}
+        try:
+            self.server.place_standbys()
+        finally:
+            standbys.blocked = blocked
+
+    def _record(self, what: str, mark: HostMark) -> None:  # (as quarantine() records its own)
+        self.core.events.event(what, **mark.to_dict())
+        self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)

@@ -1,0 +1,148 @@
+"""Planned moves (``undying migrate``, ``undying drain``): ranks leave at a step boundary, nothing lost.
+
+Two jobs, each with the oracle (per-step losses and the final state equal the
+run without the move, no step completed twice) and the incident log (planned
+``migration`` incidents, recovered, with their timelines):
+
+* one host, 2 ranks (test_goodput's job, whose fault-free baseline is shared):
+  the commands themselves on the live job, then rank 1 moved to a warm spare
+  started before the boundary;
+* network-namespace hosts, 2 nodes x 2 ranks (test_multinode's job and
+  baseline): a host drained, its node moved to the standby parked on a third.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.jobs import manager_url, start_job, status
+from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
+from tests.oracle import Oracle
+from undying.cli.client import api_post
+from undying.demo.cluster import Cluster, wait_for
+from undying.demo.oracle import compare_runs, load_run
+from undying.errors import UsageError
+from undying.manager.events import connect_readonly, read_job
+
+# test_goodput's job (2 ranks, 64 steps), paced: its fault-free baseline (pacing aside) is shared.
+SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.3")  # (time for the commands, each a new process)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "undying", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_a_rank_migrates_to_a_warm_spare_with_identical_losses(oracle: Oracle, tmp_path: Path,
+                                                                reap: list[int]) -> None:
+    """The commands themselves on one live job: `undying migrate --rank 1`, drain refused (nowhere to go),
+    another host drained, listed by the status and put back; then the oracle and the incident."""
+    job_dir = tmp_path / "job"
+    process = start_job(job_dir, list(SCRIPT_ARGS), ranks=2, run_args=["--spares", "1"], reap=reap)
+    url = manager_url(job_dir)
+    wait_for(lambda: (s := status(url))["state"] == "running" and s["step"] >= 5 and s["spares_ready"] >= 1, 90,
+             "the job running past step 5 with a warm spare")
+    where = ["--job-dir", str(job_dir)]
+    moved = _cli("migrate", "--rank", "1", "--json", *where)
+    assert moved.returncode == 0, moved
+    answer = json.loads(moved.stdout)
+    assert (answer["migrating"], answer["replacement"]) == (1, "warm spare"), answer
+    refused = _cli("drain", "localhost", *where)
+    assert refused.returncode == 2 and "there is nowhere to move it" in refused.stderr, refused
+    drained = _cli("drain", "rack7-b", "--reason", "disk swap", *where)
+    assert drained.returncode == 0 and "host rack7-b: drained (disk swap)" in drained.stdout, drained
+    shown = json.loads(_cli("status", "--json", *where).stdout)["hosts_out"]
+    assert [(m["host"], m["state"], m["reason"]) for m in shown] == [("rack7-b", "drained", "disk swap")]
+    assert _cli("undrain", "rack7-b", *where).stdout.strip() == "host rack7-b: ok (was drained)"
+    assert process.wait(timeout=120) == 0, (job_dir.parent / "job.log").read_text()[-3000:]
+
+    run = load_run(job_dir / "events.db")
+    comparison = compare_runs(oracle.baseline(SCRIPT_ARGS, ranks=2), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+    assert run.rerun_steps == []  # no step completed twice
+    [incident] = run.incidents
+    assert (incident["kind"], incident["rank"], incident["action"], incident["status"]) == (
+        "migration", 1, "migrate", "recovered")
+    assert incident["detail"]["replacement"] == "warm spare"
+    # It left at its boundary: the step the plan named, committed by the old process, then nothing of the next.
+    assert incident["detail"]["migration"]["boundary_step"] == incident["step"] == answer["boundary_step"]
+    assert incident["detail"]["restored_step"] == incident["step"]  # the replacement's state: that step's
+    phases = incident["phases"]
+    for phase in ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done"):
+        assert phase in phases, phases
+    # Started while the rank trained on, before the boundary opened the generation it joined (whether it was
+    # ready by then is timing: steps worth 2 s ahead; bench/regroup.py's migrate scenario measures it).
+    db = connect_readonly(job_dir / "events.db")
+    try:
+        order = [(kind, {**json.loads(data), "generation": generation}) for kind, generation, data in db.execute(
+            "SELECT kind, generation, data FROM events WHERE kind IN ('spawned', 'generation_opened') ORDER BY id")]
+    finally:
+        db.close()
+    generation = incident["detail"]["generation"]
+    spawned = next(i for i, (k, d) in enumerate(order) if k == "spawned" and d.get("joining"))
+    opened = next(i for i, (k, d) in enumerate(order) if k == "generation_opened" and d["generation"] == generation)
+    assert spawned < opened, order
+
+
+# test_multinode's job (2 nodes x 2 ranks, 96 paced steps): its fault-free 4-rank baseline is shared.
+MULTINODE_ARGS = ["--epochs", "3", "--samples", "2048", "--step-seconds", "0.1"]
+MULTINODE_RUN = ["--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60"]
+
+
+def test_a_drained_hosts_node_moves_to_a_standby_with_identical_losses(
+        make_hosts: Callable[[int], Hosts], oracle: Oracle, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`undying drain HOST` on a network-namespace host: its node's two ranks leave at one step boundary,
+    the standby parked on a third host takes the node on its warm spares, the losses are the fault-free run's."""
+    hosts = make_hosts(3)
+    cluster = Cluster(hosts, tmp_path, "mg", MULTINODE_ARGS, run_args=MULTINODE_RUN)
+    try:
+        cluster.start_manager()
+        for node in range(2):  # (namespaces share the machine's hostname: each agent is given its own)
+            monkeypatch.setenv("UNDYING_HOST_NAME", f"host{node + 1}")
+            cluster.start_agent(node, node + 1)
+        standby = hosts.add_host()
+        monkeypatch.setenv("UNDYING_HOST_NAME", f"host{standby}")
+        cluster.start_standby(standby)
+        wait_for(lambda: cluster.log(f"standby{standby}").count("is warm") >= 2, 90, "the standby's two warm spares")
+        cluster.wait_for_step(10)
+        with hosts.inside(0):
+            idle = _post_error(cluster, "/api/drain", {"host": "host9"})  # runs nothing: drained at once
+            answer = api_post(cluster.url(), "/api/drain", {"host": "host2", "reason": "disk swap"},
+                              token=cluster.token)
+        assert idle is None
+        [moved] = answer["moved"]
+        assert (moved["migrating_node"], moved["ranks"], moved["to"]) == (1, [2, 3], f"host{standby}"), answer
+        out = {m["host"]: m for m in cluster.status()["hosts_out"]}
+        assert out["host2"]["state"] == "drained" and out["host2"]["reason"] == "disk swap", out
+        assert cluster.wait(120) == 0, cluster.logs() + cluster.log(f"standby{standby}")[-3000:]
+        run = load_run(cluster.job_dir / "events.db")
+        comparison = compare_runs(oracle.baseline(MULTINODE_ARGS, ranks=4), run)
+        assert comparison.identical and comparison.lost_steps == 0 and not run.rerun_steps, comparison.reasons
+        job = read_job(cluster.job_dir / "events.db")
+        incidents = job["incidents"]
+        assert sorted(i["rank"] for i in incidents) == [2, 3], incidents
+        assert all((i["kind"], i["action"], i["status"]) == ("migration", "migrate", "recovered")
+                   for i in incidents), incidents
+        assert all(i["detail"]["replacement"] == "warm spare" for i in incidents), incidents
+        assert len({i["detail"]["generation"] for i in incidents}) == 1  # one new generation for the node
+        assert "gave this agent node 1" in cluster.log(f"standby{standby}")
+        assert cluster.agents[1].returncode == 0  # the drained host's agent was told it is done
+        assert {m["host"] for m in job["job"]["hosts"]} == {"host2", "host9"}  # kept in the log
+    finally:
+        cluster.close()
+
+
+def _post_error(cluster: Cluster, path: str, body: dict[str, Any]) -> str | None:
+    """The manager's 400 for ``body`` (None: it was accepted)."""
+    try:
+        api_post(cluster.url(), path, body, token=cluster.token)
+    except UsageError as e:
+        return str(e)
+    return None
