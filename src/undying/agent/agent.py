@@ -54,7 +54,6 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("undying.agent")
 
-
 # A worker or spare shows the key at once; a connection silent this long is dropped.
 _KEY_WAIT_S = 10.0
 
@@ -129,17 +128,13 @@ class Agent:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
-        if self._start_mode == "zygote":
+        if self._start_mode == "zygote" and self.manager_host:
+            # A node of a multi-node job joins its manager first (joining late can cost it its place under
+            # --node-wait); the zygote imports meanwhile, and its node's workers wait for it (zygote_ready).
+            self._begin_zygote()
+        elif self._start_mode == "zygote":
             self._zygote = Zygote(self.node)
-            starting = self._start_zygote(self._zygote)
-            if self.manager_host:
-                # A node of a multi-node job joins its manager first (joining late can cost it its place under
-                # --node-wait); the zygote imports meanwhile, and a worker wanted before it is ready starts fresh.
-                task = asyncio.get_running_loop().create_task(starting)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            else:
-                await starting  # the manager in this process opens the first generation only after this
+            await self._start_zygote(self._zygote)  # the manager in this process opens generation 0 after this
         task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -153,8 +148,24 @@ class Agent:
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(_report_crash)
 
-    async def _start_zygote(self, zygote: Zygote) -> None:
-        # (one thread at import, whatever the workers get: the zygote forks)
+    def _begin_zygote(self) -> None:
+        self._zygote = Zygote(self.node)
+        task = asyncio.get_running_loop().create_task(self._start_zygote(self._zygote))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def zygote_pending(self) -> bool:
+        """Whether this node's zygote is importing torch, or was let go while the node was idle."""
+        return self._start_mode == "zygote" and bool(self._port) and (self._zygote is None or self._zygote.pending)
+
+    async def zygote_ready(self) -> None:
+        """Until the zygote (started again if let go) serves or gives up: a fork costs no second torch import."""
+        if self._zygote is None and self.zygote_pending():
+            self._begin_zygote()
+        if self._zygote is not None:
+            await self._zygote.settled()
+
+    async def _start_zygote(self, zygote: Zygote) -> None:  # one thread at import, whatever the workers get
         await zygote.start({"OMP_NUM_THREADS": "1", **self._base_environment()}, self.config.timeouts.init)
 
     def set_trace(self, switch: TraceSet) -> None:
@@ -283,10 +294,7 @@ class Agent:
         if self._zygote is not None:
             process = self._zygote.spawn(args, env, os.getcwd())
         elif self._start_mode == "zygote" and self._port:  # let go while the node was idle: back for the next
-            self._zygote = Zygote(self.node)
-            task = asyncio.get_running_loop().create_task(self._start_zygote(self._zygote))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._begin_zygote()
         if process is None:
             popen = subprocess.Popen(
                 [sys.executable, "-u", "-m", "undying.worker.boot", *args],
@@ -396,11 +404,8 @@ class Agent:
         self._zygote_idle()
 
     def _zygote_idle(self) -> None:
-        """A node left with no worker and no spare holds no process but its agent: the zygote goes too.
-
-        (A job waiting for nodes, a node stopped: nothing of the job runs on the host.) The next worker
-        wanted starts the zygote again; that worker, and any other before it is ready, starts fresh.
-        """
+        """A node left with no worker and no spare (a job waiting for nodes, a node stopped) holds no process
+        but its agent: the zygote goes too. The next worker wanted starts it again (``zygote_ready``)."""
         zygote = self._zygote
         if zygote is None or not zygote.alive:
             return

@@ -123,6 +123,7 @@ class Zygote:
         self._ready: asyncio.Future[str] | None = None  # "" when ready, else why not
         self.alive = False
         self.reason = ""  # why the agent starts fresh interpreters, once it does
+        self._settled = asyncio.Event()  # set once it serves, gave up or was let go
 
     async def start(self, env: dict[str, str], timeout: float) -> bool:
         """Start the zygote with the workers' environment; True once it imported torch and serves."""
@@ -151,9 +152,19 @@ class Zygote:
             self._give_up(reason)
             return False
         self.alive = True
+        self._settled.set()
         log.info("node %d: worker zygote pid %d ready in %.2fs", self.node, self._popen.pid,
                  time.monotonic() - started)
         return True
+
+    @property
+    def pending(self) -> bool:
+        """Still importing: not serving, not given up, not let go (a worker wanted now had better wait)."""
+        return not self.alive and not self._settled.is_set()
+
+    async def settled(self) -> None:
+        """Until the zygote serves, gives up or is let go (``start`` bounds that by the init timeout)."""
+        await self._settled.wait()
 
     def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ZygoteProcess | None:
         """Fork a worker (called on the loop; blocks for the fork, milliseconds); None: start it fresh."""
@@ -269,6 +280,7 @@ class Zygote:
 
     def close(self) -> None:
         """Let the zygote go (it exits when its channel closes; killed if it does not)."""
+        self._settled.set()
         channel, self._channel = self._channel, None
         if channel is not None:
             with contextlib.suppress(ValueError, RuntimeError):
