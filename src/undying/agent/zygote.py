@@ -15,8 +15,11 @@ on request over a Unix socket pair. The worker is the zygote's child, so:
   zombie until the agent has recorded it and answers ``reap``, so a PID is
   never reused while the agent may still signal it (as with its own children);
 - a standalone agent waits for its zygote before the job's first generation
-  (that is the point); a node of a multi-node job joins its manager first and
-  starts the workers wanted before its zygote is ready as fresh interpreters;
+  (that is the point); a node of a multi-node job joins its manager first, and
+  the ranks it is asked for meanwhile wait for the zygote (agent/remote.py's
+  ``_spawn``): started beside it as fresh interpreters, they doubled the CPU of
+  every start and regroup on the host for no earlier start (spares wanted
+  before it is ready still start fresh);
 - a node left with no worker and no spare (a job waiting for nodes, a node
   stopped) lets its zygote go: nothing of the job but the agent runs on the
   host; the next worker wanted starts it again, and starts fresh itself;
