@@ -47,6 +47,10 @@ ENV_SCRIPT = textwrap.dedent("""
         json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
+    # A file left open and still referenced at exit (as a library's module-level handle is): its
+    # buffered write reaches the disk when the process ends.
+    sys.left_open = open(os.path.join(sys.argv[sys.argv.index("--out") + 1], f"{rank}.left-open"), "w")
+    sys.left_open.write("written, never closed")
 """)
 
 
@@ -124,6 +128,8 @@ def test_a_torchrun_command_line_runs_with_torchruns_environment(tmp_path: Path,
         assert mine["TORCHELASTIC_MAX_RESTARTS"] == "3"  # (undying's default; torchrun's is 0)
         assert mine["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # the script hosts its own store (it did, above)
         assert mine["UNDYING_SEED"] == "0"
+        for name in runs:  # undying's worker skips the interpreter's teardown, not the flush of open files
+            assert (tmp_path / name / f"{rank}.left-open").read_text() == "written, never closed", name
 
 
 def test_a_fault_free_run_of_a_step_api_script_prints_no_warning(tmp_path: Path, reap: list[int]) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.agent.exits import returned_exit
+from undying.agent.liveness import is_stalled, judge_silence
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
@@ -53,7 +54,6 @@ from undying.trace.switch import SwitchFileWatcher
 __all__ = ["Agent"]
 
 log = logging.getLogger("undying.agent")
-
 
 # A worker or spare shows the key at once; a connection silent this long is dropped.
 _KEY_WAIT_S = 10.0
@@ -130,17 +130,13 @@ class Agent:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
-        if self._start_mode == "zygote":
+        if self._start_mode == "zygote" and self.manager_host:
+            # A node of a multi-node job joins its manager first (joining late can cost it its place under
+            # --node-wait); the zygote imports meanwhile, and its node's workers wait for it (zygote_ready).
+            self._begin_zygote()
+        elif self._start_mode == "zygote":
             self._zygote = Zygote(self.node)
-            starting = self._start_zygote(self._zygote)
-            if self.manager_host:
-                # A node of a multi-node job joins its manager first (joining late can cost it its place under
-                # --node-wait); the zygote imports meanwhile, and a worker wanted before it is ready starts fresh.
-                task = asyncio.get_running_loop().create_task(starting)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            else:
-                await starting  # the manager in this process opens the first generation only after this
+            await self._start_zygote(self._zygote)  # the manager in this process opens generation 0 after this
         task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -154,8 +150,24 @@ class Agent:
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(_report_crash)
 
-    async def _start_zygote(self, zygote: Zygote) -> None:
-        # (one thread at import, whatever the workers get: the zygote forks)
+    def _begin_zygote(self) -> None:
+        self._zygote = Zygote(self.node)
+        task = asyncio.get_running_loop().create_task(self._start_zygote(self._zygote))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def zygote_pending(self) -> bool:
+        """Whether this node's zygote is importing torch, or was let go while the node was idle."""
+        return self._start_mode == "zygote" and bool(self._port) and (self._zygote is None or self._zygote.pending)
+
+    async def zygote_ready(self) -> None:
+        """Until the zygote (started again if let go) serves or gives up: a fork costs no second torch import."""
+        if self._zygote is None and self.zygote_pending():
+            self._begin_zygote()
+        if self._zygote is not None:
+            await self._zygote.settled()
+
+    async def _start_zygote(self, zygote: Zygote) -> None:  # one thread at import, whatever the workers get
         await zygote.start({"OMP_NUM_THREADS": "1", **self._base_environment()}, self.config.timeouts.init)
 
     def set_trace(self, switch: TraceSet) -> None:
@@ -188,26 +200,15 @@ class Agent:
             for worker in list(self._workers.values()):
                 if worker.hang_reported or worker.process.returncode is not None:
                     continue
-                if worker.last_seen:
-                    phase, silent, limit = "heartbeat", now - worker.last_seen, timeouts.heartbeat
-                elif not self.config.step_api:
-                    continue  # a script that never speaks to undying: no init timeout (whole-group restarts)
-                else:
-                    phase, silent, limit = "init", now - worker.started, timeouts.init
-                if silent > limit:
+                silence = judge_silence(now, worker.started, worker.last_seen, timeouts, self.config.step_api)
+                if silence is not None:
                     worker.hang_reported = True
-                    log.warning("node %d: rank %d (pid %d) silent for %.1fs (%s timeout %.1fs)",
-                                self.node, worker.rank, worker.pid, silent, phase, limit)
-                    self._manager.on_hang(worker.rank, worker.pid, phase,
+                    log.warning("node %d: rank %d (pid %d) silent for %.1fs (%s timeout %.1fs)", self.node,
+                                worker.rank, worker.pid, silence.silent_s, silence.phase, silence.limit_s)
+                    self._manager.on_hang(worker.rank, worker.pid, silence.phase,
                                           worker.last_seen or worker.started, now)
-                    continue
-                beat = worker.beat
-                if beat is None or beat.progress_t == worker.stall_reported_t:
-                    continue
-                # The beat's own word, not the agent's clock: beats queued behind a busy loop are not a stall.
-                limit = (self.step_timeout() if beat.phase == WorkerPhase.STEP
-                         else timeouts.init if beat.phase == WorkerPhase.INIT else 0)
-                if limit and beat.t - beat.progress_t > limit:
+                elif (beat := worker.beat) is not None and beat.progress_t != worker.stall_reported_t \
+                        and is_stalled(beat, self.step_timeout(), timeouts):
                     stalled.append(worker)
             if stalled:
                 self._report_stall(stalled, now)
@@ -285,10 +286,7 @@ class Agent:
         if self._zygote is not None:
             process = self._zygote.spawn(args, env, os.getcwd())
         elif self._start_mode == "zygote" and self._port:  # let go while the node was idle: back for the next
-            self._zygote = Zygote(self.node)
-            task = asyncio.get_running_loop().create_task(self._start_zygote(self._zygote))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._begin_zygote()
         if process is None:
             popen = subprocess.Popen(
                 [sys.executable, "-u", "-m", "undying.worker.boot", *args],
@@ -402,8 +400,8 @@ class Agent:
         """A node left with no worker and no spare holds no process but its agent: the zygote goes too.
 
         (A job waiting for nodes, a node stopped: nothing of the job runs on the host.) The next worker
-        wanted starts it again; that one, and any before it is ready, starts fresh. Kept when an elastic
-        job's regroup member leaves (EXIT_REGROUPED): it goes on here at once (forked 1-2 s, fresh 25 s).
+        wanted starts it again and waits for it (``zygote_ready``). Kept when an elastic job's regroup
+        member leaves (EXIT_REGROUPED): the regroup's ranks are forked from it at once.
         """
         zygote = self._zygote
         if zygote is None or not zygote.alive or self._regrouping:

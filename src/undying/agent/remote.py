@@ -277,6 +277,7 @@ class NodeRunner:
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._deferred: dict[int, SpawnRank] = {}  # ranks waiting for the zygote (``_spawn``), oldest first
         self._commands = self._command_handlers()
 
     async def run(self) -> int:
@@ -536,11 +537,35 @@ class NodeRunner:
         }, otherwise=lambda message: log.warning("node %d: unexpected command %r", self.node, message))
 
     def _spawn(self, message: SpawnRank) -> None:
-        pid, warm = self.agent.spawn(message.rank, message.record, joining=message.joining,
-                                     resume_from=message.resume_from, incarnation=message.incarnation)
+        """Give the rank a process; while the node's zygote imports torch, once it serves.
+
+        A fresh interpreter started beside the importing zygote doubled the
+        CPU of every multi-node start and regroup (each node's ranks and its
+        zygote importing torch side by side), for a process no sooner up. The
+        PID reaches the manager in RankSpawned whenever it is known (0 until
+        then, as for a node that had no agent yet). A warm spare is taken at once.
+        """
+        agent = self.agent
+        if self._deferred or (agent.zygote_pending() and not (message.joining and agent.spares_ready())):
+            if not self._deferred:
+                task = asyncio.ensure_future(self._spawn_when_ready())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            self._deferred.pop(message.rank, None)
+            self._deferred[message.rank] = message  # a later SpawnRank of the same rank supersedes it
+            return
+        pid, warm = agent.spawn(message.rank, message.record, joining=message.joining,
+                                resume_from=message.resume_from, incarnation=message.incarnation)
         self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
 
+    async def _spawn_when_ready(self) -> None:
+        await self.agent.zygote_ready()  # bounded: the zygote gives up at the init timeout
+        deferred, self._deferred = self._deferred, {}
+        for message in deferred.values():
+            self._spawn(message)
+
     def _start_stop(self, message: StopNode) -> None:
+        self._deferred.clear()  # a rank not started yet is stopped already
         task = asyncio.ensure_future(self._stop(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -15,8 +15,11 @@ on request over a Unix socket pair. The worker is the zygote's child, so:
   zombie until the agent has recorded it and answers ``reap``, so a PID is
   never reused while the agent may still signal it (as with its own children);
 - a standalone agent waits for its zygote before the job's first generation
-  (that is the point); a node of a multi-node job joins its manager first and
-  starts the workers wanted before its zygote is ready as fresh interpreters;
+  (that is the point); a node of a multi-node job joins its manager first, and
+  the ranks it is asked for meanwhile wait for the zygote (agent/remote.py's
+  ``_spawn``): started beside it as fresh interpreters, they doubled the CPU of
+  every start and regroup on the host for no earlier start (spares wanted
+  before it is ready still start fresh);
 - a node left with no worker and no spare (a job waiting for nodes, a node
   stopped) lets its zygote go: nothing of the job but the agent runs on the
   host; the next worker wanted starts it again, and starts fresh itself;
@@ -123,6 +126,7 @@ class Zygote:
         self._ready: asyncio.Future[str] | None = None  # "" when ready, else why not
         self.alive = False
         self.reason = ""  # why the agent starts fresh interpreters, once it does
+        self._settled = asyncio.Event()  # set once it serves, gave up or was let go
 
     async def start(self, env: dict[str, str], timeout: float) -> bool:
         """Start the zygote with the workers' environment; True once it imported torch and serves."""
@@ -151,9 +155,19 @@ class Zygote:
             self._give_up(reason)
             return False
         self.alive = True
+        self._settled.set()
         log.info("node %d: worker zygote pid %d ready in %.2fs", self.node, self._popen.pid,
                  time.monotonic() - started)
         return True
+
+    @property
+    def pending(self) -> bool:
+        """Still importing: not serving, not given up, not let go (a worker wanted now had better wait)."""
+        return not self.alive and not self._settled.is_set()
+
+    async def settled(self) -> None:
+        """Until the zygote serves, gives up or is let go (``start`` bounds that by the init timeout)."""
+        await self._settled.wait()
 
     def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ZygoteProcess | None:
         """Fork a worker (called on the loop; blocks for the fork, milliseconds); None: start it fresh."""
@@ -269,6 +283,7 @@ class Zygote:
 
     def close(self) -> None:
         """Let the zygote go (it exits when its channel closes; killed if it does not)."""
+        self._settled.set()
         channel, self._channel = self._channel, None
         if channel is not None:
             with contextlib.suppress(ValueError, RuntimeError):

@@ -1,0 +1,39 @@
+"""The agent's judgement of one rank's beats: hung, stalled or fine (undying.agent.liveness)."""
+
+from __future__ import annotations
+
+from undying.agent.liveness import is_stalled, judge_silence
+from undying.config import Timeouts
+from undying.protocol.kinds import WorkerPhase
+from undying.protocol.worker_wire import Heartbeat
+
+TIMEOUTS = Timeouts(heartbeat=5.0, init=60.0)
+
+
+def test_a_rank_that_spoke_is_hung_after_the_heartbeat_timeout() -> None:
+    assert judge_silence(104.9, started=0.0, last_seen=100.0, timeouts=TIMEOUTS, step_api=True) is None
+    silence = judge_silence(105.5, started=0.0, last_seen=100.0, timeouts=TIMEOUTS, step_api=True)
+    assert silence is not None and (silence.phase, silence.limit_s) == ("heartbeat", 5.0)
+    assert abs(silence.silent_s - 5.5) < 1e-9
+
+
+def test_a_rank_that_never_spoke_has_the_init_timeout_and_a_plain_script_none() -> None:
+    assert judge_silence(59.0, started=0.0, last_seen=0.0, timeouts=TIMEOUTS, step_api=True) is None
+    silence = judge_silence(61.0, started=0.0, last_seen=0.0, timeouts=TIMEOUTS, step_api=True)
+    assert silence is not None and silence.phase == "init"
+    # A script without the step API never speaks to undying: only its exit counts.
+    assert judge_silence(10_000.0, started=0.0, last_seen=0.0, timeouts=TIMEOUTS, step_api=False) is None
+
+
+def _beat(phase: str, t: float, progress_t: float) -> Heartbeat:
+    return Heartbeat(rank=0, t=t, phase=phase, progress_t=progress_t)
+
+
+def test_a_stall_is_judged_by_the_beats_own_clock_and_the_limit_of_its_phase() -> None:
+    assert not is_stalled(_beat(WorkerPhase.STEP, t=109.0, progress_t=100.0), 10.0, TIMEOUTS)
+    assert is_stalled(_beat(WorkerPhase.STEP, t=111.0, progress_t=100.0), 10.0, TIMEOUTS)
+    assert not is_stalled(_beat(WorkerPhase.INIT, t=150.0, progress_t=100.0), 10.0, TIMEOUTS)  # init: 60 s
+    assert is_stalled(_beat(WorkerPhase.INIT, t=161.0, progress_t=100.0), 10.0, TIMEOUTS)
+    # Any other phase (waiting for a generation, restoring) has no stall limit here.
+    other = next(p for p in WorkerPhase if p not in (WorkerPhase.STEP, WorkerPhase.INIT))
+    assert not is_stalled(_beat(other, t=10_000.0, progress_t=0.0), 10.0, TIMEOUTS)
