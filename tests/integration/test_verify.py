@@ -65,6 +65,11 @@ def test_a_finite_gradient_flip_is_found_at_its_step_and_rolled_back(oracle: Ora
     assert outcome.run.inconsistent_steps, "the flip changed no loss: the test would pass without the roll-back"
     (summary,) = outcome.events("verify_summary")
     assert summary["mismatched"] == 1 and summary["not_done"] == 0 and summary["skipped"] == 0, summary
+    # Each verdict also went to the manager on its own (a quarantined host requalifies on them): the one mismatch
+    # names the flipped rank's step, and the steps before it passed.
+    verdicts = outcome.events("verify_result")
+    assert [(v["step"], v["suspect"]) for v in verdicts if not v["passed"]] == [(at, rank)], verdicts
+    assert {v["step"] for v in verdicts if v["passed"]} >= set(range(1, at)), verdicts
 
 
 def test_a_stopped_verifier_never_blocks_a_step(tmp_path: Path) -> None:

@@ -22,13 +22,14 @@ from undying.cli.status import view
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.manager.events import EventLog, LogReader
-from undying.manager.hosts import HostBook, HostState, check_host
+from undying.manager.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
 from undying.manager.manager import Manager
 from undying.manager.migration import quarantine, request_move
 from undying.manager.service import ManagerOptions, _Gate
 from undying.manager.standby import SlotFacts
 from undying.manager.standbys import Parked, Standbys
 from undying.protocol.node_wire import AgentJoin
+from undying.protocol.worker_wire import Progress
 
 
 def test_a_host_is_drained_quarantined_and_cleared_and_a_quarantine_outranks_a_drain() -> None:
@@ -182,3 +183,90 @@ def test_a_new_agent_from_a_drained_host_is_refused_and_one_coming_back_is_let_i
     refused = gate(join_message(tmp_path, 1))
     assert refused == "host host-1 is drained: it gets no new ranks; `undying undrain host-1` first", refused
     assert gate(join_message(tmp_path, 1, session="s-1")) == ""  # its own agent, after a manager restart
+
+
+# --- requalification: a quarantined host cleared by its ranks' verified steps ----------------------------------
+
+
+def test_a_quarantined_host_requalifies_after_passes_in_a_row_and_a_mismatch_starts_the_count_again() -> None:
+    assert REQUALIFY_PASSES == 3  # documented in docs/numerics.md
+    book = HostBook()
+    book.quarantine("sick", reason="rank 1 found at fault twice", by="numerics", t=1.0)
+    book.drain("idle", by="op", reason="disk swap", t=2.0)
+    assert book.verified("fine", passed=True, step=4) is None  # an ok host: nothing to count
+    for step in (4, 8, 12, 16):
+        assert book.verified("idle", passed=True, step=step) is None  # a drained host never requalifies this way
+    assert book.state("idle") is HostState.DRAINED
+    counted = [book.verified("sick", passed=True, step=4), book.verified("sick", passed=True, step=8)]
+    assert [(m.state, m.passes, m.steps) for m in counted if m] == [
+        (HostState.QUARANTINED, 1, (4,)), (HostState.QUARANTINED, 2, (4, 8))]
+    reset = book.verified("sick", passed=False, step=12)
+    assert reset is not None and (reset.state, reset.passes, reset.steps) == (HostState.QUARANTINED, 0, ())
+    for step in (16, 20):
+        assert book.verified("sick", passed=True, step=step) is not None
+    (shown,) = [m for m in book.view() if m["host"] == "sick"]
+    assert book.blocked("sick") and (shown["passes"], shown["needed"], shown["steps"]) == (2, 3, [16, 20])
+    again = HostBook.from_log(book.to_log())  # a restarted manager goes on from the count
+    done = again.verified("sick", passed=True, step=24)
+    assert done is not None and (done.state, done.passes, done.steps, done.reason) == (
+        HostState.OK, 3, (16, 20, 24), "rank 1 found at fault twice")
+    assert not again.blocked("sick") and again.blocked_hosts() == {"idle"}
+    assert again.verified("sick", passed=True, step=28) is None  # ok now: counted no more
+    book.quarantine("sick", reason="found again", by="numerics", t=3.0)  # quarantined anew: from 0
+    assert [m["passes"] for m in book.view() if m["host"] == "sick"] == [0]
+
+
+class _Node:
+    """A node's agent as the manager sees it here: only where it runs (the host its ranks are on)."""
+
+    def __init__(self, node: int, host: str) -> None:
+        self.node, self.host = node, host
+
+    def view(self) -> dict[str, Any]:
+        return {"node": self.node, "host": self.host}
+
+    def spares_ready(self) -> int:
+        return 0
+
+    def phases(self) -> dict[int, str]:
+        return {}
+
+
+def _verdict(step: int, suspect: int, passed: bool) -> Progress:
+    """Rank 0's word on one verified step, as worker.verify sends it."""
+    return Progress(0, 0, "verify_result", time.time(), step=step, detail={"suspect": suspect, "passed": passed})
+
+
+def test_verified_steps_of_a_quarantined_hosts_ranks_requalify_it_logged_shown_and_kept(tmp_path: Path) -> None:
+    """Real Progress messages into a real Manager (2 nodes of 2 ranks): only the quarantined host's ranks count."""
+    def manager(restoring: bool = False) -> Manager:
+        config = JobConfig(job_id="q", job_dir=str(tmp_path), nproc_per_node=2, nnodes=2)
+        m = Manager(config, EventLog(tmp_path / "events.db"), restoring=restoring)
+        for node, host in ((0, "good"), (1, "sick")):
+            m.core.agents[node] = cast(Any, _Node(node, host))
+        return m
+
+    first = manager()
+    quarantine(first.core, rank=3, reason="rank 3 found at fault twice")
+    first.on_messages([_verdict(2, 2, True), _verdict(4, 0, False), _verdict(6, 3, False),  # reset on sick
+                       _verdict(8, 3, True), _verdict(10, 0, True), _verdict(12, 2, True)])
+    console = Console(record=True, width=200)
+    console.print(view(first.status()))
+    assert "host sick: quarantined by numerics: rank 3 found at fault twice (requalifying: 2/3 verified" in (
+        console.export_text())
+    first.close()
+    again = manager(restoring=True)  # a manager restart keeps the count
+    try:
+        again.restore()
+        assert again.status()["hosts_out"][0]["passes"] == 2
+        again.on_messages([_verdict(14, 2, True), _verdict(16, 9, True), Progress(0, 0, "verify_result", 1.0)])
+        assert again.status()["hosts_out"] == [] and not again.core.hosts.blocked("sick")
+        again.events.flush()
+        with LogReader(tmp_path / "events.db") as reader:
+            (done,) = [e.data for e in reader.events("host_requalified")]
+            (said,) = [e.data for e in reader.events("host_quarantined")]
+            assert len(list(reader.events("verify_result"))) == 9
+        assert (done["host"], done["passes"], done["steps"]) == ("sick", 3, [8, 12, 14])
+        assert "--verify-every" in said["until"] and "undying undrain HOST" in said["until"]
+    finally:
+        again.close()

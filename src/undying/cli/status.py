@@ -227,7 +227,11 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
     for mark in status.get("hosts_out") or []:  # no new ranks there until `undying undrain HOST`
-        parts.append(Text(f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: {mark.get('reason')}"))
+        line = f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: {mark.get('reason')}"
+        if mark.get("state") == "quarantined":  # manager.hosts: it requalifies only on verified steps
+            line += (f" (requalifying: {mark.get('passes', 0)}/{mark.get('needed', '?')} verified, with "
+                     f"--verify-every; or `undying undrain {mark.get('host')}`)")
+        parts.append(Text(line))
     if "trace" in status:
         parts.append(_trace_line(status.get("trace") or {}))
     if status.get("step_times"):

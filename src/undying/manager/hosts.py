@@ -5,7 +5,12 @@ drains it (``undying drain HOST``, before maintenance) and a fault policy
 quarantines it (a rank found at fault twice there: ``quarantine``, with the
 reason). Either way the host gets no new ranks (a standby on it is not
 promoted, a migration does not go to it) until an operator clears it
-(``undying undrain HOST``, the one clear surface for both). The record is a
+(``undying undrain HOST``, the one clear surface for both), or, for a
+quarantined host only, until it requalifies (``verified``): with
+``--verify-every``, REQUALIFY_PASSES steps of its ranks replayed and matched
+bit for bit in a row (a mismatch there starts the count again). A drained
+host never requalifies: the operator took it out and puts it back. Without
+``--verify-every`` nothing is verified, so only the operator clears it. The record is a
 plain value kept in the job's log (``to_log`` / ``from_log``), so a
 restarted manager keeps it. Pure: no I/O, no clock (times are given).
 """
@@ -14,14 +19,18 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host"]
+__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "REQUALIFY_PASSES"]
 
 LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
+# A quarantined host is cleared after this many verified steps of its ranks in a row (each a replay that
+# matched bit for bit): three, so one lucky step does not clear a host found at fault twice, and a job
+# verifying every K steps with R ranks on the host gets it back within about 3*K*world/R steps.
+REQUALIFY_PASSES = 3
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")  # a hostname, an IPv4 or a bracketed or bare IPv6
 
 
@@ -40,9 +49,14 @@ class HostMark:
     reason: str
     by: str
     t: float
+    passes: int = 0  # quarantined: verified steps of its ranks in a row since it was quarantined or last mismatched
+    steps: tuple[int, ...] = ()  # which steps those were
 
     def to_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
+        out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
+        if self.state is HostState.QUARANTINED:
+            out |= {"passes": self.passes, "needed": REQUALIFY_PASSES, "steps": list(self.steps)}
+        return out
 
 
 def check_host(host: object) -> str:
@@ -87,6 +101,27 @@ class HostBook:
         self._marks[host] = mark
         return mark
 
+    def verified(self, host: str, *, passed: bool, step: int) -> HostMark | None:
+        """A verified step of a rank on ``host``: counted when the host is quarantined, else None.
+
+        The mark after counting: still quarantined with ``passes`` one more (or
+        0 after a mismatch), or, at the REQUALIFY_PASSES-th pass in a row, the
+        host cleared and the mark returned with state ``ok`` (it requalified).
+        A drained or ok host is not counted (None).
+        """
+        mark = self._marks.get(host)
+        if mark is None or mark.state is not HostState.QUARANTINED:
+            return None
+        if not passed:
+            mark = replace(mark, passes=0, steps=())
+        else:
+            mark = replace(mark, passes=mark.passes + 1, steps=(*mark.steps, step)[-REQUALIFY_PASSES:])
+        if mark.passes >= REQUALIFY_PASSES:
+            del self._marks[host]
+            return replace(mark, state=HostState.OK)
+        self._marks[host] = mark
+        return mark
+
     def clear(self, host: str) -> HostMark | None:
         """An operator puts the host back (drained or quarantined); the mark it had, or None (it was ok)."""
         return self._marks.pop(check_host(host), None)
@@ -107,7 +142,8 @@ class HostBook:
         for item in logged:
             try:
                 mark = HostMark(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")),
-                                str(item.get("by", "")), float(item.get("t", 0.0)))
+                                str(item.get("by", "")), float(item.get("t", 0.0)),
+                                int(item.get("passes", 0)), tuple(int(s) for s in item.get("steps", ())))
             except (KeyError, TypeError, ValueError):
                 continue
             if mark.state is not HostState.OK:

@@ -45,7 +45,7 @@ from undying.manager.state import (
     RankState,
 )
 from undying.manager.trace_control import TraceControl
-from undying.manager.verification import SDC_PHASE, on_sdc
+from undying.manager.verification import SDC_PHASE, VERIFIED_PHASE, on_sdc, on_verified
 from undying.manager.views import job_status
 from undying.protocol.codec import Handlers, Message
 from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent
@@ -447,6 +447,8 @@ class Manager:
             on_numeric_fault(self.core, message, self.recoveries)
         elif message.phase == SDC_PHASE:  # a step that differed from its replay (manager.verification)
             on_sdc(self.core, message)
+        elif message.phase == VERIFIED_PHASE:  # a verified step's verdict: a quarantined host may requalify
+            on_verified(self.core, message)
 
     def _on_comm_failure(self, message: CommFailure) -> None:
         info = self.ranks[message.rank]

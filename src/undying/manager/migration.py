@@ -41,7 +41,7 @@ from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
-from undying.manager.hosts import LOG_KEY, HostBook, HostMark, check_host
+from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, HostMark, check_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
 from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
@@ -52,7 +52,7 @@ from undying.protocol.worker_wire import ArmFault, FaultInjected
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
 
-__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine"]
+__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine", "host_of"]
 
 log = logging.getLogger("undying.manager")
 
@@ -111,13 +111,24 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
     if host is None:
         if rank is None or rank not in core.ranks:
             raise UsageError(f"quarantine needs a host or a rank of this job, got rank {rank!r}")
-        agent = core.agents.get(core.ranks[rank].node)
-        host = str(agent.view().get("host", "")) if agent is not None else ""
+        host = host_of(core, rank)
     mark = core.hosts.quarantine(host, reason=reason, by=by, t=time.time())
-    core.events.event("host_quarantined", **mark.to_dict())
+    core.events.event("host_quarantined", **mark.to_dict(), until=UNTIL)
     core.events.set_job(LOG_KEY, core.hosts.to_log(), flush=True)
-    log.warning("job %s: host %s quarantined: %s", core.config.job_id, host, mark.reason)
+    log.warning("job %s: host %s quarantined: %s; %s", core.config.job_id, host, mark.reason, UNTIL)
     return {"host": host, "state": mark.state.value, "reason": mark.reason}
+
+
+# What clears a quarantined host (manager.hosts.HostBook.verified, manager.verification.on_verified).
+UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified bit for bit "
+         f"in a row, only in a job run with --verify-every) or an operator runs `undying undrain HOST`")
+
+
+def host_of(core: JobCore, rank: int) -> str:
+    """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node job)."""
+    info = core.ranks.get(rank)
+    agent = core.agents.get(info.node) if info is not None else None
+    return str(agent.view().get("host", "")) if agent is not None else ""
 
 
 @dataclass

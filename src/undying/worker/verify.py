@@ -75,6 +75,7 @@ __all__ = ["Verification", "start_verification", "verify_every", "serving", "ser
 log = logging.getLogger("undying.worker")
 
 SDC_PHASE = "sdc"
+VERIFIED_PHASE = "verify_result"  # each verdict, to the manager: a quarantined host requalifies on them
 STALL_S = 5.0  # at the loop's end: how long rank 0 waits for an answer the verifier still owes
 STARTUP_S = 60.0  # ... and for a verifier still starting (importing torch, building the script's model)
 _POLL_S = 0.02
@@ -266,6 +267,8 @@ class Verification:
                                         detail={"suspect": result.rank, "log": str(self.folder / "verifier.log")}))
                 continue
             out.append((result.step, result.match))
+            self._send(Progress(0, self._generation(), "verify_result", time.time(), step=result.step,
+                                detail={"suspect": result.rank, "passed": result.match}))  # VERIFIED_PHASE
         return out
 
     def _agree(self, decide: Callable[[], Decision]) -> Decision:
