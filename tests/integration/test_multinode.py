@@ -194,7 +194,7 @@ def test_an_elastic_job_grows_when_a_node_joins(
     regroup = _assert_regrouped_identical(oracle, cluster, ranks=2, then=4)
     assert regroup["nodes"] == [0, 1], regroup
     job = read_job(cluster.job_dir / "events.db")
-    assert [i["kind"] for i in job["incidents"]] == ["node-joined"], job["incidents"]
+    assert [i["kind"] for i in job["incidents"]] == ["node-joined"], (job["incidents"], _why_hung(cluster))
 
 
 def test_a_lost_node_nobody_replaces_in_time_restarts_the_job_from_its_survivors_state(
@@ -266,3 +266,9 @@ def test_a_warm_standby_takes_a_lost_nodes_rank_and_its_ranks_start_on_its_spare
     assert "gave this agent node 1" in cluster.log(f"standby{standby}")
     assert cluster.standbys[standby].returncode == 0  # it ended with the job, as node 1's agent
     assert set(job["job"]["sessions"]) == {"0", "1"}
+
+
+def _why_hung(cluster: Cluster) -> list[str]:
+    """What the agents said of a rank they found silent or stuck: its phase, pid, process state and silence."""
+    lines = [cluster.log(f"node{n}") for n in range(cluster.nnodes)]
+    return [line for log in lines for line in log.splitlines() if "silent for" in line or "no progress" in line]

@@ -37,3 +37,35 @@ def test_a_stall_is_judged_by_the_beats_own_clock_and_the_limit_of_its_phase() -
     # Any other phase (waiting for a generation, restoring) has no stall limit here.
     other = next(p for p in WorkerPhase if p not in (WorkerPhase.STEP, WorkerPhase.INIT))
     assert not is_stalled(_beat(other, t=10_000.0, progress_t=0.0), 10.0, TIMEOUTS)
+
+
+def _reaches(pid: int, state: str) -> bool:
+    import time
+
+    from undying.agent.liveness import process_state
+
+    deadline = time.monotonic() + 10
+    while process_state(pid) != state and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process_state(pid) == state
+
+
+def test_a_silent_rank_that_already_exited_is_not_hung_and_a_stopped_one_is() -> None:
+    """/proc tells an exit whose report is late (a zombie) from a stop: only the stop is a hang."""
+    import os
+    import signal
+    import subprocess
+
+    from undying.agent.liveness import has_exited, process_state
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _reaches(child.pid, "S") and not has_exited(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _reaches(child.pid, "T") and not has_exited(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        assert _reaches(child.pid, "Z") and has_exited(child.pid)  # exited, its status not yet collected
+    finally:
+        child.kill()
+        child.wait(10)
+    assert process_state(child.pid) == "?" and not has_exited(child.pid)  # gone: its exit was recorded

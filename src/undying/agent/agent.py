@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.agent.exits import returned_exit
-from undying.agent.liveness import is_stalled, judge_silence
+from undying.agent.liveness import has_exited, is_stalled, judge_silence, process_state
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
@@ -201,10 +201,11 @@ class Agent:
                 if worker.hang_reported or worker.process.returncode is not None:
                     continue
                 silence = judge_silence(now, worker.started, worker.last_seen, timeouts, self.config.step_api)
-                if silence is not None:
+                if silence is not None and not has_exited(worker.pid):
                     worker.hang_reported = True
-                    log.warning("node %d: rank %d (pid %d) silent for %.1fs (%s timeout %.1fs)", self.node,
-                                worker.rank, worker.pid, silence.silent_s, silence.phase, silence.limit_s)
+                    log.warning("node %d: rank %d (pid %d, state %s) silent for %.1fs (%s timeout %.1fs)", self.node,
+                                worker.rank, worker.pid, process_state(worker.pid), silence.silent_s, silence.phase,
+                                silence.limit_s)
                     self._manager.on_hang(worker.rank, worker.pid, silence.phase,
                                           worker.last_seen or worker.started, now)
                 elif (beat := worker.beat) is not None and beat.progress_t != worker.stall_reported_t \

@@ -7,13 +7,15 @@ one place and is tested without processes.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from undying.config import Timeouts
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-__all__ = ["Silence", "judge_silence", "is_stalled"]
+__all__ = ["Silence", "judge_silence", "is_stalled", "process_state", "has_exited"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,24 @@ def is_stalled(beat: Heartbeat, step_timeout_s: float, timeouts: Timeouts) -> bo
     limit = (step_timeout_s if beat.phase == WorkerPhase.STEP
              else timeouts.init if beat.phase == WorkerPhase.INIT else 0)
     return bool(limit) and beat.t - beat.progress_t > limit
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (``R`` running, ``S`` sleeping, ``D`` in I/O, ``T`` stopped,
+    ``Z`` exited and not yet collected), or ``?`` where ``/proc`` does not say (gone, not Linux)."""
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2]  # (the name in parentheses may hold spaces and ')')
+    return "?"
+
+
+def has_exited(pid: int) -> bool:
+    """A silent rank that has already exited is not hung: its exit is on its way to the agent.
+
+    A worker forked by the zygote stays a zombie until the agent has recorded
+    its exit, which the zygote reports over its channel; on a host loaded
+    enough to delay that report past the heartbeat timeout, the rank's
+    silence would otherwise be taken for a hang and its orderly exit (a
+    regroup member that saved and left) recovered as a fault.
+    """
+    return process_state(pid) in ("Z", "X")
