@@ -116,9 +116,12 @@ def test_a_drained_hosts_node_moves_to_a_standby_with_identical_losses(
         cluster.wait_for_step(10)
         with hosts.inside(0):
             idle = _post_error(cluster, "/api/drain", {"host": "host9"})  # runs nothing: drained at once
+            # One rank of a two-rank node does not cross hosts alone (docs/elastic.md: the torchrun contract).
+            alone = _post_error(cluster, "/api/migrate", {"rank": 2, "to": f"host{standby}"})
             answer = api_post(cluster.url(), "/api/drain", {"host": "host2", "reason": "disk swap"},
                               token=cluster.token)
         assert idle is None
+        assert alone is not None and "with other ranks" in alone and f"--node 1 --to host{standby}" in alone, alone
         [moved] = answer["moved"]
         assert (moved["migrating_node"], moved["ranks"], moved["to"]) == (1, [2, 3], f"host{standby}"), answer
         out = {m["host"]: m for m in cluster.status()["hosts_out"]}
