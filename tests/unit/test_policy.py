@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from undying.manager.policy import Action, PolicyContext, decide, stall_culprits
+from undying.manager import policy
+from undying.manager.policy import Action, PolicyContext, decide
 from undying.manager.state import Incident
 from undying.protocol.node_wire import RankProgress
 
@@ -143,9 +144,15 @@ def test_a_checkpoint_does_not_change_the_rungs_below_restart() -> None:
     assert decide(incident("comm-error"), [], c).action is Action.RETRY
 
 
-def _progress(rank: int, collectives: int, *, phase: str = "step", generation: int = 2) -> RankProgress:
+def _progress(rank: int, collectives: int, *, phase: str = "step", generation: int = 2,
+              progress_t: float = 100.0) -> RankProgress:
     return RankProgress(rank=rank, pid=1000 + rank, generation=generation, phase=phase, step=7,
-                        collectives=collectives, progress_t=100.0)
+                        collectives=collectives, progress_t=progress_t)
+
+
+def stall_culprits(progress: list[RankProgress], now: float = 110.0) -> list[int] | None:
+    """The rule with a 5 s limit, judged at ``now`` (the ranks' progress stopped at 100 unless said)."""
+    return policy.stall_culprits(progress, 5.0, now)
 
 
 def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
@@ -154,6 +161,15 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
 
 def test_every_rank_that_lags_is_a_culprit() -> None:
     assert stall_culprits([_progress(0, 17), _progress(1, 18), _progress(2, 17)]) == [0, 2]
+
+
+def test_a_rank_behind_that_still_moves_is_slow_not_stuck() -> None:
+    """Rank 2 has not reached the collective either, but it moved 1 s ago (a loaded host): only rank 1,
+    stuck since 100, is blamed; with no stuck rank behind, nobody is yet (None: judged on the next report)."""
+    behind = _progress(2, 17, progress_t=109.0)
+    assert stall_culprits([_progress(0, 18), _progress(1, 17), behind, _progress(3, 18)]) == [1]
+    assert stall_culprits([_progress(0, 18), behind, _progress(3, 18)]) is None
+    assert stall_culprits([_progress(0, 18), behind, _progress(3, 18)], now=120.0) == [2]  # and then it stopped
 
 
 def test_every_rank_inside_the_same_collective_blames_no_rank() -> None:

@@ -192,7 +192,10 @@ class Detection:
         elif self.hung:
             return  # a stuck rank is being killed; the ones waiting for it are not stuck
         else:
-            culprits = stall_culprits(progress)
+            found = stall_culprits(progress, limit, t)
+            if found is None:
+                return  # the ranks behind still move: slow, not stuck; the next report judges again
+            culprits = found
         by_rank = {p.rank: p for p in progress}
         stuck_ranks = [p for p in progress if p.phase == "step" and p.generation == generation]
         if not culprits and (recovery is not None or not stuck_ranks):

@@ -130,15 +130,19 @@ def _restart_group(incident: Incident, ctx: PolicyContext) -> Decision:
     )
 
 
-def stall_culprits(progress: Sequence[RankProgress]) -> list[int]:
+def stall_culprits(progress: Sequence[RankProgress], limit_s: float, now: float) -> list[int] | None:
     """Of ranks stuck in a step together, the ones the others wait for.
 
     A collective counts on a rank when the rank enters it, so the ranks
     waiting in collective n have entered n, and a rank that never got there
     (an endless loop, a deadlock, a stop outside a collective) shows fewer.
-    Those with the fewest are the culprits. When every rank entered as many,
-    all are inside the same collective and no rank is to blame: ``[]``.
-    Only ranks running steps in the newest generation count.
+    Those with the fewest are the culprits, if they are stuck themselves (no
+    progress for ``limit_s`` by ``now``): one behind that still moves is slow,
+    not stuck (a loaded host), and blaming it would replace a healthy rank, so
+    the answer is ``None``: not yet, judged again on the next report. When
+    every rank entered as many, all are inside the same collective and no
+    rank is to blame: ``[]``. Only ranks running steps in the newest
+    generation count.
     """
     running = [p for p in progress if p.phase == "step"]
     if not running:
@@ -150,4 +154,5 @@ def stall_culprits(progress: Sequence[RankProgress]) -> list[int]:
     fewest = min(p.collectives for p in running)
     if fewest == max(p.collectives for p in running):
         return []
-    return sorted(p.rank for p in running if p.collectives == fewest)
+    stuck = sorted(p.rank for p in running if p.collectives == fewest and now - p.progress_t > limit_s)
+    return stuck or None
