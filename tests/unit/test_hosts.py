@@ -48,6 +48,30 @@ def test_a_host_is_drained_quarantined_and_cleared_and_a_quarantine_outranks_a_d
     assert book.clear("a") is None
 
 
+def test_a_drain_is_kept_under_a_quarantine_in_either_order_and_outlasts_its_requalification() -> None:
+    """Drained then quarantined, or quarantined then drained: the host requalifies to drained, not ok."""
+    for first_drained in (True, False):
+        book = HostBook()
+        if first_drained:
+            book.drain("a", by="op", reason="disk swap", t=1.0)
+        book.quarantine("a", reason="rank 3 at fault twice", by="numerics", t=2.0)
+        if not first_drained:
+            book.drain("a", by="op", reason="disk swap", t=3.0)
+        [shown] = book.view()
+        assert shown["state"] == "quarantined" and shown["drained"]["reason"] == "disk swap", shown
+        again = HostBook.from_log(book.to_log())  # a restarted manager keeps the drain under it
+        assert again.view() == book.view()
+        for step in (10, 20):
+            assert again.verified("a", passed=True, step=step).state is HostState.QUARANTINED  # type: ignore[union-attr]
+        cleared = again.verified("a", passed=True, step=30)
+        assert cleared is not None and cleared.state is HostState.OK  # the quarantine is cleared...
+        assert again.state("a") is HostState.DRAINED and again.blocked("a")  # ...the operator's drain stands
+        [left] = again.view()
+        assert (left["reason"], left["by"]) == ("disk swap", "op") and "drained" not in left
+        assert again.verified("a", passed=True, step=40) is None  # a drained host is not counted
+        assert again.clear("a") is not None and not again.blocked("a")
+
+
 def test_the_book_round_trips_through_its_log_form_and_skips_what_it_cannot_read() -> None:
     book = HostBook()
     book.drain("a", by="op", reason="r", t=1.0)

@@ -231,6 +231,8 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
         if mark.get("state") == "quarantined":  # manager.hosts: it requalifies only on verified steps
             line += (f" (requalifying: {mark.get('passes', 0)}/{mark.get('needed', '?')} verified, with "
                      f"--verify-every; or `undying undrain {mark.get('host')}`)")
+            if isinstance(under := mark.get("drained"), dict):  # kept under the quarantine: drained once it clears
+                line += f"; also drained by {under.get('by')}: {under.get('reason')}"
         parts.append(Text(line))
     if "trace" in status:
         parts.append(_trace_line(status.get("trace") or {}))

@@ -9,7 +9,10 @@ promoted, a migration does not go to it) until an operator clears it
 quarantined host only, until it requalifies (``verified``): with
 ``--verify-every``, REQUALIFY_PASSES steps of its ranks replayed and matched
 bit for bit in a row (a mismatch there starts the count again). A drained
-host never requalifies: the operator took it out and puts it back. Without
+host never requalifies: the operator took it out and puts it back, and a
+drain given while the host is quarantined (or a quarantine of a drained
+host) is kept under the quarantine: when the host requalifies it is drained
+still, not back in use behind the operator's back. Without
 ``--verify-every`` nothing is verified, so only the operator clears it. The record is a
 plain value kept in the job's log (``to_log`` / ``from_log``), so a
 restarted manager keeps it. Pure: no I/O, no clock (times are given).
@@ -51,12 +54,23 @@ class HostMark:
     t: float
     passes: int = 0  # quarantined: verified steps of its ranks in a row since it was quarantined or last mismatched
     steps: tuple[int, ...] = ()  # which steps those were
+    drained: HostMark | None = None  # quarantined: the operator's drain kept under it, the state once it requalifies
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
         if self.state is HostState.QUARANTINED:
             out |= {"passes": self.passes, "needed": REQUALIFY_PASSES, "steps": list(self.steps)}
+            if self.drained is not None:
+                out["drained"] = self.drained.to_dict()
         return out
+
+    @classmethod
+    def from_dict(cls, item: Any) -> HostMark:
+        """A mark as ``to_dict`` wrote it; KeyError, TypeError or ValueError when it is not one."""
+        under = item.get("drained")
+        return cls(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")), str(item.get("by", "")),
+                   float(item.get("t", 0.0)), int(item.get("passes", 0)), tuple(int(s) for s in item.get("steps", ())),
+                   cls.from_dict(under) if isinstance(under, dict) and under.get("state") == "drained" else None)
 
 
 def check_host(host: object) -> str:
@@ -85,19 +99,25 @@ class HostBook:
         return set(self._marks)
 
     def drain(self, host: str, *, by: str, reason: str, t: float) -> HostMark:
-        """An operator takes the host out. A quarantined host stays quarantined (its reason is kept)."""
-        mark = self._marks.get(check_host(host))
-        if mark is not None and mark.state is HostState.QUARANTINED:
-            return mark
+        """An operator takes the host out. A quarantined host stays quarantined (its reason is kept), with
+        the drain kept under it: the host is drained still once it requalifies."""
+        current = self._marks.get(check_host(host))
         mark = HostMark(host, HostState.DRAINED, reason or "drained by an operator", by, t)
+        if current is not None and current.state is HostState.QUARANTINED:
+            self._marks[host] = current = replace(current, drained=mark)
+            return current
         self._marks[host] = mark
         return mark
 
     def quarantine(self, host: str, *, reason: str, by: str, t: float) -> HostMark:
-        """A fault policy takes the host out, with its reason (a drained host becomes quarantined)."""
+        """A fault policy takes the host out, with its reason (a drained host becomes quarantined, its drain
+        kept under the quarantine)."""
         if not reason.strip():
             raise UsageError(f"quarantining host {host!r} needs a reason (what was found at fault there)")
-        mark = HostMark(check_host(host), HostState.QUARANTINED, reason.strip()[:500], by, t)
+        current = self._marks.get(check_host(host))
+        under = current if current is not None and current.state is HostState.DRAINED else (
+            current.drained if current is not None else None)
+        mark = HostMark(host, HostState.QUARANTINED, reason.strip()[:500], by, t, drained=under)
         self._marks[host] = mark
         return mark
 
@@ -106,8 +126,9 @@ class HostBook:
 
         The mark after counting: still quarantined with ``passes`` one more (or
         0 after a mismatch), or, at the REQUALIFY_PASSES-th pass in a row, the
-        host cleared and the mark returned with state ``ok`` (it requalified).
-        A drained or ok host is not counted (None).
+        quarantine cleared and the mark returned with state ``ok`` (it requalified;
+        the host is then ``ok``, or drained still when a drain was kept under the
+        quarantine). A drained or ok host is not counted (None).
         """
         mark = self._marks.get(host)
         if mark is None or mark.state is not HostState.QUARANTINED:
@@ -117,7 +138,10 @@ class HostBook:
         else:
             mark = replace(mark, passes=mark.passes + 1, steps=(*mark.steps, step)[-REQUALIFY_PASSES:])
         if mark.passes >= REQUALIFY_PASSES:
-            del self._marks[host]
+            if mark.drained is not None:
+                self._marks[host] = mark.drained
+            else:
+                del self._marks[host]
             return replace(mark, state=HostState.OK)
         self._marks[host] = mark
         return mark
@@ -141,10 +165,8 @@ class HostBook:
             return book
         for item in logged:
             try:
-                mark = HostMark(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")),
-                                str(item.get("by", "")), float(item.get("t", 0.0)),
-                                int(item.get("passes", 0)), tuple(int(s) for s in item.get("steps", ())))
-            except (KeyError, TypeError, ValueError):
+                mark = HostMark.from_dict(item)
+            except (KeyError, TypeError, ValueError, AttributeError):
                 continue
             if mark.state is not HostState.OK:
                 book._marks[mark.host] = mark

@@ -62,8 +62,11 @@ def on_verified(core: JobCore, message: Progress) -> None:
     if mark is None:
         return
     if mark.state is HostState.OK:
+        now = core.hosts.state(host)  # ok, or drained still: an operator's drain was kept under the quarantine
         core.events.event("host_requalified", host=host, passes=mark.passes, steps=list(mark.steps),
-                          reason=mark.reason)
-        log.info("job %s: host %s requalified: %d steps of its ranks verified bit for bit in a row (%s)",
-                 core.config.job_id, host, mark.passes, mark.reason)
+                          reason=mark.reason, state=now.value)
+        log.info("job %s: host %s requalified: %d steps of its ranks verified bit for bit in a row (%s)%s",
+                 core.config.job_id, host, mark.passes, mark.reason,
+                 f"; it stays drained, as an operator asked, until `undying undrain {host}`"
+                 if now is HostState.DRAINED else "")
     core.events.set_job(LOG_KEY, core.hosts.to_log(), flush=True)
