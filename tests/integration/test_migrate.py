@@ -114,6 +114,8 @@ def test_a_drained_hosts_node_moves_to_a_standby_with_identical_losses(
         cluster.start_standby(standby)
         wait_for(lambda: cluster.log(f"standby{standby}").count("is warm") >= 2, 90, "the standby's two warm spares")
         cluster.wait_for_step(10)
+        wait_for(lambda: [(p["host"], p["spares_ready"]) for p in cluster.status()["standbys"]] == [
+            (f"host{standby}", 2)], 30, "undying status listing the parked standby with its two warm spares")
         with hosts.inside(0):
             idle = _post_error(cluster, "/api/drain", {"host": "host9"})  # runs nothing: drained at once
             # One rank of a two-rank node does not cross hosts alone (docs/elastic.md: the torchrun contract).

@@ -294,3 +294,31 @@ def test_verified_steps_of_a_quarantined_hosts_ranks_requalify_it_logged_shown_a
         assert "--verify-every" in said["until"] and "undying undrain HOST" in said["until"]
     finally:
         again.close()
+
+
+def test_a_drain_under_a_quarantine_outlasts_its_requalification_through_a_real_manager(tmp_path: Path) -> None:
+    """An operator's drain of a quarantined host: shown under it, and the host is drained still once the
+    verified steps clear the quarantine (the event says so)."""
+    config = JobConfig(job_id="qd", job_dir=str(tmp_path), nproc_per_node=2, nnodes=2)
+    m = Manager(config, EventLog(tmp_path / "events.db"))
+    for node, host in ((0, "good"), (1, "sick")):
+        m.core.agents[node] = cast(Any, _Node(node, host))
+    try:
+        quarantine(m.core, rank=3, reason="rank 3 found at fault twice")
+        m.core.hosts.drain("sick", by="op", reason="fan swap", t=time.time())
+        assert m.status()["standbys"] == []  # none parked (the live list: tests/integration/test_migrate.py)
+        console = Console(record=True, width=240)
+        parked = {"standby": 0, "host": "spare1", "agent_pid": 42, "spares_ready": 2, "last_heard": time.time()}
+        console.print(view({**m.status(), "standbys": [parked]}))
+        shown = console.export_text()
+        assert "standby on spare1 (agent pid 42): 2 warm spare(s), last heard 0s ago" in shown, shown
+        assert "(requalifying: 0/3 verified" in shown and "; also drained by op: fan swap" in shown, shown
+        m.on_messages([_verdict(2, 2, True), _verdict(4, 3, True), _verdict(6, 2, True)])
+        [left] = m.status()["hosts_out"]
+        assert (left["host"], left["state"], left["reason"]) == ("sick", "drained", "fan swap"), left
+        m.events.flush()
+        with LogReader(tmp_path / "events.db") as reader:
+            (done,) = [e.data for e in reader.events("host_requalified")]
+        assert (done["host"], done["state"]) == ("sick", "drained"), done
+    finally:
+        m.close()

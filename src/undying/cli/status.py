@@ -234,6 +234,10 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
             if isinstance(under := mark.get("drained"), dict):  # kept under the quarantine: drained once it clears
                 line += f"; also drained by {under.get('by')}: {under.get('reason')}"
         parts.append(Text(line))
+    for parked in status.get("standbys") or []:  # a lost or moved node goes to one of these
+        heard = max(0.0, time.time() - float(parked.get("last_heard") or 0.0))
+        parts.append(Text(f"  standby on {parked.get('host')} (agent pid {parked.get('agent_pid')}): "
+                          f"{parked.get('spares_ready', 0)} warm spare(s), last heard {heard:.0f}s ago"))
     if "trace" in status:
         parts.append(_trace_line(status.get("trace") or {}))
     if status.get("step_times"):

@@ -594,6 +594,6 @@ class Manager:
         return self.tracing.status()
 
     def status(self) -> dict[str, Any]:
-        return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp,
-                          recoveries=self.recoveries, regrouping=self.regrouping, trace=self.tracing)
+        return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp, recoveries=self.recoveries,
+                          regrouping=self.regrouping, trace=self.tracing, standbys=self.migrations.standby_views())
 

@@ -423,6 +423,10 @@ class Migrations:
                                  f"{LEAD_STEPS} steps ahead of step {newest}; nothing to move")
         return newest + lead
 
+    def standby_views(self) -> list[dict[str, Any]]:
+        """The standby agents parked with no node yet (a multi-node job's): where a node can move or fail over to."""
+        return self.server.standbys.views() if self.server is not None else []
+
     def _parked_hosts(self) -> list[str]:
         if self.server is None:
             return []

@@ -20,7 +20,7 @@ __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]
 
 
 def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption, recoveries: Recoveries,
-               regrouping: Regrouping, trace: TraceControl) -> dict[str, Any]:
+               regrouping: Regrouping, trace: TraceControl, standbys: list[dict[str, Any]]) -> dict[str, Any]:
     config = core.config
     grace, basis = preemption.grace_period()
     incidents = [i.to_dict() for i in core.incidents]
@@ -55,6 +55,7 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "ranks": rank_views(core),
         "nodes": [a.view() for a in core.agents.values()],
         "hosts_out": core.hosts.view(),  # drained or quarantined: no new ranks there (manager/hosts.py)
+        "standbys": standbys,  # parked agents with no node yet: where a lost or moved node goes
         "incidents": incidents,
     }
 
