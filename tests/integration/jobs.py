@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -14,7 +17,8 @@ from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import wait_for
 from undying.manager.jobdir import JobDir
 
-__all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "job_table"]
+__all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "job_table",
+           "run_demo_json"]
 
 
 def start_job(job_dir: Path, script_args: list[str], *, ranks: int = 4, run_args: list[str] | None = None,
@@ -66,3 +70,39 @@ def alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def run_demo_json(args: list[str], root: Path, reap: list[int], *, timeout: float) -> tuple[dict[str, Any], str]:
+    """`undying demo ARGS --json` on one host, its job dirs under ``root``, to its end within ``timeout``:
+    its one JSON object, once it exited 0 and printed nothing else on stdout, and its stderr."""
+    env = {**os.environ, "TMPDIR": str(root)}  # the demo's job dirs land here and go with the test
+    process = subprocess.Popen([sys.executable, "-m", "undying", "demo", *args, "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, start_new_session=True)
+    reap.append(process.pid)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_demo(process, root)
+        raise
+    stdout, stderr = out.decode(), err.decode(errors="replace")
+    assert process.returncode == 0, f"demo exited {process.returncode}\nstdout: {stdout}\nstderr: {stderr[-3000:]}"
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must hold exactly one JSON object, got {stdout!r}"
+    result: dict[str, Any] = json.loads(lines[0])
+    return result, stderr
+
+
+def _stop_demo(process: subprocess.Popen[bytes], root: Path) -> None:
+    """A demo past its time: Ctrl-C has it kill the launcher it runs; a launcher left behind is killed by PID.
+
+    Each launcher runs in a session of its own (so reaping the demo's misses
+    it) and takes its workers with it when it dies.
+    """
+    process.send_signal(signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+    for manager_file in root.glob("undying-demo-*/*/manager.json"):
+        pid = (JobDir(manager_file.parent).read_manager() or {}).get("pid")
+        if isinstance(pid, int):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

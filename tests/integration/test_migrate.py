@@ -14,8 +14,6 @@ run without the move, no step completed twice) and the incident log (planned
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.jobs import manager_url, start_job, status
+from tests.integration.jobs import manager_url, run_demo_json, start_job, status
 from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.cli.client import api_post
@@ -157,21 +155,8 @@ def _post_error(cluster: Cluster, path: str, body: dict[str, Any]) -> str | None
 
 def test_demo_fault_migrate_json_keeps_the_demo_contract(tmp_path: Path, reap: list[int]) -> None:
     """`undying demo --fault migrate --json`: one JSON object, one planned move recovered, nothing lost."""
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the demo's job dirs land here and go with the test
-    process = subprocess.Popen([sys.executable, "-m", "undying", "demo", "--fault", "migrate", "--json",
-                                "--epochs", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                               start_new_session=True)
-    reap.append(process.pid)
-    try:
-        out, err = process.communicate(timeout=240)  # ~25 s on a quiet machine
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    stdout, stderr = out.decode(), err.decode(errors="replace")
-    assert process.returncode == 0, f"demo exited {process.returncode}\nstdout: {stdout}\nstderr: {stderr[-3000:]}"
-    lines = [line for line in stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"stdout must hold exactly one JSON object, got {stdout!r}"
-    result = json.loads(lines[0])
+    result, _ = run_demo_json(["--fault", "migrate", "--epochs", "1"], tmp_path, reap,
+                           timeout=240)  # ~25 s on a quiet machine
     assert result["fault"] == "migrate" and result["ok"] is True and result["reasons"] == []
     assert result["identical"] is True and result["final_state_identical"] is True
     assert result["lost_steps"] == 0 and result["steps"] == 128  # one epoch of the seeded job

@@ -6,13 +6,9 @@ compared with the fault-free run of the same arguments (the oracle).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +17,7 @@ from tests.integration.jobs import (
     events,
     job_table,
     manager_url,
+    run_demo_json,
     start_job,
     wait_for,
     wait_running,
@@ -31,7 +28,6 @@ from undying.cli.client import api_post
 from undying.cli.demo import load_preempted, run_job
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.jobdir import JobDir
 
 # 2 ranks, 32 steps an epoch; steps of at least 50 ms (the same job as test_checkpoints: one baseline).
 ARGS = ["--epochs", "2", "--step-seconds", "0.05"]
@@ -40,40 +36,10 @@ ARGS = ["--epochs", "2", "--step-seconds", "0.05"]
 # -- the front door ---------------------------------------------------------------
 
 
-def _stop_demo(process: subprocess.Popen[bytes], root: Path) -> None:
-    """A demo past its time: Ctrl-C has it kill the launcher it runs; a launcher left behind is killed by PID.
-
-    Each launcher runs in a session of its own (so reaping the demo's misses
-    it) and takes its workers with it when it dies.
-    """
-    process.send_signal(signal.SIGINT)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=10)
-    for manager_file in root.glob("undying-demo-*/*/manager.json"):
-        pid = (JobDir(manager_file.parent).read_manager() or {}).get("pid")
-        if isinstance(pid, int):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
 def test_demo_fault_preempt_json_keeps_the_demo_contract(tmp_path: Path, reap: list[int]) -> None:
     """`undying demo --fault preempt --json`: one JSON object, a preempt incident dumped and resumed, nothing lost."""
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the demo's job dirs land here and go with the test
-    process = subprocess.Popen(
-        [sys.executable, "-m", "undying", "demo", "--fault", "preempt", "--json", "--epochs", "1", "--keep"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
-    )
-    reap.append(process.pid)
-    try:
-        out, err = process.communicate(timeout=240)  # ~40 s on a quiet machine
-    except subprocess.TimeoutExpired:
-        _stop_demo(process, tmp_path)
-        raise
-    stdout, stderr = out.decode(), err.decode(errors="replace")
-    assert process.returncode == 0, f"demo exited {process.returncode}\nstdout: {stdout}\nstderr: {stderr[-3000:]}"
-    lines = [line for line in stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"stdout must hold exactly one JSON object, got {stdout!r}"
-    result = json.loads(lines[0])
+    result, stderr = run_demo_json(["--fault", "preempt", "--epochs", "1", "--keep"], tmp_path, reap,
+                           timeout=240)  # ~40 s on a quiet machine
 
     # The contract every fault shares (issue #3).
     assert result["fault"] == "preempt"

@@ -202,7 +202,7 @@ def test_a_new_agent_from_a_drained_host_is_refused_and_one_coming_back_is_let_i
     gate.config = job_config(tmp_path)
     book = HostBook()
     book.drain("host-1", by="op", reason="", t=1.0)
-    gate.host_out = lambda host: book.state(host).value if book.blocked(host) else ""
+    gate.host_out = book.refusal  # as service.py wires it
     assert gate(join_message(tmp_path, 0)) == ""  # host-0: ok
     refused = gate(join_message(tmp_path, 1))
     assert refused == "host host-1 is drained: it gets no new ranks; `undying undrain host-1` first", refused

@@ -41,7 +41,7 @@ from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
-from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, HostMark, check_host
+from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, check_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
 from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
@@ -127,7 +127,12 @@ UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of 
 def host_of(core: JobCore, rank: int) -> str:
     """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node job)."""
     info = core.ranks.get(rank)
-    agent = core.agents.get(info.node) if info is not None else None
+    return node_host(core, info.node) if info is not None else ""
+
+
+def node_host(core: JobCore, node: int) -> str:
+    """The host ``node``'s agent said it runs on ("" when the node has no agent)."""
+    agent = core.agents.get(node)
     return str(agent.view().get("host", "")) if agent is not None else ""
 
 
@@ -162,8 +167,7 @@ class Migrations:
         return self.core.hosts
 
     def host_of(self, node: int) -> str:
-        agent = self.core.agents.get(node)
-        return str(agent.view().get("host", "")) if agent is not None else ""
+        return node_host(self.core, node)
 
     # --- the operator's commands ----------------------------------------------------
 
@@ -185,9 +189,8 @@ class Migrations:
                 f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them moves to a warm "
                 f"spare of its own node (leave --to out, or give --to {host}), or the whole node moves to a "
                 f"standby on {target} (`undying migrate --node {info.node} --to {target}`)")
-        if self.hosts.blocked(host):
-            raise UsageError(f"host {host} is {self.hosts.state(host).value}: it gets no new ranks; "
-                             f"`undying undrain {host}` first")
+        if refused := self.hosts.refusal(host):
+            raise UsageError(refused)
         old_pid, agent = info.pid, core.agents[info.node]
         spares = agent.spares_ready()
         boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
@@ -249,13 +252,11 @@ class Migrations:
                 f"{'them' if len(nodes) > 1 else 'it'}: {len(free)} standby agent(s) parked on other hosts "
                 f"(`undying run --standby ...` on a host that is not drained); start one, or stop the job, "
                 f"then drain {host}")
-        for node in nodes:
-            why = next((w for info in self.core.ranks.values() if info.node == node
-                        for w in [self._why_not_now(info)] if w), "")
-            if why:
+        for info in self.core.ranks.values():  # checked whole first: a refusal changes nothing
+            if info.node in nodes and (why := self._why_not_now(info)):
                 raise UsageError(f"cannot drain host {host} now: {why}")
         mark = self.hosts.drain(host, by=by, reason=reason, t=time.time())
-        self._record("host_drained", mark)
+        self._record("host_drained", mark.to_dict())
         moved = [self.migrate_node(node, free[i], by=by) for i, node in enumerate(nodes)]
         return {"host": host, "state": mark.state.value, "reason": mark.reason, "moved": moved}
 
@@ -269,8 +270,7 @@ class Migrations:
         if mark is None:
             raise UsageError(f"host {host} is not drained or quarantined; nothing to undrain "
                              f"(`undying status` lists the hosts that are)")
-        self.core.events.event("host_cleared", host=host, was=mark.state.value, by=by)
-        self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)
+        self._record("host_cleared", {"host": host, "was": mark.state.value, "by": by})
         return {"host": host, "state": "ok", "was": mark.state.value}
 
     def restore(self, logged: object) -> None:
@@ -437,9 +437,8 @@ class Migrations:
         hosts = [h for h in self._parked_hosts() if h not in avoid and not self.hosts.blocked(h)]
         if to is not None:
             check_host(to)
-            if self.hosts.blocked(to):
-                raise UsageError(f"host {to} is {self.hosts.state(to).value}: it gets no new ranks; "
-                                 f"`undying undrain {to}` first")
+            if refused := self.hosts.refusal(to):
+                raise UsageError(refused)
             if to not in hosts:
                 raise UsageError(f"no standby agent is parked on host {to} (parked on: {', '.join(hosts) or 'none'}); "
                                  f"start one there with `undying run --standby ...`")
@@ -460,6 +459,7 @@ class Migrations:
         finally:
             standbys.blocked = blocked
 
-    def _record(self, what: str, mark: HostMark) -> None:  # (as quarantine() records its own)
-        self.core.events.event(what, **mark.to_dict())
+    def _record(self, what: str, detail: dict[str, Any]) -> None:
+        """A change of the host book: its event, and the book as the job fact a restarted manager reads."""
+        self.core.events.event(what, **detail)
         self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)

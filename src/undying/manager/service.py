@@ -75,7 +75,7 @@ class _Gate:
         self.options = options
         self.token = token
         self.config: JobConfig | None = None
-        self.host_out: Callable[[str], str] = lambda host: ""  # "drained"/"quarantined": no new ranks there
+        self.host_out: Callable[[str], str] = lambda host: ""  # why no new ranks there ("": they may come)
 
     def __call__(self, join: AgentJoin) -> str:
         if not tokens_match(join.token, self.token):
@@ -103,7 +103,7 @@ class _Gate:
             return ("this agent's flags differ from the job's in " + ", ".join(differ)
                     + "; every node must pass the same `undying run` flags")
         if not join.session and (out := self.host_out(join.host)):  # (a node's agent coming back is let in)
-            return f"host {join.host} is {out}: it gets no new ranks; `undying undrain {join.host}` first"
+            return out
         return ""
 
 
@@ -157,7 +157,7 @@ async def _serve(options: ManagerOptions) -> int:
         server.persisted = dict(server.received)
     manager = Manager(config, events, restoring=restart)
     server.standbys.blocked = lambda: manager.core.hosts.blocked_hosts()  # no standby on a drained host
-    gate.host_out = lambda host: manager.core.hosts.state(host).value if manager.core.hosts.blocked(host) else ""
+    gate.host_out = lambda host: manager.core.hosts.refusal(host)  # (the book is replaced on a restore)
     manager.migrations.server = server  # a node moved (undying migrate --node, drain) goes to a standby
     runner = None
     try:
