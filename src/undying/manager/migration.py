@@ -52,7 +52,7 @@ from undying.protocol.worker_wire import ArmFault, FaultInjected
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
 
-__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine", "host_of"]
+__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine", "host_of", "node_host"]
 
 log = logging.getLogger("undying.manager")
 
