@@ -7,8 +7,10 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 from undying.cli.limits import add_connection_arguments, connection_limits
+from undying.cli.refusal import Ledger
 from undying.cli.step_api import uses_step_api
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
@@ -30,11 +32,19 @@ from undying.config import (
     TraceConfig,
 )
 from undying.errors import UsageError
-from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
+from undying.inputs import (
+    JOB_ID_RULE,
+    check_address,
+    check_environment,
+    check_every,
+    check_job_id,
+    finite_arg,
+    job_id_arg,
+    open_user_file,
+)
 from undying.manager.jobdir import default_job_dir
 from undying.protocol.env import NUMERICS_ENV, VIRTUAL_RANKS_ENV
 from undying.protocol.verify_wire import VERIFY_EVERY_ENV
-from undying.worker.verify_plan import check_every
 
 __all__ = ["add_parser"]
 
@@ -164,7 +174,7 @@ no checkpoint at all.""",
                    "saves its survivors' state and restarts from it once the lost node is replaced")
     m.add_argument("--node-rank", "--node_rank", type=int, default=0,
                    help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
-    m.add_argument("--manager", default=None, metavar="HOST:PORT",
+    m.add_argument("--manager", type=_manager_address, default=None, metavar="HOST:PORT",
                    help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
     m.add_argument("--standby", action="store_true",
                    help="join the job at --manager as a warm standby with no node rank: its worker zygote and "
@@ -239,6 +249,20 @@ no checkpoint at all.""",
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
     p.set_defaults(func=run)
+
+
+def _manager_address(raw: str) -> str:
+    check_address("--manager", raw)
+    return raw.strip()
+
+
+def check_script(args: argparse.Namespace) -> None:
+    """The training script is a file this user can read (a FIFO, a folder, a missing path: one line).
+
+    Before anything reads it (the step-API check parses it) or anything is created.
+    """
+    if not (args.module or args.no_python):
+        os.close(open_user_file(args.script, "training script", "pass the path of a Python file"))
 
 
 def _step_timeout(raw: str) -> float:
@@ -392,6 +416,10 @@ def run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
+    # Every UNDYING_ variable a rank or the agent reads, read now: a bad one is one line here, not a
+    # traceback in every rank after the job started.
+    check_environment()
+    check_script(args)
     config = config_from_args(args)
     if args.virtual_ranks is not None:  # the workers inherit it (worker.virtual reads it)
         if args.nproc_per_node * args.nnodes[1] > args.virtual_ranks:
@@ -403,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     if (numerics := numerics_env(args)) is not None:  # the workers inherit it (worker.numerics reads it)
         os.environ[NUMERICS_ENV] = numerics
     if args.manager is not None:
-        return _run_node(args, config, script_args)
+        return _refusal_undone(config, lambda: _run_node(args, config, script_args))
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()
@@ -414,7 +442,17 @@ def run(args: argparse.Namespace) -> int:
         launch,  # torch and the manager: only for the command that runs a job
     )
 
-    return launch(config, args.script, script_args)
+    return _refusal_undone(config, lambda: launch(config, args.script, script_args))
+
+
+def _refusal_undone(config: JobConfig, start: Callable[[], int]) -> int:
+    """``start()``; when it refuses the job (a UsageError: before any rank trained), undo what it created."""
+    ledger = Ledger.take(config.job_dir)
+    try:
+        return start()
+    except UsageError:
+        ledger.undo()
+        raise
 
 
 def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
