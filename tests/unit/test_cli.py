@@ -44,7 +44,7 @@ def test_run_with_a_missing_script(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_run_with_a_folder_as_script(capsys: pytest.CaptureFixture[str], tmp_path: Path, job_dir: Path) -> None:
-    fails(capsys, ["run", "--job-dir", str(job_dir), str(tmp_path)], "does not exist")
+    fails(capsys, ["run", "--job-dir", str(job_dir), str(tmp_path)], "is a folder, not a file")  # (said: "does not exist")
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])

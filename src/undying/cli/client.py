@@ -49,7 +49,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """--job-dir or --manager: how a command finds its job; --token-file: how it proves it may."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
-    where.add_argument("--manager", type=_manager_url, help="the manager's address, HOST:PORT or http://HOST:PORT")
+    where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
     parser.add_argument(
         "--token-file", metavar="PATH",
         help="file holding the job's token (default: env UNDYING_TOKEN, else <job dir>/token, "
@@ -91,10 +91,6 @@ def manager_url(manager: str | None, job_dir: str | None) -> str:
     if manager is not None:
         return _base(manager)
     return resolve_job_dir(job_dir).running_manager_url()
-
-
-def _manager_url(text: str) -> str:
-    return check_manager_url("--manager", text)
 
 
 def _base(manager: str) -> str:

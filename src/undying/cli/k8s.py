@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     manifests = build(spec)
     header = [f"Written by undying {__version__} (undying k8s) for job {spec.job_id}: {spec.nodes} node(s) x "
               f"{spec.nproc_per_node} rank(s). Apply with kubectl apply -f; see docs/kubernetes.md."]
+    if args.out:  # refused before a word of the rest: one line
+        _check_out(Path(args.out), [m.filename for m in manifests])
     if not spec.grace.measured:
         sys.stderr.write(f"undying k8s: {spec.grace.explain()}\n")
     for m in manifests:

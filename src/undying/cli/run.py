@@ -38,6 +38,7 @@ from undying.inputs import (
     check_environment,
     check_every,
     check_job_id,
+    env_value,
     finite_arg,
     job_id_arg,
     open_user_file,
@@ -136,11 +137,11 @@ no checkpoint at all.""",
     c.add_argument("--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), default=60.0, metavar="SECONDS",
                    help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
                    "step was trained since (default 60)")
-    c.add_argument("--replicate", choices=("off", "ring"), default=os.environ.get("UNDYING_REPLICATE", "off"),
+    c.add_argument("--replicate", choices=("off", "ring"), default=None,
                    help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the memory of a rank on "
                    "the next node (the next rank on one node), so losing a rank needs no disk; off (default): "
                    "a lost shard rolls the job back to the latest checkpoint (env UNDYING_REPLICATE)")
-    c.add_argument("--replicate-every", type=int, default=os.environ.get("UNDYING_REPLICATE_EVERY", "1"),
+    c.add_argument("--replicate-every", type=int, default=None,
                    metavar="STEPS",
                    help="with --replicate ring: copy the shards every N steps (default 1: a fault loses no step; "
                    "N > 1 costs less per step and re-runs up to N-1 steps after a fault)")
@@ -398,8 +399,10 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             keep=args.keep,
             grace_period=args.grace_period,
             gasp_reuse_s=args.gasp_reuse_within,
-            replicate=args.replicate,
-            replicate_every=args.replicate_every,
+            # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader, named if bad)
+            replicate=args.replicate or env_value("UNDYING_REPLICATE") or "off",
+            replicate_every=args.replicate_every if args.replicate_every is not None
+            else env_value("UNDYING_REPLICATE_EVERY") or 1,
         ),
         connections=connection_limits(args),
         trace=TraceConfig(
@@ -419,7 +422,6 @@ def run(args: argparse.Namespace) -> int:
     # Every UNDYING_ variable a rank or the agent reads, read now: a bad one is one line here, not a
     # traceback in every rank after the job started.
     check_environment()
-    check_script(args)
     config = config_from_args(args)
     if args.virtual_ranks is not None:  # the workers inherit it (worker.virtual reads it)
         if args.nproc_per_node * args.nnodes[1] > args.virtual_ranks:
@@ -430,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ[VERIFY_EVERY_ENV] = str(check_every(args.verify_every))
     if (numerics := numerics_env(args)) is not None:  # the workers inherit it (worker.numerics reads it)
         os.environ[NUMERICS_ENV] = numerics
+    check_script(args)
     if args.manager is not None:
         return _refusal_undone(config, lambda: _run_node(args, config, script_args))
     if args.checkpoint_dir:
