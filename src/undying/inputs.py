@@ -31,6 +31,7 @@ is created.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -42,7 +43,7 @@ from typing import Any
 from undying.errors import UsageError
 
 __all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite",
-           "check_host_name", "check_address", "check_manager_url", "open_user_file", "check_every",
+           "check_host_name", "check_address", "check_manager_url", "open_regular", "open_user_file", "check_every",
            "numerics_fields", "ENV_VARS", "env_value", "check_environment"]
 
 JOB_ID_MAX = 64
@@ -145,29 +146,38 @@ def check_manager_url(option: str, text: str) -> str:
 
 # --- files the user names -----------------------------------------------------------------------
 
-def open_user_file(path: str | os.PathLike[str], what: str, fix: str, *, follow: bool = True) -> int:
-    """A descriptor of ``path`` opened for reading, when it is a regular file; else one line: ``what``, why, ``fix``.
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
+    """A descriptor of ``path`` opened for reading when it is a regular file; else ``OSError`` (its strerror says why).
 
     Opened without blocking, so a FIFO (which blocks an ordinary open until a
     writer comes) is seen and refused at once; the descriptor is blocking again
-    when it is returned. ``follow=False`` refuses a symbolic link.
+    when it is returned. ``follow=False`` refuses a symbolic link (ELOOP).
+    For a file read while a job runs (a watched switch file), where a refusal
+    is reported and the job goes on; ``open_user_file`` for a command's input.
     """
-    text = os.fspath(path)
-    shown = text if text.isascii() and text.isprintable() and len(text) <= 200 else _shown(text)
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise UsageError(f"{what} {shown} does not exist; {fix}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read {what} {shown} ({e.strerror or e}); {fix}") from None
+    fd = os.open(path, flags)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise UsageError(f"{what} {shown} is {kind}, not a file; {fix}")
+        raise OSError(errno.EINVAL, f"it is {kind}, not a file", os.fspath(path))
     os.set_blocking(fd, True)
     return fd
+
+
+def open_user_file(path: str | os.PathLike[str], what: str, fix: str, *, follow: bool = True) -> int:
+    """``open_regular`` for a file a command's user names: a refusal is one line, ``what``, why, and ``fix``."""
+    text = os.fspath(path)
+    shown = text if text.isascii() and text.isprintable() and len(text) <= 200 else _shown(text)
+    try:
+        return open_regular(path, follow=follow)
+    except FileNotFoundError:
+        raise UsageError(f"{what} {shown} does not exist; {fix}") from None
+    except OSError as e:
+        if e.errno == errno.EINVAL and str(e.strerror).startswith("it is "):
+            raise UsageError(f"{what} {shown} is {str(e.strerror)[6:]}; {fix}") from None
+        raise UsageError(f"cannot read {what} {shown} ({e.strerror or e}); {fix}") from None
 
 
 # --- numbers of steps and the numeric checks, as the CLI and the environment give them --------------

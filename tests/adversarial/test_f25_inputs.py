@@ -285,3 +285,16 @@ def test_k8s_out_never_deletes_nor_writes_through_what_it_did_not_write(
     assert main(_k8s("manifests")) == 0 and (out / "00-secret.yaml").is_file()  # ours, over our own files
     assert main(_k8s("manifests", "--token-secret", "mine")) == 0
     assert not (out / "00-secret.yaml").exists()  # ours, and stale now: removed
+
+
+def test_a_fifo_as_the_trace_switch_file_is_reported_not_waited_on(here: Path) -> None:
+    """The same class, in a running job: the manager polls --trace-switch-file; a FIFO there blocked its poll."""
+    from undying.protocol.trace_switch import TraceSwitchError
+    from undying.trace.switch import SwitchFileWatcher, read_switch_file
+
+    os.mkfifo(here / "switch.json")
+    with pytest.raises(TraceSwitchError, match="it is a FIFO, not a file"):
+        read_switch_file(here / "switch.json")
+    errors: list[str] = []
+    assert SwitchFileWatcher(here / "switch.json", lambda s: None, errors.append).poll_once() is None
+    assert errors and "is a FIFO" in errors[0], errors
