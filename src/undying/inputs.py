@@ -131,9 +131,9 @@ def check_manager_url(option: str, text: str) -> str:
     if not sep:
         scheme, rest = "http", text.strip()
     netloc, slash, path = rest.partition("/")
-    example = "127.0.0.1:8080 or http://127.0.0.1:8080"
-    bad = UsageError(f"{option} {_shown(text)}: expected HOST:PORT or http://HOST:PORT with a port from 1 to "
-                     f"65535, e.g. {example}")
+    example = "127.0.0.1:8080 or http://127.0.0.1:8080/"
+    bad = UsageError(f"{option} {_shown(text)}: expected HOST:PORT with a port from 1 to 65535, alone or after "
+                     f"an http or https scheme (e.g. {example})")
     if scheme not in ("http", "https") or not (path.isascii() and (slash + path).isprintable()) \
             or any(c in path for c in "?#% "):
         raise bad
