@@ -32,12 +32,13 @@ __all__ = ["Ledger"]
 _Ident = tuple[int, int]
 
 
-def _entries(folder: Path) -> dict[str, _Ident]:
+def _entries(folder: Path) -> dict[str, _Ident] | None:
+    """Each entry of ``folder`` by name: (device, inode); None when it cannot be listed (gone, not a folder)."""
     try:
         with os.scandir(folder) as it:
             return {e.name: (s.st_dev, s.st_ino) for e in it for s in [e.stat(follow_symlinks=False)]}
-    except OSError:  # (gone, or not a folder)
-        return {}
+    except OSError:
+        return None
 
 
 def _remove(path: Path) -> None:
@@ -53,7 +54,7 @@ class Ledger:
     """The job dir's entries before a launch, and the folders missing on the way to it."""
 
     path: Path
-    before: dict[str, _Ident]
+    before: dict[str, _Ident] | None  # None: the job dir was there and could not be listed (then nothing is undone)
     missing: tuple[Path, ...]  # the job dir and each missing parent, deepest first
 
     @classmethod
@@ -64,7 +65,7 @@ class Ledger:
         while not (here.exists() or here.is_symlink()) and here != here.parent:
             missing.append(here)
             here = here.parent
-        return cls(path, _entries(path), tuple(missing))
+        return cls(path, {} if missing else _entries(path), tuple(missing))
 
     def undo(self) -> None:
         """Put back what the launch moved in the job dir, remove what it created; never raises.
@@ -82,6 +83,8 @@ class Ledger:
 
     def _undo(self) -> None:
         now = _entries(self.path)
+        if self.before is None or now is None:
+            return  # (what was there is not known, or the folder is gone: nothing to judge by)
         old_name = {ident: name for name, ident in self.before.items()}
         known = set(self.before.values())
         for name, ident in now.items():  # moved aside by the launch (the last launch's log): back in place
@@ -91,7 +94,7 @@ class Ledger:
                 if was in now and now[was] not in known:
                     _remove(at_old)  # (what the launch created in its place)
                 os.rename(self.path / name, at_old)
-        for name, ident in _entries(self.path).items():
+        for name, ident in (_entries(self.path) or {}).items():
             if ident not in known:
                 _remove(self.path / name)
         for folder in self.missing:  # the job dir and the parents the launch made, when empty again
