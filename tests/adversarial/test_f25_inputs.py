@@ -244,6 +244,10 @@ def test_a_run_refused_late_leaves_nothing_behind(here: Path, capsys: pytest.Cap
         (job / "notes.txt").write_text("the user's")
         _refused(["run", "--job-dir", str(job), "--job-id", "late", "--port", port, "--spares", "0", "train.py"],
                  here, capsys, f"port {port} is in use")
+        _refused(["manager", "--job-id", "late", "--port", port], here, capsys,  # `undying manager` likewise
+                 f"cannot listen for agents on 127.0.0.1:{port}")
+        _refused(["manager", "--job-id", "late", "--job-dir", str(job), "--port", port], here, capsys,
+                 f"cannot listen for agents on 127.0.0.1:{port}")
     finally:
         holder.close()
 
