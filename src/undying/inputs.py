@@ -43,7 +43,7 @@ from typing import Any
 from undying.errors import UsageError
 
 __all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite",
-           "check_host_name", "check_address", "check_manager_url", "open_regular", "open_user_file", "check_every",
+           "check_host_name", "check_address", "check_manager_url", "check_folder", "open_regular", "open_user_file", "check_every",
            "numerics_fields", "ENV_VARS", "env_value", "check_environment"]
 
 JOB_ID_MAX = 64
@@ -178,6 +178,22 @@ def open_user_file(path: str | os.PathLike[str], what: str, fix: str, *, follow:
         if e.errno == errno.EINVAL and str(e.strerror).startswith("it is "):
             raise UsageError(f"{what} {shown} is {str(e.strerror)[6:]}; {fix}") from None
         raise UsageError(f"cannot read {what} {shown} ({e.strerror or e}); {fix}") from None
+
+
+def check_folder(option: str, path: str | os.PathLike[str]) -> str:
+    """``path`` when it is a folder or can be made one (its nearest existing ancestor is a folder); else one line.
+
+    A folder option given a file (``--log-dir``, ``--trace-dir``, ``--job-dir``) failed in every rank, or not at
+    all, long after the start: now before anything is created.
+    """
+    text = os.fspath(path)
+    here = os.path.abspath(text)
+    while not os.path.lexists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        where = "" if here == os.path.abspath(text) else f" ({_shown(here)} is not)"
+        raise UsageError(f"{option} {_shown(text)} is not a folder{where}; pass a folder (created if missing)")
+    return text
 
 
 # --- numbers of steps and the numeric checks, as the CLI and the environment give them --------------

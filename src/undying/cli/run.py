@@ -37,6 +37,7 @@ from undying.inputs import (
     check_address,
     check_environment,
     check_every,
+    check_folder,
     check_job_id,
     env_value,
     finite_arg,
@@ -433,6 +434,10 @@ def run(args: argparse.Namespace) -> int:
     if (numerics := numerics_env(args)) is not None:  # the workers inherit it (worker.numerics reads it)
         os.environ[NUMERICS_ENV] = numerics
     check_script(args)
+    for option, folder in (("--job-dir", config.job_dir), ("--log-dir", config.launch.log_dir),
+                           ("--trace-dir", config.trace.dir), ("--checkpoint-dir", config.checkpoint.dir)):
+        if folder and "://" not in folder:
+            check_folder(option, folder)
     if args.manager is not None:
         return _refusal_undone(config, lambda: _run_node(args, config, script_args))
     if args.checkpoint_dir:
