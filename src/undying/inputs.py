@@ -58,6 +58,11 @@ def _shown(value: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _shown_path(path: str) -> str:
+    """A path as an error line shows it: as it is when printable ASCII of a sane length, else as ``_shown``."""
+    return path if path.isascii() and path.isprintable() and len(path) <= 300 else _shown(path)
+
+
 def is_job_id(value: object) -> bool:
     """Whether ``value`` is a job id of the safe alphabet."""
     return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
@@ -168,8 +173,7 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
 
 def open_user_file(path: str | os.PathLike[str], what: str, fix: str, *, follow: bool = True) -> int:
     """``open_regular`` for a file a command's user names: a refusal is one line, ``what``, why, and ``fix``."""
-    text = os.fspath(path)
-    shown = text if text.isascii() and text.isprintable() and len(text) <= 200 else _shown(text)
+    shown = _shown_path(os.fspath(path))
     try:
         return open_regular(path, follow=follow)
     except FileNotFoundError:
@@ -191,8 +195,8 @@ def check_folder(option: str, path: str | os.PathLike[str]) -> str:
     while not os.path.lexists(here) and os.path.dirname(here) != here:
         here = os.path.dirname(here)
     if not os.path.isdir(here):
-        where = "" if here == os.path.abspath(text) else f" ({_shown(here)} is not)"
-        raise UsageError(f"{option} {_shown(text)} is not a folder{where}; pass a folder (created if missing)")
+        where = "" if here == os.path.abspath(text) else f" ({_shown_path(here)} is not)"
+        raise UsageError(f"{option} {_shown_path(text)} is not a folder{where}; pass a folder (created if missing)")
     return text
 
 

@@ -172,7 +172,7 @@ def test_a_bad_environment_variable_is_refused_before_any_rank_starts(
 def test_a_folder_option_given_a_file_is_one_line(here: Path, option: str, capsys: pytest.CaptureFixture[str]) -> None:
     """--log-dir naming a file failed in every rank (a traceback each, the group restarted 4 times, exit 1)."""
     (here / "afile").write_text("a file")
-    _refused(["run", "--job-id", "d", option, "afile", "train.py"], here, capsys, f"{option} 'afile' is not a folder")
+    _refused(["run", "--job-id", "d", option, "afile", "train.py"], here, capsys, f"{option} afile is not a folder")
     _refused(["run", "--job-id", "d", option, "afile/sub", "train.py"], here, capsys, "is not a folder (")
 
 

@@ -122,8 +122,7 @@ def test_run_in_a_read_only_folder(capsys: pytest.CaptureFixture[str], tmp_path:
             probe.rmdir()
             pytest.skip("the folder is writable despite mode 0o500 (running as root)")
         job = parent / "job"
-        # (refused before anything, by the folder check: it said "job dir JOB is not writable" once it tried)
-    fails(capsys, ["run", "--port", "0", "--job-dir", str(job), str(script)], f"--job-dir '{job}' is not a folder")
+        fails(capsys, ["run", "--port", "0", "--job-dir", str(job), str(script)], f"job dir {job} is not writable")
     finally:
         parent.chmod(0o700)
 
@@ -132,7 +131,7 @@ def test_run_with_a_job_dir_under_a_file(capsys: pytest.CaptureFixture[str], tmp
     # Not writable for anyone, root included.
     job = script / "job"
     # (refused before anything, by the folder check: it said "job dir JOB is not writable" once it tried)
-    fails(capsys, ["run", "--port", "0", "--job-dir", str(job), str(script)], f"--job-dir '{job}' is not a folder")
+    fails(capsys, ["run", "--port", "0", "--job-dir", str(job), str(script)], f"--job-dir {job} is not a folder")
 
 
 def test_inject_without_a_running_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
