@@ -324,6 +324,10 @@ def _any(text: str) -> str:
     return text
 
 
+def _none(text: str) -> str:
+    raise ValueError("it unset: only the verifier process that a rank starts has it")
+
+
 def _timeout(text: str) -> float:
     value = float(text)
     if not 0 < value <= 24 * 3600:  # (nan fails this too)
@@ -379,6 +383,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("UNDYING_JOINING", _choice("0", "1"), _OWN),
     EnvVar("UNDYING_BACKEND", _choice("gloo", "nccl"), _OWN),
     EnvVar("UNDYING_JOB_ID", _job_id, _OWN, blank=False),
+    # (a process with it set serves as the job's verifier: never one a launcher starts)
+    EnvVar("UNDYING_VERIFY_SERVE_DIR", _none, "set by undying for its verifier; unset it"),
     # Any text is a value: paths, names, switches read as "set or not".
     *(EnvVar(f"UNDYING_{n}", _any, "") for n in (
         "CHECKPOINT_DIR", "TRACE_DIR", "LOG_DIR", "CONSOLE", "JOB_DIR", "RESUME_FROM", "RETURNED_FILE",
@@ -402,7 +408,7 @@ def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:
     except UsageError:
         raise
     except (ValueError, OverflowError) as e:
-        expected = str(e) if str(e).startswith(("one of", "a ", "HOST")) else "a number"
+        expected = str(e) if str(e).startswith(("one of", "a ", "HOST", "it unset")) else "a number"
         raise UsageError(f"environment variable {name}={_shown(raw)}: expected {expected} "
                          f"({var.how or 'any text'}); fix it or unset it") from None
 

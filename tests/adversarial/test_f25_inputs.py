@@ -159,7 +159,7 @@ def test_a_token_file_that_is_a_folder_or_a_fifo_is_one_line(here: Path, capsys:
     ("UNDYING_NUMERICS", "on_persistent=maybe"), ("UNDYING_NUMERICS", "spike_factor=nan"),
     ("UNDYING_NUMERICS", "window=5,warmup=9"), ("UNDYING_VIRTUAL_RANKS", "-2"), ("UNDYING_WORKER_START", "thread"),
     ("UNDYING_REPLICATE_EVERY", "often"), ("UNDYING_HOST_NAME", "a b"), ("UNDYING_TIMEOUT_HEARTBEAT", "inf"),
-    ("UNDYING_REDIRECTS", "7"),
+    ("UNDYING_REDIRECTS", "7"), ("UNDYING_VERIFY_SERVE_DIR", "/tmp/v"),
 ])
 def test_a_bad_environment_variable_is_refused_before_any_rank_starts(
         here: Path, name: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
