@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.errors import UsageError
-from undying.inputs import check_finite, check_job_id
+from undying.inputs import check_finite, check_job_id, env_value
 from undying.protocol.env import ENV_PREFIX
 
 __all__ = [
@@ -209,15 +209,9 @@ class CheckpointConfig:
 
 def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> CheckpointConfig:
     env = os.environ if env is None else env
-    try:
-        return CheckpointConfig(
-            dir=env.get(f"{ENV_PREFIX}CHECKPOINT_DIR", ""),
-            save_every=int(env.get(f"{ENV_PREFIX}SAVE_EVERY", "0")),
-            save_interval=float(env.get(f"{ENV_PREFIX}SAVE_INTERVAL", "0")),
-            keep=int(env.get(f"{ENV_PREFIX}KEEP", "3")),
-        )
-    except ValueError as e:
-        raise UsageError(f"bad {ENV_PREFIX}SAVE_*/KEEP value in the environment: {e}") from e
+    read = lambda name, default: default if (v := env_value(f"{ENV_PREFIX}{name}", env)) is None else v  # noqa: E731
+    return CheckpointConfig(dir=env.get(f"{ENV_PREFIX}CHECKPOINT_DIR", ""), save_every=read("SAVE_EVERY", 0),
+                            save_interval=read("SAVE_INTERVAL", 0.0), keep=read("KEEP", 3))
 
 
 @dataclass(frozen=True)
@@ -265,14 +259,9 @@ TRACE_INITIAL = ("off", "on", "comm")
 
 def trace_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> TraceConfig:
     env = os.environ if env is None else env
-    try:
-        return TraceConfig(
-            dir=env.get(f"{ENV_PREFIX}TRACE_DIR", ""),
-            max_file_mb=float(env.get(f"{ENV_PREFIX}TRACE_MAX_FILE_MB", "10")),
-            max_dir_mb=float(env.get(f"{ENV_PREFIX}TRACE_MAX_DIR_MB", "1000")),
-        )
-    except ValueError as e:
-        raise UsageError(f"bad {ENV_PREFIX}TRACE_MAX_* value in the environment: {e}") from e
+    read = lambda name, default: default if (v := env_value(f"{ENV_PREFIX}{name}", env)) is None else v  # noqa: E731
+    return TraceConfig(dir=env.get(f"{ENV_PREFIX}TRACE_DIR", ""), max_file_mb=read("TRACE_MAX_FILE_MB", 10.0),
+                       max_dir_mb=read("TRACE_MAX_DIR_MB", 1000.0))
 
 
 # A listening socket's header and idle timeouts are tens of seconds at most (undying.manager.conns).

@@ -11,20 +11,40 @@ command on its job (a header must be Latin-1).
 A number option is a finite float: ``float("nan")`` and ``float("inf")`` parse,
 and then pass every ``x < 0`` check, so they are refused here by name.
 
-Both raise ``UsageError``, which the CLI prints as one line and exits 2; as an
+An address (``--manager``, ``--rdzv-endpoint``) is ``HOST:PORT`` with a host
+of the host-name alphabet and a port from 1 to 65535 (``check_address``); the
+CLI's ``--manager`` may also be ``http://HOST:PORT`` (``check_manager_url``).
+
+A file the user names (a training script, a ``--token-file``) is opened by
+``open_user_file`` and nothing else: without blocking (a FIFO would wait
+forever for a writer) and refused unless it is a regular file.
+
+Every ``UNDYING_`` variable a process of undying reads is in ``ENV_VARS`` with
+its reader; ``check_environment`` reads each one set, so ``undying run``
+refuses a bad value in one line before any rank starts, and a rank that reads
+the same variable with the same reader (``env_value``) cannot fail on it.
+
+Each raises ``UsageError``, which the CLI prints as one line and exits 2; as an
 argparse ``type=`` they run while the arguments are parsed, before anything
 is created.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import re
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite"]
+__all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite",
+           "check_host_name", "check_address", "check_manager_url", "check_folder", "open_regular", "open_user_file", "check_every",
+           "numerics_fields", "ENV_VARS", "env_value", "check_environment"]
 
 JOB_ID_MAX = 64
 JOB_ID_RULE = (f"1 to {JOB_ID_MAX} ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-' "
@@ -36,6 +56,11 @@ def _shown(value: str) -> str:
     """``value`` as the error line shows it: ASCII only, escapes visible, never longer than 80."""
     text = ascii(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _shown_path(path: str) -> str:
+    """A path as an error line shows it: as it is when printable ASCII of a sane length, else as ``_shown``."""
+    return path if path.isascii() and path.isprintable() and len(path) <= 300 else _shown(path)
 
 
 def is_job_id(value: object) -> bool:
@@ -75,3 +100,322 @@ def finite_arg(option: str) -> Callable[[str], float]:
 
     parse.__name__ = "number"  # argparse names the type in some messages
     return parse
+
+
+# --- host names and addresses ---------------------------------------------------------------------
+
+_HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")  # a hostname, an IPv4 or a bracketed or bare IPv6
+HOST_RULE = "letters, digits, '.', '-', '_', ':' or an IPv6 in [...], at most 255 characters"
+
+
+def check_host_name(value: object, what: str = "host") -> str:
+    """``value`` when it is a host name or address, else ``UsageError`` naming ``what``."""
+    if not isinstance(value, str) or _HOST.fullmatch(value) is None:
+        shown = _shown(value) if isinstance(value, str) else type(value).__name__
+        raise UsageError(f"{what} {shown} is not a host name or address ({HOST_RULE})")
+    return value
+
+
+def check_address(option: str, text: str, example: str = "10.0.0.1:29400", *, lowest: int = 1) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as (host, port), or one line naming ``option`` and an example.
+
+    ``lowest``: the lowest port taken (0: "pick a free one" where the option means a port to listen on).
+    """
+    host, sep, port = text.strip().rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if (not sep or not bare or not port.isascii() or not port.isdigit() or len(port) > 5
+            or not lowest <= int(port) < 65536 or _HOST.fullmatch(bare) is None or "[" in bare or "]" in bare):
+        raise UsageError(f"{option} {_shown(text)}: expected HOST:PORT with a port from {lowest} to 65535, "
+                         f"e.g. {example}")
+    return bare, int(port)
+
+
+def check_manager_url(option: str, text: str) -> str:
+    """A manager's HTTP address, ``HOST:PORT`` or ``http(s)://HOST:PORT[/PATH]``, as a base URL without a final /."""
+    scheme, sep, rest = text.strip().partition("://")
+    if not sep:
+        scheme, rest = "http", text.strip()
+    netloc, slash, path = rest.partition("/")
+    example = "127.0.0.1:8080 or http://127.0.0.1:8080/"
+    bad = UsageError(f"{option} {_shown(text)}: expected HOST:PORT with a port from 1 to 65535, alone or after "
+                     f"an http or https scheme (e.g. {example})")
+    if scheme not in ("http", "https") or not (path.isascii() and (slash + path).isprintable()) \
+            or any(c in path for c in "?#% "):
+        raise bad
+    try:
+        check_address(option, netloc, example)
+    except UsageError:
+        raise bad from None
+    return f"{scheme}://{netloc}{slash}{path}".rstrip("/")
+
+
+# --- files the user names -----------------------------------------------------------------------
+
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
+    """A descriptor of ``path`` opened for reading when it is a regular file; else ``OSError`` (its strerror says why).
+
+    Opened without blocking, so a FIFO (which blocks an ordinary open until a
+    writer comes) is seen and refused at once; the descriptor is blocking again
+    when it is returned. ``follow=False`` refuses a symbolic link (ELOOP).
+    For a file read while a job runs (a watched switch file), where a refusal
+    is reported and the job goes on; ``open_user_file`` for a command's input.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise OSError(errno.EINVAL, f"it is {kind}, not a file", os.fspath(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_user_file(path: str | os.PathLike[str], what: str, fix: str, *, follow: bool = True) -> int:
+    """``open_regular`` for a file a command's user names: a refusal is one line, ``what``, why, and ``fix``."""
+    shown = _shown_path(os.fspath(path))
+    try:
+        return open_regular(path, follow=follow)
+    except FileNotFoundError:
+        raise UsageError(f"{what} {shown} does not exist; {fix}") from None
+    except OSError as e:
+        if e.errno == errno.EINVAL and str(e.strerror).startswith("it is "):
+            raise UsageError(f"{what} {shown} is {str(e.strerror)[6:]}; {fix}") from None
+        raise UsageError(f"cannot read {what} {shown} ({e.strerror or e}); {fix}") from None
+
+
+def check_folder(option: str, path: str | os.PathLike[str]) -> str:
+    """``path`` when it is a folder or can be made one (its nearest existing ancestor is a folder); else one line.
+
+    A folder option given a file (``--log-dir``, ``--trace-dir``, ``--job-dir``) failed in every rank, or not at
+    all, long after the start: now before anything is created.
+    """
+    text = os.fspath(path)
+    here = os.path.abspath(text)
+    while not os.path.lexists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        where = "" if here == os.path.abspath(text) else f" ({_shown_path(here)} is not)"
+        raise UsageError(f"{option} {_shown_path(text)} is not a folder{where}; pass a folder (created if missing)")
+    return text
+
+
+# --- numbers of steps and the numeric checks, as the CLI and the environment give them --------------
+
+MAX_EVERY = 1_000_000  # --verify-every at most: one step in a million
+MAX_ROLLBACK_STEPS = 64  # --rollback-steps at most (each is a copy of the state in memory)
+
+
+def check_every(value: object, where: str = "--verify-every") -> int:
+    """A valid K (a whole number from 1 to MAX_EVERY), or a UsageError naming the bad value and what to give."""
+    bad = UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), got {_shown(str(value))}")
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise bad
+    if isinstance(value, str) and not (value.strip().isascii() and value.strip().isdigit() and len(value.strip()) < 20):
+        raise bad
+    every = int(value)
+    if not 1 <= every <= MAX_EVERY:
+        raise UsageError(f"{where} must be from 1 to {MAX_EVERY} steps (1: every step; 100: one step in a "
+                         f"hundred), got {every}")
+    return every
+
+
+_POLICIES = ("skip", "stop", "rollback")
+
+
+def _policy(text: str) -> str:
+    if text not in _POLICIES:
+        raise ValueError(f"one of {', '.join(_POLICIES)}")
+    return text
+
+
+def _spike(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 1):
+        raise ValueError("a number above 1")
+    return value
+
+
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    def read(text: str) -> int:
+        if not (text.isascii() and text.lstrip("-").isdigit() and len(text) < 20) or not low <= int(text) <= high:
+            raise ValueError(f"a whole number from {low} to {high}")
+        return int(text)
+    return read
+
+
+# NUMERICS_ENV's fields (``undying run --numerics ...``: field=value,...), and how each is read and bounded.
+_NUMERICS_FIELDS: dict[str, Callable[[str], Any]] = {
+    "on_persistent": _policy, "spike_factor": _spike, "window": _whole(1, 1_000_000),
+    "warmup": _whole(1, 1_000_000), "rollback_steps": _whole(1, MAX_ROLLBACK_STEPS)}
+
+
+def numerics_fields(raw: str, where: str = "UNDYING_NUMERICS") -> dict[str, Any]:
+    """The fields of ``Numerics`` that ``raw`` (``field=value,...``) sets, each read and bounded; else one line."""
+    fields: dict[str, Any] = {}
+    for item in raw.split(","):
+        name, _, value = (part.strip() for part in item.partition("="))
+        read = _NUMERICS_FIELDS.get(name)
+        if read is None:
+            raise UsageError(f"{where}={_shown(raw)}: {_shown(item.strip())} is not one of "
+                             f"{', '.join(f + '=VALUE' for f in _NUMERICS_FIELDS)}; set it with undying run "
+                             "--numerics POLICY [--spike-factor F] [--rollback-steps N]")
+        try:
+            fields[name] = read(value)
+        except ValueError as e:
+            expected = str(e) if str(e).startswith(("one of", "a ")) else "a number"
+            raise UsageError(f"{where}={_shown(raw)}: {name} must be {expected}, got {_shown(value)}") from None
+    if fields.get("warmup", 20) > fields.get("window", 50):
+        raise UsageError(f"{where}={_shown(raw)}: needs warmup <= window (defaults 20 and 50)")
+    return fields
+
+
+# --- the environment: every UNDYING_ variable a process of undying reads, and its reader ------------
+
+def _choice(*words: str) -> Callable[[str], str]:
+    def read(text: str) -> str:
+        if text.lower() not in words:
+            raise ValueError(f"one of {', '.join(words)}")
+        return text.lower()
+    return read
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 24 * 3600:  # (nan fails this too; each timeout's own bounds are the config's)
+        raise ValueError("a number of seconds from 0 to 86400")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError("a finite number >= 0")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("a finite number > 0")
+    return value
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return check_address("", text)
+    except UsageError:
+        raise ValueError("HOST:PORT") from None
+
+
+def _host(text: str) -> str:
+    if _HOST.fullmatch(text) is None:
+        raise ValueError(f"a host name ({HOST_RULE})")
+    return text
+
+
+def _job_id(text: str) -> str:
+    if not is_job_id(text):
+        raise ValueError(f"a job id ({JOB_ID_RULE})")
+    return text
+
+
+def _any(text: str) -> str:
+    return text
+
+
+def _none(text: str) -> str:
+    raise ValueError("it unset: only the verifier process that a rank starts has it")
+
+
+def _timeout(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 24 * 3600:  # (nan fails this too)
+        raise ValueError("a number of seconds above 0 and at most 86400")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """A variable undying reads: ``read`` takes its value (stripped) or raises ValueError or UsageError.
+
+    ``how``: who sets it and how, for the error line (an option of ``undying
+    run``, or "set by undying" for those the launcher gives its own processes).
+    ``blank``: an empty value means "not set" to every process that reads it
+    (else an empty value is read, and refused, as the processes refuse it).
+    """
+
+    name: str
+    read: Callable[[str], Any]
+    how: str
+    blank: bool = True
+
+
+_OWN = "set by undying for its own processes; unset it"
+_BY_RUN = "set by undying run from its options"
+# The timeouts (undying.config.Timeouts' fields), each set for every rank from undying run's options.
+TIMEOUT_NAMES = ("RENDEZVOUS", "CONNECT", "COLLECTIVE", "RECOVERY", "COMM_ERROR_GRACE", "STOP_GRACE", "HEARTBEAT",
+                 "INIT", "NODE_WAIT", "STEP", "SPARE_TAKE", "EXIT")
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("UNDYING_VERIFY_EVERY", lambda t: check_every(t, "UNDYING_VERIFY_EVERY"), "undying run --verify-every K"),
+    EnvVar("UNDYING_NUMERICS", numerics_fields, "undying run --numerics POLICY"),
+    EnvVar("UNDYING_VIRTUAL_RANKS", _whole(1, 1_000_000), "undying run --virtual-ranks V"),
+    EnvVar("UNDYING_SEED", _whole(0, 2**63 - 1), "undying run --seed N"),
+    EnvVar("UNDYING_WORKER_START", _choice("zygote", "spawn"), "zygote (the default) or spawn"),
+    EnvVar("UNDYING_HOST_NAME", _host, "this node's host name as the job calls it"),
+    EnvVar("UNDYING_REPLICATE", _choice("off", "ring"), "undying run --replicate off|ring"),
+    EnvVar("UNDYING_REPLICATE_EVERY", _whole(1, 1_000_000), "undying run --replicate-every N"),
+    *(EnvVar(f"UNDYING_TIMEOUT_{n}", _seconds if n == "STEP" else _timeout, _BY_RUN, blank=False)
+      for n in TIMEOUT_NAMES),
+    EnvVar("UNDYING_SAVE_EVERY", _whole(0, 2**62), _BY_RUN, blank=False),
+    EnvVar("UNDYING_SAVE_INTERVAL", _non_negative, _BY_RUN, blank=False),
+    EnvVar("UNDYING_KEEP", _whole(1, 1_000_000), _BY_RUN, blank=False),
+    EnvVar("UNDYING_TRACE_MAX_FILE_MB", _positive, _BY_RUN, blank=False),
+    EnvVar("UNDYING_TRACE_MAX_DIR_MB", _positive, _BY_RUN, blank=False),
+    EnvVar("UNDYING_REDIRECTS", _whole(0, 3), _BY_RUN),
+    EnvVar("UNDYING_TEE", _whole(0, 3), _BY_RUN),
+    EnvVar("UNDYING_GENERATION", _whole(0, 2**62), _OWN, blank=False),
+    EnvVar("UNDYING_INCARNATION", _whole(0, 2**62), _OWN),
+    EnvVar("UNDYING_AGENT_PID", _whole(1, 2**31), _OWN, blank=False),
+    EnvVar("UNDYING_AGENT_ADDR", _address, _OWN, blank=False),
+    EnvVar("UNDYING_CONTROL_ADDR", _address, _OWN, blank=False),
+    EnvVar("UNDYING_STORE_ADDR", _address, _OWN),
+    EnvVar("UNDYING_JOINING", _choice("0", "1"), _OWN),
+    EnvVar("UNDYING_BACKEND", _choice("gloo", "nccl"), _OWN),
+    EnvVar("UNDYING_JOB_ID", _job_id, _OWN, blank=False),
+    # (a process with it set serves as the job's verifier: never one a launcher starts)
+    EnvVar("UNDYING_VERIFY_SERVE_DIR", _none, "set by undying for its verifier; unset it"),
+    # Any text is a value: paths, names, switches read as "set or not".
+    *(EnvVar(f"UNDYING_{n}", _any, "") for n in (
+        "CHECKPOINT_DIR", "TRACE_DIR", "LOG_DIR", "CONSOLE", "JOB_DIR", "RESUME_FROM", "RETURNED_FILE",
+        "NODE_NAME", "RESUME_DIGEST", "DEMO_QUIET")),
+)}
+# (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by undying.manager.auth.)
+
+
+def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """``name``'s value in ``env`` (default: this process's) read by its reader; None when unset or blank.
+
+    A value the reader refuses is one line naming the variable, the value, what it takes and who sets it.
+    """
+    given = (os.environ if env is None else env).get(name)
+    raw = "" if given is None else given.strip()
+    var = ENV_VARS.get(name)
+    if var is None or given is None or (not raw and var.blank):
+        return raw or None
+    try:
+        return var.read(raw)
+    except UsageError:
+        raise
+    except (ValueError, OverflowError) as e:
+        expected = str(e) if str(e).startswith(("one of", "a ", "HOST", "it unset")) else "a number"
+        raise UsageError(f"environment variable {name}={_shown(raw)}: expected {expected} "
+                         f"({var.how or 'any text'}); fix it or unset it") from None
+
+
+def check_environment(env: Mapping[str, str] | None = None) -> None:
+    """Read every ``UNDYING_`` variable set in ``env`` that undying reads: the first bad one is one line."""
+    env = os.environ if env is None else env
+    for name in sorted(env):
+        if name in ENV_VARS:
+            env_value(name, env)

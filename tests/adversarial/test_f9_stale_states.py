@@ -96,7 +96,7 @@ def test_when_every_checkpoint_is_broken_the_job_stops_with_the_reasons_unless_t
     assert "every checkpoint in" in errors[0] and "--start-fresh" in errors[0]
     for folder in found:
         assert f"{folder.name}: file state.pt has sha256" in errors[0]
-    assert not events(tmp_path / "b" / "events.db", "spawned")
+    assert not (tmp_path / "b").exists(), "the refused run left its job dir behind"  # (issue 25: nothing created)
     assert sorted(ckpts.glob("step-*")) == found, "the refusal removed checkpoints"
 
     fresh = start_job(tmp_path / "c", ["--epochs", "2"], ranks=RANKS, reap=reap, run_args=[*args, "--start-fresh"])

@@ -44,7 +44,7 @@ def test_run_with_a_missing_script(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_run_with_a_folder_as_script(capsys: pytest.CaptureFixture[str], tmp_path: Path, job_dir: Path) -> None:
-    fails(capsys, ["run", "--job-dir", str(job_dir), str(tmp_path)], "does not exist")
+    fails(capsys, ["run", "--job-dir", str(job_dir), str(tmp_path)], "is a folder, not a file")  # (said: "does not exist")
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
@@ -130,7 +130,8 @@ def test_run_in_a_read_only_folder(capsys: pytest.CaptureFixture[str], tmp_path:
 def test_run_with_a_job_dir_under_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, script: Path) -> None:
     # Not writable for anyone, root included.
     job = script / "job"
-    fails(capsys, ["run", "--port", "0", "--job-dir", str(job), str(script)], f"job dir {job} is not writable")
+    # (refused before anything, by the folder check: it said "job dir JOB is not writable" once it tried)
+    fails(capsys, ["run", "--port", "0", "--job-dir", str(job), str(script)], f"--job-dir {job} is not a folder")
 
 
 def test_inject_without_a_running_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -100,6 +100,13 @@ def _manager(tmp_path: Path, *, restoring: bool = False) -> Manager:
 def test_drain_quarantine_and_undrain_are_logged_shown_and_kept_across_a_manager_restart(tmp_path: Path) -> None:
     manager = _manager(tmp_path)
     moves = manager.migrations
+    # One node whose manager runs in its launcher: a host it does not know is refused, naming the one it knows.
+    manager.core.agents[0] = cast(Any, _Node(0, "localhost"))
+    with pytest.raises(UsageError, match="host idle is not a host of this job, which runs on localhost "):
+        moves.drain("idle", by="op")
+    assert manager.status()["hosts_out"] == []
+    for node, host in ((5, "idle"), (6, "gone")):  # hosts it knows, running none of its ranks
+        manager.core.agents[node] = cast(Any, _Node(node, host))
     assert moves.drain("idle", by="op", reason="disk swap") == {"host": "idle", "state": "drained",
                                                                   "reason": "disk swap", "moved": []}
     moves.quarantine("sick", "rank 1 found at fault twice")

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from undying.agent.agent import Agent
 from undying.checkpoint.mac import KEY_ENV, key_from_token
 from undying.config import JobConfig
-from undying.errors import UsageError
+from undying.inputs import check_address
 from undying.protocol.codec import Codec, Handlers, Message
 from undying.protocol.node_wire import (
     AbortRank,
@@ -103,10 +103,7 @@ def _lines(reports: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
 
 
 def parse_manager_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--manager {address!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
-    return host.strip("[]"), int(port)
+    return check_address("--manager", address)  # (the one rule of an address: undying.inputs)
 
 
 class ManagerClient:

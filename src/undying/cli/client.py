@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
-from undying.inputs import is_job_id
+from undying.inputs import check_manager_url, is_job_id
 from undying.manager.auth import auth_headers, find_token, find_token_with_source
+from undying.manager.events import LogReader
 from undying.manager.jobdir import JobDir
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "AccessDeniedError",
     "api_get",
     "api_post",
+    "readable_log",
 ]
 
 
@@ -71,6 +73,20 @@ def resolve_job_dir(job_dir: str | None) -> JobDir:
     return JobDir(max(candidates, key=lambda p: (p / "events.db").stat().st_mtime))
 
 
+@contextlib.contextmanager
+def readable_log(path: Path) -> Iterator[None]:
+    """Around every read of a job's event log by a command: a damaged or foreign file is one line, exit 2.
+
+    (SQLite says so at the first query, as ``LogReader.Error``; a row that is not JSON, as a ValueError.)
+    """
+    try:
+        yield
+    except (LogReader.Error, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is not a readable undying event log ({' '.join(str(e).split()) or type(e).__name__}); "
+                         "it may be damaged or another program's file: move it aside (checkpoints do not depend on "
+                         "it), or pass the --job-dir of another job") from None
+
+
 def manager_url(manager: str | None, job_dir: str | None) -> str:
     if manager is not None:
         return _base(manager)
@@ -78,7 +94,7 @@ def manager_url(manager: str | None, job_dir: str | None) -> str:
 
 
 def _base(manager: str) -> str:
-    return (manager if manager.startswith("http") else f"http://{manager}").rstrip("/")
+    return check_manager_url("--manager", manager)
 
 
 @dataclass(frozen=True)

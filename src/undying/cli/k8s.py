@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import shlex
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 from undying import __version__
 from undying.config import TRACE_INITIAL
 from undying.errors import UsageError
-from undying.inputs import finite_arg, job_id_arg
+from undying.inputs import finite_arg, job_id_arg, open_user_file
 from undying.k8s import grace as grace_mod
 from undying.k8s.manifests import TRACE_SWITCH_FILE, Manifest, Spec, build
 from undying.k8s.yamlout import dump, dump_all
@@ -163,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     manifests = build(spec)
     header = [f"Written by undying {__version__} (undying k8s) for job {spec.job_id}: {spec.nodes} node(s) x "
               f"{spec.nproc_per_node} rank(s). Apply with kubectl apply -f; see docs/kubernetes.md."]
+    if args.out:  # refused before a word of the rest: one line
+        _check_out(Path(args.out), [m.filename for m in manifests])
     if not spec.grace.measured:
         sys.stderr.write(f"undying k8s: {spec.grace.explain()}\n")
     for m in manifests:
@@ -176,7 +180,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ours(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a link) that `undying k8s` wrote: its first line is our header."""
+    try:
+        fd = open_user_file(path, "manifest", "", follow=False)
+    except UsageError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        first = f.readline(400)
+    return first.startswith(b"# Written by undying ") and b"(undying k8s)" in first
+
+
+def _check_out(out: Path, names: list[str]) -> None:
+    """Refuse, before anything is written, an --out that is not a folder of ours to write: one line each."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        what = "a symbolic link" if out.is_symlink() else "not a folder"
+        raise UsageError(f"--out {out} is {what}; pass a folder (created if missing) for the manifests")
+    for name in names:
+        path = out / name
+        if (path.exists() or path.is_symlink()) and not _ours(path):
+            raise UsageError(f"--out {out}: {name} is there and was not written by undying k8s; move it "
+                             "aside or pass another --out (nothing was written)")
+
+
+def _write_atomically(path: Path, text: str, mode: int) -> None:
+    """``text`` in ``path`` whole or not at all: written aside (a new file, never a link), then renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # (replaces a link of that name, never writes through it)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
 def _write_dir(out: Path, manifests: list[Manifest], header: list[str]) -> None:
+    _check_out(out, [m.filename for m in manifests])
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -188,15 +233,12 @@ def _write_dir(out: Path, manifests: list[Manifest], header: list[str]) -> None:
         # The Secret holds the token: readable by its owner only, like the job dir's token file.
         mode = 0o600 if m.obj["kind"] == "Secret" else 0o644
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            os.fchmod(fd, mode)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            _write_atomically(path, text, mode)
         except OSError as e:
             raise UsageError(f"--out {out}: cannot write {m.filename}: {e.strerror or e}") from None
         written.add(m.filename)
         sys.stderr.write(f"wrote {path}\n")
     for stale in sorted(set(_KNOWN_FILES) - written):
-        if (out / stale).exists():  # e.g. a generated Secret, now that --token-secret names one
+        if _ours(out / stale):  # e.g. a generated Secret, now that --token-secret names one; never a user's file
             (out / stale).unlink()
             sys.stderr.write(f"removed {out / stale} (not part of this job's manifests any more)\n")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 from undying.cli.limits import add_connection_arguments, connection_limits
+from undying.cli.refusal import Ledger
 from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
-from undying.inputs import JOB_ID_RULE, check_job_id, job_id_arg
+from undying.inputs import JOB_ID_RULE, check_host_name, check_job_id, job_id_arg
 from undying.manager.jobdir import default_job_dir
 
 __all__ = ["add_parser"]
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         serve_manager,
     )
 
+    check_host_name(args.host, "--host")
     options = ManagerOptions(
         job_id=job_id,
         job_dir=str(args.job_dir or default_job_dir(job_id)),
@@ -80,4 +82,9 @@ def run(args: argparse.Namespace) -> int:
         open_status=args.open_status,
         connections=connection_limits(args),
     )
-    return serve_manager(options)
+    ledger = Ledger.take(options.job_dir)
+    try:
+        return serve_manager(options)
+    except UsageError:  # refused before any agent joined (a port in use): what it created goes (cli.refusal)
+        ledger.undo()
+        raise

@@ -7,8 +7,10 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 from undying.cli.limits import add_connection_arguments, connection_limits
+from undying.cli.refusal import Ledger
 from undying.cli.step_api import uses_step_api
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
@@ -30,11 +32,21 @@ from undying.config import (
     TraceConfig,
 )
 from undying.errors import UsageError
-from undying.inputs import JOB_ID_RULE, check_job_id, finite_arg, job_id_arg
+from undying.inputs import (
+    JOB_ID_RULE,
+    check_address,
+    check_environment,
+    check_every,
+    check_folder,
+    check_job_id,
+    env_value,
+    finite_arg,
+    job_id_arg,
+    open_user_file,
+)
 from undying.manager.jobdir import default_job_dir
 from undying.protocol.env import NUMERICS_ENV, VIRTUAL_RANKS_ENV
 from undying.protocol.verify_wire import VERIFY_EVERY_ENV
-from undying.worker.verify_plan import check_every
 
 __all__ = ["add_parser"]
 
@@ -126,11 +138,11 @@ no checkpoint at all.""",
     c.add_argument("--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), default=60.0, metavar="SECONDS",
                    help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
                    "step was trained since (default 60)")
-    c.add_argument("--replicate", choices=("off", "ring"), default=os.environ.get("UNDYING_REPLICATE", "off"),
+    c.add_argument("--replicate", choices=("off", "ring"), default=None,
                    help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the memory of a rank on "
                    "the next node (the next rank on one node), so losing a rank needs no disk; off (default): "
                    "a lost shard rolls the job back to the latest checkpoint (env UNDYING_REPLICATE)")
-    c.add_argument("--replicate-every", type=int, default=os.environ.get("UNDYING_REPLICATE_EVERY", "1"),
+    c.add_argument("--replicate-every", type=int, default=None,
                    metavar="STEPS",
                    help="with --replicate ring: copy the shards every N steps (default 1: a fault loses no step; "
                    "N > 1 costs less per step and re-runs up to N-1 steps after a fault)")
@@ -164,7 +176,7 @@ no checkpoint at all.""",
                    "saves its survivors' state and restarts from it once the lost node is replaced")
     m.add_argument("--node-rank", "--node_rank", type=int, default=0,
                    help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
-    m.add_argument("--manager", default=None, metavar="HOST:PORT",
+    m.add_argument("--manager", type=_manager_address, default=None, metavar="HOST:PORT",
                    help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
     m.add_argument("--standby", action="store_true",
                    help="join the job at --manager as a warm standby with no node rank: its worker zygote and "
@@ -239,6 +251,20 @@ no checkpoint at all.""",
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
     p.set_defaults(func=run)
+
+
+def _manager_address(raw: str) -> str:
+    check_address("--manager", raw)
+    return raw.strip()
+
+
+def check_script(args: argparse.Namespace) -> None:
+    """The training script is a file this user can read (a FIFO, a folder, a missing path: one line).
+
+    Before anything reads it (the step-API check parses it) or anything is created.
+    """
+    if not (args.module or args.no_python):
+        os.close(open_user_file(args.script, "training script", "pass the path of a Python file"))
 
 
 def _step_timeout(raw: str) -> float:
@@ -374,8 +400,10 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             keep=args.keep,
             grace_period=args.grace_period,
             gasp_reuse_s=args.gasp_reuse_within,
-            replicate=args.replicate,
-            replicate_every=args.replicate_every,
+            # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader, named if bad)
+            replicate=args.replicate or env_value("UNDYING_REPLICATE") or "off",
+            replicate_every=args.replicate_every if args.replicate_every is not None
+            else env_value("UNDYING_REPLICATE_EVERY") or 1,
         ),
         connections=connection_limits(args),
         trace=TraceConfig(
@@ -392,6 +420,9 @@ def run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
+    # Every UNDYING_ variable a rank or the agent reads, read now: a bad one is one line here, not a
+    # traceback in every rank after the job started.
+    check_environment()
     config = config_from_args(args)
     if args.virtual_ranks is not None:  # the workers inherit it (worker.virtual reads it)
         if args.nproc_per_node * args.nnodes[1] > args.virtual_ranks:
@@ -402,8 +433,13 @@ def run(args: argparse.Namespace) -> int:
         os.environ[VERIFY_EVERY_ENV] = str(check_every(args.verify_every))
     if (numerics := numerics_env(args)) is not None:  # the workers inherit it (worker.numerics reads it)
         os.environ[NUMERICS_ENV] = numerics
+    check_script(args)
+    for option, folder in (("--job-dir", config.job_dir), ("--log-dir", config.launch.log_dir),
+                           ("--trace-dir", config.trace.dir), ("--checkpoint-dir", config.checkpoint.dir)):
+        if folder and "://" not in folder:
+            check_folder(option, folder)
     if args.manager is not None:
-        return _run_node(args, config, script_args)
+        return _refusal_undone(config, lambda: _run_node(args, config, script_args))
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()
@@ -414,7 +450,17 @@ def run(args: argparse.Namespace) -> int:
         launch,  # torch and the manager: only for the command that runs a job
     )
 
-    return launch(config, args.script, script_args)
+    return _refusal_undone(config, lambda: launch(config, args.script, script_args))
+
+
+def _refusal_undone(config: JobConfig, start: Callable[[], int]) -> int:
+    """``start()``; when it refuses the job (a UsageError: before any rank trained), undo what it created."""
+    ledger = Ledger.take(config.job_dir)
+    try:
+        return start()
+    except UsageError:
+        ledger.undo()
+        raise
 
 
 def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:

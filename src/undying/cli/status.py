@@ -25,7 +25,14 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from undying.cli.client import Api, add_job_arguments, api_for, connect, resolve_job_dir
+from undying.cli.client import (
+    Api,
+    add_job_arguments,
+    api_for,
+    connect,
+    readable_log,
+    resolve_job_dir,
+)
 from undying.cli.summary import LOSS_WORDS, duration, goodput_line, logged_account
 from undying.config import WHOLE_GROUP_LINE
 from undying.errors import JobNotRunningError, UsageError
@@ -128,7 +135,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     alive was interrupted (the launcher killed, the machine lost): said so, with
     how to resume, never "running" forever.
     """
-    data = read_job(jd.events_db)
+    with readable_log(jd.events_db):
+        data = read_job(jd.events_db)
     job = data["job"]
     newest: dict[int, int] = {}
     for commit in data["steps"]:
@@ -143,7 +151,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
                        "checkpoint")
         state = "interrupted"
     step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
-    account = logged_account(jd.events_db, step=step)
+    with readable_log(jd.events_db):
+        account = logged_account(jd.events_db, step=step)
     return {
         "job_id": job.get("job_id"),
         "state": state,
@@ -502,7 +511,7 @@ def step_values(jd: JobDir) -> list[dict[str, Any]]:
     counts; ``runs`` says how many times the rank committed it). Ordered by
     step, then rank.
     """
-    with LogReader(jd.events_db) as reader:
+    with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
         commits = reader.commits()
     newest: dict[tuple[int, int], dict[str, Any]] = {}
     runs: dict[tuple[int, int], int] = {}

@@ -17,13 +17,17 @@ import os
 import sys
 from pathlib import Path
 
+from undying.errors import UsageError
+from undying.inputs import open_user_file
+
 __all__ = ["uses_step_api"]
 
 
 def _imports_undying(path: Path) -> bool:
-    try:
-        tree = ast.parse(path.read_bytes(), str(path))
-    except (OSError, SyntaxError, ValueError):
+    try:  # (opened as every file the user names is: a FIFO or a folder is refused, never waited on)
+        with os.fdopen(open_user_file(path, "training script", ""), "rb") as f:
+            tree = ast.parse(f.read(), str(path))
+    except (OSError, SyntaxError, ValueError, UsageError):
         return True  # (cannot tell: as before, the step API's recovery; the script's own error speaks)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "undying" for a in node.names):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
-from undying.inputs import check_job_id, finite_arg
+from undying.inputs import check_address, check_job_id, finite_arg
 
 __all__ = ["add_torchrun_arguments", "apply_torchrun_arguments", "nproc_arg", "resolve_nproc", "std_arg"]
 
@@ -185,12 +185,12 @@ def apply_torchrun_arguments(args: argparse.Namespace) -> None:
         if args.port is None:
             args.port = 0
     if args.rdzv_endpoint:
-        host, sep, port_text = args.rdzv_endpoint.rpartition(":")
-        if not sep or not port_text.isdigit():
-            host, port_text = args.rdzv_endpoint, str(DEFAULT_MANAGER_PORT)
-        port = int(port_text)
-        if not 0 <= port < 65536 or not host:
-            raise UsageError(f"--rdzv-endpoint: expected HOST[:PORT], got {args.rdzv_endpoint!r:.80}")
+        text = args.rdzv_endpoint.strip()
+        if ":" not in text or text.endswith("]"):  # HOST alone (an IPv6 in brackets): torchrun's default port
+            text = f"{text}:{DEFAULT_MANAGER_PORT}"
+        host, port = check_address("--rdzv-endpoint", text, f"10.0.0.1:{DEFAULT_MANAGER_PORT}",
+                                   lowest=1 if most > 1 else 0)
+        host = f"[{host}]" if ":" in host else host
         if most > 1:
             endpoint = f"{host}:{port}"
             if args.manager and args.manager != endpoint:

@@ -16,7 +16,7 @@ import socket
 import sys
 from pathlib import Path
 
-from undying.cli.client import add_job_arguments, connect, resolve_job_dir
+from undying.cli.client import add_job_arguments, connect, readable_log, resolve_job_dir
 from undying.errors import UsageError
 
 __all__ = ["add_parser"]
@@ -63,7 +63,8 @@ def _export(args: argparse.Namespace) -> int:
         if events_db.is_file():
             from undying.manager.events import read_job
 
-            incidents = read_job(events_db)["incidents"]
+            with readable_log(events_db):
+                incidents = read_job(events_db)["incidents"]
     else:
         traces = Path(args.traces)
     trace = chrome_trace(traces, incidents)

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from undying.errors import UsageError
+from undying.inputs import open_user_file
 
 __all__ = [
     "TOKEN_FILE",
@@ -84,13 +85,8 @@ def read_token_file(path: Path, *, private: bool = True) -> str:
     as it is (a Kubernetes Secret mounted with fsGroup is 0440, and refusing it
     would only push people to copy the token somewhere worse).
     """
-    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)) if private else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise UsageError(f"token file {path} does not exist; pass the --token-file the manager wrote") from None
-    except OSError as e:
-        raise UsageError(f"cannot read token file {path} ({e.strerror or e}); check its owner and permissions") from e
+    # (a folder, a FIFO, a missing file: one line from the one reader of files the user names)
+    fd = open_user_file(path, "token file", "pass the --token-file the manager wrote", follow=not private)
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(f.fileno()).st_mode
         if not stat.S_ISREG(mode):

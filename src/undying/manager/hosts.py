@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "REQUALIFY_PASSES"]
+__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "check_job_host", "REQUALIFY_PASSES"]
 
 LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
 # A quarantined host is cleared after this many verified steps of its ranks in a row (each a replay that
@@ -79,6 +80,24 @@ def check_host(host: object) -> str:
         raise UsageError(f"host {host!r} is not a host name or address (letters, digits, '.', '-', ':', "
                          f"at most 255 characters); give it as `undying status` lists it under nodes")
     return host
+
+
+def check_job_host(host: object, known: Iterable[str], *, others_may_join: bool) -> str:
+    """``host`` checked, and one the job knows (``known``: its nodes', its standbys', those already out).
+
+    A host the job does not know is a name under which nothing can ever be
+    drained when no other host can join (one node, the manager in its
+    launcher, which calls its host ``localhost``): refused, naming the hosts
+    it knows. A job of several nodes takes it: an agent from that host may
+    still come (a drained host's new agent is refused).
+    """
+    check_host(host)
+    names = sorted({h for h in known if h})
+    if not others_may_join and host not in names:
+        raise UsageError(f"host {host} is not a host of this job, which runs on {', '.join(names) or 'no host yet'} "
+                         "(one node, whose manager runs in its launcher: no other host can join it); give a host "
+                         "as `undying status` lists it under nodes")
+    return str(host)
 
 
 class HostBook:

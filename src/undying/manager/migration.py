@@ -41,7 +41,7 @@ from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
-from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, check_host
+from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, check_host, check_job_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
 from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
@@ -242,7 +242,8 @@ class Migrations:
         Refused, with nothing changed, when there are fewer standbys (not on a
         drained or quarantined host) than nodes to move.
         """
-        check_host(host)
+        check_job_host(host, [*map(self.host_of, self.core.agents), *self._parked_hosts(), *self.hosts.blocked_hosts()],
+                       others_may_join=self.server is not None)
         nodes = sorted({r.node for r in self.core.ranks.values()
                         if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host})
         free = [h for h in self._parked_hosts() if h != host and not self.hosts.blocked(h)]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from undying.inputs import open_regular
 from undying.protocol.trace_switch import SWITCH_EXAMPLE, TraceSwitch, TraceSwitchError
 
 __all__ = ["read_switch_file", "SwitchFileWatcher"]
@@ -39,7 +40,7 @@ def read_switch_file(path: str | os.PathLike[str], *, t: float | None = None) ->
 def _read(path: Path, t: float) -> tuple[TraceSwitch, bytes]:
     """The switch and the raw content it was parsed from (the watcher compares content)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # (a FIFO: refused, never waited on)
             data = f.read(_MAX_FILE_BYTES + 1)
     except FileNotFoundError as e:
         raise TraceSwitchError(
@@ -108,7 +109,7 @@ class SwitchFileWatcher:
     def poll_once(self) -> TraceSwitch | None:
         """Read the file once; the new switch if its markers changed, else None."""
         try:
-            with open(self.path, "rb") as f:
+            with os.fdopen(open_regular(self.path), "rb") as f:
                 data = f.read(_MAX_FILE_BYTES + 1)
         except FileNotFoundError:
             # Forget the content so the file is read afresh when it returns.

@@ -16,6 +16,7 @@ from undying.config import (
     trace_from_env,
 )
 from undying.errors import UsageError
+from undying.inputs import env_value
 from undying.protocol.store_wire import STORE_KEY_ENV, key_from_environ
 
 __all__ = ["WorkerEnv"]
@@ -70,7 +71,7 @@ class WorkerEnv:
             checkpoint=checkpoint_from_env(env),
             resume_from=env.get(f"{ENV_PREFIX}RESUME_FROM", ""),
             trace=trace_from_env(env),
-            incarnation=int(env.get(f"{ENV_PREFIX}INCARNATION", "0") or 0),
+            incarnation=int(env_value(f"{ENV_PREFIX}INCARNATION", env) or 0),
             store_key=_store_key(env),
         )
 

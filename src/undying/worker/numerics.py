@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from undying.errors import UndyingError, UsageError
+from undying.inputs import numerics_fields
 from undying.protocol.codec import Message
 from undying.protocol.env import NUMERICS_ENV
 from undying.protocol.worker_wire import Progress
@@ -66,9 +67,6 @@ HISTORY_EXTRA = "undying_numerics_losses"
 # Each checked model's gradient hooks (weakly: a model that goes away takes its entry with it).
 _HOOKS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 _POLICIES = ("skip", "stop", "rollback")
-# The fields ``undying run --numerics`` may set through NUMERICS_ENV, and how each is read.
-_ENV_FIELDS: dict[str, Callable[[str], Any]] = {"on_persistent": str, "spike_factor": float, "window": int,
-                                                "warmup": int, "rollback_steps": int}
 
 
 @dataclass(frozen=True)
@@ -113,21 +111,7 @@ class Numerics:
     def from_env(env: dict[str, str] | None = None) -> Numerics | None:
         """What ``undying run --numerics ...`` asked for (NUMERICS_ENV: ``field=value,...``), or None."""
         raw = (os.environ if env is None else env).get(NUMERICS_ENV, "").strip()
-        if not raw:
-            return None
-        fields: dict[str, Any] = {}
-        for item in raw.split(","):
-            name, _, value = item.partition("=")
-            read = _ENV_FIELDS.get(name.strip())
-            try:
-                if read is None:
-                    raise ValueError(name)
-                fields[name.strip()] = read(value.strip())
-            except ValueError:
-                raise UsageError(f"{NUMERICS_ENV}={raw!r}: {item.strip()!r} is not one of "
-                                 f"{', '.join(f + '=VALUE' for f in _ENV_FIELDS)}; set it with undying run "
-                                 "--numerics POLICY [--spike-factor F] [--rollback-steps N]") from None
-        return Numerics(**fields)
+        return Numerics(**numerics_fields(raw, NUMERICS_ENV)) if raw else None  # (the launcher checked it so)
 
     @staticmethod
     def of(value: Numerics | bool | None, env: dict[str, str] | None = None) -> Numerics | None:

@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+from undying.inputs import env_value
+
 __all__ = ["direct_streams"]
 
 _STREAMS = ((1, "stdout", 1), (2, "stderr", 2))  # fd, file name, torchrun's Std bit
@@ -28,8 +30,8 @@ def direct_streams() -> None:
     env = os.environ
     console = env.get("UNDYING_CONSOLE", "1") != "0"
     folder = env.get("UNDYING_LOG_DIR", "")
-    redirects = int(env.get("UNDYING_REDIRECTS", "0") or 0) if folder else 0
-    tee = int(env.get("UNDYING_TEE", "0") or 0) if folder else 0
+    redirects = int(env_value("UNDYING_REDIRECTS") or 0) if folder else 0  # (undying.inputs: the one reader)
+    tee = int(env_value("UNDYING_TEE") or 0) if folder else 0
     if console and not redirects and not tee:
         return
     if folder:

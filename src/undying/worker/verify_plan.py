@@ -25,28 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from undying.errors import UsageError
+from undying.inputs import MAX_EVERY, check_every  # (one reader of K: the CLI, the env, Numerics)
 
 __all__ = ["check_every", "due", "suspect_of", "holder_of", "Decision", "Ledger", "MAX_EVERY", "MAX_PENDING"]
 
-MAX_EVERY = 1_000_000
 MAX_PENDING = 64  # verifications waiting for the verifier; past it, steps go unverified (and it is said)
-
-
-def check_every(value: object, where: str = "--verify-every") -> int:
-    """A valid K (a whole number from 1 to MAX_EVERY), or a UsageError naming the bad value and what to give."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), "
-                         f"got {value!r}")
-    try:
-        every = int(value)
-    except ValueError:
-        raise UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), "
-                         f"got {value!r}") from None
-    if not 1 <= every <= MAX_EVERY:
-        raise UsageError(f"{where} must be from 1 to {MAX_EVERY} steps (1: every step; 100: one step in a "
-                         f"hundred), got {every}")
-    return every
 
 
 def due(step: int, every: int) -> bool:
