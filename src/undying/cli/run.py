@@ -115,8 +115,9 @@ no checkpoint at all.""",
     c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     c.add_argument("--start-fresh", action="store_true",
                    help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
-                   "by this job), train from step 1 anyway; the rejected ones are kept (default: stop and list why "
-                   "each was rejected)")
+                   "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
+                   "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
+                   "was rejected)")
     c.add_argument("--force", action="store_true",
                    help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
     c.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
@@ -410,6 +411,12 @@ def run(args: argparse.Namespace) -> int:
         from undying.checkpoint.checks import check_writable
 
         check_writable(args.checkpoint_dir)
+        from undying.checkpoint.lock import hold
+
+        # One job per checkpoint dir, refused before anything of this job is made (held for this process's
+        # life; the manager takes it over; docs/troubleshooting.md says when a lock is stale).
+        hold(args.checkpoint_dir, job_id=config.job_id,
+             advice="wait for it to end, or pass another --checkpoint-dir")
     from undying.agent.launcher import (
         launch,  # torch and the manager: only for the command that runs a job
     )
