@@ -24,7 +24,15 @@ from pathlib import Path
 import pytest
 
 from undying.checkpoint import lock
-from undying.checkpoint.lock import LOCK_NAME, DirInUseError, Holder, hold, read_holder, release, stale_reason
+from undying.checkpoint.lock import (
+    LOCK_NAME,
+    DirInUseError,
+    Holder,
+    hold,
+    read_holder,
+    release,
+    stale_reason,
+)
 from undying.checkpoint.store import Store
 
 HOLDER = """

@@ -54,7 +54,7 @@ from undying.checkpoint.store import Store
 from undying.errors import UsageError
 
 __all__ = ["LOCK_NAME", "BEAT_S", "STALE_S", "DirInUseError", "Holder", "OwnerLock", "hold", "release",
-           "stale_reason", "read_holder"]
+           "release_all", "stale_reason", "read_holder"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -388,7 +388,8 @@ def _keep_all() -> None:
 
 
 @atexit.register
-def _release_all() -> None:
+def release_all() -> None:
+    """Let go of every folder this process holds: its job is over."""
     with _guard:
         locks = list(_held.values())
         _held.clear()

@@ -24,7 +24,7 @@ from typing import Any
 from undying.checkpoint import Checkpoint, Store, latest_valid
 from undying.checkpoint.aside import REJECTED_DIR, batch_name, set_aside
 from undying.checkpoint.checks import CheckpointOfAnotherJobError, check_same_job
-from undying.checkpoint.lock import hold, release
+from undying.checkpoint.lock import hold
 from undying.errors import UsageError
 from undying.manager.checkpoint_health import relaunch_rerun, rerun_words
 from undying.manager.core import JobCore
@@ -53,7 +53,8 @@ class Checkpoints:
     def own(self, loop: asyncio.AbstractEventLoop) -> None:
         """Hold the checkpoint dir for the job's life, or raise DirInUseError (one line) naming its owner.
 
-        Losing it later (another process holds its lock: a stranger replaced
+        Released with the job dir's (``JobDir.clear_manager``) when the job is over, else when this process
+        ends. Losing it later (another process holds its lock: a stranger replaced
         the file, or a URL lease ran out while this process was stopped) fails
         the job: its next save could land beside another job's.
         """
@@ -72,12 +73,6 @@ class Checkpoints:
             events.set_job("exit_reason", str(e), flush=True)
             raise
         self.owned = True
-
-    def close(self) -> None:
-        """The job is over: let go of the checkpoint dir."""
-        if self.owned:
-            self.owned = False
-            release(self.dir)
 
     @property
     def sharded(self) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from undying.checkpoint.lock import hold, release
+from undying.checkpoint.lock import hold, release_all
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import fold_wal
 
@@ -112,7 +112,7 @@ class JobDir:
     def clear_manager(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.manager_file.unlink()
-        release(self.path)
+        release_all()  # the job is over: this dir's lock and its checkpoint dir's (checkpoint.lock)
 
 
 def pid_alive(pid: int) -> bool:

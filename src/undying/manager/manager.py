@@ -255,7 +255,6 @@ class Manager:
 
     def close(self) -> None:
         self.core.generations.close()
-        self.checkpoints.close()  # (lets go of the checkpoint dir's owner lock)
         self.events.close()
 
     # --- reports from agents --------------------------------------------------
