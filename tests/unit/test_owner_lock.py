@@ -45,6 +45,17 @@ time.sleep(120)
 """
 
 
+STRANGER = """
+import fcntl, os, sys, time
+planted = os.path.join(sys.argv[1], "planted")
+fd = os.open(planted, os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.replace(planted, os.path.join(sys.argv[1], "undying.lock"))
+print("PLANTED", flush=True)
+time.sleep(120)
+"""
+
+
 def _line(process: subprocess.Popen[str], timeout: float = 30) -> str:
     """The holder's next line of output, within ``timeout``."""
     assert process.stdout is not None
@@ -205,3 +216,44 @@ def test_a_url_lease_refuses_a_second_owner_and_a_killed_owner_on_this_host_is_s
     finally:
         release(url)
     assert read_holder(Store.open(url)) is not None, "a lease that is not ours any more is not removed"
+
+
+def test_a_job_whose_checkpoint_dir_is_taken_from_it_fails_with_the_reason(tmp_path: Path) -> None:
+    """The manager's side: the lock lost (its file replaced, the new one held by another process) fails the job
+    before it saves again, with the reason in its exit and its log."""
+    import asyncio
+
+    from undying.config import CheckpointConfig, JobConfig
+    from undying.manager.events import EventLog, LogReader
+    from undying.manager.manager import Manager
+
+    ckpts = tmp_path / "ckpts"
+    config = JobConfig(job_id="t", job_dir=str(tmp_path / "job"), nproc_per_node=1,
+                       checkpoint=CheckpointConfig(dir=str(ckpts)))
+    manager = Manager(config, EventLog(tmp_path / "events.db"))
+
+    async def scenario() -> None:
+        assert await manager.checkpoints.find_resume_point() is None
+        # Another process plants a lock file of its own in place of the job's, and holds it.
+        stranger = subprocess.Popen([sys.executable, "-c", STRANGER, str(ckpts)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert _line(stranger) == "PLANTED"
+            hold(str(ckpts), job_id="t").check()  # the keeper's beat, now
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if manager.state.value == "failed":
+                    break
+        finally:
+            stranger.kill()
+            stranger.wait(timeout=10)
+
+    try:
+        asyncio.run(scenario())
+        assert manager.state.value == "failed"
+        assert manager.core.exit_reason.startswith(f"checkpoint dir {ckpts} lost: its lock file")
+        manager.events.flush()
+        with LogReader(tmp_path / "events.db") as reader:
+            assert [e.data["path"] for e in reader.events("checkpoint_dir_lost")] == [str(ckpts)]
+    finally:
+        release(str(ckpts))
+        manager.close()

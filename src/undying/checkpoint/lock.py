@@ -173,10 +173,13 @@ class OwnerLock:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                os.close(fd)
                 if e.errno in (errno.EACCES, errno.EAGAIN):
+                    os.close(fd)
                     return False
-                raise UsageError(f"{self.holder.what} {self.where}: cannot lock {self.path} ({e.strerror or e})") from e
+                # A filesystem without record locks (some FUSE mounts): the job runs, unguarded, and says so;
+                # the signer rule (discovery.prune, commit) still keeps every other job's checkpoints whole.
+                log.warning("%s %s: cannot lock %s (%s): this filesystem has no record locks, so a second job "
+                            "here is not refused", self.holder.what, self.where, self.path, e.strerror or e)
             if self._names_fd(fd):
                 if self.fd is not None:
                     os.close(self.fd)  # (the replaced file's: ours, nobody else's)
@@ -271,6 +274,20 @@ class OwnerLock:
             return self.lost
         self.lost = self._keep_local() if self.store.local else self._keep_url()
         return self.lost
+
+    def check(self) -> None:
+        """One beat of the keeper: ``keep``, and tell every ``on_lost`` listener once when the lock is lost."""
+        was = self.lost
+        try:
+            reason = self.keep()
+        except Exception as e:  # noqa: BLE001 - the keeper never dies: the next beat tries again
+            log.warning("%s %s: checking its lock failed: %s", self.holder.what, self.where, e)
+            return
+        if reason and not was:
+            log.error("%s %s: lost: %s", self.holder.what, self.where, reason)
+            for listener in self.on_lost:
+                with contextlib.suppress(Exception):
+                    listener(reason)
 
     def release(self) -> None:
         """Remove the lock file if it still is ours, then let go of it."""
@@ -374,17 +391,7 @@ def _keep_all() -> None:
         with _guard:
             locks = list(_held.values())
         for lock in locks:
-            was = lock.lost
-            try:
-                reason = lock.keep()
-            except Exception as e:  # noqa: BLE001 - the keeper never dies: the next beat tries again
-                log.warning("%s %s: checking its lock failed: %s", lock.holder.what, lock.where, e)
-                continue
-            if reason and not was:
-                log.error("%s %s: lost: %s", lock.holder.what, lock.where, reason)
-                for listener in lock.on_lost:
-                    with contextlib.suppress(Exception):
-                        listener(reason)
+            lock.check()
 
 
 @atexit.register

@@ -60,10 +60,8 @@ class Checkpoints:
         """
         config, events = self.core.config, self.core.events
 
-        def lost(reason: str) -> None:
-            events.event("checkpoint_dir_lost", path=self.dir, reason=reason)
-            loop.call_soon_threadsafe(self.core.fail, f"checkpoint dir {self.dir} lost: {reason}; the job stops "
-                                      "before it writes beside another job's checkpoints")
+        def lost(reason: str) -> None:  # (on the lock's keeper thread: the rest runs on the loop)
+            loop.call_soon_threadsafe(self._lost, reason)
 
         try:
             hold(self.dir, job_id=config.job_id, on_lost=lost,
@@ -73,6 +71,11 @@ class Checkpoints:
             events.set_job("exit_reason", str(e), flush=True)
             raise
         self.owned = True
+
+    def _lost(self, reason: str) -> None:
+        self.core.events.event("checkpoint_dir_lost", path=self.dir, reason=reason)
+        self.core.fail(f"checkpoint dir {self.dir} lost: {reason}; the job stops before it writes beside another "
+                       "job's checkpoints")
 
     @property
     def sharded(self) -> bool:
