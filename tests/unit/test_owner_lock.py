@@ -257,3 +257,28 @@ def test_a_job_whose_checkpoint_dir_is_taken_from_it_fails_with_the_reason(tmp_p
     finally:
         release(str(ckpts))
         manager.close()
+
+
+def test_a_relaunch_of_the_same_job_waits_for_a_lease_from_another_host_to_go_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rescheduled pod of the same job (another host: no pid to check) waits out the dead one's lease; another
+    job is refused at once. Bounds shortened here (the defaults: renewed every 5 s, stale after 60 s)."""
+    monkeypatch.setattr(lock, "STALE_S", 1.0)
+    monkeypatch.setattr(lock, "BEAT_S", 0.2)
+    url = f"local://{tmp_path}/bucket"
+    store = Store.open(url)
+    store.makedirs(store.root)
+    now = time.time()
+    store.write_atomic(store.join(LOCK_NAME), Holder("same", "checkpoint dir", "gone-host", "b", 7, 7, "old", now,
+                                                     now).to_bytes())
+    t0 = time.monotonic()
+    with pytest.raises(DirInUseError, match="in use by job same"):
+        hold(url, job_id="other")
+    assert time.monotonic() - t0 < 0.9
+    held = hold(url, job_id="same")
+    try:
+        assert time.monotonic() - t0 > 1.0  # (it waited for the lease to go stale)
+        assert read_holder(store) == held.holder
+    finally:
+        release(url)

@@ -23,8 +23,11 @@ depends on what the storage can do (docs/troubleshooting.md):
   its beat is older than ``STALE_S``, or when it names this host (its name and
   boot id) and a pid that is gone or is now another process (its start time).
   A taker writes its record, waits ``SETTLE_S`` and reads it back: the last
-  writer wins, the other is refused. An owner stopped past ``STALE_S`` loses
-  the lease; continued, its next renewal finds another's record: ``on_lost``.
+  writer wins, the other is refused. A taker of the same job id (its
+  relaunch on another host, a rescheduled pod) waits for a live-looking
+  lease to go stale, at most ``STALE_S`` and two beats, instead of failing.
+  An owner stopped past ``STALE_S`` loses the lease; continued, its next
+  renewal finds another's record: ``on_lost``.
 
 A lock's record that cannot be written (a full disk) costs nothing locally:
 the lock is the kernel's, the refusal just cannot name the owner. A process
@@ -307,7 +310,7 @@ class OwnerLock:
 
 def _stale(holder: Holder | None, age: float | None) -> str | None:
     return stale_reason(holder, now=time.time(), record_age_s=age, host=socket.gethostname(), boot_id=_boot_id(),
-                        pid_start_here=_pid_start)
+                        pid_start_here=_pid_start, stale_s=STALE_S)
 
 
 def _read_url(store: Store, path: str) -> tuple[Holder | None, float | None]:
@@ -357,17 +360,26 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
             if on_lost is not None:
                 lock.on_lost.append(on_lost)
             return lock
-        try:
-            store.makedirs(store.root)
-        except OSError as e:
-            raise UsageError(f"{what} {store.url_of(store.root)} cannot be created ({e.strerror or e})") from e
-        lock = OwnerLock(store, _me(job_id, what), on_lost)
-        if not lock.take():
-            other = read_holder(store)  # (not ours: reading it drops no lock of this process)
-            who = other.words() if other is not None else "another process (its lock record is unreadable: a " \
-                "full disk, or another tool wrote it)"
+    try:
+        store.makedirs(store.root)
+    except OSError as e:
+        raise UsageError(f"{what} {store.url_of(store.root)} cannot be created ({e.strerror or e})") from e
+    lock = OwnerLock(store, _me(job_id, what), on_lost)
+    deadline = time.monotonic() + STALE_S + 2 * BEAT_S
+    while not lock.take():
+        other = read_holder(store)  # (not ours: reading it drops no lock of this process)
+        if store.local or other is None or other.job_id != job_id or time.monotonic() > deadline:
+            who = other.words() if other is not None else "another process (its lock record is unreadable: " \
+                "a full disk, or another tool wrote it)"
             raise DirInUseError(f"{what} {lock.where} is in use by {who}: one job at a time"
                                 + (f"; {advice}" if advice else ""))
+        # A lease of this same job from another host: its relaunch (a pod rescheduled) waits for the
+        # dead one's lease to run out rather than fail; a launch that is still alive keeps renewing it.
+        log.warning("%s %s is held by %s, last renewed %.0fs ago: waiting for it to end or go stale (at most "
+                    "%.0fs more)", what, lock.where, other.words(), time.time() - other.beat,
+                    deadline - time.monotonic())
+        time.sleep(BEAT_S)
+    with _guard:
         _held[key] = lock
         if not _keeper:
             thread = threading.Thread(target=_keep_all, name="undying-owner-lock", daemon=True)
