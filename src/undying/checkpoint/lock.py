@@ -57,7 +57,7 @@ from undying.checkpoint.store import Store
 from undying.errors import UsageError
 
 __all__ = ["LOCK_NAME", "BEAT_S", "STALE_S", "DirInUseError", "Holder", "OwnerLock", "hold", "release",
-           "release_all", "stale_reason", "read_holder"]
+           "hold_job_dir", "release_all", "stale_reason", "read_holder"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -386,6 +386,12 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
             _keeper.append(thread)
             thread.start()
     return lock
+
+
+def hold_job_dir(path: str | os.PathLike[str]) -> OwnerLock:
+    """``hold`` for a job dir (one launcher or manager at a time); its record names the folder as the job."""
+    return hold(os.fspath(path), job_id=os.path.basename(os.path.abspath(path)), what="job dir",
+                advice="pass another --job-dir or --job-id")
 
 
 def release(root: str | os.PathLike[str] | Store) -> None:

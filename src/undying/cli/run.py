@@ -405,6 +405,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ[NUMERICS_ENV] = numerics
     if args.manager is not None:
         return _run_node(args, config, script_args)
+    if os.path.isdir(config.job_dir):  # a second launcher on a live job dir: refused before torch is imported
+        from undying.checkpoint.lock import hold_job_dir
+
+        hold_job_dir(config.job_dir)  # (kept for the job: JobDir.prepare finds it held by this process)
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()

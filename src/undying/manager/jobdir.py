@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from undying.checkpoint.lock import hold, release_all
+from undying.checkpoint.lock import hold_job_dir, release_all
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import fold_wal
 
@@ -48,7 +48,7 @@ class JobDir:
             ) from e
         # One launcher (or manager) at a time, before anything here is touched (checkpoint.lock; released by
         # clear_manager, or by the kernel when this process ends however it ends).
-        hold(self.path, job_id=self.path.name, what="job dir", advice="pass another --job-dir or --job-id")
+        hold_job_dir(self.path)
         if self.manager_file.exists():
             info = self.read_manager()
             if info and pid_alive(int(info.get("pid", 0))):
