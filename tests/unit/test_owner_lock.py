@@ -110,6 +110,7 @@ def test_the_stale_rule_of_a_url_lease() -> None:
     assert "is gone" not in str(rule(Holder("j", "c", "h1", "old-boot", 43, 1, "n", 0.0, now)))  # (another boot)
     old = Holder("j", "c", "h2", "boot", 42, 777, "n", 0.0, now - lock.STALE_S - 1)
     assert "last renewed" in str(rule(old, host="h1"))  # stopped or gone on another host, past the bound
+    assert rule(old, host="h2") is None  # its process exists here (a stopped one too): live, as a local lock
     assert rule(None, age=5.0) is None  # a stranger's bytes over a live lease: its owner writes it again
     assert "unreadable" in str(rule(None, age=lock.STALE_S + 1))
 

@@ -19,15 +19,16 @@ depends on what the storage can do (docs/troubleshooting.md):
   the new one; when another process holds that one, the owner has lost the
   folder (``on_lost``: the manager fails the job before it saves again).
 - **An fsspec URL** (object stores have no lock): a lease. The owner writes
-  its record and renews its ``beat`` every ``BEAT_S``; a record is stale when
-  its beat is older than ``STALE_S``, or when it names this host (its name and
-  boot id) and a pid that is gone or is now another process (its start time).
+  its record and renews its ``beat`` every ``BEAT_S``. A record naming this
+  host (its name and boot id) is stale exactly when its pid is gone or is now
+  another process (its start time), as a local lock; one of another host when
+  its beat is older than ``STALE_S``.
   A taker writes its record, waits ``SETTLE_S`` and reads it back: the last
   writer wins, the other is refused. A taker of the same job id (its
   relaunch on another host, a rescheduled pod) waits for a live-looking
   lease to go stale, at most ``STALE_S`` and two beats, instead of failing.
-  An owner stopped past ``STALE_S`` loses the lease; continued, its next
-  renewal finds another's record: ``on_lost``.
+  An owner stopped past ``STALE_S`` loses the lease to another host;
+  continued, its next renewal finds another's record: ``on_lost``.
 
 A lock's record that cannot be written (a full disk) costs nothing locally:
 the lock is the kernel's, the refusal just cannot name the owner. A process
@@ -142,6 +143,7 @@ def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | Non
             return f"its process {holder.pid} on this host is gone"
         if holder.pid_start and started != holder.pid_start:
             return f"its pid {holder.pid} on this host is now another process"
+        return None  # its process exists here (running, or stopped: it may wake and write), whatever its beat
     age = now - holder.beat
     if age > stale_s:
         return f"it was last renewed {age:.0f}s ago (stale after {stale_s:.0f}s)"
