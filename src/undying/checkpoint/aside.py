@@ -19,7 +19,7 @@ import time
 
 from undying.checkpoint.store import Store
 
-__all__ = ["REJECTED_DIR", "batch_name", "set_aside"]
+__all__ = ["REJECTED_DIR", "batch_name", "set_aside", "batches"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -46,3 +46,14 @@ def set_aside(store: Store, name: str, reason: str, *, batch: str | None = None)
     log.warning("checkpoint %s set aside as %s (%s): kept whole, never touched again", store.url_of(source), url,
                 reason)
     return url
+
+
+def batches(store: Store) -> list[tuple[str, int]]:
+    """Each ``rejected/<batch>`` folder under the root (its URL) and how many checkpoint folders it holds."""
+    if not store.isdir(store.join(REJECTED_DIR)):
+        return []
+    out = []
+    for batch in Store.open(store.url_of(store.join(REJECTED_DIR))).names():
+        inner = Store.open(store.url_of(store.join(REJECTED_DIR, batch)))
+        out.append((inner.url_of(inner.root), sum(1 for n in inner.names() if n.startswith("step-"))))
+    return out

@@ -58,7 +58,7 @@ from undying.checkpoint.store import Store
 from undying.errors import UsageError
 
 __all__ = ["LOCK_NAME", "BEAT_S", "STALE_S", "DirInUseError", "Holder", "OwnerLock", "hold", "release",
-           "hold_job_dir", "release_all", "stale_reason", "read_holder"]
+           "hold_job_dir", "live_owner", "release_all", "stale_reason", "read_holder"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -334,6 +334,42 @@ def read_holder(store: Store) -> Holder | None:
     except OSError:
         return None
     return Holder.parse(raw)
+
+
+def live_owner(root: str | os.PathLike[str] | Store) -> str | None:
+    """Who holds the folder now, in words; None when nobody does (a dead owner's file is no owner).
+
+    For a process that does not hold it (``undying checkpoints``): a local lock
+    is probed (taken and let go at once), a URL lease judged by the stale rule.
+    """
+    store = root if isinstance(root, Store) else Store.open(root)
+    with _guard:
+        mine = _held.get(_key(store))
+    if mine is not None:  # (never probed from here: closing a descriptor of it would drop this process's lock)
+        return mine.holder.words()
+    path = store.join(LOCK_NAME)
+    if not store.local:
+        try:
+            holder, age = _read_url(store, path)
+        except OSError:
+            return None
+        if (holder is None and age is None) or _stale(holder, age) is not None:
+            return None
+        return holder.words() if holder else "another process"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            return None
+        holder = Holder.parse(os.pread(fd, 4096, 0))
+        return holder.words() if holder else "another process"
+    finally:
+        os.close(fd)  # (a probe that got the lock lets go of it here)
+    return None
 
 
 # -- the locks this process holds --------------------------------------------------
