@@ -283,3 +283,19 @@ def test_a_relaunch_of_the_same_job_waits_for_a_lease_from_another_host_to_go_st
         assert read_holder(store) == held.holder
     finally:
         release(url)
+
+
+def test_a_child_forked_by_the_holder_that_exits_leaves_the_lock_alone(
+    tmp_path: Path, holders: list[subprocess.Popen[str]]
+) -> None:
+    """A process forked without exec carries the holder's objects and exit handlers: its exit must not remove
+    the lock file its parent holds (a second job would then lock a new file beside the live one)."""
+    forker = ("import os, sys, time\nfrom undying.checkpoint import lock\nlock.hold(sys.argv[1], job_id='first')\n"
+              "pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\nprint('HELD', flush=True)\n"
+              "time.sleep(120)\n")
+    root = tmp_path / "ckpts"
+    p = subprocess.Popen([sys.executable, "-c", forker, str(root)], stdout=subprocess.PIPE, text=True)
+    holders.append(p)
+    assert _line(p) == "HELD"
+    assert (root / LOCK_NAME).exists()
+    assert f"job first (pid {p.pid}" in _refused(str(root))

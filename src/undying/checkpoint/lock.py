@@ -160,6 +160,9 @@ class OwnerLock:
         self.on_lost: list[Callable[[str], None]] = [on_lost] if on_lost else []
         self.fd: int | None = None
         self.lost = ""
+        self.released = False
+        self.pid = os.getpid()  # a child forked without exec inherits this object: it never owns nor releases it
+        self._mutex = threading.Lock()  # the keeper's beat and a release, one at a time
 
     @property
     def where(self) -> str:
@@ -275,10 +278,11 @@ class OwnerLock:
 
     def keep(self) -> str:
         """Check (local) or renew (URL) the lock; the reason it is lost, "" while it holds."""
-        if self.lost:
+        with self._mutex:
+            if self.lost or self.released or os.getpid() != self.pid:
+                return self.lost
+            self.lost = self._keep_local() if self.store.local else self._keep_url()
             return self.lost
-        self.lost = self._keep_local() if self.store.local else self._keep_url()
-        return self.lost
 
     def check(self) -> None:
         """One beat of the keeper: ``keep``, and tell every ``on_lost`` listener once when the lock is lost."""
@@ -296,6 +300,13 @@ class OwnerLock:
 
     def release(self) -> None:
         """Remove the lock file if it still is ours, then let go of it."""
+        with self._mutex:
+            if self.released or os.getpid() != self.pid:
+                return
+            self.released = True
+            self._release()
+
+    def _release(self) -> None:
         if self.store.local:
             if self.fd is not None:
                 if self._names_fd(self.fd):
