@@ -9,6 +9,7 @@ and the lease an fsspec URL gets follows the same rules.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -34,6 +35,9 @@ from undying.checkpoint.lock import (
     stale_reason,
 )
 from undying.checkpoint.store import Store
+from undying.config import CheckpointConfig, JobConfig
+from undying.manager.events import EventLog, LogReader
+from undying.manager.manager import Manager
 
 HOLDER = """
 import sys, time
@@ -222,11 +226,6 @@ def test_a_url_lease_refuses_a_second_owner_and_a_killed_owner_on_this_host_is_s
 def test_a_job_whose_checkpoint_dir_is_taken_from_it_fails_with_the_reason(tmp_path: Path) -> None:
     """The manager's side: the lock lost (its file replaced, the new one held by another process) fails the job
     before it saves again, with the reason in its exit and its log."""
-    import asyncio
-
-    from undying.config import CheckpointConfig, JobConfig
-    from undying.manager.events import EventLog, LogReader
-    from undying.manager.manager import Manager
 
     ckpts = tmp_path / "ckpts"
     config = JobConfig(job_id="t", job_dir=str(tmp_path / "job"), nproc_per_node=1,
@@ -299,3 +298,37 @@ def test_a_child_forked_by_the_holder_that_exits_leaves_the_lock_alone(
     assert _line(p) == "HELD"
     assert (root / LOCK_NAME).exists()
     assert f"job first (pid {p.pid}" in _refused(str(root))
+
+
+def test_a_restarted_manager_takes_its_checkpoint_dir_back_or_fails_if_another_job_has_it(
+    tmp_path: Path, holders: list[subprocess.Popen[str]]
+) -> None:
+
+    ckpts = tmp_path / "ckpts"
+    intruder = _hold_in(str(ckpts), holders, job_id="intruder")  # took the folder while the manager was down
+
+    def restarted(name: str) -> Manager:
+        config = JobConfig(job_id="t", job_dir=str(tmp_path / name), nproc_per_node=1,
+                           checkpoint=CheckpointConfig(dir=str(ckpts)))
+        return Manager(config, EventLog(tmp_path / f"{name}.db"))
+
+    async def reown(manager: Manager) -> None:
+        manager.checkpoints.reown()
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if manager.state.value == "failed" or manager.checkpoints.owned:
+                break
+
+    refused = restarted("a")
+    asyncio.run(reown(refused))
+    assert refused.state.value == "failed" and "is in use by job intruder" in refused.core.exit_reason
+    refused.close()
+    intruder.kill()
+    intruder.wait(timeout=10)
+    again = restarted("b")
+    try:
+        asyncio.run(reown(again))
+        assert again.checkpoints.owned and again.state.value == "starting"
+    finally:
+        release(str(ckpts))
+        again.close()

@@ -49,6 +49,7 @@ class Checkpoints:
         # How the ranks hold the state (rank 0's state_layout event): {"sharded": False} is DDP's.
         self.state_layout: dict[str, Any] = {"sharded": False}
         self.owned = False
+        self._reowning: asyncio.Task[None] | None = None
 
     def own(self, loop: asyncio.AbstractEventLoop) -> None:
         """Hold the checkpoint dir for the job's life, or raise DirInUseError (one line) naming its owner.
@@ -58,19 +59,33 @@ class Checkpoints:
         the file, or a URL lease ran out while this process was stopped) fails
         the job: its next save could land beside another job's.
         """
-        config, events = self.core.config, self.core.events
-
         def lost(reason: str) -> None:  # (on the lock's keeper thread: the rest runs on the loop)
             loop.call_soon_threadsafe(self._lost, reason)
 
-        try:
-            hold(self.dir, job_id=config.job_id, on_lost=lost,
-                 advice="wait for it to end, or pass another --checkpoint-dir")
-        except UsageError as e:
-            events.event("checkpoint_dir_in_use", path=self.dir, reason=str(e))
-            events.set_job("exit_reason", str(e), flush=True)
-            raise
+        hold(self.dir, job_id=self.core.config.job_id, on_lost=lost,
+             advice="wait for it to end, or pass another --checkpoint-dir")
         self.owned = True
+
+    async def take_dir(self) -> None:
+        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here, on the loop, and raised."""
+        try:
+            await asyncio.to_thread(self.own, asyncio.get_running_loop())
+        except UsageError as e:
+            self.core.events.event("checkpoint_dir_in_use", path=self.dir, reason=str(e))
+            self.core.events.set_job("exit_reason", str(e), flush=True)
+            raise
+
+    def reown(self) -> None:
+        """A restarted manager takes its checkpoint dir back, in the background: the lease of its predecessor
+        on another host may take up to a minute to go stale, and the agents reconnect meanwhile. Another job
+        holding the folder now fails this one, with the reason."""
+        async def take() -> None:
+            try:
+                await self.take_dir()
+            except UsageError as e:
+                self.core.fail(str(e))
+
+        self._reowning = asyncio.get_running_loop().create_task(take())
 
     def _lost(self, reason: str) -> None:
         self.core.events.event("checkpoint_dir_lost", path=self.dir, reason=reason)
@@ -102,7 +117,7 @@ class Checkpoints:
     async def find_resume_point(self) -> Checkpoint | None:
         """Where a starting job begins: the newest valid checkpoint of this job, or None (step 1)."""
         config, events = self.core.config, self.core.events
-        await asyncio.to_thread(self.own, asyncio.get_running_loop())
+        await self.take_dir()
         ckpt = await asyncio.to_thread(self.latest)
         last = await asyncio.to_thread(self._last_launch)
         if ckpt is None:
@@ -117,7 +132,11 @@ class Checkpoints:
                 events.set_job("exit_reason", str(error), flush=True)
                 raise error
             if self.last_skipped:
-                await asyncio.to_thread(self._set_aside_rejected)
+                where, moved = await asyncio.to_thread(self._set_aside_rejected)
+                if moved:
+                    events.event("checkpoints_set_aside", path=where, names=moved)
+                    log.warning("job %s: --start-fresh: the %d rejected checkpoint(s) moved to %s, whole; nothing "
+                                "of this job touches them again", config.job_id, len(moved), where)
             rerun = self._rerun(0, last)
             if rerun is not None:
                 log.warning("job %s: starting at step 1: %s", config.job_id, rerun_words(rerun))
@@ -167,8 +186,9 @@ class Checkpoints:
             self.core.events.set_job("relaunch_rerun", rerun, flush=True)
         return rerun
 
-    def _set_aside_rejected(self) -> None:
-        """``--start-fresh``: every rejected checkpoint moves to ``rejected/<time>/``, whole, before step 1."""
+    def _set_aside_rejected(self) -> tuple[str, list[str]]:
+        """``--start-fresh``: every rejected checkpoint moves to ``rejected/<time>/``, whole, before step 1;
+        where, and the names moved."""
         store = Store.open(self.dir)
         batch = batch_name()
         moved: list[str] = []
@@ -179,11 +199,7 @@ class Checkpoints:
             except OSError as e:  # left where it is: still never overwritten nor pruned (not signed by this job)
                 log.warning("job %s: %s could not be set aside (%s); it stays where it is", self.core.config.job_id,
                             name, e)
-        if moved:
-            where = store.url_of(store.join(REJECTED_DIR, batch))
-            self.core.events.event("checkpoints_set_aside", path=where, names=moved)
-            log.warning("job %s: --start-fresh: the %d rejected checkpoint(s) moved to %s, whole; nothing of this "
-                        "job touches them again", self.core.config.job_id, len(moved), where)
+        return store.url_of(store.join(REJECTED_DIR, batch)), moved
 
     def on_saved(self, message: CheckpointSaved) -> None:
         """A rank's report of a save: logged, measured, and a failing streak tracked (checkpoint_health)."""
