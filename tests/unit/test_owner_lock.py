@@ -226,7 +226,6 @@ def test_a_url_lease_refuses_a_second_owner_and_a_killed_owner_on_this_host_is_s
 def test_a_job_whose_checkpoint_dir_is_taken_from_it_fails_with_the_reason(tmp_path: Path) -> None:
     """The manager's side: the lock lost (its file replaced, the new one held by another process) fails the job
     before it saves again, with the reason in its exit and its log."""
-
     ckpts = tmp_path / "ckpts"
     config = JobConfig(job_id="t", job_dir=str(tmp_path / "job"), nproc_per_node=1,
                        checkpoint=CheckpointConfig(dir=str(ckpts)))
@@ -303,7 +302,8 @@ def test_a_child_forked_by_the_holder_that_exits_leaves_the_lock_alone(
 def test_a_restarted_manager_takes_its_checkpoint_dir_back_or_fails_if_another_job_has_it(
     tmp_path: Path, holders: list[subprocess.Popen[str]]
 ) -> None:
-
+    """``undying manager`` carrying a job on from its log: it holds the checkpoint dir again, or fails when
+    another job took it while it was down (in the background: the agents reconnect meanwhile)."""
     ckpts = tmp_path / "ckpts"
     intruder = _hold_in(str(ckpts), holders, job_id="intruder")  # took the folder while the manager was down
 
