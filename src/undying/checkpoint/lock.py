@@ -274,7 +274,12 @@ class OwnerLock:
     # -- either -------------------------------------------------------------------
 
     def take(self) -> bool:
-        return self._take_local() if self.store.local else self._take_url()
+        """Take the lock now: False when another owner holds it; UsageError when the storage refuses."""
+        try:
+            return self._take_local() if self.store.local else self._take_url()
+        except OSError as e:
+            raise UsageError(f"{self.holder.what} {self.where}: its lock {self.store.url_of(self.path)} cannot be "
+                             f"read or written ({e.strerror or e})") from e
 
     def keep(self) -> str:
         """Check (local) or renew (URL) the lock; the reason it is lost, "" while it holds."""
