@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -332,3 +333,31 @@ def test_a_restarted_manager_takes_its_checkpoint_dir_back_or_fails_if_another_j
     finally:
         release(str(ckpts))
         again.close()
+
+
+def test_a_launch_of_the_same_job_waits_for_a_local_lock_another_host_holds(
+    tmp_path: Path, holders: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared folder (NFS) locked from another host by the same job: its relaunch here waits for the lock to
+    go (the server drops a dead client's locks when its lease ends) instead of failing; another job does not
+    wait. The other host is a process whose record names another hostname; bounds shortened."""
+    monkeypatch.setattr(lock, "STALE_S", 5.0)
+    monkeypatch.setattr(lock, "BEAT_S", 0.2)
+    root = str(tmp_path / "shared")
+    elsewhere = subprocess.Popen([sys.executable, "-c", "import socket\nsocket.gethostname = lambda: 'otherhost'\n"
+                                  + HOLDER, root, "same"], stdout=subprocess.PIPE, text=True)
+    holders.append(elsewhere)
+    assert _line(elsewhere) == "HELD"
+    t0 = time.monotonic()
+    with pytest.raises(DirInUseError, match="in use by job same .* on host otherhost"):
+        hold(root, job_id="other")
+    assert time.monotonic() - t0 < 1
+    killer = threading.Timer(1.0, elsewhere.kill)
+    killer.start()
+    try:
+        held = hold(root, job_id="same")
+        assert 0.9 < time.monotonic() - t0 < 5, "it did not wait for the lock, or waited past its release"
+        assert held.fd is not None
+    finally:
+        killer.join()
+        release(root)

@@ -26,7 +26,9 @@ depends on what the storage can do (docs/troubleshooting.md):
   A taker writes its record, waits ``SETTLE_S`` and reads it back: the last
   writer wins, the other is refused. A taker of the same job id (its
   relaunch on another host, a rescheduled pod) waits for a live-looking
-  lease to go stale, at most ``STALE_S`` and two beats, instead of failing.
+  lease to go stale, at most ``STALE_S`` and two beats, instead of failing
+  (as it waits for a local lock that another host holds: an NFS server
+  drops a dead client's locks when its lease ends).
   An owner stopped past ``STALE_S`` loses the lease to another host;
   continued, its next renewal finds another's record: ``on_lost``.
 
@@ -422,13 +424,15 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
     deadline = time.monotonic() + STALE_S + 2 * BEAT_S
     while not lock.take():
         other = read_holder(store)  # (not ours: reading it drops no lock of this process)
-        if store.local or other is None or other.job_id != job_id or time.monotonic() > deadline:
+        same_job_elsewhere = other is not None and other.job_id == job_id and (
+            not store.local or other.host != socket.gethostname())
+        if other is None or not same_job_elsewhere or time.monotonic() > deadline:
             who = other.words() if other is not None else "another process (its lock record is unreadable: " \
                 "a full disk, or another tool wrote it)"
             raise DirInUseError(f"{what} {lock.where} is in use by {who}: one job at a time"
                                 + (f"; {advice}" if advice else ""))
-        # A lease of this same job from another host: its relaunch (a pod rescheduled) waits for the
-        # dead one's lease to run out rather than fail; a launch that is still alive keeps renewing it.
+        # The same job's, from another host: its relaunch (a pod rescheduled) waits for the dead one's lease
+        # to run out (or an NFS server to drop a dead client's lock) rather than fail; a live one keeps it.
         log.warning("%s %s is held by %s, last renewed %.0fs ago: waiting for it to end or go stale (at most "
                     "%.0fs more)", what, lock.where, other.words(), time.time() - other.beat,
                     deadline - time.monotonic())
