@@ -5,9 +5,10 @@ manifest parses, carries the job's MAC where this process holds the job's key
 (``checkpoint.mac``), and every listed file exists with the listed size and
 checksum. A ``step-*`` folder without a manifest is a commit that did not
 finish (``commit``) and is skipped as partial. Retention (``prune``) only ever
-deletes names this package writes (``step-*`` and ``.tmp-step-*``), and never
-the checkpoint ``latest_valid`` would return, so pointing ``--root`` at the
-wrong folder cannot destroy data.
+deletes names this package writes (``step-*`` and ``.tmp-step-*``), never
+the checkpoint ``latest_valid`` would return, and never a checkpoint this
+process's key did not sign (``Checkpoint.owned``: another job's stays whole),
+so pointing ``--root`` at the wrong folder cannot destroy data.
 """
 
 from __future__ import annotations
