@@ -99,7 +99,15 @@ def test_when_every_checkpoint_is_broken_the_job_stops_with_the_reasons_unless_t
     assert not (tmp_path / "b").exists(), "the refused run left its job dir behind"  # (issue 25: nothing created)
     assert sorted(ckpts.glob("step-*")) == found, "the refusal removed checkpoints"
 
+    torn = {f.name: (f / "state.pt").read_bytes() for f in found}
     fresh = start_job(tmp_path / "c", ["--epochs", "2"], ranks=RANKS, reap=reap, run_args=[*args, "--start-fresh"])
     assert fresh.wait(timeout=120) == 0, (tmp_path / "c.log").read_text()[-3000:]
     steps = {c["step"] for c in read_job(tmp_path / "c" / "events.db")["steps"]}
     assert min(steps) == 1 and max(steps) == 64
+    # The rejected ones were set aside whole before step 1 (#25 item 10: the new saves at the same steps
+    # overwrote them, and pruning removed the rest), and nothing touched them since.
+    (aside,) = events(tmp_path / "c" / "events.db", "checkpoints_set_aside")
+    assert sorted(aside["names"]) == sorted(torn)
+    kept = {f.name: (f / "state.pt").read_bytes() for f in Path(aside["path"]).glob("step-*")}
+    assert kept == torn, "a rejected checkpoint was changed or lost"
+    assert Path(aside["path"]).parent == ckpts / "rejected"

@@ -90,6 +90,10 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, oracle
     (resumed,) = events(db, "resumed")
     assert resumed["step"] == previous.step
     assert resumed["skipped"] == [{"name": newest.name, "reason": skipped["reason"]}]
+    # The resume says it re-runs steps the last launch committed, and why (#25 item 13).
+    rerun = resumed["rerun"]
+    assert rerun["first"] == previous.step + 1 and rerun["last"] >= newest.step
+    assert rerun["why"] == f"the last launch's checkpoint of step {newest.step} was rejected (said above)"
     merged, _ = load_preempted(job_dir, 0.0)
     comparison = compare_runs(oracle.baseline(ARGS, 2), merged)
     # Every loss is identical; the steps after the older checkpoint were run twice, and counted.

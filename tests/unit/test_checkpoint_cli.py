@@ -100,3 +100,35 @@ def test_subprocess_entry_point(job: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("ok ") == 2
+
+
+def test_list_names_a_live_owner_and_what_was_set_aside(capsys: pytest.CaptureFixture[str], job: Path) -> None:
+    """The folder's owner while a job holds it (a real process holding the lock), none once it is killed (its
+    file left behind is no owner), and the rejected checkpoints a --start-fresh set aside, where they are."""
+    import subprocess
+    import sys
+
+    from undying.checkpoint.aside import set_aside
+    from undying.checkpoint.store import Store
+
+    root = job / "checkpoints"
+    set_aside(Store.open(root), "step-000000010", "a test", batch="B")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom undying.checkpoint import lock\n"
+                               "lock.hold(sys.argv[1], job_id='busy'); print('HELD', flush=True)\n"
+                               "time.sleep(60)", str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "HELD"
+        rc, out, _ = run(capsys, "list", "--root", str(root), "--json")
+        listing = json.loads(out)
+        assert rc == 0 and [r["step"] for r in listing["checkpoints"]] == [20]
+        assert listing["owner"].startswith(f"job busy (pid {holder.pid} on host")
+        assert listing["rejected"] == [{"path": str(root / "rejected" / "B"), "checkpoints": 1}]
+        rc, out, _ = run(capsys, "list", "--root", str(root))
+        assert f"in use by job busy (pid {holder.pid}" in out
+        assert f"set aside: 1 rejected checkpoint(s) in {root / 'rejected' / 'B'}" in out.replace("\n", "")
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert (root / "undying.lock").exists()  # (killed: its file stays, and holds nothing)
+    rc, out, _ = run(capsys, "list", "--root", str(root), "--json")
+    assert json.loads(out)["owner"] is None

@@ -8,7 +8,12 @@ from rich.console import Console
 
 from undying.cli.status import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
-from undying.manager.checkpoint_health import CheckpointHealth, resume_line
+from undying.manager.checkpoint_health import (
+    CheckpointHealth,
+    relaunch_rerun,
+    rerun_words,
+    resume_line,
+)
 from undying.manager.state import Incident
 from undying.protocol.worker_wire import CheckpointSaved
 
@@ -79,3 +84,21 @@ def test_a_restarted_manager_takes_back_an_open_run_of_failures_and_not_as_a_rec
     assert not after.adopt(Incident(2, "crash", 0, 3, 0.0, 1))
     after.saved(_saved(12))
     assert incidents[0].status == "recovered"
+
+
+def test_a_relaunch_says_which_committed_steps_it_re_runs_and_why() -> None:
+    assert relaunch_rerun(20, 20, 20, [], "/c") is None  # resumed at the last launch's newest step
+    assert relaunch_rerun(20, 0, 0, [], "/c") is None  # the last launch committed nothing
+    gone = relaunch_rerun(16, 26, 24, [], "/c")
+    assert gone == {"first": 17, "last": 26, "steps": 10,
+                    "why": "the last launch's checkpoint of step 24 is gone from /c (deleted or moved)"}
+    assert rerun_words(gone) == ("re-runs 10 step(s) (steps 17..26) the last launch committed: the last launch's "
+                                 "checkpoint of step 24 is gone from /c (deleted or moved)")
+    rejected = relaunch_rerun(16, 26, 24, ["step-000000024"], "/c")
+    assert rejected is not None and "step 24 was rejected" in rejected["why"]
+    behind = relaunch_rerun(24, 26, 24, [], "/c")
+    assert behind is not None and behind["why"] == "the last launch committed them after its newest checkpoint (step 24)"
+    assert rerun_words(behind).startswith("re-runs 2 step(s) (steps 25..26)")
+    fresh = relaunch_rerun(0, 5, 0, [], "/c")
+    assert fresh is not None and fresh["first"] == 1 and "it saved none" in fresh["why"]
+    assert "(step 1)" in rerun_words(relaunch_rerun(0, 1, 0, [], "/c") or {})

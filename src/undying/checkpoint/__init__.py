@@ -19,8 +19,10 @@ The rest is imported from the module that owns it, one concern each:
 ``replicated`` and ``sharded`` (the two formats), ``writer`` (the async
 writer), ``room`` (a full disk), ``checks`` (refusing a bad location or
 another job's or model's checkpoint up front), ``gasp`` (sizing a dying gasp),
-``mac`` (signing), ``safe_load`` (unpickling state from a peer) and
-``planner`` (where every rank's state comes from after a fault).
+``mac`` (signing), ``safe_load`` (unpickling state from a peer),
+``lock`` (one owner per checkpoint dir and job dir), ``aside`` (rejected
+checkpoints moved out of the way, whole) and ``planner`` (where every rank's
+state comes from after a fault).
 
 Names are imported on first use (PEP 562): reading a manifest or checking a
 MAC (the command-line tools) must not import torch with them.

@@ -14,7 +14,9 @@ The protocol differs by what the storage can do (``Store.supports_rename``):
 
 Both writers (``replicated``, ``sharded``) commit through ``PendingCheckpoint``
 and report a ``SaveResult``; the manifest is signed here (``signed``) with the
-job's key where this process holds one, so no writer can forget to.
+job's key where this process holds one, so no writer can forget to. A
+checkpoint already at the step that this process did not sign (another job's,
+a stranger's) is never replaced: it is set aside whole first (``aside``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from undying.checkpoint.discovery import Checkpoint
+from undying.checkpoint.aside import set_aside
+from undying.checkpoint.discovery import Checkpoint, inspect
 from undying.checkpoint.mac import current_key, mac_of
 from undying.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -70,6 +73,17 @@ def signed(manifest: Manifest) -> Manifest:
 
 
 
+def _set_aside_unless_owned(store: Store, name: str) -> bool:
+    """A checkpoint already at ``name`` that this process did not sign is moved to ``rejected/`` (True);
+    one it signed, or a partial write, is left for the caller to replace (False)."""
+    found = inspect(store, name, checksums=False)
+    if found.owned:
+        return False
+    why = "; ".join(found.problems) or "not signed by this job's key"
+    set_aside(store, name, f"a new checkpoint of step {found.step} takes its place; it was {why}")
+    return True
+
+
 class PendingCheckpoint:
     """A checkpoint being written: put files under ``work_path``, then ``commit`` (or ``abort``).
 
@@ -98,7 +112,7 @@ class PendingCheckpoint:
                 store.makedirs(self.work_path)
             else:
                 self.work_path = self.final_path
-                if store.exists(self.final_path):
+                if store.exists(self.final_path) and not _set_aside_unless_owned(store, self.name):
                     store.remove(store.join(self.name, MANIFEST_NAME))
                     store.remove(self.final_path)
                 store.makedirs(self.work_path)
@@ -144,9 +158,10 @@ class PendingCheckpoint:
                 if store.exists(self.final_path):
                     if not self.overwrite:
                         raise CheckpointExistsError(f"checkpoint {self.final_path} appeared while writing")
-                    # Move the old one aside (not delete) until the new one is committed.
-                    replaced = store.join(f"{TMP_PREFIX}{self.step:09d}-replaced-{secrets.token_hex(3)}")
-                    store.rename(self.final_path, replaced)
+                    if not _set_aside_unless_owned(store, self.name):
+                        # Ours: moved aside (not deleted) until the new one is committed.
+                        replaced = store.join(f"{TMP_PREFIX}{self.step:09d}-replaced-{secrets.token_hex(3)}")
+                        store.rename(self.final_path, replaced)
                 store.rename(self.work_path, self.final_path)
                 moved = True
             store.write_atomic(store.join(self.name, MANIFEST_NAME), signed(manifest).to_json().encode())

@@ -5,9 +5,10 @@ manifest parses, carries the job's MAC where this process holds the job's key
 (``checkpoint.mac``), and every listed file exists with the listed size and
 checksum. A ``step-*`` folder without a manifest is a commit that did not
 finish (``commit``) and is skipped as partial. Retention (``prune``) only ever
-deletes names this package writes (``step-*`` and ``.tmp-step-*``), and never
-the checkpoint ``latest_valid`` would return, so pointing ``--root`` at the
-wrong folder cannot destroy data.
+deletes names this package writes (``step-*`` and ``.tmp-step-*``), never
+the checkpoint ``latest_valid`` would return, and never a checkpoint this
+process's key did not sign (``Checkpoint.owned``: another job's stays whole),
+so pointing ``--root`` at the wrong folder cannot destroy data.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from undying.checkpoint.mac import current_key, mac_problem
+from undying.checkpoint.mac import current_key, mac_problem, signed_by_us
 from undying.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -47,6 +48,10 @@ class Checkpoint:
     manifest: Manifest | None
     problems: list[str] = field(default_factory=list)
     mtime: float | None = None
+    # This process may replace or delete it: its own key signed the manifest (``mac.signed_by_us``), or it
+    # has no manifest at all (a write that never committed). Another job's, a stranger's or an unreadable
+    # one is never overwritten nor pruned: at most set aside (``aside``).
+    owned: bool = False
 
     @property
     def valid(self) -> bool:
@@ -79,6 +84,7 @@ def inspect(store: Store, name: str, *, checksums: bool) -> Checkpoint:
         raw = store.read_bytes(manifest_path)
     except FileNotFoundError:
         ckpt.problems.append(f"no {MANIFEST_NAME}: a partial checkpoint (the write did not finish)")
+        ckpt.owned = True
         return ckpt
     except OSError as e:
         ckpt.problems.append(f"{MANIFEST_NAME} cannot be read ({e})")
@@ -89,10 +95,12 @@ def inspect(store: Store, name: str, *, checksums: bool) -> Checkpoint:
         ckpt.problems.append(f"{MANIFEST_NAME} is corrupt: {e}")
         return ckpt
     ckpt.manifest = manifest
+    body = json.loads(raw)
+    ckpt.owned = signed_by_us(body)
     key = current_key()
     if key is not None:
         # Before any file is trusted (or read): a checkpoint the job did not sign is not the job's.
-        problem = mac_problem(json.loads(raw), key)
+        problem = mac_problem(body, key)
         if problem is not None:
             ckpt.problems.append(problem)
             return ckpt
@@ -197,14 +205,15 @@ def prune(
     A ``.tmp-step-*`` folder is a leftover when a newer-or-equal step has been
     committed since it was last touched (only one write per root is in flight),
     or when it has not been touched for ``tmp_max_age_s``. Nothing else under
-    the root is ever touched.
+    the root is ever touched, and no checkpoint this process did not sign
+    (``Checkpoint.owned``): another job's stays whole, counts for nothing.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     store = root if isinstance(root, Store) else Store.open(root)
     now = time.time() if now is None else now
     found = scan(store, checksums=False)
-    valid = [c for c in found if c.valid]
+    valid = [c for c in found if c.valid and c.owned]
     kept = valid[-keep:]
     # Sizes can match while a byte flipped: never let retention delete the checkpoint that
     # latest_valid would return. Checksum the kept ones newest first (normally the one just
@@ -219,8 +228,8 @@ def prune(
     removed: list[str] = []
     oldest_kept = min((c.step for c in kept), default=None)
     for c in found:
-        if c.name in kept_names:
-            continue
+        if c.name in kept_names or not c.owned:
+            continue  # (another job's, a stranger's or an unreadable checkpoint is never this job's to delete)
         if c.valid or (oldest_kept is not None and c.step < oldest_kept):
             store.remove(c.path)
             removed.append(c.name)

@@ -40,6 +40,7 @@ __all__ = [
     "key_from_environ",
     "mac_of",
     "mac_problem",
+    "signed_by_us",
 ]
 
 KEY_ENV = "UNDYING_CHECKPOINT_KEY"  # hex; set by the agent for its workers
@@ -107,3 +108,18 @@ def mac_problem(manifest: Mapping[str, Any], key: bytes) -> str | None:
     if weak:
         return f"file(s) {', '.join(map(str, weak))} have no SHA-256 digest, which the MAC needs to vouch for them"
     return None
+
+
+def signed_by_us(manifest: Mapping[str, Any]) -> bool:
+    """Whether this process may replace or delete the checkpoint of ``manifest``: its own key signed it.
+
+    With a key: the MAC verifies under it. Without one (library use outside a
+    job): the manifest carries no MAC, so no job signed it. A checkpoint that
+    fails this is another job's (or a stranger's, or altered): the job never
+    overwrites nor prunes it (discovery.prune, commit; it may set it aside).
+    """
+    key = current_key()
+    if key is None:
+        return not manifest.get("mac")
+    claimed = manifest.get("mac")
+    return isinstance(claimed, str) and bool(claimed) and hmac.compare_digest(claimed, mac_of(manifest, key))

@@ -10,8 +10,9 @@ speaks to storage only through ``Store``, so one code path serves a local
 folder and an object store; what differs between them is said here once:
 only a local folder renames atomically (``supports_rename``), and only there
 are files fsynced and their folder with them. Names under the root that this
-package writes are ``step-*`` (``manifest.step_dirname``) and ``TMP_PREFIX``;
-nothing else under a root is ever touched.
+package writes are ``step-*`` (``manifest.step_dirname``), ``TMP_PREFIX``,
+the owner lock ``undying.lock`` (``lock``) and ``rejected/`` (``aside``: it
+only ever adds there); nothing else under a root is ever touched.
 """
 
 from __future__ import annotations

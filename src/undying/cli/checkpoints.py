@@ -15,6 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from undying.checkpoint import Checkpoint, CheckpointError, Store, scan
+from undying.checkpoint.aside import batches
+from undying.checkpoint.lock import live_owner
 from undying.checkpoint.mac import key_from_token, using_key
 from undying.cli.client import resolve_job_dir
 from undying.errors import UsageError
@@ -162,14 +164,23 @@ def _run(args: argparse.Namespace, store: Store, *, mac_checked: bool) -> int:
                          "are not checked, only sizes and checksums\n")
     if args.action == "list":
         rows = [checkpoint_row(c, now) for c in _select(store, args.step, checksums=not args.quick)]
+        aside = batches(store)
+        owner = live_owner(store)
         if args.json:
-            out.write(json.dumps({"root": where, "mac_checked": mac_checked, "checkpoints": rows}) + "\n")
+            out.write(json.dumps({"root": where, "mac_checked": mac_checked, "checkpoints": rows,
+                                  "rejected": [{"path": p, "checkpoints": n} for p, n in aside],
+                                  "owner": owner}) + "\n")
             return 0
         console = Console(file=out)
         if not rows:
             console.print(Text(f"no checkpoints under {where}"))
-            return 0
-        _print_list(console, where, rows)
+        else:
+            _print_list(console, where, rows)
+        if owner is not None:
+            console.print(Text(f"in use by {owner}"))
+        for path, n in aside:  # what --start-fresh or a save set aside: kept whole, never touched by a job
+            console.print(Text(f"set aside: {n} rejected checkpoint(s) in {path} (`undying checkpoints list "
+                               f"--root {path}`)"))
         return 0
     if args.action == "verify":
         found = _select(store, args.step, checksums=True)

@@ -127,8 +127,9 @@ no checkpoint at all.""",
     c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     c.add_argument("--start-fresh", action="store_true",
                    help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
-                   "by this job), train from step 1 anyway; the rejected ones are kept (default: stop and list why "
-                   "each was rejected)")
+                   "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
+                   "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
+                   "was rejected)")
     c.add_argument("--force", action="store_true",
                    help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
     c.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
@@ -440,12 +441,22 @@ def run(args: argparse.Namespace) -> int:
             check_folder(option, folder)
     if args.manager is not None:
         return _refusal_undone(config, lambda: _run_node(args, config, script_args))
+    if os.path.isdir(config.job_dir):  # a second launcher on a live job dir: refused before torch is imported
+        from undying.checkpoint.lock import hold_job_dir
+
+        hold_job_dir(config.job_dir)  # (kept for the job: JobDir.prepare finds it held by this process)
     if args.checkpoint_dir:
         # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
         config.validate()
         from undying.checkpoint.checks import check_writable
 
         check_writable(args.checkpoint_dir)
+        from undying.checkpoint.lock import hold
+
+        # One job per checkpoint dir, refused before anything of this job is made (held for this process's
+        # life; the manager takes it over; docs/troubleshooting.md says when a lock is stale).
+        hold(args.checkpoint_dir, job_id=config.job_id,
+             advice="wait for it to end, or pass another --checkpoint-dir")
     from undying.agent.launcher import (
         launch,  # torch and the manager: only for the command that runs a job
     )

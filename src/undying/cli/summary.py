@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from undying.errors import UsageError
+from undying.manager.checkpoint_health import rerun_words
 from undying.manager.events import LogReader
 from undying.manager.goodput import Goodput, Stall, StepLedger, account
 from undying.manager.jobdir import JobDir
@@ -183,6 +184,9 @@ def end_summary(job_dir: str | Path) -> list[str]:
         lines.append("  incidents: none")
     rerun = job.get("rerun_steps") or []
     lines.append(f"  steps re-run: {len(rerun)}" + (f" ({_steps_words(rerun)})" if rerun else ""))
+    relaunch = job.get("relaunch_rerun")
+    if isinstance(relaunch, dict):  # steps the last launch committed and this one trained again
+        lines.append(f"  this launch {rerun_words(relaunch)}")
     last = job.get("last_checkpoint") or {}
     where = job.get("checkpoint_dir") or "-"
     saved = f" (newest: step {last['step']}, {last.get('path')})" if last.get("step") is not None else \

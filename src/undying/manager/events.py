@@ -403,6 +403,11 @@ class LogReader:
         """Every logged commit as (rank, step, time), in time order: the commits without their values (cheaper)."""
         return [(int(r), int(s), float(t)) for r, s, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")]
 
+    def newest_step(self) -> int:
+        """The newest step any rank committed (0 for none)."""
+        (step,) = self._db.execute("SELECT MAX(step) FROM steps").fetchone()
+        return int(step or 0)
+
     def commits_of_step(self, step: int) -> list[Commit]:
         """The commits of one step (each rank's, and again for a step re-run), in time order."""
         return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from undying.checkpoint.lock import hold_job_dir, release_all
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import fold_wal
 
@@ -45,6 +46,9 @@ class JobDir:
             raise UsageError(
                 f"job dir {self.path} is not writable ({e.strerror or e}); pass --job-dir with a folder you can write"
             ) from e
+        # One launcher (or manager) at a time, before anything here is touched (checkpoint.lock; released by
+        # clear_manager, or by the kernel when this process ends however it ends).
+        hold_job_dir(self.path)
         if self.manager_file.exists():
             info = self.read_manager()
             if info and pid_alive(int(info.get("pid", 0))):
@@ -108,6 +112,7 @@ class JobDir:
     def clear_manager(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.manager_file.unlink()
+        release_all()  # the job is over: this dir's lock and its checkpoint dir's (checkpoint.lock)
 
 
 def pid_alive(pid: int) -> bool:

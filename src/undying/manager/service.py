@@ -163,6 +163,7 @@ async def _serve(options: ManagerOptions) -> int:
     try:
         if restart:
             server.known_sessions = manager.restore()
+            manager.checkpoints.reown()  # (its checkpoint dir's owner lock again, in the background)
         server.control_port = manager.start_control_store(store_key_from_token(token))
         if restart:
             manager.reopen_generation()
