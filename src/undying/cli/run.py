@@ -235,6 +235,12 @@ no checkpoint at all.""",
     p.add_argument("--rollback-steps", type=_rollback_steps, default=None, metavar="N",
                    help="with --numerics rollback: how many steps to go back (1-64, default 2); each is a copy of "
                    "the model and optimizer state held in memory")
+    p.add_argument("--max-skips-in-a-row", type=_max_skips, default=None, metavar="N",
+                   help="with --numerics skip|rollback: the job fails, with the reason, once more than N steps in a "
+                   "row were skipped (the data or the model is broken, not a batch; default 10)")
+    p.add_argument("--max-skipped-share", type=_skipped_share, default=None, metavar="F",
+                   help="with --numerics skip|rollback: the job fails once more than --max-skips-in-a-row steps "
+                   "were skipped in all and they are more than F of the steps run (0 < F <= 1, default 0.1)")
     add_torchrun_arguments(p)
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
@@ -267,17 +273,39 @@ def _rollback_steps(raw: str) -> int:
     return int(raw)
 
 
+def _max_skips(raw: str) -> int:
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps: give a whole number from 1 (e.g. 10)")
+    return int(raw)
+
+
+def _skipped_share(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a share of the steps: give a number above 0 and at "
+                                         "most 1 (e.g. 0.1)")
+    return value
+
+
 def numerics_env(args: argparse.Namespace) -> str | None:
     """NUMERICS_ENV's value for ``--numerics`` and its sub-options (None: off), each checked by name."""
     if args.numerics is None:
-        given = [o for o, v in (("--spike-factor", args.spike_factor), ("--rollback-steps", args.rollback_steps))
-                 if v is not None]
+        given = [o for o, v in (("--spike-factor", args.spike_factor), ("--rollback-steps", args.rollback_steps),
+                                ("--max-skips-in-a-row", args.max_skips_in_a_row),
+                                ("--max-skipped-share", args.max_skipped_share)) if v is not None]
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise UsageError(f"{' and '.join(given)} {verb} to the numeric checks: add --numerics skip|rollback|stop")
         return None
     if args.rollback_steps is not None and args.numerics != "rollback":
         raise UsageError(f"--rollback-steps applies to --numerics rollback, not --numerics {args.numerics}")
+    bounds = [o for o, v in (("--max-skips-in-a-row", args.max_skips_in_a_row),
+                             ("--max-skipped-share", args.max_skipped_share)) if v is not None]
+    if bounds and args.numerics == "stop":
+        raise UsageError(f"{bounds[0]} applies to --numerics skip or rollback (they skip steps), not --numerics stop")
     if args.spike_factor is not None and not args.spike_factor > 1:
         raise UsageError(f"--spike-factor must be above 1 (a multiple of the recent median loss, e.g. 10), "
                          f"got {args.spike_factor:g}")
@@ -286,6 +314,10 @@ def numerics_env(args: argparse.Namespace) -> str | None:
         fields.append(f"spike_factor={args.spike_factor!r}")
     if args.rollback_steps is not None:
         fields.append(f"rollback_steps={args.rollback_steps}")
+    if args.max_skips_in_a_row is not None:
+        fields.append(f"max_skips_in_a_row={args.max_skips_in_a_row}")
+    if args.max_skipped_share is not None:
+        fields.append(f"max_skipped_share={args.max_skipped_share!r}")
     return ",".join(fields)
 
 
