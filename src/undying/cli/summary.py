@@ -202,8 +202,11 @@ def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - a summary never turns a job's result into a traceback
         lines = [f"undying: no summary ({type(e).__name__}: {e})"]
     if lines:
-        stream.write("\n".join(lines) + "\n")
-        stream.flush()
+        try:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except OSError:  # a terminal that hung up (EIO): the job's exit code stands, the log has the account
+            pass
 
 
 def _steps_words(steps: list[int], most: int = 8) -> str:

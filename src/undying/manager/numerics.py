@@ -83,7 +83,8 @@ def on_numeric_fault(core: JobCore, message: Progress, recoveries: Recoveries | 
         core.fail(f"numeric fault, stopped by policy: {_report(incident.error, detail)}")
     elif action in _SKIPPING:
         skipped = skipped_steps(core.incidents)
-        limits = detail.get("limits") if isinstance(detail.get("limits"), dict) else {}
+        given = detail.get("limits")
+        limits: dict[str, Any] = given if isinstance(given, dict) else {}
         over = skip_limit(skipped, max(core.book.newest_step(), message.step or 0), {**_LIMITS, **limits})
         if over is not None:
             core.events.event("numerics_gave_up", step=message.step, skipped=len(skipped), reason=over)

@@ -52,8 +52,8 @@ def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals 
             return 143
         # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run steps.
         return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
-    if final is JobState.STOPPED and interrupted_by == signal.SIGTERM:
-        return 143
+    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        return 128 + int(interrupted_by)  # (a preempting signal that found nothing to preempt: 143, 129 or 131)
     return _EXIT_CODES.get(final, 1)
 
 
