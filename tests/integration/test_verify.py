@@ -159,3 +159,11 @@ def test_a_killed_verifier_is_replaced_and_forged_verify_files_are_refused(
     assert summary.data["mismatched"] == 0, summary.data
     comparison = compare_runs(oracle.baseline(args, 2), run)
     assert comparison.identical and comparison.lost_steps == 0 and not run.rerun_steps, comparison.reasons
+    # The end summary says how many steps went unverified, and that the verifier was restarted; so does status.
+    said = (tmp_path / "job.log").read_text(errors="replace")
+    unverified = summary.data["skipped"] + summary.data["not_done"] + summary.data["errors"]
+    assert (f"verification: every 1 step: {summary.data['verified']} verified (0 mismatched), {unverified} not "
+            "verified") in said and "the verifier was restarted 1 time" in said, said[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "undying", "status", "--job-dir", str(job_dir), "--json"],
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(shown.stdout)["verification"]["unverified"] == unverified
