@@ -66,7 +66,7 @@ def test_a_closed_terminal_is_a_stop_and_every_later_write_lands_in_the_job_dir(
                                stdout=slave, stderr=slave, start_new_session=True, preexec_fn=_controlling_terminal)
     os.close(slave)
     try:
-        assert b"ready" in _read_until(master, b"ready")
+        assert b"ready" in _read_until(master, b"ready\r\n")  # (the whole line: a print may be two writes)
     finally:
         os.close(master)  # the hang-up: the kernel sends SIGHUP to the session's leader, the terminal dies
     assert process.wait(timeout=30) == 75
@@ -87,3 +87,38 @@ def test_sigquit_dumps_the_stacks_then_stops_in_order_without_a_core_dump(tmp_pa
     assert b"stopping on SIGQUIT, output now at None" in out and b"the last line, after the job" in out
     assert b"Current thread" in err and b"in on_quit" in err and b"in run_forever" in err, err  # every thread's stack, as Ctrl-\ asks
     assert not (tmp_path / "launcher.log").exists()  # no terminal to leave: the output stays where it was
+
+
+_RANK = r"""
+import os, sys, time
+from undying.worker.streams import direct_streams
+direct_streams()  # as every rank does before its script runs
+print("ready", flush=True)
+go = os.path.join(os.environ["UNDYING_JOB_DIR"], "go")
+while not os.path.exists(go):
+    time.sleep(0.01)
+for i in range(3):
+    print(f"step {i} loss 0.5", flush=True)  # a script's print after the terminal hung up
+sys.stderr.write("on stderr\n")
+sys.stderr.flush()
+"""
+
+
+def test_a_ranks_print_to_a_hung_up_terminal_lands_in_the_job_dir_and_never_raises(tmp_path: Path) -> None:
+    master, slave = pty.openpty()
+    env = {**os.environ, "UNDYING_JOB_DIR": str(tmp_path)}
+    # A session of its own without the terminal as its controlling one, as a rank runs: no SIGHUP reaches it,
+    # only the failing writes.
+    rank = subprocess.Popen([sys.executable, "-c", _RANK], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                            env=env, start_new_session=True)
+    os.close(slave)
+    try:
+        assert b"ready" in _read_until(master, b"ready\r\n")  # (the whole line: a print may be two writes)
+    finally:
+        os.close(master)  # the terminal hangs up: every write to it fails with EIO from now on
+    (tmp_path / "go").touch()
+    assert rank.wait(timeout=30) == 0  # (unguarded, the first print raises OSError: [Errno 5])
+    said = (tmp_path / "launcher.log").read_text()
+    # (A print is two writes, its text then its newline: the first to fail may land its newline first.)
+    assert [line for line in said.splitlines() if line] == ["step 0 loss 0.5", "step 1 loss 0.5", "step 2 loss 0.5",
+                                                           "on stderr"], said

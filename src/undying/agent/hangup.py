@@ -31,6 +31,8 @@ import termios
 from collections.abc import Callable
 from pathlib import Path
 
+from undying.config import HANGUP_LOG
+
 __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit", "hangup_line",
            "handle", "after_the_job"]
 
@@ -38,7 +40,7 @@ __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal"
 # SIGINT stops the job (Ctrl-C); the others preempt it: a stop with a dying gasp, then exit 75.
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 STOP_SIGNALS = (signal.SIGINT, *PREEMPT_SIGNALS)
-LOG_NAME = "launcher.log"  # in the job dir: what the process said after its terminal hung up
+LOG_NAME = HANGUP_LOG  # in the job dir: what the process said after its terminal hung up
 
 
 def detach_from_terminal(job_dir: str | Path) -> Path | None:
