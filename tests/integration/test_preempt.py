@@ -278,7 +278,7 @@ def test_a_hung_up_terminal_preempts_with_a_dying_gasp_and_the_resume_is_identic
     try:
         launcher = start_job(job_dir, ARGS, ranks=2, run_args=run_args, reap=reap, tty=terminal.slave)
         os.close(terminal.slave)  # the launcher and its ranks hold it now; the test holds only the master
-        url = manager_url(job_dir)
+        url = manager_url(job_dir, timeout=90)  # (a loaded machine starts slowly)
         workers = [r["pid"] for r in wait_running(url, min_step=10)["ranks"]]
         reap.extend(workers)
         assert b"undying: job job started" in terminal.said  # it did write to the terminal

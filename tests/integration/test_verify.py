@@ -130,18 +130,18 @@ def test_a_killed_verifier_is_replaced_and_forged_verify_files_are_refused(
     args = ["--epochs", "2", "--step-seconds", "0.05"]  # test_preempt's 2-rank job: one baseline
     launcher = start_job(job_dir, args, ranks=2, run_args=["--spares", "0", "--job-id", "job", "--verify-every", "1"],
                          reap=reap)
-    forger = subprocess.Popen([sys.executable, "-m", "tests.adversarial.forger", str(job_dir / "verify"), "3", "60"],
+    forger = subprocess.Popen([sys.executable, "-m", "tests.adversarial.forger", str(job_dir / "verify"), "3", "150"],
                               stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items()
                                                            if not k.startswith("UNDYING_")})
     reap.append(forger.pid)
     db = job_dir / "events.db"
-    manager_url(job_dir)  # (its log is made by then)
+    manager_url(job_dir, timeout=90)  # (its log is made by then; a loaded machine starts slowly)
     (started,) = wait_for(lambda: events(db, "verify_started"), 60, "the verifier")
     first = started["pid"]
     wait_for(lambda: (job_dir / "verify" / f"ready-{first}").exists(), 60, "the verifier to be up")
     os.kill(first, signal.SIGKILL)  # as it takes its first requests: the job still owes it the rest
     killed_t = time.time()
-    planted = json.loads(forger.communicate(timeout=90)[0])
+    planted = json.loads(forger.communicate(timeout=180)[0])
     assert len(planted["states"]) == 3, planted
     assert launcher.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
 
