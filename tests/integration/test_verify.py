@@ -138,7 +138,7 @@ def test_a_killed_verifier_is_replaced_and_forged_verify_files_are_refused(
     manager_url(job_dir, timeout=90)  # (its log is made by then; a loaded machine starts slowly)
     (started,) = wait_for(lambda: events(db, "verify_started"), 60, "the verifier")
     first = started["pid"]
-    wait_for(lambda: (job_dir / "verify" / f"ready-{first}").exists(), 60, "the verifier to be up")
+    wait_for(lambda: (job_dir / "verify" / f"ready-{first}").exists(), 120, "the verifier to be up")
     os.kill(first, signal.SIGKILL)  # as it takes its first requests: the job still owes it the rest
     killed_t = time.time()
     planted = json.loads(forger.communicate(timeout=180)[0])
