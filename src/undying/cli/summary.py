@@ -147,8 +147,11 @@ def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_statu
 def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
                  out: TextIO | None = None) -> None:
     stream = out or sys.stderr
-    stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status)) + "\n")
-    stream.flush()
+    try:
+        stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status)) + "\n")
+        stream.flush()
+    except OSError:  # a terminal that hung up as the job started (EIO): the job runs on all the same
+        pass
 
 
 # --- the end summary ----------------------------------------------------------
