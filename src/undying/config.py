@@ -133,6 +133,8 @@ SCRIPT_ERROR_FILE = "script-error.txt"
 # torchrun's error file (error.json, TORCHELASTIC_ERROR_FILE) and the mark that its script returned.
 WORKERS_DIR = "workers"
 ERROR_FILE = "error.json"
+# In the job dir: what the launcher, an agent and their ranks wrote to a terminal after it hung up (agent.hangup).
+HANGUP_LOG = "launcher.log"
 RETURNED_FILE = "returned"
 
 

@@ -244,10 +244,18 @@ def _whole(low: int, high: int) -> Callable[[str], int]:
     return read
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError("a share above 0 and at most 1")
+    return value
+
+
 # NUMERICS_ENV's fields (``undying run --numerics ...``: field=value,...), and how each is read and bounded.
 _NUMERICS_FIELDS: dict[str, Callable[[str], Any]] = {
     "on_persistent": _policy, "spike_factor": _spike, "window": _whole(1, 1_000_000),
-    "warmup": _whole(1, 1_000_000), "rollback_steps": _whole(1, MAX_ROLLBACK_STEPS)}
+    "warmup": _whole(1, 1_000_000), "rollback_steps": _whole(1, MAX_ROLLBACK_STEPS),
+    "max_skips_in_a_row": _whole(1, 1_000_000), "max_skipped_share": _share}
 
 
 def numerics_fields(raw: str, where: str = "UNDYING_NUMERICS") -> dict[str, Any]:

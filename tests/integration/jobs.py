@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
+import termios
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,22 @@ __all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "al
 
 
 def start_job(job_dir: Path, script_args: list[str], *, ranks: int = 4, run_args: list[str] | None = None,
-              script: Path = TRAIN_SCRIPT, reap: list[int]) -> subprocess.Popen[bytes]:
+              script: Path = TRAIN_SCRIPT, reap: list[int], tty: int | None = None) -> subprocess.Popen[bytes]:
+    """``undying run`` in the background, its output in ``<job dir>.log`` (or on ``tty``, a terminal's fd)."""
     argv = [sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0", "--job-dir", str(job_dir),
             "--stop-grace", "3", *(run_args or []), str(script), *script_args]
-    log = open(job_dir.parent / f"{job_dir.name}.log", "wb")  # noqa: SIM115 - closed with the process
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(job_dir.parent / f"{job_dir.name}.log", "wb") if tty is None else tty  # noqa: SIM115
+    # On a terminal: it is the controlling terminal of the launcher's session, as in a shell (its close is a hang-up).
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL if tty is not None else None, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=None if tty is None else _controlling_terminal)
     reap.append(process.pid)
     return process
+
+
+def _controlling_terminal() -> None:
+    """In the child, after its setsid: its stdout (a terminal) becomes the session's controlling terminal."""
+    fcntl.ioctl(1, termios.TIOCSCTTY, 0)
 
 
 def events(db: Path, kind: str) -> list[dict[str, Any]]:

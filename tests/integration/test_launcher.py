@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.jobs import alive, manager_url, start_job, status, wait_for, wait_running
 from undying.cli.client import api_get, api_post
 from undying.cli.demo import run_job
+from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import load_run
 
 
@@ -133,3 +136,26 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert cli.returncode == 2
     assert f"port {port} is in use" in cli.stderr and "--port" in cli.stderr
     assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_lone_agent_leaves_on_sigterm_and_sighup_alike(sig: signal.Signals, tmp_path: Path, reap: list[int]) -> None:
+    """A multi-node agent whose manager is not up yet: SIGHUP (a closed terminal) is its SIGTERM, exit 143.
+
+    (The whole path with a manager, on separate hosts, is test_multinode.py's
+    node that leaves on SIGHUP.) Its children go with it.
+    """
+    argv = [sys.executable, "-m", "undying", "run", "--nnodes", "2", "--node-rank", "1", "--manager", "127.0.0.1:9",
+            "-n", "1", "--job-dir", str(tmp_path / "job"), "--job-id", "lone", str(TRAIN_SCRIPT)]
+    with open(tmp_path / "agent.log", "wb") as out:
+        agent = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    reap.append(agent.pid)
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
+    kids = wait_for(lambda: children.read_text().split(), 30, "the agent's zygote")
+    os.kill(agent.pid, sig)
+    assert agent.wait(timeout=30) == 143, (tmp_path / "agent.log").read_text()
+    said = (tmp_path / "agent.log").read_text()
+    what = "SIGHUP (the terminal hung up)" if sig == signal.SIGHUP else "SIGTERM"
+    assert f"node 1: {what}: this node leaves the job" in said, said
+    wait_for(lambda: not any(alive(int(k)) for k in kids), 10, "the agent's children to go with it")

@@ -74,7 +74,7 @@ def test_a_cut_off_host_is_fenced_when_it_comes_back_and_rejoins(cluster: Cluste
 
 
 def test_the_manager_restarts_from_its_log_and_a_node_leaves_on_sigterm(cluster: Cluster, oracle: Oracle) -> None:
-    """The manager SIGKILLed mid-run and started again; then Kubernetes deletes a pod (SIGTERM to its agent).
+    """The manager SIGKILLed mid-run and started again; then a node's agent gets SIGHUP, handled as SIGTERM.
 
     Training goes on without a manager; the new one carries the job on from its
     log, and it is the one that recovers the node that leaves: under DDP its
@@ -96,7 +96,9 @@ def test_the_manager_restarts_from_its_log_and_a_node_leaves_on_sigterm(cluster:
     status = cluster.wait_for_step(step_before + 5, timeout=60)
     assert [i["kind"] for i in status["incidents"]] == ["crash"], status["incidents"]
     leaving = cluster.agents[1]
-    leaving.send_signal(signal.SIGTERM)  # a recovery needs the new manager and its control store
+    # SIGHUP (its terminal closed, its ssh session dropped) is the agent's SIGTERM: the node leaves (issue #25
+    # item 3; test_launcher's test_a_lone_agent_leaves_on_sigterm_and_sighup_alike shows the two take one path).
+    leaving.send_signal(signal.SIGHUP)  # a recovery needs the new manager and its control store
     assert leaving.wait(30) == 143, cluster.log("node1")
     assert not any(alive(pid) for pid in hosts.pids(2)), "a worker of the node that left survived"
     cluster.start_agent(1, hosts.add_host())
@@ -104,7 +106,7 @@ def test_the_manager_restarts_from_its_log_and_a_node_leaves_on_sigterm(cluster:
     job = _assert_identical(oracle, cluster)
     kinds = [(i["kind"], i["rank"], i["status"]) for i in job["incidents"]]
     assert kinds == [("crash", 1, "recovered"), ("node-loss", 2, "recovered"), ("node-loss", 3, "recovered")], kinds
-    assert "is leaving: SIGTERM" in job["incidents"][1]["error"]
+    assert "is leaving: SIGHUP to the agent of node 1" in job["incidents"][1]["error"]
     assert set(job["job"]["sessions"]) == {"0", "1"}
 
 

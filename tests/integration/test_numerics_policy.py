@@ -14,6 +14,7 @@ from pathlib import Path
 from tests.oracle import Oracle, Outcome
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.oracle import compare_runs, load_run
+from undying.manager.events import LogReader
 
 ARGS = ("--epochs", "1", "--samples", "256")  # 2 ranks x 16 a batch: 8 steps
 BAD = 19  # a NaN sample: in rank 1's batch of step 5 (DistributedSampler, seed 7)
@@ -64,3 +65,28 @@ def test_a_rank_found_at_fault_twice_is_replaced_like_a_crash(oracle: Oracle, tm
     assert event["rank"] == 1 and event["host"] and event["steps"] == [2, 4], event
     assert [e["rank"] for e in outcome.events("spawned") if e["joining"]] == [1], "rank 1, and only it, replaced"
     assert len(outcome.incidents) == 3, outcome.incidents  # one fault found once (rank 1's first NaN) is not enough
+
+
+def test_a_nan_at_every_step_fails_the_job_with_the_reason_not_a_success(tmp_path: Path) -> None:
+    """Issue #25 item 7: every batch holds the NaN sample (32 samples on 2 ranks of 16: one step an epoch).
+
+    Skipped forever, the job would "succeed" with nothing trained. Past
+    --max-skips-in-a-row (its default, 10) it fails, exit 1, with the reason in
+    one line. (An occasional bad batch still skips and succeeds:
+    test_numerics.py's test_a_bad_batch_is_skipped_and_the_rest_is_a_run_that_skips_it, under the defaults.)
+    """
+    job_dir = tmp_path / "job"
+    rc = run_job(job_dir, ["--epochs", "32", "--samples", "32", "--bad-sample", "0"], ranks=2, timeout_s=180,
+                 extra_run_args=["--spares", "0", "--numerics", "skip"])
+    log = (tmp_path / "job.log").read_text(errors="replace")
+    assert rc == 1, log[-3000:]
+    run = load_run(job_dir / "events.db")
+    assert run.state == "failed"
+    skips = [i for i in run.incidents if i["kind"] == "numeric"]
+    assert [i["action"] for i in skips][:11] == ["skip"] * 11 and len(skips) <= 16, skips  # stopped soon, not at 32
+    with LogReader(job_dir / "events.db") as reader:
+        reason = str(reader.job()["exit_reason"])
+    assert reason.startswith("numeric faults skipped 11 steps in a row (steps 1..11), more than --max-skips-in-a-row "
+                             "10"), reason
+    assert "the last at step 11: the loss is nan" in reason and "\n" not in reason, reason
+    assert reason in log, log[-3000:]

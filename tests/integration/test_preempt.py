@@ -6,9 +6,13 @@ compared with the fault-free run of the same arguments (the oracle).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import pty
+import select
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -222,3 +226,83 @@ def test_another_jobs_checkpoint_is_refused_under_a_given_job_id_and_resumed_wit
     (event,) = events(tmp_path / "c" / "events.db", "resumed")
     assert event["step"] == 32 and event["job_id"] == "a"
     assert [c.step for c in scan(ckpts) if c.valid][-1] == 64  # and it trained on: epoch 2
+
+
+# -- the terminal hangs up (issue #25 item 3) ----------------------------------------------
+
+
+class _Terminal:
+    """A real pseudo-terminal whose other end the test holds, read in a thread (nothing blocks on a full one)."""
+
+    def __init__(self) -> None:
+        self.master, self.slave = pty.openpty()
+        self.said = bytearray()
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            if select.select([self.master], [], [], 0.05)[0]:
+                try:
+                    self.said += os.read(self.master, 65536)
+                except OSError:
+                    return
+
+    def hang_up(self) -> None:
+        """Close the terminal (as a closed window or a dropped ssh session does): the kernel sends SIGHUP."""
+        self._stop.set()
+        self._reader.join(timeout=5)
+        os.close(self.master)
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self.hang_up()
+        with contextlib.suppress(OSError):
+            os.close(self.slave)
+
+
+def test_a_hung_up_terminal_preempts_with_a_dying_gasp_and_the_resume_is_identical(
+    tmp_path: Path, reap: list[int], oracle: Oracle
+) -> None:
+    """The launcher's controlling terminal closes mid-run: SIGHUP is a preemption, as SIGTERM is.
+
+    The ranks agree on a stop step, rank 0 writes the dying gasp, exit 75;
+    every write to the dead terminal fails (EIO) and none aborts it: the rest
+    of the launcher's output goes to <job dir>/launcher.log. The same command
+    resumes, and every step's loss is the uninterrupted run's.
+    """
+    job_dir = tmp_path / "job"
+    run_args = ["--spares", "0", "--job-id", "job"]
+    terminal = _Terminal()
+    try:
+        launcher = start_job(job_dir, ARGS, ranks=2, run_args=run_args, reap=reap, tty=terminal.slave)
+        os.close(terminal.slave)  # the launcher and its ranks hold it now; the test holds only the master
+        url = manager_url(job_dir, timeout=90)  # (a loaded machine starts slowly)
+        workers = [r["pid"] for r in wait_running(url, min_step=10)["ranks"]]
+        reap.extend(workers)
+        assert b"undying: job job started" in terminal.said  # it did write to the terminal
+        hangup_t = time.time()
+        terminal.hang_up()
+        rc = launcher.wait(timeout=60)
+    finally:
+        terminal.close()
+    log_file = job_dir / "launcher.log"
+    after = log_file.read_text(errors="replace") if log_file.exists() else ""
+    assert rc == EXIT_PREEMPTED, f"exit {rc}\n{after[-3000:]}\n{bytes(terminal.said)[-2000:]!r}"
+    wait_for(lambda: not any(alive(p) for p in workers), 10, "every worker to be gone")
+    db = job_dir / "events.db"
+    job = job_table(db)
+    assert job["state"] == "preempted" and job["preemption"]["reason"] == "SIGHUP to the launcher", job["preemption"]
+    gasp = [c for c in scan(job_dir / "checkpoints") if c.kind == "dying-gasp"]
+    assert [c.step for c in gasp] == [job["preemption"]["checkpoint_step"]] and gasp[0].valid
+    # What it said after the hang-up is in the job dir, down to the last line (the resume hint).
+    assert "SIGHUP (the terminal hung up): preempted, taking the dying gasp" in after and "run the same command to resume" in after, after[-3000:]
+    assert "undying: job job preempted" in after, after[-3000:]  # the end summary
+
+    assert run_job(job_dir, ARGS, ranks=2, extra_run_args=run_args) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    (resumed,) = events(db, "resumed")
+    assert resumed["kind"] == "dying-gasp" and resumed["step"] == gasp[0].step >= 10
+    merged, _ = load_preempted(job_dir, hangup_t)
+    comparison = compare_runs(oracle.baseline(ARGS, 2), merged)
+    assert comparison.identical and comparison.lost_steps == 0 and not merged.rerun_steps, comparison.reasons

@@ -10,15 +10,19 @@ same seeded job without the fault (tests/oracle.py's cached baseline).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.integration.jobs import events, manager_url, start_job, wait_for
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan, run_job
-from undying.demo.oracle import load_run
+from undying.demo.oracle import compare_runs, load_run
 from undying.manager.events import LogReader
 from undying.worker.verify_plan import suspect_of
 
@@ -109,3 +113,57 @@ def test_a_stopped_verifier_never_blocks_a_step(tmp_path: Path) -> None:
     data = summary.data
     assert data["verified"] == 0 and data["passed"] == 0, data  # nothing counted as passed
     assert data["skipped"] + data["not_done"] == 80 and data["skipped"] >= 16, data
+
+
+def test_a_killed_verifier_is_replaced_and_forged_verify_files_are_refused(
+        oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
+    """Issue #25: the verifier SIGKILLed mid-job, and a stranger planting files in the job's verify/ folder.
+
+    The stranger (tests/adversarial/forger.py, a process without the job's key)
+    replaces the first pre-step states with zeroed ones and plants a verdict of
+    a mismatch for each: before, every rank rolled back and loaded them. Now
+    every such file fails the job's MAC and is refused unread. Then the
+    verifier is SIGKILLed: rank 0 starts a new one, which verifies the later
+    steps. Every loss is the fault-free run's, bit for bit.
+    """
+    job_dir = tmp_path / "job"
+    args = ["--epochs", "2", "--step-seconds", "0.05"]  # test_preempt's 2-rank job: one baseline
+    launcher = start_job(job_dir, args, ranks=2, run_args=["--spares", "0", "--job-id", "job", "--verify-every", "1"],
+                         reap=reap)
+    forger = subprocess.Popen([sys.executable, "-m", "tests.adversarial.forger", str(job_dir / "verify"), "3", "150"],
+                              stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items()
+                                                           if not k.startswith("UNDYING_")})
+    reap.append(forger.pid)
+    db = job_dir / "events.db"
+    manager_url(job_dir, timeout=90)  # (its log is made by then; a loaded machine starts slowly)
+    (started,) = wait_for(lambda: events(db, "verify_started"), 60, "the verifier")
+    first = started["pid"]
+    wait_for(lambda: (job_dir / "verify" / f"ready-{first}").exists(), 120, "the verifier to be up")
+    os.kill(first, signal.SIGKILL)  # as it takes its first requests: the job still owes it the rest
+    killed_t = time.time()
+    planted = json.loads(forger.communicate(timeout=180)[0])
+    assert len(planted["states"]) == 3, planted
+    assert launcher.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
+
+    run = load_run(db)
+    assert not [i for i in run.incidents if i["kind"] == "sdc"], run.incidents  # no forged verdict acted on
+    refused = events(db, "verify_refused")
+    assert refused and all("refused, not loaded" in e["reason"] for e in refused), refused
+    (restarted,) = events(db, "verify_restarted")
+    assert restarted["old_pid"] == first and restarted["exit"] == "killed by SIGKILL" and restarted["pid"] != first
+    with LogReader(db) as reader:
+        later = [e for e in reader.events("verify_result") if e.t > killed_t and e.data["passed"]]
+        (summary,) = reader.events("verify_summary")
+    assert later, "no step was verified by the new verifier"
+    assert summary.data["restarts"] == 1 and summary.data["refused"] >= 1 and not summary.data["gave_up"]
+    assert summary.data["mismatched"] == 0, summary.data
+    comparison = compare_runs(oracle.baseline(args, 2), run)
+    assert comparison.identical and comparison.lost_steps == 0 and not run.rerun_steps, comparison.reasons
+    # The end summary says how many steps went unverified, and that the verifier was restarted; so does status.
+    said = (tmp_path / "job.log").read_text(errors="replace")
+    unverified = summary.data["skipped"] + summary.data["not_done"] + summary.data["errors"]
+    assert (f"verification: every 1 step: {summary.data['verified']} verified (0 mismatched), {unverified} not "
+            "verified") in said and "the verifier was restarted 1 time" in said, said[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "undying", "status", "--job-dir", str(job_dir), "--json"],
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(shown.stdout)["verification"]["unverified"] == unverified

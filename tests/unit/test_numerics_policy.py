@@ -118,9 +118,11 @@ def test_undying_run_sets_the_default_of_job_steps_through_the_environment() -> 
     own = Numerics(on_persistent="stop")
     assert Numerics.of(own, env) is own
     assert Numerics.of(None, {}) is None and Numerics.of(True, {}) == Numerics()
-    with pytest.raises(UsageError, match="'rollback_steps=x' is not one of on_persistent=VALUE"):
+    with pytest.raises(UsageError, match="rollback_steps must be a whole number from 1 to 64, got 'x'"):
         Numerics.of(None, {NUMERICS_ENV: "on_persistent=skip,rollback_steps=x"})
-    with pytest.raises(UsageError, match=r"rollback_steps=\.\.\.\) must be a whole number from 1 to 64"):
+    with pytest.raises(UsageError, match="'bogus=x' is not one of on_persistent=VALUE"):
+        Numerics.of(None, {NUMERICS_ENV: "on_persistent=skip,bogus=x"})
+    with pytest.raises(UsageError, match="rollback_steps must be a whole number from 1 to 64, got '0'"):
         Numerics.of(None, {NUMERICS_ENV: "on_persistent=rollback,rollback_steps=0"})
 
 
@@ -151,3 +153,57 @@ def test_a_bad_rollback_count_is_refused_by_the_parser(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--numerics", "rollback", "--rollback-steps", "65", "train.py"])
     assert "'65' is not a number of steps to roll back" in capsys.readouterr().err
+
+
+# -- skipping is bounded (issue #25 item 7) ----------------------------------------------
+
+
+@pytest.mark.parametrize(("skipped", "steps_run", "limits", "expected"), [
+    (set(), 32, {}, None),
+    ({5, 37}, 64, {}, None),  # an occasional bad batch: skipped, the job goes on
+    (set(range(1, 11)), 10, {}, None),  # 10 in a row is the limit, not past it
+    (set(range(1, 12)), 11, {}, "skipped 11 steps in a row (steps 1..11), more than --max-skips-in-a-row 10"),
+    (set(range(3, 6)), 5, {"max_skips_in_a_row": 2}, "skipped 3 steps in a row (steps 3..5)"),
+    (set(range(2, 40, 2)), 40, {}, "skipped 19 of 40 steps (48%), more than --max-skipped-share 0.1"),
+    (set(range(2, 22, 2)), 400, {}, None),  # 10 every other step: no run, and 2.5% of the steps
+    (set(range(2, 26, 2)), 100, {}, "skipped 12 of 100 steps (12%)"),
+    (set(range(2, 26, 2)), 100, {"max_skipped_share": 0.2}, None),
+    (set(range(2, 26, 2)), 100, {"max_skipped_share": 1.0}, None),
+])
+def test_skipping_is_bounded_in_a_row_and_by_share(skipped: set[int], steps_run: int, limits: dict[str, float],
+                                                   expected: str | None) -> None:
+    from undying.manager.numerics import skip_limit
+
+    got = skip_limit(skipped, steps_run, limits)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None and expected in got and got.endswith("the job stops") and "\n" not in got, got
+
+
+def test_the_skip_bounds_are_options_with_their_environment_and_checked() -> None:
+    args = build_parser().parse_args(["run", "--numerics", "rollback", "--max-skips-in-a-row", "3",
+                                      "--max-skipped-share", "0.25", "train.py"])
+    value = numerics_env(args)
+    assert value == "on_persistent=rollback,max_skips_in_a_row=3,max_skipped_share=0.25"
+    assert Numerics.from_env({NUMERICS_ENV: str(value)}) == Numerics(on_persistent="rollback", max_skips_in_a_row=3,
+                                                                     max_skipped_share=0.25)
+    assert Numerics().max_skips_in_a_row == 10 and Numerics().max_skipped_share == 0.1
+    with pytest.raises(UsageError, match="--max-skips-in-a-row applies to --numerics skip or rollback"):
+        numerics_env(build_parser().parse_args(["run", "--numerics", "stop", "--max-skips-in-a-row", "3", "t.py"]))
+    with pytest.raises(UsageError, match="--max-skipped-share applies to the numeric checks: add --numerics"):
+        numerics_env(build_parser().parse_args(["run", "--max-skipped-share", "0.5", "t.py"]))
+    with pytest.raises(UsageError, match=r"max_skips_in_a_row=\.\.\.\) must be a whole number of steps from 1"):
+        Numerics(max_skips_in_a_row=0)
+    with pytest.raises(UsageError, match=r"max_skipped_share=\.\.\.\) must be a share of the steps above 0"):
+        Numerics(max_skipped_share=1.5)
+
+
+@pytest.mark.parametrize(("flag", "raw", "said"), [("--max-skips-in-a-row", "0", "'0' is not a number of steps"),
+                                                  ("--max-skipped-share", "nan", "'nan' is not a share of the steps"),
+                                                  ("--max-skipped-share", "0", "'0' is not a share of the steps")])
+def test_bad_skip_bounds_are_refused_by_the_parser(flag: str, raw: str, said: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--numerics", "skip", flag, raw, "train.py"])
+    assert said in capsys.readouterr().err

@@ -4,7 +4,9 @@ Nothing to install or start beside it: the manager's TCPStore, SQLite log and
 HTTP API live in the launcher. Ctrl-C stops the job in order. SIGTERM (what
 Kubernetes sends before it deletes a pod) is a preemption: the ranks agree on a
 stop step, finish it, rank 0 writes a dying-gasp checkpoint of it, and the
-launcher exits with EXIT_PREEMPTED (75); the same command resumes. When that
+launcher exits with EXIT_PREEMPTED (75); the same command resumes. SIGHUP (the
+terminal closed, an ssh session dropped) and SIGQUIT (Ctrl-\\, after a dump of the
+launcher's stacks) are the same preemption (``agent.hangup``). When that
 dying gasp could not be written, an older checkpoint stands: exit 74, and the
 last line says how many steps the resume re-runs. If the
 launcher is killed outright, its workers die with it (parent-death signal).
@@ -21,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from undying.agent import hangup
 from undying.agent.agent import Agent
 from undying.agent.netif import interface_for
 from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
@@ -104,22 +107,24 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
     loop = asyncio.get_running_loop()
     interrupted: list[int] = []
 
-    def on_signal(sig: signal.Signals) -> None:
+    def on_signal(sig: signal.Signals, detached: Path | None) -> None:
         interrupted.append(sig)
-        if sig == signal.SIGTERM:
-            log.warning("job %s: SIGTERM received: preempted, taking the dying gasp", config.job_id)
-            manager.preempt("SIGTERM to the launcher")
+        if sig in hangup.PREEMPT_SIGNALS:
+            log.warning("job %s: %s", config.job_id,
+                        hangup.hangup_line(sig, detached, "preempted, taking the dying gasp"))
+            manager.preempt(f"{sig.name} to the launcher")
             return
         log.warning("job %s: %s received, stopping the workers", config.job_id, sig.name)
         manager.stop(f"stopped by {sig.name}")
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+    for sig in hangup.STOP_SIGNALS:
+        loop.add_signal_handler(sig, hangup.handle, sig, config.job_dir, on_signal)
     try:
         final = await manager.run()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in hangup.STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+        hangup.after_the_job(config.job_dir)
         await agent.stop_all(config.timeouts.stop_grace)
         await agent.close()
         await runner.cleanup()
@@ -157,8 +162,11 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
 
 def say(line: str) -> None:
     """A line the user reads whatever the log level, and no warning: the start and end of a run that went well."""
-    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
+        sys.stderr.flush()
+    except OSError:  # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
+        pass
 
 
 def launch(config: JobConfig, script: str, script_args: list[str]) -> int:

@@ -28,7 +28,9 @@ import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
+from undying.agent import hangup
 from undying.agent.agent import Agent
 from undying.checkpoint.mac import KEY_ENV, key_from_token
 from undying.config import JobConfig
@@ -282,13 +284,14 @@ class NodeRunner:
         await self.agent.start()
         self.agent.manager_host = self.manager_host
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        for sig in hangup.STOP_SIGNALS:  # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
+            loop.add_signal_handler(sig, hangup.handle, sig, self.config.job_dir, self._on_signal)
         try:
             return await self._serve()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in hangup.STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
+            hangup.after_the_job(self.config.job_dir)
             for task in list(self._tasks):
                 task.cancel()
             await self.agent.stop_all(self.config.timeouts.stop_grace)
@@ -309,11 +312,11 @@ class NodeRunner:
             self.agent.extra_env["GLOO_SOCKET_IFNAME"] = name
             log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", self.node, name)
 
-    def _on_signal(self, sig: signal.Signals) -> None:
+    def _on_signal(self, sig: signal.Signals, detached: Path | None = None) -> None:
         if self._leaving:
             return
         self._leaving = f"{sig.name} to the agent of node {self.node}"
-        log.warning("node %d: %s: this node leaves the job", self.node, sig.name)
+        log.warning("node %d: %s", self.node, hangup.hangup_line(sig, detached, "this node leaves the job"))
         self.client.send(NodeLeaving(self.node, self._leaving, time.time()))
         self._leave.set()
 

@@ -7,7 +7,6 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable
 
 from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.cli.refusal import Ledger
@@ -248,6 +247,12 @@ no checkpoint at all.""",
     p.add_argument("--rollback-steps", type=_rollback_steps, default=None, metavar="N",
                    help="with --numerics rollback: how many steps to go back (1-64, default 2); each is a copy of "
                    "the model and optimizer state held in memory")
+    p.add_argument("--max-skips-in-a-row", type=_max_skips, default=None, metavar="N",
+                   help="with --numerics skip|rollback: the job fails, with the reason, once more than N steps in a "
+                   "row were skipped (the data or the model is broken, not a batch; default 10)")
+    p.add_argument("--max-skipped-share", type=_skipped_share, default=None, metavar="F",
+                   help="with --numerics skip|rollback: the job fails once more than --max-skips-in-a-row steps "
+                   "were skipped in all and they are more than F of the steps run (0 < F <= 1, default 0.1)")
     add_torchrun_arguments(p)
     p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
@@ -294,17 +299,40 @@ def _rollback_steps(raw: str) -> int:
     return int(raw)
 
 
+def _max_skips(raw: str) -> int:
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps: give a whole number from 1 to "
+                                         "1000000 (e.g. 10)")
+    return int(raw)
+
+
+def _skipped_share(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a share of the steps: give a number above 0 and at "
+                                         "most 1 (e.g. 0.1)")
+    return value
+
+
 def numerics_env(args: argparse.Namespace) -> str | None:
     """NUMERICS_ENV's value for ``--numerics`` and its sub-options (None: off), each checked by name."""
     if args.numerics is None:
-        given = [o for o, v in (("--spike-factor", args.spike_factor), ("--rollback-steps", args.rollback_steps))
-                 if v is not None]
+        given = [o for o, v in (("--spike-factor", args.spike_factor), ("--rollback-steps", args.rollback_steps),
+                                ("--max-skips-in-a-row", args.max_skips_in_a_row),
+                                ("--max-skipped-share", args.max_skipped_share)) if v is not None]
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise UsageError(f"{' and '.join(given)} {verb} to the numeric checks: add --numerics skip|rollback|stop")
         return None
     if args.rollback_steps is not None and args.numerics != "rollback":
         raise UsageError(f"--rollback-steps applies to --numerics rollback, not --numerics {args.numerics}")
+    bounds = [o for o, v in (("--max-skips-in-a-row", args.max_skips_in_a_row),
+                             ("--max-skipped-share", args.max_skipped_share)) if v is not None]
+    if bounds and args.numerics == "stop":
+        raise UsageError(f"{bounds[0]} applies to --numerics skip or rollback (they skip steps), not --numerics stop")
     if args.spike_factor is not None and not args.spike_factor > 1:
         raise UsageError(f"--spike-factor must be above 1 (a multiple of the recent median loss, e.g. 10), "
                          f"got {args.spike_factor:g}")
@@ -313,6 +341,10 @@ def numerics_env(args: argparse.Namespace) -> str | None:
         fields.append(f"spike_factor={args.spike_factor!r}")
     if args.rollback_steps is not None:
         fields.append(f"rollback_steps={args.rollback_steps}")
+    if args.max_skips_in_a_row is not None:
+        fields.append(f"max_skips_in_a_row={args.max_skips_in_a_row}")
+    if args.max_skipped_share is not None:
+        fields.append(f"max_skipped_share={args.max_skipped_share!r}")
     return ",".join(fields)
 
 
@@ -439,8 +471,18 @@ def run(args: argparse.Namespace) -> int:
                            ("--trace-dir", config.trace.dir), ("--checkpoint-dir", config.checkpoint.dir)):
         if folder and "://" not in folder:
             check_folder(option, folder)
-    if args.manager is not None:
-        return _refusal_undone(config, lambda: _run_node(args, config, script_args))
+    ledger = Ledger.take(config.job_dir)  # before this launch makes anything: what a refusal undoes
+    try:
+        if args.manager is not None:
+            return _run_node(args, config, script_args)
+        return _launch(args, config, script_args)
+    except UsageError:  # refused before any rank trained: nothing of this launch stays
+        ledger.undo()
+        raise
+
+
+def _launch(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
+    """A standalone job: this process holds the job dir and the checkpoint dir, then runs the launcher."""
     if os.path.isdir(config.job_dir):  # a second launcher on a live job dir: refused before torch is imported
         from undying.checkpoint.lock import hold_job_dir
 
@@ -461,17 +503,7 @@ def run(args: argparse.Namespace) -> int:
         launch,  # torch and the manager: only for the command that runs a job
     )
 
-    return _refusal_undone(config, lambda: launch(config, args.script, script_args))
-
-
-def _refusal_undone(config: JobConfig, start: Callable[[], int]) -> int:
-    """``start()``; when it refuses the job (a UsageError: before any rank trained), undo what it created."""
-    ledger = Ledger.take(config.job_dir)
-    try:
-        return start()
-    except UsageError:
-        ledger.undo()
-        raise
+    return launch(config, args.script, script_args)
 
 
 def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:

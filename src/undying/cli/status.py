@@ -33,7 +33,14 @@ from undying.cli.client import (
     readable_log,
     resolve_job_dir,
 )
-from undying.cli.summary import LOSS_WORDS, duration, goodput_line, logged_account
+from undying.cli.summary import (
+    LOSS_WORDS,
+    duration,
+    goodput_line,
+    logged_account,
+    logged_verification,
+    verification_line,
+)
 from undying.config import WHOLE_GROUP_LINE
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import LogReader, read_job
@@ -100,6 +107,9 @@ def collect_status(job_dir: str | None, manager: str | None, token_file: str | N
         jd = resolve_job_dir(job_dir)
         status = _logged_status(jd)
     status["earlier_runs"] = [_earlier_run(p) for p in jd.earlier_logs()] if jd is not None else []
+    if jd is not None and "verification" not in status:  # --verify-every: verified and unverified steps
+        with contextlib.suppress(UsageError, LogReader.Error, OSError, ValueError):
+            status["verification"] = logged_verification(jd.events_db, step=int(status.get("step") or 0))
     return status
 
 
@@ -233,6 +243,8 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     if goodput.get("ratio") is not None:
         parts.append(Text(goodput_line(goodput)))
     parts.extend(_checkpoint_lines(status))
+    if status.get("verification"):
+        parts.append(Text("  " + verification_line(status["verification"])))
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
     for mark in status.get("hosts_out") or []:  # no new ranks there until `undying undrain HOST`

@@ -26,7 +26,7 @@ from undying.manager.progress import JobSteps, Plan, Progress, compute, mean_val
 from undying.manager.step_clock import PLAN_EVENT
 
 __all__ = ["Account", "logged_account", "banner", "print_banner", "end_summary", "print_end_summary",
-           "loss_words", "duration"]
+           "loss_words", "duration", "logged_verification", "verification_line"]
 
 TERMINAL = frozenset({"succeeded", "failed", "stopped", "preempted"})
 # The losses as a person reads them.
@@ -148,8 +148,11 @@ def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_statu
 def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
                  out: TextIO | None = None) -> None:
     stream = out or sys.stderr
-    stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status)) + "\n")
-    stream.flush()
+    try:
+        stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status)) + "\n")
+        stream.flush()
+    except OSError:  # a terminal that hung up as the job started (EIO): the job runs on all the same
+        pass
 
 
 # --- the end summary ----------------------------------------------------------
@@ -192,6 +195,9 @@ def end_summary(job_dir: str | Path) -> list[str]:
     saved = f" (newest: step {last['step']}, {last.get('path')})" if last.get("step") is not None else \
         " (none saved by this launch)"
     lines.append(f"  checkpoints: {where}{saved}")
+    verification = logged_verification(jd.events_db, step=progress.step)
+    if verification is not None:
+        lines.append("  " + verification_line(verification))
     lines.append(f"  details: undying status --job-dir {jd.path}")
     return lines
 
@@ -206,8 +212,66 @@ def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - a summary never turns a job's result into a traceback
         lines = [f"undying: no summary ({type(e).__name__}: {e})"]
     if lines:
-        stream.write("\n".join(lines) + "\n")
-        stream.flush()
+        try:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except OSError:  # a terminal that hung up (EIO): the job's exit code stands, the log has the account
+            pass
+
+
+def logged_verification(path: Path, *, step: int) -> dict[str, Any] | None:
+    """What ``--verify-every`` did, from the job's log (None: not asked): verified, and not verified, steps.
+
+    Once the loop ended (its ``verify_summary``) the counts are rank 0's book;
+    while it runs, the verdicts logged so far against the steps due by ``step``.
+    """
+    with LogReader(path) as reader:
+        started = reader.events("verify_started")
+        if not started:
+            return None
+        since = started[-1].t
+        verdicts = [e.data for e in reader.events("verify_result") if e.t >= since]
+        summaries = [e.data for e in reader.events("verify_summary") if e.t >= since]
+        restarts = len([e for e in reader.events("verify_restarted") if e.t >= since])
+        gave_up = [str(e.data.get("reason", "")) for e in reader.events("verify_gave_up") if e.t >= since]
+        refused = len([e for e in reader.events("verify_refused") if e.t >= since])
+    every = max(1, int(started[-1].data.get("every") or 1))
+    out: dict[str, Any] = {"every": every, "restarts": restarts, "gave_up": gave_up[-1] if gave_up else "",
+                           "refused": refused, "error": started[-1].data.get("error", "")}
+    if summaries:
+        done = summaries[-1]
+        out.update(final=True, verified=int(done.get("verified", 0)), mismatched=int(done.get("mismatched", 0)),
+                   skipped=int(done.get("skipped", 0)), not_done=int(done.get("not_done", 0)),
+                   errors=int(done.get("errors", 0)), refused=int(done.get("refused", refused)))
+        out["unverified"] = out["skipped"] + out["not_done"] + out["errors"]
+        return out
+    verified = len(verdicts)
+    due = step // every
+    out.update(final=False, verified=verified, mismatched=len([v for v in verdicts if v.get("passed") is False]),
+               due=due, unverified=max(0, due - verified))
+    return out
+
+
+def verification_line(v: dict[str, Any]) -> str:
+    """``verification: every K steps: ...`` in one line: nothing unverified is ever counted as passed."""
+    every = int(v.get("every", 1))
+    head = f"verification: every {every} step{'s' if every != 1 else ''}: "
+    if v.get("final"):
+        line = (head + f"{v['verified']} verified ({v['mismatched']} mismatched), {v['unverified']} not verified"
+                + (f" ({v['skipped']} skipped: the verifier behind or down, {v['not_done']} unanswered at the end, "
+                   f"{v['errors']} could not be replayed)" if v["unverified"] else ""))
+    else:
+        line = (head + f"{v['verified']} of {v['due']} due steps verified so far ({v['mismatched']} mismatched), "
+                f"{v['unverified']} not (yet) verified")
+    if v.get("restarts"):
+        line += f"; the verifier was restarted {v['restarts']} time{'s' if v['restarts'] != 1 else ''}"
+    if v.get("gave_up"):
+        line += f"; given up: {v['gave_up']}"
+    if v.get("error"):
+        line += f"; {v['error']}"
+    if v.get("refused"):
+        line += f"; {v['refused']} file(s) in verify/ refused (not the job's MAC)"
+    return line
 
 
 def _steps_words(steps: list[int], most: int = 8) -> str:

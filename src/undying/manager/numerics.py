@@ -14,6 +14,16 @@ replaced like a crash: its process is killed, and the recovery's usual path
 the incident says why, and a ``faulty_rank`` event names its host, which a
 multi-node job should take out of placement (quarantine). A persistent fault
 is the data's, not a rank's: it does not count.
+
+Skipping is bounded (``skip_limit``): a persistent fault skips its batch (or
+rolls back), and a job whose every batch fails would skip them all and
+"succeed" with nothing trained. The job fails, with the reason in one line,
+once more than ``max_skips_in_a_row`` steps in a row were skipped, or once
+more than that many were skipped in all and they are more than
+``max_skipped_share`` of the steps run (the limits come with each report:
+``undying run --max-skips-in-a-row``/``--max-skipped-share`` or the script's
+``Numerics``). The manager judges it from the incidents, so a replaced rank 0
+or a restarted manager counts on.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from undying.manager.state import (
 from undying.protocol.kinds import NumericHow
 from undying.protocol.worker_wire import ArmFault, Progress
 
-__all__ = ["on_numeric_fault", "arm_numeric", "NUMERIC_PHASE"]
+__all__ = ["on_numeric_fault", "arm_numeric", "skip_limit", "NUMERIC_PHASE"]
 
 NUMERIC_PHASE = "numeric_fault"
 # How each kind may strike, and the first the default.
@@ -46,6 +56,9 @@ _HOWS = {"nan": ("once", "persistent"), "bitflip": ("grad", "param", "grad-finit
 FAULTS_TO_REPLACE = 2
 # Verdicts that name a rank: its own gradients changed between the step and its replay.
 _RANK_VERDICTS = ("transient", "nondeterministic")
+# The bounds on skipped steps when a report carries none (worker.numerics' defaults).
+_LIMITS = {"max_skips_in_a_row": 10, "max_skipped_share": 0.1}
+_SKIPPING = ("skip", "rollback")
 
 
 def on_numeric_fault(core: JobCore, message: Progress, recoveries: Recoveries | None = None) -> None:
@@ -68,8 +81,56 @@ def on_numeric_fault(core: JobCore, message: Progress, recoveries: Recoveries | 
     core.events.incident(incident)
     if action == "stop":  # the policy's word: no replacement would pass this step either
         core.fail(f"numeric fault, stopped by policy: {_report(incident.error, detail)}")
+    elif action in _SKIPPING:
+        skipped = skipped_steps(core.incidents)
+        given = detail.get("limits")
+        limits: dict[str, Any] = given if isinstance(given, dict) else {}
+        over = skip_limit(skipped, max(core.book.newest_step(), message.step or 0), {**_LIMITS, **limits})
+        if over is not None:
+            core.events.event("numerics_gave_up", step=message.step, skipped=len(skipped), reason=over)
+            core.fail(f"{over}; the last at step {message.step}: {detail.get('reason', '?')}")
     elif recoveries is not None and len(suspects) == 1 and detail.get("verdict") in _RANK_VERDICTS:
         _replace_if_found_again(core, recoveries, suspects[0])
+
+
+def skipped_steps(incidents: list[Incident]) -> set[int]:
+    """Every step whose batch a numeric fault's policy skipped (skip: the step; rollback: its range)."""
+    steps: set[int] = set()
+    for incident in incidents:
+        if incident.kind is not IncidentKind.NUMERIC or incident.action not in _SKIPPING:
+            continue
+        listed = incident.detail.get("skipped")
+        if isinstance(listed, list):
+            steps.update(s for s in listed if isinstance(s, int))
+        else:
+            steps.add(incident.step)
+    return steps
+
+
+def skip_limit(skipped: set[int], steps_run: int, limits: dict[str, Any]) -> str | None:
+    """Why the job must stop skipping (one line), or None: a pure decision on the skipped steps.
+
+    Past ``max_skips_in_a_row`` steps skipped in a row the data or the model is
+    broken, not a batch; and past ``max_skipped_share`` of the steps run (once
+    more than ``max_skips_in_a_row`` were skipped in all: a few early skips are
+    no share) the run is not the run that was asked for.
+    """
+    if not skipped:
+        return None
+    in_a_row = int(limits.get("max_skips_in_a_row") or _LIMITS["max_skips_in_a_row"])
+    share = float(limits.get("max_skipped_share") or _LIMITS["max_skipped_share"])
+    newest = max(skipped)
+    run = 1
+    while newest - run in skipped:
+        run += 1
+    if run > in_a_row:
+        return (f"numeric faults skipped {run} steps in a row (steps {newest - run + 1}..{newest}), more than "
+                f"--max-skips-in-a-row {in_a_row}: the data or the model is broken, not a batch; the job stops")
+    total, steps = len(skipped), max(steps_run, newest, 1)
+    if total > in_a_row and total > share * steps:
+        return (f"numeric faults skipped {total} of {steps} steps ({total / steps:.0%}), more than "
+                f"--max-skipped-share {share:g}: the data or the model is broken, not a batch; the job stops")
+    return None
 
 
 def _faults_of(core: JobCore, rank: int) -> list[Incident]:

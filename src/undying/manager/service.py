@@ -15,6 +15,7 @@ it to train; only a recovery does.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -52,9 +53,13 @@ def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals 
             return 143
         # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run steps.
         return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
-    if final is JobState.STOPPED and interrupted_by == signal.SIGTERM:
-        return 143
+    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        return 128 + int(interrupted_by)  # (a preempting signal that found nothing to preempt: 143, 129 or 131)
     return _EXIT_CODES.get(final, 1)
+
+
+# What ends `undying manager` in order: SIGINT stops the job, the others preempt it (agent.hangup's rule).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @dataclass(frozen=True)
@@ -192,12 +197,14 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
     def on_signal(sig: signal.Signals) -> None:
         interrupted.append(sig)
-        if sig == signal.SIGTERM:
-            manager.preempt("SIGTERM to the manager")
+        if sig == signal.SIGQUIT:  # Ctrl-\: what it was doing first (as agent.hangup does), never a core dump
+            faulthandler.dump_traceback(all_threads=True)
+        if sig != signal.SIGINT:  # SIGHUP (its terminal closed) and SIGQUIT are SIGTERM, as for a launcher
+            manager.preempt(f"{sig.name} to the manager")
         else:
             manager.stop(f"stopped by {sig.name} to the manager")
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         if restart:
@@ -212,7 +219,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         finally:
             waiting.cancel()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
     if final is JobState.PREEMPTED:  # the last line: what the same command resumes from, what it re-runs

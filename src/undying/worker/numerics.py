@@ -67,6 +67,9 @@ HISTORY_EXTRA = "undying_numerics_losses"
 # Each checked model's gradient hooks (weakly: a model that goes away takes its entry with it).
 _HOOKS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 _POLICIES = ("skip", "stop", "rollback")
+# The bounds on skipped steps (skip and rollback), by default: a job whose data or model is broken fails.
+MAX_SKIPS_IN_A_ROW = 10
+MAX_SKIPPED_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,11 @@ class Numerics:
     ``rollback_steps`` steps, from an in-memory snapshot of each, and skip
     their batches). ``scaler``: the script's ``GradScaler``, whose per-step
     bookkeeping a replay resets.
+
+    Skipping is bounded: the job fails with the reason once more than
+    ``max_skips_in_a_row`` steps in a row were skipped, or once more than that
+    many were skipped in all and they are more than ``max_skipped_share`` of
+    the steps run (the manager judges it: ``manager.numerics.skip_limit``).
     """
 
     metric: str = "loss"
@@ -91,6 +99,8 @@ class Numerics:
     scaler: Any = None
     verify_every: int | None = None  # every K steps one rank's step replayed elsewhere (worker.verify)
     rollback_steps: int = 2
+    max_skips_in_a_row: int = MAX_SKIPS_IN_A_ROW
+    max_skipped_share: float = MAX_SKIPPED_SHARE
 
     def __post_init__(self) -> None:
         if self.spike_factor is not None and not (math.isfinite(self.spike_factor) and self.spike_factor > 1):
@@ -106,6 +116,14 @@ class Numerics:
                 or not 1 <= self.rollback_steps <= MAX_SNAPSHOTS:
             raise UsageError(f"Numerics(rollback_steps=...) must be a whole number from 1 to {MAX_SNAPSHOTS} "
                              f"(each is a copy of the state in memory), got {self.rollback_steps!r}")
+        if isinstance(self.max_skips_in_a_row, bool) or not isinstance(self.max_skips_in_a_row, int) \
+                or self.max_skips_in_a_row < 1:
+            raise UsageError(f"Numerics(max_skips_in_a_row=...) must be a whole number of steps from 1 (e.g. 10), "
+                             f"got {self.max_skips_in_a_row!r}")
+        share = self.max_skipped_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise UsageError(f"Numerics(max_skipped_share=...) must be a share of the steps above 0 and at most 1 "
+                             f"(e.g. 0.1), got {share!r}")
 
     @staticmethod
     def from_env(env: dict[str, str] | None = None) -> Numerics | None:
@@ -411,7 +429,9 @@ class NumericsGuard:
             return
         self._send(Progress(self._rank, self._generation(), "numeric_fault", time.time(), step=step.index, detail={
             "verdict": verdict, "action": action, "summary": summary, "suspects": suspects,
-            "fault_t": first.t, "reason": first.reason, "first": _plain(first.values), "replay": _plain(replay), **extra}))
+            "fault_t": first.t, "reason": first.reason, "first": _plain(first.values), "replay": _plain(replay),
+            "limits": {"max_skips_in_a_row": self.config.max_skips_in_a_row,
+                       "max_skipped_share": self.config.max_skipped_share}, **extra}))
 
 
 def _plain(values: dict[str, float | None]) -> dict[str, float | str | None]:

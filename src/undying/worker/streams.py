@@ -9,14 +9,25 @@ console), and the worker sets its own file descriptors before the script runs:
 - teed: to the file and the console, through a ``tee`` process that ends when
   the worker's last descriptor on it closes (a killed worker loses nothing it wrote);
 - filtered off the console: to the file if one is asked for, else nowhere.
+
+A console that is a terminal may hang up under the job (a closed window, a
+dropped ssh session): the launcher then takes its dying gasp, and every write
+to the dead terminal fails with EIO. A rank's ``print`` raising there would
+fail the very steps the gasp waits for, so ``sys.stdout`` and ``sys.stderr``
+on a terminal are guarded (``_Guarded``): on EIO the descriptor is moved onto
+``<job dir>/launcher.log`` (where the launcher's own output goes then) and the
+write is done there.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
+from typing import Any, TextIO
 
+from undying.config import HANGUP_LOG
 from undying.inputs import env_value
 
 __all__ = ["direct_streams"]
@@ -26,7 +37,12 @@ _tees: list[subprocess.Popen[bytes]] = []  # (held: the copies outlive nothing o
 
 
 def direct_streams() -> None:
-    """Point fds 1 and 2 where this rank's environment says (nothing to do when it says nothing)."""
+    """Point fds 1 and 2 where this rank's environment says; guard what stays on a terminal against its hang-up."""
+    _point_streams()
+    _guard_terminal()
+
+
+def _point_streams() -> None:
     env = os.environ
     console = env.get("UNDYING_CONSOLE", "1") != "0"
     folder = env.get("UNDYING_LOG_DIR", "")
@@ -62,3 +78,62 @@ def _tee(path: str, fd: int) -> int:
     os.close(read_end)
     os.close(console)
     return write_end
+
+
+class _Guarded:
+    """A standard stream on a terminal whose writes survive the terminal's hang-up (see the module's doc)."""
+
+    def __init__(self, stream: TextIO, fd: int) -> None:
+        self._stream = stream
+        self._fd = fd
+
+    def _again(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+        _off_the_terminal(self._fd)
+        try:
+            return call(*args)
+        except OSError:  # nowhere to write at all: the words are lost, never the step
+            return len(args[0]) if args and isinstance(args[0], str) else None
+
+    def write(self, text: str) -> int:
+        return int(self._again(self._stream.write, text) or 0)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._again(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _guard_terminal() -> None:
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        try:
+            on_terminal = stream is not None and stream.fileno() == fd and os.isatty(fd)
+        except (OSError, ValueError, AttributeError):
+            on_terminal = False
+        if on_terminal:
+            setattr(sys, name, _Guarded(stream, fd))
+
+
+def _off_the_terminal(fd: int) -> None:
+    """The hung-up terminal on ``fd`` replaced by ``<job dir>/launcher.log`` (or /dev/null without a job dir)."""
+    job_dir = os.environ.get("UNDYING_JOB_DIR", "")
+    try:
+        target = os.open(os.path.join(job_dir, HANGUP_LOG) if job_dir else os.devnull,
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError:
+        try:
+            target = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+    os.dup2(target, fd)
+    os.close(target)

@@ -29,6 +29,16 @@ The decisions are ``worker.verify_plan``'s; this module carries them out.
   a flip in the last steps is found too; what stays unanswered is reported as
   not done (``verify_summary``), never as passed.
 
+Every file of ``verify/`` carries the job's MAC (``worker.verify_files``): a
+file another process planted or changed there is refused, never loaded (rank 0
+says so: ``verify_refused``).
+
+**A verifier that dies** (killed, OOM) is started again at the next verified
+step (or while rank 0 waits at the end): the requests wait for it in the
+folder. One that dies ``MAX_RESTARTS`` times in a row without answering in
+between is given up on, with the reason (``verify_gave_up``); the steps after
+it are counted as not verified, never as passed.
+
 What it cannot see: a corruption the verifier computes too (a deterministic
 bug of the model or the library, a corrupt input batch), and a fault that
 changes neither gradient sum of the suspect. It needs the step's batch from
@@ -41,19 +51,19 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from undying.errors import UndyingError
 from undying.protocol.codec import Message
 from undying.protocol.env import ENV_PREFIX, SEED_ENV
 from undying.protocol.verify_wire import (
@@ -65,9 +75,16 @@ from undying.protocol.verify_wire import (
     file_name,
 )
 from undying.protocol.worker_wire import Progress
-from undying.worker import rng
-from undying.worker.numerics import Numerics, NumericsGuard
-from undying.worker.step import Outcome, Step, StepHooks
+from undying.worker.verifier import serve, serving
+from undying.worker.verify_files import (
+    VERIFY_KEY_ENV,
+    ForgedFile,
+    key_for_verifier,
+    load_sealed,
+    save_sealed,
+    seal,
+    unseal,
+)
 from undying.worker.verify_plan import Decision, Ledger, check_every, due, holder_of, suspect_of
 
 __all__ = ["Verification", "start_verification", "verify_every", "serving", "serve", "SDC_PHASE"]
@@ -79,6 +96,8 @@ VERIFIED_PHASE = "verify_result"  # each verdict, to the manager: a quarantined 
 STALL_S = 5.0  # at the loop's end: how long rank 0 waits for an answer the verifier still owes
 STARTUP_S = 60.0  # ... and for a verifier still starting (importing torch, building the script's model)
 _POLL_S = 0.02
+MAX_RESTARTS = 3  # a verifier that dies this many times in a row without an answer between is given up on
+_REFUSED_SAID = 3  # forged files said one by one (verify_refused); past these, counted in the summary
 # The verifier's environment keeps the job's seed and K, and none of the job's own (its keys, its addresses).
 _KEPT = (SEED_ENV, VERIFY_EVERY_ENV)
 _TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -99,31 +118,15 @@ def start_verification(every: int | None, *, managed: bool, rank: int, world: in
     job_dir = os.environ.get(f"{ENV_PREFIX}JOB_DIR", "")
     if every is None:
         return None
-    if not managed or not job_dir:
-        log.warning("verify_every=%d needs a job run by `undying run`: steps are not verified", every)
+    key = key_for_verifier()
+    if not managed or not job_dir or key is None:
+        log.warning("verify_every=%d needs a job run by `undying run` (its job dir and key): steps are not verified",
+                    every)
         return None
     verification = Verification(every, rank=rank, world=world, seed=seed, job_dir=job_dir,
-                                generation=generation, send=send)
+                                generation=generation, send=send, key=key)
     verification.start()
     return verification
-
-
-def serving() -> bool:
-    """Whether this process is a job's verifier (rank 0 started it with the folder to serve)."""
-    return bool(os.environ.get(VERIFY_DIR_ENV))
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Whole or not at all: the reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _save(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _detached(state_dict: Any) -> Any:
@@ -143,8 +146,9 @@ class Verification:
     """One rank's part in ``--verify-every`` for one ``job.steps`` loop (rank 0 also keeps the book)."""
 
     def __init__(self, every: int, *, rank: int, world: int, seed: int, job_dir: str,
-                 generation: Callable[[], int], send: Callable[[Message], None]) -> None:
+                 generation: Callable[[], int], send: Callable[[Message], None], key: bytes) -> None:
         self.every = every
+        self._key = key  # the job's verify key: every file here is sealed and checked with it
         self._rank = rank
         self._world = world
         self._seed = seed
@@ -159,6 +163,10 @@ class Verification:
         self._process: subprocess.Popen[bytes] | None = None
         self._overdue_said = False
         self._errors_said = False
+        self._refused = 0  # files that failed the job's MAC (never loaded)
+        self._deaths = 0  # the verifier's deaths since its last answer
+        self._restarts = 0
+        self._gave_up = ""  # why the verifier was given up on ("" while it is kept)
 
     # --- the loop's seams -------------------------------------------------------------
 
@@ -232,8 +240,9 @@ class Verification:
         process = self._process
         exited = None if process is None else process.poll()
         self._send(Progress(0, self._generation(), "verify_summary", time.time(), detail={
-            **summary, "every": self.every, "verifier_exit": exited,
-            "note": "steps not verified: " + (f"{summary['skipped']} skipped (the verifier was behind), "
+            **summary, "every": self.every, "verifier_exit": exited, "restarts": self._restarts,
+            "refused": self._refused, "gave_up": self._gave_up,
+            "note": "steps not verified: " + (f"{summary['skipped']} skipped (the verifier was behind or down), "
                                              f"{summary['not_done']} unanswered at the end, "
                                              f"{summary['errors']} that could not be replayed")}))
         if process is not None and exited is None:
@@ -252,13 +261,17 @@ class Verification:
         prefix = f"res-{self._round(self._round_no)}-"
         for path in sorted(self.folder.glob(prefix + "*.json")):
             try:
-                result = VERIFY_CODEC.decode(path.read_bytes())
+                result = VERIFY_CODEC.decode(unseal(path, self._key))
                 path.unlink()
+            except ForgedFile as e:
+                self._refuse(path, e)
+                continue
             except (OSError, ValueError) as e:
                 log.info("verification answer %s unreadable (%s): left for the next look", path.name, e)
                 continue
             if not isinstance(result, VerifyResult):
                 continue
+            self._deaths = 0  # it answers: a death from here on is a new one
             if result.match is False and result.differing == [-1]:
                 out.append((result.step, None))  # the replay could not run: not a verdict
                 if not self._errors_said:
@@ -275,6 +288,7 @@ class Verification:
         """Rank 0 decides; every rank gets the same decision (one broadcast of a few integers)."""
         values = torch.zeros(7, dtype=torch.int64)
         if self._rank == 0:
+            self._keep_verifier()
             decision = decide()
             self._forget_older_states(self._ledger.passed)  # the last verified state's file is the one kept
             values[:6] = torch.tensor(decision.encode(), dtype=torch.int64)
@@ -300,6 +314,8 @@ class Verification:
         owed = len(self._ledger.pending)
         ready = False
         while self._ledger.pending:
+            if self._process is not None and self._process.poll() is not None and self._keep_verifier():
+                ready, last = False, time.monotonic()  # a new one: it takes the requests still in the folder
             if self._process is None or self._process.poll() is not None or _stopped(self._process.pid):
                 return  # gone, or stopped (SIGSTOP): nothing will come; the summary says not done
             if not ready and (self.folder / f"ready-{self._process.pid}").exists():
@@ -315,6 +331,48 @@ class Verification:
                 return
             time.sleep(_POLL_S)
 
+    def _keep_verifier(self) -> bool:
+        """Rank 0: a verifier that died is started again (True: a new one runs), or given up on with the reason."""
+        process = self._process
+        if process is None or self._gave_up:
+            return False
+        code = process.poll()
+        if code is None:
+            return False
+        self._deaths += 1
+        reason = ""
+        if self._deaths > MAX_RESTARTS:
+            reason = (f"the verifier died {self._deaths} times in a row without an answer (the last "
+                      f"{_how_it_ended(code)}; see {self.folder / 'verifier.log'}): steps from here on are not "
+                      "verified")
+        else:
+            try:
+                self._process = self._spawn()
+            except OSError as e:
+                reason = f"the verifier died ({_how_it_ended(code)}) and could not start again: {e}"
+        if reason:
+            self._gave_up = reason
+            self._ledger.given_up = True
+            self._send(Progress(0, self._generation(), "verify_gave_up", time.time(), detail={
+                "reason": reason, "restarts": self._restarts, "pending": len(self._ledger.pending)}))
+            return False
+        self._restarts += 1
+        self._send(Progress(0, self._generation(), "verify_restarted", time.time(), detail={
+            "pid": self._process.pid if self._process else None, "old_pid": process.pid,
+            "exit": _how_it_ended(code), "restarts": self._restarts, "waiting": len(self._ledger.pending),
+            "note": "the verifier died; a new one takes the requests still waiting in the folder"}))
+        return True
+
+    def _refuse(self, path: Path, error: ForgedFile) -> None:
+        """A file that failed the job's MAC: removed unread, and said (the first few one by one)."""
+        self._refused += 1
+        with contextlib.suppress(OSError):
+            path.unlink()
+        log.warning("%s", error)
+        if self._refused <= _REFUSED_SAID:
+            self._send(Progress(0, self._generation(), "verify_refused", time.time(), detail={
+                "file": path.name, "reason": str(error), "refused": self._refused}))
+
     # --- the roll-back ----------------------------------------------------------------
 
     def _roll_back(self, state: Any, decision: Decision, *, committed: int) -> int:
@@ -323,7 +381,7 @@ class Verification:
             thread.join(timeout=60)
         self._writes = []
         path = self._path("pre", decision.source_round, decision.rollback_to, "pt")
-        state.load_state_dict(torch.load(path, weights_only=True))
+        state.load_state_dict(load_sealed(path, self._key))  # ForgedFile: refused on every rank, never loaded
         state.discard_gradients()
         if self._rank == 0:  # what the verifier still has of the old round would be answered for nothing
             for stale in self.folder.glob(f"req-{self._round(decision.round_no - 1)}-*.json"):
@@ -358,9 +416,9 @@ class Verification:
         """Written from a thread: the step goes on (the files are whole when they appear)."""
         def write() -> None:
             try:
-                _save(path, obj)
+                save_sealed(path, obj, self._key)
                 if then is not None:
-                    _write(*then)
+                    seal(*then, self._key)
             except OSError as e:  # a full disk: this verification is not done (the book says so)
                 log.info("verification file %s not written: %s", path, e)
 
@@ -377,6 +435,7 @@ class Verification:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env.update({VERIFY_DIR_ENV: str(self.folder), VERIFY_EVERY_ENV: str(self.every), SEED_ENV: str(self._seed),
+                    VERIFY_KEY_ENV: self._key.hex(),  # its only key: to seal its verdicts and check the ranks' files
                     "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         main = sys.modules.get("__main__")
@@ -391,108 +450,6 @@ class Verification:
             logfile.close()
 
 
-# --- the verifier's side ------------------------------------------------------------------
-
-
-class _Replayed(UndyingError):
-    """Raised at ``optimizer.step()`` in a replay: the fingerprint is taken, nothing steps."""
-
-
-def _nowhere(message: Message) -> None:
-    """The verifier reports to no one: its answers are files."""
-
-
-def serve(state: Any, config: Numerics) -> Iterator[Step]:
-    """The verifier's loop: each request's step, replayed from the holder's state on the suspect's batch.
-
-    Each replay is a step the script's own body runs (``with step:``), stopped
-    at ``optimizer.step()``; a numeric guard's gradient hooks take the
-    fingerprint, as on the ranks. Ends when the rank 0 that started it (its
-    parent) is gone. A request whose files cannot be read is answered as not
-    replayed (``differing == [-1]``), never as a verdict.
-    """
-    folder = Path(os.environ[VERIFY_DIR_ENV])
-    parent = os.getppid()
-    replaying = [False]
-    _write(folder / f"ready-{os.getpid()}", b"")  # rank 0 waits for answers at the end only while this is up
-
-    def stop_at_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if replaying[0]:
-            raise _Replayed("replayed up to optimizer.step()")
-
-    if state.optimizer is not None:
-        state.optimizer.register_step_pre_hook(stop_at_optimizer)
-    guard = NumericsGuard(config, state, 0, lambda: 0, _nowhere)  # its gradient hooks take the fingerprint
-    hooks = StepHooks(before_commit=lambda step: False, commit=lambda step: None, is_fault=lambda exc: False,
-                      aborted=lambda exc: None, failed=lambda index, exc: None, began=lambda step, fp: None,
-                      numeric=lambda step, exc: "replay" if isinstance(exc, _Replayed) else None)
-    while os.getppid() == parent:
-        found = sorted(folder.glob("req-*.json"))
-        if not found:
-            time.sleep(_POLL_S)
-            continue
-        path = found[0]
-        loaded = _load_request(folder, path)
-        if loaded is None:
-            time.sleep(_POLL_S)  # the holder's state is still being written
-            continue
-        request, batch, pre, error = loaded
-        started = time.monotonic()
-        prints: list[int] = []
-        if pre is not None:
-            state.load_state_dict(pre)
-            state.discard_gradients()
-            rng.reseed(request.seed, request.rank, "body", request.step)
-            step = Step(hooks, request.step, 0, batch, 0)
-            guard.begin(step)
-            replaying[0] = True
-            try:
-                yield step
-            finally:
-                replaying[0] = False
-            if step.outcome is Outcome.REPLAY:
-                prints = guard.prints()
-            else:
-                error = f"the body of step {request.step} ended without optimizer.step() ({step.outcome.value})"
-        same = not error and prints == request.prints
-        differing = [-1] if error else [i for i in range(max(len(prints), len(request.prints)))
-                                        if prints[i:i + 1] != request.prints[i:i + 1]]
-        result = VerifyResult(request.round, request.step, request.rank, request.holder, same, differing,
-                              round(time.monotonic() - started, 6), time.time())
-        if error:
-            log.warning("verifier: step %d of rank %d not replayed: %s", request.step, request.rank, error)
-        _write(folder / file_name("res", request.round, request.step, "json"), VERIFY_CODEC.encode(result))
-        for done in (path, folder / file_name("batch", request.round, request.step, "pt")):
-            with contextlib.suppress(OSError):
-                done.unlink()
-    # Rank 0 is gone: leave now, never running the script's code after its loop (a final save, a report)
-    # as if this process had trained.
-    logging.shutdown()
-    os._exit(0)
-
-
-def _load_request(folder: Path, path: Path) -> tuple[VerifyRequest, Any, Any, str] | None:
-    """A request, its batch and the holder's state (None for the state, with why, when they cannot be read).
-
-    None: the holder's state is not there yet (it is written from a thread);
-    past a minute it is answered as not replayed.
-    """
-    try:
-        request = VERIFY_CODEC.decode(path.read_bytes())
-    except (OSError, ValueError) as e:
-        with contextlib.suppress(OSError):
-            path.unlink()
-        log.warning("verifier: request %s unreadable, dropped: %s", path.name, e)
-        return None
-    if not isinstance(request, VerifyRequest):
-        return None
-    pre = folder / file_name("pre", request.round, request.step, "pt")
-    if not pre.exists():
-        if time.time() - request.t < 60:
-            return None
-        return request, None, None, f"the holder's state {pre.name} never came"
-    try:
-        batch = torch.load(folder / file_name("batch", request.round, request.step, "pt"), weights_only=True)
-        return request, batch, torch.load(pre, weights_only=True), ""
-    except Exception as e:  # a file torn by a full disk, or refused by weights_only: not a verdict
-        return request, None, None, f"{type(e).__name__}: {e}"
+def _how_it_ended(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
+        f"exit {code}"

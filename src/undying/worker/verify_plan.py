@@ -81,6 +81,7 @@ class Ledger:
     skipped: int = 0  # verified steps not verified: the queue was full
     errors: int = 0  # replays that could not run (the verifier said why)
     overdue: bool = False  # the queue is full now: the verifier is behind (or stopped)
+    given_up: bool = False  # the verifier kept dying: no step is verified from now on (each counted skipped)
 
     def settle(self, results: list[tuple[int, bool | None]]) -> Decision | None:
         """Take the verifier's answers ((step, match); None: the replay could not run); a roll-back, or None.
@@ -119,6 +120,9 @@ class Ledger:
             return back
         if step in self.pending:  # the same step again (re-run after a peer's fault): verified once more
             del self.pending[step]
+        if self.given_up:
+            self.skipped += 1
+            return Decision(False, round_no=self.round_no)
         if len(self.pending) >= self.max_pending:
             self.skipped += 1
             self.overdue = True
