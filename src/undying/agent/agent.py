@@ -125,7 +125,7 @@ class Agent:
         self._zygote: Zygote | None = None
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
         self._from_worker = self._worker_handlers()
-        self._torchrun = TorchrunEnv(config, node)  # torchrun's variables (agent/torchrun_env.py)
+        self._torchrun = TorchrunEnv(self)  # torchrun's variables, from this agent's config and node
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
