@@ -178,7 +178,8 @@ def test_a_crash_during_a_planned_move_cancels_the_move_with_identical_losses(
     with the reason), the old process keeps the rank, rank 0 is replaced from it, and the losses are the
     fault-free run's."""
     job_dir = tmp_path / "job"
-    process = start_job(job_dir, list(SCRIPT_ARGS), ranks=2, run_args=["--spares", "1"], reap=reap)
+    paced = (*SCRIPT_ARGS[:2], "--step-seconds", "0.1")  # (the boundary is then 20 steps ahead: 2 s)
+    process = start_job(job_dir, list(paced), ranks=2, run_args=["--spares", "1"], reap=reap)
     url = manager_url(job_dir)
     wait_for(lambda: (s := status(url))["state"] == "running" and s["step"] >= 5 and s["spares_ready"] >= 1, 90,
              "the job running past step 5 with a warm spare")
@@ -195,5 +196,8 @@ def test_a_crash_during_a_planned_move_cancels_the_move_with_identical_losses(
     [incident] = run.incidents
     assert (incident["kind"], incident["rank"], incident["status"]) == ("crash", 0, "recovered"), incident
     assert incident["step"] <= answer["boundary_step"], (incident, answer)
-    [failed] = events(job_dir / "events.db", "migration_failed")
-    assert failed["rank"] == 1 and "crash of rank 0" in failed["reason"], failed
+    [failed] = events(job_dir / "events.db", "migration_failed")  # the move, cancelled with its reason
+    assert failed["pid"] == answer["pid"] and f"rank 1 stays on pid {answer['pid']}" in failed["reason"], failed
+    assert "a recovery took the job on first (crash of rank 0" in failed["reason"], failed
+    finished = [e for e in events(job_dir / "events.db", "exited") if e["pid"] == answer["pid"]]
+    assert [e["returncode"] for e in finished] == [0]  # the old process kept the rank to the job's end

@@ -225,6 +225,7 @@ class Manager:
     def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None:
         core = self.core
         self.events.event("exited", generation=self.generation, rank=rank, pid=pid, returncode=returncode)
+        self.migrations.before_exit(pid, returncode)  # a moving rank's old process: the rank is its again
         info = self.ranks.get(rank)
         if info is None or pid != info.pid:
             return  # a process already replaced (or numbered before a regroup); its exit is old news
