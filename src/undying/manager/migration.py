@@ -306,7 +306,8 @@ class Migrations:
         """Any process's exit, before it is judged: a moving rank's old process that ended before its boundary
         cancels the move (the rank is that process's again, so its exit is the rank's fault, handled as such)."""
         pending = self.pending.get(pid)
-        if pending is not None and pending.node is None:
+        # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read after this)
+        if pending is not None and pending.node is None and returncode != EXIT_MIGRATED:
             self._cancel(pending, f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before the "
                                   f"move's boundary (step {pending.boundary}); its exit is handled as the fault it is")
 

@@ -1,0 +1,129 @@
+"""A rank that exits 0 before its last step: held, then a left-early incident or its part of the job done.
+
+Real Managers fed the exits and messages their agents report (manager.leaving,
+policy.decide); the processes are tests/integration/test_left_early.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from undying.config import JobConfig
+from undying.manager.events import EventLog, LogReader
+from undying.manager.manager import Manager
+from undying.manager.policy import Action, PolicyContext, decide
+from undying.manager.state import Incident
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.node_wire import RankProgress
+from undying.protocol.worker_wire import Done, Hello, StepCommitted
+
+
+class _Agent:
+    """A node's agent as the manager drives it: spawns are numbered processes, nothing runs."""
+
+    node = 0
+
+    def __init__(self) -> None:
+        self.spawned: list[tuple[int, bool]] = []
+        self.killed: list[int] = []
+
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
+              incarnation: int = 0) -> tuple[int, bool]:
+        self.spawned.append((rank, joining))
+        return 1000 + len(self.spawned), False
+
+    def kill(self, rank: int, sig: Any) -> bool:
+        self.killed.append(rank)
+        return True
+
+    def abort(self, rank: int, generation: int, reason: str) -> bool:
+        return True
+
+    def keep_spares(self) -> None:
+        pass
+
+    def set_trace(self, switch: Any) -> None:
+        pass
+
+
+def _running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, _Agent]:
+    """A job of ``ranks`` step-API ranks, each at step 4 of generation 0."""
+    manager = Manager(JobConfig(job_id="l", job_dir=str(tmp_path), nproc_per_node=ranks, port=0),
+                      EventLog(tmp_path / "e.db"))
+    manager.start_control_store(os.urandom(32))
+    agent = _Agent()
+    manager.add_agent(cast(Any, agent))
+    record = manager.core.open_generation("start")
+    for rank in range(ranks):
+        manager.core.spawn(rank, record, joining=False)
+        manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
+        for step in range(1, 5):
+            manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
+    return manager, agent
+
+
+def _verdicts(manager: Manager) -> list[str]:
+    manager.events.flush()
+    with LogReader(manager.events.path) as log:
+        return [e.data["verdict"] for e in log.events("left_early")]
+
+
+def test_every_rank_ending_its_loop_at_the_same_step_succeeds_as_under_torchrun(tmp_path: Path) -> None:
+    manager, _ = _running(tmp_path)
+    manager.on_exit(1, manager.ranks[1].pid, 0, 10.0)
+    assert manager.state.value == "running" and _verdicts(manager) == ["pending"]  # held, not finished
+    manager.on_exit(0, manager.ranks[0].pid, 0, 10.1)
+    assert manager.state.value == "succeeded" and not manager.incidents
+    assert _verdicts(manager)[2:] == ["every rank ended its loop: it at step 4, none went on past it"] * 2
+    manager.close()
+
+
+def test_a_done_that_comes_after_the_exit_finishes_the_rank(tmp_path: Path) -> None:
+    manager, _ = _running(tmp_path)
+    for rank in (0, 1):
+        manager.on_exit(rank, manager.ranks[rank].pid, 0, 10.0)  # (the agent's exit watch was first)
+        manager.on_message(Done(rank, 4, "d", 10.0))
+    assert manager.state.value == "succeeded" and not manager.incidents
+    manager.close()
+
+
+@pytest.mark.parametrize("evidence", ["commit", "stall"])
+def test_a_rank_whose_peer_goes_on_left_early_and_is_replaced(tmp_path: Path, evidence: str) -> None:
+    manager, agent = _running(tmp_path)
+    manager.on_exit(1, manager.ranks[1].pid, 0, 10.0)
+    if evidence == "commit":  # rank 0 committed a step after rank 1's last one
+        manager.on_message(StepCommitted(0, 0, 5, 11.0, {"loss": 1.0}))
+    else:  # rank 0 is stuck in step 5 (in a collective rank 1 never joins)
+        manager.on_stall([RankProgress(0, manager.ranks[0].pid, 0, "step", 5, 3, 11.0)], 5.0, 17.0)
+    [incident] = [i for i in manager.incidents if i.kind == "left-early"]
+    assert (incident.rank, incident.step, incident.action) == (1, 5, "replace"), incident
+    assert "exited 0 at step 5 before finishing its steps" in incident.error
+    assert agent.spawned[-1] == (1, True) and manager.state.value == "recovering"
+    manager.close()
+
+
+def _left(rank: int = 1, step: int = 5, action: str = "", injected: bool = False) -> Incident:
+    incident = Incident(id=rank * 100 + step, kind="left-early", rank=rank, step=step, fault_t=1.0, recovery=1,
+                        action=action)
+    if injected:
+        incident.detail["injected"] = True
+    return incident
+
+
+@pytest.mark.parametrize(("history", "now", "action"), [
+    ([], _left(), Action.REPLACE),  # the first time: replaced like a crash
+    ([_left(action="replace")], _left(step=6), Action.FAIL),  # the same rank again, at any step: the script
+    ([_left(rank=0, action="replace")], _left(), Action.REPLACE),  # another rank's
+    ([_left(action="replace", injected=True)], _left(), Action.REPLACE),  # an injected one never counts
+    ([_left(action="replace")], _left(injected=True), Action.REPLACE),  # nor is one
+])
+def test_a_rank_is_replaced_once_for_leaving_early_then_the_job_fails(history: list[Incident], now: Incident,
+                                                                      action: Action) -> None:
+    decision = decide(now, [*history, now], PolicyContext(max_restarts=3, holders_alive=1))
+    assert decision.action is action, decision
+    if action is Action.FAIL:
+        assert decision.reason.startswith("rank 1 left the job early again at step 6") and "\n" not in decision.reason
