@@ -95,8 +95,10 @@ def test_a_done_that_comes_after_the_exit_finishes_the_rank(tmp_path: Path) -> N
 def test_a_rank_whose_peer_goes_on_left_early_and_is_replaced(tmp_path: Path, evidence: str) -> None:
     manager, agent = _running(tmp_path)
     manager.on_exit(1, manager.ranks[1].pid, 0, 10.0)
-    if evidence == "commit":  # rank 0 committed a step after rank 1's last one
-        manager.on_message(StepCommitted(0, 0, 5, 11.0, {"loss": 1.0}))
+    if evidence == "commit":  # rank 0 committed steps after rank 1's last one
+        manager.on_message(StepCommitted(0, 0, 5, 11.0, {"loss": 1.0}))  # (rank 1's own may still be on its way)
+        assert not manager.incidents
+        manager.on_message(StepCommitted(0, 0, 6, 12.0, {"loss": 1.0}))
     else:  # rank 0 is stuck in step 5 (in a collective rank 1 never joins)
         manager.on_stall([RankProgress(0, manager.ranks[0].pid, 0, "step", 5, 3, 11.0)], 5.0, 17.0)
     [incident] = [i for i in manager.incidents if i.kind == "left-early"]

@@ -12,7 +12,7 @@ script ends its loop before the others, and no replacement changes that.
 
 What shows that the others go on, once a rank left without its ``Done``:
 
-- another rank commits a step after the leaver's last committed one;
+- another rank commits a step past the one after the leaver's last commit;
 - a collective fails on another rank (it waited for the leaver in a step);
 - the others stall in a step (a collective the leaver never joins);
 - a recovery is under way (the others rejoin without it).
@@ -75,8 +75,12 @@ class Leavers:
         return True
 
     def on_commit(self, rank: int, step: int) -> None:
-        """Another rank committed ``step``: any rank that left before it left early."""
-        for left in [p for p in self.pending.values() if p.rank != rank and step > p.step]:
+        """Another rank committed ``step``: any rank that left two steps before it left early.
+
+        (Two: a leaver's own last commit may be read after its exit, the two
+        travel apart; a step after that needs the leaver's collectives anyway.)
+        """
+        for left in [p for p in self.pending.values() if p.rank != rank and step > p.step + 1]:
             self.incident(left, f"while rank {rank} committed step {step}")
 
     def explains(self, rank: int, step: int, what: str) -> bool:

@@ -15,7 +15,11 @@ and every rank runs that step once. No step is re-run to completion, no
 state is lost, and the losses are those of the run without the move
 (``tests/integration/test_migrate.py``). The incident carries the timeline
 (detected at the boundary, the replacement ready before it, the group
-rebuilt, the state restored, the first step done): the stall.
+rebuilt, the state restored, the first step done): the stall. A fault before
+the boundary (a recovery round opening, or the moving process's own exit)
+cancels the move: the old process, perhaps the last holder of the rank's
+state, keeps the rank and is never fenced; the replacement started ahead is
+killed (``migration_failed``, with the reason).
 
 A whole node moves (``--node N --to HOST``, and ``drain``) to a standby agent
 parked on the target: every rank of the node leaves at one boundary; at the
