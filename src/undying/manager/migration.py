@@ -324,10 +324,17 @@ class Migrations:
         is killed; the old process stays at its boundary (worker.job). The
         recovery then plans with the old process as the rank's holder.
         """
+        why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
         for pending in [p for p in self.pending.values() if p.node is None]:
-            self._cancel(pending, f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at "
-                                  f"step {incident.step}) before the move's boundary (step {pending.boundary}); "
-                                  f"rank {pending.rank} stays on pid {pending.pid}")
+            self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); rank "
+                                  f"{pending.rank} stays on pid {pending.pid}")
+        for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
+            # A whole node's move: its ranks stay too (worker.job); nothing was started ahead for it.
+            ranks = sorted(p.rank for p in self.pending.values() if p.node == node)
+            self.pending = {pid: p for pid, p in self.pending.items() if p.node != node}
+            self.core.events.event("migration_failed", node=node, ranks=ranks, returncode=None,
+                                   reason=f"{why} before the move's boundary; node {node} stays where it is (move it "
+                                          "again once the job runs)")
 
     def _cancel(self, pending: _Pending, reason: str) -> None:
         """A rank's move is off: the rank is its old process's again, the replacement started ahead is killed."""
