@@ -389,9 +389,9 @@ class Agent:
         t = time.time()
         if not self.spares.exited(process.pid, returncode):
             worker = self._by_pid.pop(process.pid, None)
-            if worker is not None and self._workers.get(worker.rank) is worker:  # the rank's newest process ended:
-                self._workers.update({w.rank: w for w in self._by_pid.values() if w.rank == worker.rank})  # an older
-            if worker is not None:  # (one still running holds the rank again: a planned move was cancelled)
+            if worker is not None and self._workers.get(worker.rank) is worker:  # the rank's newest process ended
+                self._workers.update({w.rank: w for w in self._by_pid.values() if w.rank == worker.rank})  # while an
+            if worker is not None:  # older one runs (a cancelled move, manager.migration): that one holds it again
                 # A script that returned is done, whatever its exit took (agent/exits.py).
                 returncode = returned_exit(self.config, worker.rank, worker.incarnation, worker.pid, returncode,
                                            self._spare_event)
