@@ -6,64 +6,17 @@ policy.decide); the processes are tests/integration/test_left_early.py's.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 
-from undying.config import JobConfig
-from undying.manager.events import EventLog, LogReader
+from tests.unit.live_manager import running
+from undying.manager.events import LogReader
 from undying.manager.manager import Manager
 from undying.manager.policy import Action, PolicyContext, decide
 from undying.manager.state import Incident
-from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import RankProgress
-from undying.protocol.worker_wire import Done, Hello, StepCommitted
-
-
-class _Agent:
-    """A node's agent as the manager drives it: spawns are numbered processes, nothing runs."""
-
-    node = 0
-
-    def __init__(self) -> None:
-        self.spawned: list[tuple[int, bool]] = []
-        self.killed: list[int] = []
-
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
-              incarnation: int = 0) -> tuple[int, bool]:
-        self.spawned.append((rank, joining))
-        return 1000 + len(self.spawned), False
-
-    def kill(self, rank: int, sig: Any) -> bool:
-        self.killed.append(rank)
-        return True
-
-    def abort(self, rank: int, generation: int, reason: str) -> bool:
-        return True
-
-    def keep_spares(self) -> None:
-        pass
-
-    def set_trace(self, switch: Any) -> None:
-        pass
-
-
-def _running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, _Agent]:
-    """A job of ``ranks`` step-API ranks, each at step 4 of generation 0."""
-    manager = Manager(JobConfig(job_id="l", job_dir=str(tmp_path), nproc_per_node=ranks, port=0),
-                      EventLog(tmp_path / "e.db"))
-    manager.start_control_store(os.urandom(32))
-    agent = _Agent()
-    manager.add_agent(cast(Any, agent))
-    record = manager.core.open_generation("start")
-    for rank in range(ranks):
-        manager.core.spawn(rank, record, joining=False)
-        manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
-        for step in range(1, 5):
-            manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
-    return manager, agent
+from undying.protocol.worker_wire import Done, StepCommitted
 
 
 def _verdicts(manager: Manager) -> list[str]:
@@ -73,7 +26,7 @@ def _verdicts(manager: Manager) -> list[str]:
 
 
 def test_every_rank_ending_its_loop_at_the_same_step_succeeds_as_under_torchrun(tmp_path: Path) -> None:
-    manager, _ = _running(tmp_path)
+    manager, _ = running(tmp_path)
     manager.on_exit(1, manager.ranks[1].pid, 0, 10.0)
     assert manager.state.value == "running" and _verdicts(manager) == ["pending"]  # held, not finished
     manager.on_exit(0, manager.ranks[0].pid, 0, 10.1)
@@ -83,7 +36,7 @@ def test_every_rank_ending_its_loop_at_the_same_step_succeeds_as_under_torchrun(
 
 
 def test_a_done_that_comes_after_the_exit_finishes_the_rank(tmp_path: Path) -> None:
-    manager, _ = _running(tmp_path)
+    manager, _ = running(tmp_path)
     for rank in (0, 1):
         manager.on_exit(rank, manager.ranks[rank].pid, 0, 10.0)  # (the agent's exit watch was first)
         manager.on_message(Done(rank, 4, "d", 10.0))
@@ -93,7 +46,7 @@ def test_a_done_that_comes_after_the_exit_finishes_the_rank(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("evidence", ["commit", "stall"])
 def test_a_rank_whose_peer_goes_on_left_early_and_is_replaced(tmp_path: Path, evidence: str) -> None:
-    manager, agent = _running(tmp_path)
+    manager, agent = running(tmp_path)
     manager.on_exit(1, manager.ranks[1].pid, 0, 10.0)
     if evidence == "commit":  # rank 0 committed steps after rank 1's last one
         manager.on_message(StepCommitted(0, 0, 5, 11.0, {"loss": 1.0}))  # (rank 1's own may still be on its way)
