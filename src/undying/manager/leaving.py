@@ -133,6 +133,6 @@ class Leavers:
                                                 fault_t=injected[0] if injected else left.t, detected_t=time.time(),
                                                 error=error)
         incident.detail.update({"returncode": 0, "pid": left.pid, "node": left.node})
-        if injected:  # (`undying inject leave`: no script's own early end, never the same-step rule's repeat)
+        if injected:  # (`undying inject leave`: not the script's own early end, so never counted as a repeat)
             incident.detail["injected"] = True
         self.recoveries.handle(incident)
