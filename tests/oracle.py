@@ -108,7 +108,7 @@ class Oracle:
         the reference runs at full speed, and a paced job and an unpaced one of
         the same arguments share it.
         """
-        script_args = _without_option(script_args, "--step-seconds")
+        script_args = _without_option(_without_option(script_args, "--step-seconds"), "--env-out")  # (nor env dumps)
         key = (ranks, tuple(script_args), *((str(script), tuple(run_args)) if script or run_args else ()))
         if key not in self._baselines:
             def make(folder: Path) -> None:

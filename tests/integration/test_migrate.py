@@ -14,6 +14,8 @@ run without the move, no step completed twice) and the incident log (planned
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,13 +25,14 @@ from typing import Any
 
 import pytest
 
-from tests.integration.jobs import manager_url, run_demo_json, start_job, status
+from tests.integration.jobs import events, manager_url, run_demo_json, start_job, status
 from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.cli.client import api_post
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import compare_runs, load_run
 from undying.errors import UsageError
+from undying.manager.auth import find_token
 from undying.manager.events import connect_readonly, read_job
 
 # test_goodput's job (2 ranks, 64 steps), paced: its fault-free baseline (pacing aside) is shared.
@@ -170,3 +173,35 @@ def test_demo_fault_migrate_json_keeps_the_demo_contract(tmp_path: Path, reap: l
     assert incident["replacement"] == "warm spare"
     for phase in ("detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done"):
         assert phase in incident["phases"], incident["phases"]
+
+
+def test_a_crash_during_a_planned_move_cancels_the_move_with_identical_losses(
+        oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
+    """`undying migrate --rank 1`, then rank 0 SIGKILLed before the move's boundary: the old rank 1 is the only
+    process holding the state. The recovery overtakes the move: the move is cancelled (``migration_failed``,
+    with the reason), the old process keeps the rank, rank 0 is replaced from it, and the losses are the
+    fault-free run's."""
+    job_dir = tmp_path / "job"
+    paced = (*SCRIPT_ARGS[:2], "--step-seconds", "0.1")  # (the boundary is then 20 steps ahead: 2 s)
+    process = start_job(job_dir, list(paced), ranks=2, run_args=["--spares", "1"], reap=reap)
+    url = manager_url(job_dir)
+    wait_for(lambda: (s := status(url))["state"] == "running" and s["step"] >= 5 and s["spares_ready"] >= 1, 90,
+             "the job running past step 5 with a warm spare")
+    token = find_token(job_dir, None)
+    answer = api_post(url, "/api/migrate", {"rank": 1}, token=token)
+    ranks = {r["rank"]: r for r in status(url)["ranks"]}
+    old_rank0 = ranks[0]["pid"]
+    os.kill(old_rank0, signal.SIGKILL)  # before the boundary (steps worth 2 s ahead, at least two)
+    assert process.wait(timeout=120) == 0, (job_dir.parent / "job.log").read_text()[-3000:]
+    run = load_run(job_dir / "events.db")
+    comparison = compare_runs(oracle.baseline(SCRIPT_ARGS, ranks=2), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+    assert run.rerun_steps == []
+    [incident] = run.incidents
+    assert (incident["kind"], incident["rank"], incident["status"]) == ("crash", 0, "recovered"), incident
+    assert incident["step"] <= answer["boundary_step"], (incident, answer)
+    [failed] = events(job_dir / "events.db", "migration_failed")  # the move, cancelled with its reason
+    assert failed["pid"] == answer["pid"] and f"rank 1 stays on pid {answer['pid']}" in failed["reason"], failed
+    assert "a recovery took the job on first (crash of rank 0" in failed["reason"], failed
+    finished = [e for e in events(job_dir / "events.db", "exited") if e["pid"] == answer["pid"]]
+    assert [e["returncode"] for e in finished] == [0]  # the old process kept the rank to the job's end

@@ -11,6 +11,7 @@ for bit, and that no step completed twice.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -250,11 +251,16 @@ def test_a_warm_standby_takes_a_lost_nodes_rank_and_its_ranks_start_on_its_spare
 
     Node 1's host is killed; the manager gives the standby node 1's rank at once,
     and ranks 2 and 3 start on its warm spares (no host to wait for, no torch to
-    import): every loss is the fault-free run's, no step ran twice.
+    import): every loss is the fault-free run's, no step ran twice. Their
+    torchrun environment is node 1's (GROUP_RANK 1, the error file in the job's
+    dir, though no agent was given --job-dir): each process writes what it got.
     """
     hosts = cluster.hosts
     assert isinstance(hosts, Hosts)
     standby = hosts.add_host()
+    envs = cluster.root / "envs"
+    envs.mkdir()
+    cluster.script_args += ["--env-out", str(envs)]  # (the oracle's baseline is the same: it only writes files)
     cluster.start()
     cluster.start_standby(standby)
     wait_for(lambda: cluster.log(f"standby{standby}").count("is warm") >= 2, 90, "the standby's two warm spares")
@@ -268,6 +274,22 @@ def test_a_warm_standby_takes_a_lost_nodes_rank_and_its_ranks_start_on_its_spare
     assert "gave this agent node 1" in cluster.log(f"standby{standby}")
     assert cluster.standbys[standby].returncode == 0  # it ended with the job, as node 1's agent
     assert set(job["job"]["sessions"]) == {"0", "1"}
+    _assert_same_torchrun_environment(envs, cluster.job_dir, ranks=(2, 3))
+
+
+def _assert_same_torchrun_environment(envs: Path, job_dir: Path, *, ranks: tuple[int, ...]) -> None:
+    """Each rank's processes (the lost node's, then the standby's) saw the same torchrun variables, but for the
+    generation count and their own error file's folder, which is in the job's dir."""
+    for rank in ranks:
+        seen = [json.loads(p.read_text()) for p in sorted(envs.glob(f"{rank}-*.json"), key=lambda p: p.stat().st_mtime)]
+        assert len(seen) == 2, (rank, seen)
+        first, promoted = seen
+        assert promoted["GROUP_RANK"] == first["GROUP_RANK"] == "1", seen
+        for env in seen:
+            error_file = Path(env.pop("TORCHELASTIC_ERROR_FILE"))
+            assert error_file.parent.parent == job_dir / "workers", error_file
+            env.pop("TORCHELASTIC_RESTART_COUNT")
+        assert promoted == first, seen
 
 
 def _why_hung(cluster: Cluster) -> list[str]:

@@ -200,7 +200,7 @@ def test_choices_answer_for_plain_strings_and_travel_as_them() -> None:
     assert "crash" in kinds.InjectKind and "comm-error" in kinds.InjectKind
     assert "explode" not in kinds.InjectKind and 3 not in kinds.InjectKind
     assert kinds.SlowPhase.DATA not in kinds.InjectPhase
-    assert kinds.InjectKind.names() == "crash, hang, comm-error, slow, nan, bitflip"
+    assert kinds.InjectKind.names() == "crash, hang, comm-error, slow, nan, bitflip, leave"
     assert ", ".join(kinds.HangHow) == "stop, spin, block"
     assert [p.value for p in kinds.RecoveryPhase] == ["detected", "decided", "replacement_ready", "group_rebuilt",
                                                        "state_restored", "first_step_done"]

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,14 @@ from undying.manager.detection import error_file
 from undying.protocol.generations import GenerationRecord
 
 
+@dataclass
+class _Source:
+    """What an agent is to its environment: its job settings and its node (agent/torchrun_env.EnvSource)."""
+
+    config: JobConfig
+    node: int
+
+
 def _config(tmp_path: Path, **changes: Any) -> JobConfig:
     return JobConfig(job_id="job-1", job_dir=str(tmp_path), **changes)
 
@@ -27,7 +36,7 @@ def _record(generation: int = 0, world: int = 4) -> GenerationRecord:
 
 
 def test_the_variables_of_a_rank(tmp_path: Path) -> None:
-    env = TorchrunEnv(_config(tmp_path, nproc_per_node=2, nnodes=2, launch=LaunchConfig(role="trainer")), node=1)
+    env = TorchrunEnv(_Source(_config(tmp_path, nproc_per_node=2, nnodes=2, launch=LaunchConfig(role="trainer")), 1))
     got = env.rank(3, _record(generation=2), incarnation=7, manager_host="10.0.0.5")
     assert {k: got[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")} == {
@@ -42,14 +51,14 @@ def test_the_variables_of_a_rank(tmp_path: Path) -> None:
 
 
 def test_one_node_gets_loopback_and_a_free_port_new_for_each_generation(tmp_path: Path) -> None:
-    env = TorchrunEnv(_config(tmp_path, nproc_per_node=2), node=0)
+    env = TorchrunEnv(_Source(_config(tmp_path, nproc_per_node=2), 0))
     first = env.rank(0, _record(0), 1, "")
     assert first["MASTER_ADDR"] == "127.0.0.1"
     assert env.rank(1, _record(0), 2, "")["MASTER_PORT"] == first["MASTER_PORT"]  # one store per generation
     port = int(env.rank(0, _record(1), 3, "")["MASTER_PORT"])
     with socket.socket() as s:  # free: rank 0 can bind it
         s.bind(("127.0.0.1", port))
-    given = TorchrunEnv(_config(tmp_path, launch=LaunchConfig(master_addr="node0", master_port=29611)), node=0)
+    given = TorchrunEnv(_Source(_config(tmp_path, launch=LaunchConfig(master_addr="node0", master_port=29611)), 0))
     assert (given.rank(0, _record(), 1, "")["MASTER_ADDR"], given.rank(0, _record(), 1, "")["MASTER_PORT"]) == \
         ("node0", "29611")
 
@@ -57,7 +66,7 @@ def test_one_node_gets_loopback_and_a_free_port_new_for_each_generation(tmp_path
 @pytest.mark.parametrize(("nproc", "inherited", "expected"), [(1, {}, None), (2, {}, "1"), (4, {"OMP_NUM_THREADS": "8"}, None)])
 def test_omp_num_threads_as_torchrun_sets_it(tmp_path: Path, nproc: int, inherited: dict[str, str],
                                               expected: str | None) -> None:
-    base = TorchrunEnv(_config(tmp_path, nproc_per_node=nproc, seed=11, max_restarts=5), node=0).base(inherited)
+    base = TorchrunEnv(_Source(_config(tmp_path, nproc_per_node=nproc, seed=11, max_restarts=5), 0)).base(inherited)
     assert base.get("OMP_NUM_THREADS") == expected  # (an inherited value is the user's, passed on as it is)
     assert base[SEED_ENV] == "11" and SEED_ENV == "UNDYING_SEED"
     assert base["TORCHELASTIC_RUN_ID"] == "job-1" and base["TORCHELASTIC_MAX_RESTARTS"] == "5"
@@ -65,7 +74,7 @@ def test_omp_num_threads_as_torchrun_sets_it(tmp_path: Path, nproc: int, inherit
 
 def test_streams_follow_redirects_tee_and_the_console_filter(tmp_path: Path) -> None:
     launch = LaunchConfig(log_dir=str(tmp_path / "logs"), redirects={1: 3}, tee={-1: 2}, local_ranks_filter=(0,))
-    env = TorchrunEnv(_config(tmp_path, nproc_per_node=2, launch=launch), node=0)
+    env = TorchrunEnv(_Source(_config(tmp_path, nproc_per_node=2, launch=launch), 0))
     zero, one = env.rank(0, _record(3), 1, ""), env.rank(1, _record(3), 2, "")
     assert (zero["UNDYING_REDIRECTS"], zero["UNDYING_TEE"], zero["UNDYING_CONSOLE"]) == ("0", "2", "1")
     assert (one["UNDYING_REDIRECTS"], one["UNDYING_TEE"], one["UNDYING_CONSOLE"]) == ("3", "2", "0")
@@ -97,3 +106,31 @@ def test_a_returned_rank_is_done_whatever_its_exit(tmp_path: Path) -> None:
     assert returned_exit(config, 0, 1, 100, -int(signal.SIGALRM), note) == 0
     assert notes == [("exit_stuck", 100, {"rank": 0, "returncode": -int(signal.SIGALRM), "exit_grace_s": 3})]
     assert not (folder / RETURNED_FILE).exists()  # read once
+
+
+def test_a_promoted_standby_gives_its_ranks_the_environment_of_the_node_it_takes_over(tmp_path: Path) -> None:
+    """A standby given node 1, and node 1's own agent, both started without --job-dir (their own dir is
+    elsewhere): their ranks get the same environment, GROUP_RANK 1 and the error file in the job's dir."""
+    from undying.agent.agent import AGENT_KEY_ENV
+    from undying.agent.remote import NodeRunner
+
+    job_dir, own = tmp_path / "job", tmp_path / "undying-jobs" / "job-1"  # the manager's; the agents' default
+    config = _config(tmp_path, nproc_per_node=2, nnodes=2, node_rank=1)
+    config = JobConfig(**{**config.__dict__, "job_dir": str(own)})
+    node = NodeRunner(config, "train.py", [], "10.0.0.5:29400", "t" * 32, job_dir_given=False)
+    standby = NodeRunner(config, "train.py", [], "10.0.0.5:29400", "t" * 32, job_dir_given=False, standby=True)
+    assert standby.agent.node == -1
+    for runner in (node, standby):
+        runner.agent.manager_host = runner.manager_host  # (what run() does once the agent started)
+        runner._follow(7, str(job_dir), None)  # the manager's welcome (or parked answer): the job's dir
+    standby._become(1)  # the manager gave the standby node 1
+    record = _record(generation=3)
+    for rank in (2, 3):
+        ours = standby.agent._rank_environment(rank, record, True, incarnation=5)
+        theirs = node.agent._rank_environment(rank, record, True, incarnation=5)
+        assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
+        assert ours["GROUP_RANK"] == "1" and ours["LOCAL_RANK"] == str(rank - 2)
+        assert ours["TORCHELASTIC_ERROR_FILE"] == os.path.join(worker_dir(str(job_dir), rank, 5), ERROR_FILE)
+    bases = [{k: v for k, v in r.agent._base_environment().items() if k != AGENT_KEY_ENV} for r in (standby, node)]
+    assert bases[0] == bases[1]
+    assert not own.exists()  # nothing of the job in the agents' own default dir

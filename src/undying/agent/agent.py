@@ -125,7 +125,7 @@ class Agent:
         self._zygote: Zygote | None = None
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
         self._from_worker = self._worker_handlers()
-        self._torchrun = TorchrunEnv(config, node)  # torchrun's variables (agent/torchrun_env.py)
+        self._torchrun = TorchrunEnv(self)  # torchrun's variables, from this agent's config and node
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
@@ -314,7 +314,7 @@ class Agent:
                          pending=[*self._armed_early.pop(rank, []),
                                   *(self._for_replacement.pop(rank, []) if joining else [])])
         old = self._workers.get(rank)
-        if old is not None:
+        if old is not None and old.process.returncode is not None:  # (a live one, a planned move's, stays watched)
             self._by_pid.pop(old.pid, None)
         self._workers[rank] = worker
         self._by_pid[process.pid] = worker
@@ -389,7 +389,9 @@ class Agent:
         t = time.time()
         if not self.spares.exited(process.pid, returncode):
             worker = self._by_pid.pop(process.pid, None)
-            if worker is not None:
+            if worker is not None and self._workers.get(worker.rank) is worker:  # the rank's newest process ended
+                self._workers.update({w.rank: w for w in self._by_pid.values() if w.rank == worker.rank})  # while an
+            if worker is not None:  # older one runs (a cancelled move, manager.migration): that one holds it again
                 # A script that returned is done, whatever its exit took (agent/exits.py).
                 returncode = returned_exit(self.config, worker.rank, worker.incarnation, worker.pid, returncode,
                                            self._spare_event)

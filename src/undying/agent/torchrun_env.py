@@ -18,6 +18,13 @@ TORCHELASTIC_* variables. Two differ on purpose and say so:
 ``TORCHELASTIC_ERROR_FILE`` is a file in the process's own folder of the job
 dir; the manager reads it back when the rank fails (torchrun's ``@record``
 writes the traceback there), and puts the traceback in the failure report.
+
+One source of truth: every variable is derived, at each spawn, from the
+agent's own ``config`` and ``node`` (``EnvSource``), never from a copy taken
+when the agent started. An agent that learns its job dir from the manager (a
+multi-node agent started without ``--job-dir``) or its node number (a warm
+standby given a lost node) changes those two, and its next ranks see exactly
+what a rank of that node sees.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from typing import Protocol
 
 from undying.config import ERROR_FILE, RETURNED_FILE, JobConfig, worker_dir
 from undying.protocol.env import ENV_PREFIX, SEED_ENV
 from undying.protocol.generations import GenerationRecord
 
-__all__ = ["TorchrunEnv", "SEED_ENV", "STREAM_ENV"]
+__all__ = ["TorchrunEnv", "EnvSource", "SEED_ENV", "STREAM_ENV"]
 
 # The job's seed, for undying.init() to seed torch, random and NumPy from.
 # The worker's output streams (read by undying.worker.boot): the log folder, the torchrun Std numbers
@@ -48,13 +56,30 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+class EnvSource(Protocol):
+    """Where the environment comes from: the agent, whose job settings and node number may change."""
+
+    @property
+    def config(self) -> JobConfig: ...
+
+    @property
+    def node(self) -> int: ...
+
+
 class TorchrunEnv:
     """The torchrun variables of one node's workers (the agent adds undying's own beside them)."""
 
-    def __init__(self, config: JobConfig, node: int) -> None:
-        self.config = config
-        self.node = node
+    def __init__(self, source: EnvSource) -> None:
+        self._source = source
         self._ports: dict[int, int] = {}  # generation -> MASTER_PORT (one node: a free port each)
+
+    @property
+    def config(self) -> JobConfig:
+        return self._source.config
+
+    @property
+    def node(self) -> int:
+        return self._source.node
 
     def base(self, inherited: dict[str, str]) -> dict[str, str]:
         """What every process of the node gets, spares included (``inherited``: the agent's own environment)."""

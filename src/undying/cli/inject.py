@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "found by its missing heartbeats, then killed and replaced) or comm-error (the "
                    "rank breaks its process group's connections, so a real collective fails) or slow "
                    "(the rank's steps take --factor times as long) or nan (a NaN in the rank's gradient) or bitflip "
-                   "(one bit of the rank's gradient or weight flipped)")
+                   "(one bit of the rank's gradient or weight flipped) or leave (the rank's script exits 0 there, "
+                   "sys.exit(0), at phase step, forward or optimizer: a rank that leaves early, replaced)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
     p.add_argument(

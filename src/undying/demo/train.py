@@ -9,6 +9,8 @@ one without.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import torch
@@ -42,13 +44,28 @@ def parse_args() -> argparse.Namespace:
                    "same way skips the batch or stops the job")
     p.add_argument("--bad-sample", type=int, default=-1,
                    help="make this sample's features NaN: the batch holding it fails every time (a bad batch)")
+    p.add_argument("--env-out", default="",
+                   help="write the torchrun environment this process got to ENV_OUT/<rank>-<pid>.json (tests)")
     p.add_argument("--skip-steps", default="",
                    help="comma-separated steps whose body does nothing (the fault-free twin of a skipped batch)")
     return p.parse_args()
 
 
+# What torchrun sets for a worker (and undying run as well): the names a torchrun script reads.
+TORCHRUN_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def dump_environment(folder: str) -> None:
+    seen = {k: v for k, v in os.environ.items() if k in TORCHRUN_NAMES or k.startswith(("TORCHELASTIC_", "TORCH_NCCL"))}
+    with open(os.path.join(folder, f"{os.environ['RANK']}-{os.getpid()}.json"), "w") as f:
+        json.dump(seen, f)
+
+
 def main() -> None:
     args = parse_args()
+    if args.env_out:
+        dump_environment(args.env_out)
     if args.init_process_group:
         dist.init_process_group("gloo")
     job = undying.init()

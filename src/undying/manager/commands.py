@@ -5,8 +5,10 @@ process: SIGKILL (crash), SIGSTOP (hang, found by its missing heartbeats), a
 training thread that spins or blocks while the process beats (hang with
 ``how``), broken connections under a live process (comm-error), and a rank
 made ``factor`` times slower in one phase (slow, found by slow-rank
-detection, not recovered). Each command is checked before anything happens
-and refused with a line naming the bad input.
+detection, not recovered), and a script that exits 0 before its last step
+while the others go on (leave: a ``left-early`` incident, ``manager.leaving``).
+Each command is checked before anything happens and refused with a line
+naming the bad input.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = ["Injector"]
 
 # The faults done from outside the rank's process, by a signal.
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
+# Where the training thread itself runs, so that a leave's sys.exit(0) ends the script (manager.leaving).
+_LEAVE_PHASES = ("step", "forward", "optimizer")
 
 
 class Injector:
@@ -57,6 +61,9 @@ class Injector:
             raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{self.core.book.world_size - 1}")
         if phase is not None and phase not in InjectPhase:
             raise UsageError(f"unknown phase {phase!r}; choose one of {', '.join(InjectPhase)}")
+        if kind == "leave" and (phase or "step") not in _LEAVE_PHASES:
+            raise UsageError(f"leave exits the script from its own thread: at phase {' or '.join(_LEAVE_PHASES)}, "
+                             f"not {phase!r}")
         self._check_target(rank)
         core = self.core
         info = core.ranks[rank]

@@ -6,7 +6,9 @@ lost node; which one decides the incident's kind, when the fault happened
 (an injected fault names its time) and the error a person reads. A stall
 with every rank beating is a hang of the rank the others wait for, or, when
 none lags, the link. A failed collective is the link only if no process
-exits within the comm-error grace.
+exits within the comm-error grace. A rank that exited 0 before its last step
+is held (``leaving``): a failed collective or a stall of the others past its
+step makes it the fault, a rank that left early.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from undying.config import ERROR_FILE, EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, worker_dir
 from undying.manager.core import JobCore
+from undying.manager.leaving import Leavers
 from undying.manager.policy import stall_culprits
 from undying.manager.recovery import Recoveries
 from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
@@ -119,6 +122,7 @@ class Detection:
         self.hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
         self.fatal: dict[int, Fatal] = {}  # pid -> the error its rank reported
         self.node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
+        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.leaving)
         self.grace_tasks: set[asyncio.Task[None]] = set()
 
     def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:
@@ -184,6 +188,9 @@ class Detection:
         core = self.core
         if core.winding_down:
             return
+        if self.leavers.pending and any(self.leavers.explains(p.rank, p.step, f"stuck for {t - p.progress_t:.1f}s")
+                                        for p in progress if p.phase == "step"):
+            return  # they wait for a rank that left: that rank is the fault
         generation = core.generations.current
         recovery = self.recoveries.current
         if recovery is not None:
@@ -239,6 +246,8 @@ class Detection:
             return
         if any(i.step == message.step for i, _ in self.recoveries.condemned.values()):
             return  # already escalated: a rank of this failure is being replaced
+        if self.leavers.explains(message.rank, message.step, "its collective failed"):
+            return  # a rank that exited 0 before this step left the others waiting
         # An injected link fault names its rank and time; otherwise the first to report.
         injected = [(t, r) for r, (t, kind) in self.injected.items() if kind == "comm-error"]
         rank, fault_t = message.rank, message.t

@@ -42,7 +42,8 @@ __all__ = ["LOSSES", "StepLedger", "Stall", "Goodput", "account"]
 LOSSES = ("startup", "checkpoint", "detection", "recovery", "spare_wait", "rerun", "preemption", "shutdown",
           "in_flight")
 # Incidents that stop training until they are recovered (the others are observed only: a slow rank, failing saves).
-_STOPPING = frozenset({"crash", "error", "hang", "comm-error", "node-loss", "node-joined", "script-error"})
+_STOPPING = frozenset({"crash", "error", "hang", "comm-error", "node-loss", "node-joined", "script-error",
+                       "left-early"})
 # Which overlay wins where two overlap: an incident's own phases, then a checkpoint stall, then lost work.
 _PHASE, _STALL, _LOST = 3, 2, 1
 

@@ -29,17 +29,15 @@ from undying.manager.detection import Detection
 from undying.manager.divergence import Divergence
 from undying.manager.events import EventLog
 from undying.manager.history import RunHistory
-from undying.manager.hosts import LOG_KEY as HOSTS_KEY
 from undying.manager.migration import Migrations
 from undying.manager.numerics import NUMERIC_PHASE, on_numeric_fault
 from undying.manager.preemption import Preemption
-from undying.manager.recovery import Recoveries, Recovery
-from undying.manager.regroup import LOG_KEY as REGROUP_KEY
+from undying.manager.recovery import Recoveries
 from undying.manager.regrouping import Regrouping
+from undying.manager.restoring import restore_job
 from undying.manager.state import (
     Incident,
     IncidentKind,
-    IncidentStatus,
     JobState,
     RankInfo,
     RankState,
@@ -199,44 +197,9 @@ class Manager:
         return self.state
 
     def restore(self) -> dict[int, str]:
-        """Carry on a job whose manager died: read its state back from the log; returns the agents' sessions.
-
-        The generation, every rank (its process, step, owner), every incident
-        (one still open belongs to a recovery this manager finishes), the
-        committed steps (so a step re-run after the restart is still seen) and
-        the checkpoints: what the old manager wrote is what this one knows.
-        """
-        core = self.core
-        saved = self.events.saved_job()
-        job = saved.facts
-        core.generations.current = int(job.get("generation", -1))
-        core.started_at = float(job.get("started_at", core.started_at))
-        core.machine.state = JobState(job.get("state", JobState.RUNNING.value))
-        self.checkpoints.resumed_from = job.get("resumed_from")
-        self.checkpoints.last = job.get("last_checkpoint")
-        core.book.rerun_steps = set(job.get("rerun_steps", []))
-        if "nodes" in job:
-            core.set_layout([int(n) for n in job["nodes"]], persist=False)
-        core.book.restore(saved.ranks, saved.committed)
-        self.history.replay(self.events.path, self.world_size)
-        core.clock.replay(saved.commits, saved.reports)
-        open_incidents: list[Incident] = []
-        for incident in saved.incidents:
-            core.incidents.append(incident)
-            self.recoveries.count = max(self.recoveries.count, incident.recovery)
-            if incident.status is IncidentStatus.OPEN and not core.health.adopt(incident):
-                open_incidents.append(incident)  # (failing saves are no recovery: CheckpointHealth keeps them)
-        if open_incidents:
-            self.recoveries.current = Recovery(id=open_incidents[0].recovery, generation=self.generation,
-                                               incidents=open_incidents)
-        self.sessions = {int(n): str(s) for n, s in job.get("sessions", {}).items()}
-        self.regrouping.restore(job.get(REGROUP_KEY))
-        self.migrations.restore(job.get(HOSTS_KEY))
-        self.events.event("manager_restarted", generation=self.generation, state=self.state.value,
-                          incidents=len(core.incidents), open_incidents=[i.id for i in open_incidents])
-        log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to %d",
-                    self.config.job_id, self.generation, self.state.value, len(core.incidents),
-                    core.book.newest_step())
+        """Carry on a job whose manager died: read its state back from the log (``restoring``); the sessions."""
+        self.sessions = restore_job(self.core, checkpoints=self.checkpoints, recoveries=self.recoveries,
+                                    history=self.history, regrouping=self.regrouping, migrations=self.migrations)
         return dict(self.sessions)
 
     def reopen_generation(self) -> None:
@@ -262,6 +225,7 @@ class Manager:
     def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None:
         core = self.core
         self.events.event("exited", generation=self.generation, rank=rank, pid=pid, returncode=returncode)
+        self.migrations.before_exit(pid, returncode)  # a moving rank's old process: the rank is its again
         info = self.ranks.get(rank)
         if info is None or pid != info.pid:
             return  # a process already replaced (or numbered before a regroup); its exit is old news
@@ -277,14 +241,15 @@ class Manager:
         if self.migrations.on_exit(info, pid, returncode, t):
             return  # a planned move: its replacement is under way
         # A rank is finished when it exits cleanly, or when the job's final
-        # barrier completed on some rank: then this one passed it too.
+        # barrier completed on some rank: then this one passed it too. A clean
+        # exit before its last step is held: it may have left early (manager.leaving).
         if self.detection.finished(returncode, finished_steps):
+            if returncode == 0 and not finished_steps and self.detection.leavers.on_clean_exit(info, pid, t):
+                self._finish(*self.detection.leavers.all_left())
+                return
             if returncode != 0:
                 self.events.event("exit_after_done", rank=rank, returncode=returncode)
-            info.state = RankState.DONE
-            core.book.finished.add(rank)
-            core.book.persist(info)
-            self._maybe_succeeded()
+            self._finish(info)
             return
         condemned = self.recoveries.condemned.pop(pid, None)
         if condemned is not None:
@@ -413,6 +378,8 @@ class Manager:
         core = self.core
         if core.book.commit(rank, step, generation, t):
             self.events.event("step_rerun", rank=rank, step=step)
+        if self.detection.leavers.pending:
+            self.detection.leavers.on_commit(rank, step)  # a rank that exited 0 before this step left early
         core.clock.committed(rank, step, t, metrics)
         if core.machine.state is JobState.STARTING:
             core.move(JobState.RUNNING)
@@ -510,6 +477,9 @@ class Manager:
         info.step = message.step
         self.events.event("done", rank=message.rank, step=message.step, digest=message.digest)
         self.core.book.persist(info)
+        if self.detection.leavers.on_done(message.rank):  # (its exit came first: it finished after all)
+            self._finish(info)
+            return
         self._maybe_finish_recovery(message.rank, message.t, self.generation)
 
     # --- the recovery's clock ---------------------------------------------------
@@ -549,6 +519,16 @@ class Manager:
             self.events.flush()
 
     # --- ending ---------------------------------------------------------------
+
+    def _finish(self, *ranks: RankInfo) -> None:
+        """These ranks' part of the job is done (then ranks held as perhaps early leavers may be too)."""
+        for info in ranks:
+            info.state = RankState.DONE
+            self.core.book.finished.add(info.rank)
+            self.core.book.persist(info)
+        if ranks and self.detection.leavers.pending:
+            self._finish(*self.detection.leavers.all_left())
+        self._maybe_succeeded()
 
     def _maybe_succeeded(self) -> None:
         core = self.core

@@ -15,7 +15,11 @@ and every rank runs that step once. No step is re-run to completion, no
 state is lost, and the losses are those of the run without the move
 (``tests/integration/test_migrate.py``). The incident carries the timeline
 (detected at the boundary, the replacement ready before it, the group
-rebuilt, the state restored, the first step done): the stall.
+rebuilt, the state restored, the first step done): the stall. A fault before
+the boundary (a recovery round opening, or the moving process's own exit)
+cancels the move: the old process, perhaps the last holder of the rank's
+state, keeps the rank and is never fenced; the replacement started ahead is
+killed (``migration_failed``, with the reason).
 
 A whole node moves (``--node N --to HOST``, and ``drain``) to a standby agent
 parked on the target: every rank of the node leaves at one boundary; at the
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.manager.core import JobCore
-from undying.manager.detection import Detection
+from undying.manager.detection import Detection, describe_exit
 from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, check_host, check_job_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
@@ -149,6 +153,9 @@ class _Pending:
     generation: int = -1  # a rank's move: the generation its replacement, started ahead, waits for
     warm: bool = False  # that replacement is a warm spare (else a new process)
     ready_t: float = 0.0  # when it said hello (0: not yet)
+    # A rank's move: the rank as its old process held it (incarnation, state, generation, restarts), given
+    # back if the move is cancelled.
+    holder: tuple[int, RankState, int, int] | None = None
 
 
 class Migrations:
@@ -161,6 +168,7 @@ class Migrations:
         self._busy = busy  # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
         self.pending: dict[int, _Pending] = {}  # pid -> the move it is armed for
         self.server: AgentServer | None = None  # the agents' server (a multi-node job): standbys, slots
+        recoveries.round_opened.append(self._overtaken)  # a recovery before a rank's boundary cancels its move
 
     @property
     def hosts(self) -> HostBook:
@@ -192,6 +200,7 @@ class Migrations:
         if refused := self.hosts.refusal(host):
             raise UsageError(refused)
         old_pid, agent = info.pid, core.agents[info.node]
+        holder = (info.incarnation, info.state, info.generation, info.restarts)
         spares = agent.spares_ready()
         boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
         now = time.time()
@@ -203,7 +212,7 @@ class Migrations:
                                  reason=f"migration of rank {rank} (opened at the boundary)")
         warm = core.spawn(rank, ahead, joining=True) or spares > 0  # (a node across the network says later)
         self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
-                                         warm=warm)
+                                         warm=warm, holder=holder)
         core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
                           by=by, replacement="warm spare" if warm else "new process")
         log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id, rank,
@@ -283,7 +292,7 @@ class Migrations:
     def on_exit(self, info: RankInfo, pid: int, returncode: int, t: float) -> bool:
         """True when this exit was a planned migration's, now carried out as a replacement."""
         pending = self.pending.get(pid)
-        if pending is None or pending.node is None:  # (a moved rank's old process: its exit is not reported)
+        if pending is None or pending.node is None:  # (a moved rank's old process: see before_exit)
             return False
         del self.pending[pid]
         if returncode != EXIT_MIGRATED:  # it died before its boundary: a fault like any other
@@ -297,6 +306,53 @@ class Migrations:
             if peer.state is not RankState.EXITED and peer.generation <= previous:
                 core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
         return True
+
+    def before_exit(self, pid: int, returncode: int) -> None:
+        """Any process's exit, before it is judged: a moving rank's old process that ended before its boundary
+        cancels the move (the rank is that process's again, so its exit is the rank's fault, handled as such)."""
+        pending = self.pending.get(pid)
+        # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read after this)
+        if pending is not None and pending.node is None and returncode != EXIT_MIGRATED:
+            self._cancel(pending, f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before the "
+                                  f"move's boundary (step {pending.boundary}); its exit is handled as the fault it is")
+
+    def _overtaken(self, incident: Incident) -> None:
+        """A recovery round opens while ranks wait for their boundaries: each move is cancelled first.
+
+        The rank's old process holds its state (perhaps the last one that
+        does: every other holder may be the fault), so the rank is given back
+        to it (its owner key, its process) and the replacement started ahead
+        is killed; the old process stays at its boundary (worker.job). The
+        recovery then plans with the old process as the rank's holder.
+        """
+        why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
+        for pending in [p for p in self.pending.values() if p.node is None]:
+            self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); rank "
+                                  f"{pending.rank} stays on pid {pending.pid}")
+        for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
+            # A whole node's move: its ranks stay too (worker.job); nothing was started ahead for it.
+            ranks = sorted(p.rank for p in self.pending.values() if p.node == node)
+            self.pending = {pid: p for pid, p in self.pending.items() if p.node != node}
+            self.core.events.event("migration_failed", node=node, ranks=ranks, returncode=None,
+                                   reason=f"{why} before the move's boundary; node {node} stays where it is (move it "
+                                          "again once the job runs)")
+
+    def _cancel(self, pending: _Pending, reason: str) -> None:
+        """A rank's move is off: the rank is its old process's again, the replacement started ahead is killed."""
+        del self.pending[pending.pid]
+        core = self.core
+        info = core.ranks[pending.rank]
+        ahead = info.pid
+        assert pending.holder is not None
+        info.incarnation, info.state, info.generation, info.restarts = pending.holder
+        info.pid = pending.pid
+        core.generations.set_owner(info.rank, info.incarnation)  # (the one started ahead is fenced, not it)
+        core.book.persist(info)
+        core.kill(info.rank)  # the node's newest process of the rank: the one started ahead (agent: the old one
+        # is the rank's worker again once it is gone)
+        core.events.event("migration_failed", rank=pending.rank, pid=pending.pid, returncode=None,
+                          replacement_pid=ahead, reason=reason)
+        log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id, pending.rank, reason)
 
     def on_spawned(self, rank: int, warm: bool) -> None:
         """A node across the network says what it started for ``rank``: a moved rank's replacement's kind."""
@@ -313,21 +369,23 @@ class Migrations:
     def on_left(self, message: FaultInjected) -> bool:
         """A moved rank says it leaves at its boundary: open the generation its replacement waits for.
 
-        The old process exits right after saying so (its exit is not reported:
-        its agent gave the rank to the replacement); the peers, waiting in the
-        next step's first collective, are told to leave the old generation.
+        The old process exits right after saying so (its exit is old news: the
+        rank is the replacement's); the peers, waiting in the next step's first
+        collective, are told to leave the old generation. A move cancelled
+        since (a recovery overtook it) is not carried out: the process stays.
         """
         pending = next((p for p in self.pending.values() if p.rank == message.rank and p.node is None), None)
-        if pending is None:
-            return False
-        del self.pending[pending.pid]
         core = self.core
+        if pending is None:
+            if any(p.rank == message.rank for p in self.pending.values()):
+                return False  # (a whole node's move: its ranks' exits carry it out)
+            # A move cancelled since (a recovery overtook it): the process stays at its boundary (worker.job).
+            core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
+                              phase=message.phase, cancelled=True)
+            return True
+        del self.pending[pending.pid]
         core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
                           phase=message.phase)
-        if core.generations.current + 1 != pending.generation:  # a recovery took the job on meanwhile: the
-            core.events.event("migration_failed", rank=pending.rank, pid=pending.pid,  # replacement joined it
-                              returncode=None, generation=core.generations.current)
-            return True
         previous, info, now = core.generations.current, core.ranks[message.rank], time.time()
         core.move(JobState.RECOVERING)
         incident = self._incident(info, pending, message.t, now, step=message.step - 1)

@@ -61,12 +61,22 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     (up to ``max_step_recoveries`` times for one rank at one step) -> restart every rank from the
     latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
     fail with a report. A script that cannot run (a SyntaxError or ImportError) fails at once:
-    no replacement would run it either. A script that does not use the step API has one rung
+    no replacement would run it either. A rank that left early (``left-early``) is replaced
+    once; leaving early again fails the job: its script stops before the others' (an
+    injected leave is no script's, and never counts so). A script that does not use the step API has one rung
     below failing: the whole group restarts (``max_restarts`` times), as under torchrun."""
     if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
     if not ctx.step_api:
         return _restart_group(incident, ctx)
+    if incident.kind is IncidentKind.LEFT_EARLY and not incident.detail.get("injected"):
+        before = [i for i in history if i is not incident and i.kind is IncidentKind.LEFT_EARLY and
+                  i.rank == incident.rank and i.action == Action.REPLACE.value and not i.detail.get("injected")]
+        if before:
+            return Decision(Action.FAIL, f"rank {incident.rank} left the job early again at step {incident.step} "
+                                         f"(exit 0 before its last step while the others went on; replaced for it at "
+                                         f"step {before[0].step}): its script ends its loop before the others', and "
+                                         "any new process would too; make every rank run the same steps")
     if ctx.no_state and ctx.holders_alive > 0:
         return Decision(Action.FAIL, f"the surviving ranks do not hold the whole training state and no valid "
                                      f"checkpoint has the rest ({ctx.no_state}); restart the job")
@@ -105,7 +115,8 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
             f"collective failed at step {incident.step} again after {ctx.max_retries} retries "
             f"(--max-retries {ctx.max_retries}); rank {incident.rank} is replaced",
         )
-    what = "stopped answering and was killed" if incident.kind is IncidentKind.HANG else "exited"
+    what = {IncidentKind.HANG: "stopped answering and was killed",
+            IncidentKind.LEFT_EARLY: "left early (exit 0 while the others went on)"}.get(incident.kind, "exited")
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,9 @@ class Recoveries:
         self._shared_record: GenerationRecord | None = None
         # A rank said hello: the script uses the step API even if the launcher's look at it said otherwise.
         self.hello_seen = False
+        # Told of the first incident of each new round, before it is decided: e.g. a planned move the
+        # round overtakes is cancelled first (manager.migration), so its last holder keeps the rank.
+        self.round_opened: list[Callable[[Incident], None]] = []
 
     @property
     def step_api(self) -> bool:
@@ -84,6 +88,7 @@ class Recoveries:
     def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float, detected_t: float,
                      error: str = "", traceback: str = "") -> Incident:
         """An incident of the round under way (or of a new round)."""
+        opened = self.current is None
         if self.current is None:
             self.count += 1
             self.current = Recovery(id=self.count, generation=self.core.generations.current)
@@ -94,6 +99,9 @@ class Recoveries:
         incident.phases["detected"] = detected_t
         incidents.append(incident)
         self.current.incidents.append(incident)
+        if opened and kind is not IncidentKind.MIGRATION:  # (a planned move's own incident overtakes nothing)
+            for told in self.round_opened:
+                told(incident)
         return incident
 
     def end_shared_generation(self) -> None:

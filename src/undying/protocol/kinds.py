@@ -20,6 +20,7 @@ class InjectKind(Choice):
     SLOW = "slow"
     NAN = "nan"
     BITFLIP = "bitflip"
+    LEAVE = "leave"  # the rank's script exits 0 there (sys.exit(0)), as a script that stops early does
 
 
 class HangHow(Choice):

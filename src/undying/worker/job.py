@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -151,7 +152,7 @@ class Job:
                 FaultSwitch(env.rank, self._send,
                             {"crash": crash_self, "hang": stop_self, "hang:spin": spin_forever,
                              "hang:block": block_forever, "comm-error": break_connections,
-                             "migrate": self._leave_for_migration}),
+                             "migrate": self._leave_for_migration, "leave": _leave_early}),
                 WorkerTracing(env, env.rank, self._send), close_channel=self._close_channel,
                 clock=SaveClock(env.checkpoint.save_every, env.checkpoint.save_interval),
             )
@@ -164,6 +165,7 @@ class Job:
         self._numerics: NumericsGuard | None = None
         self._verify: Verification | None = None  # --verify-every (worker.verify)
         self._state: State | None = None
+        self._move_generation = -1  # the generation a planned move (undying migrate) was armed in
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
         self._checkpoints = Checkpoints(self.ctx)
@@ -545,18 +547,33 @@ class Job:
     def _on_arm_fault(self, message: ArmFault) -> None:
         if message.kind == "slow":
             self.tracing.arm_slowdown(message)
-        else:
-            self.ctx.faults.arm(message)
+            return
+        if message.kind == "migrate":
+            self._move_generation = self.generation
+        self.ctx.faults.arm(message)
 
     def _leave_for_migration(self) -> None:
         """``undying migrate``: at a step's start (the last one committed, nothing begun) this process
-        leaves; the manager expects the exit and gives the rank to a replacement that takes the state."""
+        leaves; the manager expects the exit and gives the rank to a replacement that takes the state.
+
+        Not after a recovery since the move was armed: the manager cancelled the move then (this process
+        holds the rank again, perhaps as the last holder of its state), so it stays (manager.migration).
+        """
+        if self.generation != self._move_generation:
+            log.warning("rank %d: a recovery overtook the planned move armed in generation %d; staying",
+                        self.rank, self._move_generation)
+            return
         self.ctx.exit_now(EXIT_MIGRATED)
 
     def _on_abort(self, message: Abort) -> None:
         if message.generation == self.generation:
             log.warning("rank %d: leaving generation %d: %s", self.rank, message.generation, message.reason)
             break_connections()
+
+
+def _leave_early() -> None:
+    """``undying inject leave``: the script exits 0 here, as one that stops before the others does."""
+    sys.exit(0)
 
 
 def _unmanaged_context() -> JobContext:

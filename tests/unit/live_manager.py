@@ -1,0 +1,72 @@
+"""A real Manager driven as its agents would drive it, with agents that start nothing (unit tests)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, cast
+
+from undying.config import JobConfig
+from undying.manager.events import EventLog
+from undying.manager.manager import Manager
+from undying.protocol.generations import GenerationRecord
+from undying.protocol.worker_wire import Hello, StepCommitted
+
+__all__ = ["FakeAgent", "running"]
+
+
+class FakeAgent:
+    """A node's agent as the manager drives it: spawns are numbered processes, nothing runs."""
+
+    node = 0
+
+    def __init__(self) -> None:
+        self.spawned: list[tuple[int, bool]] = []
+        self.killed: list[int] = []
+        self.armed: list[tuple[int, str]] = []
+
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
+              incarnation: int = 0) -> tuple[int, bool]:
+        self.spawned.append((rank, joining))
+        return 1000 + len(self.spawned), False
+
+    def kill(self, rank: int, sig: Any) -> bool:
+        self.killed.append(rank)
+        return True
+
+    def abort(self, rank: int, generation: int, reason: str) -> bool:
+        return True
+
+    def keep_spares(self) -> None:
+        pass
+
+    def set_trace(self, switch: Any) -> None:
+        pass
+
+    def arm(self, rank: int, fault: Any) -> None:
+        self.armed.append((rank, fault.kind))
+
+    def spares_ready(self) -> int:
+        return 1
+
+    def view(self) -> dict[str, Any]:
+        return {"node": self.node, "host": "localhost"}
+
+    def phases(self) -> dict[int, str]:
+        return {}
+
+
+def running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, FakeAgent]:
+    """A job of ``ranks`` step-API ranks, each at step 4 of generation 0."""
+    manager = Manager(JobConfig(job_id="l", job_dir=str(tmp_path), nproc_per_node=ranks, port=0),
+                      EventLog(tmp_path / "e.db"))
+    manager.start_control_store(os.urandom(32))
+    agent = FakeAgent()
+    manager.add_agent(cast(Any, agent))
+    record = manager.core.open_generation("start")
+    for rank in range(ranks):
+        manager.core.spawn(rank, record, joining=False)
+        manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
+        for step in range(1, 5):
+            manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
+    return manager, agent
