@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -233,3 +237,30 @@ def test_a_stalled_manager_gives_its_nodes_a_fresh_window_and_takes_back_those_t
             node1.close()
 
     run(with_server(body, tmp_path, heartbeat_s=heartbeat_s))
+
+
+def test_a_socket_wait_of_a_paused_process_finds_the_answer_that_came_meanwhile() -> None:
+    """Why the store client (protocol/store_client.py) needs no judge clock: its waits are a socket timeout,
+    and the kernel's poll looks at the socket before the deadline. A client process stopped past its timeout
+    while the answer arrived reads the answer when it continues, not a timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import socket, sys\n"
+            f"s = socket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
+            "s.settimeout(0.3)\n"
+            "try:\n    print(s.recv(16).decode())\nexcept TimeoutError:\n    print('timed out')\n")],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                time.sleep(0.1)  # (into its 0.3 s wait)
+                os.kill(child.pid, signal.SIGSTOP)
+                time.sleep(0.1)
+                conn.sendall(b"answer")
+                time.sleep(1.0)  # the client's deadline passes while it is stopped
+                os.kill(child.pid, signal.SIGCONT)
+                out, _ = child.communicate(timeout=10)
+        finally:
+            child.kill()
+            child.wait()
+    assert out.strip() == "answer", out
