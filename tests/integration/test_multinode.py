@@ -303,10 +303,10 @@ def test_a_paused_judge_declares_nothing_about_its_own_pause(
         cluster.start()
         cluster.wait_for_step(5)
         assert cluster.manager is not None
-        _paused(cluster.manager.pid, 4.5)
+        _paused(cluster.manager.pid, 4.0)
         status = cluster.wait_for_step(cluster.status()["step"] + 3, timeout=30)
         assert status["incidents"] == [] and status["step"] < 60, (status["incidents"], cluster.logs())
-        _paused(cluster.agents[1].pid, 4.5)
+        _paused(cluster.agents[1].pid, 4.0)
         assert cluster.wait(120) == 0, cluster.logs()
     finally:
         cluster.close()

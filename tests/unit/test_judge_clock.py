@@ -194,7 +194,7 @@ def test_a_stalled_manager_gives_its_nodes_a_fresh_window_and_takes_back_those_t
     session, node 1 stays. Then node 0's agent dies during a second stall: it is
     lost once a fresh window after the stall passed in silence, not at once.
     """
-    heartbeat_s = 0.5
+    heartbeat_s = 0.4
 
     async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
         node0 = RawNode(server.port)
