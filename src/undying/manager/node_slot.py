@@ -99,8 +99,9 @@ class RemoteAgent:
         return self._spares if self.writer is not None else 0
 
     async def stop_all(self, grace_s: float) -> None:
-        """Stop the node's workers; a node that is gone, or stays silent past the grace, counts as stopped."""
-        if self.writer is None:
+        """Stop the node's workers; a node that is gone, or stays silent past the grace, counts as stopped
+        (so does one whose connection closed while it has a window to come back: nothing can answer on it)."""
+        if self.writer is None or self.writer.is_closing():
             return
         self._seq += 1
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -1,8 +1,8 @@
 """The manager's side of agents on other hosts: one TCP connection per node.
 
-Each node has a slot (``RemoteAgent``) that the manager drives exactly as it
-drives the in-process agent of a standalone run (the ``AgentHandle`` calls
-become messages). A slot outlives its connection: when a node is lost, the
+Each node has a slot (``RemoteAgent``, ``node_slot.py``) that the manager drives
+exactly as it drives the in-process agent of a standalone run (the
+``AgentHandle`` calls become messages). A slot outlives its connection: when a node is lost, the
 ranks it held are recovered like crashed ranks, the spawns of their
 replacements wait in the slot, and the next agent that joins for that node
 (a replacement host, as Kubernetes would start one) picks them up.
@@ -14,6 +14,11 @@ the old session is stale: that agent is told it is fenced, kills its workers
 and may join again as a new member. Its workers are fenced on their own too,
 by the rank ownership keys the manager writes on the control store
 (``rank/<r>/owner``), so a stale rank can never enter a newer generation.
+
+A node's silence is judged only over time the manager ran (``clock``,
+``protocol/judge_clock.py``): after a stall of the manager itself every node
+gets a fresh window, and a connection that closes right then (its agent, which
+heard nothing, connecting again) is judged by that window, not lost at once.
 """
 
 from __future__ import annotations
