@@ -264,3 +264,27 @@ def test_a_socket_wait_of_a_paused_process_finds_the_answer_that_came_meanwhile(
             child.kill()
             child.wait()
     assert out.strip() == "answer", out
+
+
+def test_a_new_agent_for_a_node_whose_connection_closed_in_the_stall_takes_the_node_at_once(tmp_path: Path) -> None:
+    """Node 0's agent died and a new one (no session: a restarted process) joined while the manager was stalled:
+    the old agent's node is lost then and the newcomer seated, not refused as a second agent of the node."""
+
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        old = RawNode(server.port)
+        await asyncio.to_thread(old.connect, join_message(job_dir, 0))
+        session = (await asyncio.to_thread(old.welcome)).session
+        await asyncio.sleep(0.3)
+        old.close()  # the stall: the old agent's close and the new one's join wait in the manager's sockets
+        new = RawNode(server.port)
+        new.connect(join_message(job_dir, 0))
+        time.sleep(1.5)
+        try:
+            welcome = await asyncio.to_thread(new.welcome)
+            assert welcome.session != session and server.slots[0].session == welcome.session
+            [(node, reason)] = recorder.named("lost")
+            assert node == 0 and "a new agent joined for the node" in reason, reason
+        finally:
+            new.close()
+
+    run(with_server(body, tmp_path, heartbeat_s=0.4))

@@ -359,6 +359,9 @@ class AgentServer:
             if slot.writer is not None and slot.writer is not writer:
                 slot.writer.close()  # its old connection: the agent already gave it up
         else:
+            if slot.writer is not None and slot.writer.is_closing():  # (closed in a fresh window: see _connection_ended)
+                self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed and a new agent "
+                                f"joined for the node from {join.host}")
             if slot.attached:
                 refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); pass another "
                            f"--node-rank (0..{len(self.slots) - 1})")
