@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.jobs import events, manager_url, start_job, wait_running
 from tests.oracle import Oracle, hang, job_summary
+from undying.demo.oracle import compare_runs, load_run
 
 TIMEOUT_S = 2.0
 
@@ -66,3 +71,30 @@ def test_a_rank_stuck_while_alive_is_found_by_its_progress_and_replaced(
     assert detected["rank"] == rank and detected["phase"] == "step"
     killed = [e for e in outcome.events("exited") if e["returncode"] == -9]
     assert [e["rank"] for e in killed] == [rank], "only the stuck rank is killed; the ones waiting for it live"
+
+
+# 64 steps of 0.08 s on 2 ranks: the fault-free reference is test_checkpoints.py's (pacing is no part of it).
+PAUSE_ARGS = ["--epochs", "2", "--step-seconds", "0.08"]
+
+
+def test_a_paused_launcher_declares_no_rank_hung(oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
+    """The launcher (manager and agent in one process) stopped past its heartbeat and step timeouts, then
+    continued: its ranks trained on meanwhile, their beats waiting in its sockets. A judge that was not running
+    cannot judge silence: it gives every rank a fresh window and declares nothing (docs/architecture.md)."""
+    job_dir = tmp_path / "job"
+    launcher = start_job(job_dir, PAUSE_ARGS, ranks=2, reap=reap,
+                         run_args=["--spares", "0", "--heartbeat-timeout", "2", "--step-timeout", "2"])
+    assert wait_running(manager_url(job_dir), min_step=5)["step"] < 40
+    os.kill(launcher.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.0)  # 1.5 times both timeouts
+    finally:
+        os.kill(launcher.pid, signal.SIGCONT)
+    log = job_dir.parent / f"{job_dir.name}.log"
+    assert launcher.wait(timeout=120) == 0, log.read_text()[-3000:]
+    run = load_run(job_dir / "events.db")
+    comparison = compare_runs(oracle.baseline(PAUSE_ARGS, 2), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+    assert run.incidents == [], run.incidents
+    assert not [kind for kind in ("hang_detected", "stall_detected") if events(job_dir / "events.db", kind)]
+    assert "agent did not run for" in log.read_text(), log.read_text()[-3000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.jobs import alive
+from tests.integration.jobs import alive, events
 from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.demo.cluster import Cluster, wait_for
@@ -296,3 +297,51 @@ def _why_hung(cluster: Cluster) -> list[str]:
     """What the agents said of a rank they found silent or stuck: its phase, pid, process state and silence."""
     lines = [cluster.log(f"node{n}") for n in range(cluster.nnodes)]
     return [line for log in lines for line in log.splitlines() if "silent for" in line or "no progress" in line]
+
+
+def _paused(pid: int, seconds: float) -> None:
+    """SIGSTOP the process (not its children) for ``seconds``, then SIGCONT it: a VM pause, a swap storm."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_paused_judge_declares_nothing_about_its_own_pause(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path, oracle: Oracle) -> None:  # noqa: F811
+    """A judge that was not running cannot judge silence (docs/architecture.md, "A judge's own clock").
+
+    The manager stopped past the heartbeat timeout (3 s), then continued: its
+    agents, which judged it silent meanwhile and connected again, resume their
+    sessions; it gives every node a fresh window and the job trains on, no
+    incident. Then node 1's agent stopped as long (its workers train on): for the
+    manager that is a node loss, recovered bit for bit; the agent, continued,
+    says nothing of its own stall (no rank of it silent or stuck, no silence of
+    its manager) and takes node 1 back as a new member once fenced.
+    """
+    # 96 steps of 0.15 s: the second pause comes with more than half of the job left to train.
+    script_args = [*SCRIPT_ARGS[:-1], "0.15"]
+    cluster = Cluster(make_hosts(3), tmp_path, "pause", script_args, run_args=RUN_ARGS)
+    try:
+        cluster.start()
+        cluster.wait_for_step(5)
+        assert cluster.manager is not None
+        _paused(cluster.manager.pid, 4.0)
+        status = cluster.wait_for_step(cluster.status()["step"] + 3, timeout=30)
+        assert status["incidents"] == [] and status["step"] < 60, (status["incidents"], cluster.logs())
+        _paused(cluster.agents[1].pid, 4.0)
+        assert cluster.wait(120) == 0, cluster.logs()
+    finally:
+        cluster.close()
+    job = _assert_identical(oracle, cluster)
+    lost = [i for i in job["incidents"] if i["kind"] == "node-loss"]
+    assert sorted(i["rank"] for i in lost) == [2, 3] and all(i["status"] == "recovered" for i in lost), job["incidents"]
+    assert len(lost) == len(job["incidents"]) and "silent for" in lost[0]["error"], job["incidents"]
+    assert "the manager did not run for" in cluster.log("manager"), cluster.log("manager")
+    declared = [line for n in range(cluster.nnodes) for line in cluster.log(f"node{n}").splitlines()
+                if re.search(r"(rank \d+ \(pid [^)]*\)|spare pid \d+) (silent for|made no progress)", line)]
+    assert not declared, declared  # no agent found a rank or spare of its own silent or stuck
+    assert not [e for e in ("hang_detected", "stall_detected", "spare_hung") if events(cluster.job_dir / "events.db", e)]
+    _, stalled, after = cluster.log("node1").partition("agent did not run for")
+    assert stalled and "no word from the manager" not in after, after  # its own pause is no silence of its manager

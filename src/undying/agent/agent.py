@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.agent.exits import returned_exit
-from undying.agent.liveness import has_exited, is_stalled, judge_silence, process_state
+from undying.agent.liveness import has_exited, is_stalled, judge_silence, process_state, watch_clock
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
@@ -190,17 +190,19 @@ class Agent:
         of every beat, so its load grows with nodes rather than ranks.
         """
         timeouts = self.config.timeouts
+        clock = watch_clock(self.node, timeouts)  # silence counts only while this agent ran (agent/liveness.py)
         while True:
-            await asyncio.sleep(min(0.2, timeouts.heartbeat / 5))
+            await asyncio.sleep(clock.period_s)
+            clock.tick()
             if self._stopping:
                 continue
             now = time.time()
-            self.spares.check(now)
+            self.spares.check(now, clock)
             stalled: list[_Worker] = []
             for worker in list(self._workers.values()):
                 if worker.hang_reported or worker.process.returncode is not None:
                     continue
-                silence = judge_silence(now, worker.started, worker.last_seen, timeouts, self.config.step_api)
+                silence = judge_silence(now, worker.started, worker.last_seen, timeouts, self.config.step_api, clock)
                 if silence is not None and not has_exited(worker.pid):
                     worker.hang_reported = True
                     log.warning("node %d: rank %d (pid %d, state %s) silent for %.1fs (%s timeout %.1fs)", self.node,

@@ -3,6 +3,13 @@
 A pure judgement of one rank at one moment, kept apart from the agent's loop
 that watches every rank (``Agent._watch_heartbeats``) so that the rule reads in
 one place and is tested without processes.
+
+The watch judges silence only over time the agent itself ran: its loop ticks a
+judge clock (``watch_clock``, ``protocol/judge_clock.py``), and after a stall of
+the agent's own (the agent stopped, paused or starved) every rank and spare
+gets a fresh window: an agent continued after a pause declares nothing about
+it. A stall is judged by the beats' own times (the rank's clock), which a
+pause of the agent does not change.
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from undying.config import Timeouts
+from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-__all__ = ["Silence", "judge_silence", "is_stalled", "process_state", "has_exited"]
+__all__ = ["Silence", "judge_silence", "is_stalled", "process_state", "has_exited", "watch_clock"]
 
 
 @dataclass(frozen=True)
@@ -27,16 +35,26 @@ class Silence:
     limit_s: float
 
 
+def watch_clock(node: int, timeouts: Timeouts) -> JudgeClock:
+    """The judge clock of a node's watch over its ranks and spares (ticked once a pass of the watch)."""
+    return JudgeClock(min(0.2, timeouts.heartbeat / 5), timeouts.heartbeat, f"node {node}'s agent")
+
+
 def judge_silence(now: float, started: float, last_seen: float, timeouts: Timeouts,
-                  step_api: bool) -> Silence | None:
+                  step_api: bool, clock: JudgeClock | None = None) -> Silence | None:
     """The rank is hung when nothing came from it for its limit: the heartbeat timeout, or before its
-    first message the init timeout (none for a script that never speaks to undying: whole-group restarts)."""
+    first message the init timeout (none for a script that never speaks to undying: whole-group restarts).
+
+    Times are the wall clock's. With the watch's ``clock``, silence counts only
+    from the agent's return from a stall of its own (a fresh window).
+    """
     if last_seen:
-        phase, silent, limit = "heartbeat", now - last_seen, timeouts.heartbeat
+        phase, since, limit = "heartbeat", last_seen, timeouts.heartbeat
     elif not step_api:
         return None
     else:
-        phase, silent, limit = "init", now - started, timeouts.init
+        phase, since, limit = "init", started, timeouts.init
+    silent = now - (clock.counts_from(since, wall=True) if clock is not None else since)
     return Silence(phase, silent, limit) if silent > limit else None
 
 

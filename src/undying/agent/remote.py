@@ -36,6 +36,7 @@ from undying.checkpoint.mac import KEY_ENV, key_from_token
 from undying.config import JobConfig
 from undying.inputs import check_address
 from undying.protocol.codec import Codec, Handlers, Message
+from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
     AbortRank,
     Acked,
@@ -272,7 +273,9 @@ class NodeRunner:
         self.agent.extra_env[KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
         self.agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # and reach the job's stores
         self.session = ""
-        self._last_beat = 0.0
+        self._last_beat = 0.0  # monotonic: the manager's last line
+        # Its manager silent or unreachable: judged only over time this agent ran (protocol/judge_clock.py).
+        self.clock = JudgeClock(min(0.2, config.timeouts.heartbeat / 5), config.timeouts.heartbeat, "this agent")
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -284,6 +287,7 @@ class NodeRunner:
         await self.agent.start()
         self.agent.manager_host = self.manager_host
         loop = asyncio.get_running_loop()
+        self._tasks.add(loop.create_task(self.clock.keep_ticking()))  # (cancelled with the others at the end)
         for sig in hangup.STOP_SIGNALS:  # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
             loop.add_signal_handler(sig, hangup.handle, sig, self.config.job_dir, self._on_signal)
         try:
@@ -332,7 +336,7 @@ class NodeRunner:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(self.manager_host, self.manager_port, limit=16 * 1024 * 1024), 5.0)
             except (OSError, asyncio.TimeoutError) as e:
-                if time.monotonic() - offline_since > limit:
+                if self.clock.silent_s(offline_since) > limit:
                     log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); stopping",
                               self.node, self.manager_host, self.manager_port, limit, e)
                     return 1
@@ -422,9 +426,9 @@ class NodeRunner:
                     return
                 if read not in done:
                     read.cancel()
-                    if time.monotonic() - self._last_beat > self._silence_limit():
+                    if (silent := self.clock.silent_s(self._last_beat)) > self._silence_limit():
                         log.warning("node %d: no word from the manager for %.1fs; connecting again",
-                                    self.node, time.monotonic() - self._last_beat)
+                                    self.node, silent)
                         return
                     continue
                 line = read.result()
@@ -469,7 +473,7 @@ class NodeRunner:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if leave in done or read not in done:
                     read.cancel()
-                    if leave in done or time.monotonic() - self._last_beat > self._silence_limit():
+                    if leave in done or self.clock.silent_s(self._last_beat) > self._silence_limit():
                         return None
                     continue
                 line = read.result()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from undying.config import JobConfig
+from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.worker_wire import SpareReady, SpareTaken, spare_beat_interval
 
 __all__ = ["SparePool", "Spare", "Take", "Process", "signal_group"]
@@ -122,16 +123,21 @@ class SparePool:
         now = time.time()
         return sum(1 for s in self.spares.values() if self.fresh(s, now))
 
-    def check(self, now: float) -> None:
-        """Silent past --heartbeat-timeout (warm) or --init-timeout (warming): killed; its exit replaces it."""
+    def check(self, now: float, clock: JudgeClock | None = None) -> None:
+        """Silent past --heartbeat-timeout (warm) or --init-timeout (warming): killed; its exit replaces it.
+
+        With the agent's watch ``clock``, silence counts only over time the agent ran (a fresh window after a
+        stall of its own), as a rank's does (``liveness.judge_silence``).
+        """
         timeouts = self.config.timeouts
         for spare in list(self.spares.values()):
             if spare.hang_reported or spare.process.returncode is not None:
                 continue
             if spare.writer is not None:
-                phase, silent, limit = "heartbeat", now - spare.last_seen, timeouts.heartbeat
+                phase, since, limit = "heartbeat", spare.last_seen, timeouts.heartbeat
             else:
-                phase, silent, limit = "init", now - spare.started, timeouts.init
+                phase, since, limit = "init", spare.started, timeouts.init
+            silent = now - (clock.counts_from(since, wall=True) if clock is not None else since)
             if silent > limit:
                 spare.hang_reported = True
                 log.warning("node %d: spare pid %d silent for %.1fs (%s timeout %.1fs); killed and replaced",

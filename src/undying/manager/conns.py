@@ -17,6 +17,9 @@ and every malformed request logged a traceback.
   new connection closes the oldest one with no request in progress (a flood
   of idle sockets cannot lock out the operator's ``undying inject``); when
   every one is busy, the newcomer gets a 503 and is closed.
+- The watch judges a client's slowness only over time the manager ran
+  (``protocol/judge_clock.py``): after a stall of the manager itself every
+  connection gets a fresh window, as its agents do.
 - ``QuietLog``: a logging filter that lets through at most a few lines of one
   kind per minute, without tracebacks, then one line saying how many it held
   back.
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from undying.config import ConnectionLimits
+from undying.protocol.judge_clock import JudgeClock
 
 __all__ = ["ConnectionGuard", "GuardedSite", "QuietLog", "read_line"]
 
@@ -48,6 +52,7 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json
 class _Conn:
     opened: float
     deadline: float
+    limit: float  # what its deadline allows from its start (the header or the idle timeout)
     busy: bool = False
     transport: asyncio.Transport | None = None  # None until the connection is made
 
@@ -123,7 +128,8 @@ class ConnectionGuard:
                     log.warning("HTTP: %d connections, all busy: refused one with 503", len(self._conns))
                     return _Refuse()
             inner = make()
-            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.header_timeout)
+            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.header_timeout,
+                                              limit=self.limits.header_timeout)
             return _Tracked(self, inner, conn)
 
         return build
@@ -150,7 +156,7 @@ class ConnectionGuard:
         finally:
             if conn is not None:
                 conn.busy = False
-                conn.deadline = time.monotonic() + self.limits.idle_timeout
+                conn.deadline, conn.limit = time.monotonic() + self.limits.idle_timeout, self.limits.idle_timeout
 
     def start(self) -> None:
         if self._watch is None:
@@ -165,10 +171,13 @@ class ConnectionGuard:
 
     async def _watch_loop(self) -> None:
         period = max(0.05, min(1.0, self.limits.header_timeout / 4))
+        clock = JudgeClock(period, min(self.limits.header_timeout, self.limits.idle_timeout), "the manager's HTTP server")
         while True:
             await asyncio.sleep(period)
+            clock.tick()
             now = time.monotonic()
-            late = [p for p, c in self._conns.items() if not c.busy and now > c.deadline and c.transport is not None]
+            late = [p for p, c in self._conns.items() if not c.busy and c.transport is not None
+                    and clock.silent_s(c.deadline - c.limit, now) > c.limit]
             for inner in late:
                 self._close(inner)
             if late:

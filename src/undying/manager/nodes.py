@@ -1,8 +1,8 @@
 """The manager's side of agents on other hosts: one TCP connection per node.
 
-Each node has a slot (``RemoteAgent``) that the manager drives exactly as it
-drives the in-process agent of a standalone run (the ``AgentHandle`` calls
-become messages). A slot outlives its connection: when a node is lost, the
+Each node has a slot (``RemoteAgent``, ``node_slot.py``) that the manager drives
+exactly as it drives the in-process agent of a standalone run (the
+``AgentHandle`` calls become messages). A slot outlives its connection: when a node is lost, the
 ranks it held are recovered like crashed ranks, the spawns of their
 replacements wait in the slot, and the next agent that joins for that node
 (a replacement host, as Kubernetes would start one) picks them up.
@@ -14,6 +14,11 @@ the old session is stale: that agent is told it is fenced, kills its workers
 and may join again as a new member. Its workers are fenced on their own too,
 by the rank ownership keys the manager writes on the control store
 (``rank/<r>/owner``), so a stale rank can never enter a newer generation.
+
+A node's silence is judged only over time the manager ran (``clock``,
+``protocol/judge_clock.py``): after a stall of the manager itself every node
+gets a fresh window, and a connection that closes right then (its agent, which
+heard nothing, connecting again) is judged by that window, not lost at once.
 """
 
 from __future__ import annotations
@@ -22,30 +27,24 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import signal
 import time
-import typing
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from undying.manager.conns import QuietLog, read_line
+from undying.manager.node_slot import RemoteAgent
 from undying.manager.standby import SlotFacts
 from undying.manager.standbys import Parked, Standbys
 from undying.protocol.codec import Handlers, Message, MessageError
-from undying.protocol.generations import GenerationRecord
+from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
     FROM_WORKERS,
-    AbortRank,
     Acked,
     AgentFenced,
     AgentJoin,
     AgentRefused,
     AgentState,
     AgentWelcome,
-    ArmRank,
-    KeepSpares,
-    KillRank,
     ManagerBeat,
     NodeLeaving,
     NodeStep,
@@ -55,12 +54,9 @@ from undying.protocol.node_wire import (
     RankHung,
     RankSpawned,
     RanksStalled,
-    SpawnRank,
     StandbyBeat,
     StandbyJoin,
     StandbyParked,
-    StopNode,
-    TellRank,
     TraceFileError,
     TraceFileSet,
     decode_agent_report,
@@ -68,9 +64,9 @@ from undying.protocol.node_wire import (
     encode,
     width,
 )
-from undying.protocol.seams import AgentHandle, ManagerLink
+from undying.protocol.seams import ManagerLink
 from undying.protocol.trace_switch import TraceSwitch
-from undying.protocol.worker_wire import COMMANDS, ArmFault, TraceSet, WorkerCommand
+from undying.protocol.worker_wire import TraceSet
 
 __all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
@@ -110,160 +106,6 @@ class NodeEvents(ManagerLink, Protocol):
 JoinCheck = Callable[[AgentJoin], str]
 
 
-@dataclass
-class RemoteAgent:
-    """The slot of one node: its agent's connection when it has one, the commands waiting otherwise."""
-
-    node: int
-    session: str = ""
-    host: str = ""
-    pid: int = 0
-    writer: asyncio.StreamWriter | None = None
-    last_heard: float = 0.0
-    joined_at: float = 0.0
-    lost_at: float = 0.0
-    lost_reason: str = ""
-    live: dict[int, int] = field(default_factory=dict)
-    _phases: dict[int, str] = field(default_factory=dict)
-    _spares: int = 0
-    _waiting: list[SpawnRank] = field(default_factory=list)
-    _stops: dict[int, asyncio.Future[None]] = field(default_factory=dict)
-    _seq: int = 0
-
-    # --- the AgentHandle calls ------------------------------------------------
-
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
-              incarnation: int = 0) -> tuple[int, bool]:
-        """Ask the node for a process; its PID comes back in RankSpawned (0 until then)."""
-        command = SpawnRank(rank, record, joining, resume_from, incarnation)
-        if self.writer is None:
-            self._waiting.append(command)  # for the agent that takes this node next
-        else:
-            self.send(command)
-        return 0, False
-
-    def tell(self, rank: int, message: Message) -> bool:
-        if not isinstance(message, COMMANDS):
-            raise MessageError(f"{type(message).__name__} is no command a worker takes (worker_wire.WorkerCommand)")
-        if rank not in self.live:
-            return False
-        return self.send(TellRank(rank, typing.cast(WorkerCommand, message)))
-
-    def live_ranks(self) -> list[int]:
-        return sorted(self.live)
-
-    def kill(self, rank: int, sig: signal.Signals) -> bool:
-        if rank not in self.live:
-            return False
-        return self.send(KillRank(rank, int(sig)))
-
-    def arm(self, rank: int, fault: ArmFault) -> None:
-        self.send(ArmRank(rank, fault))
-
-    def abort(self, rank: int, generation: int, reason: str) -> bool:
-        if rank not in self.live:
-            return False
-        return self.send(AbortRank(rank, generation, reason))
-
-    def keep_spares(self) -> None:
-        self.send(KeepSpares())
-
-    def spares_ready(self) -> int:
-        return self._spares if self.writer is not None else 0
-
-    async def stop_all(self, grace_s: float) -> None:
-        """Stop the node's workers; a node that is gone, or stays silent past the grace, counts as stopped."""
-        if self.writer is None:
-            return
-        self._seq += 1
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._stops[self._seq] = done
-        self.send(StopNode(grace_s, self._seq))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(done), grace_s + 5.0)
-        self._stops.pop(self._seq, None)
-        self.live.clear()
-
-    def set_trace(self, switch: TraceSet) -> None:
-        self.send(switch)
-
-    def phases(self) -> dict[int, str]:
-        return {r: p for r, p in self._phases.items() if r in self.live}
-
-    # --- the connection -------------------------------------------------------
-
-    @property
-    def attached(self) -> bool:
-        return self.writer is not None
-
-    def send(self, message: Message) -> bool:
-        return self.send_line(encode(message))
-
-    def send_line(self, line: bytes) -> bool:
-        """Encoded messages (a beat round encodes its ManagerBeat once for every node)."""
-        if self.writer is None or self.writer.is_closing():
-            return False
-        self.writer.write(line)
-        return True
-
-    def attach(self, writer: asyncio.StreamWriter, join: AgentJoin, session: str) -> None:
-        self.writer = writer
-        self.session = session
-        self.host = join.host
-        self.pid = join.pid
-        self.joined_at = self.last_heard = time.time()
-        self.live = {int(r): pid for r, pid in join.live.items()}
-
-    def send_waiting(self) -> None:
-        """The spawns that waited for an agent on this node (replacements for the ranks it lost)."""
-        waiting, self._waiting = self._waiting, []
-        for command in waiting:
-            self.send(command)
-
-    def drop_waiting(self) -> None:
-        """The job regroups without this node's old ranks: no agent that takes the node gets them."""
-        self._waiting.clear()
-
-    def detach(self, reason: str) -> None:
-        """The node is lost: its connection closes, its session is stale, nothing it held is live."""
-        writer, self.writer = self.writer, None
-        if writer is not None:
-            writer.close()
-        self.session = ""
-        self.lost_at = time.time()
-        self.lost_reason = reason
-        self.live.clear()
-        self._phases.clear()
-        for done in self._stops.values():
-            if not done.done():
-                done.set_result(None)
-
-    def view(self) -> dict[str, Any]:
-        return {
-            "node": self.node,
-            "attached": self.attached,
-            "host": self.host,
-            "agent_pid": self.pid,
-            "ranks": sorted(self.live),
-            "last_heard": self.last_heard,
-            "joined_at": self.joined_at,
-            "lost_at": self.lost_at or None,
-            "lost_reason": self.lost_reason,
-            "waiting_spawns": [c.rank for c in self._waiting],
-        }
-
-    def stopped(self, seq: int) -> None:
-        """The node's answer to StopNode ``seq``."""
-        done = self._stops.get(seq)
-        if done is not None and not done.done():
-            done.set_result(None)
-
-    def on_state(self, message: AgentState) -> None:
-        self.live = {int(r): pid for r, pid in message.live.items()}
-        self._phases = {int(r): p for r, p in message.phases.items()}
-        self._spares = message.spares_ready
-
-
 class AgentServer:
     """Accepts agents, checks them, and turns their messages into the manager's calls."""
 
@@ -278,7 +120,8 @@ class AgentServer:
         self._unjoined: dict[asyncio.StreamWriter, float] = {}
         self.port = port
         self._check = check
-        self.heartbeat_s = heartbeat_s
+        # The watch's own clock: a node's silence counts only while this manager ran (protocol/judge_clock.py).
+        self.clock = JudgeClock(_WATCH_S, heartbeat_s, "the manager")
         self.slots: dict[int, RemoteAgent] = {}
         self._events: NodeEvents | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -298,7 +141,17 @@ class AgentServer:
         self.job_dir = ""
         self._handlers = self._report_handlers()
         # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they go.
-        self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail))
+        self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail),
+                                 self.clock)
+
+    @property
+    def heartbeat_s(self) -> float:
+        """A node silent this long (while the manager ran) is lost; the job's flag, set once the first node joined."""
+        return self.clock.window_s
+
+    @heartbeat_s.setter
+    def heartbeat_s(self, value: float) -> None:
+        self.clock.window_s = value
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
@@ -349,24 +202,47 @@ class AgentServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _beat_and_watch(self) -> None:
-        """Beat to every attached agent; a node silent past the heartbeat timeout is lost."""
+        """Beat to every attached agent; a node silent past the heartbeat timeout, while this manager ran, is lost.
+
+        After a stall of the manager itself (``clock``), every node gets a fresh
+        window: its words waited in the socket while the manager did not read.
+        """
         last_beat = 0.0
         while True:
             await asyncio.sleep(_WATCH_S)
+            self.clock.tick()
             now = time.time()
             beat = b""
             if now - last_beat >= MANAGER_BEAT_S:
                 last_beat = now
                 beat = encode(ManagerBeat(now))  # the same for every node
-            self.standbys.beat(beat, now, self.heartbeat_s)
+            self.standbys.beat(beat, self.heartbeat_s)
             for slot in list(self.slots.values()):
                 if not slot.attached:
                     continue
-                if now - slot.last_heard > self.heartbeat_s:
-                    self.lose(slot, f"node {slot.node} ({slot.host}) silent for {now - slot.last_heard:.1f}s "
+                silent = self.clock.silent_s(slot.heard)
+                if silent > self.heartbeat_s:
+                    self.lose(slot, f"node {slot.node} ({slot.host}) silent for {silent:.1f}s "
                                f"(heartbeat timeout {self.heartbeat_s:g}s)")
                 elif beat:
                     slot.send_line(beat + encode(Acked(self.persisted.get(slot.node, 0))))
+
+    def _connection_ended(self, slot: RemoteAgent, reason: str) -> None:
+        """The node's connection closed or failed: the node is lost, unless this manager itself just stalled.
+
+        An agent that heard nothing from a stopped manager for its heartbeat
+        timeout connects again with its session (agent/remote.py), and its old
+        connection's close waits in the manager's socket with the new join. Right
+        after a stall of its own (``clock.fresh``) the manager judges such a node
+        by its silence, in the node's fresh window: an agent that comes back
+        within it resumes its session, one that does not is lost at its end.
+        """
+        if self.clock.fresh():
+            log.warning("node %d: %s, right after this manager's own stall of %.1fs: the node has a fresh %gs "
+                        "window to come back before it is lost", slot.node, reason, self.clock.last_stall_s,
+                        self.heartbeat_s)
+            return
+        self.lose(slot, reason)
 
     def lose(self, slot: RemoteAgent, reason: str) -> None:
         if self._closed:
@@ -422,11 +298,11 @@ class AgentServer:
                 current = slot.session == session and slot.writer is writer
                 if not line:
                     if current:
-                        self.lose(slot, f"node {slot.node} ({slot.host}): its agent's connection closed")
+                        self._connection_ended(slot, f"node {slot.node} ({slot.host}): its agent's connection closed")
                     return
                 if not current:
                     return  # fenced, or resumed elsewhere meanwhile: whatever it says here is stale
-                slot.last_heard = time.time()
+                slot.heard_from()
                 try:
                     reports = decode_from_agent(line)
                 except MessageError as e:
@@ -440,7 +316,8 @@ class AgentServer:
                 self._take(slot, session, writer, reports)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
             if slot is not None and slot.session == session and session and slot.writer is writer:
-                self.lose(slot, f"node {slot.node} ({slot.host}): connection failed ({type(e).__name__}: {e})")
+                self._connection_ended(slot, f"node {slot.node} ({slot.host}): connection failed "
+                                             f"({type(e).__name__}: {e})")
         finally:
             self._connections.discard(writer)
             self._unjoined.pop(writer, None)
@@ -482,6 +359,9 @@ class AgentServer:
             if slot.writer is not None and slot.writer is not writer:
                 slot.writer.close()  # its old connection: the agent already gave it up
         else:
+            if slot.writer is not None and slot.writer.is_closing():  # (closed in a fresh window: see _connection_ended)
+                self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed and a new agent "
+                                f"joined for the node from {join.host}")
             if slot.attached:
                 refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); pass another "
                            f"--node-rank (0..{len(self.slots) - 1})")
@@ -594,7 +474,3 @@ class AgentServer:
         slot.live[message.rank] = message.pid
         self._node_events().on_spawned(message.rank, message.pid, message.warm, message.incarnation)
 
-
-def _satisfies_the_seam(slot: RemoteAgent) -> AgentHandle:
-    """(For mypy: a remote node's slot is what the manager drives, ``protocol.seams.AgentHandle``.)"""
-    return slot

@@ -11,7 +11,9 @@ after which the connection is that node's like any other.
 
 A standby silent past the heartbeat timeout is dropped (its host cut off); a
 killed one closes its connection. Neither is a fault of the job: a standby
-holds no rank.
+holds no rank. Its silence is judged as a node's is, by the agent server's
+judge clock (``protocol/judge_clock.py``): only over time the manager ran, with
+a fresh window after a stall of the manager itself.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 from undying.manager.conns import read_line
 from undying.manager.standby import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.codec import MessageError
+from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
     AgentJoin,
     AgentRefused,
@@ -50,7 +53,8 @@ class Parked:
     join: AgentJoin
     writer: asyncio.StreamWriter
     parked_at: float = field(default_factory=time.time)
-    last_heard: float = field(default_factory=time.time)
+    last_heard: float = field(default_factory=time.time)  # wall clock, for people; judged by ``heard``
+    heard: float = field(default_factory=time.monotonic)
     spares_ready: int = 0
     # Set when it is given a node: (the node, its session); the connection is then the node's.
     seated: tuple[int, str] | None = None
@@ -69,8 +73,10 @@ Record = Callable[[str, dict[str, Any]], None]
 class Standbys:
     """The parked standbys of one manager."""
 
-    def __init__(self, seat: Seat, record: Record) -> None:
+    def __init__(self, seat: Seat, record: Record, clock: JudgeClock | None = None) -> None:
         self.parked: dict[int, Parked] = {}
+        # The manager's judge clock (the agent server's, which ticks it); a roster alone gets its own.
+        self.clock = clock or JudgeClock(0.2, 30.0, "the manager's standby roster")
         self._seat = seat
         self._record = record
         self._next = 0
@@ -103,7 +109,7 @@ class Standbys:
                     return b""
                 if parked.seated is not None:
                     return line  # written after its welcome: the node's first report
-                parked.last_heard = time.time()
+                parked.last_heard, parked.heard = time.time(), time.monotonic()
                 try:
                     beat = decode_from_agent(line)
                 except MessageError as e:
@@ -123,20 +129,20 @@ class Standbys:
         log.info("standby %d (%s) dropped: %s", parked.key, parked.join.host, why)
         self._record("standby_dropped", {"standby": parked.key, "host": parked.join.host, "why": why})
 
-    def beat(self, line: bytes, now: float, silence_limit_s: float) -> None:
-        """The manager's beat to every parked standby; one silent past the limit is dropped."""
+    def beat(self, line: bytes, silence_limit_s: float) -> None:
+        """The manager's beat to every parked standby; one silent past the limit (while the manager ran) is dropped."""
         for parked in list(self.parked.values()):
-            if now - parked.last_heard > silence_limit_s:
-                self.drop(parked, f"silent for {now - parked.last_heard:.1f}s (heartbeat timeout {silence_limit_s:g}s)")
+            silent = self.clock.silent_s(parked.heard)
+            if silent > silence_limit_s:
+                self.drop(parked, f"silent for {silent:.1f}s (heartbeat timeout {silence_limit_s:g}s)")
             elif line and not parked.writer.is_closing():
                 parked.writer.write(line)
 
     def place(self, slots: list[SlotFacts], silence_limit_s: float, *, closed: bool = False) -> list[Promote]:
         """Give lost nodes to standbys (``standby.promotions`` decides); returns what was done."""
-        now = time.time()
         out = self.blocked()
-        facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, now - p.last_heard) for p in self.parked.values()
-                 if p.join.host not in out]
+        facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, self.clock.silent_s(p.heard))
+                 for p in self.parked.values() if p.join.host not in out]
         done = promotions(slots, facts, silence_limit_s=silence_limit_s, closed=closed)
         for promote in done:
             parked = self.parked.pop(promote.standby)

@@ -12,7 +12,9 @@
   ``ManagerLink`` (what an agent reports to its manager);
 - the job's authenticated key-value store: its wire (``store_wire``, no
   torch), the ``torch.distributed.Store`` workers use over it
-  (``store_client``), and the key a worker shows its agent (``channel_key``).
+  (``store_client``), and the key a worker shows its agent (``channel_key``);
+- ``judge_clock``: how any process judges a peer's silence, only over time it
+  ran itself.
 
 Nothing here imports a role (worker, agent, manager); the modules are
 imported by name (this package imports none of them, so that ``store_client``
@@ -20,4 +22,4 @@ brings torch only where it is used).
 """
 
 __all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations", "seams",
-           "store_wire", "store_client", "channel_key", "verify_wire"]
+           "store_wire", "store_client", "channel_key", "verify_wire", "judge_clock"]
