@@ -367,10 +367,11 @@ def test_commands_find_the_token(served: Served, tmp_path: Path, capsys: pytest.
     assert code == 0 and json.loads(out)["trace"]["step"] is True
     code, out, _ = cli(["inject", "crash", "--rank", "0", "--manager", address], capsys)
     assert code == 0 and "injected: crash of rank 0 (pid 4242)" in out
-    # --token-file comes before env: a wrong file is used, and refused.
+    # --token-file comes before env: a wrong file is used, and refused (the manager cannot prove its key, so
+    # the wrong token is not even sent).
     token_file.write_text("stale-token\n")
     code, _, err = cli(["trace", "off", "--manager", address, "--token-file", str(token_file)], capsys)
-    assert code == 2 and "a wrong token" in err and f"sent the token from --token-file {token_file}" in err
+    assert code == 2 and "a wrong token" in err and f"token came from --token-file {token_file}" in err
 
 
 def test_commands_given_the_job_dir_read_its_token_and_name_the_job(
@@ -385,7 +386,7 @@ def test_commands_given_the_job_dir_read_its_token_and_name_the_job(
     # A stale env token comes before the job dir's file; the refusal says that is what was sent.
     monkeypatch.setenv(TOKEN_ENV, "left-over-from-another-job")
     code, _, err = cli(["inject", "crash", "--rank", "0", "--job-dir", str(served.job_dir)], capsys)
-    assert code == 2 and "a wrong token" in err and f"sent the token from env {TOKEN_ENV}" in err
+    assert code == 2 and "a wrong token" in err and f"token came from env {TOKEN_ENV}" in err
     monkeypatch.delenv(TOKEN_ENV)
     (served.job_dir / "manager.json").write_text(json.dumps(info | {"job_id": "someone-else"}))
     code, _, err = cli(["inject", "crash", "--rank", "0", "--job-dir", str(served.job_dir)], capsys)

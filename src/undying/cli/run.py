@@ -171,7 +171,8 @@ no checkpoint at all.""",
                    "spares (at least -n) stay warm, and when a node is lost it takes that node's rank and its "
                    "ranks start on those spares instead of waiting for a new host (pass the job's other flags)")
     m.add_argument("--token-file", default=None, metavar="PATH",
-                   help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it)")
+                   help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it, "
+                   "or a new one there); the start line says which was used")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
     t.add_argument("--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"), default=_DEFAULTS.rendezvous,
                    help=f"a worker's wait for the next generation (default {_DEFAULTS.rendezvous:.0f})")
@@ -389,6 +390,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_inherited_keys()
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -414,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         launch,  # torch and the manager: only for the command that runs a job
     )
 
-    return launch(config, args.script, script_args)
+    return launch(config, args.script, script_args, args.token_file)
 
 
 def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
@@ -439,3 +441,12 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
                          f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
     return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir),
                     standby=args.standby)
+
+
+def refuse_inherited_keys() -> None:
+    """A launcher derives its keys from the token: derived keys left in the user's environment are refused."""
+    from undying.protocol.keys import inherited_key_problem
+
+    problem = inherited_key_problem(os.environ)
+    if problem is not None:
+        raise UsageError(problem)
