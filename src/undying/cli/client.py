@@ -176,7 +176,7 @@ def _local(url: str) -> bool:
 def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"manager address {url} is not http://HOST:PORT; pass --manager HOST:PORT")
+        raise UsageError(f"manager address {url} is not an HTTP address with a host; pass --manager HOST:PORT")
     try:
         port = parts.port
     except ValueError:

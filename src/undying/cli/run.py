@@ -428,6 +428,10 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
 
     parse_manager_address(args.manager)
     config.validate()
+    if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
+        from undying.manager.ownership import private_dir
+
+        private_dir(Path(config.job_dir))
     token = find_token(Path(config.job_dir) if args.job_dir else None, args.token_file)
     if token is None:
         raise UsageError(
