@@ -431,7 +431,11 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
     if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
         from undying.manager.ownership import private_dir
 
-        private_dir(Path(config.job_dir))
+        try:
+            private_dir(Path(config.job_dir))
+        except OSError as e:
+            raise UsageError(f"job dir {config.job_dir} is not writable ({e.strerror or e}); pass --job-dir with a "
+                             "folder you can write") from e
     token = find_token(Path(config.job_dir) if args.job_dir else None, args.token_file)
     if token is None:
         raise UsageError(

@@ -148,10 +148,9 @@ def ensure_token_with_source(job_dir: Path, token_file: str | None = None) -> tu
     path = Path(job_dir) / TOKEN_FILE
     try:
         private_dir(Path(job_dir))
-        if token_file is not None:
-            token, source = read_token_file(Path(token_file), private=False), f"--token-file {token_file}"
-        else:
-            token, source = _env_token(), f"env {TOKEN_ENV}"
+        given: str | None = read_token_file(Path(token_file), private=False) if token_file is not None else _env_token()
+        source = f"--token-file {token_file}" if token_file is not None else f"env {TOKEN_ENV}"
+        token = given
         if token is None:
             if path.exists() or path.is_symlink():
                 return read_token_file(path), str(path)
