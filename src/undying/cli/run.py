@@ -424,7 +424,7 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
     from pathlib import Path
 
     from undying.agent.remote import parse_manager_address, run_node
-    from undying.manager.auth import find_token
+    from undying.manager.auth import find_token_with_source
 
     parse_manager_address(args.manager)
     config.validate()
@@ -436,7 +436,7 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
         except OSError as e:
             raise UsageError(f"job dir {config.job_dir} is not writable ({e.strerror or e}); pass --job-dir with a "
                              "folder you can write") from e
-    token = find_token(Path(config.job_dir) if args.job_dir else None, args.token_file)
+    token, token_from = find_token_with_source(Path(config.job_dir) if args.job_dir else None, args.token_file)
     if token is None:
         raise UsageError(
             "no token for the manager: pass --token-file PATH or set UNDYING_TOKEN (the manager wrote it to "
@@ -444,6 +444,8 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
         )
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
+    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: joining the manager at "
+                     f"{args.manager}, token from {token_from}\n")
     if not config.step_api:
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
                          f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
