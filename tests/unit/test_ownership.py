@@ -25,6 +25,7 @@ from undying.manager.auth import (
     ensure_token_with_source,
     find_token,
 )
+from undying.manager.events import EventLog
 from undying.manager.jobdir import JobDir
 from undying.manager.ownership import owner_problem
 
@@ -79,10 +80,16 @@ def test_the_job_dir_and_undyings_files_in_it_are_private_whatever_the_umask(tmp
         jd = JobDir(tmp_path / "deep" / "job")
         jd.prepare()
         ensure_token(jd.path)
+        log = EventLog(jd.events_db)  # as the launcher and `undying manager` open it
+        jd.private_log()
+        log.set_job("state", "running", flush=True)
         jd.write_manager({"url": "http://127.0.0.1:1", "pid": 0, "job_id": "j"})
+        found = modes(jd.path)
+        log.close()
     finally:
         os.umask(old)
-    assert modes(jd.path) == {"job": 0o700, "events.db": 0o600, TOKEN_FILE: 0o600, "manager.json": 0o600}
+    assert found == {"job": 0o700, "events.db": 0o600, "events.db-wal": 0o600, "events.db-shm": 0o600,
+                     TOKEN_FILE: 0o600, "manager.json": 0o600}, found
 
 
 def test_an_existing_job_dir_of_mine_is_made_private(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     key = key_from_token(token)
     set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
     events = EventLog(job_dir.events_db)
+    job_dir.private_log()
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
     manager = Manager(config, events)
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import fold_wal
-from undying.manager.ownership import check_trusted, create_private, private_dir, write_private
+from undying.manager.ownership import check_trusted, make_private, private_dir, write_private
 
 __all__ = ["JobDir", "default_job_dir", "pid_alive"]
 
@@ -62,10 +62,18 @@ class JobDir:
                 )
         if self.events_db.exists() and not keep_log:
             self.archive_log()
-        create_private(self.events_db)  # (SQLite gives its -wal and -shm files the database's mode)
         # The script error of an earlier launch (worker.boot) is not this launch's.
         with contextlib.suppress(FileNotFoundError):
             (self.path / "script-error.txt").unlink()
+
+    def private_log(self) -> None:
+        """Make the log the manager just opened ``0600``, with its ``-wal`` and ``-shm`` (SQLite creates them
+        with the umask's mode; later ones take the database's). Nobody else could open them meanwhile:
+        the folder is ``0700``."""
+        for suffix in ("", "-wal", "-shm"):
+            part = Path(str(self.events_db) + suffix)
+            with contextlib.suppress(FileNotFoundError):
+                make_private(part)
 
     def archive_log(self) -> Path:
         """Set the last launch's log aside whole, as ``events.<time>.db``, and return where.

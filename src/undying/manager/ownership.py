@@ -31,7 +31,7 @@ from pathlib import Path
 
 from undying.errors import UsageError
 
-__all__ = ["owner_problem", "check_trusted", "private_dir", "write_private", "create_private"]
+__all__ = ["owner_problem", "check_trusted", "private_dir", "write_private", "make_private"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -97,23 +97,14 @@ def private_dir(path: Path) -> os.stat_result:
         os.close(fd)
 
 
-def create_private(path: Path) -> None:
-    """Create ``path`` empty and ``0600`` if it does not exist (a database SQLite then opens: its
-    write-ahead files take its mode); an existing one of ours is made ``0600``."""
+def make_private(path: Path) -> None:
+    """Make an existing file of the user's ``0600`` (``FileNotFoundError`` when there is none)."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-    except FileExistsError:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            check_trusted(st, str(path), dir_uid=path.parent.stat().st_uid)
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-        return
-    try:
-        os.fchmod(fd, 0o600)  # a umask can only take bits away; make it exactly 0600
+        st = os.fstat(fd)
+        check_trusted(st, str(path), dir_uid=path.parent.stat().st_uid)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
 
