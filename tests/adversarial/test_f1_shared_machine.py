@@ -181,6 +181,9 @@ def test_a_job_on_a_shared_machine_gives_another_user_nothing(
             assert e.code in (401, 405), e.code
 
     assert job.wait(timeout=120) == 0, (shared / "job.log").read_text()[-3000:]
+    launcher_log = (shared / "job.log").read_text()
+    assert f"started, 2 ranks, token from env {TOKEN_ENV}" in launcher_log  # the start line names the source
+    assert "(query not shown)" in launcher_log  # the refused query was logged, without its token
 
     # Private whatever the umask: the folder 0700, undying's own files 0600.
     assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700

@@ -209,3 +209,16 @@ def test_a_users_view_of_another_users_files(shared: Path) -> None:
     os.chown(mine / "manager.json", 1, 1)
     result = as_user(NOBODY, lambda: JobDir(mine).running_manager_url())
     assert result.startswith("UsageError") and "manager.json belongs to" in result, result
+
+
+def test_the_token_source_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    given = tmp_path / "given"
+    given.write_text("from-a-file\n")
+    assert ensure_token_with_source(tmp_path / "a", str(given)) == ("from-a-file", f"--token-file {given}")
+    assert (tmp_path / "a" / TOKEN_FILE).read_text().strip() == "from-a-file"  # commands given the job dir find it
+    assert ensure_token_with_source(tmp_path / "a") == ("from-a-file", str(tmp_path / "a" / TOKEN_FILE))
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert ensure_token_with_source(tmp_path / "a") == ("from-env", f"env {TOKEN_ENV}")
+    monkeypatch.delenv(TOKEN_ENV)
+    token, source = ensure_token_with_source(tmp_path / "b")
+    assert source == f"{tmp_path / 'b' / TOKEN_FILE} (new)" and len(token) >= 40
