@@ -12,7 +12,10 @@
   ``ManagerLink`` (what an agent reports to its manager);
 - the job's authenticated key-value store: its wire (``store_wire``, no
   torch), the ``torch.distributed.Store`` workers use over it
-  (``store_client``), and the key a worker shows its agent (``channel_key``).
+  (``store_client``), and the key a worker shows its agent (``channel_key``);
+- the job's secrets: which derived keys a child process gets and a launcher
+  refuses (``keys``), and how a manager proves the job's key to a command
+  before it is shown the token (``api_proof``).
 
 Nothing here imports a role (worker, agent, manager); the modules are
 imported by name (this package imports none of them, so that ``store_client``
@@ -20,4 +23,4 @@ brings torch only where it is used).
 """
 
 __all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations", "seams",
-           "store_wire", "store_client", "channel_key", "verify_wire"]
+           "store_wire", "store_client", "channel_key", "verify_wire", "keys", "api_proof"]
