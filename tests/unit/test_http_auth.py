@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import stat
@@ -407,3 +408,27 @@ def test_status_of_a_finished_job_needs_no_token(tmp_path: Path, capsys: pytest.
         (tmp_path / TOKEN_FILE).chmod(0o600)
     assert code == 0, err
     assert json.loads(out)["state"] == "succeeded" and json.loads(out)["live"] is False
+
+
+def test_a_token_in_a_url_is_refused_and_written_to_no_log(served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    """Refused (the API takes headers only) and logged without its query; a token that still reaches a line of
+    the API's loggers (aiohttp's report of a malformed request line, say) is masked."""
+    from undying.manager.http import HideTokens
+
+    before = served.snapshot()
+    with caplog.at_level("WARNING", logger="undying.manager.http"):
+        for path in ("/api/status", "/api/ranks", "/metrics"):
+            code, answer = raw(f"{served.url}{path}?x=1&token={served.token}", headers=bearer(served.token))
+            assert code == 401 and "token in a URL is refused" in str(answer), (path, answer)
+        code, _ = raw(f"{served.url}/?token=wrong-{served.token}")
+        assert code == 401
+    assert "(query not shown)" in caplog.text and served.token not in caplog.text
+    assert served.snapshot() == before
+    record = logging.LogRecord("undying.manager.http.requests", logging.WARNING, __file__, 1,
+                               "bad request line %r from %s", (f"GET /x?token={served.token} HTTP/1.1", "1.2.3.4"),
+                               None)
+    HideTokens().filter(record)
+    assert served.token not in record.getMessage() and "token=<hidden>" in record.getMessage()
+    record = logging.LogRecord("x", logging.WARNING, __file__, 1, f"Authorization: Bearer {served.token}", None, None)
+    HideTokens().filter(record)
+    assert served.token not in record.getMessage()
