@@ -80,8 +80,8 @@ def test_the_job_dir_and_undyings_files_in_it_are_private_whatever_the_umask(tmp
         jd = JobDir(tmp_path / "deep" / "job")
         jd.prepare()
         ensure_token(jd.path)
-        log = EventLog(jd.events_db)  # as the launcher and `undying manager` open it
         jd.private_log()
+        log = EventLog(jd.events_db)  # as the launcher and `undying manager` open it
         log.set_job("state", "running", flush=True)
         jd.write_manager({"url": "http://127.0.0.1:1", "pid": 0, "job_id": "j"})
         found = modes(jd.path)

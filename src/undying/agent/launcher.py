@@ -71,8 +71,8 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     token, token_from = ensure_token_with_source(job_dir.path, token_file)
     key = key_from_token(token)
     set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
-    events = EventLog(job_dir.events_db)
     job_dir.private_log()
+    events = EventLog(job_dir.events_db)
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
     manager = Manager(config, events)
     try:

@@ -67,13 +67,13 @@ class JobDir:
             (self.path / "script-error.txt").unlink()
 
     def private_log(self) -> None:
-        """Make the log the manager just opened ``0600``, with its ``-wal`` and ``-shm`` (SQLite creates them
-        with the umask's mode; later ones take the database's). Nobody else could open them meanwhile:
-        the folder is ``0700``."""
-        for suffix in ("", "-wal", "-shm"):
-            part = Path(str(self.events_db) + suffix)
+        """Before the log is opened: ``events.db`` created ``0600`` (SQLite gives its ``-wal`` and ``-shm`` the
+        database's mode), or an existing one made so with its ``-wal`` and ``-shm``. Never after SQLite opened
+        it: that would drop SQLite's locks (``ownership.make_private``)."""
+        make_private(self.events_db, create=True)
+        for suffix in ("-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
-                make_private(part)
+                make_private(Path(str(self.events_db) + suffix))
 
     def archive_log(self) -> Path:
         """Set the last launch's log aside whole, as ``events.<time>.db``, and return where.

@@ -97,16 +97,31 @@ def private_dir(path: Path) -> os.stat_result:
         os.close(fd)
 
 
-def make_private(path: Path) -> None:
-    """Make an existing file of the user's ``0600`` (``FileNotFoundError`` when there is none)."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        check_trusted(st, str(path), dir_uid=path.parent.stat().st_uid)
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+def make_private(path: Path, *, create: bool = False) -> None:
+    """Make the user's file ``path`` ``0600``; with ``create``, create it empty and ``0600`` when missing.
+
+    By path, never by opening an existing file: closing any descriptor of a
+    file drops every POSIX lock the process holds on it, SQLite's included
+    (a database must be made private before SQLite opens it, and this is
+    how). ``FileNotFoundError`` when it does not exist and ``create`` is off.
+    """
+    if create:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.fchmod(fd, 0o600)  # a umask can only take bits away; make it exactly 0600
+            finally:
+                os.close(fd)
+            return
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path} is not a regular file; remove it and run again")
+    check_trusted(st, str(path), dir_uid=path.parent.stat().st_uid)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o600)  # (a regular file, in a folder only the user can write: no link to follow)
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -149,8 +149,8 @@ async def _serve(options: ManagerOptions) -> int:
     config.validate()
     gate.config = config
     server.heartbeat_s = config.timeouts.heartbeat
-    events = EventLog(job_dir.events_db)
     job_dir.private_log()
+    events = EventLog(job_dir.events_db)
     # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
     events.before_flush(lambda: events.set_job("acked", server.positions()))
     if restart:
