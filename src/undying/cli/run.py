@@ -428,14 +428,6 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
 
     parse_manager_address(args.manager)
     config.validate()
-    if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
-        from undying.manager.ownership import private_dir
-
-        try:
-            private_dir(Path(config.job_dir))
-        except OSError as e:
-            raise UsageError(f"job dir {config.job_dir} is not writable ({e.strerror or e}); pass --job-dir with a "
-                             "folder you can write") from e
     token, token_from = find_token_with_source(Path(config.job_dir) if args.job_dir else None, args.token_file)
     if token is None:
         raise UsageError(
@@ -444,6 +436,14 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
         )
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
+    if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
+        from undying.manager.ownership import private_dir
+
+        try:
+            private_dir(Path(config.job_dir))
+        except OSError as e:
+            raise UsageError(f"job dir {config.job_dir} is not writable ({e.strerror or e}); pass --job-dir with a "
+                             "folder you can write") from e
     sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: joining the manager at "
                      f"{args.manager}, token from {token_from}\n")
     if not config.step_api:
