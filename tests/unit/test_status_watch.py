@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,9 @@ from rich.console import Console
 
 from undying.cli.main import main
 from undying.cli.status import render, watch
+from undying.manager.auth import TOKEN_ENV
 from undying.manager.events import EventLog
+from undying.protocol.api_proof import HELLO_PATH, NONCE_HEADER, peer_name, proof_key, proof_of
 
 
 def status(state: str, step: int, incidents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -44,9 +47,16 @@ class Scripted:
         script = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # (keeps the connection: the proof and the request share it)
+
             def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                body = json.dumps(script.answers[min(script.requests, len(script.answers) - 1)]).encode()
-                script.requests += 1
+                if self.path == HELLO_PATH:  # prove the job's key as a manager does (the suite's env token)
+                    nonce, peer = bytes.fromhex(self.headers[NONCE_HEADER]), peer_name(self.client_address)
+                    proof = proof_of(proof_key(os.environ[TOKEN_ENV]), nonce, "w1", peer)
+                    body = json.dumps({"job_id": "w1", "peer": peer, "proof": proof}).encode()
+                else:
+                    body = json.dumps(script.answers[min(script.requests, len(script.answers) - 1)]).encode()
+                    script.requests += 1
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

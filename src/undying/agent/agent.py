@@ -32,6 +32,7 @@ from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
 from undying.protocol.codec import Handlers, Message, MessageError
 from undying.protocol.env import ENV_PREFIX
 from undying.protocol.generations import GenerationRecord
+from undying.protocol.keys import DERIVED_KEY_ENVS, child_environment
 from undying.protocol.kinds import InjectPhase, WorkerPhase
 from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
 from undying.protocol.seams import AgentHandle, ManagerLink
@@ -239,7 +240,8 @@ class Agent:
     # --- processes ------------------------------------------------------------
 
     def _base_environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # Never the token, never a derived key inherited from the user: only those this agent hands on.
+        env = child_environment(os.environ, {k: v for k, v in self.extra_env.items() if k in DERIVED_KEY_ENVS})
         env.update(
             {
                 f"{ENV_PREFIX}JOB_ID": self.config.job_id,

@@ -30,7 +30,7 @@ from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
 from undying.cli.summary import print_banner, print_end_summary
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
-from undying.manager.auth import ensure_token
+from undying.manager.auth import ensure_token_with_source
 from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
@@ -68,12 +68,13 @@ def _check_script(script: str, config: JobConfig) -> str | None:
     return None
 
 
-async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int:
+async def _launch(config: JobConfig, script: str, script_args: list[str], token_file: str | None = None) -> int:
     job_dir = JobDir(Path(config.job_dir))
     job_dir.prepare()
-    token = ensure_token(job_dir.path)
+    token, token_from = ensure_token_with_source(job_dir.path, token_file)
     key = key_from_token(token)
     set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
+    job_dir.private_log()
     events = EventLog(job_dir.events_db)
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
     manager = Manager(config, events)
@@ -100,8 +101,10 @@ async def _launch(config: JobConfig, script: str, script_args: list[str]) -> int
         {"url": url, "pid": os.getpid(), "job_id": config.job_id, "control_port": control_port, "started_at": time.time()}
     )
     events.set_job("url", url, flush=True)
-    print_banner(config.job_id, config.job_dir, url, ranks=config.world_size, open_status=config.open_status)
-    log.info("job %s: %d ranks, manager at %s, job dir %s", config.job_id, config.world_size, url, config.job_dir)
+    print_banner(config.job_id, config.job_dir, url, ranks=config.world_size, open_status=config.open_status,
+                 token_from=token_from)
+    log.info("job %s: %d ranks, manager at %s, job dir %s, token from %s", config.job_id, config.world_size, url,
+             config.job_dir, token_from)
     if not config.step_api:
         say(f"job {config.job_id}: {WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}")
     loop = asyncio.get_running_loop()
@@ -169,8 +172,8 @@ def say(line: str) -> None:
         pass
 
 
-def launch(config: JobConfig, script: str, script_args: list[str]) -> int:
-    """Run the job to its end; returns the launcher's exit code."""
+def launch(config: JobConfig, script: str, script_args: list[str], token_file: str | None = None) -> int:
+    """Run the job to its end; returns the launcher's exit code (``token_file``: ``--token-file``)."""
     config.validate()
     broken = _check_script(script, config)
     if broken is not None:  # before any rank, folder or port: the error where it is, and exit 1
@@ -181,7 +184,7 @@ def launch(config: JobConfig, script: str, script_args: list[str]) -> int:
         log.warning("job %s %s; nothing to train. Pass --force to train it again, or another --job-id",
                     config.job_id, done)
         return 0
-    return asyncio.run(_launch(config, script, script_args))
+    return asyncio.run(_launch(config, script, script_args, token_file))
 
 
 def _already_succeeded(config: JobConfig, command: list[str]) -> str:

@@ -7,15 +7,25 @@ that order (``undying.manager.auth.find_token``). ``connect`` puts the three
 together; every request then carries the token and, when the job is known
 from its job dir, the job's id, so a manager of another job refuses instead
 of obeying.
+
+The token goes only to a manager that proved the job's key first, on the same
+connection (``undying.protocol.api_proof``): ``manager.json`` or
+``--manager`` may name a stranger's listener, and it gets a nonce, never the
+token. Where the manager's address is on this host and came from the job dir,
+the proof must also name this command's own end of the connection, so a
+listener that relays the hello to the real manager is caught too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
+import http.client
+import ipaddress
 import json
-import urllib.error
-import urllib.request
+import secrets
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +33,17 @@ from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 from undying.inputs import check_manager_url, is_job_id
-from undying.manager.auth import auth_headers, find_token, find_token_with_source
+from undying.manager.auth import JOB_HEADER, auth_headers, find_token, find_token_with_source
 from undying.manager.events import LogReader
 from undying.manager.jobdir import JobDir
+from undying.protocol.api_proof import (
+    HELLO_PATH,
+    NONCE_BYTES,
+    NONCE_HEADER,
+    peer_name,
+    proof_key,
+    proof_of,
+)
 
 __all__ = [
     "add_job_arguments",
@@ -35,6 +53,7 @@ __all__ = [
     "api_for",
     "Api",
     "AccessDeniedError",
+    "UnprovenManagerError",
     "api_get",
     "api_post",
     "readable_log",
@@ -43,6 +62,10 @@ __all__ = [
 
 class AccessDeniedError(UsageError):
     """The manager refused the request (401): no token, a wrong one, or another job's manager."""
+
+
+class UnprovenManagerError(UsageError):
+    """The listener did not prove the job's key, so the token was not sent to it."""
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,14 +128,15 @@ class Api:
     token: str | None = None
     job_id: str | None = None
     token_from: str = "nowhere"  # where the token was found, named when the manager refuses it
+    bind: bool = False  # the proof must name this end of the connection (a local manager from the job dir)
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         with self._refusal_named():
-            return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id)
+            return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id, bind=self.bind)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
         with self._refusal_named():
-            return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id)
+            return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id, bind=self.bind)
 
     @contextlib.contextmanager
     def _refusal_named(self) -> Iterator[None]:
@@ -123,6 +147,8 @@ class Api:
                 raise
             # A stale env UNDYING_TOKEN shadows the job dir's file: say which one was sent.
             raise AccessDeniedError(f"{e} (this command sent the token from {self.token_from})") from None
+        except UnprovenManagerError as e:
+            raise UnprovenManagerError(f"{e} (this command's token came from {self.token_from})") from None
 
 
 def connect(manager: str | None, job_dir: str | None, token_file: str | None) -> Api:
@@ -149,43 +175,119 @@ def api_for(jd: JobDir, token_file: str | None = None) -> Api:
         # and the token alone still says which job this is.
         job_id = None
     token, source = find_token_with_source(jd.path, token_file)
-    return Api(url, token, job_id, source)
+    return Api(url, token, job_id, source, bind=_local(url))
 
 
-def _request(request: urllib.request.Request, timeout: float) -> Any:
+def _local(url: str) -> bool:
+    """Whether ``url`` names this host's loopback: no NAT or proxy between the two ends of a connection."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as e:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"manager address {url} is not an HTTP address with a host; pass --manager HOST:PORT")
+    try:
+        port = parts.port
+    except ValueError:
+        raise UsageError(f"manager address {url} has no valid port; pass --manager HOST:PORT") from None
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return kind(parts.hostname, port, timeout=timeout), parts.path.rstrip("/")
+
+
+def _prove(conn: http.client.HTTPConnection, url: str, base: str, token: str, job_id: str | None,
+           bind: bool) -> None:
+    """Ask the listener for the proof of the job's key; ``UnprovenManagerError`` unless it gave it."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    conn.request("GET", base + HELLO_PATH, headers={NONCE_HEADER: nonce.hex(), **({JOB_HEADER: job_id} if job_id else {})})
+    response = conn.getresponse()
+    raw = response.read(1 << 16)
+    if response.status == 401:  # a manager of another job (the job header): it says which, and got no token
+        raise AccessDeniedError(_message(raw, f"{url} refused the hello (401)"))
+    unproven = f"the listener at {url} did not prove it is the manager of {f'job {job_id}' if job_id else 'the job'}"
+    after = ("; the token was not sent. If the job dir's manager.json named it, it is stale or was planted: "
+             "check that the job is running, and who can write its job dir")
+    if response.status != 200:
+        raise UnprovenManagerError(f"{unproven} (it answered {response.status} to {HELLO_PATH}: not an undying "
+                                   f"manager, or one too old to prove itself){after}")
+    try:
+        answer = json.loads(raw)
+        said_job, peer, proof = str(answer["job_id"]), str(answer["peer"]), str(answer["proof"])
+    except (ValueError, KeyError, TypeError):
+        raise UnprovenManagerError(f"{unproven} (its answer to {HELLO_PATH} is not a proof){after}") from None
+    expected = proof_of(proof_key(token), nonce, said_job, peer)
+    if not hmac.compare_digest(expected.encode(), proof.encode("utf-8", "replace")):
+        raise UnprovenManagerError(f"{unproven} (its proof does not match the key of this command's token: "
+                                   f"a wrong token, stale or another job's, or a listener that is not the job's "
+                                   f"manager){after}")
+    if job_id is not None and said_job != job_id:
+        raise UnprovenManagerError(f"{unproven} (it runs job {said_job}){after}")
+    if bind and conn.sock is not None and peer != peer_name(conn.sock.getsockname()):
+        raise UnprovenManagerError(f"{unproven} (its proof was made for another connection: a listener that relays "
+                                   f"to the manager){after}")
+
+
+def _message(raw: bytes, fallback: str) -> str:
+    try:
+        return str(json.loads(raw).get("error", fallback))
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return fallback
+
+
+def _exchange(url: str, method: str, path: str, body: bytes | None, timeout: float, token: str | None,
+              job_id: str | None, bind: bool | None) -> Any:
+    """One request on a connection of its own; with a token, only after the listener proved the job's key."""
+    conn, base = _connection(url, timeout)
+    try:
         try:
-            message = json.loads(e.read()).get("error", str(e))
-        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-            message = str(e)
-        if e.code == 401:
-            raise AccessDeniedError(message) from None
-        raise UsageError(message) from e
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        raise JobNotRunningError(
-            f"no manager answers at {request.full_url} ({getattr(e, 'reason', e)}); is the job still running?"
-        ) from e
+            conn.connect()
+            if token is not None:
+                _prove(conn, url, base, token, job_id, _local(url) if bind is None else bind)
+            headers = auth_headers(token, job_id)
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, base + path, body=body, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise JobNotRunningError(
+                f"no manager answers at {url}{path} ({e}); is the job still running?"
+            ) from e
+    finally:
+        conn.close()
+    if response.status >= 400:
+        message = _message(raw, f"HTTP Error {response.status}: {response.reason}")
+        if response.status == 401:
+            raise AccessDeniedError(message)
+        raise UsageError(message)
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise UsageError(f"the manager at {url} answered {path} with something that is not JSON") from None
 
 
 def api_get(url: str, path: str, timeout: float = 5.0, *, token: str | None = None,
-            job_id: str | None = None) -> Any:
-    """GET ``path`` of the manager at ``url``; ``token`` None: env UNDYING_TOKEN if set, else none."""
-    return _request(urllib.request.Request(url + path, headers=_headers(token, job_id)), timeout)
+            job_id: str | None = None, bind: bool | None = None) -> Any:
+    """GET ``path`` of the manager at ``url``; ``token`` None: env UNDYING_TOKEN if set, else none.
+
+    ``bind``: whether the manager's proof must name this end of the connection
+    (default: when ``url`` is on this host's loopback).
+    """
+    return _exchange(url, "GET", path, None, timeout, _token(token), job_id, bind)
 
 
 def api_post(url: str, path: str, body: dict[str, Any], timeout: float = 5.0, *, token: str | None = None,
-             job_id: str | None = None) -> Any:
-    """POST ``body`` as JSON to ``path``; ``token`` as for ``api_get``."""
-    request = urllib.request.Request(
-        url + path, data=json.dumps(body).encode(), method="POST",
-        headers={"Content-Type": "application/json", **_headers(token, job_id)},
-    )
-    return _request(request, timeout)
+             job_id: str | None = None, bind: bool | None = None) -> Any:
+    """POST ``body`` as JSON to ``path``; ``token`` and ``bind`` as for ``api_get``."""
+    return _exchange(url, "POST", path, json.dumps(body).encode(), timeout, _token(token), job_id, bind)
 
 
-def _headers(token: str | None, job_id: str | None) -> dict[str, str]:
+def _token(token: str | None) -> str | None:
     # Env as the last resort: scripts that only know the URL (bench, a test harness) set UNDYING_TOKEN.
-    return auth_headers(token if token is not None else find_token(None, None), job_id)
+    return token if token is not None else find_token(None, None)

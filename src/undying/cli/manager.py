@@ -60,6 +60,9 @@ stops it. Exit code as `undying run`'s.""",
 
 
 def run(args: argparse.Namespace) -> int:
+    from undying.cli.run import refuse_inherited_keys
+
+    refuse_inherited_keys()
     job_id = args.job_id
     check_job_id(job_id)
     if not 0 < args.port < 65534:

@@ -183,7 +183,8 @@ no checkpoint at all.""",
                    "spares (at least -n) stay warm, and when a node is lost it takes that node's rank and its "
                    "ranks start on those spares instead of waiting for a new host (pass the job's other flags)")
     m.add_argument("--token-file", default=None, metavar="PATH",
-                   help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it)")
+                   help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it, "
+                   "or a new one there); the start line says which was used")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
     t.add_argument("--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"), default=_DEFAULTS.rendezvous,
                    help=f"a worker's wait for the next generation (default {_DEFAULTS.rendezvous:.0f})")
@@ -450,6 +451,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_inherited_keys()
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -503,7 +505,7 @@ def _launch(args: argparse.Namespace, config: JobConfig, script_args: list[str])
         launch,  # torch and the manager: only for the command that runs a job
     )
 
-    return launch(config, args.script, script_args)
+    return launch(config, args.script, script_args, args.token_file)
 
 
 def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
@@ -511,11 +513,11 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
     from pathlib import Path
 
     from undying.agent.remote import parse_manager_address, run_node
-    from undying.manager.auth import find_token
+    from undying.manager.auth import find_token_with_source
 
     parse_manager_address(args.manager)
     config.validate()
-    token = find_token(Path(config.job_dir) if args.job_dir else None, args.token_file)
+    token, token_from = find_token_with_source(Path(config.job_dir) if args.job_dir else None, args.token_file)
     if token is None:
         raise UsageError(
             "no token for the manager: pass --token-file PATH or set UNDYING_TOKEN (the manager wrote it to "
@@ -523,8 +525,27 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
         )
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
+    if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
+        from undying.manager.ownership import private_dir
+
+        try:
+            private_dir(Path(config.job_dir))
+        except OSError as e:
+            raise UsageError(f"job dir {config.job_dir} is not writable ({e.strerror or e}); pass --job-dir with a "
+                             "folder you can write") from e
+    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: joining the manager at "
+                     f"{args.manager}, token from {token_from}\n")
     if not config.step_api:
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
                          f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
     return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir),
                     standby=args.standby)
+
+
+def refuse_inherited_keys() -> None:
+    """A launcher derives its keys from the token: derived keys left in the user's environment are refused."""
+    from undying.protocol.keys import inherited_key_problem
+
+    problem = inherited_key_problem(os.environ)
+    if problem is not None:
+        raise UsageError(problem)

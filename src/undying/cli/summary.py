@@ -132,13 +132,15 @@ def incident_line(incident: dict[str, Any], goodput: dict[str, Any] | None = Non
 # --- the banner ---------------------------------------------------------------
 
 
-def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False) -> list[str]:
-    """The lines ``undying run`` prints once its manager answers."""
+def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
+           token_from: str = "") -> list[str]:
+    """The lines ``undying run`` prints once its manager answers (``token_from``: where its token came from)."""
     page = f"{url.rstrip('/')}/"
     how = "open to anyone on its address (--open-status)" if open_status else \
         f"add ?token=<the token in {Path(job_dir) / 'token'}>"
     return [
-        f"undying: job {job_id} started, {ranks} rank{'s' if ranks != 1 else ''}",
+        f"undying: job {job_id} started, {ranks} rank{'s' if ranks != 1 else ''}"
+        + (f", token from {token_from}" if token_from else ""),
         f"  job dir:     {job_dir}",
         f"  status page: {page}  ({how})",
         f"  status:      undying status --job-dir {job_dir}  (--watch to follow it)",
@@ -146,10 +148,11 @@ def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_statu
 
 
 def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, token_from: str = "") -> None:
     stream = out or sys.stderr
     try:
-        stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status)) + "\n")
+        stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status,
+                                       token_from=token_from)) + "\n")
         stream.flush()
     except OSError:  # a terminal that hung up as the job started (EIO): the job runs on all the same
         pass

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from undying.errors import UsageError
 from undying.inputs import open_user_file
+from undying.manager.ownership import check_trusted, private_dir, write_private
+from undying.protocol.keys import TOKEN_ENV
 
 __all__ = [
     "TOKEN_FILE",
@@ -38,6 +40,7 @@ __all__ = [
     "TOKEN_HEADER",
     "JOB_HEADER",
     "ensure_token",
+    "ensure_token_with_source",
     "find_token",
     "find_token_with_source",
     "read_token_file",
@@ -48,7 +51,6 @@ __all__ = [
 ]
 
 TOKEN_FILE = "token"
-TOKEN_ENV = "UNDYING_TOKEN"
 AUTH_HEADER = "Authorization"
 TOKEN_HEADER = "X-Undying-Token"
 JOB_HEADER = "X-Undying-Job"
@@ -84,13 +86,19 @@ def read_token_file(path: Path, *, private: bool = True) -> str:
     file is ours and must stay 0600. A ``--token-file`` the user names is read
     as it is (a Kubernetes Secret mounted with fsGroup is 0440, and refusing it
     would only push people to copy the token somewhere worse).
+
+    Either way the file must belong to the user (or root) and be writable by
+    no one else (``undying.manager.ownership``): a token file another user
+    made holds a token that user knows, whatever its mode says.
     """
     # (a folder, a FIFO, a missing file: one line from the one reader of files the user names)
     fd = open_user_file(path, "token file", "pass the --token-file the manager wrote", follow=not private)
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
+        st = os.fstat(f.fileno())
+        mode = st.st_mode
         if not stat.S_ISREG(mode):
             raise UsageError(f"token file {path} is not a regular file; pass the file that holds the token")
+        check_trusted(st, f"token file {path}", dir_uid=_owner(Path(path).parent) if private else None)
         if private and mode & 0o077:
             raise UsageError(
                 f"token file {path} is readable by group or others (mode {stat.S_IMODE(mode):04o}), so its "
@@ -105,54 +113,52 @@ def read_token_file(path: Path, *, private: bool = True) -> str:
     return _check(text, f"token file {path}")
 
 
-def _write_private(path: Path, token: str) -> None:
-    """Write ``token`` to ``path`` so that no other user can ever read it, not even for an instant.
-
-    The file is created 0600 under a temporary name (``O_EXCL``: never one
-    that somebody else prepared), fsynced, and renamed over ``path``: a
-    reader sees the old token or the new one, never half of one.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+def _owner(folder: Path) -> int | None:
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)  # a umask can only take bits away; make it exactly 0600
-            f.write(token.encode("ascii") + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+        return folder.stat().st_uid
+    except OSError:
+        return None
 
 
-def ensure_token(job_dir: Path) -> str:
-    """The manager's token for the job in ``job_dir``, written to ``<job dir>/token`` (mode 0600).
+def _write_private(path: Path, token: str) -> None:
+    """Write ``token`` to ``path``, 0600 from its first byte (``ownership.write_private``)."""
+    write_private(path, token.encode("ascii") + b"\n")
 
-    Env ``UNDYING_TOKEN`` wins (and is written there, so commands given the
-    job dir find it); else an existing token file is kept, so a restarted
-    manager does not lock out the agents and users holding its token; else a
-    new random one is made.
+
+def ensure_token(job_dir: Path, token_file: str | None = None) -> str:
+    """The manager's token for the job in ``job_dir`` (``ensure_token_with_source`` without the source)."""
+    return ensure_token_with_source(job_dir, token_file)[0]
+
+
+def ensure_token_with_source(job_dir: Path, token_file: str | None = None) -> tuple[str, str]:
+    """The manager's token for the job in ``job_dir``, written to ``<job dir>/token`` (mode 0600), and its source.
+
+    ``--token-file`` wins, then env ``UNDYING_TOKEN`` (either is written
+    there, so commands given the job dir find it); else an existing token
+    file of the user's is kept, so a restarted manager does not lock out the
+    agents and users holding its token; else a new random one is made. The
+    source, in words, is what the start line names.
     """
     path = Path(job_dir) / TOKEN_FILE
     try:
-        Path(job_dir).mkdir(parents=True, exist_ok=True)
-        token = _env_token()
+        private_dir(Path(job_dir))
+        given: str | None = read_token_file(Path(token_file), private=False) if token_file is not None else _env_token()
+        source = f"--token-file {token_file}" if token_file is not None else f"env {TOKEN_ENV}"
+        token = given
         if token is None:
             if path.exists() or path.is_symlink():
-                return read_token_file(path)
-            token = secrets.token_urlsafe(32)
+                return read_token_file(path), str(path)
+            token, source = secrets.token_urlsafe(32), f"{path} (new)"
         elif path.exists() and not path.is_symlink():
             with contextlib.suppress(UsageError):
                 if read_token_file(path) == token:
-                    return token
+                    return token, source
         _write_private(path, token)
     except OSError as e:
         raise UsageError(
             f"cannot write the job's token to {path} ({e.strerror or e}); pass a --job-dir you can write"
         ) from e
-    return token
+    return token, source
 
 
 def find_token(job_dir: Path | None, token_file: str | None) -> str | None:

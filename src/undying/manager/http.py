@@ -10,6 +10,7 @@ POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "
 POST /api/stop        stop the job
 POST /api/migrate     {"rank": R, "to": HOST?}: move a rank to a warm spare at a step boundary
 POST /api/drain       {"host": H, "reason": "..."?}: no new ranks on the host; POST /api/undrain {"host": H} clears it
+GET  /api/hello       the manager proves the job's key (X-Undying-Nonce; no token: protocol/api_proof.py)
 GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, "t": when, "error": ""}
 PUT  /api/trace       set it whole, as the switch file does: {"step": "on", "comm": "off"}
 POST /api/trace       change it as the CLI does: {"on": true, "comm": false}
@@ -27,11 +28,20 @@ Prometheus without the token; inject, stop and trace changes still need it.
 
 The page in a browser. A browser cannot add a header to the address bar, so
 ``GET /`` also takes the token as ``/?token=<token>`` (only there: the API takes
-headers only). The page's script reads it from its own address and sends it
+headers only; a token in the query of any other path is refused, 401). The
+page's script reads it from its own address and sends it
 as an ``Authorization`` header on each poll; no cookie is set, so no other
 site can make a browser send it (no CSRF), and the token leaves the page in
 no ``Referer`` (``Referrer-Policy: no-referrer``). Bookmark the address with
-the token; the server keeps no access log, so it is written nowhere.
+the token; the server keeps no access log, and the lines it does write about
+refused requests carry the path without its query (and any ``token=`` or
+``Bearer`` value that still reaches a log line of this module or aiohttp's is
+masked), so the token is written nowhere.
+
+Before a command sends the token it asks ``GET /api/hello`` with a nonce, and
+sends the token only on a connection whose listener answered with the proof
+of the job's key (``undying.protocol.api_proof``): a listener named by a
+planted or stale ``manager.json`` gets no token.
 
 A malformed body is 400 naming the field, checked whole before anything is
 done. Nothing is changed by any refused request.
@@ -50,6 +60,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -70,15 +81,40 @@ from undying.manager.manager import Manager
 from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
 from undying.manager.migration import MOVE_EXAMPLES, request_move
 from undying.manager.page import status_page
+from undying.protocol.api_proof import (
+    HELLO_PATH,
+    NONCE_HEADER,
+    parse_nonce,
+    peer_name,
+    proof_key,
+    proof_of,
+)
 from undying.protocol.trace_switch import TraceSwitch
 
 __all__ = ["start_http", "build_app", "READ_ONLY_PATHS"]
 
+
+
+class HideTokens(logging.Filter):
+    """Masks what looks like a token (``token=...`` in a query, ``Bearer ...``) in a record's message."""
+
+    _TOKEN = re.compile(r"((?:[?&;]|%3[fF]|%26)token(?:=|%3[dD]))[^&;\s'\"]*|(bearer\s+)\S+", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        hidden = self._TOKEN.sub(lambda m: (m.group(1) or m.group(2)) + "<hidden>", message)
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        return True
+
+
 log = logging.getLogger("undying.manager.http")
 log.addFilter(QuietLog())  # a flood of refused requests: a few lines a minute, not one each
+log.addFilter(HideTokens())
 # aiohttp's own errors (malformed requests), short and as rare.
 _server_log = logging.getLogger("undying.manager.http.requests")
 _server_log.addFilter(QuietLog())
+_server_log.addFilter(HideTokens())
 
 # What open_status opens to anyone, for GET (and HEAD) only.
 READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/series",
@@ -121,6 +157,7 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     """The API of ``manager``; ``token`` defaults to the job's (``ensure_token`` of its job dir)."""
     expected = token if token is not None else ensure_token(Path(manager.config.job_dir))
     job_id = manager.config.job_id
+    proving = proof_key(expected)  # what /api/hello proves the job with (never the token itself)
     where = where_the_token_is(manager.config.job_dir)
     # One registry per app: several managers in one process (tests) must not share metrics.
     registry = new_registry(manager.status, manager.history)
@@ -132,6 +169,11 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         if meant is not None and meant != job_id:
             return _error(401, f"this manager runs job {job_id}, the request is for job {meant}; "
                                f"check --job-dir or --manager")
+        if request.path == HELLO_PATH:
+            return None  # anyone may ask a manager to prove the job's key; the answer holds no secret
+        if "token" in request.query and request.path != "/":
+            return _error(401, "a token in a URL is refused (URLs end up in logs, histories and proxies): send it "
+                               "as 'Authorization: Bearer <token>'")
         if open_status and request.method in _READ_METHODS and request.path in READ_ONLY_PATHS:
             return None
         given = token_from_headers(request.headers)
@@ -152,9 +194,11 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         refused = refusal(request)
         if refused is not None:
-            # The raw path, cut short: a decoded one may hold a newline that forges a log line.
-            log.warning("job %s: refused %s %s from %s (401)", job_id, request.method, ascii(request.raw_path[:200]),
-                        request.remote or "?")
+            # The raw path, cut short (a decoded one may hold a newline that forges a log line), and never its
+            # query: a token sent in the URL would be written whole.
+            path, query, _ = request.raw_path.partition("?")
+            log.warning("job %s: refused %s %s%s from %s (%d)", job_id, request.method, ascii(path[:200]),
+                        " (query not shown)" if query else "", request.remote or "?", refused.status)
             return refused
         return await handler(request)
 
@@ -163,6 +207,14 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         # no-referrer: the token in this page's address goes nowhere else.
         return web.Response(body=status_page(), content_type="text/html", charset="utf-8",
                             headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
+    async def hello(request: web.Request) -> web.Response:
+        nonce = parse_nonce(request.headers.get(NONCE_HEADER))
+        if nonce is None:
+            return _error(400, f"{HELLO_PATH} needs a fresh nonce: a header {NONCE_HEADER} of 64 hex digits")
+        peer = peer_name(request.transport.get_extra_info("peername") if request.transport is not None else None)
+        return _json({"job_id": job_id, "peer": peer, "proof": proof_of(proving, nonce, job_id, peer)},
+                     headers={"Cache-Control": "no-store"})
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=exposition(registry), headers={"Content-Type": CONTENT_TYPE})
@@ -247,6 +299,7 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY)
     app.router.add_get("/", page)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(HELLO_PATH, hello)
     app.router.add_get("/api/status", status)
     app.router.add_get("/api/ranks", ranks)
     app.router.add_get("/api/incidents", incidents)

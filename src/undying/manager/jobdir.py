@@ -1,10 +1,17 @@
-"""A job's folder: its event log, the address of its running manager, its logs."""
+"""A job's folder: its event log, the address of its running manager, its logs.
+
+The folder is the job user's alone (``undying.manager.ownership``): created
+``0700`` (an existing one is made so), its log and ``manager.json`` ``0600``
+from their first byte, whatever the umask; a folder or a ``manager.json``
+another user made or could write is refused in one line.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +20,7 @@ from typing import Any
 from undying.checkpoint.lock import hold_job_dir, release_all
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.events import fold_wal
+from undying.manager.ownership import check_trusted, make_private, private_dir, write_private
 
 __all__ = ["JobDir", "default_job_dir", "pid_alive"]
 
@@ -39,7 +47,7 @@ class JobDir:
         ``keep_log``: a restarted manager carries on the job's log instead of starting a new one.
         """
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path)
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
                 pass
         except OSError as e:
@@ -61,6 +69,15 @@ class JobDir:
         # The script error of an earlier launch (worker.boot) is not this launch's.
         with contextlib.suppress(FileNotFoundError):
             (self.path / "script-error.txt").unlink()
+
+    def private_log(self) -> None:
+        """Before the log is opened: ``events.db`` created ``0600`` (SQLite gives its ``-wal`` and ``-shm`` the
+        database's mode), or an existing one made so with its ``-wal`` and ``-shm``. Never after SQLite opened
+        it: that would drop SQLite's locks (``ownership.make_private``)."""
+        make_private(self.events_db, create=True)
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                make_private(Path(str(self.events_db) + suffix))
 
     def archive_log(self) -> Path:
         """Set the last launch's log aside whole, as ``events.<time>.db``, and return where.
@@ -91,15 +108,29 @@ class JobDir:
         return sorted(self.path.glob("events.*.db"), key=lambda p: p.stat().st_mtime)
 
     def write_manager(self, info: dict[str, Any]) -> None:
-        tmp = self.manager_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.manager_file)
+        write_private(self.manager_file, json.dumps(info).encode())
 
     def read_manager(self) -> dict[str, Any] | None:
+        """What ``manager.json`` says, None when there is none or it is not JSON.
+
+        One that another user made or could write is refused (``UsageError``):
+        it would send the commands, and the token, wherever its writer likes.
+        """
         try:
-            return json.loads(self.manager_file.read_text())
-        except (OSError, json.JSONDecodeError):
+            fd = os.open(self.manager_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            check_trusted(st, str(self.manager_file), dir_uid=self.path.stat().st_uid)
+            raw = f.read(1 << 20)
+        try:
+            info = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return info if isinstance(info, dict) else None
 
     def running_manager_url(self) -> str:
         info = self.read_manager()

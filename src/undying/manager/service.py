@@ -27,7 +27,7 @@ from pathlib import Path
 from undying.checkpoint.mac import key_from_token, set_key
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, ConnectionLimits, JobConfig
 from undying.errors import UsageError
-from undying.manager.auth import ensure_token, tokens_match, where_the_token_is
+from undying.manager.auth import ensure_token_with_source, tokens_match, where_the_token_is
 from undying.manager.checkpoint_health import resume_line
 from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
@@ -129,7 +129,7 @@ async def _serve(options: ManagerOptions) -> int:
     job_dir = JobDir(Path(options.job_dir))
     restart = _resumable(job_dir, options.job_id) if job_dir.path.is_dir() else False
     job_dir.prepare(keep_log=restart)
-    token = ensure_token(job_dir.path)
+    token, token_from = ensure_token_with_source(job_dir.path)
     set_key(key_from_token(token))  # the checkpoints it resumes from are checked under the job's key
     gate = _Gate(options, token)
     prior = read_job_table(job_dir.events_db) if restart else {}
@@ -141,8 +141,8 @@ async def _serve(options: ManagerOptions) -> int:
     except OSError as e:
         raise UsageError(f"cannot listen for agents on {options.host}:{options.port} ({e.strerror or e}); "
                          "pass another --port") from e
-    log.warning("manager of job %s listening for agents on %s:%d%s", options.job_id, options.host, server.port,
-                " (carrying on the job from its log)" if restart else "")
+    log.warning("manager of job %s listening for agents on %s:%d, token from %s%s", options.job_id, options.host,
+                server.port, token_from, " (carrying on the job from its log)" if restart else "")
     if restart:
         config = JobConfig.from_dict(prior["config"])
     else:
@@ -154,6 +154,7 @@ async def _serve(options: ManagerOptions) -> int:
     config.validate()
     gate.config = config
     server.heartbeat_s = config.timeouts.heartbeat
+    job_dir.private_log()
     events = EventLog(job_dir.events_db)
     # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
     events.before_flush(lambda: events.set_job("acked", server.positions()))

@@ -15,6 +15,9 @@
   (``store_client``), and the key a worker shows its agent (``channel_key``);
 - ``judge_clock``: how any process judges a peer's silence, only over time it
   ran itself.
+- the job's secrets: which derived keys a child process gets and a launcher
+  refuses (``keys``), and how a manager proves the job's key to a command
+  before it is shown the token (``api_proof``).
 
 Nothing here imports a role (worker, agent, manager); the modules are
 imported by name (this package imports none of them, so that ``store_client``
@@ -22,4 +25,4 @@ brings torch only where it is used).
 """
 
 __all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations", "seams",
-           "store_wire", "store_client", "channel_key", "verify_wire", "judge_clock"]
+           "store_wire", "store_client", "channel_key", "verify_wire", "judge_clock", "keys", "api_proof"]
