@@ -111,9 +111,8 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
 )
 from soak_own import SCENARIOS as OWN_SCENARIOS  # noqa: E402
 from soak_own import job_processes, verifier_pids  # noqa: E402
-from soak_plan import MULTI, SINGLE, faults_of, kind, schedule, soaks_of  # noqa: E402
+from soak_plan import LEAVE_ENV, MULTI, SINGLE, SOAK_SCRIPT, faults_of, kind, schedule, soaks_of  # noqa: E402
 from soak_report import holds, outcomes_by_kind, render_outcomes  # noqa: E402
-from soak_train import LEAVE_ENV  # noqa: E402
 
 from undying.cli.client import api_get, api_post  # noqa: E402
 from undying.config import EXIT_PREEMPTED  # noqa: E402
@@ -125,7 +124,6 @@ RANKS = 4
 LIMIT_S = 2.0
 STOP_GRACE_S = 3.0
 VERIFY_EVERY = 32
-SOAK_SCRIPT = Path(__file__).resolve().parent / "soak_train.py"
 STEP_PHASES = ("step", "forward", "backward", "optimizer")
 # Incidents that are told, not recovered: a failed save leaves the job training, the incident stays as a record.
 TOLD = ("checkpoint_failed",)
@@ -444,20 +442,20 @@ def _wait_recovered(job: SingleJob, before: int, deadline: float) -> None:
         time.sleep(0.1)
 
 
-def soak_argv(run_dir: Path, workload: Workload, spares: int, verify: bool) -> list[str]:
+def soak_argv(run_dir: Path, script_args: list[str], spares: int, verify: bool) -> list[str]:
     return [sys.executable, "-m", "undying", "run", "-n", str(RANKS), "--port", "0",
             "--job-dir", str(run_dir / "job"), "--job-id", run_dir.name, "--spares", str(spares),
             "--heartbeat-timeout", str(LIMIT_S), "--step-timeout", str(LIMIT_S),
             "--checkpoint-dir", str(run_dir / "checkpoints"), "--save-every", str(SAVE_EVERY),
             "--max-restarts", "3", "--stop-grace", str(STOP_GRACE_S),
-            *(["--verify-every", str(VERIFY_EVERY)] if verify else []), str(SOAK_SCRIPT), *workload.script_args()]
+            *(["--verify-every", str(VERIFY_EVERY)] if verify else []), str(SOAK_SCRIPT), *script_args]
 
 
 def run_faulty(workload: Workload, run_dir: Path, deck: list[str], args: argparse.Namespace,
                log: Any) -> tuple[int, list[dict[str, Any]], SingleJob]:
     run_dir.mkdir(parents=True, exist_ok=True)
     filler = FillingFolder(run_dir / "checkpoints", args.fill_mb) if args.fill_mb else None
-    argv = soak_argv(run_dir, workload, 1, "verifier-kill" in deck)
+    argv = soak_argv(run_dir, workload.script_args(), 1, "verifier-kill" in deck)
     job = SingleJob(argv, bench_env(**{LEAVE_ENV: str(run_dir / "leave")}), run_dir, log, filler)
     injected: list[dict[str, Any]] = []
     try:
@@ -477,9 +475,10 @@ def run_faulty(workload: Workload, run_dir: Path, deck: list[str], args: argpars
             filler.close()
 
 
-def run_baseline(workload: Workload, run_dir: Path, args: argparse.Namespace, verify: bool) -> int:
+def run_baseline(script_args: list[str], run_dir: Path, args: argparse.Namespace, verify: bool) -> int:
+    """The same job without a fault (and unpaced: the losses do not depend on it), to its end."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    process = launch(soak_argv(run_dir, workload, 0, verify), bench_env(), run_dir / "launcher.log")
+    process = launch(soak_argv(run_dir, script_args, 0, verify), bench_env(), run_dir / "launcher.log")
     try:
         return wait_for(process, time.monotonic() + args.timeout)
     finally:
@@ -579,7 +578,7 @@ def soak_single(deck: list[str], args: argparse.Namespace, root: Path, out: Any)
     rc, injected, job = run_faulty(workload, root / "faulty", deck, args, out)
     wall = time.monotonic() - started
     started = time.monotonic()
-    baseline_rc = run_baseline(workload, root / "baseline", args, verify)
+    baseline_rc = run_baseline(workload.script_args(), root / "baseline", args, verify)
     baseline_wall = time.monotonic() - started
     result = summarize(root / "faulty", root / "baseline", injected, rc)
     result["leaked_processes"] = leaked_processes(root / "faulty" / "job") + leaked_processes(root / "baseline" / "job")
@@ -637,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from soak_multi import soak_multi
 
-            results[soak] = soak_multi(deck, args, root / "multi", out)
+            results[soak] = soak_multi(deck, args, root / "multi", out,
+                                       lambda script_args, run_dir: run_baseline(script_args, run_dir, args, False))
     held = all(r.get("holds", False) for r in results.values())
     verdicts = ", ".join(f"{name}: {'held' if r.get('holds') else 'did not hold'}" for name, r in results.items())
     print(f"soak: {'held' if held else 'did NOT hold'} ({verdicts})", file=out)

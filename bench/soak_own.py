@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from soak_train import HOWS, order_name
+from soak_plan import HOWS, order_name
 
 from undying.cli.client import api_post
 from undying.config import EXIT_PREEMPTED

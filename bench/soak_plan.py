@@ -14,8 +14,19 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Kind", "KINDS", "SINGLE", "MULTI", "OWN", "kind", "soaks_of", "schedule", "faults_of"]
+__all__ = ["Kind", "KINDS", "SINGLE", "MULTI", "OWN", "kind", "soaks_of", "schedule", "faults_of", "SOAK_SCRIPT",
+           "LEAVE_ENV", "PACE_ENV", "HOWS", "order_name"]
+
+SOAK_SCRIPT = Path(__file__).resolve().parent / "soak_train.py"  # the soak's job (both runs of each soak)
+LEAVE_ENV = "SOAK_LEAVE_DIR"  # where the driver puts a rank's order to leave early (see soak_train.py)
+PACE_ENV = "SOAK_PACE_FILE"  # a file holding the seconds a step lasts at least
+HOWS = ("exit", "return")  # how a rank leaves: sys.exit(0) in a step, or its loop returning
+
+
+def order_name(rank: int, step: int, how: str) -> str:
+    return f"leave-r{rank}-s{step}-{how}"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ bug does (issue #25, item 6):
 * ``return``: the training loop ends early, and the script returns.
 
 A verifier (``--verify-every``) runs this script too; it never leaves.
+
+With ``SOAK_PACE_FILE``, every step lasts at least the seconds that file holds
+(read at each step; missing or empty: no pacing), so the multi-node soak
+paces its job while it injects faults and lets it run out at full speed
+after them. Pacing is a sleep between steps: the losses are the same.
 """
 
 from __future__ import annotations
@@ -20,20 +25,16 @@ import contextlib
 import os
 import runpy
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from soak_plan import HOWS, LEAVE_ENV, PACE_ENV
+
 from undying.demo import TRAIN_SCRIPT
 from undying.protocol.verify_wire import VERIFY_DIR_ENV
 from undying.worker.job import Job
-
-LEAVE_ENV = "SOAK_LEAVE_DIR"
-HOWS = ("exit", "return")
-
-
-def order_name(rank: int, step: int, how: str) -> str:
-    return f"leave-r{rank}-s{step}-{how}"
 
 
 def _take(folder: Path, rank: int, step: int) -> str | None:
@@ -57,14 +58,25 @@ def _take(folder: Path, rank: int, step: int) -> str | None:
 _steps = Job.steps
 
 
-def _leaving_steps(self: Job, state: Any, **kwargs: Any) -> Iterator[Any]:
-    folder = os.environ.get(LEAVE_ENV, "")
+def _pace(path: str) -> float:
+    try:
+        return float(Path(path).read_text() or 0)
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _soak_steps(self: Job, state: Any, **kwargs: Any) -> Iterator[Any]:
+    folder, pace_file = os.environ.get(LEAVE_ENV, ""), os.environ.get(PACE_ENV, "")
     steps = _steps(self, state, **kwargs)
-    if not folder or os.environ.get(VERIFY_DIR_ENV):
+    if not (folder or pace_file) or os.environ.get(VERIFY_DIR_ENV):
         yield from steps
         return
+    last = time.monotonic()
     for step in steps:
-        how = _take(Path(folder), self.rank, step.index)
+        if pace_file:
+            time.sleep(max(0.0, _pace(pace_file) - (time.monotonic() - last)))
+            last = time.monotonic()
+        how = _take(Path(folder), self.rank, step.index) if folder else None
         if how == "return":
             print(f"soak: rank {self.rank} leaves before step {step.index}: its loop ends", flush=True)
             steps.close()
@@ -77,7 +89,7 @@ def _leaving_steps(self: Job, state: Any, **kwargs: Any) -> Iterator[Any]:
 
 
 def main() -> None:
-    Job.steps = _leaving_steps  # type: ignore[method-assign]
+    Job.steps = _soak_steps  # type: ignore[method-assign]
     sys.argv = [str(TRAIN_SCRIPT), *sys.argv[1:]]
     runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
 
