@@ -85,11 +85,13 @@ class MultiJob:
         self.standby: int | None = None  # the host of the parked standby
         self.free = [3, 4]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}  # host -> the agent (or standby) started there
+        self.logs: dict[int, str] = {}  # host -> the name of its agent's log (Cluster.log)
         self.leftovers: list[dict[str, Any]] = []  # processes found on a host after its agent exited
 
     def start(self) -> None:
         self.cluster.start()
         self.procs.update({self.node_host[n]: p for n, p in self.cluster.agents.items()})
+        self.logs.update({self.node_host[n]: f"node{n}" for n in self.cluster.agents})
 
     def status(self) -> dict[str, Any]:
         return self.cluster.status()
@@ -108,10 +110,13 @@ class MultiJob:
         """A standby on a free host, waited for until the manager lists it with its warm spares."""
         host = self.free.pop(0)
         process = self.procs[host] = self.cluster.start_standby(host)
+        self.logs[host] = f"standby{host}"
         self.standby = host
 
-        def parked() -> bool:
+        def parked() -> bool | None:
             status = self.look() or {}
+            if status.get("state") != "running":
+                return None if status else True  # the job ended, or its manager is gone: nothing to wait for
             return any(s["agent_pid"] == process.pid and s["spares_ready"] >= 2 for s in status.get("standbys", []))
 
         if _until(parked, 120):
@@ -162,6 +167,7 @@ class MultiJob:
         """A new agent for ``node`` on a free host (a scheduler's new pod)."""
         host = self.free.pop(0)
         self.procs[host] = self.cluster.start_agent(node, host)
+        self.logs[host] = f"node{node}"
         self.node_host[node] = host
 
 
@@ -233,10 +239,12 @@ def agent_pause(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     ranks = {int(r) for n in status["nodes"] if n["node"] == node for r in n["ranks"]}
     before, step = len(status["incidents"]), status["step"]
     pause = round(rng.uniform(2, 3) * LIMIT_S, 2)
+    log = job.logs[job.node_host[node]]
     os.kill(agent.pid, signal.SIGSTOP)
     try:
         time.sleep(pause)
     finally:
+        seen = len(job.cluster.log(log))
         os.kill(agent.pid, signal.SIGCONT)
     after, incidents = _settled(job, before, 1, step)
     problems = []
@@ -244,6 +252,12 @@ def agent_pause(job: MultiJob, rng: random.Random) -> dict[str, Any]:
         problems.append(f"not recovered within {DEADLINE_S:.0f} s ({_kinds(incidents) or 'no incident'})")
     else:
         problems += _losses(incidents, ranks)
+    # Once continued, the agent declares nothing about its own stall: no rank or spare of its own found silent.
+    declared = [line.split("] ", 1)[-1] for line in job.cluster.log(log)[seen:].splitlines()
+                if "silent for" in line or "no progress" in line]
+    if declared:
+        problems.append(f"the continued agent blamed its own stall on others: {declared[0]}"
+                        + (f" (and {len(declared) - 1} more)" if len(declared) > 1 else ""))
     return _verdict(problems, f"node {node}'s loss recovered", node=node, pause_s=pause)
 
 
@@ -333,7 +347,7 @@ def drive(job: MultiJob, deck: list[str], seed: int, total_steps: int) -> list[d
         t = time.time()
         record: dict[str, Any] = {"scenario": scenario, "t": t, "step": status["step"], "faults": 1,
                                   **SCENARIOS[scenario](job, rng)}
-        if record["outcome"] != "skipped":
+        if record["outcome"] != "skipped" and (job.look() or {}).get("state") == "running":
             job.settle()
         record["s"] = round(time.time() - t, 2)
         injected.append(record)

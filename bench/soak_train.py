@@ -67,7 +67,7 @@ def _pace(path: str) -> float:
 
 def _soak_steps(self: Job, state: Any, **kwargs: Any) -> Iterator[Any]:
     folder, pace_file = os.environ.get(LEAVE_ENV, ""), os.environ.get(PACE_ENV, "")
-    steps = _steps(self, state, **kwargs)
+    steps: Any = _steps(self, state, **kwargs)  # a generator (closed when the rank leaves)
     if not (folder or pace_file) or os.environ.get(VERIFY_DIR_ENV):
         yield from steps
         return
