@@ -101,7 +101,7 @@ from recovery import Workload, interrupt  # noqa: E402  (bench/ is a folder of s
 from soak_own import job_processes, verifier_pids  # noqa: E402
 from soak_plan import MULTI, SINGLE, faults_of, kind, schedule, soaks_of  # noqa: E402
 from soak_report import holds, outcomes_by_kind, render_outcomes  # noqa: E402
-from soak_single import LIMIT_S, TOLD, run_baseline, run_faulty  # noqa: E402
+from soak_single import LIMIT_S, TOLD, epochs_for, run_baseline, run_faulty  # noqa: E402
 
 from undying.config import EXIT_PREEMPTED  # noqa: E402
 from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs  # noqa: E402
@@ -196,7 +196,8 @@ def render(result: dict[str, Any], out: Any) -> None:
 
 
 def soak_single(deck: list[str], args: argparse.Namespace, root: Path, out: Any) -> dict[str, Any]:
-    workload = Workload(epochs=args.epochs, samples=8192, features=32, hidden=64, layers=2, batch_size=16)
+    workload = Workload(epochs=args.epochs or epochs_for(len(deck)), samples=8192, features=32, hidden=64, layers=2,
+                        batch_size=16)
     verify = "verifier-kill" in deck
     started = time.monotonic()
     rc, injected, job = run_faulty(workload, root / "faulty", deck, args, out)
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--at-least", type=int, default=20,
                    help="scenarios of each of undying's own kinds, as far as --faults allows")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule")
-    p.add_argument("--epochs", type=int, default=120, help="epochs of the single-node job (128 steps each)")
+    p.add_argument("--epochs", type=int, default=0,
+                   help="epochs of the single-node job (128 steps each; 0: sized from --faults)")
     p.add_argument("--multi-steps", type=int, default=0,
                    help="steps of the multi-node job (0: sized from --faults, see bench/soak_multi.py)")
     p.add_argument("--relaunches", type=int, default=3, help="relaunches after unplanned ends of the job")

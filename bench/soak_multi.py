@@ -106,8 +106,9 @@ class MultiJob:
             return self.status()
         return None
 
-    def park_standby(self) -> bool:
-        """A standby on a free host, waited for until the manager lists it with its warm spares."""
+    def park_standby(self, want: int = 0) -> bool:
+        """A standby on a free host, waited for until the manager lists it (with ``want`` warm spares: they warm
+        up meanwhile, beside the next scenario, as a restarted pod's would)."""
         host = self.free.pop(0)
         process = self.procs[host] = self.cluster.start_standby(host)
         self.logs[host] = f"standby{host}"
@@ -117,11 +118,12 @@ class MultiJob:
             status = self.look() or {}
             if status.get("state") != "running":
                 return None if status else True  # the job ended, or its manager is gone: nothing to wait for
-            return any(s["agent_pid"] == process.pid and s["spares_ready"] >= 2 for s in status.get("standbys", []))
+            return any(s["agent_pid"] == process.pid and s["spares_ready"] >= want for s in status.get("standbys", []))
 
         if _until(parked, 120):
             return True
-        print(f"soak: the standby on host {host} was not parked with 2 warm spares in 120 s", file=self.log, flush=True)
+        print(f"soak: the standby on host {host} was not parked (with {want} warm spares) in 120 s", file=self.log,
+              flush=True)
         return False
 
     def settle(self) -> None:
@@ -380,7 +382,7 @@ def soak_multi(deck: list[str], args: argparse.Namespace, root: Path, out: Any,
     try:
         job.start()
         cluster.wait_for_step(5, timeout=180)
-        job.park_standby()
+        job.park_standby(want=2)  # the first one warm: the soak starts from the steady state
         job.pace(STEP_S)
         injected = drive(job, deck, args.seed, total)
         job.pace(0)  # the faults are in: the job runs out at full speed

@@ -78,7 +78,17 @@ def job_processes(job_dir: Path) -> dict[int, tuple[bytes, list[bytes]]]:
 
 
 def zygote_pids(job_dir: Path) -> list[int]:
-    return sorted(pid for pid, (cmd, _) in job_processes(job_dir).items() if b"undying.worker.zygote" in cmd)
+    """The job's zygotes: ``undying.worker.zygote`` processes not forked by a zygote (its ranks and spares show
+    its command line too)."""
+    forks = {pid for pid, (cmd, _) in job_processes(job_dir).items() if b"undying.worker.zygote" in cmd}
+    return sorted(pid for pid in forks if _parent(pid) not in forks)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def verifier_pids(job_dir: Path) -> list[int]:

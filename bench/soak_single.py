@@ -21,19 +21,21 @@ from typing import Any
 from recovery import Workload, bench_env, launch, stop, undying_worker_pids, wait_for
 from soak_own import SCENARIOS as OWN_SCENARIOS
 from soak_own import job_processes
-from soak_plan import LEAVE_ENV, SOAK_SCRIPT, faults_of, kind
+from soak_plan import LEAVE_ENV, PACE_ENV, SOAK_SCRIPT, faults_of, kind
 
 from undying.cli.client import api_get, api_post
 from undying.config import EXIT_PREEMPTED
 from undying.errors import JobNotRunningError, UsageError
 from undying.manager.jobdir import JobDir
 
-__all__ = ["run_faulty", "run_baseline", "SingleJob", "LIMIT_S", "TOLD"]
+__all__ = ["run_faulty", "run_baseline", "SingleJob", "LIMIT_S", "TOLD", "epochs_for"]
 
 RANKS = 4
 LIMIT_S = 2.0
 STOP_GRACE_S = 3.0
 VERIFY_EVERY = 32
+STEP_S = 0.1  # the pace while faults come (bench/soak_train.py): the job's length is in steps, the faults' in seconds
+SCENARIO_STEPS = 50  # steps a scenario spends at that pace (sizes the job: steps_for)
 STEP_PHASES = ("step", "forward", "backward", "optimizer")
 # Incidents that are told, not recovered: a failed save leaves the job training, the incident stays as a record.
 TOLD = ("checkpoint_failed",)
@@ -90,7 +92,7 @@ def spare_pids(job_dir: Path, rank_pids: set[int]) -> list[int]:
             forked = b"undying.worker.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if b"--spare" in cmd.split(b"\0") or (forked and b"undying.worker.zygote" not in cmd):
+        if b"--spare" in cmd.split(b"\0") or forked:
             found.append(pid)
     return found
 
@@ -351,6 +353,11 @@ def _wait_recovered(job: SingleJob, before: int, deadline: float) -> None:
         time.sleep(0.1)
 
 
+def epochs_for(scenarios: int) -> int:
+    """The job's epochs (128 steps each) for a deck: ``SCENARIO_STEPS`` a scenario, a third more, and 200 steps."""
+    return -(-int(scenarios * SCENARIO_STEPS * 4 / 3 + 200) // 128)
+
+
 def soak_argv(run_dir: Path, script_args: list[str], spares: int, verify: bool) -> list[str]:
     return [sys.executable, "-m", "undying", "run", "-n", str(RANKS), "--port", "0",
             "--job-dir", str(run_dir / "job"), "--job-id", run_dir.name, "--spares", str(spares),
@@ -365,11 +372,15 @@ def run_faulty(workload: Workload, run_dir: Path, deck: list[str], args: argpars
     run_dir.mkdir(parents=True, exist_ok=True)
     filler = FillingFolder(run_dir / "checkpoints", args.fill_mb) if args.fill_mb else None
     argv = soak_argv(run_dir, workload.script_args(), 1, "verifier-kill" in deck)
-    job = SingleJob(argv, bench_env(**{LEAVE_ENV: str(run_dir / "leave")}), run_dir, log, filler)
+    pace = run_dir / "pace"
+    pace.write_text(str(STEP_S))
+    job = SingleJob(argv, bench_env(**{LEAVE_ENV: str(run_dir / "leave"), PACE_ENV: str(pace)}), run_dir, log,
+                    filler)
     injected: list[dict[str, Any]] = []
     try:
         job.start()
         injected = drive(job, deck, args, workload.total_steps, log, filler)
+        pace.write_text("0")  # the faults are in: the job runs out at full speed
         rc = job.launches[-1]["rc"]  # set when the driver saw the job end (or stopped it stuck: 124)
         rc = job.wait(args.timeout) if rc is None else rc
         while rc not in (0, 124) and len(job.launches) <= args.relaunches and job.relaunch(f"exit {rc}"):
