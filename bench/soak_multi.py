@@ -14,14 +14,14 @@ of its deck one at a time, each given ``DEADLINE_S`` to recover:
   with it (nothing left on its host within 10 s); the node's loss is recovered
   by the standby, or, with none parked, by a new agent the driver starts on a
   free host once the loss is declared (as a scheduler starts a new pod).
-* agent-pause: SIGSTOP of a node's agent for 2-3 heartbeat timeouts, then
+* agent-pause: SIGSTOP of a node's agent for 1.5-2.5 heartbeat timeouts, then
   SIGCONT. Recovered: the only incidents are that node's losses, recovered (by
   the standby, or by the agent itself, fenced and rejoined); the continued
   agent declares nothing about its own stall.
 * manager-kill: SIGKILL of the manager, 1-3 s without one, then a new manager
   on the same job dir (the scheduler's restart). Recovered: no incident, the
   job 3 steps further.
-* manager-pause: SIGSTOP of the manager for 2-3 heartbeat timeouts, then
+* manager-pause: SIGSTOP of the manager for 1.5-2.5 heartbeat timeouts, then
   SIGCONT. Recovered: no incident (a judge that was stopped declares no one
   silent), the job 3 steps further.
 * standby-kill: SIGKILL of the parked standby. Recovered: no incident, its
@@ -240,7 +240,7 @@ def agent_pause(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     status = job.status()
     ranks = {int(r) for n in status["nodes"] if n["node"] == node for r in n["ranks"]}
     before, step = len(status["incidents"]), status["step"]
-    pause = round(rng.uniform(2, 3) * LIMIT_S, 2)
+    pause = round(rng.uniform(1.5, 2.5) * LIMIT_S, 2)
     log = job.logs[job.node_host[node]]
     os.kill(agent.pid, signal.SIGSTOP)
     try:
@@ -287,13 +287,13 @@ def manager_pause(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     before, step = len(status["incidents"]), status["step"]
     manager = job.cluster.manager
     assert manager is not None
-    pause = round(rng.uniform(2, 3) * LIMIT_S, 2)
+    pause = round(rng.uniform(1.5, 2.5) * LIMIT_S, 2)
     os.kill(manager.pid, signal.SIGSTOP)
     try:
         time.sleep(pause)
     finally:
         os.kill(manager.pid, signal.SIGCONT)
-    time.sleep(2 * LIMIT_S)  # a wrong verdict of silence comes within a heartbeat timeout of the continue
+    time.sleep(LIMIT_S + 1)  # a wrong verdict of silence comes within a heartbeat timeout of the continue
     after, incidents = _settled(job, before, 0, step)
     problems = []
     if after is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +22,15 @@ def outcomes_by_kind(injected: Sequence[dict[str, Any]]) -> dict[str, dict[str, 
             continue
         entry = kinds[record["scenario"]]
         entry["n"] += 1
+        if record.get("s") is not None:
+            entry.setdefault("seconds", []).append(float(record["s"]))
         entry[outcome if outcome in PASSED else "failed"] += 1
         if outcome not in PASSED and len(entry["failures"]) < 3:
             entry["failures"].append(str(record.get("why", "")))
+    for entry in kinds.values():  # the wall time a scenario of the kind took (sizes a run: see docs/benchmarks.md)
+        seconds = entry.pop("seconds", [])
+        if seconds:
+            entry["median_s"] = round(statistics.median(seconds), 1)
     return dict(sorted(kinds.items()))
 
 
@@ -42,7 +49,7 @@ def holds(result: dict[str, Any], planned_exits: Sequence[int] = ()) -> bool:
 
 def render_outcomes(outcomes: dict[str, dict[str, Any]], out: Any) -> None:
     for name, k in outcomes.items():
-        line = f"  {name:<26} {k['n']:>3} scenarios: {k['recovered']} recovered"
+        line = f"  {name:<26} {k['n']:>3} scenarios ({k.get('median_s', '-')} s each): {k['recovered']} recovered"
         if k["planned-end"]:
             line += f", {k['planned-end']} planned ends"
         if k["failed"]:
