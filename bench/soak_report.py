@@ -18,7 +18,7 @@ def outcomes_by_kind(injected: Sequence[dict[str, Any]]) -> dict[str, dict[str, 
                                                              "failures": []})
     for record in injected:
         outcome = record.get("outcome")
-        if record["scenario"] == "disk" or outcome is None:
+        if record["scenario"] == "disk" or outcome in (None, "skipped"):  # a skipped one injected nothing
             continue
         entry = kinds[record["scenario"]]
         entry["n"] += 1
