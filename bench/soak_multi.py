@@ -55,6 +55,7 @@ from typing import Any
 from soak_plan import PACE_ENV, SOAK_SCRIPT
 from soak_report import holds, outcomes_by_kind, render_outcomes
 
+from undying.cli.client import api_get
 from undying.demo.cluster import Cluster
 from undying.demo.hosts import Hosts, netns_unavailable_reason
 from undying.demo.oracle import compare_runs, load_run
@@ -102,8 +103,10 @@ class MultiJob:
         tmp.replace(self.pace_file)
 
     def look(self) -> dict[str, Any] | None:
-        with contextlib.suppress(Exception):
-            return self.status()
+        """The status, or None at once when no manager answers (``status`` waits a minute for one)."""
+        with contextlib.suppress(Exception), self.hosts.inside(self.cluster.manager_host):
+            url = self.cluster.url(timeout=0.5)
+            return dict(api_get(url, "/api/status", token=self.cluster.token))
         return None
 
     def park_standby(self, want: int = 0) -> bool:
@@ -189,6 +192,9 @@ def _kinds(incidents: list[dict[str, Any]]) -> str:
 def _settled(job: MultiJob, before: int, want: int, step: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """Wait until the job runs with at least ``want`` incidents since ``before``, all closed, 3 steps past ``step``."""
     def done() -> dict[str, Any] | None:
+        manager = job.cluster.manager
+        if manager is not None and manager.poll() is not None:
+            return {"gone": manager.returncode}  # the job ended (or its manager died): nothing more comes
         s = job.look()
         if s is None or s["state"] != "running":
             return None
@@ -197,7 +203,10 @@ def _settled(job: MultiJob, before: int, want: int, step: int) -> tuple[dict[str
 
     status = _until(done, DEADLINE_S)
     last = job.look()
-    return status, (last["incidents"][before:] if last else [])
+    incidents = last["incidents"][before:] if last else []
+    if status is not None and "gone" in status:
+        return None, incidents + [{"kind": f"(the manager exited {status['gone']})", "status": "-"}]
+    return status, incidents
 
 
 def _verdict(problems: list[str], fine: str, **record: Any) -> dict[str, Any]:
