@@ -115,6 +115,7 @@ class Zygote:
         self.alive = False
         self.reason = ""  # why it stopped serving, once it did
         self.unfit = False  # it never served: a new one would not either
+        self._lost = False  # killed or stopped from outside
         self._settled = asyncio.Event()  # set once it serves, gave up or was let go
 
     @property
@@ -152,7 +153,8 @@ class Zygote:
             reason = f"the zygote was not ready within {timeout:.0f}s (--init-timeout)"
         if reason:
             code = self._popen.poll()
-            self.unfit = code is None or code >= 0  # killed while importing: a new one may serve
+            # Killed or stopped while importing: a new one may serve; an import error or a timeout: no.
+            self.unfit = not self._lost and (code is None or code >= 0)
             self._give_up(reason)
             return False
         self.alive = True
@@ -171,13 +173,15 @@ class Zygote:
         await self._settled.wait()
 
     def check(self) -> bool:
-        """Whether it still serves: a zygote that died or is stopped (state T, t) is given up now."""
-        if not self.alive or self._popen is None:
+        """Whether it serves: one that died or is stopped (state T, t), serving or importing, is given up now."""
+        if self._popen is None or (self._settled.is_set() and not self.alive):
             return False
         state = process_state(self._popen.pid)
         if state in ("", "Z", "X"):
+            self._lost = True
             self._give_up("the zygote exited" + self._status())
         elif state in ("T", "t"):
+            self._lost = True
             self._give_up("the zygote is stopped (SIGSTOP, or traced)")
         return self.alive
 
@@ -352,7 +356,7 @@ class ZygoteKeeper:
     def check(self) -> None:
         """A zygote that died or is stopped is replaced in the background; no worker notices."""
         zygote = self.zygote
-        if zygote is None or zygote.pending or zygote.check() or not self.enabled:
+        if zygote is None or not self.enabled or zygote.check() or zygote.pending:
             return
         self.zygote = None
         self.replaced += 1
