@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.jobs import alive, manager_url, start_job, status, wait_for, wait_running
+from tests.integration.jobs import (
+    alive,
+    events,
+    manager_url,
+    start_job,
+    status,
+    wait_for,
+    wait_running,
+)
 from tests.oracle import Oracle
 from undying.demo.oracle import compare_runs, load_run
 
@@ -126,3 +134,44 @@ def test_what_a_rank_starts_outlives_neither_its_kill_nor_the_job(tmp_path: Path
     assert alive(pids["session-0"]) and alive(pids["group-0"])  # rank 0 lives: so do its children
     assert launcher.wait(timeout=150) == 0, (tmp_path / "job.log").read_text()[-3000:]
     assert not alive(pids["session-0"]) and not alive(pids["group-0"]), "outlived the job"
+
+
+ENDINGS = textwrap.dedent("""
+    import os, runpy, threading, time
+    # The DDP tutorial's script, unchanged (examples/tutorial_plain.py): 4 gloo ranks, DDP(Linear(20, 1)),
+    # a snapshot, destroy_process_group(), then main() returns and gloo's teardown runs.
+    tutorial = runpy.run_path(os.environ["TUTORIAL"])
+    tutorial["main"](1, 1, 32, os.environ["SNAPSHOT"])
+    rank = int(os.environ["RANK"])
+    if rank == 3:  # a thread that never ends, no daemon: this process's exit would wait for it forever
+        threading.Thread(target=threading.Event().wait, name="never-ends").start()
+    if rank == 0:  # works on after the others exited, four times the exit grace: never touched
+        began = time.monotonic()
+        while time.monotonic() - began < 4:
+            sum(range(10000))
+        open(os.environ["DONE"], "w").write("done")
+""")
+
+
+def test_how_ranks_end_the_tutorial_ends_a_stuck_exit_is_ended_late_work_is_not(
+        tmp_path: Path, reap: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tutorial's teardown never hangs (workers forked from the zygote, the default); a rank stuck in its
+    exit after its script returned is ended after --exit-grace, its stack in the log, the job's result
+    standing; a rank still working after the others exited is not touched."""
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "endings.py"
+    script.write_text(ENDINGS)
+    monkeypatch.setenv("TUTORIAL", str(root / "examples" / "tutorial_plain.py"))
+    monkeypatch.setenv("SNAPSHOT", str(tmp_path / "snapshot.pt"))
+    monkeypatch.setenv("DONE", str(tmp_path / "done"))
+    job_dir = tmp_path / "job"
+    launcher = start_job(job_dir, [], ranks=4, script=script, reap=reap,
+                         run_args=["--spares", "0", "--exit-grace", "1"])
+    assert launcher.wait(timeout=150) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    log = (tmp_path / "job.log").read_text()
+    assert (tmp_path / "done").read_text() == "done"
+    stuck = events(job_dir / "events.db", "exit_stuck")
+    assert len(stuck) == 1 and stuck[0]["exit_grace_s"] == 1, stuck
+    assert "rank 3 (pid" in log and "its script returned, but the process was still in its exit 1s later" in log
+    assert "(most recent call first)" in log and "threading.py" in log, log[-3000:]  # its threads' stacks
+    assert not events(job_dir / "events.db", "exit_after_return")
