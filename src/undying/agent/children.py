@@ -44,12 +44,14 @@ import signal
 import time
 
 __all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree", "Orphans",
-           "MARK_ENV"]
+           "MARK_ENV", "WATCHED"]
 
 log = logging.getLogger("undying.agent")
 
 _PR_SET_CHILD_SUBREAPER = 36
 MARK_ENV = "UNDYING_AGENT_PID"  # (protocol.env.ENV_PREFIX + AGENT_PID: what every worker's environment holds)
+# PIDs of the workers this process watches (until their exit is read): never taken for orphans.
+WATCHED: set[int] = set()
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -88,6 +90,7 @@ class ChildProcess:
             self._fd = -1
             self._exited(-signal.SIGKILL)
             return
+        WATCHED.add(pid)
         loop.add_reader(self._fd, self._readable)
 
     def _readable(self) -> None:
@@ -100,6 +103,7 @@ class ChildProcess:
         asyncio.get_running_loop().remove_reader(self._fd)
         os.close(self._fd)
         self._fd = -1
+        WATCHED.discard(self.pid)
         self._exited(os.waitstatus_to_exitcode(status))
 
     def _exited(self, returncode: int) -> None:
@@ -196,7 +200,7 @@ class Orphans:
         for pid in _own_children():
             # Seen marked while alive, or marked now (a zombie's environment reads empty: it counts as
             # ours only if it was seen before it died; one that died unseen is left to whoever waits).
-            if pid in known or (pid not in self._seen and not _marked(pid, self._mark)):
+            if pid in known or pid in WATCHED or (pid not in self._seen and not _marked(pid, self._mark)):
                 continue
             current.add(pid)
             if self._reap(pid):

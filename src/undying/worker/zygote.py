@@ -12,8 +12,15 @@ Why a fork is safe here: the zygote runs no torch op and starts no thread
 before forking (it checks: more than one thread in the process and it refuses
 to serve, the agent then starts fresh interpreters), so torch's intra-op pool
 and OpenMP are not initialised in it, and no lock is held by a thread that
-would not exist in the child. The zygote waits on its channel and on one
-pidfd per child in a single-threaded select loop, with no signal handler.
+would not exist in the child. It blocks on its channel, single-threaded, with
+no signal handler, and does nothing but fork.
+
+A worker is forked detached (``_fork_detached``): a go-between forks it and
+exits, so the worker is re-parented to the agent (a child subreaper,
+agent/children.py) before the zygote answers ``Spawned``. The worker then
+waits until its parent is the agent (microseconds) and arms its parent-death
+signal on the agent: it dies with the agent, and neither a SIGKILL nor a
+SIGSTOP of the zygote reaches it; its exit status is the agent's own to read.
 
 What a forked worker gets, exactly as a fresh ``python -u -m
 undying.worker.boot`` would: its own session (setsid), the interpreter's
@@ -21,25 +28,23 @@ default signal handlers and an empty signal mask, the request's working
 directory, ``os.environ`` replaced wholly by the request's environment, fds
 0/1/2 dup'ed from the ones the agent sent with the request (SCM_RIGHTS: the
 agent's own, as Popen would have inherited them), none of the zygote's own
-descriptors, and the worker dies with the zygote (parent-death signal), the
-zygote with the agent. Nothing that changes training results is seeded:
+descriptors. Nothing that changes training results is seeded:
 torch's generators are untouched (never used here, so at their defaults as in
 a fresh interpreter), Python's ``random`` re-seeds itself at fork, and NumPy's
 global generator, if NumPy was imported, is re-seeded from the OS as a fresh
-interpreter's would be. What differs from a fresh interpreter: settings read
-once at import (PYTHONPATH, OMP_*, TORCH_* read by torch's import, the hash
-seed) are those the zygote started with, the agent's environment at its start,
-which is also what a warm spare has always had. A script that needs a fresh
-interpreter per worker: ``UNDYING_WORKER_START=spawn``.
-
-The exit status: the zygote is the worker's parent, so it reports each
-child's status (``os.waitid`` with WNOWAIT: the child stays a zombie, its PID
-reserved, until the agent has recorded the status and says ``reap``, as with
-the agent's own children before).
+interpreter's would be. The modules imported before the fork are those a
+fresh worker has imported before its script runs (``PREWARM``), and no more:
+a module a fresh interpreter would import later (``torch._dynamo``, which DDP
+imports) imported earlier changed how gloo's threads end (issue #25). What
+differs from a fresh interpreter: settings read once at import (PYTHONPATH,
+OMP_*, TORCH_* read by torch's import, the hash seed) are those the zygote
+started with, the agent's environment at its start, which is also what a warm
+spare has always had. A script that needs a fresh interpreter per worker:
+``UNDYING_WORKER_START=spawn``.
 
 Wire: ``undying.protocol.zygote_wire`` (length-prefixed frames, a JSON object
-each, named by ``op``): Spawn and Reap from the agent, Ready or Unfit once,
-Spawned or Failed per Spawn and Exit per child from the zygote.
+each, named by ``op``): Spawn from the agent, Ready or Unfit once and Spawned
+or Failed per Spawn from the zygote.
 """
 
 from __future__ import annotations
