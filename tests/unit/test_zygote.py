@@ -164,9 +164,8 @@ def test_a_killed_or_stopped_zygote_costs_no_worker_and_hides_no_exit(tmp_path: 
             # A fork asked of the stopped zygote: none (a fresh interpreter instead), the zygote replaced.
             seen["from_stopped"] = keeper.spawn([str(script), "exit", "0"], _env(), str(tmp_path))
             seen["stopped_gone"] = process_state(second.pid) in ("", "Z")
-            await keeper.ready()
-            third = keeper.zygote
-            seen["third"] = third is not None and third.alive and third.pid not in (first.pid, second.pid)
+            third = keeper.zygote  # begun in the background (not waited for here: one more torch import)
+            seen["third"] = third is not None and third is not second and keeper.replaced == 2
         finally:
             keeper.close()
             release_subreaper()
