@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from undying.agent.children import ChildProcess, release_subreaper
-from undying.agent.zygote import START_ENV, Zygote, ZygoteKeeper, process_state, start_mode
+from undying.agent.liveness import process_state
+from undying.agent.zygote import START_ENV, Zygote, ZygoteKeeper, start_mode
 from undying.config import EXIT_SCRIPT_ERROR
 from undying.errors import UsageError
 
@@ -163,7 +164,7 @@ def test_a_killed_or_stopped_zygote_costs_no_worker_and_hides_no_exit(tmp_path: 
             seen["seen_within_s"] = asyncio.get_running_loop().time() - t
             # A fork asked of the stopped zygote: none (a fresh interpreter instead), the zygote replaced.
             seen["from_stopped"] = keeper.spawn([str(script), "exit", "0"], _env(), str(tmp_path))
-            seen["stopped_gone"] = process_state(second.pid) in ("", "Z")
+            seen["stopped_gone"] = process_state(second.pid) in ("?", "Z")
             third = keeper.zygote  # begun in the background (not waited for here: one more torch import)
             seen["third"] = third is not None and third is not second and keeper.replaced == 2
         finally:

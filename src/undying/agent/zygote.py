@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable
 
 from undying.agent.children import ChildProcess, become_subreaper
+from undying.agent.liveness import process_state
 from undying.errors import UsageError
 from undying.protocol.codec import Handlers
 from undying.protocol.env import ENV_PREFIX
@@ -86,16 +87,6 @@ def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
         raise UsageError(f"{START_ENV}={value!r}: expected 'zygote' (workers forked from one process that "
                          "imported torch, the default) or 'spawn' (a fresh interpreter per worker)")
     return value
-
-
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of ``pid`` (R, S, T, Z...), "" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
 
 
 class Zygote:
@@ -177,7 +168,7 @@ class Zygote:
         if self._popen is None or (self._settled.is_set() and not self.alive):
             return False
         state = process_state(self._popen.pid)
-        if state in ("", "Z", "X"):
+        if state in ("?", "Z", "X"):
             self._lost = True
             self._give_up("the zygote exited" + self._status())
         elif state in ("T", "t"):
