@@ -112,7 +112,7 @@ def _wait_as_spare(script: Path) -> None:
     )
     from undying.protocol.worker_wire import decode_to_worker as decode
 
-    for name in ["torch", "torch.distributed", "undying.worker", *_installed_imports(script)]:  # (zygote.PREWARM)
+    for name in ["torch", "torch.distributed", "sympy", "undying.worker", *_installed_imports(script)]:  # (PREWARM)
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
             importlib.import_module(name)
     host, port = os.environ["UNDYING_AGENT_ADDR"].rsplit(":", 1)

@@ -71,10 +71,12 @@ from undying.protocol.zygote_wire import (
 __all__ = ["Request", "PREWARM", "main"]
 
 # What the zygote imports before it serves: what every worker imports (a spare imports these too).
-# Not torch._dynamo: imported before a process group is made, it leaves the group's threads a Python
-# object to release at their end, and gloo's teardown then deadlocks on the interpreter lock (a thread
-# joined while the lock is held). A fresh interpreter imports it later (DDP does): so does a forked worker.
-PREWARM = ("torch", "torch.distributed", "undying.worker")
+# Not torch._dynamo: imported before the process group is made, gloo's teardown deadlocked on the
+# interpreter lock where the tutorial's main() returns (a thread joined while the lock is held, 4 of 6
+# runs; bench/teardown.py). A fresh interpreter imports it later (DDP does): so does a forked worker.
+# sympy (with mpmath, a third of torch._dynamo's import) is pure Python and changes nothing of that
+# (0 hangs in 8): imported here, it stays off a replacement rank's path.
+PREWARM = ("torch", "torch.distributed", "sympy", "undying.worker")
 _PR_SET_PDEATHSIG = 1
 
 
