@@ -104,7 +104,10 @@ def free_port() -> int:
 def run_ranks(mode: str, world: int, root: Path, out: Path) -> list[dict[str, object]]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    code = f"from tests.integration.test_checkpoint_sharded import worker; worker({mode!r}, {str(root)!r}, {str(out)!r})"
+    # Ended as an undying worker ends (undying.worker.boot.end_process), not by the interpreter's teardown:
+    # gloo's threads, torn down there, aborted a save rank ("terminate called without an active exception").
+    code = (f"from tests.integration.test_checkpoint_sharded import worker; worker({mode!r}, {str(root)!r}, "
+            f"{str(out)!r}); from undying.worker.boot import end_process; end_process()")
     procs = []
     try:
         for rank in range(world):

@@ -62,6 +62,8 @@ t = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
 dist.all_reduce(t)
 print("result", *t.tolist(), flush=True)
 dist.destroy_process_group()
+from undying.worker.boot import end_process
+end_process()  # as a worker ends, not by the interpreter's teardown of gloo's threads
 """
 
 ECHO_SERVER = """

@@ -215,7 +215,8 @@ def test_another_jobs_checkpoint_is_refused_under_a_given_job_id_and_resumed_wit
         f"undying: error: checkpoint {latest.url} (step 32) belongs to job 'a', not to this job 'b'; "
         "pass --job-id a to resume it, or another --checkpoint-dir to start fresh"
     ], (tmp_path / "b.log").read_text()[-3000:]
-    assert not events(tmp_path / "b" / "events.db", "spawned")  # refused before any rank started
+    # Refused before any rank started, and undone: the refused launch left no event log behind (issue #25).
+    assert not (tmp_path / "b" / "events.db").exists()
     assert _checkpoint_files(ckpts) == before
 
     # No --job-id: the id is random per launch, so the folder's checkpoint is this command's to continue.

@@ -95,7 +95,8 @@ def test_job_ddp_is_a_ddp_and_accumulates_gradients_as_ddp_does(tmp_path: Path, 
         env = {k: v for k, v in os.environ.items() if not k.startswith("UNDYING_")}
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
-        code = f"from tests.unit.test_ddp_wrapper import _child; _child({str(tmp_path / f'{rank}.json')!r})"
+        code = (f"from tests.unit.test_ddp_wrapper import _child; _child({str(tmp_path / f'{rank}.json')!r}); "
+                "from undying.worker.boot import end_process; end_process()")  # (as a worker ends: no teardown)
         proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, start_new_session=True)
         reap.append(proc.pid)
         procs.append(proc)

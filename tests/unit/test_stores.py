@@ -237,6 +237,8 @@ def test_a_gloo_group_forms_on_the_store_and_env_rendezvous_finds_it(server: Sto
         dist.all_reduce(t, group=later)
         print(t.item())
         dist.destroy_process_group()
+        from undying.worker.boot import end_process
+        end_process()  # as a worker ends, not by the interpreter's teardown of gloo's threads
     """))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "WORLD_SIZE": "2",
            STORE_KEY_ENV: KEY.hex(), "UNDYING_GENERATION": "0", "GLOO_SOCKET_IFNAME": "lo",

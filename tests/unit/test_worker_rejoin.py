@@ -71,6 +71,11 @@ def _member(rank: int, case: str, tmp: str, out: Any) -> None:
         "progress": [m.phase for m in sent if isinstance(m, Progress)],
     })
     dist.destroy_process_group()
+    out.close()
+    out.join_thread()  # (the answer is written before the process ends)
+    from undying.worker.boot import end_process
+
+    end_process()  # as a worker ends, not by the interpreter's teardown of gloo's threads
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -3,9 +3,9 @@
 Real processes: one zygote (it imports torch), real forks, real signals. What
 the agent relies on: the worker's own PID and session, its exit status as
 Popen gives it (-9 for SIGKILL), its environment replaced wholly, its working
-directory, the agent's fds 0/1/2 and none of the zygote's descriptors; a
-zygote that dies takes its workers with it (recorded as killed) and the agent
-starts fresh interpreters from then on.
+directory, the agent's fds 0/1/2 and none of the zygote's descriptors; each
+worker is the agent's own child, so a zygote that dies or is stopped costs no
+worker and hides no exit (issue #25).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from undying.agent.zygote import START_ENV, Zygote, ZygoteProcess, start_mode
+from undying.agent.children import ChildProcess, release_subreaper
+from undying.agent.liveness import process_state
+from undying.agent.zygote import START_ENV, Zygote, ZygoteKeeper, start_mode
 from undying.config import EXIT_SCRIPT_ERROR
 from undying.errors import UsageError
 
@@ -47,11 +49,11 @@ def _env(**extra: str) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", **extra}
 
 
-async def _wait(process: ZygoteProcess) -> int:
+async def _wait(process: ChildProcess) -> int:
     return await asyncio.wait_for(process.wait(), 30)
 
 
-async def _started(process: ZygoteProcess, cwd: Path) -> None:
+async def _started(process: ChildProcess, cwd: Path) -> None:
     """Until a sleeping script has reported (it leaves a file in its working directory)."""
     for _ in range(600):
         if (cwd / f"started-{process.pid}").exists():
@@ -104,6 +106,7 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
             codes["terminated"] = await _wait(stopped)
         finally:
             zygote.close()
+            release_subreaper()
         return codes
 
     codes = asyncio.run(run())
@@ -120,30 +123,59 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
     assert first["argv"] == [str(script), "exit", "3"] and first["main"] == "__main__"
     assert first["torch"]  # imported once, in the zygote
     assert first["sigint"] == repr(signal.default_int_handler) and first["sigterm"] == repr(signal.SIG_DFL)
-    assert len({r["pid"] for r in reports}) == 5 and all(r["ppid"] != os.getpid() for r in reports)
+    assert len({r["pid"] for r in reports}) == 5 and all(r["ppid"] == os.getpid() for r in reports)  # the agent's
     # fds 0/1/2 and the descriptor listdir opened: none of the zygote's channel, selector or pidfds.
     assert all(len(r["fds"]) <= 4 and r["fds"][:3] == [0, 1, 2] for r in reports), [r["fds"] for r in reports]
     assert "RuntimeError: the script failed" in captured.err  # the traceback on the agent's stderr
 
 
-def test_a_dead_zygote_takes_its_workers_and_the_agent_starts_fresh_interpreters(tmp_path: Path) -> None:
+def test_a_killed_or_stopped_zygote_costs_no_worker_and_hides_no_exit(tmp_path: Path) -> None:
+    """SIGKILL of the zygote: its worker lives on, and its later exit is the agent's to see at once; a
+    SIGSTOPped zygote: a worker's SIGKILL is seen within a second; the keeper replaces both zygotes."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
 
-    async def run() -> tuple[int, ZygoteProcess | None, str]:
-        zygote = Zygote(node=0)
-        assert await zygote.start(_env(), timeout=120), zygote.reason
-        worker = zygote.spawn([str(script), "sleep"], _env(), str(tmp_path))
-        assert worker is not None and zygote._popen is not None
-        zygote._popen.kill()
-        code = await _wait(worker)  # dies by its parent-death signal
-        later = zygote.spawn([str(script), "exit", "0"], _env(), str(tmp_path))
-        return code, later, zygote.reason
+    async def run() -> dict[str, object]:
+        keeper = ZygoteKeeper(0, _env, 120, enabled=True)
+        await keeper.start()
+        seen: dict[str, object] = {}
+        try:
+            first = keeper.zygote
+            assert first is not None and first.alive, first and first.reason
+            worker = keeper.spawn([str(script), "sleep"], _env(), str(tmp_path))
+            assert isinstance(worker, ChildProcess)
+            await _started(worker, tmp_path)
+            os.kill(first.pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            seen["alive_after_zygote_kill"] = worker.returncode is None and process_state(worker.pid) in "RS"
+            keeper.check()  # (the agent's watch does this every fraction of a second)
+            os.kill(worker.pid, signal.SIGTERM)
+            seen["terminated"] = await _wait(worker)
+            await keeper.ready()
+            second = keeper.zygote
+            assert second is not None and second.alive and second.pid != first.pid, "not replaced"
+            worker = keeper.spawn([str(script), "sleep"], _env(), str(tmp_path))
+            assert isinstance(worker, ChildProcess)
+            await _started(worker, tmp_path)
+            os.kill(second.pid, signal.SIGSTOP)
+            os.kill(worker.pid, signal.SIGKILL)
+            t = asyncio.get_running_loop().time()
+            seen["killed"] = await asyncio.wait_for(worker.wait(), 1.0)
+            seen["seen_within_s"] = asyncio.get_running_loop().time() - t
+            # A fork asked of the stopped zygote: none (a fresh interpreter instead), the zygote replaced.
+            seen["from_stopped"] = keeper.spawn([str(script), "exit", "0"], _env(), str(tmp_path))
+            seen["stopped_gone"] = process_state(second.pid) in ("?", "Z")
+            third = keeper.zygote  # begun in the background (not waited for here: one more torch import)
+            seen["third"] = third is not None and third is not second and keeper.replaced == 2
+        finally:
+            keeper.close()
+            release_subreaper()
+        return seen
 
-    code, later, reason = asyncio.run(run())
-    assert code == -signal.SIGKILL
-    assert later is None  # the agent's caller starts a fresh interpreter instead
-    assert "the zygote exited" in reason
+    seen = asyncio.run(run())
+    assert seen["alive_after_zygote_kill"] and seen["terminated"] == -signal.SIGTERM
+    assert seen["killed"] == -signal.SIGKILL and float(seen["seen_within_s"]) < 1.0  # type: ignore[arg-type]
+    assert seen["from_stopped"] is None and seen["stopped_gone"] and seen["third"], seen
 
 
 def test_a_zygote_that_cannot_start_says_why() -> None:

@@ -21,12 +21,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from undying.agent.children import Orphans, become_subreaper, kill_tree, release_subreaper
 from undying.agent.exits import returned_exit
 from undying.agent.liveness import has_exited, is_stalled, judge_silence, process_state, watch_clock
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
-from undying.agent.zygote import Zygote, start_mode
+from undying.agent.zygote import ZygoteKeeper, start_mode
 from undying.config import EXIT_REGROUPED, JobConfig, step_timeout
 from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
 from undying.protocol.codec import Handlers, Message, MessageError
@@ -122,8 +123,9 @@ class Agent:
         self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
         self._refused = 0
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
-        self._start_mode = start_mode()
-        self._zygote: Zygote | None = None
+        self._zygotes = ZygoteKeeper(node, self._base_environment, config.timeouts.init,
+                                     enabled=start_mode() == "zygote")
+        self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
         self._from_worker = self._worker_handlers()
         self._torchrun = TorchrunEnv(self)  # torchrun's variables, from this agent's config and node
@@ -131,13 +133,16 @@ class Agent:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
-        if self._start_mode == "zygote" and self.manager_host:
+        # Every worker is this process's child, and what a rank leaves behind comes here (agent/children.py).
+        if not become_subreaper():
+            log.warning("node %d: no child subreaper on this platform: a process a rank starts in a session of "
+                        "its own may outlive the rank", self.node)
+        if self.manager_host:
             # A node of a multi-node job joins its manager first (joining late can cost it its place under
             # --node-wait); the zygote imports meanwhile, and its node's workers wait for it (zygote_ready).
-            self._begin_zygote()
-        elif self._start_mode == "zygote":
-            self._zygote = Zygote(self.node)
-            await self._start_zygote(self._zygote)  # the manager in this process opens generation 0 after this
+            self._zygotes.begin()
+        else:
+            await self._zygotes.start()  # the manager in this process opens generation 0 after this
         task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -151,25 +156,20 @@ class Agent:
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(_report_crash)
 
-    def _begin_zygote(self) -> None:
-        self._zygote = Zygote(self.node)
-        task = asyncio.get_running_loop().create_task(self._start_zygote(self._zygote))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def zygote_pending(self) -> bool:
         """Whether this node's zygote is importing torch, or was let go while the node was idle."""
-        return self._start_mode == "zygote" and bool(self._port) and (self._zygote is None or self._zygote.pending)
+        return bool(self._port) and self._zygotes.pending
 
     async def zygote_ready(self) -> None:
         """Until the zygote (started again if let go) serves or gives up: a fork costs no second torch import."""
-        if self._zygote is None and self.zygote_pending():
-            self._begin_zygote()
-        if self._zygote is not None:
-            await self._zygote.settled()
+        if self.zygote_pending():
+            await self._zygotes.ready()
 
-    async def _start_zygote(self, zygote: Zygote) -> None:  # one thread at import, whatever the workers get
-        await zygote.start({"OMP_NUM_THREADS": "1", **self._base_environment()}, self.config.timeouts.init)
+    def _own_pids(self) -> set[int]:
+        """Every process this agent started itself (never an orphan of a rank's)."""
+        zygote = self._zygotes.zygote
+        return {*self._by_pid, *(w.pid for w in self._workers.values()), *self.spares.spares,
+                *(() if zygote is None else (zygote.pid,))}
 
     def set_trace(self, switch: TraceSet) -> None:
         """Every worker of this node, and every later one, follows this trace switch."""
@@ -195,8 +195,10 @@ class Agent:
         while True:
             await asyncio.sleep(clock.period_s)
             clock.tick()
+            self._orphans.sweep(self._own_pids())
             if self._stopping:
                 continue
+            self._zygotes.check()
             now = time.time()
             self.spares.check(now, clock)
             stalled: list[_Worker] = []
@@ -232,10 +234,11 @@ class Agent:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        if self._zygote is not None:
-            self._zygote.close()
+        self._zygotes.close()
         for task in list(self._tasks):
             task.cancel()
+        await self._orphans.end_all(self._own_pids())  # nothing a rank started outlives the job
+        release_subreaper()
 
     # --- processes ------------------------------------------------------------
 
@@ -288,10 +291,8 @@ class Agent:
         args = [*(["--spare"] if spare else []), *kind, self._script, *self._script_args]
         process: Process | None = None
         self._regrouping = False
-        if self._zygote is not None:
-            process = self._zygote.spawn(args, env, os.getcwd())
-        elif self._start_mode == "zygote" and self._port:  # let go while the node was idle: back for the next
-            self._begin_zygote()
+        if self._port:
+            process = self._zygotes.spawn(args, env, os.getcwd())
         if process is None:
             popen = subprocess.Popen(
                 [sys.executable, "-u", "-m", "undying.worker.boot", *args],
@@ -410,15 +411,10 @@ class Agent:
         wanted starts it again and waits for it (``zygote_ready``). Kept when an elastic job's regroup
         member leaves (EXIT_REGROUPED): the regroup's ranks are forked from it at once.
         """
-        zygote = self._zygote
-        if zygote is None or not zygote.alive or self._regrouping:
-            return
-        if any(w.process.returncode is None for w in self._workers.values()) or any(
+        if self._regrouping or any(w.process.returncode is None for w in self._workers.values()) or any(
                 s.process.returncode is None for s in self.spares.spares.values()):
             return
-        log.info("node %d: no worker left; the worker zygote goes until one is wanted", self.node)
-        zygote.close()
-        self._zygote = None
+        self._zygotes.idle()
 
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         worker = self._workers.get(rank)
@@ -505,7 +501,7 @@ class Agent:
             try:
                 await asyncio.wait_for(process.wait(), remaining)
             except asyncio.TimeoutError:
-                signal_group(process.pid, signal.SIGKILL)
+                kill_tree(process.pid)  # its group, and what it started in sessions of their own
                 await process.wait()
         await self.spares.wait_all()
 

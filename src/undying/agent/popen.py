@@ -6,6 +6,8 @@ import asyncio
 import os
 import subprocess
 
+from undying.agent.children import WATCHED
+
 __all__ = ["PopenProcess"]
 
 
@@ -16,6 +18,8 @@ class PopenProcess:
         self._popen = popen
         self.pid = popen.pid
         self._done = asyncio.get_running_loop().create_future()
+        WATCHED.add(self.pid)  # (until its exit is read: never taken for an orphan of a rank's)
+        self._done.add_done_callback(lambda _: WATCHED.discard(self.pid))
         self._watch()
 
     @property

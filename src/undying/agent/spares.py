@@ -42,7 +42,7 @@ log = logging.getLogger("undying.agent")
 
 
 class Process(Protocol):
-    """What the agent and the pool need of a worker process (``PopenProcess``, ``ZygoteProcess``)."""
+    """What the agent and the pool need of a worker process (``PopenProcess``, ``ChildProcess``)."""
 
     @property
     def pid(self) -> int: ...

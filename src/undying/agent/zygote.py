@@ -1,4 +1,4 @@
-"""How the agent starts its workers: forked from a zygote that imported torch once, or fresh interpreters.
+"""How the agent starts its workers: forked by a zygote that imported torch once, or fresh interpreters.
 
 Decision (issue #15: the first step after a relaunch within 3 s; a suite under
 15 minutes on 2 cores). Every worker and warm spare used to be a fresh
@@ -6,42 +6,38 @@ Decision (issue #15: the first step after a relaunch within 3 s; a suite under
 torch, all of them side by side. Now each agent starts one zygote
 (``undying.worker.zygote``, with the workers' environment) when it starts;
 the zygote imports torch and the worker library once, and forks each worker
-on request over a Unix socket pair. The worker is the zygote's child, so:
+on request over a Unix socket pair.
 
-- the PID the agent holds is the worker's own, and it can be signalled and
-  its process group killed as before (the child calls ``setsid``);
-- the exit status is the zygote's to collect: it reports it (the real
-  ``waitid`` status, -N for a signal as ``Popen`` says it) and keeps the child a
-  zombie until the agent has recorded it and answers ``reap``, so a PID is
-  never reused while the agent may still signal it (as with its own children);
+Decision (issue #25: the zygote is a fork server and nothing more). The
+zygote used to be every worker's parent: its SIGKILL killed every rank of the
+node (their parent-death signal), and its SIGSTOP hid every rank's exit (the
+status was its to collect). Now it forks each worker detached (a go-between
+that exits at once), and the agent, a child subreaper (agent/children.py),
+becomes the worker's parent before the zygote even answers. So:
+
+- the PID the agent holds is the worker's own and its own child: signalled,
+  its process group killed, its exit seen by a pidfd and its status read by
+  the agent's ``waitpid``, within milliseconds whatever the zygote does;
+- a worker dies with the agent (its parent-death signal is armed once the
+  agent is its parent), the zygote with the agent: no orphans;
+- a zygote that dies or is stopped costs no rank and no step: the agent sees
+  it (its watch, every fraction of a second, and before every fork: a dead
+  process or one in state T), kills what is left of it, starts its workers
+  as fresh interpreters meanwhile and starts a new zygote in the background
+  (``ZygoteKeeper``; a zygote that cannot start at all leaves the node on
+  fresh interpreters, said once);
 - a standalone agent waits for its zygote before the job's first generation
-  (that is the point); a node of a multi-node job joins its manager first, and
-  the ranks it is asked for meanwhile wait for the zygote (agent/remote.py's
-  ``_spawn``): started beside it as fresh interpreters, they doubled the CPU of
-  every start and regroup on the host for no earlier start (spares wanted
-  before it is ready still start fresh);
-- a node left with no worker and no spare (a job waiting for nodes, a node
-  stopped) lets its zygote go: nothing of the job but the agent runs on the
-  host; the next worker wanted starts it again, and starts fresh itself;
-- the worker dies with the zygote and the zygote with the agent (parent-death
-  signals): no orphans. Should the zygote die on its own, its workers die with
-  it (-9, SIGKILL, is what the agent then records for them) and the agent starts
-  fresh interpreters from then on; the manager recovers the ranks as from
-  any crash.
-
-Not chosen: making the agent a child subreaper with a double fork in the
-zygote (workers reparented to the agent, statuses from its own ``waitpid``).
-It needs process-wide state in the agent (the launcher's process, which may
-host the manager and tests), it adopts every orphaned grandchild, whose
-zombies the agent would then have to reap without stealing the statuses of
-its other subprocesses.
+  (that is the point); a node of a multi-node job joins its manager first,
+  and the ranks it is asked for meanwhile wait for the zygote
+  (agent/remote.py's ``_spawn``);
+- a node left with no worker and no spare lets its zygote go; the next
+  worker wanted starts it again, and starts fresh itself.
 
 ``UNDYING_WORKER_START``: ``zygote`` (the default) or ``spawn`` (every worker a
-fresh interpreter, as before: for a script that needs one). A zygote that
-cannot start (no ``pidfd_open``, a thread started by an import, an import
-error, not ready within the init timeout), that dies, or that fails a fork
-leaves the agent on fresh interpreters; it says so once in its log. A worker
-always starts.
+fresh interpreter: for a script that needs one). A zygote that cannot start
+(no ``pidfd_open``, no child subreaper, a thread started by an import, an
+import error, not ready within the init timeout) leaves the agent on fresh
+interpreters; it says so once in its log. A worker always starts.
 """
 
 from __future__ import annotations
@@ -51,22 +47,21 @@ import contextlib
 import logging
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+from undying.agent.children import ChildProcess, become_subreaper
+from undying.agent.liveness import process_state
 from undying.errors import UsageError
 from undying.protocol.codec import Handlers
 from undying.protocol.env import ENV_PREFIX
 from undying.protocol.zygote_wire import (
-    Exit,
     Failed,
     FromZygote,
     Ready,
-    Reap,
     Spawn,
     Spawned,
     Unfit,
@@ -74,13 +69,15 @@ from undying.protocol.zygote_wire import (
     from_zygote,
 )
 
-__all__ = ["START_ENV", "ZygoteProcess", "Zygote", "start_mode"]
+__all__ = ["START_ENV", "Zygote", "ZygoteKeeper", "start_mode"]
 
 log = logging.getLogger("undying.agent")
 
 START_ENV = f"{ENV_PREFIX}WORKER_START"
 _MODES = ("zygote", "spawn")
-_REPLY_TIMEOUT = 10.0  # a fork takes milliseconds; a zygote silent this long is broken
+# A fork takes milliseconds; a zygote silent this long is broken (the agent's loop waits on it meanwhile).
+_REPLY_TIMEOUT = 3.0
+_MAX_REPLACEMENTS = 20  # zygotes lost in one agent's life before it keeps to fresh interpreters
 
 
 def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
@@ -92,44 +89,37 @@ def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
     return value
 
 
-class ZygoteProcess:
-    """A worker forked by the zygote, with the interface of the agent's ``PopenProcess``."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-    def _exited(self, returncode: int) -> None:
-        if self.returncode is None:
-            self.returncode = returncode
-            self._done.set_result(returncode)
-
-    async def wait(self) -> int:
-        return await asyncio.shield(self._done)
-
-
 class Zygote:
-    """The agent's end: starts the zygote, asks it for workers, hears their exits."""
+    """The agent's end of one zygote: starts it, asks it for workers (each then the agent's own child)."""
 
     def __init__(self, node: int) -> None:
         self.node = node
         self._popen: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
         self._frames = from_zygote()
-        self._children: dict[int, ZygoteProcess] = {}
         # Answers to Spawn by request id: the process forked, or why none was.
-        self._replies: dict[int, ZygoteProcess | Failed] = {}
-        self._on_frame: Callable[[FromZygote], None] = Handlers[None]({Exit: self._on_exit, Spawned: self._on_spawned, Failed: self._on_failed,
-                                   Ready: self._on_ready, Unfit: self._on_ready}).handle
+        self._replies: dict[int, ChildProcess | Failed] = {}
+        self._on_frame: Callable[[FromZygote], None] = Handlers[None]({
+            Spawned: self._on_spawned, Failed: self._on_failed, Ready: self._on_ready, Unfit: self._on_ready}).handle
         self._next_id = 0
         self._ready: asyncio.Future[str] | None = None  # "" when ready, else why not
         self.alive = False
-        self.reason = ""  # why the agent starts fresh interpreters, once it does
+        self.reason = ""  # why it stopped serving, once it did
+        self.unfit = False  # it never served: a new one would not either
+        self._lost = False  # killed or stopped from outside
         self._settled = asyncio.Event()  # set once it serves, gave up or was let go
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid if self._popen is not None else 0
 
     async def start(self, env: dict[str, str], timeout: float) -> bool:
         """Start the zygote with the workers' environment; True once it imported torch and serves."""
+        if not become_subreaper():
+            self.unfit = True
+            self._give_up("this platform has no child subreaper (prctl): a forked worker would not be the "
+                          "agent's child")
+            return False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
@@ -137,6 +127,7 @@ class Zygote:
                 env=env, pass_fds=[theirs.fileno()], start_new_session=True)
         except OSError as e:
             ours.close()
+            self.unfit = True
             self._give_up(f"the zygote did not start: {e}")
             return False
         finally:
@@ -152,6 +143,9 @@ class Zygote:
         except asyncio.TimeoutError:
             reason = f"the zygote was not ready within {timeout:.0f}s (--init-timeout)"
         if reason:
+            code = self._popen.poll()
+            # Killed or stopped while importing: a new one may serve; an import error or a timeout: no.
+            self.unfit = not self._lost and (code is None or code >= 0)
             self._give_up(reason)
             return False
         self.alive = True
@@ -169,11 +163,22 @@ class Zygote:
         """Until the zygote serves, gives up or is let go (``start`` bounds that by the init timeout)."""
         await self._settled.wait()
 
-    def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ZygoteProcess | None:
+    def check(self) -> bool:
+        """Whether it serves: one that died or is stopped (state T, t), serving or importing, is given up now."""
+        if self._popen is None or (self._settled.is_set() and not self.alive):
+            return False
+        state = process_state(self._popen.pid)
+        if state in ("?", "Z", "X"):
+            self._lost = True
+            self._give_up("the zygote exited" + self._status())
+        elif state in ("T", "t"):
+            self._lost = True
+            self._give_up("the zygote is stopped (SIGSTOP, or traced)")
+        return self.alive
+
+    def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ChildProcess | None:
         """Fork a worker (called on the loop; blocks for the fork, milliseconds); None: start it fresh."""
-        if not self.alive or self._channel is None:
-            if not self.reason:
-                log.info("node %d: the zygote is not ready yet: this worker starts as a fresh interpreter", self.node)
+        if not self.check() or self._channel is None:
             return None
         self._next_id += 1
         request = self._next_id
@@ -201,10 +206,10 @@ class Zygote:
                 view = view[self._channel.send(view):]
             except BlockingIOError:
                 if not select.select([], [self._channel], [], max(0.0, deadline - time.monotonic()))[1]:
-                    raise OSError("the zygote took no bytes for 10s") from None
+                    raise OSError(f"the zygote took no bytes for {_REPLY_TIMEOUT:.0f}s") from None
 
-    def _await_reply(self, request: int) -> ZygoteProcess | Failed | None:
-        """Read frames (exits included) until the answer to ``request``."""
+    def _await_reply(self, request: int) -> ChildProcess | Failed | None:
+        """Read frames until the answer to ``request``."""
         assert self._channel is not None
         deadline = time.monotonic() + _REPLY_TIMEOUT
         while request not in self._replies:
@@ -243,16 +248,9 @@ class Zygote:
             self._on_frame(frame)
         return True
 
-    def _on_exit(self, frame: Exit) -> None:
-        process = self._children.pop(frame.pid, None)
-        if process is not None:
-            process._exited(frame.returncode)
-        with contextlib.suppress(OSError):  # recorded: the zygote may let the PID go
-            self._send(encode_frame(Reap(frame.pid)))
-
     def _on_spawned(self, frame: Spawned) -> None:
-        # Known before any later frame: its exit may come in the same read.
-        self._children[frame.pid] = self._replies[frame.id] = ZygoteProcess(frame.pid)
+        # The worker is this process's child already (the zygote reaped the go-between before answering).
+        self._replies[frame.id] = ChildProcess(frame.pid)
 
     def _on_failed(self, frame: Failed) -> None:
         self._replies[frame.id] = frame
@@ -264,26 +262,25 @@ class Zygote:
     def _status(self) -> str:
         if self._popen is None:
             return ""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            code = self._popen.wait(0.5)
-            return f" ({code})"
-        return ""
+        code = self._popen.poll()
+        return "" if code is None else f" ({code})"
 
     def _give_up(self, reason: str) -> None:
-        """No more forks: the agent starts fresh interpreters. Said once; the zygote's workers die with it."""
-        first = not self.reason
-        self.reason = self.reason or reason
+        """No more forks from this zygote (its workers live on: they are the agent's children)."""
+        if not self.reason:
+            self.reason = reason
+            log.warning("node %d: %s; no worker is lost (each is the agent's own child); the next start as "
+                        "fresh interpreters%s", self.node, reason,
+                        "" if self.unfit else " until a new zygote serves")
         self.alive = False
         if self._ready is not None and not self._ready.done():
             self._ready.set_result(reason)
-        if first:
-            log.warning("node %d: %s; workers start as fresh interpreters from now on "
-                        "(%s=spawn chooses that from the start)", self.node, reason, START_ENV)
-        self.close()
+        self.close(kill=True)
 
-    def close(self) -> None:
-        """Let the zygote go (it exits when its channel closes; killed if it does not)."""
+    def close(self, *, kill: bool = False) -> None:
+        """Let the zygote go: it exits when its channel closes; killed at once when broken (or in 1 s)."""
         self._settled.set()
+        self.alive = False
         channel, self._channel = self._channel, None
         if channel is not None:
             with contextlib.suppress(ValueError, RuntimeError):
@@ -291,14 +288,100 @@ class Zygote:
             channel.close()
         popen = self._popen
         if popen is not None and popen.poll() is None:
+            if kill:
+                popen.kill()  # (a stopped one too: SIGKILL needs no SIGCONT)
             try:
                 popen.wait(1.0)
             except subprocess.TimeoutExpired:
                 popen.kill()
                 popen.wait()
-        children, self._children = self._children, {}
-        for process in children.values():
-            asyncio.get_running_loop().create_task(_died_with_zygote(process))
+
+
+class ZygoteKeeper:
+    """One node's zygote over the agent's life: started, checked, replaced in the background, let go when idle.
+
+    ``environment`` gives the workers' environment at each start; ``timeout``
+    bounds a start (--init-timeout).
+    """
+
+    def __init__(self, node: int, environment: Callable[[], dict[str, str]], timeout: float, *,
+                 enabled: bool) -> None:
+        self.node = node
+        self._environment = environment
+        self._timeout = timeout
+        self.enabled = enabled  # UNDYING_WORKER_START=zygote, and no zygote was unfit yet
+        self.zygote: Zygote | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.replaced = 0  # zygotes lost (killed, stopped) and started again
+
+    async def start(self) -> None:
+        """Start one and wait for it (a standalone agent, before its first generation)."""
+        if self.enabled:
+            self.zygote = Zygote(self.node)
+            await self._run(self.zygote)
+
+    def begin(self) -> None:
+        """Start one in the background (its workers wait for it: ``ready``)."""
+        if not self.enabled or (self.zygote is not None and (self.zygote.alive or self.zygote.pending)):
+            return
+        self.zygote = zygote = Zygote(self.node)
+        self._task = asyncio.get_running_loop().create_task(self._run(zygote))
+
+    async def _run(self, zygote: Zygote) -> None:
+        env = {"OMP_NUM_THREADS": "1", **self._environment()}  # one thread at import, whatever the workers get
+        if not await zygote.start(env, self._timeout) and zygote.unfit:
+            self.enabled = False  # said once by the zygote: fresh interpreters from now on
+
+    @property
+    def pending(self) -> bool:
+        """Importing torch, or let go while the node was idle (the next worker waits for a new one)."""
+        return self.enabled and (self.zygote is None or self.zygote.pending)
+
+    async def ready(self) -> None:
+        """Until the zygote (started again if let go) serves or gives up."""
+        if self.zygote is None:
+            self.begin()
+        if self.zygote is not None:
+            await self.zygote.settled()
+
+    def check(self) -> None:
+        """A zygote that died or is stopped is replaced in the background; no worker notices."""
+        zygote = self.zygote
+        if zygote is None or not self.enabled or zygote.check() or zygote.pending:
+            return
+        self.zygote = None
+        self.replaced += 1
+        if self.replaced > _MAX_REPLACEMENTS:
+            log.warning("node %d: %d zygotes lost; workers start as fresh interpreters from now on",
+                        self.node, self.replaced - 1)
+            self.enabled = False
+            return
+        log.info("node %d: starting a new worker zygote in the background (%s)", self.node, zygote.reason)
+        self.begin()
+
+    def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ChildProcess | None:
+        """A worker forked by the zygote; None: start it as a fresh interpreter (none serves now)."""
+        zygote = self.zygote
+        if zygote is None:
+            self.begin()  # let go while the node was idle: back for the next
+            return None
+        process = zygote.spawn(args, env, cwd)
+        if process is None:
+            self.check()
+        return process
+
+    def idle(self) -> None:
+        """Let the zygote go (a node with no worker and no spare); the next worker wanted starts it again."""
+        if self.zygote is not None and self.zygote.alive:
+            log.info("node %d: no worker left; the worker zygote goes until one is wanted", self.node)
+            self.zygote.close()
+            self.zygote = None
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.zygote is not None:
+            self.zygote.close()
 
 
 def _is_open(fd: int) -> bool:
@@ -307,28 +390,3 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
-
-
-async def _died_with_zygote(process: ZygoteProcess) -> None:
-    """A worker whose zygote is gone dies by its parent-death signal, SIGKILL: recorded once it is gone."""
-    try:
-        fd = os.pidfd_open(process.pid)
-    except OSError:  # already gone
-        process._exited(-signal.SIGKILL)
-        return
-    loop = asyncio.get_running_loop()
-    gone: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not gone.done():
-            gone.set_result(None)
-
-    loop.add_reader(fd, ready)
-    try:
-        await asyncio.wait_for(gone, 30.0)
-    except asyncio.TimeoutError:
-        log.warning("pid %d outlived its zygote by 30s; recorded as killed", process.pid)
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
-    process._exited(-signal.SIGKILL)

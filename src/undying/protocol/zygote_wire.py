@@ -2,10 +2,12 @@
 
 Length-prefixed frames (``undying.protocol.framing``), each a JSON object
 whose ``op`` names it. Agent to zygote: ``Spawn`` (the descriptors named by
-``stdio``, the agent's open ones of 0, 1, 2, ride with its first byte) and
-``Reap``. Zygote to agent: ``Ready`` or ``Unfit`` once, ``Spawned`` or
-``Failed`` per Spawn, ``Exit`` per child. Each end decodes with one codec
-over what it may receive (``ZygoteFrames``).
+``stdio``, the agent's open ones of 0, 1, 2, ride with its first byte).
+Zygote to agent: ``Ready`` or ``Unfit`` once, ``Spawned`` or ``Failed`` per
+Spawn. No exit status crosses it: a worker is the agent's own child (the
+zygote forks it detached), so the agent sees its exit itself, whatever the
+zygote does. Each end decodes with one codec over what it may receive
+(``ZygoteFrames``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import msgspec
 from undying.protocol import framing
 from undying.protocol.codec import Codec
 
-__all__ = ["Spawn", "Reap", "Ready", "Unfit", "Spawned", "Failed", "Exit", "ToZygote", "FromZygote",
+__all__ = ["Spawn", "Ready", "Unfit", "Spawned", "Failed", "ToZygote", "FromZygote",
            "MAX_FRAME", "encode_frame", "ZygoteFrames", "to_zygote", "from_zygote"]
 
 MAX_FRAME = 16 << 20  # an environment is kilobytes; a length past this is a broken channel
@@ -35,12 +37,6 @@ class Spawn(_Op, frozen=True, tag="spawn"):
     env: dict[str, str]
     cwd: str
     stdio: list[int]
-
-
-class Reap(_Op, frozen=True, tag="reap"):
-    """The agent recorded ``pid``'s exit: the zygote may let the zombie (and its PID) go."""
-
-    pid: int
 
 
 class Ready(_Op, frozen=True, tag="ready"):
@@ -63,15 +59,8 @@ class Failed(_Op, frozen=True, tag="failed"):
     error: str
 
 
-class Exit(_Op, frozen=True, tag="exit"):
-    """A child's exit status as Popen gives it (-N: killed by signal N)."""
-
-    pid: int
-    returncode: int
-
-
-ToZygote = Spawn | Reap
-FromZygote = Ready | Unfit | Spawned | Failed | Exit
+ToZygote = Spawn
+FromZygote = Ready | Unfit | Spawned | Failed
 
 T = TypeVar("T")
 

@@ -28,6 +28,7 @@ import ast
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import importlib
 import importlib.util
@@ -41,8 +42,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
+_DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
 _UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -109,7 +112,7 @@ def _wait_as_spare(script: Path) -> None:
     )
     from undying.protocol.worker_wire import decode_to_worker as decode
 
-    for name in ["torch", "torch.distributed", "torch._dynamo", "undying.worker", *_installed_imports(script)]:
+    for name in ["torch", "torch.distributed", "sympy", "undying.worker", *_installed_imports(script)]:  # (PREWARM)
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
             importlib.import_module(name)
     host, port = os.environ["UNDYING_AGENT_ADDR"].rsplit(":", 1)
@@ -221,9 +224,15 @@ def _returned() -> None:
         grace = 10.0
     with contextlib.suppress(OSError), open(marker, "w") as f:
         f.write(str(time.time()))
+    grace = max(0.01, grace)
+    # First every thread's stack, to the rank's log (faulthandler's own thread: it needs no interpreter
+    # lock, so a teardown deadlocked on it is shown too), then the end.
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+        faulthandler.dump_traceback_later(grace, exit=False, file=sys.stderr)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
-    signal.setitimer(signal.ITIMER_REAL, max(0.01, grace))
+    signal.setitimer(signal.ITIMER_REAL, grace + _DUMP_S)
 
 
 def _end() -> None:
@@ -238,6 +247,18 @@ def _end() -> None:
     """
     if not os.environ.get("UNDYING_RETURNED_FILE"):
         return  # not under an agent: the interpreter ends as it would
+    end_process()
+
+
+def end_process() -> NoReturn:
+    """End this process as a worker ends, exit 0: its threads joined, exit handlers run, files flushed.
+
+    Not the interpreter's teardown, whose order of destructors (torch's process
+    groups among them: gloo's threads joined while the interpreter lock is held,
+    or left joinable, "terminate called without an active exception") is not
+    the script's to control. A process of the test suite that plays a rank ends
+    with this too, as an undying worker does.
+    """
     main_thread = threading.main_thread()
     for thread in threading.enumerate():
         if thread is not main_thread and not thread.daemon:

@@ -12,8 +12,15 @@ Why a fork is safe here: the zygote runs no torch op and starts no thread
 before forking (it checks: more than one thread in the process and it refuses
 to serve, the agent then starts fresh interpreters), so torch's intra-op pool
 and OpenMP are not initialised in it, and no lock is held by a thread that
-would not exist in the child. The zygote waits on its channel and on one
-pidfd per child in a single-threaded select loop, with no signal handler.
+would not exist in the child. It blocks on its channel, single-threaded, with
+no signal handler, and does nothing but fork.
+
+A worker is forked detached (``_fork_detached``): a go-between forks it and
+exits, so the worker is re-parented to the agent (a child subreaper,
+agent/children.py) before the zygote answers ``Spawned``. The worker then
+waits until its parent is the agent (microseconds) and arms its parent-death
+signal on the agent: it dies with the agent, and neither a SIGKILL nor a
+SIGSTOP of the zygote reaches it; its exit status is the agent's own to read.
 
 What a forked worker gets, exactly as a fresh ``python -u -m
 undying.worker.boot`` would: its own session (setsid), the interpreter's
@@ -21,25 +28,23 @@ default signal handlers and an empty signal mask, the request's working
 directory, ``os.environ`` replaced wholly by the request's environment, fds
 0/1/2 dup'ed from the ones the agent sent with the request (SCM_RIGHTS: the
 agent's own, as Popen would have inherited them), none of the zygote's own
-descriptors, and the worker dies with the zygote (parent-death signal), the
-zygote with the agent. Nothing that changes training results is seeded:
+descriptors. Nothing that changes training results is seeded:
 torch's generators are untouched (never used here, so at their defaults as in
 a fresh interpreter), Python's ``random`` re-seeds itself at fork, and NumPy's
 global generator, if NumPy was imported, is re-seeded from the OS as a fresh
-interpreter's would be. What differs from a fresh interpreter: settings read
-once at import (PYTHONPATH, OMP_*, TORCH_* read by torch's import, the hash
-seed) are those the zygote started with, the agent's environment at its start,
-which is also what a warm spare has always had. A script that needs a fresh
-interpreter per worker: ``UNDYING_WORKER_START=spawn``.
-
-The exit status: the zygote is the worker's parent, so it reports each
-child's status (``os.waitid`` with WNOWAIT: the child stays a zombie, its PID
-reserved, until the agent has recorded the status and says ``reap``, as with
-the agent's own children before).
+interpreter's would be. The modules imported before the fork are those a
+fresh worker has imported before its script runs (``PREWARM``), and no more:
+a module a fresh interpreter would import later (``torch._dynamo``, which DDP
+imports) imported earlier changed how gloo's threads end (issue #25). What
+differs from a fresh interpreter: settings read once at import (PYTHONPATH,
+OMP_*, TORCH_* read by torch's import, the hash seed) are those the zygote
+started with, the agent's environment at its start, which is also what a warm
+spare has always had. A script that needs a fresh interpreter per worker:
+``UNDYING_WORKER_START=spawn``.
 
 Wire: ``undying.protocol.zygote_wire`` (length-prefixed frames, a JSON object
-each, named by ``op``): Spawn and Reap from the agent, Ready or Unfit once,
-Spawned or Failed per Spawn and Exit per child from the zygote.
+each, named by ``op``): Spawn from the agent, Ready or Unfit once and Spawned
+or Failed per Spawn from the zygote.
 """
 
 from __future__ import annotations
@@ -48,17 +53,15 @@ import contextlib
 import ctypes
 import gc
 import os
-import selectors
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 from undying.protocol.zygote_wire import (
-    Exit,
     Failed,
     Ready,
-    Reap,
     Spawned,
     Unfit,
     encode_frame,
@@ -68,7 +71,12 @@ from undying.protocol.zygote_wire import (
 __all__ = ["Request", "PREWARM", "main"]
 
 # What the zygote imports before it serves: what every worker imports (a spare imports these too).
-PREWARM = ("torch", "torch.distributed", "torch._dynamo", "undying.worker")
+# Not torch._dynamo: imported before the process group is made, gloo's teardown deadlocked on the
+# interpreter lock where the tutorial's main() returns (a thread joined while the lock is held, 4 of 6
+# runs; bench/teardown.py). A fresh interpreter imports it later (DDP does): so does a forked worker.
+# sympy (with mpmath, a third of torch._dynamo's import) is pure Python and changes nothing of that
+# (0 hangs in 8): imported here, it stays off a replacement rank's path.
+PREWARM = ("torch", "torch.distributed", "sympy", "undying.worker")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -105,70 +113,77 @@ def _threads() -> int:
         return threading.active_count()
 
 
-def _send(channel: socket.socket, message: Ready | Unfit | Spawned | Failed | Exit) -> None:
+def _send(channel: socket.socket, message: Ready | Unfit | Spawned | Failed) -> None:
     channel.sendall(encode_frame(message))
 
 
-def _returncode(pid: int) -> int | None:
-    """The exit status of an exited child, as Popen gives it (-N: killed by signal N); it stays a zombie."""
-    result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    if result is None:
-        return None
-    if result.si_code == os.CLD_EXITED:
-        return int(result.si_status)
-    return -int(result.si_status)  # CLD_KILLED, CLD_DUMPED
+def _fork_detached() -> int:
+    """Fork a worker that is the agent's child, not the zygote's: its PID here, 0 in the worker, -1 if none.
+
+    The zygote forks a go-between, which forks the worker, writes its PID on a
+    pipe and exits: the worker is orphaned at once and re-parented to the
+    nearest child subreaper, the agent (agent/children.py). Once the zygote
+    has reaped the go-between, the worker is the agent's child: its exit
+    status is the agent's own to collect, and nothing the zygote does
+    afterwards (a SIGKILL, a SIGSTOP, a crash) reaches it.
+    """
+    read_end, write_end = os.pipe()
+    go_between = os.fork()
+    if go_between == 0:
+        os.close(read_end)
+        try:
+            pid = os.fork()
+        except OSError:
+            os._exit(1)
+        if pid == 0:
+            os.close(write_end)
+            return 0
+        os.write(write_end, pid.to_bytes(8, "little"))
+        os._exit(0)
+    os.close(write_end)
+    data = b""
+    try:
+        while len(data) < 8:
+            chunk = os.read(read_end, 8 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(go_between, 0)  # once it is reaped, the worker is the agent's
+    return int.from_bytes(data, "little") if len(data) == 8 else -1
 
 
 def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
-    """Fork a worker per request, report each child's exit; returns only in a forked child."""
-    selector = selectors.DefaultSelector()
-    selector.register(channel, selectors.EVENT_READ, None)
+    """Fork a worker per request; returns only in a forked worker. A fork server and nothing more."""
     frames = to_zygote()
     fds: list[int] = []  # received with requests' bytes, taken three per spawn in order
-    children: dict[int, int] = {}  # pid -> its pidfd
     while True:
-        for key, _ in selector.select():
-            if key.data is not None:  # a child exited
-                pid = int(key.data)
-                returncode = _returncode(pid)
-                if returncode is None:
-                    continue
-                selector.unregister(key.fd)
-                os.close(children.pop(pid))
-                _send(channel, Exit(pid, returncode))
-                continue
-            data, got, _, _ = socket.recv_fds(channel, 1 << 16, 16)
-            fds.extend(got)
-            if not data:
-                os._exit(0)  # the agent closed the channel: nothing more to start
-            for frame in frames.feed(data):
-                if isinstance(frame, Reap):  # the other op is Spawn (zygote_wire.ToZygote)
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(frame.pid, 0)
-                    continue
-                request = Request(frame.id, frame.args, frame.env, frame.cwd, frame.stdio, fds[:len(frame.stdio)])
-                del fds[:len(frame.stdio)]
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    for fd in request.fds:
-                        os.close(fd)
-                    _send(channel, Failed(request.id, f"fork: {e}"))
-                    continue
-                if pid == 0:
-                    # The child: drop every descriptor of the zygote's (the channel, the selector,
-                    # the other children's pidfds, fds that came for later requests).
-                    for fd in [*children.values(), *fds]:
-                        os.close(fd)
-                    selector.close()
-                    channel.close()
-                    _restore_signals(defaults)
-                    return request
-                for fd in request.fds:
+        data, got, _, _ = socket.recv_fds(channel, 1 << 16, 16)
+        fds.extend(got)
+        if not data:
+            os._exit(0)  # the agent closed the channel: nothing more to start
+        for frame in frames.feed(data):
+            request = Request(frame.id, frame.args, frame.env, frame.cwd, frame.stdio, fds[:len(frame.stdio)])
+            del fds[:len(frame.stdio)]
+            try:
+                pid = _fork_detached()
+            except OSError as e:
+                pid, error = -1, f"fork: {e}"
+            else:
+                error = "fork failed in the go-between"
+            if pid == 0:
+                # The worker: drop every descriptor of the zygote's (the channel, fds that came for
+                # later requests).
+                for fd in fds:
                     os.close(fd)
-                children[pid] = os.pidfd_open(pid)
-                selector.register(children[pid], selectors.EVENT_READ, pid)
-                _send(channel, Spawned(request.id, pid))
+                channel.close()
+                _restore_signals(defaults)
+                return request
+            for fd in request.fds:
+                os.close(fd)
+            _send(channel, Spawned(request.id, pid) if pid > 0 else Failed(request.id, error))
 
 
 def _default_signals() -> dict[int, object]:
@@ -210,6 +225,15 @@ def _become(request: Request) -> None:
     sys.argv = ["-m", *request.args]
 
 
+def _adopted_by(agent_pid: int, timeout: float = 10.0) -> None:
+    """Until the go-between is gone and the worker is the agent's child (microseconds); exit if never."""
+    deadline = time.monotonic() + timeout
+    while os.getppid() != agent_pid:
+        if time.monotonic() > deadline:
+            os._exit(1)  # the agent is gone, or is no subreaper: nobody would see this worker's exit
+        time.sleep(0.0005)
+
+
 def main() -> None:
     """The zygote's life; in a forked child, the worker's (boot.main, ending the interpreter as it would)."""
     defaults = _default_signals()
@@ -241,11 +265,11 @@ def main() -> None:
         os._exit(1)
     _send(channel, Ready(os.getpid()))
     request = _serve(channel, defaults)
-    zygote = os.getppid()
     _become(request)
+    _adopted_by(agent_pid)
     from undying.worker import boot
 
-    boot.main(request.args, parent=zygote)
+    boot.main(request.args, parent=agent_pid)  # dies with the agent (parent-death signal), not with the zygote
 
 
 if __name__ == "__main__":
