@@ -77,18 +77,11 @@ def job_processes(job_dir: Path) -> dict[int, tuple[bytes, list[bytes]]]:
     return _processes(lambda env: marker in env)
 
 
-def zygote_pids(job_dir: Path) -> list[int]:
-    """The job's zygotes: ``undying.worker.zygote`` processes not forked by a zygote (its ranks and spares show
-    its command line too)."""
-    forks = {pid for pid, (cmd, _) in job_processes(job_dir).items() if b"undying.worker.zygote" in cmd}
-    return sorted(pid for pid in forks if _parent(pid) not in forks)
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
+def zygote_pids(job: Job) -> list[int]:
+    """The job's live zygote, as its agent names it (``zygote_pid`` of the node in the status): its ranks and
+    spares are forked from it and show its command line too, and they are the agent's children as it is."""
+    status = _look(job) or {}
+    return sorted({int(n.get("zygote_pid") or 0) for n in status.get("nodes", [])} - {0})
 
 
 def verifier_pids(job_dir: Path) -> list[int]:
@@ -171,12 +164,12 @@ def _recovered(job: Job, before: int, timeout: float, want: int = 1) -> tuple[di
 def zygote_kill(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     """SIGKILL the agent's zygote. Expected: no rank lost, no incident, a new zygote within the deadline."""
     status = job.status()
-    zygotes = zygote_pids(job.job_dir)
+    zygotes = zygote_pids(job)
     if not zygotes:
         return {"outcome": "skipped", "why": "no zygote running"}
     ranks, before, step = _rank_pids(status), len(status["incidents"]), status["step"]
     os.kill(zygotes[0], signal.SIGKILL)
-    replaced = _until(lambda: [p for p in zygote_pids(job.job_dir) if p != zygotes[0]], DEADLINE_S)
+    replaced = _until(lambda: [p for p in zygote_pids(job) if p != zygotes[0]], DEADLINE_S)
     time.sleep(SETTLE_S)
     after = _until(lambda: _quiet(job, before), DEADLINE_S)
     if after is None:
@@ -200,7 +193,7 @@ def zygote_kill(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
 def zygote_stop(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     """SIGSTOP the zygote, then crash a rank. Expected: the crash seen within a second and recovered, zygote stopped."""
     status = job.status()
-    zygotes = zygote_pids(job.job_dir)
+    zygotes = zygote_pids(job)
     if not zygotes:
         return {"outcome": "skipped", "why": "no zygote running"}
     rank = rng.randrange(len(status["ranks"]) or 1)

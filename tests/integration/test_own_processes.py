@@ -67,6 +67,8 @@ def test_a_killed_then_a_stopped_zygote_cost_no_step(oracle: Oracle, tmp_path: P
     url = manager_url(job_dir)
     wait_running(url, min_step=3)
     first = _zygote(launcher.pid, url)
+    # The status names it (an operator's and the soak's way to find it: its forks share its command line).
+    wait_for(lambda: status(url)["nodes"][0]["zygote_pid"] == first, 60, "the status naming the zygote")
     ranks = {r["rank"]: r["pid"] for r in status(url)["ranks"]}
     os.kill(first, signal.SIGKILL)  # no rank dies with it
     second = _zygote(launcher.pid, url, other_than=first)  # replaced in the background

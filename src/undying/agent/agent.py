@@ -460,7 +460,7 @@ class Agent:
 
     def view(self) -> dict[str, Any]:
         return {"node": self.node, "attached": True, "host": "localhost", "agent_pid": os.getpid(),
-                "ranks": sorted(self.live_ranks())}
+                "zygote_pid": self._zygotes.pid, "ranks": sorted(self.live_ranks())}
 
     def phases(self) -> dict[int, str]:
         """Each live rank's phase from its latest heartbeat (init, step, recovery, done)."""

@@ -314,6 +314,11 @@ class ZygoteKeeper:
         self._task: asyncio.Task[None] | None = None
         self.replaced = 0  # zygotes lost (killed, stopped) and started again
 
+    @property
+    def pid(self) -> int:
+        """The live zygote's PID, 0 while there is none (``undying status --json`` shows it per node)."""
+        return self.zygote.pid if self.zygote is not None and self.zygote.alive else 0
+
     async def start(self) -> None:
         """Start one and wait for it (a standalone agent, before its first generation)."""
         if self.enabled:
