@@ -124,7 +124,7 @@ class Agent:
         self._refused = 0
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
         self._zygotes = ZygoteKeeper(node, self._base_environment, config.timeouts.init,
-                                     enabled=start_mode() == "zygote")
+                                     enabled=start_mode() == "zygote", step_api=config.step_api)
         self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
         self._from_worker = self._worker_handlers()

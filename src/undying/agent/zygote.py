@@ -92,8 +92,9 @@ def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
 class Zygote:
     """The agent's end of one zygote: starts it, asks it for workers (each then the agent's own child)."""
 
-    def __init__(self, node: int) -> None:
+    def __init__(self, node: int, *, step_api: bool = False) -> None:
         self.node = node
+        self._step_api = step_api  # the script uses the step API: the zygote also imports torch._dynamo
         self._popen: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
         self._frames = from_zygote()
@@ -123,7 +124,8 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-u", "-m", "undying.worker.zygote", str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-u", "-m", "undying.worker.zygote", str(theirs.fileno()), str(os.getpid()),
+                 *(["--step-api"] if self._step_api else [])],
                 env=env, pass_fds=[theirs.fileno()], start_new_session=True)
         except OSError as e:
             ours.close()
@@ -305,8 +307,9 @@ class ZygoteKeeper:
     """
 
     def __init__(self, node: int, environment: Callable[[], dict[str, str]], timeout: float, *,
-                 enabled: bool) -> None:
+                 enabled: bool, step_api: bool = False) -> None:
         self.node = node
+        self.step_api = step_api  # (worker/zygote.py: what its zygote imports beyond what every worker does)
         self._environment = environment
         self._timeout = timeout
         self.enabled = enabled  # UNDYING_WORKER_START=zygote, and no zygote was unfit yet
@@ -322,14 +325,14 @@ class ZygoteKeeper:
     async def start(self) -> None:
         """Start one and wait for it (a standalone agent, before its first generation)."""
         if self.enabled:
-            self.zygote = Zygote(self.node)
+            self.zygote = Zygote(self.node, step_api=self.step_api)
             await self._run(self.zygote)
 
     def begin(self) -> None:
         """Start one in the background (its workers wait for it: ``ready``)."""
         if not self.enabled or (self.zygote is not None and (self.zygote.alive or self.zygote.pending)):
             return
-        self.zygote = zygote = Zygote(self.node)
+        self.zygote = zygote = Zygote(self.node, step_api=self.step_api)
         self._task = asyncio.get_running_loop().create_task(self._run(zygote))
 
     async def _run(self, zygote: Zygote) -> None:
