@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.integration.jobs import events, manager_url, start_job, wait_for
+from tests.integration.jobs import alive, events, manager_url, start_job, wait_for
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.oracle import compare_runs, load_run
@@ -151,6 +151,8 @@ def test_a_killed_verifier_is_replaced_and_forged_verify_files_are_refused(
     assert refused and all("refused, not loaded" in e["reason"] for e in refused), refused
     (restarted,) = events(db, "verify_restarted")
     assert restarted["old_pid"] == first and restarted["exit"] == "killed by SIGKILL" and restarted["pid"] != first
+    # The verifier carries the agent's mark: it never outlives the job (agent/children.py ends what a rank left).
+    assert not alive(restarted["pid"]), "the verifier outlived the job"
     with LogReader(db) as reader:
         later = [e for e in reader.events("verify_result") if e.t > killed_t and e.data["passed"]]
         (summary,) = reader.events("verify_summary")

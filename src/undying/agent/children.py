@@ -43,13 +43,15 @@ import os
 import signal
 import time
 
+from undying.protocol.env import AGENT_PID_ENV
+
 __all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree", "Orphans",
            "MARK_ENV", "WATCHED"]
 
 log = logging.getLogger("undying.agent")
 
 _PR_SET_CHILD_SUBREAPER = 36
-MARK_ENV = "UNDYING_AGENT_PID"  # (protocol.env.ENV_PREFIX + AGENT_PID: what every worker's environment holds)
+MARK_ENV = AGENT_PID_ENV  # (what every worker's environment holds)
 # PIDs of the workers this process watches (until their exit is read): never taken for orphans.
 WATCHED: set[int] = set()
 

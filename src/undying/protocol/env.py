@@ -8,7 +8,7 @@ or drop them as a whole.
 
 from __future__ import annotations
 
-__all__ = ["ENV_PREFIX", "SEED_ENV", "VIRTUAL_RANKS_ENV", "NUMERICS_ENV"]
+__all__ = ["ENV_PREFIX", "SEED_ENV", "VIRTUAL_RANKS_ENV", "NUMERICS_ENV", "AGENT_PID_ENV"]
 
 ENV_PREFIX = "UNDYING_"
 # The job's seed (`undying run --seed`), which undying.init() seeds torch, random and NumPy from.
@@ -19,3 +19,6 @@ VIRTUAL_RANKS_ENV = f"{ENV_PREFIX}VIRTUAL_RANKS"
 # (undying.worker.numerics): the default of job.steps(numerics=...), as comma-separated field=value
 # pairs of undying.Numerics (on_persistent, spike_factor, window, warmup, rollback_steps).
 NUMERICS_ENV = f"{ENV_PREFIX}NUMERICS"
+# The agent that started a worker: its parent-death target, and the mark by which the agent knows a
+# process a rank left behind as its own to end (agent/children.py).
+AGENT_PID_ENV = f"{ENV_PREFIX}AGENT_PID"

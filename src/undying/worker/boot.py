@@ -44,6 +44,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from undying.protocol.env import AGENT_PID_ENV
+
 _PR_SET_PDEATHSIG = 1
 _DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
 _UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
         sys.stderr.write("usage: python -m undying.worker.boot [--spare] [-m|--no-python] SCRIPT [ARGS...]\n")
         sys.exit(2)
     if parent is None:
-        parent = int(os.environ.get("UNDYING_AGENT_PID", os.getppid()))
+        parent = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     _die_with_parent(parent)
     script = args[0]
     if spare:

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from undying.protocol.codec import Message
-from undying.protocol.env import ENV_PREFIX, SEED_ENV
+from undying.protocol.env import AGENT_PID_ENV, ENV_PREFIX, SEED_ENV
 from undying.protocol.verify_wire import (
     VERIFY_CODEC,
     VERIFY_DIR_ENV,
@@ -99,7 +99,9 @@ _POLL_S = 0.02
 MAX_RESTARTS = 3  # a verifier that dies this many times in a row without an answer between is given up on
 _REFUSED_SAID = 3  # forged files said one by one (verify_refused); past these, counted in the summary
 # The verifier's environment keeps the job's seed and K, and none of the job's own (its keys, its addresses).
-_KEPT = (SEED_ENV, VERIFY_EVERY_ENV)
+# (the agent's mark: a verifier whose rank 0 is gone is an orphan the agent ends, and it never outlives the
+# job's agent: agent/children.py)
+_KEPT = (SEED_ENV, VERIFY_EVERY_ENV, AGENT_PID_ENV)
 _TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")
 
