@@ -288,3 +288,14 @@ def test_a_new_agent_for_a_node_whose_connection_closed_in_the_stall_takes_the_n
             new.close()
 
     run(with_server(body, tmp_path, heartbeat_s=0.4))
+
+
+def test_a_manager_stalled_before_its_watch_first_ran_still_sees_its_stall(tmp_path: Path) -> None:
+    """A restarted manager paused a second after its start (the soak's manager kill, then a pause): its
+    watch had not yet ticked, and a close read after the pause lost every node. Its clock runs from start."""
+
+    async def body(server: AgentServer, recorder: Recorder, job_dir: Path) -> None:
+        time.sleep(1.0)  # the loop blocked before the watch's first pass (heartbeat 0.4 s: a stall past 0.6 s)
+        assert server.clock.fresh() and server.clock.stalls == 1
+
+    run(with_server(body, tmp_path, heartbeat_s=0.4))

@@ -157,6 +157,9 @@ class AgentServer:
         self._first_join = asyncio.get_running_loop().create_future()
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_JOIN_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
+        # The clock runs from here, not from the watch's first pass: a stall before that pass (a restarted
+        # manager's restore from its log, or a pause right after its start) is a stall of the judge too.
+        self.clock.tick()
         self._spawn_task(self._beat_and_watch())
         return self.port
 
