@@ -265,7 +265,8 @@ def agent_pause(job: MultiJob, rng: random.Random) -> dict[str, Any]:
         problems += _losses(incidents, ranks)
     # Once continued, the agent declares nothing about its own stall: no rank or spare of its own found silent.
     declared = [line.split("] ", 1)[-1] for line in job.cluster.log(log)[seen:].splitlines()
-                if "silent for" in line or "no progress" in line]
+                if ("silent for" in line or "no progress" in line) and "fenced:" not in line]  # (that one quotes
+    # the manager's verdict on this node: its loss, which is this scenario's expected outcome)
     if declared:
         problems.append(f"the continued agent blamed its own stall on others: {declared[0]}"
                         + (f" (and {len(declared) - 1} more)" if len(declared) > 1 else ""))

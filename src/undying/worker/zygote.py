@@ -234,9 +234,21 @@ def _adopted_by(agent_pid: int, timeout: float = 10.0) -> None:
     """Until the go-between is gone and the worker is the agent's child (microseconds); exit if never."""
     deadline = time.monotonic() + timeout
     while os.getppid() != agent_pid:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or not _exists(agent_pid):
             os._exit(1)  # the agent is gone, or is no subreaper: nobody would see this worker's exit
         time.sleep(0.0005)
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is still there (an agent killed as it forked this worker: the worker goes at once,
+    not after the adoption's timeout, its parent-death signal never armed for it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def main() -> None:
