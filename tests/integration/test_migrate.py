@@ -167,6 +167,7 @@ def test_demo_fault_migrate_json_keeps_the_demo_contract(tmp_path: Path, reap: l
     assert result["fault"] == "migrate" and result["ok"] is True and result["reasons"] == []
     assert result["identical"] is True and result["final_state_identical"] is True
     assert result["lost_steps"] == 0 and result["steps"] == 128  # one epoch of the seeded job
+    assert len(result["incidents"]) == 1, result["incidents"]  # (a repeat of a CI failure says which)
     (incident,) = result["incidents"]
     assert (incident["kind"], incident["rank"], incident["action"], incident["status"]) == (
         "migration", 1, "migrate", "recovered")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying.agent.children import Orphans, become_subreaper, kill_tree, release_subreaper
-from undying.agent.exits import returned_exit
+from undying.agent.exits import heard_to_the_end, returned_exit
 from undying.agent.liveness import has_exited, is_stalled, judge_silence, process_state, watch_clock
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
@@ -392,6 +392,7 @@ class Agent:
     async def _watch(self, process: Process) -> None:
         returncode = await process.wait()
         t = time.time()
+        await heard_to_the_end(lambda: getattr(self._by_pid.get(process.pid), "writer", None) is not None)
         if not self.spares.exited(process.pid, returncode):
             worker = self._by_pid.pop(process.pid, None)
             if worker is not None and self._workers.get(worker.rank) is worker:  # the rank's newest process ended
@@ -405,11 +406,10 @@ class Agent:
         self._zygote_idle()
 
     def _zygote_idle(self) -> None:
-        """A node left with no worker and no spare holds no process but its agent: the zygote goes too.
+        """A node with no worker and no spare holds no process but its agent: the zygote goes too.
 
-        (A job waiting for nodes, a node stopped: nothing of the job runs on the host.) The next worker
-        wanted starts it again and waits for it (``zygote_ready``). Kept when an elastic job's regroup
-        member leaves (EXIT_REGROUPED): the regroup's ranks are forked from it at once.
+        (A job waiting for nodes, a node stopped.) The next worker wanted starts it again and waits
+        for it (``zygote_ready``). Kept when an elastic job's regroup member leaves (EXIT_REGROUPED).
         """
         if self._regrouping or any(w.process.returncode is None for w in self._workers.values()) or any(
                 s.process.returncode is None for s in self.spares.spares.values()):

@@ -13,10 +13,12 @@ non-zero end after the script returned).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,3 +52,15 @@ def returned_exit(config: JobConfig, rank: int, incarnation: int, pid: int, retu
     detail: dict[str, Any] = {"rank": rank, "returncode": returncode, "exit_grace_s": grace}
     note(what, pid, **detail)
     return 0
+
+
+async def heard_to_the_end(line_open: Callable[[], bool], limit_s: float = 0.5) -> None:
+    """Until a dead process's line to the agent is read to its end (bounded by ``limit_s``).
+
+    The agent sees an exit at once (a pidfd), while the process's last reports
+    (a planned move's boundary, a commit) may still wait in its socket: read
+    first, they reach the manager before its exit does, in the order they left it.
+    """
+    deadline = time.monotonic() + limit_s
+    while line_open() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
