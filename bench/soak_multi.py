@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from soak_plan import PACE_ENV, SOAK_SCRIPT
+from soak_plan import PACE_ENV, SOAK_SCRIPT, until
 from soak_report import holds, outcomes_by_kind, render_outcomes
 
 from undying.cli.client import api_get
@@ -123,7 +123,7 @@ class MultiJob:
                 return None if status else True  # the job ended, or its manager is gone: nothing to wait for
             return any(s["agent_pid"] == process.pid and s["spares_ready"] >= want for s in status.get("standbys", []))
 
-        if _until(parked, 120):
+        if until(parked, 120):
             return True
         print(f"soak: the standby on host {host} was not parked (with {want} warm spares) in 120 s", file=self.log,
               flush=True)
@@ -176,15 +176,6 @@ class MultiJob:
         self.node_host[node] = host
 
 
-def _until(predicate: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(every)
-
-
 def _kinds(incidents: list[dict[str, Any]]) -> str:
     return ", ".join(f"{k} x{n}" for k, n in Counter(f"{i['kind']}:{i['status']}" for i in incidents).items())
 
@@ -201,7 +192,7 @@ def _settled(job: MultiJob, before: int, want: int, step: int) -> tuple[dict[str
         new = s["incidents"][before:]
         return s if len(new) >= want and all(i["status"] != "open" for i in new) and s["step"] >= step + 3 else None
 
-    status = _until(done, DEADLINE_S)
+    status = until(done, DEADLINE_S)
     last = job.look()
     incidents = last["incidents"][before:] if last else []
     if status is not None and "gone" in status:
@@ -230,9 +221,9 @@ def agent_kill(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     job.procs.pop(host, None)
     job.node_host.pop(node)  # until someone holds it again (settle)
     problems = []
-    if not _until(lambda: not job.hosts.pids(host), 10):
+    if not until(lambda: not job.hosts.pids(host), 10):
         problems.append(f"processes outlived their agent on host {host}: {job.hosts.pids(host)}")
-    declared = _until(lambda: any(i["kind"] == "node-loss" for i in (job.look() or {"incidents": []})["incidents"]
+    declared = until(lambda: any(i["kind"] == "node-loss" for i in (job.look() or {"incidents": []})["incidents"]
                                   [before:]), 20)
     if declared and job.standby is None:
         job.new_agent(node)
@@ -323,9 +314,9 @@ def standby_kill(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     os.kill(standby.pid, signal.SIGKILL)
     standby.wait(10)
     problems = []
-    if not _until(lambda: not job.hosts.pids(host), 10):
+    if not until(lambda: not job.hosts.pids(host), 10):
         problems.append(f"processes outlived the standby on host {host}: {job.hosts.pids(host)}")
-    dropped = _until(lambda: not any(s["agent_pid"] == standby.pid for s in (job.look() or {}).get("standbys", [])),
+    dropped = until(lambda: not any(s["agent_pid"] == standby.pid for s in (job.look() or {}).get("standbys", [])),
                      3 * LIMIT_S + 5)
     if not dropped:
         problems.append("the manager still lists the killed standby")
@@ -345,7 +336,7 @@ def drive(job: MultiJob, deck: list[str], seed: int, total_steps: int) -> list[d
     rng = random.Random(seed)
     injected: list[dict[str, Any]] = []
     for n, scenario in enumerate(deck, 1):
-        status = _until(lambda: (s := job.look()) and s["state"] in ("running", *ENDED) and
+        status = until(lambda: (s := job.look()) and s["state"] in ("running", *ENDED) and
                         all(i["status"] != "open" for i in s["incidents"]) and s, DEADLINE_S)
         if not status or status["state"] != "running":
             print(f"soak: the job is {status['state'] if status else 'gone or stuck'} after {n - 1} scenarios",

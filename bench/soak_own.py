@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from soak_plan import HOWS, order_name
+from soak_plan import HOWS, order_name, until
 
 from undying.cli.client import api_post
 from undying.config import EXIT_PREEMPTED
@@ -119,15 +119,6 @@ def _kinds(incidents: list[dict[str, Any]]) -> str:
     return ", ".join(f"{k} x{n}" for k, n in Counter(f"{i['kind']}:{i['status']}" for i in incidents).items())
 
 
-def _until(predicate: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(every)
-
-
 def _ended(job: Job, what: str) -> dict[str, Any]:
     status = _look(job)
     state = status["state"] if status else "gone"
@@ -150,7 +141,7 @@ def _recovered(job: Job, before: int, timeout: float, want: int = 1) -> tuple[di
         status = _quiet(job, before)
         return status if status is not None and len(_new(status, before)) >= want else None
 
-    status = _until(done, timeout)
+    status = until(done, timeout)
     if status is not None:
         time.sleep(SETTLE_S)
         status = _look(job) or status
@@ -165,17 +156,17 @@ def zygote_kill(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     """SIGKILL the agent's zygote. Expected: no rank lost, no incident, a new zygote within the deadline."""
     status = job.status()
     # (the one the last scenario stopped or killed is replaced in the background: a new one imports torch first)
-    zygotes = _until(lambda: zygote_pids(job), DEADLINE_S)
+    zygotes = until(lambda: zygote_pids(job), DEADLINE_S)
     if not zygotes:
         return {"outcome": "failed", "why": f"no zygote running (none within {DEADLINE_S:.0f} s)"}
     ranks, before, step = _rank_pids(status), len(status["incidents"]), status["step"]
     os.kill(zygotes[0], signal.SIGKILL)
-    replaced = _until(lambda: [p for p in zygote_pids(job) if p != zygotes[0]], DEADLINE_S)
+    replaced = until(lambda: [p for p in zygote_pids(job) if p != zygotes[0]], DEADLINE_S)
     time.sleep(SETTLE_S)
-    after = _until(lambda: _quiet(job, before), DEADLINE_S)
+    after = until(lambda: _quiet(job, before), DEADLINE_S)
     if after is None:
         return _ended(job, f"zygote {zygotes[0]} killed: the job did not come back to running with no open incident")
-    _until(lambda: (_look(job) or {"step": 1 << 60})["step"] >= after["step"] + 3, DEADLINE_S)
+    until(lambda: (_look(job) or {"step": 1 << 60})["step"] >= after["step"] + 3, DEADLINE_S)
     after = _look(job) or after
     problems = []
     if _new(after, before):
@@ -195,7 +186,7 @@ def zygote_stop(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     """SIGSTOP the zygote, then crash a rank. Expected: the crash seen within a second and recovered, zygote stopped."""
     status = job.status()
     # (the one the last scenario stopped or killed is replaced in the background: a new one imports torch first)
-    zygotes = _until(lambda: zygote_pids(job), DEADLINE_S)
+    zygotes = until(lambda: zygote_pids(job), DEADLINE_S)
     if not zygotes:
         return {"outcome": "failed", "why": f"no zygote running (none within {DEADLINE_S:.0f} s)"}
     rank = rng.randrange(len(status["ranks"]) or 1)
@@ -231,7 +222,7 @@ def launcher_hup(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     if not job.relaunch(f"launcher-hup (exit {rc})"):
         return {"outcome": "failed", "why": f"exit {rc}; the relaunch did not come up", "exit": rc}
     # Resumed: the new launch names its checkpoint (none: from step 0) by the time it committed a step.
-    status = _until(lambda: (s := _look(job)) and (s["checkpoints"].get("resumed_from") or s["step"] > 0) and s,
+    status = until(lambda: (s := _look(job)) and (s["checkpoints"].get("resumed_from") or s["step"] > 0) and s,
                     DEADLINE_S)
     resumed = ((status["checkpoints"].get("resumed_from") or {}).get("step", 0)) if status else None
     record = {"exit": rc, "exit_s": round(took, 2), "stopped_at": stopped, "resumed_from": resumed}
@@ -260,12 +251,12 @@ def _last_common_step(events_db: Path) -> int | None:
 def verifier_kill(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     """SIGKILL the verifier (``--verify-every``). Expected: a new verifier within the deadline, no incident."""
     status = job.status()
-    verifiers = _until(lambda: verifier_pids(job.job_dir), DEADLINE_S)
+    verifiers = until(lambda: verifier_pids(job.job_dir), DEADLINE_S)
     if not verifiers:
         return {"outcome": "failed", "why": f"no verifier running (none within {DEADLINE_S:.0f} s)"}
     before = len(status["incidents"])
     os.kill(verifiers[0], signal.SIGKILL)
-    restarted = _until(lambda: [p for p in verifier_pids(job.job_dir) if p not in verifiers], DEADLINE_S)
+    restarted = until(lambda: [p for p in verifier_pids(job.job_dir) if p not in verifiers], DEADLINE_S)
     after = _look(job)
     if after is None:
         return _ended(job, "verifier killed")

@@ -11,10 +11,12 @@ docstring and docs/benchmarks.md.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Kind", "KINDS", "SINGLE", "MULTI", "OWN", "kind", "soaks_of", "schedule", "faults_of", "SOAK_SCRIPT",
            "LEAVE_ENV", "PACE_ENV", "HOWS", "order_name"]
@@ -107,3 +109,13 @@ def schedule(names: Sequence[str], faults: int, at_least: int, rng: random.Rando
 
 def counts(deck: Sequence[str]) -> dict[str, int]:
     return dict(Counter(deck))
+
+
+def until(predicate: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
+    """``predicate()`` again every ``every`` s until it is truthy or ``timeout`` s passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(every)
