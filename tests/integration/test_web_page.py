@@ -136,7 +136,11 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
         page.wait_for_function(f"Number(document.getElementById('step').textContent) > {first}", timeout=10_000)
         page.evaluate("window.stillTheSamePage = true")
         # Progress and goodput, as the status API gives them: the total, a rate, an ETA, a share.
-        page.wait_for_function("document.getElementById('eta').textContent !== '–'", timeout=10_000)
+        try:
+            page.wait_for_function("document.getElementById('eta').textContent !== '–'", timeout=10_000)
+        except sync_api.TimeoutError as e:  # (say what the manager had and what the page last heard)
+            raise AssertionError(f"no ETA on the page after 10 s: the status' progress {status()['progress']}, "
+                                 f"the page's connection line {page.text_content('#conn')!r}") from e
         progress = status()["progress"]
         assert str(progress["total_steps"]) in (page.text_content("#total-steps") or "")
         assert float(page.text_content("#rate") or 0) > 0

@@ -25,6 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from undying.checkpoint.lock import release_all
 from undying.manager.jobdir import JobDir, pid_alive
 
 __all__ = ["Ledger"]
@@ -71,8 +72,10 @@ class Ledger:
         """Put back what the launch moved in the job dir, remove what it created; never raises.
 
         Nothing at all while another live launcher holds the job dir (a refusal for that very reason):
-        what appeared meanwhile is that job's.
+        what appeared meanwhile is that job's. This process's own locks go first: the undo removes their
+        files, and a keeper still holding one would log it missing at its next beat.
         """
+        release_all()
         info = JobDir(self.path).read_manager() or {}
         with contextlib.suppress(OSError, TypeError, ValueError):
             pid = int(info.get("pid", 0))

@@ -479,9 +479,6 @@ def run(args: argparse.Namespace) -> int:
             return _run_node(args, config, script_args)
         return _launch(args, config, script_args)
     except UsageError:  # refused before any rank trained: nothing of this launch stays
-        from undying.checkpoint.lock import release_all
-
-        release_all()  # (its own locks first: the undo removes their files, which a held lock would miss)
         ledger.undo()
         raise
 
