@@ -161,10 +161,10 @@ class MultiJob:
                 process.wait(20)
         left = self.hosts.pids(host)
         if left:
-            self.leftovers.append({"host": host, "pids": left, "t": time.time(),
+            self.leftovers.append({"host": host, "pids": left, "t": time.time(), "which": _described(left),
                                    "agent_exit": process.poll() if process is not None else None})
-            print(f"soak: host {host}: {len(left)} processes left 20 s after its agent lost its node: {left}",
-                  file=self.log, flush=True)
+            print(f"soak: host {host}: {len(left)} processes left 20 s after its agent lost its node: "
+                  f"{_described(left)}", file=self.log, flush=True)
         self.hosts.kill_host(host)
         self.free.append(host)
 
@@ -315,7 +315,7 @@ def standby_kill(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     standby.wait(10)
     problems = []
     if not until(lambda: not job.hosts.pids(host), 10):
-        problems.append(f"processes outlived the standby on host {host}: {job.hosts.pids(host)}")
+        problems.append(f"processes outlived the standby on host {host}: {_described(job.hosts.pids(host))}")
     dropped = until(lambda: not any(s["agent_pid"] == standby.pid for s in (job.look() or {}).get("standbys", [])),
                      3 * LIMIT_S + 5)
     if not dropped:
@@ -324,6 +324,21 @@ def standby_kill(job: MultiJob, rng: random.Random) -> dict[str, Any]:
     if after is None or incidents:
         problems.append(f"incidents {_kinds(incidents)}" if incidents else "the job did not run on")
     return _verdict(problems, "dropped, nothing else", host=host)
+
+
+def _described(pids: list[int]) -> list[str]:
+    """Each process as PID, parent, state and command line: which of the standby's parts outlived it."""
+    described = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+        except OSError:
+            continue
+        described.append(f"{pid} (parent {fields[1]}, state {fields[0]}): {command}")
+    return described
 
 
 SCENARIOS: dict[str, Callable[[MultiJob, random.Random], dict[str, Any]]] = {
