@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
+from tests.unit.live_manager import running
 from undying.config import EXIT_REGROUPED
 from undying.manager.preemption_policy import (
     OnSigterm,
@@ -216,3 +220,38 @@ def test_without_a_dying_gasp_the_latest_valid_checkpoint_stands_or_none(facts: 
 def test_a_resume_reruns_every_step_committed_after_its_checkpoint(outcome: Outcome, gasp: CheckpointSaved | None,
                                                                    rank_steps: list[int], expected: int) -> None:
     assert resume_reruns(outcome, gasp=gasp, stop=13, rank_steps=rank_steps) == expected
+
+
+# --- deadlines after a stall of the manager itself ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "now", "resumed", "late"),
+    [
+        (dict(), 161.0, 0.0, True),  # 61 s of a 60 s recovery timeout, the manager never stalled
+        (dict(), 161.0, 140.0, False),  # it stopped until 140: 21 s since it came back
+        (dict(), 201.0, 140.0, True),  # and then 61 s: late again
+        (dict(waiting_since=150.0), 251.0, 200.0, False),  # the rendezvous' 100 s count from its return
+        (dict(waiting_since=150.0), 301.0, 200.0, True),
+    ],
+)
+def test_a_regroups_waits_count_only_while_the_manager_ran(changes: dict, now: float, resumed: float,
+                                                           late: bool) -> None:
+    why = overdue(_regroup(**changes), now=now, rendezvous_s=100.0, recovery_s=60.0, fewest=2, available=[0],
+                  saved_step=20, saved_at="/ckpt/step-20", resumed=resumed)
+    assert bool(why) is late, why
+
+
+def test_a_recoverys_timeout_counts_only_while_the_manager_ran(tmp_path: Path) -> None:
+    """A real Manager: a round open for longer than --recovery-timeout is overdue, unless the manager itself
+    stalled meanwhile (protocol/judge_clock.py), and then it has the whole timeout again from its return."""
+    manager, _ = running(tmp_path)
+    manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
+    recovery = manager.recoveries.current
+    assert recovery is not None
+    limit = manager.config.timeouts.recovery
+    late = recovery.started + limit + 1
+    assert "did not complete within" in manager.recoveries.overdue(late)
+    assert manager.recoveries.overdue(late, resumed=recovery.started + 2) == ""
+    assert "did not complete within" in manager.recoveries.overdue(late + 2, resumed=recovery.started + 2)
+    assert manager.deadlines.stalls == 0 and manager.deadlines.counts_from(0.0, wall=True) == 0.0

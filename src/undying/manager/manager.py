@@ -46,6 +46,7 @@ from undying.manager.trace_control import TraceControl
 from undying.manager.verification import SDC_PHASE, VERIFIED_PHASE, on_sdc, on_verified
 from undying.manager.views import job_status
 from undying.protocol.codec import Handlers, Message
+from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent
 from undying.protocol.seams import AgentHandle
 from undying.protocol.trace_switch import TraceSwitch
@@ -72,6 +73,7 @@ log = logging.getLogger("undying.manager")
 
 # A commit as the log's steps table takes it: rank, step, generation, time, metrics.
 CommitRow = tuple[int, int, int, float, Mapping[str, float | str]]  # ("inf", "nan": as the wire carries them)
+_WATCH_S = 0.5  # the watch of deadlines: a pass every half second
 
 
 class Manager:
@@ -91,6 +93,10 @@ class Manager:
         self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
         self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
+        # The watch's deadlines (--node-wait, the recovery and rendezvous timeouts) count only while this manager
+        # ran (protocol/judge_clock.py): after a stall of its own, the joins and reports it did not read come first.
+        self.deadlines = JudgeClock(_WATCH_S, config.timeouts.heartbeat, "the manager's deadlines")
+        self.deadlines.tick()  # (from its start: a manager paused before its watch first ran still sees that stall)
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({
             StepCommitted: self._on_commit, NodeStep: self._on_node_step, Hello: self._on_hello,
@@ -492,11 +498,12 @@ class Manager:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(_WATCH_S)
+            resumed = self.deadlines.counts_from(0.0, wall=True)  # (ticks: 0.0, or its return from a stall)
             if self.core.winding_down:
                 continue
             if self.regrouping.active:
-                self.regrouping.watch()
+                self.regrouping.watch(resumed)
                 continue
             recovery = self.recoveries.current
             if recovery is None:
@@ -505,11 +512,11 @@ class Manager:
             if lost and any(i.kind is IncidentKind.NODE_LOSS for i in recovery.incidents):
                 # Its ranks wait for a host to take them; past --node-wait the job goes on without it.
                 node_wait = self.config.timeouts.node_wait
-                if time.time() - recovery.started > node_wait:
+                if time.time() - max(recovery.started, resumed) > node_wait:
                     self.regrouping.begin(f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost "
                                           f"and not replaced within --node-wait {node_wait:g}s")
                 continue
-            overdue = self.recoveries.overdue(time.time())
+            overdue = self.recoveries.overdue(time.time(), resumed)
             if overdue:
                 self.recoveries.fail(overdue)
 

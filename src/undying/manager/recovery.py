@@ -363,11 +363,15 @@ class Recoveries:
                 self.core.events.incident(incident)
         self.core.fail(reason)
 
-    def overdue(self, now: float) -> str:
-        """Why the round is past the recovery timeout, or "" (a lost node's round waits for --node-wait)."""
+    def overdue(self, now: float, resumed: float = 0.0) -> str:
+        """Why the round is past the recovery timeout, or "" (a lost node's round waits for --node-wait).
+
+        The timeout counts from the round's start or from ``resumed``, the manager's return from a stall of
+        its own (``protocol/judge_clock.py``), whichever is later.
+        """
         recovery = self.current
         timeouts = self.core.config.timeouts
-        if recovery is None or now - recovery.started <= timeouts.recovery:
+        if recovery is None or now - max(recovery.started, resumed) <= timeouts.recovery:
             return ""
         return (f"recovery {recovery.id} did not complete within {timeouts.recovery:.0f}s "
                 f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})")

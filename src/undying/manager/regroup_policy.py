@@ -95,17 +95,22 @@ def replan(regroup: Regroup, *, now: float, max_retries: int) -> Replan:
 
 
 def overdue(regroup: Regroup, *, now: float, rendezvous_s: float, recovery_s: float, fewest: int,
-            available: Sequence[int], saved_step: int, saved_at: str) -> str:
+            available: Sequence[int], saved_step: int, saved_at: str, resumed: float = 0.0) -> str:
     """Why the regroup fails now ("" while it may go on): no node came within the rendezvous timeout, or
-    the members did not save and leave within the recovery timeout."""
+    the members did not save and leave within the recovery timeout.
+
+    ``resumed``: when the manager came back from a stall of its own (``protocol/judge_clock.py``; 0.0:
+    never). A wait counts from its start or from then, whichever is later: a manager that did not run
+    heard none of the joins and reports that waited unread meanwhile.
+    """
     if regroup.waiting_since:
-        if now - regroup.waiting_since <= rendezvous_s:
+        if now - max(regroup.waiting_since, resumed) <= rendezvous_s:
             return ""
         return (f"{regroup.cause()}; the job needs {fewest} node(s) and has {len(available)} ({list(available)}), "
                 f"and none joined within the rendezvous timeout ({rendezvous_s:.0f}s). The state of step "
                 f"{saved_step} is saved in {saved_at}: start the missing nodes (`undying run --node-rank I "
                 "--manager ...`) and run the job again to resume from it")
-    if now - regroup.started > recovery_s:
+    if now - max(regroup.started, resumed) > recovery_s:
         still = sorted(set(regroup.members) - set(regroup.left))
         return (f"{regroup.cause()}; ranks {still} did not save and leave within the recovery timeout "
                 f"({recovery_s:.0f}s)")

@@ -179,8 +179,9 @@ class Regrouping:
         self.regroup = None
         self.persist()
 
-    def watch(self) -> None:
-        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every wait."""
+    def watch(self, resumed: float = 0.0) -> None:
+        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every wait
+        (``resumed``: the manager's return from a stall of its own, ``regroup_policy.overdue``)."""
         regroup = self.regroup
         assert regroup is not None
         core = self.core
@@ -204,7 +205,7 @@ class Regrouping:
         why = overdue(regroup, now=now, rendezvous_s=config.timeouts.rendezvous, recovery_s=config.timeouts.recovery,
                       fewest=config.fewest_nodes, available=core.nodes_available(),
                       saved_step=saved.step if saved is not None else regroup.step,
-                      saved_at=saved.url if saved is not None else regroup.saved)
+                      saved_at=saved.url if saved is not None else regroup.saved, resumed=resumed)
         if why:
             self.recoveries.fail(why)
 
