@@ -38,8 +38,10 @@ pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium); the page is not browser-tested"
 )
 
-# 2 ranks, about 0.1 s a step, 8 epochs of 32 steps: ~26 s if nothing stops it; the test stops it sooner.
-JOB_ARGS = ["--epochs", "8", "--step-seconds", "0.1"]
+# 2 ranks, about 0.1 s a step, 32 epochs of 32 steps: ~100 s if nothing stops it; the test stops it once it saw
+# what it looks for. (8 epochs, ~26 s, once ran out under CI's load while a slow browser started: an ended job
+# has no rate and no ETA, and the page rightly showed none.)
+JOB_ARGS = ["--epochs", "32", "--step-seconds", "0.1"]
 
 
 def _children() -> dict[int, int]:
@@ -139,8 +141,9 @@ def test_the_page_shows_the_job_and_an_injected_crash_without_a_reload(tmp_path:
         try:
             page.wait_for_function("document.getElementById('eta').textContent !== '–'", timeout=10_000)
         except sync_api.TimeoutError as e:  # (say what the manager had and what the page last heard)
-            raise AssertionError(f"no ETA on the page after 10 s: the status' progress {status()['progress']}, "
-                                 f"the page's connection line {page.text_content('#conn')!r}") from e
+            raise AssertionError(f"no ETA on the page after 10 s: the job {status()['state']}, its progress "
+                                 f"{status()['progress']}, the page's connection line "
+                                 f"{page.text_content('#conn')!r}") from e
         progress = status()["progress"]
         assert str(progress["total_steps"]) in (page.text_content("#total-steps") or "")
         assert float(page.text_content("#rate") or 0) > 0
