@@ -42,6 +42,7 @@ class Job(Protocol):
     leave_dir: Path
     url: str
     stop_grace: float
+    launches: list[dict[str, Any]]  # one per launch, the newest last (what each scenario notes of it)
 
     def status(self) -> dict[str, Any]: ...
 
@@ -271,9 +272,19 @@ def verifier_kill(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
 
 def rank_leave(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     """A rank exits 0 while the others go on (``sys.exit(0)`` in a step, or its loop returning). Expected: a
-    ``left-early`` incident recovered like a crash (never the job's success)."""
+    ``left-early`` incident recovered like a crash (never the job's success).
+
+    A rank leaves at most once per launch: the script's own early end a second time from a rank already
+    replaced for it fails the job by design (``manager/leaving.py``: no replacement changes a script whose
+    loop ends early; tests/unit/test_leaving.py), which is not this scenario's question.
+    """
     status = job.status()
-    rank, how = rng.randrange(len(status["ranks"]) or 1), rng.choice(HOWS)
+    left: list[int] = job.launches[-1].setdefault("left", [])
+    ranks = [r for r in range(len(status["ranks"]) or 1) if r not in left]
+    if not ranks:
+        return {"outcome": "skipped", "why": "every rank left once in this launch"}
+    rank, how = rng.choice(ranks), rng.choice(HOWS)
+    left.append(rank)
     before = len(status["incidents"])
     job.leave_dir.mkdir(parents=True, exist_ok=True)
     tmp = job.leave_dir / f".order-{os.getpid()}"
