@@ -157,7 +157,7 @@ from recovery import interrupt, publish  # noqa: E402  (bench/ is a folder of sc
 
 from undying.agent.remote import ManagerClient  # noqa: E402
 from undying.config import JobConfig, Timeouts  # noqa: E402
-from undying.manager.auth import TOKEN_ENV  # noqa: E402
+from undying.jobfiles.tokens import TOKEN_ENV  # noqa: E402
 from undying.protocol.codec import Message  # noqa: E402
 from undying.protocol.node_wire import (  # noqa: E402
     Acked,
@@ -279,8 +279,8 @@ class Probe:
         self.decisions: array.array[float] = array.array("d")
 
     def install(self) -> None:
+        from undying.jobfiles.events import EventLog
         from undying.manager import nodes
-        from undying.manager.events import EventLog
         from undying.manager.manager import Manager
 
         probe = self
@@ -1036,7 +1036,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     next generation with its TCPStore, spawn the replacement), and the
     incident's detection-to-decision.
     """
-    from undying.manager.events import EventLog
+    from undying.jobfiles.events import EventLog
     from undying.manager.manager import Manager
     from undying.manager.nodes import RemoteAgent
     from undying.protocol.node_wire import ManagerBeat

@@ -70,7 +70,7 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
 )
 
 from undying.demo import TRAIN_SCRIPT  # noqa: E402
-from undying.manager.events import read_job  # noqa: E402
+from undying.jobfiles.events import read_job  # noqa: E402
 
 MODES = ("off", "skip")
 TARGET_PCT = 1.0

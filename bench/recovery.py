@@ -87,8 +87,8 @@ from undying.cli.client import api_post
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import compare_runs, load_run
 from undying.errors import UsageError
-from undying.manager.events import read_job
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.events import read_job
+from undying.jobfiles.jobdir import JobDir
 
 # One token for every job a benchmark starts (they inherit it, and ensure_token takes it), so the
 # API calls below, which know only a URL, are let in. Set before any job starts; a user's own wins.

@@ -66,7 +66,7 @@ from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.hosts import Hosts, netns_unavailable_reason
 from undying.demo.shrink import INVARIANT_SCRIPT
-from undying.manager.events import LogReader, read_job
+from undying.jobfiles.events import LogReader, read_job
 
 SCENARIOS = ("replace", "standby", "shrink", "grow", "shrink-invariant", "grow-invariant", "migrate")
 INVARIANT = "-invariant"  # the suffix of a scenario run in invariant mode (--virtual-ranks 4)

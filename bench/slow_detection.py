@@ -99,8 +99,8 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
 
 from undying.cli.main import main as cli_main  # noqa: E402
 from undying.demo import TRAIN_SCRIPT  # noqa: E402
-from undying.manager.events import read_job  # noqa: E402
-from undying.manager.jobdir import JobDir  # noqa: E402
+from undying.jobfiles.events import read_job  # noqa: E402
+from undying.jobfiles.jobdir import JobDir  # noqa: E402
 from undying.trace.analyze import TraceDirError, load_trace  # noqa: E402
 from undying.trace.detect import PHASES, SlowDetector  # noqa: E402
 

@@ -239,7 +239,7 @@ def launcher_hup(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
 
 def _last_common_step(events_db: Path) -> int | None:
     """The newest step every rank of the launch committed (what a dying gasp saves)."""
-    from undying.manager.events import LogReader
+    from undying.jobfiles.events import LogReader
 
     with contextlib.suppress(Exception), LogReader(events_db) as reader:
         last: dict[int, int] = {}

@@ -26,7 +26,7 @@ from soak_plan import LEAVE_ENV, PACE_ENV, SOAK_SCRIPT, faults_of, kind
 from undying.cli.client import api_get, api_post
 from undying.config import EXIT_PREEMPTED
 from undying.errors import JobNotRunningError, UsageError
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.jobdir import JobDir
 
 __all__ = ["run_faulty", "run_baseline", "SingleJob", "LIMIT_S", "TOLD", "epochs_for"]
 

@@ -97,8 +97,8 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
 from undying.cli.client import api_post  # noqa: E402
 from undying.demo import TRAIN_SCRIPT  # noqa: E402
 from undying.errors import UsageError  # noqa: E402
-from undying.manager.events import read_job  # noqa: E402
-from undying.manager.jobdir import JobDir  # noqa: E402
+from undying.jobfiles.events import read_job  # noqa: E402
+from undying.jobfiles.jobdir import JobDir  # noqa: E402
 
 MODES = ("plain", "off", "on", "comm")
 TARGETS_PCT = {"off": 0.2, "on": 1.0, "comm": 2.0}

@@ -72,7 +72,7 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
 )
 
 from undying.demo import TRAIN_SCRIPT  # noqa: E402
-from undying.manager.events import LogReader, read_job  # noqa: E402
+from undying.jobfiles.events import LogReader, read_job  # noqa: E402
 
 MODES = ("checks", "K=100", "K=10", "K=1")
 TARGET_PCT = 1.0

@@ -23,7 +23,7 @@ from filelock import FileLock
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import Comparison, RunRecord, compare_runs, load_run
-from undying.manager.events import connect_readonly, read_job
+from undying.jobfiles.events import connect_readonly, read_job
 
 __all__ = ["Oracle", "Outcome", "crash", "hang", "comm_error", "slow"]
 

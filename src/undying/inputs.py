@@ -398,7 +398,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
         "CHECKPOINT_DIR", "TRACE_DIR", "LOG_DIR", "CONSOLE", "JOB_DIR", "RESUME_FROM", "RETURNED_FILE",
         "NODE_NAME", "RESUME_DIGEST", "DEMO_QUIET")),
 )}
-# (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by undying.manager.auth.)
+# (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by undying.jobfiles.tokens.)
 
 
 def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:

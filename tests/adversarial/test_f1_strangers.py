@@ -29,8 +29,8 @@ from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.demo.cluster import Cluster
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.events import read_job
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.events import read_job
+from undying.jobfiles.jobdir import JobDir
 
 # test_multinode.py's job, twice as long (192 steps of ~0.1 s): it is still training when the stranger is done.
 SCRIPT_ARGS = ["--epochs", "6", "--samples", "2048", "--step-seconds", "0.1"]

@@ -37,7 +37,7 @@ from undying.cli.main import main
 from undying.config import Timeouts, checkpoint_from_env, timeouts_from_env, trace_from_env
 from undying.errors import UsageError
 from undying.inputs import ENV_VARS, TIMEOUT_NAMES, check_environment, env_value
-from undying.manager.auth import TOKEN_ENV
+from undying.jobfiles.tokens import TOKEN_ENV
 from undying.worker.numerics import Numerics
 from undying.worker.replica import ReplicationConfig
 from undying.worker.seed import seed_from_env
@@ -315,7 +315,7 @@ def test_a_fifo_as_the_trace_switch_file_is_reported_not_waited_on(here: Path) -
 def test_the_undo_touches_nothing_while_another_live_launcher_holds_the_job_dir(tmp_path: Path) -> None:
     """A launch refused because the job dir belongs to a running job: what appeared meanwhile is that job's."""
     from undying.cli.refusal import Ledger
-    from undying.manager.jobdir import JobDir
+    from undying.jobfiles.jobdir import JobDir
 
     job = tmp_path / "job"
     job.mkdir()

@@ -25,7 +25,7 @@ from tests.integration.jobs import manager_url, start_job, wait_for, wait_runnin
 from tests.oracle import Oracle
 from undying.cli.client import api_get, api_post
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.jobdir import JobDir
 from undying.manager.nodes import AgentServer
 
 # 2 ranks, 2 epochs of 32 steps at 0.25 s: ~16 s of training, long enough to watch the sockets close

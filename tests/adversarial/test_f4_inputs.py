@@ -31,8 +31,8 @@ from undying.cli.limits import connection_limits
 from undying.cli.main import build_parser, main
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_job_id
-from undying.manager.auth import TOKEN_ENV, TOKEN_FILE
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.tokens import TOKEN_ENV, TOKEN_FILE
 
 BAD_IDS = ["jöb", "ジョブ", ".hidden", "..", "-rf", "", "a" * 65, "a/b", "a b", "a\nb", "a\x00b", "job$", "é1"]
 GOOD_IDS = ["a", "my-job-1", "Job_2.run", "_x", "9", "a" * 64]

@@ -35,7 +35,7 @@ from undying.checkpoint import scan
 from undying.cli.demo import load_preempted, run_job
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.auth import auth_headers
+from undying.jobfiles.tokens import auth_headers
 
 # 2 ranks, 64 steps; the losses do not depend on --step-seconds: the fault-free baseline is the one
 # tests/integration/test_preempt.py and test_checkpoints.py use (ARGS there), cached per session.

@@ -36,7 +36,7 @@ from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.events import connect_readonly, read_job
+from undying.jobfiles.events import connect_readonly, read_job
 
 # 3 nodes x 1 rank: 20 steps an epoch on 3 ranks, 30 on 2, 60 on 1; ~0.1 s a step.
 SCRIPT_ARGS = ["--epochs", "2", "--samples", "960", "--step-seconds", "0.1"]

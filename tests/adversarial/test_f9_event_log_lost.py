@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.jobs import events, manager_url, start_job, wait_running
 from tests.oracle import Oracle
-from undying.manager.events import read_job
+from undying.jobfiles.events import read_job
 
 # 64 steps of 0.08 s: the log is lost at step 10 and checked every second, so ~40 steps are left to
 # land in the fresh log. Two epochs on 2 ranks is the configuration other tests use (test_preempt,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.jobs import events, start_job
-from undying.manager.events import read_job
+from undying.jobfiles.events import read_job
 
 RANKS = 2
 

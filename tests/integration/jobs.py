@@ -17,7 +17,7 @@ from typing import Any
 from undying.cli.client import api_get
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import wait_for
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.jobdir import JobDir
 
 __all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "job_table",
            "run_demo_json"]

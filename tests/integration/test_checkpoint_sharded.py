@@ -173,7 +173,7 @@ def _job_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def events(job_dir: Path, kind: str) -> list[dict[str, Any]]:
-    from undying.manager.events import connect_readonly
+    from undying.jobfiles.events import connect_readonly
 
     db = connect_readonly(job_dir / "events.db")
     try:
@@ -184,7 +184,7 @@ def events(job_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def committed_steps(job_dir: Path) -> dict[int, list[int]]:
-    from undying.manager.events import read_job
+    from undying.jobfiles.events import read_job
 
     steps: dict[int, list[int]] = {}
     for commit in read_job(job_dir / "events.db")["steps"]:
@@ -193,7 +193,7 @@ def committed_steps(job_dir: Path) -> dict[int, list[int]]:
 
 
 def newest_step(job_dir: Path) -> int:
-    from undying.manager.events import connect_readonly
+    from undying.jobfiles.events import connect_readonly
 
     try:
         db = connect_readonly(job_dir / "events.db")
@@ -214,7 +214,7 @@ def run(job_dir: Path, script: Path, args: list[str], ranks: int, run_args: list
     Arming waits for a commit because an agent drops a fault armed before the rank's process exists.
     """
     from undying.cli.client import api_post
-    from undying.manager.jobdir import JobDir
+    from undying.jobfiles.jobdir import JobDir
 
     argv = [sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0", "--job-dir", str(job_dir),
             "--job-id", job_dir.name, "--stop-grace", "3", *RUN_ARGS, *(run_args or []), str(script), *args]
@@ -302,7 +302,7 @@ def test_a_job_preempted_on_4_ranks_resumes_on_2_with_the_state_it_saved(
     epochs = 2 if layout == "sharded" else 1
     remaining = epochs * 16 - 2 * saved.step  # the rest of the data, in batches of the 2-rank job
     assert committed_steps(job_dir) == {r: list(range(saved.step + 1, saved.step + remaining + 1)) for r in (0, 1)}
-    from undying.manager.events import read_job
+    from undying.jobfiles.events import read_job
 
     assert read_job(job_dir / "events.db")["job"]["state"] == "succeeded"
 

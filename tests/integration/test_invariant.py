@@ -39,7 +39,7 @@ from tests.oracle import Oracle, crash
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import RunRecord, compare_runs, load_run
-from undying.manager.events import LogReader, read_job
+from undying.jobfiles.events import LogReader, read_job
 
 SCRIPT = Path(__file__).resolve().parents[2] / "src" / "undying" / "demo" / "invariant_train.py"
 VIRTUAL = ["--virtual-ranks", "4"]

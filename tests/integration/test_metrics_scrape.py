@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.jobs import manager_url, start_job, wait_for
 from undying.cli.client import api_get, api_post
-from undying.manager.auth import TOKEN_FILE, read_token_file
-from undying.manager.state import IncidentKind
+from undying.jobfiles.records import IncidentKind
+from undying.jobfiles.tokens import TOKEN_FILE, read_token_file
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

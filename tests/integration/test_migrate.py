@@ -32,8 +32,8 @@ from undying.cli.client import api_post
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import compare_runs, load_run
 from undying.errors import UsageError
-from undying.manager.auth import find_token
-from undying.manager.events import connect_readonly, read_job
+from undying.jobfiles.events import connect_readonly, read_job
+from undying.jobfiles.tokens import find_token
 
 # test_goodput's job (2 ranks, 64 steps), paced: its fault-free baseline (pacing aside) is shared.
 SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.3")  # (time for the commands, each a new process)

@@ -26,7 +26,7 @@ from tests.netns import Hosts, make_hosts  # noqa: F401 - the fixture
 from tests.oracle import Oracle
 from undying.demo.cluster import Cluster, wait_for
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.events import read_job
+from undying.jobfiles.events import read_job
 
 # 96 steps of ~0.1 s: long enough to lose a host mid-run, short enough for the suite.
 SCRIPT_ARGS = ["--epochs", "3", "--samples", "2048", "--step-seconds", "0.1"]

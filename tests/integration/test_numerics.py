@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan
 from undying.demo.oracle import compare_runs
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 
 CHECKED = ("--epochs", "2", "--numerics", "skip")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.oracle import Oracle, Outcome
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 
 ARGS = ("--epochs", "1", "--samples", "256")  # 2 ranks x 16 a batch: 8 steps
 BAD = 19  # a NaN sample: in rank 1's batch of step 5 (DistributedSampler, seed 7)

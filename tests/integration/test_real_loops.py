@@ -28,7 +28,7 @@ import pytest
 from tests.oracle import crash
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.oracle import RunRecord, compare_runs, load_run
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 
 LOOP = Path(__file__).resolve().parent / "loops" / "loop.py"
 

@@ -23,7 +23,7 @@ from tests.integration.jobs import alive, events, manager_url, start_job, wait_f
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan, run_job
 from undying.demo.oracle import compare_runs, load_run
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 from undying.worker.verify_plan import suspect_of
 
 EPOCHS = ("--epochs", "2")  # the baseline other tests use: 4 ranks, 32 steps

@@ -30,7 +30,7 @@ import pytest
 
 from tests.integration.jobs import manager_url, start_job, wait_for
 from undying.cli.client import api_get, api_post
-from undying.manager.auth import TOKEN_FILE, read_token_file
+from undying.jobfiles.tokens import TOKEN_FILE, read_token_file
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from undying.config import JobConfig
-from undying.manager.events import EventLog
+from undying.jobfiles.events import EventLog
 from undying.manager.manager import Manager
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.worker_wire import Hello, StepCommitted

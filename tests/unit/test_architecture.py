@@ -4,7 +4,9 @@ Layers, lowest first (a module imports from its own layer or a lower one):
 
 0. the contract floor: ``protocol`` (the codec, the messages, generations, the
    stores' wire), with ``errors`` and ``inputs``;
-1. libraries every role may use: ``checkpoint``, ``trace``, ``config``;
+1. libraries every role may use: ``checkpoint``, ``trace``, ``config``, and
+   ``jobfiles`` (the job dir and what it holds: its layout and lock, the
+   token's file, the event log and the records it stores), which imports no role;
 2. the roles: ``worker``, ``agent``, ``manager``; none imports another (they
    meet only over the protocol);
 3. what assembles them: ``agent.launcher`` (the one place a manager and an
@@ -30,11 +32,11 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (3, ("undying.agent.launcher", "undying.cli", "undying.demo", "undying.k8s",
          "undying.__main__")),
     (2, ROLES),
-    (1, ("undying.checkpoint", "undying.trace", "undying.config")),
+    (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobfiles")),
     (0, ("undying.protocol", "undying.errors", "undying.inputs")),
 ]
 DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
-                    "undying.manager.step_clock", "undying.manager.state", "undying.checkpoint.planner",
+                    "undying.manager.step_clock", "undying.jobfiles.records", "undying.checkpoint.planner",
                     "undying.manager.progress", "undying.manager.goodput",
                     "undying.manager.regroup_policy", "undying.manager.preemption_policy", "undying.manager.standby")
 MAX_LINES = 600
@@ -115,6 +117,14 @@ def test_every_import_goes_to_the_same_layer_or_a_lower_one_and_roles_meet_only_
                 wrong.append(f"{module}:{line} imports {target} (layer {_layer(target)} > {_layer(module)})")
             elif _layer(module) == 2 and _role(target) and _role(target) != _role(module):
                 wrong.append(f"{module}:{line} imports {target}: roles meet only over undying.protocol")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_job_files_import_no_role() -> None:
+    """Every role reads the job dir, its token and its log through ``undying.jobfiles``: it imports none of them."""
+    wrong = [f"{module}:{line} imports {target}"
+             for module in MODULES if module == "undying.jobfiles" or module.startswith("undying.jobfiles.")
+             for target, _, line in _imports(module) if _role(target)]
     assert not wrong, "\n".join(wrong)
 
 

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 
 from undying.errors import UsageError
-from undying.manager.auth import (
+from undying.jobfiles.tokens import (
     TOKEN_ENV,
     TOKEN_FILE,
     auth_headers,
     ensure_token,
     find_token,
-    token_from_headers,
-    tokens_match,
 )
+from undying.manager.access import token_from_headers, tokens_match
 
 
 @pytest.fixture(autouse=True)

@@ -8,13 +8,13 @@ from rich.console import Console
 
 from undying.cli.status import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
+from undying.jobfiles.records import Incident
 from undying.manager.checkpoint_health import (
     CheckpointHealth,
     relaunch_rerun,
     rerun_words,
     resume_line,
 )
-from undying.manager.state import Incident
 from undying.protocol.worker_wire import CheckpointSaved
 
 

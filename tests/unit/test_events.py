@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from undying.errors import UsageError
-from undying.manager.events import SCHEMA_VERSION, Commit, EventLog, LogReader, fold_wal, read_job
-from undying.manager.state import Incident, RankInfo, RankState
+from undying.jobfiles.events import SCHEMA_VERSION, Commit, EventLog, LogReader, fold_wal, read_job
+from undying.jobfiles.records import Incident, RankInfo, RankState
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from undying.config import JobConfig
-from undying.manager.events import EventLog
+from undying.jobfiles.events import EventLog
 from undying.manager.manager import Manager
 from undying.manager.metrics import metric_names, new_registry
 

@@ -12,12 +12,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from undying.config import JobConfig
-from undying.manager.events import EventLog
+from undying.jobfiles.events import EventLog
+from undying.jobfiles.records import IncidentKind
 from undying.manager.history import LABELLED_RANKS, Downsampled, RunHistory
 from undying.manager.http import build_app
 from undying.manager.manager import Manager
 from undying.manager.metrics import exposition, metric_names, new_registry
-from undying.manager.state import IncidentKind
 from undying.protocol.worker_wire import CheckpointSaved, StepCommitted
 
 TOKEN = "t" * 32

@@ -21,7 +21,7 @@ from tests.unit.test_nodes import JOB, TOKEN, job_config, join_message
 from undying.cli.status import view
 from undying.config import JobConfig
 from undying.errors import UsageError
-from undying.manager.events import EventLog, LogReader
+from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
 from undying.manager.manager import Manager
 from undying.manager.migration import quarantine, request_move

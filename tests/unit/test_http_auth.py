@@ -33,8 +33,8 @@ from undying.cli.client import AccessDeniedError, api_get, api_post
 from undying.cli.main import main
 from undying.config import JobConfig
 from undying.errors import UsageError
-from undying.manager.auth import TOKEN_ENV, TOKEN_FILE
-from undying.manager.events import EventLog
+from undying.jobfiles.events import EventLog
+from undying.jobfiles.tokens import TOKEN_ENV, TOKEN_FILE
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.protocol.codec import Message

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from undying.manager.state import (
+from undying.jobfiles.records import (
     IllegalTransition,
     Incident,
     JobState,

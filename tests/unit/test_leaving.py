@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.unit.live_manager import running
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
+from undying.jobfiles.records import Incident
 from undying.manager.manager import Manager
 from undying.manager.policy import Action, PolicyContext, decide
-from undying.manager.state import Incident
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import Done, StepCommitted
 

@@ -8,10 +8,8 @@ from pathlib import Path
 import pytest
 
 from undying.config import EXIT_SCRIPT_ERROR
-from undying.manager.book import RankBook
-from undying.manager.detection import ExitCause, classify_exit, describe_exit
-from undying.manager.events import EventLog, LogReader
-from undying.manager.state import (
+from undying.jobfiles.events import EventLog, LogReader
+from undying.jobfiles.records import (
     IllegalTransition,
     Incident,
     IncidentKind,
@@ -19,6 +17,8 @@ from undying.manager.state import (
     RankInfo,
     RankState,
 )
+from undying.manager.book import RankBook
+from undying.manager.detection import ExitCause, classify_exit, describe_exit
 from undying.manager.step_clock import StepClock
 from undying.protocol.worker_wire import Fatal
 

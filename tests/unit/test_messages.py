@@ -173,7 +173,7 @@ def test_forwarded_are_every_report_a_worker_sends_about_the_job(tmp_path: Path)
     assert {*worker_wire.FORWARDED, node_wire.SpareEvent} == node_wire.FROM_WORKERS
     assert set(members(node_wire.Report)) >= node_wire.FROM_WORKERS
     from undying.config import JobConfig
-    from undying.manager.events import EventLog
+    from undying.jobfiles.events import EventLog
     from undying.manager.manager import Manager
 
     manager = Manager(JobConfig(job_id="m", job_dir=str(tmp_path)), EventLog(tmp_path / "events.db"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.live_manager import running
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 
 
 @pytest.mark.parametrize("who", [0, 1])  # the other rank crashes; the moving rank's old process itself does

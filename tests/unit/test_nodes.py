@@ -33,8 +33,8 @@ import pytest
 
 from undying.agent.remote import ManagerClient
 from undying.config import JobConfig, Timeouts
-from undying.manager.auth import TOKEN_ENV
-from undying.manager.events import EventLog, read_job, read_job_table
+from undying.jobfiles.events import EventLog, read_job, read_job_table
+from undying.jobfiles.tokens import TOKEN_ENV
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer, RemoteAgent
 from undying.manager.service import ManagerOptions, _Gate, _serve

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from undying.demo.oracle import RunRecord, compare_runs, load_run
-from undying.manager.events import EventLog
+from undying.jobfiles.events import EventLog
 
 LOSSES = {s: 1.0 / (s + 2) + 0.1 for s in range(1, 11)}
 

@@ -37,7 +37,7 @@ from undying.checkpoint.lock import (
 )
 from undying.checkpoint.store import Store
 from undying.config import CheckpointConfig, JobConfig
-from undying.manager.events import EventLog, LogReader
+from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.manager import Manager
 
 HOLDER = """

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 
 from undying.errors import UsageError
-from undying.manager.auth import (
+from undying.jobfiles.events import EventLog
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.ownership import owner_problem
+from undying.jobfiles.tokens import (
     TOKEN_ENV,
     TOKEN_FILE,
     ensure_token,
     ensure_token_with_source,
     find_token,
 )
-from undying.manager.events import EventLog
-from undying.manager.jobdir import JobDir
-from undying.manager.ownership import owner_problem
 
 ME, OTHER, THIRD = 1000, 1001, 1002
 NOBODY = 65534

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from undying.jobfiles.records import Incident
 from undying.manager import policy
 from undying.manager.policy import Action, PolicyContext, decide
-from undying.manager.state import Incident
 from undying.protocol.node_wire import RankProgress
 
 _ids = iter(range(1, 10**6))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from undying.config import JobConfig
-from undying.manager.events import EventLog
+from undying.jobfiles.events import EventLog
 from undying.manager.manager import Manager
 from undying.manager.progress import RATE_WINDOW, JobSteps, Plan, compute, mean_values
 from undying.manager.step_clock import PLAN_EVENT, StepClock

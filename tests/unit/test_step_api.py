@@ -12,9 +12,9 @@ import torch
 
 from undying.config import JobConfig
 from undying.errors import UsageError
+from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.core import JobCore
 from undying.manager.divergence import Divergence
-from undying.manager.events import EventLog, LogReader
 from undying.protocol.worker_wire import Progress, StepBegun
 from undying.worker.fingerprint import batch_fingerprint
 from undying.worker.job import Job

@@ -100,7 +100,7 @@ def test_a_verifier_that_keeps_dying_is_restarted_then_given_up_on_with_the_reas
 
 def test_status_and_the_end_summary_show_the_steps_not_verified(tmp_path: Path) -> None:
     from undying.cli.summary import logged_verification, verification_line
-    from undying.manager.events import EventLog
+    from undying.jobfiles.events import EventLog
 
     db = tmp_path / "events.db"
     log = EventLog(db)

@@ -30,14 +30,14 @@ from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
 from undying.cli.summary import print_banner, print_end_summary
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
-from undying.manager.auth import ensure_token_with_source
+from undying.jobfiles.events import EventLog, read_job_table
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.records import JobState
+from undying.jobfiles.tokens import ensure_token_with_source
 from undying.manager.checkpoint_health import resume_line
-from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
-from undying.manager.jobdir import JobDir
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code
-from undying.manager.state import JobState
 from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
 from undying.worker.boot import script_error
 

@@ -20,7 +20,7 @@ from undying.checkpoint.lock import live_owner
 from undying.checkpoint.mac import key_from_token, using_key
 from undying.cli.client import resolve_job_dir
 from undying.errors import UsageError
-from undying.manager.auth import find_token
+from undying.jobfiles.tokens import find_token
 
 __all__ = ["add_parser", "resolve_root", "checkpoint_row"]
 

@@ -3,7 +3,7 @@
 A command finds its job with ``--job-dir`` (default: the newest under
 ./undying-jobs) or ``--manager HOST:PORT``, and the job's token with
 ``--token-file``, env ``UNDYING_TOKEN``, or the job dir's ``token`` file, in
-that order (``undying.manager.auth.find_token``). ``connect`` puts the three
+that order (``undying.jobfiles.tokens.find_token``). ``connect`` puts the three
 together; every request then carries the token and, when the job is known
 from its job dir, the job's id, so a manager of another job refuses instead
 of obeying.
@@ -33,9 +33,9 @@ from typing import Any
 
 from undying.errors import JobNotRunningError, UsageError
 from undying.inputs import check_manager_url, is_job_id
-from undying.manager.auth import JOB_HEADER, auth_headers, find_token, find_token_with_source
-from undying.manager.events import LogReader
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.events import LogReader
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.tokens import JOB_HEADER, auth_headers, find_token, find_token_with_source
 from undying.protocol.api_proof import (
     HELLO_PATH,
     NONCE_BYTES,

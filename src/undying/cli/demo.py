@@ -34,9 +34,9 @@ from undying.config import EXIT_PREEMPTED
 from undying.demo import TRAIN_SCRIPT, node_loss, shrink
 from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
 from undying.errors import UsageError
-from undying.manager.auth import find_token
-from undying.manager.events import LogReader
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.events import LogReader
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.tokens import find_token
 
 __all__ = ["add_parser", "FAULTS", "run_job", "run_preempted", "load_preempted"]
 

@@ -9,7 +9,7 @@ from undying.cli.refusal import Ledger
 from undying.config import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_host_name, check_job_id, job_id_arg
-from undying.manager.jobdir import default_job_dir
+from undying.jobfiles.jobdir import default_job_dir
 
 __all__ = ["add_parser"]
 

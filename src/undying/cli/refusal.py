@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from undying.checkpoint.lock import release_all
-from undying.manager.jobdir import JobDir, pid_alive
+from undying.jobfiles.jobdir import JobDir, pid_alive
 
 __all__ = ["Ledger"]
 

@@ -43,7 +43,7 @@ from undying.inputs import (
     job_id_arg,
     open_user_file,
 )
-from undying.manager.jobdir import default_job_dir
+from undying.jobfiles.jobdir import default_job_dir
 from undying.protocol.env import NUMERICS_ENV, VIRTUAL_RANKS_ENV
 from undying.protocol.verify_wire import VERIFY_EVERY_ENV
 
@@ -513,7 +513,7 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
     from pathlib import Path
 
     from undying.agent.remote import parse_manager_address, run_node
-    from undying.manager.auth import find_token_with_source
+    from undying.jobfiles.tokens import find_token_with_source
 
     parse_manager_address(args.manager)
     config.validate()
@@ -526,7 +526,7 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
     if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
-        from undying.manager.ownership import private_dir
+        from undying.jobfiles.ownership import private_dir
 
         try:
             private_dir(Path(config.job_dir))

@@ -43,8 +43,8 @@ from undying.cli.summary import (
 )
 from undying.config import WHOLE_GROUP_LINE
 from undying.errors import JobNotRunningError, UsageError
-from undying.manager.events import LogReader, read_job
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.events import LogReader, read_job
+from undying.jobfiles.jobdir import JobDir
 
 __all__ = ["add_parser", "collect_status", "render", "view", "watch", "slow_finding", "step_values", "write_steps"]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from undying.errors import UsageError
+from undying.jobfiles.events import LogReader
+from undying.jobfiles.jobdir import JobDir
 from undying.manager.checkpoint_health import rerun_words
-from undying.manager.events import LogReader
 from undying.manager.goodput import Goodput, Stall, StepLedger, account
-from undying.manager.jobdir import JobDir
 from undying.manager.progress import JobSteps, Plan, Progress, compute, mean_values
 from undying.manager.step_clock import PLAN_EVENT
 

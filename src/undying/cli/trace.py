@@ -61,7 +61,7 @@ def _export(args: argparse.Namespace) -> int:
         traces = Path(args.traces) if args.traces else jd.path / "traces"
         events_db = jd.path / "events.db"
         if events_db.is_file():
-            from undying.manager.events import read_job
+            from undying.jobfiles.events import read_job
 
             with readable_log(events_db):
                 incidents = read_job(events_db)["incidents"]

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from undying.cli.client import api_get, api_post
 from undying.demo import TRAIN_SCRIPT
-from undying.manager.auth import TOKEN_FILE
-from undying.manager.jobdir import JobDir
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.tokens import TOKEN_FILE
 
 __all__ = ["Cluster", "TestHosts"]
 

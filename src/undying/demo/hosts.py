@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from undying.manager.jobdir import pid_alive
+from undying.jobfiles.jobdir import pid_alive
 
 __all__ = [
     "Hosts",

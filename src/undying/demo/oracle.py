@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 
 __all__ = ["RunRecord", "Comparison", "load_run", "compare_runs", "merge_runs"]
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from undying.checkpoint.gasp import Measurement
 from undying.errors import UsageError
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 
 __all__ = [
     "DEFAULT_GASP_S",

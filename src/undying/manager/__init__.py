@@ -1,7 +1,10 @@
-"""The job manager: state machine, recovery policy, incidents, event log, HTTP API.
+"""The job manager: state machine, recovery policy, incidents, HTTP API.
 
-Names are imported on first use (PEP 562): the command-line clients import
-``undying.manager.auth`` and must not pay for the manager (and torch) with it.
+The job dir, its event log and the records it stores, and the token's file are
+not the manager's own: every role reads them through ``undying.jobfiles``.
+
+Names are imported on first use (PEP 562): importing one small module of the
+manager must not pay for the whole manager with it.
 """
 
 from __future__ import annotations
@@ -10,19 +13,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from undying.manager.events import EventLog, read_job
     from undying.manager.manager import Manager
     from undying.manager.policy import Action, Decision, PolicyContext, decide
-    from undying.manager.state import Incident, JobState, RankState
 
-__all__ = [
-    "Manager", "EventLog", "read_job", "Action", "Decision", "PolicyContext", "decide",
-    "Incident", "JobState", "RankState",
-]
+__all__ = ["Manager", "Action", "Decision", "PolicyContext", "decide"]
 
 _WHERE = {
-    "Manager": "manager", "EventLog": "events", "read_job": "events", "Action": "policy", "Decision": "policy",
-    "PolicyContext": "policy", "decide": "policy", "Incident": "state", "JobState": "state", "RankState": "state",
+    "Manager": "manager", "Action": "policy", "Decision": "policy", "PolicyContext": "policy", "decide": "policy",
 }
 
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from undying.manager.state import RankInfo, RankState
+from undying.jobfiles.records import RankInfo, RankState
 
 __all__ = ["RankBook", "RowLog"]
 

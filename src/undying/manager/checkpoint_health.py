@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from undying.checkpoint.manifest import step_dirname
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
-from undying.manager.state import Incident, IncidentKind, IncidentStatus
+from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus
 from undying.protocol.worker_wire import CheckpointSaved
 
 __all__ = ["CheckpointHealth", "resume_line", "relaunch_rerun", "rerun_words"]

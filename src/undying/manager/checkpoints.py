@@ -26,10 +26,10 @@ from undying.checkpoint.aside import REJECTED_DIR, batch_name, set_aside
 from undying.checkpoint.checks import CheckpointOfAnotherJobError, check_same_job
 from undying.checkpoint.lock import hold
 from undying.errors import UsageError
+from undying.jobfiles.events import LogReader
+from undying.jobfiles.jobdir import JobDir
 from undying.manager.checkpoint_health import relaunch_rerun, rerun_words
 from undying.manager.core import JobCore
-from undying.manager.events import LogReader
-from undying.manager.jobdir import JobDir
 from undying.protocol.worker_wire import CheckpointSaved
 
 __all__ = ["Checkpoints"]

@@ -16,12 +16,8 @@ import time
 from collections.abc import Callable
 
 from undying.config import JobConfig
-from undying.manager.book import RankBook
-from undying.manager.checkpoint_health import CheckpointHealth
-from undying.manager.events import EventLog
-from undying.manager.generations import Generations
-from undying.manager.hosts import HostBook
-from undying.manager.state import (
+from undying.jobfiles.events import EventLog
+from undying.jobfiles.records import (
     Incident,
     IncidentStatus,
     JobState,
@@ -29,6 +25,10 @@ from undying.manager.state import (
     RankInfo,
     RankState,
 )
+from undying.manager.book import RankBook
+from undying.manager.checkpoint_health import CheckpointHealth
+from undying.manager.generations import Generations
+from undying.manager.hosts import HostBook
 from undying.manager.step_clock import StepClock
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.seams import AgentHandle

@@ -28,8 +28,8 @@ import logging
 import time
 from typing import Any, cast
 
+from undying.jobfiles.records import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.manager.core import JobCore
-from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.protocol.worker_wire import Progress, StepBegun
 
 __all__ = ["Divergence", "KEPT_STEPS"]

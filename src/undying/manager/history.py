@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undying.manager.events import LogReader
+from undying.jobfiles.events import LogReader
 from undying.protocol.worker_wire import CheckpointSaved
 
 __all__ = ["RunHistory", "Downsampled", "Histogram", "STEP_BUCKETS", "SAVE_BUCKETS", "LABELLED_RANKS"]

@@ -15,10 +15,11 @@ GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, 
 PUT  /api/trace       set it whole, as the switch file does: {"step": "on", "comm": "off"}
 POST /api/trace       change it as the CLI does: {"on": true, "comm": false}
 
-Access. Every request shows the job's token (``undying.manager.auth``) as
-``Authorization: Bearer <token>`` or ``X-Undying-Token: <token>``; without it,
-or with a wrong one, the answer is 401 with a JSON error that says where the
-token is, and the handler never runs, so nothing changes. A request may name
+Access. Every request shows the job's token (``undying.jobfiles.tokens``) as
+``Authorization: Bearer <token>`` or ``X-Undying-Token: <token>``
+(``undying.manager.access`` reads and checks it); without it, or with a wrong
+one, the answer is 401 with a JSON error that says where the token is, and the
+handler never runs, so nothing changes. A request may name
 its job in ``X-Undying-Job``: a manager of another job answers 401 instead of
 faulting the wrong job. The job check comes first: a job id is no secret (it is
 in process lists and pod names) and "wrong manager" is the more useful answer.
@@ -69,13 +70,8 @@ from typing import Any
 from aiohttp import web
 
 from undying.errors import UsageError
-from undying.manager.auth import (
-    JOB_HEADER,
-    ensure_token,
-    token_from_headers,
-    tokens_match,
-    where_the_token_is,
-)
+from undying.jobfiles.tokens import JOB_HEADER, ensure_token, where_the_token_is
+from undying.manager.access import token_from_headers, tokens_match
 from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite, QuietLog
 from undying.manager.manager import Manager
 from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry

@@ -30,9 +30,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from undying.jobfiles.records import IncidentKind, RankInfo
 from undying.manager.core import JobCore
 from undying.manager.recovery import Recoveries
-from undying.manager.state import IncidentKind, RankInfo
 
 __all__ = ["Leavers", "Left"]
 

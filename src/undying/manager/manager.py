@@ -21,13 +21,20 @@ from itertools import repeat
 from typing import Any
 
 from undying.config import JobConfig
+from undying.jobfiles.events import EventLog
+from undying.jobfiles.records import (
+    Incident,
+    IncidentKind,
+    JobState,
+    RankInfo,
+    RankState,
+)
 from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.commands import Injector
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection
 from undying.manager.divergence import Divergence
-from undying.manager.events import EventLog
 from undying.manager.history import RunHistory
 from undying.manager.migration import Migrations
 from undying.manager.numerics import NUMERIC_PHASE, on_numeric_fault
@@ -35,13 +42,6 @@ from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries
 from undying.manager.regrouping import Regrouping
 from undying.manager.restoring import restore_job
-from undying.manager.state import (
-    Incident,
-    IncidentKind,
-    JobState,
-    RankInfo,
-    RankState,
-)
 from undying.manager.trace_control import TraceControl
 from undying.manager.verification import SDC_PHASE, VERIFIED_PHASE, on_sdc, on_verified
 from undying.manager.views import job_status

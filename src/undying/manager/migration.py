@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any
 
 from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
+from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection, describe_exit
 from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, check_host, check_job_host
 from undying.manager.policy import Action, Decision
 from undying.manager.recovery import Recoveries
-from undying.manager.state import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import JobEnded
 from undying.protocol.worker_wire import ArmFault, FaultInjected

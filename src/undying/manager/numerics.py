@@ -32,11 +32,7 @@ import time
 from typing import Any, cast
 
 from undying.errors import UsageError
-from undying.manager.core import JobCore
-from undying.manager.migration import node_host, quarantine
-from undying.manager.policy import Action, Decision
-from undying.manager.recovery import Recoveries
-from undying.manager.state import (
+from undying.jobfiles.records import (
     Incident,
     IncidentDetail,
     IncidentKind,
@@ -44,6 +40,10 @@ from undying.manager.state import (
     JobState,
     RankState,
 )
+from undying.manager.core import JobCore
+from undying.manager.migration import node_host, quarantine
+from undying.manager.policy import Action, Decision
+from undying.manager.recovery import Recoveries
 from undying.protocol.kinds import NumericHow
 from undying.protocol.worker_wire import ArmFault, Progress
 

@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from undying.manager.state import Incident, IncidentKind
+from undying.jobfiles.records import Incident, IncidentKind
 from undying.protocol.node_wire import RankProgress
 
 __all__ = ["Action", "Decision", "PolicyContext", "WHOLE_GROUP", "decide", "stall_culprits"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from undying.checkpoint import Checkpoint
 from undying.checkpoint.gasp import Measurement, recent_dying_gasp
+from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus, JobState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.preemption_policy import (
@@ -34,7 +35,6 @@ from undying.manager.preemption_policy import (
     resume_reruns,
     stop_step,
 )
-from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState
 from undying.protocol.worker_wire import CheckpointSaved, Preempt, StopAt
 
 __all__ = ["Preemption"]

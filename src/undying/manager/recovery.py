@@ -28,10 +28,10 @@ from undying.checkpoint.planner import (
     plan,
     ring_replica_of,
 )
+from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus, JobState, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.policy import Action, Decision, PolicyContext, decide
-from undying.manager.state import Incident, IncidentKind, IncidentStatus, JobState, RankState
 from undying.protocol.generations import GenerationRecord
 
 __all__ = ["Recovery", "Recoveries"]

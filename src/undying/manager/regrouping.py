@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from undying.jobfiles.records import IncidentKind, JobState, RankInfo, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.detection import Detection, describe_exit
@@ -34,7 +35,6 @@ from undying.manager.regroup_policy import (
     replan,
     waiting_for_members,
 )
-from undying.manager.state import IncidentKind, JobState, RankInfo, RankState
 
 __all__ = ["Regrouping"]
 

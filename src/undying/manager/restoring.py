@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from undying.jobfiles.records import Incident, IncidentStatus, JobState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.history import RunHistory
@@ -12,7 +13,6 @@ from undying.manager.migration import Migrations
 from undying.manager.recovery import Recoveries, Recovery
 from undying.manager.regroup import LOG_KEY as REGROUP_KEY
 from undying.manager.regrouping import Regrouping
-from undying.manager.state import Incident, IncidentStatus, JobState
 
 __all__ = ["restore_job"]
 

@@ -27,14 +27,15 @@ from pathlib import Path
 from undying.checkpoint.mac import key_from_token, set_key
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, ConnectionLimits, JobConfig
 from undying.errors import UsageError
-from undying.manager.auth import ensure_token_with_source, tokens_match, where_the_token_is
+from undying.jobfiles.events import EventLog, read_job_table
+from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.records import JobState
+from undying.jobfiles.tokens import ensure_token_with_source, where_the_token_is
+from undying.manager.access import tokens_match
 from undying.manager.checkpoint_health import resume_line
-from undying.manager.events import EventLog, read_job_table
 from undying.manager.http import start_http
-from undying.manager.jobdir import JobDir
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer
-from undying.manager.state import JobState
 from undying.protocol.node_wire import AgentJoin, JobEnded
 from undying.protocol.store_wire import store_key_from_token
 

@@ -15,8 +15,8 @@ import math
 import time
 from typing import Any, cast
 
+from undying.jobfiles.records import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.manager.core import JobCore
-from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import TraceSet, TraceSummary
 from undying.trace.detect import Finding, SlowDetector

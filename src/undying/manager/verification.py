@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
+from undying.jobfiles.records import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.manager.core import JobCore
 from undying.manager.hosts import LOG_KEY, HostState
 from undying.manager.migration import host_of
-from undying.manager.state import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.protocol.worker_wire import Progress
 
 __all__ = ["on_sdc", "on_verified", "SDC_PHASE", "VERIFIED_PHASE"]

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from undying.config import WHOLE_GROUP_LINE
+from undying.jobfiles.records import RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.goodput import Goodput, account
@@ -13,7 +14,6 @@ from undying.manager.preemption import Preemption
 from undying.manager.progress import Progress, compute
 from undying.manager.recovery import Recoveries
 from undying.manager.regrouping import Regrouping
-from undying.manager.state import RankState
 from undying.manager.trace_control import TraceControl
 
 __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]

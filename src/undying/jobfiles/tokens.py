@@ -1,4 +1,4 @@
-"""The job's token: who may talk to its manager.
+"""The job's token: where it is kept, where a caller finds it, how a request shows it.
 
 The manager's API can kill ranks and stop the job, so it answers only callers
 that show the job's token. The manager takes the token from env
@@ -15,22 +15,22 @@ proxy eats ``Authorization``, as ``X-Undying-Token``), and may name the job
 they mean in ``X-Undying-Job`` so that a command aimed at the wrong manager is
 refused instead of faulting someone else's job.
 
-This module is pure (no aiohttp): the server, the CLI and the agents share it.
+This module is pure (no aiohttp): the manager, the CLI and the agents share
+it. The manager's check of what a caller shows (``token_from_headers``,
+``tokens_match``) is the manager's own: ``undying.manager.access``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import os
 import secrets
 import stat
-from collections.abc import Mapping
 from pathlib import Path
 
 from undying.errors import UsageError
 from undying.inputs import open_user_file
-from undying.manager.ownership import check_trusted, private_dir, write_private
+from undying.jobfiles.ownership import check_trusted, private_dir, write_private
 from undying.protocol.keys import TOKEN_ENV
 
 __all__ = [
@@ -44,9 +44,7 @@ __all__ = [
     "find_token",
     "find_token_with_source",
     "read_token_file",
-    "tokens_match",
     "auth_headers",
-    "token_from_headers",
     "where_the_token_is",
 ]
 
@@ -54,7 +52,6 @@ TOKEN_FILE = "token"
 AUTH_HEADER = "Authorization"
 TOKEN_HEADER = "X-Undying-Token"
 JOB_HEADER = "X-Undying-Job"
-_BEARER = "bearer "
 # A token travels in an HTTP header: printable ASCII without spaces, and not a novel.
 _MAX_TOKEN = 4096
 
@@ -88,7 +85,7 @@ def read_token_file(path: Path, *, private: bool = True) -> str:
     would only push people to copy the token somewhere worse).
 
     Either way the file must belong to the user (or root) and be writable by
-    no one else (``undying.manager.ownership``): a token file another user
+    no one else (``undying.jobfiles.ownership``): a token file another user
     made holds a token that user knows, whatever its mode says.
     """
     # (a folder, a FIFO, a missing file: one line from the one reader of files the user names)
@@ -184,13 +181,6 @@ def find_token_with_source(job_dir: Path | None, token_file: str | None) -> tupl
     return None, "nowhere"
 
 
-def tokens_match(given: str | None, expected: str) -> bool:
-    """Whether ``given`` is the token, in time that does not depend on where they differ."""
-    if given is None:
-        return False
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8"))
-
-
 def auth_headers(token: str | None, job_id: str | None = None) -> dict[str, str]:
     """The headers a request carries: the token (if any) and the job it is meant for (if known)."""
     headers: dict[str, str] = {}
@@ -199,15 +189,6 @@ def auth_headers(token: str | None, job_id: str | None = None) -> dict[str, str]
     if job_id is not None:
         headers[JOB_HEADER] = job_id
     return headers
-
-
-def token_from_headers(headers: Mapping[str, str]) -> str | None:
-    """The token a request shows, from ``Authorization: Bearer`` or ``X-Undying-Token``; None if neither."""
-    auth = headers.get(AUTH_HEADER, "")
-    if auth[: len(_BEARER)].lower() == _BEARER:
-        return auth[len(_BEARER):].strip()
-    other = headers.get(TOKEN_HEADER)
-    return other.strip() if other is not None else None
 
 
 def where_the_token_is(job_dir: Path | str) -> str:

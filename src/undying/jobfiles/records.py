@@ -1,4 +1,9 @@
-"""The job's and the ranks' states, with the moves allowed between them."""
+"""The records the event log stores: the job's and the ranks' states, with the moves allowed between them,
+the ranks and the incidents.
+
+The manager decides with them (no asyncio, sqlite3 or torch here: a tested rule); ``undying.jobfiles.events``
+writes and reads them back.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A job's folder: its event log, the address of its running manager, its logs.
 
-The folder is the job user's alone (``undying.manager.ownership``): created
+The folder is the job user's alone (``undying.jobfiles.ownership``): created
 ``0700`` (an existing one is made so), its log and ``manager.json`` ``0600``
 from their first byte, whatever the umask; a folder or a ``manager.json``
 another user made or could write is refused in one line.
@@ -19,8 +19,8 @@ from typing import Any
 
 from undying.checkpoint.lock import hold_job_dir, release_all
 from undying.errors import JobNotRunningError, UsageError
-from undying.manager.events import fold_wal
-from undying.manager.ownership import check_trusted, make_private, private_dir, write_private
+from undying.jobfiles.events import fold_wal
+from undying.jobfiles.ownership import check_trusted, make_private, private_dir, write_private
 
 __all__ = ["JobDir", "default_job_dir", "pid_alive"]
 

@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 import msgspec
 
 from undying.errors import UsageError
-from undying.manager.held_writes import HeldWrites
-from undying.manager.state import Incident, RankInfo, RankState
+from undying.jobfiles.held_writes import HeldWrites
+from undying.jobfiles.records import Incident, RankInfo, RankState
 
 __all__ = [
     "SCHEMA_VERSION",
