@@ -38,10 +38,9 @@ import torch
 import torch.distributed as dist
 
 from undying.errors import RecoveryError, UsageError
+from undying.protocol.env import REPLICATE_ENV, REPLICATE_EVERY_ENV
 
 __all__ = [
-    "ENV_REPLICATE",
-    "ENV_REPLICATE_EVERY",
     "ReplicationConfig",
     "ring_offset",
     "Copies",
@@ -52,8 +51,6 @@ __all__ = [
 
 log = logging.getLogger("undying.worker")
 
-ENV_REPLICATE = "UNDYING_REPLICATE"
-ENV_REPLICATE_EVERY = "UNDYING_REPLICATE_EVERY"
 MODES = ("off", "ring")
 
 # Point-to-point tags: the ring exchange and a restore's transfers never match each other's messages.
@@ -73,16 +70,16 @@ class ReplicationConfig:
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> ReplicationConfig:
         env = os.environ if env is None else env
-        mode = env.get(ENV_REPLICATE, "off").strip().lower() or "off"
+        mode = env.get(REPLICATE_ENV, "off").strip().lower() or "off"
         if mode not in MODES:
-            raise UsageError(f"{ENV_REPLICATE}={mode!r}: use one of {', '.join(MODES)}")
-        raw = env.get(ENV_REPLICATE_EVERY, "1").strip() or "1"
+            raise UsageError(f"{REPLICATE_ENV}={mode!r}: use one of {', '.join(MODES)}")
+        raw = env.get(REPLICATE_EVERY_ENV, "1").strip() or "1"
         try:
             every = int(raw)
         except ValueError as e:
-            raise UsageError(f"{ENV_REPLICATE_EVERY}={raw!r}: give a whole number of steps >= 1") from e
+            raise UsageError(f"{REPLICATE_EVERY_ENV}={raw!r}: give a whole number of steps >= 1") from e
         if every < 1:
-            raise UsageError(f"{ENV_REPLICATE_EVERY}={every}: give a whole number of steps >= 1")
+            raise UsageError(f"{REPLICATE_EVERY_ENV}={every}: give a whole number of steps >= 1")
         return cls(mode, every)
 
 

@@ -20,7 +20,7 @@ import torch
 from undying.errors import UsageError
 from undying.protocol.env import SEED_ENV
 
-__all__ = ["SEED_ENV", "seed_from_env", "seed_everything"]
+__all__ = ["seed_from_env", "seed_everything"]
 
 
 
