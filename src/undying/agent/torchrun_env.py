@@ -47,8 +47,6 @@ from undying.protocol.generations import GenerationRecord
 
 __all__ = ["TorchrunEnv", "EnvSource"]
 
-# (The worker's output streams, read by undying.worker.streams: the log folder, the torchrun Std numbers
-# of --redirects and --tee, and whether the console shows this rank: --local-ranks-filter.)
 # torchrun's default --signals-to-handle (what its @record and elastic handlers read).
 _SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 _MULTI_NODE_MASTER_PORT = 29500

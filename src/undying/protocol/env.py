@@ -80,7 +80,7 @@ TIMEOUT_COLLECTIVE_ENV = "UNDYING_TIMEOUT_COLLECTIVE"  # a rank: gloo's own coll
 TIMEOUT_RECOVERY_ENV = "UNDYING_TIMEOUT_RECOVERY"
 TIMEOUT_COMM_ERROR_GRACE_ENV = "UNDYING_TIMEOUT_COMM_ERROR_GRACE"
 TIMEOUT_STOP_GRACE_ENV = "UNDYING_TIMEOUT_STOP_GRACE"
-# A rank: its beat period; a spare: its SpareReady period (worker_wire.spare_beat_interval).
+# A rank beats well within it (worker/job.py), a spare at a quarter of it (worker_wire.spare_beat_interval).
 TIMEOUT_HEARTBEAT_ENV = "UNDYING_TIMEOUT_HEARTBEAT"
 TIMEOUT_INIT_ENV = "UNDYING_TIMEOUT_INIT"
 TIMEOUT_NODE_WAIT_ENV = "UNDYING_TIMEOUT_NODE_WAIT"

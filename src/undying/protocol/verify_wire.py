@@ -19,7 +19,6 @@ from undying.protocol.codec import Codec, Message
 __all__ = ["VerifyRequest", "VerifyResult", "VERIFY_CODEC", "file_name"]
 
 
-
 class VerifyRequest(Message, frozen=True):
     """The suspect's side of a verification: its step, rank and local gradient fingerprint (the bits)."""
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from undying.config import (
     CheckpointConfig,
+    JobConfig,
     Timeouts,
     TraceConfig,
     checkpoint_from_env,
@@ -76,7 +77,7 @@ class WorkerEnv:
             agent_port=int(agent_port),
             generation=int(env[GENERATION_ENV]),
             joining=env.get(JOINING_ENV, "0") == "1",
-            backend=env.get(BACKEND_ENV, "gloo"),
+            backend=env.get(BACKEND_ENV, JobConfig.backend),
             timeouts=timeouts_from_env(env),
             checkpoint=checkpoint_from_env(env),
             resume_from=env.get(RESUME_FROM_ENV, ""),

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from undying.config import CheckpointConfig
 from undying.errors import RecoveryError, UsageError
 from undying.protocol.env import REPLICATE_ENV, REPLICATE_EVERY_ENV
 
@@ -60,8 +61,9 @@ TAG_RESTORE = 7201
 
 @dataclass(frozen=True)
 class ReplicationConfig:
-    mode: str = "off"  # "off" or "ring"
-    every: int = 1  # replicate at steps that are multiples of this (and at a restore)
+    # The job's defaults, written on CheckpointConfig's fields only (the launcher's side of the variables).
+    mode: str = CheckpointConfig.replicate  # "off" or "ring"
+    every: int = CheckpointConfig.replicate_every  # replicate at steps that are multiples of this (and at a restore)
 
     @property
     def ring(self) -> bool:
@@ -70,10 +72,10 @@ class ReplicationConfig:
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> ReplicationConfig:
         env = os.environ if env is None else env
-        mode = env.get(REPLICATE_ENV, "off").strip().lower() or "off"
+        mode = env.get(REPLICATE_ENV, "").strip().lower() or cls.mode
         if mode not in MODES:
             raise UsageError(f"{REPLICATE_ENV}={mode!r}: use one of {', '.join(MODES)}")
-        raw = env.get(REPLICATE_EVERY_ENV, "1").strip() or "1"
+        raw = env.get(REPLICATE_EVERY_ENV, "").strip() or str(cls.every)
         try:
             every = int(raw)
         except ValueError as e:
