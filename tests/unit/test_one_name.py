@@ -201,4 +201,4 @@ def test_the_heartbeat_timeouts_default_is_one_constant() -> None:
                   if _number(n) and isinstance(n, ast.Constant) and float(n.value) == 30.0]
         takes = any(_named(n, HEARTBEAT_DEFAULT) for n in ast.walk(function))
         assert not thirty and takes, \
-            f"{_where(path, function)} {function.name} reads the heartbeat timeout but not its default"
+            f"{_where(path, function)} {function.name}: the heartbeat timeout without its default"
