@@ -27,7 +27,7 @@ from soak_plan import HOWS, order_name, until
 from undying.cli.client import api_post
 from undying.config import EXIT_PREEMPTED
 from undying.errors import JobNotRunningError, UsageError
-from undying.protocol.verify_wire import VERIFY_DIR_ENV
+from undying.protocol.env import VERIFY_SERVE_DIR_ENV
 
 TOLD = ("checkpoint_failed",)  # told, not recovered: a failed save leaves the job training
 DEADLINE_S = 30.0  # what each kind is given to recover
@@ -88,7 +88,7 @@ def zygote_pids(job: Job) -> list[int]:
 def verifier_pids(job_dir: Path) -> list[int]:
     """The job's verifiers: rank 0 starts one with none of the job's variables but the folder it serves, in the
     job dir."""
-    serve = f"{VERIFY_DIR_ENV}={job_dir}{os.sep}".encode()
+    serve = f"{VERIFY_SERVE_DIR_ENV}={job_dir}{os.sep}".encode()
     return sorted(_processes(lambda env: any(e.startswith(serve) for e in env)))
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from soak_plan import HOWS, LEAVE_ENV, PACE_ENV
 
 from undying.demo import TRAIN_SCRIPT
-from undying.protocol.verify_wire import VERIFY_DIR_ENV
+from undying.protocol.env import VERIFY_SERVE_DIR_ENV
 from undying.worker.job import Job
 
 
@@ -68,7 +68,7 @@ def _pace(path: str) -> float:
 def _soak_steps(self: Job, state: Any, **kwargs: Any) -> Iterator[Any]:
     folder, pace_file = os.environ.get(LEAVE_ENV, ""), os.environ.get(PACE_ENV, "")
     steps: Any = _steps(self, state, **kwargs)  # a generator (closed when the rank leaves)
-    if not (folder or pace_file) or os.environ.get(VERIFY_DIR_ENV):
+    if not (folder or pace_file) or os.environ.get(VERIFY_SERVE_DIR_ENV):
         yield from steps
         return
     last = time.monotonic()

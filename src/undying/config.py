@@ -10,12 +10,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from undying.errors import UsageError
 from undying.inputs import check_finite, check_job_id, env_value
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import (
+    CHECKPOINT_DIR_ENV,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    KEEP_ENV,
+    REPLICATE_ENV,
+    REPLICATE_EVERY_ENV,
+    SAVE_EVERY_ENV,
+    SAVE_INTERVAL_ENV,
+    TIMEOUT_ENVS,
+    TIMEOUT_STEP_ENV,
+    TRACE_DIR_ENV,
+    TRACE_MAX_DIR_MB_ENV,
+    TRACE_MAX_FILE_MB_ENV,
+)
 
 __all__ = [
     "JobConfig",
@@ -60,7 +74,7 @@ class Timeouts:
     stop_grace: float = 10.0
     # A started rank that sends no heartbeat for this long is hung (stopped,
     # or stuck with the interpreter locked): it is killed and replaced.
-    heartbeat: float = 30.0
+    heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     # From spawning a rank to its first word (the script's imports run meanwhile),
     # and from then to its first completed step.
     init: float = 600.0
@@ -195,12 +209,12 @@ class CheckpointConfig:
 
     def env(self, job_dir: str) -> dict[str, str]:
         return {
-            f"{ENV_PREFIX}CHECKPOINT_DIR": self.resolved_dir(job_dir),
-            f"{ENV_PREFIX}SAVE_EVERY": str(self.save_every),
-            f"{ENV_PREFIX}SAVE_INTERVAL": repr(self.save_interval),
-            f"{ENV_PREFIX}KEEP": str(self.keep),
-            f"{ENV_PREFIX}REPLICATE": self.replicate,  # read by undying.worker.replica.ReplicationConfig
-            f"{ENV_PREFIX}REPLICATE_EVERY": str(self.replicate_every),
+            CHECKPOINT_DIR_ENV: self.resolved_dir(job_dir),
+            SAVE_EVERY_ENV: str(self.save_every),
+            SAVE_INTERVAL_ENV: repr(self.save_interval),
+            KEEP_ENV: str(self.keep),
+            REPLICATE_ENV: self.replicate,  # read by undying.worker.replica.ReplicationConfig
+            REPLICATE_EVERY_ENV: str(self.replicate_every),
         }
 
     def resolved_dir(self, job_dir: str) -> str:
@@ -211,9 +225,16 @@ class CheckpointConfig:
 
 def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> CheckpointConfig:
     env = os.environ if env is None else env
-    read = lambda name, default: default if (v := env_value(f"{ENV_PREFIX}{name}", env)) is None else v  # noqa: E731
-    return CheckpointConfig(dir=env.get(f"{ENV_PREFIX}CHECKPOINT_DIR", ""), save_every=read("SAVE_EVERY", 0),
-                            save_interval=read("SAVE_INTERVAL", 0.0), keep=read("KEEP", 3))
+    given = _given(env, save_every=SAVE_EVERY_ENV, save_interval=SAVE_INTERVAL_ENV, keep=KEEP_ENV)
+    return CheckpointConfig(dir=env.get(CHECKPOINT_DIR_ENV, ""), **given)
+
+
+def _given(env: Mapping[str, str], **names: str) -> dict[str, Any]:
+    """The fields whose variable (``names``: field=variable) is set in ``env``, each read by its one reader.
+
+    A field left out keeps its dataclass default: each default is written once, on its field.
+    """
+    return {field: value for field, name in names.items() if (value := env_value(name, env)) is not None}
 
 
 @dataclass(frozen=True)
@@ -250,9 +271,9 @@ class TraceConfig:
 
     def env(self, job_dir: str) -> dict[str, str]:
         return {
-            f"{ENV_PREFIX}TRACE_DIR": self.resolved_dir(job_dir),
-            f"{ENV_PREFIX}TRACE_MAX_FILE_MB": repr(self.max_file_mb),
-            f"{ENV_PREFIX}TRACE_MAX_DIR_MB": repr(self.max_dir_mb),
+            TRACE_DIR_ENV: self.resolved_dir(job_dir),
+            TRACE_MAX_FILE_MB_ENV: repr(self.max_file_mb),
+            TRACE_MAX_DIR_MB_ENV: repr(self.max_dir_mb),
         }
 
 
@@ -261,9 +282,8 @@ TRACE_INITIAL = ("off", "on", "comm")
 
 def trace_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> TraceConfig:
     env = os.environ if env is None else env
-    read = lambda name, default: default if (v := env_value(f"{ENV_PREFIX}{name}", env)) is None else v  # noqa: E731
-    return TraceConfig(dir=env.get(f"{ENV_PREFIX}TRACE_DIR", ""), max_file_mb=read("TRACE_MAX_FILE_MB", 10.0),
-                       max_dir_mb=read("TRACE_MAX_DIR_MB", 1000.0))
+    given = _given(env, max_file_mb=TRACE_MAX_FILE_MB_ENV, max_dir_mb=TRACE_MAX_DIR_MB_ENV)
+    return TraceConfig(dir=env.get(TRACE_DIR_ENV, ""), **given)
 
 
 # A listening socket's header and idle timeouts are tens of seconds at most (undying.manager.conns).
@@ -491,10 +511,13 @@ class JobConfig:
                       and mine.get(k) != theirs.get(k))
 
     def timeout_env(self) -> dict[str, str]:
-        """The timeouts a worker needs, as environment variables."""
+        """The timeouts a worker needs, as environment variables.
+
+        Not the step timeout: only the agent judges a step's stall, from its own config (no worker reads it).
+        """
         return {
-            f"{ENV_PREFIX}TIMEOUT_{f.name.upper()}": repr(getattr(self.timeouts, f.name))
-            for f in dataclasses.fields(self.timeouts)
+            name: repr(getattr(self.timeouts, field))
+            for field, name in TIMEOUT_ENVS.items() if name != TIMEOUT_STEP_ENV
         }
 
 
@@ -502,16 +525,14 @@ def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> T
     """Read every ``UNDYING_TIMEOUT_*`` override; unknown values fall back to defaults."""
     env = os.environ if env is None else env
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(Timeouts):
-        raw = env.get(f"{ENV_PREFIX}TIMEOUT_{f.name.upper()}")
+    for field_name, name in TIMEOUT_ENVS.items():
+        raw = env.get(name)
         if raw is None:
             continue
         try:
-            kwargs[f.name] = float(raw)
+            kwargs[field_name] = float(raw)
         except ValueError as e:
-            raise UsageError(
-                f"{ENV_PREFIX}TIMEOUT_{f.name.upper()}={raw!r} is not a number of seconds"
-            ) from e
+            raise UsageError(f"{name}={raw!r} is not a number of seconds") from e
     timeouts = Timeouts(**kwargs)
     timeouts.validate()
     return timeouts

@@ -41,6 +41,45 @@ from dataclasses import dataclass
 from typing import Any
 
 from undying.errors import UsageError
+from undying.protocol.env import (
+    AGENT_ADDR_ENV,
+    AGENT_PID_ENV,
+    BACKEND_ENV,
+    CHECKPOINT_DIR_ENV,
+    CONSOLE_ENV,
+    CONTROL_ADDR_ENV,
+    DEMO_QUIET_ENV,
+    GENERATION_ENV,
+    HOST_NAME_ENV,
+    INCARNATION_ENV,
+    JOB_DIR_ENV,
+    JOB_ID_ENV,
+    JOINING_ENV,
+    KEEP_ENV,
+    LOG_DIR_ENV,
+    NODE_NAME_ENV,
+    NUMERICS_ENV,
+    REDIRECTS_ENV,
+    REPLICATE_ENV,
+    REPLICATE_EVERY_ENV,
+    RESUME_DIGEST_ENV,
+    RESUME_FROM_ENV,
+    RETURNED_FILE_ENV,
+    SAVE_EVERY_ENV,
+    SAVE_INTERVAL_ENV,
+    SEED_ENV,
+    STORE_ADDR_ENV,
+    TEE_ENV,
+    TIMEOUT_ENVS,
+    TIMEOUT_STEP_ENV,
+    TRACE_DIR_ENV,
+    TRACE_MAX_DIR_MB_ENV,
+    TRACE_MAX_FILE_MB_ENV,
+    VERIFY_EVERY_ENV,
+    VERIFY_SERVE_DIR_ENV,
+    VIRTUAL_RANKS_ENV,
+    WORKER_START_ENV,
+)
 
 __all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite",
            "check_host_name", "check_address", "check_manager_url", "check_folder", "open_regular", "open_user_file", "check_every",
@@ -258,7 +297,7 @@ _NUMERICS_FIELDS: dict[str, Callable[[str], Any]] = {
     "max_skips_in_a_row": _whole(1, 1_000_000), "max_skipped_share": _share}
 
 
-def numerics_fields(raw: str, where: str = "UNDYING_NUMERICS") -> dict[str, Any]:
+def numerics_fields(raw: str, where: str = NUMERICS_ENV) -> dict[str, Any]:
     """The fields of ``Numerics`` that ``raw`` (``field=value,...``) sets, each read and bounded; else one line."""
     fields: dict[str, Any] = {}
     for item in raw.split(","):
@@ -362,41 +401,41 @@ class EnvVar:
 _OWN = "set by undying for its own processes; unset it"
 _BY_RUN = "set by undying run from its options"
 # The timeouts (undying.config.Timeouts' fields), each set for every rank from undying run's options.
-TIMEOUT_NAMES = ("RENDEZVOUS", "CONNECT", "COLLECTIVE", "RECOVERY", "COMM_ERROR_GRACE", "STOP_GRACE", "HEARTBEAT",
-                 "INIT", "NODE_WAIT", "STEP", "SPARE_TAKE", "EXIT")
+TIMEOUT_NAMES = tuple(field.upper() for field in TIMEOUT_ENVS)
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
-    EnvVar("UNDYING_VERIFY_EVERY", lambda t: check_every(t, "UNDYING_VERIFY_EVERY"), "undying run --verify-every K"),
-    EnvVar("UNDYING_NUMERICS", numerics_fields, "undying run --numerics POLICY"),
-    EnvVar("UNDYING_VIRTUAL_RANKS", _whole(1, 1_000_000), "undying run --virtual-ranks V"),
-    EnvVar("UNDYING_SEED", _whole(0, 2**63 - 1), "undying run --seed N"),
-    EnvVar("UNDYING_WORKER_START", _choice("zygote", "spawn"), "zygote (the default) or spawn"),
-    EnvVar("UNDYING_HOST_NAME", _host, "this node's host name as the job calls it"),
-    EnvVar("UNDYING_REPLICATE", _choice("off", "ring"), "undying run --replicate off|ring"),
-    EnvVar("UNDYING_REPLICATE_EVERY", _whole(1, 1_000_000), "undying run --replicate-every N"),
-    *(EnvVar(f"UNDYING_TIMEOUT_{n}", _seconds if n == "STEP" else _timeout, _BY_RUN, blank=False)
-      for n in TIMEOUT_NAMES),
-    EnvVar("UNDYING_SAVE_EVERY", _whole(0, 2**62), _BY_RUN, blank=False),
-    EnvVar("UNDYING_SAVE_INTERVAL", _non_negative, _BY_RUN, blank=False),
-    EnvVar("UNDYING_KEEP", _whole(1, 1_000_000), _BY_RUN, blank=False),
-    EnvVar("UNDYING_TRACE_MAX_FILE_MB", _positive, _BY_RUN, blank=False),
-    EnvVar("UNDYING_TRACE_MAX_DIR_MB", _positive, _BY_RUN, blank=False),
-    EnvVar("UNDYING_REDIRECTS", _whole(0, 3), _BY_RUN),
-    EnvVar("UNDYING_TEE", _whole(0, 3), _BY_RUN),
-    EnvVar("UNDYING_GENERATION", _whole(0, 2**62), _OWN, blank=False),
-    EnvVar("UNDYING_INCARNATION", _whole(0, 2**62), _OWN),
-    EnvVar("UNDYING_AGENT_PID", _whole(1, 2**31), _OWN, blank=False),
-    EnvVar("UNDYING_AGENT_ADDR", _address, _OWN, blank=False),
-    EnvVar("UNDYING_CONTROL_ADDR", _address, _OWN, blank=False),
-    EnvVar("UNDYING_STORE_ADDR", _address, _OWN),
-    EnvVar("UNDYING_JOINING", _choice("0", "1"), _OWN),
-    EnvVar("UNDYING_BACKEND", _choice("gloo", "nccl"), _OWN),
-    EnvVar("UNDYING_JOB_ID", _job_id, _OWN, blank=False),
+    EnvVar(VERIFY_EVERY_ENV, lambda t: check_every(t, VERIFY_EVERY_ENV), "undying run --verify-every K"),
+    EnvVar(NUMERICS_ENV, numerics_fields, "undying run --numerics POLICY"),
+    EnvVar(VIRTUAL_RANKS_ENV, _whole(1, 1_000_000), "undying run --virtual-ranks V"),
+    EnvVar(SEED_ENV, _whole(0, 2**63 - 1), "undying run --seed N"),
+    EnvVar(WORKER_START_ENV, _choice("zygote", "spawn"), "zygote (the default) or spawn"),
+    EnvVar(HOST_NAME_ENV, _host, "this node's host name as the job calls it"),
+    EnvVar(REPLICATE_ENV, _choice("off", "ring"), "undying run --replicate off|ring"),
+    EnvVar(REPLICATE_EVERY_ENV, _whole(1, 1_000_000), "undying run --replicate-every N"),
+    *(EnvVar(name, _seconds if name == TIMEOUT_STEP_ENV else _timeout, _BY_RUN, blank=False)
+      for name in TIMEOUT_ENVS.values()),
+    EnvVar(SAVE_EVERY_ENV, _whole(0, 2**62), _BY_RUN, blank=False),
+    EnvVar(SAVE_INTERVAL_ENV, _non_negative, _BY_RUN, blank=False),
+    EnvVar(KEEP_ENV, _whole(1, 1_000_000), _BY_RUN, blank=False),
+    EnvVar(TRACE_MAX_FILE_MB_ENV, _positive, _BY_RUN, blank=False),
+    EnvVar(TRACE_MAX_DIR_MB_ENV, _positive, _BY_RUN, blank=False),
+    EnvVar(REDIRECTS_ENV, _whole(0, 3), _BY_RUN),
+    EnvVar(TEE_ENV, _whole(0, 3), _BY_RUN),
+    EnvVar(GENERATION_ENV, _whole(0, 2**62), _OWN, blank=False),
+    EnvVar(INCARNATION_ENV, _whole(0, 2**62), _OWN),
+    EnvVar(AGENT_PID_ENV, _whole(1, 2**31), _OWN, blank=False),
+    EnvVar(AGENT_ADDR_ENV, _address, _OWN, blank=False),
+    EnvVar(CONTROL_ADDR_ENV, _address, _OWN, blank=False),
+    EnvVar(STORE_ADDR_ENV, _address, _OWN),
+    EnvVar(JOINING_ENV, _choice("0", "1"), _OWN),
+    EnvVar(BACKEND_ENV, _choice("gloo", "nccl"), _OWN),
+    EnvVar(JOB_ID_ENV, _job_id, _OWN, blank=False),
     # (a process with it set serves as the job's verifier: never one a launcher starts)
-    EnvVar("UNDYING_VERIFY_SERVE_DIR", _none, "set by undying for its verifier; unset it"),
+    EnvVar(VERIFY_SERVE_DIR_ENV, _none, "set by undying for its verifier; unset it"),
     # Any text is a value: paths, names, switches read as "set or not".
-    *(EnvVar(f"UNDYING_{n}", _any, "") for n in (
-        "CHECKPOINT_DIR", "TRACE_DIR", "LOG_DIR", "CONSOLE", "JOB_DIR", "RESUME_FROM", "RETURNED_FILE",
-        "NODE_NAME", "RESUME_DIGEST", "DEMO_QUIET")),
+    *(EnvVar(name, _any, "") for name in (
+        CHECKPOINT_DIR_ENV, TRACE_DIR_ENV, LOG_DIR_ENV, CONSOLE_ENV, JOB_DIR_ENV,
+        RESUME_FROM_ENV, RETURNED_FILE_ENV, NODE_NAME_ENV, RESUME_DIGEST_ENV,
+        DEMO_QUIET_ENV)),
 )}
 # (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by undying.jobfiles.tokens.)
 

@@ -38,7 +38,7 @@ from tests.integration.jobs import manager_url, start_job, wait_running
 from undying.checkpoint.mac import key_from_token
 from undying.cli.main import main
 from undying.jobfiles.tokens import TOKEN_FILE
-from undying.protocol.keys import CHECKPOINT_KEY_ENV, STORE_KEY_ENV, TOKEN_ENV
+from undying.protocol.env import CHECKPOINT_KEY_ENV, STORE_KEY_ENV, TOKEN_ENV
 from undying.protocol.store_wire import store_key_from_token
 
 NOBODY = 65534

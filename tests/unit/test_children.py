@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from undying.agent.children import (
-    MARK_ENV,
     ChildProcess,
     Orphans,
     become_subreaper,
@@ -26,6 +25,7 @@ from undying.agent.children import (
     kill_tree,
     release_subreaper,
 )
+from undying.protocol.env import AGENT_PID_ENV
 
 # A "rank" that leaves two children in sessions of their own and exits: one with the agent's mark in its
 # environment (inherited, as a rank's children get it), one whose environment was replaced.
@@ -58,7 +58,7 @@ def test_an_orphan_of_a_rank_is_ended_after_its_grace_and_anything_else_is_left_
     assert become_subreaper()
     foreign = 0
     try:
-        env = {**os.environ, MARK_ENV: str(os.getpid())}
+        env = {**os.environ, AGENT_PID_ENV: str(os.getpid())}
         out = subprocess.run([sys.executable, "-c", LEAVER], env=env, capture_output=True, text=True, timeout=30)
         marked, foreign = (int(p) for p in out.stdout.split())
         assert _parent(marked) == os.getpid() and _parent(foreign) == os.getpid()  # adopted, not init's
@@ -82,7 +82,7 @@ def test_an_orphan_of_a_rank_is_ended_after_its_grace_and_anything_else_is_left_
 
 def test_a_watched_worker_is_no_orphan_and_its_exit_is_read_by_its_pidfd() -> None:
     async def run() -> tuple[list[int], int]:
-        env = {**os.environ, MARK_ENV: str(os.getpid())}
+        env = {**os.environ, AGENT_PID_ENV: str(os.getpid())}
         popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
         # (a Popen stands in for a forked worker: the agent's child, watched by a pidfd)
         worker = ChildProcess(popen.pid)

@@ -15,12 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from undying.checkpoint.mac import KEY_ENV
+from undying.checkpoint.mac import CHECKPOINT_KEY_ENV as KEY_ENV
+from undying.protocol.env import AGENT_PID_ENV, CHECKPOINT_KEY_ENV, STORE_KEY_ENV, TOKEN_ENV
 from undying.protocol.keys import (
-    AGENT_PID_ENV,
-    CHECKPOINT_KEY_ENV,
-    STORE_KEY_ENV,
-    TOKEN_ENV,
     child_environment,
     inherited_key_problem,
     started_by_an_agent,

@@ -15,10 +15,11 @@ from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.core import JobCore
 from undying.manager.divergence import Divergence
+from undying.protocol.env import SEED_ENV
 from undying.protocol.worker_wire import Progress, StepBegun
 from undying.worker.fingerprint import batch_fingerprint
 from undying.worker.job import Job
-from undying.worker.seed import SEED_ENV, seed_everything, seed_from_env
+from undying.worker.seed import seed_everything, seed_from_env
 from undying.worker.state import State
 
 

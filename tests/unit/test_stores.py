@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from undying.manager.stores import StoreServer
+from undying.protocol.env import STORE_KEY_ENV
 from undying.protocol.store_client import JobStore
 from undying.protocol.store_wire import (
     MAX_FRAME,
-    STORE_KEY_ENV,
     Challenge,
     Welcome,
     decode,

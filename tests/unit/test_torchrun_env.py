@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from undying.agent.exits import returned_exit
-from undying.agent.torchrun_env import SEED_ENV, TorchrunEnv
+from undying.agent.torchrun_env import TorchrunEnv
 from undying.config import ERROR_FILE, RETURNED_FILE, JobConfig, LaunchConfig, Timeouts, worker_dir
 from undying.manager.detection import error_file
+from undying.protocol.env import SEED_ENV
 from undying.protocol.generations import GenerationRecord
 
 
@@ -111,8 +112,8 @@ def test_a_returned_rank_is_done_whatever_its_exit(tmp_path: Path) -> None:
 def test_a_promoted_standby_gives_its_ranks_the_environment_of_the_node_it_takes_over(tmp_path: Path) -> None:
     """A standby given node 1, and node 1's own agent, both started without --job-dir (their own dir is
     elsewhere): their ranks get the same environment, GROUP_RANK 1 and the error file in the job's dir."""
-    from undying.agent.agent import AGENT_KEY_ENV
     from undying.agent.remote import NodeRunner
+    from undying.protocol.env import AGENT_KEY_ENV
 
     job_dir, own = tmp_path / "job", tmp_path / "undying-jobs" / "job-1"  # the manager's; the agents' default
     config = _config(tmp_path, nproc_per_node=2, nnodes=2, node_rank=1)

@@ -11,12 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from undying.checkpoint.mac import KEY_ENV
 from undying.protocol.codec import Message
+from undying.protocol.env import CHECKPOINT_KEY_ENV, VERIFY_KEY_ENV
 from undying.worker.verify import MAX_RESTARTS, Verification
 from undying.worker.verify_files import (
     MAGIC,
-    VERIFY_KEY_ENV,
     ForgedFile,
     key_for_verifier,
     load_sealed,
@@ -62,7 +61,7 @@ def test_a_forged_state_is_never_unpickled(tmp_path: Path) -> None:
 def test_the_verify_key_is_derived_and_the_verifier_gets_only_it() -> None:
     derived = verify_key(KEY)
     assert len(derived) == 32 and derived != KEY
-    assert key_for_verifier({KEY_ENV: KEY.hex()}) == derived  # a rank: from its checkpoint key
+    assert key_for_verifier({CHECKPOINT_KEY_ENV: KEY.hex()}) == derived  # a rank: from its checkpoint key
     assert key_for_verifier({VERIFY_KEY_ENV: derived.hex()}) == derived  # the verifier: its own
     assert key_for_verifier({}) is None and key_for_verifier({VERIFY_KEY_ENV: "zz"}) is None
 

@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from undying.cli.main import main
 from undying.demo.shrink import check_incidents, refuse
 from undying.errors import UsageError
+from undying.protocol.env import VIRTUAL_RANKS_ENV
 from undying.worker import rng
 from undying.worker.job import Job
 from undying.worker.state import State
-from undying.worker.virtual import VIRTUAL_RANKS_ENV, fold, layout, virtual_ranks_from_env
+from undying.worker.virtual import fold, layout, virtual_ranks_from_env
 
 
 @pytest.mark.parametrize(("virtual", "world"), [(4, 1), (4, 2), (4, 3), (4, 4), (7, 3), (16, 5)])

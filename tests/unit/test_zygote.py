@@ -22,9 +22,10 @@ import pytest
 
 from undying.agent.children import ChildProcess, release_subreaper
 from undying.agent.liveness import process_state
-from undying.agent.zygote import START_ENV, Zygote, ZygoteKeeper, start_mode
+from undying.agent.zygote import Zygote, ZygoteKeeper, start_mode
 from undying.config import EXIT_SCRIPT_ERROR
 from undying.errors import UsageError
+from undying.protocol.env import WORKER_START_ENV
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
@@ -192,6 +193,6 @@ def test_a_zygote_that_cannot_start_says_why() -> None:
 
 def test_the_start_mode_is_checked() -> None:
     assert start_mode({}) == "zygote"
-    assert start_mode({START_ENV: "spawn"}) == "spawn"
-    with pytest.raises(UsageError, match=f"{START_ENV}='fork'.*'zygote'.*'spawn'"):
-        start_mode({START_ENV: "fork"})
+    assert start_mode({WORKER_START_ENV: "spawn"}) == "spawn"
+    with pytest.raises(UsageError, match=f"{WORKER_START_ENV}='fork'.*'zygote'.*'spawn'"):
+        start_mode({WORKER_START_ENV: "fork"})

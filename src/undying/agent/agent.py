@@ -29,9 +29,9 @@ from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
 from undying.agent.zygote import ZygoteKeeper, start_mode
 from undying.config import EXIT_REGROUPED, JobConfig, step_timeout
-from undying.protocol.channel_key import AGENT_KEY_ENV, new_key, shows_key
+from undying.protocol import env as names
+from undying.protocol.channel_key import new_key, shows_key
 from undying.protocol.codec import Handlers, Message, MessageError
-from undying.protocol.env import ENV_PREFIX
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.keys import DERIVED_KEY_ENVS, child_environment
 from undying.protocol.kinds import InjectPhase, WorkerPhase
@@ -247,14 +247,14 @@ class Agent:
         env = child_environment(os.environ, {k: v for k, v in self.extra_env.items() if k in DERIVED_KEY_ENVS})
         env.update(
             {
-                f"{ENV_PREFIX}JOB_ID": self.config.job_id,
-                f"{ENV_PREFIX}JOB_DIR": self.config.job_dir,
-                f"{ENV_PREFIX}AGENT_ADDR": f"127.0.0.1:{self._port}",
-                f"{ENV_PREFIX}AGENT_PID": str(os.getpid()),
-                AGENT_KEY_ENV: self._key,
+                names.JOB_ID_ENV: self.config.job_id,
+                names.JOB_DIR_ENV: self.config.job_dir,
+                names.AGENT_ADDR_ENV: f"127.0.0.1:{self._port}",
+                names.AGENT_PID_ENV: str(os.getpid()),
+                names.AGENT_KEY_ENV: self._key,
                 # What traces name this node by: its host, and with several nodes its rank too
                 # (two agents may share a host name: pods of one node, test hosts).
-                f"{ENV_PREFIX}NODE_NAME": socket.gethostname() if self.config.nnodes == 1
+                names.NODE_NAME_ENV: socket.gethostname() if self.config.nnodes == 1
                 else f"{socket.gethostname()}/{self.node}",
             }
         )
@@ -272,16 +272,16 @@ class Agent:
         """What makes a process rank ``rank`` of ``record``'s generation: torchrun's variables and undying's."""
         return {
             **self._torchrun.rank(rank, record, incarnation, self.manager_host),
-            f"{ENV_PREFIX}INCARNATION": str(incarnation),
-            f"{ENV_PREFIX}RESUME_FROM": resume_from,
+            names.INCARNATION_ENV: str(incarnation),
+            names.RESUME_FROM_ENV: resume_from,
             # The generation's store lives in the manager: across hosts, where this agent reached it.
-            f"{ENV_PREFIX}STORE_ADDR": f"{self.manager_host or record.store_host}:{record.store_port}",
-            f"{ENV_PREFIX}CONTROL_ADDR": f"{self.manager_host or self.config.host}:{self.control_port}",
-            f"{ENV_PREFIX}GENERATION": str(record.generation),
-            f"{ENV_PREFIX}JOINING": "1" if joining else "0",
-            f"{ENV_PREFIX}BACKEND": self.config.backend,
+            names.STORE_ADDR_ENV: f"{self.manager_host or record.store_host}:{record.store_port}",
+            names.CONTROL_ADDR_ENV: f"{self.manager_host or self.config.host}:{self.control_port}",
+            names.GENERATION_ENV: str(record.generation),
+            names.JOINING_ENV: "1" if joining else "0",
+            names.BACKEND_ENV: self.config.backend,
             # (again: a standby's spare started before the manager gave its agent a node)
-            f"{ENV_PREFIX}NODE_NAME": self._base_environment()[f"{ENV_PREFIX}NODE_NAME"],
+            names.NODE_NAME_ENV: self._base_environment()[names.NODE_NAME_ENV],
         }
 
     def _start_process(self, env: dict[str, str], *, spare: bool) -> Process:

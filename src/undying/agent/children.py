@@ -46,12 +46,11 @@ import time
 from undying.protocol.env import AGENT_PID_ENV
 
 __all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree", "Orphans",
-           "MARK_ENV", "WATCHED"]
+           "WATCHED"]
 
 log = logging.getLogger("undying.agent")
 
 _PR_SET_CHILD_SUBREAPER = 36
-MARK_ENV = AGENT_PID_ENV  # (what every worker's environment holds)
 # PIDs of the workers this process watches (until their exit is read): never taken for orphans.
 WATCHED: set[int] = set()
 
@@ -190,7 +189,7 @@ class Orphans:
 
     def __init__(self, grace_s: float = 1.0) -> None:
         self.grace_s = grace_s
-        self._mark = f"{MARK_ENV}={os.getpid()}".encode()
+        self._mark = f"{AGENT_PID_ENV}={os.getpid()}".encode()  # (what every worker's environment holds)
         self._seen: dict[int, float] = {}  # adopted PID -> when first seen
         self.ended: list[int] = []  # (for the log and tests)
 

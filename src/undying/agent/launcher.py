@@ -26,7 +26,7 @@ from pathlib import Path
 from undying.agent import hangup
 from undying.agent.agent import Agent
 from undying.agent.netif import interface_for
-from undying.checkpoint.mac import KEY_ENV, key_from_token, set_key
+from undying.checkpoint.mac import key_from_token, set_key
 from undying.cli.summary import print_banner, print_end_summary
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
@@ -38,7 +38,8 @@ from undying.manager.checkpoint_health import resume_line
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code
-from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
+from undying.protocol.env import CHECKPOINT_KEY_ENV, STORE_KEY_ENV
+from undying.protocol.store_wire import store_key_from_token
 from undying.worker.boot import script_error
 
 __all__ = ["launch"]
@@ -84,7 +85,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
             config, node=config.node_rank, script=script, script_args=script_args,
             manager=manager, control_port=control_port,
         )
-        agent.extra_env[KEY_ENV] = key.hex()
+        agent.extra_env[CHECKPOINT_KEY_ENV] = key.hex()
         agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # its workers reach the job's stores
         # gloo binds the address of the machine's hostname: on one node, keep its connections on the
         # interface the job listens on (loopback by default) unless the user chose one.

@@ -32,10 +32,11 @@ from pathlib import Path
 
 from undying.agent import hangup
 from undying.agent.agent import Agent
-from undying.checkpoint.mac import KEY_ENV, key_from_token
+from undying.checkpoint.mac import key_from_token
 from undying.config import JobConfig
 from undying.inputs import check_address
 from undying.protocol.codec import Codec, Handlers, Message
+from undying.protocol.env import CHECKPOINT_KEY_ENV, HOST_NAME_ENV, STORE_KEY_ENV
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
     AbortRank,
@@ -71,7 +72,7 @@ from undying.protocol.node_wire import (
     reports_line,
 )
 from undying.protocol.seams import ManagerLink
-from undying.protocol.store_wire import STORE_KEY_ENV, store_key_from_token
+from undying.protocol.store_wire import store_key_from_token
 from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import StepCommitted, TraceSet
 
@@ -270,7 +271,7 @@ class NodeRunner:
             self.agent.spares.want = max(config.spares, config.nproc_per_node)
         else:  # (a standby's agent waits for its zygote at start: its spares are forked from it)
             self.agent.manager_host = self.manager_host
-        self.agent.extra_env[KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
+        self.agent.extra_env[CHECKPOINT_KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
         self.agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # and reach the job's stores
         self.session = ""
         self._last_beat = 0.0  # monotonic: the manager's last line
@@ -385,7 +386,7 @@ class NodeRunner:
         return AgentJoin(
             job_id=self.config.job_id, node=max(self.node, 0), nnodes=self.config.nnodes,
             nproc_per_node=self.config.nproc_per_node, token=self.token, session=self.session,
-            pid=os.getpid(), host=os.environ.get("UNDYING_HOST_NAME") or socket.gethostname(), config=self.config.to_dict(),
+            pid=os.getpid(), host=os.environ.get(HOST_NAME_ENV) or socket.gethostname(), config=self.config.to_dict(),
             live={str(r): pid for r, pid in self.agent.live_pids().items()}, t=time.time(),
         )
 

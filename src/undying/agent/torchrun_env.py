@@ -35,16 +35,18 @@ import socket
 from typing import Protocol
 
 from undying.config import ERROR_FILE, RETURNED_FILE, JobConfig, worker_dir
-from undying.protocol.env import ENV_PREFIX, SEED_ENV
+from undying.protocol.env import (
+    CONSOLE_ENV,
+    LOG_DIR_ENV,
+    REDIRECTS_ENV,
+    RETURNED_FILE_ENV,
+    SEED_ENV,
+    TEE_ENV,
+)
 from undying.protocol.generations import GenerationRecord
 
-__all__ = ["TorchrunEnv", "EnvSource", "SEED_ENV", "STREAM_ENV"]
+__all__ = ["TorchrunEnv", "EnvSource"]
 
-# The job's seed, for undying.init() to seed torch, random and NumPy from.
-# The worker's output streams (read by undying.worker.boot): the log folder, the torchrun Std numbers
-# of --redirects and --tee, and whether the console shows this rank (--local-ranks-filter).
-STREAM_ENV = {"dir": f"{ENV_PREFIX}LOG_DIR", "redirects": f"{ENV_PREFIX}REDIRECTS", "tee": f"{ENV_PREFIX}TEE",
-              "console": f"{ENV_PREFIX}CONSOLE"}
 # torchrun's default --signals-to-handle (what its @record and elastic handlers read).
 _SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 _MULTI_NODE_MASTER_PORT = 29500
@@ -130,19 +132,19 @@ class TorchrunEnv:
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCHELASTIC_RESTART_COUNT": str(record.generation),
             "TORCHELASTIC_ERROR_FILE": os.path.join(folder, ERROR_FILE),
-            f"{ENV_PREFIX}RETURNED_FILE": os.path.join(folder, RETURNED_FILE),
+            RETURNED_FILE_ENV: os.path.join(folder, RETURNED_FILE),
         }
         env.update(self._streams(local, record.generation))
         return env
 
     def _streams(self, local: int, generation: int) -> dict[str, str]:
         launch = self.config.launch
-        env = {STREAM_ENV["console"]: "0" if launch.local_ranks_filter and local not in launch.local_ranks_filter
+        env = {CONSOLE_ENV: "0" if launch.local_ranks_filter and local not in launch.local_ranks_filter
                else "1"}
         redirects, tee = launch.streams(local, launch.redirects), launch.streams(local, launch.tee)
         if (redirects or tee) and launch.log_dir:
-            env[STREAM_ENV["dir"]] = os.path.join(os.path.abspath(launch.log_dir), self.config.job_id,
-                                                  f"attempt_{generation}", str(local))
-            env[STREAM_ENV["redirects"]] = str(redirects)
-            env[STREAM_ENV["tee"]] = str(tee)
+            env[LOG_DIR_ENV] = os.path.join(os.path.abspath(launch.log_dir), self.config.job_id,
+                                            f"attempt_{generation}", str(local))
+            env[REDIRECTS_ENV] = str(redirects)
+            env[TEE_ENV] = str(tee)
         return env

@@ -57,7 +57,7 @@ from undying.agent.children import ChildProcess, become_subreaper
 from undying.agent.liveness import process_state
 from undying.errors import UsageError
 from undying.protocol.codec import Handlers
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import WORKER_START_ENV
 from undying.protocol.zygote_wire import (
     Failed,
     FromZygote,
@@ -69,11 +69,10 @@ from undying.protocol.zygote_wire import (
     from_zygote,
 )
 
-__all__ = ["START_ENV", "Zygote", "ZygoteKeeper", "start_mode"]
+__all__ = ["Zygote", "ZygoteKeeper", "start_mode"]
 
 log = logging.getLogger("undying.agent")
 
-START_ENV = f"{ENV_PREFIX}WORKER_START"
 _MODES = ("zygote", "spawn")
 # A fork takes milliseconds; a zygote silent this long is broken (the agent's loop waits on it meanwhile).
 _REPLY_TIMEOUT = 3.0
@@ -82,9 +81,9 @@ _MAX_REPLACEMENTS = 20  # zygotes lost in one agent's life before it keeps to fr
 
 def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
     """``zygote`` or ``spawn``, from UNDYING_WORKER_START; anything else is an error that says what to set."""
-    value = (os.environ if env is None else env).get(START_ENV, "zygote").strip().lower() or "zygote"
+    value = (os.environ if env is None else env).get(WORKER_START_ENV, "zygote").strip().lower() or "zygote"
     if value not in _MODES:
-        raise UsageError(f"{START_ENV}={value!r}: expected 'zygote' (workers forked from one process that "
+        raise UsageError(f"{WORKER_START_ENV}={value!r}: expected 'zygote' (workers forked from one process that "
                          "imported torch, the default) or 'spawn' (a fresh interpreter per worker)")
     return value
 

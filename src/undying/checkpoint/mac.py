@@ -31,8 +31,9 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from undying.protocol.env import CHECKPOINT_KEY_ENV
+
 __all__ = [
-    "KEY_ENV",
     "key_from_token",
     "set_key",
     "using_key",
@@ -43,7 +44,6 @@ __all__ = [
     "signed_by_us",
 ]
 
-KEY_ENV = "UNDYING_CHECKPOINT_KEY"  # hex; set by the agent for its workers
 _LABEL = b"undying checkpoint MAC v1"
 _state: dict[str, bytes | None] = {"key": None}
 
@@ -75,7 +75,7 @@ def current_key() -> bytes | None:
 
 def key_from_environ(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The key an agent handed its worker (env ``UNDYING_CHECKPOINT_KEY``), None when it handed none."""
-    value = (os.environ if environ is None else environ).get(KEY_ENV, "")
+    value = (os.environ if environ is None else environ).get(CHECKPOINT_KEY_ENV, "")
     if not value:
         return None
     try:

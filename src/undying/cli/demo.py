@@ -37,6 +37,7 @@ from undying.errors import UsageError
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.tokens import find_token
+from undying.protocol.env import DEMO_QUIET_ENV
 
 __all__ = ["add_parser", "FAULTS", "run_job", "run_preempted", "load_preempted"]
 
@@ -385,5 +386,5 @@ def _render(result: dict[str, Any], console: Console) -> None:
         console.print(f"  [red]- {reason}[/red]")
     if "job_dirs" in result:
         console.print(f"job dirs: {result['job_dirs']}")
-    if os.environ.get("UNDYING_DEMO_QUIET") is None:
+    if os.environ.get(DEMO_QUIET_ENV) is None:
         console.print("[bold green]OK[/bold green]" if result["ok"] else "[bold red]FAILED[/bold red]")

@@ -44,8 +44,13 @@ from undying.inputs import (
     open_user_file,
 )
 from undying.jobfiles.jobdir import default_job_dir
-from undying.protocol.env import NUMERICS_ENV, VIRTUAL_RANKS_ENV
-from undying.protocol.verify_wire import VERIFY_EVERY_ENV
+from undying.protocol.env import (
+    NUMERICS_ENV,
+    REPLICATE_ENV,
+    REPLICATE_EVERY_ENV,
+    VERIFY_EVERY_ENV,
+    VIRTUAL_RANKS_ENV,
+)
 
 __all__ = ["add_parser"]
 
@@ -435,9 +440,9 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             grace_period=args.grace_period,
             gasp_reuse_s=args.gasp_reuse_within,
             # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader, named if bad)
-            replicate=args.replicate or env_value("UNDYING_REPLICATE") or "off",
+            replicate=args.replicate or env_value(REPLICATE_ENV) or CheckpointConfig.replicate,
             replicate_every=args.replicate_every if args.replicate_every is not None
-            else env_value("UNDYING_REPLICATE_EVERY") or 1,
+            else env_value(REPLICATE_EVERY_ENV) or CheckpointConfig.replicate_every,
         ),
         connections=connection_limits(args),
         trace=TraceConfig(

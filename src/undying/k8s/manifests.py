@@ -42,6 +42,7 @@ from typing import Any, cast
 
 from undying.errors import UsageError
 from undying.k8s.grace import Grace
+from undying.protocol.env import TOKEN_ENV
 
 __all__ = [
     "Spec",
@@ -303,7 +304,7 @@ def _meta(spec: Spec, name: str, component: str) -> dict[str, Any]:
 
 
 def _token_env(spec: Spec) -> dict[str, Any]:
-    return {"name": "UNDYING_TOKEN",
+    return {"name": TOKEN_ENV,
             "valueFrom": {"secretKeyRef": {"name": spec.secret_name, "key": TOKEN_KEY}}}
 
 

@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from undying.checkpoint.mac import key_from_token, set_key
-from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, ConnectionLimits, JobConfig
+from undying.config import (
+    EXIT_PREEMPTED,
+    EXIT_PREEMPTED_BEHIND,
+    ConnectionLimits,
+    JobConfig,
+    Timeouts,
+)
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, read_job_table
 from undying.jobfiles.jobdir import JobDir
@@ -134,7 +140,7 @@ async def _serve(options: ManagerOptions) -> int:
     set_key(key_from_token(token))  # the checkpoints it resumes from are checked under the job's key
     gate = _Gate(options, token)
     prior = read_job_table(job_dir.events_db) if restart else {}
-    heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", 30.0))
+    heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", Timeouts.heartbeat))
     server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat,
                          max_connections=options.connections.cap, join_wait_s=options.connections.header_timeout)
     try:

@@ -14,11 +14,9 @@ import hmac
 import os
 import secrets
 
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import AGENT_KEY_ENV
 
-__all__ = ["AGENT_KEY_ENV", "hello_line", "new_key", "shows_key"]
-
-AGENT_KEY_ENV = f"{ENV_PREFIX}AGENT_KEY"
+__all__ = ["hello_line", "new_key", "shows_key"]
 
 
 def new_key() -> str:

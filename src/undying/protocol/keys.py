@@ -29,16 +29,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import AGENT_PID_ENV, CHECKPOINT_KEY_ENV, STORE_KEY_ENV, TOKEN_ENV
 
-__all__ = ["TOKEN_ENV", "CHECKPOINT_KEY_ENV", "STORE_KEY_ENV", "DERIVED_KEY_ENVS", "AGENT_PID_ENV",
-           "child_environment", "inherited_key_problem", "started_by_an_agent"]
+__all__ = ["DERIVED_KEY_ENVS", "child_environment", "inherited_key_problem", "started_by_an_agent"]
 
-TOKEN_ENV = f"{ENV_PREFIX}TOKEN"
-CHECKPOINT_KEY_ENV = f"{ENV_PREFIX}CHECKPOINT_KEY"  # (undying.checkpoint.mac.KEY_ENV)
-STORE_KEY_ENV = f"{ENV_PREFIX}STORE_KEY"  # (undying.protocol.store_wire.STORE_KEY_ENV)
 DERIVED_KEY_ENVS = (CHECKPOINT_KEY_ENV, STORE_KEY_ENV)
-AGENT_PID_ENV = f"{ENV_PREFIX}AGENT_PID"  # set by the agent for the processes it starts
 _SECRETS = (TOKEN_ENV, *DERIVED_KEY_ENVS)
 _MAX_DEPTH = 64
 

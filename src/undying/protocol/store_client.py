@@ -36,6 +36,7 @@ from urllib.parse import parse_qs, urlparse
 import msgspec
 import torch.distributed as dist
 
+from undying.protocol.env import GENERATION_ENV, STORE_ADDR_ENV
 from undying.protocol.store_wire import (
     NONCE_BYTES,
     Challenge,
@@ -257,16 +258,16 @@ def use_for_env_rendezvous() -> None:
 
     def handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
         key = key_from_environ(os.environ)
-        if key is None or "UNDYING_GENERATION" not in os.environ:
+        if key is None or GENERATION_ENV not in os.environ:
             yield from original(url, timeout=timeout, **kwargs)
             return
         query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
         rank = int(query.get("rank", os.environ["RANK"]))
         world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
         # (MASTER_ADDR/PORT are the script's own store's, TORCHELASTIC_USE_AGENT_STORE=False; the job's is here)
-        host, _, port = os.environ.get("UNDYING_STORE_ADDR", "").rpartition(":")
+        host, _, port = os.environ.get(STORE_ADDR_ENV, "").rpartition(":")
         store = hold("generation", JobStore(host or os.environ["MASTER_ADDR"], int(port or os.environ["MASTER_PORT"]),
-                                            generation_store(int(os.environ["UNDYING_GENERATION"])), key, timeout))
+                                            generation_store(int(os.environ[GENERATION_ENV])), key, timeout))
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 

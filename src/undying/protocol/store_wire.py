@@ -32,15 +32,15 @@ from typing import Any
 import msgspec
 
 from undying.protocol import framing
+from undying.protocol.env import STORE_KEY_ENV
 
 __all__ = [
-    "STORE_KEY_ENV", "CONTROL_STORE", "MAX_FRAME", "NONCE_BYTES",
+    "CONTROL_STORE", "MAX_FRAME", "NONCE_BYTES",
     "store_key_from_token", "key_from_environ", "generation_store",
     "Challenge", "Proof", "Welcome", "Refused", "Request", "Reply",
     "proof_of", "frame", "read_frame_length", "decode",
 ]
 
-STORE_KEY_ENV = "UNDYING_STORE_KEY"  # hex; set by the agent for its workers and spares
 CONTROL_STORE = "control"
 MAX_FRAME = 64 * 1024 * 1024  # a store holds addresses and small records; a bigger frame is an attack or a bug
 NONCE_BYTES = 32

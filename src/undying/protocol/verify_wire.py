@@ -15,14 +15,8 @@ taken for one after it.
 from __future__ import annotations
 
 from undying.protocol.codec import Codec, Message
-from undying.protocol.env import ENV_PREFIX
 
-__all__ = ["VerifyRequest", "VerifyResult", "VERIFY_CODEC", "VERIFY_EVERY_ENV", "VERIFY_DIR_ENV", "file_name"]
-
-# undying run --verify-every K, for the workers (worker.verify): every K steps one rank's step is replayed.
-VERIFY_EVERY_ENV = f"{ENV_PREFIX}VERIFY_EVERY"
-# Set only in the verifier's own environment: the folder it serves (its presence makes it the verifier).
-VERIFY_DIR_ENV = f"{ENV_PREFIX}VERIFY_SERVE_DIR"
+__all__ = ["VerifyRequest", "VerifyResult", "VERIFY_CODEC", "file_name"]
 
 
 class VerifyRequest(Message, frozen=True):

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from undying.protocol.codec import Codec, Message, members
+from undying.protocol.env import DEFAULT_HEARTBEAT_TIMEOUT_S, TIMEOUT_HEARTBEAT_ENV
 
 __all__ = [
     "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
@@ -331,7 +332,7 @@ def spare_beat_interval(env: Mapping[str, str] | None = None) -> float:
     """
     env = os.environ if env is None else env
     try:
-        heartbeat = float(env.get("UNDYING_TIMEOUT_HEARTBEAT", "30"))
+        heartbeat = float(env.get(TIMEOUT_HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S))
     except ValueError:
-        heartbeat = 30.0
+        heartbeat = DEFAULT_HEARTBEAT_TIMEOUT_S
     return max(0.05, min(1.0, heartbeat / 4))

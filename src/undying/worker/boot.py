@@ -44,7 +44,13 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from undying.protocol.env import AGENT_PID_ENV
+from undying.protocol.env import (
+    AGENT_ADDR_ENV,
+    AGENT_PID_ENV,
+    JOB_DIR_ENV,
+    RETURNED_FILE_ENV,
+    TIMEOUT_EXIT_ENV,
+)
 
 _PR_SET_PDEATHSIG = 1
 _DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
@@ -117,7 +123,7 @@ def _wait_as_spare(script: Path) -> None:
     for name in ["torch", "torch.distributed", "sympy", "undying.worker", *_installed_imports(script)]:  # (PREWARM)
         with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
             importlib.import_module(name)
-    host, port = os.environ["UNDYING_AGENT_ADDR"].rsplit(":", 1)
+    host, port = os.environ[AGENT_ADDR_ENV].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as channel:
         channel.settimeout(None)
         channel.sendall(hello_line() + encode(SpareReady(os.getpid(), time.time())))
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
         # undying's frames, and once for the job (every rank would say the same): the first rank
         # to fail leaves it in the job dir, where the manager reads it into the job's failure.
         message = script_error(e).replace("\n    ", " :: ")
-        job_dir = os.environ.get("UNDYING_JOB_DIR", "")
+        job_dir = os.environ.get(JOB_DIR_ENV, "")
         told = False
         if job_dir:
             try:
@@ -217,13 +223,15 @@ def _returned() -> None:
     interpreter lock: an exit deadlocked on it (a thread joining one that waits
     for the lock) ends too.
     """
-    marker = os.environ.get("UNDYING_RETURNED_FILE", "")
+    marker = os.environ.get(RETURNED_FILE_ENV, "")
     if not marker:
         return
+    from undying.config import Timeouts  # (its field holds the default: written there only)
+
     try:
-        grace = float(os.environ.get("UNDYING_TIMEOUT_EXIT", "10"))
+        grace = float(os.environ.get(TIMEOUT_EXIT_ENV, Timeouts.exit))
     except ValueError:
-        grace = 10.0
+        grace = Timeouts.exit
     with contextlib.suppress(OSError), open(marker, "w") as f:
         f.write(str(time.time()))
     grace = max(0.01, grace)
@@ -247,7 +255,7 @@ def _end() -> None:
     (its slowest rank's). A stuck thread or handler is still ended by the
     timer ``_returned`` armed.
     """
-    if not os.environ.get("UNDYING_RETURNED_FILE"):
+    if not os.environ.get(RETURNED_FILE_ENV):
         return  # not under an agent: the interpreter ends as it would
     end_process()
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from undying.config import (
-    ENV_PREFIX,
     CheckpointConfig,
+    JobConfig,
     Timeouts,
     TraceConfig,
     checkpoint_from_env,
@@ -17,7 +17,18 @@ from undying.config import (
 )
 from undying.errors import UsageError
 from undying.inputs import env_value
-from undying.protocol.store_wire import STORE_KEY_ENV, key_from_environ
+from undying.protocol.env import (
+    AGENT_ADDR_ENV,
+    BACKEND_ENV,
+    CONTROL_ADDR_ENV,
+    GENERATION_ENV,
+    INCARNATION_ENV,
+    JOB_ID_ENV,
+    JOINING_ENV,
+    RESUME_FROM_ENV,
+    STORE_KEY_ENV,
+)
+from undying.protocol.store_wire import key_from_environ
 
 __all__ = ["WorkerEnv"]
 
@@ -50,12 +61,12 @@ class WorkerEnv:
     def from_environ(cls) -> WorkerEnv | None:
         """None when this process was not started by ``undying run``."""
         env = os.environ
-        if f"{ENV_PREFIX}CONTROL_ADDR" not in env:
+        if CONTROL_ADDR_ENV not in env:
             return None
-        control_host, control_port = env[f"{ENV_PREFIX}CONTROL_ADDR"].rsplit(":", 1)
-        agent_host, agent_port = env[f"{ENV_PREFIX}AGENT_ADDR"].rsplit(":", 1)
+        control_host, control_port = env[CONTROL_ADDR_ENV].rsplit(":", 1)
+        agent_host, agent_port = env[AGENT_ADDR_ENV].rsplit(":", 1)
         return cls(
-            job_id=env[f"{ENV_PREFIX}JOB_ID"],
+            job_id=env[JOB_ID_ENV],
             rank=int(env["RANK"]),
             local_rank=int(env["LOCAL_RANK"]),
             world_size=int(env["WORLD_SIZE"]),
@@ -64,14 +75,14 @@ class WorkerEnv:
             control_port=int(control_port),
             agent_host=agent_host,
             agent_port=int(agent_port),
-            generation=int(env[f"{ENV_PREFIX}GENERATION"]),
-            joining=env.get(f"{ENV_PREFIX}JOINING", "0") == "1",
-            backend=env.get(f"{ENV_PREFIX}BACKEND", "gloo"),
+            generation=int(env[GENERATION_ENV]),
+            joining=env.get(JOINING_ENV, "0") == "1",
+            backend=env.get(BACKEND_ENV, JobConfig.backend),
             timeouts=timeouts_from_env(env),
             checkpoint=checkpoint_from_env(env),
-            resume_from=env.get(f"{ENV_PREFIX}RESUME_FROM", ""),
+            resume_from=env.get(RESUME_FROM_ENV, ""),
             trace=trace_from_env(env),
-            incarnation=int(env_value(f"{ENV_PREFIX}INCARNATION", env) or 0),
+            incarnation=int(env_value(INCARNATION_ENV, env) or 0),
             store_key=_store_key(env),
         )
 

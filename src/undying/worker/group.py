@@ -25,6 +25,7 @@ from undying.errors import (
     GenerationSupersededError,
     RecoveryError,
 )
+from undying.protocol.env import GENERATION_ENV
 from undying.protocol.generations import GenerationRecord, generation_key, rank_owner_key
 from undying.protocol.store_client import JobStore, hold
 from undying.protocol.store_wire import generation_store
@@ -214,7 +215,7 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     os.environ["MASTER_ADDR"] = record.store_host
     os.environ["MASTER_PORT"] = str(record.store_port)
     os.environ["WORLD_SIZE"] = str(record.world_size)
-    os.environ["UNDYING_GENERATION"] = str(record.generation)  # the store env:// opens (use_for_env_rendezvous)
+    os.environ[GENERATION_ENV] = str(record.generation)  # the store env:// opens (use_for_env_rendezvous)
 
 
 def join_generation(

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from undying.config import CheckpointConfig
 from undying.errors import RecoveryError, UsageError
+from undying.protocol.env import REPLICATE_ENV, REPLICATE_EVERY_ENV
 
 __all__ = [
-    "ENV_REPLICATE",
-    "ENV_REPLICATE_EVERY",
     "ReplicationConfig",
     "ring_offset",
     "Copies",
@@ -52,8 +52,6 @@ __all__ = [
 
 log = logging.getLogger("undying.worker")
 
-ENV_REPLICATE = "UNDYING_REPLICATE"
-ENV_REPLICATE_EVERY = "UNDYING_REPLICATE_EVERY"
 MODES = ("off", "ring")
 
 # Point-to-point tags: the ring exchange and a restore's transfers never match each other's messages.
@@ -63,8 +61,9 @@ TAG_RESTORE = 7201
 
 @dataclass(frozen=True)
 class ReplicationConfig:
-    mode: str = "off"  # "off" or "ring"
-    every: int = 1  # replicate at steps that are multiples of this (and at a restore)
+    # The job's defaults, written on CheckpointConfig's fields only (the launcher's side of the variables).
+    mode: str = CheckpointConfig.replicate  # "off" or "ring"
+    every: int = CheckpointConfig.replicate_every  # replicate at steps that are multiples of this (and at a restore)
 
     @property
     def ring(self) -> bool:
@@ -73,16 +72,16 @@ class ReplicationConfig:
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> ReplicationConfig:
         env = os.environ if env is None else env
-        mode = env.get(ENV_REPLICATE, "off").strip().lower() or "off"
+        mode = env.get(REPLICATE_ENV, "").strip().lower() or cls.mode
         if mode not in MODES:
-            raise UsageError(f"{ENV_REPLICATE}={mode!r}: use one of {', '.join(MODES)}")
-        raw = env.get(ENV_REPLICATE_EVERY, "1").strip() or "1"
+            raise UsageError(f"{REPLICATE_ENV}={mode!r}: use one of {', '.join(MODES)}")
+        raw = env.get(REPLICATE_EVERY_ENV, "").strip() or str(cls.every)
         try:
             every = int(raw)
         except ValueError as e:
-            raise UsageError(f"{ENV_REPLICATE_EVERY}={raw!r}: give a whole number of steps >= 1") from e
+            raise UsageError(f"{REPLICATE_EVERY_ENV}={raw!r}: give a whole number of steps >= 1") from e
         if every < 1:
-            raise UsageError(f"{ENV_REPLICATE_EVERY}={every}: give a whole number of steps >= 1")
+            raise UsageError(f"{REPLICATE_EVERY_ENV}={every}: give a whole number of steps >= 1")
         return cls(mode, every)
 
 

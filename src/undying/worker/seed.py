@@ -17,10 +17,11 @@ from collections.abc import Mapping
 
 import torch
 
+from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.protocol.env import SEED_ENV
 
-__all__ = ["SEED_ENV", "seed_from_env", "seed_everything"]
+__all__ = ["seed_from_env", "seed_everything"]
 
 
 
@@ -28,7 +29,7 @@ def seed_from_env(env: Mapping[str, str] | None = None) -> int:
     """The seed ``undying run --seed`` passed, or 0; a value that is not a whole number >= 0 is refused."""
     raw = (os.environ if env is None else env).get(SEED_ENV, "").strip()
     if not raw:
-        return 0
+        return JobConfig.seed  # (--seed's default, written on its field only)
     try:
         value = int(raw)
     except ValueError:

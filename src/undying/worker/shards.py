@@ -38,6 +38,7 @@ from undying.checkpoint.manifest import Manifest
 from undying.checkpoint.planner import Member, PersistedState, RestorePlan, ring_replica_of
 from undying.checkpoint.sharded import latest_valid_shared, load_sharded, save_sharded
 from undying.errors import RecoveryError, UsageError
+from undying.protocol.env import RESUME_DIGEST_ENV
 from undying.protocol.worker_wire import CheckpointSaved, Progress
 from undying.worker import replica, sharding
 from undying.worker.context import JobContext
@@ -47,7 +48,7 @@ from undying.worker.restore import MODE_SHARDED, RankStatus
 if TYPE_CHECKING:
     from undying.worker.state import State
 
-__all__ = ["Shards", "ENV_RESUME_DIGEST", "stage"]
+__all__ = ["Shards", "stage"]
 
 log = logging.getLogger("undying.worker")
 
@@ -55,7 +56,6 @@ log = logging.getLogger("undying.worker")
 _SOURCE_NAMES = {"self": "live", "snapshot": "own", "replica": "replica"}
 
 # "1": a resumed rank reports the digest of the whole state it loaded (a gather; for tests and audits).
-ENV_RESUME_DIGEST = "UNDYING_RESUME_DIGEST"
 
 
 class Shards:
@@ -66,7 +66,7 @@ class Shards:
         self.config = replica.ReplicationConfig.from_environ()
         self.copies = replica.Copies()
         self.last_save: SaveResult | None = None  # the newest sharded checkpoint this job wrote
-        self.resume_digest = os.environ.get(ENV_RESUME_DIGEST, "") == "1"
+        self.resume_digest = os.environ.get(RESUME_DIGEST_ENV, "") == "1"
         self.quiet = False  # an internal optimizer step (DCP creating optimizer state) is no training step
         self._hooked: set[int] = set()
         self._replicated_once = False

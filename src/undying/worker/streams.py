@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 from undying.config import HANGUP_LOG
 from undying.inputs import env_value
+from undying.protocol.env import CONSOLE_ENV, JOB_DIR_ENV, LOG_DIR_ENV, REDIRECTS_ENV, TEE_ENV
 
 __all__ = ["direct_streams"]
 
@@ -44,10 +45,10 @@ def direct_streams() -> None:
 
 def _point_streams() -> None:
     env = os.environ
-    console = env.get("UNDYING_CONSOLE", "1") != "0"
-    folder = env.get("UNDYING_LOG_DIR", "")
-    redirects = int(env_value("UNDYING_REDIRECTS") or 0) if folder else 0  # (undying.inputs: the one reader)
-    tee = int(env_value("UNDYING_TEE") or 0) if folder else 0
+    console = env.get(CONSOLE_ENV, "1") != "0"
+    folder = env.get(LOG_DIR_ENV, "")
+    redirects = int(env_value(REDIRECTS_ENV) or 0) if folder else 0  # (undying.inputs: the one reader)
+    tee = int(env_value(TEE_ENV) or 0) if folder else 0
     if console and not redirects and not tee:
         return
     if folder:
@@ -126,7 +127,7 @@ def _guard_terminal() -> None:
 
 def _off_the_terminal(fd: int) -> None:
     """The hung-up terminal on ``fd`` replaced by ``<job dir>/launcher.log`` (or /dev/null without a job dir)."""
-    job_dir = os.environ.get("UNDYING_JOB_DIR", "")
+    job_dir = os.environ.get(JOB_DIR_ENV, "")
     try:
         target = os.open(os.path.join(job_dir, HANGUP_LOG) if job_dir else os.devnull,
                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

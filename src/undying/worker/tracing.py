@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from undying.protocol.codec import Message
+from undying.protocol.env import NODE_NAME_ENV
 from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import ArmFault, FaultInjected, TraceSet, TraceSummary
 from undying.trace.summary import StepSummarizer
@@ -55,7 +56,7 @@ class WorkerTracing:
         self._env = env
         self._send = send
         job_id = env.job_id if env is not None else "unmanaged"
-        self.tracer = Tracer(None, job_id=job_id, rank=rank, node=os.environ.get("UNDYING_NODE_NAME") or socket.gethostname())
+        self.tracer = Tracer(None, job_id=job_id, rank=rank, node=os.environ.get(NODE_NAME_ENV) or socket.gethostname())
         self._writer: TraceWriter | None = None
         self._writer_lock = threading.Lock()
         self._summarizer = StepSummarizer()

@@ -18,9 +18,9 @@ from typing import Any
 
 from undying.errors import UndyingError
 from undying.protocol.codec import Message
+from undying.protocol.env import VERIFY_KEY_ENV, VERIFY_SERVE_DIR_ENV
 from undying.protocol.verify_wire import (
     VERIFY_CODEC,
-    VERIFY_DIR_ENV,
     VerifyRequest,
     VerifyResult,
     file_name,
@@ -29,7 +29,6 @@ from undying.worker import rng
 from undying.worker.numerics import Numerics, NumericsGuard
 from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.verify_files import (
-    VERIFY_KEY_ENV,
     ForgedFile,
     key_for_verifier,
     load_sealed,
@@ -46,7 +45,7 @@ _POLL_S = 0.02
 
 def serving() -> bool:
     """Whether this process is a job's verifier (rank 0 started it with the folder to serve)."""
-    return bool(os.environ.get(VERIFY_DIR_ENV))
+    return bool(os.environ.get(VERIFY_SERVE_DIR_ENV))
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -73,7 +72,7 @@ def serve(state: Any, config: Numerics) -> Iterator[Step]:
     parent) is gone. A request whose files cannot be read is answered as not
     replayed (``differing == [-1]``), never as a verdict.
     """
-    folder = Path(os.environ[VERIFY_DIR_ENV])
+    folder = Path(os.environ[VERIFY_SERVE_DIR_ENV])
     key = key_for_verifier()
     if key is None:  # started by hand, not by rank 0: it could check nothing it loads
         log.error("verifier: no verify key (%s): it loads only files sealed by the job; leaving", VERIFY_KEY_ENV)

@@ -65,11 +65,17 @@ import torch
 import torch.distributed as dist
 
 from undying.protocol.codec import Message
-from undying.protocol.env import AGENT_PID_ENV, ENV_PREFIX, SEED_ENV
+from undying.protocol.env import (
+    AGENT_PID_ENV,
+    ENV_PREFIX,
+    JOB_DIR_ENV,
+    SEED_ENV,
+    VERIFY_EVERY_ENV,
+    VERIFY_KEY_ENV,
+    VERIFY_SERVE_DIR_ENV,
+)
 from undying.protocol.verify_wire import (
     VERIFY_CODEC,
-    VERIFY_DIR_ENV,
-    VERIFY_EVERY_ENV,
     VerifyRequest,
     VerifyResult,
     file_name,
@@ -77,7 +83,6 @@ from undying.protocol.verify_wire import (
 from undying.protocol.worker_wire import Progress
 from undying.worker.verifier import serve, serving
 from undying.worker.verify_files import (
-    VERIFY_KEY_ENV,
     ForgedFile,
     key_for_verifier,
     load_sealed,
@@ -117,7 +122,7 @@ def verify_every(asked: int | None) -> int | None:
 def start_verification(every: int | None, *, managed: bool, rank: int, world: int, seed: int,
                        generation: Callable[[], int], send: Callable[[Message], None]) -> Verification | None:
     """``--verify-every K`` for one loop (rank 0 starts the verifier), or None: not asked, or not possible."""
-    job_dir = os.environ.get(f"{ENV_PREFIX}JOB_DIR", "")
+    job_dir = os.environ.get(JOB_DIR_ENV, "")
     if every is None:
         return None
     key = key_for_verifier()
@@ -436,7 +441,7 @@ class Verification:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env.update({VERIFY_DIR_ENV: str(self.folder), VERIFY_EVERY_ENV: str(self.every), SEED_ENV: str(self._seed),
+        env.update({VERIFY_SERVE_DIR_ENV: str(self.folder), VERIFY_EVERY_ENV: str(self.every), SEED_ENV: str(self._seed),
                     VERIFY_KEY_ENV: self._key.hex(),  # its only key: to seal its verdicts and check the ranks' files
                     "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

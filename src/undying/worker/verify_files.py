@@ -32,13 +32,11 @@ import torch
 
 from undying.checkpoint.mac import key_from_environ
 from undying.errors import UndyingError
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import VERIFY_KEY_ENV
 
-__all__ = ["VERIFY_KEY_ENV", "ForgedFile", "verify_key", "key_for_verifier", "seal", "unseal", "save_sealed",
+__all__ = ["ForgedFile", "verify_key", "key_for_verifier", "seal", "unseal", "save_sealed",
            "load_sealed"]
 
-# The verifier's key (hex), set only in its environment by rank 0.
-VERIFY_KEY_ENV = f"{ENV_PREFIX}VERIFY_KEY"
 MAGIC = b"undying-verify-1\n"
 _LABEL = b"undying verify files v1"
 _MAC_BYTES = 32

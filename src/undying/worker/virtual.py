@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from undying.worker.state import State
     from undying.worker.step import Step
 
-__all__ = ["VIRTUAL_RANKS_ENV", "virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold", "fold_across"]
+__all__ = ["virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold", "fold_across"]
 
 
 def virtual_ranks_from_env(env: Mapping[str, str] | None = None) -> int | None:
