@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from undying.agent.children import Orphans, become_subreaper, kill_tree, release_subreaper
@@ -27,28 +26,23 @@ from undying.agent.liveness import has_exited, is_stalled, judge_silence, proces
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
+from undying.agent.worker_channel import LocalWorker, WorkerChannel
 from undying.agent.zygote import ZygoteKeeper, start_mode
 from undying.config import EXIT_REGROUPED, JobConfig, step_timeout
 from undying.protocol import env as names
-from undying.protocol.channel_key import new_key, shows_key
-from undying.protocol.codec import Handlers, Message, MessageError
+from undying.protocol.channel_key import new_key
+from undying.protocol.codec import Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.keys import DERIVED_KEY_ENVS, child_environment
-from undying.protocol.kinds import InjectPhase, WorkerPhase
-from undying.protocol.node_wire import RankProgress, RankSpawned, SpareEvent
+from undying.protocol.kinds import InjectPhase
+from undying.protocol.node_wire import RankSpawned, SpareEvent
 from undying.protocol.seams import AgentHandle, ManagerLink
 from undying.protocol.worker_wire import (
     Abort,
     ArmFault,
     Assign,
-    Heartbeat,
-    Hello,
-    SpareReady,
-    SpareTaken,
-    StepCommitted,
     Stop,
     TraceSet,
-    decode_from_worker,
     encode,
 )
 from undying.trace.switch import SwitchFileWatcher
@@ -59,32 +53,6 @@ log = logging.getLogger("undying.agent")
 
 # A worker or spare shows the key at once; a connection silent this long is dropped.
 _KEY_WAIT_S = 10.0
-
-
-@dataclass
-class _Worker:
-    rank: int
-    process: Process
-    writer: asyncio.StreamWriter | None = None
-    pending: list[Message] = field(default_factory=list)  # commands held until its Hello
-    started: float = field(default_factory=time.time)
-    last_seen: float = 0.0  # the last message of any kind; 0 before the first
-    hang_reported: bool = False
-    beat: Heartbeat | None = None  # the latest, with the rank's progress
-    stall_reported_t: float = 0.0  # the progress time of the stall last reported
-    last_commit: tuple[int, int, float] = (-1, -1, 0.0)  # generation, step, time
-    incarnation: int = 0  # the manager's number for this process as the rank's holder
-
-    def progress(self) -> RankProgress:
-        beat = self.beat
-        if beat is None:
-            return RankProgress(self.rank, self.pid, -1, WorkerPhase.INIT, 0, -1, self.started)
-        return RankProgress(self.rank, self.pid, beat.generation, beat.phase, beat.step,
-                            beat.collectives, beat.progress_t)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
 
 class Agent:
@@ -104,8 +72,8 @@ class Agent:
         self._script_args = script_args
         self._manager = manager
         self.control_port = control_port
-        self._workers: dict[int, _Worker] = {}
-        self._by_pid: dict[int, _Worker] = {}
+        self._workers: dict[int, LocalWorker] = {}
+        self._by_pid: dict[int, LocalWorker] = {}
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -121,17 +89,18 @@ class Agent:
         self.manager_host = ""
         self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
         self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
-        self._refused = 0
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
         self._zygotes = ZygoteKeeper(node, self._base_environment, config.timeouts.init,
                                      enabled=start_mode() == "zygote", step_api=config.step_api)
         self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
-        self._from_worker = self._worker_handlers()
+        # The workers' lines to this agent (agent/worker_channel.py): their reports go to the manager.
+        self._channel = WorkerChannel(node, self._key, self._by_pid, self.spares, self._step_times,
+                                      trace=lambda: self._trace, forward=manager.on_message)
         self._torchrun = TorchrunEnv(self)  # torchrun's variables, from this agent's config and node
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve_worker, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._channel.serve, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
         # Every worker is this process's child, and what a rank leaves behind comes here (agent/children.py).
         if not become_subreaper():
@@ -201,7 +170,7 @@ class Agent:
             self._zygotes.check()
             now = time.time()
             self.spares.check(now, clock)
-            stalled: list[_Worker] = []
+            stalled: list[LocalWorker] = []
             for worker in list(self._workers.values()):
                 if worker.hang_reported or worker.process.returncode is not None:
                     continue
@@ -219,7 +188,7 @@ class Agent:
             if stalled:
                 self._report_stall(stalled, now)
 
-    def _report_stall(self, stalled: list[_Worker], now: float) -> None:
+    def _report_stall(self, stalled: list[LocalWorker], now: float) -> None:
         """Report every local rank's progress: the manager picks the one the others wait for."""
         for worker in stalled:
             assert worker.beat is not None
@@ -315,7 +284,7 @@ class Agent:
         """
         rank_env = self._rank_environment(rank, record, joining, resume_from, incarnation)
         process, warm = self._give_rank(rank, rank_env, incarnation, spare_ok=joining)
-        worker = _Worker(rank=rank, process=process, started=time.time(), incarnation=incarnation,
+        worker = LocalWorker(rank=rank, process=process, started=time.time(), incarnation=incarnation,
                          pending=[*self._armed_early.pop(rank, []),
                                   *(self._for_replacement.pop(rank, []) if joining else [])])
         old = self._workers.get(rank)
@@ -367,7 +336,7 @@ class Agent:
                     "another warm spare" if warm else "a new process")
         self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited, replaced_by=process.pid,
                           replacement="warm spare" if warm else "new process")
-        replacement = _Worker(rank=take.rank, process=process, started=time.time(), pending=worker.pending,
+        replacement = LocalWorker(rank=take.rank, process=process, started=time.time(), pending=worker.pending,
                               incarnation=take.incarnation)
         self._workers[take.rank] = replacement
         self._by_pid[process.pid] = replacement
@@ -504,89 +473,6 @@ class Agent:
                 kill_tree(process.pid)  # its group, and what it started in sessions of their own
                 await process.wait()
         await self.spares.wait_all()
-
-
-    # --- the worker channel ---------------------------------------------------
-
-    async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        line = _Line(writer)
-        try:
-            if not shows_key(await asyncio.wait_for(reader.readline(), _KEY_WAIT_S), self._key):
-                self._refused += 1
-                if self._refused <= 10:  # bounded: a flood of strangers cannot grow the log
-                    log.warning("node %d: refused a local connection without the agent's key", self.node)
-                return
-            while True:
-                data = await reader.readline()
-                if not data:
-                    return
-                try:
-                    message = decode_from_worker(data)
-                except MessageError as e:
-                    log.warning("node %d: dropped a bad message from a worker: %s", self.node, e)
-                    continue
-                if not self._from_worker.handle(message, line):
-                    return  # not ours, or already let go: closing the line ends it
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ValueError):
-            return
-        finally:
-            worker = line.worker
-            if worker is not None and worker.writer is writer:
-                worker.writer = None
-            writer.close()
-
-    def _worker_handlers(self) -> Handlers[bool]:
-        """What the agent does with each report on a worker's line; a handler's False closes the line."""
-        return Handlers({
-            SpareReady: lambda message, line: self.spares.on_ready(message, line.writer),
-            SpareTaken: lambda message, line: self.spares.on_taken(message),
-            Hello: self._on_hello,
-            Heartbeat: self._on_heartbeat,
-            StepCommitted: self._on_commit,
-        }, otherwise=self._forward)
-
-    def _on_hello(self, message: Hello, line: _Line) -> bool:
-        """The line is this rank's now: what was held for it goes out, and the trace switch."""
-        worker = line.worker = self._by_pid.get(message.pid)
-        if worker is not None:
-            worker.writer = line.writer
-            for pending in worker.pending:
-                line.writer.write(encode(pending))
-            worker.pending.clear()
-            if self._trace is not None:
-                line.writer.write(encode(self._trace))
-        return self._forward(message, line)
-
-    def _on_heartbeat(self, message: Heartbeat, line: _Line) -> bool:
-        """Beats stay here: the manager hears of hangs and stalls (``_watch_heartbeats``), not of every beat."""
-        if line.worker is not None:
-            line.worker.last_seen = time.time()
-            line.worker.beat = message
-        return True
-
-    def _on_commit(self, message: StepCommitted, line: _Line) -> bool:
-        worker = line.worker
-        if worker is not None:
-            generation, step, t = worker.last_commit
-            if (message.generation, message.step) == (generation, step + 1):
-                self._step_times.append(message.t - t)  # a plain step, no recovery inside
-            worker.last_commit = (message.generation, message.step, message.t)
-        return self._forward(message, line)
-
-    def _forward(self, message: Message, line: _Line) -> bool:
-        """A worker's report about the job: the manager's to hear."""
-        if line.worker is not None:
-            line.worker.last_seen = time.time()
-        self._manager.on_message(message)
-        return True
-
-
-@dataclass
-class _Line:
-    """A local process's line to the agent: the rank it speaks for, once its Hello said."""
-
-    writer: asyncio.StreamWriter
-    worker: _Worker | None = None
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:
