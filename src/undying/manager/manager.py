@@ -499,7 +499,8 @@ class Manager:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(_WATCH_S)
-            resumed = self.deadlines.counts_from(0.0, wall=True)  # (ticks: 0.0, or its return from a stall)
+            self.deadlines.tick()
+            resumed = self.deadlines.resumed_wall  # its return from its latest stall (0.0: it never stalled)
             if self.core.winding_down:
                 continue
             if self.regrouping.active:
