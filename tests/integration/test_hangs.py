@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.jobs import events, manager_url, start_job, wait_running
-from tests.oracle import Oracle, hang, job_summary
+from tests.oracle import Oracle, crash, hang, job_summary
 from undying.demo.oracle import compare_runs, load_run
 
 TIMEOUT_S = 2.0
@@ -71,6 +71,31 @@ def test_a_rank_stuck_while_alive_is_found_by_its_progress_and_replaced(
     assert detected["rank"] == rank and detected["phase"] == "step"
     killed = [e for e in outcome.events("exited") if e["returncode"] == -9]
     assert [e["rank"] for e in killed] == [rank], "only the stuck rank is killed; the ones waiting for it live"
+
+
+def test_a_survivor_that_never_leaves_the_old_generation_is_replaced_without_waiting_for_the_step_timeout(
+    oracle: Oracle, tmp_path: Path
+) -> None:
+    """Rank 2 dies at step 8 while rank 1 sits in a wait its peers' failure cannot end (step 7's update).
+
+    The manager tells every survivor to leave the generation before; rank 1 neither fails nor joins the
+    new one, and a few seconds on (not at the 60 s step timeout) it is killed and replaced as a hang.
+    gloo leaves a survivor in that state by itself at times (a send queued to a peer that went away
+    is never signalled, so the collective waits out its whole timeout); here a blocked update makes it
+    happen every time. The losses are those of the run without faults.
+    """
+    outcome = oracle.assert_survives(
+        tmp_path / "job", [hang(1, 7, "optimizer", "block"), crash(2, 8)],
+        extra_run_args=("--spares", "0", "--step-timeout", "60"),
+    )
+    crashed, stuck = sorted(outcome.incidents, key=lambda i: i["id"])
+    assert crashed["kind"] == "crash" and crashed["rank"] == 2 and crashed["action"] == "replace", crashed
+    assert stuck["kind"] == "hang" and stuck["rank"] == 1 and stuck["action"] == "replace", stuck
+    assert "told to leave" in stuck["error"], stuck["error"]
+    assert stuck["phases"]["detected"] < 30, "judged from the telling, not by the 60 s step timeout"
+    (detected,) = outcome.events("hang_detected")
+    assert detected["rank"] == 1 and detected["phase"] == "left-behind", detected
+    assert outcome.events("stall_detected") == [], "the step timeout played no part"
 
 
 # 64 steps of 0.08 s on 2 ranks: the fault-free reference is test_checkpoints.py's (pacing is no part of it).

@@ -33,7 +33,7 @@ from undying.manager.checkpoint_health import CheckpointHealth
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.commands import Injector
 from undying.manager.core import JobCore
-from undying.manager.detection import Detection
+from undying.manager.detection import LEFT_BEHIND_PHASE, Detection
 from undying.manager.divergence import Divergence
 from undying.manager.history import RunHistory
 from undying.manager.migration import Migrations
@@ -520,6 +520,9 @@ class Manager:
             overdue = self.recoveries.overdue(time.time(), resumed)
             if overdue:
                 self.recoveries.fail(overdue)
+                continue
+            for info in self.recoveries.stuck(time.time(), resumed):  # (recovery.py: a wait gloo never ends)
+                self.detection.on_hang(info.rank, info.pid, LEFT_BEHIND_PHASE, recovery.told_to_leave, time.time())
 
     async def _flush_periodically(self) -> None:
         while True:

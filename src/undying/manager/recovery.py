@@ -6,6 +6,13 @@ every rank from the latest valid checkpoint, or fail. This module carries the
 decision out (the executor) and watches the round: it ends when every rank of
 the new generation committed a step, with the incident's phases (replacement
 ready, group rebuilt, state restored, first step) taken from the ranks' reports.
+
+Every survivor of the generation left behind is told to leave it (an ``abort``:
+its group's connections break, so its collective fails at once). One that has
+still neither failed nor joined the new generation a while later is stuck in a
+wait that will never end: gloo leaves a send queued to a peer that went away
+unsignalled, so its collective waits out the whole collective timeout however
+its sockets end. Such a rank is killed and replaced as a hang (``stuck``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,14 @@ from undying.checkpoint.planner import (
     plan,
     ring_replica_of,
 )
-from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus, JobState, RankState
+from undying.jobfiles.records import (
+    Incident,
+    IncidentKind,
+    IncidentStatus,
+    JobState,
+    RankInfo,
+    RankState,
+)
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.policy import Action, Decision, PolicyContext, decide
@@ -37,6 +51,12 @@ from undying.protocol.generations import GenerationRecord
 __all__ = ["Recovery", "Recoveries"]
 
 log = logging.getLogger("undying.manager")
+
+# How long a survivor told to leave the old generation may take before it counts as stuck: at least
+# this, and at least _LEAVE_STEPS of the job's longest step (a rank inside a long step's compute leaves
+# at its next collective, which fails at once).
+_LEAVE_MIN_S = 5.0
+_LEAVE_STEPS = 3
 
 
 @dataclass
@@ -53,6 +73,7 @@ class Recovery:
     first_step: dict[int, float] = field(default_factory=dict)
     restored_step: int = -1
     started: float = field(default_factory=time.time)
+    told_to_leave: float = 0.0  # when the survivors were told to leave the generation before (0: not)
 
     def renew(self, generation: int) -> None:
         """The round forms ``generation`` now: the phases seen of an earlier one are void."""
@@ -217,12 +238,14 @@ class Recoveries:
             record = core.open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
             if self.one_generation:
                 self._shared_record = record
-        if incident.detail.get("stuck_collective"):
-            # Nothing failed by itself: every rank is told to leave the stuck group.
-            for info in core.ranks.values():
-                if info.state is not RankState.EXITED:
-                    core.agents[info.node].abort(info.rank, previous, f"stuck collective: {decision.action.value}")
         assert self.current is not None
+        if decision.action is not Action.RESTART:
+            # Nothing failed by itself in a stuck collective: every rank leaves it. Otherwise the
+            # survivors that have not seen the fault yet are told to, rather than left to find it.
+            stuck = bool(incident.detail.get("stuck_collective"))
+            self._tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
+                                f"{incident.kind} of rank {incident.rank}: {decision.action.value}",
+                                everyone=stuck)
         self.current.renew(record.generation)
         if decision.action is Action.REPLACE:
             self.current.replaced.add(incident.rank)
@@ -234,6 +257,32 @@ class Recoveries:
             self._restart_group(incident, record)
         elif decision.action is Action.RESTART:
             self._restart_all(incident, record)
+
+    def _tell_to_leave(self, previous: int, reason: str, *, everyone: bool) -> None:
+        """Each rank still in generation ``previous`` is told to leave it (a rank that already left ignores it)."""
+        assert self.current is not None
+        core = self.core
+        for info in core.ranks.values():
+            if info.state is RankState.EXITED or (not everyone and info.state is not RankState.RUNNING):
+                continue
+            core.agents[info.node].abort(info.rank, previous, reason)
+        self.current.told_to_leave = time.time()
+
+    def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
+        """Survivors told to leave the old generation that neither failed nor joined the new one in time.
+
+        The time counts from the telling or from ``resumed`` (the manager's return from a stall of its
+        own), whichever is later; a replacement of this round is no survivor and is not judged here.
+        """
+        recovery = self.current
+        if recovery is None or not recovery.told_to_leave:
+            return []
+        limit = max(_LEAVE_MIN_S, _LEAVE_STEPS * self.core.clock.longest_rank_step_s())
+        if now - max(recovery.told_to_leave, resumed) <= limit:
+            return []
+        return [info for info in self.core.ranks.values()
+                if info.state is RankState.RUNNING and info.generation < recovery.generation
+                and info.rank not in recovery.replaced]
 
     def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:
         """torchrun's recovery for a script that does not use the step API: every rank starts again, now.
