@@ -35,10 +35,10 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobfiles")),
     (0, ("undying.protocol", "undying.errors", "undying.inputs")),
 ]
-DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
-                    "undying.manager.step_clock", "undying.jobfiles.records", "undying.checkpoint.planner",
-                    "undying.manager.progress", "undying.manager.goodput",
-                    "undying.manager.regroup_policy", "undying.manager.preemption_policy", "undying.manager.standby")
+DECISION_MODULES = ("undying.manager.recovery.policy", "undying.manager.regroup.record", "undying.manager.membership.book",
+                    "undying.manager.steps.clock", "undying.jobfiles.records", "undying.checkpoint.planner",
+                    "undying.manager.steps.progress", "undying.manager.steps.goodput",
+                    "undying.manager.regroup.policy", "undying.manager.preemption.policy", "undying.manager.standbys.policy")
 MAX_LINES = 600
 MAX_EXPORTS = 15
 

@@ -178,7 +178,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "recovery_mode": "" if (job.get("config") or {}).get("step_api", True) else
         WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", 3)),
         "preemption": job.get("preemption"),
-        "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/hosts.py)
+        "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
         "ranks": data["ranks"],
         "incidents": data["incidents"],
         "live": False,

@@ -159,7 +159,7 @@ class IncidentDetail(TypedDict, total=False):
     restored_step: int
     regroup: dict[str, Any]
     closed: str
-    migration: dict[str, Any]  # a planned move: planned_t, boundary_step, from, to, by (manager/migration.py)
+    migration: dict[str, Any]  # a planned move: planned_t, boundary_step, from, to, by (manager/placement/migration.py)
     # A preemption.
     grace_period_s: float
     reused: str

@@ -41,9 +41,8 @@ from undying.jobfiles.records import (
     RankState,
 )
 from undying.manager.core import JobCore
-from undying.manager.migration import node_host, quarantine
-from undying.manager.policy import Action, Decision
-from undying.manager.recovery import Recoveries
+from undying.manager.placement import node_host, quarantine
+from undying.manager.recovery import Action, Decision, Recoveries
 from undying.protocol.kinds import NumericHow
 from undying.protocol.worker_wire import ArmFault, Progress
 

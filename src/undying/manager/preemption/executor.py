@@ -25,7 +25,7 @@ from undying.checkpoint.gasp import Measurement, recent_dying_gasp
 from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus, JobState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.preemption_policy import (
+from undying.manager.preemption.policy import (
     OnSigterm,
     Outcome,
     Saved,

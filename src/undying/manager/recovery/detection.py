@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from undying.config import ERROR_FILE, EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, worker_dir
 from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
-from undying.manager.leaving import Leavers
-from undying.manager.policy import stall_culprits
-from undying.manager.recovery import Recoveries
+from undying.manager.recovery.leaving import Leavers
+from undying.manager.recovery.policy import stall_culprits
+from undying.manager.recovery.rounds import Recoveries
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, Fatal
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from undying.errors import UsageError
 from undying.manager.core import JobCore
-from undying.manager.detection import Detection
-from undying.manager.numerics import arm_numeric
+from undying.manager.integrity import arm_numeric
+from undying.manager.recovery.detection import Detection
 from undying.protocol.kinds import HangHow, InjectKind, InjectPhase, SlowPhase
 from undying.protocol.worker_wire import ArmFault
 

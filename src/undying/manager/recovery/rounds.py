@@ -31,7 +31,7 @@ from undying.checkpoint.planner import (
 from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus, JobState, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.policy import Action, Decision, PolicyContext, decide
+from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
 from undying.protocol.generations import GenerationRecord
 
 __all__ = ["Recovery", "Recoveries"]

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from undying.manager.conns import read_line
-from undying.manager.standby import Promote, SlotFacts, StandbyFacts, promotions
+from undying.manager.standbys.policy import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.codec import MessageError
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
@@ -80,7 +80,7 @@ class Standbys:
         self._seat = seat
         self._record = record
         self._next = 0
-        # () -> the hosts drained or quarantined (manager/hosts.py): a standby parked there is not promoted.
+        # () -> the hosts drained or quarantined (manager/placement/hosts.py): a standby parked there is not promoted.
         self.blocked: Callable[[], set[str]] = set
 
     async def park(self, join: AgentJoin, writer: asyncio.StreamWriter, check: Callable[[AgentJoin], str],
