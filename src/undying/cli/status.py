@@ -249,7 +249,7 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
         parts.append(_regroup_line(status["regroup"]))
     for mark in status.get("hosts_out") or []:  # no new ranks there until `undying undrain HOST`
         line = f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: {mark.get('reason')}"
-        if mark.get("state") == "quarantined":  # manager.hosts: it requalifies only on verified steps
+        if mark.get("state") == "quarantined":  # manager.placement.hosts: it requalifies only on verified steps
             line += (f" (requalifying: {mark.get('passes', 0)}/{mark.get('needed', '?')} verified, with "
                      f"--verify-every; or `undying undrain {mark.get('host')}`)")
             if isinstance(under := mark.get("drained"), dict):  # kept under the quarantine: drained once it clears

@@ -104,7 +104,7 @@ class IncidentKind(enum.StrEnum):
     NODE_LOSS = "node-loss"  # a node's agent, and every rank on it, gone or out of reach
     NODE_JOINED = "node-joined"  # an elastic job grows to a node that joined
     SCRIPT_ERROR = "script-error"  # the script cannot run (SyntaxError, ImportError): the job fails at once
-    LEFT_EARLY = "left-early"  # exited 0 before its last step while the others went on (manager.leaving)
+    LEFT_EARLY = "left-early"  # exited 0 before its last step while the others went on (manager.recovery.leaving)
     PREEMPT = "preempt"  # SIGTERM: the dying gasp
     CHECKPOINT_FAILED = "checkpoint_failed"  # saves fail (a full disk): retried at the next save
     SLOW_RANK = "slow_rank"  # found by slow-rank detection

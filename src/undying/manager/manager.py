@@ -31,6 +31,7 @@ from undying.jobfiles.records import (
 )
 from undying.manager.checkpoints import CheckpointHealth, Checkpoints
 from undying.manager.core import JobCore
+from undying.manager.injection import Injector
 from undying.manager.integrity import (
     NUMERIC_PHASE,
     SDC_PHASE,
@@ -42,7 +43,7 @@ from undying.manager.integrity import (
 )
 from undying.manager.placement import Migrations
 from undying.manager.preemption import Preemption
-from undying.manager.recovery import Detection, Injector, Recoveries
+from undying.manager.recovery import Detection, Recoveries
 from undying.manager.regroup import Regrouping
 from undying.manager.restoring import restore_job
 from undying.manager.tracing import TraceControl

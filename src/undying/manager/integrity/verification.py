@@ -10,7 +10,7 @@ other words (``verify_started``, ``verify_overdue``, ``verify_summary``,
 
 Each verdict also comes on its own (``verify_result``: the step, the suspect
 rank, passed or not): a quarantined host requalifies on them (``on_verified``,
-the rule in ``manager.hosts.HostBook.verified``).
+the rule in ``manager.placement.hosts.HostBook.verified``).
 """
 
 from __future__ import annotations

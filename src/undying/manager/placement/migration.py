@@ -111,7 +111,7 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
                by: str = "numerics") -> dict[str, Any]:
     """Quarantine a host, named or as the one ``rank`` runs on, with the fault policy's ``reason``.
 
-    The one call a fault policy makes (``manager.numerics``: a rank found at
+    The one call a fault policy makes (``manager.integrity.numerics``: a rank found at
     fault twice): the host gets no new ranks until an operator runs
     ``undying undrain HOST``; recorded as ``host_quarantined`` and kept in the
     log. Its ranks train on: moving them is the operator's call (``drain``).
@@ -127,7 +127,7 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
     return {"host": host, "state": mark.state.value, "reason": mark.reason}
 
 
-# What clears a quarantined host (manager.hosts.HostBook.verified, manager.verification.on_verified).
+# What clears a quarantined host (manager.placement.hosts.HostBook.verified, manager.integrity.verification.on_verified).
 UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified bit for bit "
          f"in a row, only in a job run with --verify-every) or an operator runs `undying undrain HOST`")
 

@@ -2,8 +2,7 @@
 
 ``detection`` (an exit, a silence, a stall or a failed collective becomes an incident); ``leaving`` (a rank
 that exits 0 early); ``policy`` (the recovery ladder, a pure function: incident and history to an action);
-``rounds`` (``Recoveries``: the executor of that action and the round's timeline); ``injection`` (faults
-caused on purpose, ``undying inject``).
+``rounds`` (``Recoveries``: the executor of that action and the round's timeline).
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure
 decision above all, must not pay for the others.
@@ -16,17 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from undying.manager.recovery.detection import Detection, describe_exit
-    from undying.manager.recovery.injection import Injector
     from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
     from undying.manager.recovery.rounds import Recoveries, Recovery
 
-__all__ = ["Action", "Decision", "PolicyContext", "decide", "Detection", "describe_exit", "Recoveries", "Recovery", "Injector"]
+__all__ = ["Action", "Decision", "PolicyContext", "decide", "Detection", "describe_exit", "Recoveries", "Recovery"]
 
 _WHERE = {
     "Action": "policy", "Decision": "policy", "PolicyContext": "policy", "decide": "policy",
     "Detection": "detection", "describe_exit": "detection",
     "Recoveries": "rounds", "Recovery": "rounds",
-    "Injector": "injection",
 }
 
 

@@ -122,7 +122,7 @@ class Detection:
         self.hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
         self.fatal: dict[int, Fatal] = {}  # pid -> the error its rank reported
         self.node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
-        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.leaving)
+        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.recovery.leaving)
         self.grace_tasks: set[asyncio.Task[None]] = set()
 
     def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:

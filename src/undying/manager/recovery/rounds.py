@@ -77,7 +77,7 @@ class Recoveries:
         # A rank said hello: the script uses the step API even if the launcher's look at it said otherwise.
         self.hello_seen = False
         # Told of the first incident of each new round, before it is decided: e.g. a planned move the
-        # round overtakes is cancelled first (manager.migration), so its last holder keeps the rank.
+        # round overtakes is cancelled first (manager.placement.migration), so its last holder keeps the rank.
         self.round_opened: list[Callable[[Incident], None]] = []
 
     @property
