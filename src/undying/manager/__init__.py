@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 __all__ = ["Manager", "Action", "Decision", "PolicyContext", "decide"]
 
 _WHERE = {
-    "Manager": "manager", "Action": "recovery", "Decision": "recovery", "PolicyContext": "recovery",
+    "Manager": "manager",
+    "Action": "recovery",
+    "Decision": "recovery",
+    "PolicyContext": "recovery",
     "decide": "recovery",
 }
 

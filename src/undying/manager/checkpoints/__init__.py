@@ -1,10 +1,11 @@
 """The job's checkpoints as the manager sees them: the folder it owns, and saves that fail.
 
-``folder`` (``Checkpoints``: the checkpoint dir's lock, where to resume, what was saved and how fast);
-``health`` (failed saves as incidents until the next save, and the words a resume's re-run is told in).
+``folder`` (``Checkpoints``: the checkpoint dir's lock, where to resume, what was saved and how
+fast); ``health`` (failed saves as incidents until the next save, and the words a resume's re-run
+is told in).
 
-Names are imported on first use (PEP 562): importing one module of this package, a pure
-decision above all, must not pay for the others.
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ __all__ = ["Checkpoints", "CheckpointHealth", "rerun_words", "resume_line"]
 
 _WHERE = {
     "Checkpoints": "folder",
-    "CheckpointHealth": "health", "rerun_words": "health", "resume_line": "health",
+    "CheckpointHealth": "health",
+    "rerun_words": "health",
+    "resume_line": "health",
 }
 
 

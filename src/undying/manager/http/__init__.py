@@ -1,10 +1,10 @@
 """The manager's HTTP port: the API, the status page, and the check of a caller's token.
 
-``server`` (the endpoints, each behind the token); ``access`` (reading and comparing a caller's token,
-over HTTP and in a node's join); ``page`` (the status page, ``static/status.html``).
+``server`` (the endpoints, each behind the token); ``access`` (reading and comparing a caller's
+token, over HTTP and in a node's join); ``page`` (the status page, ``static/status.html``).
 
-Names are imported on first use (PEP 562): importing one module of this package, a pure
-decision above all, must not pay for the others.
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
 """
 
 from __future__ import annotations

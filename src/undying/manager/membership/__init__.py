@@ -3,8 +3,8 @@
 ``book`` (``RankBook``: the ranks, their nodes, what each committed); ``generations`` (the numbered
 process groups, each with its own store; fencing the superseded one).
 
-Names are imported on first use (PEP 562): importing one module of this package, a pure
-decision above all, must not pay for the others.
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """An elastic job moving to the nodes it has, losing no completed step.
 
-``record`` (``Regroup``: a regroup's record, and what a second fault during one makes of it); ``policy``
-(pure: grow, form the world, wait, re-plan, fail); ``executor`` (``Regrouping``: carries them out).
+``record`` (``Regroup``: a regroup's record, and what a second fault during one makes of it);
+``policy`` (pure: grow, form the world, wait, re-plan, fail); ``executor`` (``Regrouping``: carries
+them out).
 
-Names are imported on first use (PEP 562): importing one module of this package, a pure
-decision above all, must not pay for the others.
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Warm standby agents: which one takes which lost node, and the parked connections.
 
-``policy`` (pure: ``promotions`` pairs lost nodes with parked standbys); ``roster`` (``Standbys``: the
-parked connections, their beats, and seating one as a lost node's agent).
+``policy`` (pure: ``promotions`` pairs lost nodes with parked standbys); ``roster`` (``Standbys``:
+the parked connections, their beats, and seating one as a lost node's agent).
 
-Names are imported on first use (PEP 562): importing one module of this package, a pure
-decision above all, must not pay for the others.
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ __all__ = ["SlotFacts", "Parked", "Standbys"]
 
 _WHERE = {
     "SlotFacts": "policy",
-    "Parked": "roster", "Standbys": "roster",
+    "Parked": "roster",
+    "Standbys": "roster",
 }
 
 

@@ -1,9 +1,10 @@
 """The job's trace switch, and slow ranks the traces find made incidents.
 
-``control`` (``TraceControl``: one switch every rank follows, the comm switch's agreed step, findings).
+``control`` (``TraceControl``: one switch every rank follows, the comm switch's agreed step,
+findings).
 
-Names are imported on first use (PEP 562): importing one module of this package, a pure
-decision above all, must not pay for the others.
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
 """
 
 from __future__ import annotations
