@@ -275,7 +275,7 @@ def rank_leave(job: Job, rng: random.Random, base: int) -> dict[str, Any]:
     ``left-early`` incident recovered like a crash (never the job's success).
 
     A rank leaves at most once per launch: the script's own early end a second time from a rank already
-    replaced for it fails the job by design (``manager/leaving.py``: no replacement changes a script whose
+    replaced for it fails the job by design (``manager/recovery/leaving.py``: no replacement changes a script whose
     loop ends early; tests/unit/test_leaving.py), which is not this scenario's question.
     """
     status = job.status()

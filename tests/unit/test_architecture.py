@@ -16,11 +16,22 @@ Besides: no import circle, no module over 600 lines, no import of another
 module's private name, each package's ``__all__`` at most 15 names, and the
 manager's decision modules (pure functions of the job's facts) import neither
 asyncio, sqlite3 nor torch.
+
+The manager's folders are its concerns (``manager/recovery/``, ``regroup/``, ``preemption/``...).
+Each subpackage's ``__init__`` is its surface: its public names in ``__all__``, imported on
+first use. Code outside a subpackage imports from that surface, never from its modules
+(tests may: a unit test reads the module it tests), every name a surface exports is there,
+and the subpackages import one another without a circle. The manager's top modules
+(``core``, ``manager``, ``service``, the nodes' and stores' ports, ``restoring``) are no
+subpackage: ``core`` is the hub the parts share (it holds the membership book, the hosts,
+the step clock and the checkpoints' health), so an import through a surface is followed
+to the module that defines the name, and the module graph, so resolved, has no circle.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,12 +46,13 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobfiles")),
     (0, ("undying.protocol", "undying.errors", "undying.inputs")),
 ]
-DECISION_MODULES = ("undying.manager.policy", "undying.manager.regroup", "undying.manager.book",
-                    "undying.manager.step_clock", "undying.jobfiles.records", "undying.checkpoint.planner",
-                    "undying.manager.progress", "undying.manager.goodput",
-                    "undying.manager.regroup_policy", "undying.manager.preemption_policy", "undying.manager.standby")
+DECISION_MODULES = ("undying.manager.recovery.policy", "undying.manager.regroup.record", "undying.manager.membership.book",
+                    "undying.manager.steps.clock", "undying.jobfiles.records", "undying.checkpoint.planner",
+                    "undying.manager.steps.progress", "undying.manager.steps.goodput",
+                    "undying.manager.regroup.policy", "undying.manager.preemption.policy", "undying.manager.standbys.policy")
 MAX_LINES = 600
 MAX_EXPORTS = 15
+MANAGER = "undying.manager"
 
 
 def _modules() -> dict[str, Path]:
@@ -105,6 +117,49 @@ def _ours(target: str) -> bool:
     return target == "undying" or target.startswith("undying.")
 
 
+def _surface(package: str) -> dict[str, str]:
+    """Name -> the module it comes from, for each name a package's ``__init__`` imports (typing-only ones
+    too: a lazy surface names its modules there)."""
+    if package not in MODULES or MODULES[package].name != "__init__.py":
+        return {}
+    return {name: target for target, names, _ in _imports(package) if _ours(target) for name in names}
+
+
+def _defining(target: str, names: list[str]) -> set[str]:
+    """The modules an import of ``names`` from ``target`` reaches: through a package's surface, the module
+    each name is defined in (followed from surface to surface); else ``target`` itself."""
+    surface = _surface(target)
+    if not surface or not names:
+        return {target}
+    found = set()
+    for name in names:
+        source = surface.get(name)
+        found |= _defining(source, [name]) if source else {target}
+    return found
+
+
+def _edges(module: str, *, runtime_only: bool = False) -> Iterator[tuple[str, int]]:
+    """(module reached, line) for every import of ``module``, through surfaces to the defining modules."""
+    for target, names, line in _imports(module, runtime_only=runtime_only):
+        for reached in _defining(target, names):
+            yield reached, line
+
+
+def _parents(module: str) -> list[str]:
+    """The packages Python runs before ``module``: ``undying``, ``undying.manager``..."""
+    parts = module.split(".")
+    return [p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in MODULES]
+
+
+MANAGER_PARTS = sorted(m for m, p in MODULES.items()
+                       if m.startswith(MANAGER + ".") and m.count(".") == 2 and p.name == "__init__.py")
+
+
+def _part(module: str) -> str:
+    """The manager subpackage ``module`` is in (the subpackage's own name for its ``__init__``), or ''."""
+    return next((p for p in MANAGER_PARTS if module == p or module.startswith(p + ".")), "")
+
+
 def test_every_import_goes_to_the_same_layer_or_a_lower_one_and_roles_meet_only_over_the_protocol() -> None:
     wrong = []
     for module in MODULES:
@@ -133,8 +188,8 @@ def test_there_is_no_import_circle() -> None:
     for module, path in MODULES.items():
         if path.name == "__init__.py":
             continue  # a package's front door imports its own modules lazily
-        graph[module] = {t for t, _, _ in _imports(module) if t in MODULES and t != module
-                         and MODULES[t].name != "__init__.py"}
+        graph[module] = {t for t, _ in _edges(module) if t in MODULES and t != module
+                         and MODULES[t].name != "__init__.py"}  # (a name from a surface: its module)
     circles = []
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
@@ -184,11 +239,12 @@ def test_a_decision_module_imports_neither_asyncio_sqlite3_nor_torch(module: str
         return target.split(".")[0] in ("asyncio", "sqlite3", "torch")
 
     def reaches(start: str) -> list[str]:
-        """The heavy imports ``start`` makes, itself or through our modules it imports."""
+        """The heavy imports ``start`` makes, itself or through our modules it imports (a name from a
+        package's surface: the module that defines it; and the packages Python runs first)."""
         seen, todo, found = {start}, [start], []
         while todo:
             current = todo.pop()
-            for target, _, line in _imports(current, runtime_only=True):
+            for target, line in [*_edges(current, runtime_only=True), *((p, 0) for p in _parents(current))]:
                 if heavy(target):
                     found.append(f"{current}:{line} imports {target}")
                 elif target in MODULES and target not in seen and _ours(target):
@@ -197,3 +253,57 @@ def test_a_decision_module_imports_neither_asyncio_sqlite3_nor_torch(module: str
         return found
 
     assert not reaches(module), reaches(module)
+
+
+def test_the_manager_is_split_into_subpackages_by_concern() -> None:
+    """The folders say the concerns; the flat folder of near-twin names (regroup, regrouping,
+    regroup_policy; standby, standbys) is gone."""
+    expected = {"checkpoints", "http", "injection", "integrity", "membership", "placement", "preemption",
+                "recovery", "regroup", "standbys", "steps", "tracing", "views"}
+    assert {p.rpartition(".")[2] for p in MANAGER_PARTS} == expected
+    top = sorted(m for m in MODULES if m.startswith(MANAGER + ".") and m.count(".") == 2 and not _part(m))
+    assert len(top) <= 9, f"the manager's top folder holds {top}: does a new module belong to a concern's folder?"
+
+
+def test_code_outside_a_manager_subpackage_imports_it_only_through_its_surface() -> None:
+    wrong = []
+    for module in MODULES:
+        for target, names, line in _imports(module):
+            part = _part(target)
+            if not part or _part(module) == part:
+                continue
+            if target != part:
+                wrong.append(f"{module}:{line} imports {target}: import from its surface, {part}")
+            elif missing := [n for n in names if n not in _exports(MODULES[part])]:
+                wrong.append(f"{module}:{line} imports {missing} from {part}, which does not export them")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", [MANAGER, *MANAGER_PARTS])
+def test_every_name_a_manager_surface_exports_is_there(package: str) -> None:
+    """A lazy surface (names imported on first use) names each name's module twice: once for the type
+    checker, once for the import. Both agree, and every name in ``__all__`` is there at run time."""
+    exports = _exports(MODULES[package])
+    assert exports and set(exports) == set(_surface(package)), (exports, _surface(package))
+    loaded = importlib.import_module(package)
+    absent = [name for name in exports if getattr(loaded, name, None) is None]
+    assert not absent, f"{package} exports {absent} but has none of them"
+
+
+def test_the_managers_subpackages_import_one_another_without_a_circle() -> None:
+    graph: dict[str, set[str]] = {p: set() for p in MANAGER_PARTS}
+    for module in MODULES:
+        if part := _part(module):
+            graph[part] |= {_part(t) for t, _ in _edges(module)} - {"", part}
+    circles = []
+    for start in MANAGER_PARTS:
+        todo, seen = [(start, [start])], set()
+        while todo:
+            current, path = todo.pop()
+            for target in sorted(graph[current]):
+                if target == start:
+                    circles.append(" -> ".join([*path, target]))
+                elif target not in seen:
+                    seen.add(target)
+                    todo.append((target, [*path, target]))
+    assert not circles, "\n".join(sorted(set(circles)))

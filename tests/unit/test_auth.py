@@ -18,7 +18,7 @@ from undying.jobfiles.tokens import (
     ensure_token,
     find_token,
 )
-from undying.manager.access import token_from_headers, tokens_match
+from undying.manager.http.access import token_from_headers, tokens_match
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from rich.console import Console
 from undying.cli.status import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.jobfiles.records import Incident
-from undying.manager.checkpoint_health import (
+from undying.manager.checkpoints.health import (
     CheckpointHealth,
     relaunch_rerun,
     rerun_words,

@@ -142,7 +142,7 @@ def test_tutorial_diffs_are_the_examples() -> None:
 # Events whose name comes from a message rather than the code that logs it: the manager relays a
 # worker's Progress phase and an agent's SpareEvent under their own names. Their names are found
 # where those messages are made (below); a new relay must be added here and its names there.
-# "what": the manager's on_standby, which logs what manager/standbys.py records (its _record calls).
+# "what": the manager's on_standby, which logs what manager/standbys/roster.py records (its _record calls).
 _RELAYED = {"message.phase", "message.what", "what"}
 
 

@@ -13,7 +13,7 @@ import pytest
 from undying.config import JobConfig
 from undying.jobfiles.events import EventLog
 from undying.manager.manager import Manager
-from undying.manager.metrics import metric_names, new_registry
+from undying.manager.views.metrics import metric_names, new_registry
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "undying.json"
 METRIC = re.compile(r"\bundying_[a-z0-9_]+\b")

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from undying.config import JobConfig
 from undying.jobfiles.events import EventLog
 from undying.jobfiles.records import IncidentKind
-from undying.manager.history import LABELLED_RANKS, Downsampled, RunHistory
-from undying.manager.http import build_app
+from undying.manager.http.server import build_app
 from undying.manager.manager import Manager
-from undying.manager.metrics import exposition, metric_names, new_registry
+from undying.manager.views.history import LABELLED_RANKS, Downsampled, RunHistory
+from undying.manager.views.metrics import exposition, metric_names, new_registry
 from undying.protocol.worker_wire import CheckpointSaved, StepCommitted
 
 TOKEN = "t" * 32

@@ -22,12 +22,11 @@ from undying.cli.status import view
 from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
-from undying.manager.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
 from undying.manager.manager import Manager
-from undying.manager.migration import quarantine, request_move
+from undying.manager.placement import quarantine, request_move
+from undying.manager.placement.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
 from undying.manager.service import ManagerOptions, _Gate
-from undying.manager.standby import SlotFacts
-from undying.manager.standbys import Parked, Standbys
+from undying.manager.standbys import Parked, SlotFacts, Standbys
 from undying.protocol.node_wire import AgentJoin
 from undying.protocol.worker_wire import Progress
 

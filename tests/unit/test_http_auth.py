@@ -415,7 +415,7 @@ def test_a_token_in_a_url_is_refused_and_written_to_no_log(served: Served, caplo
     """Refused (the API takes headers only) and logged without its query; a token that still reaches a line of
     the API's loggers (aiohttp's report of a malformed request line, say) is masked."""
     from undying.manager.conns import QuietLog
-    from undying.manager.http import HideTokens
+    from undying.manager.http.server import HideTokens
 
     for quiet in logging.getLogger("undying.manager.http").filters:  # (earlier tests' refusals used up the quota)
         if isinstance(quiet, QuietLog):

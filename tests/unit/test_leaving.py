@@ -14,7 +14,7 @@ from tests.unit.live_manager import running
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.records import Incident
 from undying.manager.manager import Manager
-from undying.manager.policy import Action, PolicyContext, decide
+from undying.manager.recovery import Action, PolicyContext, decide
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import Done, StepCommitted
 

@@ -17,9 +17,9 @@ from undying.jobfiles.records import (
     RankInfo,
     RankState,
 )
-from undying.manager.book import RankBook
-from undying.manager.detection import ExitCause, classify_exit, describe_exit
-from undying.manager.step_clock import StepClock
+from undying.manager.membership import RankBook
+from undying.manager.recovery.detection import ExitCause, classify_exit, describe_exit
+from undying.manager.steps import StepClock
 from undying.protocol.worker_wire import Fatal
 
 KILLED = -int(signal.SIGKILL)

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from undying.config import JobConfig
 from undying.jobfiles.events import EventLog
 from undying.jobfiles.records import Incident, RankState
-from undying.manager.http import build_app
+from undying.manager.http.server import build_app
 from undying.manager.manager import Manager
-from undying.manager.metrics import exposition, new_registry
+from undying.manager.views import exposition, new_registry
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

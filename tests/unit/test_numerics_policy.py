@@ -172,7 +172,7 @@ def test_a_bad_rollback_count_is_refused_by_the_parser(capsys: pytest.CaptureFix
 ])
 def test_skipping_is_bounded_in_a_row_and_by_share(skipped: set[int], steps_run: int, limits: dict[str, float],
                                                    expected: str | None) -> None:
-    from undying.manager.numerics import skip_limit
+    from undying.manager.integrity.numerics import skip_limit
 
     got = skip_limit(skipped, steps_run, limits)
     if expected is None:

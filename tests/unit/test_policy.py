@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from undying.jobfiles.records import Incident
-from undying.manager import policy
-from undying.manager.policy import Action, PolicyContext, decide
+from undying.manager.recovery import Action, PolicyContext, decide, policy
 from undying.protocol.node_wire import RankProgress
 
 _ids = iter(range(1, 10**6))

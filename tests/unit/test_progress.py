@@ -1,4 +1,4 @@
-"""The job's progress (manager/progress.py): completed steps, plan, epoch, rate, ETA and values."""
+"""The job's progress (manager/steps/progress.py): completed steps, plan, epoch, rate, ETA and values."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from undying.config import JobConfig
 from undying.jobfiles.events import EventLog
 from undying.manager.manager import Manager
-from undying.manager.progress import RATE_WINDOW, JobSteps, Plan, compute, mean_values
-from undying.manager.step_clock import PLAN_EVENT, StepClock
+from undying.manager.steps import PLAN_EVENT, StepClock
+from undying.manager.steps.progress import RATE_WINDOW, JobSteps, Plan, compute, mean_values
 from undying.protocol.worker_wire import CheckpointSaved, Progress, StepCommitted
 
 

@@ -1,4 +1,4 @@
-"""The regroup's record and its decisions when a second fault overlaps it (undying.manager.regroup), alone."""
+"""The regroup's record and its decisions when a second fault overlaps it (undying.manager.regroup.record), alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from undying.config import EXIT_REGROUPED
-from undying.manager.regroup import Regroup, max_attempts
+from undying.manager.regroup.record import Regroup, max_attempts
 
 
 def _regroup(*members: int) -> Regroup:

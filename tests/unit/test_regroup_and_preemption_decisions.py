@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.live_manager import running
 from undying.config import EXIT_REGROUPED
-from undying.manager.preemption_policy import (
+from undying.manager.preemption.policy import (
     OnSigterm,
     Outcome,
     Saved,
@@ -19,8 +19,7 @@ from undying.manager.preemption_policy import (
     resume_reruns,
     stop_step,
 )
-from undying.manager.regroup import Regroup
-from undying.manager.regroup_policy import (
+from undying.manager.regroup.policy import (
     Replan,
     WorldNext,
     form_world,
@@ -29,6 +28,7 @@ from undying.manager.regroup_policy import (
     replan,
     waiting_for_members,
 )
+from undying.manager.regroup.record import Regroup
 from undying.protocol.worker_wire import CheckpointSaved
 
 # --- regroups -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from tests.unit.test_nodes import (
 from undying.cli.main import main
 from undying.manager.nodes import AgentServer
 from undying.manager.service import ManagerOptions, _Gate
-from undying.manager.standby import Promote, SlotFacts, StandbyFacts, promotions
+from undying.manager.standbys.policy import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
     AgentRefused,

@@ -14,7 +14,7 @@ from undying.config import JobConfig
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.core import JobCore
-from undying.manager.divergence import Divergence
+from undying.manager.integrity import Divergence
 from undying.protocol.env import SEED_ENV
 from undying.protocol.worker_wire import Progress, StepBegun
 from undying.worker.fingerprint import batch_fingerprint

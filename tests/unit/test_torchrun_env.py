@@ -15,7 +15,7 @@ import pytest
 from undying.agent.exits import returned_exit
 from undying.agent.torchrun_env import TorchrunEnv
 from undying.config import ERROR_FILE, RETURNED_FILE, JobConfig, LaunchConfig, Timeouts, worker_dir
-from undying.manager.detection import error_file
+from undying.manager.recovery.detection import error_file
 from undying.protocol.env import SEED_ENV
 from undying.protocol.generations import GenerationRecord
 

@@ -366,7 +366,7 @@ class Agent:
             worker = self._by_pid.pop(process.pid, None)
             if worker is not None and self._workers.get(worker.rank) is worker:  # the rank's newest process ended
                 self._workers.update({w.rank: w for w in self._by_pid.values() if w.rank == worker.rank})  # while an
-            if worker is not None:  # older one runs (a cancelled move, manager.migration): that one holds it again
+            if worker is not None:  # older one runs (a cancelled move, manager.placement.migration): that one holds it again
                 # A script that returned is done, whatever its exit took (agent/exits.py).
                 returncode = returned_exit(self.config, worker.rank, worker.incarnation, worker.pid, returncode,
                                            self._spare_event)

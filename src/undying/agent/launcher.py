@@ -34,7 +34,7 @@ from undying.jobfiles.events import EventLog, read_job_table
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import ensure_token_with_source
-from undying.manager.checkpoint_health import resume_line
+from undying.manager.checkpoints import resume_line
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.manager.service import exit_code

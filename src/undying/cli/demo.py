@@ -238,7 +238,7 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
                 offset = status["step"]
             token = find_token(job_dir.path, None)
             for fault in faults:
-                if fault.kind == "migrate":  # a planned move, once the job measured its steps: manager.migration
+                if fault.kind == "migrate":  # a planned move, once the job measured its steps: manager.placement.migration
                     while api_get(info["url"], "/api/status", token=token)["step"] < fault.at_step + offset:
                         time.sleep(0.02)
                     api_post(info["url"], "/api/migrate", {"rank": fault.rank}, token=token)

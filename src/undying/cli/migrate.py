@@ -2,7 +2,7 @@
 
 Each talks to the job's manager over its HTTP API with the job's token, as
 ``undying inject`` does; the manager checks the request and carries it out
-(``undying.manager.migration``). No torch here.
+(``undying.manager.placement.migration``). No torch here.
 """
 
 from __future__ import annotations

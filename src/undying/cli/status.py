@@ -178,7 +178,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "recovery_mode": "" if (job.get("config") or {}).get("step_api", True) else
         WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", 3)),
         "preemption": job.get("preemption"),
-        "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/hosts.py)
+        "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
         "ranks": data["ranks"],
         "incidents": data["incidents"],
         "live": False,
@@ -249,7 +249,7 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
         parts.append(_regroup_line(status["regroup"]))
     for mark in status.get("hosts_out") or []:  # no new ranks there until `undying undrain HOST`
         line = f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: {mark.get('reason')}"
-        if mark.get("state") == "quarantined":  # manager.hosts: it requalifies only on verified steps
+        if mark.get("state") == "quarantined":  # manager.placement.hosts: it requalifies only on verified steps
             line += (f" (requalifying: {mark.get('passes', 0)}/{mark.get('needed', '?')} verified, with "
                      f"--verify-every; or `undying undrain {mark.get('host')}`)")
             if isinstance(under := mark.get("drained"), dict):  # kept under the quarantine: drained once it clears

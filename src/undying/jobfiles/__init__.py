@@ -11,7 +11,7 @@ incidents, the job's state machine).
 
 What does not: anything that decides (the manager's policy, recovery,
 regroups), anything that serves (the manager's HTTP API and its check of a
-caller's token, ``undying.manager.access``), anything a process sends another
+caller's token, ``undying.manager.http.access``), anything a process sends another
 (``undying.protocol``). The package imports only the contract floor and the
 libraries beside it (``undying.checkpoint.lock``), never a role: the manager,
 the agent, the launcher, the command line and the demo all read the same job

@@ -104,7 +104,7 @@ class IncidentKind(enum.StrEnum):
     NODE_LOSS = "node-loss"  # a node's agent, and every rank on it, gone or out of reach
     NODE_JOINED = "node-joined"  # an elastic job grows to a node that joined
     SCRIPT_ERROR = "script-error"  # the script cannot run (SyntaxError, ImportError): the job fails at once
-    LEFT_EARLY = "left-early"  # exited 0 before its last step while the others went on (manager.leaving)
+    LEFT_EARLY = "left-early"  # exited 0 before its last step while the others went on (manager.recovery.leaving)
     PREEMPT = "preempt"  # SIGTERM: the dying gasp
     CHECKPOINT_FAILED = "checkpoint_failed"  # saves fail (a full disk): retried at the next save
     SLOW_RANK = "slow_rank"  # found by slow-rank detection
@@ -159,7 +159,7 @@ class IncidentDetail(TypedDict, total=False):
     restored_step: int
     regroup: dict[str, Any]
     closed: str
-    migration: dict[str, Any]  # a planned move: planned_t, boundary_step, from, to, by (manager/migration.py)
+    migration: dict[str, Any]  # a planned move: planned_t, boundary_step, from, to, by (manager/placement/migration.py)
     # A preemption.
     grace_period_s: float
     reused: str

@@ -17,7 +17,7 @@ refused instead of faulting someone else's job.
 
 This module is pure (no aiohttp): the manager, the CLI and the agents share
 it. The manager's check of what a caller shows (``token_from_headers``,
-``tokens_match``) is the manager's own: ``undying.manager.access``.
+``tokens_match``) is the manager's own: ``undying.manager.http.access``.
 """
 
 from __future__ import annotations

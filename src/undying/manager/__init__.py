@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from undying.manager.manager import Manager
-    from undying.manager.policy import Action, Decision, PolicyContext, decide
+    from undying.manager.recovery import Action, Decision, PolicyContext, decide
 
 __all__ = ["Manager", "Action", "Decision", "PolicyContext", "decide"]
 
 _WHERE = {
-    "Manager": "manager", "Action": "policy", "Decision": "policy", "PolicyContext": "policy", "decide": "policy",
+    "Manager": "manager",
+    "Action": "recovery",
+    "Decision": "recovery",
+    "PolicyContext": "recovery",
+    "decide": "recovery",
 }
 
 

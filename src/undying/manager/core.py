@@ -25,11 +25,10 @@ from undying.jobfiles.records import (
     RankInfo,
     RankState,
 )
-from undying.manager.book import RankBook
-from undying.manager.checkpoint_health import CheckpointHealth
-from undying.manager.generations import Generations
-from undying.manager.hosts import HostBook
-from undying.manager.step_clock import StepClock
+from undying.manager.checkpoints import CheckpointHealth
+from undying.manager.membership import Generations, RankBook
+from undying.manager.placement import HostBook
+from undying.manager.steps import StepClock
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.seams import AgentHandle
 
@@ -49,7 +48,7 @@ class JobCore:
         self.agents: dict[int, AgentHandle] = {}
         self.incidents: list[Incident] = []
         self.health = CheckpointHealth(events, self.incidents)  # failed saves as incidents
-        self.hosts = HostBook()  # drained and quarantined hosts: no new ranks there (manager/hosts.py)
+        self.hosts = HostBook()  # drained and quarantined hosts: no new ranks there (manager/placement/hosts.py)
         self.exit_reason = ""
         self.started_at = time.time()
         self.finished = asyncio.Event()

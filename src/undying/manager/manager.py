@@ -29,22 +29,25 @@ from undying.jobfiles.records import (
     RankInfo,
     RankState,
 )
-from undying.manager.checkpoint_health import CheckpointHealth
-from undying.manager.checkpoints import Checkpoints
-from undying.manager.commands import Injector
+from undying.manager.checkpoints import CheckpointHealth, Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.detection import LEFT_BEHIND_PHASE, Detection
-from undying.manager.divergence import Divergence
-from undying.manager.history import RunHistory
-from undying.manager.migration import Migrations
-from undying.manager.numerics import NUMERIC_PHASE, on_numeric_fault
+from undying.manager.injection import Injector
+from undying.manager.integrity import (
+    NUMERIC_PHASE,
+    SDC_PHASE,
+    VERIFIED_PHASE,
+    Divergence,
+    on_numeric_fault,
+    on_sdc,
+    on_verified,
+)
+from undying.manager.placement import Migrations
 from undying.manager.preemption import Preemption
-from undying.manager.recovery import Recoveries
-from undying.manager.regrouping import Regrouping
+from undying.manager.recovery import LEFT_BEHIND_PHASE, Detection, Recoveries
+from undying.manager.regroup import Regrouping
 from undying.manager.restoring import restore_job
-from undying.manager.trace_control import TraceControl
-from undying.manager.verification import SDC_PHASE, VERIFIED_PHASE, on_sdc, on_verified
-from undying.manager.views import job_status
+from undying.manager.tracing import TraceControl
+from undying.manager.views import RunHistory, job_status
 from undying.protocol.codec import Handlers, Message
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent

@@ -33,8 +33,7 @@ from typing import Any, Protocol
 
 from undying.manager.conns import QuietLog, read_line
 from undying.manager.node_slot import RemoteAgent
-from undying.manager.standby import SlotFacts
-from undying.manager.standbys import Parked, Standbys
+from undying.manager.standbys import Parked, SlotFacts, Standbys
 from undying.protocol.codec import Handlers, Message, MessageError
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (

@@ -7,12 +7,12 @@ import logging
 from undying.jobfiles.records import Incident, IncidentStatus, JobState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.history import RunHistory
-from undying.manager.hosts import LOG_KEY as HOSTS_KEY
-from undying.manager.migration import Migrations
+from undying.manager.placement import LOG_KEY as HOSTS_KEY
+from undying.manager.placement import Migrations
 from undying.manager.recovery import Recoveries, Recovery
 from undying.manager.regroup import LOG_KEY as REGROUP_KEY
-from undying.manager.regrouping import Regrouping
+from undying.manager.regroup import Regrouping
+from undying.manager.views import RunHistory
 
 __all__ = ["restore_job"]
 

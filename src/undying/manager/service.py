@@ -37,9 +37,8 @@ from undying.jobfiles.events import EventLog, read_job_table
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import ensure_token_with_source, where_the_token_is
-from undying.manager.access import tokens_match
-from undying.manager.checkpoint_health import resume_line
-from undying.manager.http import start_http
+from undying.manager.checkpoints import resume_line
+from undying.manager.http import start_http, tokens_match
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer
 from undying.protocol.node_wire import AgentJoin, JobEnded

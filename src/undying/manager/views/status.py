@@ -9,12 +9,11 @@ from undying.config import WHOLE_GROUP_LINE
 from undying.jobfiles.records import RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.goodput import Goodput, account
 from undying.manager.preemption import Preemption
-from undying.manager.progress import Progress, compute
 from undying.manager.recovery import Recoveries
-from undying.manager.regrouping import Regrouping
-from undying.manager.trace_control import TraceControl
+from undying.manager.regroup import Regrouping
+from undying.manager.steps import Goodput, Progress, account, compute
+from undying.manager.tracing import TraceControl
 
 __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]
 
@@ -54,7 +53,7 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "goodput": job_goodput(core, incidents).to_dict(),
         "ranks": rank_views(core),
         "nodes": [a.view() for a in core.agents.values()],
-        "hosts_out": core.hosts.view(),  # drained or quarantined: no new ranks there (manager/hosts.py)
+        "hosts_out": core.hosts.view(),  # drained or quarantined: no new ranks there (manager/placement/hosts.py)
         "standbys": standbys,  # parked agents with no node yet: where a lost or moved node goes
         "incidents": incidents,
     }

@@ -17,7 +17,7 @@ POST /api/trace       change it as the CLI does: {"on": true, "comm": false}
 
 Access. Every request shows the job's token (``undying.jobfiles.tokens``) as
 ``Authorization: Bearer <token>`` or ``X-Undying-Token: <token>``
-(``undying.manager.access`` reads and checks it); without it, or with a wrong
+(``undying.manager.http.access`` reads and checks it); without it, or with a wrong
 one, the answer is 401 with a JSON error that says where the token is, and the
 handler never runs, so nothing changes. A request may name
 its job in ``X-Undying-Job``: a manager of another job answers 401 instead of
@@ -71,12 +71,12 @@ from aiohttp import web
 
 from undying.errors import UsageError
 from undying.jobfiles.tokens import JOB_HEADER, ensure_token, where_the_token_is
-from undying.manager.access import token_from_headers, tokens_match
 from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite, QuietLog
+from undying.manager.http.access import token_from_headers, tokens_match
+from undying.manager.http.page import status_page
 from undying.manager.manager import Manager
-from undying.manager.metrics import CONTENT_TYPE, exposition, new_registry
-from undying.manager.migration import MOVE_EXAMPLES, request_move
-from undying.manager.page import status_page
+from undying.manager.placement import MOVE_EXAMPLES, request_move
+from undying.manager.views import CONTENT_TYPE, exposition, new_registry
 from undying.protocol.api_proof import (
     HELLO_PATH,
     NONCE_HEADER,
@@ -275,7 +275,7 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         except UsageError as e:
             return _error(400, str(e))
 
-    async def move(request: web.Request) -> web.Response:  # migrate, drain, undrain (manager/migration.py)
+    async def move(request: web.Request) -> web.Response:  # migrate, drain, undrain (manager/placement/migration.py)
         what = request.path.rsplit("/", 1)[-1]
         body = await _body(request, MOVE_EXAMPLES[what])
         if isinstance(body, web.Response):

@@ -18,4 +18,4 @@ __all__ = ["status_page"]
 @functools.cache
 def status_page() -> bytes:
     """The page's HTML, read from the installed package once."""
-    return resources.files("undying.manager").joinpath("static", "status.html").read_bytes()
+    return resources.files("undying.manager.http").joinpath("static", "status.html").read_bytes()

@@ -23,10 +23,8 @@ from typing import Any
 from undying.jobfiles.records import IncidentKind, JobState, RankInfo, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.detection import Detection, describe_exit
-from undying.manager.recovery import Recoveries
-from undying.manager.regroup import LOG_KEY, SAVED_KINDS, Regroup
-from undying.manager.regroup_policy import (
+from undying.manager.recovery import Detection, Recoveries, describe_exit
+from undying.manager.regroup.policy import (
     Replan,
     WorldNext,
     form_world,
@@ -35,6 +33,7 @@ from undying.manager.regroup_policy import (
     replan,
     waiting_for_members,
 )
+from undying.manager.regroup.record import LOG_KEY, SAVED_KINDS, Regroup
 
 __all__ = ["Regrouping"]
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from undying.config import ERROR_FILE, EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, worker_dir
 from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
-from undying.manager.leaving import Leavers
-from undying.manager.policy import stall_culprits
-from undying.manager.recovery import Recoveries
+from undying.manager.recovery.leaving import Leavers
+from undying.manager.recovery.policy import stall_culprits
+from undying.manager.recovery.rounds import Recoveries
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, Fatal
 
@@ -130,7 +130,7 @@ class Detection:
         self.hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
         self.fatal: dict[int, Fatal] = {}  # pid -> the error its rank reported
         self.node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
-        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.leaving)
+        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.recovery.leaving)
         self.grace_tasks: set[asyncio.Task[None]] = set()
 
     def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:

@@ -45,10 +45,14 @@ from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
-from undying.manager.detection import Detection, describe_exit
-from undying.manager.hosts import LOG_KEY, REQUALIFY_PASSES, HostBook, check_host, check_job_host
-from undying.manager.policy import Action, Decision
-from undying.manager.recovery import Recoveries
+from undying.manager.placement.hosts import (
+    LOG_KEY,
+    REQUALIFY_PASSES,
+    HostBook,
+    check_host,
+    check_job_host,
+)
+from undying.manager.recovery import Action, Decision, Detection, Recoveries, describe_exit
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import JobEnded
 from undying.protocol.worker_wire import ArmFault, FaultInjected
@@ -69,7 +73,7 @@ READY_S = {True: 2.0, False: 10.0}
 MAX_LEAD_STEPS = 10_000
 
 
-# What each POST of the HTTP API takes (manager/http.py): its body's example, for the errors.
+# What each POST of the HTTP API takes (manager/http/server.py): its body's example, for the errors.
 MOVE_EXAMPLES = {"migrate": '{"rank": 1, "to": "HOST"} or {"node": 1, "to": "HOST"}', "drain": '{"host": "HOST"}',
                  "undrain": '{"host": "HOST"}'}
 _MAX_RANK = 1 << 20
@@ -107,7 +111,7 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
                by: str = "numerics") -> dict[str, Any]:
     """Quarantine a host, named or as the one ``rank`` runs on, with the fault policy's ``reason``.
 
-    The one call a fault policy makes (``manager.numerics``: a rank found at
+    The one call a fault policy makes (``manager.integrity.numerics``: a rank found at
     fault twice): the host gets no new ranks until an operator runs
     ``undying undrain HOST``; recorded as ``host_quarantined`` and kept in the
     log. Its ranks train on: moving them is the operator's call (``drain``).
@@ -123,7 +127,7 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
     return {"host": host, "state": mark.state.value, "reason": mark.reason}
 
 
-# What clears a quarantined host (manager.hosts.HostBook.verified, manager.verification.on_verified).
+# What clears a quarantined host (manager.placement.hosts.HostBook.verified, manager.integrity.verification.on_verified).
 UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified bit for bit "
          f"in a row, only in a job run with --verify-every) or an operator runs `undying undrain HOST`")
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from undying.jobfiles.records import IncidentKind, RankInfo
 from undying.manager.core import JobCore
-from undying.manager.recovery import Recoveries
+from undying.manager.recovery.rounds import Recoveries
 
 __all__ = ["Leavers", "Left"]
 

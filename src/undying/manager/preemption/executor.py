@@ -8,7 +8,7 @@ where it is, tells all of them the step to stop after, has that step saved
 fails, a SIGTERM at the very end), the job ends PREEMPTED with a checkpoint
 named and the steps a relaunch re-runs counted, or says why there is none.
 
-What to do is decided by pure functions (``preemption_policy``: what a SIGTERM
+What to do is decided by pure functions (``policy``: what a SIGTERM
 does, the stop step, the ending); this module is their executor: it talks to
 the ranks, waits within the grace period, looks on disk, and ends the job.
 """
@@ -25,7 +25,7 @@ from undying.checkpoint.gasp import Measurement, recent_dying_gasp
 from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus, JobState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.preemption_policy import (
+from undying.manager.preemption.policy import (
     OnSigterm,
     Outcome,
     Saved,
@@ -160,7 +160,7 @@ class Preemption:
 
     async def _report(self, incident: Incident, t0: float, grace: float, reused: Checkpoint | None,
                       stop: int, late: list[int]) -> None:
-        """Which checkpoint a relaunch resumes from and what it re-runs (``preemption_policy``); the job ends."""
+        """Which checkpoint a relaunch resumes from and what it re-runs (``policy``); the job ends."""
         core = self.core
         gasp = self._gasp
         took = round(time.time() - t0, 3)

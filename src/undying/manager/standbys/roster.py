@@ -3,7 +3,7 @@
 A standby's agent joins with ``node`` = ``STANDBY_NODE``. It is checked as any
 agent is (token, job, flags), told ``StandbyParked`` with what its zygote
 and spares need, and then only beats (``StandbyBeat``) while the manager
-beats it back. ``standby.promotions`` (a pure function) says which standby
+beats it back. ``policy.promotions`` (a pure function) says which standby
 takes which lost node; this roster carries it out with the agent server's
 ``seat`` (the same as a new agent joining for the node: a new session, an
 ``AgentWelcome`` with the node's number, the spawns that waited for the node),
@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from undying.manager.conns import read_line
-from undying.manager.standby import Promote, SlotFacts, StandbyFacts, promotions
+from undying.manager.standbys.policy import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.codec import MessageError
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
@@ -80,7 +80,7 @@ class Standbys:
         self._seat = seat
         self._record = record
         self._next = 0
-        # () -> the hosts drained or quarantined (manager/hosts.py): a standby parked there is not promoted.
+        # () -> the hosts drained or quarantined (manager/placement/hosts.py): a standby parked there is not promoted.
         self.blocked: Callable[[], set[str]] = set
 
     async def park(self, join: AgentJoin, writer: asyncio.StreamWriter, check: Callable[[AgentJoin], str],
@@ -139,7 +139,7 @@ class Standbys:
                 parked.writer.write(line)
 
     def place(self, slots: list[SlotFacts], silence_limit_s: float, *, closed: bool = False) -> list[Promote]:
-        """Give lost nodes to standbys (``standby.promotions`` decides); returns what was done."""
+        """Give lost nodes to standbys (``policy.promotions`` decides); returns what was done."""
         out = self.blocked()
         facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, self.clock.silent_s(p.heard))
                  for p in self.parked.values() if p.join.host not in out]

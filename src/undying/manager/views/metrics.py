@@ -41,7 +41,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from undying.jobfiles.records import IncidentKind, JobState, RankState
-from undying.manager.history import LABELLED_RANKS, Histogram, RunHistory
+from undying.manager.views.history import LABELLED_RANKS, Histogram, RunHistory
 
 __all__ = ["StatusCollector", "RECOVERY_BUCKETS", "CONTENT_TYPE", "new_registry", "exposition", "metric_names"]
 

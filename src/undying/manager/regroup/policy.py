@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from undying.manager.regroup import Regroup, max_attempts
+from undying.manager.regroup.record import Regroup, max_attempts
 
 __all__ = ["Grow", "grow", "World", "WorldNext", "waiting_for_members", "form_world", "Replan", "replan", "overdue"]
 

@@ -41,9 +41,8 @@ from undying.jobfiles.records import (
     RankState,
 )
 from undying.manager.core import JobCore
-from undying.manager.migration import node_host, quarantine
-from undying.manager.policy import Action, Decision
-from undying.manager.recovery import Recoveries
+from undying.manager.placement import node_host, quarantine
+from undying.manager.recovery import Action, Decision, Recoveries
 from undying.protocol.kinds import NumericHow
 from undying.protocol.worker_wire import ArmFault, Progress
 
@@ -153,7 +152,7 @@ def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) ->
     if len(faults) < FAULTS_TO_REPLACE or info is None or core.winding_down \
             or info.state in (RankState.EXITED, RankState.DONE) or info.pid in recoveries.condemned:
         return  # (a rank that finished its steps has nothing left to get wrong)
-    host = node_host(core, info.node) or core.config.host  # (as requalification finds it: manager.migration)
+    host = node_host(core, info.node) or core.config.host  # (as requalification finds it: manager.placement.migration)
     steps = [i.step for i in faults]
     reason = (f"rank {rank} was found at fault {len(faults)} times (numeric faults at steps "
               f"{', '.join(map(str, steps))}, its gradients changed on replay each time): its process is replaced "

@@ -45,7 +45,7 @@ from undying.jobfiles.records import (
 )
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.policy import Action, Decision, PolicyContext, decide
+from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
 from undying.protocol.generations import GenerationRecord
 
 __all__ = ["Recovery", "Recoveries"]
@@ -98,7 +98,7 @@ class Recoveries:
         # A rank said hello: the script uses the step API even if the launcher's look at it said otherwise.
         self.hello_seen = False
         # Told of the first incident of each new round, before it is decided: e.g. a planned move the
-        # round overtakes is cancelled first (manager.migration), so its last holder keeps the rank.
+        # round overtakes is cancelled first (manager.placement.migration), so its last holder keeps the rank.
         self.round_opened: list[Callable[[Incident], None]] = []
 
     @property

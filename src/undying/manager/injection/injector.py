@@ -6,7 +6,7 @@ training thread that spins or blocks while the process beats (hang with
 ``how``), broken connections under a live process (comm-error), and a rank
 made ``factor`` times slower in one phase (slow, found by slow-rank
 detection, not recovered), and a script that exits 0 before its last step
-while the others go on (leave: a ``left-early`` incident, ``manager.leaving``).
+while the others go on (leave: a ``left-early`` incident, ``manager.recovery.leaving``).
 Each command is checked before anything happens and refused with a line
 naming the bad input.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 from undying.errors import UsageError
 from undying.manager.core import JobCore
-from undying.manager.detection import Detection
-from undying.manager.numerics import arm_numeric
+from undying.manager.integrity import arm_numeric
+from undying.manager.recovery import Detection
 from undying.protocol.kinds import HangHow, InjectKind, InjectPhase, SlowPhase
 from undying.protocol.worker_wire import ArmFault
 
@@ -28,7 +28,7 @@ __all__ = ["Injector"]
 
 # The faults done from outside the rank's process, by a signal.
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
-# Where the training thread itself runs, so that a leave's sys.exit(0) ends the script (manager.leaving).
+# Where the training thread itself runs, so that a leave's sys.exit(0) ends the script (manager.recovery.leaving).
 _LEAVE_PHASES = ("step", "forward", "optimizer")
 
 
@@ -51,7 +51,7 @@ class Injector:
             raise UsageError(f"unknown fault kind {kind!r}; choose one of {', '.join(InjectKind)}")
         if kind == "slow":
             return self._inject_slow(rank, at_step, phase or "compute", factor)
-        if kind in ("nan", "bitflip"):  # manager.numerics
+        if kind in ("nan", "bitflip"):  # manager.integrity.numerics
             return arm_numeric(self.core, kind, rank, at_step, how, phase, factor)
         if factor is not None:
             raise UsageError("factor applies to slow only (undying inject slow --factor F)")

@@ -10,7 +10,7 @@ other words (``verify_started``, ``verify_overdue``, ``verify_summary``,
 
 Each verdict also comes on its own (``verify_result``: the step, the suspect
 rank, passed or not): a quarantined host requalifies on them (``on_verified``,
-the rule in ``manager.hosts.HostBook.verified``).
+the rule in ``manager.placement.hosts.HostBook.verified``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import Any, cast
 
 from undying.jobfiles.records import Incident, IncidentDetail, IncidentKind, IncidentStatus
 from undying.manager.core import JobCore
-from undying.manager.hosts import LOG_KEY, HostState
-from undying.manager.migration import host_of
+from undying.manager.placement import LOG_KEY, HostState, host_of
 from undying.protocol.worker_wire import Progress
 
 __all__ = ["on_sdc", "on_verified", "SDC_PHASE", "VERIFIED_PHASE"]

@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from undying.manager.goodput import Stall, StepLedger
-from undying.manager.progress import JobSteps, Plan
+from undying.manager.steps.goodput import Stall, StepLedger
+from undying.manager.steps.progress import JobSteps, Plan
 
 __all__ = ["StepClock", "PLAN_EVENT"]
 

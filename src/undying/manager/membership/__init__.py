@@ -1,0 +1,30 @@
+"""Who is in the job, and in which process group.
+
+``book`` (``RankBook``: the ranks, their nodes, what each committed); ``generations`` (the numbered
+process groups, each with its own store; fencing the superseded one).
+
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from undying.manager.membership.book import RankBook
+    from undying.manager.membership.generations import Generations
+
+__all__ = ["RankBook", "Generations"]
+
+_WHERE = {
+    "RankBook": "book",
+    "Generations": "generations",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

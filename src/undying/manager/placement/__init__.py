@@ -1,0 +1,54 @@
+"""Where ranks run: a host's state (ok, drained, quarantined), and ranks and nodes moved on purpose.
+
+``hosts`` (``HostBook``: one state per host, and when a quarantined host requalifies);
+``migration`` (planned moves at a step boundary, drains, quarantining the host of a fault).
+
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from undying.manager.placement.hosts import LOG_KEY, HostBook, HostState
+    from undying.manager.placement.migration import (
+        MOVE_EXAMPLES,
+        Migrations,
+        host_of,
+        node_host,
+        quarantine,
+        request_move,
+    )
+
+__all__ = [
+    "HostBook",
+    "HostState",
+    "LOG_KEY",
+    "MOVE_EXAMPLES",
+    "Migrations",
+    "host_of",
+    "node_host",
+    "quarantine",
+    "request_move",
+]
+
+_WHERE = {
+    "HostBook": "hosts",
+    "HostState": "hosts",
+    "LOG_KEY": "hosts",
+    "MOVE_EXAMPLES": "migration",
+    "Migrations": "migration",
+    "host_of": "migration",
+    "node_host": "migration",
+    "quarantine": "migration",
+    "request_move": "migration",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

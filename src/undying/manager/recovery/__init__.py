@@ -1,0 +1,49 @@
+"""From a fault to an incident, and from an incident to the job training again.
+
+``detection`` (an exit, a silence, a stall or a failed collective becomes an incident); ``leaving``
+(a rank that exits 0 early); ``policy`` (the recovery ladder, a pure function: incident and history
+to an action); ``rounds`` (``Recoveries``: the executor of that action and the round's timeline).
+
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from undying.manager.recovery.detection import LEFT_BEHIND_PHASE, Detection, describe_exit
+    from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
+    from undying.manager.recovery.rounds import Recoveries, Recovery
+
+__all__ = [
+    "Action",
+    "Decision",
+    "PolicyContext",
+    "decide",
+    "Detection",
+    "LEFT_BEHIND_PHASE",
+    "describe_exit",
+    "Recoveries",
+    "Recovery",
+]
+
+_WHERE = {
+    "Action": "policy",
+    "Decision": "policy",
+    "PolicyContext": "policy",
+    "decide": "policy",
+    "Detection": "detection",
+    "LEFT_BEHIND_PHASE": "detection",
+    "describe_exit": "detection",
+    "Recoveries": "rounds",
+    "Recovery": "rounds",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,28 @@
+"""The job's trace switch, and slow ranks the traces find made incidents.
+
+``control`` (``TraceControl``: one switch every rank follows, the comm switch's agreed step,
+findings).
+
+Names are imported on first use (PEP 562): importing one module of this package, a pure decision
+above all, must not pay for the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from undying.manager.tracing.control import TraceControl
+
+__all__ = ["TraceControl"]
+
+_WHERE = {
+    "TraceControl": "control",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
