@@ -19,13 +19,13 @@ from rich.console import Console
 
 from tests.unit.test_nodes import JOB, TOKEN, job_config, join_message
 from undying.cli.status import view
-from undying.config import JobConfig
+from undying.config import JobConfig, ManagerOptions
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
 from undying.manager.manager import Manager
 from undying.manager.migration import quarantine, request_move
-from undying.manager.service import ManagerOptions, _Gate
+from undying.manager.service import _Gate
 from undying.manager.standby import SlotFacts
 from undying.manager.standbys import Parked, Standbys
 from undying.protocol.node_wire import AgentJoin

@@ -32,12 +32,12 @@ import msgspec
 import pytest
 
 from undying.agent.remote import ManagerClient
-from undying.config import JobConfig, Timeouts
+from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.jobfiles.events import EventLog, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer, RemoteAgent
-from undying.manager.service import ManagerOptions, _Gate, _serve
+from undying.manager.service import _Gate, _serve
 from undying.protocol.codec import Codec, Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
