@@ -93,10 +93,9 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
 written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
-    s = add_setting  # (each option's dest and default are its config field's, by the rule: cli/settings.py)
-    s(p, JobConfig, "-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, metavar="N",
-      help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
-      "(default %(default)s)")
+    add_setting(p, JobConfig, "-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, metavar="N",
+                help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
+                "(default %(default)s)")
     p.add_argument("--job-id", type=job_id_arg, default=None,
                    help=f"the job's name: {JOB_ID_RULE} (default: job-<date>-<time>-<random>)")
     p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
@@ -107,40 +106,40 @@ no checkpoint at all.""",
         f"(default {JobConfig.max_restarts}). This flag used to limit recoveries at one step: that is "
         "--max-step-recoveries now",
     )
-    s(p, JobConfig, "--max-step-recoveries", type=int,
-      help="recoveries allowed for faults at the same step before the job stops; a fault that "
-      "repeats at one step is a bug (default %(default)s)")
-    s(p, JobConfig, "--seed", type=int,
-      help=f"the job's seed, given to every worker as {SEED_ENV}: undying.init() seeds torch, random "
-      "and NumPy from it, so a replacement builds what the rank it replaces built (default %(default)s)")
-    s(p, JobConfig, "--max-retries", type=int,
-      help="in-place retries of a communication error at the same step; then the rank whose "
-      "collective failed is replaced (default %(default)s)")
-    s(p, JobConfig, "--spares", type=int,
-      help="hot spares per node: processes with Python and torch already loaded that replace a "
-      "dead rank without a cold start; started once the job runs (default %(default)s, 0 for none)")
+    add_setting(p, JobConfig, "--max-step-recoveries", type=int,
+                help="recoveries allowed for faults at the same step before the job stops; a fault that "
+                "repeats at one step is a bug (default %(default)s)")
+    add_setting(p, JobConfig, "--seed", type=int,
+                help=f"the job's seed, given to every worker as {SEED_ENV}: undying.init() seeds torch, random "
+                "and NumPy from it, so a replacement builds what the rank it replaces built (default %(default)s)")
+    add_setting(p, JobConfig, "--max-retries", type=int,
+                help="in-place retries of a communication error at the same step; then the rank whose "
+                "collective failed is replaced (default %(default)s)")
+    add_setting(p, JobConfig, "--spares", type=int,
+                help="hot spares per node: processes with Python and torch already loaded that replace a "
+                "dead rank without a cold start; started once the job runs (default %(default)s, 0 for none)")
     c = p.add_argument_group("checkpoints and preemption")
-    s(c, CheckpointConfig, "--checkpoint-dir", metavar="PATH_OR_URL",
-      help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
-    s(c, CheckpointConfig, "--save-every", type=int, metavar="STEPS",
-      help="write a checkpoint after every N committed steps (default %(default)s: never by steps)")
-    s(c, CheckpointConfig, "--save-interval", type=finite_arg("--save-interval"), metavar="SECONDS",
-      help="write a checkpoint when this long passed since the last (default %(default)g: never by time)")
-    s(c, CheckpointConfig, "--keep", type=int, help="checkpoints to keep (default %(default)s)")
-    s(c, JobConfig, "--start-fresh", action="store_true",
-      help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
-      "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
-      "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
-      "was rejected)")
-    s(c, JobConfig, "--force", action="store_true",
-      help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
-    s(c, CheckpointConfig, "--grace-period", type=finite_arg("--grace-period"), metavar="SECONDS",
-      help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
-      "still running then are killed (default: sized from the measured checkpoint size and "
-      "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
-    s(c, CheckpointConfig, "--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), metavar="SECONDS",
-      help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
-      "step was trained since (default %(default)g)")
+    add_setting(c, CheckpointConfig, "--checkpoint-dir", metavar="PATH_OR_URL",
+                help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
+    add_setting(c, CheckpointConfig, "--save-every", type=int, metavar="STEPS",
+                help="write a checkpoint after every N committed steps (default %(default)s: never by steps)")
+    add_setting(c, CheckpointConfig, "--save-interval", type=finite_arg("--save-interval"), metavar="SECONDS",
+                help="write a checkpoint when this long passed since the last (default %(default)g: never by time)")
+    add_setting(c, CheckpointConfig, "--keep", type=int, help="checkpoints to keep (default %(default)s)")
+    add_setting(c, JobConfig, "--start-fresh", action="store_true",
+                help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
+                "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
+                "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
+                "was rejected)")
+    add_setting(c, JobConfig, "--force", action="store_true",
+                help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
+    add_setting(c, CheckpointConfig, "--grace-period", type=finite_arg("--grace-period"), metavar="SECONDS",
+                help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
+                "still running then are killed (default: sized from the measured checkpoint size and "
+                "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
+    add_setting(c, CheckpointConfig, "--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), metavar="SECONDS",
+                help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
+                "step was trained since (default %(default)g)")
     c.add_argument("--replicate", choices=("off", "ring"), default=None,
                    help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the memory of a rank on "
                    "the next node (the next rank on one node), so losing a rank needs no disk; "
@@ -152,36 +151,36 @@ no checkpoint at all.""",
                    f"{CheckpointConfig.replicate_every}: a fault loses no step; N > 1 costs less per step and "
                    "re-runs up to N-1 steps after a fault)")
     tr = p.add_argument_group("tracing (switch it while the job runs: `undying trace on|off [--comm]`)")
-    s(tr, TraceConfig, "--trace", choices=TRACE_INITIAL,
-      help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
-      "markers) or comm (those and every gradient collective)")
-    s(tr, TraceConfig, "--trace-dir", metavar="PATH",
-      help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job dir>/traces)")
-    s(tr, TraceConfig, "--trace-switch-file", metavar="PATH",
-      help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
-      "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
-    s(tr, TraceConfig, "--trace-max-file-mb", type=finite_arg("--trace-max-file-mb"), metavar="MB",
-      help="start a new record file when the newest passes this size (default %(default)g)")
-    s(tr, TraceConfig, "--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), metavar="MB",
-      help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
-      "(default %(default)g)")
+    add_setting(tr, TraceConfig, "--trace", choices=TRACE_INITIAL,
+                help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
+                "markers) or comm (those and every gradient collective)")
+    add_setting(tr, TraceConfig, "--trace-dir", metavar="PATH",
+                help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job dir>/traces)")
+    add_setting(tr, TraceConfig, "--trace-switch-file", metavar="PATH",
+                help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
+                "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
+    add_setting(tr, TraceConfig, "--trace-max-file-mb", type=finite_arg("--trace-max-file-mb"), metavar="MB",
+                help="start a new record file when the newest passes this size (default %(default)g)")
+    add_setting(tr, TraceConfig, "--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), metavar="MB",
+                help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
+                "(default %(default)g)")
     p.add_argument("--port", type=int, default=None,
                    help=f"the manager's c10d store port; 0 picks a free one (default {JobConfig.port}; "
                    "--standalone: 0)")
-    s(p, JobConfig, "--http-port", type=int, help="the manager's HTTP API port on localhost (default: a free one)")
-    s(p, JobConfig, "--open-status", action="store_true",
-      help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
-      "inject, stop and trace changes always need it (<job dir>/token)")
-    s(p, JobConfig, "--backend", choices=("gloo", "nccl"), help="torch.distributed backend (default %(default)s)")
+    add_setting(p, JobConfig, "--http-port", type=int, help="the manager's HTTP API port on localhost (default: a free one)")
+    add_setting(p, JobConfig, "--open-status", action="store_true",
+                help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
+                "inject, stop and trace changes always need it (<job dir>/token)")
+    add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"), help="torch.distributed backend (default %(default)s)")
     m = p.add_argument_group("multi-node (start `undying manager --job-id J` first, then this on every node)")
     m.add_argument("--nnodes", type=_nnodes, default=(JobConfig.nnodes, JobConfig.nnodes), metavar="N|MIN:MAX",
-                   help="number of nodes (default 1: standalone, the manager runs here). MIN:MAX makes the job "
+                   help=f"number of nodes (default {JobConfig.nnodes}: standalone, the manager runs here). MIN:MAX makes the job "
                    "elastic: it starts once MIN nodes joined (after --node-wait for the others), and when a "
                    "node is lost and no host replaces it within --node-wait it goes on with the nodes it has, "
                    "down to MIN; a node joining later grows it back, up to MAX. Without MIN:MAX such a job "
                    "saves its survivors' state and restarts from it once the lost node is replaced")
-    s(m, JobConfig, "--node-rank", "--node_rank", type=int,
-      help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
+    add_setting(m, JobConfig, "--node-rank", "--node_rank", type=int,
+                help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
     m.add_argument("--manager", type=_manager_address, default=None, metavar="HOST:PORT",
                    help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default "
                    f"{DEFAULT_MANAGER_PORT})")
@@ -193,42 +192,42 @@ no checkpoint at all.""",
                    help=f"the job's token (default: env {TOKEN_ENV}, else <job dir>/token as the manager wrote it, "
                    "or a new one there); the start line says which was used")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
-    s(t, Timeouts, "--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"),
-      help="a worker's wait for the next generation (default %(default).0f)")
-    s(t, Timeouts, "--connect-timeout", type=finite_arg("--connect-timeout"),
-      help="building a process group (default %(default).0f)")
-    s(t, Timeouts, "--collective-timeout", type=finite_arg("--collective-timeout"),
-      help="one collective making no progress (default %(default).0f)")
-    s(t, Timeouts, "--recovery-timeout", type=finite_arg("--recovery-timeout"),
-      help="a recovery's deadline to its first step before the job fails (default %(default).0f)")
-    s(t, Timeouts, "--comm-error-grace", type=finite_arg("--comm-error-grace"),
-      help="wait for a process exit before calling a collective error transient (default %(default)g)")
-    s(t, Timeouts, "--heartbeat-timeout", type=finite_arg("--heartbeat-timeout"),
-      help="a rank silent this long (stopped, or stuck holding the interpreter) is "
-      "hung: killed and replaced (default %(default).0f)")
-    s(t, Timeouts, "--step-timeout", type=_step_timeout, metavar="SECONDS|auto",
-      help="a rank that keeps beating but makes no progress in a step (enters no "
-      "collective, finishes no step) this long is stuck (an endless loop, a deadlock, a "
-      "collective its peers wait in): the rank the others wait for is killed and "
-      "replaced; when every rank is stuck in the same collective, the link is retried. "
-      f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
-      f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
-    s(t, Timeouts, "--init-timeout", type=finite_arg("--init-timeout"),
-      help="from starting a rank to its first word, imports included (default %(default).0f)")
-    s(t, Timeouts, "--spare-take-timeout", type=finite_arg("--spare-take-timeout"),
-      help="a hot spare given a rank that does not say it took it within this long (stopped, "
-      "wedged) is killed, and the rank goes to another spare or a fresh process "
-      "(default %(default)g)")
-    s(t, Timeouts, "--node-wait", type=finite_arg("--node-wait"),
-      help="how long a lost node's ranks wait for a replacement host before the job goes on "
-      "without it (resized, or restarted from its survivors' state), and how long an elastic "
-      "job waits for more than MIN nodes at start (default %(default).0f)")
-    s(t, Timeouts, "--stop-grace", type=finite_arg("--stop-grace"),
-      help="SIGTERM to SIGKILL when stopping workers (default %(default).0f)")
-    s(t, Timeouts, "--exit-grace", type=finite_arg("--exit-grace"),
-      help="a rank whose script returned and whose process is still there this long after (stuck "
-      "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
-      "stands and the stuck exit is noted (default %(default)g)")
+    add_setting(t, Timeouts, "--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"),
+                help="a worker's wait for the next generation (default %(default).0f)")
+    add_setting(t, Timeouts, "--connect-timeout", type=finite_arg("--connect-timeout"),
+                help="building a process group (default %(default).0f)")
+    add_setting(t, Timeouts, "--collective-timeout", type=finite_arg("--collective-timeout"),
+                help="one collective making no progress (default %(default).0f)")
+    add_setting(t, Timeouts, "--recovery-timeout", type=finite_arg("--recovery-timeout"),
+                help="a recovery's deadline to its first step before the job fails (default %(default).0f)")
+    add_setting(t, Timeouts, "--comm-error-grace", type=finite_arg("--comm-error-grace"),
+                help="wait for a process exit before calling a collective error transient (default %(default)g)")
+    add_setting(t, Timeouts, "--heartbeat-timeout", type=finite_arg("--heartbeat-timeout"),
+                help="a rank silent this long (stopped, or stuck holding the interpreter) is "
+                "hung: killed and replaced (default %(default).0f)")
+    add_setting(t, Timeouts, "--step-timeout", type=_step_timeout, metavar="SECONDS|auto",
+                help="a rank that keeps beating but makes no progress in a step (enters no "
+                "collective, finishes no step) this long is stuck (an endless loop, a deadlock, a "
+                "collective its peers wait in): the rank the others wait for is killed and "
+                "replaced; when every rank is stuck in the same collective, the link is retried. "
+                f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
+                f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
+    add_setting(t, Timeouts, "--init-timeout", type=finite_arg("--init-timeout"),
+                help="from starting a rank to its first word, imports included (default %(default).0f)")
+    add_setting(t, Timeouts, "--spare-take-timeout", type=finite_arg("--spare-take-timeout"),
+                help="a hot spare given a rank that does not say it took it within this long (stopped, "
+                "wedged) is killed, and the rank goes to another spare or a fresh process "
+                "(default %(default)g)")
+    add_setting(t, Timeouts, "--node-wait", type=finite_arg("--node-wait"),
+                help="how long a lost node's ranks wait for a replacement host before the job goes on "
+                "without it (resized, or restarted from its survivors' state), and how long an elastic "
+                "job waits for more than MIN nodes at start (default %(default).0f)")
+    add_setting(t, Timeouts, "--stop-grace", type=finite_arg("--stop-grace"),
+                help="SIGTERM to SIGKILL when stopping workers (default %(default).0f)")
+    add_setting(t, Timeouts, "--exit-grace", type=finite_arg("--exit-grace"),
+                help="a rank whose script returned and whose process is still there this long after (stuck "
+                "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
+                "stands and the stuck exit is noted (default %(default)g)")
     add_connection_arguments(p)
     p.add_argument("--virtual-ranks", type=_virtual_ranks, default=None, metavar="V",
                    help="invariant mode: the job is defined by V data-parallel virtual ranks, each rank runs some of "

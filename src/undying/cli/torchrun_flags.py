@@ -143,18 +143,18 @@ def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for torchrun's sake: the script always runs with runpy.run_path")
     add_setting(g, LaunchConfig, "--log-dir", "--log_dir", metavar="DIR",
                 help="with --redirects/--tee: each rank's streams go to "
-                   "DIR/<job id>/attempt_<restart>/<local rank>/{stdout,stderr}.log")
+                "DIR/<job id>/attempt_<restart>/<local rank>/{stdout,stderr}.log")
     add_setting(g, LaunchConfig, "-r", "--redirects", type=std_arg("--redirects"), metavar="STD",
                 help="streams written to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, "
-                   "or per local rank, e.g. 0:3,1:0")
+                "or per local rank, e.g. 0:3,1:0")
     add_setting(g, LaunchConfig, "-t", "--tee", type=std_arg("--tee"), metavar="STD",
                 help="streams written to the log files and the console (as --redirects)")
     add_setting(g, LaunchConfig, "--local-ranks-filter", "--local_ranks_filter", type=_ranks_filter,
                 metavar="RANKS", help="only these local ranks' output reaches the console, e.g. 0 "
-                   "(the log files get every rank's)")
+                "(the log files get every rank's)")
     add_setting(g, LaunchConfig, "--master-addr", "--master_addr", metavar="HOST",
                 help="MASTER_ADDR for a script that hosts its own store on rank 0 (default 127.0.0.1 on one "
-                   "node, the manager's host on several)")
+                "node, the manager's host on several)")
     add_setting(g, LaunchConfig, "--master-port", "--master_port", type=int, metavar="PORT",
                 help="MASTER_PORT for it (default: a free port on one node, 29500 on several)")
     g.add_argument("--local-addr", "--local_addr", default="", metavar="HOST",
