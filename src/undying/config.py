@@ -71,7 +71,12 @@ def flag(field_name: str) -> str:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds. Each must be > 0 and <= one day."""
+    """Seconds. Each must be > 0 and <= one day; the step timeout may be None (auto).
+
+    Each field is its option of ``undying run`` (``--exit-grace`` is ``exit_grace``). A rank is
+    sent, and reads, only those of ``protocol.env.TIMEOUT_ENVS``; the agent and the manager judge
+    the others from their own config.
+    """
 
     # A worker waits this long for the manager to open the next generation.
     rendezvous_timeout: float = 300.0
@@ -104,7 +109,7 @@ class Timeouts:
     step_timeout: float | None = None
     # A warm spare given a rank must say it took it within this long (it only has to read
     # one line and answer): one stopped or wedged is killed and the rank goes to another
-    # spare or a fresh process, instead of the recovery waiting out ``init``.
+    # spare or a fresh process, instead of the recovery waiting out ``init_timeout``.
     spare_take_timeout: float = 2.0
     # A rank whose script returned but whose process has not exited this long after (stuck in its
     # own exit: a thread that never ends, a deadlocked atexit handler) is killed; the job's result
