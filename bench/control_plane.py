@@ -422,7 +422,8 @@ def manager_child(argv: list[str]) -> int:
     args = p.parse_args(argv)
     raise_fd_limit(args.nofile)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    from undying.manager.service import ManagerOptions, serve_manager
+    from undying.config import ManagerOptions
+    from undying.manager.service import serve_manager
 
     Probe(Path(args.stats), args.profile).install()
     return serve_manager(ManagerOptions(job_id=JOB_ID, job_dir=args.job_dir, host="127.0.0.1", port=args.port,

@@ -1,8 +1,17 @@
 """The job's configuration: one dataclass, one environment prefix (``UNDYING_``).
 
+One name per value, by rule: the option ``--a-b`` of ``undying run`` is the field ``a_b`` of
+``JobConfig`` or of exactly one of its sections (``timeouts``, ``checkpoint``, ``trace``,
+``connections``, ``launch``): ``--exit-grace`` is ``timeouts.exit_grace``, ``--trace-dir`` is
+``trace.trace_dir``. Its default is written once, on the field: the option's default is the
+field's (``cli/settings.py``), and its help shows it with argparse's ``%(default)``. The
+options of ``undying manager`` are ``manager.service.ManagerOptions``' fields by the same rule.
+``tests/unit/test_one_name.py`` checks all of it on the syntax tree.
+
 Every timeout is positive and bounded; defaults suit a real cluster, tests pass
-short ones. Workers receive the values through their environment so that a
-replacement process sees exactly what the first one saw.
+short ones. Workers receive the timeouts they read through their environment
+(``JobConfig.timeout_env``), so that a replacement process sees exactly what
+the first one saw; no other is sent.
 """
 
 from __future__ import annotations
@@ -25,7 +34,6 @@ from undying.protocol.env import (
     SAVE_EVERY_ENV,
     SAVE_INTERVAL_ENV,
     TIMEOUT_ENVS,
-    TIMEOUT_STEP_ENV,
     TRACE_DIR_ENV,
     TRACE_MAX_DIR_MB_ENV,
     TRACE_MAX_FILE_MB_ENV,
@@ -36,16 +44,17 @@ __all__ = [
     "CheckpointConfig",
     "Timeouts",
     "timeouts_from_env",
+    "flag",
     "checkpoint_from_env",
     "TraceConfig",
     "TRACE_INITIAL",
     "trace_from_env",
-    "step_timeout",
     "EXIT_PREEMPTED",
     "EXIT_PREEMPTED_BEHIND",
     "EXIT_FENCED",
     "DEFAULT_MANAGER_PORT",
     "ConnectionLimits",
+    "ManagerOptions",
     "default_max_connections",
     "LaunchConfig",
     "worker_dir",
@@ -55,18 +64,28 @@ __all__ = [
 _MAX_TIMEOUT_S = 24 * 3600.0
 
 
+def flag(field_name: str) -> str:
+    """The option of a field, by the rule: ``exit_grace`` is ``--exit-grace``."""
+    return "--" + field_name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds. Each must be > 0 and <= one day."""
+    """Seconds. Each must be > 0 and <= one day; the step timeout may be None (auto).
+
+    Each field is its option of ``undying run`` (``--exit-grace`` is ``exit_grace``). A rank is
+    sent, and reads, only those of ``protocol.env.TIMEOUT_ENVS``; the agent and the manager judge
+    the others from their own config.
+    """
 
     # A worker waits this long for the manager to open the next generation.
-    rendezvous: float = 300.0
+    rendezvous_timeout: float = 300.0
     # Building a process group (connecting every pair of ranks).
-    connect: float = 120.0
+    connect_timeout: float = 120.0
     # A collective that makes no progress (gloo's own timeout).
-    collective: float = 600.0
+    collective_timeout: float = 600.0
     # A recovery that has not completed its first step by then escalates.
-    recovery: float = 600.0
+    recovery_timeout: float = 600.0
     # A collective error with every process alive waits this long for a
     # process exit before it is treated as a transient communication error.
     comm_error_grace: float = 1.0
@@ -74,36 +93,37 @@ class Timeouts:
     stop_grace: float = 10.0
     # A started rank that sends no heartbeat for this long is hung (stopped,
     # or stuck with the interpreter locked): it is killed and replaced.
-    heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     # From spawning a rank to its first word (the script's imports run meanwhile),
     # and from then to its first completed step.
-    init: float = 600.0
+    init_timeout: float = 600.0
     # A lost node's ranks wait this long for a replacement host. Then the job goes on without
     # it: on fewer nodes when --nnodes MIN:MAX allows, else from a checkpoint of the survivors'
     # state once enough nodes have joined. Also how long a job of MIN:MAX nodes waits, once
     # MIN have joined, for the others before it starts.
     node_wait: float = 60.0
     # A rank that beats but makes no progress in a step (enters no collective,
-    # completes no step) for this long is stuck. 0: derived from the observed
-    # step time (see ``step_timeout``).
-    step: float = 0.0
+    # completes no step) for this long is stuck. None: auto, derived where it is judged from the
+    # observed step times (agent/liveness.py step_timeout: AUTO_STEP_TIMEOUT_FACTOR x the slowest
+    # recent step, at least AUTO_STEP_TIMEOUT_FLOOR_S).
+    step_timeout: float | None = None
     # A warm spare given a rank must say it took it within this long (it only has to read
     # one line and answer): one stopped or wedged is killed and the rank goes to another
-    # spare or a fresh process, instead of the recovery waiting out ``init``.
-    spare_take: float = 2.0
+    # spare or a fresh process, instead of the recovery waiting out ``init_timeout``.
+    spare_take_timeout: float = 2.0
     # A rank whose script returned but whose process has not exited this long after (stuck in its
     # own exit: a thread that never ends, a deadlocked atexit handler) is killed; the job's result
     # stands, with the stuck exit noted. Never the init timeout: the script's work is done.
-    exit: float = 10.0
+    exit_grace: float = 10.0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "step" and value == 0:
+            if value is None and f.name == "step_timeout":
                 continue  # auto
             if not (0 < value <= _MAX_TIMEOUT_S):  # nan and inf fail this too
                 raise UsageError(
-                    f"timeout {f.name} must be > 0 and <= {_MAX_TIMEOUT_S:.0f} seconds, got {value}"
+                    f"{flag(f.name)} must be > 0 and <= {_MAX_TIMEOUT_S:.0f} seconds, got {value}"
                 )
 
 
@@ -111,15 +131,6 @@ class Timeouts:
 # less than the floor (a step that needs a minute now and then is not a hang).
 AUTO_STEP_TIMEOUT_FLOOR_S = 30.0
 AUTO_STEP_TIMEOUT_FACTOR = 10.0
-
-
-def step_timeout(configured: float, slowest_recent_step_s: float | None) -> float:
-    """The stall limit in a step: as configured, or derived from observed step times."""
-    if configured > 0:
-        return configured
-    if slowest_recent_step_s is None:
-        return AUTO_STEP_TIMEOUT_FLOOR_S
-    return max(AUTO_STEP_TIMEOUT_FLOOR_S, AUTO_STEP_TIMEOUT_FACTOR * slowest_recent_step_s)
 
 
 # The launcher's (and a worker's) exit code after a preemption (SIGTERM) whose
@@ -172,7 +183,7 @@ class CheckpointConfig:
     """Persistent checkpoints: where, how often, how many; and the dying gasp on SIGTERM."""
 
     # A folder or fsspec URL; "" means <job dir>/checkpoints.
-    dir: str = ""
+    checkpoint_dir: str = ""
     # Save after every N committed steps (0: not by steps).
     save_every: int = 0
     # Save when this many seconds passed since the last save (0: not by time).
@@ -182,7 +193,7 @@ class CheckpointConfig:
     # Seconds from SIGTERM to every process gone; 0: sized from the measured checkpoint.
     grace_period: float = 0.0
     # A second SIGTERM within this many seconds of a dying gasp reuses it.
-    gasp_reuse_s: float = 60.0
+    gasp_reuse_within: float = 60.0
     # Sharded state: "ring" keeps a copy of each rank's shard on its ring successor (worker.replica).
     replicate: str = "off"
     # With replicate="ring": replicate every this many steps (a fault re-runs up to K-1 steps).
@@ -190,7 +201,7 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         for option, value in (("--save-interval", self.save_interval), ("--grace-period", self.grace_period),
-                              ("--gasp-reuse-within", self.gasp_reuse_s)):
+                              ("--gasp-reuse-within", self.gasp_reuse_within)):
             check_finite(option, value)
         if self.save_every < 0:
             raise UsageError(f"--save-every must be >= 0 steps, got {self.save_every}")
@@ -200,8 +211,8 @@ class CheckpointConfig:
             raise UsageError(f"--keep must be at least 1, got {self.keep}")
         if self.grace_period < 0 or self.grace_period > _MAX_TIMEOUT_S:
             raise UsageError(f"--grace-period must be between 0 (auto) and {_MAX_TIMEOUT_S:.0f}, got {self.grace_period}")
-        if self.gasp_reuse_s < 0:
-            raise UsageError(f"--gasp-reuse-within must be >= 0 seconds, got {self.gasp_reuse_s}")
+        if self.gasp_reuse_within < 0:
+            raise UsageError(f"--gasp-reuse-within must be >= 0 seconds, got {self.gasp_reuse_within}")
         if self.replicate not in ("off", "ring"):
             raise UsageError(f"--replicate must be off or ring, got {self.replicate!r}")
         if self.replicate_every < 1:
@@ -218,15 +229,15 @@ class CheckpointConfig:
         }
 
     def resolved_dir(self, job_dir: str) -> str:
-        if self.dir:
-            return self.dir if "://" in self.dir else os.path.abspath(self.dir)
+        if self.checkpoint_dir:
+            return self.checkpoint_dir if "://" in self.checkpoint_dir else os.path.abspath(self.checkpoint_dir)
         return os.path.join(os.path.abspath(job_dir), "checkpoints")
 
 
 def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> CheckpointConfig:
     env = os.environ if env is None else env
     given = _given(env, save_every=SAVE_EVERY_ENV, save_interval=SAVE_INTERVAL_ENV, keep=KEEP_ENV)
-    return CheckpointConfig(dir=env.get(CHECKPOINT_DIR_ENV, ""), **given)
+    return CheckpointConfig(checkpoint_dir=env.get(CHECKPOINT_DIR_ENV, ""), **given)
 
 
 def _given(env: Mapping[str, str], **names: str) -> dict[str, Any]:
@@ -242,38 +253,39 @@ class TraceConfig:
     """Lightweight tracing (undying.trace): where records go, how big they may grow, the first setting."""
 
     # A folder; "" means <job dir>/traces. Records go to <dir>/<job id>/<rank>/.
-    dir: str = ""
+    trace_dir: str = ""
     # A new record file when the newest passes this size.
-    max_file_mb: float = 10.0
+    trace_max_file_mb: float = 10.0
     # The oldest 20% of the trace files are deleted when the folder passes this size.
-    max_dir_mb: float = 1000.0
+    trace_max_dir_mb: float = 1000.0
     # The switch at start: off, on (step, ckpt, fp and data markers) or comm (those and collectives).
-    initial: str = "off"
+    trace: str = "off"
     # A JSON file watched for the switch (a mounted Kubernetes ConfigMap), e.g. {"step": "on", "comm": "off"}.
-    switch_file: str = ""
+    trace_switch_file: str = ""
 
     def validate(self) -> None:
-        check_finite("--trace-max-file-mb", self.max_file_mb)
-        check_finite("--trace-max-dir-mb", self.max_dir_mb)
-        if self.initial not in TRACE_INITIAL:
-            raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, got {self.initial!r}")
-        if not 0 < self.max_file_mb <= 100_000:
-            raise UsageError(f"--trace-max-file-mb must be > 0, got {self.max_file_mb}")
-        if not 0 < self.max_dir_mb <= 100_000_000:
-            raise UsageError(f"--trace-max-dir-mb must be > 0, got {self.max_dir_mb}")
-        if self.max_dir_mb < self.max_file_mb:
+        check_finite("--trace-max-file-mb", self.trace_max_file_mb)
+        check_finite("--trace-max-dir-mb", self.trace_max_dir_mb)
+        if self.trace not in TRACE_INITIAL:
+            raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, got {self.trace!r}")
+        if not 0 < self.trace_max_file_mb <= 100_000:
+            raise UsageError(f"--trace-max-file-mb must be > 0, got {self.trace_max_file_mb}")
+        if not 0 < self.trace_max_dir_mb <= 100_000_000:
+            raise UsageError(f"--trace-max-dir-mb must be > 0, got {self.trace_max_dir_mb}")
+        if self.trace_max_dir_mb < self.trace_max_file_mb:
             raise UsageError(
-                f"--trace-max-dir-mb ({self.max_dir_mb}) must be at least --trace-max-file-mb ({self.max_file_mb})"
+                f"--trace-max-dir-mb ({self.trace_max_dir_mb}) must be at least --trace-max-file-mb "
+                f"({self.trace_max_file_mb})"
             )
 
     def resolved_dir(self, job_dir: str) -> str:
-        return os.path.abspath(self.dir) if self.dir else os.path.join(os.path.abspath(job_dir), "traces")
+        return os.path.abspath(self.trace_dir) if self.trace_dir else os.path.join(os.path.abspath(job_dir), "traces")
 
     def env(self, job_dir: str) -> dict[str, str]:
         return {
             TRACE_DIR_ENV: self.resolved_dir(job_dir),
-            TRACE_MAX_FILE_MB_ENV: repr(self.max_file_mb),
-            TRACE_MAX_DIR_MB_ENV: repr(self.max_dir_mb),
+            TRACE_MAX_FILE_MB_ENV: repr(self.trace_max_file_mb),
+            TRACE_MAX_DIR_MB_ENV: repr(self.trace_max_dir_mb),
         }
 
 
@@ -282,8 +294,8 @@ TRACE_INITIAL = ("off", "on", "comm")
 
 def trace_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> TraceConfig:
     env = os.environ if env is None else env
-    given = _given(env, max_file_mb=TRACE_MAX_FILE_MB_ENV, max_dir_mb=TRACE_MAX_DIR_MB_ENV)
-    return TraceConfig(dir=env.get(TRACE_DIR_ENV, ""), **given)
+    given = _given(env, trace_max_file_mb=TRACE_MAX_FILE_MB_ENV, trace_max_dir_mb=TRACE_MAX_DIR_MB_ENV)
+    return TraceConfig(trace_dir=env.get(TRACE_DIR_ENV, ""), **given)
 
 
 # A listening socket's header and idle timeouts are tens of seconds at most (undying.manager.conns).
@@ -303,15 +315,15 @@ class ConnectionLimits:
     """Seconds and counts that bound each listening socket of the manager (HTTP API and agents' port)."""
 
     # From accept (or the end of the previous response) to a request's complete headers; also a body's limit.
-    header_timeout: float = 10.0
+    http_header_timeout: float = 10.0
     # A keep-alive connection with no request for this long is closed.
-    idle_timeout: float = 30.0
+    http_idle_timeout: float = 30.0
     # Open connections per listening socket; 0: a quarter of RLIMIT_NOFILE, 16 to 1024.
     max_connections: int = 0
 
     def validate(self) -> None:
-        for option, value in (("--http-header-timeout", self.header_timeout),
-                              ("--http-idle-timeout", self.idle_timeout)):
+        for option, value in (("--http-header-timeout", self.http_header_timeout),
+                              ("--http-idle-timeout", self.http_idle_timeout)):
             check_finite(option, value)
             if not 0 < value <= _MAX_CONN_TIMEOUT_S:
                 raise UsageError(f"{option} must be > 0 and <= {_MAX_CONN_TIMEOUT_S:.0f} seconds, got {value}")
@@ -327,6 +339,22 @@ class ConnectionLimits:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in (data or {}).items() if k in known})
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerOptions:
+    """``undying manager``'s options, each the field of its name by the rule (``--http-port``: ``http_port``)."""
+
+    job_id: str
+    job_dir: str
+    # The address agents join on (and the HTTP API's): this host only by default.
+    host: str = "127.0.0.1"
+    # Where agents join; the control store is on the next port.
+    port: int = DEFAULT_MANAGER_PORT
+    # The HTTP API's port (the command's default: --port + 2).
+    http_port: int
+    open_status: bool = False
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 # The workers' output streams, as torchrun's --redirects/--tee take them: none, stdout, stderr, both.
@@ -503,7 +531,7 @@ class JobConfig:
     def differences(self, other: JobConfig) -> list[str]:
         """The flags in which two nodes of one job disagree (per-node ones aside)."""
         mine, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
-        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.switch_file", "job_id_given",
+        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.trace_switch_file", "job_id_given",
                     "open_status"}
         per_node |= {"launch.log_dir", "launch.local_ranks_filter"}
         return sorted(k for k in mine.keys() | theirs.keys()
@@ -511,18 +539,16 @@ class JobConfig:
                       and mine.get(k) != theirs.get(k))
 
     def timeout_env(self) -> dict[str, str]:
-        """The timeouts a worker needs, as environment variables.
+        """The timeouts a worker reads, as environment variables: those of ``TIMEOUT_ENVS``, no other.
 
-        Not the step timeout: only the agent judges a step's stall, from its own config (no worker reads it).
+        The rest (the step timeout, the recovery's, a spare's take, ...) are judged by the agent
+        or the manager from its own config: no worker code reads them, so none is sent.
         """
-        return {
-            name: repr(getattr(self.timeouts, field))
-            for field, name in TIMEOUT_ENVS.items() if name != TIMEOUT_STEP_ENV
-        }
+        return {name: repr(getattr(self.timeouts, field)) for field, name in TIMEOUT_ENVS.items()}
 
 
 def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> Timeouts:
-    """Read every ``UNDYING_TIMEOUT_*`` override; unknown values fall back to defaults."""
+    """A worker's timeouts: those it reads (``TIMEOUT_ENVS``) from its environment, the rest their defaults."""
     env = os.environ if env is None else env
     kwargs: dict[str, Any] = {}
     for field_name, name in TIMEOUT_ENVS.items():

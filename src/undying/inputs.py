@@ -71,7 +71,6 @@ from undying.protocol.env import (
     STORE_ADDR_ENV,
     TEE_ENV,
     TIMEOUT_ENVS,
-    TIMEOUT_STEP_ENV,
     TRACE_DIR_ENV,
     TRACE_MAX_DIR_MB_ENV,
     TRACE_MAX_FILE_MB_ENV,
@@ -327,13 +326,6 @@ def _choice(*words: str) -> Callable[[str], str]:
     return read
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 24 * 3600:  # (nan fails this too; each timeout's own bounds are the config's)
-        raise ValueError("a number of seconds from 0 to 86400")
-    return value
-
-
 def _non_negative(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 0):
@@ -400,8 +392,6 @@ class EnvVar:
 
 _OWN = "set by undying for its own processes; unset it"
 _BY_RUN = "set by undying run from its options"
-# The timeouts (undying.config.Timeouts' fields), each set for every rank from undying run's options.
-TIMEOUT_NAMES = tuple(field.upper() for field in TIMEOUT_ENVS)
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar(VERIFY_EVERY_ENV, lambda t: check_every(t, VERIFY_EVERY_ENV), "undying run --verify-every K"),
     EnvVar(NUMERICS_ENV, numerics_fields, "undying run --numerics POLICY"),
@@ -411,8 +401,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar(HOST_NAME_ENV, _host, "this node's host name as the job calls it"),
     EnvVar(REPLICATE_ENV, _choice("off", "ring"), "undying run --replicate off|ring"),
     EnvVar(REPLICATE_EVERY_ENV, _whole(1, 1_000_000), "undying run --replicate-every N"),
-    *(EnvVar(name, _seconds if name == TIMEOUT_STEP_ENV else _timeout, _BY_RUN, blank=False)
-      for name in TIMEOUT_ENVS.values()),
+    # The timeouts a rank reads (undying.config.Timeouts' fields), set for every rank from undying run's options.
+    *(EnvVar(name, _timeout, _BY_RUN, blank=False) for name in TIMEOUT_ENVS.values()),
     EnvVar(SAVE_EVERY_ENV, _whole(0, 2**62), _BY_RUN, blank=False),
     EnvVar(SAVE_INTERVAL_ENV, _non_negative, _BY_RUN, blank=False),
     EnvVar(KEEP_ENV, _whole(1, 1_000_000), _BY_RUN, blank=False),

@@ -36,8 +36,9 @@ from undying.agent.zygote import start_mode
 from undying.cli.main import main
 from undying.config import Timeouts, checkpoint_from_env, timeouts_from_env, trace_from_env
 from undying.errors import UsageError
-from undying.inputs import ENV_VARS, TIMEOUT_NAMES, check_environment, env_value
+from undying.inputs import ENV_VARS, check_environment, env_value
 from undying.jobfiles.tokens import TOKEN_ENV
+from undying.protocol.env import TIMEOUT_ENVS
 from undying.worker.numerics import Numerics
 from undying.worker.replica import ReplicationConfig
 from undying.worker.seed import seed_from_env
@@ -191,13 +192,14 @@ def _worker_readers() -> dict[str, Callable[[dict[str, str]], Any]]:
         "UNDYING_TRACE_MAX_FILE_MB": trace_from_env, "UNDYING_TRACE_MAX_DIR_MB": trace_from_env,
         "UNDYING_GENERATION": lambda e: int(e["UNDYING_GENERATION"]),  # (worker.env; set by the agent)
     }
-    readers.update({f"UNDYING_TIMEOUT_{n}": timeouts_from_env for n in TIMEOUT_NAMES})
+    readers.update({name: timeouts_from_env for name in TIMEOUT_ENVS.values()})
     return readers
 
 
 def test_the_table_names_every_timeout() -> None:
-    assert {f"UNDYING_TIMEOUT_{n}" for n in TIMEOUT_NAMES} == {
-        f"UNDYING_TIMEOUT_{f.upper()}" for f in Timeouts.__dataclass_fields__}
+    # Those a rank reads (the others are not sent to it), each a field of Timeouts.
+    assert set(TIMEOUT_ENVS) <= set(Timeouts.__dataclass_fields__)
+    assert all(name.startswith("UNDYING_TIMEOUT_") for name in TIMEOUT_ENVS.values())
     assert set(_worker_readers()) <= set(ENV_VARS)
 
 

@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from undying.config import JobConfig, Timeouts, timeouts_from_env
+from undying.config import JobConfig, Timeouts, flag, timeouts_from_env
 from undying.errors import UsageError
-from undying.protocol.env import ENV_PREFIX
+from undying.protocol.env import ENV_PREFIX, TIMEOUT_ENVS
 
 FIELDS = [f.name for f in dataclasses.fields(Timeouts)]
+# The timeouts a rank reads, sent to it (protocol/env.py TIMEOUT_ENVS).
+SENT = list(TIMEOUT_ENVS)
 
 
 def test_defaults_are_valid() -> None:
@@ -22,9 +24,7 @@ def test_defaults_are_valid() -> None:
 @pytest.mark.parametrize("name", FIELDS)
 @pytest.mark.parametrize("value", [0, 0.0, -1.0, 86400.001, 1e9, float("inf"), float("nan")])
 def test_bad_timeouts_are_rejected_naming_the_field(name: str, value: float) -> None:
-    if name == "step" and value == 0:
-        pytest.skip("a step timeout of 0 means auto (see the test below)")
-    with pytest.raises(UsageError, match=rf"timeout {name} must be > 0"):
+    with pytest.raises(UsageError, match=rf"{flag(name)} must be > 0"):
         Timeouts(**{name: value}).validate()
 
 
@@ -35,8 +35,8 @@ def test_timeouts_in_range(name: str, value: float) -> None:
 
 
 def test_job_config_validates_its_timeouts() -> None:
-    with pytest.raises(UsageError, match="timeout connect"):
-        JobConfig(job_id="j", job_dir="d", timeouts=Timeouts(connect=0)).validate()
+    with pytest.raises(UsageError, match="--connect-timeout"):
+        JobConfig(job_id="j", job_dir="d", timeouts=Timeouts(connect_timeout=0)).validate()
 
 
 @pytest.mark.parametrize(
@@ -76,28 +76,31 @@ def test_world_size() -> None:
     assert JobConfig(job_id="j", job_dir="d", nproc_per_node=4, nnodes=2).world_size == 8
 
 
-def test_timeouts_from_env_reads_every_field() -> None:
-    env = {f"{ENV_PREFIX}TIMEOUT_{name.upper()}": str(1.5 + i) for i, name in enumerate(FIELDS)}
+def test_timeouts_from_env_reads_every_field_a_rank_reads() -> None:
+    env = {TIMEOUT_ENVS[name]: str(1.5 + i) for i, name in enumerate(SENT)}
     env["UNRELATED"] = "x"
     t = timeouts_from_env(env)
-    assert [getattr(t, name) for name in FIELDS] == [1.5 + i for i in range(len(FIELDS))]
+    assert [getattr(t, name) for name in SENT] == [1.5 + i for i in range(len(SENT))]
 
 
 def test_timeouts_from_env_keeps_defaults_for_the_rest() -> None:
     assert timeouts_from_env({}) == Timeouts()
-    assert timeouts_from_env({"UNDYING_TIMEOUT_CONNECT": "7"}) == Timeouts(connect=7.0)
+    assert timeouts_from_env({"UNDYING_TIMEOUT_CONNECT": "7"}) == Timeouts(connect_timeout=7.0)
 
 
 def test_timeouts_from_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNDYING_TIMEOUT_STOP_GRACE", "2.5")
-    assert timeouts_from_env().stop_grace == 2.5
+    monkeypatch.setenv("UNDYING_TIMEOUT_EXIT", "2.5")
+    assert timeouts_from_env().exit_grace == 2.5
 
 
 def test_a_worker_sees_what_the_launcher_was_given() -> None:
-    timeouts = Timeouts(rendezvous=0.1 + 0.2, connect=3, collective=4.25, recovery=9, comm_error_grace=0.05,
-                        stop_grace=1)
+    """Every timeout a rank reads comes back exactly; the others are not sent (their defaults stay)."""
+    given = {"rendezvous_timeout": 0.1 + 0.2, "connect_timeout": 3, "collective_timeout": 4.25,
+             "heartbeat_timeout": 7.5, "exit_grace": 1.25}
+    assert set(given) == set(SENT)
+    timeouts = Timeouts(**given, recovery_timeout=9, comm_error_grace=0.05, stop_grace=1)
     config = JobConfig(job_id="j", job_dir="d", timeouts=timeouts)
-    assert timeouts_from_env(config.timeout_env()) == timeouts
+    assert timeouts_from_env(config.timeout_env()) == Timeouts(**given)
 
 
 @pytest.mark.parametrize("raw", ["abc", "", "5s", "1,5"])
@@ -109,23 +112,26 @@ def test_timeouts_from_env_rejects_non_numbers(raw: str) -> None:
 
 @pytest.mark.parametrize("raw", ["0", "-3", "nan", "inf", "100000"])
 def test_timeouts_from_env_rejects_out_of_range(raw: str) -> None:
-    with pytest.raises(UsageError, match="timeout recovery must be > 0"):
-        timeouts_from_env({"UNDYING_TIMEOUT_RECOVERY": raw})
+    with pytest.raises(UsageError, match="--rendezvous-timeout must be > 0"):
+        timeouts_from_env({"UNDYING_TIMEOUT_RENDEZVOUS": raw})
 
 
 def test_the_step_timeout_is_as_configured_or_derived_from_the_slowest_recent_step() -> None:
-    from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S, step_timeout
+    from undying.agent.liveness import step_timeout
+    from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S
 
     assert step_timeout(2.5, 100.0) == 2.5
-    assert step_timeout(0.0, None) == AUTO_STEP_TIMEOUT_FLOOR_S
-    assert step_timeout(0.0, 0.01) == AUTO_STEP_TIMEOUT_FLOOR_S
-    assert step_timeout(0.0, 12.0) == 12.0 * AUTO_STEP_TIMEOUT_FACTOR
+    assert step_timeout(None, None) == AUTO_STEP_TIMEOUT_FLOOR_S
+    assert step_timeout(None, 0.01) == AUTO_STEP_TIMEOUT_FLOOR_S
+    assert step_timeout(None, 12.0) == 12.0 * AUTO_STEP_TIMEOUT_FACTOR
 
 
-def test_a_step_timeout_of_zero_means_auto_and_a_negative_one_is_refused() -> None:
-    Timeouts(step=0.0).validate()
-    with pytest.raises(UsageError, match="step"):
-        Timeouts(step=-1.0).validate()
+def test_a_step_timeout_of_none_means_auto_and_zero_or_a_negative_one_is_refused() -> None:
+    assert Timeouts().step_timeout is None  # auto, the default
+    Timeouts(step_timeout=None).validate()
+    for value in (0.0, -1.0):
+        with pytest.raises(UsageError, match="--step-timeout"):
+            Timeouts(step_timeout=value).validate()
 
 
 def test_an_elastic_job_spans_min_to_max_nodes() -> None:
@@ -172,5 +178,5 @@ def test_bad_launch_settings_name_the_flag(launch: dict[str, Any], words: str) -
 
 
 def test_the_exit_grace_reaches_workers_as_a_timeout() -> None:
-    env = JobConfig(job_id="j", job_dir="d", timeouts=Timeouts(exit=3.5)).timeout_env()
+    env = JobConfig(job_id="j", job_dir="d", timeouts=Timeouts(exit_grace=3.5)).timeout_env()
     assert env[f"{ENV_PREFIX}TIMEOUT_EXIT"] == "3.5"

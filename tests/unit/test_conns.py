@@ -59,8 +59,8 @@ def test_other_kinds_are_not_held_back_by_a_flood() -> None:
 
 
 @pytest.mark.parametrize("limits", [
-    ConnectionLimits(header_timeout=0), ConnectionLimits(header_timeout=float("nan")),
-    ConnectionLimits(idle_timeout=float("inf")), ConnectionLimits(idle_timeout=61), ConnectionLimits(max_connections=-1),
+    ConnectionLimits(http_header_timeout=0), ConnectionLimits(http_header_timeout=float("nan")),
+    ConnectionLimits(http_idle_timeout=float("inf")), ConnectionLimits(http_idle_timeout=61), ConnectionLimits(max_connections=-1),
 ])
 def test_connection_limits_are_checked(limits: ConnectionLimits) -> None:
     with pytest.raises(UsageError):

@@ -19,13 +19,13 @@ from rich.console import Console
 
 from tests.unit.test_nodes import JOB, TOKEN, job_config, join_message
 from undying.cli.status import view
-from undying.config import JobConfig
+from undying.config import JobConfig, ManagerOptions
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
 from undying.manager.manager import Manager
 from undying.manager.placement import quarantine, request_move
 from undying.manager.placement.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
-from undying.manager.service import ManagerOptions, _Gate
+from undying.manager.service import _Gate
 from undying.manager.standbys import Parked, SlotFacts, Standbys
 from undying.protocol.node_wire import AgentJoin
 from undying.protocol.worker_wire import Progress

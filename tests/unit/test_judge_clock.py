@@ -138,7 +138,7 @@ def test_the_first_tick_starts_the_clock_and_the_window_follows_the_jobs_flag() 
 
 
 def test_the_agent_declares_no_rank_or_spare_silent_for_its_own_stall() -> None:
-    timeouts = Timeouts(heartbeat=3.0, init=60.0)
+    timeouts = Timeouts(heartbeat_timeout=3.0, init_timeout=60.0)
     clocks = Clocks()
     clock = judge(clocks)
     last_seen, started = clocks.wall() - 0.3, clocks.wall() - 50.0

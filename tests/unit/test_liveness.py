@@ -7,7 +7,7 @@ from undying.config import Timeouts
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-TIMEOUTS = Timeouts(heartbeat=5.0, init=60.0)
+TIMEOUTS = Timeouts(heartbeat_timeout=5.0, init_timeout=60.0)
 
 
 def test_a_rank_that_spoke_is_hung_after_the_heartbeat_timeout() -> None:

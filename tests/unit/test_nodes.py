@@ -32,12 +32,12 @@ import msgspec
 import pytest
 
 from undying.agent.remote import ManagerClient
-from undying.config import JobConfig, Timeouts
+from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.jobfiles.events import EventLog, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer, RemoteAgent
-from undying.manager.service import ManagerOptions, _Gate, _serve
+from undying.manager.service import _Gate, _serve
 from undying.protocol.codec import Codec, Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
@@ -262,7 +262,7 @@ def snapshot(server: AgentServer) -> list[tuple[Any, ...]]:
 
 def _refusal_cases(job_dir: Path) -> list[tuple[AgentJoin, list[str]]]:
     """Each bad join, and the words its refusal must carry (what is wrong, and what to pass)."""
-    other_flags = job_config(job_dir, max_restarts=7, timeouts=Timeouts(heartbeat=5.0))
+    other_flags = job_config(job_dir, max_restarts=7, timeouts=Timeouts(heartbeat_timeout=5.0))
     return [
         (join_message(job_dir, 0, token="not-the-token"), ["wrong or missing token", "UNDYING_TOKEN"]),
         (join_message(job_dir, 0, token=""), ["wrong or missing token", "--token-file"]),
@@ -270,7 +270,7 @@ def _refusal_cases(job_dir: Path) -> list[tuple[AgentJoin, list[str]]]:
         (join_message(job_dir, 2), ["--node-rank 2 is outside 0..1", "--nnodes 2"]),
         (join_message(job_dir, -1), ["--node-rank -1 is outside 0..1"]),
         (join_message(job_dir, 1, config=other_flags),
-         ["flags differ", "max_restarts, timeouts.heartbeat", "same `undying run` flags"]),
+         ["flags differ", "max_restarts, timeouts.heartbeat_timeout", "same `undying run` flags"]),
         (join_message(job_dir, 1, config=job_config(job_dir, nproc_per_node=4)),
          ["--nproc-per-node 2", "this agent has 2 and 4"]),
     ]
@@ -930,7 +930,7 @@ def test_the_manager_service_takes_the_first_agents_flags_refuses_others_and_run
     job_dir = tmp_path / "job"
     port = _free_port_pair()
     options = ManagerOptions(job_id=JOB, job_dir=str(job_dir), host="127.0.0.1", port=port, http_port=0)
-    flags = job_config(job_dir, max_restarts=2, timeouts=Timeouts(heartbeat=4.0, stop_grace=1.0))
+    flags = job_config(job_dir, max_restarts=2, timeouts=Timeouts(heartbeat_timeout=4.0, stop_grace=1.0))
 
     async def body() -> None:
         service = asyncio.ensure_future(_serve(options))
@@ -974,7 +974,7 @@ def test_the_manager_service_takes_the_first_agents_flags_refuses_others_and_run
     run(body())
     job = read_job(job_dir / "events.db")
     assert job["job"]["state"] == "succeeded"
-    assert job["job"]["config"]["timeouts"]["heartbeat"] == 4.0 and job["job"]["config"]["max_restarts"] == 2
+    assert job["job"]["config"]["timeouts"]["heartbeat_timeout"] == 4.0 and job["job"]["config"]["max_restarts"] == 2
     assert sorted((s["rank"], s["step"]) for s in job["steps"]) == [(r, 1) for r in range(NNODES * NPROC)]
     # Every report an agent numbered before the job ended (its spawns, its state, a commit and an exit per
     # rank) is in the log's position for its node.

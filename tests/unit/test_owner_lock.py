@@ -229,7 +229,7 @@ def test_a_job_whose_checkpoint_dir_is_taken_from_it_fails_with_the_reason(tmp_p
     before it saves again, with the reason in its exit and its log."""
     ckpts = tmp_path / "ckpts"
     config = JobConfig(job_id="t", job_dir=str(tmp_path / "job"), nproc_per_node=1,
-                       checkpoint=CheckpointConfig(dir=str(ckpts)))
+                       checkpoint=CheckpointConfig(checkpoint_dir=str(ckpts)))
     manager = Manager(config, EventLog(tmp_path / "events.db"))
 
     async def scenario() -> None:
@@ -310,7 +310,7 @@ def test_a_restarted_manager_takes_its_checkpoint_dir_back_or_fails_if_another_j
 
     def restarted(name: str) -> Manager:
         config = JobConfig(job_id="t", job_dir=str(tmp_path / name), nproc_per_node=1,
-                           checkpoint=CheckpointConfig(dir=str(ckpts)))
+                           checkpoint=CheckpointConfig(checkpoint_dir=str(ckpts)))
         return Manager(config, EventLog(tmp_path / f"{name}.db"))
 
     async def reown(manager: Manager) -> None:

@@ -249,7 +249,7 @@ def test_a_recoverys_timeout_counts_only_while_the_manager_ran(tmp_path: Path) -
     manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
     recovery = manager.recoveries.current
     assert recovery is not None
-    limit = manager.config.timeouts.recovery
+    limit = manager.config.timeouts.recovery_timeout
     late = recovery.started + limit + 1
     assert "did not complete within" in manager.recoveries.overdue(late)
     assert manager.recoveries.overdue(late, resumed=recovery.started + 2) == ""

@@ -27,8 +27,9 @@ from tests.unit.test_nodes import (
     state,
 )
 from undying.cli.main import main
+from undying.config import ManagerOptions
 from undying.manager.nodes import AgentServer
-from undying.manager.service import ManagerOptions, _Gate
+from undying.manager.service import _Gate
 from undying.manager.standbys.policy import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (

@@ -94,7 +94,7 @@ def test_the_error_file_is_read_as_torchrun_reads_it(tmp_path: Path) -> None:
 
 
 def test_a_returned_rank_is_done_whatever_its_exit(tmp_path: Path) -> None:
-    config = _config(tmp_path, timeouts=Timeouts(exit=3))
+    config = _config(tmp_path, timeouts=Timeouts(exit_grace=3))
     notes: list[tuple[str, int, dict[str, Any]]] = []
 
     def note(what: str, pid: int, **detail: Any) -> None:

@@ -48,7 +48,7 @@ def _member(rank: int, case: str, tmp: str, out: Any) -> None:
                             timeout=timedelta(seconds=30))
     sent: list[Any] = []
     env = WorkerEnv("job", rank, rank, 2, 2, "127.0.0.1", 1, "127.0.0.1", 1, 1, False, "gloo", Timeouts(),
-                    CheckpointConfig(dir=f"{tmp}/checkpoints"))
+                    CheckpointConfig(checkpoint_dir=f"{tmp}/checkpoints"))
     ctx = JobContext(env, rank, 2, rank, 1, sent.append, FaultSwitch(rank, sent.append, {}),
                      WorkerTracing(None, rank, sent.append))
     ctx.current_step = 5

@@ -22,13 +22,20 @@ from typing import Any
 
 from undying.agent.children import Orphans, become_subreaper, kill_tree, release_subreaper
 from undying.agent.exits import heard_to_the_end, returned_exit
-from undying.agent.liveness import has_exited, is_stalled, judge_silence, process_state, watch_clock
+from undying.agent.liveness import (
+    has_exited,
+    is_stalled,
+    judge_silence,
+    process_state,
+    step_timeout,
+    watch_clock,
+)
 from undying.agent.popen import PopenProcess
 from undying.agent.spares import Process, SparePool, Take, signal_group
 from undying.agent.torchrun_env import TorchrunEnv
 from undying.agent.worker_channel import LocalWorker, WorkerChannel
 from undying.agent.zygote import ZygoteKeeper, start_mode
-from undying.config import EXIT_REGROUPED, JobConfig, step_timeout
+from undying.config import EXIT_REGROUPED, JobConfig
 from undying.protocol import env as names
 from undying.protocol.channel_key import new_key
 from undying.protocol.codec import Message
@@ -90,7 +97,7 @@ class Agent:
         self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
         self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
-        self._zygotes = ZygoteKeeper(node, self._base_environment, config.timeouts.init,
+        self._zygotes = ZygoteKeeper(node, self._base_environment, config.timeouts.init_timeout,
                                      enabled=start_mode() == "zygote", step_api=config.step_api)
         self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
@@ -116,9 +123,9 @@ class Agent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_report_crash)
-        if self.config.trace.switch_file:
+        if self.config.trace.trace_switch_file:
             # Where a mounted Kubernetes ConfigMap lands on this node; the manager spreads a change to every node.
-            watcher = SwitchFileWatcher(self.config.trace.switch_file, self._manager.on_trace_file,
+            watcher = SwitchFileWatcher(self.config.trace.trace_switch_file, self._manager.on_trace_file,
                                         self._manager.on_trace_file_error)
             task = asyncio.get_running_loop().create_task(watcher.run())
             self._tasks.add(task)
@@ -148,7 +155,7 @@ class Agent:
                 worker.writer.write(encode(switch))
 
     def step_timeout(self) -> float:
-        return step_timeout(self.config.timeouts.step, max(self._step_times, default=None))
+        return step_timeout(self.config.timeouts.step_timeout, max(self._step_times, default=None))
 
     async def _watch_heartbeats(self) -> None:
         """Watch every rank's beats and progress; tell the manager of hangs and stalls.
@@ -320,7 +327,7 @@ class Agent:
         spare (watched the same way) or a new process, with the same
         environment and owner number; the manager hears the new PID.
         """
-        await asyncio.sleep(self.config.timeouts.spare_take)
+        await asyncio.sleep(self.config.timeouts.spare_take_timeout)
         take = self.spares.taking.pop(pid, None)
         if take is None or self._stopping:
             return

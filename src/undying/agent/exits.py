@@ -39,7 +39,7 @@ def returned_exit(config: JobConfig, rank: int, incarnation: int, pid: int, retu
         os.unlink(marker)
     if returncode == 0:
         return 0
-    grace = config.timeouts.exit
+    grace = config.timeouts.exit_grace
     if returncode == -signal.SIGALRM:
         log.warning("rank %d (pid %d): its script returned, but the process was still in its exit %gs later "
                     "(--exit-grace): ended, every thread's stack is in its log just before; the rank's result "

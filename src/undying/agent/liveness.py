@@ -18,12 +18,12 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from undying.config import Timeouts
+from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S, Timeouts
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-__all__ = ["Silence", "judge_silence", "is_stalled", "process_state", "has_exited", "watch_clock"]
+__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "process_state", "has_exited", "watch_clock"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Silence:
 
 def watch_clock(node: int, timeouts: Timeouts) -> JudgeClock:
     """The judge clock of a node's watch over its ranks and spares (ticked once a pass of the watch)."""
-    return JudgeClock(min(0.2, timeouts.heartbeat / 5), timeouts.heartbeat, f"node {node}'s agent")
+    return JudgeClock(min(0.2, timeouts.heartbeat_timeout / 5), timeouts.heartbeat_timeout, f"node {node}'s agent")
 
 
 def judge_silence(now: float, started: float, last_seen: float, timeouts: Timeouts,
@@ -49,22 +49,34 @@ def judge_silence(now: float, started: float, last_seen: float, timeouts: Timeou
     from the agent's return from a stall of its own (a fresh window).
     """
     if last_seen:
-        phase, since, limit = "heartbeat", last_seen, timeouts.heartbeat
+        phase, since, limit = "heartbeat", last_seen, timeouts.heartbeat_timeout
     elif not step_api:
         return None
     else:
-        phase, since, limit = "init", started, timeouts.init
+        phase, since, limit = "init", started, timeouts.init_timeout
     silent = now - (clock.counts_from(since, wall=True) if clock is not None else since)
     return Silence(phase, silent, limit) if silent > limit else None
 
 
-def is_stalled(beat: Heartbeat, step_timeout_s: float, timeouts: Timeouts) -> bool:
-    """Beating without progress past the limit of its phase, by the beat's own clock.
+def step_timeout(configured: float | None, slowest_recent_step_s: float | None) -> float:
+    """The stall limit in a step: ``--step-timeout`` as given, or with auto (None) derived here, its one
+    place, from the observed step times: ``AUTO_STEP_TIMEOUT_FACTOR`` x the slowest recent step, at
+    least ``AUTO_STEP_TIMEOUT_FLOOR_S`` (a step that needs a minute now and then is not a hang)."""
+    if configured is not None:
+        return configured
+    if slowest_recent_step_s is None:
+        return AUTO_STEP_TIMEOUT_FLOOR_S
+    return max(AUTO_STEP_TIMEOUT_FLOOR_S, AUTO_STEP_TIMEOUT_FACTOR * slowest_recent_step_s)
+
+
+def is_stalled(beat: Heartbeat, step_timeout: float, timeouts: Timeouts) -> bool:
+    """Beating without progress past the limit of its phase, by the beat's own clock (``step_timeout``:
+    the limit in a step, as ``step_timeout()`` gives it).
 
     The beat's time, not the agent's: beats queued behind a busy loop are not a stall.
     """
-    limit = (step_timeout_s if beat.phase == WorkerPhase.STEP
-             else timeouts.init if beat.phase == WorkerPhase.INIT else 0)
+    limit = (step_timeout if beat.phase == WorkerPhase.STEP
+             else timeouts.init_timeout if beat.phase == WorkerPhase.INIT else 0)
     return bool(limit) and beat.t - beat.progress_t > limit
 
 

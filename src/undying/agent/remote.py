@@ -276,7 +276,7 @@ class NodeRunner:
         self.session = ""
         self._last_beat = 0.0  # monotonic: the manager's last line
         # Its manager silent or unreachable: judged only over time this agent ran (protocol/judge_clock.py).
-        self.clock = JudgeClock(min(0.2, config.timeouts.heartbeat / 5), config.timeouts.heartbeat, "this agent")
+        self.clock = JudgeClock(min(0.2, config.timeouts.heartbeat_timeout / 5), config.timeouts.heartbeat_timeout, "this agent")
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -328,7 +328,7 @@ class NodeRunner:
     async def _serve(self) -> int:
         """Connect, serve the manager, connect again after a break; until the job ends or this node leaves."""
         offline_since = time.monotonic()
-        limit = self.config.timeouts.rendezvous
+        limit = self.config.timeouts.rendezvous_timeout
         while True:
             if self._leaving:
                 await self._flush_leaving()
@@ -511,7 +511,7 @@ class NodeRunner:
         agent.spares.want = self.config.spares
 
     def _silence_limit(self) -> float:
-        return self.config.timeouts.heartbeat
+        return self.config.timeouts.heartbeat_timeout
 
     async def _report_state(self) -> None:
         while True:

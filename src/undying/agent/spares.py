@@ -134,9 +134,9 @@ class SparePool:
             if spare.hang_reported or spare.process.returncode is not None:
                 continue
             if spare.writer is not None:
-                phase, since, limit = "heartbeat", spare.last_seen, timeouts.heartbeat
+                phase, since, limit = "heartbeat", spare.last_seen, timeouts.heartbeat_timeout
             else:
-                phase, since, limit = "init", spare.started, timeouts.init
+                phase, since, limit = "init", spare.started, timeouts.init_timeout
             silent = now - (clock.counts_from(since, wall=True) if clock is not None else since)
             if silent > limit:
                 spare.hang_reported = True

@@ -6,7 +6,8 @@ import argparse
 
 from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.cli.refusal import Ledger
-from undying.config import DEFAULT_MANAGER_PORT
+from undying.cli.settings import add_setting, from_args
+from undying.config import ManagerOptions
 from undying.errors import UsageError
 from undying.inputs import JOB_ID_RULE, check_host_name, check_job_id, job_id_arg
 from undying.jobfiles.jobdir import default_job_dir
@@ -44,17 +45,18 @@ Restart: if this manager dies, start it again with the same --job-id and
 training never stopped. SIGTERM preempts the whole job (dying gasp); Ctrl-C
 stops it. Exit code as `undying run`'s.""",
     )
+    # (each option is a field of ManagerOptions by the rule, --a-b: a_b, its default the field's: cli/settings.py)
     p.add_argument("--job-id", type=job_id_arg, required=True,
                    help=f"the job's name: {JOB_ID_RULE}; every agent passes the same --job-id")
     p.add_argument("--job-dir", default=None, help="the job's folder: event log, token (default ./undying-jobs/<job id>)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the address to listen on (default 127.0.0.1: this host only); 0.0.0.0 listens on every "
-                   "interface, which other hosts need")
-    p.add_argument("--port", type=int, default=DEFAULT_MANAGER_PORT,
-                   help=f"where agents join (default {DEFAULT_MANAGER_PORT}); the control store is on the next port")
+    add_setting(p, ManagerOptions, "--host",
+                help="the address to listen on (default %(default)s: this host only); 0.0.0.0 listens on every "
+                "interface, which other hosts need")
+    add_setting(p, ManagerOptions, "--port", type=int,
+                help="where agents join (default %(default)s); the control store is on the next port")
     p.add_argument("--http-port", type=int, default=None, help="the HTTP API's port (default --port + 2; 0 picks one)")
-    p.add_argument("--open-status", action="store_true",
-                   help="serve the read-only status (GET /, /api/status, /metrics) without the token")
+    add_setting(p, ManagerOptions, "--open-status", action="store_true",
+                help="serve the read-only status (GET /, /api/status, /metrics) without the token")
     add_connection_arguments(p)
     p.set_defaults(func=run)
 
@@ -70,21 +72,11 @@ def run(args: argparse.Namespace) -> int:
     http_port = args.port + 2 if args.http_port is None else args.http_port
     if not 0 <= http_port < 65536:
         raise UsageError(f"--http-port must be in [0, 65535], got {http_port}")
-    from undying.manager.service import (  # heavy: only for this command
-        ManagerOptions,
-        serve_manager,
-    )
+    from undying.manager.service import serve_manager  # heavy: only for this command
 
     check_host_name(args.host, "--host")
-    options = ManagerOptions(
-        job_id=job_id,
-        job_dir=str(args.job_dir or default_job_dir(job_id)),
-        host=args.host,
-        port=args.port,
-        http_port=http_port,
-        open_status=args.open_status,
-        connections=connection_limits(args),
-    )
+    options = from_args(ManagerOptions, args, job_id=job_id, job_dir=str(args.job_dir or default_job_dir(job_id)),
+                        http_port=http_port, connections=connection_limits(args))
     ledger = Ledger.take(options.job_dir)
     try:
         return serve_manager(options)

@@ -10,6 +10,7 @@ import uuid
 
 from undying.cli.limits import add_connection_arguments, connection_limits
 from undying.cli.refusal import Ledger
+from undying.cli.settings import add_setting, from_args
 from undying.cli.step_api import uses_step_api
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
@@ -20,6 +21,7 @@ from undying.cli.torchrun_flags import (
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
     AUTO_STEP_TIMEOUT_FLOOR_S,
+    DEFAULT_MANAGER_PORT,
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
@@ -48,13 +50,13 @@ from undying.protocol.env import (
     NUMERICS_ENV,
     REPLICATE_ENV,
     REPLICATE_EVERY_ENV,
+    SEED_ENV,
+    TOKEN_ENV,
     VERIFY_EVERY_ENV,
     VIRTUAL_RANKS_ENV,
 )
 
 __all__ = ["add_parser"]
-
-_DEFAULTS = Timeouts()
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,9 +93,9 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
 written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
-    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, default=1, metavar="N",
-                   help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
-                   "(default 1)")
+    add_setting(p, JobConfig, "-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, metavar="N",
+                help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
+                "(default %(default)s)")
     p.add_argument("--job-id", type=job_id_arg, default=None,
                    help=f"the job's name: {JOB_ID_RULE} (default: job-<date>-<time>-<random>)")
     p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
@@ -101,132 +103,131 @@ no checkpoint at all.""",
         "--max-restarts", "--max_restarts", type=int, default=None,
         help="whole-group restarts before the job fails, torchrun's meaning: every rank started again (from "
         "the latest valid checkpoint, or, for a script that does not use the step API, from its start) "
-        "(default 3). This flag used to limit recoveries at one step: that is --max-step-recoveries now",
+        f"(default {JobConfig.max_restarts}). This flag used to limit recoveries at one step: that is "
+        "--max-step-recoveries now",
     )
-    p.add_argument(
-        "--max-step-recoveries", type=int, default=3,
-        help="recoveries allowed for faults at the same step before the job stops; a fault that "
-        "repeats at one step is a bug (default 3)",
-    )
-    p.add_argument("--seed", type=int, default=0,
-                   help="the job's seed, given to every worker as UNDYING_SEED: undying.init() seeds torch, random "
-                   "and NumPy from it, so a replacement builds what the rank it replaces built (default 0)")
-    p.add_argument(
-        "--max-retries", type=int, default=3,
-        help="in-place retries of a communication error at the same step; then the rank whose "
-        "collective failed is replaced (default 3)",
-    )
-    p.add_argument(
-        "--spares", type=int, default=1,
-        help="hot spares per node: processes with Python and torch already loaded that replace a "
-        "dead rank without a cold start; started once the job runs (default 1, 0 for none)",
-    )
+    add_setting(p, JobConfig, "--max-step-recoveries", type=int,
+                help="recoveries allowed for faults at the same step before the job stops; a fault that "
+                "repeats at one step is a bug (default %(default)s)")
+    add_setting(p, JobConfig, "--seed", type=int,
+                help=f"the job's seed, given to every worker as {SEED_ENV}: undying.init() seeds torch, random "
+                "and NumPy from it, so a replacement builds what the rank it replaces built (default %(default)s)")
+    add_setting(p, JobConfig, "--max-retries", type=int,
+                help="in-place retries of a communication error at the same step; then the rank whose "
+                "collective failed is replaced (default %(default)s)")
+    add_setting(p, JobConfig, "--spares", type=int,
+                help="hot spares per node: processes with Python and torch already loaded that replace a "
+                "dead rank without a cold start; started once the job runs (default %(default)s, 0 for none)")
     c = p.add_argument_group("checkpoints and preemption")
-    c.add_argument("--checkpoint-dir", default="", metavar="PATH_OR_URL",
-                   help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
-    c.add_argument("--save-every", type=int, default=0, metavar="STEPS",
-                   help="write a checkpoint after every N committed steps (default 0: never by steps)")
-    c.add_argument("--save-interval", type=finite_arg("--save-interval"), default=0.0, metavar="SECONDS",
-                   help="write a checkpoint when this long passed since the last (default 0: never by time)")
-    c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
-    c.add_argument("--start-fresh", action="store_true",
-                   help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
-                   "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
-                   "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
-                   "was rejected)")
-    c.add_argument("--force", action="store_true",
-                   help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
-    c.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
-                   help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
-                   "still running then are killed (default: sized from the measured checkpoint size and "
-                   "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
-    c.add_argument("--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), default=60.0, metavar="SECONDS",
-                   help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
-                   "step was trained since (default 60)")
+    add_setting(c, CheckpointConfig, "--checkpoint-dir", metavar="PATH_OR_URL",
+                help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
+    add_setting(c, CheckpointConfig, "--save-every", type=int, metavar="STEPS",
+                help="write a checkpoint after every N committed steps (default %(default)s: never by steps)")
+    add_setting(c, CheckpointConfig, "--save-interval", type=finite_arg("--save-interval"), metavar="SECONDS",
+                help="write a checkpoint when this long passed since the last (default %(default)g: never by time)")
+    add_setting(c, CheckpointConfig, "--keep", type=int, help="checkpoints to keep (default %(default)s)")
+    add_setting(c, JobConfig, "--start-fresh", action="store_true",
+                help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
+                "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
+                "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
+                "was rejected)")
+    add_setting(c, JobConfig, "--force", action="store_true",
+                help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
+    add_setting(c, CheckpointConfig, "--grace-period", type=finite_arg("--grace-period"), metavar="SECONDS",
+                help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
+                "still running then are killed (default: sized from the measured checkpoint size and "
+                "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
+    add_setting(c, CheckpointConfig, "--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), metavar="SECONDS",
+                help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
+                "step was trained since (default %(default)g)")
     c.add_argument("--replicate", choices=("off", "ring"), default=None,
                    help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the memory of a rank on "
-                   "the next node (the next rank on one node), so losing a rank needs no disk; off (default): "
-                   "a lost shard rolls the job back to the latest checkpoint (env UNDYING_REPLICATE)")
+                   "the next node (the next rank on one node), so losing a rank needs no disk; "
+                   f"{CheckpointConfig.replicate} (default): a lost shard rolls the job back to the latest "
+                   f"checkpoint (env {REPLICATE_ENV})")
     c.add_argument("--replicate-every", type=int, default=None,
                    metavar="STEPS",
-                   help="with --replicate ring: copy the shards every N steps (default 1: a fault loses no step; "
-                   "N > 1 costs less per step and re-runs up to N-1 steps after a fault)")
+                   help=f"with --replicate ring: copy the shards every N steps (default "
+                   f"{CheckpointConfig.replicate_every}: a fault loses no step; N > 1 costs less per step and "
+                   "re-runs up to N-1 steps after a fault)")
     tr = p.add_argument_group("tracing (switch it while the job runs: `undying trace on|off [--comm]`)")
-    tr.add_argument("--trace", choices=TRACE_INITIAL, default="off",
-                    help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
-                    "markers) or comm (those and every gradient collective)")
-    tr.add_argument("--trace-dir", default="", metavar="PATH",
-                    help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job dir>/traces)")
-    tr.add_argument("--trace-switch-file", default="", metavar="PATH",
-                    help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
-                    "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
-    tr.add_argument("--trace-max-file-mb", type=finite_arg("--trace-max-file-mb"), default=10.0, metavar="MB",
-                    help="start a new record file when the newest passes this size (default 10)")
-    tr.add_argument("--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), default=1000.0, metavar="MB",
-                    help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
-                    "(default 1000)")
+    add_setting(tr, TraceConfig, "--trace", choices=TRACE_INITIAL,
+                help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
+                "markers) or comm (those and every gradient collective)")
+    add_setting(tr, TraceConfig, "--trace-dir", metavar="PATH",
+                help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job dir>/traces)")
+    add_setting(tr, TraceConfig, "--trace-switch-file", metavar="PATH",
+                help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
+                "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
+    add_setting(tr, TraceConfig, "--trace-max-file-mb", type=finite_arg("--trace-max-file-mb"), metavar="MB",
+                help="start a new record file when the newest passes this size (default %(default)g)")
+    add_setting(tr, TraceConfig, "--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), metavar="MB",
+                help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
+                "(default %(default)g)")
     p.add_argument("--port", type=int, default=None,
-                   help="the manager's c10d store port; 0 picks a free one (default 29500; --standalone: 0)")
-    p.add_argument("--http-port", type=int, default=0, help="the manager's HTTP API port on localhost (default: a free one)")
-    p.add_argument("--open-status", action="store_true",
-                   help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
-                   "inject, stop and trace changes always need it (<job dir>/token)")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="torch.distributed backend (default gloo)")
+                   help=f"the manager's c10d store port; 0 picks a free one (default {JobConfig.port}; "
+                   "--standalone: 0)")
+    add_setting(p, JobConfig, "--http-port", type=int, help="the manager's HTTP API port on localhost (default: a free one)")
+    add_setting(p, JobConfig, "--open-status", action="store_true",
+                help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
+                "inject, stop and trace changes always need it (<job dir>/token)")
+    add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"), help="torch.distributed backend (default %(default)s)")
     m = p.add_argument_group("multi-node (start `undying manager --job-id J` first, then this on every node)")
-    m.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="N|MIN:MAX",
-                   help="number of nodes (default 1: standalone, the manager runs here). MIN:MAX makes the job "
+    m.add_argument("--nnodes", type=_nnodes, default=(JobConfig.nnodes, JobConfig.nnodes), metavar="N|MIN:MAX",
+                   help=f"number of nodes (default {JobConfig.nnodes}: standalone, the manager runs here). MIN:MAX makes the job "
                    "elastic: it starts once MIN nodes joined (after --node-wait for the others), and when a "
                    "node is lost and no host replaces it within --node-wait it goes on with the nodes it has, "
                    "down to MIN; a node joining later grows it back, up to MAX. Without MIN:MAX such a job "
                    "saves its survivors' state and restarts from it once the lost node is replaced")
-    m.add_argument("--node-rank", "--node_rank", type=int, default=0,
-                   help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
+    add_setting(m, JobConfig, "--node-rank", "--node_rank", type=int,
+                help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
     m.add_argument("--manager", type=_manager_address, default=None, metavar="HOST:PORT",
-                   help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default 29400)")
+                   help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default "
+                   f"{DEFAULT_MANAGER_PORT})")
     m.add_argument("--standby", action="store_true",
                    help="join the job at --manager as a warm standby with no node rank: its worker zygote and "
                    "spares (at least -n) stay warm, and when a node is lost it takes that node's rank and its "
                    "ranks start on those spares instead of waiting for a new host (pass the job's other flags)")
     m.add_argument("--token-file", default=None, metavar="PATH",
-                   help="the job's token (default: env UNDYING_TOKEN, else <job dir>/token as the manager wrote it, "
+                   help=f"the job's token (default: env {TOKEN_ENV}, else <job dir>/token as the manager wrote it, "
                    "or a new one there); the start line says which was used")
     t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
-    t.add_argument("--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"), default=_DEFAULTS.rendezvous,
-                   help=f"a worker's wait for the next generation (default {_DEFAULTS.rendezvous:.0f})")
-    t.add_argument("--connect-timeout", type=finite_arg("--connect-timeout"), default=_DEFAULTS.connect,
-                   help=f"building a process group (default {_DEFAULTS.connect:.0f})")
-    t.add_argument("--collective-timeout", type=finite_arg("--collective-timeout"), default=_DEFAULTS.collective,
-                   help=f"one collective making no progress (default {_DEFAULTS.collective:.0f})")
-    t.add_argument("--recovery-timeout", type=finite_arg("--recovery-timeout"), default=_DEFAULTS.recovery,
-                   help=f"a recovery's deadline to its first step before the job fails (default {_DEFAULTS.recovery:.0f})")
-    t.add_argument("--comm-error-grace", type=finite_arg("--comm-error-grace"), default=_DEFAULTS.comm_error_grace,
-                   help=f"wait for a process exit before calling a collective error transient (default {_DEFAULTS.comm_error_grace:g})")
-    t.add_argument("--heartbeat-timeout", type=finite_arg("--heartbeat-timeout"), default=_DEFAULTS.heartbeat,
-                   help=f"a rank silent this long (stopped, or stuck holding the interpreter) is "
-                   f"hung: killed and replaced (default {_DEFAULTS.heartbeat:.0f})")
-    t.add_argument("--step-timeout", type=_step_timeout, default=_DEFAULTS.step, metavar="SECONDS|auto",
-                   help="a rank that keeps beating but makes no progress in a step (enters no "
-                   "collective, finishes no step) this long is stuck (an endless loop, a deadlock, a "
-                   "collective its peers wait in): the rank the others wait for is killed and "
-                   "replaced; when every rank is stuck in the same collective, the link is retried. "
-                   f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
-                   f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
-    t.add_argument("--init-timeout", type=finite_arg("--init-timeout"), default=_DEFAULTS.init,
-                   help=f"from starting a rank to its first word, imports included (default {_DEFAULTS.init:.0f})")
-    t.add_argument("--spare-take-timeout", type=finite_arg("--spare-take-timeout"), default=_DEFAULTS.spare_take,
-                   help="a hot spare given a rank that does not say it took it within this long (stopped, "
-                   "wedged) is killed, and the rank goes to another spare or a fresh process "
-                   f"(default {_DEFAULTS.spare_take:g})")
-    t.add_argument("--node-wait", type=finite_arg("--node-wait"), default=_DEFAULTS.node_wait,
-                   help="how long a lost node's ranks wait for a replacement host before the job goes on "
-                   "without it (resized, or restarted from its survivors' state), and how long an elastic "
-                   f"job waits for more than MIN nodes at start (default {_DEFAULTS.node_wait:.0f})")
-    t.add_argument("--stop-grace", type=finite_arg("--stop-grace"), default=_DEFAULTS.stop_grace,
-                   help=f"SIGTERM to SIGKILL when stopping workers (default {_DEFAULTS.stop_grace:.0f})")
-    t.add_argument("--exit-grace", type=finite_arg("--exit-grace"), default=_DEFAULTS.exit,
-                   help="a rank whose script returned and whose process is still there this long after (stuck "
-                   "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
-                   f"stands and the stuck exit is noted (default {_DEFAULTS.exit:g})")
+    add_setting(t, Timeouts, "--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"),
+                help="a worker's wait for the next generation (default %(default).0f)")
+    add_setting(t, Timeouts, "--connect-timeout", type=finite_arg("--connect-timeout"),
+                help="building a process group (default %(default).0f)")
+    add_setting(t, Timeouts, "--collective-timeout", type=finite_arg("--collective-timeout"),
+                help="one collective making no progress (default %(default).0f)")
+    add_setting(t, Timeouts, "--recovery-timeout", type=finite_arg("--recovery-timeout"),
+                help="a recovery's deadline to its first step before the job fails (default %(default).0f)")
+    add_setting(t, Timeouts, "--comm-error-grace", type=finite_arg("--comm-error-grace"),
+                help="wait for a process exit before calling a collective error transient (default %(default)g)")
+    add_setting(t, Timeouts, "--heartbeat-timeout", type=finite_arg("--heartbeat-timeout"),
+                help="a rank silent this long (stopped, or stuck holding the interpreter) is "
+                "hung: killed and replaced (default %(default).0f)")
+    add_setting(t, Timeouts, "--step-timeout", type=_step_timeout, metavar="SECONDS|auto",
+                help="a rank that keeps beating but makes no progress in a step (enters no "
+                "collective, finishes no step) this long is stuck (an endless loop, a deadlock, a "
+                "collective its peers wait in): the rank the others wait for is killed and "
+                "replaced; when every rank is stuck in the same collective, the link is retried. "
+                f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
+                f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
+    add_setting(t, Timeouts, "--init-timeout", type=finite_arg("--init-timeout"),
+                help="from starting a rank to its first word, imports included (default %(default).0f)")
+    add_setting(t, Timeouts, "--spare-take-timeout", type=finite_arg("--spare-take-timeout"),
+                help="a hot spare given a rank that does not say it took it within this long (stopped, "
+                "wedged) is killed, and the rank goes to another spare or a fresh process "
+                "(default %(default)g)")
+    add_setting(t, Timeouts, "--node-wait", type=finite_arg("--node-wait"),
+                help="how long a lost node's ranks wait for a replacement host before the job goes on "
+                "without it (resized, or restarted from its survivors' state), and how long an elastic "
+                "job waits for more than MIN nodes at start (default %(default).0f)")
+    add_setting(t, Timeouts, "--stop-grace", type=finite_arg("--stop-grace"),
+                help="SIGTERM to SIGKILL when stopping workers (default %(default).0f)")
+    add_setting(t, Timeouts, "--exit-grace", type=finite_arg("--exit-grace"),
+                help="a rank whose script returned and whose process is still there this long after (stuck "
+                "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
+                "stands and the stuck exit is noted (default %(default)g)")
     add_connection_arguments(p)
     p.add_argument("--virtual-ranks", type=_virtual_ranks, default=None, metavar="V",
                    help="invariant mode: the job is defined by V data-parallel virtual ranks, each rank runs some of "
@@ -279,9 +280,10 @@ def check_script(args: argparse.Namespace) -> None:
         os.close(open_user_file(args.script, "training script", "pass the path of a Python file"))
 
 
-def _step_timeout(raw: str) -> float:
+def _step_timeout(raw: str) -> float | None:
+    """``--step-timeout``: seconds, or auto (None: derived from the step times where it is judged)."""
     if raw == "auto":
-        return 0.0
+        return None
     try:
         value = float(raw)
     except ValueError:
@@ -385,72 +387,36 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
                          "--rdzv-endpoint needs --rdzv-id)")
     step_api = uses_step_api(args.script, module=args.module, no_python=args.no_python)
     if args.max_restarts is None:
-        args.max_restarts = 3
+        args.max_restarts = JobConfig.max_restarts
     elif step_api:  # the one flag whose meaning changed: said where it could be read the old way
         sys.stderr.write(f"undying: note: --max-restarts {args.max_restarts} bounds whole-group restarts "
                          f"(torchrun's meaning); recoveries at one step are bounded by --max-step-recoveries "
                          f"({args.max_step_recoveries})\n")
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     check_job_id(job_id)
-    timeouts = Timeouts(
-        rendezvous=args.rendezvous_timeout,
-        connect=args.connect_timeout,
-        collective=args.collective_timeout,
-        recovery=args.recovery_timeout,
-        comm_error_grace=args.comm_error_grace,
-        stop_grace=args.stop_grace,
-        heartbeat=args.heartbeat_timeout,
-        init=args.init_timeout,
-        step=args.step_timeout,
-        node_wait=args.node_wait,
-        spare_take=args.spare_take_timeout,
-        exit=args.exit_grace,
-    )
-    return JobConfig(
+    # Each field from its option by the rule (--a-b: a_b, cli/settings.py), but the values derived here.
+    return from_args(
+        JobConfig, args,
         job_id=job_id,
         job_id_given=args.job_id is not None,
         job_dir=str(args.job_dir or default_job_dir(job_id)),
         nproc_per_node=resolve_nproc(args.nproc_per_node),
         nnodes=most,
         min_nodes=fewest if fewest < most else 0,
-        node_rank=args.node_rank,
-        port=args.port,
-        http_port=args.http_port,
-        backend=args.backend,
-        max_restarts=args.max_restarts,
-        max_step_recoveries=args.max_step_recoveries,
-        max_retries=args.max_retries,
-        seed=args.seed,
         step_api=step_api,
-        launch=LaunchConfig(
-            module=args.module, no_python=args.no_python, log_dir=args.log_dir, redirects=args.redirects,
-            tee=args.tee, local_ranks_filter=args.local_ranks_filter, role=args.role,
-            master_addr=args.master_addr, master_port=args.master_port,
-        ),
-        spares=args.spares,
-        open_status=args.open_status,
-        start_fresh=args.start_fresh,
-        force=args.force,
-        timeouts=timeouts,
-        checkpoint=CheckpointConfig(
-            dir=args.checkpoint_dir,
-            save_every=args.save_every,
-            save_interval=args.save_interval,
-            keep=args.keep,
-            grace_period=args.grace_period,
-            gasp_reuse_s=args.gasp_reuse_within,
+        launch=from_args(LaunchConfig, args),
+        timeouts=from_args(Timeouts, args),
+        checkpoint=from_args(
+            CheckpointConfig, args,
             # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader, named if bad)
             replicate=args.replicate or env_value(REPLICATE_ENV) or CheckpointConfig.replicate,
             replicate_every=args.replicate_every if args.replicate_every is not None
             else env_value(REPLICATE_EVERY_ENV) or CheckpointConfig.replicate_every,
         ),
         connections=connection_limits(args),
-        trace=TraceConfig(
-            dir=args.trace_dir,
-            max_file_mb=args.trace_max_file_mb,
-            max_dir_mb=args.trace_max_dir_mb,
-            initial=args.trace,
-            switch_file=os.path.abspath(args.trace_switch_file) if args.trace_switch_file else "",
+        trace=from_args(
+            TraceConfig, args,
+            trace_switch_file=os.path.abspath(args.trace_switch_file) if args.trace_switch_file else "",
         ),
     )
 
@@ -475,7 +441,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ[NUMERICS_ENV] = numerics
     check_script(args)
     for option, folder in (("--job-dir", config.job_dir), ("--log-dir", config.launch.log_dir),
-                           ("--trace-dir", config.trace.dir), ("--checkpoint-dir", config.checkpoint.dir)):
+                           ("--trace-dir", config.trace.trace_dir),
+                           ("--checkpoint-dir", config.checkpoint.checkpoint_dir)):
         if folder and "://" not in folder:
             check_folder(option, folder)
     ledger = Ledger.take(config.job_dir)  # before this launch makes anything: what a refusal undoes

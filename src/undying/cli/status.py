@@ -41,7 +41,7 @@ from undying.cli.summary import (
     logged_verification,
     verification_line,
 )
-from undying.config import WHOLE_GROUP_LINE
+from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobfiles.events import LogReader, read_job
 from undying.jobfiles.jobdir import JobDir
@@ -175,8 +175,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "goodput": account.goodput.to_dict(),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": exit_reason,
-        "recovery_mode": "" if (job.get("config") or {}).get("step_api", True) else
-        WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", 3)),
+        "recovery_mode": "" if (job.get("config") or {}).get("step_api", JobConfig.step_api) else
+        WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", JobConfig.max_restarts)),
         "preemption": job.get("preemption"),
         "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
         "ranks": data["ranks"],

@@ -19,7 +19,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from undying.config import DEFAULT_MANAGER_PORT
+from undying.cli.settings import add_setting
+from undying.config import DEFAULT_MANAGER_PORT, JobConfig, LaunchConfig
 from undying.errors import UsageError
 from undying.inputs import check_address, check_job_id, finite_arg
 
@@ -133,29 +134,29 @@ def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--start-method", "--start_method", choices=("spawn", "fork", "forkserver"), default="spawn",
                    help="accepted for torchrun's sake: workers are forked from a process that imported torch "
                    "once (UNDYING_WORKER_START=spawn starts fresh interpreters)")
-    g.add_argument("--role", default="default", help="ROLE_NAME of every worker (default 'default')")
-    g.add_argument("-m", "--module", action="store_true",
-                   help="SCRIPT is a module, run as `python -m SCRIPT`")
-    g.add_argument("--no-python", "--no_python", action="store_true",
-                   help="SCRIPT is a program run as it is, not by Python (no step API, whole-group restart)")
+    add_setting(g, LaunchConfig, "--role", help="ROLE_NAME of every worker (default '%(default)s')")
+    add_setting(g, LaunchConfig, "-m", "--module", action="store_true",
+                help="SCRIPT is a module, run as `python -m SCRIPT`")
+    add_setting(g, LaunchConfig, "--no-python", "--no_python", action="store_true",
+                help="SCRIPT is a program run as it is, not by Python (no step API, whole-group restart)")
     g.add_argument("--run-path", "--run_path", action="store_true",
                    help="accepted for torchrun's sake: the script always runs with runpy.run_path")
-    g.add_argument("--log-dir", "--log_dir", default="", metavar="DIR",
-                   help="with --redirects/--tee: each rank's streams go to "
-                   "DIR/<job id>/attempt_<restart>/<local rank>/{stdout,stderr}.log")
-    g.add_argument("-r", "--redirects", type=std_arg("--redirects"), default={}, metavar="STD",
-                   help="streams written to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, "
-                   "or per local rank, e.g. 0:3,1:0")
-    g.add_argument("-t", "--tee", type=std_arg("--tee"), default={}, metavar="STD",
-                   help="streams written to the log files and the console (as --redirects)")
-    g.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_ranks_filter, default=(),
-                   metavar="RANKS", help="only these local ranks' output reaches the console, e.g. 0 "
-                   "(the log files get every rank's)")
-    g.add_argument("--master-addr", "--master_addr", default="", metavar="HOST",
-                   help="MASTER_ADDR for a script that hosts its own store on rank 0 (default 127.0.0.1 on one "
-                   "node, the manager's host on several)")
-    g.add_argument("--master-port", "--master_port", type=int, default=0, metavar="PORT",
-                   help="MASTER_PORT for it (default: a free port on one node, 29500 on several)")
+    add_setting(g, LaunchConfig, "--log-dir", "--log_dir", metavar="DIR",
+                help="with --redirects/--tee: each rank's streams go to "
+                "DIR/<job id>/attempt_<restart>/<local rank>/{stdout,stderr}.log")
+    add_setting(g, LaunchConfig, "-r", "--redirects", type=std_arg("--redirects"), metavar="STD",
+                help="streams written to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, "
+                "or per local rank, e.g. 0:3,1:0")
+    add_setting(g, LaunchConfig, "-t", "--tee", type=std_arg("--tee"), metavar="STD",
+                help="streams written to the log files and the console (as --redirects)")
+    add_setting(g, LaunchConfig, "--local-ranks-filter", "--local_ranks_filter", type=_ranks_filter,
+                metavar="RANKS", help="only these local ranks' output reaches the console, e.g. 0 "
+                "(the log files get every rank's)")
+    add_setting(g, LaunchConfig, "--master-addr", "--master_addr", metavar="HOST",
+                help="MASTER_ADDR for a script that hosts its own store on rank 0 (default 127.0.0.1 on one "
+                "node, the manager's host on several)")
+    add_setting(g, LaunchConfig, "--master-port", "--master_port", type=int, metavar="PORT",
+                help="MASTER_PORT for it (default: a free port on one node, 29500 on several)")
     g.add_argument("--local-addr", "--local_addr", default="", metavar="HOST",
                    help="accepted for torchrun's sake: an agent reaches its manager from the address its "
                    "route gives")
@@ -202,7 +203,7 @@ def apply_torchrun_arguments(args: argparse.Namespace) -> None:
             if args.port is None:
                 args.port = port
     if args.port is None:
-        args.port = 29500
+        args.port = JobConfig.port
     if args.module and args.no_python:
         raise UsageError("-m/--module and --no-python exclude each other: a module is run by Python")
     if args.local_addr:

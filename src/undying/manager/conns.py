@@ -128,8 +128,8 @@ class ConnectionGuard:
                     log.warning("HTTP: %d connections, all busy: refused one with 503", len(self._conns))
                     return _Refuse()
             inner = make()
-            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.header_timeout,
-                                              limit=self.limits.header_timeout)
+            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.http_header_timeout,
+                                              limit=self.limits.http_header_timeout)
             return _Tracked(self, inner, conn)
 
         return build
@@ -156,7 +156,7 @@ class ConnectionGuard:
         finally:
             if conn is not None:
                 conn.busy = False
-                conn.deadline, conn.limit = time.monotonic() + self.limits.idle_timeout, self.limits.idle_timeout
+                conn.deadline, conn.limit = time.monotonic() + self.limits.http_idle_timeout, self.limits.http_idle_timeout
 
     def start(self) -> None:
         if self._watch is None:
@@ -170,8 +170,8 @@ class ConnectionGuard:
             self._watch = None
 
     async def _watch_loop(self) -> None:
-        period = max(0.05, min(1.0, self.limits.header_timeout / 4))
-        clock = JudgeClock(period, min(self.limits.header_timeout, self.limits.idle_timeout), "the manager's HTTP server")
+        period = max(0.05, min(1.0, self.limits.http_header_timeout / 4))
+        clock = JudgeClock(period, min(self.limits.http_header_timeout, self.limits.http_idle_timeout), "the manager's HTTP server")
         while True:
             await asyncio.sleep(period)
             clock.tick()

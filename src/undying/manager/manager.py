@@ -98,7 +98,7 @@ class Manager:
         self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
         # The watch's deadlines (--node-wait, the recovery and rendezvous timeouts) count only while this manager
         # ran (protocol/judge_clock.py): after a stall of its own, the joins and reports it did not read come first.
-        self.deadlines = JudgeClock(_WATCH_S, config.timeouts.heartbeat, "the manager's deadlines")
+        self.deadlines = JudgeClock(_WATCH_S, config.timeouts.heartbeat_timeout, "the manager's deadlines")
         self.deadlines.tick()  # (from its start: a manager paused before its watch first ran still sees that stall)
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({

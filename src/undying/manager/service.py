@@ -21,15 +21,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from undying.checkpoint.mac import key_from_token, set_key
 from undying.config import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
-    ConnectionLimits,
     JobConfig,
+    ManagerOptions,
     Timeouts,
 )
 from undying.errors import UsageError
@@ -66,17 +65,6 @@ def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals 
 
 # What ends `undying manager` in order: SIGINT stops the job, the others preempt it (agent.hangup's rule).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
-@dataclass(frozen=True)
-class ManagerOptions:
-    job_id: str
-    job_dir: str
-    host: str
-    port: int
-    http_port: int
-    open_status: bool = False
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 class _Gate:
@@ -139,9 +127,9 @@ async def _serve(options: ManagerOptions) -> int:
     set_key(key_from_token(token))  # the checkpoints it resumes from are checked under the job's key
     gate = _Gate(options, token)
     prior = read_job_table(job_dir.events_db) if restart else {}
-    heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat", Timeouts.heartbeat))
+    heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat_timeout", Timeouts.heartbeat_timeout))
     server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat,
-                         max_connections=options.connections.cap, join_wait_s=options.connections.header_timeout)
+                         max_connections=options.connections.cap, join_wait_s=options.connections.http_header_timeout)
     try:
         await server.start()
     except OSError as e:
@@ -159,7 +147,7 @@ async def _serve(options: ManagerOptions) -> int:
                           "node_rank": 0, "connections": options.connections})
     config.validate()
     gate.config = config
-    server.heartbeat_s = config.timeouts.heartbeat
+    server.heartbeat_s = config.timeouts.heartbeat_timeout
     job_dir.private_log()
     events = EventLog(job_dir.events_db)
     # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
@@ -215,7 +203,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         if restart:
-            waiting = asyncio.ensure_future(_lose_absent_nodes(server, config.timeouts.heartbeat))
+            waiting = asyncio.ensure_future(_lose_absent_nodes(server, config.timeouts.heartbeat_timeout))
         else:
             waiting = asyncio.ensure_future(_wait_for_nodes(manager, server, config))
         try:
@@ -249,16 +237,16 @@ async def _wait_for_nodes(manager: Manager, server: AgentServer, config: JobConf
     if config.elastic:
         await _wait_for_enough_nodes(manager, server, config)
         return
-    if not await server.all_joined(config.timeouts.rendezvous):
+    if not await server.all_joined(config.timeouts.rendezvous_timeout):
         joined = sorted(n for n, s in server.slots.items() if s.attached)
         manager.fail(f"only nodes {joined} of {config.nnodes} joined within the rendezvous timeout "
-                     f"({config.timeouts.rendezvous:.0f}s); start `undying run --node-rank I --manager ...` on the others")
+                     f"({config.timeouts.rendezvous_timeout:.0f}s); start `undying run --node-rank I --manager ...` on the others")
         raise asyncio.CancelledError
 
 
 async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
     """An elastic job (--nnodes MIN:MAX) starts with every node, or with MIN once --node-wait passed without more."""
-    deadline = time.monotonic() + config.timeouts.rendezvous
+    deadline = time.monotonic() + config.timeouts.rendezvous_timeout
     enough_since = 0.0
     while True:
         joined = sorted(n for n, s in server.slots.items() if s.attached)
@@ -272,7 +260,7 @@ async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: 
                             config.job_id, joined, len(joined), config.nnodes)
                 return
         elif now > deadline:
-            manager.fail(f"only nodes {joined} joined within the rendezvous timeout ({config.timeouts.rendezvous:.0f}s) "
+            manager.fail(f"only nodes {joined} joined within the rendezvous timeout ({config.timeouts.rendezvous_timeout:.0f}s) "
                          f"and the job needs at least {config.fewest_nodes} (--nnodes {config.fewest_nodes}:"
                          f"{config.nnodes}); start `undying run --node-rank I --manager ...` on the others")
             raise asyncio.CancelledError

@@ -23,11 +23,9 @@ __all__ = [
     "REPLICATE_EVERY_ENV", "CHECKPOINT_DIR_ENV", "SAVE_EVERY_ENV", "SAVE_INTERVAL_ENV", "KEEP_ENV",
     "TRACE_DIR_ENV", "TRACE_MAX_FILE_MB_ENV", "TRACE_MAX_DIR_MB_ENV",
     "LOG_DIR_ENV", "REDIRECTS_ENV", "TEE_ENV", "CONSOLE_ENV",
-    # The timeouts.
+    # The timeouts a rank reads.
     "TIMEOUT_RENDEZVOUS_ENV", "TIMEOUT_CONNECT_ENV", "TIMEOUT_COLLECTIVE_ENV",
-    "TIMEOUT_RECOVERY_ENV", "TIMEOUT_COMM_ERROR_GRACE_ENV", "TIMEOUT_STOP_GRACE_ENV",
-    "TIMEOUT_HEARTBEAT_ENV", "TIMEOUT_INIT_ENV", "TIMEOUT_NODE_WAIT_ENV", "TIMEOUT_STEP_ENV",
-    "TIMEOUT_SPARE_TAKE_ENV", "TIMEOUT_EXIT_ENV", "TIMEOUT_ENVS", "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "TIMEOUT_HEARTBEAT_ENV", "TIMEOUT_EXIT_ENV", "TIMEOUT_ENVS", "DEFAULT_HEARTBEAT_TIMEOUT_S",
     # Who a worker is and where it reaches its agent and manager, set by the agent for each worker.
     "JOB_ID_ENV", "JOB_DIR_ENV", "NODE_NAME_ENV", "AGENT_ADDR_ENV", "AGENT_PID_ENV",
     "CONTROL_ADDR_ENV", "STORE_ADDR_ENV", "GENERATION_ENV", "JOINING_ENV", "BACKEND_ENV",
@@ -81,46 +79,29 @@ TEE_ENV = "UNDYING_TEE"
 # `--local-ranks-filter`: "0" when the console hides this rank.
 CONSOLE_ENV = "UNDYING_CONSOLE"
 
-# --- the timeouts: undying.config.Timeouts' fields, in seconds ----------------------------------
-# Set for every rank from undying run's `--<name>-timeout` (config.JobConfig.timeout_env), read back
-# whole into the rank's Timeouts (config.timeouts_from_env, worker/env.py); the manager and the
-# agent use their own config's. Each line says which a rank's code reads.
-# A rank's wait for the next generation (worker/job.py, worker/rejoin.py).
+# --- the timeouts a rank reads: undying.config.Timeouts' fields, in seconds ---------------------
+# Set for every rank from undying run's options (config.JobConfig.timeout_env), read back into the
+# rank's Timeouts (config.timeouts_from_env, worker/env.py). Only these: the other timeouts (the
+# step's, the recovery's, a spare's take, ...) are judged by the agent or the manager from its own
+# config, so none of them is sent to a rank. Each line says which rank's code reads it.
+# `--rendezvous-timeout`: a rank's wait for the next generation (worker/job.py, worker/rejoin.py).
 TIMEOUT_RENDEZVOUS_ENV = "UNDYING_TIMEOUT_RENDEZVOUS"
-# A rank's building of a process group (worker/rejoin.py).
+# `--connect-timeout`: a rank's building of a process group (worker/rejoin.py).
 TIMEOUT_CONNECT_ENV = "UNDYING_TIMEOUT_CONNECT"
-# gloo's own collective timeout, in a rank (worker/rejoin.py).
+# `--collective-timeout`: gloo's own collective timeout, in a rank (worker/rejoin.py).
 TIMEOUT_COLLECTIVE_ENV = "UNDYING_TIMEOUT_COLLECTIVE"
-# A recovery's bound (the manager's): no rank's code reads it.
-TIMEOUT_RECOVERY_ENV = "UNDYING_TIMEOUT_RECOVERY"
-# A comm error's wait for a process exit (the manager's): no rank's code reads it.
-TIMEOUT_COMM_ERROR_GRACE_ENV = "UNDYING_TIMEOUT_COMM_ERROR_GRACE"
-# SIGTERM to SIGKILL (the agent's): no rank's code reads it.
-TIMEOUT_STOP_GRACE_ENV = "UNDYING_TIMEOUT_STOP_GRACE"
-# A rank beats well within it (worker/job.py), a spare at a quarter of it
+# `--heartbeat-timeout`: a rank beats well within it (worker/job.py), a spare at a quarter of it
 # (worker_wire.spare_beat_interval).
 TIMEOUT_HEARTBEAT_ENV = "UNDYING_TIMEOUT_HEARTBEAT"
-# A rank's start (the agent's): no rank's code reads it.
-TIMEOUT_INIT_ENV = "UNDYING_TIMEOUT_INIT"
-# A lost node's wait (the manager's): no rank's code reads it.
-TIMEOUT_NODE_WAIT_ENV = "UNDYING_TIMEOUT_NODE_WAIT"
-# `--step-timeout` (the agent's, which judges a step's stall): not set for a rank, as no rank's
-# code reads it; one set by hand is still read, and checked, with the others.
-TIMEOUT_STEP_ENV = "UNDYING_TIMEOUT_STEP"
-# A spare's answer to a take (the agent's): no rank's code reads it.
-TIMEOUT_SPARE_TAKE_ENV = "UNDYING_TIMEOUT_SPARE_TAKE"
-# How long a rank's exit may take once its script returned (worker/boot.py).
+# `--exit-grace`: how long a rank's exit may take once its script returned (worker/boot.py).
 TIMEOUT_EXIT_ENV = "UNDYING_TIMEOUT_EXIT"
-# Each timeout's variable by its field of undying.config.Timeouts (UNDYING_TIMEOUT_<FIELD>).
+# Each of them by its field of undying.config.Timeouts: what a rank is sent, and reads.
 TIMEOUT_ENVS: Mapping[str, str] = MappingProxyType({
-    "rendezvous": TIMEOUT_RENDEZVOUS_ENV, "connect": TIMEOUT_CONNECT_ENV,
-    "collective": TIMEOUT_COLLECTIVE_ENV, "recovery": TIMEOUT_RECOVERY_ENV,
-    "comm_error_grace": TIMEOUT_COMM_ERROR_GRACE_ENV, "stop_grace": TIMEOUT_STOP_GRACE_ENV,
-    "heartbeat": TIMEOUT_HEARTBEAT_ENV, "init": TIMEOUT_INIT_ENV,
-    "node_wait": TIMEOUT_NODE_WAIT_ENV, "step": TIMEOUT_STEP_ENV,
-    "spare_take": TIMEOUT_SPARE_TAKE_ENV, "exit": TIMEOUT_EXIT_ENV,
+    "rendezvous_timeout": TIMEOUT_RENDEZVOUS_ENV, "connect_timeout": TIMEOUT_CONNECT_ENV,
+    "collective_timeout": TIMEOUT_COLLECTIVE_ENV, "heartbeat_timeout": TIMEOUT_HEARTBEAT_ENV,
+    "exit_grace": TIMEOUT_EXIT_ENV,
 })
-# The heartbeat timeout's default, its one place: Timeouts.heartbeat, a spare's beat when the
+# The heartbeat timeout's default, its one place: Timeouts.heartbeat_timeout, a spare's beat when the
 # variable is unset (worker_wire.spare_beat_interval), a stored config without it (manager).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 

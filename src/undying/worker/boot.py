@@ -229,9 +229,9 @@ def _returned() -> None:
     from undying.config import Timeouts  # (its field holds the default: written there only)
 
     try:
-        grace = float(os.environ.get(TIMEOUT_EXIT_ENV, Timeouts.exit))
+        grace = float(os.environ.get(TIMEOUT_EXIT_ENV, Timeouts.exit_grace))
     except ValueError:
-        grace = Timeouts.exit
+        grace = Timeouts.exit_grace
     with contextlib.suppress(OSError), open(marker, "w") as f:
         f.write(str(time.time()))
     grace = max(0.01, grace)

@@ -89,7 +89,7 @@ class Checkpoints:
         if self._writer is None:
             cfg = env.checkpoint
             self._writer = AsyncCheckpointer(
-                cfg.dir, job_id=env.job_id, world_size=self.ctx.world_size, keep=cfg.keep,
+                cfg.checkpoint_dir, job_id=env.job_id, world_size=self.ctx.world_size, keep=cfg.keep,
                 if_busy="skip", on_done=self._report_save, on_pruned=self._report_pruned,
             )
         return self._writer

@@ -183,7 +183,7 @@ class Job:
             return
         self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
         control = JobStore(env.control_host, env.control_port, CONTROL_STORE, env.store_key,
-                           timedelta(seconds=env.timeouts.rendezvous))
+                           timedelta(seconds=env.timeouts.rendezvous_timeout))
         self._rejoin = Rejoin(self.ctx, control, self._shards, self._checkpoints, self._wrappers)
         self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         # Stopped at exit: it calls into torch (see undying.worker.threads).
@@ -514,7 +514,7 @@ class Job:
         """
         ctx = self.ctx
         assert ctx.env is not None
-        interval = min(0.5, max(0.05, ctx.env.timeouts.heartbeat / 5))
+        interval = min(0.5, max(0.05, ctx.env.timeouts.heartbeat_timeout / 5))
         sample = min(0.25, interval)
         last: tuple[int, str, int, int] | None = None
         progress_t = time.time()

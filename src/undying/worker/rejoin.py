@@ -120,12 +120,12 @@ class Rejoin:
         ctx, env = self.ctx, self.ctx.env
         assert env is not None
         t = env.timeouts
-        deadline = time.monotonic() + t.rendezvous
+        deadline = time.monotonic() + t.rendezvous_timeout
         while True:
             try:
                 record = join_generation(
-                    self.control, generation, rank=ctx.rank, backend=env.backend, rendezvous_s=t.rendezvous,
-                    connect_s=t.connect, collective_s=t.collective, incarnation=env.incarnation,
+                    self.control, generation, rank=ctx.rank, backend=env.backend, rendezvous_s=t.rendezvous_timeout,
+                    connect_s=t.connect_timeout, collective_s=t.collective_timeout, incarnation=env.incarnation,
                     deadline=deadline, key=env.store_key,
                 )
                 break
@@ -163,7 +163,7 @@ class Rejoin:
         state.discard_gradients()
         if state.sharded:
             # The write uses a group of this generation, which leaving destroys; a dead peer fails it at once.
-            self.shards.finish_writes(timeout=ctx.env.timeouts.collective)
+            self.shards.finish_writes(timeout=ctx.env.timeouts.collective_timeout)
             try:
                 reset_after_failure(state.model)  # FSDP left mid-forward/backward: reshard, clear hooks
             except RecoveryError:

@@ -229,7 +229,7 @@ class Shards:
             t0 = time.time()
             try:
                 result = save_sharded(
-                    env.checkpoint.dir, step, snapshot, group=group, job_id=env.job_id, generation=generation,
+                    env.checkpoint.checkpoint_dir, step, snapshot, group=group, job_id=env.job_id, generation=generation,
                     kind="periodic", keep=env.checkpoint.keep, meta=meta, layout_extra={"world_size": ctx.world_size},
                 )
             except Exception as e:  # a peer gone mid-write, a full disk: reported; the latest valid one stands
@@ -266,7 +266,7 @@ class Shards:
         started = time.time()
         try:
             result = save_sharded(
-                ctx.env.checkpoint.dir, step, self.dcp_state_dict(state), job_id=ctx.env.job_id,
+                ctx.env.checkpoint.checkpoint_dir, step, self.dcp_state_dict(state), job_id=ctx.env.job_id,
                 generation=ctx.generation, kind=kind, keep=ctx.env.checkpoint.keep, meta=meta,
                 layout_extra={"world_size": ctx.world_size},
             )
@@ -415,10 +415,10 @@ class Shards:
         """Collective: the latest valid sharded checkpoint (the coordinator reads every checksum), for the planner."""
         ctx = self.ctx
         assert ctx.env is not None
-        ckpt = latest_valid_shared(ctx.env.checkpoint.dir).checkpoint
+        ckpt = latest_valid_shared(ctx.env.checkpoint.checkpoint_dir).checkpoint
         manifest = ckpt.manifest if ckpt is not None else None
         if ckpt is None or manifest is None or manifest.layout.get("kind") != "sharded":
-            log.error("rank %d: %s holds no valid sharded checkpoint", ctx.rank, ctx.env.checkpoint.dir)
+            log.error("rank %d: %s holds no valid sharded checkpoint", ctx.rank, ctx.env.checkpoint.checkpoint_dir)
             return None, None
         return PersistedState(manifest.step, path=ckpt.url), manifest
 

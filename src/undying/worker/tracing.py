@@ -101,10 +101,10 @@ class WorkerTracing:
             try:
                 self._writer = TraceWriter(
                     Path(cfg.resolved_dir(".")), self._env.job_id, self._rank,
-                    max_file_bytes=int(cfg.max_file_mb * 1e6), max_dir_bytes=int(cfg.max_dir_mb * 1e6),
+                    max_file_bytes=int(cfg.trace_max_file_mb * 1e6), max_dir_bytes=int(cfg.trace_max_dir_mb * 1e6),
                 )
             except OSError as e:
-                log.warning("rank %d: cannot write traces under %s (%s); summaries only", self._rank, cfg.dir, e)
+                log.warning("rank %d: cannot write traces under %s (%s); summaries only", self._rank, cfg.trace_dir, e)
                 return
             self.tracer.writer = self._writer
 

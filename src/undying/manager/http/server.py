@@ -511,7 +511,7 @@ async def start_http(manager: Manager, host: str, port: int, *, open_status: boo
     token = ensure_token(Path(manager.config.job_dir))
     guard = ConnectionGuard(limits)
     runner = _PageRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
-                           keepalive_timeout=limits.idle_timeout, logger=_server_log)
+                           keepalive_timeout=limits.http_idle_timeout, logger=_server_log)
     await runner.setup()
     site = GuardedSite(runner, host, port, guard)
     try:

@@ -105,9 +105,9 @@ class Preemption:
                           grace_period_s=self.view["grace_period_s"], grace_basis=self.view["grace_basis"])
         deadline = t0 + grace
         reused = None
-        if config.checkpoint.gasp_reuse_s > 0:
+        if config.checkpoint.gasp_reuse_within > 0:
             reused = await asyncio.to_thread(recent_dying_gasp, self.checkpoints.dir,
-                                             within_s=config.checkpoint.gasp_reuse_s)
+                                             within_s=config.checkpoint.gasp_reuse_within)
             if reused is not None and reused.step < newest:
                 # Steps were trained since: reusing it would lose them. Write a new one.
                 core.events.event("dying_gasp_not_reused", step=reused.step, newest_step=newest)
@@ -165,7 +165,7 @@ class Preemption:
         gasp = self._gasp
         took = round(time.time() - t0, 3)
         outcome = gasp_outcome(all_done=core.book.all_done(), reused=_saved(reused), gasp=gasp, stop=stop, t0=t0,
-                               gasp_reuse_s=core.config.checkpoint.gasp_reuse_s)
+                               gasp_reuse_s=core.config.checkpoint.gasp_reuse_within)
         if outcome is None:  # no dying gasp stands: what is on disk
             latest = await asyncio.to_thread(self.checkpoints.latest)
             outcome = fallback_outcome(gasp=gasp, stop=stop, late=late, grace=grace, latest=_saved(latest),

@@ -420,7 +420,7 @@ class Recoveries:
         """
         recovery = self.current
         timeouts = self.core.config.timeouts
-        if recovery is None or now - max(recovery.started, resumed) <= timeouts.recovery:
+        if recovery is None or now - max(recovery.started, resumed) <= timeouts.recovery_timeout:
             return ""
-        return (f"recovery {recovery.id} did not complete within {timeouts.recovery:.0f}s "
+        return (f"recovery {recovery.id} did not complete within {timeouts.recovery_timeout:.0f}s "
                 f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})")

@@ -122,7 +122,7 @@ class Regrouping:
         core = self.core
         config = core.config
         regroup = self.regroup
-        if regroup is None or waiting_for_members(regroup, now=time.time(), heartbeat_s=config.timeouts.heartbeat,
+        if regroup is None or waiting_for_members(regroup, now=time.time(), heartbeat_s=config.timeouts.heartbeat_timeout,
                                                   all_attached=all(a.attached for a in core.agents.values())):
             return  # (a restarted manager's agents have their heartbeat timeout to come back: the watch retries)
         if regroup.checkpoint is None:
@@ -201,7 +201,7 @@ class Regrouping:
         if self.regroup is not regroup:
             return
         saved = regroup.checkpoint
-        why = overdue(regroup, now=now, rendezvous_s=config.timeouts.rendezvous, recovery_s=config.timeouts.recovery,
+        why = overdue(regroup, now=now, rendezvous_s=config.timeouts.rendezvous_timeout, recovery_s=config.timeouts.recovery_timeout,
                       fewest=config.fewest_nodes, available=core.nodes_available(),
                       saved_step=saved.step if saved is not None else regroup.step,
                       saved_at=saved.url if saved is not None else regroup.saved, resumed=resumed)

@@ -34,7 +34,7 @@ _COMM_SWITCH_MAX_STEPS = 1000
 class TraceControl:
     def __init__(self, core: JobCore) -> None:
         self.core = core
-        initial = core.config.trace.initial
+        initial = core.config.trace.trace
         self.switch = TraceSwitch(step=initial != "off", comm=initial == "comm",
                                   by="start" if initial != "off" else "", t=core.started_at)
         self.error = ""
