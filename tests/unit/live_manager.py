@@ -24,6 +24,7 @@ class FakeAgent:
         self.spawned: list[tuple[int, bool]] = []
         self.killed: list[int] = []
         self.armed: list[tuple[int, str]] = []
+        self.aborted: list[tuple[int, int]] = []  # (rank, generation)
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
               incarnation: int = 0) -> tuple[int, bool]:
@@ -35,6 +36,7 @@ class FakeAgent:
         return True
 
     def abort(self, rank: int, generation: int, reason: str) -> bool:
+        self.aborted.append((rank, generation))
         return True
 
     def keep_spares(self) -> None:

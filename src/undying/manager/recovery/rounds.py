@@ -74,6 +74,7 @@ class Recovery:
     restored_step: int = -1
     started: float = field(default_factory=time.time)
     told_to_leave: float = 0.0  # when the survivors were told to leave the generation before (0: not)
+    told: dict[int, int] = field(default_factory=dict)  # rank -> the process told to leave it
 
     def renew(self, generation: int) -> None:
         """The round forms ``generation`` now: the phases seen of an earlier one are void."""
@@ -266,6 +267,7 @@ class Recoveries:
             if info.state is RankState.EXITED or (not everyone and info.state is not RankState.RUNNING):
                 continue
             core.agents[info.node].abort(info.rank, previous, reason)
+            self.current.told[info.rank] = info.pid
         self.current.told_to_leave = time.time()
 
     def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
@@ -275,13 +277,14 @@ class Recoveries:
         own), whichever is later; a replacement of this round is no survivor and is not judged here.
         """
         recovery = self.current
-        if recovery is None or not recovery.told_to_leave:
-            return []
+        if recovery is None or not recovery.told_to_leave or recovery.generation != self.core.generations.current:
+            return []  # (a regroup opened a newer generation since: the ranks were renumbered, the telling is old)
         limit = max(_LEAVE_MIN_S, _LEAVE_STEPS * self.core.clock.longest_rank_step_s())
         if now - max(recovery.told_to_leave, resumed) <= limit:
             return []
         return [info for info in self.core.ranks.values()
-                if info.state is RankState.RUNNING and info.generation < recovery.generation
+                if recovery.told.get(info.rank) == info.pid and info.pid
+                and info.state is RankState.RUNNING and info.generation < recovery.generation
                 and info.rank not in recovery.replaced]
 
     def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:

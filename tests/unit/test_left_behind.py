@@ -1,0 +1,42 @@
+"""A survivor told to leave the old generation that neither fails nor rejoins is judged stuck (recovery/rounds.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.unit.live_manager import running
+from undying.jobfiles.records import RankState
+from undying.protocol.worker_wire import CommFailure
+
+
+def test_the_survivors_are_told_to_leave_and_one_that_never_does_is_stuck_after_the_limit(tmp_path: Path) -> None:
+    manager, agent = running(tmp_path, ranks=3)
+    try:
+        manager.on_exit(2, manager.ranks[2].pid, -9, time.time())  # rank 2 dies: replaced in generation 1
+        told = manager.recoveries.current
+        assert told is not None and manager.core.generations.current == 1
+        assert sorted(agent.aborted) == [(0, 0), (1, 0)], "every survivor still in generation 0 is told to leave it"
+        manager.on_message(CommFailure(1, 0, 5, "peer closed", time.time()))  # rank 1 found the fault itself
+        assert manager.ranks[1].state is RankState.RECOVERING
+        now = told.told_to_leave
+        assert manager.recoveries.stuck(now + 4.0) == [], "within the limit nobody is judged"
+        assert [i.rank for i in manager.recoveries.stuck(now + 6.0)] == [0], "rank 0 never left"
+        assert manager.recoveries.stuck(now + 6.0, resumed=now + 3.0) == [], "a stall of the manager's own restarts the count"
+        manager.ranks[0].pid += 1  # another process holds rank 0 now (say, a hang's replacement)
+        assert manager.recoveries.stuck(now + 6.0) == [], "only the process that was told is judged"
+    finally:
+        manager.close()
+
+
+def test_a_newer_generation_since_the_telling_voids_it(tmp_path: Path) -> None:
+    """A regroup renumbers the ranks and opens its own generation: the round's telling is old news."""
+    manager, _ = running(tmp_path, ranks=3)
+    try:
+        manager.on_exit(2, manager.ranks[2].pid, -9, time.time())
+        told = manager.recoveries.current
+        assert told is not None
+        manager.core.open_generation("a regroup")
+        assert manager.recoveries.stuck(told.told_to_leave + 60.0) == []
+    finally:
+        manager.close()
