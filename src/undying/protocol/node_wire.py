@@ -87,13 +87,14 @@ class AgentJoin(Message, frozen=True):
 
 
 class AgentState(Message, frozen=True):
-    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm spares."""
+    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm spares, zygote."""
 
     node: int
     live: dict[str, int]
     phases: dict[str, str]
     spares_ready: int
     t: float
+    zygote_pid: int = 0  # the process the node's workers fork from (0: none now)
 
 
 class RankSpawned(Message, frozen=True):
