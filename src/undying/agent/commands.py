@@ -53,7 +53,7 @@ class NodeCommands:
             ArmRank: lambda message: agent.arm(message.rank, message.fault),
             AbortRank: lambda message: agent.abort(message.rank, message.generation, message.reason),
             KeepSpares: lambda message: agent.keep_spares(),
-            TraceSet: agent.set_trace,
+            TraceSet: lambda message: agent.set_trace(message),
             StopNode: self._start_stop,
         })
 

@@ -59,11 +59,15 @@ from undying.protocol.node_wire import (
 from undying.protocol.store_wire import store_key_from_token
 from undying.protocol.worker_wire import StepCommitted, TraceSet
 
-__all__ = ["ManagerClient", "run_node", "parse_manager_address"]
+__all__ = ["ManagerClient", "run_node", "parse_manager_address", "SESSION_MESSAGES", "JOIN_ANSWERS"]
 
 log = logging.getLogger("undying.agent.remote")
 
 _STATE_EVERY_S = 0.5
+# What the manager's line says of the session itself (every other message is a command: agent/commands.py),
+# and what answers a join (read by ``_session`` and ``_park`` before any other line).
+SESSION_MESSAGES = (ManagerBeat, Acked, AgentRefused, AgentFenced, JobEnded)
+JOIN_ANSWERS = (AgentWelcome, StandbyParked)
 _STANDBY = -1  # a standby's node number (in its logs) until the manager gives it one
 # Reports kept while the manager is unreachable are never dropped (each is a step someone trained);
 # past every this many the agent says how many it holds, so a long outage shows in its log.
@@ -94,7 +98,7 @@ def parse_manager_address(address: str) -> tuple[str, int]:
 
 
 class ManagerClient:
-    """The agent's ``ManagerLink`` across the network: numbered reports, each kept until the manager logged it.
+    """Where the agent reports across the network: numbered reports, each kept until the manager logged it.
 
     What the agent reports in one pass of its event loop goes out as one
     ``NumberedReports`` line, written once the pass is over
