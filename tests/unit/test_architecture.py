@@ -9,8 +9,9 @@ Layers, lowest first (a module imports from its own layer or a lower one):
    token's file, the event log and the records it stores), which imports no role;
 2. the roles: ``worker``, ``agent``, ``manager``; none imports another (they
    meet only over the protocol);
-3. what assembles them: ``agent.launcher`` (the one place a manager and an
-   agent meet in one process), ``cli``, ``demo``, ``k8s``, ``oracle``.
+3. what assembles them: ``launch`` (the one place a manager and an agent are
+   built together: ``undying run`` on one node, its in-process line), ``cli``,
+   ``demo``, ``k8s``, ``oracle``.
 
 Besides: no import circle, no module over 600 lines, no import of another
 module's private name, each package's ``__all__`` at most 15 names, and the
@@ -40,7 +41,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROLES = ("undying.worker", "undying.agent", "undying.manager")
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (3, ("undying.agent.launcher", "undying.cli", "undying.demo", "undying.k8s",
+    (3, ("undying.launch", "undying.cli", "undying.demo", "undying.k8s",
          "undying.__main__")),
     (2, ROLES),
     (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobfiles")),
@@ -173,6 +174,16 @@ def test_every_import_goes_to_the_same_layer_or_a_lower_one_and_roles_meet_only_
             elif _layer(module) == 2 and _role(target) and _role(target) != _role(module):
                 wrong.append(f"{module}:{line} imports {target}: roles meet only over undying.protocol")
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_manager_and_an_agent_are_assembled_together_only_in_the_launch_layer() -> None:
+    """Outside ``undying.launch``, no module imports both the manager's and the agent's code."""
+    wrong = []
+    for module in MODULES:
+        roles = {_role(target) for target, _, _ in _imports(module) if _ours(target)}
+        if {"undying.agent", "undying.manager"} <= roles and not module.startswith("undying.launch"):
+            wrong.append(module)
+    assert not wrong, f"these assemble a manager with an agent outside undying.launch: {wrong}"
 
 
 def test_the_job_files_import_no_role() -> None:

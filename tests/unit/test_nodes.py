@@ -294,7 +294,7 @@ def test_bad_joins_are_refused_with_the_reason_and_change_nothing(tmp_path: Path
             assert snapshot(server) == before, reply.reason
             assert recorder.calls == calls_before, reply.reason
         # The agent that was in is still served: its reports still reach the manager.
-        first.client.on_message(commit(0, 1))
+        first.client.send(commit(0, 1))
         await until(lambda: len(recorder.named("message")) == 1, "the first agent's report after the refusals")
         first.close()
 
@@ -508,8 +508,8 @@ def test_unnumbered_and_malformed_lines_do_not_break_the_session(tmp_path: Path)
         agent.send_raw(b"{not json\n")
         agent.send_raw(b'{"type": "NoSuchMessage"}\n')
         # A worker's report with a field of the wrong type, numbered and sent as any other.
-        agent.client.on_message(StepCommitted(rank="broken worker message", generation=0, step=1, t=0.0))  # type: ignore[arg-type]
-        agent.client.on_message(commit(1, 7))
+        agent.client.send(StepCommitted(rank="broken worker message", generation=0, step=1, t=0.0))  # type: ignore[arg-type]
+        agent.client.send(commit(1, 7))
         await until(lambda: bool(recorder.named("message")), "the good report")
         [message] = recorder.named("message")
         assert isinstance(message, StepCommitted) and (message.rank, message.step) == (1, 7)
@@ -530,7 +530,7 @@ def test_after_a_manager_restart_the_agent_resends_only_what_the_log_lacks(tmp_p
         # The agent kept reports 1..5 while the manager was down (none acked yet).
         client = ManagerClient()
         for step in range(1, 6):
-            client.on_message(commit(0, step))
+            client.send(commit(0, step))
         assert client.has_kept()
         agent = Agent(server.port, client)
         welcome = await agent.join(join_message(job_dir, 0, session="5e55105e55105e55"))
@@ -541,7 +541,7 @@ def test_after_a_manager_restart_the_agent_resends_only_what_the_log_lacks(tmp_p
         await asyncio.sleep(0.2)  # nothing more comes
         assert [m.step for m in recorder.named("message")] == [4, 5]
         # Reports after the restart number on from 6, and the log's Acked lets the agent forget them all.
-        client.on_message(commit(0, 6))
+        client.send(commit(0, 6))
         await until(lambda: len(recorder.named("message")) == 3, "report 6")
         assert server.received[0] == 6
         assert client.has_kept()
@@ -609,13 +609,13 @@ def test_manager_client_keeps_reports_until_acked_and_resends_them_in_order() ->
     """ManagerClient alone (no event loop: each report is written as it is made): what ``connected`` writes."""
     client = ManagerClient()
     for rank in range(5):
-        client.on_exit(rank, 10 + rank, 1, 0.0)  # offline: kept, nothing written
+        client.send(RankExited(rank, 10 + rank, 1, 0.0))  # offline: kept, nothing written
     sink = Sink()
     assert client.connected(sink, 2) == 3  # type: ignore[arg-type]
     assert len(sink.lines) == 1  # what the manager lacks, in one line
     assert [(seq, m.rank) for seq, m in reports_of(sink.lines)] == [(3, 2), (4, 3), (5, 4)]  # type: ignore[attr-defined]
     client.acked(4)
-    client.on_exit(9, 19, 1, 0.0)  # online: written at once, numbered on
+    client.send(RankExited(9, 19, 1, 0.0))  # online: written at once, numbered on
     assert [seq for seq, _ in reports_of(sink.lines[1:])] == [6]
     again = Sink()
     assert client.connected(again, 4) == 2  # type: ignore[arg-type]
@@ -623,7 +623,7 @@ def test_manager_client_keeps_reports_until_acked_and_resends_them_in_order() ->
     client.new_session()  # fenced: nothing of the old session is resent, numbering restarts
     assert not client.has_kept()
     client.disconnected()
-    client.on_exit(0, 1, 1, 0.0)
+    client.send(RankExited(0, 1, 1, 0.0))
     fresh = Sink()
     assert client.connected(fresh, 0) == 1  # type: ignore[arg-type]
     assert [seq for seq, _ in reports_of(fresh.lines)] == [1]
@@ -635,9 +635,9 @@ def test_manager_client_splits_what_it_resends_into_lines_the_manager_takes() ->
     big = "x" * 300_000
     for i in range(40):
         if i % 4 == 0:
-            client.on_message(Fatal(rank=i, step=i, error="boom", traceback=big, t=0.0))
+            client.send(Fatal(rank=i, step=i, error="boom", traceback=big, t=0.0))
         else:
-            client.on_message(commit(i, i))
+            client.send(commit(i, i))
     sink = Sink()
     assert client.connected(sink, 0) == 40  # type: ignore[arg-type]
     assert len(sink.lines) > 1
@@ -658,7 +658,7 @@ def test_a_pass_of_commits_travels_as_one_node_step_a_step_and_a_partial_resend_
         lines = tap(agent)
         for step in (1, 2):
             for rank in (0, 1, 2):
-                agent.client.on_message(commit(rank, step))
+                agent.client.send(commit(rank, step))
         await until(lambda: len(recorder.named("message")) == 6, "the six commits")
         [line] = lines.lines
         batch = decode_from_agent(line)
@@ -690,7 +690,7 @@ def test_what_an_agent_reports_in_one_pass_is_one_line_acked_and_then_dropped(tm
         agent.send(state(0, {0: 100, 1: 101}))
         for step in (1, 2):
             for rank in (0, 1):
-                agent.client.on_message(commit(rank, step))
+                agent.client.send(commit(rank, step))
         assert lines.lines == []  # written once the pass is over
         await until(lambda: len(recorder.named("message")) == 4, "the four commits")
         assert len(lines.lines) == 1
@@ -706,7 +706,7 @@ def test_what_an_agent_reports_in_one_pass_is_one_line_acked_and_then_dropped(tm
         await agent.acked_through(5)
         assert not agent.client.has_kept()
         # The next pass is the next line, numbered on.
-        agent.client.on_message(commit(0, 3))
+        agent.client.send(commit(0, 3))
         await until(lambda: len(recorder.named("message")) == 5, "the next pass's commit")
         assert [seq for seq, _ in reports_of(lines.lines[1:])] == [6]
         agent.close()
@@ -720,12 +720,12 @@ def test_a_batch_keeps_the_order_of_the_agents_reports_and_its_workers_messages(
         assert isinstance(await agent.join(join_message(job_dir, 0)), AgentWelcome)
         lines = tap(agent)
         agent.send(RankSpawned(0, 100, False, 1))
-        agent.client.on_message(Hello(0, 100, 0, False, time.time()))
-        agent.client.on_message(commit(0, 1))
+        agent.client.send(Hello(0, 100, 0, False, time.time()))
+        agent.client.send(commit(0, 1))
         agent.send(state(0, {0: 100, 1: 101}))
-        agent.client.on_message(commit(1, 1))
+        agent.client.send(commit(1, 1))
         agent.send(RankExited(1, 101, 1, 0.0))
-        agent.client.on_message(Progress(0, 0, "group_rebuilt", time.time()))
+        agent.client.send(Progress(0, 0, "group_rebuilt", time.time()))
         await until(lambda: len(recorder.named("message")) == 4, "the whole batch")
         assert len(lines.lines) == 1
         assert [name for name, _ in recorder.calls[1:]] == ["spawned", "message", "message", "message", "exit",
@@ -765,7 +765,7 @@ def test_after_a_manager_restart_a_whole_batch_sent_again_gives_only_what_the_lo
         server.persisted = {0: 3}
         client = ManagerClient()
         for step in range(1, 6):
-            client.on_message(commit(0, step))
+            client.send(commit(0, step))
         agent = Agent(server.port, client)
         welcome = await agent.join(join_message(job_dir, 0, session="5e55105e55105e55"))
         assert isinstance(welcome, AgentWelcome) and welcome.acked == 3
@@ -775,7 +775,7 @@ def test_after_a_manager_restart_a_whole_batch_sent_again_gives_only_what_the_lo
         sentinel = Sink()
         again = ManagerClient()
         for step in range(1, 7):
-            again.on_message(commit(0, step))
+            again.send(commit(0, step))
         again.connected(sentinel, 0)  # type: ignore[arg-type]
         agent.send_raw(sentinel.lines[0])  # 1..6: only 6 is new
         await until(lambda: len(recorder.named("message")) == 3, "report 6")
@@ -836,11 +836,11 @@ def test_a_batch_sent_again_after_a_manager_restart_is_not_applied_twice(tmp_pat
         lines = tap(agent)
         for step in (1, 2):  # one pass: reports 1..4
             for rank in (0, 1):
-                agent.client.on_message(commit(rank, step))
+                agent.client.send(commit(rank, step))
         await until(lambda: manager.ranks[1].step == 2, "steps 1 and 2")
         events.flush()  # the log holds reports 1..4
         for rank in (0, 1):  # the next pass: reports 5, 6, taken but never committed to the log
-            agent.client.on_message(commit(rank, 3))
+            agent.client.send(commit(rank, 3))
         await until(lambda: manager.ranks[1].step == 3, "step 3")
         assert [len(reports_of([line])) for line in lines.lines] == [4, 2]
         # The manager dies: its open transaction is lost; the agent's link breaks with it.
@@ -857,7 +857,7 @@ def test_a_batch_sent_again_after_a_manager_restart_is_not_applied_twice(tmp_pat
         await until(lambda: manager.ranks[1].step == 3, "step 3 again, from the agent's kept reports")
         for line in lines.lines:  # and copies of both batches arrive as well
             back.send_raw(line)
-        back.client.on_message(commit(0, 4))  # report 7: once it is taken, every line before it was
+        back.client.send(commit(0, 4))  # report 7: once it is taken, every line before it was
         await until(lambda: manager.ranks[0].step == 4, "report 7")
         assert server.received[0] == 7
         events.flush()
@@ -960,7 +960,7 @@ def test_the_manager_service_takes_the_first_agents_flags_refuses_others_and_run
             for n in nodes:
                 n.agent.send(state(n.node, n.spawned))
                 for rank, pid in n.spawned.items():
-                    n.agent.client.on_message(commit(rank, 1))
+                    n.agent.client.send(commit(rank, 1))
                     n.agent.send(RankExited(rank, pid, 0, time.time()))
             assert await asyncio.wait_for(service, 15.0) == 0
             await asyncio.wait_for(asyncio.gather(*serving), 5.0)

@@ -37,6 +37,7 @@ from undying.protocol.node_wire import (
     AgentWelcome,
     JobEnded,
     ManagerBeat,
+    RankExited,
     SpawnRank,
     StandbyBeat,
     StandbyJoin,
@@ -144,7 +145,7 @@ def test_a_parked_standby_is_given_a_lost_node_with_its_waiting_spawns_on_the_sa
             assert len(promoted) == 1 and promoted[0]["node"] == 1 and promoted[0]["spares_ready"] == NPROC
             # A beat still in flight is no report; the node's numbered reports count from 1.
             spare.writer.write(encode(StandbyBeat(NPROC, time.time())))
-            spare.client.on_exit(2, 300, 1, time.time())
+            spare.client.send(RankExited(2, 300, 1, time.time()))
             await _until(lambda: recorder.named("exit") == [(2, 300, 1)], "the new node's first report")
             assert server.received[1] == 1
             spare.close()

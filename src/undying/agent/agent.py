@@ -5,6 +5,12 @@ interpreter) with the torchrun environment plus undying's own, sees a
 worker exit the moment it happens (an asyncio child watch), relays the
 workers' reports to the manager, and carries out the manager's commands: kill
 a rank, arm a fault, stop everything.
+
+It speaks to its manager only in ``protocol/node_wire.py`` messages: what it
+reports goes to ``report`` (a message each), and the manager's commands reach
+it through one table (``agent/commands.py``). Whether the manager is in this
+process (``undying run`` on one node) or across the network is the line's
+business, not the agent's (``launch/in_process.py``, ``agent/remote.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from undying.agent.children import Orphans, become_subreaper, kill_tree, release_subreaper
@@ -42,8 +49,16 @@ from undying.protocol.codec import Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.keys import DERIVED_KEY_ENVS, child_environment
 from undying.protocol.kinds import InjectPhase
-from undying.protocol.node_wire import RankSpawned, SpareEvent
-from undying.protocol.seams import AgentHandle, ManagerLink
+from undying.protocol.node_wire import (
+    AgentState,
+    RankExited,
+    RankHung,
+    RankSpawned,
+    RanksStalled,
+    SpareEvent,
+    TraceFileError,
+    TraceFileSet,
+)
 from undying.protocol.worker_wire import (
     Abort,
     ArmFault,
@@ -70,14 +85,14 @@ class Agent:
         node: int,
         script: str,
         script_args: list[str],
-        manager: ManagerLink,
+        report: Callable[[Message], None],
         control_port: int,
     ) -> None:
         self.config = config
         self.node = node
         self._script = script
         self._script_args = script_args
-        self._manager = manager
+        self._report = report  # each report to the manager, as a message
         self.control_port = control_port
         self._workers: dict[int, LocalWorker] = {}
         self._by_pid: dict[int, LocalWorker] = {}
@@ -103,7 +118,7 @@ class Agent:
         self._regrouping = False  # an elastic job's worker left for a regroup: the job comes back at once
         # The workers' lines to this agent (agent/worker_channel.py): their reports go to the manager.
         self._channel = WorkerChannel(node, self._key, self._by_pid, self.spares, self._step_times,
-                                      trace=lambda: self._trace, forward=manager.on_message)
+                                      trace=lambda: self._trace, forward=report)
         self._torchrun = TorchrunEnv(self)  # torchrun's variables, from this agent's config and node
 
     async def start(self) -> None:
@@ -124,9 +139,12 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_report_crash)
         if self.config.trace.trace_switch_file:
+            report = self._report
             # Where a mounted Kubernetes ConfigMap lands on this node; the manager spreads a change to every node.
-            watcher = SwitchFileWatcher(self.config.trace.trace_switch_file, self._manager.on_trace_file,
-                                        self._manager.on_trace_file_error)
+            watcher = SwitchFileWatcher(
+                self.config.trace.trace_switch_file,
+                lambda switch: report(TraceFileSet(switch.step, switch.comm, switch.by, switch.t)),
+                lambda message: report(TraceFileError(message)))
             task = asyncio.get_running_loop().create_task(watcher.run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -187,8 +205,8 @@ class Agent:
                     log.warning("node %d: rank %d (pid %d, state %s) silent for %.1fs (%s timeout %.1fs)", self.node,
                                 worker.rank, worker.pid, process_state(worker.pid), silence.silent_s, silence.phase,
                                 silence.limit_s)
-                    self._manager.on_hang(worker.rank, worker.pid, silence.phase,
-                                          worker.last_seen or worker.started, now)
+                    self._report(RankHung(worker.rank, worker.pid, silence.phase,
+                                          worker.last_seen or worker.started, now))
                 elif (beat := worker.beat) is not None and beat.progress_t != worker.stall_reported_t \
                         and is_stalled(beat, self.step_timeout(), timeouts):
                     stalled.append(worker)
@@ -205,7 +223,7 @@ class Agent:
                         now - worker.beat.progress_t, worker.beat.phase, worker.beat.step,
                         worker.beat.collectives)
         live = [w for w in self._workers.values() if w.process.returncode is None and not w.hang_reported]
-        self._manager.on_stall([w.progress() for w in live], self.step_timeout(), now)
+        self._report(RanksStalled([w.progress() for w in live], self.step_timeout(), now))
 
     async def close(self) -> None:
         if self._server is not None:
@@ -347,12 +365,12 @@ class Agent:
                               incarnation=take.incarnation)
         self._workers[take.rank] = replacement
         self._by_pid[process.pid] = replacement
-        self._manager.on_message(RankSpawned(take.rank, process.pid, warm, take.incarnation))
+        self._report(RankSpawned(take.rank, process.pid, warm, take.incarnation))
 
     def _spare_event(self, what: str, pid: int, **detail: Any) -> None:
         """Tell the manager's log what happened to a spare (its PID included: the job's record of spares)."""
         try:
-            self._manager.on_message(SpareEvent(self.node, pid, what, time.time(), detail))
+            self._report(SpareEvent(self.node, pid, what, time.time(), detail))
         except Exception:  # a report must never stop the agent's own care of its spares
             log.exception("node %d: reporting %s of spare pid %d failed", self.node, what, pid)
 
@@ -377,7 +395,7 @@ class Agent:
                 # A script that returned is done, whatever its exit took (agent/exits.py).
                 returncode = returned_exit(self.config, worker.rank, worker.incarnation, worker.pid, returncode,
                                            self._spare_event)
-                self._manager.on_exit(worker.rank, worker.pid, returncode, t)
+                self._report(RankExited(worker.rank, worker.pid, returncode, t))
                 self._regrouping |= returncode == EXIT_REGROUPED and self.config.elastic
         self._zygote_idle()
 
@@ -421,22 +439,14 @@ class Agent:
             worker.writer.write(encode(message))
         return True
 
-    def live_ranks(self) -> list[int]:
-        return list(self.live_pids())
-
-    @property
-    def attached(self) -> bool:
-        return True  # the manager runs in this process
-
-    def drop_waiting(self) -> None:
-        """Nothing waits here: a standalone agent spawns at once."""
-
     def live_pids(self) -> dict[int, int]:
         return {r: w.pid for r, w in self._workers.items() if w.process.returncode is None}
 
-    def view(self) -> dict[str, Any]:
-        return {"node": self.node, "attached": True, "host": "localhost", "agent_pid": os.getpid(),
-                "zygote_pid": self._zygotes.pid, "ranks": sorted(self.live_ranks())}
+    def state(self) -> AgentState:
+        """The node's beat to its manager: its live ranks, their phases, its warm spares, its zygote."""
+        return AgentState(node=self.node, live={str(r): p for r, p in self.live_pids().items()},
+                          phases={str(r): p for r, p in self.phases().items()}, spares_ready=self.spares_ready(),
+                          t=time.time(), zygote_pid=self._zygotes.pid or 0)
 
     def phases(self) -> dict[int, str]:
         """Each live rank's phase from its latest heartbeat (init, step, recovery, done)."""
@@ -486,8 +496,3 @@ def _report_crash(task: asyncio.Task[None]) -> None:
     """A watch task that dies takes the job's hang detection with it: say so loudly."""
     if not task.cancelled() and task.exception() is not None:
         log.critical("agent task %s died", task.get_name(), exc_info=task.exception())
-
-
-def _satisfies_the_seam(agent: Agent) -> AgentHandle:
-    """(For mypy: the in-process agent is what a manager drives, ``protocol.seams.AgentHandle``.)"""
-    return agent

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from undying.agent import hangup
 from undying.agent.agent import Agent
+from undying.agent.commands import NodeCommands, report_state
 from undying.checkpoint.mac import key_from_token
 from undying.config import JobConfig
 from undying.inputs import check_address
@@ -39,48 +40,34 @@ from undying.protocol.codec import Codec, Handlers, Message
 from undying.protocol.env import CHECKPOINT_KEY_ENV, HOST_NAME_ENV, STORE_KEY_ENV
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
-    AbortRank,
     Acked,
     AgentFenced,
     AgentJoin,
     AgentRefused,
-    AgentState,
     AgentWelcome,
-    ArmRank,
     JobEnded,
-    KeepSpares,
-    KillRank,
     ManagerBeat,
     NodeLeaving,
     NodeStep,
-    NodeStopped,
-    RankExited,
-    RankHung,
-    RankProgress,
-    RankSpawned,
-    RanksStalled,
-    SpawnRank,
     StandbyBeat,
     StandbyJoin,
     StandbyParked,
-    StopNode,
-    TellRank,
-    TraceFileError,
-    TraceFileSet,
     decode_to_agent,
     encode,
     reports_line,
 )
-from undying.protocol.seams import ManagerLink
 from undying.protocol.store_wire import store_key_from_token
-from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import StepCommitted, TraceSet
 
-__all__ = ["ManagerClient", "run_node", "parse_manager_address"]
+__all__ = ["ManagerClient", "run_node", "parse_manager_address", "SESSION_MESSAGES", "JOIN_ANSWERS"]
 
 log = logging.getLogger("undying.agent.remote")
 
 _STATE_EVERY_S = 0.5
+# What the manager's line says of the session itself (every other message is a command: agent/commands.py),
+# and what answers a join (read by ``_session`` and ``_park`` before any other line).
+SESSION_MESSAGES = (ManagerBeat, Acked, AgentRefused, AgentFenced, JobEnded)
+JOIN_ANSWERS = (AgentWelcome, StandbyParked)
 _STANDBY = -1  # a standby's node number (in its logs) until the manager gives it one
 # Reports kept while the manager is unreachable are never dropped (each is a step someone trained);
 # past every this many the agent says how many it holds, so a long outage shows in its log.
@@ -111,7 +98,7 @@ def parse_manager_address(address: str) -> tuple[str, int]:
 
 
 class ManagerClient:
-    """The agent's ``ManagerLink`` across the network: numbered reports, each kept until the manager logged it.
+    """Where the agent reports across the network: numbered reports, each kept until the manager logged it.
 
     What the agent reports in one pass of its event loop goes out as one
     ``NumberedReports`` line, written once the pass is over
@@ -134,6 +121,16 @@ class ManagerClient:
         self._commits: list[StepCommitted] = []  # this pass's commits, gathered into NodeSteps as it ends
 
     def send(self, message: Message) -> None:
+        """A report for the manager: kept until acknowledged, written as this pass of the loop ends.
+
+        A rank's commit waits for the other commits of its pass (a ``NodeStep``);
+        any other report travels as itself (``node_wire.FROM_WORKERS`` tells the
+        manager which are its workers').
+        """
+        if type(message) is StepCommitted:
+            self._commits.append(message)
+            self._flush_soon()
+            return
         self._gather()  # the commits made before it go first
         self._keep(Codec.encode_object(message), 1)  # as it travels inside NumberedReports
 
@@ -202,30 +199,6 @@ class ManagerClient:
         self._seq = 0
         self._unsent = 0
 
-    # --- ManagerLink ----------------------------------------------------------
-
-    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None:
-        self.send(RankExited(rank, pid, returncode, t))
-
-    def on_message(self, message: Message) -> None:
-        if type(message) is StepCommitted:  # gathered with the pass's other commits (NodeStep)
-            self._commits.append(message)
-            self._flush_soon()
-            return
-        self.send(message)  # a worker's message travels as itself (node_wire.FROM_WORKERS tells the manager)
-
-    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None:
-        self.send(RankHung(rank, pid, phase, last_seen, t))
-
-    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
-        self.send(RanksStalled(progress, limit, t))
-
-    def on_trace_file(self, switch: TraceSwitch) -> None:
-        self.send(TraceFileSet(switch.step, switch.comm, switch.by, switch.t))
-
-    def on_trace_file_error(self, message: str) -> None:
-        self.send(TraceFileError(message))
-
 
 class _Fenced(Exception):
     pass
@@ -266,7 +239,8 @@ class NodeRunner:
         # A standby has no node until the manager gives it a lost one (``_park``).
         self.node = _STANDBY if standby else config.node_rank
         self.agent = Agent(config, node=self.node, script=script, script_args=script_args,
-                           manager=self.client, control_port=0)
+                           report=self.client.send, control_port=0)
+        self.commands = NodeCommands(self.agent, self.client.send)  # the manager's commands, one table
         if standby:  # enough warm spares for a whole node's ranks
             self.agent.spares.want = max(config.spares, config.nproc_per_node)
         else:  # (a standby's agent waits for its zygote at start: its spares are forked from it)
@@ -280,8 +254,7 @@ class NodeRunner:
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._deferred: dict[int, SpawnRank] = {}  # ranks waiting for the zygote (``_spawn``), oldest first
-        self._commands = self._command_handlers()
+        self._commands = self._session_handlers()
 
     async def run(self) -> int:
         self._choose_interface()
@@ -299,6 +272,7 @@ class NodeRunner:
             hangup.after_the_job(self.config.job_dir)
             for task in list(self._tasks):
                 task.cancel()
+            self.commands.cancel()
             await self.agent.stop_all(self.config.timeouts.stop_grace)
             await self.agent.close()
 
@@ -413,7 +387,7 @@ class NodeRunner:
                     "back with" if resumed else "joined", self.manager_host, self.manager_port, reply.session,
                     f", {kept} reports kept while away sent" if kept else "")
         self._last_beat = time.monotonic()
-        beat = asyncio.ensure_future(self._report_state())
+        beat = asyncio.ensure_future(report_state(self.agent, self.client.send, _STATE_EVERY_S))
         leave = asyncio.ensure_future(self._leave.wait())
         try:
             while True:
@@ -513,72 +487,21 @@ class NodeRunner:
     def _silence_limit(self) -> float:
         return self.config.timeouts.heartbeat_timeout
 
-    async def _report_state(self) -> None:
-        while True:
-            agent = self.agent
-            self.client.send(AgentState(
-                node=self.node, live={str(r): p for r, p in agent.live_pids().items()},
-                phases={str(r): p for r, p in agent.phases().items()}, spares_ready=agent.spares_ready(),
-                t=time.time()))
-            await asyncio.sleep(_STATE_EVERY_S)
-
-    def _command_handlers(self) -> Handlers[object]:
-        """What the agent does with each line of its manager (beats only count as word from it)."""
-        agent = self.agent
+    def _session_handlers(self) -> Handlers[object]:
+        """What the agent does with each line of its manager: the session's own words here, commands in ``commands``."""
         return Handlers[object]({
-            ManagerBeat: lambda message: None,
+            ManagerBeat: lambda message: None,  # (only counts as word from it)
             Acked: lambda message: self.client.acked(message.seq),
-            SpawnRank: self._spawn,
-            KillRank: lambda message: agent.kill(message.rank, signal.Signals(message.signal)),
-            TellRank: lambda message: agent.tell(message.rank, message.command),
-            ArmRank: lambda message: agent.arm(message.rank, message.fault),
-            AbortRank: lambda message: agent.abort(message.rank, message.generation, message.reason),
-            KeepSpares: lambda message: agent.keep_spares(),
-            TraceSet: agent.set_trace,
-            StopNode: self._start_stop,
             AgentRefused: _refused,
             AgentFenced: _fenced,
             JobEnded: _ended,
-        }, otherwise=lambda message: log.warning("node %d: unexpected command %r", self.node, message))
+        }, otherwise=self._command)
 
-    def _spawn(self, message: SpawnRank) -> None:
-        """Give the rank a process; while the node's zygote imports torch, once it serves.
-
-        A fresh interpreter started beside the importing zygote doubled the
-        CPU of every multi-node start and regroup (each node's ranks and its
-        zygote importing torch side by side), for a process no sooner up. The
-        PID reaches the manager in RankSpawned whenever it is known (0 until
-        then, as for a node that had no agent yet). A warm spare is taken at once.
-        """
-        agent = self.agent
-        if self._deferred or (agent.zygote_pending() and not (message.joining and agent.spares_ready())):
-            if not self._deferred:
-                task = asyncio.ensure_future(self._spawn_when_ready())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            self._deferred.pop(message.rank, None)
-            self._deferred[message.rank] = message  # a later SpawnRank of the same rank supersedes it
-            return
-        pid, warm = agent.spawn(message.rank, message.record, joining=message.joining,
-                                resume_from=message.resume_from, incarnation=message.incarnation)
-        self.client.send(RankSpawned(message.rank, pid, warm, message.incarnation))
-
-    async def _spawn_when_ready(self) -> None:
-        await self.agent.zygote_ready()  # bounded: the zygote gives up at the init timeout
-        deferred, self._deferred = self._deferred, {}
-        for message in deferred.values():
-            self._spawn(message)
-
-    def _start_stop(self, message: StopNode) -> None:
-        self._deferred.clear()  # a rank not started yet is stopped already
-        task = asyncio.ensure_future(self._stop(message))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _stop(self, message: StopNode) -> None:
-        await self.agent.stop_all(message.grace_s)
-        self.agent.resume_after_stop()
-        self.client.send(NodeStopped(message.seq))
+    def _command(self, message: Message) -> None:
+        if type(message) in self.commands.table:
+            self.commands.handle(message)
+        else:
+            log.warning("node %d: unexpected command %r", self.node, message)
 
 
 def run_node(config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
@@ -591,7 +514,3 @@ def run_node(config: JobConfig, script: str, script_args: list[str], manager: st
     return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given,
                                   standby=standby).run())
 
-
-def _satisfies_the_seam(client: ManagerClient) -> ManagerLink:
-    """(For mypy: the network client is what an agent reports to, ``protocol.seams.ManagerLink``.)"""
-    return client

@@ -473,7 +473,7 @@ def _launch(args: argparse.Namespace, config: JobConfig, script_args: list[str])
         # life; the manager takes it over; docs/troubleshooting.md says when a lock is stale).
         hold(args.checkpoint_dir, job_id=config.job_id,
              advice="wait for it to end, or pass another --checkpoint-dir")
-    from undying.agent.launcher import (
+    from undying.launch.standalone import (
         launch,  # torch and the manager: only for the command that runs a job
     )
 

@@ -50,7 +50,7 @@ from undying.manager.tracing import TraceControl
 from undying.manager.views import RunHistory, job_status
 from undying.protocol.codec import Handlers, Message
 from undying.protocol.judge_clock import JudgeClock
-from undying.protocol.node_wire import NodeStep, RankProgress, RankSpawned, SpareEvent
+from undying.protocol.node_wire import NodeStep, RankProgress, SpareEvent
 from undying.protocol.seams import AgentHandle
 from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import (
@@ -106,7 +106,7 @@ class Manager:
             Progress: self._on_progress, CommFailure: self._on_comm_failure, TraceSummary: self.tracing.on_summary,
             FaultInjected: self._on_fault_injected, Fatal: self._on_fatal, CheckpointSaved: self._on_checkpoint,
             StopProposal: self._on_stop_proposal, Terminated: self._on_terminated,
-            RankSpawned: self._on_rank_spawned, SpareEvent: self._on_spare_event, Done: self._on_done,
+            SpareEvent: self._on_spare_event, Done: self._on_done,
             StepBegun: self.divergence.on_begun,
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
@@ -471,10 +471,6 @@ class Manager:
             return
         self.events.event("sigterm", rank=message.rank)
         self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
-
-    def _on_rank_spawned(self, message: RankSpawned) -> None:
-        # A local agent gave the rank another process (a spare stuck).
-        self.on_spawned(message.rank, message.pid, message.warm, message.incarnation)
 
     def _on_spare_event(self, message: SpareEvent) -> None:
         self.events.event(message.what, node=message.node, pid=message.pid, **message.detail)

@@ -1,9 +1,12 @@
-"""The manager's slot of one node: its agent's connection when it has one, the commands waiting otherwise.
+"""The manager's slot of one node: its agent's line when it has one, the commands waiting otherwise.
 
-A slot outlives its connection (``manager/nodes.py`` says how nodes join, are
-lost and come back). The manager drives a slot exactly as it drives the
-in-process agent of a standalone run: the ``AgentHandle`` calls become
-messages on the node's connection.
+Every node of every job is driven through a slot: each ``AgentHandle`` call
+becomes a ``protocol/node_wire.py`` command on the node's line, a TCP
+connection to an agent on another host (``manager/nodes.py`` says how nodes
+join, are lost and come back; a slot outlives its connection) or the
+in-process line to the agent of ``undying run`` on one node
+(``launch/in_process.py``). What the agent answers comes back as its reports
+(``manager/node_reports.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import signal
 import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from undying.protocol.codec import Message, MessageError
 from undying.protocol.generations import GenerationRecord
@@ -25,6 +28,7 @@ from undying.protocol.node_wire import (
     ArmRank,
     KeepSpares,
     KillRank,
+    RankSpawned,
     SpawnRank,
     StopNode,
     TellRank,
@@ -33,7 +37,19 @@ from undying.protocol.node_wire import (
 from undying.protocol.seams import AgentHandle
 from undying.protocol.worker_wire import COMMANDS, ArmFault, TraceSet, WorkerCommand
 
-__all__ = ["RemoteAgent"]
+__all__ = ["RemoteAgent", "Line"]
+
+
+class Line(Protocol):
+    """Where a slot writes its commands (encoded lines): a node's connection, or the in-process line."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    async def drain(self) -> None: ...
 
 
 @dataclass
@@ -44,7 +60,7 @@ class RemoteAgent:
     session: str = ""
     host: str = ""
     pid: int = 0
-    writer: asyncio.StreamWriter | None = None
+    writer: Line | None = None
     last_heard: float = 0.0  # wall clock, for people (the status); judged by ``heard``
     heard: float = 0.0  # monotonic: the agent's last word, as the manager's judge clock counts silence
     joined_at: float = 0.0
@@ -53,6 +69,8 @@ class RemoteAgent:
     live: dict[int, int] = field(default_factory=dict)
     _phases: dict[int, str] = field(default_factory=dict)
     _spares: int = 0
+    _zygote_pid: int = 0
+    _answers: dict[int, RankSpawned] = field(default_factory=dict)  # rank -> the process the node gave it
     _waiting: list[SpawnRank] = field(default_factory=list)
     _stops: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     _seq: int = 0
@@ -61,13 +79,20 @@ class RemoteAgent:
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
               incarnation: int = 0) -> tuple[int, bool]:
-        """Ask the node for a process; its PID comes back in RankSpawned (0 until then)."""
+        """Ask the node for a process; its PID comes back in RankSpawned (0 until then).
+
+        On the in-process line the answer comes before this returns: then it is returned too.
+        """
         command = SpawnRank(rank, record, joining, resume_from, incarnation)
+        self._answers.pop(rank, None)
         if self.writer is None:
             self._waiting.append(command)  # for the agent that takes this node next
         else:
             self.send(command)
-        return 0, False
+        answer = self._answers.pop(rank, None)
+        if answer is None or answer.incarnation != incarnation:
+            return 0, False
+        return answer.pid, answer.warm
 
     def tell(self, rank: int, message: Message) -> bool:
         if not isinstance(message, COMMANDS):
@@ -139,14 +164,18 @@ class RemoteAgent:
         self.writer.write(line)
         return True
 
-    def attach(self, writer: asyncio.StreamWriter, join: AgentJoin, session: str) -> None:
+    def attach(self, writer: Line, join: AgentJoin, session: str) -> None:
+        self.attach_line(writer, host=join.host, pid=join.pid, session=session)
+        self.live = {int(r): pid for r, pid in join.live.items()}
+
+    def attach_line(self, writer: Line, *, host: str, pid: int, session: str) -> None:
+        """The node's agent is on ``writer`` now (its join said who it is)."""
         self.writer = writer
         self.session = session
-        self.host = join.host
-        self.pid = join.pid
+        self.host = host
+        self.pid = pid
         self.joined_at = self.last_heard = time.time()
         self.heard = time.monotonic()
-        self.live = {int(r): pid for r, pid in join.live.items()}
 
     def send_waiting(self) -> None:
         """The spawns that waited for an agent on this node (replacements for the ranks it lost)."""
@@ -178,6 +207,7 @@ class RemoteAgent:
             "attached": self.attached,
             "host": self.host,
             "agent_pid": self.pid,
+            "zygote_pid": self._zygote_pid,
             "ranks": sorted(self.live),
             "last_heard": self.last_heard,
             "joined_at": self.joined_at,
@@ -196,6 +226,12 @@ class RemoteAgent:
         self.live = {int(r): pid for r, pid in message.live.items()}
         self._phases = {int(r): p for r, p in message.phases.items()}
         self._spares = message.spares_ready
+        self._zygote_pid = message.zygote_pid
+
+    def answered(self, message: RankSpawned) -> None:
+        """The node's answer to a SpawnRank (or the process of a stuck spare's rank)."""
+        self.live[message.rank] = message.pid
+        self._answers[message.rank] = message
 
 
 def _satisfies_the_seam(slot: RemoteAgent) -> AgentHandle:

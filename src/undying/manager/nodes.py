@@ -29,43 +29,30 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
 
 from undying.manager.conns import QuietLog, read_line
+from undying.manager.node_reports import NodeEvents, NodeReports
 from undying.manager.node_slot import RemoteAgent
 from undying.manager.standbys import Parked, SlotFacts, Standbys
-from undying.protocol.codec import Handlers, Message, MessageError
+from undying.protocol.codec import Message, MessageError
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
-    FROM_WORKERS,
     Acked,
     AgentFenced,
     AgentJoin,
     AgentRefused,
-    AgentState,
     AgentWelcome,
     ManagerBeat,
-    NodeLeaving,
     NodeStep,
-    NodeStopped,
     NumberedReports,
-    RankExited,
-    RankHung,
-    RankSpawned,
-    RanksStalled,
     StandbyBeat,
     StandbyJoin,
     StandbyParked,
-    TraceFileError,
-    TraceFileSet,
     decode_agent_report,
     decode_from_agent,
     encode,
     width,
 )
-from undying.protocol.seams import ManagerLink
-from undying.protocol.trace_switch import TraceSwitch
-from undying.protocol.worker_wire import TraceSet
 
 __all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
@@ -83,22 +70,6 @@ _LINE_LIMIT = 16 * 1024 * 1024
 # Before a connection has joined, its line (the join: a few KB of flags) may be at most this long, so
 # that connections nobody has vouched for cannot make the manager hold _LINE_LIMIT each.
 _JOIN_LIMIT = 64 * 1024
-
-
-class NodeEvents(ManagerLink, Protocol):
-    """What the manager hears from a node: a standalone agent's calls, and the node's own comings and goings."""
-
-    def on_messages(self, messages: list[Message]) -> None: ...
-
-    def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None: ...
-
-    def on_node_lost(self, node: int, reason: str, t: float) -> None: ...
-
-    def on_node_joined(self, node: int, session: str, host: str, live: dict[int, int]) -> None: ...
-
-    def welcome_trace(self) -> TraceSet: ...
-
-    def on_standby(self, what: str, detail: dict[str, Any]) -> None: ...
 
 
 # Checks a join against the job (token, job id, node range, flags); returns a refusal or "".
@@ -138,7 +109,7 @@ class AgentServer:
         # Told to every agent that joins (set once the manager exists).
         self.control_port = 0
         self.job_dir = ""
-        self._handlers = self._report_handlers()
+        self.reports = NodeReports(self._node_events, self.lose)  # each agent report to the manager's act
         # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they go.
         self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail),
                                  self.clock)
@@ -410,8 +381,7 @@ class AgentServer:
         manager in one call (``on_messages``), the position moved past all of
         them first.
         """
-        events = self._events
-        assert events is not None
+        assert self._events is not None
         node = slot.node
         last = line.first - 1  # the number of the report before this one
         run: list[Message] = []
@@ -429,50 +399,24 @@ class AgentServer:
                 run.append(message.after(taken - first + 1))
                 self.received[node] = last
                 continue
-            if type(message) in FROM_WORKERS:
+            if self.reports.is_workers(message):
                 assert message is not None
                 run.append(message)
                 self.received[node] = last
                 continue
             if run:
-                events.on_messages(run)
+                self.reports.workers(run)
                 run = []
                 if not (slot.session == session and slot.writer is writer):
                     return
             self.received[node] = last
             if message is not None:
-                self._dispatch(slot, message)
+                self.reports.table.handle(message, slot)
                 if not (slot.session == session and slot.writer is writer):
                     return  # the node left, or was lost: the rest of its line is stale
         if run:
-            events.on_messages(run)
-
-    def _dispatch(self, slot: RemoteAgent, message: Message) -> None:
-        self._handlers.handle(message, slot)
-
-    def _report_handlers(self) -> Handlers[None]:
-        """What the manager's side does with each of an agent's own reports (workers' go to ``on_messages``)."""
-        return Handlers({
-            AgentState: lambda message, slot: slot.on_state(message),
-            RankExited: self._on_exited,
-            RankSpawned: self._on_spawned,
-            RankHung: lambda m, slot: self._node_events().on_hang(m.rank, m.pid, m.phase, m.last_seen, m.t),
-            RanksStalled: lambda m, slot: self._node_events().on_stall(m.progress, m.limit, m.t),
-            NodeStopped: lambda message, slot: slot.stopped(message.seq),
-            NodeLeaving: lambda m, slot: self.lose(slot, f"node {slot.node} ({slot.host}) is leaving: {m.reason}"),
-            TraceFileSet: lambda m, slot: self._node_events().on_trace_file(TraceSwitch(m.step, m.comm, m.by, m.t)),
-            TraceFileError: lambda message, slot: self._node_events().on_trace_file_error(message.message),
-        }, otherwise=lambda message, slot: log.warning("node %d: unexpected message %r", slot.node, message))
+            self.reports.workers(run)
 
     def _node_events(self) -> NodeEvents:
         assert self._events is not None
         return self._events
-
-    def _on_exited(self, message: RankExited, slot: RemoteAgent) -> None:
-        slot.live.pop(message.rank, None)
-        self._node_events().on_exit(message.rank, message.pid, message.returncode, message.t)
-
-    def _on_spawned(self, message: RankSpawned, slot: RemoteAgent) -> None:
-        slot.live[message.rank] = message.pid
-        self._node_events().on_spawned(message.rank, message.pid, message.warm, message.incarnation)
-

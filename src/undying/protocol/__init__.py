@@ -4,12 +4,11 @@
   decode per channel, and ``Handlers``, a receiver's table from message class
   to handler;
 - ``kinds``: the closed sets of names (fault kinds, phases) as string enums;
-- ``worker_wire``: a worker's channel to its agent; ``node_wire``: an agent's
-  connection to a manager on another host; ``zygote_wire``: an agent's
+- ``worker_wire``: a worker's channel to its agent; ``node_wire``: the
+  conversation of an agent and its manager, in every job; ``zygote_wire``: an agent's
   channel to its worker zygote (frames: ``framing``);
 - ``generations``: the generation records on the control store;
-- ``seams``: ``AgentHandle`` (what a manager asks of an agent) and
-  ``ManagerLink`` (what an agent reports to its manager);
+- ``seams``: ``AgentHandle`` (what the manager's parts ask of a node's slot);
 - the job's authenticated key-value store: its wire (``store_wire``, no
   torch), the ``torch.distributed.Store`` workers use over it
   (``store_client``), and the key a worker shows its agent (``channel_key``);

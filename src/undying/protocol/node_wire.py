@@ -1,9 +1,9 @@
-"""What crosses an agent's connection to a manager on another host.
+"""What a manager and an agent say to each other: the one conversation of every job.
 
-With the manager in the launcher the agent calls it directly (the
-``ManagerLink`` and ``AgentHandle`` seams, ``undying.protocol.seams``); on
-separate hosts the same calls travel as these messages on one TCP connection
-per node. The agent writes ``FromAgent`` lines: its join, then
+On separate hosts these messages travel on one TCP connection per node; with
+the manager in the launcher (``undying run`` on one node) on an in-process line
+that encodes and decodes each of them the same way (``undying.launch.in_process``).
+Over TCP the agent writes ``FromAgent`` lines: its join, then
 ``NumberedReports``, each report a ``Report`` (its own, such as
 ``AgentState``, or a worker's, forwarded as the worker wrote it). The manager
 writes ``ToAgent`` lines: its answer to the join, its beats and commands. A
@@ -87,13 +87,14 @@ class AgentJoin(Message, frozen=True):
 
 
 class AgentState(Message, frozen=True):
-    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm spares."""
+    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm spares, zygote."""
 
     node: int
     live: dict[str, int]
     phases: dict[str, str]
     spares_ready: int
     t: float
+    zygote_pid: int = 0  # the process the node's workers fork from (0: none now)
 
 
 class RankSpawned(Message, frozen=True):

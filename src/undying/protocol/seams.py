@@ -1,13 +1,11 @@
-"""The two seams between a manager and its agents, so neither imports the other.
+"""What the manager's parts ask of a node, so they need not know how the node is reached.
 
-``AgentHandle`` is what a manager asks of the agent of one node: the
-in-process ``undying.agent.Agent`` of a standalone run, or the manager's slot
-for an agent on another host (``undying.manager.nodes.RemoteAgent``), which
-turns each call into a message of ``undying.protocol.node_wire``.
-``ManagerLink`` is what an agent reports to its manager: the in-process
-``Manager``, or ``undying.agent.remote.ManagerClient``, which sends each call
-as a report. Only the launcher (``undying.agent.launcher``) holds both in one
-process.
+``AgentHandle`` is the manager's slot of one node
+(``undying.manager.node_slot.RemoteAgent``): each call becomes a command of
+``undying.protocol.node_wire`` on the node's line, whether its agent is on
+another host or in the launcher's own process (``undying.launch.in_process``).
+The agent answers in reports of the same wire. The messages are the contract;
+this is the manager's handle on them (and what its unit tests stand in for).
 """
 
 from __future__ import annotations
@@ -17,11 +15,9 @@ from typing import Any, Protocol
 
 from undying.protocol.codec import Message
 from undying.protocol.generations import GenerationRecord
-from undying.protocol.node_wire import RankProgress
-from undying.protocol.trace_switch import TraceSwitch
 from undying.protocol.worker_wire import ArmFault, TraceSet
 
-__all__ = ["AgentHandle", "ManagerLink"]
+__all__ = ["AgentHandle"]
 
 
 class AgentHandle(Protocol):
@@ -62,19 +58,3 @@ class AgentHandle(Protocol):
     def drop_waiting(self) -> None:
         """Forget spawns kept for an agent yet to come (the job regroups without them)."""
         ...
-
-
-class ManagerLink(Protocol):
-    """What the agent reports to the manager (in-process when standalone)."""
-
-    def on_exit(self, rank: int, pid: int, returncode: int, t: float) -> None: ...
-
-    def on_message(self, message: Message) -> None: ...
-
-    def on_hang(self, rank: int, pid: int, phase: str, last_seen: float, t: float) -> None: ...
-
-    def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None: ...
-
-    def on_trace_file(self, switch: TraceSwitch) -> None: ...
-
-    def on_trace_file_error(self, message: str) -> None: ...

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from undying.agent import hangup
 from undying.agent.agent import Agent
+from undying.agent.commands import NodeCommands, report_state
 from undying.agent.netif import interface_for
 from undying.checkpoint.mac import key_from_token, set_key
 from undying.cli.summary import print_banner, print_end_summary
@@ -34,9 +35,12 @@ from undying.jobfiles.events import EventLog, read_job_table
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import ensure_token_with_source
+from undying.launch.in_process import InProcessLine, InProcessReports
 from undying.manager.checkpoints import resume_line
 from undying.manager.http import start_http
 from undying.manager.manager import Manager
+from undying.manager.node_reports import NodeReports
+from undying.manager.node_slot import RemoteAgent
 from undying.manager.service import exit_code
 from undying.protocol.env import CHECKPOINT_KEY_ENV, STORE_KEY_ENV
 from undying.protocol.store_wire import store_key_from_token
@@ -45,6 +49,8 @@ from undying.worker.boot import script_error
 __all__ = ["launch"]
 
 log = logging.getLogger("undying.launcher")
+
+_STATE_EVERY_S = 0.5  # the agent's beat to its manager: live ranks, their phases, spares (as across hosts)
 
 
 def _check_script(script: str, config: JobConfig) -> str | None:
@@ -81,10 +87,16 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     manager = Manager(config, events)
     try:
         control_port = manager.start_control_store(store_key_from_token(token))
+        # The node's slot, and the in-process line to its agent (launch/in_process.py): the manager and
+        # the agent speak the messages a multi-node job sends over TCP, each table on its own side.
+        slot = RemoteAgent(config.node_rank)
+        to_manager = InProcessReports(NodeReports(lambda: manager, _never_lost), slot)
         agent = Agent(
             config, node=config.node_rank, script=script, script_args=script_args,
-            manager=manager, control_port=control_port,
+            report=to_manager.send, control_port=control_port,
         )
+        commands = NodeCommands(agent, to_manager.send)
+        slot.attach_line(InProcessLine(commands.handle), host="localhost", pid=os.getpid(), session="in-process")
         agent.extra_env[CHECKPOINT_KEY_ENV] = key.hex()
         agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # its workers reach the job's stores
         # gloo binds the address of the machine's hostname: on one node, keep its connections on the
@@ -93,7 +105,8 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         if interface is not None:
             agent.extra_env["GLOO_SOCKET_IFNAME"] = interface
         await agent.start()
-        manager.add_agent(agent)
+        manager.add_agent(slot)
+        beat = asyncio.ensure_future(report_state(agent, to_manager.send, _STATE_EVERY_S))
         runner, url = await start_http(manager, config.host, config.http_port, open_status=config.open_status)
     except BaseException:
         manager.close()
@@ -129,7 +142,10 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         for sig in hangup.STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         hangup.after_the_job(config.job_dir)
-        await agent.stop_all(config.timeouts.stop_grace)
+        await slot.stop_all(config.timeouts.stop_grace)  # (StopNode, answered by NodeStopped)
+        beat.cancel()
+        commands.cancel()
+        slot.detach("the job ended")
         await agent.close()
         await runner.cleanup()
         job_dir.clear_manager()
@@ -137,6 +153,11 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
     _report(config, manager, final)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
+
+
+def _never_lost(slot: RemoteAgent, reason: str) -> None:
+    """(Only an agent across the network leaves its job: this one ends with its launcher.)"""
+    log.error("node %d: %s; ignored (the agent is in this process)", slot.node, reason)
 
 
 def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
