@@ -22,10 +22,10 @@ from undying.cli.status import view
 from undying.config import JobConfig, ManagerOptions
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
+from undying.launch.manager_service import _Gate
 from undying.manager.manager import Manager
 from undying.manager.placement import quarantine, request_move
 from undying.manager.placement.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
-from undying.launch.manager_service import _Gate
 from undying.manager.standbys import Parked, SlotFacts, Standbys
 from undying.protocol.node_wire import AgentJoin
 from undying.protocol.worker_wire import Progress

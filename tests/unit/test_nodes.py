@@ -35,9 +35,9 @@ from undying.agent.remote import ManagerClient
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.jobfiles.events import EventLog, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
+from undying.launch.manager_service import _Gate, _serve
 from undying.manager.manager import Manager
 from undying.manager.nodes import AgentServer, JobFacts, RemoteAgent
-from undying.launch.manager_service import _Gate, _serve
 from undying.protocol.codec import Codec, Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (

@@ -28,8 +28,8 @@ from tests.unit.test_nodes import (
 )
 from undying.cli.main import main
 from undying.config import ManagerOptions
-from undying.manager.nodes import AgentServer, JobFacts
 from undying.launch.manager_service import _Gate
+from undying.manager.nodes import AgentServer, JobFacts
 from undying.manager.standbys.policy import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (

@@ -134,29 +134,29 @@ async def _serve(options: ManagerOptions) -> int:
     # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
     events.before_flush(lambda: events.set_job("acked", server.positions()))
     try:
-        host = ManagerHost(config, files, events, restoring=restart)
+        hosted = ManagerHost(config, files, events, restoring=restart)
     except BaseException:
         await server.close()
         job_dir.clear_manager()
         raise
-    manager = host.manager
+    manager = hosted.manager
     gate.bind(config, lambda host: manager.core.hosts.refusal(host))  # (the book is replaced on a restore)
     # A node moved (undying migrate --node, drain) goes to a standby. (Allowed in test_architecture: the
     # migrations, in manager/placement, take no constructor argument for it yet.)
     manager.migrations.server = server
     try:
-        server.bind(JobFacts(manager, config.nnodes, config.timeouts.heartbeat_timeout, host.control_port,
-                             str(job_dir.path), known_sessions=host.known_sessions,
+        server.bind(JobFacts(manager, config.nnodes, config.timeouts.heartbeat_timeout, hosted.control_port,
+                             str(job_dir.path), known_sessions=hosted.known_sessions,
                              blocked_hosts=lambda: manager.core.hosts.blocked_hosts()))  # no standby on a drained host
         for slot in server.slots.values():
             manager.add_agent(slot)
-        url = await host.serve_api(open_status=options.open_status, agent_port=server.port)
+        url = await hosted.serve_api(open_status=options.open_status, agent_port=server.port)
         log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id, config.nnodes,
                     config.nproc_per_node, url, job_dir.path)
         return await _run(manager, server, config, restart)
     finally:
         await server.close()
-        await host.close()
+        await hosted.close()
 
 
 async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool) -> int:

@@ -77,8 +77,8 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     files = JobFiles.open(Path(config.job_dir), token_file=token_file)
     events = files.event_log()
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
-    host = ManagerHost(config, files, events)
-    manager, control_port = host.manager, host.control_port
+    hosted = ManagerHost(config, files, events)
+    manager, control_port = hosted.manager, hosted.control_port
     try:
         # The node's slot, and the in-process line to its agent (launch/in_process.py): the manager and
         # the agent speak the messages a multi-node job sends over TCP, each table on its own side.
@@ -93,7 +93,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         await agent.start()
         manager.add_agent(slot)
         beat = asyncio.ensure_future(report_state(agent, to_manager.send, _STATE_EVERY_S))
-        url = await host.serve_api(open_status=config.open_status)
+        url = await hosted.serve_api(open_status=config.open_status)
     except BaseException:
         manager.close()
         raise
@@ -129,7 +129,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         commands.cancel()
         slot.detach("the job ended")
         await agent.close()
-        await host.close()
+        await hosted.close()
     print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
     _report(config, manager, final)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
