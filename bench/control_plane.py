@@ -2,7 +2,7 @@
 
 Method
 ------
-One real ``undying manager`` (``undying.manager.service``, run in its own
+One real ``undying manager`` (``undying.launch.manager_service``, run in its own
 process by this script with ``--manager-child``: the shipped service, with
 timing wrappers around three of its methods, see below) and, in this process,
 N simulated agents: asyncio clients speaking the real protocol on real TCP
@@ -423,7 +423,7 @@ def manager_child(argv: list[str]) -> int:
     raise_fd_limit(args.nofile)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     from undying.config import ManagerOptions
-    from undying.manager.service import serve_manager
+    from undying.launch.manager_service import serve_manager
 
     Probe(Path(args.stats), args.profile).install()
     return serve_manager(ManagerOptions(job_id=JOB_ID, job_dir=args.job_dir, host="127.0.0.1", port=args.port,

@@ -9,9 +9,11 @@ Layers, lowest first (a module imports from its own layer or a lower one):
    token's file, the event log and the records it stores), which imports no role;
 2. the roles: ``worker``, ``agent``, ``manager``; none imports another (they
    meet only over the protocol);
-3. what assembles them: ``launch`` (the one place a manager and an agent are
-   built together: ``undying run`` on one node, its in-process line), ``cli``,
-   ``demo``, ``k8s``, ``oracle``.
+3. what assembles them: ``launch`` (the composition roots: ``undying run`` on
+   one node with its in-process line, ``undying manager``, and what both build
+   alike; the one place a manager and an agent are built together), ``cli``,
+   ``demo``, ``k8s``, ``oracle``. The assembly passes each part what it needs at
+   construction: it sets no attribute of a part it built (one allowed, with its reason).
 
 Besides: no import circle, no module over 600 lines, no import of another
 module's private name, each package's ``__all__`` at most 15 names, and the
@@ -23,7 +25,7 @@ Each subpackage's ``__init__`` is its surface: its public names in ``__all__``, 
 first use. Code outside a subpackage imports from that surface, never from its modules
 (tests may: a unit test reads the module it tests), every name a surface exports is there,
 and the subpackages import one another without a circle. The manager's top modules
-(``core``, ``manager``, ``service``, the nodes' and stores' ports, ``restoring``) are no
+(``core``, ``manager``, the nodes' and stores' ports, ``restoring``) are no
 subpackage: ``core`` is the hub the parts share (it holds the membership book, the hosts,
 the step clock and the checkpoints' health), so an import through a surface is followed
 to the module that defines the name, and the module graph, so resolved, has no circle.
@@ -49,7 +51,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
 ]
 DECISION_MODULES = ("undying.manager.recovery.policy", "undying.manager.regroup.record", "undying.manager.membership.book",
                     "undying.manager.steps.clock", "undying.jobfiles.records", "undying.checkpoint.planner",
-                    "undying.manager.steps.progress", "undying.manager.steps.goodput",
+                    "undying.jobfiles.progress", "undying.jobfiles.goodput", "undying.jobfiles.reruns",
                     "undying.manager.regroup.policy", "undying.manager.preemption.policy", "undying.manager.standbys.policy")
 MAX_LINES = 600
 MAX_EXPORTS = 15
@@ -318,3 +320,54 @@ def test_the_managers_subpackages_import_one_another_without_a_circle() -> None:
                     seen.add(target)
                     todo.append((target, [*path, target]))
     assert not circles, "\n".join(sorted(set(circles)))
+
+
+# The assembly builds each part with what it needs (constructor arguments, or one typed bind call for
+# the facts that exist only later); it never wires a part by setting its attributes afterwards.
+ASSEMBLY = ("undying.launch", "undying.agent.remote")
+# (module, "object.attribute") written anyway, each with its reason.
+WIRED_AFTER_THE_FACT = {
+    # Migrations (manager/placement) takes the agents' server at no constructor argument yet, and the
+    # Manager builds it before the server is known to it: the one wire left, until placement takes it.
+    ("undying.launch.manager_service", "manager.migrations.server"),
+}
+
+
+def _written_objects(target: ast.expr) -> Iterator[ast.Attribute]:
+    """The attributes an assignment to ``target`` writes (``x.y = ``, ``x.y[k] = ``, in tuples too)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _written_objects(element)
+    elif isinstance(target, ast.Starred):
+        yield from _written_objects(target.value)
+    elif isinstance(target, ast.Subscript):
+        if isinstance(target.value, ast.Attribute):
+            yield target.value
+    elif isinstance(target, ast.Attribute):
+        yield target
+
+
+def test_the_assembly_sets_no_attribute_of_a_part_it_built() -> None:
+    """In the launch layer and the remote agent's runner, only ``self``/``cls`` have attributes assigned:
+    every other part gets its facts at construction, or in one bind call that says why they come late."""
+    wrong = []
+    for module, path in MODULES.items():
+        if not any(module == m or module.startswith(m + ".") for m in ASSEMBLY):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                wrong.append(f"{module}:{node.lineno} calls setattr")
+            for target in targets:
+                for written in _written_objects(target):
+                    owner = written.value
+                    if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                        continue
+                    name = ast.unparse(written)
+                    if (module, name) not in WIRED_AFTER_THE_FACT:
+                        wrong.append(f"{module}:{node.lineno} assigns {name}")
+    assert not wrong, "pass these at construction (or in a bind call):\n" + "\n".join(wrong)

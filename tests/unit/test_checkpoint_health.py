@@ -9,12 +9,8 @@ from rich.console import Console
 from undying.cli.status import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.jobfiles.records import Incident
-from undying.manager.checkpoints.health import (
-    CheckpointHealth,
-    relaunch_rerun,
-    rerun_words,
-    resume_line,
-)
+from undying.jobfiles.reruns import relaunch_rerun, rerun_words
+from undying.manager.checkpoints.health import CheckpointHealth, resume_line
 from undying.protocol.worker_wire import CheckpointSaved
 
 

@@ -1,4 +1,4 @@
-"""Goodput (manager/steps/goodput.py): the wall time cut into steps that count and named losses, adding up."""
+"""Goodput (jobfiles/goodput.py): the wall time cut into steps that count and named losses, adding up."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from undying.manager.steps.goodput import LOSSES, Stall, StepLedger, account
+from undying.jobfiles.goodput import LOSSES, Stall, StepLedger, account
 
 
 def ledger(*done: tuple[int, float]) -> StepLedger:

@@ -22,10 +22,10 @@ from undying.cli.status import view
 from undying.config import JobConfig, ManagerOptions
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader
+from undying.launch.manager_service import _Gate
 from undying.manager.manager import Manager
 from undying.manager.placement import quarantine, request_move
 from undying.manager.placement.hosts import REQUALIFY_PASSES, HostBook, HostState, check_host
-from undying.manager.service import _Gate
 from undying.manager.standbys import Parked, SlotFacts, Standbys
 from undying.protocol.node_wire import AgentJoin
 from undying.protocol.worker_wire import Progress
@@ -205,10 +205,9 @@ def test_a_new_agent_from_a_drained_host_is_refused_and_one_coming_back_is_let_i
     """The join gate of `undying manager`: a drained host gets no node, a node's agent reconnecting keeps its."""
     gate = _Gate(ManagerOptions(job_id=JOB, job_dir=str(tmp_path), host="127.0.0.1", port=0, http_port=0),
                  TOKEN)
-    gate.config = job_config(tmp_path)
     book = HostBook()
     book.drain("host-1", by="op", reason="", t=1.0)
-    gate.host_out = book.refusal  # as service.py wires it
+    gate.bind(job_config(tmp_path), book.refusal)  # as launch/manager_service.py binds it
     assert gate(join_message(tmp_path, 0)) == ""  # host-0: ok
     refused = gate(join_message(tmp_path, 1))
     assert refused == "host host-1 is drained: it gets no new ranks; `undying undrain host-1` first", refused

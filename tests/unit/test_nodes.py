@@ -2,7 +2,7 @@
 
 The manager's side is the shipped ``AgentServer`` with the shipped join gate
 of ``undying manager`` (``service._Gate``); one test runs the whole
-``undying.manager.service`` in-process. The agent's side is a small client
+``undying.launch.manager_service`` in-process. The agent's side is a small client
 speaking the real messages, numbering its reports with the agent's own
 ``ManagerClient``. The one stand-in is the manager's ``NodeEvents``: a
 recorder, because a real ``Manager`` would drive torch processes and here the
@@ -35,9 +35,9 @@ from undying.agent.remote import ManagerClient
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.jobfiles.events import EventLog, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
+from undying.launch.manager_service import _Gate, _serve
 from undying.manager.manager import Manager
-from undying.manager.nodes import AgentServer, RemoteAgent
-from undying.manager.service import _Gate, _serve
+from undying.manager.nodes import AgentServer, JobFacts, RemoteAgent
 from undying.protocol.codec import Codec, Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
@@ -240,11 +240,9 @@ async def with_server(body: Callable[[AgentServer, Recorder, Path], Awaitable[No
     gate = _Gate(options, TOKEN)
     server = AgentServer("127.0.0.1", 0, gate, heartbeat_s=heartbeat_s)
     await server.start()
-    gate.config = dataclasses.replace(job_config(job_dir), port=server.port + 1)
+    gate.bind(dataclasses.replace(job_config(job_dir), port=server.port + 1), lambda host: "")
     recorder = Recorder()
-    server.control_port = 12345
-    server.job_dir = str(job_dir)
-    server.bind(recorder, NNODES)
+    server.bind(JobFacts(recorder, NNODES, heartbeat_s, 12345, str(job_dir)))
     try:
         await body(server, recorder, job_dir)
     finally:
@@ -803,22 +801,17 @@ def test_a_batch_sent_again_after_a_manager_restart_is_not_applied_twice(tmp_pat
 
     async def start(restart: bool) -> tuple[AgentServer, Manager, EventLog]:
         gate = _Gate(options, TOKEN)
-        server = AgentServer("127.0.0.1", 0, gate, heartbeat_s=30.0)
+        prior = read_job_table(db_path) if restart else {}
+        acked = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
+        server = AgentServer("127.0.0.1", 0, gate, heartbeat_s=30.0, acked=acked)
         await server.start()
         config = dataclasses.replace(job_config(job_dir), port=server.port + 1)
-        gate.config = config
-        prior = read_job_table(db_path) if restart else {}
         events = EventLog(db_path)
         events.before_flush(lambda: events.set_job("acked", server.positions()))  # as `undying manager` does
-        if restart:
-            server.received = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
-            server.persisted = dict(server.received)
         manager = Manager(config, events, restoring=restart)
-        if restart:
-            server.known_sessions = manager.restore()
-        server.control_port = 12345
-        server.job_dir = str(job_dir)
-        server.bind(manager, NNODES)
+        gate.bind(config, lambda host: "")
+        known = manager.restore() if restart else {}
+        server.bind(JobFacts(manager, NNODES, 30.0, 12345, str(job_dir), known_sessions=known))
         return server, manager, events
 
     def rows() -> list[tuple[int, int]]:

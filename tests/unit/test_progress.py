@@ -1,4 +1,4 @@
-"""The job's progress (manager/steps/progress.py): completed steps, plan, epoch, rate, ETA and values."""
+"""The job's progress (jobfiles/progress.py): completed steps, plan, epoch, rate, ETA and values."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from undying.config import JobConfig
 from undying.jobfiles.events import EventLog
+from undying.jobfiles.progress import PLAN_EVENT, RATE_WINDOW, JobSteps, Plan, compute, mean_values
 from undying.manager.manager import Manager
-from undying.manager.steps import PLAN_EVENT, StepClock
-from undying.manager.steps.progress import RATE_WINDOW, JobSteps, Plan, compute, mean_values
+from undying.manager.steps import StepClock
 from undying.protocol.worker_wire import CheckpointSaved, Progress, StepCommitted
 
 

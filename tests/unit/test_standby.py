@@ -28,8 +28,8 @@ from tests.unit.test_nodes import (
 )
 from undying.cli.main import main
 from undying.config import ManagerOptions
-from undying.manager.nodes import AgentServer
-from undying.manager.service import _Gate
+from undying.launch.manager_service import _Gate
+from undying.manager.nodes import AgentServer, JobFacts
 from undying.manager.standbys.policy import Promote, SlotFacts, StandbyFacts, promotions
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
@@ -99,11 +99,9 @@ async def _server(job_dir: Path, heartbeat_s: float = 30.0) -> tuple[AgentServer
     gate = _Gate(options, TOKEN)
     server = AgentServer("127.0.0.1", 0, gate, heartbeat_s=heartbeat_s)
     await server.start()
-    gate.config = dataclasses.replace(job_config(job_dir), port=server.port + 1)
+    gate.bind(dataclasses.replace(job_config(job_dir), port=server.port + 1), lambda host: "")
     recorder = StandbyRecorder()
-    server.control_port = 12345
-    server.job_dir = str(job_dir)
-    server.bind(recorder, NNODES)
+    server.bind(JobFacts(recorder, NNODES, heartbeat_s, 12345, str(job_dir)))
     return server, recorder
 
 

@@ -122,7 +122,6 @@ def test_a_promoted_standby_gives_its_ranks_the_environment_of_the_node_it_takes
     standby = NodeRunner(config, "train.py", [], "10.0.0.5:29400", "t" * 32, job_dir_given=False, standby=True)
     assert standby.agent.node == -1
     for runner in (node, standby):
-        runner.agent.manager_host = runner.manager_host  # (what run() does once the agent started)
         runner._follow(7, str(job_dir), None)  # the manager's welcome (or parked answer): the job's dir
     standby._become(1)  # the manager gave the standby node 1
     record = _record(generation=3)

@@ -16,6 +16,7 @@ business, not the agent's (``launch/in_process.py``, ``agent/remote.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from undying.agent.children import Orphans, become_subreaper, kill_tree, release_subreaper
@@ -87,7 +88,13 @@ class Agent:
         script_args: list[str],
         report: Callable[[Message], None],
         control_port: int,
+        manager_host: str = "",
+        extra_env: Mapping[str, str] | None = None,
+        spares: int | None = None,
     ) -> None:
+        """``manager_host``: the manager's address as this node reaches it, when it is on another host;
+        ``extra_env``: what this node's processes get beside undying's own (the job's derived keys, the
+        interface toward the manager); ``spares``: how many spares to keep warm (default ``--spares``)."""
         self.config = config
         self.node = node
         self._script = script
@@ -100,16 +107,16 @@ class Agent:
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.spares = SparePool(node, config, start=lambda: self._start_process(self._base_environment(), spare=True),
-                                report=self._spare_event, stopping=lambda: self._stopping)
+                                report=self._spare_event, stopping=lambda: self._stopping,
+                                want=config.spares if spares is None else spares)
         self._stopping = False
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
         self._step_times: deque[float] = deque(maxlen=100)
         self._for_replacement: dict[int, list[ArmFault]] = {}  # faults armed for a rank's next replacement
         self._armed_early: dict[int, list[ArmFault]] = {}  # faults armed before the rank had a process
         self._trace: TraceSet | None = None  # the switch every worker of this node follows
-        # Set when the manager is on another host: its address, as this node reaches it.
-        self.manager_host = ""
-        self.extra_env: dict[str, str] = {}  # e.g. GLOO_SOCKET_IFNAME for the interface toward the manager
+        self.manager_host = manager_host  # ("": the manager is in this process)
+        self.extra_env: dict[str, str] = dict(extra_env or {})  # e.g. GLOO_SOCKET_IFNAME toward the manager
         self._key = new_key()  # what a local process must show on the worker channel (undying.protocol.channel_key)
         # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
         self._zygotes = ZygoteKeeper(node, self._base_environment, config.timeouts.init_timeout,
@@ -121,14 +128,17 @@ class Agent:
                                       trace=lambda: self._trace, forward=report)
         self._torchrun = TorchrunEnv(self)  # torchrun's variables, from this agent's config and node
 
-    async def start(self) -> None:
+    async def start(self, *, join_first: bool = False) -> None:
+        """Serve this node's workers and start its zygote; ``join_first``: a node of a multi-node job,
+        whose zygote imports while the agent joins its manager (a standby waits for it here: its spares
+        are forked from it)."""
         self._server = await asyncio.start_server(self._channel.serve, "127.0.0.1", 0)
         self._port = self._server.sockets[0].getsockname()[1]
         # Every worker is this process's child, and what a rank leaves behind comes here (agent/children.py).
         if not become_subreaper():
             log.warning("node %d: no child subreaper on this platform: a process a rank starts in a session of "
                         "its own may outlive the rank", self.node)
-        if self.manager_host:
+        if join_first:
             # A node of a multi-node job joins its manager first (joining late can cost it its place under
             # --node-wait); the zygote imports meanwhile, and its node's workers wait for it (zygote_ready).
             self._zygotes.begin()
@@ -171,6 +181,20 @@ class Agent:
         for worker in self._workers.values():
             if worker.writer is not None and worker.process.returncode is None:
                 worker.writer.write(encode(switch))
+
+    def follow(self, control_port: int, job_dir: str = "") -> None:
+        """What the manager's welcome says of the job: its control store's port, and (when given) the
+        job dir its ranks write to, the manager's (one job dir on a shared filesystem)."""
+        self.control_port = control_port
+        if job_dir and job_dir != self.config.job_dir:
+            self.config = dataclasses.replace(self.config, job_dir=job_dir)
+
+    def become(self, node: int) -> None:
+        """A standby given node ``node``: its ranks, reports and spares go by that number, and it keeps
+        the job's ``--spares`` from now on (it kept a whole node's worth while it had none)."""
+        self.node = node
+        self.config = dataclasses.replace(self.config, node_rank=node)
+        self.spares.become(node, self.config.spares)
 
     def step_timeout(self) -> float:
         return step_timeout(self.config.timeouts.step_timeout, max(self._step_times, default=None))

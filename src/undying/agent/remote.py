@@ -238,15 +238,18 @@ class NodeRunner:
         self.client = ManagerClient()
         # A standby has no node until the manager gives it a lost one (``_park``).
         self.node = _STANDBY if standby else config.node_rank
+        self._standby = standby
+        extra_env = {
+            CHECKPOINT_KEY_ENV: key_from_token(token).hex(),  # its workers sign and check checkpoints
+            STORE_KEY_ENV: store_key_from_token(token).hex(),  # and reach the job's stores
+            **_interface_env(self.manager_host, self.node),
+        }
         self.agent = Agent(config, node=self.node, script=script, script_args=script_args,
-                           report=self.client.send, control_port=0)
+                           report=self.client.send, control_port=0, manager_host=self.manager_host,
+                           extra_env=extra_env,
+                           # a standby keeps enough warm spares for a whole node's ranks
+                           spares=max(config.spares, config.nproc_per_node) if standby else None)
         self.commands = NodeCommands(self.agent, self.client.send)  # the manager's commands, one table
-        if standby:  # enough warm spares for a whole node's ranks
-            self.agent.spares.want = max(config.spares, config.nproc_per_node)
-        else:  # (a standby's agent waits for its zygote at start: its spares are forked from it)
-            self.agent.manager_host = self.manager_host
-        self.agent.extra_env[CHECKPOINT_KEY_ENV] = key_from_token(token).hex()  # its workers sign and check checkpoints
-        self.agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # and reach the job's stores
         self.session = ""
         self._last_beat = 0.0  # monotonic: the manager's last line
         # Its manager silent or unreachable: judged only over time this agent ran (protocol/judge_clock.py).
@@ -257,9 +260,8 @@ class NodeRunner:
         self._commands = self._session_handlers()
 
     async def run(self) -> int:
-        self._choose_interface()
-        await self.agent.start()
-        self.agent.manager_host = self.manager_host
+        # (a standby's agent waits for its zygote at start: its spares are forked from it)
+        await self.agent.start(join_first=not self._standby)
         loop = asyncio.get_running_loop()
         self._tasks.add(loop.create_task(self.clock.keep_ticking()))  # (cancelled with the others at the end)
         for sig in hangup.STOP_SIGNALS:  # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
@@ -275,21 +277,6 @@ class NodeRunner:
             self.commands.cancel()
             await self.agent.stop_all(self.config.timeouts.stop_grace)
             await self.agent.close()
-
-    def _choose_interface(self) -> None:
-        """Gloo binds where the hostname resolves unless told: point it at the interface toward the manager."""
-        if "GLOO_SOCKET_IFNAME" in os.environ or self.manager_host in ("127.0.0.1", "localhost", "::1"):
-            return
-        try:
-            from undying.agent.netif import interface_for, source_address
-
-            name = interface_for(source_address(self.manager_host))
-        except Exception as e:  # no route yet, an exotic platform: gloo's own choice stands
-            log.info("node %d: no interface found toward %s (%s)", self.node, self.manager_host, e)
-            return
-        if name and name != "lo":
-            self.agent.extra_env["GLOO_SOCKET_IFNAME"] = name
-            log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", self.node, name)
 
     def _on_signal(self, sig: signal.Signals, detached: Path | None = None) -> None:
         if self._leaving:
@@ -420,10 +407,8 @@ class NodeRunner:
 
     def _follow(self, control_port: int, job_dir: str, trace: TraceSet | None) -> None:
         """What the manager says of the job: the control store's port, the job dir, the trace switch."""
-        self.agent.control_port = control_port
-        if not self._job_dir_given and job_dir and job_dir != self.agent.config.job_dir:
-            # One job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
-            self.agent.config = dataclasses.replace(self.agent.config, job_dir=job_dir)
+        # Without --job-dir, one job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
+        self.agent.follow(control_port, "" if self._job_dir_given else job_dir)
         if trace is not None:
             self.agent.set_trace(trace)
 
@@ -479,10 +464,7 @@ class NodeRunner:
                  node)
         self.node = node
         self.config = dataclasses.replace(self.config, node_rank=node)
-        agent = self.agent
-        agent.node = agent.spares.node = node
-        agent.config = dataclasses.replace(agent.config, node_rank=node)
-        agent.spares.want = self.config.spares
+        self.agent.become(node)
 
     def _silence_limit(self) -> float:
         return self.config.timeouts.heartbeat_timeout
@@ -502,6 +484,23 @@ class NodeRunner:
             self.commands.handle(message)
         else:
             log.warning("node %d: unexpected command %r", self.node, message)
+
+
+def _interface_env(manager_host: str, node: int) -> dict[str, str]:
+    """Gloo binds where the hostname resolves unless told: point it at the interface toward the manager."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or manager_host in ("127.0.0.1", "localhost", "::1"):
+        return {}
+    try:
+        from undying.agent.netif import interface_for, source_address
+
+        name = interface_for(source_address(manager_host))
+    except Exception as e:  # no route yet, an exotic platform: gloo's own choice stands
+        log.info("node %d: no interface found toward %s (%s)", node, manager_host, e)
+        return {}
+    if not name or name == "lo":
+        return {}
+    log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", node, name)
+    return {"GLOO_SOCKET_IFNAME": name}
 
 
 def run_node(config: JobConfig, script: str, script_args: list[str], manager: str, token: str,

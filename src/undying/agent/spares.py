@@ -81,7 +81,7 @@ class SparePool:
     """The spares of one node. The agent starts processes and owns ranks; this owns which spare is fit."""
 
     def __init__(self, node: int, config: JobConfig, *, start: Callable[[], Process],
-                 report: Callable[..., None], stopping: Callable[[], bool]) -> None:
+                 report: Callable[..., None], stopping: Callable[[], bool], want: int) -> None:
         self.node = node
         self.config = config
         self._start = start
@@ -92,7 +92,12 @@ class SparePool:
         self._failures = 0  # spares in a row that died before they were warm
         self.beat_s = spare_beat_interval(config.timeout_env())
         # How many to keep: ``--spares``; a standby keeps enough for a whole node's ranks until it has a node.
-        self.want = config.spares
+        self.want = want
+
+    def become(self, node: int, want: int) -> None:
+        """The pool of node ``node`` now (a standby given a lost node), keeping ``want`` spares."""
+        self.node = node
+        self.want = want
 
     def keep(self) -> None:
         """Start spares until ``want`` are warm or warming."""

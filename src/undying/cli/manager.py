@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     http_port = args.port + 2 if args.http_port is None else args.http_port
     if not 0 <= http_port < 65536:
         raise UsageError(f"--http-port must be in [0, 65535], got {http_port}")
-    from undying.manager.service import serve_manager  # heavy: only for this command
+    from undying.launch.manager_service import serve_manager  # heavy: only for this command
 
     check_host_name(args.host, "--host")
     options = from_args(ManagerOptions, args, job_id=job_id, job_dir=str(args.job_dir or default_job_dir(job_id)),

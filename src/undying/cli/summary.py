@@ -19,20 +19,10 @@ from typing import Any, TextIO
 
 from undying.errors import UsageError
 from undying.jobfiles.events import LogReader
+from undying.jobfiles.goodput import Goodput, Stall, StepLedger, account
 from undying.jobfiles.jobdir import JobDir
-from undying.manager.checkpoints import rerun_words
-from undying.manager.steps import (
-    PLAN_EVENT,
-    Goodput,
-    JobSteps,
-    Plan,
-    Progress,
-    Stall,
-    StepLedger,
-    account,
-    compute,
-    mean_values,
-)
+from undying.jobfiles.progress import PLAN_EVENT, JobSteps, Plan, Progress, compute, mean_values
+from undying.jobfiles.reruns import rerun_words
 
 __all__ = ["Account", "logged_account", "banner", "print_banner", "end_summary", "print_end_summary",
            "loss_words", "duration", "logged_verification", "verification_line"]

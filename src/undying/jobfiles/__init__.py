@@ -7,7 +7,9 @@ umask, a stranger's file refused), the token's file and where a caller finds
 it (``tokens``), the SQLite event log, its writer and its readers (``events``,
 with ``held_writes`` beneath it: the one module that speaks SQL), and the
 records the log stores (``records``: the job's and the ranks' states,
-incidents, the job's state machine).
+incidents, the job's state machine), and the pure computations over them that
+the manager and the command line both make (``progress``, ``goodput``,
+``reruns``).
 
 What does not: anything that decides (the manager's policy, recovery,
 regroups), anything that serves (the manager's HTTP API and its check of a

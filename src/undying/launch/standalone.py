@@ -27,21 +27,19 @@ from undying.agent import hangup
 from undying.agent.agent import Agent
 from undying.agent.commands import NodeCommands, report_state
 from undying.agent.netif import interface_for
-from undying.checkpoint.mac import key_from_token, set_key
+from undying.checkpoint.mac import key_from_token
 from undying.cli.summary import print_banner, print_end_summary
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
-from undying.jobfiles.events import EventLog, read_job_table
+from undying.jobfiles.events import read_job_table
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
-from undying.jobfiles.tokens import ensure_token_with_source
 from undying.launch.in_process import InProcessLine, InProcessReports
+from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
 from undying.manager.checkpoints import resume_line
-from undying.manager.http import start_http
 from undying.manager.manager import Manager
 from undying.manager.node_reports import NodeReports
 from undying.manager.node_slot import RemoteAgent
-from undying.manager.service import exit_code
 from undying.protocol.env import CHECKPOINT_KEY_ENV, STORE_KEY_ENV
 from undying.protocol.store_wire import store_key_from_token
 from undying.worker.boot import script_error
@@ -76,49 +74,33 @@ def _check_script(script: str, config: JobConfig) -> str | None:
 
 
 async def _launch(config: JobConfig, script: str, script_args: list[str], token_file: str | None = None) -> int:
-    job_dir = JobDir(Path(config.job_dir))
-    job_dir.prepare()
-    token, token_from = ensure_token_with_source(job_dir.path, token_file)
-    key = key_from_token(token)
-    set_key(key)  # the manager checks the checkpoints it resumes from under the job's key
-    job_dir.private_log()
-    events = EventLog(job_dir.events_db)
+    files = JobFiles.open(Path(config.job_dir), token_file=token_file)
+    events = files.event_log()
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
-    manager = Manager(config, events)
+    hosted = ManagerHost(config, files, events)
+    manager, control_port = hosted.manager, hosted.control_port
     try:
-        control_port = manager.start_control_store(store_key_from_token(token))
         # The node's slot, and the in-process line to its agent (launch/in_process.py): the manager and
         # the agent speak the messages a multi-node job sends over TCP, each table on its own side.
         slot = RemoteAgent(config.node_rank)
         to_manager = InProcessReports(NodeReports(lambda: manager, _never_lost), slot)
         agent = Agent(
             config, node=config.node_rank, script=script, script_args=script_args,
-            report=to_manager.send, control_port=control_port,
+            report=to_manager.send, control_port=control_port, extra_env=_agent_env(config, files.token),
         )
         commands = NodeCommands(agent, to_manager.send)
         slot.attach_line(InProcessLine(commands.handle), host="localhost", pid=os.getpid(), session="in-process")
-        agent.extra_env[CHECKPOINT_KEY_ENV] = key.hex()
-        agent.extra_env[STORE_KEY_ENV] = store_key_from_token(token).hex()  # its workers reach the job's stores
-        # gloo binds the address of the machine's hostname: on one node, keep its connections on the
-        # interface the job listens on (loopback by default) unless the user chose one.
-        interface = interface_for(config.host)
-        if interface is not None:
-            agent.extra_env["GLOO_SOCKET_IFNAME"] = interface
         await agent.start()
         manager.add_agent(slot)
         beat = asyncio.ensure_future(report_state(agent, to_manager.send, _STATE_EVERY_S))
-        runner, url = await start_http(manager, config.host, config.http_port, open_status=config.open_status)
+        url = await hosted.serve_api(open_status=config.open_status)
     except BaseException:
         manager.close()
         raise
-    job_dir.write_manager(
-        {"url": url, "pid": os.getpid(), "job_id": config.job_id, "control_port": control_port, "started_at": time.time()}
-    )
-    events.set_job("url", url, flush=True)
     print_banner(config.job_id, config.job_dir, url, ranks=config.world_size, open_status=config.open_status,
-                 token_from=token_from)
+                 token_from=files.token_from)
     log.info("job %s: %d ranks, manager at %s, job dir %s, token from %s", config.job_id, config.world_size, url,
-             config.job_dir, token_from)
+             config.job_dir, files.token_from)
     if not config.step_api:
         say(f"job {config.job_id}: {WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}")
     loop = asyncio.get_running_loop()
@@ -147,12 +129,22 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         commands.cancel()
         slot.detach("the job ended")
         await agent.close()
-        await runner.cleanup()
-        job_dir.clear_manager()
-        manager.close()
+        await hosted.close()
     print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
     _report(config, manager, final)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
+
+
+def _agent_env(config: JobConfig, token: str) -> dict[str, str]:
+    """What this node's processes get beside undying's own: the job's derived keys (its workers sign and
+    check checkpoints, and reach the job's stores) and the interface the job listens on."""
+    env = {CHECKPOINT_KEY_ENV: key_from_token(token).hex(), STORE_KEY_ENV: store_key_from_token(token).hex()}
+    # gloo binds the address of the machine's hostname: on one node, keep its connections on the
+    # interface the job listens on (loopback by default) unless the user chose one.
+    interface = interface_for(config.host)
+    if interface is not None:
+        env["GLOO_SOCKET_IFNAME"] = interface
+    return env
 
 
 def _never_lost(slot: RemoteAgent, reason: str) -> None:

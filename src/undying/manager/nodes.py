@@ -29,6 +29,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from undying.manager.conns import QuietLog, read_line
 from undying.manager.node_reports import NodeEvents, NodeReports
@@ -54,7 +55,7 @@ from undying.protocol.node_wire import (
     width,
 )
 
-__all__ = ["RemoteAgent", "AgentServer", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
+__all__ = ["RemoteAgent", "AgentServer", "JobFacts", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
 log = logging.getLogger("undying.manager.nodes")
 # Lines about floods of connections to the agents' port: a few a minute, then a count.
@@ -76,11 +77,31 @@ _JOIN_LIMIT = 64 * 1024
 JoinCheck = Callable[[AgentJoin], str]
 
 
+@dataclass(frozen=True)
+class JobFacts:
+    """What the agents' server learns only once the job's manager exists (``AgentServer.bind``).
+
+    The server listens before any manager does: the first agent's join carries
+    the flags that make the job's config, and the manager is built from that.
+    """
+
+    events: NodeEvents  # the manager: every report and every coming and going goes to it
+    nnodes: int
+    heartbeat_s: float  # the job's --heartbeat-timeout: a node silent this long is lost
+    control_port: int  # told to every agent that joins, with the job dir
+    job_dir: str
+    # Hosts where no standby is placed (drained); none when not given.
+    blocked_hosts: Callable[[], set[str]] = set
+    # A restarted manager's: the sessions its agents may resume (read back from its log).
+    known_sessions: dict[int, str] = field(default_factory=dict)
+
+
 class AgentServer:
     """Accepts agents, checks them, and turns their messages into the manager's calls."""
 
     def __init__(self, host: str, port: int, check: JoinCheck, *, heartbeat_s: float,
-                 max_connections: int = 256, join_wait_s: float = 10.0) -> None:
+                 max_connections: int = 256, join_wait_s: float = 10.0,
+                 acked: dict[int, int] | None = None) -> None:
         self.host = host
         # A connection that sends no join line within this long is no agent: it is closed.
         self.join_wait_s = join_wait_s
@@ -103,12 +124,11 @@ class AgentServer:
         # Sessions the manager restored from its log: an agent may resume these (a manager restart).
         self.known_sessions: dict[int, str] = {}
         self.on_change: Callable[[], None] = lambda: None
-        # Per node, the newest report taken in its current session, and the newest in the log.
-        self.received: dict[int, int] = {}
-        self.persisted: dict[int, int] = {}
-        # Told to every agent that joins (set once the manager exists).
-        self.control_port = 0
-        self.job_dir = ""
+        # Per node, the newest report taken in its current session, and the newest in the log
+        # (``acked``: a restarted manager's, read back from its log before any manager exists).
+        self.received: dict[int, int] = dict(acked or {})
+        self.persisted: dict[int, int] = dict(self.received)
+        self.control_port, self.job_dir = 0, ""  # told to every agent that joins (``bind``)
         self.reports = NodeReports(self._node_events, self.lose)  # each agent report to the manager's act
         # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they go.
         self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail),
@@ -116,12 +136,8 @@ class AgentServer:
 
     @property
     def heartbeat_s(self) -> float:
-        """A node silent this long (while the manager ran) is lost; the job's flag, set once the first node joined."""
+        """A node silent this long (while the manager ran) is lost; the job's flag, given by ``bind``."""
         return self.clock.window_s
-
-    @heartbeat_s.setter
-    def heartbeat_s(self, value: float) -> None:
-        self.clock.window_s = value
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
@@ -133,11 +149,21 @@ class AgentServer:
         self._spawn_task(self._beat_and_watch())
         return self.port
 
-    def bind(self, events: NodeEvents, nnodes: int) -> None:
-        """From now on, joins become nodes of this manager's job."""
-        self._events = events
-        for node in range(nnodes):
+    def bind(self, job: JobFacts) -> None:
+        """From now on, joins become nodes of this manager's job.
+
+        One call with every fact the server lacked when it started listening
+        (it exists before the first join makes the job's config, and so before
+        the manager): the joins that wait meanwhile go on once it returns.
+        """
+        self.clock.window_s = job.heartbeat_s
+        self.control_port = job.control_port
+        self.job_dir = job.job_dir
+        self.standbys.blocked = job.blocked_hosts
+        self.known_sessions = dict(job.known_sessions)
+        for node in range(job.nnodes):
             self.slots.setdefault(node, RemoteAgent(node))
+        self._events = job.events
 
     async def first_join(self) -> AgentJoin:
         """The first agent's join, before any manager exists: it carries the job's flags."""

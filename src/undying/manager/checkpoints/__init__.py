@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from undying.manager.checkpoints.folder import Checkpoints
-    from undying.manager.checkpoints.health import CheckpointHealth, rerun_words, resume_line
+    from undying.manager.checkpoints.health import CheckpointHealth, resume_line
 
-__all__ = ["Checkpoints", "CheckpointHealth", "rerun_words", "resume_line"]
+__all__ = ["Checkpoints", "CheckpointHealth", "resume_line"]
 
 _WHERE = {
     "Checkpoints": "folder",
     "CheckpointHealth": "health",
-    "rerun_words": "health",
     "resume_line": "health",
 }
 

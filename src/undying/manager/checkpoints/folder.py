@@ -28,7 +28,7 @@ from undying.checkpoint.lock import hold
 from undying.errors import UsageError
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.jobdir import JobDir
-from undying.manager.checkpoints.health import relaunch_rerun, rerun_words
+from undying.jobfiles.reruns import relaunch_rerun, rerun_words
 from undying.manager.core import JobCore
 from undying.protocol.worker_wire import CheckpointSaved
 

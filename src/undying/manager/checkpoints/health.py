@@ -15,12 +15,11 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from undying.checkpoint.manifest import step_dirname
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.jobfiles.records import Incident, IncidentKind, IncidentStatus
 from undying.protocol.worker_wire import CheckpointSaved
 
-__all__ = ["CheckpointHealth", "resume_line", "relaunch_rerun", "rerun_words"]
+__all__ = ["CheckpointHealth", "resume_line"]
 
 
 
@@ -136,30 +135,3 @@ def resume_line(preemption: dict[str, Any]) -> str:
         return f"exit {EXIT_PREEMPTED}: the same command resumes after step {step}, no step re-run"
     return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and re-runs {reruns} "
             f"step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop step was not written")
-
-
-def relaunch_rerun(resume_step: int, committed: int, saved: int, rejected: list[str],
-                   where: str) -> dict[str, Any] | None:
-    """The steps a launch re-runs that the last launch's log shows committed, and why; None for none.
-
-    ``resume_step``: where this launch starts after (0: step 1); ``committed``
-    and ``saved``: the newest step the last launch committed and the newest it
-    checkpointed; ``rejected``: the names discovery skipped now.
-    """
-    if committed <= resume_step:
-        return None
-    if saved > resume_step and step_dirname(saved) in rejected:
-        why = f"the last launch's checkpoint of step {saved} was rejected (said above)"
-    elif saved > resume_step:
-        why = f"the last launch's checkpoint of step {saved} is gone from {where} (deleted or moved)"
-    else:
-        why = "the last launch committed them after its newest checkpoint" + (
-            f" (step {saved})" if saved > 0 else " (it saved none)")
-    return {"first": resume_step + 1, "last": committed, "steps": committed - resume_step, "why": why}
-
-
-def rerun_words(rerun: dict[str, Any]) -> str:
-    """``relaunch_rerun``'s answer in words: for the resume line and the end summary."""
-    first, last = int(rerun["first"]), int(rerun["last"])
-    span = f"step {first}" if first == last else f"steps {first}..{last}"
-    return f"re-runs {int(rerun['steps'])} step(s) ({span}) the last launch committed: {rerun['why']}"

@@ -1,9 +1,10 @@
-"""How the job's steps go: how long they take, how far the job is, and its goodput.
+"""How the job's steps go: how long they take, from the ranks' commits.
 
-``clock`` (``StepClock``: a rank's and the job's step times, from the commits); ``progress`` (pure:
-step of total, epoch, rate, ETA, the last ``step.log`` values); ``goodput`` (pure: productive time
-over wall time, with the losses named). The command line reads a finished job's log with the same
-functions.
+``clock`` (``StepClock``: a rank's and the job's step times, from the commits, and what progress and
+goodput are computed from). The computations themselves are pure and read a finished job's log as
+well: ``jobfiles.progress`` (step of total, epoch, rate, ETA, the last ``step.log`` values) and
+``jobfiles.goodput`` (productive time over wall time, with the losses named), so the command line
+uses them without the manager.
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision
 above all, must not pay for the others.
@@ -15,37 +16,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from undying.manager.steps.clock import PLAN_EVENT, StepClock
-    from undying.manager.steps.goodput import Goodput, Stall, StepLedger, account
-    from undying.manager.steps.progress import JobSteps, Plan, Progress, compute, mean_values
+    from undying.manager.steps.clock import StepClock
 
-__all__ = [
-    "PLAN_EVENT",
-    "StepClock",
-    "JobSteps",
-    "Plan",
-    "Progress",
-    "compute",
-    "mean_values",
-    "Goodput",
-    "Stall",
-    "StepLedger",
-    "account",
-]
+__all__ = ["StepClock"]
 
-_WHERE = {
-    "PLAN_EVENT": "clock",
-    "StepClock": "clock",
-    "JobSteps": "progress",
-    "Plan": "progress",
-    "Progress": "progress",
-    "compute": "progress",
-    "mean_values": "progress",
-    "Goodput": "goodput",
-    "Stall": "goodput",
-    "StepLedger": "goodput",
-    "account": "goodput",
-}
+_WHERE = {"StepClock": "clock"}
 
 
 def __getattr__(name: str) -> Any:

@@ -6,8 +6,8 @@ slowest; the trace switch is set far enough ahead in steps), and the time of
 each step of the whole job, from the commit of its last rank to that of the
 next step's last rank (the status page's step-time chart).
 
-It also keeps what progress and goodput are computed from (``progress``,
-``goodput``): the job's completed steps in order (``ledger``), the recent ones
+It also keeps what progress and goodput are computed from (``jobfiles.progress``,
+``jobfiles.goodput``): the job's completed steps in order (``ledger``), the recent ones
 and the last values given to ``step.log`` (``job_steps``), rank 0's plan of
 steps and epochs (``plan``), and the checkpoint stalls (``stalls``).
 """
@@ -19,13 +19,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from undying.manager.steps.goodput import Stall, StepLedger
-from undying.manager.steps.progress import JobSteps, Plan
+from undying.jobfiles.goodput import Stall, StepLedger
+from undying.jobfiles.progress import PLAN_EVENT, JobSteps, Plan
 
-__all__ = ["StepClock", "PLAN_EVENT"]
+__all__ = ["StepClock"]
 
-# The worker's report (a Progress phase, logged as an event of this kind) of how many steps it runs, in which epochs.
-PLAN_EVENT = "steps_planned"
 # Checkpoint stalls kept one by one (for goodput to place each); older ones are kept as their sum.
 KEPT_STALLS = 64
 

@@ -6,13 +6,14 @@ import time
 from typing import Any
 
 from undying.config import WHOLE_GROUP_LINE
+from undying.jobfiles.goodput import Goodput, account
+from undying.jobfiles.progress import Progress, compute
 from undying.jobfiles.records import RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.preemption import Preemption
 from undying.manager.recovery import Recoveries
 from undying.manager.regroup import Regrouping
-from undying.manager.steps import Goodput, Progress, account, compute
 from undying.manager.tracing import TraceControl
 
 __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]

@@ -17,50 +17,27 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from undying.checkpoint.mac import key_from_token, set_key
-from undying.config import (
-    EXIT_PREEMPTED,
-    EXIT_PREEMPTED_BEHIND,
-    JobConfig,
-    ManagerOptions,
-    Timeouts,
-)
+from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.errors import UsageError
-from undying.jobfiles.events import EventLog, read_job_table
+from undying.jobfiles.events import read_job_table
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
-from undying.jobfiles.tokens import ensure_token_with_source, where_the_token_is
+from undying.jobfiles.tokens import where_the_token_is
+from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
 from undying.manager.checkpoints import resume_line
-from undying.manager.http import start_http, tokens_match
+from undying.manager.http import tokens_match
 from undying.manager.manager import Manager
-from undying.manager.nodes import AgentServer
+from undying.manager.nodes import AgentServer, JobFacts
 from undying.protocol.node_wire import AgentJoin, JobEnded
-from undying.protocol.store_wire import store_key_from_token
 
-__all__ = ["ManagerOptions", "serve_manager", "exit_code"]
+__all__ = ["ManagerOptions", "serve_manager"]
 
-log = logging.getLogger("undying.manager.service")
-
-_EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 130}
-
-
-def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals | None) -> int:
-    """The launcher's (and every agent's) exit code for how the job ended."""
-    if final is JobState.PREEMPTED:
-        preemption = manager.preemption or {}
-        if preemption.get("checkpoint_step", -1) < 0:
-            return 143
-        # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run steps.
-        return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
-    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        return 128 + int(interrupted_by)  # (a preempting signal that found nothing to preempt: 143, 129 or 131)
-    return _EXIT_CODES.get(final, 1)
+log = logging.getLogger("undying.launch.manager_service")
 
 
 # What ends `undying manager` in order: SIGINT stops the job, the others preempt it (agent.hangup's rule).
@@ -73,8 +50,14 @@ class _Gate:
     def __init__(self, options: ManagerOptions, token: str) -> None:
         self.options = options
         self.token = token
-        self.config: JobConfig | None = None
+        self.config: JobConfig | None = None  # (None until ``bind``: the first agent's flags make the job)
         self.host_out: Callable[[str], str] = lambda host: ""  # why no new ranks there ("": they may come)
+
+    def bind(self, config: JobConfig, host_out: Callable[[str], str]) -> None:
+        """The job the first agent's flags made, and why a host gets no new ranks (the manager's hosts):
+        from now on every join is checked against them. Known only once the manager exists."""
+        self.config = config
+        self.host_out = host_out
 
     def __call__(self, join: AgentJoin) -> str:
         if not tokens_match(join.token, self.token):
@@ -120,15 +103,16 @@ def _resumable(job_dir: JobDir, job_id: str) -> bool:
 
 
 async def _serve(options: ManagerOptions) -> int:
-    job_dir = JobDir(Path(options.job_dir))
-    restart = _resumable(job_dir, options.job_id) if job_dir.path.is_dir() else False
-    job_dir.prepare(keep_log=restart)
-    token, token_from = ensure_token_with_source(job_dir.path)
-    set_key(key_from_token(token))  # the checkpoints it resumes from are checked under the job's key
-    gate = _Gate(options, token)
+    looked = JobDir(Path(options.job_dir))
+    restart = _resumable(looked, options.job_id) if looked.path.is_dir() else False
+    files = JobFiles.open(looked.path, keep_log=restart)
+    job_dir = files.job_dir
+    gate = _Gate(options, files.token)
     prior = read_job_table(job_dir.events_db) if restart else {}
     heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat_timeout", Timeouts.heartbeat_timeout))
-    server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat,
+    # Which of each node's reports the log holds (a restart's, from its log): the agents resend the rest.
+    acked = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
+    server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat, acked=acked,
                          max_connections=options.connections.cap, join_wait_s=options.connections.http_header_timeout)
     try:
         await server.start()
@@ -136,7 +120,7 @@ async def _serve(options: ManagerOptions) -> int:
         raise UsageError(f"cannot listen for agents on {options.host}:{options.port} ({e.strerror or e}); "
                          "pass another --port") from e
     log.warning("manager of job %s listening for agents on %s:%d, token from %s%s", options.job_id, options.host,
-                server.port, token_from, " (carrying on the job from its log)" if restart else "")
+                server.port, files.token_from, " (carrying on the job from its log)" if restart else "")
     if restart:
         config = JobConfig.from_dict(prior["config"])
     else:
@@ -146,44 +130,33 @@ async def _serve(options: ManagerOptions) -> int:
                           "host": options.host, "port": server.port + 1, "http_port": options.http_port,
                           "node_rank": 0, "connections": options.connections})
     config.validate()
-    gate.config = config
-    server.heartbeat_s = config.timeouts.heartbeat_timeout
-    job_dir.private_log()
-    events = EventLog(job_dir.events_db)
+    events = files.event_log()
     # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
     events.before_flush(lambda: events.set_job("acked", server.positions()))
-    if restart:
-        server.received = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
-        server.persisted = dict(server.received)
-    manager = Manager(config, events, restoring=restart)
-    server.standbys.blocked = lambda: manager.core.hosts.blocked_hosts()  # no standby on a drained host
-    gate.host_out = lambda host: manager.core.hosts.refusal(host)  # (the book is replaced on a restore)
-    manager.migrations.server = server  # a node moved (undying migrate --node, drain) goes to a standby
-    runner = None
     try:
-        if restart:
-            server.known_sessions = manager.restore()
-            manager.checkpoints.reown()  # (its checkpoint dir's owner lock again, in the background)
-        server.control_port = manager.start_control_store(store_key_from_token(token))
-        if restart:
-            manager.reopen_generation()
-        server.job_dir = str(job_dir.path)
-        server.bind(manager, config.nnodes)
+        hosted = ManagerHost(config, files, events, restoring=restart)
+    except BaseException:
+        await server.close()
+        job_dir.clear_manager()
+        raise
+    manager = hosted.manager
+    gate.bind(config, lambda host: manager.core.hosts.refusal(host))  # (the book is replaced on a restore)
+    # A node moved (undying migrate --node, drain) goes to a standby. (Allowed in test_architecture: the
+    # migrations, in manager/placement, take no constructor argument for it yet.)
+    manager.migrations.server = server
+    try:
+        server.bind(JobFacts(manager, config.nnodes, config.timeouts.heartbeat_timeout, hosted.control_port,
+                             str(job_dir.path), known_sessions=hosted.known_sessions,
+                             blocked_hosts=lambda: manager.core.hosts.blocked_hosts()))  # no standby on a drained host
         for slot in server.slots.values():
             manager.add_agent(slot)
-        runner, url = await start_http(manager, options.host, options.http_port, open_status=options.open_status)
-        job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id, "agent_port": server.port,
-                               "control_port": server.control_port, "started_at": time.time()})
-        events.set_job("url", url, flush=True)
+        url = await hosted.serve_api(open_status=options.open_status, agent_port=server.port)
         log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id, config.nnodes,
                     config.nproc_per_node, url, job_dir.path)
         return await _run(manager, server, config, restart)
     finally:
         await server.close()
-        if runner is not None:
-            await runner.cleanup()
-        job_dir.clear_manager()
-        manager.close()
+        await hosted.close()
 
 
 async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool) -> int:

@@ -19,7 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Plan", "Progress", "JobSteps", "RATE_WINDOW", "compute", "mean_values"]
+__all__ = ["PLAN_EVENT", "Plan", "Progress", "JobSteps", "RATE_WINDOW", "compute", "mean_values"]
+
+# The worker's report (a Progress phase, logged as an event of this kind) of how many steps it runs, in which epochs.
+PLAN_EVENT = "steps_planned"
 
 # Completed steps the rate (and so the ETA) is measured over: recent enough to follow a change of pace,
 # long enough that one slow step (a checkpoint's stall) does not swing it.
