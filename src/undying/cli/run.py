@@ -38,12 +38,10 @@ from undying.inputs import (
     check_address,
     check_environment,
     check_every,
-    check_folder,
     check_job_id,
     env_value,
     finite_arg,
     job_id_arg,
-    open_user_file,
 )
 from undying.jobfiles.jobdir import default_job_dir
 from undying.protocol.env import (
@@ -55,6 +53,7 @@ from undying.protocol.env import (
     VERIFY_EVERY_ENV,
     VIRTUAL_RANKS_ENV,
 )
+from undying.user_files import check_folder, open_user_file
 
 __all__ = ["add_parser"]
 
