@@ -15,7 +15,8 @@ from undying.config import TRACE_INITIAL
 from undying.errors import UsageError
 from undying.inputs import finite_arg, job_id_arg
 from undying.k8s import grace as grace_mod
-from undying.k8s.manifests import TRACE_SWITCH_FILE, Manifest, Spec, build
+from undying.k8s.manifests import Manifest, build
+from undying.k8s.spec import TRACE_SWITCH_FILE, Spec
 from undying.k8s.yamlout import dump, dump_all
 from undying.user_files import open_user_file
 
