@@ -82,6 +82,10 @@ realistic noise (per-rank step jitter of 10-15% plus occasional 2x steps, 2 to
 the step found within 50 steps in each phase; on real traces of a 4-rank job
 on a 2-core machine, no finding in the uniform job and the slowed rank found
 20 steps after the slowdown began. See docs/diagnosis.md.
+
+The window's arithmetic (each rank's excess, a node's, what the others waited
+for) is ``trace/excess.py``; what is kept per rank and node, and the numbers a
+finding shows, ``trace/evidence.py``; this module decides.
 """
 
 from __future__ import annotations

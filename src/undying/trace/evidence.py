@@ -25,7 +25,7 @@ HISTORY = 64
 class Track:
     """What the detector remembers about one (rank, phase) or (node, phase)."""
 
-    evidence: float = 0.0  # accumulated excess, in bars (see the module doc)
+    evidence: float = 0.0  # accumulated excess, in bars (see trace/detect.py's module doc)
     since: int = 0  # first step of the window where the evidence last rose from 0
     run_sum: float = 0.0  # excess (seconds) summed over the windows since then
     run_n: int = 0
