@@ -16,7 +16,10 @@ the first one saw; no other is sent.
 The modules, one concern each: ``job`` (``JobConfig``, ``LaunchConfig``), ``timeouts``,
 ``sections`` (the checkpoint's and the trace's), ``manager`` (``undying manager``'s options,
 the sockets' limits) and ``exits`` (a worker's exit codes and the files it leaves in the job
-dir). This surface names what the roles, the CLI and users import; ``__all__`` the settings.
+dir). This package is the surface the roles, the CLI and users import from: ``__all__`` (at
+most 15 names) lists the settings, and the other constants imported from here (the rest of the
+exit codes and the worker's files, the auto step timeout's bounds) are re-exported by name
+(``from ... import X as X``).
 """
 
 from __future__ import annotations
