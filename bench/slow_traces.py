@@ -46,7 +46,8 @@ from statistics import median
 from typing import Any
 
 from undying.cli.demo import FaultPlan, run_job
-from undying.trace.analyze import StepRow, find_slow, load_trace
+from undying.trace.analyze import load_trace
+from undying.trace.step_rows import StepRow, find_slow
 from undying.trace.summary import StepPhases
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "unit" / "data" / "slow_traces"

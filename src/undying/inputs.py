@@ -16,8 +16,7 @@ of the host-name alphabet and a port from 1 to 65535 (``check_address``); the
 CLI's ``--manager`` may also be ``http://HOST:PORT`` (``check_manager_url``).
 
 A file the user names (a training script, a ``--token-file``) is opened by
-``open_user_file`` and nothing else: without blocking (a FIFO would wait
-forever for a writer) and refused unless it is a regular file.
+``undying.user_files`` (without blocking, and refused unless it is a regular file).
 
 Every ``UNDYING_`` variable a process of undying reads is in ``ENV_VARS`` with
 its reader; ``check_environment`` reads each one set, so ``undying run``
@@ -31,11 +30,9 @@ is created.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import re
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +78,7 @@ from undying.protocol.env import (
 )
 
 __all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite",
-           "check_host_name", "check_address", "check_manager_url", "check_folder", "open_regular", "open_user_file", "check_every",
+           "check_host_name", "check_address", "check_manager_url", "check_every", "quoted",
            "numerics_fields", "ENV_VARS", "env_value", "check_environment"]
 
 JOB_ID_MAX = 64
@@ -90,15 +87,11 @@ JOB_ID_RULE = (f"1 to {JOB_ID_MAX} ASCII letters, digits, '.', '_' or '-', not s
 _JOB_ID = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{JOB_ID_MAX - 1}}}")
 
 
-def _shown(value: str) -> str:
+def quoted(value: str) -> str:
     """``value`` as the error line shows it: ASCII only, escapes visible, never longer than 80."""
     text = ascii(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
-
-def _shown_path(path: str) -> str:
-    """A path as an error line shows it: as it is when printable ASCII of a sane length, else as ``_shown``."""
-    return path if path.isascii() and path.isprintable() and len(path) <= 300 else _shown(path)
 
 
 def is_job_id(value: object) -> bool:
@@ -109,7 +102,7 @@ def is_job_id(value: object) -> bool:
 def check_job_id(value: str, what: str = "--job-id") -> str:
     """``value`` when it is a safe job id (see the module's rule), else ``UsageError`` naming ``what``."""
     if not isinstance(value, str) or _JOB_ID.fullmatch(value) is None:
-        shown = _shown(value) if isinstance(value, str) else type(value).__name__
+        shown = quoted(value) if isinstance(value, str) else type(value).__name__
         raise UsageError(f"{what} {shown} is not a valid job id: use {JOB_ID_RULE}")
     return value
 
@@ -133,7 +126,7 @@ def finite_arg(option: str) -> Callable[[str], float]:
         try:
             value = float(text)
         except ValueError:
-            raise UsageError(f"{option} expects a number, got {_shown(text)}") from None
+            raise UsageError(f"{option} expects a number, got {quoted(text)}") from None
         return check_finite(option, value)
 
     parse.__name__ = "number"  # argparse names the type in some messages
@@ -149,7 +142,7 @@ HOST_RULE = "letters, digits, '.', '-', '_', ':' or an IPv6 in [...], at most 25
 def check_host_name(value: object, what: str = "host") -> str:
     """``value`` when it is a host name or address, else ``UsageError`` naming ``what``."""
     if not isinstance(value, str) or _HOST.fullmatch(value) is None:
-        shown = _shown(value) if isinstance(value, str) else type(value).__name__
+        shown = quoted(value) if isinstance(value, str) else type(value).__name__
         raise UsageError(f"{what} {shown} is not a host name or address ({HOST_RULE})")
     return value
 
@@ -163,7 +156,7 @@ def check_address(option: str, text: str, example: str = "10.0.0.1:29400", *, lo
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if (not sep or not bare or not port.isascii() or not port.isdigit() or len(port) > 5
             or not lowest <= int(port) < 65536 or _HOST.fullmatch(bare) is None or "[" in bare or "]" in bare):
-        raise UsageError(f"{option} {_shown(text)}: expected HOST:PORT with a port from {lowest} to 65535, "
+        raise UsageError(f"{option} {quoted(text)}: expected HOST:PORT with a port from {lowest} to 65535, "
                          f"e.g. {example}")
     return bare, int(port)
 
@@ -175,7 +168,7 @@ def check_manager_url(option: str, text: str) -> str:
         scheme, rest = "http", text.strip()
     netloc, slash, path = rest.partition("/")
     example = "127.0.0.1:8080 or http://127.0.0.1:8080/"
-    bad = UsageError(f"{option} {_shown(text)}: expected HOST:PORT with a port from 1 to 65535, alone or after "
+    bad = UsageError(f"{option} {quoted(text)}: expected HOST:PORT with a port from 1 to 65535, alone or after "
                      f"an http or https scheme (e.g. {example})")
     if scheme not in ("http", "https") or not (path.isascii() and (slash + path).isprintable()) \
             or any(c in path for c in "?#% "):
@@ -187,57 +180,6 @@ def check_manager_url(option: str, text: str) -> str:
     return f"{scheme}://{netloc}{slash}{path}".rstrip("/")
 
 
-# --- files the user names -----------------------------------------------------------------------
-
-def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
-    """A descriptor of ``path`` opened for reading when it is a regular file; else ``OSError`` (its strerror says why).
-
-    Opened without blocking, so a FIFO (which blocks an ordinary open until a
-    writer comes) is seen and refused at once; the descriptor is blocking again
-    when it is returned. ``follow=False`` refuses a symbolic link (ELOOP).
-    For a file read while a job runs (a watched switch file), where a refusal
-    is reported and the job goes on; ``open_user_file`` for a command's input.
-    """
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
-    fd = os.open(path, flags)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise OSError(errno.EINVAL, f"it is {kind}, not a file", os.fspath(path))
-    os.set_blocking(fd, True)
-    return fd
-
-
-def open_user_file(path: str | os.PathLike[str], what: str, fix: str, *, follow: bool = True) -> int:
-    """``open_regular`` for a file a command's user names: a refusal is one line, ``what``, why, and ``fix``."""
-    shown = _shown_path(os.fspath(path))
-    try:
-        return open_regular(path, follow=follow)
-    except FileNotFoundError:
-        raise UsageError(f"{what} {shown} does not exist; {fix}") from None
-    except OSError as e:
-        if e.errno == errno.EINVAL and str(e.strerror).startswith("it is "):
-            raise UsageError(f"{what} {shown} is {str(e.strerror)[6:]}; {fix}") from None
-        raise UsageError(f"cannot read {what} {shown} ({e.strerror or e}); {fix}") from None
-
-
-def check_folder(option: str, path: str | os.PathLike[str]) -> str:
-    """``path`` when it is a folder or can be made one (its nearest existing ancestor is a folder); else one line.
-
-    A folder option given a file (``--log-dir``, ``--trace-dir``, ``--job-dir``) failed in every rank, or not at
-    all, long after the start: now before anything is created.
-    """
-    text = os.fspath(path)
-    here = os.path.abspath(text)
-    while not os.path.lexists(here) and os.path.dirname(here) != here:
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        where = "" if here == os.path.abspath(text) else f" ({_shown_path(here)} is not)"
-        raise UsageError(f"{option} {_shown_path(text)} is not a folder{where}; pass a folder (created if missing)")
-    return text
-
-
 # --- numbers of steps and the numeric checks, as the CLI and the environment give them --------------
 
 MAX_EVERY = 1_000_000  # --verify-every at most: one step in a million
@@ -246,7 +188,7 @@ MAX_ROLLBACK_STEPS = 64  # --rollback-steps at most (each is a copy of the state
 
 def check_every(value: object, where: str = "--verify-every") -> int:
     """A valid K (a whole number from 1 to MAX_EVERY), or a UsageError naming the bad value and what to give."""
-    bad = UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), got {_shown(str(value))}")
+    bad = UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), got {quoted(str(value))}")
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise bad
     if isinstance(value, str) and not (value.strip().isascii() and value.strip().isdigit() and len(value.strip()) < 20):
@@ -303,16 +245,16 @@ def numerics_fields(raw: str, where: str = NUMERICS_ENV) -> dict[str, Any]:
         name, _, value = (part.strip() for part in item.partition("="))
         read = _NUMERICS_FIELDS.get(name)
         if read is None:
-            raise UsageError(f"{where}={_shown(raw)}: {_shown(item.strip())} is not one of "
+            raise UsageError(f"{where}={quoted(raw)}: {quoted(item.strip())} is not one of "
                              f"{', '.join(f + '=VALUE' for f in _NUMERICS_FIELDS)}; set it with undying run "
                              "--numerics POLICY [--spike-factor F] [--rollback-steps N]")
         try:
             fields[name] = read(value)
         except ValueError as e:
             expected = str(e) if str(e).startswith(("one of", "a ")) else "a number"
-            raise UsageError(f"{where}={_shown(raw)}: {name} must be {expected}, got {_shown(value)}") from None
+            raise UsageError(f"{where}={quoted(raw)}: {name} must be {expected}, got {quoted(value)}") from None
     if fields.get("warmup", 20) > fields.get("window", 50):
-        raise UsageError(f"{where}={_shown(raw)}: needs warmup <= window (defaults 20 and 50)")
+        raise UsageError(f"{where}={quoted(raw)}: needs warmup <= window (defaults 20 and 50)")
     return fields
 
 
@@ -446,7 +388,7 @@ def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:
         raise
     except (ValueError, OverflowError) as e:
         expected = str(e) if str(e).startswith(("one of", "a ", "HOST", "it unset")) else "a number"
-        raise UsageError(f"environment variable {name}={_shown(raw)}: expected {expected} "
+        raise UsageError(f"environment variable {name}={quoted(raw)}: expected {expected} "
                          f"({var.how or 'any text'}); fix it or unset it") from None
 
 

@@ -137,13 +137,13 @@ def test_a_malformed_rendezvous_endpoint_is_one_line(here: Path, endpoint: str,
 
 
 def test_good_addresses_still_pass(here: Path) -> None:
-    from undying.cli import run as run_cli
+    from undying.cli import run_config
     from undying.cli.main import build_parser
 
     for endpoint, manager in (("10.0.0.1", "10.0.0.1:29400"), ("h:5", "h:5"), ("[::1]:7", "[::1]:7")):
         args = build_parser().parse_args(["run", "--nnodes", "2", "--rdzv-id", "j", "--rdzv-endpoint", endpoint,
                                           "train.py"])
-        assert run_cli.config_from_args(args) and args.manager == manager
+        assert run_config.config_from_args(args) and args.manager == manager
 
 
 def test_a_token_file_that_is_a_folder_or_a_fifo_is_one_line(here: Path, capsys: pytest.CaptureFixture[str]) -> None:

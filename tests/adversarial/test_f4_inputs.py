@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_http_auth import Served, bearer, raw
-from undying.cli import run as run_cli
+from undying.cli import run_config
 from undying.cli.client import api_for
 from undying.cli.limits import connection_limits
 from undying.cli.main import build_parser, main
@@ -204,7 +204,7 @@ def test_random_arguments_to_the_parsers_are_one_line_errors_or_valid_configs(in
         try:
             args = build_parser().parse_args(argv)
             if command == "run":
-                run_cli.config_from_args(args).validate()
+                run_config.config_from_args(args).validate()
             else:
                 check_job_id(args.job_id)
                 connection_limits(args)

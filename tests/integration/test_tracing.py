@@ -14,7 +14,7 @@ import pytest
 from tests.integration.jobs import manager_url, start_job, status, wait_for, wait_running
 from tests.oracle import Oracle, slow
 from undying.demo.oracle import compare_runs, load_run
-from undying.trace.writer import is_trace_file
+from undying.trace.files import is_trace_file
 
 
 def _records(trace_dir: Path) -> list[dict[str, object]]:

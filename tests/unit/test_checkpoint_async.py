@@ -21,8 +21,8 @@ from undying.checkpoint import (
     load_replicated,
     save_replicated,
 )
+from undying.checkpoint.cpu_copy import cpu_copy
 from undying.checkpoint.gasp import measure, recent_dying_gasp, state_nbytes
-from undying.checkpoint.writer import cpu_copy
 
 
 @pytest.fixture

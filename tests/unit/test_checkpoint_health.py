@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from undying.cli.status import render
+from undying.cli.status_view import render
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.jobfiles.records import Incident
 from undying.jobfiles.reruns import relaunch_rerun, rerun_words

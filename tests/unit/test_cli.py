@@ -265,7 +265,7 @@ def test_a_word_for_nproc_per_node_that_torchrun_does_not_take(capsys: pytest.Ca
 
 def _config(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     from undying.cli.main import build_parser
-    from undying.cli.run import config_from_args
+    from undying.cli.run_config import config_from_args
 
     args = build_parser().parse_args(["run", *argv])
     return args, config_from_args(args)

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from undying.trace.analyze import StepRow, find_slow
 from undying.trace.detect import Finding, SlowDetector
+from undying.trace.step_rows import StepRow, find_slow
 from undying.trace.summary import StepPhases, window_summary
 
 DATA = Path(__file__).parent / "data" / "slow_traces"

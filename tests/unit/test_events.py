@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from undying.errors import UsageError
-from undying.jobfiles.events import SCHEMA_VERSION, Commit, EventLog, LogReader, fold_wal, read_job
+from undying.jobfiles.events import SCHEMA_VERSION, EventLog, LogReader, fold_wal, read_job
+from undying.jobfiles.log_rows import Commit
 from undying.jobfiles.records import Incident, RankInfo, RankState
 
 

@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from tests.unit.test_nodes import JOB, TOKEN, job_config, join_message
-from undying.cli.status import view
+from undying.cli.status_view import view
 from undying.config import JobConfig, ManagerOptions
 from undying.errors import UsageError
 from undying.jobfiles.events import EventLog, LogReader

@@ -34,7 +34,8 @@ from undying.cli import run as run_cli  # noqa: E402
 from undying.errors import UsageError  # noqa: E402
 from undying.jobfiles.events import EventLog  # noqa: E402
 from undying.k8s import grace as grace_mod  # noqa: E402
-from undying.k8s.manifests import PRESTOP_COMMAND, Spec, build, validate_job_id  # noqa: E402
+from undying.k8s.manifests import PRESTOP_COMMAND, build  # noqa: E402
+from undying.k8s.spec import Spec, validate_job_id  # noqa: E402
 from undying.k8s.yamlout import dump_all  # noqa: E402
 
 MODELS = {

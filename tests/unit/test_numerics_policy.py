@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from undying.cli.main import build_parser
-from undying.cli.run import numerics_env
+from undying.cli.run_config import numerics_env
 from undying.errors import UsageError
 from undying.protocol.env import NUMERICS_ENV
 from undying.worker.job import Job, Outcome

@@ -29,12 +29,11 @@ from undying.checkpoint import lock
 from undying.checkpoint.lock import (
     LOCK_NAME,
     DirInUseError,
-    Holder,
     hold,
     read_holder,
     release,
-    stale_reason,
 )
+from undying.checkpoint.lock_holder import Holder, stale_reason
 from undying.checkpoint.store import Store
 from undying.config import CheckpointConfig, JobConfig
 from undying.jobfiles.events import EventLog, LogReader

@@ -13,7 +13,8 @@ from rich.console import Console
 
 from tests.unit.test_status_watch import Scripted, scripted, status  # noqa: F401 - scripted is a fixture
 from undying.cli.main import main
-from undying.cli.status import render, slow_finding, watch
+from undying.cli.status import watch
+from undying.cli.status_view import render, slow_finding
 
 SLOW = {"id": 2, "kind": "slow_rank", "rank": 2, "step": 240, "action": "", "status": "observed", "mttr_s": None,
         "phases": {"detected": 0.412}, "error": "", "traceback": "",

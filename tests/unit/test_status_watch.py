@@ -16,7 +16,8 @@ import pytest
 from rich.console import Console
 
 from undying.cli.main import main
-from undying.cli.status import render, watch
+from undying.cli.status import watch
+from undying.cli.status_view import render
 from undying.jobfiles.events import EventLog
 from undying.jobfiles.tokens import TOKEN_ENV
 from undying.protocol.api_proof import HELLO_PATH, NONCE_HEADER, peer_name, proof_key, proof_of

@@ -13,16 +13,17 @@ from typing import Any
 
 import pytest
 
+import undying.trace.files as files_mod
 import undying.trace.writer as writer_mod
 from undying.errors import UsageError
-from undying.trace.writer import (
-    TraceWriter,
+from undying.trace.files import (
     default_job_label,
     default_trace_dir,
     is_trace_file,
     trace_file_name,
     trace_file_time,
 )
+from undying.trace.writer import TraceWriter
 
 
 @pytest.fixture
@@ -403,7 +404,7 @@ def test_own_file_deleted_under_the_writer_starts_a_new_one(
 
 def test_cap_tolerates_files_vanishing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = put_file(tmp_path / "A" / "0" / "20200101T000000.000000Z.ndjson", 100, OLD)
-    real_scandir = writer_mod._scandir
+    real_scandir = files_mod._scandir
 
     def racing_scandir(path: str) -> list[os.DirEntry[str]]:
         entries = real_scandir(path)
@@ -411,5 +412,5 @@ def test_cap_tolerates_files_vanishing(tmp_path: Path, monkeypatch: pytest.Monke
             f.unlink()  # a peer deletes it between listing and stat
         return entries
 
-    monkeypatch.setattr(writer_mod, "_scandir", racing_scandir)
-    assert writer_mod._scan_trace_files(tmp_path) == []
+    monkeypatch.setattr(files_mod, "_scandir", racing_scandir)
+    assert files_mod.scan_trace_files(tmp_path) == []

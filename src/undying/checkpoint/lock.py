@@ -36,7 +36,8 @@ A lock's record that cannot be written (a full disk) costs nothing locally:
 the lock is the kernel's, the refusal just cannot name the owner. A process
 holds a given folder once: asking again is a no-op (the launcher asks before
 the manager does). Held locks are released at exit; a killed process's are
-released by the kernel (local) or go stale (URL).
+released by the kernel (local) or go stale (URL). What the file's record says, and the
+stale rule, are ``lock_holder``.
 """
 
 from __future__ import annotations
@@ -45,111 +46,38 @@ import atexit
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
+from undying.checkpoint.lock_holder import (
+    STALE_S,
+    Holder,
+    boot_id,
+    holder_here,
+    pid_start,
+    stale_reason,
+)
 from undying.checkpoint.store import Store
 from undying.errors import UsageError
 
-__all__ = ["LOCK_NAME", "BEAT_S", "STALE_S", "DirInUseError", "Holder", "OwnerLock", "hold", "release",
-           "hold_job_dir", "live_owner", "release_all", "stale_reason", "read_holder"]
+__all__ = ["LOCK_NAME", "BEAT_S", "STALE_S", "DirInUseError", "OwnerLock", "hold", "release",
+           "hold_job_dir", "live_owner", "release_all", "read_holder"]
 
 log = logging.getLogger("undying.checkpoint")
 
 LOCK_NAME = "undying.lock"
 BEAT_S = 5.0  # the owner checks (local) or renews (URL) its lock this often
-STALE_S = 60.0  # a URL lock not renewed this long is stale (12 missed renewals)
 SETTLE_S = 0.5  # a URL taker reads its record back after this long: the last writer won
 
 
 class DirInUseError(UsageError):
     """Another process owns the folder (its lock is live); the message names it and what to do."""
 
-
-@dataclass(frozen=True)
-class Holder:
-    """What a lock file says about its owner."""
-
-    job_id: str
-    what: str  # "checkpoint dir", "job dir"
-    host: str
-    boot_id: str
-    pid: int
-    pid_start: int  # the pid's start time in clock ticks since boot (tells a reused pid from the owner)
-    nonce: str
-    since: float
-    beat: float
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Holder | None:
-        """The record, or None for anything that is not one (empty, a stranger's bytes)."""
-        try:
-            d = json.loads(raw)
-            return cls(str(d["job_id"]), str(d["what"]), str(d["host"]), str(d["boot_id"]), int(d["pid"]),
-                       int(d["pid_start"]), str(d["nonce"]), float(d["since"]), float(d["beat"]))
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def words(self) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"job {self.job_id} (pid {self.pid} on host {self.host}, since {since})"
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _pid_start(pid: int) -> int:
-    """The start time of ``pid`` (clock ticks since boot), 0 when it does not exist or cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _me(job_id: str, what: str) -> Holder:
-    now = time.time()
-    pid = os.getpid()
-    return Holder(job_id, what, socket.gethostname(), _boot_id(), pid, _pid_start(pid), secrets.token_hex(8), now, now)
-
-
-def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | None, host: str, boot_id: str,
-                 pid_start_here: Callable[[int], int], stale_s: float = STALE_S) -> str | None:
-    """Why a URL lock's record no longer holds its folder, or None while it does (pure but for the callable).
-
-    ``record_age_s``: how long ago the store says the record was written (None:
-    it does not say); ``pid_start_here``: a pid's start time on this host (0: gone).
-    """
-    if holder is None:
-        if record_age_s is not None and record_age_s > stale_s:
-            return f"its record is unreadable and {record_age_s:.0f}s old"
-        return None  # a stranger's scribble over a live owner's record: the owner writes it again
-    if holder.host == host and holder.boot_id == boot_id and holder.boot_id:
-        started = pid_start_here(holder.pid)
-        if started == 0:
-            return f"its process {holder.pid} on this host is gone"
-        if holder.pid_start and started != holder.pid_start:
-            return f"its pid {holder.pid} on this host is now another process"
-        return None  # its process exists here (running, or stopped: it may wake and write), whatever its beat
-    age = now - holder.beat
-    if age > stale_s:
-        return f"it was last renewed {age:.0f}s ago (stale after {stale_s:.0f}s)"
-    return None
 
 
 class OwnerLock:
@@ -329,8 +257,8 @@ class OwnerLock:
 
 
 def _stale(holder: Holder | None, age: float | None) -> str | None:
-    return stale_reason(holder, now=time.time(), record_age_s=age, host=socket.gethostname(), boot_id=_boot_id(),
-                        pid_start_here=_pid_start, stale_s=STALE_S)
+    return stale_reason(holder, now=time.time(), record_age_s=age, host=socket.gethostname(), boot_id=boot_id(),
+                        pid_start_here=pid_start, stale_s=STALE_S)
 
 
 def _read_url(store: Store, path: str) -> tuple[Holder | None, float | None]:
@@ -420,7 +348,7 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
         store.makedirs(store.root)
     except OSError as e:
         raise UsageError(f"{what} {store.url_of(store.root)} cannot be created ({e.strerror or e})") from e
-    lock = OwnerLock(store, _me(job_id, what), on_lost)
+    lock = OwnerLock(store, holder_here(job_id, what), on_lost)
     deadline = time.monotonic() + STALE_S + 2 * BEAT_S
     while not lock.take():
         other = read_holder(store)  # (not ours: reading it drops no lock of this process)

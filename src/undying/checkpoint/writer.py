@@ -1,7 +1,7 @@
 """The async writer: a save blocks the training loop only for a CPU copy; the write runs on a thread.
 
 ``AsyncCheckpointer`` splits a save into the only part that must block the
-training loop, a deep copy of the state into CPU memory (``cpu_copy``), and
+training loop, a deep copy of the state into CPU memory (``cpu_copy.py``), and
 the write (``replicated.save_replicated``), which runs in a background thread
 on that private copy; the live tensors are never read by the writer, so
 training may mutate them right after ``save`` returns. What happens when a
@@ -13,7 +13,6 @@ the commit are not: they live in ``replicated`` and ``commit``.
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import os
 import threading
@@ -23,15 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from undying.checkpoint.commit import SaveResult
+from undying.checkpoint.cpu_copy import cpu_copy
 from undying.checkpoint.manifest import Checksum
 from undying.checkpoint.replicated import save_replicated
 from undying.checkpoint.room import os_error_of, with_room
 from undying.checkpoint.store import CheckpointError, Store
 
-__all__ = ["CheckpointWriteError", "SaveTicket", "cpu_copy", "AsyncCheckpointer"]
+__all__ = ["CheckpointWriteError", "SaveTicket", "AsyncCheckpointer"]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -61,7 +59,6 @@ class CheckpointWriteError(CheckpointError):
         self.retry_in = retry_in
 
 
-
 @dataclass(frozen=True)
 class SaveTicket:
     """What ``AsyncCheckpointer.save`` returns at once: the stall it caused, or that it skipped."""
@@ -70,38 +67,6 @@ class SaveTicket:
     blocking_s: float
     waited_s: float
     skipped: bool
-
-
-def cpu_copy(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
-    """A deep copy of a state dict with every tensor cloned into CPU memory.
-
-    The clone is what makes async saving safe: the writer thread only ever sees
-    this copy. A tensor that appears twice (tied weights) is copied once and
-    stays shared, so torch.save stores it once, as it would have.
-    """
-    memo: dict[int, Any] = {} if _memo is None else _memo
-    key = id(obj)
-    if key in memo:
-        return memo[key]
-    out: Any
-    if isinstance(obj, torch.Tensor):
-        out = obj.detach().to("cpu", copy=True)
-    elif isinstance(obj, dict):
-        try:
-            out = type(obj)()
-        except TypeError:
-            out = {}
-        for k, v in obj.items():
-            out[k] = cpu_copy(v, memo)
-    elif isinstance(obj, list):
-        out = [cpu_copy(v, memo) for v in obj]
-    elif isinstance(obj, tuple):
-        items = [cpu_copy(v, memo) for v in obj]
-        out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    else:
-        out = copy.deepcopy(obj, {})
-    memo[key] = out
-    return out
 
 
 @dataclass

@@ -13,10 +13,12 @@ from pathlib import Path
 from undying import __version__
 from undying.config import TRACE_INITIAL
 from undying.errors import UsageError
-from undying.inputs import finite_arg, job_id_arg, open_user_file
+from undying.inputs import finite_arg, job_id_arg
 from undying.k8s import grace as grace_mod
-from undying.k8s.manifests import TRACE_SWITCH_FILE, Manifest, Spec, build
+from undying.k8s.manifests import Manifest, build
+from undying.k8s.spec import TRACE_SWITCH_FILE, Spec
 from undying.k8s.yamlout import dump, dump_all
+from undying.user_files import open_user_file
 
 __all__ = ["add_parser", "run", "spec_from_args"]
 

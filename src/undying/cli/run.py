@@ -1,4 +1,8 @@
-"""``undying run``: like torchrun, with faults recovered in place."""
+"""``undying run``: like torchrun, with faults recovered in place.
+
+Its options (``add_parser``) and the run itself; what the options make (the ``JobConfig``, the
+workers' variables) is ``cli/run_config.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,14 @@ import argparse
 import os
 import sys
 import time
-import uuid
 
-from undying.cli.limits import add_connection_arguments, connection_limits
+from undying.cli.limits import add_connection_arguments
 from undying.cli.refusal import Ledger
-from undying.cli.settings import add_setting, from_args
-from undying.cli.step_api import uses_step_api
+from undying.cli.run_config import config_from_args, numerics_env
+from undying.cli.settings import add_setting
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
-    apply_torchrun_arguments,
     nproc_arg,
-    resolve_nproc,
 )
 from undying.config import (
     AUTO_STEP_TIMEOUT_FACTOR,
@@ -28,7 +29,6 @@ from undying.config import (
     WHOLE_GROUP_LINE,
     CheckpointConfig,
     JobConfig,
-    LaunchConfig,
     Timeouts,
     TraceConfig,
 )
@@ -38,23 +38,18 @@ from undying.inputs import (
     check_address,
     check_environment,
     check_every,
-    check_folder,
-    check_job_id,
-    env_value,
     finite_arg,
     job_id_arg,
-    open_user_file,
 )
-from undying.jobfiles.jobdir import default_job_dir
 from undying.protocol.env import (
     NUMERICS_ENV,
     REPLICATE_ENV,
-    REPLICATE_EVERY_ENV,
     SEED_ENV,
     TOKEN_ENV,
     VERIFY_EVERY_ENV,
     VIRTUAL_RANKS_ENV,
 )
+from undying.user_files import check_folder, open_user_file
 
 __all__ = ["add_parser"]
 
@@ -325,37 +320,6 @@ def _skipped_share(raw: str) -> float:
     return value
 
 
-def numerics_env(args: argparse.Namespace) -> str | None:
-    """NUMERICS_ENV's value for ``--numerics`` and its sub-options (None: off), each checked by name."""
-    if args.numerics is None:
-        given = [o for o, v in (("--spike-factor", args.spike_factor), ("--rollback-steps", args.rollback_steps),
-                                ("--max-skips-in-a-row", args.max_skips_in_a_row),
-                                ("--max-skipped-share", args.max_skipped_share)) if v is not None]
-        if given:
-            verb = "apply" if len(given) > 1 else "applies"
-            raise UsageError(f"{' and '.join(given)} {verb} to the numeric checks: add --numerics skip|rollback|stop")
-        return None
-    if args.rollback_steps is not None and args.numerics != "rollback":
-        raise UsageError(f"--rollback-steps applies to --numerics rollback, not --numerics {args.numerics}")
-    bounds = [o for o, v in (("--max-skips-in-a-row", args.max_skips_in_a_row),
-                             ("--max-skipped-share", args.max_skipped_share)) if v is not None]
-    if bounds and args.numerics == "stop":
-        raise UsageError(f"{bounds[0]} applies to --numerics skip or rollback (they skip steps), not --numerics stop")
-    if args.spike_factor is not None and not args.spike_factor > 1:
-        raise UsageError(f"--spike-factor must be above 1 (a multiple of the recent median loss, e.g. 10), "
-                         f"got {args.spike_factor:g}")
-    fields = [f"on_persistent={args.numerics}"]
-    if args.spike_factor is not None:
-        fields.append(f"spike_factor={args.spike_factor!r}")
-    if args.rollback_steps is not None:
-        fields.append(f"rollback_steps={args.rollback_steps}")
-    if args.max_skips_in_a_row is not None:
-        fields.append(f"max_skips_in_a_row={args.max_skips_in_a_row}")
-    if args.max_skipped_share is not None:
-        fields.append(f"max_skipped_share={args.max_skipped_share!r}")
-    return ",".join(fields)
-
-
 def _nnodes(raw: str) -> tuple[int, int]:
     """``N`` or ``MIN:MAX`` (as torchrun takes it)."""
     low, sep, high = raw.partition(":")
@@ -366,59 +330,6 @@ def _nnodes(raw: str) -> tuple[int, int]:
     if not 1 <= fewest <= most:
         raise UsageError(f"--nnodes {raw}: needs 1 <= MIN <= MAX")
     return fewest, most
-
-
-def config_from_args(args: argparse.Namespace) -> JobConfig:
-    apply_torchrun_arguments(args)
-    fewest, most = args.nnodes
-    if args.manager is None and (most != 1 or args.node_rank != 0):
-        raise UsageError(
-            "--nnodes > 1 needs --manager HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT): start "
-            "`undying manager --job-id J` on one host, then `undying run --nnodes N --node-rank I --manager "
-            "HOST:PORT --job-id J ...` on every node"
-            + (f" (torchrun's static rendezvous at --master-addr {args.master_addr}: run the manager there)"
-               if args.master_addr else "")
-        )
-    if args.standby and (args.manager is None or args.node_rank != 0):
-        raise UsageError("--standby needs --manager HOST:PORT and takes no --node-rank: the manager gives a "
-                         "standby the rank of the node it replaces")
-    if args.manager is not None and not args.job_id:
-        raise UsageError("--manager needs --job-id: the id the manager was started with (torchrun's flags: "
-                         "--rdzv-endpoint needs --rdzv-id)")
-    step_api = uses_step_api(args.script, module=args.module, no_python=args.no_python)
-    if args.max_restarts is None:
-        args.max_restarts = JobConfig.max_restarts
-    elif step_api:  # the one flag whose meaning changed: said where it could be read the old way
-        sys.stderr.write(f"undying: note: --max-restarts {args.max_restarts} bounds whole-group restarts "
-                         f"(torchrun's meaning); recoveries at one step are bounded by --max-step-recoveries "
-                         f"({args.max_step_recoveries})\n")
-    job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    check_job_id(job_id)
-    # Each field from its option by the rule (--a-b: a_b, cli/settings.py), but the values derived here.
-    return from_args(
-        JobConfig, args,
-        job_id=job_id,
-        job_id_given=args.job_id is not None,
-        job_dir=str(args.job_dir or default_job_dir(job_id)),
-        nproc_per_node=resolve_nproc(args.nproc_per_node),
-        nnodes=most,
-        min_nodes=fewest if fewest < most else 0,
-        step_api=step_api,
-        launch=from_args(LaunchConfig, args),
-        timeouts=from_args(Timeouts, args),
-        checkpoint=from_args(
-            CheckpointConfig, args,
-            # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader, named if bad)
-            replicate=args.replicate or env_value(REPLICATE_ENV) or CheckpointConfig.replicate,
-            replicate_every=args.replicate_every if args.replicate_every is not None
-            else env_value(REPLICATE_EVERY_ENV) or CheckpointConfig.replicate_every,
-        ),
-        connections=connection_limits(args),
-        trace=from_args(
-            TraceConfig, args,
-            trace_switch_file=os.path.abspath(args.trace_switch_file) if args.trace_switch_file else "",
-        ),
-    )
 
 
 def run(args: argparse.Namespace) -> int:

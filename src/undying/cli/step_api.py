@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from undying.errors import UsageError
-from undying.inputs import open_user_file
+from undying.user_files import open_user_file
 
 __all__ = ["uses_step_api"]
 

@@ -5,7 +5,8 @@ What belongs here: the job dir's layout and its lock (``jobdir``: the folder,
 owns its files and their modes (``ownership``: 0700 and 0600 whatever the
 umask, a stranger's file refused), the token's file and where a caller finds
 it (``tokens``), the SQLite event log, its writer and its readers (``events``,
-with ``held_writes`` beneath it: the one module that speaks SQL), and the
+with ``held_writes`` beneath it: the one module that speaks SQL; its rows as Python
+reads them, ``log_rows``), and the
 records the log stores (``records``: the job's and the ranks' states,
 incidents, the job's state machine), and the pure computations over them that
 the manager and the command line both make (``progress``, ``goodput``,

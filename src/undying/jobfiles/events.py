@@ -7,7 +7,7 @@ timer and at once for anything a person would look for (incidents, states).
 
 This is the one module that speaks SQL (``held_writes`` only replays the
 statements it is handed). Everything else reads a log through ``LogReader``
-and the typed rows below, and a restarted manager through
+and the typed rows of ``log_rows``, and a restarted manager through
 ``EventLog.saved_job``, so the schema can change here without a hunt for
 queries in the command line, the demo, the oracle or the manager.
 """
@@ -15,34 +15,34 @@ queries in the command line, the demo, the oracle or the manager.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
-import math
 import os
 import sqlite3
 import time
 import urllib.parse
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar
 
-import msgspec
-
 from undying.errors import UsageError
 from undying.jobfiles.held_writes import HeldWrites
-from undying.jobfiles.records import Incident, RankInfo, RankState
+from undying.jobfiles.log_rows import (
+    Commit,
+    LoggedEvent,
+    SavedJob,
+    incident_from_row,
+    metrics_json,
+    rank_from_row,
+)
+from undying.jobfiles.records import Incident
 
 __all__ = [
     "SCHEMA_VERSION",
     "EventLog",
-    "SavedJob",
     "LogReader",
-    "Commit",
-    "LoggedEvent",
     "read_job",
     "read_job_table",
     "connect_readonly",
@@ -70,83 +70,6 @@ CREATE INDEX IF NOT EXISTS steps_by_step ON steps (step, rank);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
 
-
-_encode_json = msgspec.json.Encoder().encode
-
-
-def _metrics_json(metrics: Mapping[str, float | str]) -> str:
-    """A commit's metrics as the steps table keeps them (JSON text), on the path of every rank's every step.
-
-    msgspec writes it 30x faster than ``json.dumps``; but it writes NaN and
-    infinities as null, and a NaN loss must read back as NaN (the oracle
-    compares losses), so those rare rows take ``json.dumps``, which keeps them.
-    """
-    if all(not isinstance(v, str) and math.isfinite(v) for v in metrics.values()):
-        return _encode_json(metrics).decode()
-    return json.dumps({k: float(v) for k, v in metrics.items()})  # ("inf", "nan": how the wire carries them)
-
-
-@dataclass(frozen=True)
-class Commit:
-    """One rank's commit of one step, as logged (a step re-run after a fault is logged again)."""
-
-    rank: int
-    step: int
-    generation: int
-    t: float
-    metrics: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "generation": self.generation, "t": self.t,
-                "metrics": self.metrics}
-
-
-@dataclass(frozen=True)
-class LoggedEvent:
-    """One row of the events table: what happened, when, to which rank, with its details."""
-
-    id: int
-    t: float
-    generation: int | None
-    rank: int | None
-    kind: str
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class SavedJob:
-    """What a restarted manager reads back to carry on the job (``EventLog.saved_job``).
-
-    ``facts`` is the job table (state, generation, layout, sessions, ...);
-    ``ranks`` each rank as last written, by rank (a row is not rewritten per
-    step: ``committed`` says how far each rank got); ``incidents`` every
-    incident as last written, oldest first, its phases absolute times again.
-    """
-
-    facts: dict[str, Any]
-    ranks: list[RankInfo]
-    committed: dict[int, set[int]]
-    incidents: list[Incident]
-    # What the step clock is fed again (progress, goodput): every commit (rank, step, time) in time order,
-    # and the plan and checkpoint reports (kind, time, data) in order.
-    commits: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
-    reports: list[tuple[str, float, dict[str, Any]]] = dataclasses.field(default_factory=list)
-
-
-def _rank_from_row(view: dict[str, Any]) -> RankInfo:
-    """The inverse of ``RankInfo.to_dict`` (what ``EventLog.rank`` is given to write)."""
-    return RankInfo(rank=int(view["rank"]), node=int(view["node"]), pid=int(view["pid"]),
-                    state=RankState(view["state"]), step=int(view["step"]), generation=int(view["generation"]),
-                    restarts=int(view["restarts"]), last_seen=float(view["last_seen"]),
-                    incarnation=int(view.get("incarnation", 0)))
-
-
-def _incident_from_row(view: dict[str, Any]) -> Incident:
-    """The inverse of ``Incident.to_dict`` (what ``EventLog.incident`` writes): phases back to absolute times."""
-    return Incident(id=view["id"], kind=view["kind"], rank=view["rank"], step=view["step"],
-                    fault_t=view["fault_t"], recovery=view["recovery"], action=view["action"],
-                    status=view["status"], phases={k: view["fault_t"] + v for k, v in view["phases"].items()},
-                    error=view["error"], traceback=view["traceback"], detail=view["detail"])
 
 
 class EventLog:
@@ -238,9 +161,9 @@ class EventLog:
             commits.append((int(rank), int(step), float(t)))
         return SavedJob(
             facts=_job_facts(self._db),
-            ranks=[_rank_from_row(json.loads(d)) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
+            ranks=[rank_from_row(json.loads(d)) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
             committed=dict(committed),
-            incidents=[_incident_from_row(json.loads(d))
+            incidents=[incident_from_row(json.loads(d))
                        for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
             commits=commits,
             reports=[(str(k), float(t), json.loads(d)) for k, t, d in self._db.execute(
@@ -268,7 +191,7 @@ class EventLog:
     def step(self, rank: int, step: int, generation: int, t: float, metrics: Mapping[str, float | str]) -> None:
         self._exec(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            (rank, step, generation, t, _metrics_json(metrics)),
+            (rank, step, generation, t, metrics_json(metrics)),
         )
         self._dirty = True
 
@@ -276,7 +199,7 @@ class EventLog:
         """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
         self._exec_many(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            [(rank, step, generation, t, _metrics_json(metrics)) for rank, step, generation, t, metrics in rows],
+            [(rank, step, generation, t, metrics_json(metrics)) for rank, step, generation, t, metrics in rows],
         )
         self._dirty = True
 

@@ -29,9 +29,9 @@ import stat
 from pathlib import Path
 
 from undying.errors import UsageError
-from undying.inputs import open_user_file
 from undying.jobfiles.ownership import check_trusted, private_dir, write_private
 from undying.protocol.keys import TOKEN_ENV
+from undying.user_files import open_user_file
 
 __all__ = [
     "TOKEN_FILE",

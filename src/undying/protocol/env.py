@@ -51,7 +51,7 @@ NUMERICS_ENV = "UNDYING_NUMERICS"
 # `--verify-every K`: every K steps one rank's step is replayed (worker/verify.py).
 VERIFY_EVERY_ENV = "UNDYING_VERIFY_EVERY"
 # `--replicate off|ring`: in-memory replicas of each shard (worker/replica.py; and the
-# launcher's value when the flag is not given, cli/run.py).
+# launcher's value when the flag is not given, cli/run_config.py).
 REPLICATE_ENV = "UNDYING_REPLICATE"
 # `--replicate-every N`: replicate every N steps (the same readers).
 REPLICATE_EVERY_ENV = "UNDYING_REPLICATE_EVERY"

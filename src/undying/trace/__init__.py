@@ -8,7 +8,7 @@ The worker side of tracing; the record format is in ``docs/tracing.md``.
   written from a background thread so training never waits on the disk.
 - ``Tracer``: the markers themselves (``emit``, ``span``) and listeners.
 
-The trace files' names and folders (``writer``), the per-window step summaries
+The trace files' names and folders (``files``), the per-window step summaries
 (``summary``), the online slow-rank detector (``detect``) and the offline
 analysis and report (``analyze``, ``report``) are imported from their modules.
 """

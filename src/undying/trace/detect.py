@@ -82,76 +82,31 @@ realistic noise (per-rank step jitter of 10-15% plus occasional 2x steps, 2 to
 the step found within 50 steps in each phase; on real traces of a 4-rank job
 on a 2-core machine, no finding in the uniform job and the slowed rank found
 20 steps after the slowdown began. See docs/diagnosis.md.
+
+The window's arithmetic (each rank's excess, a node's, what the others waited
+for) is ``trace/excess.py``; what is kept per rank and node, and the numbers a
+finding shows, ``trace/evidence.py``; this module decides.
 """
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from undying.trace.evidence import Track, evidence_of, factor_of, onset_of, rounded, step_factor
+from undying.trace.excess import (
+    judged_basis,
+    node_excess,
+    others_medians,
+    waited_for,
+    window_excess,
+)
 from undying.trace.finding import Finding, describe_finding, onset
 
 __all__ = ["Finding", "SlowDetector", "PHASES", "describe_finding", "onset", "run_detector"]
 
 PHASES = ("compute", "data", "ckpt")
-
-
-def _median_without(values: list[float], i: int) -> float:
-    """Median of sorted ``values`` with the element at index ``i`` left out, in O(1)."""
-    n = len(values) - 1
-
-    def at(k: int) -> float:
-        return values[k if k < i else k + 1]
-
-    if n % 2:
-        return at(n // 2)
-    return (at(n // 2 - 1) + at(n // 2)) / 2
-
-
-def _others_medians(values: dict[int, float]) -> dict[int, float]:
-    """For each rank, the median of the other ranks' values (O(n log n) for all of them)."""
-    order = sorted(values, key=lambda r: values[r])
-    sorted_vals = [values[r] for r in order]
-    return {r: _median_without(sorted_vals, i) for i, r in enumerate(order)}
-
-
-# Windows of history a track keeps for its onset and size (a finding needs a few; 64 is ample).
-_HISTORY = 64
-
-
-@dataclass
-class _Track:
-    """What the detector remembers about one (rank, phase) or (node, phase)."""
-
-    evidence: float = 0.0  # accumulated excess, in bars (see the module doc)
-    since: int = 0  # first step of the window where the evidence last rose from 0
-    run_sum: float = 0.0  # excess (seconds) summed over the windows since then
-    run_n: int = 0
-    active: bool = False  # reported and not recovered
-    calm: int = 0  # consecutive windows that added no evidence
-    deferred: int = 0  # windows this rank's report waited for its node-mates
-    # Sums of the numbers shown as evidence, over the windows that added to it.
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    basis: str = ""
-    # (first step, bars, seconds) of each window since the evidence last rose from 0,
-    # the newest last: where the slowdown began and how large it is are read from these.
-    history: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
-    # The windows' median steps before the evidence rose (the job before the slowdown): a few,
-    # as a loaded machine's step time wanders from one window to the next.
-    base_steps: deque[float] = field(default_factory=lambda: deque(maxlen=3))
-
-    @property
-    def base_step(self) -> float:
-        return median(self.base_steps) if self.base_steps else 0.0
-
-    def mean(self, key: str) -> float | None:
-        n = self.counts.get(key, 0)
-        return self.sums[key] / n if n else None
 
 
 class SlowDetector:
@@ -206,14 +161,14 @@ class SlowDetector:
         self._gen = 0
         self._max_seen = -(2**62)
         self._ranks: set[int] = set()
-        self._tracks: dict[tuple[int, str], _Track] = {}
-        self._node_tracks: dict[tuple[str, str], _Track] = {}
+        self._tracks: dict[tuple[int, str], Track] = {}
+        self._node_tracks: dict[tuple[str, str], Track] = {}
 
-    def _track(self, rank: int, phase: str) -> _Track:
-        return self._tracks.setdefault((rank, phase), _Track())
+    def _track(self, rank: int, phase: str) -> Track:
+        return self._tracks.setdefault((rank, phase), Track())
 
-    def _node_track(self, node: str, phase: str) -> _Track:
-        return self._node_tracks.setdefault((node, phase), _Track())
+    def _node_track(self, node: str, phase: str) -> Track:
+        return self._node_tracks.setdefault((node, phase), Track())
 
     @property
     def report_at(self) -> float:
@@ -290,16 +245,16 @@ class SlowDetector:
         first = min(int(s.get("first_step") or 0) for s in rows.values())
         comm_known = all(s.get("comm") is not None for s in rows.values())
         comm = {r: float(s["comm"]) for r, s in rows.items()} if comm_known else {}
-        comm_others = _others_medians(comm) if comm_known else {}
+        comm_others = others_medians(comm) if comm_known else {}
         groups = self._node_groups(rows)
         found: list[Finding] = []
-        waited = self._waited_for(rows, step, comm, comm_others)
+        waited = waited_for(rows, step, comm, comm_others, self.threshold)
         for phase in PHASES:
-            basis = self._basis(phase, rows, step, comm)
+            basis = judged_basis(phase, rows, comm)
             if basis is None:
                 continue
             values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
-            per_rank = self._excess(phase, basis, values, step, comm, comm_others)
+            per_rank = window_excess(phase, basis, values, step, comm, comm_others, self.threshold)
             if basis == "compute" and waited:
                 # What a rank waited for another's data or checkpoint outside the traced collectives
                 # (a script's own all_reduce) shows as its compute: not its own slowness.
@@ -309,10 +264,10 @@ class SlowDetector:
             fpv: dict[int, float] | None = None
             if phase == "compute" and basis == "compute":
                 # With comm markers too, the forward pass is a second witness (see the module doc).
-                fpb = self._basis(phase, rows, step, {})
+                fpb = judged_basis(phase, rows, {})
                 if fpb == "fp":
                     fpv = {r: float(s.get("fp") or 0.0) for r, s in rows.items()}
-                    fp_excess = self._excess(phase, "fp", fpv, step, {}, {})
+                    fp_excess = window_excess(phase, "fp", fpv, step, {}, {}, self.threshold)
             for rank, (x, ev) in per_rank.items():
                 z = x / bar if ev.get("corroborated", True) else 0.0
                 if rank in fp_excess and fp_excess[rank][0] / bar > z:
@@ -321,9 +276,9 @@ class SlowDetector:
                     z = x / bar
                 self._update(self._track(rank, phase), z, x, first, ev, step)
             for node, ranks in groups.items():
-                zs, xs = self._node_excess(ranks, values, comm, bar)
+                zs, xs = node_excess(ranks, values, comm, bar)
                 if fpv is not None:  # the forward pass witnesses for a node as it does for its ranks
-                    fzs, fxs = self._node_excess(ranks, fpv, {}, bar)
+                    fzs, fxs = node_excess(ranks, fpv, {}, bar)
                     if min(fzs) > min(zs):
                         zs, xs = fzs, fxs
                 z = min(zs)  # the node is as slow as its least slow rank: all of them, or it is not the node
@@ -332,30 +287,7 @@ class SlowDetector:
             found.extend(self._decide(phase, per_rank, groups))
         return found
 
-    def _waited_for(
-        self, rows: dict[int, dict[str, Any]], step: float, comm: dict[int, float], comm_others: dict[int, float]
-    ) -> dict[int, float]:
-        """Per rank, its largest excess this window in data or checkpoint: what the others waited for it.
-
-        The others wait for a rank slow in data or checkpoint; where no marker
-        catches that wait (a collective of the script's own, not DDP's) it reads
-        as their compute. With 2 ranks the other's median is the slow rank
-        itself, so the fast one's compute excess is as large as the slow one's
-        data excess: seen in a real 2-rank job whose rank 1 was slowed in data,
-        where rank 0 was also found "compute-slow" by the same +3.5 ms. (With 3
-        ranks, half of it; from 4 the median of the others holds the wait.)
-        Only with comm markers: without them compute is judged by the forward pass.
-        """
-        if not comm:
-            return {}
-        out: dict[int, float] = {}
-        for phase in ("data", "ckpt"):
-            values = {r: float(s.get(phase) or 0.0) for r, s in rows.items()}
-            for r, (x, _) in self._excess(phase, phase, values, step, comm, comm_others).items():
-                out[r] = max(out.get(r, 0.0), x)
-        return {r: x for r, x in out.items() if x > 0}
-
-    def _update(self, track: _Track, z: float, x: float, first: int, ev: dict[str, Any], step: float) -> None:
+    def _update(self, track: Track, z: float, x: float, first: int, ev: dict[str, Any], step: float) -> None:
         """Add one window's excess (``z`` in bars, ``x`` in seconds) to a rank's or node's evidence."""
         before = track.evidence
         gain = min(z, 2.0) - self.slack
@@ -418,21 +350,6 @@ class SlowDetector:
             found.append(self._rank_finding(rank, phase, track))
         return found
 
-    def _node_excess(
-        self, ranks: list[int], values: dict[int, float], comm: dict[int, float], bar: float
-    ) -> tuple[list[float], list[float]]:
-        """A node's ranks' excess over the median of the ranks on other nodes: in bars, and in seconds."""
-        inside = set(ranks)
-        outside = sorted(v for r, v in values.items() if r not in inside)
-        out_comm = sorted(c for r, c in comm.items() if r not in inside)
-        m = median(outside)
-        xs = [values[r] - m for r in ranks]
-        zs = [x / bar for x in xs]
-        if out_comm:  # with comm known, each of them must also wait less than the ranks elsewhere
-            mc = median(out_comm)
-            zs = [z if comm[r] < mc else 0.0 for z, r in zip(zs, ranks, strict=True)]
-        return zs, xs
-
     def phase_excess(
         self,
         phase: str,
@@ -451,52 +368,11 @@ class SlowDetector:
         cannot be judged in this window. For reports and benches: ``add`` does
         the same arithmetic.
         """
-        basis = self._basis(phase, rows, step, comm)
+        basis = judged_basis(phase, rows, comm)
         if basis is None:
             return {}
         values = {r: float(s.get(basis) or 0.0) for r, s in rows.items()}
-        return self._excess(phase, basis, values, step, comm, comm_others)
-
-    def _basis(
-        self, phase: str, rows: dict[int, dict[str, Any]], step: float, comm: dict[int, float]
-    ) -> str | None:
-        """Which summary value a phase is judged by; None when it cannot be judged in this window."""
-        if phase != "compute" or comm:
-            return phase
-        # Without comm records compute includes the wait for the slowest rank:
-        # judge by the forward pass, the one piece of compute measured alone.
-        # Whatever share of the step it is: excess is measured in bars of the step, so a
-        # forward pass that is a sliver of a long step cannot make noise look like a bar.
-        fp = [float(s.get("fp") or 0.0) for s in rows.values()]
-        return "fp" if median(fp) > 0 else None
-
-    def _excess(
-        self,
-        phase: str,
-        basis: str,
-        values: dict[int, float],
-        step: float,
-        comm: dict[int, float],
-        comm_others: dict[int, float],
-    ) -> dict[int, tuple[float, dict[str, Any]]]:
-        """Each rank's excess (seconds per step) over the others' median, with its evidence."""
-        others = _others_medians(values)
-        top = max(values.values())
-        out: dict[int, tuple[float, dict[str, Any]]] = {}
-        for r, v in values.items():
-            m = others[r]
-            ev: dict[str, Any] = {
-                "basis": basis, "value": v, "others_median": m,
-                "factor": (v / m) if m > 0 else None, "step": step, "bar": self.threshold * step,
-                "comm": comm.get(r), "others_comm": comm_others.get(r), "longest": v >= top,
-            }  # fmt: skip
-            if comm:
-                ev["shortest_comm"] = comm[r] <= min(comm.values())
-                if phase == "compute":
-                    # The one the others wait for waits least itself.
-                    ev["corroborated"] = comm[r] < comm_others[r]
-            out[r] = (v - m, ev)
-        return out
+        return window_excess(phase, basis, values, step, comm, comm_others, self.threshold)
 
     def _node_groups(self, rows: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
         """This window's nodes that hold 2 ranks or more; none when all its ranks are on one node."""
@@ -510,58 +386,39 @@ class SlowDetector:
 
     # --- findings -------------------------------------------------------------
 
-    def _evidence(self, track: _Track) -> dict[str, Any]:
-        """The numbers behind a finding: means over the windows that were slow."""
-        ev: dict[str, Any] = {"basis": track.basis}
-        for key in ("value", "others_median", "comm", "others_comm", "step", "bar"):
-            ev[key] = _round(track.mean(key))
-        ev["windows"] = track.run_n
-        ev["evidence"] = round(track.evidence, 3)
-        return ev
-
-    def _factor(self, ev: dict[str, Any]) -> float | None:
-        value, others = ev.get("value"), ev.get("others_median")
-        if value is None or not others:
-            return None
-        return round(value / others, 6)
-
-    def _rank_finding(self, rank: int, phase: str, track: _Track) -> Finding:
-        ev = self._evidence(track)
+    def _rank_finding(self, rank: int, phase: str, track: Track) -> Finding:
+        ev = evidence_of(track)
         # In every slow window: the longest of all ranks in that phase, the shortest collective wait.
         ev["longest"] = track.sums.get("longest", 0.0) == track.counts.get("longest", -1)
         if "shortest_comm" in track.counts:
             ev["shortest_comm"] = track.sums["shortest_comm"] == track.counts["shortest_comm"]
-        since, excess = self._onset(track)
+        since, excess = onset_of(track)
         return Finding(
             kind="slow_rank", rank=rank, node=self.nodes.get(rank, ""), ranks=[rank], phase=phase,
-            factor=self._factor(ev), excess_s=round(excess, 6), since_step=since,
-            step_factor=_step_factor(track.base_step, excess), evidence=ev,
+            factor=factor_of(ev), excess_s=round(excess, 6), since_step=since,
+            step_factor=step_factor(track.base_step, excess), evidence=ev,
         )  # fmt: skip
 
-    def _node_finding(self, node: str, ranks: list[int], phase: str, nt: _Track) -> Finding:
+    def _node_finding(self, node: str, ranks: list[int], phase: str, nt: Track) -> Finding:
         tracks = [self._track(r, phase) for r in ranks]
-        evs = [self._evidence(t) for t in tracks]
+        evs = [evidence_of(t) for t in tracks]
 
         def mean(key: str) -> float | None:
             xs = [e[key] for e in evs if e.get(key) is not None]
-            return _round(sum(xs) / len(xs)) if xs and len(xs) == len(evs) else None
+            return rounded(sum(xs) / len(xs)) if xs and len(xs) == len(evs) else None
 
         ev: dict[str, Any] = {"basis": evs[0]["basis"] or phase}
         for key in ("value", "others_median", "comm", "others_comm", "step", "bar"):
             ev[key] = mean(key)
         ev["windows"] = nt.run_n
         ev["evidence"] = round(nt.evidence, 3)
-        ev["per_rank_excess"] = {str(r): _round(nt.mean(f"rank{r}")) for r in ranks}
-        since, excess = self._onset(nt)
+        ev["per_rank_excess"] = {str(r): rounded(nt.mean(f"rank{r}")) for r in ranks}
+        since, excess = onset_of(nt)
         return Finding(
             kind="slow_node", rank=-1, node=node, ranks=list(ranks), phase=phase,
-            factor=self._factor(ev), excess_s=round(excess, 6), since_step=since,
-            step_factor=_step_factor(nt.base_step, excess), evidence=ev,
+            factor=factor_of(ev), excess_s=round(excess, 6), since_step=since,
+            step_factor=step_factor(nt.base_step, excess), evidence=ev,
         )  # fmt: skip
-
-    def _onset(self, track: _Track) -> tuple[int, float]:
-        found = onset(track.history)
-        return found if found is not None else (track.since, track.run_sum / max(1, track.run_n))
 
     # --- for reports ----------------------------------------------------------
 
@@ -574,18 +431,6 @@ class SlowDetector:
 
     def _node_ranks(self, node: str) -> list[int]:
         return [r for r, n in self.nodes.items() if n == node]
-
-
-def _step_factor(base_step: float, excess: float) -> float | None:
-    return round((base_step + excess) / base_step, 4) if base_step > 0 else None
-
-
-def _round(v: Any) -> Any:
-    if isinstance(v, float):
-        return round(v, 6) if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _round(x) for k, x in v.items()}
-    return v
 
 
 def run_detector(summaries: Iterable[dict[str, Any]], detector: SlowDetector) -> list[Finding]:

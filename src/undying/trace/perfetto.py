@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from undying.trace.analyze import find_job_dir
-from undying.trace.writer import is_trace_file
+from undying.trace.files import is_trace_file
 
 __all__ = ["chrome_trace", "write_chrome_trace", "THREADS"]
 

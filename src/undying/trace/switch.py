@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from undying.inputs import open_regular
 from undying.protocol.trace_switch import SWITCH_EXAMPLE, TraceSwitch, TraceSwitchError
+from undying.user_files import open_regular
 
 __all__ = ["read_switch_file", "SwitchFileWatcher"]
 

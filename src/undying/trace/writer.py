@@ -1,8 +1,8 @@
 """Trace record files: newline-delimited JSON, per rank, named by creation time.
 
 Layout: ``<trace_dir>/<job_id>/<rank>/<UTC timestamp>.ndjson``, e.g.
-``traces/J/2/20261123T101501.123456Z.ndjson``. Names sort in time order, so
-"newest" and "oldest" are a plain sort, across ranks and jobs alike.
+``traces/J/2/20261123T101501.123456Z.ndjson`` (the names and folders are
+``files``). Names sort in time order, so "newest" and "oldest" are a plain sort.
 
 The training thread only ever appends a dict to a bounded in-memory queue:
 tracing must never stall or crash training, so ``write`` does no I/O, takes no
@@ -12,7 +12,7 @@ replaced by a file) drops records and counts them, warns once per kind of
 failure, and tries again with the next records.
 
 The trace folder is capped (``max_dir_bytes``): past the cap the oldest 20% of
-trace files under it, all jobs and ranks, are deleted. Only files this module
+trace files under it, all jobs and ranks, are deleted. Only files this writer
 names (timestamp pattern, inside ``<job>/<rank>/``) count or are deleted, so
 anything a user keeps there is safe. Several ranks' writers share the folder
 and enforce the cap independently; each tolerates files a peer just deleted.
@@ -22,40 +22,28 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime as _dt
 import json
 import logging
 import math
 import os
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from undying.errors import UsageError
+from undying.trace.files import (
+    ends_with_newline,
+    newest_trace_file,
+    scan_trace_files,
+    trace_file_name,
+    trace_file_time,
+)
 
-__all__ = [
-    "TRACE_FILE_PATTERN",
-    "TRACE_FILE_SUFFIX",
-    "TRACE_FILE_TIME_FORMAT",
-    "TRACES_DIRNAME",
-    "TraceWriter",
-    "default_job_label",
-    "default_trace_dir",
-    "is_trace_file",
-    "trace_file_name",
-    "trace_file_time",
-]
+__all__ = ["TraceWriter", "CAP_CHECK_BYTES", "CAP_DELETE_FRACTION"]
 
 log = logging.getLogger("undying.trace")
 
-TRACES_DIRNAME = "traces"
-TRACE_FILE_SUFFIX = ".ndjson"
-# strftime format of a trace file's name (without the suffix): UTC, microseconds.
-TRACE_FILE_TIME_FORMAT = "%Y%m%dT%H%M%S.%fZ"
-# The names this module creates and, under the cap, may delete.
-TRACE_FILE_PATTERN = re.compile(r"\d{8}T\d{6}\.\d{6}Z\.ndjson")
 
 # The cap is checked when a file is opened and after this many bytes written.
 CAP_CHECK_BYTES = 1_000_000
@@ -68,36 +56,6 @@ _LIVE_FILE_S = 600.0
 _POLL_S = 0.1
 # At most this many bytes are encoded before they are written out.
 _CHUNK_BYTES = 1_000_000
-
-
-def is_trace_file(name: str) -> bool:
-    """Whether a file name is one this module creates (``20261123T101501.123456Z.ndjson``)."""
-    return TRACE_FILE_PATTERN.fullmatch(name) is not None
-
-
-def trace_file_name(t: float) -> str:
-    """The file name for a file created at wall time ``t`` (seconds since the epoch)."""
-    when = _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc)
-    return when.strftime(TRACE_FILE_TIME_FORMAT) + TRACE_FILE_SUFFIX
-
-
-def trace_file_time(name: str) -> float:
-    """The creation time a trace file name encodes; ``ValueError`` if it is not one."""
-    if not is_trace_file(name):
-        raise ValueError(f"not a trace file name: {name!r}")
-    stem = name[: -len(TRACE_FILE_SUFFIX)]
-    when = _dt.datetime.strptime(stem, TRACE_FILE_TIME_FORMAT)
-    return when.replace(tzinfo=_dt.timezone.utc).timestamp()
-
-
-def default_trace_dir(job_dir: Path) -> Path:
-    """Where traces go by default: ``<job dir>/traces``, next to the job's other files."""
-    return Path(job_dir) / TRACES_DIRNAME
-
-
-def default_job_label() -> str:
-    """A job folder name for a job with no id: fixed prefix plus the UTC start time."""
-    return "job-" + _dt.datetime.now(tz=_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 class TraceWriter:
@@ -315,7 +273,7 @@ class TraceWriter:
         """Open the current, else the newest, else a new file of this rank for appending."""
         first = self._path is None  # a reopen after a write error is not a new file
         os.makedirs(self.rank_dir, exist_ok=True)
-        newest = _newest_trace_file(self.rank_dir)
+        newest = newest_trace_file(self.rank_dir)
         candidate = None if new else (self._path or newest)
         if candidate is not None:
             try:
@@ -325,7 +283,7 @@ class TraceWriter:
             if size is not None and size < self.max_file_bytes:
                 fd = os.open(candidate, os.O_WRONLY | os.O_APPEND)
                 self._fd, self._path, self._size = fd, candidate, size
-                if size > 0 and not _ends_with_newline(candidate):
+                if size > 0 and not ends_with_newline(candidate):
                     # A line cut by a crash or a full disk: end it so ours parse.
                     _write_all(fd, b"\n")
                     self._size += 1
@@ -373,7 +331,7 @@ class TraceWriter:
     def _enforce_cap(self) -> None:
         """Past ``max_dir_bytes``, delete the oldest 20% of trace files (never ours)."""
         try:
-            files = _scan_trace_files(self.trace_dir)
+            files = scan_trace_files(self.trace_dir)
         except OSError as e:
             self._warn_once(f"cap:{e.errno}", "cannot check the trace folder size: %s", e)
             return
@@ -422,66 +380,6 @@ class TraceWriter:
         log.warning(msg, *args)
 
 
-class _FileInfo:
-    __slots__ = ("path", "size", "mtime")
-
-    def __init__(self, path: Path, size: int, mtime: float) -> None:
-        self.path = path
-        self.size = size
-        self.mtime = mtime
-
-
-def _scan_trace_files(trace_dir: Path) -> list[_FileInfo]:
-    """Every trace file in ``<trace_dir>/<job>/<rank>/``; vanished entries are skipped."""
-    out: list[_FileInfo] = []
-    with os.scandir(trace_dir) as jobs:
-        for job in jobs:
-            if not _is_dir(job):
-                continue
-            for rank in _scandir(job.path):
-                if not rank.name.isdigit() or not _is_dir(rank):
-                    continue
-                for entry in _scandir(rank.path):
-                    if not is_trace_file(entry.name):
-                        continue
-                    try:
-                        if not entry.is_file(follow_symlinks=False):
-                            continue
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    out.append(_FileInfo(Path(entry.path), st.st_size, st.st_mtime))
-    return out
-
-
-def _scandir(path: str) -> list[os.DirEntry[str]]:
-    """A folder's entries, or none if it vanished or cannot be listed."""
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
-
-
-def _is_dir(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_dir(follow_symlinks=False)
-    except OSError:
-        return False
-
-
-def _newest_trace_file(folder: Path) -> Path | None:
-    names = [e.name for e in _scandir(str(folder)) if is_trace_file(e.name)]
-    return folder / max(names) if names else None
-
-
-def _ends_with_newline(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
-    except OSError:
-        return True
 
 
 def _write_all(fd: int, data: bytes) -> None:
