@@ -49,6 +49,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
 ]
 DECISION_MODULES = ("undying.manager.recovery.policy", "undying.manager.regroup.record", "undying.manager.membership.book",
                     "undying.manager.steps.clock", "undying.jobfiles.records", "undying.checkpoint.planner",
+                    "undying.checkpoint.planner.holdings", "undying.checkpoint.planner.paths",
                     "undying.manager.steps.progress", "undying.manager.steps.goodput",
                     "undying.manager.regroup.policy", "undying.manager.preemption.policy", "undying.manager.standbys.policy")
 MAX_LINES = 600

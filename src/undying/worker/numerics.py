@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from undying.checkpoint.planner import plan_numerics_rollback
 from undying.errors import UndyingError, UsageError
 from undying.inputs import numerics_fields
 from undying.protocol.codec import Message
@@ -296,12 +297,17 @@ class NumericsGuard:
         extra: dict[str, Any] = {"batches": {str(r): d["batch"] for r, d in enumerate(ranks)}}
         outcome = "; the batch is skipped" if policy == "skip" else "; the job stops"
         back_to = step.index
+        rollback = None
         if policy == "rollback":
-            # Every rank goes back to the same step: the latest pre-state that every ring holds, N steps back at most.
-            held = [d["oldest"] for d in ranks]
-            back_to = max([step.index - self.config.rollback_steps + 1,
-                           *(h if isinstance(h, int) else step.index for h in held)])
-            extra.update(rolled_back=list(range(back_to, step.index)), skipped=list(range(back_to, step.index + 1)))
+            # The one planner: every rank goes back to the same step, the latest pre-state that every ring holds,
+            # N steps back at most, from its own snapshot (or nowhere: the batch is skipped).
+            rollback = plan_numerics_rollback(step=step.index, rollback_steps=self.config.rollback_steps,
+                                              oldest=[d["oldest"] if isinstance(d["oldest"], int) else None
+                                                      for d in ranks])
+            assert rollback.step is not None
+            back_to = rollback.step + 1
+            extra.update(rolled_back=list(range(back_to, step.index)), skipped=list(range(back_to, step.index + 1)),
+                         restore_plan=rollback.describe())
             outcome = (f"; rolled back to the state before step {back_to}, the batches of steps {back_to}.."
                        f"{step.index} skipped" if back_to < step.index else
                        f"; no earlier state held (the ring starts at step {step.index}): the batch is skipped")
@@ -312,7 +318,7 @@ class NumericsGuard:
         self._report(step, verdict, policy, summary, suspects, first, fault.values, extra)
         if policy in ("skip", "rollback"):
             self._rewind()
-            if back_to < step.index and self.ring is not None:
+            if rollback is not None and rollback.source.kind == "snapshot" and self.ring is not None:
                 self.ring.restore(back_to, self._state)  # the skipped steps' batches never trained this state
             step.metrics.clear()  # nothing trained: no value of this step stands
             return "skip"
