@@ -20,7 +20,8 @@ put back as they were before the step. The replay decides:
 - it fails the same way, bit for bit, with every rank's fingerprint equal: the
   data or the model is at fault. Policy: ``skip`` (the step commits nothing
   but moves the data on), ``rollback`` (the state goes back to before step
-  ``s - N + 1``, held in memory by a ``SnapshotRing``, and the batches of steps
+  ``s - N + 1``, or as far as every rank's ``SnapshotRing`` holds: the restore
+  planner's ``plan_numerics_rollback`` says where; the batches of steps
   ``s - N + 1 .. s`` are skipped: the rest of the run is a run that never had
   them) or ``stop`` (the step fails with a report naming the step, each
   rank's batch indices and the values);

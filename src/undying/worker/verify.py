@@ -22,7 +22,8 @@ The decisions are ``worker.verify_plan``'s; this module carries them out.
   and compares the fingerprints: equal bit for bit, or an ``sdc`` found.
 - **A mismatch** rolls every rank back to the last verified state (the holder's
   file of it, so a rank whose memory is corrupt does not restore its own
-  copy) and the job re-runs from that step; rank 0 reports the ``sdc``
+  copy: the restore planner's ``plan_verify_rollback`` names it) and the job
+  re-runs from that step; rank 0 reports the ``sdc``
   incident naming the rank and how many committed steps are re-run.
 - **The end.** When the last step is done, rank 0 waits for the answers still
   due while the verifier makes progress (not past ``STALL_S`` without one), so
