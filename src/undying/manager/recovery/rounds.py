@@ -175,10 +175,11 @@ class Recoveries:
         try:
             found = plan_at(newest, UNREAD)  # from memory; the checkpoint is read only when no step is whole
             if found.read_checkpoint:
-                self.restart_from = ckpt = self.checkpoints.latest()
+                ckpt = self.checkpoints.latest()
                 # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
                 found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url)) if ckpt \
                     else plan_at(newest, None)
+                self.restart_from = ckpt  # the checkpoint the plan read: the restart rung carries the plan out
         except (MissingShardsError, LayoutError) as e:
             return None, str(e)
         return found, found.describe()
