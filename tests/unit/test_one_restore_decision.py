@@ -13,6 +13,11 @@ three tables, with the reason:
 - ``MECHANISMS`` are the moves themselves (load these bytes into this State),
   with no choice of source in them.
 
+Not counted: undoing a failed attempt of the same step (``NumericsGuard._rewind``
+puts the buffers back as they were at the step's start, ``discard_gradients``
+drops the gradients): no state comes from anywhere else, so there is nothing to
+decide.
+
 A new function that replaces state fails ``test_every_function_that_replaces_state_is_named``
 until it is named, and one named as a path that stops asking the planner fails
 ``test_each_path_asks_the_planner``.
