@@ -49,7 +49,7 @@ PATHS = {
         "recovery, a whole (DDP) state: every rank plans from the statuses all exchanged",
     "worker/rejoin.py:Rejoin._restore_shards":
         "recovery, a sharded state: from memory, or (planned again once read) from the latest checkpoint",
-    "manager/recovery.py:Recoveries.plan":
+    "manager/recovery/rounds.py:Recoveries.plan":
         "recovery, the manager's decision: its view of the members; the restart rung carries the plan out",
     # numerics roll-back
     "worker/numerics.py:NumericsGuard.resolve":
@@ -63,9 +63,9 @@ PATHS = {
     "manager/manager.py:Manager.run":
         "resume at start: every rank of generation 0 from the latest valid checkpoint, or fresh",
     # regroup
-    "manager/regrouping.py:Regrouping.begin":
+    "manager/regroup/executor.py:Regrouping.begin":
         "regroup: the members keep and save their newest step, or (sharded) the latest checkpoint",
-    "manager/regrouping.py:Regrouping.maybe_form_world":
+    "manager/regroup/executor.py:Regrouping.maybe_form_world":
         "regroup: the new world starts from the saved checkpoint, the steps after it re-run",
 }
 
@@ -76,7 +76,7 @@ CARRIERS = {
     "worker/checkpoints.py:Checkpoints.resume": "reads the checkpoint the start's plan names",
     "worker/checkpoints.py:Checkpoints.load_waiting": "loads, once the State exists, what the start's plan left "
                                                       "waiting (a checkpoint, or a peer's state)",
-    "manager/recovery.py:Recoveries._restart_all": "starts every rank on the checkpoint the recovery plan read",
+    "manager/recovery/rounds.py:Recoveries._restart_all": "starts every rank on the checkpoint the recovery plan read",
 }
 
 MECHANISMS = {

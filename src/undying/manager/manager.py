@@ -189,10 +189,8 @@ class Manager:
             core.set_layout(core.nodes_available()[: self.config.nnodes])
         if not restored:
             resume = await self.checkpoints.find_resume_point()
-            start = plan_start(joining=False, checkpoint=None if resume is None else
-                               PersistedState(resume.step, path=resume.url))
-            fresh = start.source.kind == "fresh"
-            record = core.open_generation("start" if fresh else f"resume from step {start.step}")
+            start = plan_start(joining=False, checkpoint=PersistedState(resume.step, path=resume.url) if resume else None)
+            record = core.open_generation("start" if start.source.kind == "fresh" else f"resume from step {start.step}")
             for info in core.ranks.values():
                 core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
             if not self.recoveries.step_api:
