@@ -9,9 +9,9 @@ renumbered in place, as torchrun restarts its workers when an elastic job's
 membership changes. A sharded state is not whole on the survivors (a lost
 node's shards and their replicas were there): it starts again from the
 latest persisted checkpoint, its steps since re-run. The regroup's record and
-what a second fault makes of it are in ``undying.manager.regroup``; when to
+what a second fault makes of it are in ``regroup.record``; when to
 grow, form the world, wait, re-plan or fail is decided by the pure functions of
-``undying.manager.regroup_policy``, and which state the members save and the new
+``regroup.policy``, and which state the members save and the new
 world starts from by the one restore planner (``checkpoint.planner.plan_regroup``);
 this module carries them out.
 """
