@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from undying.checkpoint.layout import Layout, LayoutError, Shard
-from undying.checkpoint.planner import (
+from undying.checkpoint.planner.holdings import (
     UNREAD,
     Member,
     MissingShardsError,

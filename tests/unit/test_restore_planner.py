@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import pytest
 
 from undying.checkpoint.layout import DIMS, Layout, LayoutError, Shard
-from undying.checkpoint.planner import (
+from undying.checkpoint.planner.holdings import (
     MissingShardsError,
     PersistedState,
     RestorePlan,

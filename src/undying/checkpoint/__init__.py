@@ -22,7 +22,7 @@ another job's or model's checkpoint up front), ``gasp`` (sizing a dying gasp),
 ``mac`` (signing), ``safe_load`` (unpickling state from a peer),
 ``lock`` (one owner per checkpoint dir and job dir), ``aside`` (rejected
 checkpoints moved out of the way, whole) and ``planner`` (where every rank's
-state comes from after a fault).
+state comes from, on every path that replaces it: recovery, start, roll-backs, regroup).
 
 Names are imported on first use (PEP 562): reading a manifest or checking a
 MAC (the command-line tools) must not import torch with them.

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from itertools import repeat
 from typing import Any
 
+from undying.checkpoint.planner import PersistedState, plan_start
 from undying.config import JobConfig
 from undying.jobfiles.events import EventLog
 from undying.jobfiles.records import (
@@ -188,9 +189,10 @@ class Manager:
             core.set_layout(core.nodes_available()[: self.config.nnodes])
         if not restored:
             resume = await self.checkpoints.find_resume_point()
-            record = core.open_generation("start" if resume is None else f"resume from step {resume.step}")
+            start = plan_start(joining=False, checkpoint=PersistedState(resume.step, path=resume.url) if resume else None)
+            record = core.open_generation("start" if start.source.kind == "fresh" else f"resume from step {start.step}")
             for info in core.ranks.values():
-                core.spawn(info.rank, record, joining=False, resume_from=resume.url if resume else "")
+                core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
             if not self.recoveries.step_api:
                 core.move(JobState.RUNNING)  # (its ranks commit no step to say so: started is running)
         for agent in core.agents.values():

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from undying.checkpoint.checks import check_compatible, tensor_shapes
 from undying.checkpoint.commit import SaveResult
 from undying.checkpoint.gasp import state_nbytes
 from undying.checkpoint.manifest import Manifest
+from undying.checkpoint.planner import PersistedState, StatePlan
 from undying.checkpoint.replicated import load_replicated, save_replicated
 from undying.checkpoint.room import describe_os_error, with_room
 from undying.checkpoint.safe_load import refused_global
@@ -24,6 +26,7 @@ from undying.checkpoint.sharded import read_manifest
 from undying.checkpoint.writer import AsyncCheckpointer, CheckpointWriteError
 from undying.errors import UsageError
 from undying.protocol.worker_wire import CheckpointSaved, Progress
+from undying.worker import sharding
 from undying.worker.context import JobContext
 
 if TYPE_CHECKING:
@@ -47,15 +50,24 @@ class Checkpoints:
 
     # --- the resume --------------------------------------------------------------
 
-    def resume(self, path: str, shards: Shards) -> None:
-        """Start from a checkpoint (verified again here: every checksum, before anything is loaded).
+    @staticmethod
+    def resume_point(path: str) -> tuple[PersistedState, Manifest]:
+        """The checkpoint the launcher named (``UNDYING_RESUME_FROM``), as the start's planner takes it, and
+        its manifest (read, not yet verified)."""
+        probe = read_manifest(path)
+        return PersistedState(probe.step, path=path), probe
+
+    def resume(self, start: StatePlan, probe: Manifest, shards: Shards) -> None:
+        """Start from the checkpoint ``start`` names (verified again here: every checksum, before anything is
+        loaded).
 
         A sharded checkpoint is loaded by ``steps()``, collectively, once the
         sharded model exists to receive it (``JobContext.deferred``); a whole
         one waits in ``JobContext.stash``.
         """
         ctx = self.ctx
-        probe = read_manifest(path)
+        path = start.source.path
+        assert start.source.kind == "checkpoint" and path, start
         if probe.layout.get("kind") == "sharded":
             self.resumed, self.resumed_manifest = (probe.step, path), probe
             ctx.deferred = (probe.step, lambda state: shards.load_checkpoint(state, path, probe))
@@ -80,6 +92,58 @@ class Checkpoints:
         if self.resumed is not None and self.resumed[0] == step:
             return self.resumed_manifest
         return None
+
+    def load_waiting(self, state: State, start: StatePlan, shards: Shards) -> int:
+        """Carry out ``start`` once the State exists: load what waited for it (the checkpoint it named, or the
+        state the members sent a replacement at its first restore); the step it holds."""
+        ctx = self.ctx
+        committed = 0
+        resumed = self.resumed
+        if start.source.kind == "fresh":
+            assert ctx.stash is None and ctx.deferred is None, "a fresh start found a state waiting"
+        if ctx.stash is not None and state.sharded:
+            where = f"checkpoint {resumed[1]}" if resumed is not None else "a peer"
+            error = UsageError(f"the state from {where} was saved whole (replicated), but this model is sharded "
+                               "(DTensors): resume it with the layout it was saved with")
+            ctx.report_fatal(ctx.stash[0], error)
+            raise error
+        if ctx.deferred is not None:
+            committed, load = ctx.deferred
+            ctx.deferred = None
+            load(state)
+            ctx.current_step = committed
+            if resumed is None or resumed[0] != committed:
+                ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(), step=committed))
+        if ctx.stash is not None:
+            committed, payload = ctx.stash
+            manifest = self.resumed_at(committed) if start.source.kind == "checkpoint" else None
+            if manifest is not None:
+                assert resumed is not None
+                # Another model, or another job's checkpoint: said by name, never half-loaded.
+                try:
+                    check_compatible(manifest, path=resumed[1], state_shapes=tensor_shapes(state.state_dict()))
+                except UsageError as e:
+                    ctx.report_fatal(committed, e)
+                    raise
+            meta = payload.pop("_undying", {})
+            origin = meta.get("data_origin")
+            state.load_state_dict(payload)
+            ctx.stash = None
+            ctx.current_step = committed
+            if manifest is not None:
+                assert resumed is not None
+                detail: dict[str, Any] = {"checkpoint": resumed[1], "saved_world_size": manifest.world_size}
+                if shards.resume_digest:
+                    detail["digest"] = sharding.full_digest(state.state_dict())
+                ctx.checkpoint_loaded(manifest, detail)
+            else:
+                if origin is not None:
+                    ctx.set_data_origin((int(origin[0]), int(origin[1])))
+                # A peer's state: its donor's fingerprint and ours once loaded (the manager's divergence compares).
+                digests = {"digest": state.digest(), "donor_digest": str(meta["digest"])} if "digest" in meta else {}
+                ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(), step=committed,
+                                  detail=digests))
+        return committed
 
     # --- periodic saves ----------------------------------------------------------
 

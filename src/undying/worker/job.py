@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from undying.checkpoint.checks import check_compatible, tensor_shapes
 from undying.checkpoint.mac import key_from_environ, set_key
+from undying.checkpoint.planner import StatePlan, plan_start
 from undying.checkpoint.safe_load import check_state_loadable
 from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
@@ -68,7 +68,6 @@ from undying.worker.group import (
 from undying.worker.numerics import NumericFault, Numerics, NumericsGuard
 from undying.worker.rejoin import Rejoin
 from undying.worker.seed import seed_everything, seed_from_env
-from undying.worker.sharding import full_digest
 from undying.worker.shards import Shards
 from undying.worker.state import State
 from undying.worker.step import Outcome, Step, StepHooks
@@ -165,6 +164,8 @@ class Job:
         self._numerics: NumericsGuard | None = None
         self._verify: Verification | None = None  # --verify-every (worker.verify)
         self._state: State | None = None
+        # Where this process's state comes from before its first step (an unmanaged script: its own).
+        self._start: StatePlan = plan_start(joining=False, checkpoint=None)
         self._move_generation = -1  # the generation a planned move (undying migrate) was armed in
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
@@ -190,8 +191,12 @@ class Job:
         StoppedAtExit(self._beat, name="undying-heartbeat")
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._preemption.on_sigterm)
-        if env.resume_from and not env.joining:
-            self._checkpoints.resume(env.resume_from, self._shards)
+        # The one planner: a replacement's state comes from the members, a launch's from its checkpoint.
+        found = self._checkpoints.resume_point(env.resume_from) if env.resume_from and not env.joining else None
+        self._start = plan_start(joining=env.joining, checkpoint=found[0] if found is not None else None)
+        if self._start.source.kind == "checkpoint":
+            assert found is not None
+            self._checkpoints.resume(self._start, found[1], self._shards)
         if env.joining:
             _prewarm_imports()
             # A script that built its own group joined this generation already.
@@ -294,7 +299,7 @@ class Job:
         if self.managed and self.rank == 0:
             self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
                                 detail=self._shards.layout(state)))
-        committed = self._load_waiting(state)
+        committed = self._checkpoints.load_waiting(state, self._start, self._shards)
         if self.managed and self.rank == 0:  # the progress `undying status` shows: of how many steps, which epoch
             self._send(Progress(self.rank, self.generation, "steps_planned", time.time(), step=committed, detail={
                 "total_steps": cursor.total_steps, "steps_per_epoch": cursor.steps_per_epoch,
@@ -357,55 +362,6 @@ class Job:
             self._shards.finish_writes()
             self.tracing.close()
             self._send(Done(self.rank, committed, state.digest(), time.time()))
-
-    def _load_waiting(self, state: State) -> int:
-        """Load what waited for the State (a checkpoint, a state received at a restore); the step it holds."""
-        ctx = self.ctx
-        committed = 0
-        resumed = self._checkpoints.resumed
-        if ctx.stash is not None and state.sharded:
-            where = f"checkpoint {resumed[1]}" if resumed is not None else "a peer"
-            error = UsageError(f"the state from {where} was saved whole (replicated), but this model is sharded "
-                               "(DTensors): resume it with the layout it was saved with")
-            ctx.report_fatal(ctx.stash[0], error)
-            raise error
-        if ctx.deferred is not None:
-            committed, load = ctx.deferred
-            ctx.deferred = None
-            load(state)
-            ctx.current_step = committed
-            if resumed is None or resumed[0] != committed:
-                self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed))
-        if ctx.stash is not None:
-            committed, payload = ctx.stash
-            manifest = self._checkpoints.resumed_at(committed)
-            if manifest is not None:
-                assert resumed is not None
-                # Another model, or another job's checkpoint: said by name, never half-loaded.
-                try:
-                    check_compatible(manifest, path=resumed[1], state_shapes=tensor_shapes(state.state_dict()))
-                except UsageError as e:
-                    ctx.report_fatal(committed, e)
-                    raise
-            meta = payload.pop("_undying", {})
-            origin = meta.get("data_origin")
-            state.load_state_dict(payload)
-            ctx.stash = None
-            ctx.current_step = committed
-            if manifest is not None:
-                assert resumed is not None
-                detail: dict[str, Any] = {"checkpoint": resumed[1], "saved_world_size": manifest.world_size}
-                if self._shards.resume_digest:
-                    detail["digest"] = full_digest(state.state_dict())
-                ctx.checkpoint_loaded(manifest, detail)
-            else:
-                if origin is not None:
-                    ctx.set_data_origin((int(origin[0]), int(origin[1])))
-                # A peer's state: its donor's fingerprint and ours once loaded (the manager's divergence compares).
-                digests = {"digest": state.digest(), "donor_digest": str(meta["digest"])} if "digest" in meta else {}
-                self._send(Progress(self.rank, self.generation, "state_loaded", time.time(), step=committed,
-                                    detail=digests))
-        return committed
 
     # --- the transaction's hooks --------------------------------------------
 

@@ -20,7 +20,8 @@ put back as they were before the step. The replay decides:
 - it fails the same way, bit for bit, with every rank's fingerprint equal: the
   data or the model is at fault. Policy: ``skip`` (the step commits nothing
   but moves the data on), ``rollback`` (the state goes back to before step
-  ``s - N + 1``, held in memory by a ``SnapshotRing``, and the batches of steps
+  ``s - N + 1``, or as far as every rank's ``SnapshotRing`` holds: the restore
+  planner's ``plan_numerics_rollback`` says where; the batches of steps
   ``s - N + 1 .. s`` are skipped: the rest of the run is a run that never had
   them) or ``stop`` (the step fails with a report naming the step, each
   rank's batch indices and the values);
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from undying.checkpoint.planner import plan_numerics_rollback
 from undying.errors import UndyingError, UsageError
 from undying.inputs import numerics_fields
 from undying.protocol.codec import Message
@@ -296,12 +298,17 @@ class NumericsGuard:
         extra: dict[str, Any] = {"batches": {str(r): d["batch"] for r, d in enumerate(ranks)}}
         outcome = "; the batch is skipped" if policy == "skip" else "; the job stops"
         back_to = step.index
+        rollback = None
         if policy == "rollback":
-            # Every rank goes back to the same step: the latest pre-state that every ring holds, N steps back at most.
-            held = [d["oldest"] for d in ranks]
-            back_to = max([step.index - self.config.rollback_steps + 1,
-                           *(h if isinstance(h, int) else step.index for h in held)])
-            extra.update(rolled_back=list(range(back_to, step.index)), skipped=list(range(back_to, step.index + 1)))
+            # The one planner: every rank goes back to the same step, the latest pre-state that every ring holds,
+            # N steps back at most, from its own snapshot (or nowhere: the batch is skipped).
+            rollback = plan_numerics_rollback(step=step.index, rollback_steps=self.config.rollback_steps,
+                                              oldest=[d["oldest"] if isinstance(d["oldest"], int) else None
+                                                      for d in ranks])
+            assert rollback.step is not None
+            back_to = rollback.step + 1
+            extra.update(rolled_back=list(range(back_to, step.index)), skipped=list(range(back_to, step.index + 1)),
+                         restore_plan=rollback.describe())
             outcome = (f"; rolled back to the state before step {back_to}, the batches of steps {back_to}.."
                        f"{step.index} skipped" if back_to < step.index else
                        f"; no earlier state held (the ring starts at step {step.index}): the batch is skipped")
@@ -312,7 +319,7 @@ class NumericsGuard:
         self._report(step, verdict, policy, summary, suspects, first, fault.values, extra)
         if policy in ("skip", "rollback"):
             self._rewind()
-            if back_to < step.index and self.ring is not None:
+            if rollback is not None and rollback.source.kind == "snapshot" and self.ring is not None:
                 self.ring.restore(back_to, self._state)  # the skipped steps' batches never trained this state
             step.metrics.clear()  # nothing trained: no value of this step stands
             return "skip"

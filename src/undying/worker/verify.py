@@ -22,7 +22,8 @@ The decisions are ``worker.verify_plan``'s; this module carries them out.
   and compares the fingerprints: equal bit for bit, or an ``sdc`` found.
 - **A mismatch** rolls every rank back to the last verified state (the holder's
   file of it, so a rank whose memory is corrupt does not restore its own
-  copy) and the job re-runs from that step; rank 0 reports the ``sdc``
+  copy: the restore planner's ``plan_verify_rollback`` names it) and the job
+  re-runs from that step; rank 0 reports the ``sdc``
   incident naming the rank and how many committed steps are re-run.
 - **The end.** When the last step is done, rank 0 waits for the answers still
   due while the verifier makes progress (not past ``STALL_S`` without one), so
@@ -64,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from undying.checkpoint.planner import plan_verify_rollback
 from undying.protocol.codec import Message
 from undying.protocol.env import (
     AGENT_PID_ENV,
@@ -388,17 +390,22 @@ class Verification:
             thread.join(timeout=60)
         self._writes = []
         path = self._path("pre", decision.source_round, decision.rollback_to, "pt")
-        state.load_state_dict(load_sealed(path, self._key))  # ForgedFile: refused on every rank, never loaded
+        # The one planner: from the holder's file, never a rank's own memory nor the suspect's unverified copy.
+        plan = plan_verify_rollback(
+            world_size=self._world, bad_step=decision.bad_step, bad_rank=decision.bad_rank,
+            rollback_to=decision.rollback_to, committed=committed, file=path.name,
+            holder=holder_of(suspect_of(decision.rollback_to, self.every, self._world), self._world))
+        state.load_state_dict(load_sealed(self.folder / plan.source.path, self._key))  # ForgedFile: never loaded
         state.discard_gradients()
         if self._rank == 0:  # what the verifier still has of the old round would be answered for nothing
             for stale in self.folder.glob(f"req-{self._round(decision.round_no - 1)}-*.json"):
                 with contextlib.suppress(OSError):
                     stale.unlink()
-        rerun = committed - decision.rollback_to + 1
+        rerun = plan.lost_steps
         if self._rank == 0:
             self._send(Progress(0, self._generation(), "sdc", time.time(), step=decision.bad_step, detail={
                 "suspect": decision.bad_rank, "rolled_back_to": decision.rollback_to - 1, "rerun_steps": rerun,
-                "source": path.name,
+                "source": path.name, "restore_plan": plan.describe(),
                 "summary": f"step {decision.bad_step}: rank {decision.bad_rank}'s gradients differ from their "
                            f"replay on the verifier, bit for bit: silent data corruption; rolled back to the "
                            f"state after step {decision.rollback_to - 1} (the last verified) and re-running "

@@ -25,7 +25,7 @@ from typing import Any
 
 from undying.checkpoint import Checkpoint
 from undying.checkpoint.layout import Layout, LayoutError
-from undying.checkpoint.planner import (
+from undying.checkpoint.planner.holdings import (
     UNREAD,
     MissingShardsError,
     PersistedState,
@@ -91,6 +91,7 @@ class Recoveries:
         self.count = 0
         self.restarts = 0
         self.restart_from: Checkpoint | None = None
+        self.restore_plan: RestorePlan | None = None  # the planner's word on the incident decided last
         # pid -> the incident and decision its exit carries on (a live rank escalated from retries, killed).
         self.condemned: dict[int, tuple[Incident, Decision]] = {}
         # Every rank of a lost node is replaced in the same new generation: set while they are handled.
@@ -174,10 +175,11 @@ class Recoveries:
         try:
             found = plan_at(newest, UNREAD)  # from memory; the checkpoint is read only when no step is whole
             if found.read_checkpoint:
-                self.restart_from = ckpt = self.checkpoints.latest()
+                ckpt = self.checkpoints.latest()
                 # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
                 found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url)) if ckpt \
                     else plan_at(newest, None)
+                self.restart_from = ckpt  # the checkpoint the plan read: the restart rung carries the plan out
         except (MissingShardsError, LayoutError) as e:
             return None, str(e)
         return found, found.describe()
@@ -190,6 +192,7 @@ class Recoveries:
             incident.detail["restore_plan"] = words
         else:  # (no state of the script's is undying's to plan: every rank starts again)
             found, words, self.restart_from = None, "", None
+        self.restore_plan = found
         # Ranks that keep state through this recovery: none when every rank must start from the checkpoint.
         holders = self.holders_alive(incident.rank)
         if found is not None and found.needs_checkpoint and not self.checkpoints.sharded:
@@ -257,7 +260,8 @@ class Recoveries:
         elif decision.action is Action.RESTART and self.restart_from is None:
             self._restart_group(incident, record)
         elif decision.action is Action.RESTART:
-            self._restart_all(incident, record)
+            assert self.restore_plan is not None  # (the plan that read the checkpoint named restart_from)
+            self._restart_all(incident, record, self.restore_plan)
 
     def _tell_to_leave(self, previous: int, reason: str, *, everyone: bool) -> None:
         """Each rank still in generation ``previous`` is told to leave it (a rank that already left ignores it)."""
@@ -321,8 +325,9 @@ class Recoveries:
         self.current = None
         core.move(JobState.RUNNING)
 
-    def _restart_all(self, incident: Incident, record: GenerationRecord) -> None:
-        """The restart rung: new processes for every rank, all starting from the latest valid checkpoint.
+    def _restart_all(self, incident: Incident, record: GenerationRecord, plan: RestorePlan) -> None:
+        """The restart rung: new processes for every rank, all starting from the checkpoint ``plan`` names
+        (the latest valid one, read when no step had every shard in memory).
 
         Replacements already started for the dead ranks wait for a donor that no
         longer exists: they are killed too. The steps since the checkpoint are
@@ -331,6 +336,7 @@ class Recoveries:
         core = self.core
         assert self.current is not None and self.restart_from is not None
         ckpt = self.restart_from
+        assert plan.checkpoint_path == ckpt.url, (plan.checkpoint_path, ckpt.url)
         self.restarts += 1
         newest = core.book.newest_step()
         for info in core.ranks.values():
@@ -339,7 +345,7 @@ class Recoveries:
         for info in core.ranks.values():
             self.current.replaced.add(info.rank)
             self.current.ready.pop(info.rank, None)
-            core.spawn(info.rank, record, joining=False, resume_from=ckpt.url)
+            core.spawn(info.rank, record, joining=False, resume_from=plan.checkpoint_path)
         lost = max(0, newest - ckpt.step)
         incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step, "lost_steps": lost,
                                 "restart": self.restarts})

@@ -9,9 +9,11 @@ renumbered in place, as torchrun restarts its workers when an elastic job's
 membership changes. A sharded state is not whole on the survivors (a lost
 node's shards and their replicas were there): it starts again from the
 latest persisted checkpoint, its steps since re-run. The regroup's record and
-what a second fault makes of it are in ``undying.manager.regroup``; when to
+what a second fault makes of it are in ``regroup.record``; when to
 grow, form the world, wait, re-plan or fail is decided by the pure functions of
-``undying.manager.regroup_policy``, which this module carries out.
+``regroup.policy``, and which state the members save and the new
+world starts from by the one restore planner (``checkpoint.planner.plan_regroup``);
+this module carries them out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+from undying.checkpoint.planner import PersistedState, plan_regroup
 from undying.jobfiles.records import IncidentKind, JobState, RankInfo, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
@@ -100,7 +103,9 @@ class Regrouping:
         self.regroup = regroup
         core.move(JobState.RECOVERING)
         sharded = self.checkpoints.sharded
-        if live and not sharded:
+        # The one planner: the members keep their newest step and save it, or the latest checkpoint.
+        saving = plan_regroup(members=live, newest=newest, sharded=sharded)
+        if saving.source.kind == "self":
             previous = core.generations.current
             record = core.open_generation(f"regroup: {regroup.cause()}", members=regroup.members, purpose="regroup")
             regroup.generation = record.generation
@@ -110,11 +115,10 @@ class Regrouping:
             for rank in live:
                 core.kill(rank)
         core.events.event("regroup", why=why, members=live, generation=regroup.generation, step=newest,
-                          nodes=sorted(available), sharded=sharded, attempt=regroup.attempt, faults=regroup.faults)
+                          nodes=sorted(available), sharded=sharded, attempt=regroup.attempt, faults=regroup.faults,
+                          restore_plan=saving.describe())
         self.persist()
-        log.warning("job %s: %s; %s", core.config.job_id, regroup.cause(),
-                    f"ranks {live} save the state of their newest step, then the job starts again from it"
-                    if regroup.generation >= 0 else "the job starts again from its latest checkpoint")
+        log.warning("job %s: %s; %s", core.config.job_id, regroup.cause(), saving.reason)
         self.maybe_form_world()
 
     def maybe_form_world(self) -> None:
@@ -147,7 +151,10 @@ class Regrouping:
                             "`undying run --node-rank I --manager ...` on a host", config.job_id, ckpt.step,
                             ckpt.url, config.fewest_nodes, len(nodes))
             return
-        lost = world.lost_steps
+        # The one planner: every rank of the new world loads this checkpoint; the steps after it are re-run.
+        start = plan_regroup(members=sorted(regroup.members), newest=regroup.step, sharded=self.checkpoints.sharded,
+                             checkpoint=PersistedState(ckpt.step, path=ckpt.url))
+        lost = start.lost_steps
         before = (list(core.book.nodes), core.book.world_size)
         core.set_layout(nodes, step=ckpt.step)
         record = core.open_generation(f"{len(nodes)} node(s) {nodes}, {core.book.world_size} ranks, "
@@ -158,13 +165,13 @@ class Regrouping:
         recovery.replaced = set(core.ranks)
         recovery.ready.clear()
         for info in core.ranks.values():
-            core.spawn(info.rank, record, joining=False, resume_from=ckpt.url)
+            core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
         detail: dict[str, Any] = {
             "from_nodes": before[0], "from_world_size": before[1], "nodes": nodes,
             "world_size": core.book.world_size, "checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
             "checkpoint_kind": ckpt.kind,
             "waited_for_nodes_s": round(time.time() - regroup.waiting_since, 3) if regroup.waiting_since else 0.0,
-            "attempts": regroup.attempt, "faults": regroup.faults}
+            "attempts": regroup.attempt, "faults": regroup.faults, "restore_plan": start.describe()}
         for incident in recovery.incidents:
             incident.action = "regroup"
             incident.detail["regroup"] = detail

@@ -1,4 +1,4 @@
-"""Restore planning: after a fault, where every rank's state comes from (docs/architecture.md).
+"""Recovery's plan: after a fault, where every rank's state comes from (docs/architecture.md).
 
 One pure function, ``plan``, of the parallel layout, what every member holds
 and the persisted checkpoint: the manager calls it with its view to decide,
@@ -36,11 +36,14 @@ __all__ = [
     "Member",
     "PersistedState",
     "UNREAD",
+    "Unread",
     "Source",
+    "SourceKind",
     "RestorePlan",
     "MissingShardsError",
     "ring_replica_of",
     "plan",
+    "coarse_members",
 ]
 
 
@@ -105,16 +108,20 @@ class Member(NamedTuple):
         return f"rank {self.rank}: committed {self.step}, clean={self.clean}, has_state={self.has_state}"
 
 
-SourceKind = Literal["self", "snapshot", "peer", "replica", "checkpoint"]
+# Where a rank's state comes from, best first; ``holder_file`` (a verified state another rank wrote) and
+# ``fresh`` (the script's own initial state) are only the start's and the roll-backs' (``planner.paths``).
+SourceKind = Literal["self", "snapshot", "peer", "replica", "checkpoint", "holder_file", "fresh"]
 
 
 @dataclass(frozen=True)
 class Source:
-    """Where one rank's state comes from: ``rank`` is the donor (peer, replica), ``step`` the copy's step."""
+    """Where one rank's state comes from: ``rank`` is the donor (peer, replica, the holder of a file),
+    ``step`` the copy's step (the last step committed in it), ``path`` its file or checkpoint."""
 
     kind: SourceKind
     rank: int | None = None
     step: int | None = None
+    path: str = ""
 
     def __str__(self) -> str:
         if self.kind == "peer":
@@ -125,10 +132,17 @@ class Source:
             return f"its own snapshot of step {self.step}"
         if self.kind == "checkpoint":
             return "the latest checkpoint" if self.step is None else f"checkpoint of step {self.step}"
+        if self.kind == "holder_file":
+            return f"rank {self.rank}'s file of the state after step {self.step}"
+        if self.kind == "fresh":
+            return "the script's own initial state"
         return "self"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "rank": self.rank, "step": self.step}
+        out: dict[str, Any] = {"kind": self.kind, "rank": self.rank, "step": self.step}
+        if self.path:
+            out["path"] = self.path
+        return out
 
 
 @dataclass(frozen=True)
