@@ -1027,7 +1027,7 @@ def top_functions(path: Path, top: int) -> dict[str, list[dict[str, Any]]]:
 async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) -> dict[str, Any]:
     """The manager's work per message, timed in one process without a profiler, with a real Manager and log.
 
-    The Manager is the shipped one with detached ``RemoteAgent`` slots (their
+    The Manager is the shipped one with detached ``NodeSlot`` slots (their
     commands queue; nothing is sent), generation 0 started as ``run`` starts
     it. Per StepCommitted: the wire line's three decodes, then
     ``Manager.on_message``, and apart, its two log writes (``EventLog.step``,
@@ -1039,7 +1039,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     """
     from undying.jobfiles.events import EventLog
     from undying.manager.manager import Manager
-    from undying.manager.nodes import RemoteAgent
+    from undying.manager.nodes import NodeSlot
     from undying.protocol.node_wire import ManagerBeat
 
     root.mkdir(parents=True, exist_ok=True)
@@ -1048,7 +1048,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     events = EventLog(root / "events.db")
     manager = Manager(config, events)
     manager.start_control_store(secrets.token_bytes(32))
-    slots = [RemoteAgent(n) for n in range(nnodes)]
+    slots = [NodeSlot(n) for n in range(nnodes)]
     for slot in slots:
         manager.add_agent(slot)
     world = config.world_size

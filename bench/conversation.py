@@ -34,7 +34,7 @@ from typing import Any
 
 from undying.launch.in_process import InProcessLine, InProcessReports
 from undying.manager.node_reports import NodeReports
-from undying.manager.node_slot import RemoteAgent
+from undying.manager.node_slot import NodeSlot
 from undying.protocol.codec import Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import AgentState, SpawnRank, encode
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
-    slot = RemoteAgent(0)
+    slot = NodeSlot(0)
     reports = NodeReports(lambda: _Sink(), lambda slot, reason: None)  # type: ignore[arg-type, return-value]
     line = InProcessReports(reports, slot)
     commands: list[Message] = []

@@ -37,7 +37,7 @@ from undying.jobfiles.events import EventLog, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
 from undying.launch.manager_service import _Gate, _serve
 from undying.manager.manager import Manager
-from undying.manager.nodes import AgentServer, JobFacts, RemoteAgent
+from undying.manager.nodes import AgentServer, JobFacts, NodeSlot
 from undying.protocol.codec import Codec, Message
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import (
@@ -977,8 +977,8 @@ def test_the_manager_service_takes_the_first_agents_flags_refuses_others_and_run
 
 
 def test_a_remote_agent_slot_queues_commands_while_detached() -> None:
-    """RemoteAgent without a connection: spawns wait, everything else is refused (False), nothing raised."""
-    slot = RemoteAgent(3)
+    """NodeSlot without a connection: spawns wait, everything else is refused (False), nothing raised."""
+    slot = NodeSlot(3)
     record = GenerationRecord(2, 8, "127.0.0.1", 1, reason="x")
     assert slot.spawn(6, record, joining=True, incarnation=9) == (0, False)
     assert slot.kill(6, signal.SIGKILL) is False

@@ -10,7 +10,7 @@ from undying.agent.commands import NODE_COMMANDS, NodeCommands
 from undying.agent.remote import JOIN_ANSWERS, SESSION_MESSAGES
 from undying.launch.in_process import InProcessLine, InProcessReports
 from undying.manager.node_reports import NODE_REPORTS, NodeReports
-from undying.manager.node_slot import RemoteAgent
+from undying.manager.node_slot import NodeSlot
 from undying.protocol import node_wire
 from undying.protocol.codec import Message
 from undying.protocol.generations import GenerationRecord
@@ -103,8 +103,8 @@ class _Events:
         self.calls.append(("standby", what))
 
 
-def _in_process() -> tuple[RemoteAgent, _Agent, _Events, list[Message], InProcessReports]:
-    slot = RemoteAgent(0)
+def _in_process() -> tuple[NodeSlot, _Agent, _Events, list[Message], InProcessReports]:
+    slot = NodeSlot(0)
     events = _Events()
     to_manager = InProcessReports(NodeReports(lambda: events, lambda slot, reason: None), slot)
     agent = _Agent()

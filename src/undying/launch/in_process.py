@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 
 from undying.manager.node_reports import NodeReports
-from undying.manager.node_slot import RemoteAgent
+from undying.manager.node_slot import NodeSlot
 from undying.protocol.codec import Codec, Message, MessageError
 from undying.protocol.node_wire import decode_agent_report, decode_to_agent
 
@@ -59,7 +59,7 @@ class InProcessLine:
 class InProcessReports:
     """Where the agent's reports go: each encoded and decoded as on the network, then to the manager's table."""
 
-    def __init__(self, reports: NodeReports, slot: RemoteAgent) -> None:
+    def __init__(self, reports: NodeReports, slot: NodeSlot) -> None:
         self._reports = reports
         self._slot = slot
 

@@ -39,7 +39,7 @@ from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
 from undying.manager.checkpoints import resume_line
 from undying.manager.manager import Manager
 from undying.manager.node_reports import NodeReports
-from undying.manager.node_slot import RemoteAgent
+from undying.manager.node_slot import NodeSlot
 from undying.protocol.env import CHECKPOINT_KEY_ENV, STORE_KEY_ENV
 from undying.protocol.store_wire import store_key_from_token
 from undying.worker.boot import script_error
@@ -82,7 +82,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     try:
         # The node's slot, and the in-process line to its agent (launch/in_process.py): the manager and
         # the agent speak the messages a multi-node job sends over TCP, each table on its own side.
-        slot = RemoteAgent(config.node_rank)
+        slot = NodeSlot(config.node_rank)
         to_manager = InProcessReports(NodeReports(lambda: manager, _never_lost), slot)
         agent = Agent(
             config, node=config.node_rank, script=script, script_args=script_args,
@@ -147,7 +147,7 @@ def _agent_env(config: JobConfig, token: str) -> dict[str, str]:
     return env
 
 
-def _never_lost(slot: RemoteAgent, reason: str) -> None:
+def _never_lost(slot: NodeSlot, reason: str) -> None:
     """(Only an agent across the network leaves its job: this one ends with its launcher.)"""
     log.error("node %d: %s; ignored (the agent is in this process)", slot.node, reason)
 

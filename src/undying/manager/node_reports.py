@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from undying.manager.node_slot import RemoteAgent
+from undying.manager.node_slot import NodeSlot
 from undying.protocol.codec import Handlers, Message
 from undying.protocol.node_wire import (
     FROM_WORKERS,
@@ -71,7 +71,7 @@ class NodeEvents(Protocol):
 class NodeReports:
     """The table from an agent's report to the manager's act (``events`` once the manager exists)."""
 
-    def __init__(self, events: Callable[[], NodeEvents], lose: Callable[[RemoteAgent, str], None]) -> None:
+    def __init__(self, events: Callable[[], NodeEvents], lose: Callable[[NodeSlot, str], None]) -> None:
         self._events = events
         self._lose = lose
         self.table = Handlers[None]({
@@ -91,7 +91,7 @@ class NodeReports:
         """A worker's message (or the agent's word on its spares, or a step's commits): taken in runs."""
         return isinstance(message, NodeStep) or type(message) in FROM_WORKERS
 
-    def handle(self, message: Message, slot: RemoteAgent) -> None:
+    def handle(self, message: Message, slot: NodeSlot) -> None:
         """One report of the node's, as it came (a worker's message in a run of one)."""
         if self.is_workers(message):
             self._events().on_messages([message])
@@ -102,10 +102,10 @@ class NodeReports:
         """A run of the node's workers' messages, in order."""
         self._events().on_messages(messages)
 
-    def _on_exited(self, message: RankExited, slot: RemoteAgent) -> None:
+    def _on_exited(self, message: RankExited, slot: NodeSlot) -> None:
         slot.live.pop(message.rank, None)
         self._events().on_exit(message.rank, message.pid, message.returncode, message.t)
 
-    def _on_spawned(self, message: RankSpawned, slot: RemoteAgent) -> None:
+    def _on_spawned(self, message: RankSpawned, slot: NodeSlot) -> None:
         slot.answered(message)
         self._events().on_spawned(message.rank, message.pid, message.warm, message.incarnation)

@@ -37,7 +37,7 @@ from undying.protocol.node_wire import (
 from undying.protocol.seams import AgentHandle
 from undying.protocol.worker_wire import COMMANDS, ArmFault, TraceSet, WorkerCommand
 
-__all__ = ["RemoteAgent", "Line"]
+__all__ = ["NodeSlot", "Line"]
 
 
 class Line(Protocol):
@@ -53,8 +53,8 @@ class Line(Protocol):
 
 
 @dataclass
-class RemoteAgent:
-    """The slot of one node: its agent's connection when it has one, the commands waiting otherwise."""
+class NodeSlot:
+    """The slot of one node: its agent's line when it has one (TCP or in-process), the commands waiting otherwise."""
 
     node: int
     session: str = ""
@@ -234,6 +234,6 @@ class RemoteAgent:
         self._answers[message.rank] = message
 
 
-def _satisfies_the_seam(slot: RemoteAgent) -> AgentHandle:
+def _satisfies_the_seam(slot: NodeSlot) -> AgentHandle:
     """(For mypy: a remote node's slot is what the manager drives, ``protocol.seams.AgentHandle``.)"""
     return slot

@@ -1,6 +1,6 @@
 """The manager's side of agents on other hosts: one TCP connection per node.
 
-Each node has a slot (``RemoteAgent``, ``node_slot.py``) that the manager drives
+Each node has a slot (``NodeSlot``, ``node_slot.py``) that the manager drives
 exactly as it drives the in-process agent of a standalone run (the
 ``AgentHandle`` calls become messages). A slot outlives its connection: when a node is lost, the
 ranks it held are recovered like crashed ranks, the spawns of their
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from undying.manager.conns import QuietLog, read_line
 from undying.manager.node_reports import NodeEvents, NodeReports
-from undying.manager.node_slot import RemoteAgent
+from undying.manager.node_slot import NodeSlot
 from undying.manager.standbys import Parked, SlotFacts, Standbys
 from undying.protocol.codec import Message, MessageError
 from undying.protocol.judge_clock import JudgeClock
@@ -55,7 +55,7 @@ from undying.protocol.node_wire import (
     width,
 )
 
-__all__ = ["RemoteAgent", "AgentServer", "JobFacts", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
+__all__ = ["NodeSlot", "AgentServer", "JobFacts", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
 
 log = logging.getLogger("undying.manager.nodes")
 # Lines about floods of connections to the agents' port: a few a minute, then a count.
@@ -113,7 +113,7 @@ class AgentServer:
         self._check = check
         # The watch's own clock: a node's silence counts only while this manager ran (protocol/judge_clock.py).
         self.clock = JudgeClock(_WATCH_S, heartbeat_s, "the manager")
-        self.slots: dict[int, RemoteAgent] = {}
+        self.slots: dict[int, NodeSlot] = {}
         self._events: NodeEvents | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -162,7 +162,7 @@ class AgentServer:
         self.standbys.blocked = job.blocked_hosts
         self.known_sessions = dict(job.known_sessions)
         for node in range(job.nnodes):
-            self.slots.setdefault(node, RemoteAgent(node))
+            self.slots.setdefault(node, NodeSlot(node))
         self._events = job.events
 
     async def first_join(self) -> AgentJoin:
@@ -226,7 +226,7 @@ class AgentServer:
                 elif beat:
                     slot.send_line(beat + encode(Acked(self.persisted.get(slot.node, 0))))
 
-    def _connection_ended(self, slot: RemoteAgent, reason: str) -> None:
+    def _connection_ended(self, slot: NodeSlot, reason: str) -> None:
         """The node's connection closed or failed: the node is lost, unless this manager itself just stalled.
 
         An agent that heard nothing from a stopped manager for its heartbeat
@@ -243,7 +243,7 @@ class AgentServer:
             return
         self.lose(slot, reason)
 
-    def lose(self, slot: RemoteAgent, reason: str) -> None:
+    def lose(self, slot: NodeSlot, reason: str) -> None:
         if self._closed:
             return
         log.warning("node %d lost: %s", slot.node, reason)
@@ -271,7 +271,7 @@ class AgentServer:
                         len(self._connections))
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
-        slot: RemoteAgent | None = None
+        slot: NodeSlot | None = None
         session, first = "", b""  # (first: the line a standby given a node sent first as the node's agent)
         try:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
@@ -322,7 +322,7 @@ class AgentServer:
             self._unjoined.pop(writer, None)
             writer.close()
 
-    async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[RemoteAgent | None, str]:
+    async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[NodeSlot | None, str]:
         refusal = self._check(join)
         if refusal:
             log.warning("refused an agent from %s (node %d): %s", join.host, join.node, refusal)
@@ -378,7 +378,7 @@ class AgentServer:
         self._welcome(self.slots[node], join, writer, session)
         return session
 
-    def _welcome(self, slot: RemoteAgent, join: AgentJoin, writer: asyncio.StreamWriter, session: str) -> None:
+    def _welcome(self, slot: NodeSlot, join: AgentJoin, writer: asyncio.StreamWriter, session: str) -> None:
         events = self._node_events()
         slot.attach(writer, join, session)
         writer.write(encode(AgentWelcome(session, slot.node, self.control_port, self.job_dir, events.welcome_trace(),
@@ -398,7 +398,7 @@ class AgentServer:
         self.place_standbys()  # a node lost before it came: it is given one at once
         return parked
 
-    def _take(self, slot: RemoteAgent, session: str, writer: asyncio.StreamWriter, line: NumberedReports) -> None:
+    def _take(self, slot: NodeSlot, session: str, writer: asyncio.StreamWriter, line: NumberedReports) -> None:
         """A line of reports, in order; each taken once, however often it is sent (by its number).
 
         The node's position (``received``) moves to a report before it is

@@ -1,7 +1,7 @@
 """What the manager's parts ask of a node, so they need not know how the node is reached.
 
 ``AgentHandle`` is the manager's slot of one node
-(``undying.manager.node_slot.RemoteAgent``): each call becomes a command of
+(``undying.manager.node_slot.NodeSlot``): each call becomes a command of
 ``undying.protocol.node_wire`` on the node's line, whether its agent is on
 another host or in the launcher's own process (``undying.launch.in_process``).
 The agent answers in reports of the same wire. The messages are the contract;
