@@ -2,8 +2,9 @@
 
 ``clock`` (``StepClock``: a rank's and the job's step times, from the commits); ``progress`` (pure:
 step of total, epoch, rate, ETA, the last ``step.log`` values); ``goodput`` (pure: productive time
-over wall time, with the losses named). The command line reads a finished job's log with the same
-functions.
+over wall time, with the losses named); ``reports`` (``StepReports``: the workers' commits, progress,
+saves and last steps, each to the parts it concerns). The command line reads a finished job's log
+with the same functions.
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision
 above all, must not pay for the others.
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from undying.manager.steps.clock import PLAN_EVENT, StepClock
     from undying.manager.steps.goodput import Goodput, Stall, StepLedger, account
     from undying.manager.steps.progress import JobSteps, Plan, Progress, compute, mean_values
+    from undying.manager.steps.reports import CommitRow, StepReports
 
 __all__ = [
     "PLAN_EVENT",
@@ -31,6 +33,8 @@ __all__ = [
     "Stall",
     "StepLedger",
     "account",
+    "StepReports",
+    "CommitRow",
 ]
 
 _WHERE = {
@@ -45,6 +49,8 @@ _WHERE = {
     "Stall": "goodput",
     "StepLedger": "goodput",
     "account": "goodput",
+    "StepReports": "reports",
+    "CommitRow": "reports",
 }
 
 
