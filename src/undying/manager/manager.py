@@ -233,7 +233,6 @@ class Manager:
         self.core.generations.close()
         self.events.close()
 
-
     # --- the workers' messages --------------------------------------------------
 
     def on_message(self, message: Message) -> None:
