@@ -115,7 +115,8 @@ class Manager:
             FaultInjected: self.faults.on_fault_injected, Fatal: self.faults.on_fatal,
             StopProposal: self.gasp.on_stop_proposal, Terminated: self.gasp.on_terminated,
             TraceSummary: self.tracing.on_summary, StepBegun: self.divergence.on_begun,
-            SpareEvent: lambda m: events.event(m.what, node=m.node, pid=m.pid, **m.detail),
+            SpareEvent: lambda message: events.event(message.what, node=message.node, pid=message.pid,
+                                                     **message.detail),
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
             return  # restore() reads the job back from its log
