@@ -95,7 +95,6 @@ class Manager:
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
         self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping)
-        self.deadlines = self.watch.clock  # the watch's deadlines count only while this manager ran
         # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it concerns.
         self.on_exit = self.comings.on_exit
         self.on_spawned = self.comings.on_spawned
