@@ -16,7 +16,8 @@ Layers, lowest first (a module imports from its own layer or a lower one):
    construction: it sets no attribute of a part it built (one allowed, with its reason).
 
 Besides: no import circle, no module over 600 lines (none over 450 outside the roles and the
-launch layer, whose modules are capped by their own steps), no import of another
+launch layer, whose modules are capped by their own steps; in the manager, none over 450 and no
+class over 25 methods, properties counted), no import of another
 module's private name, each package's ``__all__`` at most 15 names, and the
 manager's decision modules (pure functions of the job's facts) import neither
 asyncio, sqlite3 nor torch.
@@ -61,6 +62,9 @@ MAX_LINES_OUTSIDE_ROLES = 450
 CAPPED_APART = ("undying.manager", "undying.agent", "undying.launch", "undying.worker")
 MAX_EXPORTS = 15
 MANAGER = "undying.manager"
+# In the manager, a smell detector rather than a target: a module of one concern, a class of one job.
+MAX_MANAGER_LINES = 450
+MAX_MANAGER_METHODS = 25
 
 
 def _modules() -> dict[str, Path]:
@@ -236,6 +240,30 @@ def test_no_module_outside_the_roles_and_the_launch_layer_is_over_450_lines() ->
            if not any(m == c or m.startswith(c + ".") for c in CAPPED_APART)
            and (n := len(p.read_text().splitlines())) > MAX_LINES_OUTSIDE_ROLES}
     assert not big, f"split these by concern: {big}"
+
+
+def _in_manager(module: str) -> bool:
+    return module == MANAGER or module.startswith(MANAGER + ".")
+
+
+def test_no_module_of_the_manager_is_over_450_lines() -> None:
+    big = {m: n for m, p in MODULES.items()
+           if _in_manager(m) and (n := len(p.read_text().splitlines())) > MAX_MANAGER_LINES}
+    assert not big, f"split these by concern: {big}"
+
+
+def test_no_class_of_the_manager_has_over_25_methods() -> None:
+    """The manager's main class is a router over named parts; no part is a god class either."""
+    big = {}
+    for module, path in MODULES.items():
+        if not _in_manager(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+                if len(methods) > MAX_MANAGER_METHODS:
+                    big[f"{module}.{node.name}"] = len(methods)
+    assert not big, f"these classes do more than one job: {big}"
 
 
 def test_no_module_imports_another_modules_private_name() -> None:

@@ -254,4 +254,4 @@ def test_a_recoverys_timeout_counts_only_while_the_manager_ran(tmp_path: Path) -
     assert "did not complete within" in manager.recoveries.overdue(late)
     assert manager.recoveries.overdue(late, resumed=recovery.started + 2) == ""
     assert "did not complete within" in manager.recoveries.overdue(late + 2, resumed=recovery.started + 2)
-    assert manager.deadlines.stalls == 0 and manager.deadlines.resumed_wall == 0.0
+    assert manager.watch.clock.stalls == 0 and manager.watch.clock.resumed_wall == 0.0

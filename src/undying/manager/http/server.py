@@ -45,27 +45,19 @@ of the job's key (``undying.protocol.api_proof``): a listener named by a
 planted or stale ``manager.json`` gets no token.
 
 A malformed body is 400 naming the field, checked whole before anything is
-done. Nothing is changed by any refused request.
+done (``bodies.py``). Nothing is changed by any refused request.
 
-The page's last word. When the job ends its manager stops serving, and a page
-that polls once a second would keep the last state it saw ("running") for
-good. So the server notes each open page (the page names itself in
-``X-Undying-Page``), and before it stops it waits, a few seconds at most and
-only for pages that polled lately, until each was answered once with the
-job's end state. With no page open nothing waits.
+The page's last word before the server stops
+(each open page told how the job ended): ``page.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -73,7 +65,19 @@ from undying.errors import UsageError
 from undying.jobfiles.tokens import JOB_HEADER, ensure_token, where_the_token_is
 from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite, QuietLog
 from undying.manager.http.access import token_from_headers, tokens_match
-from undying.manager.http.page import status_page
+from undying.manager.http.bodies import (
+    INJECT_EXAMPLE,
+    MAX_BODY,
+    Malformed,
+    error,
+    inject_fields,
+    json_response,
+    read_body,
+    series_query,
+    short,
+    who,
+)
+from undying.manager.http.page import PAGES, OpenPages, PageRunner, status_page
 from undying.manager.manager import Manager
 from undying.manager.placement import MOVE_EXAMPLES, request_move
 from undying.manager.views import CONTENT_TYPE, exposition, new_registry
@@ -116,36 +120,7 @@ _server_log.addFilter(HideTokens())
 READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/series",
                              "/api/trace"})
 _READ_METHODS = frozenset({"GET", "HEAD"})
-_INJECT_EXAMPLE = '{"kind": "crash", "rank": 0}'
-_INJECT_FIELDS = ("kind", "rank", "at_step", "phase", "how", "factor")
-# A request body: every endpoint's fits in a few hundred bytes. aiohttp answers 413 past this.
-_MAX_BODY = 64 * 1024
-# JSON nesting and integer digits past these are no request of ours (and would cost a deep recursion
-# or a quadratic int parse): 400 before they are parsed.
-_MAX_DEPTH = 16
-_MAX_DIGITS = 30
-# Ranks and steps are counted, never negative; a step past this is no step a job reaches.
-_MAX_STEP = 2**53
-_MAX_RANK = 2**20
-_BODY_WAIT_S = 10.0
-# The page's charts: points per series it may ask for (the default draws one a few pixels wide).
-_POINTS_DEFAULT, _POINTS_MAX = 400, 2000
-# Open pages: the header they name themselves in, how many are remembered, how recent a poll counts as open,
-# and how long a stopping server waits for them to see the end (a page polls once a second).
-PAGE_HEADER = "X-Undying-Page"
-_MAX_PAGES = 64
-_PAGE_OPEN_S = 5.0
-_PAGE_WAIT_S = 3.0
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=str))
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return _json({"error": message}, status=status, headers=headers)
 
 
 def build_app(manager: Manager, token: str | None = None, *, open_status: bool = False,
@@ -163,12 +138,12 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         """Why ``request`` may not reach its handler, as the 401 to send; None when it may."""
         meant = request.headers.get(JOB_HEADER)
         if meant is not None and meant != job_id:
-            return _error(401, f"this manager runs job {job_id}, the request is for job {meant}; "
+            return error(401, f"this manager runs job {job_id}, the request is for job {meant}; "
                                f"check --job-dir or --manager")
         if request.path == HELLO_PATH:
             return None  # anyone may ask a manager to prove the job's key; the answer holds no secret
         if "token" in request.query and request.path != "/":
-            return _error(401, "a token in a URL is refused (URLs end up in logs, histories and proxies): send it "
+            return error(401, "a token in a URL is refused (URLs end up in logs, histories and proxies): send it "
                                "as 'Authorization: Bearer <token>'")
         if open_status and request.method in _READ_METHODS and request.path in READ_ONLY_PATHS:
             return None
@@ -179,7 +154,7 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
             return None
         problem = "no token" if not given else "a wrong token"
         page = " (a browser: open /?token=<token>)" if request.path == "/" else ""
-        return _error(
+        return error(
             401,
             f"the manager of job {job_id} refused a request with {problem}: send the job's token as "
             f"'Authorization: Bearer <token>'{page}; {where}",
@@ -207,92 +182,92 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     async def hello(request: web.Request) -> web.Response:
         nonce = parse_nonce(request.headers.get(NONCE_HEADER))
         if nonce is None:
-            return _error(400, f"{HELLO_PATH} needs a fresh nonce: a header {NONCE_HEADER} of 64 hex digits")
+            return error(400, f"{HELLO_PATH} needs a fresh nonce: a header {NONCE_HEADER} of 64 hex digits")
         peer = peer_name(request.transport.get_extra_info("peername") if request.transport is not None else None)
-        return _json({"job_id": job_id, "peer": peer, "proof": proof_of(proving, nonce, job_id, peer)},
+        return json_response({"job_id": job_id, "peer": peer, "proof": proof_of(proving, nonce, job_id, peer)},
                      headers={"Cache-Control": "no-store"})
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=exposition(registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def status(request: web.Request) -> web.Response:
-        return _json(manager.status())
+        return json_response(manager.status())
 
     async def series(request: web.Request) -> web.Response:
         try:
-            first, last, points = _series_query(request.query)
-        except _Malformed as e:
-            return _error(400, str(e))
+            first, last, points = series_query(request.query)
+        except Malformed as e:
+            return error(400, str(e))
         view = manager.history.view(first, last, points)
         view["world_size"] = manager.world_size
         view["incidents"] = [{"id": i.id, "kind": i.kind.value, "rank": i.rank, "step": i.step, "t": i.fault_t,
                               "status": i.status.value, "action": i.action} for i in manager.incidents]
-        return _json(view)
+        return json_response(view)
 
     async def ranks(request: web.Request) -> web.Response:
-        return _json(manager.status()["ranks"])
+        return json_response(manager.status()["ranks"])
 
     async def incidents(request: web.Request) -> web.Response:
-        return _json(manager.status()["incidents"])
+        return json_response(manager.status()["incidents"])
 
     async def inject(request: web.Request) -> web.Response:
-        body = await _body(request, _INJECT_EXAMPLE)
+        body = await read_body(request, INJECT_EXAMPLE)
         if isinstance(body, web.Response):
             return body
         try:
-            kind, rank, at_step, phase, how, factor = _inject_fields(body)
-        except _Malformed as e:
-            return _error(400, str(e))
+            kind, rank, at_step, phase, how, factor = inject_fields(body)
+        except Malformed as e:
+            return error(400, str(e))
         try:
-            return _json(manager.inject(kind, rank, at_step, phase, how, factor=factor))
+            return json_response(manager.inject(kind, rank, at_step, phase, how, factor=factor))
         except UsageError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
 
     async def trace_get(request: web.Request) -> web.Response:
-        return _json(manager.trace_status())
+        return json_response(manager.tracing.status())
 
     async def trace_put(request: web.Request) -> web.Response:
-        body = await _body(request, '{"step": "on", "comm": "off"}')
+        body = await read_body(request, '{"step": "on", "comm": "off"}')
         if isinstance(body, web.Response):
             return body
         try:
-            switch = TraceSwitch.parse({k: v for k, v in body.items() if k != "by"}, by=_who(request, body), t=time.time())
+            switch = TraceSwitch.parse({k: v for k, v in body.items() if k != "by"}, by=who(request, body), t=time.time())
         except UsageError as e:
-            return _error(400, str(e))
-        return _json(manager.set_trace(switch))
+            return error(400, str(e))
+        return json_response(manager.tracing.set(switch))
 
     async def trace_post(request: web.Request) -> web.Response:
-        body = await _body(request, '{"on": true, "comm": false}')
+        body = await read_body(request, '{"on": true, "comm": false}')
         if isinstance(body, web.Response):
             return body
         on, comm = body.get("on"), body.get("comm", False)
         if not isinstance(on, bool):
-            return _error(400, f'trace needs a boolean "on", got {_short(on)}; e.g. {{"on": true, "comm": false}}')
+            return error(400, f'trace needs a boolean "on", got {short(on)}; e.g. {{"on": true, "comm": false}}')
         if not isinstance(comm, bool):
-            return _error(400, f'"comm" must be a boolean, got {_short(comm)}; e.g. {{"on": true, "comm": false}}')
+            return error(400, f'"comm" must be a boolean, got {short(comm)}; e.g. {{"on": true, "comm": false}}')
         try:
-            return _json(manager.change_trace(on=on, comm_only=comm, by=_who(request, body)))
+            return json_response(manager.tracing.change(on=on, comm_only=comm, by=who(request, body)))
         except UsageError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
 
     async def move(request: web.Request) -> web.Response:  # migrate, drain, undrain (manager/placement/migration.py)
         what = request.path.rsplit("/", 1)[-1]
-        body = await _body(request, MOVE_EXAMPLES[what])
+        body = await read_body(request, MOVE_EXAMPLES[what])
         if isinstance(body, web.Response):
             return body
         try:
-            return _json(request_move(manager.migrations, what, body, _who(request, body)))
+            return json_response(request_move(manager.migrations, what, body, who(request, body)))
         except UsageError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
 
     async def stop(request: web.Request) -> web.Response:
         manager.stop("stopped through the API")
-        return _json({"stopping": True})
+        return json_response({"stopping": True})
 
     # The connection guard (when served through start_http) sees every request, refused ones included.
     middlewares = [connections.middleware, guard, pages.middleware] if connections is not None else [
         guard, pages.middleware]
-    app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY)
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app.router.add_get("/", page)
     app.router.add_get("/metrics", metrics)
     app.router.add_get(HELLO_PATH, hello)
@@ -307,196 +282,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     app.router.add_get("/api/trace", trace_get)
     app.router.add_put("/api/trace", trace_put)
     app.router.add_post("/api/trace", trace_post)
-    app[_PAGES] = pages
+    app[PAGES] = pages
     return app
-
-
-class OpenPages:
-    """The pages that poll ``/api/status`` (by the id each names itself with) and whether each saw the end."""
-
-    def __init__(self, ended: Callable[[], bool]) -> None:
-        self._ended = ended
-        self._seen: dict[str, tuple[float, bool]] = {}  # page id -> (its last poll, monotonic; it saw the end)
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        ended = self._ended()  # (asked before the answer is made: an end after it is not in the answer)
-        response = await handler(request)
-        page = request.headers.get(PAGE_HEADER, "")
-        if request.path == "/api/status" and response.status == 200 and 0 < len(page) <= 64:
-            self._seen.pop(page, None)
-            self._seen[page] = (time.monotonic(), ended)
-            while len(self._seen) > _MAX_PAGES:
-                del self._seen[next(iter(self._seen))]
-        return response
-
-    def waiting(self) -> int:
-        """Pages open lately that have not been told the job ended."""
-        now = time.monotonic()
-        return sum(1 for t, saw_end in self._seen.values() if not saw_end and now - t < _PAGE_OPEN_S)
-
-    async def told(self, timeout: float = _PAGE_WAIT_S) -> None:
-        """Once the job ended: wait until every open page saw it, ``timeout`` at most."""
-        if not self._ended():
-            return
-        deadline = time.monotonic() + timeout
-        while self.waiting() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-
-_PAGES = web.AppKey("pages", OpenPages)
-
-
-class _PageRunner(web.AppRunner):
-    """The app's runner: before it stops serving, the open pages are told how the job ended."""
-
-    async def cleanup(self) -> None:
-        await self.app[_PAGES].told()
-        await super().cleanup()
-
-
-def _series_query(query: Mapping[str, str]) -> tuple[int | None, int | None, int]:
-    """``from``, ``to`` and ``points`` of a series request, each checked; ``_Malformed`` names the bad one."""
-
-    def whole(name: str, low: int, high: int) -> int | None:
-        raw = query.get(name)
-        if raw is None or raw == "":
-            return None
-        if not (raw.isascii() and raw.isdigit()) or len(raw) > 16 or not low <= int(raw) <= high:
-            raise _Malformed(f"?{name}= must be a whole number from {low} to {high}, got {_short(raw)}; "
-                             f"e.g. /api/series?from=100&to=500&points=400")
-        return int(raw)
-
-    first, last = whole("from", 0, _MAX_STEP), whole("to", 0, _MAX_STEP)
-    if first is not None and last is not None and first > last:
-        raise _Malformed(f"?from={first} is after ?to={last}; ask for a range of steps from the first to the last")
-    points = whole("points", 10, _POINTS_MAX)
-    return first, last, _POINTS_DEFAULT if points is None else points
-
-
-async def _body(request: web.Request, example: str) -> dict[str, Any] | web.Response:
-    """The request's JSON object, or the 400 that says what is wrong with it (never a 500)."""
-    try:
-        raw = await asyncio.wait_for(request.read(), _BODY_WAIT_S)
-    except asyncio.TimeoutError:
-        return _error(408, f"the request body did not arrive within {_BODY_WAIT_S:.0f} s")
-    except web.HTTPRequestEntityTooLarge:
-        return _error(413, f"the body is over {_MAX_BODY} bytes; a request is a small JSON object like {example}")
-    try:
-        body = parse_json(raw)
-    except ValueError as e:
-        return _error(400, f"the body must be a JSON object like {example}: {e}")
-    if not isinstance(body, dict):
-        return _error(400, f"the body must be a JSON object like {example}, got {type(body).__name__}")
-    return body
-
-
-def parse_json(raw: bytes) -> Any:
-    """``raw`` as JSON, held to what a request may hold; ``ValueError`` says what is wrong.
-
-    ``json.loads`` alone turns a deep nesting into a RecursionError, 5,000
-    digits into Python's int-conversion error and ``NaN`` into a float: each
-    would have been a 500 or a number no check expects.
-    """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("it is not UTF-8") from None
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > _MAX_DEPTH:
-                raise ValueError(f"it nests deeper than {_MAX_DEPTH} levels")
-        elif ch in "]}":
-            depth -= 1
-
-    def whole(digits: str) -> int:
-        if len(digits.lstrip("-")) > _MAX_DIGITS:
-            raise ValueError(f"a number has more than {_MAX_DIGITS} digits")
-        return int(digits)
-
-    def real(digits: str) -> float:
-        value = float(digits)
-        if not math.isfinite(value):
-            raise ValueError(f"the number {digits[:20]} is out of range")
-        return value
-
-    def constant(name: str) -> Any:
-        raise ValueError(f"{name} is not a number JSON allows")
-
-    try:
-        return json.loads(text, parse_int=whole, parse_float=real, parse_constant=constant)
-    except RecursionError:
-        raise ValueError(f"it nests deeper than {_MAX_DEPTH} levels") from None
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-class _Malformed(Exception):
-    """A request body field that is missing or of the wrong type; the message names it."""
-
-
-def _inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | None, str | None, float | None]:
-    """The inject request's fields, each checked on its own; ``_Malformed`` names the first bad one.
-
-    Strict on purpose: ``int()`` would quietly turn a rank of 1.7 into 1 and
-    fault a rank nobody asked for, and a misspelt field would be dropped.
-    """
-    unknown = sorted(k for k in body if k not in _INJECT_FIELDS)
-    if unknown:
-        raise _Malformed(f"unknown field {_short(unknown[0])} in the inject body; the fields are "
-                         f"{', '.join(_INJECT_FIELDS)}, e.g. {_INJECT_EXAMPLE}")
-
-    def whole(name: str, low: int, high: int) -> int | None:
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise _Malformed(f'"{name}" must be a whole number, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
-        if value is not None and not low <= value <= high:
-            raise _Malformed(f'"{name}" must be between {low} and {high}, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
-        return value
-
-    def text(name: str) -> str | None:
-        value = body.get(name)
-        if value is not None and not isinstance(value, str):
-            raise _Malformed(f'"{name}" must be a string, got {_short(value)}; e.g. {_INJECT_EXAMPLE}')
-        return value
-
-    def number(name: str) -> float | None:
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                  or not math.isfinite(value)):
-            raise _Malformed(f'"{name}" must be a number, got {_short(value)}; e.g. 1.2 for steps 20% slower')
-        return None if value is None else float(value)
-
-    rank = whole("rank", 0, _MAX_RANK)
-    if rank is None:
-        raise _Malformed(f'inject needs a "rank" (a whole number), e.g. {_INJECT_EXAMPLE}')
-    kind = text("kind")
-    return (kind if kind is not None else "crash", rank, whole("at_step", 1, _MAX_STEP), text("phase"), text("how"),
-            number("factor"))
-
-
-def _who(request: web.Request, body: dict[str, Any]) -> str:
-    """Who changed the switch, as the status shows it: the caller's own word, else the API and its peer."""
-    said = body.get("by")
-    if isinstance(said, str) and said.strip():
-        return said.strip()[:80]
-    return f"api {request.remote or ''}".strip()
 
 
 async def start_http(manager: Manager, host: str, port: int, *, open_status: bool = False,
@@ -510,7 +297,7 @@ async def start_http(manager: Manager, host: str, port: int, *, open_status: boo
     limits = limits if limits is not None else manager.config.connections
     token = ensure_token(Path(manager.config.job_dir))
     guard = ConnectionGuard(limits)
-    runner = _PageRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
+    runner = PageRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
                            keepalive_timeout=limits.http_idle_timeout, logger=_server_log)
     await runner.setup()
     site = GuardedSite(runner, host, port, guard)

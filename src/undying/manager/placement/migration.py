@@ -45,13 +45,9 @@ from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
 from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
-from undying.manager.placement.hosts import (
-    LOG_KEY,
-    REQUALIFY_PASSES,
-    HostBook,
-    check_host,
-    check_job_host,
-)
+from undying.manager.placement.host_marks import node_host, quarantine
+from undying.manager.placement.hosts import LOG_KEY, HostBook, check_host, check_job_host
+from undying.manager.placement.standby_seats import parked_hosts, place_on, standby_on
 from undying.manager.recovery import Action, Decision, Detection, Recoveries, describe_exit
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.node_wire import JobEnded
@@ -60,7 +56,7 @@ from undying.protocol.worker_wire import ArmFault, FaultInjected
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
 
-__all__ = ["Migrations", "LEAD_STEPS", "MOVE_EXAMPLES", "request_move", "quarantine", "host_of", "node_host"]
+__all__ = ["Migrations", "LEAD_STEPS"]
 
 log = logging.getLogger("undying.manager")
 
@@ -71,77 +67,6 @@ LEAD_STEPS = 2
 # its join; a new process imports torch first): measured on a loaded 2-core machine, with room.
 READY_S = {True: 2.0, False: 10.0}
 MAX_LEAD_STEPS = 10_000
-
-
-# What each POST of the HTTP API takes (manager/http/server.py): its body's example, for the errors.
-MOVE_EXAMPLES = {"migrate": '{"rank": 1, "to": "HOST"} or {"node": 1, "to": "HOST"}', "drain": '{"host": "HOST"}',
-                 "undrain": '{"host": "HOST"}'}
-_MAX_RANK = 1 << 20
-
-
-def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: str) -> dict[str, Any]:
-    """``POST /api/<what>`` with its JSON body, checked whole before anything is done; UsageError names the field."""
-    example = MOVE_EXAMPLES[what]
-    if what == "migrate":
-        rank, to, node = body.get("rank"), body.get("to"), body.get("node")
-        if to is not None and not isinstance(to, str):
-            raise UsageError(f'"to" must be a host name (a string), got {str(to)[:40]!r}; e.g. {example}')
-        if to is not None:
-            check_host(to)
-        if node is not None and rank is not None:
-            raise UsageError(f'migrate takes a "rank" or a "node", not both; e.g. {example}')
-        if node is not None:
-            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node <= _MAX_RANK:
-                raise UsageError(f'"node" must be a whole number from 0, got {str(node)[:40]!r}; e.g. {example}')
-            return migrations.migrate_node(node, to, by=by)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
-            raise UsageError(f'migrate needs a "rank" or a "node" (a whole number from 0, not both), got '
-                             f'{str(rank)[:40]!r}; e.g. {example}')
-        return migrations.migrate(rank, to, by=by)
-    host = body.get("host")
-    if not isinstance(host, str):
-        raise UsageError(f'{what} needs a "host" (a string), got {str(host)[:40]!r}; e.g. {example}')
-    check_host(host)
-    if what == "drain":
-        return migrations.drain(host, by=by, reason=str(body.get("reason") or "")[:500])
-    return migrations.undrain(host, by=by)
-
-
-def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str | None = None,
-               by: str = "numerics") -> dict[str, Any]:
-    """Quarantine a host, named or as the one ``rank`` runs on, with the fault policy's ``reason``.
-
-    The one call a fault policy makes (``manager.integrity.numerics``: a rank found at
-    fault twice): the host gets no new ranks until an operator runs
-    ``undying undrain HOST``; recorded as ``host_quarantined`` and kept in the
-    log. Its ranks train on: moving them is the operator's call (``drain``).
-    """
-    if host is None:
-        if rank is None or rank not in core.ranks:
-            raise UsageError(f"quarantine needs a host or a rank of this job, got rank {rank!r}")
-        host = host_of(core, rank)
-    mark = core.hosts.quarantine(host, reason=reason, by=by, t=time.time())
-    core.events.event("host_quarantined", **mark.to_dict(), until=UNTIL)
-    core.events.set_job(LOG_KEY, core.hosts.to_log(), flush=True)
-    log.warning("job %s: host %s quarantined: %s; %s", core.config.job_id, host, mark.reason, UNTIL)
-    return {"host": host, "state": mark.state.value, "reason": mark.reason}
-
-
-# What clears a quarantined host (manager.placement.hosts.HostBook.verified, manager.integrity.verification.on_verified).
-UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified bit for bit "
-         f"in a row, only in a job run with --verify-every) or an operator runs `undying undrain HOST`")
-
-
-def host_of(core: JobCore, rank: int) -> str:
-    """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node job)."""
-    info = core.ranks.get(rank)
-    return node_host(core, info.node) if info is not None else ""
-
-
-def node_host(core: JobCore, node: int) -> str:
-    """The host ``node``'s agent said it runs on ("" when the node has no agent)."""
-    agent = core.agents.get(node)
-    return str(agent.view().get("host", "")) if agent is not None else ""
 
 
 @dataclass
@@ -236,7 +161,7 @@ class Migrations:
             if why:
                 raise UsageError(f"cannot move node {node} now: {why}")
         host = self.host_of(node)
-        standby = self._standby_on(to, avoid={host})
+        standby = standby_on(self.server, self.hosts, to, avoid={host})
         boundary = max(max(r.step for r in ranks), core.book.newest_step()) + LEAD_STEPS
         now = time.time()
         for info in ranks:
@@ -255,11 +180,11 @@ class Migrations:
         Refused, with nothing changed, when there are fewer standbys (not on a
         drained or quarantined host) than nodes to move.
         """
-        check_job_host(host, [*map(self.host_of, self.core.agents), *self._parked_hosts(), *self.hosts.blocked_hosts()],
+        check_job_host(host, [*map(self.host_of, self.core.agents), *parked_hosts(self.server), *self.hosts.blocked_hosts()],
                        others_may_join=self.server is not None)
         nodes = sorted({r.node for r in self.core.ranks.values()
                         if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host})
-        free = [h for h in self._parked_hosts() if h != host and not self.hosts.blocked(h)]
+        free = [h for h in parked_hosts(self.server) if h != host and not self.hosts.blocked(h)]
         if len(free) < len(nodes):
             raise UsageError(
                 f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is nowhere to move "
@@ -451,7 +376,7 @@ class Migrations:
                 self._replace(info, mine or pending, t)
         finally:
             self.recoveries.end_shared_generation()
-        self._place_on(pending.to)
+        place_on(self.server, self.hosts, pending.to)
 
     # --- helpers ------------------------------------------------------------------
 
@@ -489,38 +414,6 @@ class Migrations:
     def standby_views(self) -> list[dict[str, Any]]:
         """The standby agents parked with no node yet (a multi-node job's): where a node can move or fail over to."""
         return self.server.standbys.views() if self.server is not None else []
-
-    def _parked_hosts(self) -> list[str]:
-        if self.server is None:
-            return []
-        return [p.join.host for p in self.server.standbys.parked.values()]
-
-    def _standby_on(self, to: str | None, *, avoid: set[str]) -> str:
-        """The host of the standby a node moves to: ``to`` (one must be parked there) or any not avoided."""
-        hosts = [h for h in self._parked_hosts() if h not in avoid and not self.hosts.blocked(h)]
-        if to is not None:
-            check_host(to)
-            if refused := self.hosts.refusal(to):
-                raise UsageError(refused)
-            if to not in hosts:
-                raise UsageError(f"no standby agent is parked on host {to} (parked on: {', '.join(hosts) or 'none'}); "
-                                 f"start one there with `undying run --standby ...`")
-            return to
-        if not hosts:
-            raise UsageError("no standby agent is parked to move the node to; start one on another host with "
-                             "`undying run --standby ...`")
-        return hosts[0]
-
-    def _place_on(self, host: str) -> None:
-        """Give the moved node to the standby on ``host``: the others are passed over this once."""
-        assert self.server is not None
-        standbys, others = self.server.standbys, self.hosts.blocked_hosts()
-        blocked = standbys.blocked
-        standbys.blocked = lambda: others | {h for h in self._parked_hosts() if h != host}
-        try:
-            self.server.place_standbys()
-        finally:
-            standbys.blocked = blocked
 
     def _record(self, what: str, detail: dict[str, Any]) -> None:
         """A change of the host book: its event, and the book as the job fact a restarted manager reads."""

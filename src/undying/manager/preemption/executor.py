@@ -35,7 +35,7 @@ from undying.manager.preemption.policy import (
     resume_reruns,
     stop_step,
 )
-from undying.protocol.worker_wire import CheckpointSaved, Preempt, StopAt
+from undying.protocol.worker_wire import CheckpointSaved, Preempt, StopAt, StopProposal, Terminated
 
 __all__ = ["Preemption"]
 
@@ -68,6 +68,20 @@ class Preemption:
     def on_saved(self, message: CheckpointSaved) -> None:
         if self.view is not None and message.kind in ("dying-gasp", "existing"):
             self._gasp = message
+
+    def on_stop_proposal(self, message: StopProposal) -> None:
+        self.proposals[message.rank] = message.step
+        self.core.events.event("stop_proposed", generation=message.generation, rank=message.rank, step=message.step)
+
+    def on_terminated(self, message: Terminated) -> None:
+        """A rank's SIGTERM (its process's, a node's, the job's): the job is preempted, unless it is old news."""
+        holder = self.core.ranks[message.rank].pid  # (0: its replacement has not started yet)
+        if message.pid and message.pid != holder:
+            # A process the rank was taken from (its host cut off, fenced, its agent stopping it): old news.
+            self.core.events.event("sigterm_stale", rank=message.rank, pid=message.pid, holder=holder)
+            return
+        self.core.events.event("sigterm", rank=message.rank)
+        self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
 
     def preempt(self, reason: str, *, rank: int = -1, t: float | None = None) -> None:
         """SIGTERM (to the launcher, or to a worker): agree on a stop step, persist it, leave.

@@ -2,7 +2,8 @@
 
 ``detection`` (an exit, a silence, a stall or a failed collective becomes an incident); ``leaving``
 (a rank that exits 0 early); ``policy`` (the recovery ladder, a pure function: incident and history
-to an action); ``rounds`` (``Recoveries``: the executor of that action and the round's timeline).
+to an action); ``rounds`` (``Recoveries``: the executor of that action and the round's timeline);
+``reported`` (the faults a worker reports itself); ``watch`` (the manager's deadlines, each pass).
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision
 above all, must not pay for the others.
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from undying.manager.recovery.detection import LEFT_BEHIND_PHASE, Detection, describe_exit
     from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
+    from undying.manager.recovery.reported import ReportedFaults
     from undying.manager.recovery.rounds import Recoveries, Recovery
+    from undying.manager.recovery.watch import Watch
 
 __all__ = [
     "Action",
@@ -28,6 +31,8 @@ __all__ = [
     "describe_exit",
     "Recoveries",
     "Recovery",
+    "ReportedFaults",
+    "Watch",
 ]
 
 _WHERE = {
@@ -40,6 +45,8 @@ _WHERE = {
     "describe_exit": "detection",
     "Recoveries": "rounds",
     "Recovery": "rounds",
+    "ReportedFaults": "reported",
+    "Watch": "watch",
 }
 
 

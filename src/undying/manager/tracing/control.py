@@ -84,6 +84,10 @@ class TraceControl:
         result["message"] = said
         return result
 
+    def on_file(self, switch: TraceSwitch) -> None:
+        """The watched switch file changed (an agent read it): the switch as it says."""
+        self.set(switch)
+
     def on_file_error(self, message: str) -> None:
         """A malformed switch file: reported, ignored; the last good setting stays."""
         self.error = message
