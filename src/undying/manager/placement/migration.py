@@ -327,9 +327,9 @@ class Migrations:
             recovery.ready[info.rank] = pending.ready_t
         incident.detail["replacement"] = "warm spare" if pending.warm else "new process"
         core.events.incident(incident)
-        for peer in core.ranks.values():  # they wait in a collective the leaving rank never joins
-            if peer.rank != info.rank and peer.state is not RankState.EXITED:
-                core.agents[peer.node].abort(peer.rank, previous, f"rank {info.rank} migrated")
+        # The peers wait in a collective the leaving rank never joins: told to leave it (recovery.rounds),
+        # and one that never does is judged stuck like any survivor.
+        self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated")
         return True
 
     def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:

@@ -247,9 +247,8 @@ class Recoveries:
             # Nothing failed by itself in a stuck collective: every rank leaves it. Otherwise the
             # survivors that have not seen the fault yet are told to, rather than left to find it.
             stuck = bool(incident.detail.get("stuck_collective"))
-            self._tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
-                                f"{incident.kind} of rank {incident.rank}: {decision.action.value}",
-                                everyone=stuck)
+            self.tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
+                               f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
         self.current.renew(record.generation)
         if decision.action is Action.REPLACE:
             self.current.replaced.add(incident.rank)
@@ -263,15 +262,19 @@ class Recoveries:
             assert self.restore_plan is not None  # (the plan that read the checkpoint named restart_from)
             self._restart_all(incident, record, self.restore_plan)
 
-    def _tell_to_leave(self, previous: int, reason: str, *, everyone: bool) -> None:
-        """Each rank still in generation ``previous`` is told to leave it (a rank that already left ignores it)."""
+    def tell_to_leave(self, previous: int, reason: str) -> None:
+        """Every rank with a process is told to leave generation ``previous`` (one that already left ignores it).
+
+        Those still running in it are the ones ``stuck`` judges later, by the process that was told.
+        """
         assert self.current is not None
         core = self.core
         for info in core.ranks.values():
-            if info.state is RankState.EXITED or (not everyone and info.state is not RankState.RUNNING):
+            if info.state is RankState.EXITED:
                 continue
             core.agents[info.node].abort(info.rank, previous, reason)
-            self.current.told[info.rank] = info.pid
+            if info.state is RankState.RUNNING:
+                self.current.told[info.rank] = info.pid
         self.current.told_to_leave = time.time()
 
     def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
