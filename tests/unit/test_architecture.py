@@ -238,6 +238,36 @@ def test_no_module_outside_the_roles_and_the_launch_layer_is_over_450_lines() ->
     assert not big, f"split these by concern: {big}"
 
 
+WORKER = "undying.worker"
+MAX_LINES_IN_WORKER = 450
+MAX_METHODS_IN_WORKER = 25
+
+
+def _in_worker(module: str) -> bool:
+    return module == WORKER or module.startswith(WORKER + ".")
+
+
+def test_no_module_of_the_worker_is_over_450_lines() -> None:
+    """The worker is split by concern: the step loop's parts are modules of their own (commands, heartbeat...)."""
+    big = {m: n for m, p in MODULES.items()
+           if _in_worker(m) and (n := len(p.read_text().splitlines())) > MAX_LINES_IN_WORKER}
+    assert not big, f"split these by concern: {big}"
+
+
+def test_no_class_of_the_worker_has_over_25_methods() -> None:
+    """A class of the worker does one thing: one with more methods is made of named parts it builds or is given."""
+    big = {}
+    for module, path in MODULES.items():
+        if not _in_worker(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [item for item in node.body if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)]
+                if len(methods) > MAX_METHODS_IN_WORKER:
+                    big[f"{module}.{node.name}"] = len(methods)
+    assert not big, f"make these of named parts: {big}"
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     private = [f"{module}:{line} imports {target}.{name}"
                for module in MODULES for target, names, line in _imports(module) if _ours(target)
