@@ -63,7 +63,7 @@ CAPPED_APART = ("undying.manager", "undying.agent", "undying.launch", "undying.w
 MAX_EXPORTS = 15
 MANAGER = "undying.manager"
 # In the manager, a smell detector rather than a target: a module of one concern, a class of one job.
-MAX_MANAGER_LINES = 450
+MAX_MANAGER_LINES = 450  # (and the worker's, the agent's: CAPPED_PACKAGES)
 MAX_MANAGER_METHODS = 25
 
 
@@ -242,21 +242,27 @@ def test_no_module_outside_the_roles_and_the_launch_layer_is_over_450_lines() ->
     assert not big, f"split these by concern: {big}"
 
 
-def _in_manager(module: str) -> bool:
-    return module == MANAGER or module.startswith(MANAGER + ".")
+# Capped by their own steps of issue #26 (the rest is capped above): a module of one concern, a class of one job.
+CAPPED_PACKAGES = ("undying.manager", "undying.worker")
 
 
-def test_no_module_of_the_manager_is_over_450_lines() -> None:
+def _in(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("package", CAPPED_PACKAGES)
+def test_no_module_of_a_capped_package_is_over_450_lines(package: str) -> None:
     big = {m: n for m, p in MODULES.items()
-           if _in_manager(m) and (n := len(p.read_text().splitlines())) > MAX_MANAGER_LINES}
+           if _in(package, m) and (n := len(p.read_text().splitlines())) > MAX_MANAGER_LINES}
     assert not big, f"split these by concern: {big}"
 
 
-def test_no_class_of_the_manager_has_over_25_methods() -> None:
-    """The manager's main class is a router over named parts; no part is a god class either."""
+@pytest.mark.parametrize("package", CAPPED_PACKAGES)
+def test_no_class_of_a_capped_package_has_over_25_methods(package: str) -> None:
+    """A main class is a router over named parts it builds or is given; no part is a god class either."""
     big = {}
     for module, path in MODULES.items():
-        if not _in_manager(module):
+        if not _in(package, module):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):

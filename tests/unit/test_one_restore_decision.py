@@ -58,7 +58,7 @@ PATHS = {
     "worker/verify.py:Verification._roll_back":
         "verification roll-back: the holder's file of the last verified state, never a rank's own memory",
     # resume at start
-    "worker/job.py:Job.__init__":
+    "worker/startup.py:resume_at_start":
         "resume at start: a replacement's state from the members, a launch's from its checkpoint",
     "manager/manager.py:Manager.run":
         "resume at start: every rank of generation 0 from the latest valid checkpoint, or fresh",

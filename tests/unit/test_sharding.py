@@ -146,7 +146,7 @@ def test_fsdp_trains_on_after_a_new_generation_and_a_failed_forward(group: None)
 
 
 def test_a_staged_copy_for_the_background_writer_is_private_and_still_sharded(group: None) -> None:
-    from undying.worker.shards import stage
+    from undying.worker.shard_saves import stage
 
     model, _, state = build()
     train(model, state, range(1))

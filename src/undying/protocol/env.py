@@ -90,7 +90,7 @@ TIMEOUT_RENDEZVOUS_ENV = "UNDYING_TIMEOUT_RENDEZVOUS"
 TIMEOUT_CONNECT_ENV = "UNDYING_TIMEOUT_CONNECT"
 # `--collective-timeout`: gloo's own collective timeout, in a rank (worker/rejoin.py).
 TIMEOUT_COLLECTIVE_ENV = "UNDYING_TIMEOUT_COLLECTIVE"
-# `--heartbeat-timeout`: a rank beats well within it (worker/job.py), a spare at a quarter of it
+# `--heartbeat-timeout`: a rank beats well within it (worker/heartbeat.py), a spare at a quarter of it
 # (worker_wire.spare_beat_interval).
 TIMEOUT_HEARTBEAT_ENV = "UNDYING_TIMEOUT_HEARTBEAT"
 # `--exit-grace`: how long a rank's exit may take once its script returned (worker/boot.py).

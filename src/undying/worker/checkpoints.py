@@ -188,13 +188,13 @@ class Checkpoints:
 
         ``last``: the job's last step; its save waits for one still writing instead of being skipped.
 
-        Sharded state: every rank writes its shard, together (``Shards.maybe_save``).
+        Sharded state: every rank writes its shard, together (``ShardSaves.maybe_save``).
         False: a peer failed during a collective save; the caller recovers.
         """
         ctx = self.ctx
         self._send_size(state, index)
         if state.sharded:
-            return shards.maybe_save(state, index, ctx.data_meta(index))
+            return shards.saves.maybe_save(state, index, ctx.data_meta(index))
         if ctx.rank != 0:
             # Replicated state: rank 0 writes; the others' stall is recorded (about zero) so ranks compare.
             if ctx.tracing.active and ctx.clock.due(index):

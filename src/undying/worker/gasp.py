@@ -101,7 +101,7 @@ def dying_gasp(ctx: JobContext, state: State, step: int, checkpoints: Checkpoint
     together), synchronously. Then exit."""
     ctx.phase = "done"
     if state.sharded:
-        shards.dying_gasp(state, step, ctx.data_meta(step), checkpoints.resumed)
+        shards.saves.dying_gasp(state, step, ctx.data_meta(step), checkpoints.resumed)
     elif ctx.rank == 0:
         checkpoints.save_now(state, step, "dying-gasp")
     ctx.send(Progress(ctx.rank, ctx.generation, "preempt_exit", time.time(), step=step))

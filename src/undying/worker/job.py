@@ -13,11 +13,8 @@ propagates, so the process exits and the manager's policy decides.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,47 +25,35 @@ import torch
 import torch.distributed as dist
 
 from undying.checkpoint.mac import key_from_environ, set_key
-from undying.checkpoint.planner import StatePlan, plan_start
+from undying.checkpoint.planner import StatePlan
 from undying.checkpoint.safe_load import check_state_loadable
-from undying.config import EXIT_MIGRATED
 from undying.errors import UsageError
-from undying.protocol.codec import Message
 from undying.protocol.store_client import JobStore
 from undying.protocol.store_wire import CONTROL_STORE
 from undying.protocol.worker_wire import (
-    Abort,
-    ArmFault,
     Done,
-    Heartbeat,
     Hello,
-    Preempt,
     Progress,
     StepBegun,
     StepCommitted,
-    Stop,
-    StopAt,
-    TraceSet,
     wire_metrics,
 )
 from undying.worker import rng
-from undying.worker.channel import AgentChannel
 from undying.worker.checkpoints import Checkpoints
+from undying.worker.commands import AgentLink, Commands, leave_early
 from undying.worker.context import JobContext, SaveClock
 from undying.worker.data import DataCursor
 from undying.worker.ddp import GenerationalDDP
 from undying.worker.env import WorkerEnv
 from undying.worker.faults import FaultSwitch, block_forever, crash_self, spin_forever, stop_self
 from undying.worker.gasp import Preemption, dying_gasp
-from undying.worker.group import (
-    break_connections,
-    claim_existing_sockets,
-    collectives_entered,
-    is_comm_failure,
-)
+from undying.worker.group import break_connections, claim_existing_sockets, is_comm_failure
+from undying.worker.heartbeat import beat
 from undying.worker.numerics import NumericFault, Numerics, NumericsGuard
 from undying.worker.rejoin import Rejoin
 from undying.worker.seed import seed_everything, seed_from_env
 from undying.worker.shards import Shards
+from undying.worker.startup import join_at_start, resume_at_start, unmanaged_context
 from undying.worker.state import State
 from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.threads import StoppedAtExit
@@ -77,8 +62,6 @@ from undying.worker.verify import Verification, serve, serving, start_verificati
 from undying.worker.virtual import invariant_mode
 
 __all__ = ["init", "Job", "Step"]
-
-log = logging.getLogger("undying.worker")
 
 _job: Job | None = None
 
@@ -110,49 +93,37 @@ def init(seed: int | None = None) -> Job:
     return _job
 
 
-def _prewarm_imports() -> None:
-    """Import in the background what a replacement's first restore and step import lazily.
-
-    ``optimizer.load_state_dict`` and the first optimizer step import
-    ``torch._dynamo`` (seconds on a small machine); started now, the import
-    overlaps the rendezvous and the transfer, which wait on the network.
-    """
-
-    def target(stopped: threading.Event) -> None:
-        try:
-            importlib.import_module("torch._dynamo")
-        except Exception as e:  # only an optimization
-            log.debug("prewarming torch._dynamo failed: %s", e)
-
-    # A job that ends first waits for the import at exit: it runs torch code that releases the GIL.
-    StoppedAtExit(target, name="undying-prewarm", join_s=30)
-
-
 class Job:
     """This process's membership in an undying job.
 
-    What the job's parts share lives in ``ctx`` (``worker.context``): recovery
-    (``worker.rejoin``), the savers (``worker.checkpoints``, ``worker.gasp``,
-    ``worker.shards``) and the DDP wrapper get it, never this object.
+    It owns the step loop (``steps``) and the step transaction's hooks; the
+    rest are parts it builds: its line to the agent and the agent's commands
+    (``worker.commands``), its heartbeat (``worker.heartbeat``), its start-up
+    and resume (``worker.startup``). What the job's parts share lives in
+    ``ctx`` (``worker.context``): recovery (``worker.rejoin``), the savers
+    (``worker.checkpoints``, ``worker.gasp``, ``worker.shards``) and the DDP
+    wrapper get it, never this object.
     """
 
     def __init__(self, env: WorkerEnv | None, *, seed: int = 0) -> None:
         self.env = env
         self.seed = seed
         self.managed = env is not None
+        self._link = AgentLink()  # its reports out; opened once the parts that take the commands exist
         if env is None:
-            self.ctx = _unmanaged_context()
+            self.ctx = unmanaged_context()
         else:
             set_key(key_from_environ())  # checkpoints signed and checked under the job's key (checkpoint.mac)
             if dist.is_initialized():
                 claim_existing_sockets()
+            send = self._link.send
             self.ctx = JobContext(
-                env, env.rank, env.world_size, env.local_rank, env.generation, self._send,
-                FaultSwitch(env.rank, self._send,
+                env, env.rank, env.world_size, env.local_rank, env.generation, send,
+                FaultSwitch(env.rank, send,
                             {"crash": crash_self, "hang": stop_self, "hang:spin": spin_forever,
                              "hang:block": block_forever, "comm-error": break_connections,
-                             "migrate": self._leave_for_migration, "leave": _leave_early}),
-                WorkerTracing(env, env.rank, self._send), close_channel=self._close_channel,
+                             "migrate": lambda: self._commands.leave_for_migration(), "leave": leave_early}),
+                WorkerTracing(env, env.rank, send), close_channel=self._link.close,
                 clock=SaveClock(env.checkpoint.save_every, env.checkpoint.save_interval),
             )
         self._state_checked = False  # the state's weights_only round trip, done at the first commit
@@ -164,47 +135,28 @@ class Job:
         self._numerics: NumericsGuard | None = None
         self._verify: Verification | None = None  # --verify-every (worker.verify)
         self._state: State | None = None
-        # Where this process's state comes from before its first step (an unmanaged script: its own).
-        self._start: StatePlan = plan_start(joining=False, checkpoint=None)
-        self._move_generation = -1  # the generation a planned move (undying migrate) was armed in
         # Sharded state (FSDP2): DCP checkpoints by every rank, ring replicas, restore by shards.
         self._shards = Shards(self.ctx)
         self._checkpoints = Checkpoints(self.ctx)
         self._preemption = Preemption(self.ctx)
         # The agent's commands, by message class (anything else is logged and ignored).
-        self._handlers: dict[type[Message], Callable[[Any], None]] = {
-            ArmFault: self._on_arm_fault,
-            TraceSet: self.ctx.tracing.apply,
-            Preempt: self._preemption.on_preempt,
-            StopAt: self._preemption.on_stop_at,
-            Stop: self._preemption.on_stop,
-            Abort: self._on_abort,
-        }
+        self._commands = Commands(self.ctx, self._preemption)
         if env is None:
+            # Where this process's state comes from before its first step (an unmanaged script: its own).
+            self._start: StatePlan = resume_at_start(None, self._checkpoints, self._shards)
             return
-        self._channel = AgentChannel(env.agent_host, env.agent_port, self._on_command)
+        self._link.open(env.agent_host, env.agent_port, self._commands.on_command)
         control = JobStore(env.control_host, env.control_port, CONTROL_STORE, env.store_key,
                            timedelta(seconds=env.timeouts.rendezvous_timeout))
         self._rejoin = Rejoin(self.ctx, control, self._shards, self._checkpoints, self._wrappers)
-        self._send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
+        self.ctx.send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
         # Stopped at exit: it calls into torch (see undying.worker.threads).
-        StoppedAtExit(self._beat, name="undying-heartbeat")
+        StoppedAtExit(lambda stopped: beat(self.ctx, stopped), name="undying-heartbeat")
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._preemption.on_sigterm)
         # The one planner: a replacement's state comes from the members, a launch's from its checkpoint.
-        found = self._checkpoints.resume_point(env.resume_from) if env.resume_from and not env.joining else None
-        self._start = plan_start(joining=env.joining, checkpoint=found[0] if found is not None else None)
-        if self._start.source.kind == "checkpoint":
-            assert found is not None
-            self._checkpoints.resume(self._start, found[1], self._shards)
-        if env.joining:
-            _prewarm_imports()
-            # A script that built its own group joined this generation already.
-            self._rejoin.join_as_replacement(adopt=dist.is_initialized())
-        elif dist.is_initialized():
-            self._rejoin.adopt_user_group()
-        else:
-            self._rejoin.join(self.generation)
+        self._start = resume_at_start(env, self._checkpoints, self._shards)
+        join_at_start(env, self._rejoin)
 
     # --- where this process stands (the context's, read here) ---------------
 
@@ -292,16 +244,16 @@ class Job:
         every = verify_every(config.verify_every if config is not None else None)
         config = Numerics() if config is None and every is not None else config  # the fingerprints are its
         self._numerics = None if config is None else NumericsGuard(
-            config, state, self.rank, lambda: self.generation, self._send, cursor)
+            config, state, self.rank, lambda: self.generation, self.ctx.send, cursor)
         self._verify = start_verification(every, managed=self.managed, rank=self.rank, world=self.world_size,
-                                          seed=seed, generation=lambda: self.generation, send=self._send)
+                                          seed=seed, generation=lambda: self.generation, send=self.ctx.send)
         self._attach(state)
         if self.managed and self.rank == 0:
-            self._send(Progress(self.rank, self.generation, "state_layout", time.time(),
+            self.ctx.send(Progress(self.rank, self.generation, "state_layout", time.time(),
                                 detail=self._shards.layout(state)))
         committed = self._checkpoints.load_waiting(state, self._start, self._shards)
         if self.managed and self.rank == 0:  # the progress `undying status` shows: of how many steps, which epoch
-            self._send(Progress(self.rank, self.generation, "steps_planned", time.time(), step=committed, detail={
+            self.ctx.send(Progress(self.rank, self.generation, "steps_planned", time.time(), step=committed, detail={
                 "total_steps": cursor.total_steps, "steps_per_epoch": cursor.steps_per_epoch,
                 "origin": list(cursor.origin),
                 "batch_size": b if isinstance(b := getattr(state.loader, "batch_size", None), int) else None}))
@@ -359,9 +311,9 @@ class Job:
         if self.managed:
             ctx.phase = "done"
             self._checkpoints.finish_writes()
-            self._shards.finish_writes()
+            self._shards.saves.finish_writes()
             self.tracing.close()
-            self._send(Done(self.rank, committed, state.digest(), time.time()))
+            self.ctx.send(Done(self.rank, committed, state.digest(), time.time()))
 
     # --- the transaction's hooks --------------------------------------------
 
@@ -428,13 +380,13 @@ class Job:
         return back - 1
 
     def _began(self, step: Step, fingerprint: str) -> None:
-        self._send(StepBegun(self.rank, self.generation, step.index, fingerprint))
+        self.ctx.send(StepBegun(self.rank, self.generation, step.index, fingerprint))
 
     def _commit(self, step: Step) -> None:
         self.ctx.phase = "step"
         self.tracing.committed(step.index)
         if self.managed:
-            self._send(StepCommitted(self.rank, self.generation, step.index, time.time(),
+            self.ctx.send(StepCommitted(self.rank, self.generation, step.index, time.time(),
                                      wire_metrics(step.metrics)))
 
     def _check_state_loadable(self, state: State, index: int) -> None:
@@ -458,89 +410,3 @@ class Job:
                 raise
             self.ctx.aborted(e)
             return False
-
-    # --- agent channel ------------------------------------------------------
-
-    def _beat(self, stopped: threading.Event) -> None:
-        """Heartbeats with progress: they stop when the process is stopped or its
-        interpreter is stuck, and their progress stops when the training thread is.
-
-        Progress is sampled four times a second, so its time is exact to a
-        quarter second whatever the beat interval.
-        """
-        ctx = self.ctx
-        assert ctx.env is not None
-        interval = min(0.5, max(0.05, ctx.env.timeouts.heartbeat_timeout / 5))
-        sample = min(0.25, interval)
-        last: tuple[int, str, int, int] | None = None
-        progress_t = time.time()
-        next_beat = 0.0
-        while not stopped.wait(sample):
-            now = time.time()
-            key = (ctx.generation, ctx.phase, ctx.current_step, collectives_entered() - ctx.collectives_base)
-            changed_phase = last is not None and key[:2] != last[:2]
-            if key != last:
-                last, progress_t = key, now
-            if now >= next_beat or changed_phase:  # a new phase is told at once: "I left the stuck group"
-                next_beat = now + interval - sample / 2
-                self._send(Heartbeat(self.rank, now, *key, progress_t=progress_t))
-
-    def _send(self, message: Message) -> None:
-        if self.managed:
-            self._channel.send(message)
-
-    def _close_channel(self) -> None:
-        with contextlib.suppress(Exception):
-            self._channel.close()
-
-    def _on_command(self, message: Message) -> None:
-        handler = self._handlers.get(type(message))
-        if handler is None:
-            log.warning("rank %d: ignoring unexpected command %r", self.rank, message)
-            return
-        handler(message)
-
-    def _on_arm_fault(self, message: ArmFault) -> None:
-        if message.kind == "slow":
-            self.tracing.arm_slowdown(message)
-            return
-        if message.kind == "migrate":
-            self._move_generation = self.generation
-        self.ctx.faults.arm(message)
-
-    def _leave_for_migration(self) -> None:
-        """``undying migrate``: at a step's start (the last one committed, nothing begun) this process
-        leaves; the manager expects the exit and gives the rank to a replacement that takes the state.
-
-        Not after a recovery since the move was armed: the manager cancelled the move then (this process
-        holds the rank again, perhaps as the last holder of its state), so it stays (manager.migration).
-        """
-        if self.generation != self._move_generation:
-            log.warning("rank %d: a recovery overtook the planned move armed in generation %d; staying",
-                        self.rank, self._move_generation)
-            return
-        self.ctx.exit_now(EXIT_MIGRATED)
-
-    def _on_abort(self, message: Abort) -> None:
-        if message.generation == self.generation:
-            log.warning("rank %d: leaving generation %d: %s", self.rank, message.generation, message.reason)
-            break_connections()
-
-
-def _leave_early() -> None:
-    """``undying inject leave``: the script exits 0 here, as one that stops before the others does."""
-    sys.exit(0)
-
-
-def _unmanaged_context() -> JobContext:
-    """Outside ``undying run``: plain torchrun or a single process, no fault tolerance."""
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-
-    def nowhere(message: Message) -> None:
-        pass
-
-    return JobContext(None, rank, world_size, int(os.environ.get("LOCAL_RANK", "0")), 0, nowhere,
-                      FaultSwitch(rank, nowhere, {}), WorkerTracing(None, rank, nowhere))

@@ -163,7 +163,7 @@ class Rejoin:
         state.discard_gradients()
         if state.sharded:
             # The write uses a group of this generation, which leaving destroys; a dead peer fails it at once.
-            self.shards.finish_writes(timeout=ctx.env.timeouts.collective_timeout)
+            self.shards.saves.finish_writes(timeout=ctx.env.timeouts.collective_timeout)
             try:
                 reset_after_failure(state.model)  # FSDP left mid-forward/backward: reshard, clear hooks
             except RecoveryError:

@@ -30,6 +30,8 @@ The decisions are ``worker.verify_plan``'s; this module carries them out.
   a flip in the last steps is found too; what stays unanswered is reported as
   not done (``verify_summary``), never as passed.
 
+Rank 0 starts and watches the verifier's process through ``worker.verifier_process``.
+
 Every file of ``verify/`` carries the job's MAC (``worker.verify_files``): a
 file another process planted or changed there is refused, never loaded (rank 0
 says so: ``verify_refused``).
@@ -52,10 +54,7 @@ import contextlib
 import copy
 import logging
 import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,15 +66,7 @@ import torch.distributed as dist
 
 from undying.checkpoint.planner import plan_verify_rollback
 from undying.protocol.codec import Message
-from undying.protocol.env import (
-    AGENT_PID_ENV,
-    ENV_PREFIX,
-    JOB_DIR_ENV,
-    SEED_ENV,
-    VERIFY_EVERY_ENV,
-    VERIFY_KEY_ENV,
-    VERIFY_SERVE_DIR_ENV,
-)
+from undying.protocol.env import JOB_DIR_ENV, VERIFY_EVERY_ENV
 from undying.protocol.verify_wire import (
     VERIFY_CODEC,
     VerifyRequest,
@@ -84,6 +75,7 @@ from undying.protocol.verify_wire import (
 )
 from undying.protocol.worker_wire import Progress
 from undying.worker.verifier import serve, serving
+from undying.worker.verifier_process import how_it_ended, spawn_verifier, stopped
 from undying.worker.verify_files import (
     ForgedFile,
     key_for_verifier,
@@ -105,12 +97,6 @@ STARTUP_S = 60.0  # ... and for a verifier still starting (importing torch, buil
 _POLL_S = 0.02
 MAX_RESTARTS = 3  # a verifier that dies this many times in a row without an answer between is given up on
 _REFUSED_SAID = 3  # forged files said one by one (verify_refused); past these, counted in the summary
-# The verifier's environment keeps the job's seed and K, and none of the job's own (its keys, its addresses).
-# (the agent's mark: a verifier whose rank 0 is gone is an orphan the agent ends, and it never outlives the
-# job's agent: agent/children.py)
-_KEPT = (SEED_ENV, VERIFY_EVERY_ENV, AGENT_PID_ENV)
-_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")
 
 
 def verify_every(asked: int | None) -> int | None:
@@ -141,14 +127,6 @@ def start_verification(every: int | None, *, managed: bool, rank: int, world: in
 def _detached(state_dict: Any) -> Any:
     """A copy no later step can change (the holder's pre-step state, taken before the body runs)."""
     return copy.deepcopy(state_dict)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether the process is stopped (SIGSTOP, a debugger): Linux's /proc says; elsewhere, never."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 class Verification:
@@ -325,7 +303,7 @@ class Verification:
         while self._ledger.pending:
             if self._process is not None and self._process.poll() is not None and self._keep_verifier():
                 ready, last = False, time.monotonic()  # a new one: it takes the requests still in the folder
-            if self._process is None or self._process.poll() is not None or _stopped(self._process.pid):
+            if self._process is None or self._process.poll() is not None or stopped(self._process.pid):
                 return  # gone, or stopped (SIGSTOP): nothing will come; the summary says not done
             if not ready and (self.folder / f"ready-{self._process.pid}").exists():
                 ready, last = True, time.monotonic()  # up now: from here it answers or stalls
@@ -352,13 +330,13 @@ class Verification:
         reason = ""
         if self._deaths > MAX_RESTARTS:
             reason = (f"the verifier died {self._deaths} times in a row without an answer (the last "
-                      f"{_how_it_ended(code)}; see {self.folder / 'verifier.log'}): steps from here on are not "
+                      f"{how_it_ended(code)}; see {self.folder / 'verifier.log'}): steps from here on are not "
                       "verified")
         else:
             try:
                 self._process = self._spawn()
             except OSError as e:
-                reason = f"the verifier died ({_how_it_ended(code)}) and could not start again: {e}"
+                reason = f"the verifier died ({how_it_ended(code)}) and could not start again: {e}"
         if reason:
             self._gave_up = reason
             self._ledger.given_up = True
@@ -368,7 +346,7 @@ class Verification:
         self._restarts += 1
         self._send(Progress(0, self._generation(), "verify_restarted", time.time(), detail={
             "pid": self._process.pid if self._process else None, "old_pid": process.pid,
-            "exit": _how_it_ended(code), "restarts": self._restarts, "waiting": len(self._ledger.pending),
+            "exit": how_it_ended(code), "restarts": self._restarts, "waiting": len(self._ledger.pending),
             "note": "the verifier died; a new one takes the requests still waiting in the folder"}))
         return True
 
@@ -442,28 +420,5 @@ class Verification:
         self._writes.append(thread)
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        """The job's script again, as the verifier: a world of one on loopback, none of the job's keys."""
-        env = {k: v for k, v in os.environ.items()
-               if (not k.startswith(ENV_PREFIX) or k in _KEPT) and k not in _TORCHRUN}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env.update({VERIFY_SERVE_DIR_ENV: str(self.folder), VERIFY_EVERY_ENV: str(self.every), SEED_ENV: str(self._seed),
-                    VERIFY_KEY_ENV: self._key.hex(),  # its only key: to seal its verdicts and check the ranks' files
-                    "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        main = sys.modules.get("__main__")
-        spec = getattr(main, "__spec__", None)
-        command = [sys.executable, "-m", spec.name] if spec is not None and spec.name else \
-            [sys.executable, sys.argv[0]]
-        logfile = (self.folder / "verifier.log").open("ab")
-        try:
-            return subprocess.Popen([*command, *sys.argv[1:]], env=env, stdin=subprocess.DEVNULL, stdout=logfile,
-                                    stderr=subprocess.STDOUT, cwd=os.getcwd())
-        finally:
-            logfile.close()
-
-
-def _how_it_ended(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
-        f"exit {code}"
+        """The job's script again, as the verifier (``worker.verifier_process``)."""
+        return spawn_verifier(self.folder, self.every, self._seed, self._key)

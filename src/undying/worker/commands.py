@@ -1,0 +1,102 @@
+"""The step loop's line to its agent: its reports out (``AgentLink``), the agent's commands in (``Commands``).
+
+``Job`` builds both. The link is opened once the job's parts exist (a report
+before it is dropped: none is sent then); the commands go, by message class,
+to the part that carries them out: a fault armed (``worker.faults``), tracing
+switched (``worker.tracing``), a preemption (``worker.gasp``), or an abort of
+the generation (``worker.group``). Anything else is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from undying.config import EXIT_MIGRATED
+from undying.protocol.codec import Message
+from undying.protocol.worker_wire import Abort, ArmFault, Preempt, Stop, StopAt, TraceSet
+from undying.worker.channel import AgentChannel
+from undying.worker.context import JobContext
+from undying.worker.gasp import Preemption
+from undying.worker.group import break_connections
+
+__all__ = ["AgentLink", "Commands", "leave_early"]
+
+log = logging.getLogger("undying.worker")
+
+
+class AgentLink:
+    """This process's channel to its agent, once opened: what the job's parts send goes through ``send``."""
+
+    def __init__(self) -> None:
+        self._channel: AgentChannel | None = None
+
+    def open(self, host: str, port: int, on_command: Callable[[Message], None]) -> None:
+        self._channel = AgentChannel(host, port, on_command)
+
+    def send(self, message: Message) -> None:
+        if self._channel is not None:
+            self._channel.send(message)
+
+    def close(self) -> None:
+        if self._channel is None:
+            return
+        with contextlib.suppress(Exception):
+            self._channel.close()
+
+
+class Commands:
+    """The agent's commands to this process, by message class."""
+
+    def __init__(self, ctx: JobContext, preemption: Preemption) -> None:
+        self.ctx = ctx
+        self._move_generation = -1  # the generation a planned move (undying migrate) was armed in
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            ArmFault: self._on_arm_fault,
+            TraceSet: ctx.tracing.apply,
+            Preempt: preemption.on_preempt,
+            StopAt: preemption.on_stop_at,
+            Stop: preemption.on_stop,
+            Abort: self._on_abort,
+        }
+
+    def on_command(self, message: Message) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            log.warning("rank %d: ignoring unexpected command %r", self.ctx.rank, message)
+            return
+        handler(message)
+
+    def _on_arm_fault(self, message: ArmFault) -> None:
+        if message.kind == "slow":
+            self.ctx.tracing.arm_slowdown(message)
+            return
+        if message.kind == "migrate":
+            self._move_generation = self.ctx.generation
+        self.ctx.faults.arm(message)
+
+    def leave_for_migration(self) -> None:
+        """``undying migrate``: at a step's start (the last one committed, nothing begun) this process
+        leaves; the manager expects the exit and gives the rank to a replacement that takes the state.
+
+        Not after a recovery since the move was armed: the manager cancelled the move then (this process
+        holds the rank again, perhaps as the last holder of its state), so it stays (manager.migration).
+        """
+        if self.ctx.generation != self._move_generation:
+            log.warning("rank %d: a recovery overtook the planned move armed in generation %d; staying",
+                        self.ctx.rank, self._move_generation)
+            return
+        self.ctx.exit_now(EXIT_MIGRATED)
+
+    def _on_abort(self, message: Abort) -> None:
+        if message.generation == self.ctx.generation:
+            log.warning("rank %d: leaving generation %d: %s", self.ctx.rank, message.generation, message.reason)
+            break_connections()
+
+
+def leave_early() -> None:
+    """``undying inject leave``: the script exits 0 here, as one that stops before the others does."""
+    sys.exit(0)
