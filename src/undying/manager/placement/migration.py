@@ -251,7 +251,7 @@ class Migrations:
         The rank's old process holds its state (perhaps the last one that
         does: every other holder may be the fault), so the rank is given back
         to it (its owner key, its process) and the replacement started ahead
-        is killed; the old process stays at its boundary (worker.job). The
+        is killed; the old process stays at its boundary (worker.commands). The
         recovery then plans with the old process as the rank's holder.
         """
         why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
@@ -259,7 +259,7 @@ class Migrations:
             self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); rank "
                                   f"{pending.rank} stays on pid {pending.pid}")
         for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
-            # A whole node's move: its ranks stay too (worker.job); nothing was started ahead for it.
+            # A whole node's move: its ranks stay too (worker.commands); nothing was started ahead for it.
             ranks = sorted(p.rank for p in self.pending.values() if p.node == node)
             self.pending = {pid: p for pid, p in self.pending.items() if p.node != node}
             self.core.events.event("migration_failed", node=node, ranks=ranks, returncode=None,
@@ -308,7 +308,7 @@ class Migrations:
         if pending is None:
             if any(p.rank == message.rank for p in self.pending.values()):
                 return False  # (a whole node's move: its ranks' exits carry it out)
-            # A move cancelled since (a recovery overtook it): the process stays at its boundary (worker.job).
+            # A move cancelled since (a recovery overtook it): the process stays at its boundary (worker.commands).
             core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
                               phase=message.phase, cancelled=True)
             return True
