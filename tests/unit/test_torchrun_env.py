@@ -126,11 +126,11 @@ def test_a_promoted_standby_gives_its_ranks_the_environment_of_the_node_it_takes
     standby._become(1)  # the manager gave the standby node 1
     record = _record(generation=3)
     for rank in (2, 3):
-        ours = standby.agent._rank_environment(rank, record, True, incarnation=5)
-        theirs = node.agent._rank_environment(rank, record, True, incarnation=5)
+        ours = standby.agent.environment.rank(rank, record, True, incarnation=5)
+        theirs = node.agent.environment.rank(rank, record, True, incarnation=5)
         assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
         assert ours["GROUP_RANK"] == "1" and ours["LOCAL_RANK"] == str(rank - 2)
         assert ours["TORCHELASTIC_ERROR_FILE"] == os.path.join(worker_dir(str(job_dir), rank, 5), ERROR_FILE)
-    bases = [{k: v for k, v in r.agent._base_environment().items() if k != AGENT_KEY_ENV} for r in (standby, node)]
+    bases = [{k: v for k, v in r.agent.environment.base().items() if k != AGENT_KEY_ENV} for r in (standby, node)]
     assert bases[0] == bases[1]
     assert not own.exists()  # nothing of the job in the agents' own default dir

@@ -11,7 +11,7 @@ with SpareTaken before it runs the script. So:
   rank at all;
 - a spare handed a rank that does not answer within ``--spare-take-timeout``
   is killed by the agent, which gives the rank to another spare or a new
-  process (``Agent._watch_take``);
+  process (``spawner.py``);
 - a spare that exits, for whatever reason, is replaced; when spares keep dying
   before they get warm (a broken environment), replacements back off (0.5 s,
   doubling, at most 30 s) instead of forking in a loop.
