@@ -155,7 +155,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recovery import interrupt, publish  # noqa: E402  (bench/ is a folder of scripts)
 
-from undying.agent.remote import ManagerClient  # noqa: E402
+from undying.agent.reports import ManagerClient  # noqa: E402
 from undying.config import JobConfig, Timeouts  # noqa: E402
 from undying.jobfiles.tokens import TOKEN_ENV  # noqa: E402
 from undying.protocol.codec import Message  # noqa: E402

@@ -417,3 +417,33 @@ def test_the_assembly_sets_no_attribute_of_a_part_it_built() -> None:
                     if (module, name) not in WIRED_AFTER_THE_FACT:
                         wrong.append(f"{module}:{node.lineno} assigns {name}")
     assert not wrong, "pass these at construction (or in a bind call):\n" + "\n".join(wrong)
+
+
+# The agent and the launch layer: made of named parts, each module of one concern and each class small.
+PARTS_CAPPED = ("undying.agent", "undying.launch")
+MAX_PART_LINES = 450
+MAX_METHODS = 25
+
+
+def _capped(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in PARTS_CAPPED)
+
+
+def test_no_module_of_the_agent_or_the_launch_layer_is_over_450_lines() -> None:
+    big = {m: n for m, p in MODULES.items()
+           if _capped(m) and (n := len(p.read_text().splitlines())) > MAX_PART_LINES}
+    assert not big, f"split these by concern: {big}"
+
+
+def test_no_class_of_the_agent_or_the_launch_layer_has_over_25_methods() -> None:
+    """A class with more is several parts in one: give each its own class, the whole their composition."""
+    big = {}
+    for module, path in MODULES.items():
+        if not _capped(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                if len(methods) > MAX_METHODS:
+                    big[f"{module}.{node.name}"] = len(methods)
+    assert not big, f"make these of named parts: {big}"

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
-from undying.agent.remote import ManagerClient
+from undying.agent.reports import ManagerClient
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.jobfiles.events import EventLog, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
