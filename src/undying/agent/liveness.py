@@ -1,7 +1,7 @@
 """What a rank's beats say about it: alive, hung (silent) or stalled (beating without progress).
 
 A pure judgement of one rank at one moment, kept apart from the agent's loop
-that watches every rank (``Agent._watch_heartbeats``) so that the rule reads in
+that watches every rank (``HangWatch``, agent/hang_watch.py) so that the rule reads in
 one place and is tested without processes.
 
 The watch judges silence only over time the agent itself ran: its loop ticks a

@@ -145,7 +145,7 @@ class WorkerChannel:
         return self._forward(message, line)
 
     def _on_heartbeat(self, message: Heartbeat, line: _Line) -> bool:
-        """Beats stay here: the manager hears of hangs and stalls (``_watch_heartbeats``), not of every beat."""
+        """Beats stay here: the manager hears of hangs and stalls (``hang_watch.py``), not of every beat."""
         if line.worker is not None:
             line.worker.last_seen = time.time()
             line.worker.beat = message

@@ -29,7 +29,7 @@ becomes the worker's parent before the zygote even answers. So:
 - a standalone agent waits for its zygote before the job's first generation
   (that is the point); a node of a multi-node job joins its manager first,
   and the ranks it is asked for meanwhile wait for the zygote
-  (agent/remote.py's ``_spawn``);
+  (agent/commands.py's ``_spawn``);
 - a node left with no worker and no spare lets its zygote go; the next
   worker wanted starts it again, and starts fresh itself.
 
