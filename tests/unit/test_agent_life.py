@@ -20,7 +20,7 @@ def test_an_agent_starts_serves_and_closes() -> None:
     life = LifeMachine()
     assert life.state is S.STARTING and not life.serving and not life.stopping
     assert life.move(E.SERVE) is S.SERVING and life.serving
-    assert life.move(E.CLOSE) is S.CLOSED and not life.serving and not life.stopping
+    assert life.move(E.CLOSE) is S.CLOSED and not life.serving and life.stopping  # (it starts nothing)
 
 
 @pytest.mark.parametrize(("events", "state", "serving", "stopping", "holds_zygote"), [
@@ -37,8 +37,8 @@ def test_an_agent_starts_serves_and_closes() -> None:
     ((E.SERVE, E.STOP, E.START_PROCESS), S.STOPPING, True, True, False),
     ((E.SERVE, E.REGROUP_EXIT, E.STOP, E.START_PROCESS, E.RESUME), S.SERVING, True, False, False),
     ((E.START_PROCESS,), S.STARTING, False, False, False),  # before serving: a fresh interpreter
-    ((E.SERVE, E.STOP, E.CLOSE), S.CLOSED, False, False, False),
-    ((E.SERVE, E.CLOSE, E.STOP, E.START_PROCESS, E.REGROUP_EXIT, E.RESUME), S.CLOSED, False, False, False),
+    ((E.SERVE, E.STOP, E.CLOSE), S.CLOSED, False, True, False),
+    ((E.SERVE, E.CLOSE, E.STOP, E.START_PROCESS, E.REGROUP_EXIT, E.RESUME), S.CLOSED, False, True, False),
 ])
 def test_each_life_says_what_the_agent_does(events: tuple[Event, ...], state: AgentLife, serving: bool,
                                             stopping: bool, holds_zygote: bool) -> None:

@@ -106,8 +106,9 @@ class LifeMachine:
 
     @property
     def stopping(self) -> bool:
-        """Its processes are being stopped: no rank or spare is judged, none started or replaced."""
-        return self.state in (AgentLife.STOPPING, AgentLife.STOPPING_IN_REGROUP)
+        """Its processes are being stopped, or it is closed: no rank or spare is judged, none started or
+        replaced (a spare's exit is no loss then)."""
+        return self.state in (AgentLife.STOPPING, AgentLife.STOPPING_IN_REGROUP, AgentLife.CLOSED)
 
     @property
     def holds_zygote(self) -> bool:

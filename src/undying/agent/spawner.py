@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from undying.agent.environment import WorkerEnvironment
@@ -170,7 +170,7 @@ class Spawner:
             return
         self._zygotes.idle()
 
-    def _run(self, coro: Any, *, report: bool = True) -> None:
+    def _run(self, coro: Coroutine[Any, Any, None], *, report: bool = True) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
