@@ -4,7 +4,8 @@ The agent is the same one a standalone run uses; only its link to the manager
 changes. Its reports travel as messages on one TCP connection, and the
 manager's commands come back on it. When the connection breaks, the node's
 workers train on (the manager is only needed to recover), the agent keeps
-what it has to report and connects again with its session; a restarted
+what it has to report (``reports.py``: numbered, each kept until the manager's
+log holds it) and connects again with its session; a restarted
 manager takes it back from its log. If the manager instead declared this node
 lost meanwhile, the agent is fenced: it kills its workers and joins afresh.
 
