@@ -180,7 +180,8 @@ def check_manager_url(option: str, text: str) -> str:
     return f"{scheme}://{netloc}{slash}{path}".rstrip("/")
 
 
-# --- numbers of steps and the numeric checks, as the CLI and the environment give them --------------
+# --- numbers of steps and the numeric checks, as the CLI and the environment give them
+# --------------
 
 MAX_EVERY = 1_000_000  # --verify-every at most: one step in a million
 MAX_ROLLBACK_STEPS = 64  # --rollback-steps at most (each is a copy of the state in memory)
@@ -231,7 +232,8 @@ def _share(text: str) -> float:
     return value
 
 
-# NUMERICS_ENV's fields (``undying run --numerics ...``: field=value,...), and how each is read and bounded.
+# NUMERICS_ENV's fields (``undying run --numerics ...``: field=value,...), and how each is read and
+# bounded.
 _NUMERICS_FIELDS: dict[str, Callable[[str], Any]] = {
     "on_persistent": _policy, "spike_factor": _spike, "window": _whole(1, 1_000_000),
     "warmup": _whole(1, 1_000_000), "rollback_steps": _whole(1, MAX_ROLLBACK_STEPS),
@@ -258,7 +260,8 @@ def numerics_fields(raw: str, where: str = NUMERICS_ENV) -> dict[str, Any]:
     return fields
 
 
-# --- the environment: every UNDYING_ variable a process of undying reads, and its reader ------------
+# --- the environment: every UNDYING_ variable a process of undying reads, and its reader
+# ------------
 
 def _choice(*words: str) -> Callable[[str], str]:
     def read(text: str) -> str:
@@ -343,7 +346,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar(HOST_NAME_ENV, _host, "this node's host name as the job calls it"),
     EnvVar(REPLICATE_ENV, _choice("off", "ring"), "undying run --replicate off|ring"),
     EnvVar(REPLICATE_EVERY_ENV, _whole(1, 1_000_000), "undying run --replicate-every N"),
-    # The timeouts a rank reads (undying.config.Timeouts' fields), set for every rank from undying run's options.
+    # The timeouts a rank reads (undying.config.Timeouts' fields), set for every rank from undying
+    # run's options.
     *(EnvVar(name, _timeout, _BY_RUN, blank=False) for name in TIMEOUT_ENVS.values()),
     EnvVar(SAVE_EVERY_ENV, _whole(0, 2**62), _BY_RUN, blank=False),
     EnvVar(SAVE_INTERVAL_ENV, _non_negative, _BY_RUN, blank=False),
@@ -369,7 +373,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
         RESUME_FROM_ENV, RETURNED_FILE_ENV, NODE_NAME_ENV, RESUME_DIGEST_ENV,
         DEMO_QUIET_ENV)),
 )}
-# (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by undying.jobfiles.tokens.)
+# (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by
+# undying.jobfiles.tokens.)
 
 
 def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:

@@ -92,11 +92,13 @@ class Agent:
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
         step_times: deque[float] = deque(maxlen=100)
         self._trace: TraceSet | None = None  # the switch every worker of this node follows
-        # Workers forked from one process that imported torch (agent/zygote.py), unless UNDYING_WORKER_START=spawn.
+        # Workers forked from one process that imported torch (agent/zygote.py), unless
+        # UNDYING_WORKER_START=spawn.
         self._zygotes = ZygoteKeeper(node, self.environment.base, config.timeouts.init_timeout,
                                      enabled=start_mode() == "zygote", step_api=config.step_api)
         self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
-        # The workers' lines to this agent (agent/worker_channel.py): their reports go to the manager.
+        # The workers' lines to this agent (agent/worker_channel.py): their reports go to the
+        # manager.
         self._channel = WorkerChannel(node, self.environment.key, self.ranks.by_pid, self.spares, step_times,
                                       trace=lambda: self._trace, forward=report)
         self._spawner = Spawner(self, script=script, script_args=script_args, life=self._life, ranks=self.ranks,
@@ -116,7 +118,8 @@ class Agent:
         self._server = await asyncio.start_server(self._channel.serve, "127.0.0.1", 0)
         self.worker_port = self._server.sockets[0].getsockname()[1]
         self._life.move(Event.SERVE)
-        # Every worker is this process's child, and what a rank leaves behind comes here (agent/children.py).
+        # Every worker is this process's child, and what a rank leaves behind comes here
+        # (agent/children.py).
         if not become_subreaper():
             log.warning("node %d: no child subreaper on this platform: a process a rank starts in a session of "
                         "its own may outlive the rank", self.node)
@@ -129,7 +132,8 @@ class Agent:
         self._run(self.watch.run())
         if self.config.trace.trace_switch_file:
             report = self._report
-            # Where a mounted Kubernetes ConfigMap lands on this node; the manager spreads a change to every node.
+            # Where a mounted Kubernetes ConfigMap lands on this node; the manager spreads a change
+            # to every node.
             watcher = SwitchFileWatcher(
                 self.config.trace.trace_switch_file,
                 lambda switch: report(TraceFileSet(switch.step, switch.comm, switch.by, switch.t)),

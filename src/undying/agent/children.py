@@ -199,8 +199,9 @@ class Orphans:
         ended: list[int] = []
         current: set[int] = set()
         for pid in _own_children():
-            # Seen marked while alive, or marked now (a zombie's environment reads empty: it counts as
-            # ours only if it was seen before it died; one that died unseen is left to whoever waits).
+            # Seen marked while alive, or marked now (a zombie's environment reads empty: it counts
+            # as ours only if it was seen before it died; one that died unseen is left to whoever
+            # waits).
             if pid in known or pid in WATCHED or (pid not in self._seen and not _marked(pid, self._mark)):
                 continue
             current.add(pid)

@@ -85,7 +85,8 @@ class WorkerEnvironment:
             **self._torchrun.rank(rank, record, incarnation, self.manager_host),
             names.INCARNATION_ENV: str(incarnation),
             names.RESUME_FROM_ENV: resume_from,
-            # The generation's store lives in the manager: across hosts, where this agent reached it.
+            # The generation's store lives in the manager: across hosts, where this agent reached
+            # it.
             names.STORE_ADDR_ENV: f"{self.manager_host or record.store_host}:{record.store_port}",
             names.CONTROL_ADDR_ENV: f"{self.manager_host or source.config.host}:{source.control_port}",
             names.GENERATION_ENV: str(record.generation),

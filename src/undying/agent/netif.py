@@ -68,7 +68,8 @@ def interface_for(address: str) -> str | None:
                 answer = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, request)
             except OSError:  # EADDRNOTAVAIL: the interface has no IPv4 address
                 continue
-            # struct ifreq: the name (16 bytes), then a sockaddr_in: family (2), port (2), address (4).
+            # struct ifreq: the name (16 bytes), then a sockaddr_in: family (2), port (2), address
+            # (4).
             if answer[_IFNAMSIZ + 4: _IFNAMSIZ + 8] == wanted:
                 return name
     return None

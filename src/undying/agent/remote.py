@@ -61,8 +61,9 @@ __all__ = ["NodeRunner", "run_node", "parse_manager_address", "SESSION_MESSAGES"
 log = logging.getLogger("undying.agent.remote")
 
 _STATE_EVERY_S = 0.5
-# What the manager's line says of the session itself (every other message is a command: agent/commands.py),
-# and what answers a join (read by ``_session`` and ``_park`` before any other line).
+# What the manager's line says of the session itself (every other message is a command:
+# agent/commands.py), and what answers a join (read by ``_session`` and ``_park`` before any other
+# line).
 SESSION_MESSAGES = (ManagerBeat, Acked, AgentRefused, AgentFenced, JobEnded)
 JOIN_ANSWERS = (AgentWelcome, StandbyParked)
 _STANDBY = -1  # a standby's node number (in its logs) until the manager gives it one
@@ -125,7 +126,8 @@ class NodeRunner:
         self.commands = NodeCommands(self.agent, self.client.send)  # the manager's commands, one table
         self.session = ""
         self._last_beat = 0.0  # monotonic: the manager's last line
-        # Its manager silent or unreachable: judged only over time this agent ran (protocol/judge_clock.py).
+        # Its manager silent or unreachable: judged only over time this agent ran
+        # (protocol/judge_clock.py).
         self.clock = JudgeClock(min(0.2, config.timeouts.heartbeat_timeout / 5), config.timeouts.heartbeat_timeout, "this agent")
         self._leaving: str = ""
         self._leave = asyncio.Event()
@@ -280,7 +282,8 @@ class NodeRunner:
 
     def _follow(self, control_port: int, job_dir: str, trace: TraceSet | None) -> None:
         """What the manager says of the job: the control store's port, the job dir, the trace switch."""
-        # Without --job-dir, one job dir for the job (a shared filesystem): the manager's, where it looks for checkpoints.
+        # Without --job-dir, one job dir for the job (a shared filesystem): the manager's, where it
+        # looks for checkpoints.
         self.agent.follow(control_port, "" if self._job_dir_given else job_dir)
         if trace is not None:
             self.agent.set_trace(trace)

@@ -63,7 +63,8 @@ class ManagerClient:
     def __init__(self) -> None:
         self.writer: asyncio.StreamWriter | None = None
         self._seq = 0
-        # (first number, last number, the report as a JSON object), oldest first, until acknowledged.
+        # (first number, last number, the report as a JSON object), oldest first, until
+        # acknowledged.
         self._kept: deque[tuple[int, int, bytes]] = deque()
         self._unsent = 0  # the newest this many kept reports are not written on this connection yet
         self._flush_due = False

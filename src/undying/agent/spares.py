@@ -91,7 +91,8 @@ class SparePool:
         self.taking: dict[int, Take] = {}  # pid of a spare given a rank -> the rank, until it answers
         self._failures = 0  # spares in a row that died before they were warm
         self.beat_s = spare_beat_interval(config.timeout_env())
-        # How many to keep: ``--spares``; a standby keeps enough for a whole node's ranks until it has a node.
+        # How many to keep: ``--spares``; a standby keeps enough for a whole node's ranks until it
+        # has a node.
         self.want = want
 
     def become(self, node: int, want: int) -> None:

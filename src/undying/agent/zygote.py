@@ -74,7 +74,8 @@ __all__ = ["Zygote", "ZygoteKeeper", "start_mode"]
 log = logging.getLogger("undying.agent")
 
 _MODES = ("zygote", "spawn")
-# A fork takes milliseconds; a zygote silent this long is broken (the agent's loop waits on it meanwhile).
+# A fork takes milliseconds; a zygote silent this long is broken (the agent's loop waits on it
+# meanwhile).
 _REPLY_TIMEOUT = 3.0
 _MAX_REPLACEMENTS = 20  # zygotes lost in one agent's life before it keeps to fresh interpreters
 
@@ -145,7 +146,8 @@ class Zygote:
             reason = f"the zygote was not ready within {timeout:.0f}s (--init-timeout)"
         if reason:
             code = self._popen.poll()
-            # Killed or stopped while importing: a new one may serve; an import error or a timeout: no.
+            # Killed or stopped while importing: a new one may serve; an import error or a timeout:
+            # no.
             self.unfit = not self._lost and (code is None or code >= 0)
             self._give_up(reason)
             return False
@@ -250,7 +252,8 @@ class Zygote:
         return True
 
     def _on_spawned(self, frame: Spawned) -> None:
-        # The worker is this process's child already (the zygote reaped the go-between before answering).
+        # The worker is this process's child already (the zygote reaped the go-between before
+        # answering).
         self._replies[frame.id] = ChildProcess(frame.pid)
 
     def _on_failed(self, frame: Failed) -> None:

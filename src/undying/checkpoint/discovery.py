@@ -48,9 +48,9 @@ class Checkpoint:
     manifest: Manifest | None
     problems: list[str] = field(default_factory=list)
     mtime: float | None = None
-    # This process may replace or delete it: its own key signed the manifest (``mac.signed_by_us``), or it
-    # has no manifest at all (a write that never committed). Another job's, a stranger's or an unreadable
-    # one is never overwritten nor pruned: at most set aside (``aside``).
+    # This process may replace or delete it: its own key signed the manifest (``mac.signed_by_us``),
+    # or it has no manifest at all (a write that never committed). Another job's, a stranger's or an
+    # unreadable one is never overwritten nor pruned: at most set aside (``aside``).
     owned: bool = False
 
     @property

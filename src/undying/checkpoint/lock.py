@@ -114,8 +114,9 @@ class OwnerLock:
                 if e.errno in (errno.EACCES, errno.EAGAIN):
                     os.close(fd)
                     return False
-                # A filesystem without record locks (some FUSE mounts): the job runs, unguarded, and says so;
-                # the signer rule (discovery.prune, commit) still keeps every other job's checkpoints whole.
+                # A filesystem without record locks (some FUSE mounts): the job runs, unguarded, and
+                # says so; the signer rule (discovery.prune, commit) still keeps every other job's
+                # checkpoints whole.
                 log.warning("%s %s: cannot lock %s (%s): this filesystem has no record locks, so a second job "
                             "here is not refused", self.holder.what, self.where, self.path, e.strerror or e)
             if self._names_fd(fd):
@@ -359,8 +360,9 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
                 "a full disk, or another tool wrote it)"
             raise DirInUseError(f"{what} {lock.where} is in use by {who}: one job at a time"
                                 + (f"; {advice}" if advice else ""))
-        # The same job's, from another host: its relaunch (a pod rescheduled) waits for the dead one's lease
-        # to run out (or an NFS server to drop a dead client's lock) rather than fail; a live one keeps it.
+        # The same job's, from another host: its relaunch (a pod rescheduled) waits for the dead
+        # one's lease to run out (or an NFS server to drop a dead client's lock) rather than fail; a
+        # live one keeps it.
         log.warning("%s %s is held by %s, last renewed %.0fs ago: waiting for it to end or go stale (at most "
                     "%.0fs more)", what, lock.where, other.words(), time.time() - other.beat,
                     deadline - time.monotonic())

@@ -33,7 +33,8 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-# "regroup": the survivors' state, saved as the job moves to another set of nodes (see undying.protocol.generations).
+# "regroup": the survivors' state, saved as the job moves to another set of nodes (see
+# undying.protocol.generations).
 KINDS = ("periodic", "dying-gasp", "regroup")
 CHECKSUMS = ("crc32", "sha256")
 Checksum = Literal["crc32", "sha256"]

@@ -194,7 +194,8 @@ def save_replicated(
         pending.abort()
         os_error = os_error_of(e)
         if os_error is not None:
-            # torch.save reports a failed write as a RuntimeError about stream positions; say what the OS said.
+            # torch.save reports a failed write as a RuntimeError about stream positions; say what
+            # the OS said.
             raise CheckpointError(
                 f"cannot write checkpoint {store.url_of(pending.final_path)} ({os_error.strerror or os_error})"
             ) from e

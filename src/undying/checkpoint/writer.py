@@ -251,7 +251,8 @@ class AsyncCheckpointer:
                 job = self._job
                 writing = job is not None and job.phase == "writing"
                 if job is not None and (not writing or self.if_busy == "wait" or must_write):
-                    # A pending retry ends now; a write in progress finishes its attempt, no retry after.
+                    # A pending retry ends now; a write in progress finishes its attempt, no retry
+                    # after.
                     self._cancel(job, f"superseded by the save of step {step}", superseded=True)
             if writing and self.if_busy == "skip" and not must_write:
                 log.info("checkpoint of step %d skipped: the previous write is still running", step)

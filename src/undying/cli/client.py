@@ -171,8 +171,8 @@ def api_for(jd: JobDir, token_file: str | None = None) -> Api:
     url = jd.running_manager_url()
     job_id = (jd.read_manager() or {}).get("job_id")
     if not is_job_id(job_id):
-        # A job of a version that let any letter into an id: no header can carry it (headers are Latin-1),
-        # and the token alone still says which job this is.
+        # A job of a version that let any letter into an id: no header can carry it (headers are
+        # Latin-1), and the token alone still says which job this is.
         job_id = None
     token, source = find_token_with_source(jd.path, token_file)
     return Api(url, token, job_id, source, bind=_local(url))
@@ -289,5 +289,6 @@ def api_post(url: str, path: str, body: dict[str, Any], timeout: float = 5.0, *,
 
 
 def _token(token: str | None) -> str | None:
-    # Env as the last resort: scripts that only know the URL (bench, a test harness) set UNDYING_TOKEN.
+    # Env as the last resort: scripts that only know the URL (bench, a test harness) set
+    # UNDYING_TOKEN.
     return token if token is not None else find_token(None, None)

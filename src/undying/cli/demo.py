@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
             rc_ok = True
         elif fault.kind == "node-loss":
             lost = node_loss.run_with_node_loss(root, script_args, console)
-            # rc_fault None: the job never ended (lost.reasons says why); exit_codes shows it as null
+            # rc_fault None: the job never ended (lost.reasons says why); exit_codes shows it as
+            # null
             rc_fault, faulty = lost.returncode, lost.record  # type: ignore[assignment]
             faulty_incidents = faulty.incidents
             fault_reasons = [*lost.reasons, *node_loss.check_incidents(faulty_incidents)]
@@ -314,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
         reasons = [*comparison.reasons, *fault_reasons]
         if not rc_ok:
             reasons.append(f"the preempted launcher exited {exit_codes['preempted']}, not {EXIT_PREEMPTED}")
-        # A found fault (slow) must name the rank it was put in; a recovered one is checked by the oracle.
+        # A found fault (slow) must name the rank it was put in; a recovered one is checked by the
+        # oracle.
         named = fault.rank if fault.expect else None
         if not any(i["kind"] == fault.incident_kind and named in (None, i["rank"]) for i in incidents):
             who = f" naming rank {named}" if named is not None else ""

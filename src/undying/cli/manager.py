@@ -45,7 +45,8 @@ Restart: if this manager dies, start it again with the same --job-id and
 training never stopped. SIGTERM preempts the whole job (dying gasp); Ctrl-C
 stops it. Exit code as `undying run`'s.""",
     )
-    # (each option is a field of ManagerOptions by the rule, --a-b: a_b, its default the field's: cli/settings.py)
+    # (each option is a field of ManagerOptions by the rule, --a-b: a_b, its default the field's:
+    # cli/settings.py)
     p.add_argument("--job-id", type=job_id_arg, required=True,
                    help=f"the job's name: {JOB_ID_RULE}; every agent passes the same --job-id")
     p.add_argument("--job-dir", default=None, help="the job's folder: event log, token (default ./undying-jobs/<job id>)")

@@ -373,15 +373,17 @@ def _launch(args: argparse.Namespace, config: JobConfig, script_args: list[str])
 
         hold_job_dir(config.job_dir)  # (kept for the job: JobDir.prepare finds it held by this process)
     if args.checkpoint_dir:
-        # A folder or URL of the user's: refused now, by name, rather than at the first save hours in.
+        # A folder or URL of the user's: refused now, by name, rather than at the first save hours
+        # in.
         config.validate()
         from undying.checkpoint.checks import check_writable
 
         check_writable(args.checkpoint_dir)
         from undying.checkpoint.lock import hold
 
-        # One job per checkpoint dir, refused before anything of this job is made (held for this process's
-        # life; the manager takes it over; docs/troubleshooting.md says when a lock is stale).
+        # One job per checkpoint dir, refused before anything of this job is made (held for this
+        # process's life; the manager takes it over; docs/troubleshooting.md says when a lock is
+        # stale).
         hold(args.checkpoint_dir, job_id=config.job_id,
              advice="wait for it to end, or pass another --checkpoint-dir")
     from undying.launch.standalone import (

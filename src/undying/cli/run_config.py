@@ -83,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
                          f"({args.max_step_recoveries})\n")
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     check_job_id(job_id)
-    # Each field from its option by the rule (--a-b: a_b, cli/settings.py), but the values derived here.
+    # Each field from its option by the rule (--a-b: a_b, cli/settings.py), but the values derived
+    # here.
     return from_args(
         JobConfig, args,
         job_id=job_id,
@@ -97,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         timeouts=from_args(Timeouts, args),
         checkpoint=from_args(
             CheckpointConfig, args,
-            # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader, named if bad)
+            # (env UNDYING_REPLICATE[_EVERY] when the flag is not given: read by its one reader,
+            # named if bad)
             replicate=args.replicate or env_value(REPLICATE_ENV) or CheckpointConfig.replicate,
             replicate_every=args.replicate_every if args.replicate_every is not None
             else env_value(REPLICATE_EVERY_ENV) or CheckpointConfig.replicate_every,

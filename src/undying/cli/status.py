@@ -43,7 +43,8 @@ __all__ = ["add_parser", "collect_status", "watch", "step_values", "write_steps"
 
 # Polls in a row a manager may miss (a busy machine) before --watch decides it is gone.
 MAX_MISSES = 3
-# --watch polls the manager once per interval: bounded both ways, so a typo neither floods it nor freezes the view.
+# --watch polls the manager once per interval: bounded both ways, so a typo neither floods it nor
+# freezes the view.
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 3600.0
 
 

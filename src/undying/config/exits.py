@@ -12,13 +12,13 @@ __all__ = ["EXIT_PREEMPTED", "EXIT_PREEMPTED_BEHIND", "EXIT_FENCED", "EXIT_REGRO
            "EXIT_MIGRATED", "SCRIPT_ERROR_FILE", "WORKERS_DIR", "ERROR_FILE", "HANGUP_LOG", "RETURNED_FILE",
            "worker_dir"]
 
-# The launcher's (and a worker's) exit code after a preemption (SIGTERM) whose
-# dying-gasp checkpoint of the stop step stands (or one holding every committed
-# step): run the same command again to resume, no step lost. 75 is EX_TEMPFAIL ("try again later"); 143 stays a plain SIGTERM stop.
+# The launcher's (and a worker's) exit code after a preemption (SIGTERM) whose dying-gasp checkpoint
+# of the stop step stands (or one holding every committed step): run the same command again to
+# resume, no step lost. 75 is EX_TEMPFAIL ("try again later"); 143 stays a plain SIGTERM stop.
 EXIT_PREEMPTED = 75
-# Preempted, and the dying gasp of the stop step was not written (a full disk, the grace period
-# ran out): an older checkpoint stands and a resume re-runs the steps after it (the exit reason
-# counts them). Not 75, which promises nothing is lost. 74 is EX_IOERR: the state did not reach storage.
+# Preempted, and the dying gasp of the stop step was not written (a full disk, the grace period ran
+# out): an older checkpoint stands and a resume re-runs the steps after it (the exit reason counts
+# them). Not 75, which promises nothing is lost. 74 is EX_IOERR: the state did not reach storage.
 EXIT_PREEMPTED_BEHIND = 74
 # A worker whose rank was given to a newer process (its host was declared lost) exits with this.
 EXIT_FENCED = 76
@@ -37,7 +37,8 @@ SCRIPT_ERROR_FILE = "script-error.txt"
 # torchrun's error file (error.json, TORCHELASTIC_ERROR_FILE) and the mark that its script returned.
 WORKERS_DIR = "workers"
 ERROR_FILE = "error.json"
-# In the job dir: what the launcher, an agent and their ranks wrote to a terminal after it hung up (agent.hangup).
+# In the job dir: what the launcher, an agent and their ranks wrote to a terminal after it hung up
+# (agent.hangup).
 HANGUP_LOG = "launcher.log"
 RETURNED_FILE = "returned"
 

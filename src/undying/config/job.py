@@ -28,7 +28,8 @@ WHOLE_GROUP_LINE = ("whole-group restart: this script does not use undying's ste
                     "ten lines)")
 
 
-# The workers' output streams, as torchrun's --redirects/--tee take them: none, stdout, stderr, both.
+# The workers' output streams, as torchrun's --redirects/--tee take them: none, stdout, stderr,
+# both.
 STREAMS = ("none", "stdout", "stderr", "both")
 
 
@@ -82,7 +83,8 @@ class JobConfig:
     nproc_per_node: int = 1
     nnodes: int = 1  # the most nodes the job trains on (MAX of --nnodes MIN:MAX)
     node_rank: int = 0
-    # The fewest nodes it may train on (MIN of --nnodes MIN:MAX); 0: as many as nnodes (a fixed size).
+    # The fewest nodes it may train on (MIN of --nnodes MIN:MAX); 0: as many as nnodes (a fixed
+    # size).
     min_nodes: int = 0
     host: str = "127.0.0.1"
     port: int = 29500
@@ -92,7 +94,8 @@ class JobConfig:
     # valid checkpoint or, for a script that does not use the step API, from the start (its own
     # snapshot is its to load).
     max_restarts: int = 3
-    # Recoveries of faults at one step before the job stops (a fault repeating at one step is a bug).
+    # Recoveries of faults at one step before the job stops (a fault repeating at one step is a
+    # bug).
     max_step_recoveries: int = 3
     # In-place retries of a communication error at one step before the rank is replaced.
     max_retries: int = 3
@@ -113,11 +116,12 @@ class JobConfig:
     start_fresh: bool = False
     # Train again a job whose log says it already succeeded (else: say so and exit 0).
     force: bool = False
-    # The job's seed: every worker's UNDYING_SEED (undying.init seeds torch, random and NumPy from it).
+    # The job's seed: every worker's UNDYING_SEED (undying.init seeds torch, random and NumPy from
+    # it).
     seed: int = 0
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    # The script uses undying's step API (it imports undying); False: a fault restarts the whole group,
-    # no init or step timeout applies, and the banner and the status say so.
+    # The script uses undying's step API (it imports undying); False: a fault restarts the whole
+    # group, no init or step timeout applies, and the banner and the status say so.
     step_api: bool = True
 
     @property

@@ -16,7 +16,8 @@ from undying.inputs import check_finite
 
 __all__ = ["DEFAULT_MANAGER_PORT", "default_max_connections", "ConnectionLimits", "ManagerOptions"]
 
-# `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one after.
+# `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one
+# after.
 DEFAULT_MANAGER_PORT = 29400
 
 
@@ -36,7 +37,8 @@ def default_max_connections() -> int:
 class ConnectionLimits:
     """Seconds and counts that bound each listening socket of the manager (HTTP API and agents' port)."""
 
-    # From accept (or the end of the previous response) to a request's complete headers; also a body's limit.
+    # From accept (or the end of the previous response) to a request's complete headers; also a
+    # body's limit.
     http_header_timeout: float = 10.0
     # A keep-alive connection with no request for this long is closed.
     http_idle_timeout: float = 30.0

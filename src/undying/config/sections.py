@@ -47,7 +47,8 @@ class CheckpointConfig:
     grace_period: float = 0.0
     # A second SIGTERM within this many seconds of a dying gasp reuses it.
     gasp_reuse_within: float = 60.0
-    # Sharded state: "ring" keeps a copy of each rank's shard on its ring successor (worker.replica).
+    # Sharded state: "ring" keeps a copy of each rank's shard on its ring successor
+    # (worker.replica).
     replicate: str = "off"
     # With replicate="ring": replicate every this many steps (a fault re-runs up to K-1 steps).
     replicate_every: int = 1
@@ -111,9 +112,11 @@ class TraceConfig:
     trace_max_file_mb: float = 10.0
     # The oldest 20% of the trace files are deleted when the folder passes this size.
     trace_max_dir_mb: float = 1000.0
-    # The switch at start: off, on (step, ckpt, fp and data markers) or comm (those and collectives).
+    # The switch at start: off, on (step, ckpt, fp and data markers) or comm (those and
+    # collectives).
     trace: str = "off"
-    # A JSON file watched for the switch (a mounted Kubernetes ConfigMap), e.g. {"step": "on", "comm": "off"}.
+    # A JSON file watched for the switch (a mounted Kubernetes ConfigMap), e.g. {"step": "on",
+    # "comm": "off"}.
     trace_switch_file: str = ""
 
     def validate(self) -> None:

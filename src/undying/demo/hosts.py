@@ -63,7 +63,8 @@ SETUP_TIMEOUT = 20.0  # seconds for one ``ip`` run; generous for a loaded 2-core
 KILL_TIMEOUT = 10.0
 
 _counter = itertools.count()
-# udn<pid>x<counter>-<role>: the owner's PID is what lets a later session sweep a dead one's leftovers.
+# udn<pid>x<counter>-<role>: the owner's PID is what lets a later session sweep a dead one's
+# leftovers.
 _NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-")
 
 

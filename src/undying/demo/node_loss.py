@@ -51,10 +51,12 @@ NPROC_PER_NODE = 2
 LOST_NODE = 1
 LOST_RANKS = [LOST_NODE * NPROC_PER_NODE + r for r in range(NPROC_PER_NODE)]
 LOSE_AT_STEP = 15
-# 32 steps an epoch at 4 ranks, each at least 0.1 s: time to lose a host mid-run in a job of seconds.
+# 32 steps an epoch at 4 ranks, each at least 0.1 s: time to lose a host mid-run in a job of
+# seconds.
 SCRIPT_ARGS = ("--samples", "2048")
 STEP_SECONDS = 0.1
-# A short heartbeat timeout finds the lost node in seconds; no spares, since a lost host takes its spares along.
+# A short heartbeat timeout finds the lost node in seconds; no spares, since a lost host takes its
+# spares along.
 RUN_ARGS = ("--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60")
 # The fault-free run recovers nothing, so a warm spare would only take CPU from its ranks.
 BASELINE_RUN_ARGS = ("--spares", "0")

@@ -98,9 +98,9 @@ class EventLog:
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN")
         self._dirty = False
-        # One descriptor kept open for the header check: closing any descriptor of the file would drop
-        # every POSIX lock this process holds on it, SQLite's included (then another process's reader
-        # may checkpoint and delete the WAL under us). It is closed only with the connection.
+        # One descriptor kept open for the header check: closing any descriptor of the file would
+        # drop every POSIX lock this process holds on it, SQLite's included (then another process's
+        # reader may checkpoint and delete the WAL under us). It is closed only with the connection.
         self._probe = os.open(self.path, os.O_RDONLY)
         st = os.fstat(self._probe)
         self._identity = (st.st_dev, st.st_ino)

@@ -41,10 +41,12 @@ __all__ = ["LOSSES", "StepLedger", "Stall", "Goodput", "account"]
 # The named losses, in the order a reader meets them in a job's life.
 LOSSES = ("startup", "checkpoint", "detection", "recovery", "spare_wait", "rerun", "preemption", "shutdown",
           "in_flight")
-# Incidents that stop training until they are recovered (the others are observed only: a slow rank, failing saves).
+# Incidents that stop training until they are recovered (the others are observed only: a slow rank,
+# failing saves).
 _STOPPING = frozenset({"crash", "error", "hang", "comm-error", "node-loss", "node-joined", "script-error",
                        "left-early"})
-# Which overlay wins where two overlap: an incident's own phases, then a checkpoint stall, then lost work.
+# Which overlay wins where two overlap: an incident's own phases, then a checkpoint stall, then lost
+# work.
 _PHASE, _STALL, _LOST = 3, 2, 1
 
 
@@ -261,8 +263,9 @@ def _incident_pieces(ledger: StepLedger, incident: Mapping[str, Any], order: int
     if "replacement_ready" in phases:
         marks.append(("spare_wait", phases["replacement_ready"]))
     restored = [phases[k] for k in ("replacement_ready", "group_rebuilt", "state_restored") if k in phases]
-    # A regroup (or a whole-job restart) has its own milestones (checkpoint_written, ...): its recovery runs
-    # to the last of them; with none at all, to its first step done (that step counted as recovery, not work).
+    # A regroup (or a whole-job restart) has its own milestones (checkpoint_written, ...): its
+    # recovery runs to the last of them; with none at all, to its first step done (that step counted
+    # as recovery, not work).
     others = [v for k, v in phases.items() if k not in ("detected", "decided", "first_step_done")]
     if restored:
         marks.append(("recovery", max(restored)))

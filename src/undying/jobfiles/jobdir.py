@@ -54,8 +54,8 @@ class JobDir:
             raise UsageError(
                 f"job dir {self.path} is not writable ({e.strerror or e}); pass --job-dir with a folder you can write"
             ) from e
-        # One launcher (or manager) at a time, before anything here is touched (checkpoint.lock; released by
-        # clear_manager, or by the kernel when this process ends however it ends).
+        # One launcher (or manager) at a time, before anything here is touched (checkpoint.lock;
+        # released by clear_manager, or by the kernel when this process ends however it ends).
         hold_job_dir(self.path)
         if self.manager_file.exists():
             info = self.read_manager()

@@ -77,8 +77,8 @@ class SavedJob:
     ranks: list[RankInfo]
     committed: dict[int, set[int]]
     incidents: list[Incident]
-    # What the step clock is fed again (progress, goodput): every commit (rank, step, time) in time order,
-    # and the plan and checkpoint reports (kind, time, data) in order.
+    # What the step clock is fed again (progress, goodput): every commit (rank, step, time) in time
+    # order, and the plan and checkpoint reports (kind, time, data) in order.
     commits: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
     reports: list[tuple[str, float, dict[str, Any]]] = dataclasses.field(default_factory=list)
 

@@ -21,11 +21,12 @@ from typing import Any
 
 __all__ = ["PLAN_EVENT", "Plan", "Progress", "JobSteps", "RATE_WINDOW", "compute", "mean_values"]
 
-# The worker's report (a Progress phase, logged as an event of this kind) of how many steps it runs, in which epochs.
+# The worker's report (a Progress phase, logged as an event of this kind) of how many steps it runs,
+# in which epochs.
 PLAN_EVENT = "steps_planned"
 
-# Completed steps the rate (and so the ETA) is measured over: recent enough to follow a change of pace,
-# long enough that one slow step (a checkpoint's stall) does not swing it.
+# Completed steps the rate (and so the ETA) is measured over: recent enough to follow a change of
+# pace, long enough that one slow step (a checkpoint's stall) does not swing it.
 RATE_WINDOW = 32
 
 

@@ -160,7 +160,8 @@ def _manager_pod_spec(spec: Spec) -> dict[str, Any]:
         "ports": [{"name": "agent", "containerPort": spec.port},
                   {"name": "store", "containerPort": spec.store_port},
                   {"name": "http", "containerPort": spec.http_port}],
-        # Ready once agents can connect. No liveness probe: a kill would be a SIGTERM, which preempts the job.
+        # Ready once agents can connect. No liveness probe: a kill would be a SIGTERM, which
+        # preempts the job.
         "readinessProbe": {"tcpSocket": {"port": "agent"}, "periodSeconds": 5},
         "volumeMounts": mounts,
     }

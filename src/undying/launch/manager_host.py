@@ -39,7 +39,8 @@ def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals 
         preemption = manager.preemption or {}
         if preemption.get("checkpoint_step", -1) < 0:
             return 143
-        # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run steps.
+        # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run
+        # steps.
         return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
     if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         return 128 + int(interrupted_by)  # (a preempting signal that found nothing to preempt: 143, 129 or 131)

@@ -40,7 +40,8 @@ __all__ = ["ManagerOptions", "serve_manager"]
 log = logging.getLogger("undying.launch.manager_service")
 
 
-# What ends `undying manager` in order: SIGINT stops the job, the others preempt it (agent.hangup's rule).
+# What ends `undying manager` in order: SIGINT stops the job, the others preempt it (agent.hangup's
+# rule).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -110,7 +111,8 @@ async def _serve(options: ManagerOptions) -> int:
     gate = _Gate(options, files.token)
     prior = read_job_table(job_dir.events_db) if restart else {}
     heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat_timeout", Timeouts.heartbeat_timeout))
-    # Which of each node's reports the log holds (a restart's, from its log): the agents resend the rest.
+    # Which of each node's reports the log holds (a restart's, from its log): the agents resend the
+    # rest.
     acked = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
     server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat, acked=acked,
                          max_connections=options.connections.cap, join_wait_s=options.connections.http_header_timeout)
@@ -131,7 +133,8 @@ async def _serve(options: ManagerOptions) -> int:
                           "node_rank": 0, "connections": options.connections})
     config.validate()
     events = files.event_log()
-    # Which of each node's reports the log holds commits with them: a restarted manager asks for the rest.
+    # Which of each node's reports the log holds commits with them: a restarted manager asks for the
+    # rest.
     events.before_flush(lambda: events.set_job("acked", server.positions()))
     try:
         hosted = ManagerHost(config, files, events, restoring=restart)
@@ -141,8 +144,8 @@ async def _serve(options: ManagerOptions) -> int:
         raise
     manager = hosted.manager
     gate.bind(config, lambda host: manager.core.hosts.refusal(host))  # (the book is replaced on a restore)
-    # A node moved (undying migrate --node, drain) goes to a standby. (Allowed in test_architecture: the
-    # migrations, in manager/placement, take no constructor argument for it yet.)
+    # A node moved (undying migrate --node, drain) goes to a standby. (Allowed in test_architecture:
+    # the migrations, in manager/placement, take no constructor argument for it yet.)
     manager.migrations.server = server
     try:
         server.bind(JobFacts(manager, config.nnodes, config.timeouts.heartbeat_timeout, hosted.control_port,

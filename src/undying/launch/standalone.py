@@ -80,8 +80,9 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     hosted = ManagerHost(config, files, events)
     manager, control_port = hosted.manager, hosted.control_port
     try:
-        # The node's slot, and the in-process line to its agent (launch/in_process.py): the manager and
-        # the agent speak the messages a multi-node job sends over TCP, each table on its own side.
+        # The node's slot, and the in-process line to its agent (launch/in_process.py): the manager
+        # and the agent speak the messages a multi-node job sends over TCP, each table on its own
+        # side.
         slot = NodeSlot(config.node_rank)
         to_manager = InProcessReports(NodeReports(lambda: manager, _never_lost), slot)
         agent = Agent(
@@ -158,7 +159,8 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
         say(f"job {config.job_id} succeeded: {config.world_size} ranks, generation {manager.generation}, "
             f"{len(recovered)} incident(s) recovered, {len(manager.rerun_steps)} step(s) re-run")
         if any(i.kind == "diverged" for i in manager.incidents):
-            # A recovery that did not reproduce the run is not a plain success: the last line says so.
+            # A recovery that did not reproduce the run is not a plain success: the last line says
+            # so.
             _, _, warning = manager.exit_reason.partition("; warning: ")
             log.warning("job %s: warning: %s", config.job_id, warning or "the run diverged after a fault")
         health = manager.checkpoint_health

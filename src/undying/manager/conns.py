@@ -116,8 +116,9 @@ class ConnectionGuard:
         def build() -> asyncio.Protocol:
             now = time.monotonic()
             if len(self._conns) >= self.cap:
-                # Only a connection already made can be closed: one accepted in this same batch has no
-                # transport yet; the cap is then over by at most the listen backlog, for a moment.
+                # Only a connection already made can be closed: one accepted in this same batch has
+                # no transport yet; the cap is then over by at most the listen backlog, for a
+                # moment.
                 idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy and c.transport is not None]
                 if idle:
                     _, oldest = min(idle, key=lambda item: item[0])

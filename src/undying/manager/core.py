@@ -104,7 +104,8 @@ class JobCore:
         """Give ``rank`` a process; True when it was a warm spare."""
         info = self.ranks[rank]
         # The rank now belongs to the process about to start: any older one is fenced out of every
-        # later generation (it reads the owner before joining), even one on a host cut off meanwhile.
+        # later generation (it reads the owner before joining), even one on a host cut off
+        # meanwhile.
         incarnation = self.book.take(rank)
         self.generations.set_owner(rank, incarnation)
         pid, warm = self.agents[info.node].spawn(rank, record, joining=joining, resume_from=resume_from,
@@ -159,8 +160,8 @@ class JobCore:
 
     def end(self, final: JobState) -> None:
         self.health.close()
-        # No incident of a failed or stopped job stays open: what was still being handled failed with it.
-        # (A preemption's incident stays open on purpose: the relaunch completes it.)
+        # No incident of a failed or stopped job stays open: what was still being handled failed
+        # with it. (A preemption's incident stays open on purpose: the relaunch completes it.)
         for incident in self.incidents if final in (JobState.FAILED, JobState.STOPPED) else ():
             if incident.status is IncidentStatus.OPEN:
                 incident.settle(IncidentStatus.FAILED)

@@ -96,7 +96,8 @@ class Manager:
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
         self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping)
-        # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it concerns.
+        # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it
+        # concerns.
         self.on_exit = self.comings.on_exit
         self.on_spawned = self.comings.on_spawned
         self.on_node_lost = self.comings.on_node_lost
@@ -255,7 +256,8 @@ class Manager:
             kind = type(message)
             if kind is NodeStep:
                 assert isinstance(message, NodeStep)
-                # (NodeStep checked its lists are of one length; the repeats are endless, hence not strict)
+                # (NodeStep checked its lists are of one length; the repeats are endless, hence not
+                # strict)
                 rows += zip(message.ranks, repeat(message.step), repeat(message.generation), message.t,
                             message.metrics, strict=False)
                 continue

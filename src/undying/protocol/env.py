@@ -90,8 +90,8 @@ TIMEOUT_RENDEZVOUS_ENV = "UNDYING_TIMEOUT_RENDEZVOUS"
 TIMEOUT_CONNECT_ENV = "UNDYING_TIMEOUT_CONNECT"
 # `--collective-timeout`: gloo's own collective timeout, in a rank (worker/rejoin.py).
 TIMEOUT_COLLECTIVE_ENV = "UNDYING_TIMEOUT_COLLECTIVE"
-# `--heartbeat-timeout`: a rank beats well within it (worker/heartbeat.py), a spare at a quarter of it
-# (worker_wire.spare_beat_interval).
+# `--heartbeat-timeout`: a rank beats well within it (worker/heartbeat.py), a spare at a quarter of
+# it (worker_wire.spare_beat_interval).
 TIMEOUT_HEARTBEAT_ENV = "UNDYING_TIMEOUT_HEARTBEAT"
 # `--exit-grace`: how long a rank's exit may take once its script returned (worker/boot.py).
 TIMEOUT_EXIT_ENV = "UNDYING_TIMEOUT_EXIT"
@@ -101,8 +101,8 @@ TIMEOUT_ENVS: Mapping[str, str] = MappingProxyType({
     "collective_timeout": TIMEOUT_COLLECTIVE_ENV, "heartbeat_timeout": TIMEOUT_HEARTBEAT_ENV,
     "exit_grace": TIMEOUT_EXIT_ENV,
 })
-# The heartbeat timeout's default, its one place: Timeouts.heartbeat_timeout, a spare's beat when the
-# variable is unset (worker_wire.spare_beat_interval), a stored config without it (manager).
+# The heartbeat timeout's default, its one place: Timeouts.heartbeat_timeout, a spare's beat when
+# the variable is unset (worker_wire.spare_beat_interval), a stored config without it (manager).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 
 # --- who a worker is and where it reaches its agent and manager: set by the agent, each worker ---

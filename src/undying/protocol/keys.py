@@ -58,7 +58,8 @@ def _parent(pid: int) -> int:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last
+    # ")".
     fields = stat[stat.rfind(")") + 2:].split()
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
 

@@ -132,7 +132,8 @@ class JobStore(dist.Store):
     # --- the wire ------------------------------------------------------------
 
     def _timeout(self) -> timedelta:
-        # The C++ Store's own field: init_process_group sets it through a PrefixStore, past any override.
+        # The C++ Store's own field: init_process_group sets it through a PrefixStore, past any
+        # override.
         return cast(timedelta, cast(Any, self).timeout)
 
     def _wait_s(self) -> float:
@@ -264,7 +265,8 @@ def use_for_env_rendezvous() -> None:
         query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
         rank = int(query.get("rank", os.environ["RANK"]))
         world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
-        # (MASTER_ADDR/PORT are the script's own store's, TORCHELASTIC_USE_AGENT_STORE=False; the job's is here)
+        # (MASTER_ADDR/PORT are the script's own store's, TORCHELASTIC_USE_AGENT_STORE=False; the
+        # job's is here)
         host, _, port = os.environ.get(STORE_ADDR_ENV, "").rpartition(":")
         store = hold("generation", JobStore(host or os.environ["MASTER_ADDR"], int(port or os.environ["MASTER_PORT"]),
                                             generation_store(int(os.environ[GENERATION_ENV])), key, timeout))

@@ -388,7 +388,8 @@ class SlowDetector:
 
     def _rank_finding(self, rank: int, phase: str, track: Track) -> Finding:
         ev = evidence_of(track)
-        # In every slow window: the longest of all ranks in that phase, the shortest collective wait.
+        # In every slow window: the longest of all ranks in that phase, the shortest collective
+        # wait.
         ev["longest"] = track.sums.get("longest", 0.0) == track.counts.get("longest", -1)
         if "shortest_comm" in track.counts:
             ev["shortest_comm"] = track.sums["shortest_comm"] == track.counts["shortest_comm"]

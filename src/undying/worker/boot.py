@@ -235,8 +235,8 @@ def _returned() -> None:
     with contextlib.suppress(OSError), open(marker, "w") as f:
         f.write(str(time.time()))
     grace = max(0.01, grace)
-    # First every thread's stack, to the rank's log (faulthandler's own thread: it needs no interpreter
-    # lock, so a teardown deadlocked on it is shown too), then the end.
+    # First every thread's stack, to the rank's log (faulthandler's own thread: it needs no
+    # interpreter lock, so a teardown deadlocked on it is shown too), then the end.
     with contextlib.suppress(Exception):
         sys.stderr.flush()
         faulthandler.dump_traceback_later(grace, exit=False, file=sys.stderr)

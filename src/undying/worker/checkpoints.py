@@ -139,7 +139,8 @@ class Checkpoints:
             else:
                 if origin is not None:
                     ctx.set_data_origin((int(origin[0]), int(origin[1])))
-                # A peer's state: its donor's fingerprint and ours once loaded (the manager's divergence compares).
+                # A peer's state: its donor's fingerprint and ours once loaded (the manager's
+                # divergence compares).
                 digests = {"digest": state.digest(), "donor_digest": str(meta["digest"])} if "digest" in meta else {}
                 ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(), step=committed,
                                   detail=digests))
@@ -196,7 +197,8 @@ class Checkpoints:
         if state.sharded:
             return shards.saves.maybe_save(state, index, ctx.data_meta(index))
         if ctx.rank != 0:
-            # Replicated state: rank 0 writes; the others' stall is recorded (about zero) so ranks compare.
+            # Replicated state: rank 0 writes; the others' stall is recorded (about zero) so ranks
+            # compare.
             if ctx.tracing.active and ctx.clock.due(index):
                 ctx.clock.mark()
                 with ctx.tracing.checkpoint_stall():

@@ -68,10 +68,12 @@ class JobContext:
     clock: SaveClock = field(default_factory=SaveClock)
     current_step: int = 0
     # What the heartbeats report: init until this process completes a step, and the collectives
-    # entered since the group's state was restored (the transfer's sends count on their two ends only).
+    # entered since the group's state was restored (the transfer's sends count on their two ends
+    # only).
     phase: str = "init"
     collectives_base: int = 0
-    # Why the last step or recovery round failed (a collective's error), for the logs and CommFailure.
+    # Why the last step or recovery round failed (a collective's error), for the logs and
+    # CommFailure.
     abort_reason: str = ""
     # Where the data stands: (step, batches read per rank after it); see DataCursor.origin.
     data_origin: tuple[int, int] | None = None

@@ -61,7 +61,8 @@ class DataCursor:
         self._loader = loader
         self._rank = rank
         self._seed = seed
-        # (step, batches read per rank after it): step s reads batch number origin[1] + s - origin[0].
+        # (step, batches read per rank after it): step s reads batch number origin[1] + s -
+        # origin[0].
         self.origin = origin if origin is not None else (0, 0)
         self.steps_per_epoch: int | None = None
         if loader is not None:

@@ -34,7 +34,8 @@ __all__ = ["GenerationalDDP"]
 
 log = logging.getLogger("undying.worker")
 
-# DDP's instance attributes, asked of the live DDP (building it, a collective, if there is none yet).
+# DDP's instance attributes, asked of the live DDP (building it, a collective, if there is none
+# yet).
 _DDP_STATE = frozenset({
     "process_group", "device_ids", "device_type", "device", "output_device", "dim", "reducer", "logger",
     "find_unused_parameters", "gradient_as_bucket_view", "static_graph", "bucket_bytes_cap", "mixed_precision",

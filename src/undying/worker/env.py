@@ -54,7 +54,8 @@ class WorkerEnv:
     trace: TraceConfig = TraceConfig()
     # The manager's number for this process as the holder of its rank (0: not fenced).
     incarnation: int = 0
-    # What proves to the manager's stores that this process is the job's (see undying.protocol.store_wire).
+    # What proves to the manager's stores that this process is the job's (see
+    # undying.protocol.store_wire).
     store_key: bytes = b""
 
     @classmethod

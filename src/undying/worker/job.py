@@ -142,7 +142,8 @@ class Job:
         # The agent's commands, by message class (anything else is logged and ignored).
         self._commands = Commands(self.ctx, self._preemption)
         if env is None:
-            # Where this process's state comes from before its first step (an unmanaged script: its own).
+            # Where this process's state comes from before its first step (an unmanaged script: its
+            # own).
             self._start: StatePlan = resume_at_start(None, self._checkpoints, self._shards)
             return
         self._link.open(env.agent_host, env.agent_port, self._commands.on_command)
@@ -154,7 +155,8 @@ class Job:
         StoppedAtExit(lambda stopped: beat(self.ctx, stopped), name="undying-heartbeat")
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._preemption.on_sigterm)
-        # The one planner: a replacement's state comes from the members, a launch's from its checkpoint.
+        # The one planner: a replacement's state comes from the members, a launch's from its
+        # checkpoint.
         self._start = resume_at_start(env, self._checkpoints, self._shards)
         join_at_start(env, self._rejoin)
 

@@ -162,7 +162,8 @@ class Rejoin:
         self._comm_failure()
         state.discard_gradients()
         if state.sharded:
-            # The write uses a group of this generation, which leaving destroys; a dead peer fails it at once.
+            # The write uses a group of this generation, which leaving destroys; a dead peer fails
+            # it at once.
             self.shards.saves.finish_writes(timeout=ctx.env.timeouts.collective_timeout)
             try:
                 reset_after_failure(state.model)  # FSDP left mid-forward/backward: reshard, clear hooks
@@ -230,7 +231,8 @@ class Rejoin:
             ctx.current_step = restored.target
             if regroup:
                 save_and_leave(ctx, state, restored.target, restored.donor, self.checkpoints)
-                # Not confirmed: meet the members left in the next regroup generation, the state still held.
+                # Not confirmed: meet the members left in the next regroup generation, the state
+                # still held.
                 self._comm_failure()
                 ctx.phase = "recovery"
                 generation = ctx.generation + 1
@@ -261,7 +263,8 @@ class Rejoin:
         members = [s.member for s in statuses]
         if any(s.mode == MODE_SHARDED for s in statuses):
             return self._restore_shards(members, state)
-        # Every rank holds the whole state (DDP): one shard, as many data-parallel copies as members.
+        # Every rank holds the whole state (DDP): one shard, as many data-parallel copies as
+        # members.
         plan = planner.plan(Layout(dp=len(members)), members)
         received = self._collective(lambda: self._move_whole_state(plan, state, me))
         if received is _FAILED:
@@ -301,7 +304,8 @@ class Rejoin:
         receivers = tuple(r for donor, r in plan.transfers() if donor == me)
         if receivers:
             assert state is not None
-            # The donor's fingerprint travels with it: the receiver's state, once loaded, must show the same.
+            # The donor's fingerprint travels with it: the receiver's state, once loaded, must show
+            # the same.
             send_state({**state.state_dict(), "_undying": {"data_origin": ctx.data_origin, "digest": state.digest()}},
                        receivers)
         source = plan.source(me)

@@ -54,14 +54,16 @@ log = logging.getLogger("undying.worker")
 
 MODES = ("off", "ring")
 
-# Point-to-point tags: the ring exchange and a restore's transfers never match each other's messages.
+# Point-to-point tags: the ring exchange and a restore's transfers never match each other's
+# messages.
 TAG_RING = 7101
 TAG_RESTORE = 7201
 
 
 @dataclass(frozen=True)
 class ReplicationConfig:
-    # The job's defaults, written on CheckpointConfig's fields only (the launcher's side of the variables).
+    # The job's defaults, written on CheckpointConfig's fields only (the launcher's side of the
+    # variables).
     mode: str = CheckpointConfig.replicate  # "off" or "ring"
     every: int = CheckpointConfig.replicate_every  # replicate at steps that are multiples of this (and at a restore)
 

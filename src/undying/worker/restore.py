@@ -31,7 +31,8 @@ __all__ = [
 
 # What kind of state a member holds (a replacement knows only once it receives some).
 MODE_UNKNOWN, MODE_REPLICATED, MODE_SHARDED = 0, 1, 2
-# In-memory copies a sharded member reports: its own snapshots and the replicas it holds (newest two each).
+# In-memory copies a sharded member reports: its own snapshots and the replicas it holds (newest two
+# each).
 _COPIES = 2
 
 

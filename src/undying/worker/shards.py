@@ -54,7 +54,8 @@ log = logging.getLogger("undying.worker")
 # The planner's words for a source, as the shards_restored event names them.
 _SOURCE_NAMES = {"self": "live", "snapshot": "own", "replica": "replica"}
 
-# "1": a resumed rank reports the digest of the whole state it loaded (a gather; for tests and audits).
+# "1": a resumed rank reports the digest of the whole state it loaded (a gather; for tests and
+# audits).
 
 
 class Shards:
@@ -68,7 +69,8 @@ class Shards:
         self.quiet = False  # an internal optimizer step (DCP creating optimizer state) is no training step
         self._hooked: set[int] = set()
         self._replicated_once = False
-        # Its DCP checkpoints: periodic ones written in the background, the dying gasp (worker.shard_saves).
+        # Its DCP checkpoints: periodic ones written in the background, the dying gasp
+        # (worker.shard_saves).
         self.saves = ShardSaves(ctx, self.dcp_state_dict)
 
     # --- who is whose ring neighbour -----------------------------------------
@@ -186,7 +188,8 @@ class Shards:
         self.copies.committed(step)
         if not self._replicated_once:
             self._replicated_once = True
-            # What one replication costs (serialize, exchange, agree): to size UNDYING_REPLICATE_EVERY by.
+            # What one replication costs (serialize, exchange, agree): to size
+            # UNDYING_REPLICATE_EVERY by.
             ctx.send(Progress(ctx.rank, ctx.generation, "replicating", time.time(), step=step,
                               detail={"to": self.successor, "from": self.predecessor,
                                       "every": self.config.every, "bytes": len(data),
@@ -258,7 +261,8 @@ class Shards:
         if plan.lost_steps and ctx.rank == 0:
             log.warning("job %s: sharded state restored at step %d (%s); %d step(s) are re-run",
                         ctx.env.job_id if ctx.env else "", target, plan.describe(), plan.lost_steps)
-        # A replacement's shard waits in ctx.deferred: until steps() loads it, its own copy is the source.
+        # A replacement's shard waits in ctx.deferred: until steps() loads it, its own copy is the
+        # source.
         return self.status(target, clean=state is not None)
 
     def _apply_shard(self, state: State, payload: bytes) -> None:

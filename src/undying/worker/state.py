@@ -80,7 +80,8 @@ class State:
                 "State(sharded=False) but the model holds DTensors (FSDP2 fully_shard?): each rank has only its "
                 "slices, so it cannot be saved or restored whole; leave sharded unset or pass sharded=True"
             )
-        # Sharded: checkpoints through DCP written by every rank, recovery by shards (see worker.sharding).
+        # Sharded: checkpoints through DCP written by every rank, recovery by shards (see
+        # worker.sharding).
         self.sharded = found if sharded is None else sharded
 
     def state_dict(self) -> dict[str, Any]:

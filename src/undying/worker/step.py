@@ -41,7 +41,8 @@ class StepHooks:
     aborted: Callable[[BaseException], None]
     failed: Callable[[int, BaseException], None]
     began: Callable[[Step, str], None]  # the step's batch fingerprint, reported
-    # A failed numeric check's verdict (worker.numerics): "replay", "skip", or None (the step fails).
+    # A failed numeric check's verdict (worker.numerics): "replay", "skip", or None (the step
+    # fails).
     numeric: Callable[[Step, BaseException], str | None]
 
 

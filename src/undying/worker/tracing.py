@@ -69,7 +69,8 @@ class WorkerTracing:
         # An injected slowdown: (phase, extra seconds per step, from step).
         self._slow: tuple[str, float, int] | None = None
         self._slow_pending: ArmFault | None = None
-        # Read at every seam of every step: when False (no markers, no slowdown) a seam costs this one test.
+        # Read at every seam of every step: when False (no markers, no slowdown) a seam costs this
+        # one test.
         self.active = False
         # The comm hook's plan: (from step, hooked before it, hooked from it on).
         self._hook_plan: tuple[int, bool, bool] = (0, False, False)
@@ -233,7 +234,8 @@ def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torc
     index, step, generation = bucket.index(), tracer.step, tracer.generation
 
     def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        # On gloo's thread, perhaps after the step moved on: the step it belongs to is the one it started in.
+        # On gloo's thread, perhaps after the step moved on: the step it belongs to is the one it
+        # started in.
         tracer.emit("comm", wall, time.perf_counter() - start, op="allreduce", bytes=nbytes, bucket=index,
                     step=step, gen=generation)
         return fut.value()[0]

@@ -131,8 +131,8 @@ def serve(state: Any, config: Numerics) -> Iterator[Step]:
         for done in (path, folder / file_name("batch", request.round, request.step, "pt")):
             with contextlib.suppress(OSError):
                 done.unlink()
-    # Rank 0 is gone: leave now, never running the script's code after its loop (a final save, a report)
-    # as if this process had trained.
+    # Rank 0 is gone: leave now, never running the script's code after its loop (a final save, a
+    # report) as if this process had trained.
     logging.shutdown()
     os._exit(0)
 

@@ -27,9 +27,9 @@ from undying.protocol.env import (
 
 __all__ = ["spawn_verifier", "stopped", "how_it_ended"]
 
-# The verifier's environment keeps the job's seed and K, and none of the job's own (its keys, its addresses).
-# (the agent's mark: a verifier whose rank 0 is gone is an orphan the agent ends, and it never outlives the
-# job's agent: agent/children.py)
+# The verifier's environment keeps the job's seed and K, and none of the job's own (its keys, its
+# addresses). (the agent's mark: a verifier whose rank 0 is gone is an orphan the agent ends, and it
+# never outlives the job's agent: agent/children.py)
 _KEPT = (SEED_ENV, VERIFY_EVERY_ENV, AGENT_PID_ENV)
 _TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")

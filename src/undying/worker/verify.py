@@ -368,7 +368,8 @@ class Verification:
             thread.join(timeout=60)
         self._writes = []
         path = self._path("pre", decision.source_round, decision.rollback_to, "pt")
-        # The one planner: from the holder's file, never a rank's own memory nor the suspect's unverified copy.
+        # The one planner: from the holder's file, never a rank's own memory nor the suspect's
+        # unverified copy.
         plan = plan_verify_rollback(
             world_size=self._world, bad_step=decision.bad_step, bad_rank=decision.bad_rank,
             rollback_to=decision.rollback_to, committed=committed, file=path.name,

@@ -170,8 +170,9 @@ class VirtualRanks:
         self.params = [p for p in state.model.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
         self._dtype = torch.float64 if torch.float64 in dtypes else torch.float32
-        # The job's cursor: virtual rank 0's loader (every virtual rank has the same number of batches per
-        # epoch, whatever the physical layout), so positions, epochs and the end never depend on the layout.
+        # The job's cursor: virtual rank 0's loader (every virtual rank has the same number of
+        # batches per epoch, whatever the physical layout), so positions, epochs and the end never
+        # depend on the layout.
         self.cursor = self._cursor(0, ctx.data_origin)
 
     def _cursor(self, v: int, origin: tuple[int, int] | None) -> DataCursor:
@@ -207,7 +208,8 @@ class VirtualRanks:
                                  f"rank {mine[0]} logged {names}: every virtual rank logs the same names")
             buffers.append(self._take_grads(micro, names))
         world = ctx.world_size if dist.is_initialized() else 1
-        # A comm marker, as DDP's all-reduce gets one (`undying trace on --comm`): slow-rank diagnosis sees it.
+        # A comm marker, as DDP's all-reduce gets one (`undying trace on --comm`): slow-rank
+        # diagnosis sees it.
         with ctx.tracing.tracer.span("comm", name="ordered_fold", bytes=buffers[0].numel() * buffers[0].element_size()):
             mean = fold_across(buffers, self.count, world)
         self._put_grads(mean)

@@ -108,8 +108,9 @@ class Member(NamedTuple):
         return f"rank {self.rank}: committed {self.step}, clean={self.clean}, has_state={self.has_state}"
 
 
-# Where a rank's state comes from, best first; ``holder_file`` (a verified state another rank wrote) and
-# ``fresh`` (the script's own initial state) are only the start's and the roll-backs' (``planner.paths``).
+# Where a rank's state comes from, best first; ``holder_file`` (a verified state another rank wrote)
+# and ``fresh`` (the script's own initial state) are only the start's and the roll-backs'
+# (``planner.paths``).
 SourceKind = Literal["self", "snapshot", "peer", "replica", "checkpoint", "holder_file", "fresh"]
 
 
@@ -206,7 +207,8 @@ class RestorePlan:
 
 
 _SELF = Source("self")
-# A refusal names at most this many members (the rest are counted): an 8,192-rank job's error stays readable.
+# A refusal names at most this many members (the rest are counted): an 8,192-rank job's error stays
+# readable.
 _NAMED_MEMBERS = 16
 
 

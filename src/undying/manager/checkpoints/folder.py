@@ -122,7 +122,8 @@ class Checkpoints:
         last = await asyncio.to_thread(self._last_launch)
         if ckpt is None:
             if self.last_skipped and not config.start_fresh:
-                # Starting from step 1 silently would throw away a run whose checkpoints only need fixing.
+                # Starting from step 1 silently would throw away a run whose checkpoints only need
+                # fixing.
                 reasons = "; ".join(f"{name}: {reason}" for name, reason in self.last_skipped)
                 error = UsageError(
                     f"every checkpoint in {self.dir} was rejected ({reasons}); fix or move them, or pass "

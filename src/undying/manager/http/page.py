@@ -26,8 +26,9 @@ from aiohttp import web
 
 __all__ = ["status_page", "OpenPages", "PageRunner", "PAGES", "PAGE_HEADER"]
 
-# Open pages: the header they name themselves in, how many are remembered, how recent a poll counts as open,
-# and how long a stopping server waits for them to see the end (a page polls once a second).
+# Open pages: the header they name themselves in, how many are remembered, how recent a poll counts
+# as open, and how long a stopping server waits for them to see the end (a page polls once a
+# second).
 PAGE_HEADER = "X-Undying-Page"
 _MAX_PAGES = 64
 _PAGE_OPEN_S = 5.0

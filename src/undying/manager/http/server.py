@@ -165,8 +165,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         refused = refusal(request)
         if refused is not None:
-            # The raw path, cut short (a decoded one may hold a newline that forges a log line), and never its
-            # query: a token sent in the URL would be written whole.
+            # The raw path, cut short (a decoded one may hold a newline that forges a log line), and
+            # never its query: a token sent in the URL would be written whole.
             path, query, _ = request.raw_path.partition("?")
             log.warning("job %s: refused %s %s%s from %s (%d)", job_id, request.method, ascii(path[:200]),
                         " (query not shown)" if query else "", request.remote or "?", refused.status)
@@ -264,7 +264,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         manager.stop("stopped through the API")
         return json_response({"stopping": True})
 
-    # The connection guard (when served through start_http) sees every request, refused ones included.
+    # The connection guard (when served through start_http) sees every request, refused ones
+    # included.
     middlewares = [connections.middleware, guard, pages.middleware] if connections is not None else [
         guard, pages.middleware]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)

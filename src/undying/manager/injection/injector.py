@@ -28,7 +28,8 @@ __all__ = ["Injector"]
 
 # The faults done from outside the rank's process, by a signal.
 _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
-# Where the training thread itself runs, so that a leave's sys.exit(0) ends the script (manager.recovery.leaving).
+# Where the training thread itself runs, so that a leave's sys.exit(0) ends the script
+# (manager.recovery.leaving).
 _LEAVE_PHASES = ("step", "forward", "optimizer")
 
 

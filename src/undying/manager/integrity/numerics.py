@@ -51,7 +51,8 @@ __all__ = ["on_numeric_fault", "arm_numeric", "skip_limit", "NUMERIC_PHASE"]
 NUMERIC_PHASE = "numeric_fault"
 # How each kind may strike, and the first the default.
 _HOWS = {"nan": ("once", "persistent"), "bitflip": ("grad", "param", "grad-finite")}
-# A rank named alone by this many faults (since it was last replaced for them) is replaced like a crash.
+# A rank named alone by this many faults (since it was last replaced for them) is replaced like a
+# crash.
 FAULTS_TO_REPLACE = 2
 # Verdicts that name a rank: its own gradients changed between the step and its replay.
 _RANK_VERDICTS = ("transient", "nondeterministic")

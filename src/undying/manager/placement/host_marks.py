@@ -36,7 +36,8 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
     return {"host": host, "state": mark.state.value, "reason": mark.reason}
 
 
-# What clears a quarantined host (manager.placement.hosts.HostBook.verified, manager.integrity.verification.on_verified).
+# What clears a quarantined host (manager.placement.hosts.HostBook.verified,
+# manager.integrity.verification.on_verified).
 UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified bit for bit "
          f"in a row, only in a job run with --verify-every) or an operator runs `undying undrain HOST`")
 

@@ -31,9 +31,10 @@ from undying.errors import UsageError
 __all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "check_job_host", "REQUALIFY_PASSES"]
 
 LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
-# A quarantined host is cleared after this many verified steps of its ranks in a row (each a replay that
-# matched bit for bit): three, so one lucky step does not clear a host found at fault twice, and a job
-# verifying every K steps with R ranks on the host gets it back within about 3*K*world/R steps.
+# A quarantined host is cleared after this many verified steps of its ranks in a row (each a replay
+# that matched bit for bit): three, so one lucky step does not clear a host found at fault twice,
+# and a job verifying every K steps with R ranks on the host gets it back within about 3*K*world/R
+# steps.
 REQUALIFY_PASSES = 3
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")  # a hostname, an IPv4 or a bracketed or bare IPv6
 

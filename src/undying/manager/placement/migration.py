@@ -61,7 +61,8 @@ __all__ = ["Migrations", "LEAD_STEPS"]
 log = logging.getLogger("undying.manager")
 
 # How many steps past the newest committed one the boundary is set, at least: every rank hears the
-# arming before it begins the boundary's next step (a late one leaves at the step after: still a boundary).
+# arming before it begins the boundary's next step (a late one leaves at the step after: still a
+# boundary).
 LEAD_STEPS = 2
 # And time enough for the replacement, started at once, to be ready (a warm spare runs the script to
 # its join; a new process imports torch first): measured on a loaded 2-core machine, with room.
@@ -82,8 +83,8 @@ class _Pending:
     generation: int = -1  # a rank's move: the generation its replacement, started ahead, waits for
     warm: bool = False  # that replacement is a warm spare (else a new process)
     ready_t: float = 0.0  # when it said hello (0: not yet)
-    # A rank's move: the rank as its old process held it (incarnation, state, generation, restarts), given
-    # back if the move is cancelled.
+    # A rank's move: the rank as its old process held it (incarnation, state, generation, restarts),
+    # given back if the move is cancelled.
     holder: tuple[int, RankState, int, int] | None = None
 
 
@@ -134,7 +135,8 @@ class Migrations:
         boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
         now = time.time()
         agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))  # (before the spawn: the old one)
-        # The replacement starts now, while the rank trains on: it waits for the generation the boundary opens.
+        # The replacement starts now, while the rank trains on: it waits for the generation the
+        # boundary opens.
         generations = core.generations
         ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
                                  store_host=generations.host, store_port=generations.store_port(),
@@ -240,7 +242,8 @@ class Migrations:
         """Any process's exit, before it is judged: a moving rank's old process that ended before its boundary
         cancels the move (the rank is that process's again, so its exit is the rank's fault, handled as such)."""
         pending = self.pending.get(pid)
-        # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read after this)
+        # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read
+        # after this)
         if pending is not None and pending.node is None and returncode != EXIT_MIGRATED:
             self._cancel(pending, f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before the "
                                   f"move's boundary (step {pending.boundary}); its exit is handled as the fault it is")
@@ -259,7 +262,8 @@ class Migrations:
             self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); rank "
                                   f"{pending.rank} stays on pid {pending.pid}")
         for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
-            # A whole node's move: its ranks stay too (worker.commands); nothing was started ahead for it.
+            # A whole node's move: its ranks stay too (worker.commands); nothing was started ahead
+            # for it.
             ranks = sorted(p.rank for p in self.pending.values() if p.node == node)
             self.pending = {pid: p for pid, p in self.pending.items() if p.node != node}
             self.core.events.event("migration_failed", node=node, ranks=ranks, returncode=None,
@@ -308,7 +312,8 @@ class Migrations:
         if pending is None:
             if any(p.rank == message.rank for p in self.pending.values()):
                 return False  # (a whole node's move: its ranks' exits carry it out)
-            # A move cancelled since (a recovery overtook it): the process stays at its boundary (worker.commands).
+            # A move cancelled since (a recovery overtook it): the process stays at its boundary
+            # (worker.commands).
             core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
                               phase=message.phase, cancelled=True)
             return True
@@ -327,8 +332,8 @@ class Migrations:
             recovery.ready[info.rank] = pending.ready_t
         incident.detail["replacement"] = "warm spare" if pending.warm else "new process"
         core.events.incident(incident)
-        # The peers wait in a collective the leaving rank never joins: told to leave it (recovery.rounds),
-        # and one that never does is judged stuck like any survivor.
+        # The peers wait in a collective the leaving rank never joins: told to leave it
+        # (recovery.rounds), and one that never does is judged stuck like any survivor.
         self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated")
         return True
 

@@ -77,7 +77,8 @@ class Preemption:
         """A rank's SIGTERM (its process's, a node's, the job's): the job is preempted, unless it is old news."""
         holder = self.core.ranks[message.rank].pid  # (0: its replacement has not started yet)
         if message.pid and message.pid != holder:
-            # A process the rank was taken from (its host cut off, fenced, its agent stopping it): old news.
+            # A process the rank was taken from (its host cut off, fenced, its agent stopping it):
+            # old news.
             self.core.events.event("sigterm_stale", rank=message.rank, pid=message.pid, holder=holder)
             return
         self.core.events.event("sigterm", rank=message.rank)

@@ -19,8 +19,9 @@ __all__ = ["Action", "Decision", "PolicyContext", "WHOLE_GROUP", "decide", "stal
 class Action(str, enum.Enum):
     RETRY = "retry"  # same processes, new process groups, re-run the step
     REPLACE = "replace"  # new processes for the dead ranks, state from peers
-    # Every rank starts again: from the latest valid checkpoint when no peer holds the state, or, for a
-    # script that does not use the step API (torchrun's recovery), from its start (its own snapshot).
+    # Every rank starts again: from the latest valid checkpoint when no peer holds the state, or,
+    # for a script that does not use the step API (torchrun's recovery), from its start (its own
+    # snapshot).
     RESTART = "restart"
     FAIL = "fail"  # stop the job with a report
 
@@ -37,7 +38,8 @@ class PolicyContext:
     checkpoint_step: int | None = None
     # Whole-job restarts from a checkpoint so far (bounded by max_restarts).
     restarts: int = 0
-    # The restore planner's words when no complete state exists (a shard in no survivor and no checkpoint).
+    # The restore planner's words when no complete state exists (a shard in no survivor and no
+    # checkpoint).
     no_state: str = ""
     # Recoveries of faults at one step (--max-step-recoveries); None: as many as max_restarts.
     max_step_recoveries: int | None = None

@@ -53,8 +53,8 @@ __all__ = ["Recovery", "Recoveries"]
 log = logging.getLogger("undying.manager")
 
 # How long a survivor told to leave the old generation may take before it counts as stuck: at least
-# this, and at least _LEAVE_STEPS of the job's longest step (a rank inside a long step's compute leaves
-# at its next collective, which fails at once).
+# this, and at least _LEAVE_STEPS of the job's longest step (a rank inside a long step's compute
+# leaves at its next collective, which fails at once).
 _LEAVE_MIN_S = 5.0
 _LEAVE_STEPS = 3
 
@@ -92,15 +92,19 @@ class Recoveries:
         self.restarts = 0
         self.restart_from: Checkpoint | None = None
         self.restore_plan: RestorePlan | None = None  # the planner's word on the incident decided last
-        # pid -> the incident and decision its exit carries on (a live rank escalated from retries, killed).
+        # pid -> the incident and decision its exit carries on (a live rank escalated from retries,
+        # killed).
         self.condemned: dict[int, tuple[Incident, Decision]] = {}
-        # Every rank of a lost node is replaced in the same new generation: set while they are handled.
+        # Every rank of a lost node is replaced in the same new generation: set while they are
+        # handled.
         self.one_generation = False
         self._shared_record: GenerationRecord | None = None
-        # A rank said hello: the script uses the step API even if the launcher's look at it said otherwise.
+        # A rank said hello: the script uses the step API even if the launcher's look at it said
+        # otherwise.
         self.hello_seen = False
-        # Told of the first incident of each new round, before it is decided: e.g. a planned move the
-        # round overtakes is cancelled first (manager.placement.migration), so its last holder keeps the rank.
+        # Told of the first incident of each new round, before it is decided: e.g. a planned move
+        # the round overtakes is cancelled first (manager.placement.migration), so its last holder
+        # keeps the rank.
         self.round_opened: list[Callable[[Incident], None]] = []
 
     @property
@@ -157,8 +161,8 @@ class Recoveries:
         newest = self.core.book.newest_step()
         layout, replica_of, every = Layout(dp=world), {}, 0
         if self.checkpoints.sharded:
-            # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank + offset,
-            # replicated every `every` steps.
+            # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank +
+            # offset, replicated every `every` steps.
             state_layout = self.checkpoints.state_layout
             offset = int(state_layout.get("offset", 0))
             layout = Layout(dp=1, tp=world)
@@ -193,7 +197,8 @@ class Recoveries:
         else:  # (no state of the script's is undying's to plan: every rank starts again)
             found, words, self.restart_from = None, "", None
         self.restore_plan = found
-        # Ranks that keep state through this recovery: none when every rank must start from the checkpoint.
+        # Ranks that keep state through this recovery: none when every rank must start from the
+        # checkpoint.
         holders = self.holders_alive(incident.rank)
         if found is not None and found.needs_checkpoint and not self.checkpoints.sharded:
             holders = 0  # (sharded ranks roll back to the checkpoint in place: they live on)
@@ -203,7 +208,8 @@ class Recoveries:
                           checkpoint_step=self.restart_from.step if self.restart_from else None,
                           restarts=self.restarts, max_step_recoveries=core.config.max_step_recoveries,
                           step_api=self.step_api,
-                          # (a failed collective loses no process: its retry needs no state from anyone)
+                          # (a failed collective loses no process: its retry needs no state from
+                          # anyone)
                           no_state=words if found is None and incident.kind is not IncidentKind.COMM_ERROR else ""),
         )
         incident.action = decision.action.value

@@ -130,7 +130,8 @@ class Regrouping:
                                                   all_attached=all(a.attached for a in core.agents.values())):
             return  # (a restarted manager's agents have their heartbeat timeout to come back: the watch retries)
         if regroup.checkpoint is None:
-            # The members saved synchronously before they left: the newest valid checkpoint is theirs.
+            # The members saved synchronously before they left: the newest valid checkpoint is
+            # theirs.
             regroup.checkpoint = self.checkpoints.latest()
         ckpt = regroup.checkpoint
         world = form_world(regroup, checkpoint_step=ckpt.step if ckpt is not None else None,
@@ -151,7 +152,8 @@ class Regrouping:
                             "`undying run --node-rank I --manager ...` on a host", config.job_id, ckpt.step,
                             ckpt.url, config.fewest_nodes, len(nodes))
             return
-        # The one planner: every rank of the new world loads this checkpoint; the steps after it are re-run.
+        # The one planner: every rank of the new world loads this checkpoint; the steps after it are
+        # re-run.
         start = plan_regroup(members=sorted(regroup.members), newest=regroup.step, sharded=self.checkpoints.sharded,
                              checkpoint=PersistedState(ckpt.step, path=ckpt.url))
         lost = start.lost_steps
@@ -219,7 +221,8 @@ class Regrouping:
         """A process ended during the regroup: a member leaving as asked, a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
-        # Members leave once the state is saved; any other process of the old layout is no fault now.
+        # Members leave once the state is saved; any other process of the old layout is no fault
+        # now.
         if info.rank not in regroup.members or info.rank in regroup.left:
             return
         cause = self.detection.cause_of(info, pid, returncode, t)
@@ -227,7 +230,8 @@ class Regrouping:
         what = (f"node {lost[0]} lost ({lost[1]})" if lost else
                 f"rank {info.rank} hung ({hung[2]} timeout)" if hung else f"rank {info.rank} {describe_exit(returncode)}")
         if regroup.member_left(info.rank, returncode, what):
-            # A fault: an incident of the regroup's recovery, which re-plans with the members it has left.
+            # A fault: an incident of the regroup's recovery, which re-plans with the members it has
+            # left.
             incident = self.recoveries.new_incident(kind=IncidentKind.NODE_LOSS if lost else IncidentKind.HANG if hung else IncidentKind.CRASH,
                                                     rank=info.rank, step=info.step + 1, fault_t=t, detected_t=t,
                                                     error=f"{what} during the regroup")

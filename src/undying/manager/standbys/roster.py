@@ -64,7 +64,8 @@ class Parked:
                 "spares_ready": self.spares_ready, "parked_at": self.parked_at, "last_heard": self.last_heard}
 
 
-# seat(node, join, writer) -> the session: attach the connection to the node's slot as its new agent.
+# seat(node, join, writer) -> the session: attach the connection to the node's slot as its new
+# agent.
 Seat = Callable[[int, AgentJoin, asyncio.StreamWriter], str]
 # record(what, detail): the job's event log.
 Record = Callable[[str, dict[str, Any]], None]
@@ -75,12 +76,14 @@ class Standbys:
 
     def __init__(self, seat: Seat, record: Record, clock: JudgeClock | None = None) -> None:
         self.parked: dict[int, Parked] = {}
-        # The manager's judge clock (the agent server's, which ticks it); a roster alone gets its own.
+        # The manager's judge clock (the agent server's, which ticks it); a roster alone gets its
+        # own.
         self.clock = clock or JudgeClock(0.2, 30.0, "the manager's standby roster")
         self._seat = seat
         self._record = record
         self._next = 0
-        # () -> the hosts drained or quarantined (manager/placement/hosts.py): a standby parked there is not promoted.
+        # () -> the hosts drained or quarantined (manager/placement/hosts.py): a standby parked
+        # there is not promoted.
         self.blocked: Callable[[], set[str]] = set
 
     async def park(self, join: AgentJoin, writer: asyncio.StreamWriter, check: Callable[[AgentJoin], str],

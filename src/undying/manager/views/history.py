@@ -41,8 +41,9 @@ log = logging.getLogger("undying.manager")
 STEP_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # A save's stall is a CPU copy (milliseconds); its write, up to minutes for a large state.
 SAVE_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-# Ranks with a label of their own in undying_rank_step_seconds: a histogram is ~17 series a label value,
-# so 16 ranks are ~280 series, an ordinary exporter's size; the ranks past them share one label value.
+# Ranks with a label of their own in undying_rank_step_seconds: a histogram is ~17 series a label
+# value, so 16 ranks are ~280 series, an ordinary exporter's size; the ranks past them share one
+# label value.
 LABELLED_RANKS = 16
 # Ranks with a line of their own on the page (the job's line covers every rank).
 PAGE_RANKS = 32

@@ -186,14 +186,16 @@ def _steps(status: Mapping[str, Any], history: RunHistory) -> Iterator[Metric]:
 
 
 def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
-    # Every kind at 0 from the start: increase() over a series that appears at 1 misses that first incident.
+    # Every kind at 0 from the start: increase() over a series that appears at 1 misses that first
+    # incident.
     kinds = Counter({k.value: 0 for k in IncidentKind})
     kinds.update(str(i.get("kind") or "") for i in incidents)
     total = CounterMetricFamily("undying_incidents", "Incidents by fault kind (each kind from 0).", labels=["kind"])
     for kind, n in sorted(kinds.items()):
         total.add_metric([kind], float(n))
     yield total
-    # The action is decided after the incident opens (and may be escalated): counted once decided, by the action.
+    # The action is decided after the incident opens (and may be escalated): counted once decided,
+    # by the action.
     actions = Counter((str(i.get("kind") or ""), str(i["action"])) for i in incidents if i.get("action"))
     taken = CounterMetricFamily("undying_incident_actions", "Incidents by fault kind and the action decided.",
                                 labels=["kind", "action"])
