@@ -134,5 +134,6 @@ def read_frame_length(header: bytes) -> int:
 
 def decode(body: bytes, kind: str) -> Any:
     """A handshake message, a Request or a Reply; msgspec.DecodeError on anything else."""
-    decoder = {"handshake": _handshake_decoder, "request": _request_decoder, "reply": _reply_decoder}[kind]
-    return decoder.decode(body)
+    decoders: dict[str, msgspec.msgpack.Decoder[Any]] = {
+        "handshake": _handshake_decoder, "request": _request_decoder, "reply": _reply_decoder}
+    return decoders[kind].decode(body)
