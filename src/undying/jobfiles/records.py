@@ -149,6 +149,7 @@ class IncidentDetail(TypedDict, total=False):
     restore_plan: str
     replacement: str  # "warm spare" or "new process"
     stuck_collective: bool
+    left_behind: list[int]  # survivors gloo never let go, replaced in the same round (recovery/left_behind.py)
     restart: int
     # The state restored.
     restored: str

@@ -41,7 +41,7 @@ from undying.manager.integrity import Divergence
 from undying.manager.membership import Comings
 from undying.manager.placement import Migrations
 from undying.manager.preemption import Preemption
-from undying.manager.recovery import Detection, Recoveries, ReportedFaults, Watch
+from undying.manager.recovery import Detection, LeftBehind, Recoveries, ReportedFaults, Watch
 from undying.manager.regroup import Regrouping
 from undying.manager.restoring import restore_job
 from undying.manager.steps import CommitRow, StepReports
@@ -87,15 +87,17 @@ class Manager:
                                      busy=lambda: "the job is regrouping" if self.regrouping.active else "")
         self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
         self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
+        left_behind = LeftBehind(core, self.recoveries)  # a survivor gloo never let go: replaced in its round
         self.comings = Comings(core, checkpoints=self.checkpoints, recoveries=self.recoveries,
                                detection=self.detection, regrouping=self.regrouping, migrations=self.migrations,
-                               divergence=self.divergence)
+                               divergence=self.divergence, left_behind=left_behind)
         self.steps = StepReports(core, history=self.history, checkpoints=self.checkpoints,
                                  recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping,
                                  divergence=self.divergence, gasp=self.gasp, finish=self.comings.finish)
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
-        self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping)
+        self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping,
+                           left_behind=left_behind)
         # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it
         # concerns.
         self.on_exit = self.comings.on_exit

@@ -16,7 +16,7 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.integrity import Divergence
 from undying.manager.placement import Migrations
-from undying.manager.recovery import Detection, Recoveries
+from undying.manager.recovery import Detection, LeftBehind, Recoveries
 from undying.manager.regroup import Regrouping
 from undying.protocol.worker_wire import Hello
 
@@ -27,8 +27,10 @@ class Comings:
     """Who comes and goes: each arrival and departure of a rank's process or a node's agent."""
 
     def __init__(self, core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries, detection: Detection,
-                 regrouping: Regrouping, migrations: Migrations, divergence: Divergence) -> None:
+                 regrouping: Regrouping, migrations: Migrations, divergence: Divergence,
+                 left_behind: LeftBehind) -> None:
         self.core = core
+        self.left_behind = left_behind
         self.checkpoints = checkpoints
         self.recoveries = recoveries
         self.detection = detection
@@ -111,6 +113,8 @@ class Comings:
                 core.events.event("exit_after_done", rank=rank, returncode=returncode)
             self.finish(info)
             return
+        if self.left_behind.on_exit(info, pid):
+            return  # a survivor killed for never leaving the old generation: replaced in its round
         condemned = self.recoveries.condemned.pop(pid, None)
         if condemned is not None:
             self.recoveries.execute(*condemned)

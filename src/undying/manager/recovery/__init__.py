@@ -15,7 +15,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from undying.manager.recovery.detection import LEFT_BEHIND_PHASE, Detection, describe_exit
+    from undying.manager.recovery.detection import Detection, describe_exit
+    from undying.manager.recovery.left_behind import LeftBehind
     from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
     from undying.manager.recovery.reported import ReportedFaults
     from undying.manager.recovery.rounds import Recoveries, Recovery
@@ -27,7 +28,7 @@ __all__ = [
     "PolicyContext",
     "decide",
     "Detection",
-    "LEFT_BEHIND_PHASE",
+    "LeftBehind",
     "describe_exit",
     "Recoveries",
     "Recovery",
@@ -41,7 +42,7 @@ _WHERE = {
     "PolicyContext": "policy",
     "decide": "policy",
     "Detection": "detection",
-    "LEFT_BEHIND_PHASE": "detection",
+    "LeftBehind": "left_behind",
     "describe_exit": "detection",
     "Recoveries": "rounds",
     "Recovery": "rounds",

@@ -30,7 +30,7 @@ from undying.manager.recovery.rounds import Recoveries
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, Fatal
 
-__all__ = ["LEFT_BEHIND_PHASE", "Detection", "ExitCause", "classify_exit", "describe_exit"]
+__all__ = ["Detection", "ExitCause", "classify_exit", "describe_exit"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,6 @@ class ExitCause:
     hung: tuple[float, float, str] | None = None  # (last heard, detected, phase): killed for silence
     lost: tuple[int, str, float] | None = None  # (node, why, when): its node was lost
     fatal: Fatal | None = None  # the error the rank reported before dying
-
-
-# The phase a survivor is judged "hung" in when it never left a superseded generation (recovery.py).
-LEFT_BEHIND_PHASE = "left-behind"
 
 
 @dataclass(frozen=True)
@@ -70,10 +66,6 @@ def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classifi
         last_heard, detected, phase = hung
         if phase == "step":
             error = f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); killed"
-        elif phase == LEFT_BEHIND_PHASE:
-            error = (f"still in step {step} of the generation before {detected - last_heard:.1f}s after it was "
-                     "told to leave (its collective waits on a peer that left, and the backend never ends "
-                     "that wait); killed")
         else:
             error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
     else:

@@ -12,7 +12,7 @@ its group's connections break, so its collective fails at once). One that has
 still neither failed nor joined the new generation a while later is stuck in a
 wait that will never end: gloo leaves a send queued to a peer that went away
 unsignalled, so its collective waits out the whole collective timeout however
-its sockets end. Such a rank is killed and replaced as a hang (``stuck``).
+its sockets end. Such a rank is killed and replaced in the round (``stuck``, ``left_behind.py``).
 """
 
 from __future__ import annotations

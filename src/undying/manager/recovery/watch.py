@@ -16,7 +16,8 @@ from typing import Protocol
 
 from undying.jobfiles.records import IncidentKind
 from undying.manager.core import JobCore
-from undying.manager.recovery.detection import LEFT_BEHIND_PHASE, Detection
+from undying.manager.recovery.detection import Detection
+from undying.manager.recovery.left_behind import LeftBehind
 from undying.manager.recovery.rounds import Recoveries
 from undying.protocol.judge_clock import JudgeClock
 
@@ -44,10 +45,12 @@ class Regroups(Protocol):
 class Watch:
     """The manager's deadlines, judged on its own clock (``clock``), and the log's flush."""
 
-    def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection, regrouping: Regroups) -> None:
+    def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection, regrouping: Regroups,
+                 left_behind: LeftBehind) -> None:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection
+        self.left_behind = left_behind
         self.regrouping = regrouping
         self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout, "the manager's deadlines")
         self.clock.tick()  # (from its start: a manager paused before its watch first ran still sees that stall)
@@ -84,8 +87,7 @@ class Watch:
         if overdue:
             self.recoveries.fail(overdue)
             return
-        for info in self.recoveries.stuck(time.time(), resumed):  # (rounds.py: a wait gloo never ends)
-            self.detection.on_hang(info.rank, info.pid, LEFT_BEHIND_PHASE, recovery.told_to_leave, time.time())
+        self.left_behind.judge(time.time(), resumed)  # (left_behind.py: a wait gloo never ends)
 
     async def _flush_periodically(self) -> None:
         while True:

@@ -1,0 +1,71 @@
+"""A survivor the old generation never let go: killed, and replaced in the round of its fault.
+
+When a recovery opens, every survivor is told to leave the old generation
+(``Recoveries.tell_to_leave``); one that has neither failed nor joined the new
+generation a while later is stuck (``Recoveries.stuck``): gloo leaves a send
+queued to a peer that went away unsignalled, so the collective waits out its
+whole timeout however its sockets end. Such a survivor is no fault of its own:
+it is killed and, at its exit, replaced in a new generation of the same round,
+named in the round's incidents (``left_behind``) and in a ``left_behind``
+event, not counted as another incident.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from undying.jobfiles.records import IncidentStatus, RankInfo
+from undying.manager.core import JobCore
+from undying.manager.recovery.rounds import Recoveries
+
+__all__ = ["LeftBehind"]
+
+log = logging.getLogger("undying.manager")
+
+
+class LeftBehind:
+    def __init__(self, core: JobCore, recoveries: Recoveries) -> None:
+        self.core = core
+        self.recoveries = recoveries
+        # pid -> its rank: killed for never leaving, replaced at its exit
+        self.killed: dict[int, int] = {}
+
+    def judge(self, now: float, resumed: float = 0.0) -> None:
+        """Kill each survivor ``stuck`` names (once: its exit carries the replacement)."""
+        recovery = self.recoveries.current
+        for info in self.recoveries.stuck(now, resumed):
+            if info.pid in self.killed or recovery is None:
+                continue
+            waited = round(now - recovery.told_to_leave, 3)
+            self.killed[info.pid] = info.rank
+            self.core.events.event("left_behind", generation=info.generation, rank=info.rank,
+                                   pid=info.pid, step=info.step + 1, waited_s=waited)
+            log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was told "
+                        "to leave (its collective waits on a peer that left, and gloo never ends "
+                        "that wait); killed and replaced in this recovery", self.core.config.job_id,
+                        info.rank, info.pid, info.generation, waited)
+            self.core.kill(info.rank)
+
+    def on_exit(self, info: RankInfo, pid: int) -> bool:
+        """True when this exit was a survivor's killed for never leaving: replaced in the round."""
+        if self.killed.pop(pid, None) is None:
+            return False
+        recovery = self.recoveries.current
+        if recovery is None:
+            return False  # the round ended meanwhile: the exit is judged as any other
+        core = self.core
+        previous = core.generations.current
+        record = core.open_generation(
+            f"rank {info.rank} left behind in generation {info.generation}: replace")
+        self.recoveries.tell_to_leave(previous, f"rank {info.rank} left behind: replace")
+        recovery.renew(record.generation)
+        recovery.replaced.add(info.rank)
+        recovery.ready.pop(info.rank, None)
+        core.spawn(info.rank, record, joining=True)
+        for incident in recovery.incidents:
+            if incident.status is IncidentStatus.OPEN:
+                left = incident.detail.setdefault("left_behind", [])
+                if info.rank not in left:
+                    left.append(info.rank)
+                core.events.incident(incident)
+        return True
