@@ -10,6 +10,7 @@ manager must not pay for the whole manager with it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,7 +28,18 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"undying.manager.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'undying.manager' has no attribute {name!r}")
+def lazy_surface(package: str, where: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` (PEP 562): each name of ``where`` imported on first use.
+
+    The manager's subpackages are its surfaces; each is this with its own table.
+    """
+
+    def attribute(name: str) -> Any:
+        if name in where:
+            return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return attribute
+
+
+__getattr__ = lazy_surface(__name__, _WHERE)

@@ -11,8 +11,9 @@ above all, must not pay for the others.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import undying.manager
 
 if TYPE_CHECKING:
     from undying.manager.placement.host_marks import host_of, node_host, quarantine
@@ -45,7 +46,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = undying.manager.lazy_surface(__name__, _WHERE)
