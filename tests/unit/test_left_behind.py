@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from tests.unit.live_manager import running
-from undying.jobfiles.records import RankState
+from undying.jobfiles.records import IncidentKind, RankState
 from undying.protocol.worker_wire import CommFailure
 
 
@@ -16,15 +16,37 @@ def test_the_survivors_are_told_to_leave_and_one_that_never_does_is_stuck_after_
         manager.on_exit(2, manager.ranks[2].pid, -9, time.time())  # rank 2 dies: replaced in generation 1
         told = manager.recoveries.current
         assert told is not None and manager.core.generations.current == 1
-        assert sorted(agent.aborted) == [(0, 0), (1, 0)], "every survivor still in generation 0 is told to leave it"
+        assert agent.aborted == [], (
+            "a crash's survivors are watched, not aborted: one whose step needs no more of rank 2 finishes it")
+        assert told.leave is not None and told.leave.told == {0: manager.ranks[0].pid, 1: manager.ranks[1].pid}, "watched"
         manager.on_message(CommFailure(1, 0, 5, "peer closed", time.time()))  # rank 1 found the fault itself
         assert manager.ranks[1].state is RankState.RECOVERING
-        now = told.told_to_leave
+        assert told.leave is not None
+        now = told.leave.t
+        manager.watch.left_behind.judge(now + 0.5)
+        assert agent.aborted == [], "within a step's time the survivor may still finish the step in flight"
+        manager.watch.left_behind.judge(now + 1.5)
+        assert agent.aborted == [(0, 0)], "then the one still in it is told to leave (rank 1 left by itself)"
+        manager.watch.left_behind.judge(now + 2.0)
+        assert agent.aborted == [(0, 0)], "told once"
         assert manager.recoveries.stuck(now + 4.0) == [], "within the limit nobody is judged"
         assert [i.rank for i in manager.recoveries.stuck(now + 6.0)] == [0], "rank 0 never left"
         assert manager.recoveries.stuck(now + 6.0, resumed=now + 3.0) == [], "a stall of the manager's own restarts the count"
         manager.ranks[0].pid += 1  # another process holds rank 0 now (say, a hang's replacement)
         assert manager.recoveries.stuck(now + 6.0) == [], "only the process that was told is judged"
+    finally:
+        manager.close()
+
+
+def test_a_links_retry_tells_every_rank_to_leave_at_once(tmp_path: Path) -> None:
+    """Every process lives in a retry: nothing ends the others' wait by itself, so their links are broken."""
+    manager, agent = running(tmp_path, ranks=3)
+    try:
+        incident = manager.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=1, step=5, fault_t=time.time(),
+                                                   detected_t=time.time(), error="link reset")
+        manager.recoveries.handle(incident)
+        assert incident.action == "retry" and manager.core.generations.current == 1
+        assert sorted(agent.aborted) == [(0, 0), (1, 0), (2, 0)]
     finally:
         manager.close()
 
@@ -37,6 +59,6 @@ def test_a_newer_generation_since_the_telling_voids_it(tmp_path: Path) -> None:
         told = manager.recoveries.current
         assert told is not None
         manager.core.open_generation("a regroup")
-        assert manager.recoveries.stuck(told.told_to_leave + 60.0) == []
+        assert told.leave is not None and manager.recoveries.stuck(told.leave.t + 60.0) == []
     finally:
         manager.close()

@@ -334,7 +334,7 @@ class Migrations:
         core.events.incident(incident)
         # The peers wait in a collective the leaving rank never joins: told to leave it
         # (recovery.rounds), and one that never does is judged stuck like any survivor.
-        self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated")
+        self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated", abort=True)
         return True
 
     def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:

@@ -1,8 +1,10 @@
 """A survivor the old generation never let go: killed, and replaced in the round of its fault.
 
-When a recovery opens, every survivor is told to leave the old generation
-(``Recoveries.tell_to_leave``); one that has neither failed nor joined the new
-generation a while later is stuck (``Recoveries.stuck``): gloo leaves a send
+When a recovery opens, every survivor must leave the old generation
+(``Recoveries.tell_to_leave``, ``leave_order.py``): one only watched so far is
+told to once its step in flight had time to end, and one that has neither
+failed nor joined the new generation a while later is stuck
+(``Recoveries.stuck``): gloo leaves a send
 queued to a peer that went away unsignalled, so the collective waits out its
 whole timeout however its sockets end. Such a survivor is no fault of its own:
 it is killed and, at its exit, replaced in a new generation of the same round,
@@ -31,12 +33,20 @@ class LeftBehind:
         self.killed: dict[int, int] = {}
 
     def judge(self, now: float, resumed: float = 0.0) -> None:
-        """Kill each survivor ``stuck`` names (once: its exit carries the replacement)."""
+        """Tell each watched survivor still in its step to leave; kill each one ``stuck`` (once: its
+        exit carries the replacement)."""
         recovery = self.recoveries.current
-        for info in self.recoveries.stuck(now, resumed):
-            if info.pid in self.killed or recovery is None:
+        if recovery is None or recovery.leave is None:
+            return
+        order = recovery.leave
+        waiting, stuck = self.recoveries.lingering(now, resumed)
+        for info in waiting:  # (only while the order is not carried out: then it is, once)
+            self.core.agents[info.node].abort(info.rank, order.previous, order.reason)
+            order.aborted = True
+        for info in stuck:
+            if info.pid in self.killed:
                 continue
-            waited = round(now - recovery.told_to_leave, 3)
+            waited = round(now - order.t, 3)
             self.killed[info.pid] = info.rank
             self.core.events.event("left_behind", generation=info.generation, rank=info.rank,
                                    pid=info.pid, step=info.step + 1, waited_s=waited)
@@ -57,7 +67,8 @@ class LeftBehind:
         previous = core.generations.current
         record = core.open_generation(
             f"rank {info.rank} left behind in generation {info.generation}: replace")
-        self.recoveries.tell_to_leave(previous, f"rank {info.rank} left behind: replace")
+        self.recoveries.tell_to_leave(previous, f"rank {info.rank} left behind: replace",
+                                      abort=True)
         recovery.renew(record.generation)
         recovery.replaced.add(info.rank)
         recovery.ready.pop(info.rank, None)

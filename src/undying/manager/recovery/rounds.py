@@ -7,12 +7,7 @@ decision out (the executor) and watches the round: it ends when every rank of
 the new generation committed a step, with the incident's phases (replacement
 ready, group rebuilt, state restored, first step) taken from the ranks' reports.
 
-Every survivor of the generation left behind is told to leave it (an ``abort``:
-its group's connections break, so its collective fails at once). One that has
-still neither failed nor joined the new generation a while later is stuck in a
-wait that will never end: gloo leaves a send queued to a peer that went away
-unsignalled, so its collective waits out the whole collective timeout however
-its sockets end. Such a rank is killed and replaced in the round (``stuck``, ``left_behind.py``).
+Every survivor of the generation left behind must leave it (``leave_order.py``).
 """
 
 from __future__ import annotations
@@ -45,19 +40,13 @@ from undying.jobfiles.records import (
 )
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
+from undying.manager.recovery.leave_order import LeaveOrder
 from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
 from undying.protocol.generations import GenerationRecord
 
 __all__ = ["Recovery", "Recoveries"]
 
 log = logging.getLogger("undying.manager")
-
-# How long a survivor told to leave the old generation may take before it counts as stuck: at least
-# this, and at least _LEAVE_STEPS of the job's longest step (a rank inside a long step's compute
-# leaves at its next collective, which fails at once).
-_LEAVE_MIN_S = 5.0
-_LEAVE_STEPS = 3
-
 
 @dataclass
 class Recovery:
@@ -73,8 +62,7 @@ class Recovery:
     first_step: dict[int, float] = field(default_factory=dict)
     restored_step: int = -1
     started: float = field(default_factory=time.time)
-    told_to_leave: float = 0.0  # when the survivors were told to leave the generation before (0: not)
-    told: dict[int, int] = field(default_factory=dict)  # rank -> the process told to leave it
+    leave: LeaveOrder | None = None  # the survivors of the generation before, which must leave it
 
     def renew(self, generation: int) -> None:
         """The round forms ``generation`` now: the phases seen of an earlier one are void."""
@@ -250,11 +238,12 @@ class Recoveries:
                 self._shared_record = record
         assert self.current is not None
         if decision.action is not Action.RESTART:
-            # Nothing failed by itself in a stuck collective: every rank leaves it. Otherwise the
-            # survivors that have not seen the fault yet are told to, rather than left to find it.
+            # Nothing failed by itself in a stuck collective or a link's retry: every rank is told to
+            # leave. A replaced rank's process is gone: its peers find that out by themselves.
             stuck = bool(incident.detail.get("stuck_collective"))
             self.tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
-                               f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+                               f"{incident.kind} of rank {incident.rank}: {decision.action.value}",
+                               abort=stuck or decision.action is Action.RETRY)
         self.current.renew(record.generation)
         if decision.action is Action.REPLACE:
             self.current.replaced.add(incident.rank)
@@ -268,37 +257,40 @@ class Recoveries:
             assert self.restore_plan is not None  # (the plan that read the checkpoint named restart_from)
             self._restart_all(incident, record, self.restore_plan)
 
-    def tell_to_leave(self, previous: int, reason: str) -> None:
-        """Every rank with a process is told to leave generation ``previous`` (one that already left ignores it).
-
-        Those still running in it are the ones ``stuck`` judges later, by the process that was told.
-        """
+    def tell_to_leave(self, previous: int, reason: str, *, abort: bool) -> None:
+        """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at once
+        (one that already left ignores it), else only watched for now (``leave_order.py`` says when)."""
         assert self.current is not None
         core = self.core
+        order = LeaveOrder(previous, reason, time.time(), aborted=abort)
         for info in core.ranks.values():
             if info.state is RankState.EXITED:
                 continue
-            core.agents[info.node].abort(info.rank, previous, reason)
+            if abort:
+                core.agents[info.node].abort(info.rank, previous, reason)
             if info.state is RankState.RUNNING:
-                self.current.told[info.rank] = info.pid
-        self.current.told_to_leave = time.time()
+                order.told[info.rank] = info.pid
+        self.current.leave = order
 
-    def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
-        """Survivors told to leave the old generation that neither failed nor joined the new one in time.
+    def lingering(self, now: float, resumed: float = 0.0) -> tuple[list[RankInfo], list[RankInfo]]:
+        """Survivors of the round's leave order still in the old generation: (to tell now, stuck).
 
-        The time counts from the telling or from ``resumed`` (the manager's return from a stall of its
-        own), whichever is later; a replacement of this round is no survivor and is not judged here.
+        A replacement of this round is no survivor and is not judged here; a newer generation than the
+        round's (a regroup renumbered the ranks) makes the order old news.
         """
         recovery = self.current
-        if recovery is None or not recovery.told_to_leave or recovery.generation != self.core.generations.current:
-            return []  # (a regroup opened a newer generation since: the ranks were renumbered, the telling is old)
-        limit = max(_LEAVE_MIN_S, _LEAVE_STEPS * self.core.clock.longest_rank_step_s())
-        if now - max(recovery.told_to_leave, resumed) <= limit:
-            return []
-        return [info for info in self.core.ranks.values()
-                if recovery.told.get(info.rank) == info.pid and info.pid
-                and info.state is RankState.RUNNING and info.generation < recovery.generation
-                and info.rank not in recovery.replaced]
+        if recovery is None or recovery.leave is None or recovery.generation != self.core.generations.current:
+            return [], []
+        order, ranks, generation = recovery.leave, self.core.ranks, recovery.generation
+        longest = self.core.clock.longest_rank_step_s()
+        survivors = [i for i in order.abort_due(ranks, generation, now, resumed, longest)
+                     if i.rank not in recovery.replaced]
+        stuck = [i for i in order.stuck(ranks, generation, now, resumed, longest) if i.rank not in recovery.replaced]
+        return survivors, stuck
+
+    def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
+        """Survivors told to leave the old generation that neither failed nor joined the new one in time."""
+        return self.lingering(now, resumed)[1]
 
     def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:
         """torchrun's recovery for a script that does not use the step API: every rank starts again, now.
