@@ -64,7 +64,8 @@ from typing import Any
 from undying.cli.client import api_post
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import Cluster, wait_for
-from undying.demo.hosts import Hosts, netns_unavailable_reason
+from undying.demo.hosts import Hosts
+from undying.demo.namespaces import netns_unavailable_reason
 from undying.demo.shrink import INVARIANT_SCRIPT
 from undying.jobfiles.events import LogReader, read_job
 

@@ -57,7 +57,8 @@ from soak_report import holds, outcomes_by_kind, render_outcomes
 
 from undying.cli.client import api_get
 from undying.demo.cluster import Cluster
-from undying.demo.hosts import Hosts, netns_unavailable_reason
+from undying.demo.hosts import Hosts
+from undying.demo.namespaces import netns_unavailable_reason
 from undying.demo.oracle import compare_runs, load_run
 
 LIMIT_S = 3.0

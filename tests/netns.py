@@ -1,4 +1,5 @@
-"""Test hosts for the tests: :mod:`undying.demo.hosts` plus the pytest parts.
+"""Test hosts for the tests: :mod:`undying.demo.hosts` (and its
+:mod:`undying.demo.namespaces`) plus the pytest parts.
 
 The harness itself lives in the library (``undying demo --fault node-loss``
 needs it at run time); this module keeps the names the tests import
@@ -13,10 +14,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from undying.demo.hosts import (
+from undying.demo.hosts import Hosts
+from undying.demo.namespaces import (
     NETNS_DIR,
     PREFIX,
-    Hosts,
     netns_missing,
     netns_pids,
     netns_unavailable_reason,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from undying.demo.hosts import netns_missing
+from undying.demo.namespaces import netns_missing
 from undying.demo.node_loss import check_incidents
 
 

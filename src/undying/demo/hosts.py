@@ -21,91 +21,44 @@ there belong to it: to call a manager's HTTP API), :meth:`Hosts.add_host` plugs
 in one more host (a replacement node).
 
 Setup is a handful of ``ip -batch`` runs (tens of milliseconds for four hosts).
-Root, ``ip`` and namespace support are required: :func:`netns_unavailable_reason`
-says which is missing and what to do about it.
+Root, ``ip`` and namespace support are required:
+:func:`undying.demo.namespaces.netns_unavailable_reason` says which is missing
+and what to do about it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import ipaddress
 import itertools
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from undying.jobfiles.jobdir import pid_alive
+from undying.demo.namespaces import (
+    BRIDGE,
+    IP,
+    NETNS_DIR,
+    PREFIX,
+    SETUP_TIMEOUT,
+    netns_pids,
+    netns_unavailable_reason,
+    ns_inode,
+    run_ip,
+)
 
-__all__ = [
-    "Hosts",
-    "NETNS_DIR",
-    "PREFIX",
-    "netns_missing",
-    "netns_pids",
-    "netns_unavailable_reason",
-    "our_namespaces",
-]
+__all__ = ["Hosts"]
 
-IP = shutil.which("ip") or "ip"  # absolute: a caller's env= without PATH must still find it
 CLONE_NEWNET = 0x40000000
-PREFIX = "udn"
-NETNS_DIR = "/run/netns"
-BRIDGE = "br0"
-SETUP_TIMEOUT = 20.0  # seconds for one ``ip`` run; generous for a loaded 2-core machine
 KILL_TIMEOUT = 10.0
 
 _counter = itertools.count()
-# udn<pid>x<counter>-<role>: the owner's PID is what lets a later session sweep a dead one's
-# leftovers.
-_NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-")
-
-
-def _ip(args: Sequence[str], batch: str | None = None) -> None:
-    """Run ``ip``; a failure raises with the commands and ip's own message, which say what broke."""
-    argv = [IP, *args] + (["-batch", "-"] if batch is not None else [])
-    done = subprocess.run(argv, input=batch, capture_output=True, text=True, timeout=SETUP_TIMEOUT)
-    if done.returncode != 0:
-        shown = f"\n{batch}" if batch else ""
-        raise RuntimeError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip()}{shown}")
-
-
-def _ns_inode(name: str) -> int | None:
-    try:
-        return os.stat(os.path.join(NETNS_DIR, name)).st_ino
-    except FileNotFoundError:
-        return None
-
-
-def netns_pids(name: str) -> list[int]:
-    """PIDs of the live processes inside namespace ``name`` (what ``ip netns pids`` lists), from /proc."""
-    inode = _ns_inode(name)
-    if inode is None:
-        return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
-                pids.append(int(entry))
-        except OSError:  # gone meanwhile, or a zombie without namespaces
-            continue
-    return pids
-
-
-def our_namespaces(pid: int | None = None) -> list[str]:
-    """The namespaces this harness made (for one owner PID, or any), as ``ip netns list`` shows them."""
-    out = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=SETUP_TIMEOUT).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [n for n in names if (m := _NAME.match(n)) and (pid is None or int(m.group(1)) == pid)]
 
 
 def _setns(fd: int, what: str) -> None:
@@ -119,61 +72,6 @@ def _setns(fd: int, what: str) -> None:
         raise OSError(err, f"cannot enter the network namespace of {what}: {os.strerror(err)}")
 
 
-def _sweep_stale() -> None:
-    """Delete namespaces left by a harness whose process died (a killed pytest), never a live one's.
-
-    Only names of this harness whose owner PID is gone and which hold no process
-    are removed, so a parallel session's hosts are safe.
-    """
-    for name in our_namespaces():
-        m = _NAME.match(name)
-        assert m is not None
-        if not pid_alive(int(m.group(1))) and not netns_pids(name):
-            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                _ip(["netns", "del", name])
-
-
-def netns_missing(euid: int, ip: str | None) -> str | None:
-    """What rules test hosts out before anything is tried: not root, or no ``ip``; None when neither.
-
-    Split from :func:`netns_unavailable_reason` so the messages can be checked
-    for any user without becoming that user.
-    """
-    if euid != 0:
-        return (f"test hosts (network namespaces made with `ip netns`) need root, and this runs as uid {euid}: "
-                "run it as root (e.g. with sudo)")
-    if ip is None:
-        return ("test hosts need the `ip` command, which was not found on PATH: install iproute2 "
-                "(e.g. `apt-get install iproute2`)")
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def netns_unavailable_reason() -> str | None:
-    """Why test hosts cannot be made here, and what to do; None when they can (probed once per process).
-
-    Past the root and ``ip`` checks it makes a throw-away namespace with a
-    bridge and a veth pair, since a container may be root yet lack the
-    capability; a successful probe also sweeps the leftovers of dead owners.
-    """
-    missing = netns_missing(os.geteuid(), shutil.which("ip"))
-    if missing is not None:
-        return missing
-    probe = f"{PREFIX}{os.getpid()}x-probe"
-    try:
-        _ip([], f"netns add {probe}\nlink add name {BRIDGE} netns {probe} type bridge\n"
-                f"link add name p0 netns {probe} type veth peer name p1 netns {probe}\n")
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        return (f"cannot create a network namespace with a bridge and a veth pair here ({e}): run as root on "
-                "a Linux host whose kernel has network namespaces, veth and bridge (in a container: with "
-                "CAP_NET_ADMIN and CAP_SYS_ADMIN, e.g. --privileged)")
-    finally:
-        with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
-            _ip(["netns", "del", probe])
-    _sweep_stale()
-    return None
-
-
 def _root_subnets() -> list[ipaddress.IPv4Network]:
     out = subprocess.run([IP, "-o", "-4", "addr", "show"], capture_output=True, text=True,
                          timeout=SETUP_TIMEOUT).stdout
@@ -181,7 +79,8 @@ def _root_subnets() -> list[ipaddress.IPv4Network]:
 
 
 def _pick_subnet(tag: str) -> ipaddress.IPv4Network:
-    """A 10.x.y.0/24 derived from the tag (so parallel sets differ), skipping the machine's own networks.
+    """A 10.x.y.0/24 derived from the tag (so parallel sets differ), skipping the machine's own
+    networks.
 
     The hosts cannot reach the root namespace anyway; a distinct subnet keeps
     addresses in logs unambiguous and never shadows a real network if a test
@@ -194,7 +93,8 @@ def _pick_subnet(tag: str) -> ipaddress.IPv4Network:
         net = ipaddress.IPv4Network(f"10.{128 + n // 256}.{n % 256}.0/24")
         if not any(net.overlaps(t) for t in taken):
             return net
-    raise RuntimeError("no free 10.128.0.0/9 subnet for test hosts; the machine's own addresses cover it all")
+    raise RuntimeError("no free 10.128.0.0/9 subnet for test hosts; the machine's own addresses "
+                       "cover it all")
 
 
 class Hosts:
@@ -211,7 +111,8 @@ class Hosts:
         reason = netns_unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason)
-        while True:  # a leftover of a dead session with a reused PID may hold the name: take the next
+        # A leftover of a dead session with a reused PID may hold the name: take the next.
+        while True:
             self.tag = f"{PREFIX}{os.getpid()}x{next(_counter)}"
             if not os.path.exists(os.path.join(NETNS_DIR, f"{self.tag}-br")):
                 break
@@ -221,8 +122,9 @@ class Hosts:
         self._procs: list[list[subprocess.Popen[Any]]] = []
         self._closed = False
         try:
-            _ip([], f"netns add {self.bridge_ns}\nlink add name {BRIDGE} netns {self.bridge_ns} type bridge\n")
-            _ip(["-n", self.bridge_ns], f"link set lo up\nlink set {BRIDGE} up\n")
+            run_ip([], f"netns add {self.bridge_ns}\n"
+                       f"link add name {BRIDGE} netns {self.bridge_ns} type bridge\n")
+            run_ip(["-n", self.bridge_ns], f"link set lo up\nlink set {BRIDGE} up\n")
             self._add(n)
         except BaseException:
             self.close()
@@ -243,22 +145,26 @@ class Hosts:
             f"link add name {self._port(i)} netns {self.bridge_ns} type veth"
             f" peer name {self.ifname(i)} netns {self.name(i)}\n"
             for i in new)
-        _ip([], create)
+        run_ip([], create)
         # The bridge's ports and every host's addresses are set up by one ``ip`` each, all at once.
-        jobs = [(["-n", self.bridge_ns], "".join(
-            f"link set {self._port(i)} master {BRIDGE}\nlink set {self._port(i)} up\n" for i in new))]
+        ports = "".join(f"link set {self._port(i)} master {BRIDGE}\nlink set {self._port(i)} up\n"
+                        for i in new)
+        jobs = [(["-n", self.bridge_ns], ports)]
         jobs += [(["-n", self.name(i)],
-                  f"link set lo up\naddr add {self.addr(i)}/{self.subnet.prefixlen} dev {self.ifname(i)}\n"
+                  f"link set lo up\n"
+                  f"addr add {self.addr(i)}/{self.subnet.prefixlen} dev {self.ifname(i)}\n"
                   f"link set {self.ifname(i)} up\n") for i in new]
         running = [(a, b, subprocess.Popen([IP, *a, "-batch", "-"], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True))
                    for a, b in jobs]
         failures = []
         try:
             for args, batch, p in running:
                 _, err = p.communicate(batch, timeout=SETUP_TIMEOUT)
                 if p.returncode != 0:
-                    failures.append(f"`ip {' '.join(args)} -batch -` failed ({p.returncode}): {err.strip()}\n{batch}")
+                    failures.append(f"`ip {' '.join(args)} -batch -` failed ({p.returncode}): "
+                                    f"{err.strip()}\n{batch}")
         finally:
             for _, _, p in running:  # after a timeout: none of them outlives the failed setup
                 if p.poll() is None:
@@ -279,7 +185,8 @@ class Hosts:
 
     def _check(self, i: int) -> None:
         if not 0 <= i < len(self._names):
-            raise IndexError(f"no test host {i}: hosts {self.tag} has {len(self._names)} (0..{len(self._names) - 1})")
+            raise IndexError(f"no test host {i}: hosts {self.tag} has {len(self._names)} "
+                             f"(0..{len(self._names) - 1})")
 
     def name(self, i: int) -> str:
         """Host i's namespace name (for ``ip netns exec`` / ``ip -n`` by hand)."""
@@ -292,7 +199,8 @@ class Hosts:
         return str(self.subnet.network_address + i + 1)
 
     def ifname(self, i: int) -> str:
-        """The name of host i's veth inside its namespace (distinct per host, so a wrong pick shows)."""
+        """The name of host i's veth inside its namespace (distinct per host, so a wrong pick
+        shows)."""
         self._check(i)
         return f"veth-h{i}"
 
@@ -314,17 +222,21 @@ class Hosts:
             raise RuntimeError(f"hosts {self.tag} are closed; make a new Hosts")
         if not argv:
             raise ValueError("popen needs a command: argv is empty")
-        if kwargs.get("start_new_session") is False or "preexec_fn" in kwargs or "process_group" in kwargs:
-            raise ValueError("popen starts every process in a session of its own (so kills reach its "
-                             "children); drop start_new_session=False / preexec_fn / process_group")
+        if (kwargs.get("start_new_session") is False or "preexec_fn" in kwargs
+                or "process_group" in kwargs):
+            raise ValueError("popen starts every process in a session of its own (so kills "
+                             "reach its children); drop start_new_session=False / preexec_fn / "
+                             "process_group")
         kwargs["start_new_session"] = True
-        proc: subprocess.Popen[Any] = subprocess.Popen([IP, "netns", "exec", self.name(i), *argv], **kwargs)
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            [IP, "netns", "exec", self.name(i), *argv], **kwargs)
         self._procs[i].append(proc)
         return proc
 
     @contextlib.contextmanager
     def inside(self, i: int) -> Iterator[None]:
-        """Run the test's own code in host i: sockets the calling thread opens in this block live there.
+        """Run the test's own code in host i: sockets the calling thread opens in this block
+        live there.
 
         For a test that talks to a server in a host (the manager's HTTP API)
         without a subprocess. Only the calling thread switches (setns), and it
@@ -332,7 +244,8 @@ class Hosts:
         connection made inside may be used outside.
         """
         self._check(i)
-        with open(os.path.join(NETNS_DIR, self.name(i))) as target, open("/proc/thread-self/ns/net") as home:
+        with (open(os.path.join(NETNS_DIR, self.name(i))) as target,
+              open("/proc/thread-self/ns/net") as home):
             _setns(target.fileno(), self.name(i))
             try:
                 yield
@@ -344,7 +257,8 @@ class Hosts:
         return netns_pids(self.name(i))
 
     def kill_host(self, i: int) -> None:
-        """Lose host i: SIGKILL each process started in it (PID and process group), then any other in it.
+        """Lose host i: SIGKILL each process started in it (PID and process group), then any
+        other in it.
 
         Returns once none is left; the host's namespace and link stay, empty (a
         dead machine still plugged in). Raises if a process survives.
@@ -368,7 +282,8 @@ class Hosts:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         if left:
-            raise RuntimeError(f"host {i} ({self.name(i)}): processes {left} survived SIGKILL for {KILL_TIMEOUT}s")
+            raise RuntimeError(f"host {i} ({self.name(i)}): processes {left} survived SIGKILL "
+                               f"for {KILL_TIMEOUT}s")
 
     # -- network faults -------------------------------------------------------------------------
 
@@ -380,18 +295,19 @@ class Hosts:
         retransmit, new ones time out. :meth:`heal` reconnects it.
         """
         self._check(i)
-        _ip(["-n", self.bridge_ns, "link", "set", self._port(i), "down"])
+        run_ip(["-n", self.bridge_ns, "link", "set", self._port(i), "down"])
 
     def heal(self, i: int) -> None:
-        """Reconnect host i after :meth:`cut`; stalled connections resume at their next retransmit."""
+        """Reconnect host i after :meth:`cut`; stalled connections resume at their next
+        retransmit."""
         self._check(i)
-        _ip(["-n", self.bridge_ns, "link", "set", self._port(i), "up"])
+        run_ip(["-n", self.bridge_ns, "link", "set", self._port(i), "up"])
 
     # -- teardown -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Kill every process in every host, delete every namespace (their veths and the bridge go with
-        them). Idempotent; raises if anything is left, naming it."""
+        """Kill every process in every host, delete every namespace (their veths and the bridge
+        go with them). Idempotent; raises if anything is left, naming it."""
         if self._closed:
             return
         self._closed = True
@@ -401,13 +317,13 @@ class Hosts:
                 self.kill_host(i)
             except RuntimeError as e:
                 errors.append(str(e))
-        names = [n for n in [self.bridge_ns, *self._names] if _ns_inode(n) is not None]
+        names = [n for n in [self.bridge_ns, *self._names] if ns_inode(n) is not None]
         if names:
             try:
-                _ip(["-force"], "".join(f"netns del {n}\n" for n in names))
+                run_ip(["-force"], "".join(f"netns del {n}\n" for n in names))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 errors.append(str(e))
-        left = [n for n in [self.bridge_ns, *self._names] if _ns_inode(n) is not None]
+        left = [n for n in [self.bridge_ns, *self._names] if ns_inode(n) is not None]
         if left:
             errors.append(f"namespaces not deleted: {left}")
         if errors:

@@ -28,7 +28,8 @@ from typing import Any
 from rich.console import Console
 
 from undying.demo.cluster import Cluster, wait_for
-from undying.demo.hosts import Hosts, netns_unavailable_reason
+from undying.demo.hosts import Hosts
+from undying.demo.namespaces import netns_unavailable_reason
 from undying.demo.oracle import RunRecord, load_run
 
 __all__ = [
