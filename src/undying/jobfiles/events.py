@@ -52,7 +52,8 @@ __all__ = [
 SCHEMA_VERSION = 1
 log = logging.getLogger("undying.manager")
 _SQLITE_HEADER = b"SQLite format 3\x00"
-_INCIDENT_SQL = ("INSERT OR REPLACE INTO incidents (id, kind, rank, step, action, status, fault_t, data) "
+_INCIDENT_SQL = ("INSERT OR REPLACE INTO incidents "
+                 "(id, kind, rank, step, action, status, fault_t, data) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 
 _SCHEMA = """
@@ -73,9 +74,10 @@ CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 
 
 class EventLog:
-    """The log. It also watches its own file: deleted, replaced or corrupt under a running job, it is noticed
-    within a second (``CHECK_EVERY_S``), said in one error line, and a fresh log takes its place, carrying the
-    job's facts, incidents and ranks over, so the job trains on and ``undying status`` still reads it."""
+    """The log. It also watches its own file: deleted, replaced or corrupt under a running job,
+    it is noticed within a second (``CHECK_EVERY_S``), said in one error line, and a fresh log
+    takes its place, carrying the job's facts, incidents and ranks over, so the job trains on and
+    ``undying status`` still reads it."""
 
     CHECK_EVERY_S = 1.0
 
@@ -91,7 +93,8 @@ class EventLog:
 
     def _open(self) -> None:
         # Writes survive a full disk (held in memory, written when there is room): see held_writes.
-        self._db = HeldWrites(sqlite3.connect(self.path, isolation_level=None, check_same_thread=False),
+        self._db = HeldWrites(sqlite3.connect(self.path, isolation_level=None,
+                                              check_same_thread=False),
                               path=str(self.path))
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -107,7 +110,8 @@ class EventLog:
         self._next_check = time.monotonic() + self.CHECK_EVERY_S
 
     def _file_problem(self) -> str:
-        """What happened to the log's file under us ("" when nothing did): cheap enough to ask every second."""
+        """What happened to the log's file under us ("" when nothing did): cheap enough to ask
+        every second."""
         try:
             st = os.stat(self.path)  # a stat opens nothing
             header = os.pread(self._probe, 16, 0)
@@ -122,7 +126,8 @@ class EventLog:
         return ""
 
     def _replace(self, problem: str) -> None:
-        """A fresh log in place of a lost or corrupt one: the old file (if any) set aside, never deleted."""
+        """A fresh log in place of a lost or corrupt one: the old file (if any) set aside, never
+        deleted."""
         with contextlib.suppress(sqlite3.Error, OSError):
             self._db.raw.close()
         with contextlib.suppress(OSError):
@@ -138,22 +143,27 @@ class EventLog:
         for row in self._incidents.values():
             self._db.execute(_INCIDENT_SQL, row)
         for rank, data in self._ranks.items():
-            self._db.execute("INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)", (rank, data))
-        self._db.execute("INSERT INTO events (t, generation, rank, kind, data) VALUES (?, ?, ?, ?, ?)",
-                         (time.time(), None, None, "event_log_replaced", json.dumps({"problem": problem})))
+            self._db.execute("INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)",
+                             (rank, data))
+        self._db.execute("INSERT INTO events (t, generation, rank, kind, data) "
+                         "VALUES (?, ?, ?, ?, ?)",
+                         (time.time(), None, None, "event_log_replaced",
+                          json.dumps({"problem": problem})))
         self._dirty = True
-        log.error("the event log %s %s while the job ran: a fresh log is written there from now on (the job "
-                  "trains on; the job's facts, incidents and ranks were carried over, earlier events and steps "
-                  "were in the lost file)", self.path, problem)
+        log.error("the event log %s %s while the job ran: a fresh log is written there from now on "
+                  "(the job trains on; the job's facts, incidents and ranks were carried over, "
+                  "earlier events and steps were in the lost file)", self.path, problem)
 
     @property
     def db(self) -> HeldWrites:
-        """The connection, for a test that kills a manager by closing its log under it; nothing may run SQL
-        on it (the manager reads through ``saved_job`` and renumbers through ``forget_ranks``)."""
+        """The connection, for a test that kills a manager by closing its log under it; nothing
+        may run SQL on it (the manager reads through ``saved_job`` and renumbers through
+        ``forget_ranks``)."""
         return self._db
 
     def saved_job(self) -> SavedJob:
-        """Everything a restarted manager needs from the log, read on this (the loop's) connection."""
+        """Everything a restarted manager needs from the log, read on this (the loop's)
+        connection."""
         committed: dict[int, set[int]] = defaultdict(set)
         commits = []
         for rank, step, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t"):
@@ -161,13 +171,15 @@ class EventLog:
             commits.append((int(rank), int(step), float(t)))
         return SavedJob(
             facts=_job_facts(self._db),
-            ranks=[rank_from_row(json.loads(d)) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
+            ranks=[rank_from_row(json.loads(d))
+                   for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
             committed=dict(committed),
             incidents=[incident_from_row(json.loads(d))
                        for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
             commits=commits,
             reports=[(str(k), float(t), json.loads(d)) for k, t, d in self._db.execute(
-                "SELECT kind, t, data FROM events WHERE kind IN ('steps_planned', 'checkpoint_saved') ORDER BY id")],
+                "SELECT kind, t, data FROM events "
+                "WHERE kind IN ('steps_planned', 'checkpoint_saved') ORDER BY id")],
         )
 
     def forget_ranks(self, first: int) -> None:
@@ -181,14 +193,16 @@ class EventLog:
         self._exec("DELETE FROM ranks WHERE rank >= ?", (first,))
         self._dirty = True
 
-    def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None, **data: Any) -> None:
+    def event(self, name: str, /, *, generation: int | None = None, rank: int | None = None,
+              **data: Any) -> None:
         self._exec(
             "INSERT INTO events (t, generation, rank, kind, data) VALUES (?, ?, ?, ?, ?)",
             (time.time(), generation, rank, name, json.dumps(data, default=str)),
         )
         self._dirty = True
 
-    def step(self, rank: int, step: int, generation: int, t: float, metrics: Mapping[str, float | str]) -> None:
+    def step(self, rank: int, step: int, generation: int, t: float,
+             metrics: Mapping[str, float | str]) -> None:
         self._exec(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
             (rank, step, generation, t, metrics_json(metrics)),
@@ -199,7 +213,8 @@ class EventLog:
         """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
         self._exec_many(
             "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            [(rank, step, generation, t, metrics_json(metrics)) for rank, step, generation, t, metrics in rows],
+            [(rank, step, generation, t, metrics_json(metrics))
+             for rank, step, generation, t, metrics in rows],
         )
         self._dirty = True
 
@@ -224,17 +239,20 @@ class EventLog:
             self.flush()
 
     def changed(self) -> None:
-        """Something a ``before_flush`` hook writes is pending: the next flush commits, and runs the hooks."""
+        """Something a ``before_flush`` hook writes is pending: the next flush commits, and runs
+        the hooks."""
         self._dirty = True
 
     def before_flush(self, hook: Callable[[], None]) -> None:
-        """Call ``hook`` in each transaction before it commits (what it writes commits with the rest)."""
+        """Call ``hook`` in each transaction before it commits (what it writes commits with the
+        rest)."""
         self._hooks.append(hook)
 
     def _exec(self, sql: str, params: Any = ()) -> None:
         try:
             self._db.execute(sql, params)
-        except sqlite3.DatabaseError as e:  # corrupt under us (a full disk is held inside HeldWrites, not raised)
+        except sqlite3.DatabaseError as e:
+            # Corrupt under us (a full disk is held inside HeldWrites, not raised).
             self._replace(f"is corrupt ({e})")
             self._db.execute(sql, params)
 
@@ -306,7 +324,8 @@ class LogReader:
         self._db.close()
 
     def job(self) -> dict[str, Any]:
-        """The job's key/value facts (state, ids, generation, ...): cheap however long the job ran."""
+        """The job's key/value facts (state, ids, generation, ...): cheap however long the job
+        ran."""
         return _job_facts(self._db)
 
     def ranks(self) -> list[dict[str, Any]]:
@@ -315,16 +334,19 @@ class LogReader:
 
     def incidents(self) -> list[dict[str, Any]]:
         """Each incident's last row (``Incident.to_dict``), oldest first."""
-        return [json.loads(d) for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")]
+        return [json.loads(d)
+                for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")]
 
     def commits(self) -> list[Commit]:
         """Every logged commit, in time order."""
-        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
-            "SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")]
+        rows = self._db.execute("SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")
+        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in rows]
 
     def commit_times(self) -> list[tuple[int, int, float]]:
-        """Every logged commit as (rank, step, time), in time order: the commits without their values (cheaper)."""
-        return [(int(r), int(s), float(t)) for r, s, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")]
+        """Every logged commit as (rank, step, time), in time order: the commits without their
+        values (cheaper)."""
+        rows = self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")
+        return [(int(r), int(s), float(t)) for r, s, t in rows]
 
     def newest_step(self) -> int:
         """The newest step any rank committed (0 for none)."""
@@ -333,17 +355,23 @@ class LogReader:
 
     def commits_of_step(self, step: int) -> list[Commit]:
         """The commits of one step (each rank's, and again for a step re-run), in time order."""
-        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in self._db.execute(
-            "SELECT rank, step, generation, t, metrics FROM steps WHERE step = ? ORDER BY t", (step,))]
+        rows = self._db.execute(
+            "SELECT rank, step, generation, t, metrics FROM steps WHERE step = ? ORDER BY t",
+            (step,))
+        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in rows]
 
     def first_commit_times(self) -> dict[int, float]:
         """When each rank first committed a step (unix seconds), by rank."""
-        return {int(r): float(t) for r, t in self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")}
+        rows = self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")
+        return {int(r): float(t) for r, t in rows}
 
     def events(self, kind: str) -> list[LoggedEvent]:
         """The events of one kind (``done``, ``checkpoint_saved``, ...), oldest first."""
-        return [LoggedEvent(int(i), float(t), g, r, k, json.loads(d)) for i, t, g, r, k, d in self._db.execute(
-            "SELECT id, t, generation, rank, kind, data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+        rows = self._db.execute(
+            "SELECT id, t, generation, rank, kind, data FROM events WHERE kind = ? ORDER BY id",
+            (kind,))
+        return [LoggedEvent(int(i), float(t), g, r, k, json.loads(d))
+                for i, t, g, r, k, d in rows]
 
     def newest_event_t(self) -> float | None:
         """When the newest event was logged (unix seconds); None for a log with none."""
@@ -370,14 +398,16 @@ def read_job(path: Path) -> dict[str, Any]:
 
 
 def fold_wal(path: Path) -> None:
-    """Fold a log's write-ahead file into the log itself, where SQLite can (else leave both as they are).
+    """Fold a log's write-ahead file into the log itself, where SQLite can (else leave both as
+    they are).
 
     A launcher killed mid-run leaves events in ``events.db-wal`` that are in
     no other file; before the log is set aside (``JobDir.archive_log``) they
     are written into it, so the archived log reads whole on its own.
     """
     with contextlib.suppress(sqlite3.Error):
-        db = sqlite3.connect(f"file:{urllib.parse.quote(str(path.absolute()))}?mode=rw", uri=True)  # never creates
+        uri = f"file:{urllib.parse.quote(str(path.absolute()))}?mode=rw"  # never creates
+        db = sqlite3.connect(uri, uri=True)
         try:
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
