@@ -77,13 +77,13 @@ from undying.protocol.env import (
     WORKER_START_ENV,
 )
 
-__all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg", "check_finite",
-           "check_host_name", "check_address", "check_manager_url", "check_every", "quoted",
-           "numerics_fields", "ENV_VARS", "env_value", "check_environment"]
+__all__ = ["JOB_ID_RULE", "JOB_ID_MAX", "is_job_id", "check_job_id", "job_id_arg", "finite_arg",
+           "check_finite", "check_host_name", "check_address", "check_manager_url", "check_every",
+           "quoted", "numerics_fields", "ENV_VARS", "env_value", "check_environment"]
 
 JOB_ID_MAX = 64
-JOB_ID_RULE = (f"1 to {JOB_ID_MAX} ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-' "
-               "(e.g. my-job-1)")
+JOB_ID_RULE = (f"1 to {JOB_ID_MAX} ASCII letters, digits, '.', '_' or '-', not starting with '.' "
+               "or '-' (e.g. my-job-1)")
 _JOB_ID = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{JOB_ID_MAX - 1}}}")
 
 
@@ -100,7 +100,8 @@ def is_job_id(value: object) -> bool:
 
 
 def check_job_id(value: str, what: str = "--job-id") -> str:
-    """``value`` when it is a safe job id (see the module's rule), else ``UsageError`` naming ``what``."""
+    """``value`` when it is a safe job id (see the module's rule), else ``UsageError`` naming
+    ``what``."""
     if not isinstance(value, str) or _JOB_ID.fullmatch(value) is None:
         shown = quoted(value) if isinstance(value, str) else type(value).__name__
         raise UsageError(f"{what} {shown} is not a valid job id: use {JOB_ID_RULE}")
@@ -120,7 +121,8 @@ def check_finite(option: str, value: float) -> float:
 
 
 def finite_arg(option: str) -> Callable[[str], float]:
-    """argparse ``type=`` for the float option ``option``: a finite number, or one line naming it."""
+    """argparse ``type=`` for the float option ``option``: a finite number, or one line naming
+    it."""
 
     def parse(text: str) -> float:
         try:
@@ -136,7 +138,8 @@ def finite_arg(option: str) -> Callable[[str], float]:
 # --- host names and addresses ---------------------------------------------------------------------
 
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")  # a hostname, an IPv4 or a bracketed or bare IPv6
-HOST_RULE = "letters, digits, '.', '-', '_', ':' or an IPv6 in [...], at most 255 characters"
+HOST_RULE = ("letters, digits, '.', '-', '_', ':' or an IPv6 in [...], at most 255 "
+             "characters")
 
 
 def check_host_name(value: object, what: str = "host") -> str:
@@ -147,29 +150,34 @@ def check_host_name(value: object, what: str = "host") -> str:
     return value
 
 
-def check_address(option: str, text: str, example: str = "10.0.0.1:29400", *, lowest: int = 1) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as (host, port), or one line naming ``option`` and an example.
+def check_address(option: str, text: str, example: str = "10.0.0.1:29400", *,
+                  lowest: int = 1) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as (host, port), or one line naming ``option`` and
+    an example.
 
-    ``lowest``: the lowest port taken (0: "pick a free one" where the option means a port to listen on).
+    ``lowest``: the lowest port taken (0: "pick a free one" where the option means a port to
+    listen on).
     """
     host, sep, port = text.strip().rpartition(":")
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if (not sep or not bare or not port.isascii() or not port.isdigit() or len(port) > 5
-            or not lowest <= int(port) < 65536 or _HOST.fullmatch(bare) is None or "[" in bare or "]" in bare):
-        raise UsageError(f"{option} {quoted(text)}: expected HOST:PORT with a port from {lowest} to 65535, "
-                         f"e.g. {example}")
+            or not lowest <= int(port) < 65536 or _HOST.fullmatch(bare) is None
+            or "[" in bare or "]" in bare):
+        raise UsageError(f"{option} {quoted(text)}: expected HOST:PORT with a port from {lowest} "
+                         f"to 65535, e.g. {example}")
     return bare, int(port)
 
 
 def check_manager_url(option: str, text: str) -> str:
-    """A manager's HTTP address, ``HOST:PORT`` or ``http(s)://HOST:PORT[/PATH]``, as a base URL without a final /."""
+    """A manager's HTTP address, ``HOST:PORT`` or ``http(s)://HOST:PORT[/PATH]``, as a base URL
+    without a final /."""
     scheme, sep, rest = text.strip().partition("://")
     if not sep:
         scheme, rest = "http", text.strip()
     netloc, slash, path = rest.partition("/")
     example = "127.0.0.1:8080 or http://127.0.0.1:8080/"
-    bad = UsageError(f"{option} {quoted(text)}: expected HOST:PORT with a port from 1 to 65535, alone or after "
-                     f"an http or https scheme (e.g. {example})")
+    bad = UsageError(f"{option} {quoted(text)}: expected HOST:PORT with a port from 1 to 65535, "
+                     f"alone or after an http or https scheme (e.g. {example})")
     if scheme not in ("http", "https") or not (path.isascii() and (slash + path).isprintable()) \
             or any(c in path for c in "?#% "):
         raise bad
@@ -188,16 +196,19 @@ MAX_ROLLBACK_STEPS = 64  # --rollback-steps at most (each is a copy of the state
 
 
 def check_every(value: object, where: str = "--verify-every") -> int:
-    """A valid K (a whole number from 1 to MAX_EVERY), or a UsageError naming the bad value and what to give."""
-    bad = UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), got {quoted(str(value))}")
+    """A valid K (a whole number from 1 to MAX_EVERY), or a UsageError naming the bad value and
+    what to give."""
+    bad = UsageError(f"{where} takes a whole number of steps from 1 to {MAX_EVERY} (e.g. 100), "
+                     f"got {quoted(str(value))}")
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise bad
-    if isinstance(value, str) and not (value.strip().isascii() and value.strip().isdigit() and len(value.strip()) < 20):
+    digits = value.strip() if isinstance(value, str) else ""
+    if isinstance(value, str) and not (digits.isascii() and digits.isdigit() and len(digits) < 20):
         raise bad
     every = int(value)
     if not 1 <= every <= MAX_EVERY:
-        raise UsageError(f"{where} must be from 1 to {MAX_EVERY} steps (1: every step; 100: one step in a "
-                         f"hundred), got {every}")
+        raise UsageError(f"{where} must be from 1 to {MAX_EVERY} steps (1: every step; 100: one "
+                         f"step in a hundred), got {every}")
     return every
 
 
@@ -219,7 +230,8 @@ def _spike(text: str) -> float:
 
 def _whole(low: int, high: int) -> Callable[[str], int]:
     def read(text: str) -> int:
-        if not (text.isascii() and text.lstrip("-").isdigit() and len(text) < 20) or not low <= int(text) <= high:
+        whole = text.isascii() and text.lstrip("-").isdigit() and len(text) < 20
+        if not whole or not low <= int(text) <= high:
             raise ValueError(f"a whole number from {low} to {high}")
         return int(text)
     return read
@@ -241,20 +253,23 @@ _NUMERICS_FIELDS: dict[str, Callable[[str], Any]] = {
 
 
 def numerics_fields(raw: str, where: str = NUMERICS_ENV) -> dict[str, Any]:
-    """The fields of ``Numerics`` that ``raw`` (``field=value,...``) sets, each read and bounded; else one line."""
+    """The fields of ``Numerics`` that ``raw`` (``field=value,...``) sets, each read and bounded;
+    else one line."""
     fields: dict[str, Any] = {}
     for item in raw.split(","):
         name, _, value = (part.strip() for part in item.partition("="))
         read = _NUMERICS_FIELDS.get(name)
         if read is None:
             raise UsageError(f"{where}={quoted(raw)}: {quoted(item.strip())} is not one of "
-                             f"{', '.join(f + '=VALUE' for f in _NUMERICS_FIELDS)}; set it with undying run "
-                             "--numerics POLICY [--spike-factor F] [--rollback-steps N]")
+                             f"{', '.join(f + '=VALUE' for f in _NUMERICS_FIELDS)}; set it with "
+                             "undying run --numerics POLICY [--spike-factor F] "
+                             "[--rollback-steps N]")
         try:
             fields[name] = read(value)
         except ValueError as e:
             expected = str(e) if str(e).startswith(("one of", "a ")) else "a number"
-            raise UsageError(f"{where}={quoted(raw)}: {name} must be {expected}, got {quoted(value)}") from None
+            raise UsageError(f"{where}={quoted(raw)}: {name} must be {expected}, "
+                             f"got {quoted(value)}") from None
     if fields.get("warmup", 20) > fields.get("window", 50):
         raise UsageError(f"{where}={quoted(raw)}: needs warmup <= window (defaults 20 and 50)")
     return fields
@@ -321,7 +336,8 @@ def _timeout(text: str) -> float:
 
 @dataclass(frozen=True)
 class EnvVar:
-    """A variable undying reads: ``read`` takes its value (stripped) or raises ValueError or UsageError.
+    """A variable undying reads: ``read`` takes its value (stripped) or raises ValueError or
+    UsageError.
 
     ``how``: who sets it and how, for the error line (an option of ``undying
     run``, or "set by undying" for those the launcher gives its own processes).
@@ -338,7 +354,8 @@ class EnvVar:
 _OWN = "set by undying for its own processes; unset it"
 _BY_RUN = "set by undying run from its options"
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
-    EnvVar(VERIFY_EVERY_ENV, lambda t: check_every(t, VERIFY_EVERY_ENV), "undying run --verify-every K"),
+    EnvVar(VERIFY_EVERY_ENV, lambda t: check_every(t, VERIFY_EVERY_ENV),
+           "undying run --verify-every K"),
     EnvVar(NUMERICS_ENV, numerics_fields, "undying run --numerics POLICY"),
     EnvVar(VIRTUAL_RANKS_ENV, _whole(1, 1_000_000), "undying run --virtual-ranks V"),
     EnvVar(SEED_ENV, _whole(0, 2**63 - 1), "undying run --seed N"),
@@ -378,9 +395,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
 
 
 def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:
-    """``name``'s value in ``env`` (default: this process's) read by its reader; None when unset or blank.
+    """``name``'s value in ``env`` (default: this process's) read by its reader; None when unset
+    or blank.
 
-    A value the reader refuses is one line naming the variable, the value, what it takes and who sets it.
+    A value the reader refuses is one line naming the variable, the value, what it takes and who
+    sets it.
     """
     given = (os.environ if env is None else env).get(name)
     raw = "" if given is None else given.strip()
@@ -398,7 +417,8 @@ def env_value(name: str, env: Mapping[str, str] | None = None) -> Any:
 
 
 def check_environment(env: Mapping[str, str] | None = None) -> None:
-    """Read every ``UNDYING_`` variable set in ``env`` that undying reads: the first bad one is one line."""
+    """Read every ``UNDYING_`` variable set in ``env`` that undying reads: the first bad one is
+    one line."""
     env = os.environ if env is None else env
     for name in sorted(env):
         if name in ENV_VARS:
