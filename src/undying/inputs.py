@@ -137,9 +137,9 @@ def finite_arg(option: str) -> Callable[[str], float]:
 
 # --- host names and addresses ---------------------------------------------------------------------
 
-_HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")  # a hostname, an IPv4 or a bracketed or bare IPv6
-HOST_RULE = ("letters, digits, '.', '-', '_', ':' or an IPv6 in [...], at most 255 "
-             "characters")
+# A hostname, an IPv4 or a bracketed or bare IPv6.
+_HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
+HOST_RULE = "letters, digits, '.', '-', '_', ':' or an IPv6 in [...], at most 255 characters"
 
 
 def check_host_name(value: object, what: str = "host") -> str:
