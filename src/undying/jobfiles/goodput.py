@@ -39,12 +39,12 @@ from typing import Any
 __all__ = ["LOSSES", "StepLedger", "Stall", "Goodput", "account"]
 
 # The named losses, in the order a reader meets them in a job's life.
-LOSSES = ("startup", "checkpoint", "detection", "recovery", "spare_wait", "rerun", "preemption", "shutdown",
-          "in_flight")
+LOSSES = ("startup", "checkpoint", "detection", "recovery", "spare_wait", "rerun", "preemption",
+          "shutdown", "in_flight")
 # Incidents that stop training until they are recovered (the others are observed only: a slow rank,
 # failing saves).
-_STOPPING = frozenset({"crash", "error", "hang", "comm-error", "node-loss", "node-joined", "script-error",
-                       "left-early"})
+_STOPPING = frozenset({"crash", "error", "hang", "comm-error", "node-loss", "node-joined",
+                       "script-error", "left-early"})
 # Which overlay wins where two overlap: an incident's own phases, then a checkpoint stall, then lost
 # work.
 _PHASE, _STALL, _LOST = 3, 2, 1
@@ -52,15 +52,19 @@ _PHASE, _STALL, _LOST = 3, 2, 1
 
 @dataclass(frozen=True)
 class Stall:
-    """A checkpoint save's stall of the training loop: after step ``step`` committed, ``seconds`` long."""
+    """A checkpoint save's stall of the training loop: after step ``step`` committed,
+    ``seconds`` long."""
 
     step: int
-    t: float  # when the save was reported (after the stall: it finds the execution of the step it followed)
+    # When the save was reported (after the stall: it finds the execution of the step it
+    # followed).
+    t: float
     seconds: float
 
 
 class StepLedger:
-    """The job's completed steps in the order they completed, each execution's interval, what counts.
+    """The job's completed steps in the order they completed, each execution's interval, what
+    counts.
 
     Each completed step (every rank committed it) owns the time from the
     previous completed step to it. A step completed again (after a roll-back)
@@ -72,8 +76,10 @@ class StepLedger:
     def __init__(self) -> None:
         self._times = array("d")  # when each completed step completed, in order (never decreasing)
         self._base = 0  # the step _latest[0] is of (steps are dense from the first one seen)
-        self._latest = array("q")  # step - _base -> index of its latest execution in _times, -1 for none
-        self.superseded: list[tuple[int, float, float, float]] = []  # (step, start, end, superseded at)
+        # step - _base -> index of its latest execution in _times, -1 for none
+        self._latest = array("q")
+        # (step, start, end, superseded at)
+        self.superseded: list[tuple[int, float, float, float]] = []
 
     def __len__(self) -> int:
         return len(self._times)
@@ -87,7 +93,8 @@ class StepLedger:
         return self._times[-1] if self._times else None
 
     def done(self, step: int, t: float) -> None:
-        """Step ``step`` completed at ``t`` (a clock behind the previous completion is taken as equal)."""
+        """Step ``step`` completed at ``t`` (a clock behind the previous completion is taken as
+        equal)."""
         if self._times:
             t = max(t, self._times[-1])
         index = len(self._times)
@@ -229,7 +236,8 @@ def _overlap(a: float, b: float, c: float, d: float) -> float:
 
 
 def _incident_before(incidents: Sequence[Mapping[str, Any]], t: float) -> int | None:
-    """The incident whose recovery made a step run again at ``t``: the last one that began before."""
+    """The incident whose recovery made a step run again at ``t``: the last one that began
+    before."""
     before = [i for i in incidents if i["kind"] in _STOPPING and float(i["fault_t"]) <= t]
     return int(before[-1]["id"]) if before else None
 
@@ -246,23 +254,28 @@ def _overlays(ledger: StepLedger, incidents: Sequence[Mapping[str, Any]], stalls
     return pieces
 
 
-def _incident_pieces(ledger: StepLedger, incident: Mapping[str, Any], order: int, end: float) -> list[_Piece]:
+def _incident_pieces(ledger: StepLedger, incident: Mapping[str, Any], order: int,
+                     end: float) -> list[_Piece]:
     """An incident's timeline as labelled pieces (its phases are seconds after its fault)."""
     kind, ident = incident["kind"], int(incident["id"])
     fault = float(incident["fault_t"])
-    phases = {k: fault + float(v) for k, v in (incident.get("phases") or {}).items() if v is not None}
+    phases = {k: fault + float(v)
+              for k, v in (incident.get("phases") or {}).items() if v is not None}
     if kind == "preempt":
         return [_Piece(fault, phases.get("exited", end), "preemption", _PHASE, order, ident)]
     if kind not in _STOPPING:
         return []
     open_ = incident.get("status") == "open"
     stop = phases.get("first_step_done", end if open_ else None)
-    marks: list[tuple[str, float | None]] = [("detection", phases.get("detected", fault)),
-                                              ("recovery", phases.get("decided")),
-                                              ("recovery", phases.get("checkpoint_written"))]  # (a regroup's save)
+    marks: list[tuple[str, float | None]] = [
+        ("detection", phases.get("detected", fault)),
+        ("recovery", phases.get("decided")),
+        ("recovery", phases.get("checkpoint_written")),  # (a regroup's save)
+    ]
     if "replacement_ready" in phases:
         marks.append(("spare_wait", phases["replacement_ready"]))
-    restored = [phases[k] for k in ("replacement_ready", "group_rebuilt", "state_restored") if k in phases]
+    restored = [phases[k] for k in ("replacement_ready", "group_rebuilt", "state_restored")
+                if k in phases]
     # A regroup (or a whole-job restart) has its own milestones (checkpoint_written, ...): its
     # recovery runs to the last of them; with none at all, to its first step done (that step counted
     # as recovery, not work).
@@ -290,11 +303,14 @@ def _incident_pieces(ledger: StepLedger, incident: Mapping[str, Any], order: int
 
 
 def _resolve(pieces: list[_Piece], start: float, end: float) -> list[_Piece]:
-    """Overlapping pieces made disjoint: where several cover a moment, the highest priority (then earliest) wins."""
+    """Overlapping pieces made disjoint: where several cover a moment, the highest priority
+    (then earliest) wins."""
     clipped = [p for p in pieces if min(p.end, end) > max(p.start, start)]
-    bounds = sorted({start, end, *(max(p.start, start) for p in clipped), *(min(p.end, end) for p in clipped)})
+    bounds = sorted({start, end, *(max(p.start, start) for p in clipped),
+                     *(min(p.end, end) for p in clipped)})
     by_start = sorted(clipped, key=lambda p: p.start)
-    active: list[tuple[int, int, float, int]] = []  # (-priority, order, end, index): a heap, stale ends skipped
+    # (-priority, order, end, index): a heap, stale ends skipped
+    active: list[tuple[int, int, float, int]] = []
     out: list[_Piece] = []
     i = 0
     for a, b in zip(bounds, bounds[1:], strict=False):
@@ -309,8 +325,10 @@ def _resolve(pieces: list[_Piece], start: float, end: float) -> list[_Piece]:
         # The top may have ended already under a live entry of lower rank: drop stale tops only.
         winner = by_start[active[0][3]]
         piece = _Piece(a, b, winner.label, winner.priority, winner.order, winner.incident)
-        if out and out[-1].end == a and (out[-1].label, out[-1].incident) == (piece.label, piece.incident):
-            out[-1] = _Piece(out[-1].start, b, piece.label, piece.priority, piece.order, piece.incident)
+        if (out and out[-1].end == a
+                and (out[-1].label, out[-1].incident) == (piece.label, piece.incident)):
+            out[-1] = _Piece(out[-1].start, b, piece.label, piece.priority, piece.order,
+                             piece.incident)
         else:
             out.append(piece)
     return out
