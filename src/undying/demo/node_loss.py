@@ -71,24 +71,27 @@ def script_args(epochs: int) -> list[str]:
 
 
 def baseline_args(epochs: int) -> list[str]:
-    """The same job for the fault-free run, at full speed: ``--step-seconds`` only sleeps after a step's
-    work, so every loss and the final state are the same with it or without it (and the run takes ~10 s
-    less)."""
+    """The same job for the fault-free run, at full speed: ``--step-seconds`` only sleeps after
+    a step's work, so every loss and the final state are the same with it or without it (and the
+    run takes ~10 s less)."""
     return [*SCRIPT_ARGS, "--epochs", str(epochs)]
 
 
 def unavailable_reason() -> str | None:
-    """Why this demo cannot run here (not root, no ``ip``, no namespaces), with what to do; None if it can."""
+    """Why this demo cannot run here (not root, no ``ip``, no namespaces), with what to do; None
+    if it can."""
     return netns_unavailable_reason()
 
 
 def refuse(reason: str, *, as_json: bool) -> int:
-    """Say on one line why the demo cannot run (and, with ``--json``, as the contract's object); exit 2."""
+    """Say on one line why the demo cannot run (and, with ``--json``, as the contract's object);
+    exit 2."""
     sys.stderr.write(f"undying: error: demo --fault node-loss cannot run here: {reason}\n")
     if as_json:
         result = {
             "fault": "node-loss", "identical": False, "steps": 0, "lost_steps": 0, "incidents": [],
-            "ranks": NNODES * NPROC_PER_NODE, "final_state_identical": False, "exit_codes": {}, "wall_s": 0.0,
+            "ranks": NNODES * NPROC_PER_NODE, "final_state_identical": False, "exit_codes": {},
+            "wall_s": 0.0,
             "ok": False, "reasons": [f"cannot run here: {reason}"], "unavailable": reason,
         }
         sys.stdout.write(json.dumps(result) + "\n")
@@ -97,7 +100,8 @@ def refuse(reason: str, *, as_json: bool) -> int:
 
 @dataclass
 class NodeLossRun:
-    """What the faulty run left: its record for the oracle, the manager's exit code, what went wrong."""
+    """What the faulty run left: its record for the oracle, the manager's exit code, what went
+    wrong."""
 
     record: RunRecord
     returncode: int | None
@@ -106,12 +110,14 @@ class NodeLossRun:
 
 
 class _Terminated(SystemExit):
-    """SIGTERM to the demo: unwinds (exit 143) so that every host, and every process in it, is cleaned up."""
+    """SIGTERM to the demo: unwinds (exit 143) so that every host, and every process in it, is
+    cleaned up."""
 
 
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """While the hosts exist, SIGTERM raises instead of killing outright (which would leave them behind)."""
+    """While the hosts exist, SIGTERM raises instead of killing outright (which would leave them
+    behind)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise _Terminated(128 + signum)
@@ -127,9 +133,11 @@ def _sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_with_node_loss(root: Path, args: list[str], console: Console, *, job_id: str = "with-fault",
-                       lose_at_step: int = LOSE_AT_STEP, timeout_s: float = JOB_TIMEOUT_S) -> NodeLossRun:
-    """Run the job on three hosts, lose node 1's host past ``lose_at_step``, bring a new one, await the end.
+def run_with_node_loss(root: Path, args: list[str], console: Console, *,
+                       job_id: str = "with-fault", lose_at_step: int = LOSE_AT_STEP,
+                       timeout_s: float = JOB_TIMEOUT_S) -> NodeLossRun:
+    """Run the job on three hosts, lose node 1's host past ``lose_at_step``, bring a new one,
+    await the end.
 
     The job dir is ``root / job_id``; the manager's and agents' logs lie beside
     it. A failure on the way (a timeout, a process that exited early) is not
@@ -143,16 +151,18 @@ def run_with_node_loss(root: Path, args: list[str], console: Console, *, job_id:
         cluster = Cluster(hosts, root, job_id, args, nnodes=NNODES, nproc_per_node=NPROC_PER_NODE,
                           run_args=RUN_ARGS)
         try:
-            console.print(f"    {len(hosts)} hosts (network namespaces on {hosts.subnet}): the manager on "
-                          f"{hosts.addr(0)}, node i's agent on host i + 1")
+            console.print(f"    {len(hosts)} hosts (network namespaces on {hosts.subnet}): the "
+                          f"manager on {hosts.addr(0)}, node i's agent on host i + 1")
             cluster.start()
             cluster.wait_for_step(lose_at_step)
             lost_host = LOST_NODE + 1
             lost_at = time.time()
             hosts.kill_host(lost_host)
-            console.print(f"    step >= {lose_at_step}: node {LOST_NODE}'s host ({hosts.addr(lost_host)}) lost: "
-                          f"its agent and ranks {LOST_RANKS} SIGKILLed")
-            wait_for(lambda: _declared_lost(cluster), DETECT_TIMEOUT_S, "the manager to declare the node lost")
+            console.print(f"    step >= {lose_at_step}: node {LOST_NODE}'s host "
+                          f"({hosts.addr(lost_host)}) lost: its agent and ranks {LOST_RANKS} "
+                          "SIGKILLed")
+            wait_for(lambda: _declared_lost(cluster), DETECT_TIMEOUT_S,
+                     "the manager to declare the node lost")
             replacement = hosts.add_host()
             cluster.start_agent(LOST_NODE, replacement)
             console.print(f"    node loss declared after {time.time() - lost_at:.1f}s; a new host "
@@ -180,19 +190,20 @@ def _load(events_db: Path) -> RunRecord:
     """The run's record; an empty one when the job never got far enough to write its log."""
     if events_db.exists():
         return load_run(events_db)
-    return RunRecord(state="never started", losses={}, inconsistent_steps=[], rerun_steps=[], digests={},
-                     incidents=[], commits=0)
+    return RunRecord(state="never started", losses={}, inconsistent_steps=[], rerun_steps=[],
+                     digests={}, incidents=[], commits=0)
 
 
 def check_incidents(incidents: list[dict[str, Any]]) -> list[str]:
-    """What is wrong with the faulty run's incidents: each lost rank needs a node-loss incident, replaced and
-    recovered. Empty when all is well."""
+    """What is wrong with the faulty run's incidents: each lost rank needs a node-loss incident,
+    replaced and recovered. Empty when all is well."""
     lost = {i["rank"]: i for i in incidents if i["kind"] == "node-loss"}
     reasons = []
     if sorted(lost) != LOST_RANKS:
-        reasons.append(f"node-loss incidents name ranks {sorted(lost)}, not node {LOST_NODE}'s ranks {LOST_RANKS}")
+        reasons.append(f"node-loss incidents name ranks {sorted(lost)}, not node {LOST_NODE}'s "
+                       f"ranks {LOST_RANKS}")
     for rank, incident in sorted(lost.items()):
         if (incident["action"], incident["status"]) != ("replace", "recovered"):
-            reasons.append(f"rank {rank}'s node-loss incident is {incident['action']}/{incident['status']}, "
-                           "not replace/recovered")
+            reasons.append(f"rank {rank}'s node-loss incident is "
+                           f"{incident['action']}/{incident['status']}, not replace/recovered")
     return reasons

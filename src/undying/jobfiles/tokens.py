@@ -59,11 +59,12 @@ _MAX_TOKEN = 4096
 def _check(token: str, source: str) -> str:
     token = token.strip()
     if not token:
-        raise UsageError(f"the token in {source} is empty; put the job's token there, or remove it to get a new one")
+        raise UsageError(f"the token in {source} is empty; put the job's token there, or remove it "
+                         "to get a new one")
     if len(token) > _MAX_TOKEN or not all("!" <= c <= "~" for c in token):
         raise UsageError(
-            f"the token in {source} is not a header-safe token (printable ASCII, no spaces, at most "
-            f"{_MAX_TOKEN} characters); use e.g. the output of `python -c 'import secrets; "
+            f"the token in {source} is not a header-safe token (printable ASCII, no spaces, at "
+            f"most {_MAX_TOKEN} characters); use e.g. the output of `python -c 'import secrets; "
             f"print(secrets.token_urlsafe(32))'`"
         )
     return token
@@ -89,18 +90,22 @@ def read_token_file(path: Path, *, private: bool = True) -> str:
     made holds a token that user knows, whatever its mode says.
     """
     # (a folder, a FIFO, a missing file: one line from the one reader of files the user names)
-    fd = open_user_file(path, "token file", "pass the --token-file the manager wrote", follow=not private)
+    fd = open_user_file(path, "token file", "pass the --token-file the manager wrote",
+                        follow=not private)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         mode = st.st_mode
         if not stat.S_ISREG(mode):
-            raise UsageError(f"token file {path} is not a regular file; pass the file that holds the token")
-        check_trusted(st, f"token file {path}", dir_uid=_owner(Path(path).parent) if private else None)
+            raise UsageError(f"token file {path} is not a regular file; pass the file that holds "
+                             "the token")
+        dir_uid = _owner(Path(path).parent) if private else None
+        check_trusted(st, f"token file {path}", dir_uid=dir_uid)
         if private and mode & 0o077:
             raise UsageError(
-                f"token file {path} is readable by group or others (mode {stat.S_IMODE(mode):04o}), so its "
-                f"token may be known to others: run `chmod 600 {path}` if it is still secret, or delete it and "
-                "restart the manager to get a new token"
+                f"token file {path} is readable by group or others "
+                f"(mode {stat.S_IMODE(mode):04o}), so its token may be known to others: run "
+                f"`chmod 600 {path}` if it is still secret, or delete it and restart the manager "
+                "to get a new token"
             )
         raw = f.read(_MAX_TOKEN + 1)
     try:
@@ -123,12 +128,14 @@ def _write_private(path: Path, token: str) -> None:
 
 
 def ensure_token(job_dir: Path, token_file: str | None = None) -> str:
-    """The manager's token for the job in ``job_dir`` (``ensure_token_with_source`` without the source)."""
+    """The manager's token for the job in ``job_dir`` (``ensure_token_with_source`` without the
+    source)."""
     return ensure_token_with_source(job_dir, token_file)[0]
 
 
 def ensure_token_with_source(job_dir: Path, token_file: str | None = None) -> tuple[str, str]:
-    """The manager's token for the job in ``job_dir``, written to ``<job dir>/token`` (mode 0600), and its source.
+    """The manager's token for the job in ``job_dir``, written to ``<job dir>/token`` (mode
+    0600), and its source.
 
     ``--token-file`` wins, then env ``UNDYING_TOKEN`` (either is written
     there, so commands given the job dir find it); else an existing token
@@ -139,7 +146,8 @@ def ensure_token_with_source(job_dir: Path, token_file: str | None = None) -> tu
     path = Path(job_dir) / TOKEN_FILE
     try:
         private_dir(Path(job_dir))
-        given: str | None = read_token_file(Path(token_file), private=False) if token_file is not None else _env_token()
+        given: str | None = (read_token_file(Path(token_file), private=False)
+                             if token_file is not None else _env_token())
         source = f"--token-file {token_file}" if token_file is not None else f"env {TOKEN_ENV}"
         token = given
         if token is None:
@@ -153,13 +161,15 @@ def ensure_token_with_source(job_dir: Path, token_file: str | None = None) -> tu
         _write_private(path, token)
     except OSError as e:
         raise UsageError(
-            f"cannot write the job's token to {path} ({e.strerror or e}); pass a --job-dir you can write"
+            f"cannot write the job's token to {path} ({e.strerror or e}); pass a --job-dir you "
+            "can write"
         ) from e
     return token, source
 
 
 def find_token(job_dir: Path | None, token_file: str | None) -> str | None:
-    """The token a command sends: ``--token-file``, else env ``UNDYING_TOKEN``, else ``<job dir>/token``.
+    """The token a command sends: ``--token-file``, else env ``UNDYING_TOKEN``, else
+    ``<job dir>/token``.
 
     None when there is none: the request goes without one, and a manager
     that needs one says so (a manager with open status does not, for reads).
@@ -168,7 +178,8 @@ def find_token(job_dir: Path | None, token_file: str | None) -> str | None:
 
 
 def find_token_with_source(job_dir: Path | None, token_file: str | None) -> tuple[str | None, str]:
-    """``find_token``, and where the token came from in words, for a refusal to name (a stale env, say)."""
+    """``find_token``, and where the token came from in words, for a refusal to name (a stale
+    env, say)."""
     if token_file is not None:
         return read_token_file(Path(token_file), private=False), f"--token-file {token_file}"
     token = _env_token()
@@ -194,6 +205,7 @@ def auth_headers(token: str | None, job_id: str | None = None) -> dict[str, str]
 def where_the_token_is(job_dir: Path | str) -> str:
     """One sentence for error messages: where a caller finds the token."""
     return (
-        f"the token is in {Path(os.path.abspath(job_dir)) / TOKEN_FILE} (readable only by the user who started the job); "
-        f"`undying` commands read it from there with --job-dir, or pass --token-file PATH or set {TOKEN_ENV}"
+        f"the token is in {Path(os.path.abspath(job_dir)) / TOKEN_FILE} (readable only by the "
+        "user who started the job); `undying` commands read it from there with --job-dir, or "
+        f"pass --token-file PATH or set {TOKEN_ENV}"
     )
