@@ -1,4 +1,5 @@
-"""``undying demo --fault shrink``: invariant mode on separate test hosts, a host lost and the job shrinking, then growing.
+"""``undying demo --fault shrink``: invariant mode on separate test hosts, a host lost and the
+job shrinking, then growing.
 
 The job is ``invariant_train.py`` with ``--virtual-ranks 4``, elastic
 (``--nnodes 1:2``), 2 nodes x 2 ranks on network-namespace hosts
@@ -28,8 +29,8 @@ from undying.demo.cluster import Cluster, wait_for
 from undying.demo.hosts import Hosts
 from undying.demo.oracle import RunRecord, load_run
 
-__all__ = ["INVARIANT_SCRIPT", "VIRTUAL_RUN_ARGS", "ShrinkRun", "script_args", "baseline_args", "refuse",
-           "run_with_shrink", "check_incidents"]
+__all__ = ["INVARIANT_SCRIPT", "VIRTUAL_RUN_ARGS", "ShrinkRun", "script_args", "baseline_args",
+           "refuse", "run_with_shrink", "check_incidents"]
 
 INVARIANT_SCRIPT = Path(__file__).with_name("invariant_train.py")
 VIRTUAL_RANKS = 4
@@ -39,8 +40,8 @@ LOSE_AT_STEP = 15
 # 64 steps an epoch (2048 samples over 4 virtual ranks in batches of 8), each at least 0.1 s.
 SCRIPT_ARGS = ("--samples", "2048")
 STEP_SECONDS = 0.1
-RUN_ARGS = ("--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60", "--node-wait", "3",
-            *VIRTUAL_RUN_ARGS)
+RUN_ARGS = ("--heartbeat-timeout", "3", "--spares", "0", "--rendezvous-timeout", "60",
+            "--node-wait", "3", *VIRTUAL_RUN_ARGS)
 JOB_TIMEOUT_S = 180.0
 
 
@@ -49,17 +50,20 @@ def script_args(epochs: int) -> list[str]:
 
 
 def baseline_args(epochs: int) -> list[str]:
-    """The fault-free run at full speed (``--step-seconds`` only sleeps: the losses are the same)."""
+    """The fault-free run at full speed (``--step-seconds`` only sleeps: the losses are the
+    same)."""
     return [*SCRIPT_ARGS, "--epochs", str(epochs)]
 
 
 def refuse(reason: str, *, as_json: bool) -> int:
-    """Say on one line why the demo cannot run (and, with ``--json``, as the contract's object); exit 2."""
+    """Say on one line why the demo cannot run (and, with ``--json``, as the contract's object);
+    exit 2."""
     sys.stderr.write(f"undying: error: demo --fault shrink cannot run here: {reason}\n")
     if as_json:
         sys.stdout.write(json.dumps({
             "fault": "shrink", "identical": False, "steps": 0, "lost_steps": 0, "incidents": [],
-            "ranks": 2 * NPROC_PER_NODE, "final_state_identical": False, "exit_codes": {}, "wall_s": 0.0,
+            "ranks": 2 * NPROC_PER_NODE, "final_state_identical": False, "exit_codes": {},
+            "wall_s": 0.0,
             "ok": False, "reasons": [f"cannot run here: {reason}"], "unavailable": reason}) + "\n")
     return 2
 
@@ -71,26 +75,30 @@ class ShrinkRun:
     reasons: list[str] = field(default_factory=list)
 
 
-def run_with_shrink(root: Path, args: list[str], console: Console, *, job_id: str = "with-fault") -> ShrinkRun:
-    """Run the job on three hosts, lose node 1's host past :data:`LOSE_AT_STEP`, let it shrink, then grow it back.
+def run_with_shrink(root: Path, args: list[str], console: Console, *,
+                    job_id: str = "with-fault") -> ShrinkRun:
+    """Run the job on three hosts, lose node 1's host past :data:`LOSE_AT_STEP`, let it shrink,
+    then grow it back.
 
-    A failure on the way is returned in ``reasons`` (with the logs on stderr), not raised; every host is gone
-    on return.
+    A failure on the way is returned in ``reasons`` (with the logs on stderr), not raised; every
+    host is gone on return.
     """
     returncode: int | None = None
     reasons: list[str] = []
     with Hosts(3) as hosts:
-        cluster = Cluster(hosts, root, job_id, args, nnodes=2, nproc_per_node=NPROC_PER_NODE, min_nodes=1,
-                          run_args=list(RUN_ARGS), script=INVARIANT_SCRIPT)
+        cluster = Cluster(hosts, root, job_id, args, nnodes=2, nproc_per_node=NPROC_PER_NODE,
+                          min_nodes=1, run_args=list(RUN_ARGS), script=INVARIANT_SCRIPT)
         try:
             cluster.start()
             cluster.wait_for_step(LOSE_AT_STEP)
             lost_at = time.time()
             hosts.kill_host(2)
-            console.print(f"    step >= {LOSE_AT_STEP}: node 1's host ({hosts.addr(2)}) lost, nobody replaces it")
+            console.print(f"    step >= {LOSE_AT_STEP}: node 1's host ({hosts.addr(2)}) lost, "
+                          "nobody replaces it")
             status = wait_for(lambda: _running_on(cluster, 2), 60, "the job to train on 2 ranks")
-            console.print(f"    the job shrank to 2 ranks ({time.time() - lost_at:.1f}s after the loss) and "
-                          f"trains on at step {status['step']}; a new host joins as node 1")
+            console.print(f"    the job shrank to 2 ranks ({time.time() - lost_at:.1f}s after the "
+                          f"loss) and trains on at step {status['step']}; a new host joins as "
+                          "node 1")
             cluster.start_agent(1, hosts.add_host())
             returncode = cluster.wait(JOB_TIMEOUT_S)
             console.print(f"    the job ended: the manager exited {returncode}")
@@ -101,7 +109,8 @@ def run_with_shrink(root: Path, args: list[str], console: Console, *, job_id: st
             cluster.close()
     db = root / job_id / "events.db"
     record = load_run(db) if db.exists() else RunRecord(
-        state="never started", losses={}, inconsistent_steps=[], rerun_steps=[], digests={}, incidents=[], commits=0)
+        state="never started", losses={}, inconsistent_steps=[], rerun_steps=[], digests={},
+        incidents=[], commits=0)
     return ShrinkRun(record, returncode, reasons)
 
 
@@ -123,5 +132,6 @@ def check_incidents(incidents: list[dict[str, Any]]) -> list[str]:
         reasons.append("no node-joined incident: the job did not grow back")
     for incident in incidents:
         if incident["status"] != "recovered":
-            reasons.append(f"incident {incident['kind']} of rank {incident['rank']} is {incident['status']}")
+            reasons.append(f"incident {incident['kind']} of rank {incident['rank']} is "
+                           f"{incident['status']}")
     return reasons

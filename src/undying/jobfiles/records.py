@@ -1,8 +1,8 @@
-"""The records the event log stores: the job's and the ranks' states, with the moves allowed between them,
-the ranks and the incidents.
+"""The records the event log stores: the job's and the ranks' states, with the moves allowed
+between them, the ranks and the incidents.
 
-The manager decides with them (no asyncio, sqlite3 or torch here: a tested rule); ``undying.jobfiles.events``
-writes and reads them back.
+The manager decides with them (no asyncio, sqlite3 or torch here: a tested rule);
+``undying.jobfiles.events`` writes and reads them back.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-__all__ = ["JobState", "RankState", "IllegalTransition", "JobStateMachine", "Incident", "IncidentKind",
-           "IncidentStatus", "IncidentDetail", "RankInfo"]
+__all__ = ["JobState", "RankState", "IllegalTransition", "JobStateMachine", "Incident",
+           "IncidentKind", "IncidentStatus", "IncidentDetail", "RankInfo"]
 
 
 class JobState(str, enum.Enum):
@@ -24,7 +24,8 @@ class JobState(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # by the user (Ctrl-C, the API's stop)
-    PREEMPTED = "preempted"  # SIGTERM: the dying gasp was taken; run the same command again to resume
+    # SIGTERM: the dying gasp was taken; run the same command again to resume
+    PREEMPTED = "preempted"
 
     @property
     def terminal(self) -> bool:
@@ -35,7 +36,8 @@ _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING}),
     JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.STOPPING}),
     JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING}),
-    JobState.STOPPING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED}),
+    JobState.STOPPING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED,
+                                  JobState.PREEMPTED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.STOPPED: frozenset(),
@@ -103,16 +105,22 @@ class IncidentKind(enum.StrEnum):
     COMM_ERROR = "comm-error"  # a collective failed with every process alive: the link
     NODE_LOSS = "node-loss"  # a node's agent, and every rank on it, gone or out of reach
     NODE_JOINED = "node-joined"  # an elastic job grows to a node that joined
-    SCRIPT_ERROR = "script-error"  # the script cannot run (SyntaxError, ImportError): the job fails at once
-    LEFT_EARLY = "left-early"  # exited 0 before its last step while the others went on (manager.recovery.leaving)
+    # the script cannot run (SyntaxError, ImportError): the job fails at once
+    SCRIPT_ERROR = "script-error"
+    # exited 0 before its last step while the others went on (manager.recovery.leaving)
+    LEFT_EARLY = "left-early"
     PREEMPT = "preempt"  # SIGTERM: the dying gasp
     CHECKPOINT_FAILED = "checkpoint_failed"  # saves fail (a full disk): retried at the next save
     SLOW_RANK = "slow_rank"  # found by slow-rank detection
     SLOW_NODE = "slow_node"
-    DIVERGED = "diverged"  # a re-run step's batch, or a restored state, is not the one it replaces (divergence)
-    NUMERIC = "numeric"  # a step's numeric check failed and was replayed (worker.numerics): the verdict
-    SDC = "sdc"  # a rank's step differed from its replay elsewhere (--verify-every): rolled back (worker.verify)
-    MIGRATION = "migration"  # planned: an operator moved a rank (undying migrate / drain), no step lost
+    # a re-run step's batch, or a restored state, is not the one it replaces (divergence)
+    DIVERGED = "diverged"
+    # a step's numeric check failed and was replayed (worker.numerics): the verdict
+    NUMERIC = "numeric"
+    # a rank's step differed from its replay elsewhere (--verify-every): rolled back (worker.verify)
+    SDC = "sdc"
+    # planned: an operator moved a rank (undying migrate / drain), no step lost
+    MIGRATION = "migration"
 
 
 class IncidentStatus(enum.StrEnum):
@@ -130,8 +138,8 @@ class IncidentStatus(enum.StrEnum):
 
 # An incident opens, then settles once; a finding is only observed.
 _INCIDENT_MOVES: dict[IncidentStatus, frozenset[IncidentStatus]] = {
-    IncidentStatus.OPEN: frozenset({IncidentStatus.RECOVERED, IncidentStatus.FAILED, IncidentStatus.DUMPED,
-                                    IncidentStatus.IGNORED}),
+    IncidentStatus.OPEN: frozenset({IncidentStatus.RECOVERED, IncidentStatus.FAILED,
+                                    IncidentStatus.DUMPED, IncidentStatus.IGNORED}),
     **{s: frozenset() for s in IncidentStatus if s is not IncidentStatus.OPEN},
 }
 
@@ -149,7 +157,8 @@ class IncidentDetail(TypedDict, total=False):
     restore_plan: str
     replacement: str  # "warm spare" or "new process"
     stuck_collective: bool
-    left_behind: list[int]  # survivors gloo never let go, replaced in the same round (recovery/left_behind.py)
+    # survivors gloo never let go, replaced in the same round (recovery/left_behind.py)
+    left_behind: list[int]
     restart: int
     # The state restored.
     restored: str
@@ -160,7 +169,8 @@ class IncidentDetail(TypedDict, total=False):
     restored_step: int
     regroup: dict[str, Any]
     closed: str
-    migration: dict[str, Any]  # a planned move: planned_t, boundary_step, from, to, by (manager/placement/migration.py)
+    # a planned move: planned_t, boundary_step, from, to, by (manager/placement/migration.py)
+    migration: dict[str, Any]
     # A preemption.
     grace_period_s: float
     reused: str
@@ -212,7 +222,8 @@ class Incident:
     def settle(self, status: IncidentStatus) -> None:
         """Close the incident as ``status``; an incident settles once."""
         if status not in _INCIDENT_MOVES[self.status]:
-            raise IllegalTransition(f"incident {self.id} is {self.status.value}; it cannot become {status.value}")
+            raise IllegalTransition(f"incident {self.id} is {self.status.value}; it cannot become "
+                                    f"{status.value}")
         self.status = status
 
     @property
