@@ -33,11 +33,13 @@ class TestHosts(Protocol):
 
 
 class Cluster:
-    """One job: ``undying manager`` on host ``manager_host``, agents started with ``start_agent``."""
+    """One job: ``undying manager`` on host ``manager_host``, agents started with
+    ``start_agent``."""
 
     def __init__(self, hosts: TestHosts, root: Path, job_id: str, script_args: Sequence[str], *,
-                 nnodes: int = 2, nproc_per_node: int = 2, run_args: Sequence[str] = (), min_nodes: int = 0,
-                 manager_host: int = 0, port: int = 29400, script: Path = TRAIN_SCRIPT) -> None:
+                 nnodes: int = 2, nproc_per_node: int = 2, run_args: Sequence[str] = (),
+                 min_nodes: int = 0, manager_host: int = 0, port: int = 29400,
+                 script: Path = TRAIN_SCRIPT) -> None:
         self.hosts = hosts
         self.root = root
         self.job_id = job_id
@@ -52,7 +54,8 @@ class Cluster:
         self.script = script
         self.manager: subprocess.Popen[bytes] | None = None
         self.agents: dict[int, subprocess.Popen[bytes]] = {}  # node -> its latest agent
-        self.standbys: dict[int, subprocess.Popen[bytes]] = {}  # host -> a standby agent started there
+        # host -> a standby agent started there
+        self.standbys: dict[int, subprocess.Popen[bytes]] = {}
         self._logs: list[Any] = []
         self._starts = 0
 
@@ -66,19 +69,23 @@ class Cluster:
     def start_manager(self, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         """Start (or restart, on the same job dir) the manager; returns once its token exists."""
         self._starts += 1
-        argv = [sys.executable, "-m", "undying", "-v", "manager", "--job-id", self.job_id, "--job-dir",
-                str(self.job_dir), "--host", self.hosts.addr(self.manager_host), "--port", str(self.port), *extra]
+        argv = [sys.executable, "-m", "undying", "-v", "manager", "--job-id", self.job_id,
+                "--job-dir", str(self.job_dir), "--host", self.hosts.addr(self.manager_host),
+                "--port", str(self.port), *extra]
         log = self._log("manager")
         manager = self.hosts.popen(self.manager_host, argv, stdout=log, stderr=subprocess.STDOUT)
         self.manager = manager
-        wait_for(lambda: (self.job_dir / TOKEN_FILE).exists() or manager.poll() is not None, 60, "the manager's token")
+        wait_for(lambda: (self.job_dir / TOKEN_FILE).exists() or manager.poll() is not None, 60,
+                 "the manager's token")
         if manager.poll() is not None:
-            raise RuntimeError(f"the manager exited ({manager.returncode}): {self.log('manager')[-2000:]}")
+            raise RuntimeError(f"the manager exited ({manager.returncode}): "
+                               f"{self.log('manager')[-2000:]}")
         return manager
 
-    def start_agent(self, node: int, host: int, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-        process = self.hosts.popen(host, self._agent_argv(node, extra), stdout=self._log(f"node{node}"),
-                                   stderr=subprocess.STDOUT)
+    def start_agent(self, node: int, host: int,
+                    extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        process = self.hosts.popen(host, self._agent_argv(node, extra),
+                                   stdout=self._log(f"node{node}"), stderr=subprocess.STDOUT)
         self.agents[node] = process
         return process
 
@@ -86,8 +93,9 @@ class Cluster:
         nnodes = f"{self.min_nodes}:{self.nnodes}" if self.min_nodes else str(self.nnodes)
         return [sys.executable, "-m", "undying", "-v", "run", "--nnodes", nnodes,
                 *(["--node-rank", str(node)] if node >= 0 else []),
-                "--manager", f"{self.hosts.addr(self.manager_host)}:{self.port}", "-n", str(self.nproc_per_node),
-                "--job-id", self.job_id, "--token-file", str(self.job_dir / TOKEN_FILE), "--stop-grace", "3",
+                "--manager", f"{self.hosts.addr(self.manager_host)}:{self.port}",
+                "-n", str(self.nproc_per_node), "--job-id", self.job_id,
+                "--token-file", str(self.job_dir / TOKEN_FILE), "--stop-grace", "3",
                 *self.run_args, *extra, str(self.script), *self.script_args]
 
     def start_standby(self, host: int, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
@@ -135,7 +143,8 @@ class Cluster:
         return (self.job_dir / TOKEN_FILE).read_text().strip()
 
     def url(self, timeout: float = 60) -> str:
-        return str(wait_for(lambda: (JobDir(self.job_dir).read_manager() or {}).get("url"), timeout, "the manager's API"))
+        return str(wait_for(lambda: (JobDir(self.job_dir).read_manager() or {}).get("url"),
+                            timeout, "the manager's API"))
 
     def status(self) -> dict[str, Any]:
         with self.hosts.inside(self.manager_host):

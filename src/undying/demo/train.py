@@ -33,31 +33,39 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loader", choices=("dataloader", "stateful"), default="dataloader")
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--init-process-group", action="store_true",
-                   help="call torch.distributed.init_process_group before undying.init(), as old scripts do")
+                   help="call torch.distributed.init_process_group before undying.init(), as old "
+                   "scripts do")
     p.add_argument("--step-seconds", type=float, default=0.0,
-                   help="make every step last at least this long on every rank (a slow job, not a hang)")
+                   help="make every step last at least this long on every rank (a slow job, not a "
+                   "hang)")
     p.add_argument("--fail-at-step", type=int, default=0,
                    help="raise a ValueError at this step (a bug, not a fault)")
-    p.add_argument("--fail-rank", type=int, default=-1, help="with --fail-at-step: only on this rank (-1: every rank)")
+    p.add_argument("--fail-rank", type=int, default=-1,
+                   help="with --fail-at-step: only on this rank (-1: every rank)")
     p.add_argument("--numerics", choices=("off", "skip", "stop"), default="off",
-                   help="check each step's loss and gradient norm (undying.Numerics); a fault that replays the "
-                   "same way skips the batch or stops the job")
+                   help="check each step's loss and gradient norm (undying.Numerics); a fault that "
+                   "replays the same way skips the batch or stops the job")
     p.add_argument("--bad-sample", type=int, default=-1,
-                   help="make this sample's features NaN: the batch holding it fails every time (a bad batch)")
+                   help="make this sample's features NaN: the batch holding it fails every time (a "
+                   "bad batch)")
     p.add_argument("--env-out", default="",
-                   help="write the torchrun environment this process got to ENV_OUT/<rank>-<pid>.json (tests)")
+                   help="write the torchrun environment this process got to "
+                   "ENV_OUT/<rank>-<pid>.json (tests)")
     p.add_argument("--skip-steps", default="",
-                   help="comma-separated steps whose body does nothing (the fault-free twin of a skipped batch)")
+                   help="comma-separated steps whose body does nothing (the fault-free twin of a "
+                   "skipped batch)")
     return p.parse_args()
 
 
 # What torchrun sets for a worker (and undying run as well): the names a torchrun script reads.
-TORCHRUN_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+TORCHRUN_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                  "MASTER_PORT", "OMP_NUM_THREADS")
 
 
 def dump_environment(folder: str) -> None:
-    seen = {k: v for k, v in os.environ.items() if k in TORCHRUN_NAMES or k.startswith(("TORCHELASTIC_", "TORCH_NCCL"))}
+    seen = {k: v for k, v in os.environ.items()
+            if k in TORCHRUN_NAMES or k.startswith(("TORCHELASTIC_", "TORCH_NCCL"))}
     with open(os.path.join(folder, f"{os.environ['RANK']}-{os.getpid()}.json"), "w") as f:
         json.dump(seen, f)
 
@@ -84,10 +92,11 @@ def main() -> None:
     if args.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        loader: DataLoader = StatefulDataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                                                num_workers=args.num_workers)
+        loader: DataLoader = StatefulDataLoader(dataset, batch_size=args.batch_size,
+                                                sampler=sampler, num_workers=args.num_workers)
     else:
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                            num_workers=args.num_workers)
 
     layers: list[nn.Module] = []
     width = args.features
