@@ -1,4 +1,5 @@
-"""The event log's SQLite connection, made to outlive a full disk: writes are held in memory until there is room.
+"""The event log's SQLite connection, made to outlive a full disk: writes are held in memory until
+there is room.
 
 By default the checkpoints live in the job dir, beside ``events.db``: the disk
 that fills with checkpoints fills under the event log too. SQLite then fails
@@ -45,7 +46,8 @@ def is_storage_error(e: BaseException) -> bool:
 
 
 class HeldWrites:
-    """A connection used as BEGIN, writes, COMMIT, BEGIN, ...; on a storage error the writes wait in memory."""
+    """A connection used as BEGIN, writes, COMMIT, BEGIN, ...; on a storage error the writes wait
+    in memory."""
 
     RETRY_EVERY_S = 5.0
 
@@ -53,8 +55,10 @@ class HeldWrites:
         self.raw = db
         self._path = path
         self._limit = limit
-        self._txn: deque[tuple[str, Any, bool]] = deque()  # writes since the last COMMIT: (sql, params, many)
-        self.held_since: float | None = None  # when writing started to fail; None while all is written
+        # writes since the last COMMIT: (sql, params, many)
+        self._txn: deque[tuple[str, Any, bool]] = deque()
+        # when writing started to fail; None while all is written
+        self.held_since: float | None = None
         self._next_try = 0.0
         self.dropped = 0
 
@@ -82,13 +86,14 @@ class HeldWrites:
         return self.raw.executescript(script)
 
     def close(self) -> None:
-        """A last try at what is held (no waiting for the retry period), then close; what is left is said."""
+        """A last try at what is held (no waiting for the retry period), then close; what is left
+        is said."""
         if self.failing:
             self._next_try = 0.0
             self._replay()
             if self.failing:
-                log.error("event log %s: %d write(s) could not be written before closing (the disk is still full)",
-                          self._path, len(self._txn))
+                log.error("event log %s: %d write(s) could not be written before closing (the disk "
+                          "is still full)", self._path, len(self._txn))
         self.raw.close()
 
     def _write(self, sql: str, params: Any, *, many: bool) -> sqlite3.Cursor:
@@ -110,8 +115,8 @@ class HeldWrites:
             self._txn.popleft()
             self.dropped += 1
             if self.dropped == 1:
-                log.error("event log %s: more than %d writes held while the disk is full; the oldest are "
-                          "dropped from now on (counted)", self._path, self._limit)
+                log.error("event log %s: more than %d writes held while the disk is full; the "
+                          "oldest are dropped from now on (counted)", self._path, self._limit)
 
     def _commit(self) -> None:
         if self.failing:
@@ -130,8 +135,9 @@ class HeldWrites:
         self._rollback()
         self.held_since = time.time()
         self._next_try = time.monotonic() + self.RETRY_EVERY_S
-        log.error("event log %s cannot be written (%s): the job goes on; %d write(s) are held in memory and "
-                  "written when there is room (the HTTP API and metrics show everything meanwhile)",
+        log.error("event log %s cannot be written (%s): the job goes on; %d write(s) are held in "
+                  "memory and written when there is room (the HTTP API and metrics show everything "
+                  "meanwhile)",
                   self._path, e, len(self._txn))
 
     def _rollback(self) -> None:
@@ -159,8 +165,9 @@ class HeldWrites:
             self._rollback()
             return
         held_s = time.time() - (self.held_since or time.time())
-        log.warning("event log %s written again: %d held write(s) committed after %.1fs%s", self._path,
-                    len(self._txn), held_s, f" ({self.dropped} oldest dropped)" if self.dropped else "")
+        dropped = f" ({self.dropped} oldest dropped)" if self.dropped else ""
+        log.warning("event log %s written again: %d held write(s) committed after %.1fs%s",
+                    self._path, len(self._txn), held_s, dropped)
         self._txn.clear()
         self.held_since = None
         self.raw.execute("BEGIN")

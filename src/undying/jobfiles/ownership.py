@@ -45,9 +45,10 @@ def _who(uid: int) -> str:
         return f"uid {uid}"
 
 
-def owner_problem(st: os.stat_result, what: str, *, euid: int | None = None, dir_uid: int | None = None,
-                  is_dir: bool = False) -> str | None:
-    """Why ``what`` (a path, as said to the user) with status ``st`` is not to be trusted; None when it is.
+def owner_problem(st: os.stat_result, what: str, *, euid: int | None = None,
+                  dir_uid: int | None = None, is_dir: bool = False) -> str | None:
+    """Why ``what`` (a path, as said to the user) with status ``st`` is not to be trusted; None
+    when it is.
 
     ``dir_uid``: the owner of the job dir the file is in (root trusts files of
     the volume's owner); ``is_dir``: ``st`` is the job dir itself.
@@ -55,21 +56,27 @@ def owner_problem(st: os.stat_result, what: str, *, euid: int | None = None, dir
     euid = os.geteuid() if euid is None else euid
     mode = stat.S_IMODE(st.st_mode)
     if is_dir and euid == 0:
-        return None  # root: a container's volume, whatever its owner and mode (it is made 0700 on use)
+        # root: a container's volume, whatever its owner and mode (it is made 0700 on use)
+        return None
     trusted = {euid, 0} if not (euid == 0 and dir_uid is not None) else {0, dir_uid}
     if st.st_uid not in trusted:
-        return (f"{what} belongs to {_who(st.st_uid)}, not to you ({_who(euid)}): another user made it, so what it "
-                f"holds cannot be trusted; remove it if you did not expect it there"
+        return (f"{what} belongs to {_who(st.st_uid)}, not to you ({_who(euid)}): another user "
+                f"made it, so what it holds cannot be trusted; remove it if you did not expect it "
+                f"there"
                 + (", or pass a --job-dir of your own" if is_dir else ""))
     if mode & 0o022:
-        fix = f"check what is in it, then run `chmod 700 {what}`, or pass a new --job-dir" if is_dir else \
-            f"remove it and run again, or run `chmod go-w {what}` if you trust it"
-        return (f"{what} is writable by {'group and others' if mode & 0o022 == 0o022 else 'group' if mode & 0o020 else 'others'} "
+        fix = (f"check what is in it, then run `chmod 700 {what}`, or pass a new --job-dir"
+               if is_dir else
+               f"remove it and run again, or run `chmod go-w {what}` if you trust it")
+        by = ("group and others" if mode & 0o022 == 0o022 else "group" if mode & 0o020
+              else "others")
+        return (f"{what} is writable by {by} "
                 f"(mode {mode:04o}), so another user may have changed it: {fix}")
     return None
 
 
-def check_trusted(st: os.stat_result, what: str, *, dir_uid: int | None = None, is_dir: bool = False) -> None:
+def check_trusted(st: os.stat_result, what: str, *, dir_uid: int | None = None,
+                  is_dir: bool = False) -> None:
     """``owner_problem`` as a ``UsageError`` (one line, exit 2)."""
     problem = owner_problem(st, what, dir_uid=dir_uid, is_dir=is_dir)
     if problem is not None:
@@ -77,7 +84,8 @@ def check_trusted(st: os.stat_result, what: str, *, dir_uid: int | None = None, 
 
 
 def private_dir(path: Path) -> os.stat_result:
-    """Create ``path`` (and its parents) or check the existing one, and leave it ``0700``; its status.
+    """Create ``path`` (and its parents) or check the existing one, and leave it ``0700``; its
+    status.
 
     The parents keep the umask's modes (they may be shared folders); the
     job dir itself is the job user's alone.
@@ -90,7 +98,8 @@ def private_dir(path: Path) -> os.stat_result:
         st = os.fstat(fd)
         check_trusted(st, str(path), is_dir=True)
         if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)  # ours (or root's to use): nothing in it is reachable by others from now on
+            # ours (or root's to use): nothing in it is reachable by others from now on
+            os.fchmod(fd, 0o700)
             st = os.fstat(fd)
         return st
     finally:
@@ -98,7 +107,8 @@ def private_dir(path: Path) -> os.stat_result:
 
 
 def make_private(path: Path, *, create: bool = False) -> None:
-    """Make the user's file ``path`` ``0600``; with ``create``, create it empty and ``0600`` when missing.
+    """Make the user's file ``path`` ``0600``; with ``create``, create it empty and ``0600`` when
+    missing.
 
     By path, never by opening an existing file: closing any descriptor of a
     file drops every POSIX lock the process holds on it, SQLite's included
@@ -121,7 +131,8 @@ def make_private(path: Path, *, create: bool = False) -> None:
         raise UsageError(f"{path} is not a regular file; remove it and run again")
     check_trusted(st, str(path), dir_uid=path.parent.stat().st_uid)
     if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o600)  # (a regular file, in a folder only the user can write: no link to follow)
+        # (a regular file, in a folder only the user can write: no link to follow)
+        os.chmod(path, 0o600)
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -32,7 +32,8 @@ RATE_WINDOW = 32
 
 @dataclass(frozen=True)
 class Plan:
-    """What rank 0's loop reports when it starts (the ``steps_planned`` event): how many steps, in which epochs.
+    """What rank 0's loop reports when it starts (the ``steps_planned`` event): how many steps,
+    in which epochs.
 
     ``origin`` is the data position a resumed job carries over (``worker.data``):
     step ``s`` reads batch ``origin[1] + s - origin[0]`` of the data, counted from 1.
@@ -46,20 +47,22 @@ class Plan:
 
     @classmethod
     def from_detail(cls, detail: Mapping[str, Any]) -> Plan | None:
-        """The plan from the event's detail; None for a detail that is not one (an older worker's, a damaged row)."""
+        """The plan from the event's detail; None for a detail that is not one (an older worker's,
+        a damaged row)."""
         try:
             total = int(detail["total_steps"])
             per_epoch = detail.get("steps_per_epoch")
             origin = detail.get("origin") or (0, 0)
             batch = detail.get("batch_size")
-            plan = cls(total, int(per_epoch) if per_epoch else None, (int(origin[0]), int(origin[1])),
-                       int(batch) if batch else None)
+            plan = cls(total, int(per_epoch) if per_epoch else None,
+                       (int(origin[0]), int(origin[1])), int(batch) if batch else None)
         except (KeyError, TypeError, ValueError, IndexError):
             return None
         return plan if plan.total_steps >= 0 else None
 
     def epoch_of(self, step: int) -> int | None:
-        """The epoch (from 0) step ``step`` reads from, as ``worker.data.DataCursor.epoch_of`` counts it."""
+        """The epoch (from 0) step ``step`` reads from, as ``worker.data.DataCursor.epoch_of``
+        counts it."""
         if not self.steps_per_epoch:
             return None
         position = self.origin[1] + max(step, 1) - self.origin[0]
@@ -74,7 +77,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class Progress:
-    """The job's progress as ``undying status``, ``/api/status`` and the page show it (``to_dict``)."""
+    """The job's progress as ``undying status``, ``/api/status`` and the page show it
+    (``to_dict``)."""
 
     step: int
     total_steps: int | None
@@ -89,8 +93,10 @@ class Progress:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "total_steps": self.total_steps, "fraction": _round(self.fraction, 4),
-            "epoch": self.epoch, "epochs": self.epochs, "steps_per_s": _round(self.steps_per_s, 4),
+            "step": self.step, "total_steps": self.total_steps,
+            "fraction": _round(self.fraction, 4),
+            "epoch": self.epoch, "epochs": self.epochs,
+            "steps_per_s": _round(self.steps_per_s, 4),
             "samples_per_s": _round(self.samples_per_s, 2), "eta_s": _round(self.eta_s, 1),
             "values_step": self.values_step, "values": self.values,
         }
@@ -115,7 +121,8 @@ def compute(step: int, plan: Plan | None, recent: Sequence[tuple[int, float]], *
     total = plan.total_steps if plan is not None else None
     fraction = min(1.0, step / total) if total else (1.0 if total == 0 else None)
     eta = max(0, total - step) / rate if rate and total is not None else None
-    samples = rate * plan.batch_size * world_size if rate and plan is not None and plan.batch_size else None
+    samples = (rate * plan.batch_size * world_size
+               if rate and plan is not None and plan.batch_size else None)
     return Progress(
         step=step, total_steps=total, fraction=fraction,
         epoch=plan.epoch_of(step) if plan is not None else None,
@@ -143,11 +150,13 @@ def mean_values(per_rank: Iterable[Mapping[str, float]]) -> dict[str, float]:
         for name, value in metrics.items():
             sums[name] = sums.get(name, 0.0) + float(value)
             counts[name] = counts.get(name, 0) + 1
-    return {name: (total / counts[name] if math.isfinite(total) else total) for name, total in sums.items()}
+    return {name: (total / counts[name] if math.isfinite(total) else total)
+            for name, total in sums.items()}
 
 
 class JobSteps:
-    """From the ranks' commits to the job's completed steps: a step is done when every rank committed it.
+    """From the ranks' commits to the job's completed steps: a step is done when every rank
+    committed it.
 
     ``commit`` returns (when the step was done, its values) for the commit that
     completed it, else None. A step committed again after a recovery starts
