@@ -44,11 +44,13 @@ class GenerationSupersededError(RecoveryError):
 
 
 class FencedError(RecoveryError):
-    """This process no longer holds its rank: the manager gave it to a newer process (its host was lost)."""
+    """This process no longer holds its rank: the manager gave it to a newer process (its host
+    was lost)."""
 
 
 class ControlStoreLostError(RecoveryError):
-    """The connection to the manager's control store broke (the manager restarted): connect again."""
+    """The connection to the manager's control store broke (the manager restarted): connect
+    again."""
 
 
 class JobFailedError(UndyingError):

@@ -30,7 +30,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--step-seconds", type=float, default=0.0,
-                   help="make every step last at least this long on every rank (a slow job, not a hang)")
+                   help="make every step last at least this long on every rank (a slow job, not a "
+                   "hang)")
     return p.parse_args()
 
 
@@ -46,7 +47,8 @@ def main() -> None:
     dataset = TensorDataset(x, y)
 
     def loader(v: int, count: int) -> DataLoader:
-        """Virtual rank v's slice of every global batch: what physical rank v of a V-rank job reads."""
+        """Virtual rank v's slice of every global batch: what physical rank v of a V-rank job
+        reads."""
         sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             dataset, num_replicas=count, rank=v, seed=7)
         return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
@@ -67,7 +69,8 @@ def main() -> None:
                 loss = F.mse_loss(ddp(inputs), targets)
                 loss.backward()
                 v.log(loss=loss)
-            optimizer.step()  # the gradients are the mean over the V virtual ranks, folded in their order
+            # the gradients are the mean over the V virtual ranks, folded in their order
+            optimizer.step()
             scheduler.step()
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
 

@@ -44,7 +44,8 @@ class Comparison:
 
 def load_run(events_db: Path, metric: str = "loss") -> RunRecord:
     with LogReader(events_db) as reader:
-        job, commits, incidents, done = reader.job(), reader.commits(), reader.incidents(), reader.events("done")
+        job, commits, incidents, done = (reader.job(), reader.commits(), reader.incidents(),
+                                         reader.events("done"))
     values: dict[int, set[float]] = defaultdict(set)
     completed: dict[tuple[int, int], int] = defaultdict(int)
     for commit in commits:
@@ -84,7 +85,8 @@ def compare_runs(baseline: RunRecord, faulty: RunRecord) -> Comparison:
         reasons.append(f"losses differ at steps {mismatched[:10]}")
     for run, name in ((baseline, "fault-free"), (faulty, "faulty")):
         if run.inconsistent_steps:
-            reasons.append(f"ranks of the {name} run logged different losses at steps {run.inconsistent_steps[:10]}")
+            reasons.append(f"ranks of the {name} run logged different losses at steps "
+                           f"{run.inconsistent_steps[:10]}")
     digests_equal = bool(baseline.digests) and baseline.digests == faulty.digests
     if not digests_equal:
         reasons.append("the final model/optimizer state differs between the runs")
@@ -119,7 +121,8 @@ def merge_runs(first: RunRecord, second: RunRecord) -> RunRecord:
         state=second.state,
         losses=losses,
         inconsistent_steps=sorted(inconsistent),
-        rerun_steps=sorted(set(first.rerun_steps) | set(second.rerun_steps) | (set(first.losses) & set(second.losses))),
+        rerun_steps=sorted(set(first.rerun_steps) | set(second.rerun_steps)
+                           | (set(first.losses) & set(second.losses))),
         digests=second.digests,
         incidents=[*first.incidents, *second.incidents],
         commits=first.commits + second.commits,

@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from undying.jobfiles.records import Incident, IncidentKind, JobState, RankState
     from undying.jobfiles.tokens import ensure_token, find_token
 
-__all__ = ["JobDir", "EventLog", "LogReader", "read_job", "JobState", "RankState", "Incident", "IncidentKind",
-           "ensure_token", "find_token"]
+__all__ = ["JobDir", "EventLog", "LogReader", "read_job", "JobState", "RankState", "Incident",
+           "IncidentKind", "ensure_token", "find_token"]
 
 _WHERE = {
-    "JobDir": "jobdir", "EventLog": "events", "LogReader": "events", "read_job": "events", "JobState": "records",
-    "RankState": "records", "Incident": "records", "IncidentKind": "records", "ensure_token": "tokens",
-    "find_token": "tokens",
+    "JobDir": "jobdir", "EventLog": "events", "LogReader": "events", "read_job": "events",
+    "JobState": "records", "RankState": "records", "Incident": "records",
+    "IncidentKind": "records", "ensure_token": "tokens", "find_token": "tokens",
 }
 
 

@@ -52,7 +52,8 @@ class JobDir:
                 pass
         except OSError as e:
             raise UsageError(
-                f"job dir {self.path} is not writable ({e.strerror or e}); pass --job-dir with a folder you can write"
+                f"job dir {self.path} is not writable ({e.strerror or e}); pass --job-dir with a "
+                "folder you can write"
             ) from e
         # One launcher (or manager) at a time, before anything here is touched (checkpoint.lock;
         # released by clear_manager, or by the kernel when this process ends however it ends).
@@ -71,9 +72,10 @@ class JobDir:
             (self.path / "script-error.txt").unlink()
 
     def private_log(self) -> None:
-        """Before the log is opened: ``events.db`` created ``0600`` (SQLite gives its ``-wal`` and ``-shm`` the
-        database's mode), or an existing one made so with its ``-wal`` and ``-shm``. Never after SQLite opened
-        it: that would drop SQLite's locks (``ownership.make_private``)."""
+        """Before the log is opened: ``events.db`` created ``0600`` (SQLite gives its ``-wal`` and
+        ``-shm`` the database's mode), or an existing one made so with its ``-wal`` and ``-shm``.
+        Never after SQLite opened it: that would drop SQLite's locks
+        (``ownership.make_private``)."""
         make_private(self.events_db, create=True)
         for suffix in ("-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
@@ -136,7 +138,8 @@ class JobDir:
         info = self.read_manager()
         if info is None or not pid_alive(int(info.get("pid", 0))):
             raise JobNotRunningError(
-                f"no running job in {self.path}; start one with `undying run`, or pass the --job-dir of a running job"
+                f"no running job in {self.path}; start one with `undying run`, or pass the "
+                "--job-dir of a running job"
             )
         return str(info["url"])
 

@@ -1,4 +1,5 @@
-"""The event log's rows as Python reads them: a commit, an event, what a restarted manager reads back.
+"""The event log's rows as Python reads them: a commit, an event, what a restarted manager reads
+back.
 
 ``events`` (the one module that speaks SQL) writes and reads them; these say
 what a row holds and how a rank's and an incident's rows turn back into
@@ -18,14 +19,16 @@ import msgspec
 
 from undying.jobfiles.records import Incident, RankInfo, RankState
 
-__all__ = ["Commit", "LoggedEvent", "SavedJob", "rank_from_row", "incident_from_row", "metrics_json"]
+__all__ = ["Commit", "LoggedEvent", "SavedJob", "rank_from_row", "incident_from_row",
+           "metrics_json"]
 
 
 _ENCODE_JSON = msgspec.json.Encoder().encode
 
 
 def metrics_json(metrics: Mapping[str, float | str]) -> str:
-    """A commit's metrics as the steps table keeps them (JSON text), on the path of every rank's every step.
+    """A commit's metrics as the steps table keeps them (JSON text), on the path of every rank's
+    every step.
 
     msgspec writes it 30x faster than ``json.dumps``; but it writes NaN and
     infinities as null, and a NaN loss must read back as NaN (the oracle
@@ -33,7 +36,8 @@ def metrics_json(metrics: Mapping[str, float | str]) -> str:
     """
     if all(not isinstance(v, str) and math.isfinite(v) for v in metrics.values()):
         return _ENCODE_JSON(metrics).decode()
-    return json.dumps({k: float(v) for k, v in metrics.items()})  # ("inf", "nan": how the wire carries them)
+    # ("inf", "nan": how the wire carries them)
+    return json.dumps({k: float(v) for k, v in metrics.items()})
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,17 @@ class SavedJob:
 def rank_from_row(view: dict[str, Any]) -> RankInfo:
     """The inverse of ``RankInfo.to_dict`` (what ``EventLog.rank`` is given to write)."""
     return RankInfo(rank=int(view["rank"]), node=int(view["node"]), pid=int(view["pid"]),
-                    state=RankState(view["state"]), step=int(view["step"]), generation=int(view["generation"]),
+                    state=RankState(view["state"]), step=int(view["step"]),
+                    generation=int(view["generation"]),
                     restarts=int(view["restarts"]), last_seen=float(view["last_seen"]),
                     incarnation=int(view.get("incarnation", 0)))
 
 
 def incident_from_row(view: dict[str, Any]) -> Incident:
-    """The inverse of ``Incident.to_dict`` (what ``EventLog.incident`` writes): phases back to absolute times."""
+    """The inverse of ``Incident.to_dict`` (what ``EventLog.incident`` writes): phases back to
+    absolute times."""
     return Incident(id=view["id"], kind=view["kind"], rank=view["rank"], step=view["step"],
                     fault_t=view["fault_t"], recovery=view["recovery"], action=view["action"],
-                    status=view["status"], phases={k: view["fault_t"] + v for k, v in view["phases"].items()},
+                    status=view["status"],
+                    phases={k: view["fault_t"] + v for k, v in view["phases"].items()},
                     error=view["error"], traceback=view["traceback"], detail=view["detail"])
