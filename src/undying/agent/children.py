@@ -64,7 +64,8 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def become_subreaper() -> bool:
-    """Orphans of this process's descendants come to it, not to init; False where the platform cannot."""
+    """Orphans of this process's descendants come to it, not to init; False where the platform
+    cannot."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
@@ -97,7 +98,8 @@ class ChildProcess:
     def _readable(self) -> None:
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:  # not ours after all (no subreaper): it is gone, its status unknown
+        # not ours after all (no subreaper): it is gone, its status unknown
+        except ChildProcessError:
             pid, status = self.pid, 9
         if pid == 0:
             return  # (a stop is not an exit: waitpid without WUNTRACED reports only exits)
@@ -147,11 +149,13 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant of it (own sessions and groups included)."""
+    """SIGKILL ``pid``'s process group and every descendant of it (own sessions and groups
+    included)."""
     below = descendants(pid)
     for target in [pid, *below]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(target, signal.SIGKILL)  # (a leader's group; a non-leader has none of that number)
+            # (a leader's group; a non-leader has none of that number)
+            os.killpg(target, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, signal.SIGKILL)
 
@@ -189,7 +193,8 @@ class Orphans:
 
     def __init__(self, grace_s: float = 1.0) -> None:
         self.grace_s = grace_s
-        self._mark = f"{AGENT_PID_ENV}={os.getpid()}".encode()  # (what every worker's environment holds)
+        # (what every worker's environment holds)
+        self._mark = f"{AGENT_PID_ENV}={os.getpid()}".encode()
         self._seen: dict[int, float] = {}  # adopted PID -> when first seen
         self.ended: list[int] = []  # (for the log and tests)
 
@@ -221,7 +226,8 @@ class Orphans:
 
     @staticmethod
     def _reap(pid: int) -> bool:
-        """Reap ``pid`` if it has exited (True); it is this process's adopted child, no one else's status."""
+        """Reap ``pid`` if it has exited (True); it is this process's adopted child, no one else's
+        status."""
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:

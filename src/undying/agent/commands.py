@@ -45,7 +45,8 @@ class NodeCommands:
         self.agent = agent
         self._report = report
         self._tasks: set[asyncio.Task[None]] = set()
-        self._deferred: dict[int, SpawnRank] = {}  # ranks waiting for the zygote (``_spawn``), oldest first
+        # ranks waiting for the zygote (``_spawn``), oldest first
+        self._deferred: dict[int, SpawnRank] = {}
         self.table = Handlers[object]({
             SpawnRank: self._spawn,
             KillRank: lambda message: agent.kill(message.rank, signal.Signals(message.signal)),
@@ -80,7 +81,8 @@ class NodeCommands:
             if not self._deferred:
                 self._run(self._spawn_when_ready())
             self._deferred.pop(message.rank, None)
-            self._deferred[message.rank] = message  # a later SpawnRank of the same rank supersedes it
+            # a later SpawnRank of the same rank supersedes it
+            self._deferred[message.rank] = message
             return
         pid, warm = agent.spawn(message.rank, message.record, joining=message.joining,
                                 resume_from=message.resume_from, incarnation=message.incarnation)

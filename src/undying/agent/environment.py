@@ -1,4 +1,5 @@
-"""What a worker's process is started with: undying's own variables and torchrun's (``torchrun_env.py``).
+"""What a worker's process is started with: undying's own variables and torchrun's
+(``torchrun_env.py``).
 
 One named part of the agent. Every variable is derived at each start from the
 agent as it is then (``EnvironmentSource``): its job settings and node number
@@ -42,13 +43,15 @@ class WorkerEnvironment:
     def __init__(self, source: EnvironmentSource, *, key: str, manager_host: str,
                  extra_env: dict[str, str]) -> None:
         """``key``: what a local process must show on the workers' channel; ``manager_host``: the
-        manager's address as this node reaches it ("": in this process); ``extra_env``: what this node's
-        processes get beside undying's own (the job's derived keys, the interface toward the manager)."""
+        manager's address as this node reaches it ("": in this process); ``extra_env``: what this
+        node's processes get beside undying's own (the job's derived keys, the interface toward the
+        manager)."""
         self._source = source
         self.key = key
         self.manager_host = manager_host
         self.extra_env = extra_env
-        self._torchrun = TorchrunEnv(source)  # torchrun's variables, from the agent's config and node
+        # torchrun's variables, from the agent's config and node
+        self._torchrun = TorchrunEnv(source)
 
     def base(self) -> dict[str, str]:
         """What every process of the node gets, spares included."""
@@ -73,13 +76,15 @@ class WorkerEnvironment:
         env.update(config.trace.env(config.job_dir))
         for key, value in self.extra_env.items():
             env.setdefault(key, value)
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
+        # gloo's warnings on a dead peer are expected
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.update(self._torchrun.base(env))
         return env
 
     def rank(self, rank: int, record: GenerationRecord, joining: bool,
              resume_from: str = "", incarnation: int = 0) -> dict[str, str]:
-        """What makes a process rank ``rank`` of ``record``'s generation: torchrun's variables and undying's."""
+        """What makes a process rank ``rank`` of ``record``'s generation: torchrun's variables and
+        undying's."""
         source = self._source
         return {
             **self._torchrun.rank(rank, record, incarnation, self.manager_host),

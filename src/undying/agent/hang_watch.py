@@ -45,7 +45,8 @@ log = logging.getLogger("undying.agent")
 
 
 class WatchSource(Protocol):
-    """What the watch reads of its agent each tick: the job's settings and the node's number may change."""
+    """What the watch reads of its agent each tick: the job's settings and the node's number may
+    change."""
 
     @property
     def config(self) -> JobConfig: ...
@@ -66,7 +67,8 @@ class HangWatch:
         self._zygotes = zygotes
         self._spares = spares
         self._orphans = orphans
-        self._step_times = step_times  # the durations of this node's recent steps (fed by the workers' channel)
+        # the durations of this node's recent steps (fed by the workers' channel)
+        self._step_times = step_times
         self._report = report
 
     def step_timeout(self) -> float:
@@ -76,7 +78,8 @@ class HangWatch:
         """Watch every rank's beats and progress; tell the manager of hangs and stalls."""
         source = self._source
         timeouts = source.config.timeouts
-        clock = watch_clock(source.node, timeouts)  # silence counts only while this agent ran (agent/liveness.py)
+        # silence counts only while this agent ran (agent/liveness.py)
+        clock = watch_clock(source.node, timeouts)
         while True:
             await asyncio.sleep(clock.period_s)
             clock.tick()

@@ -44,7 +44,8 @@ LOG_NAME = HANGUP_LOG  # in the job dir: what the process said after its termina
 
 
 def detach_from_terminal(job_dir: str | Path) -> Path | None:
-    """Stdout and stderr that are a terminal now append to ``<job dir>/launcher.log``; that file, or None.
+    """Stdout and stderr that are a terminal now append to ``<job dir>/launcher.log``; that file, or
+    None.
 
     Pending output is flushed first (to the terminal, if it still takes it);
     nothing here raises: a folder that cannot be written leaves the streams as
@@ -73,20 +74,23 @@ def detach_from_terminal(job_dir: str | Path) -> Path | None:
 
 
 def on_quit() -> None:
-    """SIGQUIT: every thread's stack to stderr (what a stuck-looking process was doing), then as SIGTERM."""
+    """SIGQUIT: every thread's stack to stderr (what a stuck-looking process was doing), then as
+    SIGTERM."""
     with contextlib.suppress(Exception):
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def hangup_line(sig: signal.Signals, detached: Path | None, what: str) -> str:
-    """The log line of a stop signal: which, ``what`` it does, and where the rest of the output goes."""
+    """The log line of a stop signal: which, ``what`` it does, and where the rest of the output
+    goes."""
     why = {signal.SIGHUP: "SIGHUP (the terminal hung up)", signal.SIGQUIT: "SIGQUIT (Ctrl-\\)"}.get(sig, sig.name)
     return f"{why}: {what}" + (f"; the rest of this output goes to {detached}" if detached is not None else "")
 
 
 def handle(sig: signal.Signals, job_dir: str | Path, then: Callable[[signal.Signals, Path | None], None]) -> None:
-    """A stop signal's common part: SIGQUIT's stacks, the terminal left after SIGHUP, then ``then``."""
+    """A stop signal's common part: SIGQUIT's stacks, the terminal left after SIGHUP, then
+    ``then``."""
     if sig == signal.SIGQUIT:
         on_quit()
     detached = detach_from_terminal(job_dir) if sig == signal.SIGHUP else None
@@ -94,7 +98,8 @@ def handle(sig: signal.Signals, job_dir: str | Path, then: Callable[[signal.Sign
 
 
 def after_the_job(job_dir: str | Path) -> None:
-    """Once the event loop's handlers are gone (the workers stopped, the summary and exit code to come).
+    """Once the event loop's handlers are gone (the workers stopped, the summary and exit code to
+    come).
 
     A hang-up then only moves the output off the terminal, and SIGQUIT dumps
     the stacks: neither ends the process before its last line and exit code.

@@ -24,7 +24,8 @@ _IFNAMSIZ = 16
 
 
 def source_address(remote_host: str) -> str:
-    """The local IP address the kernel would use as source to reach ``remote_host`` (a name or an IP).
+    """The local IP address the kernel would use as source to reach ``remote_host`` (a name or an
+    IP).
 
     A UDP socket's ``connect`` only runs the route lookup: nothing goes on the wire.
     """
@@ -49,7 +50,8 @@ def source_address(remote_host: str) -> str:
 
 
 def interface_for(address: str) -> str | None:
-    """The name of the interface whose IPv4 address is ``address``, or None (no such interface, or IPv6).
+    """The name of the interface whose IPv4 address is ``address``, or None (no such interface, or
+    IPv6).
 
     SIOCGIFADDR gives each interface's primary address; a secondary address
     added without a label is not seen, which is fine for the agent's use: the
@@ -58,7 +60,8 @@ def interface_for(address: str) -> str | None:
     try:
         wanted = socket.inet_aton(address)
     except OSError:
-        return None  # not an IPv4 address: gloo finds IPv6 ones from the interface name, not asked here
+        # not an IPv4 address: gloo finds IPv6 ones from the interface name, not asked here
+        return None
     if address.count(".") != 3:  # inet_aton also takes shorthands like "127.1"
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

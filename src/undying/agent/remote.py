@@ -1,4 +1,5 @@
-"""An agent whose manager runs on another host: ``undying run --nnodes N --node-rank I --manager HOST:PORT``.
+"""An agent whose manager runs on another host: ``undying run --nnodes N --node-rank I --manager
+HOST:PORT``.
 
 The agent is the same one a standalone run uses; only its link to the manager
 changes. Its reports travel as messages on one TCP connection, and the
@@ -123,7 +124,8 @@ class NodeRunner:
                            extra_env=extra_env,
                            # a standby keeps enough warm spares for a whole node's ranks
                            spares=max(config.spares, config.nproc_per_node) if standby else None)
-        self.commands = NodeCommands(self.agent, self.client.send)  # the manager's commands, one table
+        # the manager's commands, one table
+        self.commands = NodeCommands(self.agent, self.client.send)
         self.session = ""
         self._last_beat = 0.0  # monotonic: the manager's last line
         # Its manager silent or unreachable: judged only over time this agent ran
@@ -138,8 +140,10 @@ class NodeRunner:
         # (a standby's agent waits for its zygote at start: its spares are forked from it)
         await self.agent.start(join_first=not self._standby)
         loop = asyncio.get_running_loop()
-        self._tasks.add(loop.create_task(self.clock.keep_ticking()))  # (cancelled with the others at the end)
-        for sig in hangup.STOP_SIGNALS:  # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
+        # (cancelled with the others at the end)
+        self._tasks.add(loop.create_task(self.clock.keep_ticking()))
+        # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
+        for sig in hangup.STOP_SIGNALS:
             loop.add_signal_handler(sig, hangup.handle, sig, self.config.job_dir, self._on_signal)
         try:
             return await self._serve()
@@ -162,7 +166,8 @@ class NodeRunner:
         self._leave.set()
 
     async def _serve(self) -> int:
-        """Connect, serve the manager, connect again after a break; until the job ends or this node leaves."""
+        """Connect, serve the manager, connect again after a break; until the job ends or this node
+        leaves."""
         offline_since = time.monotonic()
         limit = self.config.timeouts.rendezvous_timeout
         while True:
@@ -209,7 +214,8 @@ class NodeRunner:
             await asyncio.wait_for(self._leave.wait(), seconds)
 
     async def _flush_leaving(self) -> None:
-        """Say we leave (if the manager can be reached at all), then the finally stops the workers."""
+        """Say we leave (if the manager can be reached at all), then the finally stops the
+        workers."""
         with contextlib.suppress(OSError, asyncio.TimeoutError):
             if self.client.writer is None and self.session and self.client.has_kept():
                 _, writer = await asyncio.wait_for(asyncio.open_connection(self.manager_host, self.manager_port), 2.0)
@@ -281,7 +287,8 @@ class NodeRunner:
             leave.cancel()
 
     def _follow(self, control_port: int, job_dir: str, trace: TraceSet | None) -> None:
-        """What the manager says of the job: the control store's port, the job dir, the trace switch."""
+        """What the manager says of the job: the control store's port, the job dir, the trace
+        switch."""
         # Without --job-dir, one job dir for the job (a shared filesystem): the manager's, where it
         # looks for checkpoints.
         self.agent.follow(control_port, "" if self._job_dir_given else job_dir)
@@ -290,7 +297,8 @@ class NodeRunner:
 
     async def _park(self, parked: StandbyParked, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> AgentWelcome | None:
-        """A standby: spares warm, beating, until the manager gives it a node (the welcome returned).
+        """A standby: spares warm, beating, until the manager gives it a node (the welcome
+        returned).
 
         None: the connection broke or went silent (the caller connects again and
         parks again), or the agent leaves. The job's end or a refusal raise.
@@ -321,7 +329,8 @@ class NodeRunner:
                     self._become(message.node)
                     return message
                 if not isinstance(message, ManagerBeat):
-                    self._commands.handle(message)  # the job's end or a refusal raises; nothing else is for a standby
+                    # the job's end or a refusal raises; nothing else is for a standby
+                    self._commands.handle(message)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.warning("standby: the connection to the manager failed (%s); connecting again", e)
             return None
@@ -335,7 +344,8 @@ class NodeRunner:
             await asyncio.sleep(_STATE_EVERY_S)
 
     def _become(self, node: int) -> None:
-        """The standby is node ``node`` now: its ranks, its reports and its spares go by that number."""
+        """The standby is node ``node`` now: its ranks, its reports and its spares go by that
+        number."""
         log.info("standby: the manager gave this agent node %d (a lost node's); its ranks start on the warm spares",
                  node)
         self.node = node
@@ -346,7 +356,8 @@ class NodeRunner:
         return self.config.timeouts.heartbeat_timeout
 
     def _session_handlers(self) -> Handlers[object]:
-        """What the agent does with each line of its manager: the session's own words here, commands in ``commands``."""
+        """What the agent does with each line of its manager: the session's own words here, commands
+        in ``commands``."""
         return Handlers[object]({
             ManagerBeat: lambda message: None,  # (only counts as word from it)
             Acked: lambda message: self.client.acked(message.seq),
@@ -363,7 +374,8 @@ class NodeRunner:
 
 
 def _interface_env(manager_host: str, node: int) -> dict[str, str]:
-    """Gloo binds where the hostname resolves unless told: point it at the interface toward the manager."""
+    """Gloo binds where the hostname resolves unless told: point it at the interface toward the
+    manager."""
     if "GLOO_SOCKET_IFNAME" in os.environ or manager_host in ("127.0.0.1", "localhost", "::1"):
         return {}
     try:

@@ -1,4 +1,5 @@
-"""Starting the node's processes and seeing each one end: the agent's part that owns them as children.
+"""Starting the node's processes and seeing each one end: the agent's part that owns them as
+children.
 
 A process is forked by the node's zygote when one serves (``zygote.py``), else
 started as a fresh interpreter; each is watched by an asyncio task from its
@@ -42,7 +43,8 @@ log = logging.getLogger("undying.agent")
 
 
 class SpawnSource(Protocol):
-    """What the spawner reads of its agent at each start: the job's settings and the node's number may change."""
+    """What the spawner reads of its agent at each start: the job's settings and the node's number
+    may change."""
 
     @property
     def config(self) -> JobConfig: ...
@@ -56,7 +58,8 @@ class Spawner:
                  ranks: LocalRanks, spares: SparePool, zygotes: ZygoteKeeper, environment: WorkerEnvironment,
                  tasks: set[asyncio.Task[None]], report: Callable[[Message], None],
                  spare_event: Callable[..., None]) -> None:
-        """``tasks``: the agent's, cancelled when it closes; ``spare_event``: tells the manager's log of a spare."""
+        """``tasks``: the agent's, cancelled when it closes; ``spare_event``: tells the manager's
+        log of a spare."""
         self._source = source
         self._script = script
         self._script_args = script_args
@@ -70,7 +73,8 @@ class Spawner:
         self._spare_event = spare_event
 
     def start_process(self, env: dict[str, str], *, spare: bool) -> Process:
-        """A worker: forked by the zygote when there is one, else a fresh interpreter (agent/zygote.py)."""
+        """A worker: forked by the zygote when there is one, else a fresh interpreter
+        (agent/zygote.py)."""
         launch = self._source.config.launch
         kind = ["-m"] if launch.module else ["--no-python"] if launch.no_python else []
         args = [*(["--spare"] if spare else []), *kind, self._script, *self._script_args]
@@ -90,7 +94,8 @@ class Spawner:
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
               resume_from: str = "", incarnation: int = 0) -> tuple[int, bool]:
-        """Give ``rank`` a process (called on the loop): a warm spare if one is ready (see ``Agent.spawn``)."""
+        """Give ``rank`` a process (called on the loop): a warm spare if one is ready (see
+        ``Agent.spawn``)."""
         rank_env = self._environment.rank(rank, record, joining, resume_from, incarnation)
         process, warm = self._give_rank(rank, rank_env, incarnation, spare_ok=joining)
         worker = LocalWorker(rank=rank, process=process, started=time.time(), incarnation=incarnation,
@@ -102,7 +107,8 @@ class Spawner:
 
     def _give_rank(self, rank: int, rank_env: dict[str, str], incarnation: int, *,
                    spare_ok: bool) -> tuple[Process, bool]:
-        """A process for ``rank``: a fresh warm spare (watched until it answers), else a new process."""
+        """A process for ``rank``: a fresh warm spare (watched until it answers), else a new
+        process."""
         spare = self._spares.take() if spare_ok else None
         if spare is None:
             return self.start_process({**self._environment.base(), **rank_env}, spare=False), False
@@ -114,7 +120,8 @@ class Spawner:
         return spare.process, True
 
     async def _watch_take(self, pid: int) -> None:
-        """A spare that has not answered its Assign within --spare-take-timeout is killed; the rank goes on.
+        """A spare that has not answered its Assign within --spare-take-timeout is killed; the rank
+        goes on.
 
         Stopped (SIGSTOP), wedged or swapped out, it would otherwise hold the
         recovery for the whole init timeout. The rank is given to another warm
@@ -128,7 +135,8 @@ class Spawner:
         worker = self._ranks.workers.get(take.rank)
         if worker is None or worker.pid != pid or worker.process.returncode is not None:
             return  # the rank moved on, or the spare died: its exit is handled as the rank's
-        self._ranks.by_pid.pop(pid, None)  # its exit is no rank's crash: the rank has another process
+        # its exit is no rank's crash: the rank has another process
+        self._ranks.by_pid.pop(pid, None)
         signal_group(pid, signal.SIGKILL)
         process, warm = self._give_rank(take.rank, take.env, take.incarnation, spare_ok=True)
         waited = round(time.time() - take.given_t, 3)

@@ -44,5 +44,6 @@ RETURNED_FILE = "returned"
 
 
 def worker_dir(job_dir: str, rank: int, incarnation: int) -> str:
-    """The folder of the process that holds ``rank`` as ``incarnation`` (the agent and the manager agree on it)."""
+    """The folder of the process that holds ``rank`` as ``incarnation`` (the agent and the manager
+    agree on it)."""
     return os.path.join(os.path.abspath(job_dir), WORKERS_DIR, f"{rank}-{incarnation}")

@@ -1,4 +1,5 @@
-"""The job's settings: ``JobConfig``, which holds every section, and ``LaunchConfig``, how this node starts its workers.
+"""The job's settings: ``JobConfig``, which holds every section, and ``LaunchConfig``, how this node
+starts its workers.
 
 Its sections are the package's other modules: ``timeouts``, ``sections`` (checkpoint, trace)
 and ``manager`` (the sockets' limits). ``JobConfig.to_dict``/``from_dict`` carry the whole
@@ -35,7 +36,8 @@ STREAMS = ("none", "stdout", "stderr", "both")
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How this node starts its workers, as torchrun's flags say it (the same on every node, or per node).
+    """How this node starts its workers, as torchrun's flags say it (the same on every node, or per
+    node).
 
     ``redirects``/``tee``: per local rank (key -1: every rank not named) a number 0-3 (torchrun's
     ``Std``: 0 none, 1 stdout, 2 stderr, 3 both) of the streams that go to a file under
@@ -214,7 +216,8 @@ class JobConfig:
                       and mine.get(k) != theirs.get(k))
 
     def timeout_env(self) -> dict[str, str]:
-        """The timeouts a worker reads, as environment variables: those of ``TIMEOUT_ENVS``, no other.
+        """The timeouts a worker reads, as environment variables: those of ``TIMEOUT_ENVS``, no
+        other.
 
         The rest (the step timeout, the recovery's, a spare's take, ...) are judged by the agent
         or the manager from its own config: no worker code reads them, so none is sent.

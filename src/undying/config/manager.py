@@ -35,7 +35,8 @@ def default_max_connections() -> int:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """Seconds and counts that bound each listening socket of the manager (HTTP API and agents' port)."""
+    """Seconds and counts that bound each listening socket of the manager (HTTP API and agents'
+    port)."""
 
     # From accept (or the end of the previous response) to a request's complete headers; also a
     # body's limit.
@@ -67,7 +68,8 @@ class ConnectionLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class ManagerOptions:
-    """``undying manager``'s options, each the field of its name by the rule (``--http-port``: ``http_port``)."""
+    """``undying manager``'s options, each the field of its name by the rule (``--http-port``:
+    ``http_port``)."""
 
     job_id: str
     job_dir: str

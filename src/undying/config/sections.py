@@ -1,4 +1,5 @@
-"""The job's persistent checkpoints and tracing: the config sections a rank reads back from its environment.
+"""The job's persistent checkpoints and tracing: the config sections a rank reads back from its
+environment.
 
 ``CheckpointConfig`` and ``TraceConfig`` are sections of ``JobConfig`` (``--keep`` is
 ``checkpoint.keep``, ``--trace-dir`` is ``trace.trace_dir``); each says, as environment
@@ -95,7 +96,8 @@ def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) ->
 
 
 def _given(env: Mapping[str, str], **names: str) -> dict[str, Any]:
-    """The fields whose variable (``names``: field=variable) is set in ``env``, each read by its one reader.
+    """The fields whose variable (``names``: field=variable) is set in ``env``, each read by its one
+    reader.
 
     A field left out keeps its dataclass default: each default is written once, on its field.
     """
@@ -104,7 +106,8 @@ def _given(env: Mapping[str, str], **names: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TraceConfig:
-    """Lightweight tracing (undying.trace): where records go, how big they may grow, the first setting."""
+    """Lightweight tracing (undying.trace): where records go, how big they may grow, the first
+    setting."""
 
     # A folder; "" means <job dir>/traces. Records go to <dir>/<job id>/<rank>/.
     trace_dir: str = ""

@@ -1,4 +1,5 @@
-"""The job's timeouts: one field each, positive and bounded, and the ones a rank reads from its environment.
+"""The job's timeouts: one field each, positive and bounded, and the ones a rank reads from its
+environment.
 
 Each field is its option of ``undying run`` by the package's rule (``--exit-grace`` is
 ``exit_grace``, ``flag`` says it). Workers receive the timeouts they read through their
@@ -93,7 +94,8 @@ AUTO_STEP_TIMEOUT_FACTOR = 10.0
 
 
 def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> Timeouts:
-    """A worker's timeouts: those it reads (``TIMEOUT_ENVS``) from its environment, the rest their defaults."""
+    """A worker's timeouts: those it reads (``TIMEOUT_ENVS``) from its environment, the rest their
+    defaults."""
     env = os.environ if env is None else env
     kwargs: dict[str, Any] = {}
     for field_name, name in TIMEOUT_ENVS.items():

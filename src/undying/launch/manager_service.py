@@ -46,17 +46,21 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class _Gate:
-    """Decides who may join: the token, the job, a node rank in range, and flags like the first agent's."""
+    """Decides who may join: the token, the job, a node rank in range, and flags like the first
+    agent's."""
 
     def __init__(self, options: ManagerOptions, token: str) -> None:
         self.options = options
         self.token = token
-        self.config: JobConfig | None = None  # (None until ``bind``: the first agent's flags make the job)
-        self.host_out: Callable[[str], str] = lambda host: ""  # why no new ranks there ("": they may come)
+        # (None until ``bind``: the first agent's flags make the job)
+        self.config: JobConfig | None = None
+        # why no new ranks there ("": they may come)
+        self.host_out: Callable[[str], str] = lambda host: ""
 
     def bind(self, config: JobConfig, host_out: Callable[[str], str]) -> None:
-        """The job the first agent's flags made, and why a host gets no new ranks (the manager's hosts):
-        from now on every join is checked against them. Known only once the manager exists."""
+        """The job the first agent's flags made, and why a host gets no new ranks (the manager's
+        hosts): from now on every join is checked against them. Known only once the manager
+        exists."""
         self.config = config
         self.host_out = host_out
 
@@ -85,7 +89,8 @@ class _Gate:
         if differ:
             return ("this agent's flags differ from the job's in " + ", ".join(differ)
                     + "; every node must pass the same `undying run` flags")
-        if not join.session and (out := self.host_out(join.host)):  # (a node's agent coming back is let in)
+        # (a node's agent coming back is let in)
+        if not join.session and (out := self.host_out(join.host)):
             return out
         return ""
 
@@ -143,7 +148,8 @@ async def _serve(options: ManagerOptions) -> int:
         job_dir.clear_manager()
         raise
     manager = hosted.manager
-    gate.bind(config, lambda host: manager.core.hosts.refusal(host))  # (the book is replaced on a restore)
+    # (the book is replaced on a restore)
+    gate.bind(config, lambda host: manager.core.hosts.refusal(host))
     # A node moved (undying migrate --node, drain) goes to a standby. (Allowed in test_architecture:
     # the migrations, in manager/placement, take no constructor argument for it yet.)
     manager.migrations.server = server
@@ -168,9 +174,11 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
     def on_signal(sig: signal.Signals) -> None:
         interrupted.append(sig)
-        if sig == signal.SIGQUIT:  # Ctrl-\: what it was doing first (as agent.hangup does), never a core dump
+        # Ctrl-\: what it was doing first (as agent.hangup does), never a core dump
+        if sig == signal.SIGQUIT:
             faulthandler.dump_traceback(all_threads=True)
-        if sig != signal.SIGINT:  # SIGHUP (its terminal closed) and SIGQUIT are SIGTERM, as for a launcher
+        # SIGHUP (its terminal closed) and SIGQUIT are SIGTERM, as for a launcher
+        if sig != signal.SIGINT:
             manager.preempt(f"{sig.name} to the manager")
         else:
             manager.stop(f"stopped by {sig.name} to the manager")
@@ -184,7 +192,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
             waiting = asyncio.ensure_future(_wait_for_nodes(manager, server, config))
         try:
             final = await manager.run(restored=restart, ready=waiting)
-        except UsageError as e:  # the job cannot start as asked (another job's checkpoint): every node hears why
+        # the job cannot start as asked (another job's checkpoint): every node hears why
+        except UsageError as e:
             await _tell_nodes(server, JobEnded(JobState.FAILED.value, str(e), 2))
             raise
         finally:
@@ -193,7 +202,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
-    if final is JobState.PREEMPTED:  # the last line: what the same command resumes from, what it re-runs
+    # the last line: what the same command resumes from, what it re-runs
+    if final is JobState.PREEMPTED:
         log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
     await asyncio.gather(*(slot.stop_all(config.timeouts.stop_grace) for slot in server.slots.values()))
     await _tell_nodes(server, JobEnded(final.value, manager.exit_reason, code))
@@ -201,7 +211,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
 
 async def _tell_nodes(server: AgentServer, ended: JobEnded) -> None:
-    """Every attached agent hears how the job ended, and exits with its code (so does every standby)."""
+    """Every attached agent hears how the job ended, and exits with its code (so does every
+    standby)."""
     server.standbys.tell_all(ended)
     for slot in server.slots.values():
         slot.send(ended)
@@ -221,7 +232,8 @@ async def _wait_for_nodes(manager: Manager, server: AgentServer, config: JobConf
 
 
 async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
-    """An elastic job (--nnodes MIN:MAX) starts with every node, or with MIN once --node-wait passed without more."""
+    """An elastic job (--nnodes MIN:MAX) starts with every node, or with MIN once --node-wait passed
+    without more."""
     deadline = time.monotonic() + config.timeouts.rendezvous_timeout
     enough_since = 0.0
     while True:
@@ -244,7 +256,8 @@ async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: 
 
 
 async def _lose_absent_nodes(server: AgentServer, heartbeat_s: float) -> None:
-    """After a restart, a node whose agent does not come back within its heartbeat timeout is lost."""
+    """After a restart, a node whose agent does not come back within its heartbeat timeout is
+    lost."""
     await asyncio.sleep(heartbeat_s)
     for slot in server.slots.values():
         if not slot.attached and not slot.lost_at:

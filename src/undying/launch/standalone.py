@@ -48,11 +48,13 @@ __all__ = ["launch"]
 
 log = logging.getLogger("undying.launcher")
 
-_STATE_EVERY_S = 0.5  # the agent's beat to its manager: live ranks, their phases, spares (as across hosts)
+# the agent's beat to its manager: live ranks, their phases, spares (as across hosts)
+_STATE_EVERY_S = 0.5
 
 
 def _check_script(script: str, config: JobConfig) -> str | None:
-    """A missing or unreadable script is a usage error; one that does not compile is returned, in two lines."""
+    """A missing or unreadable script is a usage error; one that does not compile is returned, in
+    two lines."""
     if config.launch.module:
         if not all(part.isidentifier() for part in script.split(".")):
             raise UsageError(f"-m {script}: not a module name (dotted Python identifiers, e.g. pkg.train)")
@@ -131,14 +133,15 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         slot.detach("the job ended")
         await agent.close()
         await hosted.close()
-    print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
+    # (before the report: its warning or resume line stays the last line)
+    print_end_summary(config.job_dir)
     _report(config, manager, final)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
 
 
 def _agent_env(config: JobConfig, token: str) -> dict[str, str]:
-    """What this node's processes get beside undying's own: the job's derived keys (its workers sign and
-    check checkpoints, and reach the job's stores) and the interface the job listens on."""
+    """What this node's processes get beside undying's own: the job's derived keys (its workers sign
+    and check checkpoints, and reach the job's stores) and the interface the job listens on."""
     env = {CHECKPOINT_KEY_ENV: key_from_token(token).hex(), STORE_KEY_ENV: store_key_from_token(token).hex()}
     # gloo binds the address of the machine's hostname: on one node, keep its connections on the
     # interface the job listens on (loopback by default) unless the user chose one.
@@ -180,16 +183,19 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
 
 
 def say(line: str) -> None:
-    """A line the user reads whatever the log level, and no warning: the start and end of a run that went well."""
+    """A line the user reads whatever the log level, and no warning: the start and end of a run that
+    went well."""
     try:
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
         sys.stderr.flush()
-    except OSError:  # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
+    # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
+    except OSError:
         pass
 
 
 def launch(config: JobConfig, script: str, script_args: list[str], token_file: str | None = None) -> int:
-    """Run the job to its end; returns the launcher's exit code (``token_file``: ``--token-file``)."""
+    """Run the job to its end; returns the launcher's exit code (``token_file``:
+    ``--token-file``)."""
     config.validate()
     broken = _check_script(script, config)
     if broken is not None:  # before any rank, folder or port: the error where it is, and exit 1
@@ -204,7 +210,8 @@ def launch(config: JobConfig, script: str, script_args: list[str], token_file: s
 
 
 def _already_succeeded(config: JobConfig, command: list[str]) -> str:
-    """How this job (same job id, job dir and command) already ended in success, or "" (then it runs).
+    """How this job (same job id, job dir and command) already ended in success, or "" (then it
+    runs).
 
     Another command (more epochs, say) is the user extending the job: it resumes as before.
     """
