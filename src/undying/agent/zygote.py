@@ -84,10 +84,13 @@ _MAX_REPLACEMENTS = 20  # zygotes lost in one agent's life before it keeps to fr
 def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
     """``zygote`` or ``spawn``, from UNDYING_WORKER_START; anything else is an error that says what
     to set."""
-    value = (os.environ if env is None else env).get(WORKER_START_ENV, "zygote").strip().lower() or "zygote"
+    given = (os.environ if env is None else env).get(WORKER_START_ENV, "zygote")
+    value = given.strip().lower() or "zygote"
     if value not in _MODES:
-        raise UsageError(f"{WORKER_START_ENV}={value!r}: expected 'zygote' (workers forked from one process that "
-                         "imported torch, the default) or 'spawn' (a fresh interpreter per worker)")
+        raise UsageError(f"{WORKER_START_ENV}={value!r}: expected 'zygote' "
+                         "(workers forked from one process that imported torch, the default) "
+                         "or 'spawn' "
+                         "(a fresh interpreter per worker)")
     return value
 
 
@@ -105,7 +108,8 @@ class Zygote:
         # Answers to Spawn by request id: the process forked, or why none was.
         self._replies: dict[int, ChildProcess | Failed] = {}
         self._on_frame: Callable[[FromZygote], None] = Handlers[None]({
-            Spawned: self._on_spawned, Failed: self._on_failed, Ready: self._on_ready, Unfit: self._on_ready}).handle
+            Spawned: self._on_spawned, Failed: self._on_failed, Ready: self._on_ready,
+            Unfit: self._on_ready}).handle
         self._next_id = 0
         self._ready: asyncio.Future[str] | None = None  # "" when ready, else why not
         self.alive = False
@@ -123,14 +127,14 @@ class Zygote:
         serves."""
         if not become_subreaper():
             self.unfit = True
-            self._give_up("this platform has no child subreaper (prctl): a forked worker would not be the "
-                          "agent's child")
+            self._give_up("this platform has no child subreaper (prctl): a forked worker would "
+                          "not be the agent's child")
             return False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-u", "-m", "undying.worker.zygote", str(theirs.fileno()), str(os.getpid()),
-                 *(["--step-api"] if self._step_api else [])],
+                [sys.executable, "-u", "-m", "undying.worker.zygote", str(theirs.fileno()),
+                 str(os.getpid()), *(["--step-api"] if self._step_api else [])],
                 env=env, pass_fds=[theirs.fileno()], start_new_session=True)
         except OSError as e:
             ours.close()
@@ -206,8 +210,8 @@ class Zygote:
             self._give_up(f"the zygote's channel failed: {e}")
             return None
         if isinstance(reply, Failed):
-            log.warning("node %d: the zygote could not fork a worker (%s); starting it as a fresh interpreter",
-                        self.node, reply.error)
+            log.warning("node %d: the zygote could not fork a worker (%s); "
+                        "starting it as a fresh interpreter", self.node, reply.error)
             return None
         return reply
 
@@ -219,7 +223,8 @@ class Zygote:
             try:
                 view = view[self._channel.send(view):]
             except BlockingIOError:
-                if not select.select([], [self._channel], [], max(0.0, deadline - time.monotonic()))[1]:
+                wait_s = max(0.0, deadline - time.monotonic())
+                if not select.select([], [self._channel], [], wait_s)[1]:
                     raise OSError(f"the zygote took no bytes for {_REPLY_TIMEOUT:.0f}s") from None
 
     def _await_reply(self, request: int) -> ChildProcess | Failed | None:
@@ -272,7 +277,8 @@ class Zygote:
 
     def _on_ready(self, frame: Ready | Unfit) -> None:
         if self._ready is not None and not self._ready.done():
-            self._ready.set_result(f"the zygote is unfit: {frame.error}" if isinstance(frame, Unfit) else "")
+            self._ready.set_result(
+                f"the zygote is unfit: {frame.error}" if isinstance(frame, Unfit) else "")
 
     def _status(self) -> str:
         if self._popen is None:
@@ -284,8 +290,8 @@ class Zygote:
         """No more forks from this zygote (its workers live on: they are the agent's children)."""
         if not self.reason:
             self.reason = reason
-            log.warning("node %d: %s; no worker is lost (each is the agent's own child); the next start as "
-                        "fresh interpreters%s", self.node, reason,
+            log.warning("node %d: %s; no worker is lost (each is the agent's own child); "
+                        "the next start as fresh interpreters%s", self.node, reason,
                         "" if self.unfit else " until a new zygote serves")
         self.alive = False
         if self._ready is not None and not self._ready.done():
@@ -347,7 +353,8 @@ class ZygoteKeeper:
 
     def begin(self) -> None:
         """Start one in the background (its workers wait for it: ``ready``)."""
-        if not self.enabled or (self.zygote is not None and (self.zygote.alive or self.zygote.pending)):
+        if not self.enabled or (self.zygote is not None
+                                and (self.zygote.alive or self.zygote.pending)):
             return
         self.zygote = zygote = Zygote(self.node, step_api=self.step_api)
         self._task = asyncio.get_running_loop().create_task(self._run(zygote))
@@ -383,7 +390,8 @@ class ZygoteKeeper:
                         self.node, self.replaced - 1)
             self.enabled = False
             return
-        log.info("node %d: starting a new worker zygote in the background (%s)", self.node, zygote.reason)
+        log.info("node %d: starting a new worker zygote in the background (%s)", self.node,
+                 zygote.reason)
         self.begin()
 
     def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ChildProcess | None:
@@ -402,7 +410,8 @@ class ZygoteKeeper:
         """Let the zygote go (a node with no worker and no spare); the next worker wanted starts it
         again."""
         if self.zygote is not None and self.zygote.alive:
-            log.info("node %d: no worker left; the worker zygote goes until one is wanted", self.node)
+            log.info("node %d: no worker left; the worker zygote goes until one is wanted",
+                     self.node)
             self.zygote.close()
             self.zygote = None
 
