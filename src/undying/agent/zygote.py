@@ -89,8 +89,7 @@ def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
     if value not in _MODES:
         raise UsageError(f"{WORKER_START_ENV}={value!r}: expected 'zygote' "
                          "(workers forked from one process that imported torch, the default) "
-                         "or 'spawn' "
-                         "(a fresh interpreter per worker)")
+                         "or 'spawn' (a fresh interpreter per worker)")
     return value
 
 
