@@ -85,10 +85,12 @@ class Agent:
         self.ranks = LocalRanks()
         self.manager_host = manager_host  # ("": the manager is in this process)
         # What a local process must show on the worker channel (undying.protocol.channel_key).
-        self.environment = WorkerEnvironment(self, key=new_key(), manager_host=manager_host,
-                                             extra_env=dict(extra_env or {}))  # e.g. GLOO_SOCKET_IFNAME
-        self.spares = SparePool(node, config, start=lambda: self._spawner.start_process(self.environment.base(),
-                                                                                        spare=True),
+        self.environment = WorkerEnvironment(
+            self, key=new_key(), manager_host=manager_host,
+            extra_env=dict(extra_env or {}))  # e.g. GLOO_SOCKET_IFNAME
+        self.spares = SparePool(node, config,
+                                start=lambda: self._spawner.start_process(self.environment.base(),
+                                                                          spare=True),
                                 report=self._spare_event, stopping=lambda: self._life.stopping,
                                 want=config.spares if spares is None else spares)
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
@@ -101,13 +103,15 @@ class Agent:
         self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
         # The workers' lines to this agent (agent/worker_channel.py): their reports go to the
         # manager.
-        self._channel = WorkerChannel(node, self.environment.key, self.ranks.by_pid, self.spares, step_times,
-                                      trace=lambda: self._trace, forward=report)
-        self._spawner = Spawner(self, script=script, script_args=script_args, life=self._life, ranks=self.ranks,
-                                spares=self.spares, zygotes=self._zygotes, environment=self.environment,
-                                tasks=self._tasks, report=report, spare_event=self._spare_event)
-        self.watch = HangWatch(self, self.ranks, self._life, zygotes=self._zygotes, spares=self.spares,
-                               orphans=self._orphans, step_times=step_times, report=report)
+        self._channel = WorkerChannel(node, self.environment.key, self.ranks.by_pid, self.spares,
+                                      step_times, trace=lambda: self._trace, forward=report)
+        self._spawner = Spawner(self, script=script, script_args=script_args, life=self._life,
+                                ranks=self.ranks, spares=self.spares, zygotes=self._zygotes,
+                                environment=self.environment, tasks=self._tasks, report=report,
+                                spare_event=self._spare_event)
+        self.watch = HangWatch(self, self.ranks, self._life, zygotes=self._zygotes,
+                               spares=self.spares, orphans=self._orphans, step_times=step_times,
+                               report=report)
 
     @property
     def life(self) -> AgentLife:
@@ -123,8 +127,8 @@ class Agent:
         # Every worker is this process's child, and what a rank leaves behind comes here
         # (agent/children.py).
         if not become_subreaper():
-            log.warning("node %d: no child subreaper on this platform: a process a rank starts in a session of "
-                        "its own may outlive the rank", self.node)
+            log.warning("node %d: no child subreaper on this platform: a process a rank starts "
+                        "in a session of its own may outlive the rank", self.node)
         if join_first:
             # A node of a multi-node job joins its manager first (joining late can cost it its place
             # under --node-wait); the zygote imports meanwhile, and its node's workers wait for it
@@ -202,7 +206,8 @@ class Agent:
         ``incarnation``: the manager's number for it (the rank's owner key).
         Returns the PID and whether it was a spare.
         """
-        return self._spawner.spawn(rank, record, joining=joining, resume_from=resume_from, incarnation=incarnation)
+        return self._spawner.spawn(rank, record, joining=joining, resume_from=resume_from,
+                                   incarnation=incarnation)
 
     def _spare_event(self, what: str, pid: int, **detail: Any) -> None:
         """Tell the manager's log what happened to a spare (its PID included: the job's record of
@@ -245,8 +250,9 @@ class Agent:
         """The node's beat to its manager: its live ranks, their phases, its warm spares, its
         zygote."""
         return AgentState(node=self.node, live={str(r): p for r, p in self.live_pids().items()},
-                          phases={str(r): p for r, p in self.phases().items()}, spares_ready=self.spares_ready(),
-                          t=time.time(), zygote_pid=self._zygotes.pid or 0)
+                          phases={str(r): p for r, p in self.phases().items()},
+                          spares_ready=self.spares_ready(), t=time.time(),
+                          zygote_pid=self._zygotes.pid or 0)
 
     def resume_after_stop(self) -> None:
         """Accept new workers again after ``stop_all`` (a fenced node joins afresh)."""

@@ -54,9 +54,10 @@ class SpawnSource(Protocol):
 
 
 class Spawner:
-    def __init__(self, source: SpawnSource, *, script: str, script_args: list[str], life: LifeMachine,
-                 ranks: LocalRanks, spares: SparePool, zygotes: ZygoteKeeper, environment: WorkerEnvironment,
-                 tasks: set[asyncio.Task[None]], report: Callable[[Message], None],
+    def __init__(self, source: SpawnSource, *, script: str, script_args: list[str],
+                 life: LifeMachine, ranks: LocalRanks, spares: SparePool, zygotes: ZygoteKeeper,
+                 environment: WorkerEnvironment, tasks: set[asyncio.Task[None]],
+                 report: Callable[[Message], None],
                  spare_event: Callable[..., None]) -> None:
         """``tasks``: the agent's, cancelled when it closes; ``spare_event``: tells the manager's
         log of a spare."""
@@ -86,7 +87,8 @@ class Spawner:
             popen = subprocess.Popen(
                 [sys.executable, "-u", "-m", "undying.worker.boot", *args],
                 env=env,
-                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
+                # Ctrl-C reaches the launcher only; it stops workers in order
+                start_new_session=True,
             )
             process = PopenProcess(popen)
         self._run(self._watch(process), report=False)
@@ -98,11 +100,13 @@ class Spawner:
         ``Agent.spawn``)."""
         rank_env = self._environment.rank(rank, record, joining, resume_from, incarnation)
         process, warm = self._give_rank(rank, rank_env, incarnation, spare_ok=joining)
-        worker = LocalWorker(rank=rank, process=process, started=time.time(), incarnation=incarnation,
+        worker = LocalWorker(rank=rank, process=process, started=time.time(),
+                             incarnation=incarnation,
                              pending=self._ranks.held_for(rank, joining=joining))
         self._ranks.hold(worker)
-        log.info("node %d: rank %d is pid %d (generation %d%s)", self._source.node, rank, process.pid,
-                 record.generation, ", a warm spare" if warm else ", replacement" if joining else "")
+        log.info("node %d: rank %d is pid %d (generation %d%s)", self._source.node, rank,
+                 process.pid, record.generation,
+                 ", a warm spare" if warm else ", replacement" if joining else "")
         return process.pid, warm
 
     def _give_rank(self, rank: int, rank_env: dict[str, str], incarnation: int, *,
@@ -140,10 +144,12 @@ class Spawner:
         signal_group(pid, signal.SIGKILL)
         process, warm = self._give_rank(take.rank, take.env, take.incarnation, spare_ok=True)
         waited = round(time.time() - take.given_t, 3)
-        log.warning("node %d: spare pid %d did not take rank %d within %.1fs (--spare-take-timeout); killed, "
-                    "rank %d is now pid %d (%s)", self._source.node, pid, take.rank, waited, take.rank,
+        log.warning("node %d: spare pid %d did not take rank %d within %.1fs "
+                    "(--spare-take-timeout); killed, rank %d is now pid %d (%s)",
+                    self._source.node, pid, take.rank, waited, take.rank,
                     process.pid, "another warm spare" if warm else "a new process")
-        self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited, replaced_by=process.pid,
+        self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited,
+                          replaced_by=process.pid,
                           replacement="warm spare" if warm else "new process")
         self._ranks.replace(pid, LocalWorker(rank=take.rank, process=process, started=time.time(),
                                              pending=worker.pending, incarnation=take.incarnation))
@@ -159,8 +165,8 @@ class Spawner:
             if worker is not None:
                 config = self._source.config
                 # A script that returned is done, whatever its exit took (agent/exits.py).
-                returncode = returned_exit(config, worker.rank, worker.incarnation, worker.pid, returncode,
-                                           self._spare_event)
+                returncode = returned_exit(config, worker.rank, worker.incarnation, worker.pid,
+                                           returncode, self._spare_event)
                 self._report(RankExited(worker.rank, worker.pid, returncode, t))
                 if returncode == EXIT_REGROUPED and config.elastic:
                     self._life.move(Event.REGROUP_EXIT)

@@ -51,9 +51,11 @@ class ConnectionLimits:
                               ("--http-idle-timeout", self.http_idle_timeout)):
             check_finite(option, value)
             if not 0 < value <= _MAX_CONN_TIMEOUT_S:
-                raise UsageError(f"{option} must be > 0 and <= {_MAX_CONN_TIMEOUT_S:.0f} seconds, got {value}")
+                raise UsageError(f"{option} must be > 0 and <= {_MAX_CONN_TIMEOUT_S:.0f} seconds, "
+                                 f"got {value}")
         if not 0 <= self.max_connections <= 65536:
-            raise UsageError(f"--max-connections must be between 0 (auto) and 65536, got {self.max_connections}")
+            raise UsageError(f"--max-connections must be between 0 (auto) and 65536, "
+                             f"got {self.max_connections}")
 
     @property
     def cap(self) -> int:

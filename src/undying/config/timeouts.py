@@ -17,8 +17,8 @@ from typing import Any
 from undying.errors import UsageError
 from undying.protocol.env import DEFAULT_HEARTBEAT_TIMEOUT_S, TIMEOUT_ENVS
 
-__all__ = ["MAX_TIMEOUT_S", "flag", "Timeouts", "AUTO_STEP_TIMEOUT_FLOOR_S", "AUTO_STEP_TIMEOUT_FACTOR",
-           "timeouts_from_env"]
+__all__ = ["MAX_TIMEOUT_S", "flag", "Timeouts", "AUTO_STEP_TIMEOUT_FLOOR_S",
+           "AUTO_STEP_TIMEOUT_FACTOR", "timeouts_from_env"]
 
 MAX_TIMEOUT_S = 24 * 3600.0
 
