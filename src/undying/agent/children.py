@@ -45,8 +45,8 @@ import time
 
 from undying.protocol.env import AGENT_PID_ENV
 
-__all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree", "Orphans",
-           "WATCHED"]
+__all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree",
+           "Orphans", "WATCHED"]
 
 log = logging.getLogger("undying.agent")
 
@@ -198,7 +198,8 @@ class Orphans:
         self._seen: dict[int, float] = {}  # adopted PID -> when first seen
         self.ended: list[int] = []  # (for the log and tests)
 
-    def sweep(self, known: set[int], now: float | None = None, grace_s: float | None = None) -> list[int]:
+    def sweep(self, known: set[int], now: float | None = None,
+              grace_s: float | None = None) -> list[int]:
         """End adopted orphans past their grace, reap the dead ones; the PIDs ended this time."""
         now = time.monotonic() if now is None else now
         ended: list[int] = []
@@ -207,7 +208,8 @@ class Orphans:
             # Seen marked while alive, or marked now (a zombie's environment reads empty: it counts
             # as ours only if it was seen before it died; one that died unseen is left to whoever
             # waits).
-            if pid in known or pid in WATCHED or (pid not in self._seen and not _marked(pid, self._mark)):
+            if pid in known or pid in WATCHED or (pid not in self._seen
+                                                  and not _marked(pid, self._mark)):
                 continue
             current.add(pid)
             if self._reap(pid):
@@ -215,8 +217,8 @@ class Orphans:
                 continue
             first = self._seen.setdefault(pid, now)
             if now - first >= (self.grace_s if grace_s is None else grace_s):
-                log.warning("pid %d, started by a rank that no longer holds it, outlived it by %.1fs: ended",
-                            pid, now - first)
+                log.warning("pid %d, started by a rank that no longer holds it, "
+                            "outlived it by %.1fs: ended", pid, now - first)
                 kill_tree(pid)
                 ended.append(pid)
                 self.ended.append(pid)

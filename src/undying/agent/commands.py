@@ -52,7 +52,8 @@ class NodeCommands:
             KillRank: lambda message: agent.kill(message.rank, signal.Signals(message.signal)),
             TellRank: lambda message: agent.tell(message.rank, message.command),
             ArmRank: lambda message: agent.arm(message.rank, message.fault),
-            AbortRank: lambda message: agent.abort(message.rank, message.generation, message.reason),
+            AbortRank: lambda message: agent.abort(message.rank, message.generation,
+                                                   message.reason),
             KeepSpares: lambda message: agent.keep_spares(),
             TraceSet: lambda message: agent.set_trace(message),
             StopNode: self._start_stop,
@@ -77,7 +78,8 @@ class NodeCommands:
         spare is taken at once.
         """
         agent = self.agent
-        if self._deferred or (agent.zygote_pending() and not (message.joining and agent.spares_ready())):
+        if self._deferred or (agent.zygote_pending()
+                              and not (message.joining and agent.spares_ready())):
             if not self._deferred:
                 self._run(self._spawn_when_ready())
             self._deferred.pop(message.rank, None)

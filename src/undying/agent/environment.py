@@ -57,7 +57,8 @@ class WorkerEnvironment:
         """What every process of the node gets, spares included."""
         source = self._source
         config = source.config
-        env = child_environment(os.environ, {k: v for k, v in self.extra_env.items() if k in DERIVED_KEY_ENVS})
+        derived_keys = {k: v for k, v in self.extra_env.items() if k in DERIVED_KEY_ENVS}
+        env = child_environment(os.environ, derived_keys)
         env.update(
             {
                 names.JOB_ID_ENV: config.job_id,
@@ -93,7 +94,8 @@ class WorkerEnvironment:
             # The generation's store lives in the manager: across hosts, where this agent reached
             # it.
             names.STORE_ADDR_ENV: f"{self.manager_host or record.store_host}:{record.store_port}",
-            names.CONTROL_ADDR_ENV: f"{self.manager_host or source.config.host}:{source.control_port}",
+            names.CONTROL_ADDR_ENV:
+                f"{self.manager_host or source.config.host}:{source.control_port}",
             names.GENERATION_ENV: str(record.generation),
             names.JOINING_ENV: "1" if joining else "0",
             names.BACKEND_ENV: source.config.backend,

@@ -40,13 +40,13 @@ def returned_exit(config: JobConfig, rank: int, incarnation: int, pid: int, retu
         return 0
     grace = config.timeouts.exit_grace
     if returncode == -signal.SIGALRM:
-        log.warning("rank %d (pid %d): its script returned, but the process was still in its exit %gs later "
-                    "(--exit-grace): ended, every thread's stack is in its log just before; the rank's result "
-                    "stands", rank, pid, grace)
+        log.warning("rank %d (pid %d): its script returned, but the process was still in its exit "
+                    "%gs later (--exit-grace): ended, every thread's stack is in its log just "
+                    "before; the rank's result stands", rank, pid, grace)
         what = "exit_stuck"
     else:
-        log.info("rank %d (pid %d): its script returned, then the process ended with %d; the rank's result "
-                 "stands", rank, pid, returncode)
+        log.info("rank %d (pid %d): its script returned, then the process ended with %d; "
+                 "the rank's result stands", rank, pid, returncode)
         what = "exit_after_return"
     detail: dict[str, Any] = {"rank": rank, "returncode": returncode, "exit_grace_s": grace}
     note(what, pid, **detail)

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from undying.config import HANGUP_LOG
 
-__all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit", "hangup_line",
-           "handle", "after_the_job"]
+__all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit",
+           "hangup_line", "handle", "after_the_job"]
 
 
 # SIGINT stops the job (Ctrl-C); the others preempt it: a stop with a dying gasp, then exit 75.
@@ -59,7 +59,8 @@ def detach_from_terminal(job_dir: str | Path) -> Path | None:
             stream.flush()
     path = Path(job_dir) / LOG_NAME
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
     except OSError:
         fd = _devnull()
         if fd < 0:
@@ -84,11 +85,14 @@ def on_quit() -> None:
 def hangup_line(sig: signal.Signals, detached: Path | None, what: str) -> str:
     """The log line of a stop signal: which, ``what`` it does, and where the rest of the output
     goes."""
-    why = {signal.SIGHUP: "SIGHUP (the terminal hung up)", signal.SIGQUIT: "SIGQUIT (Ctrl-\\)"}.get(sig, sig.name)
-    return f"{why}: {what}" + (f"; the rest of this output goes to {detached}" if detached is not None else "")
+    why = {signal.SIGHUP: "SIGHUP (the terminal hung up)",
+           signal.SIGQUIT: "SIGQUIT (Ctrl-\\)"}.get(sig, sig.name)
+    rest = f"; the rest of this output goes to {detached}" if detached is not None else ""
+    return f"{why}: {what}" + rest
 
 
-def handle(sig: signal.Signals, job_dir: str | Path, then: Callable[[signal.Signals, Path | None], None]) -> None:
+def handle(sig: signal.Signals, job_dir: str | Path,
+           then: Callable[[signal.Signals, Path | None], None]) -> None:
     """A stop signal's common part: SIGQUIT's stacks, the terminal left after SIGHUP, then
     ``then``."""
     if sig == signal.SIGQUIT:

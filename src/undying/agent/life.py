@@ -78,7 +78,8 @@ _MOVES: dict[tuple[AgentLife, Event], AgentLife] = {
     (_S.STOPPING_IN_REGROUP, _E.STOP): _S.STOPPING_IN_REGROUP,
     (_S.STOPPING_IN_REGROUP, _E.RESUME): _S.REGROUPING,
     **{(state, _E.CLOSE): _S.CLOSED for state in AgentLife},
-    **{(_S.CLOSED, event): _S.CLOSED for event in (_E.START_PROCESS, _E.REGROUP_EXIT, _E.STOP, _E.RESUME)},
+    **{(_S.CLOSED, event): _S.CLOSED
+       for event in (_E.START_PROCESS, _E.REGROUP_EXIT, _E.STOP, _E.RESUME)},
 }
 
 

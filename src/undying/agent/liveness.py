@@ -23,7 +23,8 @@ from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "process_state", "has_exited", "watch_clock"]
+__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "process_state", "has_exited",
+           "watch_clock"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class Silence:
 def watch_clock(node: int, timeouts: Timeouts) -> JudgeClock:
     """The judge clock of a node's watch over its ranks and spares (ticked once a pass of the
     watch)."""
-    return JudgeClock(min(0.2, timeouts.heartbeat_timeout / 5), timeouts.heartbeat_timeout, f"node {node}'s agent")
+    heartbeat_s = timeouts.heartbeat_timeout
+    return JudgeClock(min(0.2, heartbeat_s / 5), heartbeat_s, f"node {node}'s agent")
 
 
 def judge_silence(now: float, started: float, last_seen: float, timeouts: Timeouts,
