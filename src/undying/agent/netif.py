@@ -32,8 +32,8 @@ def source_address(remote_host: str) -> str:
     try:
         infos = socket.getaddrinfo(remote_host, 9, type=socket.SOCK_DGRAM)
     except socket.gaierror as e:
-        raise ValueError(f"cannot resolve host {remote_host!r}: {e.strerror}; pass an IP address or a "
-                         f"name this machine can resolve") from e
+        raise ValueError(f"cannot resolve host {remote_host!r}: {e.strerror}; "
+                         f"pass an IP address or a name this machine can resolve") from e
     last: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as sock:
@@ -43,9 +43,11 @@ def source_address(remote_host: str) -> str:
                 last = e
                 continue
             return str(sock.getsockname()[0])
-    reason = errno.errorcode.get(last.errno, str(last.errno)) if last and last.errno else "no address"
+    reason = (errno.errorcode.get(last.errno, str(last.errno)) if last and last.errno
+              else "no address")
     raise OSError(last.errno if last else errno.EHOSTUNREACH,
-                  f"no route from this host to {remote_host!r} ({reason}: {last.strerror if last else ''}); "
+                  f"no route from this host to {remote_host!r} "
+                  f"({reason}: {last.strerror if last else ''}); "
                   f"check that it is up and on a network this host is connected to")
 
 

@@ -38,7 +38,8 @@ class LocalRanks:
     def held_for(self, rank: int, *, joining: bool) -> list[Message]:
         """The faults a new process of ``rank`` gets once it says hello (taken: they are its
         now)."""
-        return [*self._armed_early.pop(rank, []), *(self._for_replacement.pop(rank, []) if joining else [])]
+        return [*self._armed_early.pop(rank, []),
+                *(self._for_replacement.pop(rank, []) if joining else [])]
 
     def hold(self, worker: LocalWorker) -> None:
         """``worker``'s process holds its rank now (a live older one, a planned move's, stays
@@ -81,7 +82,8 @@ class LocalRanks:
 
     def phases(self) -> dict[int, str]:
         """Each live rank's phase from its latest heartbeat (init, step, recovery, done)."""
-        return {r: w.progress().phase for r, w in self.workers.items() if w.process.returncode is None}
+        return {r: w.progress().phase for r, w in self.workers.items()
+                if w.process.returncode is None}
 
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         worker = self.workers.get(rank)

@@ -97,8 +97,8 @@ class ManagerClient:
         self._seq += width
         self._kept.append((first, self._seq, report))
         if len(self._kept) % _KEPT_WARN_EVERY == 0:
-            log.warning("%d reports kept for the manager (unreachable or not acknowledging); none is dropped",
-                        len(self._kept))
+            log.warning("%d reports kept for the manager (unreachable or not acknowledging); "
+                        "none is dropped", len(self._kept))
         if self.writer is None:
             return
         self._unsent += 1

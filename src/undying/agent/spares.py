@@ -117,7 +117,8 @@ class SparePool:
     def fresh(self, spare: Spare, now: float) -> bool:
         """Warm, alive and heard from lately: a spare stopped since its last beat is not handed a
         rank."""
-        return (spare.writer is not None and spare.process.returncode is None and not spare.hang_reported
+        return (spare.writer is not None and spare.process.returncode is None
+                and not spare.hang_reported
                 and now - spare.last_seen <= max(1.5, 3 * self.beat_s))
 
     def take(self) -> Spare | None:
@@ -152,8 +153,8 @@ class SparePool:
             silent = now - (clock.counts_from(since, wall=True) if clock is not None else since)
             if silent > limit:
                 spare.hang_reported = True
-                log.warning("node %d: spare pid %d silent for %.1fs (%s timeout %.1fs); killed and replaced",
-                            self.node, spare.pid, silent, phase, limit)
+                log.warning("node %d: spare pid %d silent for %.1fs (%s timeout %.1fs); "
+                            "killed and replaced", self.node, spare.pid, silent, phase, limit)
                 self._report("spare_hung", spare.pid, phase=phase, silent_s=round(silent, 3))
                 signal_group(spare.pid, signal.SIGKILL)
 
@@ -182,8 +183,8 @@ class SparePool:
         """A spare's answer to its Assign: the rank is its now."""
         take = self.taking.pop(message.pid, None)
         if take is not None:
-            log.info("node %d: spare pid %d took rank %d in %.3fs", self.node, message.pid, take.rank,
-                     time.time() - take.given_t)
+            log.info("node %d: spare pid %d took rank %d in %.3fs", self.node, message.pid,
+                     take.rank, time.time() - take.given_t)
         return True
 
     def on_ready(self, message: SpareReady, writer: asyncio.StreamWriter) -> bool:
@@ -214,7 +215,8 @@ class SparePool:
         """The pool as the agent's view shows it: each spare's PID and whether it is fit to take a
         rank."""
         now = time.time()
-        return {"spares": [{"pid": s.pid, "fresh": self.fresh(s, now)} for s in self.spares.values()]}
+        return {"spares": [{"pid": s.pid, "fresh": self.fresh(s, now)}
+                           for s in self.spares.values()]}
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:

@@ -101,7 +101,8 @@ class WorkerChannel:
             if not shows_key(await asyncio.wait_for(reader.readline(), _KEY_WAIT_S), self._key):
                 self._refused += 1
                 if self._refused <= 10:  # bounded: a flood of strangers cannot grow the log
-                    log.warning("node %d: refused a local connection without the agent's key", self.node)
+                    log.warning("node %d: refused a local connection without the agent's key",
+                                self.node)
                 return
             while True:
                 data = await reader.readline()

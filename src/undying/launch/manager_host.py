@@ -43,7 +43,8 @@ def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals 
         # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run
         # steps.
         return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
-    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP,
+                                                        signal.SIGQUIT):
         # (a preempting signal that found nothing to preempt: 143, 129 or 131)
         return 128 + int(interrupted_by)
     return _EXIT_CODES.get(final, 1)
@@ -81,7 +82,8 @@ class ManagerHost:
     generation it left again once its control store serves.
     """
 
-    def __init__(self, config: JobConfig, files: JobFiles, events: EventLog, *, restoring: bool = False) -> None:
+    def __init__(self, config: JobConfig, files: JobFiles, events: EventLog, *,
+                 restoring: bool = False) -> None:
         self.config = config
         self.files = files
         self.events = events
@@ -104,9 +106,11 @@ class ManagerHost:
         """Start the HTTP API and say where it is in the job dir (``facts``: what else the file
         tells); returns its URL. ``open_status``: the status page is served without the token."""
         config = self.config
-        self._runner, url = await start_http(self.manager, config.host, config.http_port, open_status=open_status)
-        self.files.job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id, **facts,
-                                          "control_port": self.control_port, "started_at": time.time()})
+        self._runner, url = await start_http(self.manager, config.host, config.http_port,
+                                             open_status=open_status)
+        self.files.job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id,
+                                          **facts, "control_port": self.control_port,
+                                          "started_at": time.time()})
         self.events.set_job("url", url, flush=True)
         return url
 
