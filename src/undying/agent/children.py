@@ -98,8 +98,8 @@ class ChildProcess:
     def _readable(self) -> None:
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
-        # not ours after all (no subreaper): it is gone, its status unknown
         except ChildProcessError:
+            # not ours after all (no subreaper): it is gone, its status unknown
             pid, status = self.pid, 9
         if pid == 0:
             return  # (a stop is not an exit: waitpid without WUNTRACED reports only exits)

@@ -43,8 +43,8 @@ class InProcessLine:
         for line in data.splitlines():
             try:
                 message = decode_to_agent(line)
-            # a command the agent's wire does not take: the manager's bug, said
             except MessageError as e:
+                # a command the agent's wire does not take: the manager's bug, said
                 log.error("in-process line: dropped a command the agent cannot read: %s", e)
                 continue
             self._command(message)

@@ -204,8 +204,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
             waiting = asyncio.ensure_future(_wait_for_nodes(manager, server, config))
         try:
             final = await manager.run(restored=restart, ready=waiting)
-        # the job cannot start as asked (another job's checkpoint): every node hears why
         except UsageError as e:
+            # the job cannot start as asked (another job's checkpoint): every node hears why
             await _tell_nodes(server, JobEnded(JobState.FAILED.value, str(e), 2))
             raise
         finally:

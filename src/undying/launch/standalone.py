@@ -197,8 +197,8 @@ def say(line: str) -> None:
     try:
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
         sys.stderr.flush()
-    # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
     except OSError:
+        # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
         pass
 
 
