@@ -49,11 +49,12 @@ log = logging.getLogger("undying.agent")
 class Agent:
     """The node's processes, composed of named parts, each given what it needs here:
 
-    its life (``life.py``: one state, its moves in one table), its ranks (``ranks.py``: which process
-    holds each and the words to them), the workers' channel (``worker_channel.py``), the spare pool
-    (``spares.py``), the zygote keeper (``zygote.py``), the process starting (``spawner.py``), the
-    workers' environment (``environment.py``), the hang watch (``hang_watch.py``) and the orphan sweep
-    (``children.py``). What is left here is what the manager's commands call, and the agent's life.
+    its life (``life.py``: one state, its moves in one table), its ranks (``ranks.py``: which
+    process holds each and the words to them), the workers' channel (``worker_channel.py``), the
+    spare pool (``spares.py``), the zygote keeper (``zygote.py``), the process starting
+    (``spawner.py``), the workers' environment (``environment.py``), the hang watch
+    (``hang_watch.py``) and the orphan sweep (``children.py``). What is left here is what the
+    manager's commands call, and the agent's life.
     """
 
     def __init__(
@@ -69,9 +70,10 @@ class Agent:
         extra_env: Mapping[str, str] | None = None,
         spares: int | None = None,
     ) -> None:
-        """``manager_host``: the manager's address as this node reaches it, when it is on another host;
-        ``extra_env``: what this node's processes get beside undying's own (the job's derived keys, the
-        interface toward the manager); ``spares``: how many spares to keep warm (default ``--spares``)."""
+        """``manager_host``: the manager's address as this node reaches it, when it is on another
+        host; ``extra_env``: what this node's processes get beside undying's own (the job's derived
+        keys, the interface toward the manager); ``spares``: how many spares to keep warm (default
+        ``--spares``)."""
         self.config = config
         self.node = node
         self._report = report  # each report to the manager, as a message
@@ -83,10 +85,12 @@ class Agent:
         self.ranks = LocalRanks()
         self.manager_host = manager_host  # ("": the manager is in this process)
         # What a local process must show on the worker channel (undying.protocol.channel_key).
-        self.environment = WorkerEnvironment(self, key=new_key(), manager_host=manager_host,
-                                             extra_env=dict(extra_env or {}))  # e.g. GLOO_SOCKET_IFNAME
-        self.spares = SparePool(node, config, start=lambda: self._spawner.start_process(self.environment.base(),
-                                                                                        spare=True),
+        self.environment = WorkerEnvironment(
+            self, key=new_key(), manager_host=manager_host,
+            extra_env=dict(extra_env or {}))  # e.g. GLOO_SOCKET_IFNAME
+        self.spares = SparePool(node, config,
+                                start=lambda: self._spawner.start_process(self.environment.base(),
+                                                                          spare=True),
                                 report=self._spare_event, stopping=lambda: self._life.stopping,
                                 want=config.spares if spares is None else spares)
         # Durations of this node's recent steps: what an automatic step timeout is derived from.
@@ -99,33 +103,36 @@ class Agent:
         self._orphans = Orphans()  # what a rank started and no longer holds (agent/children.py)
         # The workers' lines to this agent (agent/worker_channel.py): their reports go to the
         # manager.
-        self._channel = WorkerChannel(node, self.environment.key, self.ranks.by_pid, self.spares, step_times,
-                                      trace=lambda: self._trace, forward=report)
-        self._spawner = Spawner(self, script=script, script_args=script_args, life=self._life, ranks=self.ranks,
-                                spares=self.spares, zygotes=self._zygotes, environment=self.environment,
-                                tasks=self._tasks, report=report, spare_event=self._spare_event)
-        self.watch = HangWatch(self, self.ranks, self._life, zygotes=self._zygotes, spares=self.spares,
-                               orphans=self._orphans, step_times=step_times, report=report)
+        self._channel = WorkerChannel(node, self.environment.key, self.ranks.by_pid, self.spares,
+                                      step_times, trace=lambda: self._trace, forward=report)
+        self._spawner = Spawner(self, script=script, script_args=script_args, life=self._life,
+                                ranks=self.ranks, spares=self.spares, zygotes=self._zygotes,
+                                environment=self.environment, tasks=self._tasks, report=report,
+                                spare_event=self._spare_event)
+        self.watch = HangWatch(self, self.ranks, self._life, zygotes=self._zygotes,
+                               spares=self.spares, orphans=self._orphans, step_times=step_times,
+                               report=report)
 
     @property
     def life(self) -> AgentLife:
         return self._life.state
 
     async def start(self, *, join_first: bool = False) -> None:
-        """Serve this node's workers and start its zygote; ``join_first``: a node of a multi-node job,
-        whose zygote imports while the agent joins its manager (a standby waits for it here: its spares
-        are forked from it)."""
+        """Serve this node's workers and start its zygote; ``join_first``: a node of a multi-node
+        job, whose zygote imports while the agent joins its manager (a standby waits for it here:
+        its spares are forked from it)."""
         self._server = await asyncio.start_server(self._channel.serve, "127.0.0.1", 0)
         self.worker_port = self._server.sockets[0].getsockname()[1]
         self._life.move(Event.SERVE)
         # Every worker is this process's child, and what a rank leaves behind comes here
         # (agent/children.py).
         if not become_subreaper():
-            log.warning("node %d: no child subreaper on this platform: a process a rank starts in a session of "
-                        "its own may outlive the rank", self.node)
+            log.warning("node %d: no child subreaper on this platform: a process a rank starts "
+                        "in a session of its own may outlive the rank", self.node)
         if join_first:
-            # A node of a multi-node job joins its manager first (joining late can cost it its place under
-            # --node-wait); the zygote imports meanwhile, and its node's workers wait for it (zygote_ready).
+            # A node of a multi-node job joins its manager first (joining late can cost it its place
+            # under --node-wait); the zygote imports meanwhile, and its node's workers wait for it
+            # (zygote_ready).
             self._zygotes.begin()
         else:
             await self._zygotes.start()  # the manager in this process opens generation 0 after this
@@ -151,7 +158,8 @@ class Agent:
         return self._life.serving and self._zygotes.pending
 
     async def zygote_ready(self) -> None:
-        """Until the zygote (started again if let go) serves or gives up: a fork costs no second torch import."""
+        """Until the zygote (started again if let go) serves or gives up: a fork costs no second
+        torch import."""
         if self.zygote_pending():
             await self._zygotes.ready()
 
@@ -166,15 +174,16 @@ class Agent:
         self.ranks.set_trace(switch)
 
     def follow(self, control_port: int, job_dir: str = "") -> None:
-        """What the manager's welcome says of the job: its control store's port, and (when given) the
-        job dir its ranks write to, the manager's (one job dir on a shared filesystem)."""
+        """What the manager's welcome says of the job: its control store's port, and (when given)
+        the job dir its ranks write to, the manager's (one job dir on a shared filesystem)."""
         self.control_port = control_port
         if job_dir and job_dir != self.config.job_dir:
             self.config = dataclasses.replace(self.config, job_dir=job_dir)
 
     def become(self, node: int) -> None:
-        """A standby given node ``node``: its ranks, reports and spares go by that number, and it keeps
-        the job's ``--spares`` from now on (it kept a whole node's worth while it had none)."""
+        """A standby given node ``node``: its ranks, reports and spares go by that number, and it
+        keeps the job's ``--spares`` from now on (it kept a whole node's worth while it had
+        none)."""
         self.node = node
         self.config = dataclasses.replace(self.config, node_rank=node)
         self.spares.become(node, self.config.spares)
@@ -197,10 +206,12 @@ class Agent:
         ``incarnation``: the manager's number for it (the rank's owner key).
         Returns the PID and whether it was a spare.
         """
-        return self._spawner.spawn(rank, record, joining=joining, resume_from=resume_from, incarnation=incarnation)
+        return self._spawner.spawn(rank, record, joining=joining, resume_from=resume_from,
+                                   incarnation=incarnation)
 
     def _spare_event(self, what: str, pid: int, **detail: Any) -> None:
-        """Tell the manager's log what happened to a spare (its PID included: the job's record of spares)."""
+        """Tell the manager's log what happened to a spare (its PID included: the job's record of
+        spares)."""
         try:
             self._report(SpareEvent(self.node, pid, what, time.time(), detail))
         except Exception:  # a report must never stop the agent's own care of its spares
@@ -221,7 +232,8 @@ class Agent:
         return self.ranks.abort(rank, generation, reason)
 
     def tell(self, rank: int, message: Message) -> bool:
-        """Send a command to ``rank``'s worker (queued until it says hello); False if it has no process."""
+        """Send a command to ``rank``'s worker (queued until it says hello); False if it has no
+        process."""
         return self.ranks.tell(rank, message)
 
     def arm(self, rank: int, fault: ArmFault) -> None:
@@ -235,24 +247,28 @@ class Agent:
         return self.ranks.phases()
 
     def state(self) -> AgentState:
-        """The node's beat to its manager: its live ranks, their phases, its warm spares, its zygote."""
+        """The node's beat to its manager: its live ranks, their phases, its warm spares, its
+        zygote."""
         return AgentState(node=self.node, live={str(r): p for r, p in self.live_pids().items()},
-                          phases={str(r): p for r, p in self.phases().items()}, spares_ready=self.spares_ready(),
-                          t=time.time(), zygote_pid=self._zygotes.pid or 0)
+                          phases={str(r): p for r, p in self.phases().items()},
+                          spares_ready=self.spares_ready(), t=time.time(),
+                          zygote_pid=self._zygotes.pid or 0)
 
     def resume_after_stop(self) -> None:
         """Accept new workers again after ``stop_all`` (a fenced node joins afresh)."""
         self._life.move(Event.RESUME)
 
     async def stop_all(self, grace_s: float) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``; spares go at once."""
+        """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``; spares go
+        at once."""
         self._life.move(Event.STOP)
         self.spares.kill_all()
         live = [w.process for w in self.ranks.live()]
         self.ranks.say_stop()  # first: the SIGTERM that follows is a stop, not a preemption
         for process in live:
             signal_group(process.pid, signal.SIGTERM)
-            signal_group(process.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+            # a stopped process acts on SIGTERM only once continued
+            signal_group(process.pid, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         for process in live:
             remaining = max(0.0, deadline - time.monotonic())

@@ -45,8 +45,8 @@ import time
 
 from undying.protocol.env import AGENT_PID_ENV
 
-__all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree", "Orphans",
-           "WATCHED"]
+__all__ = ["ChildProcess", "become_subreaper", "release_subreaper", "descendants", "kill_tree",
+           "Orphans", "WATCHED"]
 
 log = logging.getLogger("undying.agent")
 
@@ -64,7 +64,8 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def become_subreaper() -> bool:
-    """Orphans of this process's descendants come to it, not to init; False where the platform cannot."""
+    """Orphans of this process's descendants come to it, not to init; False where the platform
+    cannot."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
@@ -97,7 +98,8 @@ class ChildProcess:
     def _readable(self) -> None:
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:  # not ours after all (no subreaper): it is gone, its status unknown
+        except ChildProcessError:
+            # not ours after all (no subreaper): it is gone, its status unknown
             pid, status = self.pid, 9
         if pid == 0:
             return  # (a stop is not an exit: waitpid without WUNTRACED reports only exits)
@@ -147,11 +149,13 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant of it (own sessions and groups included)."""
+    """SIGKILL ``pid``'s process group and every descendant of it (own sessions and groups
+    included)."""
     below = descendants(pid)
     for target in [pid, *below]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(target, signal.SIGKILL)  # (a leader's group; a non-leader has none of that number)
+            # (a leader's group; a non-leader has none of that number)
+            os.killpg(target, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, signal.SIGKILL)
 
@@ -189,11 +193,13 @@ class Orphans:
 
     def __init__(self, grace_s: float = 1.0) -> None:
         self.grace_s = grace_s
-        self._mark = f"{AGENT_PID_ENV}={os.getpid()}".encode()  # (what every worker's environment holds)
+        # (what every worker's environment holds)
+        self._mark = f"{AGENT_PID_ENV}={os.getpid()}".encode()
         self._seen: dict[int, float] = {}  # adopted PID -> when first seen
         self.ended: list[int] = []  # (for the log and tests)
 
-    def sweep(self, known: set[int], now: float | None = None, grace_s: float | None = None) -> list[int]:
+    def sweep(self, known: set[int], now: float | None = None,
+              grace_s: float | None = None) -> list[int]:
         """End adopted orphans past their grace, reap the dead ones; the PIDs ended this time."""
         now = time.monotonic() if now is None else now
         ended: list[int] = []
@@ -202,7 +208,8 @@ class Orphans:
             # Seen marked while alive, or marked now (a zombie's environment reads empty: it counts
             # as ours only if it was seen before it died; one that died unseen is left to whoever
             # waits).
-            if pid in known or pid in WATCHED or (pid not in self._seen and not _marked(pid, self._mark)):
+            if pid in known or pid in WATCHED or (pid not in self._seen
+                                                  and not _marked(pid, self._mark)):
                 continue
             current.add(pid)
             if self._reap(pid):
@@ -210,8 +217,8 @@ class Orphans:
                 continue
             first = self._seen.setdefault(pid, now)
             if now - first >= (self.grace_s if grace_s is None else grace_s):
-                log.warning("pid %d, started by a rank that no longer holds it, outlived it by %.1fs: ended",
-                            pid, now - first)
+                log.warning("pid %d, started by a rank that no longer holds it, "
+                            "outlived it by %.1fs: ended", pid, now - first)
                 kill_tree(pid)
                 ended.append(pid)
                 self.ended.append(pid)
@@ -221,7 +228,8 @@ class Orphans:
 
     @staticmethod
     def _reap(pid: int) -> bool:
-        """Reap ``pid`` if it has exited (True); it is this process's adopted child, no one else's status."""
+        """Reap ``pid`` if it has exited (True); it is this process's adopted child, no one else's
+        status."""
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:

@@ -45,13 +45,15 @@ class NodeCommands:
         self.agent = agent
         self._report = report
         self._tasks: set[asyncio.Task[None]] = set()
-        self._deferred: dict[int, SpawnRank] = {}  # ranks waiting for the zygote (``_spawn``), oldest first
+        # ranks waiting for the zygote (``_spawn``), oldest first
+        self._deferred: dict[int, SpawnRank] = {}
         self.table = Handlers[object]({
             SpawnRank: self._spawn,
             KillRank: lambda message: agent.kill(message.rank, signal.Signals(message.signal)),
             TellRank: lambda message: agent.tell(message.rank, message.command),
             ArmRank: lambda message: agent.arm(message.rank, message.fault),
-            AbortRank: lambda message: agent.abort(message.rank, message.generation, message.reason),
+            AbortRank: lambda message: agent.abort(message.rank, message.generation,
+                                                   message.reason),
             KeepSpares: lambda message: agent.keep_spares(),
             TraceSet: lambda message: agent.set_trace(message),
             StopNode: self._start_stop,
@@ -76,11 +78,13 @@ class NodeCommands:
         spare is taken at once.
         """
         agent = self.agent
-        if self._deferred or (agent.zygote_pending() and not (message.joining and agent.spares_ready())):
+        if self._deferred or (agent.zygote_pending()
+                              and not (message.joining and agent.spares_ready())):
             if not self._deferred:
                 self._run(self._spawn_when_ready())
             self._deferred.pop(message.rank, None)
-            self._deferred[message.rank] = message  # a later SpawnRank of the same rank supersedes it
+            # a later SpawnRank of the same rank supersedes it
+            self._deferred[message.rank] = message
             return
         pid, warm = agent.spawn(message.rank, message.record, joining=message.joining,
                                 resume_from=message.resume_from, incarnation=message.incarnation)

@@ -1,4 +1,5 @@
-"""What a worker's process is started with: undying's own variables and torchrun's (``torchrun_env.py``).
+"""What a worker's process is started with: undying's own variables and torchrun's
+(``torchrun_env.py``).
 
 One named part of the agent. Every variable is derived at each start from the
 agent as it is then (``EnvironmentSource``): its job settings and node number
@@ -42,19 +43,22 @@ class WorkerEnvironment:
     def __init__(self, source: EnvironmentSource, *, key: str, manager_host: str,
                  extra_env: dict[str, str]) -> None:
         """``key``: what a local process must show on the workers' channel; ``manager_host``: the
-        manager's address as this node reaches it ("": in this process); ``extra_env``: what this node's
-        processes get beside undying's own (the job's derived keys, the interface toward the manager)."""
+        manager's address as this node reaches it ("": in this process); ``extra_env``: what this
+        node's processes get beside undying's own (the job's derived keys, the interface toward the
+        manager)."""
         self._source = source
         self.key = key
         self.manager_host = manager_host
         self.extra_env = extra_env
-        self._torchrun = TorchrunEnv(source)  # torchrun's variables, from the agent's config and node
+        # torchrun's variables, from the agent's config and node
+        self._torchrun = TorchrunEnv(source)
 
     def base(self) -> dict[str, str]:
         """What every process of the node gets, spares included."""
         source = self._source
         config = source.config
-        env = child_environment(os.environ, {k: v for k, v in self.extra_env.items() if k in DERIVED_KEY_ENVS})
+        derived_keys = {k: v for k, v in self.extra_env.items() if k in DERIVED_KEY_ENVS}
+        env = child_environment(os.environ, derived_keys)
         env.update(
             {
                 names.JOB_ID_ENV: config.job_id,
@@ -73,13 +77,15 @@ class WorkerEnvironment:
         env.update(config.trace.env(config.job_dir))
         for key, value in self.extra_env.items():
             env.setdefault(key, value)
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's warnings on a dead peer are expected
+        # gloo's warnings on a dead peer are expected
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.update(self._torchrun.base(env))
         return env
 
     def rank(self, rank: int, record: GenerationRecord, joining: bool,
              resume_from: str = "", incarnation: int = 0) -> dict[str, str]:
-        """What makes a process rank ``rank`` of ``record``'s generation: torchrun's variables and undying's."""
+        """What makes a process rank ``rank`` of ``record``'s generation: torchrun's variables and
+        undying's."""
         source = self._source
         return {
             **self._torchrun.rank(rank, record, incarnation, self.manager_host),
@@ -88,7 +94,8 @@ class WorkerEnvironment:
             # The generation's store lives in the manager: across hosts, where this agent reached
             # it.
             names.STORE_ADDR_ENV: f"{self.manager_host or record.store_host}:{record.store_port}",
-            names.CONTROL_ADDR_ENV: f"{self.manager_host or source.config.host}:{source.control_port}",
+            names.CONTROL_ADDR_ENV:
+                f"{self.manager_host or source.config.host}:{source.control_port}",
             names.GENERATION_ENV: str(record.generation),
             names.JOINING_ENV: "1" if joining else "0",
             names.BACKEND_ENV: source.config.backend,

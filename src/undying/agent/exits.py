@@ -1,14 +1,13 @@
 """A worker's exit after its script returned: done, however the exit itself went.
 
-The worker's boot marks the moment the script returned (a file in the
-process's folder, ``config.worker_dir``) and arms a timer: a process still
-there ``--exit-grace`` seconds later (a thread that never ends, a deadlock in
-an atexit handler or in a library's teardown) has every thread's stack written
-to its log (faulthandler's watchdog thread, which needs no interpreter lock)
-and is ended by SIGALRM half a second later, which needs no lock either. The agent then reports the rank as finished (exit 0 to
-the manager): its work is done and the job's result stands; the stuck exit is
-noted in the job's log (``exit_stuck``, or ``exit_after_return`` for another
-non-zero end after the script returned).
+The worker's boot marks the moment the script returned (a file in the process's folder,
+``config.worker_dir``) and arms a timer: a process still there ``--exit-grace`` seconds later (a
+thread that never ends, a deadlock in an atexit handler or in a library's teardown) has every
+thread's stack written to its log (faulthandler's watchdog thread, which needs no interpreter lock)
+and is ended by SIGALRM half a second later, which needs no lock either. The agent then reports the
+rank as finished (exit 0 to the manager): its work is done and the job's result stands; the stuck
+exit is noted in the job's log (``exit_stuck``, or ``exit_after_return`` for another non-zero end
+after the script returned).
 """
 
 from __future__ import annotations
@@ -41,13 +40,13 @@ def returned_exit(config: JobConfig, rank: int, incarnation: int, pid: int, retu
         return 0
     grace = config.timeouts.exit_grace
     if returncode == -signal.SIGALRM:
-        log.warning("rank %d (pid %d): its script returned, but the process was still in its exit %gs later "
-                    "(--exit-grace): ended, every thread's stack is in its log just before; the rank's result "
-                    "stands", rank, pid, grace)
+        log.warning("rank %d (pid %d): its script returned, but the process was still in its exit "
+                    "%gs later (--exit-grace): ended, every thread's stack is in its log just "
+                    "before; the rank's result stands", rank, pid, grace)
         what = "exit_stuck"
     else:
-        log.info("rank %d (pid %d): its script returned, then the process ended with %d; the rank's result "
-                 "stands", rank, pid, returncode)
+        log.info("rank %d (pid %d): its script returned, then the process ended with %d; "
+                 "the rank's result stands", rank, pid, returncode)
         what = "exit_after_return"
     detail: dict[str, Any] = {"rank": rank, "returncode": returncode, "exit_grace_s": grace}
     note(what, pid, **detail)

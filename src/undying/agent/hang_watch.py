@@ -45,7 +45,8 @@ log = logging.getLogger("undying.agent")
 
 
 class WatchSource(Protocol):
-    """What the watch reads of its agent each tick: the job's settings and the node's number may change."""
+    """What the watch reads of its agent each tick: the job's settings and the node's number may
+    change."""
 
     @property
     def config(self) -> JobConfig: ...
@@ -57,8 +58,9 @@ class WatchSource(Protocol):
 
 
 class HangWatch:
-    def __init__(self, source: WatchSource, ranks: LocalRanks, life: LifeMachine, *, zygotes: ZygoteKeeper,
-                 spares: SparePool, orphans: Orphans, step_times: deque[float],
+    def __init__(self, source: WatchSource, ranks: LocalRanks, life: LifeMachine, *,
+                 zygotes: ZygoteKeeper, spares: SparePool, orphans: Orphans,
+                 step_times: deque[float],
                  report: Callable[[Message], None]) -> None:
         self._source = source
         self._ranks = ranks
@@ -66,17 +68,20 @@ class HangWatch:
         self._zygotes = zygotes
         self._spares = spares
         self._orphans = orphans
-        self._step_times = step_times  # the durations of this node's recent steps (fed by the workers' channel)
+        # the durations of this node's recent steps (fed by the workers' channel)
+        self._step_times = step_times
         self._report = report
 
     def step_timeout(self) -> float:
-        return step_timeout(self._source.config.timeouts.step_timeout, max(self._step_times, default=None))
+        return step_timeout(self._source.config.timeouts.step_timeout,
+                            max(self._step_times, default=None))
 
     async def run(self) -> None:
         """Watch every rank's beats and progress; tell the manager of hangs and stalls."""
         source = self._source
         timeouts = source.config.timeouts
-        clock = watch_clock(source.node, timeouts)  # silence counts only while this agent ran (agent/liveness.py)
+        # silence counts only while this agent ran (agent/liveness.py)
+        clock = watch_clock(source.node, timeouts)
         while True:
             await asyncio.sleep(clock.period_s)
             clock.tick()
@@ -90,17 +95,19 @@ class HangWatch:
             for worker in list(self._ranks.workers.values()):
                 if worker.hang_reported or worker.process.returncode is not None:
                     continue
-                silence = judge_silence(now, worker.started, worker.last_seen, timeouts, source.config.step_api,
-                                        clock)
+                silence = judge_silence(now, worker.started, worker.last_seen, timeouts,
+                                        source.config.step_api, clock)
                 if silence is not None and not has_exited(worker.pid):
                     worker.hang_reported = True
-                    log.warning("node %d: rank %d (pid %d, state %s) silent for %.1fs (%s timeout %.1fs)",
-                                source.node, worker.rank, worker.pid, process_state(worker.pid), silence.silent_s,
-                                silence.phase, silence.limit_s)
+                    log.warning("node %d: rank %d (pid %d, state %s) silent for %.1fs "
+                                "(%s timeout %.1fs)", source.node, worker.rank, worker.pid,
+                                process_state(worker.pid), silence.silent_s, silence.phase,
+                                silence.limit_s)
                     self._report(RankHung(worker.rank, worker.pid, silence.phase,
                                           worker.last_seen or worker.started, now))
-                elif (beat := worker.beat) is not None and beat.progress_t != worker.stall_reported_t \
-                        and is_stalled(beat, self.step_timeout(), timeouts):
+                elif ((beat := worker.beat) is not None
+                        and beat.progress_t != worker.stall_reported_t
+                        and is_stalled(beat, self.step_timeout(), timeouts)):
                     stalled.append(worker)
             if stalled:
                 self._report_stall(stalled, now)
@@ -114,5 +121,6 @@ class HangWatch:
                         "(%d collectives entered)", self._source.node, worker.rank, worker.pid,
                         now - worker.beat.progress_t, worker.beat.phase, worker.beat.step,
                         worker.beat.collectives)
-        live = [w for w in self._ranks.workers.values() if w.process.returncode is None and not w.hang_reported]
+        live = [w for w in self._ranks.workers.values()
+                if w.process.returncode is None and not w.hang_reported]
         self._report(RanksStalled([w.progress() for w in live], self.step_timeout(), now))

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from undying.config import HANGUP_LOG
 
-__all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit", "hangup_line",
-           "handle", "after_the_job"]
+__all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit",
+           "hangup_line", "handle", "after_the_job"]
 
 
 # SIGINT stops the job (Ctrl-C); the others preempt it: a stop with a dying gasp, then exit 75.
@@ -44,7 +44,8 @@ LOG_NAME = HANGUP_LOG  # in the job dir: what the process said after its termina
 
 
 def detach_from_terminal(job_dir: str | Path) -> Path | None:
-    """Stdout and stderr that are a terminal now append to ``<job dir>/launcher.log``; that file, or None.
+    """Stdout and stderr that are a terminal now append to ``<job dir>/launcher.log``; that file, or
+    None.
 
     Pending output is flushed first (to the terminal, if it still takes it);
     nothing here raises: a folder that cannot be written leaves the streams as
@@ -58,7 +59,8 @@ def detach_from_terminal(job_dir: str | Path) -> Path | None:
             stream.flush()
     path = Path(job_dir) / LOG_NAME
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
     except OSError:
         fd = _devnull()
         if fd < 0:
@@ -73,20 +75,26 @@ def detach_from_terminal(job_dir: str | Path) -> Path | None:
 
 
 def on_quit() -> None:
-    """SIGQUIT: every thread's stack to stderr (what a stuck-looking process was doing), then as SIGTERM."""
+    """SIGQUIT: every thread's stack to stderr (what a stuck-looking process was doing), then as
+    SIGTERM."""
     with contextlib.suppress(Exception):
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def hangup_line(sig: signal.Signals, detached: Path | None, what: str) -> str:
-    """The log line of a stop signal: which, ``what`` it does, and where the rest of the output goes."""
-    why = {signal.SIGHUP: "SIGHUP (the terminal hung up)", signal.SIGQUIT: "SIGQUIT (Ctrl-\\)"}.get(sig, sig.name)
-    return f"{why}: {what}" + (f"; the rest of this output goes to {detached}" if detached is not None else "")
+    """The log line of a stop signal: which, ``what`` it does, and where the rest of the output
+    goes."""
+    why = {signal.SIGHUP: "SIGHUP (the terminal hung up)",
+           signal.SIGQUIT: "SIGQUIT (Ctrl-\\)"}.get(sig, sig.name)
+    rest = f"; the rest of this output goes to {detached}" if detached is not None else ""
+    return f"{why}: {what}" + rest
 
 
-def handle(sig: signal.Signals, job_dir: str | Path, then: Callable[[signal.Signals, Path | None], None]) -> None:
-    """A stop signal's common part: SIGQUIT's stacks, the terminal left after SIGHUP, then ``then``."""
+def handle(sig: signal.Signals, job_dir: str | Path,
+           then: Callable[[signal.Signals, Path | None], None]) -> None:
+    """A stop signal's common part: SIGQUIT's stacks, the terminal left after SIGHUP, then
+    ``then``."""
     if sig == signal.SIGQUIT:
         on_quit()
     detached = detach_from_terminal(job_dir) if sig == signal.SIGHUP else None
@@ -94,7 +102,8 @@ def handle(sig: signal.Signals, job_dir: str | Path, then: Callable[[signal.Sign
 
 
 def after_the_job(job_dir: str | Path) -> None:
-    """Once the event loop's handlers are gone (the workers stopped, the summary and exit code to come).
+    """Once the event loop's handlers are gone (the workers stopped, the summary and exit code to
+    come).
 
     A hang-up then only moves the output off the terminal, and SIGQUIT dumps
     the stacks: neither ends the process before its last line and exit code.

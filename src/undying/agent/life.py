@@ -1,4 +1,5 @@
-"""The agent's life as one state, its moves in one table (as ``jobfiles/records.py`` holds the job's).
+"""The agent's life as one state, its moves in one table (as ``jobfiles/records.py`` holds the
+job's).
 
 What the agent does depends on where it is in its life: before it serves its
 workers' channel a process starts as a fresh interpreter (no zygote is asked);
@@ -35,11 +36,14 @@ log = logging.getLogger("undying.agent")
 
 
 class AgentLife(str, enum.Enum):
-    STARTING = "starting"  # built: its workers' channel is not up, a process starts as a fresh interpreter
+    # built: its workers' channel is not up, a process starts as a fresh interpreter
+    STARTING = "starting"
     SERVING = "serving"
-    REGROUPING = "regrouping"  # a worker left for an elastic regroup: the zygote stays, the job comes back at once
+    # a worker left for an elastic regroup: the zygote stays, the job comes back at once
+    REGROUPING = "regrouping"
     STOPPING = "stopping"  # stopping its processes (or stopped): nothing judged, no spare started
-    STOPPING_IN_REGROUP = "stopping-in-regroup"  # stopping, and a regroup holds the zygote (given back on resume)
+    # stopping, and a regroup holds the zygote (given back on resume)
+    STOPPING_IN_REGROUP = "stopping-in-regroup"
     CLOSED = "closed"
 
 
@@ -74,7 +78,8 @@ _MOVES: dict[tuple[AgentLife, Event], AgentLife] = {
     (_S.STOPPING_IN_REGROUP, _E.STOP): _S.STOPPING_IN_REGROUP,
     (_S.STOPPING_IN_REGROUP, _E.RESUME): _S.REGROUPING,
     **{(state, _E.CLOSE): _S.CLOSED for state in AgentLife},
-    **{(_S.CLOSED, event): _S.CLOSED for event in (_E.START_PROCESS, _E.REGROUP_EXIT, _E.STOP, _E.RESUME)},
+    **{(_S.CLOSED, event): _S.CLOSED
+       for event in (_E.START_PROCESS, _E.REGROUP_EXIT, _E.STOP, _E.RESUME)},
 }
 
 
@@ -106,11 +111,12 @@ class LifeMachine:
 
     @property
     def stopping(self) -> bool:
-        """Its processes are being stopped, or it is closed: no rank or spare is judged, none started or
-        replaced (a spare's exit is no loss then)."""
+        """Its processes are being stopped, or it is closed: no rank or spare is judged, none
+        started or replaced (a spare's exit is no loss then)."""
         return self.state in (AgentLife.STOPPING, AgentLife.STOPPING_IN_REGROUP, AgentLife.CLOSED)
 
     @property
     def holds_zygote(self) -> bool:
-        """A regroup holds the zygote though the node has no process (the job comes back at once)."""
+        """A regroup holds the zygote though the node has no process (the job comes back at
+        once)."""
         return self.state in (AgentLife.REGROUPING, AgentLife.STOPPING_IN_REGROUP)

@@ -23,12 +23,14 @@ from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "process_state", "has_exited", "watch_clock"]
+__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "process_state", "has_exited",
+           "watch_clock"]
 
 
 @dataclass(frozen=True)
 class Silence:
-    """A rank silent past its limit: ``phase`` is ``heartbeat`` (it beat before) or ``init`` (never)."""
+    """A rank silent past its limit: ``phase`` is ``heartbeat`` (it beat before) or ``init``
+    (never)."""
 
     phase: str
     silent_s: float
@@ -36,14 +38,17 @@ class Silence:
 
 
 def watch_clock(node: int, timeouts: Timeouts) -> JudgeClock:
-    """The judge clock of a node's watch over its ranks and spares (ticked once a pass of the watch)."""
-    return JudgeClock(min(0.2, timeouts.heartbeat_timeout / 5), timeouts.heartbeat_timeout, f"node {node}'s agent")
+    """The judge clock of a node's watch over its ranks and spares (ticked once a pass of the
+    watch)."""
+    heartbeat_s = timeouts.heartbeat_timeout
+    return JudgeClock(min(0.2, heartbeat_s / 5), heartbeat_s, f"node {node}'s agent")
 
 
 def judge_silence(now: float, started: float, last_seen: float, timeouts: Timeouts,
                   step_api: bool, clock: JudgeClock | None = None) -> Silence | None:
-    """The rank is hung when nothing came from it for its limit: the heartbeat timeout, or before its
-    first message the init timeout (none for a script that never speaks to undying: whole-group restarts).
+    """The rank is hung when nothing came from it for its limit: the heartbeat timeout, or before
+    its first message the init timeout (none for a script that never speaks to undying: whole-group
+    restarts).
 
     Times are the wall clock's. With the watch's ``clock``, silence counts only
     from the agent's return from a stall of its own (a fresh window).
@@ -59,9 +64,10 @@ def judge_silence(now: float, started: float, last_seen: float, timeouts: Timeou
 
 
 def step_timeout(configured: float | None, slowest_recent_step_s: float | None) -> float:
-    """The stall limit in a step: ``--step-timeout`` as given, or with auto (None) derived here, its one
-    place, from the observed step times: ``AUTO_STEP_TIMEOUT_FACTOR`` x the slowest recent step, at
-    least ``AUTO_STEP_TIMEOUT_FLOOR_S`` (a step that needs a minute now and then is not a hang)."""
+    """The stall limit in a step: ``--step-timeout`` as given, or with auto (None) derived here, its
+    one place, from the observed step times: ``AUTO_STEP_TIMEOUT_FACTOR`` x the slowest recent step,
+    at least ``AUTO_STEP_TIMEOUT_FLOOR_S`` (a step that needs a minute now and then is not a
+    hang)."""
     if configured is not None:
         return configured
     if slowest_recent_step_s is None:
@@ -70,8 +76,8 @@ def step_timeout(configured: float | None, slowest_recent_step_s: float | None) 
 
 
 def is_stalled(beat: Heartbeat, step_timeout: float, timeouts: Timeouts) -> bool:
-    """Beating without progress past the limit of its phase, by the beat's own clock (``step_timeout``:
-    the limit in a step, as ``step_timeout()`` gives it).
+    """Beating without progress past the limit of its phase, by the beat's own clock
+    (``step_timeout``: the limit in a step, as ``step_timeout()`` gives it).
 
     The beat's time, not the agent's: beats queued behind a busy loop are not a stall.
     """
@@ -81,8 +87,9 @@ def is_stalled(beat: Heartbeat, step_timeout: float, timeouts: Timeouts) -> bool
 
 
 def process_state(pid: int) -> str:
-    """The kernel's one-letter state of ``pid`` (``R`` running, ``S`` sleeping, ``D`` in I/O, ``T`` stopped,
-    ``Z`` exited and not yet collected), or ``?`` where ``/proc`` does not say (gone, not Linux)."""
+    """The kernel's one-letter state of ``pid`` (``R`` running, ``S`` sleeping, ``D`` in I/O, ``T``
+    stopped, ``Z`` exited and not yet collected), or ``?`` where ``/proc`` does not say (gone, not
+    Linux)."""
     with contextlib.suppress(OSError, IndexError):
         stat = Path(f"/proc/{pid}/stat").read_text()
         return stat[stat.rindex(")") + 2]  # (the name in parentheses may hold spaces and ')')

@@ -24,15 +24,16 @@ _IFNAMSIZ = 16
 
 
 def source_address(remote_host: str) -> str:
-    """The local IP address the kernel would use as source to reach ``remote_host`` (a name or an IP).
+    """The local IP address the kernel would use as source to reach ``remote_host`` (a name or an
+    IP).
 
     A UDP socket's ``connect`` only runs the route lookup: nothing goes on the wire.
     """
     try:
         infos = socket.getaddrinfo(remote_host, 9, type=socket.SOCK_DGRAM)
     except socket.gaierror as e:
-        raise ValueError(f"cannot resolve host {remote_host!r}: {e.strerror}; pass an IP address or a "
-                         f"name this machine can resolve") from e
+        raise ValueError(f"cannot resolve host {remote_host!r}: {e.strerror}; "
+                         f"pass an IP address or a name this machine can resolve") from e
     last: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as sock:
@@ -42,14 +43,17 @@ def source_address(remote_host: str) -> str:
                 last = e
                 continue
             return str(sock.getsockname()[0])
-    reason = errno.errorcode.get(last.errno, str(last.errno)) if last and last.errno else "no address"
+    reason = (errno.errorcode.get(last.errno, str(last.errno)) if last and last.errno
+              else "no address")
     raise OSError(last.errno if last else errno.EHOSTUNREACH,
-                  f"no route from this host to {remote_host!r} ({reason}: {last.strerror if last else ''}); "
+                  f"no route from this host to {remote_host!r} "
+                  f"({reason}: {last.strerror if last else ''}); "
                   f"check that it is up and on a network this host is connected to")
 
 
 def interface_for(address: str) -> str | None:
-    """The name of the interface whose IPv4 address is ``address``, or None (no such interface, or IPv6).
+    """The name of the interface whose IPv4 address is ``address``, or None (no such interface, or
+    IPv6).
 
     SIOCGIFADDR gives each interface's primary address; a secondary address
     added without a label is not seen, which is fine for the agent's use: the
@@ -58,7 +62,8 @@ def interface_for(address: str) -> str | None:
     try:
         wanted = socket.inet_aton(address)
     except OSError:
-        return None  # not an IPv4 address: gloo finds IPv6 ones from the interface name, not asked here
+        # not an IPv4 address: gloo finds IPv6 ones from the interface name, not asked here
+        return None
     if address.count(".") != 3:  # inet_aton also takes shorthands like "127.1"
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

@@ -30,15 +30,20 @@ class LocalRanks:
     def __init__(self) -> None:
         self.workers: dict[int, LocalWorker] = {}
         self.by_pid: dict[int, LocalWorker] = {}
-        self._for_replacement: dict[int, list[ArmFault]] = {}  # faults armed for a rank's next replacement
-        self._armed_early: dict[int, list[ArmFault]] = {}  # faults armed before the rank had a process
+        # faults armed for a rank's next replacement
+        self._for_replacement: dict[int, list[ArmFault]] = {}
+        # faults armed before the rank had a process
+        self._armed_early: dict[int, list[ArmFault]] = {}
 
     def held_for(self, rank: int, *, joining: bool) -> list[Message]:
-        """The faults a new process of ``rank`` gets once it says hello (taken: they are its now)."""
-        return [*self._armed_early.pop(rank, []), *(self._for_replacement.pop(rank, []) if joining else [])]
+        """The faults a new process of ``rank`` gets once it says hello (taken: they are its
+        now)."""
+        return [*self._armed_early.pop(rank, []),
+                *(self._for_replacement.pop(rank, []) if joining else [])]
 
     def hold(self, worker: LocalWorker) -> None:
-        """``worker``'s process holds its rank now (a live older one, a planned move's, stays watched)."""
+        """``worker``'s process holds its rank now (a live older one, a planned move's, stays
+        watched)."""
         old = self.workers.get(worker.rank)
         if old is not None and old.process.returncode is not None:
             self.by_pid.pop(old.pid, None)
@@ -77,7 +82,8 @@ class LocalRanks:
 
     def phases(self) -> dict[int, str]:
         """Each live rank's phase from its latest heartbeat (init, step, recovery, done)."""
-        return {r: w.progress().phase for r, w in self.workers.items() if w.process.returncode is None}
+        return {r: w.progress().phase for r, w in self.workers.items()
+                if w.process.returncode is None}
 
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         worker = self.workers.get(rank)
@@ -98,7 +104,8 @@ class LocalRanks:
         return True
 
     def tell(self, rank: int, message: Message) -> bool:
-        """Send a command to ``rank``'s worker (queued until it says hello); False if it has no process."""
+        """Send a command to ``rank``'s worker (queued until it says hello); False if it has no
+        process."""
         worker = self.workers.get(rank)
         if worker is None or worker.process.returncode is not None:
             return False
@@ -109,7 +116,8 @@ class LocalRanks:
         return True
 
     def arm(self, rank: int, fault: ArmFault) -> None:
-        if fault.phase == InjectPhase.REJOIN:  # for the rank's next replacement process, not this one
+        # for the rank's next replacement process, not this one
+        if fault.phase == InjectPhase.REJOIN:
             self._for_replacement.setdefault(rank, []).append(fault)
             return
         worker = self.workers.get(rank)
@@ -122,7 +130,8 @@ class LocalRanks:
             worker.writer.write(encode(fault))
 
     def set_trace(self, switch: TraceSet) -> None:
-        """Every live worker with a line follows ``switch`` now (later ones get it with their Hello)."""
+        """Every live worker with a line follows ``switch`` now (later ones get it with their
+        Hello)."""
         for worker in self.workers.values():
             if worker.writer is not None and worker.process.returncode is None:
                 worker.writer.write(encode(switch))

@@ -1,4 +1,5 @@
-"""An agent whose manager runs on another host: ``undying run --nnodes N --node-rank I --manager HOST:PORT``.
+"""An agent whose manager runs on another host: ``undying run --nnodes N --node-rank I --manager
+HOST:PORT``.
 
 The agent is the same one a standalone run uses; only its link to the manager
 changes. Its reports travel as messages on one TCP connection, and the
@@ -103,8 +104,8 @@ def _ended(message: JobEnded) -> None:
 class NodeRunner:
     """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
 
-    def __init__(self, config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
-                 *, job_dir_given: bool = True, standby: bool = False) -> None:
+    def __init__(self, config: JobConfig, script: str, script_args: list[str], manager: str,
+                 token: str, *, job_dir_given: bool = True, standby: bool = False) -> None:
         self.config = config
         self._job_dir_given = job_dir_given
         self.manager_host, self.manager_port = parse_manager_address(manager)
@@ -114,7 +115,8 @@ class NodeRunner:
         self.node = _STANDBY if standby else config.node_rank
         self._standby = standby
         extra_env = {
-            CHECKPOINT_KEY_ENV: key_from_token(token).hex(),  # its workers sign and check checkpoints
+            # its workers sign and check checkpoints
+            CHECKPOINT_KEY_ENV: key_from_token(token).hex(),
             STORE_KEY_ENV: store_key_from_token(token).hex(),  # and reach the job's stores
             **_interface_env(self.manager_host, self.node),
         }
@@ -123,12 +125,14 @@ class NodeRunner:
                            extra_env=extra_env,
                            # a standby keeps enough warm spares for a whole node's ranks
                            spares=max(config.spares, config.nproc_per_node) if standby else None)
-        self.commands = NodeCommands(self.agent, self.client.send)  # the manager's commands, one table
+        # the manager's commands, one table
+        self.commands = NodeCommands(self.agent, self.client.send)
         self.session = ""
         self._last_beat = 0.0  # monotonic: the manager's last line
         # Its manager silent or unreachable: judged only over time this agent ran
         # (protocol/judge_clock.py).
-        self.clock = JudgeClock(min(0.2, config.timeouts.heartbeat_timeout / 5), config.timeouts.heartbeat_timeout, "this agent")
+        heartbeat_s = config.timeouts.heartbeat_timeout
+        self.clock = JudgeClock(min(0.2, heartbeat_s / 5), heartbeat_s, "this agent")
         self._leaving: str = ""
         self._leave = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -138,8 +142,10 @@ class NodeRunner:
         # (a standby's agent waits for its zygote at start: its spares are forked from it)
         await self.agent.start(join_first=not self._standby)
         loop = asyncio.get_running_loop()
-        self._tasks.add(loop.create_task(self.clock.keep_ticking()))  # (cancelled with the others at the end)
-        for sig in hangup.STOP_SIGNALS:  # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
+        # (cancelled with the others at the end)
+        self._tasks.add(loop.create_task(self.clock.keep_ticking()))
+        # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
+        for sig in hangup.STOP_SIGNALS:
             loop.add_signal_handler(sig, hangup.handle, sig, self.config.job_dir, self._on_signal)
         try:
             return await self._serve()
@@ -157,12 +163,14 @@ class NodeRunner:
         if self._leaving:
             return
         self._leaving = f"{sig.name} to the agent of node {self.node}"
-        log.warning("node %d: %s", self.node, hangup.hangup_line(sig, detached, "this node leaves the job"))
+        log.warning("node %d: %s", self.node,
+                    hangup.hangup_line(sig, detached, "this node leaves the job"))
         self.client.send(NodeLeaving(self.node, self._leaving, time.time()))
         self._leave.set()
 
     async def _serve(self) -> int:
-        """Connect, serve the manager, connect again after a break; until the job ends or this node leaves."""
+        """Connect, serve the manager, connect again after a break; until the job ends or this node
+        leaves."""
         offline_since = time.monotonic()
         limit = self.config.timeouts.rendezvous_timeout
         while True:
@@ -171,11 +179,12 @@ class NodeRunner:
                 return _EXIT_SIGTERM
             try:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.manager_host, self.manager_port, limit=16 * 1024 * 1024), 5.0)
+                    asyncio.open_connection(self.manager_host, self.manager_port,
+                                            limit=16 * 1024 * 1024), 5.0)
             except (OSError, asyncio.TimeoutError) as e:
                 if self.clock.silent_s(offline_since) > limit:
-                    log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); stopping",
-                              self.node, self.manager_host, self.manager_port, limit, e)
+                    log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); "
+                              "stopping", self.node, self.manager_host, self.manager_port, limit, e)
                     return 1
                 await self._sleep_or_leave(0.5)
                 continue
@@ -193,8 +202,8 @@ class NodeRunner:
                 self.session = ""
                 offline_since = time.monotonic()
             except (ConnectionError, OSError, asyncio.TimeoutError, ValueError) as e:
-                log.warning("node %d: the connection to the manager failed (%s: %s); connecting again",
-                            self.node, type(e).__name__, e)
+                log.warning("node %d: the connection to the manager failed (%s: %s); "
+                            "connecting again", self.node, type(e).__name__, e)
                 await self._sleep_or_leave(0.5)
             except _Ended as e:
                 ended = e.ended
@@ -209,10 +218,12 @@ class NodeRunner:
             await asyncio.wait_for(self._leave.wait(), seconds)
 
     async def _flush_leaving(self) -> None:
-        """Say we leave (if the manager can be reached at all), then the finally stops the workers."""
+        """Say we leave (if the manager can be reached at all), then the finally stops the
+        workers."""
         with contextlib.suppress(OSError, asyncio.TimeoutError):
             if self.client.writer is None and self.session and self.client.has_kept():
-                _, writer = await asyncio.wait_for(asyncio.open_connection(self.manager_host, self.manager_port), 2.0)
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.manager_host, self.manager_port), 2.0)
                 writer.write(encode(self._join_message()))
                 self.client.connected(writer, 0)
                 await asyncio.wait_for(writer.drain(), 2.0)
@@ -222,7 +233,8 @@ class NodeRunner:
         return AgentJoin(
             job_id=self.config.job_id, node=max(self.node, 0), nnodes=self.config.nnodes,
             nproc_per_node=self.config.nproc_per_node, token=self.token, session=self.session,
-            pid=os.getpid(), host=os.environ.get(HOST_NAME_ENV) or socket.gethostname(), config=self.config.to_dict(),
+            pid=os.getpid(), host=os.environ.get(HOST_NAME_ENV) or socket.gethostname(),
+            config=self.config.to_dict(),
             live={str(r): pid for r, pid in self.agent.live_pids().items()}, t=time.time(),
         )
 
@@ -246,8 +258,8 @@ class NodeRunner:
         self._follow(reply.control_port, reply.job_dir, reply.trace)
         kept = self.client.connected(writer, reply.acked)
         log.warning("node %d: %s the manager at %s:%d (session %s%s)", self.node,
-                    "back with" if resumed else "joined", self.manager_host, self.manager_port, reply.session,
-                    f", {kept} reports kept while away sent" if kept else "")
+                    "back with" if resumed else "joined", self.manager_host, self.manager_port,
+                    reply.session, f", {kept} reports kept while away sent" if kept else "")
         self._last_beat = time.monotonic()
         beat = asyncio.ensure_future(report_state(self.agent, self.client.send, _STATE_EVERY_S))
         leave = asyncio.ensure_future(self._leave.wait())
@@ -270,18 +282,21 @@ class NodeRunner:
                     continue
                 line = read.result()
                 if not line:
-                    log.warning("node %d: the manager closed the connection; connecting again", self.node)
+                    log.warning("node %d: the manager closed the connection; connecting again",
+                                self.node)
                     return
                 self._last_beat = time.monotonic()
                 self._commands.handle(decode_to_agent(line))
         except (ConnectionError, asyncio.IncompleteReadError) as e:
-            log.warning("node %d: connection to the manager failed (%s); connecting again", self.node, e)
+            log.warning("node %d: connection to the manager failed (%s); connecting again",
+                        self.node, e)
         finally:
             beat.cancel()
             leave.cancel()
 
     def _follow(self, control_port: int, job_dir: str, trace: TraceSet | None) -> None:
-        """What the manager says of the job: the control store's port, the job dir, the trace switch."""
+        """What the manager says of the job: the control store's port, the job dir, the trace
+        switch."""
         # Without --job-dir, one job dir for the job (a shared filesystem): the manager's, where it
         # looks for checkpoints.
         self.agent.follow(control_port, "" if self._job_dir_given else job_dir)
@@ -290,7 +305,8 @@ class NodeRunner:
 
     async def _park(self, parked: StandbyParked, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> AgentWelcome | None:
-        """A standby: spares warm, beating, until the manager gives it a node (the welcome returned).
+        """A standby: spares warm, beating, until the manager gives it a node (the welcome
+        returned).
 
         None: the connection broke or went silent (the caller connects again and
         parks again), or the agent leaves. The job's end or a refusal raise.
@@ -309,7 +325,8 @@ class NodeRunner:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if leave in done or read not in done:
                     read.cancel()
-                    if leave in done or self.clock.silent_s(self._last_beat) > self._silence_limit():
+                    if (leave in done
+                            or self.clock.silent_s(self._last_beat) > self._silence_limit()):
                         return None
                     continue
                 line = read.result()
@@ -321,7 +338,8 @@ class NodeRunner:
                     self._become(message.node)
                     return message
                 if not isinstance(message, ManagerBeat):
-                    self._commands.handle(message)  # the job's end or a refusal raises; nothing else is for a standby
+                    # the job's end or a refusal raises; nothing else is for a standby
+                    self._commands.handle(message)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.warning("standby: the connection to the manager failed (%s); connecting again", e)
             return None
@@ -335,9 +353,10 @@ class NodeRunner:
             await asyncio.sleep(_STATE_EVERY_S)
 
     def _become(self, node: int) -> None:
-        """The standby is node ``node`` now: its ranks, its reports and its spares go by that number."""
-        log.info("standby: the manager gave this agent node %d (a lost node's); its ranks start on the warm spares",
-                 node)
+        """The standby is node ``node`` now: its ranks, its reports and its spares go by that
+        number."""
+        log.info("standby: the manager gave this agent node %d (a lost node's); "
+                 "its ranks start on the warm spares", node)
         self.node = node
         self.config = dataclasses.replace(self.config, node_rank=node)
         self.agent.become(node)
@@ -346,7 +365,8 @@ class NodeRunner:
         return self.config.timeouts.heartbeat_timeout
 
     def _session_handlers(self) -> Handlers[object]:
-        """What the agent does with each line of its manager: the session's own words here, commands in ``commands``."""
+        """What the agent does with each line of its manager: the session's own words here, commands
+        in ``commands``."""
         return Handlers[object]({
             ManagerBeat: lambda message: None,  # (only counts as word from it)
             Acked: lambda message: self.client.acked(message.seq),
@@ -363,7 +383,8 @@ class NodeRunner:
 
 
 def _interface_env(manager_host: str, node: int) -> dict[str, str]:
-    """Gloo binds where the hostname resolves unless told: point it at the interface toward the manager."""
+    """Gloo binds where the hostname resolves unless told: point it at the interface toward the
+    manager."""
     if "GLOO_SOCKET_IFNAME" in os.environ or manager_host in ("127.0.0.1", "localhost", "::1"):
         return {}
     try:
@@ -386,6 +407,6 @@ def run_node(config: JobConfig, script: str, script_args: list[str], manager: st
     ``standby``: join as a warm standby with no node, until the manager gives it a lost one.
     """
     config.validate()
-    return asyncio.run(NodeRunner(config, script, script_args, manager, token, job_dir_given=job_dir_given,
-                                  standby=standby).run())
+    return asyncio.run(NodeRunner(config, script, script_args, manager, token,
+                                  job_dir_given=job_dir_given, standby=standby).run())
 

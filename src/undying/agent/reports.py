@@ -31,7 +31,8 @@ _LINE_BYTES = 1024 * 1024
 
 
 def _lines(reports: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
-    """Numbered reports (consecutive) as NumberedReports lines: the bytes ``encode`` writes, without re-encoding."""
+    """Numbered reports (consecutive) as NumberedReports lines: the bytes ``encode`` writes, without
+    re-encoding."""
     chunk: list[bytes] = []
     first = size = 0
     for seq, report in reports:
@@ -47,7 +48,8 @@ def _lines(reports: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
 
 
 class ManagerClient:
-    """Where the agent reports across the network: numbered reports, each kept until the manager logged it.
+    """Where the agent reports across the network: numbered reports, each kept until the manager
+    logged it.
 
     What the agent reports in one pass of its event loop goes out as one
     ``NumberedReports`` line, written once the pass is over
@@ -68,7 +70,8 @@ class ManagerClient:
         self._kept: deque[tuple[int, int, bytes]] = deque()
         self._unsent = 0  # the newest this many kept reports are not written on this connection yet
         self._flush_due = False
-        self._commits: list[StepCommitted] = []  # this pass's commits, gathered into NodeSteps as it ends
+        # this pass's commits, gathered into NodeSteps as it ends
+        self._commits: list[StepCommitted] = []
 
     def send(self, message: Message) -> None:
         """A report for the manager: kept until acknowledged, written as this pass of the loop ends.
@@ -94,8 +97,8 @@ class ManagerClient:
         self._seq += width
         self._kept.append((first, self._seq, report))
         if len(self._kept) % _KEPT_WARN_EVERY == 0:
-            log.warning("%d reports kept for the manager (unreachable or not acknowledging); none is dropped",
-                        len(self._kept))
+            log.warning("%d reports kept for the manager (unreachable or not acknowledging); "
+                        "none is dropped", len(self._kept))
         if self.writer is None:
             return
         self._unsent += 1
@@ -126,7 +129,8 @@ class ManagerClient:
             self._kept.popleft()
 
     def connected(self, writer: asyncio.StreamWriter, acked: int) -> int:
-        """Now online: what the manager lacks goes first, in order. Returns how many reports were resent."""
+        """Now online: what the manager lacks goes first, in order. Returns how many reports were
+        resent."""
         self._gather()
         self.acked(acked)
         self.writer = writer

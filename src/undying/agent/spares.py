@@ -1,4 +1,5 @@
-"""A node's hot spares: started, watched like ranks, handed out only when alive, replaced when they die.
+"""A node's hot spares: started, watched like ranks, handed out only when alive, replaced when they
+die.
 
 A spare is a process that imported Python, torch and the script's packages
 and waits for a rank (``undying.worker.boot --spare``). It beats while it
@@ -69,7 +70,8 @@ class Spare:
 
 @dataclass
 class Take:
-    """A spare given a rank, until it answers SpareTaken: what to give the rank instead if it never does."""
+    """A spare given a rank, until it answers SpareTaken: what to give the rank instead if it never
+    does."""
 
     rank: int
     env: dict[str, str]
@@ -78,7 +80,8 @@ class Take:
 
 
 class SparePool:
-    """The spares of one node. The agent starts processes and owns ranks; this owns which spare is fit."""
+    """The spares of one node. The agent starts processes and owns ranks; this owns which spare is
+    fit."""
 
     def __init__(self, node: int, config: JobConfig, *, start: Callable[[], Process],
                  report: Callable[..., None], stopping: Callable[[], bool], want: int) -> None:
@@ -88,7 +91,8 @@ class SparePool:
         self._report = report  # report(what, pid, **detail)
         self._stopping = stopping
         self.spares: dict[int, Spare] = {}
-        self.taking: dict[int, Take] = {}  # pid of a spare given a rank -> the rank, until it answers
+        # pid of a spare given a rank -> the rank, until it answers
+        self.taking: dict[int, Take] = {}
         self._failures = 0  # spares in a row that died before they were warm
         self.beat_s = spare_beat_interval(config.timeout_env())
         # How many to keep: ``--spares``; a standby keeps enough for a whole node's ranks until it
@@ -111,8 +115,10 @@ class SparePool:
             self._report("spare_started", process.pid)
 
     def fresh(self, spare: Spare, now: float) -> bool:
-        """Warm, alive and heard from lately: a spare stopped since its last beat is not handed a rank."""
-        return (spare.writer is not None and spare.process.returncode is None and not spare.hang_reported
+        """Warm, alive and heard from lately: a spare stopped since its last beat is not handed a
+        rank."""
+        return (spare.writer is not None and spare.process.returncode is None
+                and not spare.hang_reported
                 and now - spare.last_seen <= max(1.5, 3 * self.beat_s))
 
     def take(self) -> Spare | None:
@@ -130,10 +136,11 @@ class SparePool:
         return sum(1 for s in self.spares.values() if self.fresh(s, now))
 
     def check(self, now: float, clock: JudgeClock | None = None) -> None:
-        """Silent past --heartbeat-timeout (warm) or --init-timeout (warming): killed; its exit replaces it.
+        """Silent past --heartbeat-timeout (warm) or --init-timeout (warming): killed; its exit
+        replaces it.
 
-        With the agent's watch ``clock``, silence counts only over time the agent ran (a fresh window after a
-        stall of its own), as a rank's does (``liveness.judge_silence``).
+        With the agent's watch ``clock``, silence counts only over time the agent ran (a fresh
+        window after a stall of its own), as a rank's does (``liveness.judge_silence``).
         """
         timeouts = self.config.timeouts
         for spare in list(self.spares.values()):
@@ -146,13 +153,14 @@ class SparePool:
             silent = now - (clock.counts_from(since, wall=True) if clock is not None else since)
             if silent > limit:
                 spare.hang_reported = True
-                log.warning("node %d: spare pid %d silent for %.1fs (%s timeout %.1fs); killed and replaced",
-                            self.node, spare.pid, silent, phase, limit)
+                log.warning("node %d: spare pid %d silent for %.1fs (%s timeout %.1fs); "
+                            "killed and replaced", self.node, spare.pid, silent, phase, limit)
                 self._report("spare_hung", spare.pid, phase=phase, silent_s=round(silent, 3))
                 signal_group(spare.pid, signal.SIGKILL)
 
     def exited(self, pid: int, returncode: int) -> bool:
-        """A child exited: True when it was a waiting spare (then it is replaced), False for anything else."""
+        """A child exited: True when it was a waiting spare (then it is replaced), False for
+        anything else."""
         spare = self.spares.pop(pid, None)
         if spare is None:
             return False
@@ -175,12 +183,13 @@ class SparePool:
         """A spare's answer to its Assign: the rank is its now."""
         take = self.taking.pop(message.pid, None)
         if take is not None:
-            log.info("node %d: spare pid %d took rank %d in %.3fs", self.node, message.pid, take.rank,
-                     time.time() - take.given_t)
+            log.info("node %d: spare pid %d took rank %d in %.3fs", self.node, message.pid,
+                     take.rank, time.time() - take.given_t)
         return True
 
     def on_ready(self, message: SpareReady, writer: asyncio.StreamWriter) -> bool:
-        """A spare's beat on its line; False: not a spare of this pool (the agent closes the line)."""
+        """A spare's beat on its line; False: not a spare of this pool (the agent closes the
+        line)."""
         if message.pid in self.taking:
             return True  # a beat sent as it was given a rank: its answer follows
         spare = self.spares.get(message.pid)
@@ -203,9 +212,11 @@ class SparePool:
             await spare.process.wait()
 
     def detail(self) -> dict[str, Any]:
-        """The pool as the agent's view shows it: each spare's PID and whether it is fit to take a rank."""
+        """The pool as the agent's view shows it: each spare's PID and whether it is fit to take a
+        rank."""
         now = time.time()
-        return {"spares": [{"pid": s.pid, "fresh": self.fresh(s, now)} for s in self.spares.values()]}
+        return {"spares": [{"pid": s.pid, "fresh": self.fresh(s, now)}
+                           for s in self.spares.values()]}
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:

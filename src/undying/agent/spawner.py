@@ -1,4 +1,5 @@
-"""Starting the node's processes and seeing each one end: the agent's part that owns them as children.
+"""Starting the node's processes and seeing each one end: the agent's part that owns them as
+children.
 
 A process is forked by the node's zygote when one serves (``zygote.py``), else
 started as a fresh interpreter; each is watched by an asyncio task from its
@@ -42,7 +43,8 @@ log = logging.getLogger("undying.agent")
 
 
 class SpawnSource(Protocol):
-    """What the spawner reads of its agent at each start: the job's settings and the node's number may change."""
+    """What the spawner reads of its agent at each start: the job's settings and the node's number
+    may change."""
 
     @property
     def config(self) -> JobConfig: ...
@@ -52,11 +54,13 @@ class SpawnSource(Protocol):
 
 
 class Spawner:
-    def __init__(self, source: SpawnSource, *, script: str, script_args: list[str], life: LifeMachine,
-                 ranks: LocalRanks, spares: SparePool, zygotes: ZygoteKeeper, environment: WorkerEnvironment,
-                 tasks: set[asyncio.Task[None]], report: Callable[[Message], None],
+    def __init__(self, source: SpawnSource, *, script: str, script_args: list[str],
+                 life: LifeMachine, ranks: LocalRanks, spares: SparePool, zygotes: ZygoteKeeper,
+                 environment: WorkerEnvironment, tasks: set[asyncio.Task[None]],
+                 report: Callable[[Message], None],
                  spare_event: Callable[..., None]) -> None:
-        """``tasks``: the agent's, cancelled when it closes; ``spare_event``: tells the manager's log of a spare."""
+        """``tasks``: the agent's, cancelled when it closes; ``spare_event``: tells the manager's
+        log of a spare."""
         self._source = source
         self._script = script
         self._script_args = script_args
@@ -70,7 +74,8 @@ class Spawner:
         self._spare_event = spare_event
 
     def start_process(self, env: dict[str, str], *, spare: bool) -> Process:
-        """A worker: forked by the zygote when there is one, else a fresh interpreter (agent/zygote.py)."""
+        """A worker: forked by the zygote when there is one, else a fresh interpreter
+        (agent/zygote.py)."""
         launch = self._source.config.launch
         kind = ["-m"] if launch.module else ["--no-python"] if launch.no_python else []
         args = [*(["--spare"] if spare else []), *kind, self._script, *self._script_args]
@@ -82,7 +87,8 @@ class Spawner:
             popen = subprocess.Popen(
                 [sys.executable, "-u", "-m", "undying.worker.boot", *args],
                 env=env,
-                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
+                # Ctrl-C reaches the launcher only; it stops workers in order
+                start_new_session=True,
             )
             process = PopenProcess(popen)
         self._run(self._watch(process), report=False)
@@ -90,19 +96,23 @@ class Spawner:
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
               resume_from: str = "", incarnation: int = 0) -> tuple[int, bool]:
-        """Give ``rank`` a process (called on the loop): a warm spare if one is ready (see ``Agent.spawn``)."""
+        """Give ``rank`` a process (called on the loop): a warm spare if one is ready (see
+        ``Agent.spawn``)."""
         rank_env = self._environment.rank(rank, record, joining, resume_from, incarnation)
         process, warm = self._give_rank(rank, rank_env, incarnation, spare_ok=joining)
-        worker = LocalWorker(rank=rank, process=process, started=time.time(), incarnation=incarnation,
+        worker = LocalWorker(rank=rank, process=process, started=time.time(),
+                             incarnation=incarnation,
                              pending=self._ranks.held_for(rank, joining=joining))
         self._ranks.hold(worker)
-        log.info("node %d: rank %d is pid %d (generation %d%s)", self._source.node, rank, process.pid,
-                 record.generation, ", a warm spare" if warm else ", replacement" if joining else "")
+        log.info("node %d: rank %d is pid %d (generation %d%s)", self._source.node, rank,
+                 process.pid, record.generation,
+                 ", a warm spare" if warm else ", replacement" if joining else "")
         return process.pid, warm
 
     def _give_rank(self, rank: int, rank_env: dict[str, str], incarnation: int, *,
                    spare_ok: bool) -> tuple[Process, bool]:
-        """A process for ``rank``: a fresh warm spare (watched until it answers), else a new process."""
+        """A process for ``rank``: a fresh warm spare (watched until it answers), else a new
+        process."""
         spare = self._spares.take() if spare_ok else None
         if spare is None:
             return self.start_process({**self._environment.base(), **rank_env}, spare=False), False
@@ -114,7 +124,8 @@ class Spawner:
         return spare.process, True
 
     async def _watch_take(self, pid: int) -> None:
-        """A spare that has not answered its Assign within --spare-take-timeout is killed; the rank goes on.
+        """A spare that has not answered its Assign within --spare-take-timeout is killed; the rank
+        goes on.
 
         Stopped (SIGSTOP), wedged or swapped out, it would otherwise hold the
         recovery for the whole init timeout. The rank is given to another warm
@@ -128,14 +139,17 @@ class Spawner:
         worker = self._ranks.workers.get(take.rank)
         if worker is None or worker.pid != pid or worker.process.returncode is not None:
             return  # the rank moved on, or the spare died: its exit is handled as the rank's
-        self._ranks.by_pid.pop(pid, None)  # its exit is no rank's crash: the rank has another process
+        # its exit is no rank's crash: the rank has another process
+        self._ranks.by_pid.pop(pid, None)
         signal_group(pid, signal.SIGKILL)
         process, warm = self._give_rank(take.rank, take.env, take.incarnation, spare_ok=True)
         waited = round(time.time() - take.given_t, 3)
-        log.warning("node %d: spare pid %d did not take rank %d within %.1fs (--spare-take-timeout); killed, "
-                    "rank %d is now pid %d (%s)", self._source.node, pid, take.rank, waited, take.rank,
+        log.warning("node %d: spare pid %d did not take rank %d within %.1fs "
+                    "(--spare-take-timeout); killed, rank %d is now pid %d (%s)",
+                    self._source.node, pid, take.rank, waited, take.rank,
                     process.pid, "another warm spare" if warm else "a new process")
-        self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited, replaced_by=process.pid,
+        self._spare_event("spare_stuck", pid, for_rank=take.rank, waited_s=waited,
+                          replaced_by=process.pid,
                           replacement="warm spare" if warm else "new process")
         self._ranks.replace(pid, LocalWorker(rank=take.rank, process=process, started=time.time(),
                                              pending=worker.pending, incarnation=take.incarnation))
@@ -151,8 +165,8 @@ class Spawner:
             if worker is not None:
                 config = self._source.config
                 # A script that returned is done, whatever its exit took (agent/exits.py).
-                returncode = returned_exit(config, worker.rank, worker.incarnation, worker.pid, returncode,
-                                           self._spare_event)
+                returncode = returned_exit(config, worker.rank, worker.incarnation, worker.pid,
+                                           returncode, self._spare_event)
                 self._report(RankExited(worker.rank, worker.pid, returncode, t))
                 if returncode == EXIT_REGROUPED and config.elastic:
                     self._life.move(Event.REGROUP_EXIT)

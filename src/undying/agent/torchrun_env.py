@@ -1,4 +1,5 @@
-"""The environment a worker sees: torchrun's, variable for variable, plus undying's own (``UNDYING_*``).
+"""The environment a worker sees: torchrun's, variable for variable, plus undying's own
+(``UNDYING_*``).
 
 A script written for torchrun reads the same names with the same meanings:
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
@@ -59,7 +60,8 @@ def _free_port(host: str) -> int:
 
 
 class EnvSource(Protocol):
-    """Where the environment comes from: the agent, whose job settings and node number may change."""
+    """Where the environment comes from: the agent, whose job settings and node number may
+    change."""
 
     @property
     def config(self) -> JobConfig: ...
@@ -84,17 +86,21 @@ class TorchrunEnv:
         return self._source.node
 
     def base(self, inherited: dict[str, str]) -> dict[str, str]:
-        """What every process of the node gets, spares included (``inherited``: the agent's own environment)."""
+        """What every process of the node gets, spares included (``inherited``: the agent's own
+        environment)."""
         env = {SEED_ENV: str(self.config.seed), "TORCHELASTIC_RUN_ID": self.config.job_id,
                "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts)}
-        defaults = {"TORCHELASTIC_SIGNALS_TO_HANDLE": _SIGNALS, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+        defaults = {"TORCHELASTIC_SIGNALS_TO_HANDLE": _SIGNALS,
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
         if self.config.nproc_per_node > 1:
-            defaults["OMP_NUM_THREADS"] = "1"  # torchrun's rule: several workers on a node, one thread each
+            # torchrun's rule: several workers on a node, one thread each
+            defaults["OMP_NUM_THREADS"] = "1"
         env.update({k: v for k, v in defaults.items() if k not in inherited})
         return env
 
     def master(self, generation: int, manager_host: str) -> tuple[str, int]:
-        """MASTER_ADDR and MASTER_PORT: where rank 0 of a script that hosts its own store puts it."""
+        """MASTER_ADDR and MASTER_PORT: where rank 0 of a script that hosts its own store puts
+        it."""
         launch = self.config.launch
         several = self.config.nnodes > 1
         addr = launch.master_addr or (manager_host if several and manager_host else "127.0.0.1")
@@ -104,12 +110,14 @@ class TorchrunEnv:
             return addr, _MULTI_NODE_MASTER_PORT
         port = self._ports.get(generation)
         if port is None:
-            port = self._ports[generation] = _free_port(addr if addr != "localhost" else "127.0.0.1")
+            port = self._ports[generation] = _free_port(
+                addr if addr != "localhost" else "127.0.0.1")
             for old in [g for g in self._ports if g < generation - 8]:
                 del self._ports[old]
         return addr, port
 
-    def rank(self, rank: int, record: GenerationRecord, incarnation: int, manager_host: str) -> dict[str, str]:
+    def rank(self, rank: int, record: GenerationRecord, incarnation: int,
+             manager_host: str) -> dict[str, str]:
         """torchrun's variables for ``rank`` in ``record``'s generation, and the process's files."""
         config = self.config
         local = rank % config.nproc_per_node
@@ -139,8 +147,8 @@ class TorchrunEnv:
 
     def _streams(self, local: int, generation: int) -> dict[str, str]:
         launch = self.config.launch
-        env = {CONSOLE_ENV: "0" if launch.local_ranks_filter and local not in launch.local_ranks_filter
-               else "1"}
+        filtered_out = launch.local_ranks_filter and local not in launch.local_ranks_filter
+        env = {CONSOLE_ENV: "0" if filtered_out else "1"}
         redirects, tee = launch.streams(local, launch.redirects), launch.streams(local, launch.tee)
         if (redirects or tee) and launch.log_dir:
             env[LOG_DIR_ENV] = os.path.join(os.path.abspath(launch.log_dir), self.config.job_id,

@@ -1,4 +1,5 @@
-"""The workers' channel: each local process's line to its agent, and what the agent does with each report.
+"""The workers' channel: each local process's line to its agent, and what the agent does with each
+report.
 
 A worker, a warm spare or the verifier connects to the agent's loopback port
 and first shows the agent's key (``protocol/channel_key.py``); a connection
@@ -100,7 +101,8 @@ class WorkerChannel:
             if not shows_key(await asyncio.wait_for(reader.readline(), _KEY_WAIT_S), self._key):
                 self._refused += 1
                 if self._refused <= 10:  # bounded: a flood of strangers cannot grow the log
-                    log.warning("node %d: refused a local connection without the agent's key", self.node)
+                    log.warning("node %d: refused a local connection without the agent's key",
+                                self.node)
                 return
             while True:
                 data = await reader.readline()
@@ -122,7 +124,8 @@ class WorkerChannel:
             writer.close()
 
     def _build_handlers(self) -> Handlers[bool]:
-        """What the agent does with each report on a worker's line; a handler's False closes the line."""
+        """What the agent does with each report on a worker's line; a handler's False closes the
+        line."""
         return Handlers({
             SpareReady: lambda message, line: self.spares.on_ready(message, line.writer),
             SpareTaken: lambda message, line: self.spares.on_taken(message),
@@ -145,7 +148,8 @@ class WorkerChannel:
         return self._forward(message, line)
 
     def _on_heartbeat(self, message: Heartbeat, line: _Line) -> bool:
-        """Beats stay here: the manager hears of hangs and stalls (``hang_watch.py``), not of every beat."""
+        """Beats stay here: the manager hears of hangs and stalls (``hang_watch.py``), not of every
+        beat."""
         if line.worker is not None:
             line.worker.last_seen = time.time()
             line.worker.beat = message

@@ -1,4 +1,5 @@
-"""How the agent starts its workers: forked by a zygote that imported torch once, or fresh interpreters.
+"""How the agent starts its workers: forked by a zygote that imported torch once, or fresh
+interpreters.
 
 Decision (issue #15: the first step after a relaunch within 3 s; a suite under
 15 minutes on 2 cores). Every worker and warm spare used to be a fresh
@@ -81,27 +82,33 @@ _MAX_REPLACEMENTS = 20  # zygotes lost in one agent's life before it keeps to fr
 
 
 def start_mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
-    """``zygote`` or ``spawn``, from UNDYING_WORKER_START; anything else is an error that says what to set."""
-    value = (os.environ if env is None else env).get(WORKER_START_ENV, "zygote").strip().lower() or "zygote"
+    """``zygote`` or ``spawn``, from UNDYING_WORKER_START; anything else is an error that says what
+    to set."""
+    given = (os.environ if env is None else env).get(WORKER_START_ENV, "zygote")
+    value = given.strip().lower() or "zygote"
     if value not in _MODES:
-        raise UsageError(f"{WORKER_START_ENV}={value!r}: expected 'zygote' (workers forked from one process that "
-                         "imported torch, the default) or 'spawn' (a fresh interpreter per worker)")
+        raise UsageError(f"{WORKER_START_ENV}={value!r}: expected 'zygote' "
+                         "(workers forked from one process that imported torch, the default) "
+                         "or 'spawn' (a fresh interpreter per worker)")
     return value
 
 
 class Zygote:
-    """The agent's end of one zygote: starts it, asks it for workers (each then the agent's own child)."""
+    """The agent's end of one zygote: starts it, asks it for workers (each then the agent's own
+    child)."""
 
     def __init__(self, node: int, *, step_api: bool = False) -> None:
         self.node = node
-        self._step_api = step_api  # the script uses the step API: the zygote also imports torch._dynamo
+        # the script uses the step API: the zygote also imports torch._dynamo
+        self._step_api = step_api
         self._popen: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
         self._frames = from_zygote()
         # Answers to Spawn by request id: the process forked, or why none was.
         self._replies: dict[int, ChildProcess | Failed] = {}
         self._on_frame: Callable[[FromZygote], None] = Handlers[None]({
-            Spawned: self._on_spawned, Failed: self._on_failed, Ready: self._on_ready, Unfit: self._on_ready}).handle
+            Spawned: self._on_spawned, Failed: self._on_failed, Ready: self._on_ready,
+            Unfit: self._on_ready}).handle
         self._next_id = 0
         self._ready: asyncio.Future[str] | None = None  # "" when ready, else why not
         self.alive = False
@@ -115,17 +122,18 @@ class Zygote:
         return self._popen.pid if self._popen is not None else 0
 
     async def start(self, env: dict[str, str], timeout: float) -> bool:
-        """Start the zygote with the workers' environment; True once it imported torch and serves."""
+        """Start the zygote with the workers' environment; True once it imported torch and
+        serves."""
         if not become_subreaper():
             self.unfit = True
-            self._give_up("this platform has no child subreaper (prctl): a forked worker would not be the "
-                          "agent's child")
+            self._give_up("this platform has no child subreaper (prctl): a forked worker would "
+                          "not be the agent's child")
             return False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-u", "-m", "undying.worker.zygote", str(theirs.fileno()), str(os.getpid()),
-                 *(["--step-api"] if self._step_api else [])],
+                [sys.executable, "-u", "-m", "undying.worker.zygote", str(theirs.fileno()),
+                 str(os.getpid()), *(["--step-api"] if self._step_api else [])],
                 env=env, pass_fds=[theirs.fileno()], start_new_session=True)
         except OSError as e:
             ours.close()
@@ -159,15 +167,18 @@ class Zygote:
 
     @property
     def pending(self) -> bool:
-        """Still importing: not serving, not given up, not let go (a worker wanted now had better wait)."""
+        """Still importing: not serving, not given up, not let go (a worker wanted now had better
+        wait)."""
         return not self.alive and not self._settled.is_set()
 
     async def settled(self) -> None:
-        """Until the zygote serves, gives up or is let go (``start`` bounds that by the init timeout)."""
+        """Until the zygote serves, gives up or is let go (``start`` bounds that by the init
+        timeout)."""
         await self._settled.wait()
 
     def check(self) -> bool:
-        """Whether it serves: one that died or is stopped (state T, t), serving or importing, is given up now."""
+        """Whether it serves: one that died or is stopped (state T, t), serving or importing, is
+        given up now."""
         if self._popen is None or (self._settled.is_set() and not self.alive):
             return False
         state = process_state(self._popen.pid)
@@ -180,23 +191,26 @@ class Zygote:
         return self.alive
 
     def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ChildProcess | None:
-        """Fork a worker (called on the loop; blocks for the fork, milliseconds); None: start it fresh."""
+        """Fork a worker (called on the loop; blocks for the fork, milliseconds); None: start it
+        fresh."""
         if not self.check() or self._channel is None:
             return None
         self._next_id += 1
         request = self._next_id
-        stdio = [fd for fd in (0, 1, 2) if _is_open(fd)]  # a closed one stays closed in the worker, as with Popen
+        # a closed one stays closed in the worker, as with Popen
+        stdio = [fd for fd in (0, 1, 2) if _is_open(fd)]
         frame = encode_frame(Spawn(request, args, env, cwd, stdio))
         try:
-            sent = socket.send_fds(self._channel, [frame[:1]], stdio)  # they ride on the frame's first byte
+            # they ride on the frame's first byte
+            sent = socket.send_fds(self._channel, [frame[:1]], stdio)
             self._send(frame[sent:])
             reply = self._await_reply(request)
         except (OSError, ValueError) as e:
             self._give_up(f"the zygote's channel failed: {e}")
             return None
         if isinstance(reply, Failed):
-            log.warning("node %d: the zygote could not fork a worker (%s); starting it as a fresh interpreter",
-                        self.node, reply.error)
+            log.warning("node %d: the zygote could not fork a worker (%s); "
+                        "starting it as a fresh interpreter", self.node, reply.error)
             return None
         return reply
 
@@ -208,7 +222,8 @@ class Zygote:
             try:
                 view = view[self._channel.send(view):]
             except BlockingIOError:
-                if not select.select([], [self._channel], [], max(0.0, deadline - time.monotonic()))[1]:
+                wait_s = max(0.0, deadline - time.monotonic())
+                if not select.select([], [self._channel], [], wait_s)[1]:
                     raise OSError(f"the zygote took no bytes for {_REPLY_TIMEOUT:.0f}s") from None
 
     def _await_reply(self, request: int) -> ChildProcess | Failed | None:
@@ -261,7 +276,8 @@ class Zygote:
 
     def _on_ready(self, frame: Ready | Unfit) -> None:
         if self._ready is not None and not self._ready.done():
-            self._ready.set_result(f"the zygote is unfit: {frame.error}" if isinstance(frame, Unfit) else "")
+            self._ready.set_result(
+                f"the zygote is unfit: {frame.error}" if isinstance(frame, Unfit) else "")
 
     def _status(self) -> str:
         if self._popen is None:
@@ -273,8 +289,8 @@ class Zygote:
         """No more forks from this zygote (its workers live on: they are the agent's children)."""
         if not self.reason:
             self.reason = reason
-            log.warning("node %d: %s; no worker is lost (each is the agent's own child); the next start as "
-                        "fresh interpreters%s", self.node, reason,
+            log.warning("node %d: %s; no worker is lost (each is the agent's own child); "
+                        "the next start as fresh interpreters%s", self.node, reason,
                         "" if self.unfit else " until a new zygote serves")
         self.alive = False
         if self._ready is not None and not self._ready.done():
@@ -282,7 +298,8 @@ class Zygote:
         self.close(kill=True)
 
     def close(self, *, kill: bool = False) -> None:
-        """Let the zygote go: it exits when its channel closes; killed at once when broken (or in 1 s)."""
+        """Let the zygote go: it exits when its channel closes; killed at once when broken (or in 1
+        s)."""
         self._settled.set()
         self.alive = False
         channel, self._channel = self._channel, None
@@ -302,7 +319,8 @@ class Zygote:
 
 
 class ZygoteKeeper:
-    """One node's zygote over the agent's life: started, checked, replaced in the background, let go when idle.
+    """One node's zygote over the agent's life: started, checked, replaced in the background, let go
+    when idle.
 
     ``environment`` gives the workers' environment at each start; ``timeout``
     bounds a start (--init-timeout).
@@ -311,7 +329,8 @@ class ZygoteKeeper:
     def __init__(self, node: int, environment: Callable[[], dict[str, str]], timeout: float, *,
                  enabled: bool, step_api: bool = False) -> None:
         self.node = node
-        self.step_api = step_api  # (worker/zygote.py: what its zygote imports beyond what every worker does)
+        # (worker/zygote.py: what its zygote imports beyond what every worker does)
+        self.step_api = step_api
         self._environment = environment
         self._timeout = timeout
         self.enabled = enabled  # UNDYING_WORKER_START=zygote, and no zygote was unfit yet
@@ -321,7 +340,8 @@ class ZygoteKeeper:
 
     @property
     def pid(self) -> int:
-        """The live zygote's PID, 0 while there is none (``undying status --json`` shows it per node)."""
+        """The live zygote's PID, 0 while there is none (``undying status --json`` shows it per
+        node)."""
         return self.zygote.pid if self.zygote is not None and self.zygote.alive else 0
 
     async def start(self) -> None:
@@ -332,19 +352,22 @@ class ZygoteKeeper:
 
     def begin(self) -> None:
         """Start one in the background (its workers wait for it: ``ready``)."""
-        if not self.enabled or (self.zygote is not None and (self.zygote.alive or self.zygote.pending)):
+        if not self.enabled or (self.zygote is not None
+                                and (self.zygote.alive or self.zygote.pending)):
             return
         self.zygote = zygote = Zygote(self.node, step_api=self.step_api)
         self._task = asyncio.get_running_loop().create_task(self._run(zygote))
 
     async def _run(self, zygote: Zygote) -> None:
-        env = {"OMP_NUM_THREADS": "1", **self._environment()}  # one thread at import, whatever the workers get
+        # one thread at import, whatever the workers get
+        env = {"OMP_NUM_THREADS": "1", **self._environment()}
         if not await zygote.start(env, self._timeout) and zygote.unfit:
             self.enabled = False  # said once by the zygote: fresh interpreters from now on
 
     @property
     def pending(self) -> bool:
-        """Importing torch, or let go while the node was idle (the next worker waits for a new one)."""
+        """Importing torch, or let go while the node was idle (the next worker waits for a new
+        one)."""
         return self.enabled and (self.zygote is None or self.zygote.pending)
 
     async def ready(self) -> None:
@@ -366,11 +389,13 @@ class ZygoteKeeper:
                         self.node, self.replaced - 1)
             self.enabled = False
             return
-        log.info("node %d: starting a new worker zygote in the background (%s)", self.node, zygote.reason)
+        log.info("node %d: starting a new worker zygote in the background (%s)", self.node,
+                 zygote.reason)
         self.begin()
 
     def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ChildProcess | None:
-        """A worker forked by the zygote; None: start it as a fresh interpreter (none serves now)."""
+        """A worker forked by the zygote; None: start it as a fresh interpreter (none serves
+        now)."""
         zygote = self.zygote
         if zygote is None:
             self.begin()  # let go while the node was idle: back for the next
@@ -381,9 +406,11 @@ class ZygoteKeeper:
         return process
 
     def idle(self) -> None:
-        """Let the zygote go (a node with no worker and no spare); the next worker wanted starts it again."""
+        """Let the zygote go (a node with no worker and no spare); the next worker wanted starts it
+        again."""
         if self.zygote is not None and self.zygote.alive:
-            log.info("node %d: no worker left; the worker zygote goes until one is wanted", self.node)
+            log.info("node %d: no worker left; the worker zygote goes until one is wanted",
+                     self.node)
             self.zygote.close()
             self.zygote = None
 

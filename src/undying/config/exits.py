@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_PREEMPTED_BEHIND", "EXIT_FENCED", "EXIT_REGROUPED", "EXIT_SCRIPT_ERROR",
-           "EXIT_MIGRATED", "SCRIPT_ERROR_FILE", "WORKERS_DIR", "ERROR_FILE", "HANGUP_LOG", "RETURNED_FILE",
-           "worker_dir"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_PREEMPTED_BEHIND", "EXIT_FENCED", "EXIT_REGROUPED",
+           "EXIT_SCRIPT_ERROR", "EXIT_MIGRATED", "SCRIPT_ERROR_FILE", "WORKERS_DIR", "ERROR_FILE",
+           "HANGUP_LOG", "RETURNED_FILE", "worker_dir"]
 
 # The launcher's (and a worker's) exit code after a preemption (SIGTERM) whose dying-gasp checkpoint
 # of the stop step stands (or one holding every committed step): run the same command again to
@@ -44,5 +44,6 @@ RETURNED_FILE = "returned"
 
 
 def worker_dir(job_dir: str, rank: int, incarnation: int) -> str:
-    """The folder of the process that holds ``rank`` as ``incarnation`` (the agent and the manager agree on it)."""
+    """The folder of the process that holds ``rank`` as ``incarnation`` (the agent and the manager
+    agree on it)."""
     return os.path.join(os.path.abspath(job_dir), WORKERS_DIR, f"{rank}-{incarnation}")

@@ -1,4 +1,5 @@
-"""The job's settings: ``JobConfig``, which holds every section, and ``LaunchConfig``, how this node starts its workers.
+"""The job's settings: ``JobConfig``, which holds every section, and ``LaunchConfig``, how this node
+starts its workers.
 
 Its sections are the package's other modules: ``timeouts``, ``sections`` (checkpoint, trace)
 and ``manager`` (the sockets' limits). ``JobConfig.to_dict``/``from_dict`` carry the whole
@@ -22,10 +23,11 @@ __all__ = ["JobConfig", "LaunchConfig", "STREAMS", "WHOLE_GROUP_LINE"]
 
 
 # What the start banner and `undying status` say of a job whose script does not use the step API.
-WHOLE_GROUP_LINE = ("whole-group restart: this script does not use undying's step API, so a fault restarts every "
-                    "rank (--max-restarts {max_restarts}) and a script that saves its own snapshot resumes from "
-                    "it; to recover a rank in place instead, adopt the step API (README: \"Adopting it\", about "
-                    "ten lines)")
+WHOLE_GROUP_LINE = ("whole-group restart: this script does not use undying's step API, "
+                    "so a fault restarts every rank (--max-restarts {max_restarts}) "
+                    "and a script that saves its own snapshot resumes from it; "
+                    "to recover a rank in place instead, adopt the step API "
+                    "(README: \"Adopting it\", about ten lines)")
 
 
 # The workers' output streams, as torchrun's --redirects/--tee take them: none, stdout, stderr,
@@ -35,7 +37,8 @@ STREAMS = ("none", "stdout", "stderr", "both")
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How this node starts its workers, as torchrun's flags say it (the same on every node, or per node).
+    """How this node starts its workers, as torchrun's flags say it (the same on every node, or per
+    node).
 
     ``redirects``/``tee``: per local rank (key -1: every rank not named) a number 0-3 (torchrun's
     ``Std``: 0 none, 1 stdout, 2 stderr, 3 both) of the streams that go to a file under
@@ -59,13 +62,16 @@ class LaunchConfig:
 
     def validate(self) -> None:
         if self.module and self.no_python:
-            raise UsageError("-m/--module and --no-python exclude each other: a module is run by Python")
+            raise UsageError("-m/--module and --no-python exclude each other: "
+                             "a module is run by Python")
         for option, table in (("--redirects", self.redirects), ("--tee", self.tee)):
             for local, std in table.items():
                 if not 0 <= std <= 3 or local < -1:
-                    raise UsageError(f"{option}: expected 0-3 or LOCAL_RANK:0-3,..., got {local}:{std}")
+                    raise UsageError(f"{option}: expected 0-3 or LOCAL_RANK:0-3,..., "
+                                     f"got {local}:{std}")
         if (self.redirects or self.tee) and not self.log_dir:
-            raise UsageError("--redirects/--tee need --log-dir DIR: the folder the streams are written to")
+            raise UsageError("--redirects/--tee need --log-dir DIR: "
+                             "the folder the streams are written to")
         if not 0 <= self.master_port < 65536:
             raise UsageError(f"--master-port must be in [0, 65535], got {self.master_port}")
         if not self.role or len(self.role) > 256 or not self.role.isprintable():
@@ -151,7 +157,8 @@ class JobConfig:
         if self.nnodes < 1:
             raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
         if not 0 <= self.min_nodes <= self.nnodes:
-            raise UsageError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {self.min_nodes}:{self.nnodes}")
+            raise UsageError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, "
+                             f"got {self.min_nodes}:{self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(
                 f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
@@ -162,8 +169,8 @@ class JobConfig:
             raise UsageError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if not 0 <= self.spares <= max(8, self.nproc_per_node):
             raise UsageError(
-                f"--spares must be between 0 and {max(8, self.nproc_per_node)} (a spare per local rank "
-                f"at most), got {self.spares}"
+                f"--spares must be between 0 and {max(8, self.nproc_per_node)} "
+                f"(a spare per local rank at most), got {self.spares}"
             )
         if self.max_retries < 0:
             raise UsageError(f"--max-retries must be >= 0, got {self.max_retries}")
@@ -206,15 +213,17 @@ class JobConfig:
     def differences(self, other: JobConfig) -> list[str]:
         """The flags in which two nodes of one job disagree (per-node ones aside)."""
         mine, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
-        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.trace_switch_file", "job_id_given",
-                    "open_status"}
+        per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.trace_switch_file",
+                    "job_id_given", "open_status"}
         per_node |= {"launch.log_dir", "launch.local_ranks_filter"}
         return sorted(k for k in mine.keys() | theirs.keys()
-                      if k not in per_node and not k.startswith(("connections.", "launch.redirects", "launch.tee"))
+                      if k not in per_node
+                      and not k.startswith(("connections.", "launch.redirects", "launch.tee"))
                       and mine.get(k) != theirs.get(k))
 
     def timeout_env(self) -> dict[str, str]:
-        """The timeouts a worker reads, as environment variables: those of ``TIMEOUT_ENVS``, no other.
+        """The timeouts a worker reads, as environment variables: those of ``TIMEOUT_ENVS``, no
+        other.
 
         The rest (the step timeout, the recovery's, a spare's take, ...) are judged by the agent
         or the manager from its own config: no worker code reads them, so none is sent.

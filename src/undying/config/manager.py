@@ -35,7 +35,8 @@ def default_max_connections() -> int:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """Seconds and counts that bound each listening socket of the manager (HTTP API and agents' port)."""
+    """Seconds and counts that bound each listening socket of the manager (HTTP API and agents'
+    port)."""
 
     # From accept (or the end of the previous response) to a request's complete headers; also a
     # body's limit.
@@ -50,9 +51,11 @@ class ConnectionLimits:
                               ("--http-idle-timeout", self.http_idle_timeout)):
             check_finite(option, value)
             if not 0 < value <= _MAX_CONN_TIMEOUT_S:
-                raise UsageError(f"{option} must be > 0 and <= {_MAX_CONN_TIMEOUT_S:.0f} seconds, got {value}")
+                raise UsageError(f"{option} must be > 0 and <= {_MAX_CONN_TIMEOUT_S:.0f} seconds, "
+                                 f"got {value}")
         if not 0 <= self.max_connections <= 65536:
-            raise UsageError(f"--max-connections must be between 0 (auto) and 65536, got {self.max_connections}")
+            raise UsageError(f"--max-connections must be between 0 (auto) and 65536, "
+                             f"got {self.max_connections}")
 
     @property
     def cap(self) -> int:
@@ -67,7 +70,8 @@ class ConnectionLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class ManagerOptions:
-    """``undying manager``'s options, each the field of its name by the rule (``--http-port``: ``http_port``)."""
+    """``undying manager``'s options, each the field of its name by the rule (``--http-port``:
+    ``http_port``)."""
 
     job_id: str
     job_dir: str

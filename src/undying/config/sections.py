@@ -1,4 +1,5 @@
-"""The job's persistent checkpoints and tracing: the config sections a rank reads back from its environment.
+"""The job's persistent checkpoints and tracing: the config sections a rank reads back from its
+environment.
 
 ``CheckpointConfig`` and ``TraceConfig`` are sections of ``JobConfig`` (``--keep`` is
 ``checkpoint.keep``, ``--trace-dir`` is ``trace.trace_dir``); each says, as environment
@@ -28,7 +29,8 @@ from undying.protocol.env import (
     TRACE_MAX_FILE_MB_ENV,
 )
 
-__all__ = ["CheckpointConfig", "checkpoint_from_env", "TraceConfig", "TRACE_INITIAL", "trace_from_env"]
+__all__ = ["CheckpointConfig", "checkpoint_from_env", "TraceConfig", "TRACE_INITIAL",
+           "trace_from_env"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class CheckpointConfig:
     replicate_every: int = 1
 
     def validate(self) -> None:
-        for option, value in (("--save-interval", self.save_interval), ("--grace-period", self.grace_period),
+        for option, value in (("--save-interval", self.save_interval),
+                              ("--grace-period", self.grace_period),
                               ("--gasp-reuse-within", self.gasp_reuse_within)):
             check_finite(option, value)
         if self.save_every < 0:
@@ -64,13 +67,16 @@ class CheckpointConfig:
         if self.keep < 1:
             raise UsageError(f"--keep must be at least 1, got {self.keep}")
         if self.grace_period < 0 or self.grace_period > MAX_TIMEOUT_S:
-            raise UsageError(f"--grace-period must be between 0 (auto) and {MAX_TIMEOUT_S:.0f}, got {self.grace_period}")
+            raise UsageError(f"--grace-period must be between 0 (auto) and {MAX_TIMEOUT_S:.0f}, "
+                             f"got {self.grace_period}")
         if self.gasp_reuse_within < 0:
-            raise UsageError(f"--gasp-reuse-within must be >= 0 seconds, got {self.gasp_reuse_within}")
+            raise UsageError(f"--gasp-reuse-within must be >= 0 seconds, "
+                             f"got {self.gasp_reuse_within}")
         if self.replicate not in ("off", "ring"):
             raise UsageError(f"--replicate must be off or ring, got {self.replicate!r}")
         if self.replicate_every < 1:
-            raise UsageError(f"--replicate-every must be at least 1 step, got {self.replicate_every}")
+            raise UsageError(f"--replicate-every must be at least 1 step, "
+                             f"got {self.replicate_every}")
 
     def env(self, job_dir: str) -> dict[str, str]:
         return {
@@ -84,7 +90,9 @@ class CheckpointConfig:
 
     def resolved_dir(self, job_dir: str) -> str:
         if self.checkpoint_dir:
-            return self.checkpoint_dir if "://" in self.checkpoint_dir else os.path.abspath(self.checkpoint_dir)
+            if "://" in self.checkpoint_dir:
+                return self.checkpoint_dir
+            return os.path.abspath(self.checkpoint_dir)
         return os.path.join(os.path.abspath(job_dir), "checkpoints")
 
 
@@ -95,16 +103,19 @@ def checkpoint_from_env(env: os._Environ[str] | dict[str, str] | None = None) ->
 
 
 def _given(env: Mapping[str, str], **names: str) -> dict[str, Any]:
-    """The fields whose variable (``names``: field=variable) is set in ``env``, each read by its one reader.
+    """The fields whose variable (``names``: field=variable) is set in ``env``, each read by its one
+    reader.
 
     A field left out keeps its dataclass default: each default is written once, on its field.
     """
-    return {field: value for field, name in names.items() if (value := env_value(name, env)) is not None}
+    return {field: value for field, name in names.items()
+            if (value := env_value(name, env)) is not None}
 
 
 @dataclass(frozen=True)
 class TraceConfig:
-    """Lightweight tracing (undying.trace): where records go, how big they may grow, the first setting."""
+    """Lightweight tracing (undying.trace): where records go, how big they may grow, the first
+    setting."""
 
     # A folder; "" means <job dir>/traces. Records go to <dir>/<job id>/<rank>/.
     trace_dir: str = ""
@@ -123,19 +134,22 @@ class TraceConfig:
         check_finite("--trace-max-file-mb", self.trace_max_file_mb)
         check_finite("--trace-max-dir-mb", self.trace_max_dir_mb)
         if self.trace not in TRACE_INITIAL:
-            raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, got {self.trace!r}")
+            raise UsageError(f"--trace must be one of {', '.join(TRACE_INITIAL)}, "
+                             f"got {self.trace!r}")
         if not 0 < self.trace_max_file_mb <= 100_000:
             raise UsageError(f"--trace-max-file-mb must be > 0, got {self.trace_max_file_mb}")
         if not 0 < self.trace_max_dir_mb <= 100_000_000:
             raise UsageError(f"--trace-max-dir-mb must be > 0, got {self.trace_max_dir_mb}")
         if self.trace_max_dir_mb < self.trace_max_file_mb:
             raise UsageError(
-                f"--trace-max-dir-mb ({self.trace_max_dir_mb}) must be at least --trace-max-file-mb "
-                f"({self.trace_max_file_mb})"
+                f"--trace-max-dir-mb ({self.trace_max_dir_mb}) must be at least "
+                f"--trace-max-file-mb ({self.trace_max_file_mb})"
             )
 
     def resolved_dir(self, job_dir: str) -> str:
-        return os.path.abspath(self.trace_dir) if self.trace_dir else os.path.join(os.path.abspath(job_dir), "traces")
+        if self.trace_dir:
+            return os.path.abspath(self.trace_dir)
+        return os.path.join(os.path.abspath(job_dir), "traces")
 
     def env(self, job_dir: str) -> dict[str, str]:
         return {
@@ -150,5 +164,6 @@ TRACE_INITIAL = ("off", "on", "comm")
 
 def trace_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> TraceConfig:
     env = os.environ if env is None else env
-    given = _given(env, trace_max_file_mb=TRACE_MAX_FILE_MB_ENV, trace_max_dir_mb=TRACE_MAX_DIR_MB_ENV)
+    given = _given(env, trace_max_file_mb=TRACE_MAX_FILE_MB_ENV,
+                   trace_max_dir_mb=TRACE_MAX_DIR_MB_ENV)
     return TraceConfig(trace_dir=env.get(TRACE_DIR_ENV, ""), **given)

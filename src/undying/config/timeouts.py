@@ -1,4 +1,5 @@
-"""The job's timeouts: one field each, positive and bounded, and the ones a rank reads from its environment.
+"""The job's timeouts: one field each, positive and bounded, and the ones a rank reads from its
+environment.
 
 Each field is its option of ``undying run`` by the package's rule (``--exit-grace`` is
 ``exit_grace``, ``flag`` says it). Workers receive the timeouts they read through their
@@ -16,8 +17,8 @@ from typing import Any
 from undying.errors import UsageError
 from undying.protocol.env import DEFAULT_HEARTBEAT_TIMEOUT_S, TIMEOUT_ENVS
 
-__all__ = ["MAX_TIMEOUT_S", "flag", "Timeouts", "AUTO_STEP_TIMEOUT_FLOOR_S", "AUTO_STEP_TIMEOUT_FACTOR",
-           "timeouts_from_env"]
+__all__ = ["MAX_TIMEOUT_S", "flag", "Timeouts", "AUTO_STEP_TIMEOUT_FLOOR_S",
+           "AUTO_STEP_TIMEOUT_FACTOR", "timeouts_from_env"]
 
 MAX_TIMEOUT_S = 24 * 3600.0
 
@@ -93,7 +94,8 @@ AUTO_STEP_TIMEOUT_FACTOR = 10.0
 
 
 def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> Timeouts:
-    """A worker's timeouts: those it reads (``TIMEOUT_ENVS``) from its environment, the rest their defaults."""
+    """A worker's timeouts: those it reads (``TIMEOUT_ENVS``) from its environment, the rest their
+    defaults."""
     env = os.environ if env is None else env
     kwargs: dict[str, Any] = {}
     for field_name, name in TIMEOUT_ENVS.items():

@@ -1,4 +1,5 @@
-"""The line between a manager and the agent in its own process: the multi-node conversation, without a socket.
+"""The line between a manager and the agent in its own process: the multi-node conversation, without
+a socket.
 
 ``undying run`` on one node holds its manager and its agent in one process.
 They still speak only in ``protocol/node_wire.py`` messages, as across the
@@ -29,7 +30,8 @@ log = logging.getLogger("undying.launch")
 
 
 class InProcessLine:
-    """Where the manager's slot of the node writes its commands: each line decoded and handled at once."""
+    """Where the manager's slot of the node writes its commands: each line decoded and handled at
+    once."""
 
     def __init__(self, command: Callable[[Message], None]) -> None:
         self._command = command
@@ -41,7 +43,8 @@ class InProcessLine:
         for line in data.splitlines():
             try:
                 message = decode_to_agent(line)
-            except MessageError as e:  # a command the agent's wire does not take: the manager's bug, said
+            except MessageError as e:
+                # a command the agent's wire does not take: the manager's bug, said
                 log.error("in-process line: dropped a command the agent cannot read: %s", e)
                 continue
             self._command(message)
@@ -57,7 +60,8 @@ class InProcessLine:
 
 
 class InProcessReports:
-    """Where the agent's reports go: each encoded and decoded as on the network, then to the manager's table."""
+    """Where the agent's reports go: each encoded and decoded as on the network, then to the
+    manager's table."""
 
     def __init__(self, reports: NodeReports, slot: NodeSlot) -> None:
         self._reports = reports

@@ -1,4 +1,5 @@
-"""What both composition roots build alike: a job's manager with its files, its control store and its API.
+"""What both composition roots build alike: a job's manager with its files, its control store and
+its API.
 
 ``undying run`` on one node (``standalone``) and ``undying manager``
 (``manager_service``) each host a job's manager the same way: the job dir
@@ -42,8 +43,10 @@ def exit_code(manager: Manager, final: JobState, interrupted_by: signal.Signals 
         # 75 promises a resume loses nothing; a checkpoint older than the stop step makes it re-run
         # steps.
         return EXIT_PREEMPTED if not preemption.get("resume_reruns", 0) else EXIT_PREEMPTED_BEHIND
-    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        return 128 + int(interrupted_by)  # (a preempting signal that found nothing to preempt: 143, 129 or 131)
+    if final is JobState.STOPPED and interrupted_by in (signal.SIGTERM, signal.SIGHUP,
+                                                        signal.SIGQUIT):
+        # (a preempting signal that found nothing to preempt: 143, 129 or 131)
+        return 128 + int(interrupted_by)
     return _EXIT_CODES.get(final, 1)
 
 
@@ -57,8 +60,8 @@ class JobFiles:
 
     @classmethod
     def open(cls, path: Path, *, token_file: str | None = None, keep_log: bool = False) -> JobFiles:
-        """Prepare the job dir (``keep_log``: a restarted manager carries its log on), read or make the
-        token, and check every checkpoint the manager resumes from under the job's key."""
+        """Prepare the job dir (``keep_log``: a restarted manager carries its log on), read or make
+        the token, and check every checkpoint the manager resumes from under the job's key."""
         job_dir = JobDir(path)
         job_dir.prepare(keep_log=keep_log)
         token, token_from = ensure_token_with_source(job_dir.path, token_file)
@@ -79,7 +82,8 @@ class ManagerHost:
     generation it left again once its control store serves.
     """
 
-    def __init__(self, config: JobConfig, files: JobFiles, events: EventLog, *, restoring: bool = False) -> None:
+    def __init__(self, config: JobConfig, files: JobFiles, events: EventLog, *,
+                 restoring: bool = False) -> None:
         self.config = config
         self.files = files
         self.events = events
@@ -89,7 +93,8 @@ class ManagerHost:
         try:
             if restoring:
                 self.known_sessions = self.manager.restore()
-                self.manager.checkpoints.reown()  # (its checkpoint dir's owner lock again, in the background)
+                # (its checkpoint dir's owner lock again, in the background)
+                self.manager.checkpoints.reown()
             self.control_port = self.manager.start_control_store(store_key_from_token(files.token))
             if restoring:
                 self.manager.reopen_generation()
@@ -98,17 +103,20 @@ class ManagerHost:
             raise
 
     async def serve_api(self, *, open_status: bool, **facts: object) -> str:
-        """Start the HTTP API and say where it is in the job dir (``facts``: what else the file tells);
-        returns its URL. ``open_status``: the status page is served without the token."""
+        """Start the HTTP API and say where it is in the job dir (``facts``: what else the file
+        tells); returns its URL. ``open_status``: the status page is served without the token."""
         config = self.config
-        self._runner, url = await start_http(self.manager, config.host, config.http_port, open_status=open_status)
-        self.files.job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id, **facts,
-                                          "control_port": self.control_port, "started_at": time.time()})
+        self._runner, url = await start_http(self.manager, config.host, config.http_port,
+                                             open_status=open_status)
+        self.files.job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id,
+                                          **facts, "control_port": self.control_port,
+                                          "started_at": time.time()})
         self.events.set_job("url", url, flush=True)
         return url
 
     async def close(self) -> None:
-        """The API stops, the job dir forgets this manager, the manager closes its stores and log."""
+        """The API stops, the job dir forgets this manager, the manager closes its stores and
+        log."""
         try:
             if self._runner is not None:
                 await self._runner.cleanup()

@@ -46,37 +46,45 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class _Gate:
-    """Decides who may join: the token, the job, a node rank in range, and flags like the first agent's."""
+    """Decides who may join: the token, the job, a node rank in range, and flags like the first
+    agent's."""
 
     def __init__(self, options: ManagerOptions, token: str) -> None:
         self.options = options
         self.token = token
-        self.config: JobConfig | None = None  # (None until ``bind``: the first agent's flags make the job)
-        self.host_out: Callable[[str], str] = lambda host: ""  # why no new ranks there ("": they may come)
+        # (None until ``bind``: the first agent's flags make the job)
+        self.config: JobConfig | None = None
+        # why no new ranks there ("": they may come)
+        self.host_out: Callable[[str], str] = lambda host: ""
 
     def bind(self, config: JobConfig, host_out: Callable[[str], str]) -> None:
-        """The job the first agent's flags made, and why a host gets no new ranks (the manager's hosts):
-        from now on every join is checked against them. Known only once the manager exists."""
+        """The job the first agent's flags made, and why a host gets no new ranks (the manager's
+        hosts): from now on every join is checked against them. Known only once the manager
+        exists."""
         self.config = config
         self.host_out = host_out
 
     def __call__(self, join: AgentJoin) -> str:
         if not tokens_match(join.token, self.token):
-            return ("wrong or missing token: pass the job's token with --token-file or UNDYING_TOKEN "
-                    f"({where_the_token_is(self.options.job_dir)})")
+            return ("wrong or missing token: pass the job's token with --token-file or "
+                    f"UNDYING_TOKEN ({where_the_token_is(self.options.job_dir)})")
         if join.job_id != self.options.job_id:
-            return (f"this manager runs job {self.options.job_id!r}, the agent is for job {join.job_id!r}; "
+            return (f"this manager runs job {self.options.job_id!r}, "
+                    f"the agent is for job {join.job_id!r}; "
                     f"pass --job-id {self.options.job_id}")
         config = self.config
         if config is None:
             if not 0 <= join.node < join.nnodes:
-                return f"--node-rank {join.node} is outside 0..{join.nnodes - 1} (--nnodes {join.nnodes})"
+                return (f"--node-rank {join.node} is outside 0..{join.nnodes - 1} "
+                        f"(--nnodes {join.nnodes})")
             return ""
         if join.nnodes != config.nnodes or join.nproc_per_node != config.nproc_per_node:
-            return (f"the job has --nnodes {config.nnodes} and --nproc-per-node {config.nproc_per_node}; "
+            return (f"the job has --nnodes {config.nnodes} and "
+                    f"--nproc-per-node {config.nproc_per_node}; "
                     f"this agent has {join.nnodes} and {join.nproc_per_node}")
         if not 0 <= join.node < config.nnodes:
-            return f"--node-rank {join.node} is outside 0..{config.nnodes - 1} (--nnodes {config.nnodes})"
+            return (f"--node-rank {join.node} is outside 0..{config.nnodes - 1} "
+                    f"(--nnodes {config.nnodes})")
         try:
             theirs = JobConfig.from_dict(join.config)
         except UsageError as e:
@@ -85,7 +93,8 @@ class _Gate:
         if differ:
             return ("this agent's flags differ from the job's in " + ", ".join(differ)
                     + "; every node must pass the same `undying run` flags")
-        if not join.session and (out := self.host_out(join.host)):  # (a node's agent coming back is let in)
+        # (a node's agent coming back is let in)
+        if not join.session and (out := self.host_out(join.host)):
             return out
         return ""
 
@@ -97,7 +106,8 @@ def _resumable(job_dir: JobDir, job_id: str) -> bool:
     try:
         job = read_job_table(job_dir.events_db)
     except Exception as e:  # a damaged log is no job to carry on; the new run says so
-        log.warning("job dir %s: its event log cannot be read (%s); starting a new job", job_dir.path, e)
+        log.warning("job dir %s: its event log cannot be read (%s); starting a new job",
+                    job_dir.path, e)
         return False
     state = job.get("state", "")
     return job.get("job_id") == job_id and state in ("running", "recovering") and "config" in job
@@ -110,26 +120,30 @@ async def _serve(options: ManagerOptions) -> int:
     job_dir = files.job_dir
     gate = _Gate(options, files.token)
     prior = read_job_table(job_dir.events_db) if restart else {}
-    heartbeat = float(prior.get("config", {}).get("timeouts", {}).get("heartbeat_timeout", Timeouts.heartbeat_timeout))
+    prior_timeouts = prior.get("config", {}).get("timeouts", {})
+    heartbeat = float(prior_timeouts.get("heartbeat_timeout", Timeouts.heartbeat_timeout))
     # Which of each node's reports the log holds (a restart's, from its log): the agents resend the
     # rest.
     acked = {int(n): int(seq) for n, seq in prior.get("acked", {}).items()}
     server = AgentServer(options.host, options.port, gate, heartbeat_s=heartbeat, acked=acked,
-                         max_connections=options.connections.cap, join_wait_s=options.connections.http_header_timeout)
+                         max_connections=options.connections.cap,
+                         join_wait_s=options.connections.http_header_timeout)
     try:
         await server.start()
     except OSError as e:
-        raise UsageError(f"cannot listen for agents on {options.host}:{options.port} ({e.strerror or e}); "
-                         "pass another --port") from e
-    log.warning("manager of job %s listening for agents on %s:%d, token from %s%s", options.job_id, options.host,
-                server.port, files.token_from, " (carrying on the job from its log)" if restart else "")
+        raise UsageError(f"cannot listen for agents on {options.host}:{options.port} "
+                         f"({e.strerror or e}); pass another --port") from e
+    log.warning("manager of job %s listening for agents on %s:%d, token from %s%s",
+                options.job_id, options.host, server.port, files.token_from,
+                " (carrying on the job from its log)" if restart else "")
     if restart:
         config = JobConfig.from_dict(prior["config"])
     else:
         first = await server.first_join()
         config = JobConfig.from_dict(first.config)
-    config = JobConfig(**{**config.__dict__, "job_id": options.job_id, "job_dir": str(job_dir.path),
-                          "host": options.host, "port": server.port + 1, "http_port": options.http_port,
+    config = JobConfig(**{**config.__dict__, "job_id": options.job_id,
+                          "job_dir": str(job_dir.path), "host": options.host,
+                          "port": server.port + 1, "http_port": options.http_port,
                           "node_rank": 0, "connections": options.connections})
     config.validate()
     events = files.event_log()
@@ -143,19 +157,22 @@ async def _serve(options: ManagerOptions) -> int:
         job_dir.clear_manager()
         raise
     manager = hosted.manager
-    gate.bind(config, lambda host: manager.core.hosts.refusal(host))  # (the book is replaced on a restore)
+    # (the book is replaced on a restore)
+    gate.bind(config, lambda host: manager.core.hosts.refusal(host))
     # A node moved (undying migrate --node, drain) goes to a standby. (Allowed in test_architecture:
     # the migrations, in manager/placement, take no constructor argument for it yet.)
     manager.migrations.server = server
     try:
-        server.bind(JobFacts(manager, config.nnodes, config.timeouts.heartbeat_timeout, hosted.control_port,
-                             str(job_dir.path), known_sessions=hosted.known_sessions,
-                             blocked_hosts=lambda: manager.core.hosts.blocked_hosts()))  # no standby on a drained host
+        server.bind(JobFacts(manager, config.nnodes, config.timeouts.heartbeat_timeout,
+                             hosted.control_port, str(job_dir.path),
+                             known_sessions=hosted.known_sessions,
+                             # no standby on a drained host
+                             blocked_hosts=lambda: manager.core.hosts.blocked_hosts()))
         for slot in server.slots.values():
             manager.add_agent(slot)
         url = await hosted.serve_api(open_status=options.open_status, agent_port=server.port)
-        log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id, config.nnodes,
-                    config.nproc_per_node, url, job_dir.path)
+        log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id,
+                    config.nnodes, config.nproc_per_node, url, job_dir.path)
         return await _run(manager, server, config, restart)
     finally:
         await server.close()
@@ -168,9 +185,11 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
     def on_signal(sig: signal.Signals) -> None:
         interrupted.append(sig)
-        if sig == signal.SIGQUIT:  # Ctrl-\: what it was doing first (as agent.hangup does), never a core dump
+        # Ctrl-\: what it was doing first (as agent.hangup does), never a core dump
+        if sig == signal.SIGQUIT:
             faulthandler.dump_traceback(all_threads=True)
-        if sig != signal.SIGINT:  # SIGHUP (its terminal closed) and SIGQUIT are SIGTERM, as for a launcher
+        # SIGHUP (its terminal closed) and SIGQUIT are SIGTERM, as for a launcher
+        if sig != signal.SIGINT:
             manager.preempt(f"{sig.name} to the manager")
         else:
             manager.stop(f"stopped by {sig.name} to the manager")
@@ -179,12 +198,14 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         if restart:
-            waiting = asyncio.ensure_future(_lose_absent_nodes(server, config.timeouts.heartbeat_timeout))
+            waiting = asyncio.ensure_future(
+                _lose_absent_nodes(server, config.timeouts.heartbeat_timeout))
         else:
             waiting = asyncio.ensure_future(_wait_for_nodes(manager, server, config))
         try:
             final = await manager.run(restored=restart, ready=waiting)
-        except UsageError as e:  # the job cannot start as asked (another job's checkpoint): every node hears why
+        except UsageError as e:
+            # the job cannot start as asked (another job's checkpoint): every node hears why
             await _tell_nodes(server, JobEnded(JobState.FAILED.value, str(e), 2))
             raise
         finally:
@@ -193,15 +214,18 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
-    if final is JobState.PREEMPTED:  # the last line: what the same command resumes from, what it re-runs
+    # the last line: what the same command resumes from, what it re-runs
+    if final is JobState.PREEMPTED:
         log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
-    await asyncio.gather(*(slot.stop_all(config.timeouts.stop_grace) for slot in server.slots.values()))
+    grace_s = config.timeouts.stop_grace
+    await asyncio.gather(*(slot.stop_all(grace_s) for slot in server.slots.values()))
     await _tell_nodes(server, JobEnded(final.value, manager.exit_reason, code))
     return code
 
 
 async def _tell_nodes(server: AgentServer, ended: JobEnded) -> None:
-    """Every attached agent hears how the job ended, and exits with its code (so does every standby)."""
+    """Every attached agent hears how the job ended, and exits with its code (so does every
+    standby)."""
     server.standbys.tell_all(ended)
     for slot in server.slots.values():
         slot.send(ended)
@@ -216,12 +240,14 @@ async def _wait_for_nodes(manager: Manager, server: AgentServer, config: JobConf
     if not await server.all_joined(config.timeouts.rendezvous_timeout):
         joined = sorted(n for n, s in server.slots.items() if s.attached)
         manager.fail(f"only nodes {joined} of {config.nnodes} joined within the rendezvous timeout "
-                     f"({config.timeouts.rendezvous_timeout:.0f}s); start `undying run --node-rank I --manager ...` on the others")
+                     f"({config.timeouts.rendezvous_timeout:.0f}s); "
+                     "start `undying run --node-rank I --manager ...` on the others")
         raise asyncio.CancelledError
 
 
 async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: JobConfig) -> None:
-    """An elastic job (--nnodes MIN:MAX) starts with every node, or with MIN once --node-wait passed without more."""
+    """An elastic job (--nnodes MIN:MAX) starts with every node, or with MIN once --node-wait passed
+    without more."""
     deadline = time.monotonic() + config.timeouts.rendezvous_timeout
     enough_since = 0.0
     while True:
@@ -232,23 +258,28 @@ async def _wait_for_enough_nodes(manager: Manager, server: AgentServer, config: 
         if len(joined) >= config.fewest_nodes:
             enough_since = enough_since or now
             if now - enough_since >= config.timeouts.node_wait:
-                log.warning("job %s: starting on nodes %s (%d of at most %d); a node that joins later grows the job",
+                log.warning("job %s: starting on nodes %s (%d of at most %d); "
+                            "a node that joins later grows the job",
                             config.job_id, joined, len(joined), config.nnodes)
                 return
         elif now > deadline:
-            manager.fail(f"only nodes {joined} joined within the rendezvous timeout ({config.timeouts.rendezvous_timeout:.0f}s) "
-                         f"and the job needs at least {config.fewest_nodes} (--nnodes {config.fewest_nodes}:"
-                         f"{config.nnodes}); start `undying run --node-rank I --manager ...` on the others")
+            manager.fail(f"only nodes {joined} joined within the rendezvous timeout "
+                         f"({config.timeouts.rendezvous_timeout:.0f}s) "
+                         f"and the job needs at least {config.fewest_nodes} "
+                         f"(--nnodes {config.fewest_nodes}:{config.nnodes}); "
+                         "start `undying run --node-rank I --manager ...` on the others")
             raise asyncio.CancelledError
         await asyncio.sleep(0.2)
 
 
 async def _lose_absent_nodes(server: AgentServer, heartbeat_s: float) -> None:
-    """After a restart, a node whose agent does not come back within its heartbeat timeout is lost."""
+    """After a restart, a node whose agent does not come back within its heartbeat timeout is
+    lost."""
     await asyncio.sleep(heartbeat_s)
     for slot in server.slots.values():
         if not slot.attached and not slot.lost_at:
-            server.lose(slot, f"node {slot.node} did not come back within {heartbeat_s:g}s of the manager's restart")
+            server.lose(slot, f"node {slot.node} did not come back within {heartbeat_s:g}s "
+                              "of the manager's restart")
 
 
 def serve_manager(options: ManagerOptions) -> int:

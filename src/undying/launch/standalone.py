@@ -48,18 +48,22 @@ __all__ = ["launch"]
 
 log = logging.getLogger("undying.launcher")
 
-_STATE_EVERY_S = 0.5  # the agent's beat to its manager: live ranks, their phases, spares (as across hosts)
+# the agent's beat to its manager: live ranks, their phases, spares (as across hosts)
+_STATE_EVERY_S = 0.5
 
 
 def _check_script(script: str, config: JobConfig) -> str | None:
-    """A missing or unreadable script is a usage error; one that does not compile is returned, in two lines."""
+    """A missing or unreadable script is a usage error; one that does not compile is returned, in
+    two lines."""
     if config.launch.module:
         if not all(part.isidentifier() for part in script.split(".")):
-            raise UsageError(f"-m {script}: not a module name (dotted Python identifiers, e.g. pkg.train)")
+            raise UsageError(f"-m {script}: not a module name "
+                             "(dotted Python identifiers, e.g. pkg.train)")
         return None  # (a module that cannot be imported: the first rank says so, as a script error)
     if config.launch.no_python:
         if shutil.which(script) is None:
-            raise UsageError(f"--no-python {script}: no such executable program (a path, or a name on PATH)")
+            raise UsageError(f"--no-python {script}: no such executable program "
+                             "(a path, or a name on PATH)")
         return None
     path = Path(script)
     if not path.is_file():
@@ -73,7 +77,8 @@ def _check_script(script: str, config: JobConfig) -> str | None:
     return None
 
 
-async def _launch(config: JobConfig, script: str, script_args: list[str], token_file: str | None = None) -> int:
+async def _launch(config: JobConfig, script: str, script_args: list[str],
+                  token_file: str | None = None) -> int:
     files = JobFiles.open(Path(config.job_dir), token_file=token_file)
     events = files.event_log()
     events.set_job("command", [script, *script_args])  # what a re-run compares (_already_succeeded)
@@ -87,10 +92,12 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         to_manager = InProcessReports(NodeReports(lambda: manager, _never_lost), slot)
         agent = Agent(
             config, node=config.node_rank, script=script, script_args=script_args,
-            report=to_manager.send, control_port=control_port, extra_env=_agent_env(config, files.token),
+            report=to_manager.send, control_port=control_port,
+            extra_env=_agent_env(config, files.token),
         )
         commands = NodeCommands(agent, to_manager.send)
-        slot.attach_line(InProcessLine(commands.handle), host="localhost", pid=os.getpid(), session="in-process")
+        slot.attach_line(InProcessLine(commands.handle), host="localhost", pid=os.getpid(),
+                         session="in-process")
         await agent.start()
         manager.add_agent(slot)
         beat = asyncio.ensure_future(report_state(agent, to_manager.send, _STATE_EVERY_S))
@@ -98,10 +105,10 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
     except BaseException:
         manager.close()
         raise
-    print_banner(config.job_id, config.job_dir, url, ranks=config.world_size, open_status=config.open_status,
-                 token_from=files.token_from)
-    log.info("job %s: %d ranks, manager at %s, job dir %s, token from %s", config.job_id, config.world_size, url,
-             config.job_dir, files.token_from)
+    print_banner(config.job_id, config.job_dir, url, ranks=config.world_size,
+                 open_status=config.open_status, token_from=files.token_from)
+    log.info("job %s: %d ranks, manager at %s, job dir %s, token from %s", config.job_id,
+             config.world_size, url, config.job_dir, files.token_from)
     if not config.step_api:
         say(f"job {config.job_id}: {WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}")
     loop = asyncio.get_running_loop()
@@ -131,15 +138,17 @@ async def _launch(config: JobConfig, script: str, script_args: list[str], token_
         slot.detach("the job ended")
         await agent.close()
         await hosted.close()
-    print_end_summary(config.job_dir)  # (before the report: its warning or resume line stays the last line)
+    # (before the report: its warning or resume line stays the last line)
+    print_end_summary(config.job_dir)
     _report(config, manager, final)
     return exit_code(manager, final, signal.Signals(interrupted[0]) if interrupted else None)
 
 
 def _agent_env(config: JobConfig, token: str) -> dict[str, str]:
-    """What this node's processes get beside undying's own: the job's derived keys (its workers sign and
-    check checkpoints, and reach the job's stores) and the interface the job listens on."""
-    env = {CHECKPOINT_KEY_ENV: key_from_token(token).hex(), STORE_KEY_ENV: store_key_from_token(token).hex()}
+    """What this node's processes get beside undying's own: the job's derived keys (its workers sign
+    and check checkpoints, and reach the job's stores) and the interface the job listens on."""
+    env = {CHECKPOINT_KEY_ENV: key_from_token(token).hex(),
+           STORE_KEY_ENV: store_key_from_token(token).hex()}
     # gloo binds the address of the machine's hostname: on one node, keep its connections on the
     # interface the job listens on (loopback by default) unless the user chose one.
     interface = interface_for(config.host)
@@ -156,19 +165,22 @@ def _never_lost(slot: NodeSlot, reason: str) -> None:
 def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
     recovered = [i for i in manager.incidents if i.status == "recovered"]
     if final is JobState.SUCCEEDED:
-        say(f"job {config.job_id} succeeded: {config.world_size} ranks, generation {manager.generation}, "
+        say(f"job {config.job_id} succeeded: {config.world_size} ranks, "
+            f"generation {manager.generation}, "
             f"{len(recovered)} incident(s) recovered, {len(manager.rerun_steps)} step(s) re-run")
         if any(i.kind == "diverged" for i in manager.incidents):
             # A recovery that did not reproduce the run is not a plain success: the last line says
             # so.
             _, _, warning = manager.exit_reason.partition("; warning: ")
-            log.warning("job %s: warning: %s", config.job_id, warning or "the run diverged after a fault")
+            log.warning("job %s: warning: %s", config.job_id,
+                        warning or "the run diverged after a fault")
         health = manager.checkpoint_health
         if health.failures:
             # The last line printed: a success whose saves failed says so, and what it left on disk.
             _, _, warning = manager.exit_reason.partition("; warning: ")
             log.warning("job %s: warning: %s", config.job_id, warning or (
-                f"{health.failures} checkpoint save attempt(s) failed during the run ({health.last_os_error or health.last_error}); "
+                f"{health.failures} checkpoint save attempt(s) failed during the run "
+                f"({health.last_os_error or health.last_error}); "
                 "a later one succeeded"))
     elif final is JobState.FAILED:
         log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
@@ -180,16 +192,20 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
 
 
 def say(line: str) -> None:
-    """A line the user reads whatever the log level, and no warning: the start and end of a run that went well."""
+    """A line the user reads whatever the log level, and no warning: the start and end of a run that
+    went well."""
     try:
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
         sys.stderr.flush()
-    except OSError:  # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
+    except OSError:
+        # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
         pass
 
 
-def launch(config: JobConfig, script: str, script_args: list[str], token_file: str | None = None) -> int:
-    """Run the job to its end; returns the launcher's exit code (``token_file``: ``--token-file``)."""
+def launch(config: JobConfig, script: str, script_args: list[str],
+           token_file: str | None = None) -> int:
+    """Run the job to its end; returns the launcher's exit code (``token_file``:
+    ``--token-file``)."""
     config.validate()
     broken = _check_script(script, config)
     if broken is not None:  # before any rank, folder or port: the error where it is, and exit 1
@@ -197,14 +213,16 @@ def launch(config: JobConfig, script: str, script_args: list[str], token_file: s
         return 1
     done = _already_succeeded(config, [script, *script_args])
     if done:
-        log.warning("job %s %s; nothing to train. Pass --force to train it again, or another --job-id",
+        log.warning("job %s %s; nothing to train. "
+                    "Pass --force to train it again, or another --job-id",
                     config.job_id, done)
         return 0
     return asyncio.run(_launch(config, script, script_args, token_file))
 
 
 def _already_succeeded(config: JobConfig, command: list[str]) -> str:
-    """How this job (same job id, job dir and command) already ended in success, or "" (then it runs).
+    """How this job (same job id, job dir and command) already ended in success, or "" (then it
+    runs).
 
     Another command (more epochs, say) is the user extending the job: it resumes as before.
     """
@@ -217,8 +235,10 @@ def _already_succeeded(config: JobConfig, command: list[str]) -> str:
         job = read_job_table(log_path)
     except Exception:  # an unreadable log is no proof of success: the run goes on (and archives it)
         return ""
-    if job.get("state") != "succeeded" or job.get("job_id") != config.job_id or job.get("command") != command:
+    if (job.get("state") != "succeeded" or job.get("job_id") != config.job_id
+            or job.get("command") != command):
         return ""
     ended = job.get("ended_at")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended)) if isinstance(ended, (int, float)) else "earlier"
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended))
+            if isinstance(ended, (int, float)) else "earlier")
     return f"already succeeded ({when}, job dir {config.job_dir})"
