@@ -49,7 +49,8 @@ from undying.worker.faults import FaultSwitch, block_forever, crash_self, spin_f
 from undying.worker.gasp import Preemption, dying_gasp
 from undying.worker.group import break_connections, claim_existing_sockets, is_comm_failure
 from undying.worker.heartbeat import beat
-from undying.worker.numerics import NumericFault, Numerics, NumericsGuard
+from undying.worker.numerics import NumericFault, Numerics
+from undying.worker.numerics_guard import NumericsGuard
 from undying.worker.rejoin import Rejoin
 from undying.worker.seed import seed_everything, seed_from_env
 from undying.worker.shards import Shards
