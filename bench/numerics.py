@@ -140,7 +140,8 @@ def micro(workload: Workload, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from undying.worker.numerics import Numerics, NumericsGuard
+    from undying.worker.numerics import Numerics
+    from undying.worker.numerics_guard import NumericsGuard
     from undying.worker.state import State
 
     torch.set_num_threads(1)

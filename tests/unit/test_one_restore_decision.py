@@ -52,7 +52,7 @@ PATHS = {
     "manager/recovery/rounds.py:Recoveries.plan":
         "recovery, the manager's decision: its view of the members; the restart rung carries the plan out",
     # numerics roll-back
-    "worker/numerics.py:NumericsGuard.resolve":
+    "worker/numerics_guard.py:NumericsGuard.resolve":
         "numerics roll-back: back to the newest pre-step state every rank's snapshot ring holds",
     # verification roll-back
     "worker/verify.py:Verification._roll_back":

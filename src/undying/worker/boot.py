@@ -93,7 +93,8 @@ def _installed_imports(script: Path) -> list[str]:
 
 
 def _beat(channel: socket.socket, stop: threading.Event, interval: float) -> None:
-    """A waiting spare's heartbeat: SpareReady again every ``interval``, so a stopped spare is seen as one."""
+    """A waiting spare's heartbeat: SpareReady again every ``interval``, so a stopped spare is
+    seen as one."""
     from undying.protocol.worker_wire import SpareReady, encode
 
     while not stop.wait(interval):
@@ -104,7 +105,8 @@ def _beat(channel: socket.socket, stop: threading.Event, interval: float) -> Non
 
 
 def _wait_as_spare(script: Path) -> None:
-    """Import what a worker needs, announce readiness, beat while waiting, block until assigned a rank.
+    """Import what a worker needs, announce readiness, beat while waiting, block until assigned a
+    rank.
 
     The answer to an Assign (SpareTaken) is sent before the script runs: the
     agent kills a spare that does not give it within --spare-take-timeout,
@@ -120,8 +122,10 @@ def _wait_as_spare(script: Path) -> None:
     )
     from undying.protocol.worker_wire import decode_to_worker as decode
 
-    for name in ["torch", "torch.distributed", "sympy", "undying.worker", *_installed_imports(script)]:  # (PREWARM)
-        with contextlib.suppress(Exception):  # a prewarm only; the script reports its own import errors
+    prewarm = ["torch", "torch.distributed", "sympy", "undying.worker"]  # (PREWARM)
+    for name in [*prewarm, *_installed_imports(script)]:
+        # A prewarm only; the script reports its own import errors.
+        with contextlib.suppress(Exception):
             importlib.import_module(name)
     host, port = os.environ[AGENT_ADDR_ENV].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as channel:
@@ -139,14 +143,16 @@ def _wait_as_spare(script: Path) -> None:
         message = decode(line)
         if not isinstance(message, Assign):
             raise RuntimeError(f"a spare expected a rank, got {message!r}")
-        beats.join(5.0)  # (a beat in the middle of its send finishes it first: lines never interleave)
+        # (a beat in the middle of its send finishes it first: lines never interleave)
+        beats.join(5.0)
         channel.sendall(encode(SpareTaken(os.getpid(), time.time())))
         os.environ.update(message.env)
 
 
 def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
-    """Run a worker. ``argv``: boot's arguments (default ``sys.argv[1:]``); ``parent``: the process
-    this one dies with (default the agent, ``UNDYING_AGENT_PID``; the zygote for a worker it forked)."""
+    """Run a worker. ``argv``: boot's arguments (default ``sys.argv[1:]``); ``parent``: the
+    process this one dies with (default the agent, ``UNDYING_AGENT_PID``; the zygote for a worker
+    it forked)."""
     args = sys.argv[1:] if argv is None else argv
     spare = bool(args) and args[0] == "--spare"
     if spare:
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     if kind:
         args = args[1:]
     if not args:
-        sys.stderr.write("usage: python -m undying.worker.boot [--spare] [-m|--no-python] SCRIPT [ARGS...]\n")
+        sys.stderr.write("usage: python -m undying.worker.boot "
+                         "[--spare] [-m|--no-python] SCRIPT [ARGS...]\n")
         sys.exit(2)
     if parent is None:
         parent = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
@@ -176,7 +183,8 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     atexit.register(gc.freeze)
     from undying.protocol.store_client import use_for_env_rendezvous
 
-    use_for_env_rendezvous()  # the script's own init_process_group() meets its peers on the job's store
+    # The script's own init_process_group() meets its peers on the job's store.
+    use_for_env_rendezvous()
     try:
         try:
             if kind:
@@ -202,7 +210,8 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
         told = False
         if job_dir:
             try:
-                fd = os.open(os.path.join(job_dir, SCRIPT_ERROR_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                fd = os.open(os.path.join(job_dir, SCRIPT_ERROR_FILE),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
                 with os.fdopen(fd, "w") as f:
                     f.write(message)
                 told = True
@@ -217,7 +226,8 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
 
 
 def _returned() -> None:
-    """The script is done: say so to the agent (a file it reads at the exit) and bound the exit itself.
+    """The script is done: say so to the agent (a file it reads at the exit) and bound the exit
+    itself.
 
     SIGALRM's default action ends the process in the kernel, with no need of the
     interpreter lock: an exit deadlocked on it (a thread joining one that waits
@@ -246,7 +256,8 @@ def _returned() -> None:
 
 
 def _end() -> None:
-    """After the script returned (a managed worker): what an exit does that matters, then out, exit 0.
+    """After the script returned (a managed worker): what an exit does that matters, then out,
+    exit 0.
 
     That is: the script's other threads joined (as the interpreter waits for
     them), every exit handler run (the script's, logging's, the heartbeat's
@@ -261,7 +272,8 @@ def _end() -> None:
 
 
 def end_process() -> NoReturn:
-    """End this process as a worker ends, exit 0: its threads joined, exit handlers run, files flushed.
+    """End this process as a worker ends, exit 0: its threads joined, exit handlers run, files
+    flushed.
 
     Not the interpreter's teardown, whose order of destructors (torch's process
     groups among them: gloo's threads joined while the interpreter lock is held,
@@ -287,7 +299,8 @@ def _flush_open_files() -> None:
     here; what other cleanup objects do in ``__del__`` is skipped.
     """
     gc.unfreeze()  # (the exit handlers froze every object, and get_objects() lists none of those)
-    files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)  # concrete: no ABC check on every object
+    # Concrete: no ABC check on every object.
+    files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
     for obj in gc.get_objects():
         if issubclass(type(obj), files):
             with contextlib.suppress(Exception):
@@ -299,17 +312,22 @@ def _flush_open_files() -> None:
 
 
 def script_error(e: BaseException) -> str:
-    """``FILE, line N: Kind: message`` and the offending line, from the innermost frame outside undying."""
+    """``FILE, line N: Kind: message`` and the offending line, from the innermost frame outside
+    undying."""
     if isinstance(e, SyntaxError) and e.filename:
         where, line, text = e.filename, e.lineno, (e.text or "").strip()
         message = e.msg
     else:
         frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if not f.filename.startswith(_UNDYING_DIR) and not f.filename.startswith("<frozen")]
+                  if not f.filename.startswith(_UNDYING_DIR)
+                  and not f.filename.startswith("<frozen")]
         frame = frames[-1] if frames else None
         where = frame.filename if frame else "the script"
-        line, text, message = (frame.lineno if frame else None), (frame.line or "" if frame else ""), str(e)
-    head = f"{where}, line {line}: {type(e).__name__}: {message}" if line else f"{where}: {type(e).__name__}: {message}"
+        line = frame.lineno if frame else None
+        text = frame.line or "" if frame else ""
+        message = str(e)
+    kind = type(e).__name__
+    head = f"{where}, line {line}: {kind}: {message}" if line else f"{where}: {kind}: {message}"
     return head + (f"\n    {text}" if text else "")
 
 

@@ -31,7 +31,8 @@ class AgentChannel:
         self._lock = threading.Lock()
         self._on_command = on_command
         self._closed = False
-        self._reader = threading.Thread(target=self._read_loop, name="undying-agent-channel", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="undying-agent-channel",
+                                        daemon=True)
         self._reader.start()
 
     def send(self, message: Message) -> None:

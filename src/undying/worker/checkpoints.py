@@ -43,7 +43,8 @@ class Checkpoints:
 
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
-        self.resumed: tuple[int, str] | None = None  # (step, path) of the checkpoint this process loaded
+        # (step, path) of the checkpoint this process loaded.
+        self.resumed: tuple[int, str] | None = None
         self.resumed_manifest: Manifest | None = None
         self._writer: AsyncCheckpointer | None = None
         self._size_sent = False
@@ -52,14 +53,14 @@ class Checkpoints:
 
     @staticmethod
     def resume_point(path: str) -> tuple[PersistedState, Manifest]:
-        """The checkpoint the launcher named (``UNDYING_RESUME_FROM``), as the start's planner takes it, and
-        its manifest (read, not yet verified)."""
+        """The checkpoint the launcher named (``UNDYING_RESUME_FROM``), as the start's planner
+        takes it, and its manifest (read, not yet verified)."""
         probe = read_manifest(path)
         return PersistedState(probe.step, path=path), probe
 
     def resume(self, start: StatePlan, probe: Manifest, shards: Shards) -> None:
-        """Start from the checkpoint ``start`` names (verified again here: every checksum, before anything is
-        loaded).
+        """Start from the checkpoint ``start`` names (verified again here: every checksum, before
+        anything is loaded).
 
         A sharded checkpoint is loaded by ``steps()``, collectively, once the
         sharded model exists to receive it (``JobContext.deferred``); a whole
@@ -71,15 +72,17 @@ class Checkpoints:
         if probe.layout.get("kind") == "sharded":
             self.resumed, self.resumed_manifest = (probe.step, path), probe
             ctx.deferred = (probe.step, lambda state: shards.load_checkpoint(state, path, probe))
-            log.warning("rank %d: resuming from sharded checkpoint %s (step %d, written by %d ranks)",
+            log.warning("rank %d: resuming from sharded checkpoint %s "
+                        "(step %d, written by %d ranks)",
                         ctx.rank, path, probe.step, probe.world_size)
             return
         try:
             payload, manifest = load_replicated(path)
         except pickle.UnpicklingError as e:
             # Never loaded with weights_only=False: a checkpoint must not be able to run code.
+            held = refused_global(e) or "an object that is not plain data"
             raise UsageError(
-                f"checkpoint {path} holds {refused_global(e) or 'an object that is not plain data'}, which undying "
+                f"checkpoint {path} holds {held}, which undying "
                 "will not unpickle (weights_only=True); register the class with "
                 "torch.serialization.add_safe_globals in the script if it is yours and safe"
             ) from e
@@ -94,8 +97,9 @@ class Checkpoints:
         return None
 
     def load_waiting(self, state: State, start: StatePlan, shards: Shards) -> int:
-        """Carry out ``start`` once the State exists: load what waited for it (the checkpoint it named, or the
-        state the members sent a replacement at its first restore); the step it holds."""
+        """Carry out ``start`` once the State exists: load what waited for it (the checkpoint it
+        named, or the state the members sent a replacement at its first restore); the step it
+        holds."""
         ctx = self.ctx
         committed = 0
         resumed = self.resumed
@@ -103,7 +107,8 @@ class Checkpoints:
             assert ctx.stash is None and ctx.deferred is None, "a fresh start found a state waiting"
         if ctx.stash is not None and state.sharded:
             where = f"checkpoint {resumed[1]}" if resumed is not None else "a peer"
-            error = UsageError(f"the state from {where} was saved whole (replicated), but this model is sharded "
+            error = UsageError(f"the state from {where} was saved whole (replicated), "
+                               "but this model is sharded "
                                "(DTensors): resume it with the layout it was saved with")
             ctx.report_fatal(ctx.stash[0], error)
             raise error
@@ -113,7 +118,8 @@ class Checkpoints:
             load(state)
             ctx.current_step = committed
             if resumed is None or resumed[0] != committed:
-                ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(), step=committed))
+                ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(),
+                                  step=committed))
         if ctx.stash is not None:
             committed, payload = ctx.stash
             manifest = self.resumed_at(committed) if start.source.kind == "checkpoint" else None
@@ -121,7 +127,8 @@ class Checkpoints:
                 assert resumed is not None
                 # Another model, or another job's checkpoint: said by name, never half-loaded.
                 try:
-                    check_compatible(manifest, path=resumed[1], state_shapes=tensor_shapes(state.state_dict()))
+                    check_compatible(manifest, path=resumed[1],
+                                     state_shapes=tensor_shapes(state.state_dict()))
                 except UsageError as e:
                     ctx.report_fatal(committed, e)
                     raise
@@ -132,7 +139,8 @@ class Checkpoints:
             ctx.current_step = committed
             if manifest is not None:
                 assert resumed is not None
-                detail: dict[str, Any] = {"checkpoint": resumed[1], "saved_world_size": manifest.world_size}
+                detail: dict[str, Any] = {"checkpoint": resumed[1],
+                                          "saved_world_size": manifest.world_size}
                 if shards.resume_digest:
                     detail["digest"] = sharding.full_digest(state.state_dict())
                 ctx.checkpoint_loaded(manifest, detail)
@@ -141,9 +149,10 @@ class Checkpoints:
                     ctx.set_data_origin((int(origin[0]), int(origin[1])))
                 # A peer's state: its donor's fingerprint and ours once loaded (the manager's
                 # divergence compares).
-                digests = {"digest": state.digest(), "donor_digest": str(meta["digest"])} if "digest" in meta else {}
-                ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(), step=committed,
-                                  detail=digests))
+                digests = ({"digest": state.digest(), "donor_digest": str(meta["digest"])}
+                           if "digest" in meta else {})
+                ctx.send(Progress(ctx.rank, ctx.generation, "state_loaded", time.time(),
+                                  step=committed, detail=digests))
         return committed
 
     # --- periodic saves ----------------------------------------------------------
@@ -154,8 +163,9 @@ class Checkpoints:
         if self._writer is None:
             cfg = env.checkpoint
             self._writer = AsyncCheckpointer(
-                cfg.checkpoint_dir, job_id=env.job_id, world_size=self.ctx.world_size, keep=cfg.keep,
-                if_busy="skip", on_done=self._report_save, on_pruned=self._report_pruned,
+                cfg.checkpoint_dir, job_id=env.job_id, world_size=self.ctx.world_size,
+                keep=cfg.keep, if_busy="skip", on_done=self._report_save,
+                on_pruned=self._report_pruned,
             )
         return self._writer
 
@@ -164,20 +174,22 @@ class Checkpoints:
         ctx = self.ctx
         if result is not None:
             ctx.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
-            ctx.send(CheckpointSaved(ctx.rank, result.step, result.kind, result.path, result.blocking_s,
-                                     result.write_s, result.bytes, time.time()))
+            ctx.send(CheckpointSaved(ctx.rank, result.step, result.kind, result.path,
+                                     result.blocking_s, result.write_s, result.bytes, time.time()))
         elif error is not None:
             ctx.send(CheckpointSaved(ctx.rank, error.step, "periodic", "", 0.0, 0.0, 0, time.time(),
                                      error=str(error), os_error=describe_os_error(error)))
 
     def _report_pruned(self, step: int, names: list[str]) -> None:
-        """The save of ``step`` found no room and deleted older checkpoints first: the log says which."""
+        """The save of ``step`` found no room and deleted older checkpoints first: the log says
+        which."""
         ctx = self.ctx
         ctx.send(Progress(ctx.rank, ctx.generation, "checkpoint_room_made", time.time(), step=step,
                           detail={"removed": names}))
 
     def _send_size(self, state: State, index: int) -> None:
-        """Once, from rank 0: what the manager sizes the dying gasp's grace period from (DTensors count whole)."""
+        """Once, from rank 0: what the manager sizes the dying gasp's grace period from (DTensors
+        count whole)."""
         ctx = self.ctx
         if not self._size_sent and ctx.rank == 0:
             self._size_sent = True
@@ -185,9 +197,11 @@ class Checkpoints:
                               detail={"bytes": state_nbytes(state.state_dict())}))
 
     def maybe_save(self, state: State, index: int, shards: Shards, *, last: bool = False) -> bool:
-        """After a committed step that is due: rank 0 copies the state to CPU and writes it beside training.
+        """After a committed step that is due: rank 0 copies the state to CPU and writes it
+        beside training.
 
-        ``last``: the job's last step; its save waits for one still writing instead of being skipped.
+        ``last``: the job's last step; its save waits for one still writing instead of being
+        skipped.
 
         Sharded state: every rank writes its shard, together (``ShardSaves.maybe_save``).
         False: a peer failed during a collective save; the caller recovers.
@@ -213,8 +227,8 @@ class Checkpoints:
         return True
 
     def finish_writes(self, *, retries: bool = True) -> SaveResult | None:
-        """Wait for the write in flight (and its retries, unless a dying gasp is about to write anyway);
-        a failure was reported when it happened."""
+        """Wait for the write in flight (and its retries, unless a dying gasp is about to write
+        anyway); a failure was reported when it happened."""
         if self._writer is None:
             return None
         try:
@@ -225,7 +239,8 @@ class Checkpoints:
     # --- a save now ----------------------------------------------------------------
 
     def save_now(self, state: State, step: int, kind: str) -> bool:
-        """Persist the whole (replicated) state of ``step`` synchronously, unless that checkpoint exists.
+        """Persist the whole (replicated) state of ``step`` synchronously, unless that checkpoint
+        exists.
 
         True once it is on disk (written now, or there already).
         """
@@ -240,19 +255,23 @@ class Checkpoints:
             reused = self.resumed if self.resumed is not None and self.resumed[0] == step else None
         t = time.time()
         if reused is not None:
-            log.warning("rank %d: %s: the checkpoint of step %d already exists: %s", ctx.rank, kind, step, reused[1])
+            log.warning("rank %d: %s: the checkpoint of step %d already exists: %s",
+                        ctx.rank, kind, step, reused[1])
             ctx.send(CheckpointSaved(ctx.rank, step, "existing", reused[1], 0.0, 0.0, 0, t))
             return True
         try:
             result = with_room(store, lambda: save_replicated(
                 store, step, state.state_dict(), job_id=env.job_id, generation=ctx.generation,
-                world_size=ctx.world_size, kind=kind, keep=env.checkpoint.keep, meta=ctx.data_meta(step),
+                world_size=ctx.world_size, kind=kind, keep=env.checkpoint.keep,
+                meta=ctx.data_meta(step),
             ), on_pruned=lambda names: self._report_pruned(step, names))
-            ctx.send(CheckpointSaved(ctx.rank, step, kind, result.path, 0.0, result.write_s, result.bytes,
-                                     time.time()))
+            ctx.send(CheckpointSaved(ctx.rank, step, kind, result.path, 0.0, result.write_s,
+                                     result.bytes, time.time()))
             return True
-        except Exception as e:  # a full disk, a lost mount: reported; the latest valid checkpoint stands
+        except Exception as e:
+            # A full disk, a lost mount: reported; the latest valid checkpoint stands.
             log.error("rank %d: %s checkpoint of step %d failed: %s", ctx.rank, kind, step, e)
             ctx.send(CheckpointSaved(ctx.rank, step, kind, "", 0.0, time.time() - t, 0, time.time(),
-                                     error=f"{type(e).__name__}: {e}", os_error=describe_os_error(e)))
+                                     error=f"{type(e).__name__}: {e}",
+                                     os_error=describe_os_error(e)))
             return False

@@ -1,4 +1,5 @@
-"""The step loop's line to its agent: its reports out (``AgentLink``), the agent's commands in (``Commands``).
+"""The step loop's line to its agent: its reports out (``AgentLink``), the agent's commands in
+(``Commands``).
 
 ``Job`` builds both. The link is opened once the job's parts exist (a report
 before it is dropped: none is sent then); the commands go, by message class,
@@ -29,7 +30,8 @@ log = logging.getLogger("undying.worker")
 
 
 class AgentLink:
-    """This process's channel to its agent, once opened: what the job's parts send goes through ``send``."""
+    """This process's channel to its agent, once opened: what the job's parts send goes through
+    ``send``."""
 
     def __init__(self) -> None:
         self._channel: AgentChannel | None = None
@@ -79,24 +81,29 @@ class Commands:
         self.ctx.faults.arm(message)
 
     def leave_for_migration(self) -> None:
-        """``undying migrate``: at a step's start (the last one committed, nothing begun) this process
-        leaves; the manager expects the exit and gives the rank to a replacement that takes the state.
+        """``undying migrate``: at a step's start (the last one committed, nothing begun) this
+        process leaves; the manager expects the exit and gives the rank to a replacement that takes
+        the state.
 
-        Not after a recovery since the move was armed: the manager cancelled the move then (this process
-        holds the rank again, perhaps as the last holder of its state), so it stays (manager.migration).
+        Not after a recovery since the move was armed: the manager cancelled the move then (this
+        process holds the rank again, perhaps as the last holder of its state), so it stays
+        (manager.migration).
         """
         if self.ctx.generation != self._move_generation:
-            log.warning("rank %d: a recovery overtook the planned move armed in generation %d; staying",
+            log.warning("rank %d: a recovery overtook the planned move armed in generation %d; "
+                        "staying",
                         self.ctx.rank, self._move_generation)
             return
         self.ctx.exit_now(EXIT_MIGRATED)
 
     def _on_abort(self, message: Abort) -> None:
         if message.generation == self.ctx.generation:
-            log.warning("rank %d: leaving generation %d: %s", self.ctx.rank, message.generation, message.reason)
+            log.warning("rank %d: leaving generation %d: %s", self.ctx.rank, message.generation,
+                        message.reason)
             break_connections()
 
 
 def leave_early() -> None:
-    """``undying inject leave``: the script exits 0 here, as one that stops before the others does."""
+    """``undying inject leave``: the script exits 0 here, as one that stops before the others
+    does."""
     sys.exit(0)

@@ -37,7 +37,8 @@ log = logging.getLogger("undying.worker")
 
 @dataclass
 class SaveClock:
-    """When a periodic checkpoint is due: every ``save_every`` steps, or ``save_interval`` seconds after the last."""
+    """When a periodic checkpoint is due: every ``save_every`` steps, or ``save_interval``
+    seconds after the last."""
 
     save_every: int = 0
     save_interval: float = 0.0
@@ -54,7 +55,8 @@ class SaveClock:
 
 @dataclass
 class JobContext:
-    """One process's standing in the job; ``env`` is None outside ``undying run`` (no fault tolerance)."""
+    """One process's standing in the job; ``env`` is None outside ``undying run`` (no fault
+    tolerance)."""
 
     env: WorkerEnv | None
     rank: int
@@ -92,7 +94,8 @@ class JobContext:
         self.abort_reason = f"{type(exc).__name__}: {exc}"
 
     def report_fatal(self, index: int, exc: BaseException) -> None:
-        """Tell the manager this process fails for a reason no replacement would fix (the user's error)."""
+        """Tell the manager this process fails for a reason no replacement would fix (the user's
+        error)."""
         if self.managed:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.send(Fatal(self.rank, index, f"{type(exc).__name__}: {exc}", text, time.time()))
@@ -103,15 +106,18 @@ class JobContext:
             self.cursor.set_origin(origin)
 
     def data_meta(self, step: int) -> dict[str, Any]:
-        """What a checkpoint records of the data position, so a resume on another world size maps it."""
+        """What a checkpoint records of the data position, so a resume on another world size maps
+        it."""
         cursor = self.cursor
         if cursor is None:
             return {}
-        return {"data": {"position": cursor.position(step), "steps_per_epoch": cursor.steps_per_epoch,
+        return {"data": {"position": cursor.position(step),
+                         "steps_per_epoch": cursor.steps_per_epoch,
                          "world_size": self.world_size}}
 
     def checkpoint_loaded(self, manifest: Manifest, detail: dict[str, Any]) -> None:
-        """A checkpoint is loaded: place the data where it left it (mapped when the world size changed)."""
+        """A checkpoint is loaded: place the data where it left it (mapped when the world size
+        changed)."""
         data = manifest.meta.get("data") or {}
         position = int(data.get("position", manifest.step))
         saved_spe = data.get("steps_per_epoch")
@@ -121,17 +127,18 @@ class JobContext:
             detail["data_position"] = {"saved": position, "saved_steps_per_epoch": int(saved_spe),
                                        "now": mapped, "steps_per_epoch": spe}
             if self.rank == 0:
-                log.warning("resumed on %d ranks from a checkpoint of %d: the data position of %d batches of %d "
-                            "per epoch is %d of %d here", self.world_size, manifest.world_size, position,
-                            int(saved_spe), mapped, spe)
+                log.warning("resumed on %d ranks from a checkpoint of %d: "
+                            "the data position of %d batches of %d "
+                            "per epoch is %d of %d here", self.world_size, manifest.world_size,
+                            position, int(saved_spe), mapped, spe)
             position = mapped
         self.set_data_origin((manifest.step, position))
-        self.send(Progress(self.rank, self.generation, "state_restored", time.time(), step=manifest.step,
-                           detail=detail))
+        self.send(Progress(self.rank, self.generation, "state_restored", time.time(),
+                           step=manifest.step, detail=detail))
 
     def exit_now(self, code: int) -> None:
-        """Out at once: the state is safe, and an orderly interpreter teardown (process groups, loader
-        workers) can take seconds of a grace period that Kubernetes ends with SIGKILL."""
+        """Out at once: the state is safe, and an orderly interpreter teardown (process groups,
+        loader workers) can take seconds of a grace period that Kubernetes ends with SIGKILL."""
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

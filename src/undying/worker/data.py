@@ -29,7 +29,8 @@ __all__ = ["DataCursor", "map_position"]
 
 
 def map_position(position: int, old_steps_per_epoch: int, new_steps_per_epoch: int) -> int:
-    """Batches read per rank after ``position`` batches of another world size, at the same point of the data.
+    """Batches read per rank after ``position`` batches of another world size, at the same point
+    of the data.
 
     Whole epochs stay whole; within an epoch the fraction read is kept,
     rounded down (a few samples are read again rather than skipped). Exact
@@ -38,7 +39,8 @@ def map_position(position: int, old_steps_per_epoch: int, new_steps_per_epoch: i
     epoch's order, which 2 ranks reach after 10.
     """
     if old_steps_per_epoch <= 0 or new_steps_per_epoch <= 0:
-        raise UsageError(f"steps per epoch must be > 0, got {old_steps_per_epoch} and {new_steps_per_epoch}")
+        raise UsageError(f"steps per epoch must be > 0, "
+                         f"got {old_steps_per_epoch} and {new_steps_per_epoch}")
     epoch, within = divmod(position, old_steps_per_epoch)
     return epoch * new_steps_per_epoch + within * new_steps_per_epoch // old_steps_per_epoch
 
@@ -57,7 +59,8 @@ class DataCursor:
         if (total is None) == (epochs is None):
             raise UsageError("job.steps() needs exactly one of total=N or epochs=N")
         if (total is not None and total < 0) or (epochs is not None and epochs < 0):
-            raise UsageError(f"job.steps(): total and epochs must be >= 0, got total={total} epochs={epochs}")
+            raise UsageError(f"job.steps(): total and epochs must be >= 0, "
+                             f"got total={total} epochs={epochs}")
         self._loader = loader
         self._rank = rank
         self._seed = seed
@@ -76,7 +79,8 @@ class DataCursor:
             if self.steps_per_epoch == 0:
                 raise UsageError("the loader given to State(loader=...) yields no batches")
         if epochs is not None and self.steps_per_epoch is None:
-            raise UsageError("job.steps(epochs=N) needs State(loader=...); use total=N without a loader")
+            raise UsageError("job.steps(epochs=N) needs State(loader=...); "
+                             "use total=N without a loader")
         self._epochs = epochs
         self._total = total
         self.total_steps = 0
@@ -94,8 +98,9 @@ class DataCursor:
         self.set_origin(self.origin)
 
     def set_origin(self, origin: tuple[int, int]) -> None:
-        """The data stands at ``origin``: (step, batches read per rank after it). ``epochs=N`` ends at
-        the end of epoch N from there; ``total=N`` counts steps, so it ends at step N whatever the origin."""
+        """The data stands at ``origin``: (step, batches read per rank after it). ``epochs=N``
+        ends at the end of epoch N from there; ``total=N`` counts steps, so it ends at step N
+        whatever the origin."""
         self.origin = origin
         if self._epochs is not None:
             assert self.steps_per_epoch is not None
@@ -108,7 +113,8 @@ class DataCursor:
             self._cache.clear()
 
     def position(self, step: int) -> int:
-        """Batches each rank has read once step ``step`` is done (``step`` itself without an origin)."""
+        """Batches each rank has read once step ``step`` is done (``step`` itself without an
+        origin)."""
         return self.origin[1] + step - self.origin[0]
 
     def epoch_of(self, step: int) -> int:

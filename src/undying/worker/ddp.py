@@ -37,15 +37,16 @@ log = logging.getLogger("undying.worker")
 # DDP's instance attributes, asked of the live DDP (building it, a collective, if there is none
 # yet).
 _DDP_STATE = frozenset({
-    "process_group", "device_ids", "device_type", "device", "output_device", "dim", "reducer", "logger",
-    "find_unused_parameters", "gradient_as_bucket_view", "static_graph", "bucket_bytes_cap", "mixed_precision",
+    "process_group", "device_ids", "device_type", "device", "output_device", "dim", "reducer",
+    "logger", "find_unused_parameters", "gradient_as_bucket_view", "static_graph",
+    "bucket_bytes_cap", "mixed_precision",
     "parameters_to_ignore", "device_mesh", "is_multi_device_module", "require_forward_param_sync",
     "broadcast_bucket_size", "use_side_stream_for_tensor_copies", "skip_all_reduce_unused_params",
 })
 # DDP's methods that register something on the live DDP: replayed on every DDP built after.
 _REPLAYED = frozenset({"register_comm_hook", "_register_builtin_comm_hook", "_register_fused_optim",
-                       "_set_static_graph", "_set_ddp_runtime_logging_sample_rate", "_set_ddp_sink_clone",
-                       "_register_buffer_comm_hook"})
+                       "_set_static_graph", "_set_ddp_runtime_logging_sample_rate",
+                       "_set_ddp_sink_clone", "_register_buffer_comm_hook"})
 # DDP's own code that runs on the wrapper itself (it reads only what the wrapper carries).
 _OWN = frozenset({"no_sync", "forward", "train"})
 
@@ -53,7 +54,8 @@ _OWN = frozenset({"no_sync", "forward", "train"})
 class GenerationalDDP(DistributedDataParallel):
     """A DDP to the script, rebuilt around the same module on every new process-group generation."""
 
-    invariant = False  # set by job.steps in invariant mode: forward is the module's, gradients reduced by undying
+    # Set by job.steps in invariant mode: forward is the module's, gradients reduced by undying.
+    invariant = False
 
     def __init__(self, ctx: JobContext, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
         torch.nn.Module.__init__(self)  # not DDP's: that one binds a group, which the live DDP does
@@ -72,7 +74,8 @@ class GenerationalDDP(DistributedDataParallel):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """False: backward accumulates gradients without all-reducing them (what ``no_sync()`` sets)."""
+        """False: backward accumulates gradients without all-reducing them (what ``no_sync()``
+        sets)."""
         return self._sync
 
     @require_backward_grad_sync.setter
@@ -88,7 +91,8 @@ class GenerationalDDP(DistributedDataParallel):
         self._generation = -1
 
     def current(self) -> torch.nn.Module:
-        """The live DDP of this generation (built now if needed: a collective), or the module alone on one rank."""
+        """The live DDP of this generation (built now if needed: a collective), or the module
+        alone on one rank."""
         if self.invariant or not dist.is_initialized() or dist.get_world_size() == 1:
             return self.module  # invariant mode reduces itself (worker.virtual): no DDP, no reducer
         ctx = self._ctx
@@ -111,7 +115,8 @@ class GenerationalDDP(DistributedDataParallel):
                 # A DDP takes a hook only before its first step, so switching comm rebuilds it,
                 # on every rank at the same step (see TraceSet.comm_from_step).
                 ddp.register_comm_hook(
-                    CommHookState(ctx.tracing, ddp.process_group, dist.get_world_size(ddp.process_group)),
+                    CommHookState(ctx.tracing, ddp.process_group,
+                                  dist.get_world_size(ddp.process_group)),
                     traced_allreduce_hook,
                 )
             object.__setattr__(self, "_ddp", ddp)
@@ -122,7 +127,8 @@ class GenerationalDDP(DistributedDataParallel):
         return ddp
 
     def _has_comm_hook(self) -> bool:
-        return any(name in ("register_comm_hook", "_register_builtin_comm_hook") for name, _, _ in self._registered)
+        return any(name in ("register_comm_hook", "_register_builtin_comm_hook")
+                   for name, _, _ in self._registered)
 
     def _in_backward(self, grad: torch.Tensor) -> torch.Tensor | None:
         self._ctx.faults.check("backward", self._ctx.current_step)
@@ -158,7 +164,8 @@ class GenerationalDDP(DistributedDataParallel):
 
 
 def _on_live(name: str) -> Callable[..., Any]:
-    """DDP's method ``name``, called on the live DDP (and remembered for the next ones when it registers)."""
+    """DDP's method ``name``, called on the live DDP (and remembered for the next ones when it
+    registers)."""
     method = getattr(DistributedDataParallel, name)
 
     @functools.wraps(method)

@@ -1,4 +1,5 @@
-"""Telling DTensors apart without importing ``torch.distributed.tensor`` (the state's and the shards' common need).
+"""Telling DTensors apart without importing ``torch.distributed.tensor`` (the state's and the
+shards' common need).
 
 Kept in a module of its own so that ``worker.state`` (what the user declares)
 and ``worker.sharding`` (what a sharded state needs) both use it without

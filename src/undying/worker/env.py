@@ -91,6 +91,7 @@ class WorkerEnv:
 def _store_key(env: Mapping[str, str]) -> bytes:
     key = key_from_environ(env)
     if key is None:
-        raise UsageError(f"env {STORE_KEY_ENV} is not set: this process was not started by undying's agent "
+        raise UsageError(f"env {STORE_KEY_ENV} is not set: "
+                         "this process was not started by undying's agent "
                          "(run the script with `undying run`, or without the UNDYING_* variables)")
     return key

@@ -19,7 +19,8 @@ import torch
 from undying.protocol.codec import Message
 from undying.protocol.worker_wire import ArmFault, FaultInjected
 
-__all__ = ["FaultSwitch", "crash_self", "stop_self", "spin_forever", "block_forever", "flip_bit", "NUMERIC_KINDS"]
+__all__ = ["FaultSwitch", "crash_self", "stop_self", "spin_forever", "block_forever", "flip_bit",
+           "NUMERIC_KINDS"]
 
 
 def crash_self() -> None:
@@ -50,14 +51,16 @@ NUMERIC_KINDS = ("nan", "bitflip")
 
 
 def flip_bit(t: Any) -> None:
-    """Flip the top exponent bit of the tensor's first element, in place: 0.01 becomes about 1e36."""
+    """Flip the top exponent bit of the tensor's first element, in place: 0.01 becomes about
+    1e36."""
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     view = t.reshape(-1)[:1].view(as_int)
     view.bitwise_xor_(1 << (8 * t.element_size() - 2))
 
 
 def flip_mantissa(t: Any) -> None:
-    """Flip the top mantissa bit of the tensor's largest value, in place: finite, off by a quarter to a half."""
+    """Flip the top mantissa bit of the tensor's largest value, in place: finite, off by a quarter
+    to a half."""
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     mantissa = {2: 9, 4: 22, 8: 51}[t.element_size()] if t.dtype != torch.bfloat16 else 6
     flat = t.reshape(-1)
@@ -86,7 +89,8 @@ class FaultSwitch:
                 self._armed = (*self._armed, fault)
 
     def corrupt(self, grad: Any, module: Any) -> Any:
-        """In backward, on this rank's own gradient before its all-reduce: a NaN or a flipped bit, if armed.
+        """In backward, on this rank's own gradient before its all-reduce: a NaN or a flipped bit,
+        if armed.
 
         Returns the gradient to use instead (None: unchanged). ``nan:persistent``
         strikes every run of its step (a replay too), the others the first run
@@ -99,7 +103,8 @@ class FaultSwitch:
         step = self.step
         with self._lock:
             due = next((f for f in self._numeric
-                        if (step == f.at_step if f.kind.endswith(":persistent") else step >= f.at_step)), None)
+                        if (step == f.at_step if f.kind.endswith(":persistent")
+                            else step >= f.at_step)), None)
             if due is None:
                 return None
             if not due.kind.endswith(":persistent"):
@@ -113,7 +118,8 @@ class FaultSwitch:
             flip_bit(next(module.parameters()).data)
             return None
         out = grad.clone()
-        if due.kind == "bitflip:grad-finite":  # finite, no spike: only --verify-every's replay finds it
+        # Finite, no spike: only --verify-every's replay finds it.
+        if due.kind == "bitflip:grad-finite":
             flip_mantissa(out)
         else:
             flip_bit(out)

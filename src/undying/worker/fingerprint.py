@@ -23,7 +23,8 @@ __all__ = ["batch_fingerprint"]
 
 
 def batch_fingerprint(*parts: Any) -> str:
-    """16 hex digits over every tensor (and plain value) in ``parts``, nested in lists, tuples and dicts."""
+    """16 hex digits over every tensor (and plain value) in ``parts``, nested in lists, tuples and
+    dicts."""
     h = hashlib.blake2b(digest_size=8)
     _feed(h, parts)
     return h.hexdigest()
@@ -36,7 +37,8 @@ def _feed(h: Any, obj: Any) -> None:
         if t.device.type == "cpu":
             if t.numel():
                 t = t.contiguous()
-                h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # (NumPy may be absent)
+                # (NumPy may be absent)
+                h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
         else:
             flat = t.reshape(-1).to(torch.float64)
             weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
@@ -53,7 +55,8 @@ def _feed(h: Any, obj: Any) -> None:
         for item in obj:
             _feed(h, item)
         h.update(b"]")
-    elif hasattr(obj, "__array__") and hasattr(obj, "dtype"):  # a NumPy array, without importing NumPy
+    elif hasattr(obj, "__array__") and hasattr(obj, "dtype"):
+        # A NumPy array, without importing NumPy.
         _feed(h, torch.as_tensor(obj))
     else:
         h.update(repr(obj).encode())

@@ -36,7 +36,8 @@ log = logging.getLogger("undying.worker")
 
 
 class Preemption:
-    """The agreement on where to stop, fed by the agent's commands and SIGTERM, read by the step loop."""
+    """The agreement on where to stop, fed by the agent's commands and SIGTERM, read by the step
+    loop."""
 
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
@@ -69,7 +70,8 @@ class Preemption:
         os._exit(128 + signal.SIGTERM)
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
-        """SIGTERM to this worker (a kill of its group): tell the agent; the job takes its dying gasp."""
+        """SIGTERM to this worker (a kill of its group): tell the agent; the job takes its dying
+        gasp."""
         if self._stopping:
             os._exit(128 + signal.SIGTERM)
         if self._terminated or self.preempted:
@@ -77,7 +79,8 @@ class Preemption:
         self._terminated = True
         log.warning("rank %d: SIGTERM received; asking the job for its dying gasp", self.ctx.rank)
         # Not from the handler itself: the training thread may hold the channel's lock.
-        threading.Thread(target=self.ctx.send, args=(Terminated(self.ctx.rank, time.time(), os.getpid()),), daemon=True).start()
+        told = Terminated(self.ctx.rank, time.time(), os.getpid())
+        threading.Thread(target=self.ctx.send, args=(told,), daemon=True).start()
 
     def may_start(self, index: int, committed: int) -> bool:
         """Start step ``index`` unless the job is preempted and agreed to stop at ``committed``."""
@@ -96,9 +99,10 @@ class Preemption:
         return False
 
 
-def dying_gasp(ctx: JobContext, state: State, step: int, checkpoints: Checkpoints, shards: Shards) -> None:
-    """Every rank stopped at the agreed ``step``: its state is persisted (rank 0, or every rank's shard
-    together), synchronously. Then exit."""
+def dying_gasp(ctx: JobContext, state: State, step: int, checkpoints: Checkpoints,
+               shards: Shards) -> None:
+    """Every rank stopped at the agreed ``step``: its state is persisted (rank 0, or every rank's
+    shard together), synchronously. Then exit."""
     ctx.phase = "done"
     if state.sharded:
         shards.saves.dying_gasp(state, step, ctx.data_meta(step), checkpoints.resumed)
@@ -108,9 +112,11 @@ def dying_gasp(ctx: JobContext, state: State, step: int, checkpoints: Checkpoint
     ctx.exit_now(EXIT_PREEMPTED)
 
 
-def save_and_leave(ctx: JobContext, state: State | None, step: int, saver: int, checkpoints: Checkpoints) -> None:
-    """A regroup generation: every member holds the same state now; ``saver`` (one that held it before
-    the restore: a replacement that joined meanwhile may have no State yet) saves it; all leave.
+def save_and_leave(ctx: JobContext, state: State | None, step: int, saver: int,
+                   checkpoints: Checkpoints) -> None:
+    """A regroup generation: every member holds the same state now; ``saver`` (one that held it
+    before the restore: a replacement that joined meanwhile may have no State yet) saves it; all
+    leave.
 
     The job starts again on its new set of nodes from this checkpoint, so a
     resized world loses no step (see ``undying.rendezvous``). A member leaves
@@ -125,12 +131,14 @@ def save_and_leave(ctx: JobContext, state: State | None, step: int, saver: int, 
     """
     ctx.phase = "done"
     ctx.faults.check("regroup", step)  # (tests: a second fault while the regroup saves)
-    saved = state is not None and dist.get_rank() == saver and checkpoints.save_now(state, step, "regroup")
+    saved = state is not None and dist.get_rank() == saver \
+        and checkpoints.save_now(state, step, "regroup")
     try:
         flag = torch.tensor([int(saved)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
-            log.warning("rank %d: the regroup's save of step %d failed; leaving all the same", ctx.rank, step)
+            log.warning("rank %d: the regroup's save of step %d failed; leaving all the same",
+                        ctx.rank, step)
     except Exception as e:
         if not is_comm_failure(e):
             raise

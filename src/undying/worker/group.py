@@ -32,7 +32,8 @@ from undying.protocol.store_wire import generation_store
 
 __all__ = [
     "collectives_entered",
-    "read_generation", "join_generation", "leave_group", "break_connections", "claim_existing_sockets",
+    "read_generation", "join_generation", "leave_group", "break_connections",
+    "claim_existing_sockets",
     "is_comm_failure", "check_owner",
 ]
 
@@ -101,7 +102,8 @@ def check_owner(control: dist.Store, rank: int, incarnation: int) -> None:
         raise ControlStoreLostError(f"the manager's control store is unreachable: {e}") from e
     if owner != incarnation:
         raise FencedError(
-            f"rank {rank} now belongs to process #{owner} (this one is #{incarnation}): its host was "
+            f"rank {rank} now belongs to process #{owner} (this one is #{incarnation}): "
+            "its host was "
             "declared lost and the rank replaced; this process leaves"
         )
 
@@ -202,7 +204,8 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     # peers wrote under "0".
     dist.distributed_c10d._world.group_count = 0
     # Held: the group, and groups made from it later (new_group), call into it after this returns.
-    store = hold("generation", JobStore(record.store_host, record.store_port, generation_store(record.generation),
+    store = hold("generation", JobStore(record.store_host, record.store_port,
+                                        generation_store(record.generation),
                                         key, timedelta(seconds=connect_s)))
     dist.init_process_group(
         backend,
@@ -215,7 +218,8 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     os.environ["MASTER_ADDR"] = record.store_host
     os.environ["MASTER_PORT"] = str(record.store_port)
     os.environ["WORLD_SIZE"] = str(record.world_size)
-    os.environ[GENERATION_ENV] = str(record.generation)  # the store env:// opens (use_for_env_rendezvous)
+    # The store env:// opens (use_for_env_rendezvous).
+    os.environ[GENERATION_ENV] = str(record.generation)
 
 
 def join_generation(
@@ -252,7 +256,8 @@ def join_generation(
             if not is_comm_failure(e):
                 raise
             leave_group()
-            log.info("rank %d: generation %d failed to form (%s); waiting for the next", rank, generation, e)
+            log.info("rank %d: generation %d failed to form (%s); waiting for the next",
+                     rank, generation, e)
             generation = _wait_superseded(control, generation, deadline)
 
 

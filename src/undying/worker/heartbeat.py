@@ -32,10 +32,12 @@ def beat(ctx: JobContext, stopped: threading.Event) -> None:
     next_beat = 0.0
     while not stopped.wait(sample):
         now = time.time()
-        key = (ctx.generation, ctx.phase, ctx.current_step, collectives_entered() - ctx.collectives_base)
+        key = (ctx.generation, ctx.phase, ctx.current_step,
+               collectives_entered() - ctx.collectives_base)
         changed_phase = last is not None and key[:2] != last[:2]
         if key != last:
             last, progress_t = key, now
-        if now >= next_beat or changed_phase:  # a new phase is told at once: "I left the stuck group"
+        # A new phase is told at once: "I left the stuck group".
+        if now >= next_beat or changed_phase:
             next_beat = now + interval - sample / 2
             ctx.send(Heartbeat(ctx.rank, now, *key, progress_t=progress_t))

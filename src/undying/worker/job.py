@@ -49,7 +49,8 @@ from undying.worker.faults import FaultSwitch, block_forever, crash_self, spin_f
 from undying.worker.gasp import Preemption, dying_gasp
 from undying.worker.group import break_connections, claim_existing_sockets, is_comm_failure
 from undying.worker.heartbeat import beat
-from undying.worker.numerics import NumericFault, Numerics, NumericsGuard
+from undying.worker.numerics import NumericFault, Numerics
+from undying.worker.numerics_guard import NumericsGuard
 from undying.worker.rejoin import Rejoin
 from undying.worker.seed import seed_everything, seed_from_env
 from undying.worker.shards import Shards
@@ -88,7 +89,8 @@ def init(seed: int | None = None) -> Job:
         env = WorkerEnv.from_environ()
         _job = Job(env, seed=job_seed)
     elif seed is not None and seed != _job.seed:
-        raise UsageError(f"undying.init(seed={seed}) after this process joined with seed {_job.seed}: "
+        raise UsageError(f"undying.init(seed={seed}) after this process joined "
+                         f"with seed {_job.seed}: "
                          "call init once, with the seed the job uses")
     return _job
 
@@ -109,11 +111,13 @@ class Job:
         self.env = env
         self.seed = seed
         self.managed = env is not None
-        self._link = AgentLink()  # its reports out; opened once the parts that take the commands exist
+        # Its reports out; opened once the parts that take the commands exist.
+        self._link = AgentLink()
         if env is None:
             self.ctx = unmanaged_context()
         else:
-            set_key(key_from_environ())  # checkpoints signed and checked under the job's key (checkpoint.mac)
+            # Checkpoints signed and checked under the job's key (checkpoint.mac).
+            set_key(key_from_environ())
             if dist.is_initialized():
                 claim_existing_sockets()
             send = self._link.send
@@ -122,7 +126,8 @@ class Job:
                 FaultSwitch(env.rank, send,
                             {"crash": crash_self, "hang": stop_self, "hang:spin": spin_forever,
                              "hang:block": block_forever, "comm-error": break_connections,
-                             "migrate": lambda: self._commands.leave_for_migration(), "leave": leave_early}),
+                             "migrate": lambda: self._commands.leave_for_migration(),
+                             "leave": leave_early}),
                 WorkerTracing(env, env.rank, send), close_channel=self._link.close,
                 clock=SaveClock(env.checkpoint.save_every, env.checkpoint.save_interval),
             )
@@ -188,7 +193,8 @@ class Job:
 
     # --- public API --------------------------------------------------------
 
-    def state(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+    def state(self, model: torch.nn.Module | None = None,
+              optimizer: torch.optim.Optimizer | None = None,
               scheduler: Any = None, loader: Any = None, **extras: Any) -> State:
         """Declare what must survive a fault (see ``undying.State``)."""
         return State(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, **extras)
@@ -231,7 +237,8 @@ class Job:
         seed = self.seed if seed is None else seed
         if not isinstance(state, State):
             raise UsageError(f"job.steps() needs an undying.State, got {type(state).__name__}")
-        if serving():  # this process is the job's verifier (worker.verify): it replays steps, it does not train
+        # This process is the job's verifier (worker.verify): it replays steps, it does not train.
+        if serving():
             yield from serve(state, Numerics.of(numerics) or Numerics())
             return
         ctx = self.ctx
@@ -239,26 +246,32 @@ class Job:
         for wrapper in self._wrappers:
             wrapper.invariant = virtual is not None
         cursor = virtual.cursor if virtual is not None else DataCursor(
-            state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs, origin=ctx.data_origin)
+            state.loader, rank=self.rank, seed=seed, total=total, epochs=epochs,
+            origin=ctx.data_origin)
         ctx.cursor = cursor
         self._state = state
         config = Numerics.of(numerics)
         every = verify_every(config.verify_every if config is not None else None)
-        config = Numerics() if config is None and every is not None else config  # the fingerprints are its
+        # The fingerprints are its.
+        config = Numerics() if config is None and every is not None else config
         self._numerics = None if config is None else NumericsGuard(
             config, state, self.rank, lambda: self.generation, self.ctx.send, cursor)
-        self._verify = start_verification(every, managed=self.managed, rank=self.rank, world=self.world_size,
-                                          seed=seed, generation=lambda: self.generation, send=self.ctx.send)
+        self._verify = start_verification(every, managed=self.managed, rank=self.rank,
+                                          world=self.world_size, seed=seed,
+                                          generation=lambda: self.generation, send=self.ctx.send)
         self._attach(state)
         if self.managed and self.rank == 0:
             self.ctx.send(Progress(self.rank, self.generation, "state_layout", time.time(),
                                 detail=self._shards.layout(state)))
         committed = self._checkpoints.load_waiting(state, self._start, self._shards)
-        if self.managed and self.rank == 0:  # the progress `undying status` shows: of how many steps, which epoch
-            self.ctx.send(Progress(self.rank, self.generation, "steps_planned", time.time(), step=committed, detail={
-                "total_steps": cursor.total_steps, "steps_per_epoch": cursor.steps_per_epoch,
-                "origin": list(cursor.origin),
-                "batch_size": b if isinstance(b := getattr(state.loader, "batch_size", None), int) else None}))
+        # The progress `undying status` shows: of how many steps, which epoch.
+        if self.managed and self.rank == 0:
+            size = getattr(state.loader, "batch_size", None)
+            planned = {"total_steps": cursor.total_steps, "steps_per_epoch": cursor.steps_per_epoch,
+                       "origin": list(cursor.origin),
+                       "batch_size": size if isinstance(size, int) else None}
+            self.ctx.send(Progress(self.rank, self.generation, "steps_planned", time.time(),
+                                   step=committed, detail=planned))
         if self.managed and state.sharded and not self._shards.replicate_initial(state, committed):
             committed = self._rejoin.recover(state, committed, clean=True)
         while True:
@@ -273,7 +286,8 @@ class Job:
                 if not self._preemption.may_start(index, committed):
                     dying_gasp(ctx, state, committed, self._checkpoints, self._shards)
                 self.tracing.step_started(index, self.generation)
-                batch = None if virtual is not None else self.tracing.batch(cursor.batch_for, index) \
+                batch = None if virtual is not None \
+                    else self.tracing.batch(cursor.batch_for, index) \
                     if self.tracing.active else cursor.batch_for(index)
                 rng.reseed(seed, self.rank, "body", index)
                 if self.managed:
@@ -289,18 +303,22 @@ class Job:
                     if not self._state_checked:
                         self._check_state_loadable(state, index)
                     cursor.forget_through(index)
-                    if self.managed and not self._checkpoints.maybe_save(state, index, self._shards,
-                                                                            last=index == cursor.total_steps):
+                    if self.managed and not self._checkpoints.maybe_save(
+                            state, index, self._shards, last=index == cursor.total_steps):
                         committed = self._rejoin.recover(state, committed, clean=True)
                 elif step.outcome is Outcome.REPLAY:
-                    pass  # the same step from the same state, batch and random state (worker.numerics)
+                    # The same step from the same state, batch and random state (worker.numerics).
+                    pass
                 elif step.outcome is Outcome.ABORTED:
-                    committed = self._rejoin.recover(state, committed, clean=not step.optimizer_stepped)
+                    committed = self._rejoin.recover(state, committed,
+                                                     clean=not step.optimizer_stepped)
                 else:
                     raise UsageError(
-                        f"step {index} was not run as a transaction: put its body inside `with step:`"
+                        f"step {index} was not run as a transaction: "
+                        "put its body inside `with step:`"
                     )
-            if (verify := self._verify) is not None:  # what the verifier still owes: a flip in the last steps
+            # What the verifier still owes: a flip in the last steps.
+            if (verify := self._verify) is not None:
                 back = self._verified(state, committed, verify.finish, state, committed)
                 if back is not None:
                     committed = back
@@ -332,7 +350,8 @@ class Job:
         step = self._current
         if step is not None and step.outcome is Outcome.PENDING and self._numerics is not None:
             self._numerics.check(step)  # raises NumericFault before any state changes
-            if self._verify is not None:  # the suspect of a verified step: its fingerprint, for the replay
+            # The suspect of a verified step: its fingerprint, for the replay.
+            if self._verify is not None:
                 self._verify.after_check(step, self._numerics.prints())
         if step is not None and step.outcome is Outcome.PENDING:
             step.optimizer_stepped = True
@@ -340,9 +359,11 @@ class Job:
             self.ctx.faults.check("optimizer", self.current_step)
 
     def _replicate_before_commit(self, step: Step) -> bool:
-        """Ring replication of a sharded state, inside the transaction; False: it failed and the step aborts."""
+        """Ring replication of a sharded state, inside the transaction; False: it failed and the
+        step aborts."""
         state = self._state
-        if not self.managed or state is None or not state.sharded or not self._shards.due(step.index):
+        if not self.managed or state is None or not state.sharded \
+                or not self._shards.due(step.index):
             return True
         try:
             self._shards.replicate(state, step.index)
@@ -351,20 +372,24 @@ class Job:
             if not is_comm_failure(e):
                 raise
             step.outcome = Outcome.ABORTED
-            step.optimizer_stepped = True  # the body ran to its end: the live state is past the committed step
+            # The body ran to its end: the live state is past the committed step.
+            step.optimizer_stepped = True
             self.ctx.aborted(e)
             return False
 
     def _numeric_verdict(self, step: Step, exc: BaseException) -> str | None:
-        """A failed numeric check's outcome ("replay", "skip"), or None: the step fails (no check, or "stop")."""
+        """A failed numeric check's outcome ("replay", "skip"), or None: the step fails (no
+        check, or "stop")."""
         guard = self._numerics
         if guard is None or not isinstance(exc, NumericFault):
             return None
         verdict = guard.resolve(step, exc)
         return None if verdict == "stop" else verdict
 
-    def _verified(self, state: State, committed: int, call: Callable[..., int | None], *args: Any) -> int | None:
-        """``--verify-every``'s word at a verified step or the loop's end: None, or the committed step to go on from.
+    def _verified(self, state: State, committed: int, call: Callable[..., int | None],
+                  *args: Any) -> int | None:
+        """``--verify-every``'s word at a verified step or the loop's end: None, or the committed
+        step to go on from.
 
         A roll-back re-runs from the verified state's step; the agreement's
         broadcast failing (a peer's fault) is recovered as an aborted step.
@@ -392,10 +417,12 @@ class Job:
                                      wire_metrics(step.metrics)))
 
     def _check_state_loadable(self, state: State, index: int) -> None:
-        """Once, at the first commit: a state that weights_only=True would refuse fails now, by name."""
+        """Once, at the first commit: a state that weights_only=True would refuse fails now, by
+        name."""
         self._state_checked = True
         try:
-            check_state_loadable({**state.state_dict(), "_undying": {"data_origin": self.ctx.data_origin}})
+            origin = {"data_origin": self.ctx.data_origin}
+            check_state_loadable({**state.state_dict(), "_undying": origin})
         except UsageError as e:
             self.ctx.report_fatal(index, e)
             raise

@@ -26,7 +26,8 @@ from undying.protocol.verify_wire import (
     file_name,
 )
 from undying.worker import rng
-from undying.worker.numerics import Numerics, NumericsGuard
+from undying.worker.numerics import Numerics
+from undying.worker.numerics_guard import NumericsGuard
 from undying.worker.step import Outcome, Step, StepHooks
 from undying.worker.verify_files import (
     ForgedFile,
