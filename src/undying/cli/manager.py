@@ -63,7 +63,7 @@ stops it. Exit code as `undying run`'s.""",
 
 
 def run(args: argparse.Namespace) -> int:
-    from undying.cli.run import refuse_inherited_keys
+    from undying.cli.run_job import refuse_inherited_keys
 
     refuse_inherited_keys()
     job_id = args.job_id

@@ -2,7 +2,7 @@
 
 Each field comes from its option by the rule (``--a-b`` is ``a_b``, ``cli/settings.py``); only the
 values derived from several options, or checked across them, are written here. ``cli/run.py``
-declares the options and runs the job.
+declares the options and ``cli/run_job.py`` runs the job.
 """
 
 from __future__ import annotations
