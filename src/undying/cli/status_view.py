@@ -152,8 +152,8 @@ def _checkpoint_lines(status: dict[str, Any]) -> list[Text]:
 def _header(status: dict[str, Any]) -> Text:
     started = status.get("started_at")
     live = status.get("live")
-    running = started and live and status.get("state") not in TERMINAL
-    age = f", running {time.time() - started:.0f}s" if running else ""
+    running = live and status.get("state") not in TERMINAL
+    age = f", running {time.time() - started:.0f}s" if started and running else ""
     return Text.assemble(
         (f"job {status.get('job_id')}", "bold"),
         f": {status.get('state')}, generation {status.get('generation')}, "
