@@ -1,4 +1,5 @@
-"""``undying chaos``: random real faults against a running job, to rehearse before a long run."""
+"""``undying chaos``: random real faults against a running job, to rehearse before a long
+run."""
 
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "chaos",
         help="inject random faults into a running job until stopped",
-        description="Inject random faults of the given kinds at random ranks of a running job, about "
-        "every --every seconds (uniformly 0.5x to 1.5x), until Ctrl-C, --count faults, or the job ends. "
-        "Each fault shows up as an incident in `undying status`. A hang is found only after the job's "
-        "--heartbeat-timeout.",
+        description="Inject random faults of the given kinds at random ranks of a running job, "
+        "about every --every seconds (uniformly 0.5x to 1.5x), until Ctrl-C, --count faults, or "
+        "the job ends. Each fault shows up as an incident in `undying status`. A hang is found "
+        "only after the job's --heartbeat-timeout.",
     )
-    p.add_argument("--every", type=finite_arg("--every"), required=True, help="mean seconds between faults")
+    p.add_argument("--every", type=finite_arg("--every"), required=True,
+                   help="mean seconds between faults")
     p.add_argument("--kinds", default=",".join(InjectKind),
                    help=f"comma-separated fault kinds (default {','.join(InjectKind)})")
-    p.add_argument("--seed", type=int, default=None, help="seed of the fault schedule (default: random)")
-    p.add_argument("--count", type=int, default=0, help="stop after this many faults (default: no limit)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the fault schedule (default: random)")
+    p.add_argument("--count", type=int, default=0,
+                   help="stop after this many faults (default: no limit)")
     p.add_argument("--during-recovery", action="store_true",
                    help="also inject while the job is recovering (overlapping faults)")
     add_job_arguments(p)
@@ -43,7 +47,8 @@ def _parse_kinds(text: str) -> list[str]:
     unknown = [k for k in kinds if k not in InjectKind]
     if not kinds or unknown:
         raise UsageError(
-            f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; choose from {InjectKind.names()}"
+            f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{InjectKind.names()}"
         )
     return kinds
 
@@ -79,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"skipped {kind} of rank {rank}: {e}", file=sys.stderr)
                 continue
             injected += 1
-            record = {"n": injected, "t": time.time(), "kind": kind, "rank": rank, "pid": answer.get("pid")}
+            record = {"n": injected, "t": time.time(), "kind": kind, "rank": rank,
+                      "pid": answer.get("pid")}
             print(json.dumps(record) if args.json else
                   f"[{injected}] {kind} of rank {rank} (pid {answer.get('pid')})", flush=True)
     except KeyboardInterrupt:

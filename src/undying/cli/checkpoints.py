@@ -1,4 +1,5 @@
-"""``undying checkpoints list|verify|show``: what a job has on disk, and whether it can be trusted."""
+"""``undying checkpoints list|verify|show``: what a job has on disk, and whether it can be
+trusted."""
 
 from __future__ import annotations
 
@@ -29,20 +30,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "checkpoints",
         help="list, verify or show a job's persistent checkpoints",
-        description="List a job's checkpoints (step, kind, world size, size, valid?, age), verify every "
-        "file against its manifest's size and checksum (exit 1 naming each problem), or show a manifest. "
-        "The root is <job dir>/checkpoints, or any folder or fsspec URL given with --root.",
+        description="List a job's checkpoints (step, kind, world size, size, valid?, age), verify "
+        "every file against its manifest's size and checksum (exit 1 naming each problem), or "
+        "show a manifest. The root is <job dir>/checkpoints, or any folder or fsspec URL given "
+        "with --root.",
     )
     p.add_argument("action", choices=("list", "verify", "show"), help="what to do")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
-    where.add_argument("--root", help="the checkpoint root itself: a folder, or a URL such as s3://bucket/job")
-    p.add_argument("--step", type=int, help="only this step (verify, show; show defaults to the latest valid)")
-    p.add_argument("--quick", action="store_true", help="list: check sizes only, not checksums (no file reads)")
+    where.add_argument("--job-dir",
+                       help="the job's folder (default: the newest under ./undying-jobs)")
+    where.add_argument("--root",
+                       help="the checkpoint root itself: a folder, or a URL such as "
+                       "s3://bucket/job")
+    p.add_argument("--step", type=int,
+                   help="only this step (verify, show; show defaults to the latest valid)")
+    p.add_argument("--quick", action="store_true",
+                   help="list: check sizes only, not checksums (no file reads)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--token-file", default=None, metavar="PATH",
-                   help="the job's token, whose key checks each checkpoint's MAC (default: env UNDYING_TOKEN, else "
-                   "<job dir>/token); without one, MACs are not checked and the listing says so")
+                   help="the job's token, whose key checks each checkpoint's MAC (default: env "
+                   "UNDYING_TOKEN, else <job dir>/token); without one, MACs are not checked and "
+                   "the listing says so")
     p.set_defaults(func=run)
 
 
@@ -66,7 +74,8 @@ def resolve_root(job_dir: str | None, root: str | None) -> Store:
             raise UsageError(f"checkpoint root {root} cannot be opened ({e})") from e
         if not present:
             raise UsageError(
-                f"checkpoint root {root} does not exist; pass --root with the folder or URL holding step-* folders"
+                f"checkpoint root {root} does not exist; pass --root with the folder or URL "
+                "holding step-* folders"
             )
         return store
     jd = resolve_job_dir(job_dir)
@@ -127,20 +136,22 @@ def _select(store: Store, step: int | None, *, checksums: bool) -> list[Checkpoi
     chosen = [c for c in found if c.step == step]
     if not chosen:
         steps = ", ".join(str(c.step) for c in found) or "none"
-        raise UsageError(f"no checkpoint at step {step} under {store.url_of(store.root)} (steps: {steps})")
+        raise UsageError(f"no checkpoint at step {step} under {store.url_of(store.root)} "
+                         f"(steps: {steps})")
     return chosen
 
 
 def _print_list(console: Console, where: str, rows: list[dict[str, Any]]) -> None:
-    """The listing at any width (80 columns included): short cells in the table, a long root and each
-    problem on lines of their own; paths and problems go in as text, never as console markup."""
+    """The listing at any width (80 columns included): short cells in the table, a long root and
+    each problem on lines of their own; paths and problems go in as text, never as console
+    markup."""
     console.print(Text(f"checkpoints in {where}"))
     table = Table()
     for header in ("step", "kind", "world size", "layout", "size", "valid", "age"):
         table.add_column(header, overflow="fold")
     for r in rows:
-        cells = (r["step"], r["kind"] or "-", r["world_size"] or "-", r["layout"] or "-", _human(r["bytes"]),
-                 "yes" if r["valid"] else "no", _age(r["age_s"]))
+        cells = (r["step"], r["kind"] or "-", r["world_size"] or "-", r["layout"] or "-",
+                 _human(r["bytes"]), "yes" if r["valid"] else "no", _age(r["age_s"]))
         table.add_row(*(Text(str(c), style="red" if c == "no" else "") for c in cells))
     console.print(table)
     for r in rows:
@@ -160,16 +171,16 @@ def _run(args: argparse.Namespace, store: Store, *, mac_checked: bool) -> int:
     now = time.time()
     where = store.url_of(store.root)
     if not mac_checked and not args.json:
-        sys.stderr.write("note: no token found (--token-file, UNDYING_TOKEN or <job dir>/token): checkpoint MACs "
-                         "are not checked, only sizes and checksums\n")
+        sys.stderr.write("note: no token found (--token-file, UNDYING_TOKEN or <job dir>/token): "
+                         "checkpoint MACs are not checked, only sizes and checksums\n")
     if args.action == "list":
         rows = [checkpoint_row(c, now) for c in _select(store, args.step, checksums=not args.quick)]
         aside = batches(store)
         owner = live_owner(store)
         if args.json:
+            rejected = [{"path": p, "checkpoints": n} for p, n in aside]
             out.write(json.dumps({"root": where, "mac_checked": mac_checked, "checkpoints": rows,
-                                  "rejected": [{"path": p, "checkpoints": n} for p, n in aside],
-                                  "owner": owner}) + "\n")
+                                  "rejected": rejected, "owner": owner}) + "\n")
             return 0
         console = Console(file=out)
         if not rows:
@@ -178,17 +189,19 @@ def _run(args: argparse.Namespace, store: Store, *, mac_checked: bool) -> int:
             _print_list(console, where, rows)
         if owner is not None:
             console.print(Text(f"in use by {owner}"))
-        for path, n in aside:  # what --start-fresh or a save set aside: kept whole, never touched by a job
-            console.print(Text(f"set aside: {n} rejected checkpoint(s) in {path} (`undying checkpoints list "
-                               f"--root {path}`)"))
+        # What --start-fresh or a save set aside: kept whole, never touched by a job.
+        for path, n in aside:
+            console.print(Text(f"set aside: {n} rejected checkpoint(s) in {path} (`undying "
+                               f"checkpoints list --root {path}`)"))
         return 0
     if args.action == "verify":
         found = _select(store, args.step, checksums=True)
         bad = [c for c in found if not c.valid]
         if args.json:
-            rows = [{"path": c.url, "step": c.step, "valid": c.valid, "problems": c.problems} for c in found]
-            out.write(json.dumps({"root": where, "ok": bool(found) and not bad, "mac_checked": mac_checked,
-                                  "checkpoints": rows}) + "\n")
+            rows = [{"path": c.url, "step": c.step, "valid": c.valid, "problems": c.problems}
+                    for c in found]
+            out.write(json.dumps({"root": where, "ok": bool(found) and not bad,
+                                  "mac_checked": mac_checked, "checkpoints": rows}) + "\n")
         else:
             if not found:
                 out.write(f"no checkpoints under {where}\n")
@@ -205,12 +218,14 @@ def _run(args: argparse.Namespace, store: Store, *, mac_checked: bool) -> int:
     if args.step is None:
         good = [c for c in found if c.valid]
         if not good:
-            raise UsageError(f"no valid checkpoint under {where}; `undying checkpoints verify` says why")
+            raise UsageError(f"no valid checkpoint under {where}; `undying checkpoints verify` "
+                             "says why")
         found = good[-1:]
     c = found[0]
     if args.json:
         manifest = c.manifest.to_dict() if c.manifest else None
-        out.write(json.dumps({"path": c.url, "valid": c.valid, "problems": c.problems, "manifest": manifest}) + "\n")
+        shown = {"path": c.url, "valid": c.valid, "problems": c.problems, "manifest": manifest}
+        out.write(json.dumps(shown) + "\n")
     else:
         out.write(f"{c.url}: {'valid' if c.valid else 'INVALID'}\n")
         for problem in c.problems:

@@ -71,7 +71,8 @@ class UnprovenManagerError(UsageError):
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """--job-dir or --manager: how a command finds its job; --token-file: how it proves it may."""
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--job-dir", help="the job's folder (default: the newest under ./undying-jobs)")
+    where.add_argument("--job-dir",
+                       help="the job's folder (default: the newest under ./undying-jobs)")
     where.add_argument("--manager", help="the manager's address, HOST:PORT or http://HOST:PORT")
     parser.add_argument(
         "--token-file", metavar="PATH",
@@ -98,15 +99,18 @@ def resolve_job_dir(job_dir: str | None) -> JobDir:
 
 @contextlib.contextmanager
 def readable_log(path: Path) -> Iterator[None]:
-    """Around every read of a job's event log by a command: a damaged or foreign file is one line, exit 2.
+    """Around every read of a job's event log by a command: a damaged or foreign file is one line,
+    exit 2.
 
-    (SQLite says so at the first query, as ``LogReader.Error``; a row that is not JSON, as a ValueError.)
+    (SQLite says so at the first query, as ``LogReader.Error``; a row that is not JSON, as a
+    ValueError.)
     """
     try:
         yield
     except (LogReader.Error, json.JSONDecodeError) as e:
-        raise UsageError(f"{path} is not a readable undying event log ({' '.join(str(e).split()) or type(e).__name__}); "
-                         "it may be damaged or another program's file: move it aside (checkpoints do not depend on "
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise UsageError(f"{path} is not a readable undying event log ({why}); it may be damaged "
+                         "or another program's file: move it aside (checkpoints do not depend on "
                          "it), or pass the --job-dir of another job") from None
 
 
@@ -122,21 +126,25 @@ def _base(manager: str) -> str:
 
 @dataclass(frozen=True)
 class Api:
-    """A running job's manager, as a command talks to it: its URL, the token to show, the job meant."""
+    """A running job's manager, as a command talks to it: its URL, the token to show, the job
+    meant."""
 
     url: str
     token: str | None = None
     job_id: str | None = None
     token_from: str = "nowhere"  # where the token was found, named when the manager refuses it
-    bind: bool = False  # the proof must name this end of the connection (a local manager from the job dir)
+    # The proof must name this end of the connection (a local manager from the job dir).
+    bind: bool = False
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         with self._refusal_named():
-            return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id, bind=self.bind)
+            return api_get(self.url, path, timeout, token=self.token, job_id=self.job_id,
+                           bind=self.bind)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
         with self._refusal_named():
-            return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id, bind=self.bind)
+            return api_post(self.url, path, body, timeout, token=self.token, job_id=self.job_id,
+                            bind=self.bind)
 
     @contextlib.contextmanager
     def _refusal_named(self) -> Iterator[None]:
@@ -146,13 +154,16 @@ class Api:
             if self.token is None:
                 raise
             # A stale env UNDYING_TOKEN shadows the job dir's file: say which one was sent.
-            raise AccessDeniedError(f"{e} (this command sent the token from {self.token_from})") from None
+            raise AccessDeniedError(f"{e} (this command sent the token from "
+                                    f"{self.token_from})") from None
         except UnprovenManagerError as e:
-            raise UnprovenManagerError(f"{e} (this command's token came from {self.token_from})") from None
+            raise UnprovenManagerError(f"{e} (this command's token came from "
+                                       f"{self.token_from})") from None
 
 
 def connect(manager: str | None, job_dir: str | None, token_file: str | None) -> Api:
-    """The running job's manager: by ``--manager``, else by the job dir (given or newest); and its token.
+    """The running job's manager: by ``--manager``, else by the job dir (given or newest); and its
+    token.
 
     The address comes first, so "no running job" is said before any word
     about tokens. With ``--manager`` alone the token comes from
@@ -167,7 +178,8 @@ def connect(manager: str | None, job_dir: str | None, token_file: str | None) ->
 
 
 def api_for(jd: JobDir, token_file: str | None = None) -> Api:
-    """The manager of the job in ``jd`` (JobNotRunningError when none runs), with its token and job id."""
+    """The manager of the job in ``jd`` (JobNotRunningError when none runs), with its token and
+    job id."""
     url = jd.running_manager_url()
     job_id = (jd.read_manager() or {}).get("job_id")
     if not is_job_id(job_id):
@@ -179,7 +191,8 @@ def api_for(jd: JobDir, token_file: str | None = None) -> Api:
 
 
 def _local(url: str) -> bool:
-    """Whether ``url`` names this host's loopback: no NAT or proxy between the two ends of a connection."""
+    """Whether ``url`` names this host's loopback: no NAT or proxy between the two ends of a
+    connection."""
     host = urllib.parse.urlsplit(url).hostname or ""
     if host == "localhost":
         return True
@@ -192,45 +205,54 @@ def _local(url: str) -> bool:
 def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"manager address {url} is not an HTTP address with a host; pass --manager HOST:PORT")
+        raise UsageError(f"manager address {url} is not an HTTP address with a host; pass "
+                         "--manager HOST:PORT")
     try:
         port = parts.port
     except ValueError:
-        raise UsageError(f"manager address {url} has no valid port; pass --manager HOST:PORT") from None
+        raise UsageError(f"manager address {url} has no valid port; pass --manager "
+                         "HOST:PORT") from None
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     return kind(parts.hostname, port, timeout=timeout), parts.path.rstrip("/")
 
 
 def _prove(conn: http.client.HTTPConnection, url: str, base: str, token: str, job_id: str | None,
            bind: bool) -> None:
-    """Ask the listener for the proof of the job's key; ``UnprovenManagerError`` unless it gave it."""
+    """Ask the listener for the proof of the job's key; ``UnprovenManagerError`` unless it gave
+    it."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    conn.request("GET", base + HELLO_PATH, headers={NONCE_HEADER: nonce.hex(), **({JOB_HEADER: job_id} if job_id else {})})
+    job_header = {JOB_HEADER: job_id} if job_id else {}
+    conn.request("GET", base + HELLO_PATH, headers={NONCE_HEADER: nonce.hex(), **job_header})
     response = conn.getresponse()
     raw = response.read(1 << 16)
-    if response.status == 401:  # a manager of another job (the job header): it says which, and got no token
+    # A manager of another job (the job header): it says which, and got no token.
+    if response.status == 401:
         raise AccessDeniedError(_message(raw, f"{url} refused the hello (401)"))
-    unproven = f"the listener at {url} did not prove it is the manager of {f'job {job_id}' if job_id else 'the job'}"
-    after = ("; the token was not sent. If the job dir's manager.json named it, it is stale or was planted: "
-             "check that the job is running, and who can write its job dir")
+    job = f"job {job_id}" if job_id else "the job"
+    unproven = f"the listener at {url} did not prove it is the manager of {job}"
+    after = ("; the token was not sent. If the job dir's manager.json named it, it is stale or "
+             "was planted: check that the job is running, and who can write its job dir")
     if response.status != 200:
-        raise UnprovenManagerError(f"{unproven} (it answered {response.status} to {HELLO_PATH}: not an undying "
-                                   f"manager, or one too old to prove itself){after}")
+        raise UnprovenManagerError(f"{unproven} (it answered {response.status} to {HELLO_PATH}: "
+                                   f"not an undying manager, or one too old to prove "
+                                   f"itself){after}")
     try:
         answer = json.loads(raw)
-        said_job, peer, proof = str(answer["job_id"]), str(answer["peer"]), str(answer["proof"])
+        said_job, peer = str(answer["job_id"]), str(answer["peer"])
+        proof = str(answer["proof"])
     except (ValueError, KeyError, TypeError):
-        raise UnprovenManagerError(f"{unproven} (its answer to {HELLO_PATH} is not a proof){after}") from None
+        raise UnprovenManagerError(f"{unproven} (its answer to {HELLO_PATH} is not a "
+                                   f"proof){after}") from None
     expected = proof_of(proof_key(token), nonce, said_job, peer)
     if not hmac.compare_digest(expected.encode(), proof.encode("utf-8", "replace")):
-        raise UnprovenManagerError(f"{unproven} (its proof does not match the key of this command's token: "
-                                   f"a wrong token, stale or another job's, or a listener that is not the job's "
-                                   f"manager){after}")
+        raise UnprovenManagerError(f"{unproven} (its proof does not match the key of this "
+                                   f"command's token: a wrong token, stale or another job's, or a "
+                                   f"listener that is not the job's manager){after}")
     if job_id is not None and said_job != job_id:
         raise UnprovenManagerError(f"{unproven} (it runs job {said_job}){after}")
     if bind and conn.sock is not None and peer != peer_name(conn.sock.getsockname()):
-        raise UnprovenManagerError(f"{unproven} (its proof was made for another connection: a listener that relays "
-                                   f"to the manager){after}")
+        raise UnprovenManagerError(f"{unproven} (its proof was made for another connection: a "
+                                   f"listener that relays to the manager){after}")
 
 
 def _message(raw: bytes, fallback: str) -> str:
@@ -240,9 +262,10 @@ def _message(raw: bytes, fallback: str) -> str:
         return fallback
 
 
-def _exchange(url: str, method: str, path: str, body: bytes | None, timeout: float, token: str | None,
-              job_id: str | None, bind: bool | None) -> Any:
-    """One request on a connection of its own; with a token, only after the listener proved the job's key."""
+def _exchange(url: str, method: str, path: str, body: bytes | None, timeout: float,
+              token: str | None, job_id: str | None, bind: bool | None) -> Any:
+    """One request on a connection of its own; with a token, only after the listener proved the
+    job's key."""
     conn, base = _connection(url, timeout)
     try:
         try:
@@ -269,7 +292,8 @@ def _exchange(url: str, method: str, path: str, body: bytes | None, timeout: flo
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise UsageError(f"the manager at {url} answered {path} with something that is not JSON") from None
+        raise UsageError(f"the manager at {url} answered {path} with something that is not "
+                         "JSON") from None
 
 
 def api_get(url: str, path: str, timeout: float = 5.0, *, token: str | None = None,
@@ -282,10 +306,12 @@ def api_get(url: str, path: str, timeout: float = 5.0, *, token: str | None = No
     return _exchange(url, "GET", path, None, timeout, _token(token), job_id, bind)
 
 
-def api_post(url: str, path: str, body: dict[str, Any], timeout: float = 5.0, *, token: str | None = None,
-             job_id: str | None = None, bind: bool | None = None) -> Any:
+def api_post(url: str, path: str, body: dict[str, Any], timeout: float = 5.0, *,
+             token: str | None = None, job_id: str | None = None,
+             bind: bool | None = None) -> Any:
     """POST ``body`` as JSON to ``path``; ``token`` and ``bind`` as for ``api_get``."""
-    return _exchange(url, "POST", path, json.dumps(body).encode(), timeout, _token(token), job_id, bind)
+    data = json.dumps(body).encode()
+    return _exchange(url, "POST", path, data, timeout, _token(token), job_id, bind)
 
 
 def _token(token: str | None) -> str | None:

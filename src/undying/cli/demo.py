@@ -69,34 +69,42 @@ FAULTS: dict[str, FaultPlan] = {
     "crash": FaultPlan("crash", rank=2, at_step=10, phase="backward",
                        description="SIGKILL of rank 2 during a step's gradient all-reduce"),
     "comm-error": FaultPlan("comm-error", rank=1, at_step=10, phase="backward",
-                            description="rank 1's connections broken during a step's gradient all-reduce"),
+                            description="rank 1's connections broken during a step's gradient "
+                            "all-reduce"),
     "hang": FaultPlan("hang", rank=3, at_step=10, phase="forward",
-                      description="SIGSTOP of rank 3 in a step's forward pass (heartbeat timeout 3 s)",
+                      description="SIGSTOP of rank 3 in a step's forward pass (heartbeat timeout "
+                      "3 s)",
                       run_args=("--heartbeat-timeout", "3")),
     "slow": FaultPlan("slow", rank=2, at_step=10, phase="compute", factor=1.5, expect="slow_rank",
-                      description="rank 2's compute 1.5x slower from step 10, tracing on (found as a slow rank; "
-                      "the job trains on)", run_args=("--trace", "on")),
+                      description="rank 2's compute 1.5x slower from step 10, tracing on (found "
+                      "as a slow rank; the job trains on)", run_args=("--trace", "on")),
     "nan": FaultPlan("nan", rank=1, at_step=10, phase="backward", how="once", expect="numeric",
-                     description="a NaN in rank 1's gradient before the all-reduce, once (numeric checks on: "
-                     "the step is replayed in place)", script_args=("--numerics", "skip")),
-    "bitflip": FaultPlan("bitflip", rank=3, at_step=10, phase="backward", how="grad", expect="numeric",
-                         description="one exponent bit of rank 3's gradient flipped before the all-reduce, once "
-                         "(numeric checks on: the step is replayed in place)", script_args=("--numerics", "skip")),
+                     description="a NaN in rank 1's gradient before the all-reduce, once (numeric "
+                     "checks on: the step is replayed in place)",
+                     script_args=("--numerics", "skip")),
+    "bitflip": FaultPlan("bitflip", rank=3, at_step=10, phase="backward", how="grad",
+                         expect="numeric",
+                         description="one exponent bit of rank 3's gradient flipped before the "
+                         "all-reduce, once (numeric checks on: the step is replayed in place)",
+                         script_args=("--numerics", "skip")),
     "migrate": FaultPlan("migrate", rank=1, at_step=5, phase="step", expect="migration",
-                         description="`undying migrate --rank 1` while training: rank 1 leaves at a step boundary "
-                         "for a warm spare, which takes the state from a peer (a planned move)",
+                         description="`undying migrate --rank 1` while training: rank 1 leaves at "
+                         "a step boundary for a warm spare, which takes the state from a peer (a "
+                         "planned move)",
                          run_args=("--spares", "1")),
     "preempt": FaultPlan("preempt", rank=-1, at_step=10, phase="step",
-                         description="SIGTERM to the launcher mid-run (a preemption): dying gasp, exit, "
-                         "the same command again resumes"),
-    "node-loss": FaultPlan("node-loss", rank=node_loss.LOST_RANKS[0], at_step=node_loss.LOSE_AT_STEP, phase="step",
-                           description=f"{node_loss.NNODES} nodes x {node_loss.NPROC_PER_NODE} ranks on network-"
-                           f"namespace hosts; node {node_loss.LOST_NODE}'s host lost mid-run (every process on it "
-                           "SIGKILLed), a new host joins in its place"),
+                         description="SIGTERM to the launcher mid-run (a preemption): dying gasp, "
+                         "exit, the same command again resumes"),
+    "node-loss": FaultPlan("node-loss", rank=node_loss.LOST_RANKS[0],
+                           at_step=node_loss.LOSE_AT_STEP, phase="step",
+                           description=f"{node_loss.NNODES} nodes x {node_loss.NPROC_PER_NODE} "
+                           f"ranks on network-namespace hosts; node {node_loss.LOST_NODE}'s host "
+                           "lost mid-run (every process on it SIGKILLed), a new host joins in its "
+                           "place"),
     "shrink": FaultPlan("node-loss", rank=2, at_step=shrink.LOSE_AT_STEP, phase="step",
-                        description="invariant mode (--virtual-ranks 4), 2 nodes x 2 ranks on network-namespace "
-                        "hosts; node 1's host lost, the job shrinks to 2 ranks, then a new host joins and it grows "
-                        "back to 4"),
+                        description="invariant mode (--virtual-ranks 4), 2 nodes x 2 ranks on "
+                        "network-namespace hosts; node 1's host lost, the job shrinks to 2 ranks, "
+                        "then a new host joins and it grows back to 4"),
 }
 
 # The seeded job: 4 ranks, 128 steps an epoch.
@@ -108,13 +116,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "demo",
         help="run a seeded 4-rank job without and with a fault and compare",
         description="Run a small seeded 4-rank CPU job twice, without and with a fault, and print "
-        "the incidents, the recovery-time breakdown and whether every per-step loss is identical. "
-        "Exit 0 only when identical and no step was lost.",
+        "the incidents, the recovery-time breakdown and whether every per-step loss is "
+        "identical. Exit 0 only when identical and no step was lost.",
     )
-    p.add_argument("--fault", default="crash", help=f"the fault to inject: {', '.join(FAULTS)} (default crash)")
+    p.add_argument("--fault", default="crash",
+                   help=f"the fault to inject: {', '.join(FAULTS)} (default crash)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    p.add_argument("--epochs", type=int, default=3, help="epochs of the seeded job (128 steps each; default 3)")
-    p.add_argument("--keep", action="store_true", help="keep the two job dirs (their paths are printed)")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="epochs of the seeded job (128 steps each; default 3)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the two job dirs (their paths are printed)")
     p.set_defaults(func=run)
 
 
@@ -137,15 +148,18 @@ def run_preempted(job_dir: Path, script_args: list[str], *, at_step: int, ranks:
     argv = _run_argv(job_dir, ranks, extra_run_args, script, script_args)
     deadline = time.monotonic() + timeout_s
     with open(job_dir.parent / f"{job_dir.name}.preempted.log", "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         try:
             while True:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the job ended ({process.returncode}) before it reached step {at_step}")
+                    raise RuntimeError(f"the job ended ({process.returncode}) before it reached "
+                                       f"step {at_step}")
                 info = JobDir(job_dir).read_manager()
                 if info is not None:
                     try:
-                        status = api_get(info["url"], "/api/status", token=find_token(job_dir, None))
+                        status = api_get(info["url"], "/api/status",
+                                         token=find_token(job_dir, None))
                         if status["step"] >= at_step:
                             break
                     except Exception:  # the API is starting or stopping
@@ -173,8 +187,8 @@ def load_preempted(job_dir: Path, sigterm_t: float) -> tuple[RunRecord, dict[str
     merged = merge_runs(first, second)
     preempts = [i for i in first.incidents if i["kind"] == "preempt"]
     incident: dict[str, Any] = dict(preempts[-1]) if preempts else {
-        "kind": "preempt", "rank": -1, "step": 0, "action": "dump", "status": "failed", "phases": {},
-        "detail": {}, "mttr_s": None, "fault_t": sigterm_t,
+        "kind": "preempt", "rank": -1, "step": 0, "action": "dump", "status": "failed",
+        "phases": {}, "detail": {}, "mttr_s": None, "fault_t": sigterm_t,
     }
     with LogReader(job_dir / "events.db") as reader:
         started = reader.job().get("started_at")
@@ -191,15 +205,17 @@ def load_preempted(job_dir: Path, sigterm_t: float) -> tuple[RunRecord, dict[str
         phases["first_step_done"] = round(max(firsts.values()) - sigterm_t, 4)
     incident["phases"] = phases
     incident["mttr_s"] = phases.get("first_step_done")
-    incident["status"] = "recovered" if resumed_ok and incident["status"] == "dumped" else incident["status"]
+    recovered = resumed_ok and incident["status"] == "dumped"
+    incident["status"] = "recovered" if recovered else incident["status"]
     incident["detail"] = {**incident.get("detail", {}),
                           "resumed_from": resumed.data if resumed is not None else None}
     return merged, incident
 
 
-def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault: FaultPlan | None = None,
-            faults: Sequence[FaultPlan] = (), timeout_s: float = 120.0,
-            extra_run_args: list[str] | None = None, log_file: Path | None = None,
+def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS,
+            fault: FaultPlan | None = None, faults: Sequence[FaultPlan] = (),
+            timeout_s: float = 120.0, extra_run_args: list[str] | None = None,
+            log_file: Path | None = None,
             script: Path = TRAIN_SCRIPT, when_warm: bool = False) -> int:
     """Run ``undying run`` on the demo script to its end; arm the faults once the manager is up.
 
@@ -210,11 +226,12 @@ def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS, fault:
     argv = _run_argv(job_dir, ranks, extra_run_args, script, script_args)
     log_path = log_file or job_dir.parent / f"{job_dir.name}.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         try:
             if planned:
-                _inject_when_up(JobDir(job_dir), process, planned, deadline=time.monotonic() + timeout_s,
-                                when_warm=when_warm)
+                _inject_when_up(JobDir(job_dir), process, planned,
+                                deadline=time.monotonic() + timeout_s, when_warm=when_warm)
             return process.wait(timeout=timeout_s)
         except BaseException:
             process.kill()
@@ -226,20 +243,24 @@ def _inject_when_up(job_dir: JobDir, process: subprocess.Popen[bytes], faults: l
                     deadline: float, when_warm: bool) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the job exited ({process.returncode}) before the fault could be injected")
+            raise RuntimeError(f"the job exited ({process.returncode}) before the fault could be "
+                               "injected")
         info = job_dir.read_manager()
         if info is not None:
             offset = 0
             if when_warm:
-                status = api_get(info["url"], "/api/status", token=find_token(job_dir.path, None))
+                status = api_get(info["url"], "/api/status",
+                                 token=find_token(job_dir.path, None))
                 if status["state"] != "running" or status["spares_ready"] < 1:
                     time.sleep(0.05)
                     continue
                 offset = status["step"]
             token = find_token(job_dir.path, None)
             for fault in faults:
-                if fault.kind == "migrate":  # a planned move, once the job measured its steps: manager.placement.migration
-                    while api_get(info["url"], "/api/status", token=token)["step"] < fault.at_step + offset:
+                # A planned move, once the job measured its steps: manager.placement.migration.
+                if fault.kind == "migrate":
+                    until = fault.at_step + offset
+                    while api_get(info["url"], "/api/status", token=token)["step"] < until:
                         time.sleep(0.02)
                     api_post(info["url"], "/api/migrate", {"rank": fault.rank}, token=token)
                     continue
@@ -258,35 +279,41 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
     fault = FAULTS[args.fault]
     if fault.kind == "node-loss" and (why := node_loss.unavailable_reason()) is not None:
-        return (shrink.refuse if args.fault == "shrink" else node_loss.refuse)(why, as_json=args.json)
+        refuse = shrink.refuse if args.fault == "shrink" else node_loss.refuse
+        return refuse(why, as_json=args.json)
     console = Console(stderr=True)
     root = Path(tempfile.mkdtemp(prefix="undying-demo-"))
     script_args = [*JOB_ARGS, "--epochs", str(args.epochs), *fault.script_args]
     base_args, base_run_args = script_args, None
     if fault.kind == "node-loss":  # a smaller job with slower steps: time to lose a host mid-run
         script_args = node_loss.script_args(args.epochs)
-        base_args, base_run_args = node_loss.baseline_args(args.epochs), list(node_loss.BASELINE_RUN_ARGS)
+        base_args = node_loss.baseline_args(args.epochs)
+        base_run_args = list(node_loss.BASELINE_RUN_ARGS)
     base_script = TRAIN_SCRIPT
     if args.fault == "shrink":  # the invariant job, its fault-free run on 4 ranks of one host
-        script_args, base_args, base_script = shrink.script_args(args.epochs), shrink.baseline_args(args.epochs), \
-            shrink.INVARIANT_SCRIPT
+        script_args = shrink.script_args(args.epochs)
+        base_args, base_script = shrink.baseline_args(args.epochs), shrink.INVARIANT_SCRIPT
         base_run_args = [*node_loss.BASELINE_RUN_ARGS, *shrink.VIRTUAL_RUN_ARGS]
     started = time.monotonic()
     try:
-        console.print(f"[bold]undying demo[/bold]: seeded {RANKS}-rank CPU job, fault: {fault.description}")
+        console.print(f"[bold]undying demo[/bold]: seeded {RANKS}-rank CPU job, fault: "
+                      f"{fault.description}")
         console.print("  run 1/2: without the fault ...")
-        rc_base = run_job(root / "fault-free", base_args, extra_run_args=base_run_args, script=base_script)
+        rc_base = run_job(root / "fault-free", base_args, extra_run_args=base_run_args,
+                          script=base_script)
         console.print(f"  run 2/2: with the fault ({fault.kind}) ...")
         baseline = load_run(root / "fault-free" / "events.db")
         exit_codes = {"fault_free": rc_base}
         fault_reasons: list[str] = []
         if fault.kind == "preempt":
-            rc_term, sigterm_t = run_preempted(root / "with-fault", script_args, at_step=fault.at_step)
+            rc_term, sigterm_t = run_preempted(root / "with-fault", script_args,
+                                               at_step=fault.at_step)
             console.print(f"    SIGTERM at step >= {fault.at_step}: the launcher exited {rc_term}; "
                           "running the same command again ...")
             rc_fault = run_job(root / "with-fault", script_args)
             faulty, preempt_incident = load_preempted(root / "with-fault", sigterm_t)
-            faulty_incidents = [*[i for i in faulty.incidents if i["kind"] != "preempt"], preempt_incident]
+            kept = [i for i in faulty.incidents if i["kind"] != "preempt"]
+            faulty_incidents = [*kept, preempt_incident]
             exit_codes["preempted"] = rc_term
             rc_ok = rc_term == EXIT_PREEMPTED
         elif args.fault == "shrink":
@@ -314,13 +341,16 @@ def run(args: argparse.Namespace) -> int:
         incidents = [_incident_view(i) for i in faulty_incidents]
         reasons = [*comparison.reasons, *fault_reasons]
         if not rc_ok:
-            reasons.append(f"the preempted launcher exited {exit_codes['preempted']}, not {EXIT_PREEMPTED}")
+            reasons.append(f"the preempted launcher exited {exit_codes['preempted']}, "
+                           f"not {EXIT_PREEMPTED}")
         # A found fault (slow) must name the rank it was put in; a recovered one is checked by the
         # oracle.
         named = fault.rank if fault.expect else None
-        if not any(i["kind"] == fault.incident_kind and named in (None, i["rank"]) for i in incidents):
+        if not any(i["kind"] == fault.incident_kind and named in (None, i["rank"])
+                   for i in incidents):
             who = f" naming rank {named}" if named is not None else ""
-            reasons.append(f"no {fault.incident_kind} incident{who} was recorded: the fault was not found")
+            reasons.append(f"no {fault.incident_kind} incident{who} was recorded: the fault was "
+                           "not found")
         ok = not reasons and rc_base == 0 and rc_fault == 0 and rc_ok
         result: dict[str, Any] = {
             "fault": args.fault,
@@ -336,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
             "reasons": reasons,
         }
         if args.keep:
-            result["job_dirs"] = {"fault_free": str(root / "fault-free"), "with_fault": str(root / "with-fault")}
+            result["job_dirs"] = {"fault_free": str(root / "fault-free"),
+                                  "with_fault": str(root / "with-fault")}
         if args.json:
             sys.stdout.write(json.dumps(result) + "\n")
         else:
@@ -361,18 +392,19 @@ def _incident_view(incident: dict[str, Any]) -> dict[str, Any]:
 
 
 def _render(result: dict[str, Any], console: Console) -> None:
-    names = ["detected", "decided", "replacement_ready", "group_rebuilt", "state_restored", "first_step_done"]
+    names = ["detected", "decided", "replacement_ready", "group_rebuilt", "state_restored",
+             "first_step_done"]
     if any(i["kind"] == "preempt" for i in result["incidents"]):
-        names = ["detected", "decided", "checkpoint_written", "exited", "relaunched", "state_restored",
-                 "first_step_done"]
+        names = ["detected", "decided", "checkpoint_written", "exited", "relaunched",
+                 "state_restored", "first_step_done"]
     # The table holds what fits 80 columns; each incident's timeline is a line of its own under it.
     table = Table("kind", "rank", "step", "action", "status", "mttr s", title="incidents")
     timelines: list[Text] = []
     for n, i in enumerate(result["incidents"], 1):
         phases = i["phases"]
         table.add_row(
-            f"{n} {i['kind']}", str(i["rank"]), str(i["step"]), str(i["action"]), str(i["status"]),
-            "-" if i["mttr_s"] is None else f"{i['mttr_s']:.3f}",
+            f"{n} {i['kind']}", str(i["rank"]), str(i["step"]), str(i["action"]),
+            str(i["status"]), "-" if i["mttr_s"] is None else f"{i['mttr_s']:.3f}",
         )
         shown = ", ".join(f"{p} {phases[p]:.3f}" for p in names if p in phases)
         timelines.append(Text(f"  {n}: timeline in seconds since the fault: {shown or '-'}"))
@@ -382,11 +414,13 @@ def _render(result: dict[str, Any], console: Console) -> None:
     verdict = "[green]identical[/green]" if result["identical"] else "[red]DIFFERENT[/red]"
     console.print(
         f"per-step losses over {result['steps']} steps: {verdict}; final state identical: "
-        f"{result['final_state_identical']}; steps lost: {result['lost_steps']}; demo took {result['wall_s']}s"
+        f"{result['final_state_identical']}; steps lost: {result['lost_steps']}; demo took "
+        f"{result['wall_s']}s"
     )
     for reason in result["reasons"]:
         console.print(f"  [red]- {reason}[/red]")
     if "job_dirs" in result:
         console.print(f"job dirs: {result['job_dirs']}")
     if os.environ.get(DEMO_QUIET_ENV) is None:
-        console.print("[bold green]OK[/bold green]" if result["ok"] else "[bold red]FAILED[/bold red]")
+        ending = "[bold green]OK[/bold green]" if result["ok"] else "[bold red]FAILED[/bold red]"
+        console.print(ending)

@@ -46,7 +46,8 @@ def _fraction(text: str) -> float:
     except ValueError:
         raise UsageError(f"--threshold must be a number such as 0.08, got {text!r}") from None
     if not 0 < value < 1:
-        raise UsageError(f"--threshold is a fraction of the step time, between 0 and 1 (e.g. 0.08), got {value}")
+        raise UsageError(f"--threshold is a fraction of the step time, between 0 and 1 (e.g. "
+                         f"0.08), got {value}")
     return value
 
 
@@ -74,10 +75,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--html", metavar="PATH",
                    help="where to write the HTML report (default: TRACE_DIR/report.html)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (findings, ranks, what was read) instead of the tables")
+                   help="print one JSON object (findings, ranks, what was read) instead of the "
+                   "tables")
     p.add_argument("--threshold", type=_fraction, default=0.08, metavar="F",
-                   help="the bar, as a fraction of the median step time: a rank slower than the others "
-                        "by more than this in a phase, window after window, is reported (default 0.08)")
+                   help="the bar, as a fraction of the median step time: a rank slower than the "
+                        "others by more than this in a phase, window after window, is reported "
+                        "(default 0.08)")
     p.add_argument("--window", type=_positive("--window"), default=10, metavar="N",
                    help="steps per window compared across ranks (default 10, as online)")
     p.add_argument("--patience", type=_positive("--patience"), default=2, metavar="N",
@@ -94,12 +97,15 @@ def run(args: argparse.Namespace) -> int:
     from undying.trace.report import write_report
 
     trace_dir = Path(args.trace_dir)
-    table = load_trace(trace_dir, window=args.window, threshold=args.threshold, patience=args.patience)
-    html_path = Path(args.html) if args.html else (trace_dir if trace_dir.is_dir() else table.path) / "report.html"
+    table = load_trace(trace_dir, window=args.window, threshold=args.threshold,
+                       patience=args.patience)
+    beside = trace_dir if trace_dir.is_dir() else table.path
+    html_path = Path(args.html) if args.html else beside / "report.html"
     try:
         write_report(table, table.findings, html_path)
     except OSError as e:
-        raise UsageError(f"cannot write the report to {html_path} ({e.strerror or e}); pass --html PATH") from e
+        raise UsageError(f"cannot write the report to {html_path} ({e.strerror or e}); pass "
+                         "--html PATH") from e
     if args.json:
         sys.stdout.write(json.dumps(table.to_dict() | {"html": str(html_path)}) + "\n")
         return 0
@@ -112,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
         f"comm markers {'on' if table.comm_known else 'off'}"
     )
     if table.other_jobs:
-        console.print(f"other jobs here, not read (pass one's folder): {', '.join(table.other_jobs)}")
+        console.print(f"other jobs here, not read (pass one's folder): "
+                      f"{', '.join(table.other_jobs)}")
     if table.bad_lines:
-        console.print(f"{table.bad_lines} unreadable lines skipped (a file cut short or still being written)")
+        console.print(f"{table.bad_lines} unreadable lines skipped (a file cut short or still "
+                      "being written)")
     if table.skipped:
         console.print(f"skipped, not trace files: {', '.join(table.skipped[:5])}"
                       + (f" and {len(table.skipped) - 5} more" if len(table.skipped) > 5 else ""))
@@ -133,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
     for r in table.ranks:
         out = ", ".join(f"{k} {n}" for k, n in sorted(r.outlier_counts.items())) or "-"
         t.add_row(
-            str(r.rank), r.node or "-", str(r.steps), _ms(r.step), _ms(r.compute), _ms(r.comm), _ms(r.data),
-            _ms(r.ckpt), f"{r.score:+.1%}", r.worst or "-", out, style="red" if r.rank in flagged else None,
+            str(r.rank), r.node or "-", str(r.steps), _ms(r.step), _ms(r.compute), _ms(r.comm),
+            _ms(r.data), _ms(r.ckpt), f"{r.score:+.1%}", r.worst or "-", out,
+            style="red" if r.rank in flagged else None,
         )  # fmt: skip
     console.print(t)
     console.print(f"HTML report: {html_path}")

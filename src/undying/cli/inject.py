@@ -21,25 +21,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Inject a real fault into a rank of a running job: now, or when it reaches "
         "--at-step (optionally at --phase of that step). `crash` sends SIGKILL to the rank's "
         "process; `hang` sends SIGSTOP (or, with --how spin|block, makes the rank's training "
-        "thread loop forever or block forever while the process lives); `comm-error` makes the rank shut down its process group's connections, so its "
+        "thread loop forever or block forever while the process lives); `comm-error` makes the "
+        "rank shut down its process group's connections, so its "
         "next collective fails on every rank while all processes live (a comm-error without "
         "--at-step happens at the rank's next step); `slow --factor F --phase compute|data|ckpt` "
         "makes the rank's steps F times as long from then on, the extra time spent in that phase "
-        "(found by slow-rank detection when tracing is on; the job trains on); `nan [--persistent]` puts a NaN "
-        "into the rank's gradient before the all-reduce, at one run of the step (a replay passes) or at every "
-        "run of it (as a bad batch would); `bitflip --target grad|param` flips one exponent bit of the rank's "
-        "gradient (before the all-reduce) or of a weight of its model, without an error. The last two are "
-        "drills for a job that runs with numeric checks (job.steps(..., numerics=True)).",
+        "(found by slow-rank detection when tracing is on; the job trains on); `nan "
+        "[--persistent]` puts a NaN into the rank's gradient before the all-reduce, at one run of "
+        "the step (a replay passes) or at every run of it (as a bad batch would); `bitflip "
+        "--target grad|param` flips one exponent bit of the rank's gradient (before the "
+        "all-reduce) or of a weight of its model, without an error. The last two are drills for "
+        "a job that runs with numeric checks (job.steps(..., numerics=True)).",
     )
     p.add_argument("kind", choices=[k.value for k in InjectKind],
                    help="the fault: crash (SIGKILL of the rank's process), hang (SIGSTOP of it: "
                    "found by its missing heartbeats, then killed and replaced) or comm-error (the "
-                   "rank breaks its process group's connections, so a real collective fails) or slow "
-                   "(the rank's steps take --factor times as long) or nan (a NaN in the rank's gradient) or bitflip "
-                   "(one bit of the rank's gradient or weight flipped) or leave (the rank's script exits 0 there, "
-                   "sys.exit(0), at phase step, forward or optimizer: a rank that leaves early, replaced)")
+                   "rank breaks its process group's connections, so a real collective fails) or "
+                   "slow (the rank's steps take --factor times as long) or nan (a NaN in the "
+                   "rank's gradient) or bitflip (one bit of the rank's gradient or weight flipped) "
+                   "or leave (the rank's script exits 0 there, sys.exit(0), at phase step, forward "
+                   "or optimizer: a rank that leaves early, replaced)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
-    p.add_argument("--at-step", type=int, default=None, help="fault when the rank reaches this step (default: now)")
+    p.add_argument("--at-step", type=int, default=None,
+                   help="fault when the rank reaches this step (default: now)")
     p.add_argument(
         "--phase", choices=[p.value for p in (*InjectPhase, *SlowPhase)], default=None,
         help="where in the step: step (its start, the default with --at-step), forward, "
@@ -50,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "training loop's checkpoint stall, at steps that save)",
     )
     p.add_argument("--factor", type=finite_arg("--factor"), default=None,
-                   help="for slow: how much longer the rank's steps take, e.g. 1.2 for 20%% slower")
+                   help="for slow: how much longer the rank's steps take, e.g. 1.2 for 20%% "
+                   "slower")
     p.add_argument(
         "--how", choices=[h.value for h in HangHow], default=None,
         help="for hang: stop (SIGSTOP, the default: heartbeats stop), spin (an endless loop in "
@@ -58,13 +63,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the step timeout; they happen at a step (the next one without --at-step)",
     )
     p.add_argument("--persistent", action="store_true",
-                   help="for nan: at every run of the step (a replay too), as a bad batch would; default: the "
-                   "first run only, a transient fault")
+                   help="for nan: at every run of the step (a replay too), as a bad batch would; "
+                   "default: the first run only, a transient fault")
     p.add_argument("--target", choices=("grad", "param", "grad-finite"), default=None,
-                   help="for bitflip: the rank's local gradient before the all-reduce (grad, the default) or "
-                   "the first weight of its model (param: the model stays wrong), or grad-finite: the top "
-                   "mantissa bit of the gradient's largest value, which stays finite and no spike (only "
-                   "`undying run --verify-every` finds it)")
+                   help="for bitflip: the rank's local gradient before the all-reduce (grad, the "
+                   "default) or the first weight of its model (param: the model stays wrong), or "
+                   "grad-finite: the top mantissa bit of the gradient's largest value, which stays "
+                   "finite and no spike (only `undying run --verify-every` finds it)")
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=run)
@@ -82,29 +87,33 @@ def run(args: argparse.Namespace) -> int:
     if args.target is not None and args.kind != "bitflip":
         raise UsageError(f"--target applies to bitflip only, not {args.kind}")
     if args.kind in ("nan", "bitflip") and args.phase not in (None, "backward"):
-        raise UsageError(f"{args.kind} strikes in backward, before the all-reduce; leave --phase out")
+        raise UsageError(f"{args.kind} strikes in backward, before the all-reduce; leave --phase "
+                         "out")
     if args.kind == "slow":
         if args.factor is None:
             raise UsageError("slow needs --factor F (e.g. --factor 1.2 for steps 20% slower)")
         if args.phase is not None and args.phase not in SlowPhase:
-            raise UsageError(f"slow's --phase must be one of {SlowPhase.names()}, got {args.phase}")
+            raise UsageError(f"slow's --phase must be one of {SlowPhase.names()}, got "
+                             f"{args.phase}")
     elif args.factor is not None:
         raise UsageError(f"--factor applies to slow only, not {args.kind}")
     elif args.phase in SlowPhase:
-        raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one of "
-                         f"{InjectPhase.names()}")
+        raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one "
+                         f"of {InjectPhase.names()}")
     api = connect(args.manager, args.job_dir, args.token_file)
-    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase, "how": args.how,
-            "factor": args.factor}
-    if args.kind in ("nan", "bitflip"):
-        body["how"] = (args.target or "grad") if args.kind == "bitflip" else ("persistent" if args.persistent else "once")
+    body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase,
+            "how": args.how, "factor": args.factor}
+    if args.kind == "bitflip":
+        body["how"] = args.target or "grad"
+    elif args.kind == "nan":
+        body["how"] = "persistent" if args.persistent else "once"
     answer = api.post("/api/inject", body)
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")
     elif "at_step" in answer:
         factor = f" x{answer['factor']}" if "factor" in answer else ""
-        print(f"armed: {args.kind}{factor} of rank {args.rank} (pid {answer['pid']}) at step {answer['at_step']}, "
-              f"phase {answer['phase']}")
+        print(f"armed: {args.kind}{factor} of rank {args.rank} (pid {answer['pid']}) at step "
+              f"{answer['at_step']}, phase {answer['phase']}")
     else:
         print(f"injected: {args.kind} of rank {args.rank} (pid {answer['pid']})")
     return 0

@@ -23,16 +23,18 @@ from undying.user_files import open_user_file
 __all__ = ["add_parser", "run", "spec_from_args"]
 
 # Files a previous `undying k8s --out DIR` may have left; removed when not written again.
-_KNOWN_FILES = ("00-secret.yaml", "01-trace-configmap.yaml", "02-manager-service.yaml", "03-manager.yaml",
-                "04-workers.yaml")
+_KNOWN_FILES = ("00-secret.yaml", "01-trace-configmap.yaml", "02-manager-service.yaml",
+                "03-manager.yaml", "04-workers.yaml")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    factor, extra = f"{grace_mod.K8S_FACTOR:g}", f"{grace_mod.K8S_EXTRA_S:g}"
     p = sub.add_parser(
         "k8s",
         help="write the Kubernetes manifests of a multi-node job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="undying k8s --job-id J --nodes N --nproc-per-node P --image IMAGE [options] -- SCRIPT [ARGS]",
+        usage="undying k8s --job-id J --nodes N --nproc-per-node P --image IMAGE [options] -- "
+        "SCRIPT [ARGS]",
         description=f"""\
 Write what a cluster needs to run SCRIPT on N nodes x P ranks, as one
 multi-document YAML on stdout (`| kubectl apply -f -`) or as files in --out DIR:
@@ -47,8 +49,8 @@ Grace period. Kubernetes sends SIGTERM, then SIGKILL terminationGracePeriodSecon
 later; between the two the agent must finish its step and write the dying-gasp
 checkpoint. undying k8s sizes a dying-gasp budget G, passes it to the agents
 (`undying run --grace-period G`, undying's own deadline) and sets
-terminationGracePeriodSeconds = ceil(G x {grace_mod.K8S_FACTOR:g} + {grace_mod.K8S_EXTRA_S:g}): x{grace_mod.K8S_FACTOR:g} for a slower disk or a
-busier node than was measured, +{grace_mod.K8S_EXTRA_S:g} s for the agent to stop its workers. G is:
+terminationGracePeriodSeconds = ceil(G x {factor} + {extra}): x{factor} for a slower disk or a
+busier node than was measured, +{extra} s for the agent to stop its workers. G is:
   --from-job-dir DIR   measured by a previous run of the job (DIR/events.db): the
                        checkpoint's size over the slowest write speed seen, x2,
                        at least 5 s, plus two of the slowest recent steps (the
@@ -62,74 +64,96 @@ Write them once and keep them: each run generates a new token (or pass
     )
     req = p.add_argument_group("the job (required)")
     req.add_argument("--job-id", type=job_id_arg, required=True, metavar="J",
-                     help="the job's name; it names every object, so a DNS label: lower-case letters, digits, "
-                     "'-', starting with a letter, at most 55 characters")
-    req.add_argument("--nodes", type=int, required=True, metavar="N", help="worker pods (nodes), one agent each")
+                     help="the job's name; it names every object, so a DNS label: lower-case "
+                     "letters, digits, '-', starting with a letter, at most 55 characters")
+    req.add_argument("--nodes", type=int, required=True, metavar="N",
+                     help="worker pods (nodes), one agent each")
     p.add_argument("--min-nodes", type=int, default=0, metavar="MIN",
-                   help="make the job elastic: it starts with MIN pods once --node-wait passed without the rest, "
-                   "goes on with as few as MIN when a pod is lost and none replaces it, and grows back as pods "
-                   "come (every agent gets --nnodes MIN:N; default: exactly --nodes)")
-    req.add_argument("-n", "--nproc-per-node", type=int, required=True, metavar="P", help="ranks per node")
+                   help="make the job elastic: it starts with MIN pods once --node-wait passed "
+                   "without the rest, goes on with as few as MIN when a pod is lost and none "
+                   "replaces it, and grows back as pods come (every agent gets --nnodes MIN:N; "
+                   "default: exactly --nodes)")
+    req.add_argument("-n", "--nproc-per-node", type=int, required=True, metavar="P",
+                     help="ranks per node")
     req.add_argument("--image", required=True,
-                     help="the container image: your script, its dependencies, undying (on PATH) and sh")
-    p.add_argument("--namespace", default="", help="put every object in this namespace (default: kubectl's)")
+                     help="the container image: your script, its dependencies, undying (on PATH) "
+                     "and sh")
+    p.add_argument("--namespace", default="",
+                   help="put every object in this namespace (default: kubectl's)")
     p.add_argument("--out", default="", metavar="DIR",
-                   help="write one file per object into DIR (created if missing) instead of stdout")
+                   help="write one file per object into DIR (created if missing) instead of "
+                   "stdout")
     p.add_argument("--token-secret", default="", metavar="NAME",
                    help="use this existing Secret's key 'token' instead of generating one")
     g = p.add_argument_group("grace period (see above)").add_mutually_exclusive_group()
     g.add_argument("--from-job-dir", default="", metavar="DIR",
-                   help="size the grace period from a previous run's measurements (DIR/events.db)")
-    g.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0, metavar="SECONDS",
-                   help="the dying-gasp budget G in seconds")
+                   help="size the grace period from a previous run's measurements "
+                   "(DIR/events.db)")
+    g.add_argument("--grace-period", type=finite_arg("--grace-period"), default=0.0,
+                   metavar="SECONDS", help="the dying-gasp budget G in seconds")
     r = p.add_argument_group("resources and storage")
-    r.add_argument("--cpu", default="", help="CPU per worker pod, request = limit (e.g. 8, 7500m)")
-    r.add_argument("--memory", default="", help="memory per worker pod, request = limit (e.g. 32Gi)")
-    r.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per worker pod (default 0)")
+    r.add_argument("--cpu", default="",
+                   help="CPU per worker pod, request = limit (e.g. 8, 7500m)")
+    r.add_argument("--memory", default="",
+                   help="memory per worker pod, request = limit (e.g. 32Gi)")
+    r.add_argument("--gpus", type=int, default=0,
+                   help="nvidia.com/gpu per worker pod (default 0)")
     r.add_argument("--shm-size", default="1Gi",
-                   help="/dev/shm size per worker pod, memory-backed (data loaders, NCCL; default 1Gi)")
+                   help="/dev/shm size per worker pod, memory-backed (data loaders, NCCL; default "
+                   "1Gi)")
     ck = r.add_mutually_exclusive_group()
     ck.add_argument("--checkpoint-pvc", default="", metavar="NAME",
-                    help="a PersistentVolumeClaim (ReadWriteMany: every node reads it to resume) mounted at "
-                    "/ckpt in every pod; checkpoints go to /ckpt/<job id>. Without it (or --checkpoint-dir) "
-                    "/ckpt is an emptyDir and a dying-gasp checkpoint dies with its pod")
+                    help="a PersistentVolumeClaim (ReadWriteMany: every node reads it to resume) "
+                    "mounted at /ckpt in every pod; checkpoints go to /ckpt/<job id>. Without it "
+                    "(or --checkpoint-dir) /ckpt is an emptyDir and a dying-gasp checkpoint dies "
+                    "with its pod")
     ck.add_argument("--checkpoint-dir", default="", metavar="URL",
-                    help="an fsspec URL for checkpoints instead of a volume (e.g. s3://bucket/<job id>)")
+                    help="an fsspec URL for checkpoints instead of a volume (e.g. "
+                    "s3://bucket/<job id>)")
     r.add_argument("--job-pvc", default="", metavar="NAME",
-                   help="a PersistentVolumeClaim for the manager's job dir (its SQLite event log), so a "
-                   "rescheduled manager keeps the job's history (default: an emptyDir)")
+                   help="a PersistentVolumeClaim for the manager's job dir (its SQLite event "
+                   "log), so a rescheduled manager keeps the job's history (default: an "
+                   "emptyDir)")
     m = p.add_argument_group("manager")
     m.add_argument("--manager-kind", choices=("deployment", "pod"), default="deployment",
-                   help="deployment (default): rescheduled if its node is lost; pod: restarted in place on "
-                   "failure, left Completed when the job ends")
+                   help="deployment (default): rescheduled if its node is lost; pod: restarted in "
+                   "place on failure, left Completed when the job ends")
     m.add_argument("--port", type=int, default=29400,
-                   help="the manager's agent port; the c10d store is on port+1, the HTTP API on port+2 "
-                   "(default 29400)")
+                   help="the manager's agent port; the c10d store is on port+1, the HTTP API on "
+                   "port+2 (default 29400)")
     m.add_argument("--open-status", action="store_true",
-                   help="`undying manager --open-status`: GET /, /api/status and /metrics without the token "
-                   "(e.g. for a Prometheus scrape inside the cluster); changes still need it")
-    m.add_argument("--manager-cpu", default="500m", help="the manager's CPU request (default 500m)")
-    m.add_argument("--manager-memory", default="1Gi", help="the manager's memory request (default 1Gi)")
+                   help="`undying manager --open-status`: GET /, /api/status and /metrics "
+                   "without the token (e.g. for a Prometheus scrape inside the cluster); changes "
+                   "still need it")
+    m.add_argument("--manager-cpu", default="500m",
+                   help="the manager's CPU request (default 500m)")
+    m.add_argument("--manager-memory", default="1Gi",
+                   help="the manager's memory request (default 1Gi)")
     w = p.add_argument_group("workers (`undying run` flags passed to every agent)")
     w.add_argument("--node-retries", type=int, default=3,
-                   help="replacement pods per node index before the Job fails (backoffLimitPerIndex; "
-                   "preemptions and evictions do not count; default 3)")
-    w.add_argument("--image-pull-policy", choices=("Always", "IfNotPresent", "Never"), default="",
+                   help="replacement pods per node index before the Job fails "
+                   "(backoffLimitPerIndex; preemptions and evictions do not count; default 3)")
+    w.add_argument("--image-pull-policy", choices=("Always", "IfNotPresent", "Never"),
+                   default="",
                    help="the containers' imagePullPolicy (default: Kubernetes' own)")
     w.add_argument("--backend", choices=("gloo", "nccl"), default="",
                    help="torch.distributed backend (default nccl with --gpus, else gloo)")
     w.add_argument("--trace", choices=TRACE_INITIAL, default="off",
-                   help="the trace switch at start (the ConfigMap's content): off (default), on, comm")
-    w.add_argument("--save-every", type=int, default=0, metavar="STEPS", help="undying run --save-every")
-    w.add_argument("--save-interval", type=finite_arg("--save-interval"), default=0.0, metavar="SECONDS",
-                   help="undying run --save-interval")
+                   help="the trace switch at start (the ConfigMap's content): off (default), on, "
+                   "comm")
+    w.add_argument("--save-every", type=int, default=0, metavar="STEPS",
+                   help="undying run --save-every")
+    w.add_argument("--save-interval", type=finite_arg("--save-interval"), default=0.0,
+                   metavar="SECONDS", help="undying run --save-interval")
     w.add_argument("--keep", type=int, default=3, help="undying run --keep (default 3)")
-    w.add_argument("--spares", type=int, default=1, help="undying run --spares, per node (default 1)")
-    w.add_argument("--max-restarts", type=int, default=3, help="undying run --max-restarts (default 3)")
+    w.add_argument("--spares", type=int, default=1,
+                   help="undying run --spares, per node (default 1)")
+    w.add_argument("--max-restarts", type=int, default=3,
+                   help="undying run --max-restarts (default 3)")
     w.add_argument("--run-args", default="", metavar="STRING",
-                   help="more `undying run` flags for every agent, as one shell-quoted string, e.g. "
-                   "--run-args='--heartbeat-timeout 60 --trace-dir /ckpt/traces'; checked against "
-                   "`undying run`'s parser")
+                   help="more `undying run` flags for every agent, as one shell-quoted string, "
+                   "e.g. --run-args='--heartbeat-timeout 60 --trace-dir /ckpt/traces'; checked "
+                   "against `undying run`'s parser")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS]",
                    help="the training script and its arguments")
     p.set_defaults(func=run)
@@ -150,23 +174,26 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
     except ValueError as e:
         raise UsageError(f"--run-args {args.run_args!r}: {e}") from None
     return Spec(
-        job_id=args.job_id, nodes=args.nodes, min_nodes=args.min_nodes, nproc_per_node=args.nproc_per_node, image=args.image,
+        job_id=args.job_id, nodes=args.nodes, min_nodes=args.min_nodes,
+        nproc_per_node=args.nproc_per_node, image=args.image,
         command=command, grace=grace, namespace=args.namespace, token_secret=args.token_secret,
         cpu=args.cpu, memory=args.memory, gpus=args.gpus, shm_size=args.shm_size,
-        checkpoint_pvc=args.checkpoint_pvc, checkpoint_url=args.checkpoint_dir, job_pvc=args.job_pvc,
-        manager_kind=args.manager_kind, open_status=args.open_status, port=args.port, manager_cpu=args.manager_cpu,
+        checkpoint_pvc=args.checkpoint_pvc, checkpoint_url=args.checkpoint_dir,
+        job_pvc=args.job_pvc, manager_kind=args.manager_kind, open_status=args.open_status,
+        port=args.port, manager_cpu=args.manager_cpu,
         manager_memory=args.manager_memory, node_retries=args.node_retries,
         image_pull_policy=args.image_pull_policy, backend=args.backend, trace=args.trace,
-        save_every=args.save_every, save_interval=args.save_interval, keep=args.keep, spares=args.spares,
-        max_restarts=args.max_restarts, run_args=run_args,
+        save_every=args.save_every, save_interval=args.save_interval, keep=args.keep,
+        spares=args.spares, max_restarts=args.max_restarts, run_args=run_args,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     manifests = build(spec)
-    header = [f"Written by undying {__version__} (undying k8s) for job {spec.job_id}: {spec.nodes} node(s) x "
-              f"{spec.nproc_per_node} rank(s). Apply with kubectl apply -f; see docs/kubernetes.md."]
+    header = [f"Written by undying {__version__} (undying k8s) for job {spec.job_id}: "
+              f"{spec.nodes} node(s) x {spec.nproc_per_node} rank(s). Apply with kubectl apply "
+              "-f; see docs/kubernetes.md."]
     if args.out:  # refused before a word of the rest: one line
         _check_out(Path(args.out), [m.filename for m in manifests])
     if not spec.grace.measured:
@@ -174,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     for m in manifests:
         for line in m.comments:
             if line.startswith("WARNING"):
-                sys.stderr.write(f"undying k8s: {m.obj['kind']} {m.obj['metadata']['name']}: {line}\n")
+                sys.stderr.write(f"undying k8s: {m.obj['kind']} {m.obj['metadata']['name']}: "
+                                 f"{line}\n")
     if not args.out:
         sys.stdout.write(dump_all([(m.obj, m.comments) for m in manifests], header))
         return 0
@@ -183,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ours(path: Path) -> bool:
-    """Whether ``path`` is a regular file (not a link) that `undying k8s` wrote: its first line is our header."""
+    """Whether ``path`` is a regular file (not a link) that `undying k8s` wrote: its first line
+    is our header."""
     try:
         fd = open_user_file(path, "manifest", "", follow=False)
     except UsageError:
@@ -194,19 +223,22 @@ def _ours(path: Path) -> bool:
 
 
 def _check_out(out: Path, names: list[str]) -> None:
-    """Refuse, before anything is written, an --out that is not a folder of ours to write: one line each."""
+    """Refuse, before anything is written, an --out that is not a folder of ours to write: one
+    line each."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         what = "a symbolic link" if out.is_symlink() else "not a folder"
-        raise UsageError(f"--out {out} is {what}; pass a folder (created if missing) for the manifests")
+        raise UsageError(f"--out {out} is {what}; pass a folder (created if missing) for the "
+                         "manifests")
     for name in names:
         path = out / name
         if (path.exists() or path.is_symlink()) and not _ours(path):
-            raise UsageError(f"--out {out}: {name} is there and was not written by undying k8s; move it "
-                             "aside or pass another --out (nothing was written)")
+            raise UsageError(f"--out {out}: {name} is there and was not written by undying k8s; "
+                             "move it aside or pass another --out (nothing was written)")
 
 
 def _write_atomically(path: Path, text: str, mode: int) -> None:
-    """``text`` in ``path`` whole or not at all: written aside (a new file, never a link), then renamed over it."""
+    """``text`` in ``path`` whole or not at all: written aside (a new file, never a link), then
+    renamed over it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
     try:
@@ -241,6 +273,7 @@ def _write_dir(out: Path, manifests: list[Manifest], header: list[str]) -> None:
         written.add(m.filename)
         sys.stderr.write(f"wrote {path}\n")
     for stale in sorted(set(_KNOWN_FILES) - written):
-        if _ours(out / stale):  # e.g. a generated Secret, now that --token-secret names one; never a user's file
+        # E.g. a generated Secret, now that --token-secret names one; never a user's file.
+        if _ours(out / stale):
             (out / stale).unlink()
             sys.stderr.write(f"removed {out / stale} (not part of this job's manifests any more)\n")

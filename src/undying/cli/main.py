@@ -18,7 +18,8 @@ __all__ = ["main", "build_parser"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its own errors in one line: the message and where the options are, not the usage.
+    """argparse with its own errors in one line: the message and where the options are, not the
+    usage.
 
     A refused input is then one line on stderr and exit 2 whichever check refused it (argparse's
     own, such as ``--job-id -rf`` taken as a missing value, an option's type, or the command's),
@@ -32,7 +33,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = _Parser(
         prog="undying",
-        allow_abbrev=False,  # (an abbreviation after `run SCRIPT` is the script's, never --verbose's)
+        # (an abbreviation after `run SCRIPT` is the script's, never --verbose's)
+        allow_abbrev=False,
         description="Fault-tolerant distributed PyTorch training: survivors keep their state, "
         "dead ranks are replaced, only the step in flight is re-run.",
     )
@@ -57,7 +59,8 @@ _exit_hook: list[bool] = []
 
 
 def _quick_exit() -> None:
-    """Skip collecting torch's object graph at interpreter shutdown (0.4 s of CPU a process, measured).
+    """Skip collecting torch's object graph at interpreter shutdown (0.4 s of CPU a process,
+    measured).
 
     Registered once, before anything else, so it runs after every other exit handler.
     """

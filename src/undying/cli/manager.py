@@ -18,7 +18,8 @@ __all__ = ["add_parser"]
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "manager",
-        help="run the manager of a multi-node job on its own; agents join it with `undying run --manager`",
+        help="run the manager of a multi-node job on its own; agents join it with `undying run "
+        "--manager`",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""\
 Run the manager of job --job-id on its own (a process, or a pod). Each node
@@ -49,13 +50,16 @@ stops it. Exit code as `undying run`'s.""",
     # cli/settings.py)
     p.add_argument("--job-id", type=job_id_arg, required=True,
                    help=f"the job's name: {JOB_ID_RULE}; every agent passes the same --job-id")
-    p.add_argument("--job-dir", default=None, help="the job's folder: event log, token (default ./undying-jobs/<job id>)")
+    p.add_argument("--job-dir", default=None,
+                   help="the job's folder: event log, token (default ./undying-jobs/<job id>)")
     add_setting(p, ManagerOptions, "--host",
-                help="the address to listen on (default %(default)s: this host only); 0.0.0.0 listens on every "
-                "interface, which other hosts need")
+                help="the address to listen on (default %(default)s: this host only); 0.0.0.0 "
+                "listens on every interface, which other hosts need")
     add_setting(p, ManagerOptions, "--port", type=int,
-                help="where agents join (default %(default)s); the control store is on the next port")
-    p.add_argument("--http-port", type=int, default=None, help="the HTTP API's port (default --port + 2; 0 picks one)")
+                help="where agents join (default %(default)s); the control store is on the next "
+                "port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the HTTP API's port (default --port + 2; 0 picks one)")
     add_setting(p, ManagerOptions, "--open-status", action="store_true",
                 help="serve the read-only status (GET /, /api/status, /metrics) without the token")
     add_connection_arguments(p)
@@ -63,24 +67,27 @@ stops it. Exit code as `undying run`'s.""",
 
 
 def run(args: argparse.Namespace) -> int:
-    from undying.cli.run import refuse_inherited_keys
+    from undying.cli.run_job import refuse_inherited_keys
 
     refuse_inherited_keys()
     job_id = args.job_id
     check_job_id(job_id)
     if not 0 < args.port < 65534:
-        raise UsageError(f"--port must be in [1, 65533] (the control store takes the next one), got {args.port}")
+        raise UsageError(f"--port must be in [1, 65533] (the control store takes the next one), "
+                         f"got {args.port}")
     http_port = args.port + 2 if args.http_port is None else args.http_port
     if not 0 <= http_port < 65536:
         raise UsageError(f"--http-port must be in [0, 65535], got {http_port}")
     from undying.launch.manager_service import serve_manager  # heavy: only for this command
 
     check_host_name(args.host, "--host")
-    options = from_args(ManagerOptions, args, job_id=job_id, job_dir=str(args.job_dir or default_job_dir(job_id)),
+    options = from_args(ManagerOptions, args, job_id=job_id,
+                        job_dir=str(args.job_dir or default_job_dir(job_id)),
                         http_port=http_port, connections=connection_limits(args))
     ledger = Ledger.take(options.job_dir)
     try:
         return serve_manager(options)
-    except UsageError:  # refused before any agent joined (a port in use): what it created goes (cli.refusal)
+    except UsageError:
+        # Refused before any agent joined (a port in use): what it created goes (cli.refusal).
         ledger.undo()
         raise

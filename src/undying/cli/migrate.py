@@ -21,38 +21,44 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p = sub.add_parser(
         "migrate",
         help="move a rank of a running job to a warm spare at a step boundary, losing nothing",
-        description="Move a rank of a running job to another process at a step boundary while training "
-        "goes on: the rank leaves at the start of a step (its last step committed), a warm spare of its "
-        "node (or a new process when none is warm) takes the rank and gets the state from a peer, and "
-        "every rank runs the next step once. No step is re-run to completion and the losses are those of "
-        "the run without the move. The incident log records it as a planned `migration` with its "
-        "timeline. Use it to take a rank off a process before it fails, or to exercise the path.",
+        description="Move a rank of a running job to another process at a step boundary while "
+        "training goes on: the rank leaves at the start of a step (its last step committed), a "
+        "warm spare of its node (or a new process when none is warm) takes the rank and gets the "
+        "state from a peer, and every rank runs the next step once. No step is re-run to "
+        "completion and the losses are those of the run without the move. The incident log "
+        "records it as a planned `migration` with its timeline. Use it to take a rank off a "
+        "process before it fails, or to exercise the path.",
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--rank", type=int, help="the rank to move")
     which.add_argument("--node", type=int,
-                       help="the node to move: every rank of it leaves at the same boundary and a standby agent "
-                       "(`undying run --standby`) parked on --to takes the node")
+                       help="the node to move: every rank of it leaves at the same boundary and a "
+                       "standby agent (`undying run --standby`) parked on --to takes the node")
     p.add_argument("--to", metavar="HOST", default=None,
-                   help="where to: for --rank, its own node's host (the default), where it takes a warm spare, or "
-                   "another host with a standby parked there when the rank is its node's only one; for --node, the "
-                   "host of a parked standby (default: any standby not on a drained host); `undying status` lists "
-                   "each node's host")
+                   help="where to: for --rank, its own node's host (the default), where it takes a "
+                   "warm spare, or another host with a standby parked there when the rank is its "
+                   "node's only one; for --node, the host of a parked standby (default: any "
+                   "standby not on a drained host); `undying status` lists each node's host")
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=_migrate)
 
     for name, words in (
-        ("drain", "Mark a host drained: it gets no new ranks (a standby parked there is not promoted, "
-                  "no rank moves there) until `undying undrain HOST`. Refused, with nothing changed, "
-                  "while a rank of the job still runs on it and there is nowhere to move it."),
-        ("undrain", "Put a drained or quarantined host back: it may get ranks again. This is the one "
-                    "way to clear either state; `undying status` lists the hosts that are out and why."),
+        ("drain", "Mark a host drained: it gets no new ranks (a standby parked there is not "
+                  "promoted, no rank moves there) until `undying undrain HOST`. Refused, with "
+                  "nothing changed, while a rank of the job still runs on it and there is nowhere "
+                  "to move it."),
+        ("undrain", "Put a drained or quarantined host back: it may get ranks again. This is the "
+                    "one way to clear either state; `undying status` lists the hosts that are out "
+                    "and why."),
     ):
-        q = sub.add_parser(name, help=words.split(":")[0].split(".")[0].lower(), description=words)
-        q.add_argument("host", metavar="HOST", help="the host, as `undying status` lists it under nodes")
+        q = sub.add_parser(name, help=words.split(":")[0].split(".")[0].lower(),
+                           description=words)
+        q.add_argument("host", metavar="HOST",
+                       help="the host, as `undying status` lists it under nodes")
         if name == "drain":
-            q.add_argument("--reason", default="", help="why, for the status and the log (e.g. 'disk swap')")
+            q.add_argument("--reason", default="",
+                           help="why, for the status and the log (e.g. 'disk swap')")
         add_job_arguments(q)
         q.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
         q.set_defaults(func=_host_command, what=name)
@@ -68,8 +74,10 @@ def _migrate(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(answer) + "\n")
     elif "migrating_node" in answer:
-        print(f"migrating: node {answer['migrating_node']} (ranks {', '.join(map(str, answer['ranks']))}) leaves "
-              f"{answer['from']} after step {answer['boundary_step']} for the standby on {answer['to']}")
+        ranks = ", ".join(map(str, answer["ranks"]))
+        print(f"migrating: node {answer['migrating_node']} (ranks {ranks}) leaves "
+              f"{answer['from']} after step {answer['boundary_step']} for the standby on "
+              f"{answer['to']}")
     else:
         print(f"migrating: rank {answer['migrating']} (pid {answer['pid']}) leaves after step "
               f"{answer['boundary_step']} for a {answer['replacement']} on {answer['to']}; "
@@ -87,7 +95,8 @@ def _host_command(args: argparse.Namespace) -> int:
         print(f"host {answer['host']}: {answer['state']} ({answer['reason']}); `undying undrain "
               f"{answer['host']}` puts it back")
         for moved in answer.get("moved", []):
-            print(f"  node {moved['migrating_node']} (ranks {', '.join(map(str, moved['ranks']))}) moves to the "
+            ranks = ", ".join(map(str, moved["ranks"]))
+            print(f"  node {moved['migrating_node']} (ranks {ranks}) moves to the "
                   f"standby on {moved['to']} after step {moved['boundary_step']}")
     else:
         print(f"host {answer['host']}: ok (was {answer['was']})")

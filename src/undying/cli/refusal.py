@@ -1,4 +1,5 @@
-"""A launch that is refused leaves the disk as it found it: what it created in the job dir is removed.
+"""A launch that is refused leaves the disk as it found it: what it created in the job dir is
+removed.
 
 ``undying run`` checks what it can before it creates anything (its options,
 the environment, the script). Some refusals can only come later: a port
@@ -34,10 +35,12 @@ _Ident = tuple[int, int]
 
 
 def _entries(folder: Path) -> dict[str, _Ident] | None:
-    """Each entry of ``folder`` by name: (device, inode); None when it cannot be listed (gone, not a folder)."""
+    """Each entry of ``folder`` by name: (device, inode); None when it cannot be listed (gone, not
+    a folder)."""
     try:
         with os.scandir(folder) as it:
-            return {e.name: (s.st_dev, s.st_ino) for e in it for s in [e.stat(follow_symlinks=False)]}
+            return {e.name: (s.st_dev, s.st_ino)
+                    for e in it for s in [e.stat(follow_symlinks=False)]}
     except OSError:
         return None
 
@@ -55,7 +58,8 @@ class Ledger:
     """The job dir's entries before a launch, and the folders missing on the way to it."""
 
     path: Path
-    before: dict[str, _Ident] | None  # None: the job dir was there and could not be listed (then nothing is undone)
+    # None: the job dir was there and could not be listed (then nothing is undone).
+    before: dict[str, _Ident] | None
     missing: tuple[Path, ...]  # the job dir and each missing parent, deepest first
 
     @classmethod
@@ -71,9 +75,9 @@ class Ledger:
     def undo(self) -> None:
         """Put back what the launch moved in the job dir, remove what it created; never raises.
 
-        Nothing at all while another live launcher holds the job dir (a refusal for that very reason):
-        what appeared meanwhile is that job's. This process's own locks go first: the undo removes their
-        files, and a keeper still holding one would log it missing at its next beat.
+        Nothing at all while another live launcher holds the job dir (a refusal for that very
+        reason): what appeared meanwhile is that job's. This process's own locks go first: the undo
+        removes their files, and a keeper still holding one would log it missing at its next beat.
         """
         release_all()
         info = JobDir(self.path).read_manager() or {}
@@ -90,7 +94,8 @@ class Ledger:
             return  # (what was there is not known, or the folder is gone: nothing to judge by)
         old_name = {ident: name for name, ident in self.before.items()}
         known = set(self.before.values())
-        for name, ident in now.items():  # moved aside by the launch (the last launch's log): back in place
+        # Moved aside by the launch (the last launch's log): back in place.
+        for name, ident in now.items():
             was = old_name.get(ident)
             if was is not None and was != name:
                 at_old = self.path / was

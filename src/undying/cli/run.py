@@ -1,19 +1,16 @@
 """``undying run``: like torchrun, with faults recovered in place.
 
-Its options (``add_parser``) and the run itself; what the options make (the ``JobConfig``, the
-workers' variables) is ``cli/run_config.py``.
+Its options (``add_parser``) and their checks; what the command does with them is
+``cli/run_job.py``, and what the options make (the ``JobConfig``, the workers' variables) is
+``cli/run_config.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 
 from undying.cli.limits import add_connection_arguments
-from undying.cli.refusal import Ledger
-from undying.cli.run_config import config_from_args, numerics_env
+from undying.cli.run_job import run
 from undying.cli.settings import add_setting
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
@@ -26,7 +23,6 @@ from undying.config import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
-    WHOLE_GROUP_LINE,
     CheckpointConfig,
     JobConfig,
     Timeouts,
@@ -36,20 +32,14 @@ from undying.errors import UsageError
 from undying.inputs import (
     JOB_ID_RULE,
     check_address,
-    check_environment,
-    check_every,
     finite_arg,
     job_id_arg,
 )
 from undying.protocol.env import (
-    NUMERICS_ENV,
     REPLICATE_ENV,
     SEED_ENV,
     TOKEN_ENV,
-    VERIFY_EVERY_ENV,
-    VIRTUAL_RANKS_ENV,
 )
-from undying.user_files import check_folder, open_user_file
 
 __all__ = ["add_parser"]
 
@@ -57,7 +47,8 @@ __all__ = ["add_parser"]
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
-        help="run a training script on N ranks, recovering from faults (takes torchrun's flags)",
+        help="run a training script on N ranks, recovering from faults (takes torchrun's "
+        "flags)",
         allow_abbrev=False,  # an abbreviation is the script's argument, never one of ours
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=f"""\
@@ -88,105 +79,134 @@ Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
 written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
 no checkpoint at all.""",
     )
-    add_setting(p, JobConfig, "-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg, metavar="N",
-                help="worker processes on this node: a number, or auto (one per GPU, else per CPU), cpu, gpu "
-                "(default %(default)s)")
+    add_setting(p, JobConfig, "-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg,
+                metavar="N",
+                help="worker processes on this node: a number, or auto (one per GPU, else per "
+                "CPU), cpu, gpu (default %(default)s)")
     p.add_argument("--job-id", type=job_id_arg, default=None,
-                   help=f"the job's name: {JOB_ID_RULE} (default: job-<date>-<time>-<random>)")
-    p.add_argument("--job-dir", default=None, help="the job's folder (default ./undying-jobs/<job id>)")
+                   help=f"the job's name: {JOB_ID_RULE} (default: "
+                   "job-<date>-<time>-<random>)")
+    p.add_argument("--job-dir", default=None,
+                   help="the job's folder (default ./undying-jobs/<job id>)")
     p.add_argument(
         "--max-restarts", "--max_restarts", type=int, default=None,
-        help="whole-group restarts before the job fails, torchrun's meaning: every rank started again (from "
-        "the latest valid checkpoint, or, for a script that does not use the step API, from its start) "
-        f"(default {JobConfig.max_restarts}). This flag used to limit recoveries at one step: that is "
-        "--max-step-recoveries now",
+        help="whole-group restarts before the job fails, torchrun's meaning: every rank started "
+        "again (from the latest valid checkpoint, or, for a script that does not use the step "
+        f"API, from its start) (default {JobConfig.max_restarts}). This flag used to limit "
+        "recoveries at one step: that is --max-step-recoveries now",
     )
     add_setting(p, JobConfig, "--max-step-recoveries", type=int,
-                help="recoveries allowed for faults at the same step before the job stops; a fault that "
-                "repeats at one step is a bug (default %(default)s)")
+                help="recoveries allowed for faults at the same step before the job stops; a "
+                "fault that repeats at one step is a bug (default %(default)s)")
     add_setting(p, JobConfig, "--seed", type=int,
-                help=f"the job's seed, given to every worker as {SEED_ENV}: undying.init() seeds torch, random "
-                "and NumPy from it, so a replacement builds what the rank it replaces built (default %(default)s)")
+                help=f"the job's seed, given to every worker as {SEED_ENV}: undying.init() seeds "
+                "torch, random and NumPy from it, so a replacement builds what the rank it "
+                "replaces built (default %(default)s)")
     add_setting(p, JobConfig, "--max-retries", type=int,
-                help="in-place retries of a communication error at the same step; then the rank whose "
-                "collective failed is replaced (default %(default)s)")
+                help="in-place retries of a communication error at the same step; then the rank "
+                "whose collective failed is replaced (default %(default)s)")
     add_setting(p, JobConfig, "--spares", type=int,
-                help="hot spares per node: processes with Python and torch already loaded that replace a "
-                "dead rank without a cold start; started once the job runs (default %(default)s, 0 for none)")
+                help="hot spares per node: processes with Python and torch already loaded that "
+                "replace a dead rank without a cold start; started once the job runs (default "
+                "%(default)s, 0 for none)")
     c = p.add_argument_group("checkpoints and preemption")
     add_setting(c, CheckpointConfig, "--checkpoint-dir", metavar="PATH_OR_URL",
-                help="where checkpoints go: a folder or an fsspec URL (default <job dir>/checkpoints)")
+                help="where checkpoints go: a folder or an fsspec URL (default <job "
+                "dir>/checkpoints)")
     add_setting(c, CheckpointConfig, "--save-every", type=int, metavar="STEPS",
-                help="write a checkpoint after every N committed steps (default %(default)s: never by steps)")
-    add_setting(c, CheckpointConfig, "--save-interval", type=finite_arg("--save-interval"), metavar="SECONDS",
-                help="write a checkpoint when this long passed since the last (default %(default)g: never by time)")
-    add_setting(c, CheckpointConfig, "--keep", type=int, help="checkpoints to keep (default %(default)s)")
+                help="write a checkpoint after every N committed steps (default %(default)s: "
+                "never by steps)")
+    add_setting(c, CheckpointConfig, "--save-interval", type=finite_arg("--save-interval"),
+                metavar="SECONDS",
+                help="write a checkpoint when this long passed since the last (default "
+                "%(default)g: never by time)")
+    add_setting(c, CheckpointConfig, "--keep", type=int,
+                help="checkpoints to keep (default %(default)s)")
     add_setting(c, JobConfig, "--start-fresh", action="store_true",
-                help="when every checkpoint in the checkpoint folder is rejected (corrupt, partial, not signed "
-                "by this job), train from step 1 anyway; the rejected ones are moved, whole, to "
-                "<checkpoint dir>/rejected/<time>/ and never touched again (default: stop and list why each "
-                "was rejected)")
+                help="when every checkpoint in the checkpoint folder is rejected (corrupt, "
+                "partial, not signed by this job), train from step 1 anyway; the rejected ones "
+                "are moved, whole, to <checkpoint dir>/rejected/<time>/ and never touched again "
+                "(default: stop and list why each was rejected)")
     add_setting(c, JobConfig, "--force", action="store_true",
-                help="train again a job whose job dir says it already succeeded (default: say so and exit 0)")
-    add_setting(c, CheckpointConfig, "--grace-period", type=finite_arg("--grace-period"), metavar="SECONDS",
-                help="SIGTERM to every process gone: finish the step, write the dying gasp, exit; ranks "
-                "still running then are killed (default: sized from the measured checkpoint size and "
-                "write speed, x2, at least 5 s, plus two steps; `undying status` shows it)")
-    add_setting(c, CheckpointConfig, "--gasp-reuse-within", type=finite_arg("--gasp-reuse-within"), metavar="SECONDS",
-                help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, when no "
-                "step was trained since (default %(default)g)")
+                help="train again a job whose job dir says it already succeeded (default: say so "
+                "and exit 0)")
+    add_setting(c, CheckpointConfig, "--grace-period", type=finite_arg("--grace-period"),
+                metavar="SECONDS",
+                help="SIGTERM to every process gone: finish the step, write the dying gasp, "
+                "exit; ranks still running then are killed (default: sized from the measured "
+                "checkpoint size and write speed, x2, at least 5 s, plus two steps; `undying "
+                "status` shows it)")
+    add_setting(c, CheckpointConfig, "--gasp-reuse-within",
+                type=finite_arg("--gasp-reuse-within"), metavar="SECONDS",
+                help="a SIGTERM this soon after a dying gasp reuses it instead of writing again, "
+                "when no step was trained since (default %(default)g)")
     c.add_argument("--replicate", choices=("off", "ring"), default=None,
-                   help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the memory of a rank on "
-                   "the next node (the next rank on one node), so losing a rank needs no disk; "
-                   f"{CheckpointConfig.replicate} (default): a lost shard rolls the job back to the latest "
-                   f"checkpoint (env {REPLICATE_ENV})")
+                   help="sharded state (FSDP2): ring keeps a copy of each rank's shard in the "
+                   "memory of a rank on the next node (the next rank on one node), so losing a "
+                   f"rank needs no disk; {CheckpointConfig.replicate} (default): a lost shard "
+                   f"rolls the job back to the latest checkpoint (env {REPLICATE_ENV})")
     c.add_argument("--replicate-every", type=int, default=None,
                    metavar="STEPS",
                    help=f"with --replicate ring: copy the shards every N steps (default "
-                   f"{CheckpointConfig.replicate_every}: a fault loses no step; N > 1 costs less per step and "
-                   "re-runs up to N-1 steps after a fault)")
-    tr = p.add_argument_group("tracing (switch it while the job runs: `undying trace on|off [--comm]`)")
+                   f"{CheckpointConfig.replicate_every}: a fault loses no step; N > 1 costs less "
+                   "per step and re-runs up to N-1 steps after a fault)")
+    tr = p.add_argument_group(
+        "tracing (switch it while the job runs: `undying trace on|off [--comm]`)")
     add_setting(tr, TraceConfig, "--trace", choices=TRACE_INITIAL,
-                help="markers at start: off (default), on (step, checkpoint, forward and data-wait "
-                "markers) or comm (those and every gradient collective)")
+                help="markers at start: off (default), on (step, checkpoint, forward and "
+                "data-wait markers) or comm (those and every gradient collective)")
     add_setting(tr, TraceConfig, "--trace-dir", metavar="PATH",
-                help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job dir>/traces)")
+                help="where records go, per rank under <dir>/<job id>/<rank>/ (default <job "
+                "dir>/traces)")
     add_setting(tr, TraceConfig, "--trace-switch-file", metavar="PATH",
-                help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": \"off\"} (the "
-                "form a mounted Kubernetes ConfigMap takes); a malformed file is reported and ignored")
-    add_setting(tr, TraceConfig, "--trace-max-file-mb", type=finite_arg("--trace-max-file-mb"), metavar="MB",
-                help="start a new record file when the newest passes this size (default %(default)g)")
-    add_setting(tr, TraceConfig, "--trace-max-dir-mb", type=finite_arg("--trace-max-dir-mb"), metavar="MB",
-                help="when the trace dir passes this size, its oldest 20%% of trace files are deleted "
-                "(default %(default)g)")
+                help="a JSON file watched for the switch, e.g. {\"step\": \"on\", \"comm\": "
+                "\"off\"} (the form a mounted Kubernetes ConfigMap takes); a malformed file is "
+                "reported and ignored")
+    add_setting(tr, TraceConfig, "--trace-max-file-mb",
+                type=finite_arg("--trace-max-file-mb"), metavar="MB",
+                help="start a new record file when the newest passes this size (default "
+                "%(default)g)")
+    add_setting(tr, TraceConfig, "--trace-max-dir-mb",
+                type=finite_arg("--trace-max-dir-mb"), metavar="MB",
+                help="when the trace dir passes this size, its oldest 20%% of trace files are "
+                "deleted (default %(default)g)")
     p.add_argument("--port", type=int, default=None,
-                   help=f"the manager's c10d store port; 0 picks a free one (default {JobConfig.port}; "
-                   "--standalone: 0)")
-    add_setting(p, JobConfig, "--http-port", type=int, help="the manager's HTTP API port on localhost (default: a free one)")
+                   help=f"the manager's c10d store port; 0 picks a free one (default "
+                   f"{JobConfig.port}; --standalone: 0)")
+    add_setting(p, JobConfig, "--http-port", type=int,
+                help="the manager's HTTP API port on localhost (default: a free one)")
     add_setting(p, JobConfig, "--open-status", action="store_true",
-                help="serve the read-only status (GET /, /api/status, /metrics) without the job's token; "
-                "inject, stop and trace changes always need it (<job dir>/token)")
-    add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"), help="torch.distributed backend (default %(default)s)")
-    m = p.add_argument_group("multi-node (start `undying manager --job-id J` first, then this on every node)")
-    m.add_argument("--nnodes", type=_nnodes, default=(JobConfig.nnodes, JobConfig.nnodes), metavar="N|MIN:MAX",
-                   help=f"number of nodes (default {JobConfig.nnodes}: standalone, the manager runs here). MIN:MAX makes the job "
-                   "elastic: it starts once MIN nodes joined (after --node-wait for the others), and when a "
-                   "node is lost and no host replaces it within --node-wait it goes on with the nodes it has, "
-                   "down to MIN; a node joining later grows it back, up to MAX. Without MIN:MAX such a job "
-                   "saves its survivors' state and restarts from it once the lost node is replaced")
+                help="serve the read-only status (GET /, /api/status, /metrics) without the "
+                "job's token; inject, stop and trace changes always need it (<job dir>/token)")
+    add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"),
+                help="torch.distributed backend (default %(default)s)")
+    m = p.add_argument_group(
+        "multi-node (start `undying manager --job-id J` first, then this on every node)")
+    m.add_argument("--nnodes", type=_nnodes, default=(JobConfig.nnodes, JobConfig.nnodes),
+                   metavar="N|MIN:MAX",
+                   help=f"number of nodes (default {JobConfig.nnodes}: standalone, the manager "
+                   "runs here). MIN:MAX makes the job elastic: it starts once MIN nodes joined "
+                   "(after --node-wait for the others), and when a node is lost and no host "
+                   "replaces it within --node-wait it goes on with the nodes it has, down to "
+                   "MIN; a node joining later grows it back, up to MAX. Without MIN:MAX such a "
+                   "job saves its survivors' state and restarts from it once the lost node is "
+                   "replaced")
     add_setting(m, JobConfig, "--node-rank", "--node_rank", type=int,
-                help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: $(JOB_COMPLETION_INDEX))")
+                help="this node's rank, 0..MAX-1 (in a Kubernetes indexed Job: "
+                "$(JOB_COMPLETION_INDEX))")
     m.add_argument("--manager", type=_manager_address, default=None, metavar="HOST:PORT",
-                   help="the `undying manager` to join; needed with --nnodes > 1 (its --port, default "
-                   f"{DEFAULT_MANAGER_PORT})")
+                   help="the `undying manager` to join; needed with --nnodes > 1 (its --port, "
+                   f"default {DEFAULT_MANAGER_PORT})")
     m.add_argument("--standby", action="store_true",
-                   help="join the job at --manager as a warm standby with no node rank: its worker zygote and "
-                   "spares (at least -n) stay warm, and when a node is lost it takes that node's rank and its "
-                   "ranks start on those spares instead of waiting for a new host (pass the job's other flags)")
+                   help="join the job at --manager as a warm standby with no node rank: its "
+                   "worker zygote and spares (at least -n) stay warm, and when a node is lost it "
+                   "takes that node's rank and its ranks start on those spares instead of "
+                   "waiting for a new host (pass the job's other flags)")
     m.add_argument("--token-file", default=None, metavar="PATH",
-                   help=f"the job's token (default: env {TOKEN_ENV}, else <job dir>/token as the manager wrote it, "
-                   "or a new one there); the start line says which was used")
-    t = p.add_argument_group("timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
+                   help=f"the job's token (default: env {TOKEN_ENV}, else <job dir>/token as the "
+                   "manager wrote it, or a new one there); the start line says which was used")
+    t = p.add_argument_group(
+        "timeouts (seconds; each > 0; env UNDYING_TIMEOUT_<NAME> overrides in workers)")
     add_setting(t, Timeouts, "--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"),
                 help="a worker's wait for the next generation (default %(default).0f)")
     add_setting(t, Timeouts, "--connect-timeout", type=finite_arg("--connect-timeout"),
@@ -194,9 +214,11 @@ no checkpoint at all.""",
     add_setting(t, Timeouts, "--collective-timeout", type=finite_arg("--collective-timeout"),
                 help="one collective making no progress (default %(default).0f)")
     add_setting(t, Timeouts, "--recovery-timeout", type=finite_arg("--recovery-timeout"),
-                help="a recovery's deadline to its first step before the job fails (default %(default).0f)")
+                help="a recovery's deadline to its first step before the job fails (default "
+                "%(default).0f)")
     add_setting(t, Timeouts, "--comm-error-grace", type=finite_arg("--comm-error-grace"),
-                help="wait for a process exit before calling a collective error transient (default %(default)g)")
+                help="wait for a process exit before calling a collective error transient "
+                "(default %(default)g)")
     add_setting(t, Timeouts, "--heartbeat-timeout", type=finite_arg("--heartbeat-timeout"),
                 help="a rank silent this long (stopped, or stuck holding the interpreter) is "
                 "hung: killed and replaced (default %(default).0f)")
@@ -208,56 +230,70 @@ no checkpoint at all.""",
                 f"auto (default): {AUTO_STEP_TIMEOUT_FACTOR:g}x the slowest recent step, at least "
                 f"{AUTO_STEP_TIMEOUT_FLOOR_S:.0f}")
     add_setting(t, Timeouts, "--init-timeout", type=finite_arg("--init-timeout"),
-                help="from starting a rank to its first word, imports included (default %(default).0f)")
+                help="from starting a rank to its first word, imports included (default "
+                "%(default).0f)")
     add_setting(t, Timeouts, "--spare-take-timeout", type=finite_arg("--spare-take-timeout"),
-                help="a hot spare given a rank that does not say it took it within this long (stopped, "
-                "wedged) is killed, and the rank goes to another spare or a fresh process "
-                "(default %(default)g)")
+                help="a hot spare given a rank that does not say it took it within this long "
+                "(stopped, wedged) is killed, and the rank goes to another spare or a fresh "
+                "process (default %(default)g)")
     add_setting(t, Timeouts, "--node-wait", type=finite_arg("--node-wait"),
-                help="how long a lost node's ranks wait for a replacement host before the job goes on "
-                "without it (resized, or restarted from its survivors' state), and how long an elastic "
-                "job waits for more than MIN nodes at start (default %(default).0f)")
+                help="how long a lost node's ranks wait for a replacement host before the job "
+                "goes on without it (resized, or restarted from its survivors' state), and how "
+                "long an elastic job waits for more than MIN nodes at start (default "
+                "%(default).0f)")
     add_setting(t, Timeouts, "--stop-grace", type=finite_arg("--stop-grace"),
                 help="SIGTERM to SIGKILL when stopping workers (default %(default).0f)")
     add_setting(t, Timeouts, "--exit-grace", type=finite_arg("--exit-grace"),
-                help="a rank whose script returned and whose process is still there this long after (stuck "
-                "in its own exit: a thread that never ends, a deadlock at shutdown) is killed; its result "
-                "stands and the stuck exit is noted (default %(default)g)")
+                help="a rank whose script returned and whose process is still there this long "
+                "after (stuck in its own exit: a thread that never ends, a deadlock at shutdown) "
+                "is killed; its result stands and the stuck exit is noted (default %(default)g)")
     add_connection_arguments(p)
     p.add_argument("--virtual-ranks", type=_virtual_ranks, default=None, metavar="V",
-                   help="invariant mode: the job is defined by V data-parallel virtual ranks, each rank runs some of "
-                        "them, and the losses are bit-identical on any number of ranks <= V, across shrink and grow "
-                        "(the script loops over step.virtual_ranks(); see docs/elastic.md). Give it on every node")
+                   help="invariant mode: the job is defined by V data-parallel virtual ranks, "
+                        "each rank runs some of them, and the losses are bit-identical on any "
+                        "number of ranks <= V, across shrink and grow (the script loops over "
+                        "step.virtual_ranks(); see docs/elastic.md). Give it on every node")
     p.add_argument("--verify-every", default=None, metavar="K",
-                   help="check for silent data corruption without waiting for a NaN: every K steps one rank's step "
-                        "(the ranks in turn) is replayed by a verifier process from another rank's copy of the "
-                        "pre-step state and the rank's batch, and its local gradient fingerprint compared bit for "
-                        "bit; a mismatch is an `sdc` incident naming the rank, and the job rolls back to the last "
-                        "verified state and re-runs from there. It never blocks a step (a verifier that falls "
-                        "behind leaves steps unverified, and the job's verify_summary says how many). Turns the "
-                        "numeric checks on (job.steps(numerics=...)); the same as Numerics(verify_every=K). "
-                        "A whole number of steps from 1; give the same K on every node (see docs/numerics.md)")
-    p.add_argument("--numerics", choices=("skip", "rollback", "stop"), default=None, metavar="POLICY",
-                   help="check every step before it commits (a script using the step API, no code change): the "
-                   "loss and gradient norm finite, and with --spike-factor no loss spike; a failed step is replayed "
-                   "in place, and one that fails again bit for bit is the data's fault: POLICY skip (the batch), "
-                   "rollback (go back --rollback-steps steps and skip their batches) or stop (fail with a report). "
-                   "Sets job.steps(numerics=...)'s default; a script's own Numerics(...) wins. See docs/numerics.md")
-    p.add_argument("--spike-factor", type=finite_arg("--spike-factor"), default=None, metavar="F",
-                   help="with --numerics: a loss above F x the median of the last 50 committed losses is a fault "
-                   "(after 20 of them; F > 1, e.g. 10)")
+                   help="check for silent data corruption without waiting for a NaN: every K "
+                        "steps one rank's step (the ranks in turn) is replayed by a verifier "
+                        "process from another rank's copy of the pre-step state and the rank's "
+                        "batch, and its local gradient fingerprint compared bit for bit; a "
+                        "mismatch is an `sdc` incident naming the rank, and the job rolls back to "
+                        "the last verified state and re-runs from there. It never blocks a step "
+                        "(a verifier that falls behind leaves steps unverified, and the job's "
+                        "verify_summary says how many). Turns the numeric checks on "
+                        "(job.steps(numerics=...)); the same as Numerics(verify_every=K). A whole "
+                        "number of steps from 1; give the same K on every node (see "
+                        "docs/numerics.md)")
+    p.add_argument("--numerics", choices=("skip", "rollback", "stop"), default=None,
+                   metavar="POLICY",
+                   help="check every step before it commits (a script using the step API, no "
+                   "code change): the loss and gradient norm finite, and with --spike-factor no "
+                   "loss spike; a failed step is replayed in place, and one that fails again bit "
+                   "for bit is the data's fault: POLICY skip (the batch), rollback (go back "
+                   "--rollback-steps steps and skip their batches) or stop (fail with a report). "
+                   "Sets job.steps(numerics=...)'s default; a script's own Numerics(...) wins. "
+                   "See docs/numerics.md")
+    p.add_argument("--spike-factor", type=finite_arg("--spike-factor"), default=None,
+                   metavar="F",
+                   help="with --numerics: a loss above F x the median of the last 50 committed "
+                   "losses is a fault (after 20 of them; F > 1, e.g. 10)")
     p.add_argument("--rollback-steps", type=_rollback_steps, default=None, metavar="N",
-                   help="with --numerics rollback: how many steps to go back (1-64, default 2); each is a copy of "
-                   "the model and optimizer state held in memory")
+                   help="with --numerics rollback: how many steps to go back (1-64, default 2); "
+                   "each is a copy of the model and optimizer state held in memory")
     p.add_argument("--max-skips-in-a-row", type=_max_skips, default=None, metavar="N",
-                   help="with --numerics skip|rollback: the job fails, with the reason, once more than N steps in a "
-                   "row were skipped (the data or the model is broken, not a batch; default 10)")
+                   help="with --numerics skip|rollback: the job fails, with the reason, once "
+                   "more than N steps in a row were skipped (the data or the model is broken, "
+                   "not a batch; default 10)")
     p.add_argument("--max-skipped-share", type=_skipped_share, default=None, metavar="F",
-                   help="with --numerics skip|rollback: the job fails once more than --max-skips-in-a-row steps "
-                   "were skipped in all and they are more than F of the steps run (0 < F <= 1, default 0.1)")
+                   help="with --numerics skip|rollback: the job fails once more than "
+                   "--max-skips-in-a-row steps were skipped in all and they are more than F of "
+                   "the steps run (0 < F <= 1, default 0.1)")
     add_torchrun_arguments(p)
-    p.add_argument("script", help="the training script (with -m a module, with --no-python a program)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script: all its own")
+    p.add_argument("script",
+                   help="the training script (with -m a module, with --no-python a program)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments for the script: all its own")
     p.set_defaults(func=run)
 
 
@@ -266,17 +302,9 @@ def _manager_address(raw: str) -> str:
     return raw.strip()
 
 
-def check_script(args: argparse.Namespace) -> None:
-    """The training script is a file this user can read (a FIFO, a folder, a missing path: one line).
-
-    Before anything reads it (the step-API check parses it) or anything is created.
-    """
-    if not (args.module or args.no_python):
-        os.close(open_user_file(args.script, "training script", "pass the path of a Python file"))
-
-
 def _step_timeout(raw: str) -> float | None:
-    """``--step-timeout``: seconds, or auto (None: derived from the step times where it is judged)."""
+    """``--step-timeout``: seconds, or auto (None: derived from the step times where it is
+    judged)."""
     if raw == "auto":
         return None
     try:
@@ -284,28 +312,30 @@ def _step_timeout(raw: str) -> float | None:
     except ValueError:
         raise UsageError(f"--step-timeout: expected seconds or 'auto', got {raw!r}") from None
     if not 0 < value < float("inf"):  # nan fails this too
-        raise UsageError(f"--step-timeout must be > 0 seconds (or 'auto') and finite, got {raw!r}")
+        raise UsageError(f"--step-timeout must be > 0 seconds (or 'auto') and finite, "
+                         f"got {raw!r}")
     return value
 
 
 def _virtual_ranks(raw: str) -> int:
     if not raw.strip().isdigit() or int(raw) < 1:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of virtual ranks: give a whole number >= 1 "
-                                         "(the job's data-parallel width)")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of virtual ranks: give a "
+                                         "whole number >= 1 (the job's data-parallel width)")
     return int(raw)
 
 
 def _rollback_steps(raw: str) -> int:
     if not raw.strip().isdigit() or not 1 <= int(raw) <= 64:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps to roll back: give a whole number "
-                                         "from 1 to 64 (each is a copy of the state in memory)")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps to roll back: give "
+                                         "a whole number from 1 to 64 (each is a copy of the "
+                                         "state in memory)")
     return int(raw)
 
 
 def _max_skips(raw: str) -> int:
     if not raw.strip().isdigit() or not 1 <= int(raw) <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps: give a whole number from 1 to "
-                                         "1000000 (e.g. 10)")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of steps: give a whole "
+                                         "number from 1 to 1000000 (e.g. 10)")
     return int(raw)
 
 
@@ -315,8 +345,8 @@ def _skipped_share(raw: str) -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value <= 1:  # nan fails this too
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a share of the steps: give a number above 0 and at "
-                                         "most 1 (e.g. 0.1)")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a share of the steps: give a number "
+                                         "above 0 and at most 1 (e.g. 0.1)")
     return value
 
 
@@ -330,107 +360,3 @@ def _nnodes(raw: str) -> tuple[int, int]:
     if not 1 <= fewest <= most:
         raise UsageError(f"--nnodes {raw}: needs 1 <= MIN <= MAX")
     return fewest, most
-
-
-def run(args: argparse.Namespace) -> int:
-    refuse_inherited_keys()
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    # Every UNDYING_ variable a rank or the agent reads, read now: a bad one is one line here, not a
-    # traceback in every rank after the job started.
-    check_environment()
-    config = config_from_args(args)
-    if args.virtual_ranks is not None:  # the workers inherit it (worker.virtual reads it)
-        if args.nproc_per_node * args.nnodes[1] > args.virtual_ranks:
-            raise UsageError(f"--virtual-ranks {args.virtual_ranks} with up to {args.nproc_per_node * args.nnodes[1]} "
-                             "ranks: each rank runs at least one virtual rank; raise --virtual-ranks or run fewer ranks")
-        os.environ[VIRTUAL_RANKS_ENV] = str(args.virtual_ranks)
-    if args.verify_every is not None:  # the workers inherit it (worker.verify reads it)
-        os.environ[VERIFY_EVERY_ENV] = str(check_every(args.verify_every))
-    if (numerics := numerics_env(args)) is not None:  # the workers inherit it (worker.numerics reads it)
-        os.environ[NUMERICS_ENV] = numerics
-    check_script(args)
-    for option, folder in (("--job-dir", config.job_dir), ("--log-dir", config.launch.log_dir),
-                           ("--trace-dir", config.trace.trace_dir),
-                           ("--checkpoint-dir", config.checkpoint.checkpoint_dir)):
-        if folder and "://" not in folder:
-            check_folder(option, folder)
-    ledger = Ledger.take(config.job_dir)  # before this launch makes anything: what a refusal undoes
-    try:
-        if args.manager is not None:
-            return _run_node(args, config, script_args)
-        return _launch(args, config, script_args)
-    except UsageError:  # refused before any rank trained: nothing of this launch stays
-        ledger.undo()
-        raise
-
-
-def _launch(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
-    """A standalone job: this process holds the job dir and the checkpoint dir, then runs the launcher."""
-    if os.path.isdir(config.job_dir):  # a second launcher on a live job dir: refused before torch is imported
-        from undying.checkpoint.lock import hold_job_dir
-
-        hold_job_dir(config.job_dir)  # (kept for the job: JobDir.prepare finds it held by this process)
-    if args.checkpoint_dir:
-        # A folder or URL of the user's: refused now, by name, rather than at the first save hours
-        # in.
-        config.validate()
-        from undying.checkpoint.checks import check_writable
-
-        check_writable(args.checkpoint_dir)
-        from undying.checkpoint.lock import hold
-
-        # One job per checkpoint dir, refused before anything of this job is made (held for this
-        # process's life; the manager takes it over; docs/troubleshooting.md says when a lock is
-        # stale).
-        hold(args.checkpoint_dir, job_id=config.job_id,
-             advice="wait for it to end, or pass another --checkpoint-dir")
-    from undying.launch.standalone import (
-        launch,  # torch and the manager: only for the command that runs a job
-    )
-
-    return launch(config, args.script, script_args, args.token_file)
-
-
-def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
-    """One node of a multi-node job: an agent that joins the manager at --manager."""
-    from pathlib import Path
-
-    from undying.agent.remote import parse_manager_address, run_node
-    from undying.jobfiles.tokens import find_token_with_source
-
-    parse_manager_address(args.manager)
-    config.validate()
-    token, token_from = find_token_with_source(Path(config.job_dir) if args.job_dir else None, args.token_file)
-    if token is None:
-        raise UsageError(
-            "no token for the manager: pass --token-file PATH or set UNDYING_TOKEN (the manager wrote it to "
-            "<its job dir>/token), or pass --job-dir of the manager's job dir on this host"
-        )
-    if not (args.module or args.no_python) and not Path(args.script).is_file():
-        raise UsageError(f"training script {args.script} does not exist; pass the path of a Python file")
-    if args.job_dir:  # this node's folder (its workers' files): the job user's alone, as the manager's is
-        from undying.jobfiles.ownership import private_dir
-
-        try:
-            private_dir(Path(config.job_dir))
-        except OSError as e:
-            raise UsageError(f"job dir {config.job_dir} is not writable ({e.strerror or e}); pass --job-dir with a "
-                             "folder you can write") from e
-    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: joining the manager at "
-                     f"{args.manager}, token from {token_from}\n")
-    if not config.step_api:
-        sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
-                         f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
-    return run_node(config, args.script, script_args, args.manager, token, job_dir_given=bool(args.job_dir),
-                    standby=args.standby)
-
-
-def refuse_inherited_keys() -> None:
-    """A launcher derives its keys from the token: derived keys left in the user's environment are refused."""
-    from undying.protocol.keys import inherited_key_problem
-
-    problem = inherited_key_problem(os.environ)
-    if problem is not None:
-        raise UsageError(problem)

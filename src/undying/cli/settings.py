@@ -1,4 +1,5 @@
-"""Options made from config fields, by the rule of ``undying.config``: ``--a-b`` is the field ``a_b``.
+"""Options made from config fields, by the rule of ``undying.config``: ``--a-b`` is the field
+``a_b``.
 
 ``add_setting`` declares an option for a field of a config dataclass (``JobConfig``, one of its
 sections, ``ManagerOptions``): its ``dest`` is the field's name and its default the field's
@@ -23,7 +24,8 @@ def field_default(section: type[Any], name: str) -> Any:
     """The default written on ``section``'s field ``name`` (a fresh one when it is a factory's)."""
     found = {f.name: f for f in dataclasses.fields(section)}.get(name)
     if found is None:
-        raise AssertionError(f"{section.__name__} has no field {name!r}: an option is its field's name")
+        raise AssertionError(f"{section.__name__} has no field {name!r}: an option is its field's "
+                             "name")
     if found.default_factory is not dataclasses.MISSING:
         return found.default_factory()
     if found.default is dataclasses.MISSING:
@@ -33,13 +35,16 @@ def field_default(section: type[Any], name: str) -> Any:
 
 def add_setting(group: argparse._ActionsContainer, section: type[Any], *options: str,
                 **kwargs: Any) -> argparse.Action:
-    """``group.add_argument(*options, **kwargs)`` for the field of ``section`` the long option names."""
+    """``group.add_argument(*options, **kwargs)`` for the field of ``section`` the long option
+    names."""
     name = next(o for o in options if o.startswith("--")).removeprefix("--").replace("-", "_")
     return group.add_argument(*options, dest=name, default=field_default(section, name), **kwargs)
 
 
 def from_args(section: type[T], args: argparse.Namespace, **given: Any) -> T:
-    """``section`` with each field from its option by the rule, or from ``given`` (a derived value)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(section)  # type: ignore[arg-type]
+    """``section`` with each field from its option by the rule, or from ``given`` (a derived
+    value)."""
+    fields = dataclasses.fields(section)  # type: ignore[arg-type]
+    values = {f.name: getattr(args, f.name) for f in fields
               if f.name not in given and hasattr(args, f.name)}
     return section(**values, **given)

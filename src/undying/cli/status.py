@@ -53,20 +53,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "status",
         help="show a job's state, ranks and incidents",
         description="Show a job's state, generation, ranks (step, PID) and every incident with its "
-        "recovery timeline. Reads the running manager's API, or the job's SQLite log once it ended. "
-        "With --watch, follow a running job until it ends (exit 0) or Ctrl-C (exit 130).",
+        "recovery timeline. Reads the running manager's API, or the job's SQLite log once it "
+        "ended. With --watch, follow a running job until it ends (exit 0) or Ctrl-C (exit 130).",
     )
     add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--watch", action="store_true",
                    help="follow the running job, redrawn about once a second, until it ends")
     p.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
-                   help=f"with --watch: seconds between updates, {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g} "
-                   "(default 1)")
+                   help=f"with --watch: seconds between updates, {MIN_INTERVAL_S:g} to "
+                   f"{MAX_INTERVAL_S:g} (default 1)")
     p.add_argument("--steps", action="store_true",
-                   help="print the values each rank gave step.log at each step, as CSV (one row per rank and "
-                   "step: step, rank, generation, time, then one column per name), or with --json as JSON; "
-                   "reads the job dir's event log, running or not")
+                   help="print the values each rank gave step.log at each step, as CSV (one row "
+                   "per rank and step: step, rank, generation, time, then one column per name), "
+                   "or with --json as JSON; reads the job dir's event log, running or not")
     p.set_defaults(func=run)
 
 
@@ -76,13 +76,15 @@ def _positive_seconds(value: str) -> float:
     except ValueError:
         raise UsageError(f"--interval must be a number of seconds, got {value!r}") from None
     if not MIN_INTERVAL_S <= seconds <= MAX_INTERVAL_S:
-        raise UsageError(f"--interval must be between {MIN_INTERVAL_S:g} and {MAX_INTERVAL_S:g} seconds "
-                         f"(a poll of the manager each time), got {value}")
+        raise UsageError(f"--interval must be between {MIN_INTERVAL_S:g} and {MAX_INTERVAL_S:g} "
+                         f"seconds (a poll of the manager each time), got {value}")
     return seconds
 
 
-def collect_status(job_dir: str | None, manager: str | None, token_file: str | None = None) -> dict[str, Any]:
-    """The running job from its manager (with the job's token); a finished one from its log (no token).
+def collect_status(job_dir: str | None, manager: str | None,
+                   token_file: str | None = None) -> dict[str, Any]:
+    """The running job from its manager (with the job's token); a finished one from its log (no
+    token).
 
     Either way with the earlier launches whose logs the job dir keeps (``JobDir.archive_log``).
     """
@@ -98,19 +100,24 @@ def collect_status(job_dir: str | None, manager: str | None, token_file: str | N
         jd = resolve_job_dir(job_dir)
         status = _logged_status(jd)
     status["earlier_runs"] = [_earlier_run(p) for p in jd.earlier_logs()] if jd is not None else []
-    if jd is not None and "verification" not in status:  # --verify-every: verified and unverified steps
+    # --verify-every: verified and unverified steps.
+    if jd is not None and "verification" not in status:
         with contextlib.suppress(UsageError, LogReader.Error, OSError, ValueError):
-            status["verification"] = logged_verification(jd.events_db, step=int(status.get("step") or 0))
+            step = int(status.get("step") or 0)
+            status["verification"] = logged_verification(jd.events_db, step=step)
     return status
 
 
 def _earlier_run(log: Path) -> dict[str, Any]:
-    """One earlier launch, from its archived log: how it ended, how far it got, how much it recorded."""
+    """One earlier launch, from its archived log: how it ended, how far it got, how much it
+    recorded."""
     try:
         with LogReader(log) as reader:
-            job, commits, incidents, events = reader.job(), reader.commits(), reader.incidents(), reader.count_events()
+            job, commits = reader.job(), reader.commits()
+            incidents, events = reader.incidents(), reader.count_events()
     except (UsageError, LogReader.Error) as e:
-        return {"log": log.name, "state": "unreadable", "error": str(e), "step": None, "events": None}
+        return {"log": log.name, "state": "unreadable", "error": str(e), "step": None,
+                "events": None}
     state = job.get("state")
     return {
         "log": log.name,
@@ -145,15 +152,18 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     state = job.get("state")
     exit_reason = job.get("exit_reason", "")
     info = jd.read_manager()
-    starting = state == "starting" and info is None  # a launcher that has not written its address yet
+    # A launcher that has not written its address yet.
+    starting = state == "starting" and info is None
     if state not in TERMINAL and not starting:
-        exit_reason = (f"interrupted: the log says {state}, but no launcher of this job is alive (killed, or its "
-                       "machine lost); run the same `undying run` command again to resume from its latest "
-                       "checkpoint")
+        exit_reason = (f"interrupted: the log says {state}, but no launcher of this job is alive "
+                       "(killed, or its machine lost); run the same `undying run` command again to "
+                       "resume from its latest checkpoint")
         state = "interrupted"
     step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
     with readable_log(jd.events_db):
         account = logged_account(jd.events_db, step=step)
+    config = job.get("config") or {}
+    max_restarts = config.get("max_restarts", JobConfig.max_restarts)
     return {
         "job_id": job.get("job_id"),
         "state": state,
@@ -166,8 +176,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "goodput": account.goodput.to_dict(),
         "rerun_steps": job.get("rerun_steps", []),
         "exit_reason": exit_reason,
-        "recovery_mode": "" if (job.get("config") or {}).get("step_api", JobConfig.step_api) else
-        WHOLE_GROUP_LINE.format(max_restarts=(job.get("config") or {}).get("max_restarts", JobConfig.max_restarts)),
+        "recovery_mode": "" if config.get("step_api", JobConfig.step_api) else
+        WHOLE_GROUP_LINE.format(max_restarts=max_restarts),
         "preemption": job.get("preemption"),
         "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
         "ranks": data["ranks"],
@@ -179,20 +189,25 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.steps:
         if args.watch:
-            raise UsageError("--steps prints the values logged so far; it does not mix with --watch")
+            raise UsageError("--steps prints the values logged so far; it does not mix with "
+                             "--watch")
         if args.manager is not None:
-            raise UsageError("--steps reads the job's event log: pass --job-dir (the job's folder), not --manager")
+            raise UsageError("--steps reads the job's event log: pass --job-dir (the job's "
+                             "folder), not --manager")
         jd = resolve_job_dir(args.job_dir)
         try:
             write_steps(jd, sys.stdout, as_json=args.json)
             sys.stdout.flush()
-        except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback at exit either
+        except BrokenPipeError:
+            # `| head`: the reader has what it wanted; no traceback at exit either.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if args.watch:
         if args.json:
-            raise UsageError("--watch redraws a view in the terminal; for JSON, poll `undying status --json`")
-        return watch(args.job_dir, args.manager, Console(), interval=args.interval, token_file=args.token_file)
+            raise UsageError("--watch redraws a view in the terminal; for JSON, poll `undying "
+                             "status --json`")
+        return watch(args.job_dir, args.manager, Console(), interval=args.interval,
+                     token_file=args.token_file)
     status = collect_status(args.job_dir, args.manager, args.token_file)
     if args.json:
         if args.manager is None:
@@ -224,7 +239,8 @@ def watch(job_dir: str | None, manager: str | None, console: Console, *, interva
     return code
 
 
-def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], interval: float) -> int:
+def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any],
+            interval: float) -> int:
     url = api.url
     misses = 0
     while status.get("state") not in TERMINAL:
@@ -240,8 +256,8 @@ def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], int
         # with --manager alone, a few missed polls in a row say it.
         retry = not _launcher_gone(jd) if jd is not None else misses < MAX_MISSES
         if retry:
-            live.update(view(status, note=f"the manager at {url} is not answering; retrying", bar=True),
-                        refresh=True)
+            note = f"the manager at {url} is not answering; retrying"
+            live.update(view(status, note=note, bar=True), refresh=True)
             continue
         # The launcher exits right after the job ends, often before a poll sees the final state.
         final = _logged_status(jd) if jd is not None and jd.events_db.exists() else None
@@ -249,8 +265,9 @@ def _follow(live: Live, api: Api, jd: JobDir | None, status: dict[str, Any], int
             live.update(view(final, bar=True), refresh=True)
             return 0
         last = final or status
-        live.update(view(last, note=f"the manager at {url} stopped answering while the job was "
-                                    f"{last.get('state')}: its launcher is gone", bar=True), refresh=True)
+        note = (f"the manager at {url} stopped answering while the job was "
+                f"{last.get('state')}: its launcher is gone")
+        live.update(view(last, note=note, bar=True), refresh=True)
         return 0 if last.get("state") == "stopping" else 1
     return 0
 
@@ -282,7 +299,8 @@ def _launcher_gone(jd: JobDir) -> bool:
 
 
 def step_values(jd: JobDir) -> list[dict[str, Any]]:
-    """What each rank gave ``step.log`` at each step, from the job's log: one row per rank and step.
+    """What each rank gave ``step.log`` at each step, from the job's log: one row per rank and
+    step.
 
     A step run again after a recovery keeps its newest commit (the one that
     counts; ``runs`` says how many times the rank committed it). Ordered by
@@ -295,12 +313,14 @@ def step_values(jd: JobDir) -> list[dict[str, Any]]:
     for c in commits:  # (in time order: the later commit of a step wins)
         key = (c.step, c.rank)
         runs[key] = runs.get(key, 0) + 1
-        newest[key] = {"step": c.step, "rank": c.rank, "generation": c.generation, "t": c.t, "values": c.metrics}
+        newest[key] = {"step": c.step, "rank": c.rank, "generation": c.generation, "t": c.t,
+                       "values": c.metrics}
     return [dict(newest[k], runs=runs[k]) for k in sorted(newest)]
 
 
 def write_steps(jd: JobDir, out: TextIO, *, as_json: bool) -> None:
-    """``--steps``: the rows of ``step_values`` as CSV (a column per name given to ``step.log``) or JSON."""
+    """``--steps``: the rows of ``step_values`` as CSV (a column per name given to ``step.log``) or
+    JSON."""
     rows = step_values(jd)
     if as_json:
         out.write(json.dumps({"job_dir": str(jd.path), "steps": rows}) + "\n")

@@ -1,4 +1,5 @@
-"""The view of a job that ``undying status`` prints and ``--watch`` redraws: one ``view()`` for both.
+"""The view of a job that ``undying status`` prints and ``--watch`` redraws: one ``view()`` for
+both.
 
 Header, progress, goodput, checkpoints, trace switch, step time, ranks and
 incidents, as rich renderables, from the status dict the manager's API (or the
@@ -32,7 +33,8 @@ def render(status: dict[str, Any], console: Console) -> None:
 
 
 def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
-    """The job as rich renderables: header, progress, goodput, trace switch, step time, ranks, incidents.
+    """The job as rich renderables: header, progress, goodput, trace switch, step time, ranks,
+    incidents.
 
     Every part reads at 80 columns: lines wrap, and what would make a table
     too wide (an incident's timeline, its error, a slow rank's finding) is on
@@ -59,25 +61,30 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     if status.get("regroup"):
         parts.append(_regroup_line(status["regroup"]))
     for mark in status.get("hosts_out") or []:  # no new ranks there until `undying undrain HOST`
-        line = f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: {mark.get('reason')}"
-        if mark.get("state") == "quarantined":  # manager.placement.hosts: it requalifies only on verified steps
-            line += (f" (requalifying: {mark.get('passes', 0)}/{mark.get('needed', '?')} verified, with "
-                     f"--verify-every; or `undying undrain {mark.get('host')}`)")
-            if isinstance(under := mark.get("drained"), dict):  # kept under the quarantine: drained once it clears
+        line = (f"  host {mark.get('host')}: {mark.get('state')} by {mark.get('by')}: "
+                f"{mark.get('reason')}")
+        # manager.placement.hosts: it requalifies only on verified steps.
+        if mark.get("state") == "quarantined":
+            line += (f" (requalifying: {mark.get('passes', 0)}/{mark.get('needed', '?')} verified, "
+                     f"with --verify-every; or `undying undrain {mark.get('host')}`)")
+            # Kept under the quarantine: drained once it clears.
+            if isinstance(under := mark.get("drained"), dict):
                 line += f"; also drained by {under.get('by')}: {under.get('reason')}"
         parts.append(Text(line))
     for parked in status.get("standbys") or []:  # a lost or moved node goes to one of these
         heard = max(0.0, time.time() - float(parked.get("last_heard") or 0.0))
-        parts.append(Text(f"  standby on {parked.get('host')} (agent pid {parked.get('agent_pid')}): "
-                          f"{parked.get('spares_ready', 0)} warm spare(s), last heard {heard:.0f}s ago"))
+        parts.append(Text(f"  standby on {parked.get('host')} (agent pid "
+                          f"{parked.get('agent_pid')}): {parked.get('spares_ready', 0)} warm "
+                          f"spare(s), last heard {heard:.0f}s ago"))
     if "trace" in status:
         parts.append(_trace_line(status.get("trace") or {}))
     if status.get("step_times"):
         parts.append(_step_time_line(status["step_times"]))
     parts.append(_ranks_table(status.get("ranks") or []))
     for run in status.get("earlier_runs") or []:
-        parts.append(Text(f"  earlier launch in this job dir: {run['log']}: {run['state']}, last step {run['step']}, "
-                          f"{run['events']} events, {run.get('incidents', 0)} incident(s)"))
+        parts.append(Text(f"  earlier launch in this job dir: {run['log']}: {run['state']}, "
+                          f"last step {run['step']}, {run['events']} events, "
+                          f"{run.get('incidents', 0)} incident(s)"))
     incidents = status.get("incidents") or []
     if not incidents:
         parts.append(Text("no incidents"))
@@ -88,19 +95,22 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     for i in incidents:
         if i.get("traceback"):
             parts.append(Text.assemble(
-                (f"incident {i['id']}", "bold"), f" traceback (rank {i['rank']}):\n", str(i["traceback"])
+                (f"incident {i['id']}", "bold"), f" traceback (rank {i['rank']}):\n",
+                str(i["traceback"]),
             ))
     return Group(*parts)
 
 
 def _progress_lines(progress: dict[str, Any], *, bar: bool) -> list[RenderableType]:
-    """Step of total, epoch, rate and ETA; the last values given to ``step.log``; with ``bar``, a bar."""
+    """Step of total, epoch, rate and ETA; the last values given to ``step.log``; with ``bar``, a
+    bar."""
     total = progress.get("total_steps")
     step = progress.get("step") or 0
     words = [f"step {step}" + (f" of {total}" if total is not None else "")
              + (f" ({progress['fraction']:.0%})" if progress.get("fraction") is not None else "")]
     if progress.get("epoch") is not None:
-        words.append(f"epoch {progress['epoch'] + 1}" + (f" of {progress['epochs']}" if progress.get("epochs") else ""))
+        of = f" of {progress['epochs']}" if progress.get("epochs") else ""
+        words.append(f"epoch {progress['epoch'] + 1}" + of)
     if progress.get("steps_per_s"):
         words.append(f"{progress['steps_per_s']:.3g} steps/s")
     if progress.get("samples_per_s"):
@@ -109,35 +119,41 @@ def _progress_lines(progress: dict[str, Any], *, bar: bool) -> list[RenderableTy
         words.append(f"ETA {duration(progress['eta_s'])}")
     lines: list[RenderableType] = [Text("progress: " + ", ".join(words))]
     if bar and total:
-        grid = Table.grid(padding=(0, 1))  # (a bar alone leaves its line open: the next line would run on)
+        # (a bar alone leaves its line open: the next line would run on)
+        grid = Table.grid(padding=(0, 1))
         grid.add_row(ProgressBar(total=float(total), completed=float(min(step, total)), width=40),
                      Text(f"{min(step, total)}/{total}"))
         lines.append(grid)
     values = progress.get("values") or {}
     if values:
         shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(values.items()))
-        lines.append(Text(f"  last values (step {progress.get('values_step')}, mean over ranks): {shown}"))
+        lines.append(Text(f"  last values (step {progress.get('values_step')}, mean over ranks): "
+                          f"{shown}"))
     return lines
 
 
 def _checkpoint_lines(status: dict[str, Any]) -> list[Text]:
-    """Failing saves, and what a resume from the checkpoint that stands re-runs (finding 6 of #14)."""
+    """Failing saves, and what a resume from the checkpoint that stands re-runs (finding 6 of
+    #14)."""
     lines = []
     health = (status.get("checkpoints") or {}).get("health") or {}
     if health.get("failing"):
-        lines.append(Text(f"  checkpoint saves failing since step {health.get('last_failed_step')}: "
-                          f"{health.get('last_os_error') or health.get('last_error')}", style="red"))
+        lines.append(Text(f"  checkpoint saves failing since step "
+                          f"{health.get('last_failed_step')}: "
+                          f"{health.get('last_os_error') or health.get('last_error')}",
+                          style="red"))
     reruns = (status.get("preemption") or {}).get("resume_reruns")
     if reruns:
-        lines.append(Text(f"  a resume re-runs {reruns} step(s): the checkpoint that stands is older than the stop step",
-                          style="yellow"))
+        lines.append(Text(f"  a resume re-runs {reruns} step(s): the checkpoint that stands is "
+                          "older than the stop step", style="yellow"))
     return lines
 
 
 def _header(status: dict[str, Any]) -> Text:
     started = status.get("started_at")
     live = status.get("live")
-    age = f", running {time.time() - started:.0f}s" if started and live and status.get("state") not in TERMINAL else ""
+    running = live and status.get("state") not in TERMINAL
+    age = f", running {time.time() - started:.0f}s" if started and running else ""
     return Text.assemble(
         (f"job {status.get('job_id')}", "bold"),
         f": {status.get('state')}, generation {status.get('generation')}, "
@@ -151,10 +167,11 @@ def _regroup_line(regroup: dict[str, Any]) -> Text:
     line = Text.assemble(("regrouping", "yellow"), f": {regroup.get('why')}")
     if regroup.get("waiting_for_nodes_since"):
         waited = time.time() - float(regroup["waiting_for_nodes_since"])
-        line.append(f"\n  the state is saved in {regroup.get('checkpoint')}; waiting {waited:.0f}s for nodes to join "
-                    "(`undying run --node-rank I --manager ...`)")
+        line.append(f"\n  the state is saved in {regroup.get('checkpoint')}; waiting "
+                    f"{waited:.0f}s for nodes to join (`undying run --node-rank I --manager ...`)")
     else:
-        line.append(f"\n  ranks {regroup.get('members')} save their newest step; left so far: {regroup.get('left')}")
+        line.append(f"\n  ranks {regroup.get('members')} save their newest step; left so far: "
+                    f"{regroup.get('left')}")
     return line
 
 
@@ -164,7 +181,8 @@ def _trace_line(trace: dict[str, Any]) -> Text:
 
     line = Text.assemble("trace: step markers ", switch("step"), ", comm markers ", switch("comm"))
     if trace.get("by"):
-        when = f" at {time.strftime('%H:%M:%S', time.localtime(trace['t']))}" if trace.get("t") else ""
+        when = (f" at {time.strftime('%H:%M:%S', time.localtime(trace['t']))}"
+                if trace.get("t") else "")
         line.append(f" (changed by {trace['by']}{when})", style="dim")
     if trace.get("error"):
         line.append(f"\n  switch file ignored: {trace['error']}", style="red")
@@ -177,7 +195,8 @@ def _step_time_line(step_times: Sequence[Sequence[float]], width: int = 40) -> T
     last_step, last = step_times[-1]
     low, high = min(times), max(times)
     spread = (high - low) or 1.0
-    spark = "".join(_SPARKS[min(len(_SPARKS) - 1, int((t - low) / spread * len(_SPARKS)))] for t in times)
+    spark = "".join(_SPARKS[min(len(_SPARKS) - 1, int((t - low) / spread * len(_SPARKS)))]
+                    for t in times)
     return Text.assemble(
         f"step time: {last:.3f}s at step {last_step}, mean {sum(times) / len(times):.3f}s "
         f"over the last {len(times)} (min {low:.3f}s, max {high:.3f}s) ",
@@ -199,46 +218,53 @@ def _ranks_table(ranks: Sequence[dict[str, Any]]) -> Table:
 
 
 def _incidents_table(incidents: Sequence[dict[str, Any]]) -> Table:
-    """One row per incident, short cells only; its timeline and findings follow on lines of their own."""
+    """One row per incident, short cells only; its timeline and findings follow on lines of their
+    own."""
     table = Table(title="incidents")
     for header in ("#", "kind", "rank", "step", "action", "status", "MTTR s"):
         table.add_column(header, overflow="fold")
     for i in incidents:
         mttr = "-" if i.get("mttr_s") is None else f"{i['mttr_s']:.3f}"
-        cells = (i["id"], i["kind"], i["rank"], i["step"], i.get("action") or "-", i["status"], mttr)
+        cells = (i["id"], i["kind"], i["rank"], i["step"], i.get("action") or "-", i["status"],
+                 mttr)
         table.add_row(*(Text(str(c)) for c in cells))
     return table
 
 
 def _incident_details(incident: dict[str, Any], goodput: dict[str, Any]) -> list[Text]:
-    """An incident's lines under the table: its finding (a slow rank's), error, timeline and what it cost."""
+    """An incident's lines under the table: its finding (a slow rank's), error, timeline and what
+    it cost."""
     lines = []
     head = f"  #{incident['id']} "
     finding = slow_finding(incident)
     if finding:
         lines.append(Text(head + finding))
-    if incident.get("error") and not finding:  # (a finding's error is its sentence: said above in short)
+    # (a finding's error is its sentence: said above in short)
+    if incident.get("error") and not finding:
         lines.append(Text(head + "error: " + str(incident["error"]).strip().splitlines()[-1]))
     phases = incident.get("phases") or {}
     if phases:
         timeline = ", ".join(f"{k} {float(v):.3f}" for k, v in phases.items())
         lines.append(Text(head + f"timeline (s since fault): {timeline}"))
-    spent = next((g for g in goodput.get("incidents") or [] if g.get("id") == incident.get("id")), None)
+    spent = next((g for g in goodput.get("incidents") or [] if g.get("id") == incident.get("id")),
+                 None)
     if spent:
-        cost = ", ".join(f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items()
-                         if k.endswith("_s") and v >= 0.005)
+        cost = ", ".join(f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}"
+                         for k, v in spent.items() if k.endswith("_s") and v >= 0.005)
         if cost:
             lines.append(Text(head + f"cost in wall time: {cost}"))
     return lines
 
 
 def slow_finding(incident: dict[str, Any]) -> str:
-    """A slow rank's or node's finding in words: which rank, since which step, by how much, in which phase."""
+    """A slow rank's or node's finding in words: which rank, since which step, by how much, in
+    which phase."""
     if incident.get("kind") not in ("slow_rank", "slow_node"):
         return ""
     detail = incident.get("detail") or {}
     who = (f"node {detail['node']} (ranks {', '.join(map(str, detail.get('ranks') or []))})"
-           if incident["kind"] == "slow_node" and "node" in detail else f"rank {detail.get('rank', incident['rank'])}")
+           if incident["kind"] == "slow_node" and "node" in detail
+           else f"rank {detail.get('rank', incident['rank'])}")
     since = detail.get("since_step", incident.get("step"))
     words = f"{who} slower since step {since}"
     if detail.get("excess_s") is not None:

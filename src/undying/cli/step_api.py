@@ -1,4 +1,5 @@
-"""Whether a script uses undying's step API: it decides how a fault is recovered, and the banner says which.
+"""Whether a script uses undying's step API: it decides how a fault is recovered, and the banner
+says which.
 
 A script that imports ``undying`` (anywhere in its file) is taken to use the
 step API: a dead rank is replaced and its state comes from a peer. One that
@@ -28,11 +29,14 @@ def _imports_undying(path: Path) -> bool:
         with os.fdopen(open_user_file(path, "training script", ""), "rb") as f:
             tree = ast.parse(f.read(), str(path))
     except (OSError, SyntaxError, ValueError, UsageError):
-        return True  # (cannot tell: as before, the step API's recovery; the script's own error speaks)
+        # (cannot tell: as before, the step API's recovery; the script's own error speaks)
+        return True
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "undying" for a in node.names):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "undying"
+                                                for a in node.names):
             return True
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "undying":
+        if (isinstance(node, ast.ImportFrom) and node.level == 0
+                and (node.module or "").split(".")[0] == "undying"):
             return True
     return False
 

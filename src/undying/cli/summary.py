@@ -1,4 +1,5 @@
-"""What ``undying run`` says at its start and at its end, and a job's account read back from its log.
+"""What ``undying run`` says at its start and at its end, and a job's account read back from its
+log.
 
 The banner names the job, its folder, the status page and the one command that
 shows the status. The end summary says how the job went: steps, wall time,
@@ -24,14 +25,16 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.progress import PLAN_EVENT, JobSteps, Plan, Progress, compute, mean_values
 from undying.jobfiles.reruns import rerun_words
 
-__all__ = ["Account", "logged_account", "banner", "print_banner", "end_summary", "print_end_summary",
-           "loss_words", "duration", "logged_verification", "verification_line"]
+__all__ = ["Account", "logged_account", "banner", "print_banner", "end_summary",
+           "print_end_summary", "loss_words", "duration", "logged_verification",
+           "verification_line"]
 
 TERMINAL = frozenset({"succeeded", "failed", "stopped", "preempted"})
 # The losses as a person reads them.
 LOSS_WORDS = {"startup": "start-up", "checkpoint": "checkpoint stalls", "detection": "detection",
-              "recovery": "recovery", "spare_wait": "waiting for a replacement", "rerun": "re-run work",
-              "preemption": "preemption", "shutdown": "shutdown", "in_flight": "step in flight"}
+              "recovery": "recovery", "spare_wait": "waiting for a replacement",
+              "rerun": "re-run work", "preemption": "preemption", "shutdown": "shutdown",
+              "in_flight": "step in flight"}
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,10 @@ def logged_account(path: Path, *, step: int | None = None) -> Account:
     started = float(job.get("started_at") or (ledger.first_t or newest))
     end = float(job["ended_at"]) if ended and job.get("ended_at") else max(newest, started)
     progress = compute(step if step is not None else (last or 0), plan, list(steps.recent),
-                       world_size=steps.world_size, values=values if values and values[1] else None, running=False)
-    return Account(progress, account(ledger, incidents, stalls, start=started, end=end, ended=ended))
+                       world_size=steps.world_size,
+                       values=values if values and values[1] else None, running=False)
+    goodput = account(ledger, incidents, stalls, start=started, end=end, ended=ended)
+    return Account(progress, goodput)
 
 
 # --- words ------------------------------------------------------------------
@@ -98,9 +103,11 @@ def duration(seconds: float | None) -> str:
 
 
 def loss_words(goodput: dict[str, Any], *, least: float = 0.0005) -> str:
-    """The losses above ``least`` of the wall time, largest first: "start-up 3.1 s, recovery 0.9 s"."""
+    """The losses above ``least`` of the wall time, largest first: "start-up 3.1 s, recovery 0.9
+    s"."""
     wall = float(goodput.get("wall_s") or 0.0)
-    losses = sorted(((v, k) for k, v in (goodput.get("losses") or {}).items() if wall and v / wall >= least),
+    losses = sorted(((v, k) for k, v in (goodput.get("losses") or {}).items()
+                     if wall and v / wall >= least),
                     reverse=True)
     return ", ".join(f"{LOSS_WORDS.get(k, k)} {duration(v)}" for v, k in losses) or "none"
 
@@ -109,18 +116,20 @@ def goodput_line(goodput: dict[str, Any]) -> str:
     ratio = goodput.get("ratio")
     if ratio is None:
         return "goodput: - (no time has passed)"
-    return (f"goodput {ratio:.1%} ({duration(goodput.get('goodput_s'))} of {duration(goodput.get('wall_s'))} "
-            f"on steps that count); lost: {loss_words(goodput)}")
+    return (f"goodput {ratio:.1%} ({duration(goodput.get('goodput_s'))} of "
+            f"{duration(goodput.get('wall_s'))} on steps that count); lost: "
+            f"{loss_words(goodput)}")
 
 
 def incident_line(incident: dict[str, Any], goodput: dict[str, Any] | None = None) -> str:
     """One incident in a line: what, whose, when, what was done, and its MTTR with what it cost."""
     mttr = incident.get("mttr_s")
-    line = (f"#{incident['id']} {incident['kind']} of rank {incident['rank']} at step {incident['step']}: "
-            f"{incident.get('action') or '-'}, {incident.get('status')}")
+    line = (f"#{incident['id']} {incident['kind']} of rank {incident['rank']} at step "
+            f"{incident['step']}: {incident.get('action') or '-'}, {incident.get('status')}")
     if mttr is not None:
         line += f", MTTR {duration(mttr)}"
-    spent = next((i for i in (goodput or {}).get("incidents") or [] if i.get("id") == incident.get("id")), None)
+    spent = next((i for i in (goodput or {}).get("incidents") or []
+                  if i.get("id") == incident.get("id")), None)
     if spent:
         parts = [f"{LOSS_WORDS.get(k[:-2], k[:-2])} {duration(v)}" for k, v in spent.items()
                  if k.endswith("_s") and v >= 0.005]
@@ -133,7 +142,8 @@ def incident_line(incident: dict[str, Any], goodput: dict[str, Any] | None = Non
 
 def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
            token_from: str = "") -> list[str]:
-    """The lines ``undying run`` prints once its manager answers (``token_from``: where its token came from)."""
+    """The lines ``undying run`` prints once its manager answers (``token_from``: where its token
+    came from)."""
     page = f"{url.rstrip('/')}/"
     how = "open to anyone on its address (--open-status)" if open_status else \
         f"add ?token=<the token in {Path(job_dir) / 'token'}>"
@@ -146,14 +156,16 @@ def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_statu
     ]
 
 
-def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
-                 out: TextIO | None = None, token_from: str = "") -> None:
+def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int,
+                 open_status: bool = False, out: TextIO | None = None,
+                 token_from: str = "") -> None:
     stream = out or sys.stderr
     try:
         stream.write("\n".join(banner(job_id, job_dir, url, ranks=ranks, open_status=open_status,
                                        token_from=token_from)) + "\n")
         stream.flush()
-    except OSError:  # a terminal that hung up as the job started (EIO): the job runs on all the same
+    except OSError:
+        # A terminal that hung up as the job started (EIO): the job runs on all the same.
         pass
 
 
@@ -161,7 +173,8 @@ def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open
 
 
 def end_summary(job_dir: str | Path) -> list[str]:
-    """How the job in ``job_dir`` went, from its log: the lines ``undying run`` prints at its end."""
+    """How the job in ``job_dir`` went, from its log: the lines ``undying run`` prints at its
+    end."""
     jd = JobDir(Path(job_dir))
     with LogReader(jd.events_db) as reader:
         job = reader.job()
@@ -170,7 +183,8 @@ def end_summary(job_dir: str | Path) -> list[str]:
     goodput = account_.goodput.to_dict()
     progress = account_.progress
     state = job.get("state", "?")
-    if state == "failed" and progress.step == 0 and not any(i.get("mttr_s") is not None for i in incidents):
+    any_recovered = any(i.get("mttr_s") is not None for i in incidents)
+    if state == "failed" and progress.step == 0 and not any_recovered:
         return []  # nothing trained and nothing recovered: the failure's own line says it all
     total = f" of {progress.total_steps}" if progress.total_steps is not None else ""
     lines = [f"undying: job {job.get('job_id')} {state}: step {progress.step}{total}, "
@@ -194,8 +208,8 @@ def end_summary(job_dir: str | Path) -> list[str]:
         lines.append(f"  this launch {rerun_words(relaunch)}")
     last = job.get("last_checkpoint") or {}
     where = job.get("checkpoint_dir") or "-"
-    saved = f" (newest: step {last['step']}, {last.get('path')})" if last.get("step") is not None else \
-        " (none saved by this launch)"
+    saved = (f" (newest: step {last['step']}, {last.get('path')})"
+             if last.get("step") is not None else " (none saved by this launch)")
     lines.append(f"  checkpoints: {where}{saved}")
     verification = logged_verification(jd.events_db, step=progress.step)
     if verification is not None:
@@ -205,7 +219,8 @@ def end_summary(job_dir: str | Path) -> list[str]:
 
 
 def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:
-    """Print the end summary; a log that cannot be read is said in one line (the job's exit code stands)."""
+    """Print the end summary; a log that cannot be read is said in one line (the job's exit code
+    stands)."""
     stream = out or sys.stderr
     try:
         lines = end_summary(job_dir)
@@ -217,12 +232,14 @@ def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:
         try:
             stream.write("\n".join(lines) + "\n")
             stream.flush()
-        except OSError:  # a terminal that hung up (EIO): the job's exit code stands, the log has the account
+        except OSError:
+            # A terminal that hung up (EIO): the job's exit code stands, the log has the account.
             pass
 
 
 def logged_verification(path: Path, *, step: int) -> dict[str, Any] | None:
-    """What ``--verify-every`` did, from the job's log (None: not asked): verified, and not verified, steps.
+    """What ``--verify-every`` did, from the job's log (None: not asked): verified, and not
+    verified, steps.
 
     Once the loop ended (its ``verify_summary``) the counts are rank 0's book;
     while it runs, the verdicts logged so far against the steps due by ``step``.
@@ -235,38 +252,46 @@ def logged_verification(path: Path, *, step: int) -> dict[str, Any] | None:
         verdicts = [e.data for e in reader.events("verify_result") if e.t >= since]
         summaries = [e.data for e in reader.events("verify_summary") if e.t >= since]
         restarts = len([e for e in reader.events("verify_restarted") if e.t >= since])
-        gave_up = [str(e.data.get("reason", "")) for e in reader.events("verify_gave_up") if e.t >= since]
+        gave_up = [str(e.data.get("reason", "")) for e in reader.events("verify_gave_up")
+                   if e.t >= since]
         refused = len([e for e in reader.events("verify_refused") if e.t >= since])
     every = max(1, int(started[-1].data.get("every") or 1))
-    out: dict[str, Any] = {"every": every, "restarts": restarts, "gave_up": gave_up[-1] if gave_up else "",
+    out: dict[str, Any] = {"every": every, "restarts": restarts,
+                           "gave_up": gave_up[-1] if gave_up else "",
                            "refused": refused, "error": started[-1].data.get("error", "")}
     if summaries:
         done = summaries[-1]
-        out.update(final=True, verified=int(done.get("verified", 0)), mismatched=int(done.get("mismatched", 0)),
+        out.update(final=True, verified=int(done.get("verified", 0)),
+                   mismatched=int(done.get("mismatched", 0)),
                    skipped=int(done.get("skipped", 0)), not_done=int(done.get("not_done", 0)),
                    errors=int(done.get("errors", 0)), refused=int(done.get("refused", refused)))
         out["unverified"] = out["skipped"] + out["not_done"] + out["errors"]
         return out
     verified = len(verdicts)
     due = step // every
-    out.update(final=False, verified=verified, mismatched=len([v for v in verdicts if v.get("passed") is False]),
+    mismatched = len([v for v in verdicts if v.get("passed") is False])
+    out.update(final=False, verified=verified, mismatched=mismatched,
                due=due, unverified=max(0, due - verified))
     return out
 
 
 def verification_line(v: dict[str, Any]) -> str:
-    """``verification: every K steps: ...`` in one line: nothing unverified is ever counted as passed."""
+    """``verification: every K steps: ...`` in one line: nothing unverified is ever counted as
+    passed."""
     every = int(v.get("every", 1))
     head = f"verification: every {every} step{'s' if every != 1 else ''}: "
     if v.get("final"):
-        line = (head + f"{v['verified']} verified ({v['mismatched']} mismatched), {v['unverified']} not verified"
-                + (f" ({v['skipped']} skipped: the verifier behind or down, {v['not_done']} unanswered at the end, "
-                   f"{v['errors']} could not be replayed)" if v["unverified"] else ""))
+        line = (head + f"{v['verified']} verified ({v['mismatched']} mismatched), "
+                f"{v['unverified']} not verified"
+                + (f" ({v['skipped']} skipped: the verifier behind or down, {v['not_done']} "
+                   f"unanswered at the end, {v['errors']} could not be replayed)"
+                   if v["unverified"] else ""))
     else:
-        line = (head + f"{v['verified']} of {v['due']} due steps verified so far ({v['mismatched']} mismatched), "
-                f"{v['unverified']} not (yet) verified")
+        line = (head + f"{v['verified']} of {v['due']} due steps verified so far "
+                f"({v['mismatched']} mismatched), {v['unverified']} not (yet) verified")
     if v.get("restarts"):
-        line += f"; the verifier was restarted {v['restarts']} time{'s' if v['restarts'] != 1 else ''}"
+        times = "s" if v["restarts"] != 1 else ""
+        line += f"; the verifier was restarted {v['restarts']} time{times}"
     if v.get("gave_up"):
         line += f"; given up: {v['gave_up']}"
     if v.get("error"):

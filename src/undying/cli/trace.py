@@ -1,4 +1,5 @@
-"""``undying trace on|off [--comm]``: switch a running job's markers, no restart; ``export``: open them in Perfetto.
+"""``undying trace on|off [--comm]``: switch a running job's markers, no restart; ``export``:
+open them in Perfetto.
 
 The step, checkpoint, forward and data-wait markers switch together; the
 collective markers switch alone and need the others on. Every rank follows
@@ -30,10 +31,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "checkpoint, forward and data-wait markers; `on --comm` also the collective markers; "
         "`off --comm` turns the collective markers off only; `off` turns everything off (the "
         "collective markers need the others). `show` prints the switch and who set it. Records go "
-        "to the job's trace dir (`undying run --trace-dir`), per rank; read them with `undying diagnose`. "
-        "`export --perfetto OUT.json` writes them, every rank's steps, collectives and checkpoint saves and "
-        "the job's incidents, on one time axis as Chrome trace-event JSON: open it in Perfetto's UI "
-        "(ui.perfetto.dev, Open trace file) or chrome://tracing.",
+        "to the job's trace dir (`undying run --trace-dir`), per rank; read them with `undying "
+        "diagnose`. `export --perfetto OUT.json` writes them, every rank's steps, collectives and "
+        "checkpoint saves and the job's incidents, on one time axis as Chrome trace-event JSON: "
+        "open it in Perfetto's UI (ui.perfetto.dev, Open trace file) or chrome://tracing.",
     )
     p.add_argument("action", choices=("on", "off", "show", "export"),
                    help="on, off, show the current switch, or export the records (with --perfetto)")
@@ -43,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--perfetto", metavar="OUT.json",
                    help="export: the file to write (Chrome trace-event JSON, which Perfetto opens)")
     p.add_argument("--traces", metavar="TRACE_DIR",
-                   help="export: the trace dir, job folder or rank folder to read (default: <job dir>/traces); "
-                        "incidents come from <job dir>/events.db when there is one")
+                   help="export: the trace dir, job folder or rank folder to read (default: <job "
+                        "dir>/traces); incidents come from <job dir>/events.db when there is one")
     p.set_defaults(func=run)
 
 
@@ -54,7 +55,8 @@ def _export(args: argparse.Namespace) -> int:
     if not args.perfetto:
         raise UsageError("trace export needs --perfetto OUT.json: the file to write")
     if args.manager:
-        raise UsageError("trace export reads files, not a manager: pass --job-dir (or --traces TRACE_DIR)")
+        raise UsageError("trace export reads files, not a manager: pass --job-dir (or --traces "
+                         "TRACE_DIR)")
     incidents: list[dict[str, object]] = []
     if args.traces is None or args.job_dir is not None:
         jd = resolve_job_dir(args.job_dir)
@@ -71,13 +73,16 @@ def _export(args: argparse.Namespace) -> int:
     try:
         path = write_chrome_trace(trace, Path(args.perfetto))
     except OSError as e:
-        raise UsageError(f"cannot write {args.perfetto} ({e.strerror or e}); pass another --perfetto path") from e
+        raise UsageError(f"cannot write {args.perfetto} ({e.strerror or e}); pass another "
+                         "--perfetto path") from e
     n = sum(1 for e in trace["traceEvents"] if e["ph"] != "M")
     if args.json:
         sys.stdout.write(json.dumps({"path": str(path), "events": n, **trace["otherData"]}) + "\n")
     else:
-        print(f"wrote {n} events of job {trace['otherData']['job']} ({len(trace['otherData']['ranks'])} ranks, "
-              f"{trace['otherData']['incidents']} incidents) to {path}; open it in Perfetto's UI or chrome://tracing")
+        about = trace["otherData"]
+        print(f"wrote {n} events of job {about['job']} ({len(about['ranks'])} ranks, "
+              f"{about['incidents']} incidents) to {path}; open it in Perfetto's UI or "
+              "chrome://tracing")
     return 0
 
 
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if answer.get("message"):
         print(answer["message"])
-    print(f"tracing: step {'on' if answer['step'] else 'off'}, comm {'on' if answer['comm'] else 'off'}"
+    print(f"tracing: step {'on' if answer['step'] else 'off'}, "
+          f"comm {'on' if answer['comm'] else 'off'}"
           + (f" (set by {answer['by']})" if answer.get("by") else ""))
     if answer.get("error"):
         print(f"switch file problem (ignored): {answer['error']}")
