@@ -1,4 +1,5 @@
-"""The job's persisted checkpoints as the manager sees them: where to resume, what was saved, how fast.
+"""The job's persisted checkpoints as the manager sees them: where to resume, what was saved, how
+fast.
 
 The manager reads the checkpoint directory only for two answers (the newest
 valid checkpoint to start or restart from, with every newer one it skipped
@@ -52,10 +53,11 @@ class Checkpoints:
         self._reowning: asyncio.Task[None] | None = None
 
     def own(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hold the checkpoint dir for the job's life, or raise DirInUseError (one line) naming its owner.
+        """Hold the checkpoint dir for the job's life, or raise DirInUseError (one line) naming its
+        owner.
 
-        Released with the job dir's (``JobDir.clear_manager``) when the job is over, else when this process
-        ends. Losing it later (another process holds its lock: a stranger replaced
+        Released with the job dir's (``JobDir.clear_manager``) when the job is over, else when this
+        process ends. Losing it later (another process holds its lock: a stranger replaced
         the file, or a URL lease ran out while this process was stopped) fails
         the job: its next save could land beside another job's.
         """
@@ -67,7 +69,8 @@ class Checkpoints:
         self.owned = True
 
     async def take_dir(self) -> None:
-        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here, on the loop, and raised."""
+        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here, on the loop,
+        and raised."""
         try:
             await asyncio.to_thread(self.own, asyncio.get_running_loop())
         except UsageError as e:
@@ -76,9 +79,9 @@ class Checkpoints:
             raise
 
     def reown(self) -> None:
-        """A restarted manager takes its checkpoint dir back, in the background: the lease of its predecessor
-        on another host may take up to a minute to go stale, and the agents reconnect meanwhile. Another job
-        holding the folder now fails this one, with the reason."""
+        """A restarted manager takes its checkpoint dir back, in the background: the lease of its
+        predecessor on another host may take up to a minute to go stale, and the agents reconnect
+        meanwhile. Another job holding the folder now fails this one, with the reason."""
         async def take() -> None:
             try:
                 await self.take_dir()
@@ -115,7 +118,8 @@ class Checkpoints:
         return found.checkpoint
 
     async def find_resume_point(self) -> Checkpoint | None:
-        """Where a starting job begins: the newest valid checkpoint of this job, or None (step 1)."""
+        """Where a starting job begins: the newest valid checkpoint of this job, or None (step
+        1)."""
         config, events = self.core.config, self.core.events
         await self.take_dir()
         ckpt = await asyncio.to_thread(self.latest)
@@ -164,7 +168,8 @@ class Checkpoints:
         return ckpt
 
     def _last_launch(self) -> tuple[int, int] | None:
-        """The newest step the last launch in this job dir committed, and the newest it saved; None: no log."""
+        """The newest step the last launch in this job dir committed, and the newest it saved; None:
+        no log."""
         logs = JobDir(Path(self.core.config.job_dir)).earlier_logs()
         if not logs:
             return None
@@ -178,7 +183,8 @@ class Checkpoints:
         return committed, saved
 
     def _rerun(self, resume_step: int, last: tuple[int, int] | None) -> dict[str, Any] | None:
-        """What this launch re-runs that the last one committed (recorded as the job's ``relaunch_rerun``)."""
+        """What this launch re-runs that the last one committed (recorded as the job's
+        ``relaunch_rerun``)."""
         if last is None:
             return None
         rerun = relaunch_rerun(resume_step, last[0], last[1], [n for n, _ in self.last_skipped], self.dir)
@@ -188,8 +194,8 @@ class Checkpoints:
         return rerun
 
     def _set_aside_rejected(self) -> tuple[str, list[str]]:
-        """``--start-fresh``: every rejected checkpoint moves to ``rejected/<time>/``, whole, before step 1;
-        where, and the names moved."""
+        """``--start-fresh``: every rejected checkpoint moves to ``rejected/<time>/``, whole, before
+        step 1; where, and the names moved."""
         store = Store.open(self.dir)
         batch = batch_name()
         moved: list[str] = []
@@ -203,7 +209,8 @@ class Checkpoints:
         return store.url_of(store.join(REJECTED_DIR, batch)), moved
 
     def on_saved(self, message: CheckpointSaved) -> None:
-        """A rank's report of a save: logged, measured, and a failing streak tracked (checkpoint_health)."""
+        """A rank's report of a save: logged, measured, and a failing streak tracked
+        (checkpoint_health)."""
         events = self.core.events
         if message.error:
             events.event("checkpoint_failed", rank=message.rank, step=message.step, kind=message.kind,

@@ -1,6 +1,6 @@
-"""What a request to the manager's HTTP API carries: its JSON body, read and held to what a request may
-hold, and each endpoint's fields checked whole before anything is done. A malformed body is a 400 that
-names the field (never a 500)."""
+"""What a request to the manager's HTTP API carries: its JSON body, read and held to what a request
+may hold, and each endpoint's fields checked whole before anything is done. A malformed body is a
+400 that names the field (never a 500)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
 
 
 def series_query(query: Mapping[str, str]) -> tuple[int | None, int | None, int]:
-    """``from``, ``to`` and ``points`` of a series request, each checked; ``Malformed`` names the bad one."""
+    """``from``, ``to`` and ``points`` of a series request, each checked; ``Malformed`` names the
+    bad one."""
 
     def whole(name: str, low: int, high: int) -> int | None:
         raw = query.get(name)
@@ -176,7 +177,8 @@ def inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | Non
 
 
 def who(request: web.Request, body: dict[str, Any]) -> str:
-    """Who changed the switch, as the status shows it: the caller's own word, else the API and its peer."""
+    """Who changed the switch, as the status shows it: the caller's own word, else the API and its
+    peer."""
     said = body.get("by")
     if isinstance(said, str) and said.strip():
         return said.strip()[:80]

@@ -1,5 +1,5 @@
-"""Preemption's decisions, pure functions of what the manager knows: what a SIGTERM does, the stop step,
-and how the job ends (which checkpoint a relaunch resumes from, what it re-runs, and why).
+"""Preemption's decisions, pure functions of what the manager knows: what a SIGTERM does, the stop
+step, and how the job ends (which checkpoint a relaunch resumes from, what it re-runs, and why).
 
 ``preemption.Preemption`` is the executor: it asks the ranks where they are,
 tells them the stop step, waits within the grace period, looks on disk when no
@@ -25,15 +25,16 @@ class OnSigterm(str, enum.Enum):
 
 
 def on_sigterm(*, preempting: bool, winding_down: bool) -> OnSigterm:
-    """A second SIGTERM changes nothing; one that comes while the job stops for another reason neither."""
+    """A second SIGTERM changes nothing; one that comes while the job stops for another reason
+    neither."""
     if preempting:
         return OnSigterm.AGAIN
     return OnSigterm.IGNORE if winding_down else OnSigterm.BEGIN
 
 
 def stop_step(proposals: Mapping[int, int], newest: int) -> int:
-    """The step every rank stops after: the furthest any rank proposed (none runs past its answer), else the
-    newest committed one."""
+    """The step every rank stops after: the furthest any rank proposed (none runs past its answer),
+    else the newest committed one."""
     return max(proposals.values(), default=newest)
 
 
@@ -49,7 +50,8 @@ class Saved:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a preemption ends: the checkpoint a relaunch resumes from (step -1: none) and why it is that one."""
+    """How a preemption ends: the checkpoint a relaunch resumes from (step -1: none) and why it is
+    that one."""
 
     step: int
     path: str
@@ -68,7 +70,8 @@ class Outcome:
 
 def gasp_outcome(*, all_done: bool, reused: Saved | None, gasp_reuse_s: float, gasp: CheckpointSaved | None,
                  stop: int, t0: float) -> Outcome | None:
-    """The ending when the dying gasp stands (reused, or reported for the stop step); None: look on disk."""
+    """The ending when the dying gasp stands (reused, or reported for the stop step); None: look on
+    disk."""
     if all_done:
         return Outcome(-1, "", "every rank finished", succeeded=True)
     if reused is not None:
@@ -83,7 +86,8 @@ def gasp_outcome(*, all_done: bool, reused: Saved | None, gasp_reuse_s: float, g
 
 def fallback_outcome(*, gasp: CheckpointSaved | None, stop: int, late: Sequence[int], grace: float,
                      latest: Saved | None, committed: int) -> Outcome:
-    """No dying gasp reported: one found on disk unreported, the latest valid checkpoint, or none."""
+    """No dying gasp reported: one found on disk unreported, the latest valid checkpoint, or
+    none."""
     if gasp is not None and gasp.error:
         why = gasp.error
     elif late:
@@ -103,7 +107,8 @@ def fallback_outcome(*, gasp: CheckpointSaved | None, stop: int, late: Sequence[
 
 
 def resume_reruns(outcome: Outcome, *, gasp: CheckpointSaved | None, stop: int, rank_steps: Sequence[int]) -> int:
-    """What a resume from the outcome's checkpoint runs again: every step committed after it (0: nothing lost)."""
+    """What a resume from the outcome's checkpoint runs again: every step committed after it (0:
+    nothing lost)."""
     gasp_ok = gasp is not None and gasp.step == stop and not gasp.error
     committed_end = max([stop if gasp_ok else -1, *rank_steps])
     return max(0, committed_end - outcome.step) if outcome.step >= 0 and not outcome.reused else 0

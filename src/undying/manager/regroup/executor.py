@@ -62,7 +62,8 @@ class Regrouping:
         return [n for n in self.core.book.nodes if n not in available]
 
     def maybe_grow(self) -> None:
-        """An elastic job below MAX with a node here that it does not train on: regroup to take it in.
+        """An elastic job below MAX with a node here that it does not train on: regroup to take it
+        in.
 
         Only while the job runs undisturbed: a node that joins during a recovery
         is taken once it completed; none once a rank finished its last step.
@@ -122,7 +123,8 @@ class Regrouping:
         self.maybe_form_world()
 
     def maybe_form_world(self) -> None:
-        """Once every member left: start the job on the nodes here from the saved state, or wait for nodes."""
+        """Once every member left: start the job on the nodes here from the saved state, or wait for
+        nodes."""
         core = self.core
         config = core.config
         regroup = self.regroup
@@ -188,8 +190,9 @@ class Regrouping:
         self.persist()
 
     def watch(self, resumed: float = 0.0) -> None:
-        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every wait
-        (``resumed``: the manager's return from a stall of its own, ``regroup_policy.overdue``)."""
+        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every
+        wait (``resumed``: the manager's return from a stall of its own,
+        ``regroup_policy.overdue``)."""
         regroup = self.regroup
         assert regroup is not None
         core = self.core
@@ -218,7 +221,8 @@ class Regrouping:
             self.recoveries.fail(why)
 
     def member_exited(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
-        """A process ended during the regroup: a member leaving as asked, a second fault, or old news."""
+        """A process ended during the regroup: a member leaving as asked, a second fault, or old
+        news."""
         regroup = self.regroup
         assert regroup is not None
         # Members leave once the state is saved; any other process of the old layout is no fault

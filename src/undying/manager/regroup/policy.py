@@ -31,7 +31,8 @@ class Grow:
 
 def grow(*, elastic: bool, available: Sequence[int], trained: Sequence[int], nnodes: int, running: bool,
          recovering: bool, any_done: bool) -> Grow | None:
-    """An elastic job below MAX with a node here it does not train on grows, only while it runs undisturbed.
+    """An elastic job below MAX with a node here it does not train on grows, only while it runs
+    undisturbed.
 
     A node that joins during a recovery is taken once it completed; none once a
     rank finished its last step.
@@ -58,7 +59,8 @@ class World:
 
 
 def waiting_for_members(regroup: Regroup, *, now: float, heartbeat_s: float, all_attached: bool) -> bool:
-    """Members that have not left yet, or a restarted manager giving its agents their heartbeat to come back."""
+    """Members that have not left yet, or a restarted manager giving its agents their heartbeat to
+    come back."""
     if regroup.remaining():
         return True
     return bool(regroup.restored_at) and now - regroup.restored_at < heartbeat_s and not all_attached
@@ -66,7 +68,8 @@ def waiting_for_members(regroup: Regroup, *, now: float, heartbeat_s: float, all
 
 def form_world(regroup: Regroup, *, checkpoint_step: int | None, checkpoint_dir: str, available: Sequence[int],
                nnodes: int, fewest: int) -> World:
-    """Every member left: start on the nodes here from the checkpoint, wait for nodes, or fail saying why.
+    """Every member left: start on the nodes here from the checkpoint, wait for nodes, or fail
+    saying why.
 
     ``checkpoint_step``: the regroup's checkpoint (the members' save, else the
     newest valid one); None when there is none.
@@ -96,12 +99,12 @@ def replan(regroup: Regroup, *, now: float, max_retries: int) -> Replan:
 
 def overdue(regroup: Regroup, *, now: float, rendezvous_s: float, recovery_s: float, fewest: int,
             available: Sequence[int], saved_step: int, saved_at: str, resumed: float = 0.0) -> str:
-    """Why the regroup fails now ("" while it may go on): no node came within the rendezvous timeout, or
-    the members did not save and leave within the recovery timeout.
+    """Why the regroup fails now ("" while it may go on): no node came within the rendezvous
+    timeout, or the members did not save and leave within the recovery timeout.
 
-    ``resumed``: when the manager came back from a stall of its own (``protocol/judge_clock.py``; 0.0:
-    never). A wait counts from its start or from then, whichever is later: a manager that did not run
-    heard none of the joins and reports that waited unread meanwhile.
+    ``resumed``: when the manager came back from a stall of its own (``protocol/judge_clock.py``;
+    0.0: never). A wait counts from its start or from then, whichever is later: a manager that did
+    not run heard none of the joins and reports that waited unread meanwhile.
     """
     if regroup.waiting_since:
         if now - max(regroup.waiting_since, resumed) <= rendezvous_s:

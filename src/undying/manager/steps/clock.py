@@ -48,7 +48,8 @@ class StepClock:
         self.job_steps.reset(world_size)
 
     def reported(self, phase: str, detail: Mapping[str, Any]) -> None:
-        """A rank's progress report: rank 0's plan of steps is kept (others are no concern of the clock)."""
+        """A rank's progress report: rank 0's plan of steps is kept (others are no concern of the
+        clock)."""
         if phase == PLAN_EVENT:
             self.plan = Plan.from_detail(detail) or self.plan
 
@@ -61,8 +62,9 @@ class StepClock:
 
     def replay(self, commits: Iterable[tuple[int, int, float]],
                reports: Iterable[tuple[str, float, Mapping[str, Any]]]) -> None:
-        """A restarted manager's clock, fed again what the log kept: the commits (without their values),
-        the plan and the saves' stalls, so progress and goodput go on from where they were."""
+        """A restarted manager's clock, fed again what the log kept: the commits (without their
+        values), the plan and the saves' stalls, so progress and goodput go on from where they
+        were."""
         for rank, step, t in commits:
             self.committed(rank, step, t)
         for kind, t, data in reports:
