@@ -92,8 +92,8 @@ class Checkpoints:
 
     def _lost(self, reason: str) -> None:
         self.core.events.event("checkpoint_dir_lost", path=self.dir, reason=reason)
-        self.core.fail(f"checkpoint dir {self.dir} lost: {reason}; the job stops before it writes beside another "
-                       "job's checkpoints")
+        self.core.fail(f"checkpoint dir {self.dir} lost: {reason}; the job stops before it writes "
+                       "beside another job's checkpoints")
 
     @property
     def sharded(self) -> bool:
@@ -130,8 +130,9 @@ class Checkpoints:
                 # fixing.
                 reasons = "; ".join(f"{name}: {reason}" for name, reason in self.last_skipped)
                 error = UsageError(
-                    f"every checkpoint in {self.dir} was rejected ({reasons}); fix or move them, or pass "
-                    "--start-fresh to train from step 1 (it moves them, whole, to rejected/ there)")
+                    f"every checkpoint in {self.dir} was rejected ({reasons}); fix or move them, "
+                    "or pass --start-fresh to train from step 1 (it moves them, whole, to "
+                    "rejected/ there)")
                 events.event("checkpoints_rejected", path=self.dir,
                              rejected=[{"name": n, "reason": r} for n, r in self.last_skipped])
                 events.set_job("exit_reason", str(error), flush=True)
@@ -140,13 +141,15 @@ class Checkpoints:
                 where, moved = await asyncio.to_thread(self._set_aside_rejected)
                 if moved:
                     events.event("checkpoints_set_aside", path=where, names=moved)
-                    log.warning("job %s: --start-fresh: the %d rejected checkpoint(s) moved to %s, whole; nothing "
-                                "of this job touches them again", config.job_id, len(moved), where)
+                    log.warning("job %s: --start-fresh: the %d rejected checkpoint(s) moved to %s, "
+                                "whole; nothing of this job touches them again", config.job_id,
+                                len(moved), where)
             rerun = self._rerun(0, last)
             if rerun is not None:
                 log.warning("job %s: starting at step 1: %s", config.job_id, rerun_words(rerun))
             return None
-        try:  # another job's checkpoint: refused when --job-id named this job, else resumed and said
+        # another job's checkpoint: refused when --job-id named this job, else resumed and said
+        try:
             other_job = check_same_job(ckpt, config.job_id, config.job_id_given)
         except CheckpointOfAnotherJobError as e:
             events.event("checkpoint_refused", name=ckpt.name, path=ckpt.url, reason=str(e))
@@ -157,12 +160,13 @@ class Checkpoints:
         skipped = [{"name": n, "reason": r} for n, r in self.last_skipped]
         of_job = ckpt.manifest.job_id if ckpt.manifest is not None else ""
         rerun = self._rerun(ckpt.step, last)
-        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind, "skipped": skipped,
-                             "job_id": of_job, "rerun": rerun}
-        events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped, job_id=of_job,
-                     rerun=rerun)
+        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind,
+                             "skipped": skipped, "job_id": of_job, "rerun": rerun}
+        events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped,
+                     job_id=of_job, rerun=rerun)
         events.set_job("resumed_from", self.resumed_from, flush=True)
-        log.warning("job %s: resuming from checkpoint %s (step %d, %s)%s%s", config.job_id, ckpt.url, ckpt.step,
+        log.warning("job %s: resuming from checkpoint %s (step %d, %s)%s%s", config.job_id,
+                    ckpt.url, ckpt.step,
                     ckpt.kind, "".join(f"; skipped {d['name']}: {d['reason']}" for d in skipped),
                     f"; {rerun_words(rerun)}" if rerun else "")
         return ckpt
@@ -176,9 +180,12 @@ class Checkpoints:
         try:
             with LogReader(logs[-1]) as reader:
                 committed = reader.newest_step()
-                saved = max((int(e.data.get("step", 0)) for e in reader.events("checkpoint_saved")), default=0)
-        except (OSError, UsageError, LogReader.Error) as e:  # a damaged old log costs this one line, not the run
-            log.warning("job %s: the last launch's log %s cannot be read (%s)", self.core.config.job_id, logs[-1], e)
+                saved = max((int(e.data.get("step", 0))
+                             for e in reader.events("checkpoint_saved")), default=0)
+        # a damaged old log costs this one line, not the run
+        except (OSError, UsageError, LogReader.Error) as e:
+            log.warning("job %s: the last launch's log %s cannot be read (%s)",
+                        self.core.config.job_id, logs[-1], e)
             return None
         return committed, saved
 
@@ -187,7 +194,8 @@ class Checkpoints:
         ``relaunch_rerun``)."""
         if last is None:
             return None
-        rerun = relaunch_rerun(resume_step, last[0], last[1], [n for n, _ in self.last_skipped], self.dir)
+        skipped = [n for n, _ in self.last_skipped]
+        rerun = relaunch_rerun(resume_step, last[0], last[1], skipped, self.dir)
         if rerun is not None:
             self.core.events.event("relaunch_rerun", **rerun)
             self.core.events.set_job("relaunch_rerun", rerun, flush=True)
@@ -203,9 +211,10 @@ class Checkpoints:
             try:
                 set_aside(store, name, reason, batch=batch)
                 moved.append(name)
-            except OSError as e:  # left where it is: still never overwritten nor pruned (not signed by this job)
-                log.warning("job %s: %s could not be set aside (%s); it stays where it is", self.core.config.job_id,
-                            name, e)
+            # left where it is: still never overwritten nor pruned (not signed by this job)
+            except OSError as e:
+                log.warning("job %s: %s could not be set aside (%s); it stays where it is",
+                            self.core.config.job_id, name, e)
         return store.url_of(store.join(REJECTED_DIR, batch)), moved
 
     def on_saved(self, message: CheckpointSaved) -> None:
@@ -213,11 +222,11 @@ class Checkpoints:
         (checkpoint_health)."""
         events = self.core.events
         if message.error:
-            events.event("checkpoint_failed", rank=message.rank, step=message.step, kind=message.kind,
-                         error=message.error, os_error=message.os_error)
+            events.event("checkpoint_failed", rank=message.rank, step=message.step,
+                         kind=message.kind, error=message.error, os_error=message.os_error)
             self.core.health.failed(message)
-            log.error("job %s: checkpoint of step %d failed: %s", self.core.config.job_id, message.step,
-                      message.error)
+            log.error("job %s: checkpoint of step %d failed: %s", self.core.config.job_id,
+                      message.step, message.error)
             return
         events.event("checkpoint_saved", rank=message.rank, step=message.step, kind=message.kind,
                      path=message.path, blocking_s=round(message.blocking_s, 6),
