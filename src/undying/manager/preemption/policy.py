@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from undying.protocol.worker_wire import CheckpointSaved
 
-__all__ = ["OnSigterm", "on_sigterm", "stop_step", "Saved", "Outcome", "gasp_outcome", "fallback_outcome",
-           "resume_reruns"]
+__all__ = ["OnSigterm", "on_sigterm", "stop_step", "Saved", "Outcome", "gasp_outcome",
+           "fallback_outcome", "resume_reruns"]
 
 
 class OnSigterm(str, enum.Enum):
@@ -56,7 +56,8 @@ class Outcome:
     step: int
     path: str
     what: str
-    succeeded: bool = False  # every rank had finished: the job succeeded, the SIGTERM came at the end
+    # every rank had finished: the job succeeded, the SIGTERM came at the end
+    succeeded: bool = False
     gasp_t: float | None = None  # when the dying gasp of the stop step was written (its phase)
     reused: bool = False
 
@@ -64,19 +65,21 @@ class Outcome:
     def exit_reason(self) -> str:
         if self.succeeded:
             return "every rank finished its last step (a SIGTERM came at the end)"
-        return (f"preempted, checkpoint at step {self.step} ({self.what}); run the same command to resume"
+        return (f"preempted, checkpoint at step {self.step} ({self.what}); "
+                "run the same command to resume"
                 if self.step >= 0 else f"preempted, no checkpoint: {self.what}")
 
 
-def gasp_outcome(*, all_done: bool, reused: Saved | None, gasp_reuse_s: float, gasp: CheckpointSaved | None,
-                 stop: int, t0: float) -> Outcome | None:
+def gasp_outcome(*, all_done: bool, reused: Saved | None, gasp_reuse_s: float,
+                 gasp: CheckpointSaved | None, stop: int, t0: float) -> Outcome | None:
     """The ending when the dying gasp stands (reused, or reported for the stop step); None: look on
     disk."""
     if all_done:
         return Outcome(-1, "", "every rank finished", succeeded=True)
     if reused is not None:
-        return Outcome(reused.step, reused.path, f"reused the dying gasp written at most {gasp_reuse_s:.0f}s "
-                                                 "earlier", reused=True)
+        return Outcome(reused.step, reused.path,
+                       f"reused the dying gasp written at most {gasp_reuse_s:.0f}s earlier",
+                       reused=True)
     if gasp is not None and gasp.step == stop and not gasp.error:
         what = (f"dying gasp written in {gasp.write_s:.3f}s, {gasp.t - t0:.3f}s after SIGTERM"
                 if gasp.kind == "dying-gasp" else "the checkpoint of that step already existed")
@@ -96,17 +99,22 @@ def fallback_outcome(*, gasp: CheckpointSaved | None, stop: int, late: Sequence[
     else:
         why = f"not written within the grace period of {grace:.1f}s"
     if latest is None:
-        return Outcome(-1, "", f"the dying gasp of step {stop} was not taken ({why}) and there is no checkpoint")
+        return Outcome(-1, "", f"the dying gasp of step {stop} was not taken ({why}) "
+                               "and there is no checkpoint")
     if latest.kind == "dying-gasp" and latest.step == stop:
         # Written, but its report was cut off by the kill: it stands as a dying gasp.
-        return Outcome(latest.step, latest.path, f"dying gasp {latest.name} found on disk, unreported ({why})")
-    rerun = f"steps {latest.step + 1}..{committed} will be re-run" if committed > latest.step else "no step is lost"
+        return Outcome(latest.step, latest.path,
+                       f"dying gasp {latest.name} found on disk, unreported ({why})")
+    rerun = (f"steps {latest.step + 1}..{committed} will be re-run" if committed > latest.step
+             else "no step is lost")
     taken = "could not be written" if gasp is not None and gasp.error else "was not taken"
-    return Outcome(latest.step, latest.path, f"the dying gasp of step {stop} {taken} ({why}); the latest valid "
-                                             f"checkpoint {latest.name} ({latest.kind}) stands: {rerun}")
+    return Outcome(latest.step, latest.path,
+                   f"the dying gasp of step {stop} {taken} ({why}); the latest valid "
+                   f"checkpoint {latest.name} ({latest.kind}) stands: {rerun}")
 
 
-def resume_reruns(outcome: Outcome, *, gasp: CheckpointSaved | None, stop: int, rank_steps: Sequence[int]) -> int:
+def resume_reruns(outcome: Outcome, *, gasp: CheckpointSaved | None, stop: int,
+                  rank_steps: Sequence[int]) -> int:
     """What a resume from the outcome's checkpoint runs again: every step committed after it (0:
     nothing lost)."""
     gasp_ok = gasp is not None and gasp.step == stop and not gasp.error
