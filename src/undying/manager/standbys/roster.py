@@ -54,7 +54,8 @@ class Parked:
     join: AgentJoin
     writer: asyncio.StreamWriter
     parked_at: float = field(default_factory=time.time)
-    last_heard: float = field(default_factory=time.time)  # wall clock, for people; judged by ``heard``
+    # wall clock, for people; judged by ``heard``
+    last_heard: float = field(default_factory=time.time)
     heard: float = field(default_factory=time.monotonic)
     spares_ready: int = 0
     # Set when it is given a node: (the node, its session); the connection is then the node's.
@@ -62,7 +63,8 @@ class Parked:
 
     def view(self) -> dict[str, Any]:
         return {"standby": self.key, "host": self.join.host, "agent_pid": self.join.pid,
-                "spares_ready": self.spares_ready, "parked_at": self.parked_at, "last_heard": self.last_heard}
+                "spares_ready": self.spares_ready, "parked_at": self.parked_at,
+                "last_heard": self.last_heard}
 
 
 # seat(node, join, writer) -> the session: attach the connection to the node's slot as its new
@@ -87,8 +89,8 @@ class Standbys:
         # there is not promoted.
         self.blocked: Callable[[], set[str]] = set
 
-    async def park(self, join: AgentJoin, writer: asyncio.StreamWriter, check: Callable[[AgentJoin], str],
-                   welcome: StandbyParked) -> Parked | None:
+    async def park(self, join: AgentJoin, writer: asyncio.StreamWriter,
+                   check: Callable[[AgentJoin], str], welcome: StandbyParked) -> Parked | None:
         """A standby's join, checked as a node's would be (any node number): refused, or parked and
         told so."""
         refusal = check(msgspec.structs.replace(join, node=0))
@@ -133,7 +135,8 @@ class Standbys:
             return
         parked.writer.close()
         log.info("standby %d (%s) dropped: %s", parked.key, parked.join.host, why)
-        self._record("standby_dropped", {"standby": parked.key, "host": parked.join.host, "why": why})
+        self._record("standby_dropped", {"standby": parked.key, "host": parked.join.host,
+                                         "why": why})
 
     def beat(self, line: bytes, silence_limit_s: float) -> None:
         """The manager's beat to every parked standby; one silent past the limit (while the manager
@@ -141,11 +144,13 @@ class Standbys:
         for parked in list(self.parked.values()):
             silent = self.clock.silent_s(parked.heard)
             if silent > silence_limit_s:
-                self.drop(parked, f"silent for {silent:.1f}s (heartbeat timeout {silence_limit_s:g}s)")
+                self.drop(parked, f"silent for {silent:.1f}s "
+                                  f"(heartbeat timeout {silence_limit_s:g}s)")
             elif line and not parked.writer.is_closing():
                 parked.writer.write(line)
 
-    def place(self, slots: list[SlotFacts], silence_limit_s: float, *, closed: bool = False) -> list[Promote]:
+    def place(self, slots: list[SlotFacts], silence_limit_s: float, *,
+              closed: bool = False) -> list[Promote]:
         """Give lost nodes to standbys (``policy.promotions`` decides); returns what was done."""
         out = self.blocked()
         facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, self.clock.silent_s(p.heard))
@@ -157,8 +162,10 @@ class Standbys:
             session = self._seat(promote.node, join, parked.writer)
             parked.seated = (promote.node, session)
             log.info("node %d: %s (host %s)", promote.node, promote.reason, parked.join.host)
-            self._record("standby_promoted", {"standby": parked.key, "node": promote.node, "host": parked.join.host,
-                                              "spares_ready": parked.spares_ready, "session": session})
+            self._record("standby_promoted", {"standby": parked.key, "node": promote.node,
+                                              "host": parked.join.host,
+                                              "spares_ready": parked.spares_ready,
+                                              "session": session})
         return done
 
     def tell_all(self, message: Any) -> None:

@@ -60,7 +60,8 @@ class TraceControl:
         """
         newest = self.core.book.newest_step()
         step_s = self.core.clock.median_rank_step_s()
-        ahead = max(_COMM_SWITCH_MIN_STEPS, math.ceil(_COMM_SWITCH_AHEAD_S / step_s) if step_s > 0 else 0)
+        ahead = max(_COMM_SWITCH_MIN_STEPS,
+                    math.ceil(_COMM_SWITCH_AHEAD_S / step_s) if step_s > 0 else 0)
         return newest + min(ahead, _COMM_SWITCH_MAX_STEPS)
 
     def set(self, switch: TraceSwitch) -> dict[str, Any]:
@@ -73,7 +74,8 @@ class TraceControl:
         self.core.events.event("trace_switch", step=switch.step, comm=switch.comm, by=switch.by,
                                comm_from_step=self.comm_from_step)
         if (previous.step, previous.comm) != (switch.step, switch.comm):
-            log.warning("job %s: tracing %s, by %s", self.core.config.job_id, switch.describe(), switch.by)
+            log.warning("job %s: tracing %s, by %s", self.core.config.job_id, switch.describe(),
+                        switch.by)
         message = self.message()
         for agent in self.core.agents.values():
             agent.set_trace(message)
@@ -112,11 +114,13 @@ class TraceControl:
         core = self.core
         now = time.time()
         incident = Incident(
-            id=len(core.incidents) + 1, kind=IncidentKind(finding.kind), rank=finding.rank, step=finding.since_step,
-            fault_t=now, recovery=0, action="report", status=IncidentStatus.OBSERVED, error=finding.describe(),
+            id=len(core.incidents) + 1, kind=IncidentKind(finding.kind), rank=finding.rank,
+            step=finding.since_step, fault_t=now, recovery=0, action="report",
+            status=IncidentStatus.OBSERVED, error=finding.describe(),
             detail=cast(IncidentDetail, {**finding.to_dict(), "node": finding.node}),
         )
         incident.phases["detected"] = now
         core.incidents.append(incident)
         core.events.incident(incident)
-        log.warning("job %s gen %d: %s", core.config.job_id, core.generations.current, finding.describe())
+        log.warning("job %s gen %d: %s", core.config.job_id, core.generations.current,
+                    finding.describe())
