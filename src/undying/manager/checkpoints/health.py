@@ -67,7 +67,8 @@ class CheckpointHealth:
         incident = self.open
         if incident is None:
             incident = Incident(
-                id=len(self._incidents) + 1, kind=IncidentKind.CHECKPOINT_FAILED, rank=message.rank, step=message.step,
+                id=len(self._incidents) + 1, kind=IncidentKind.CHECKPOINT_FAILED,
+                rank=message.rank, step=message.step,
                 fault_t=message.t, recovery=0, action="retry at the next save", error=message.error,
             )
             incident.phases["detected"] = time.time()
@@ -113,8 +114,9 @@ class CheckpointHealth:
         if checkpoint_step is None:
             where = "there is no checkpoint of this job"
         else:
-            where = f"the newest checkpoint is of step {checkpoint_step}, {max(0, last_step - checkpoint_step)} " \
-                    f"step(s) before the last"
+            behind = max(0, last_step - checkpoint_step)
+            where = (f"the newest checkpoint is of step {checkpoint_step}, {behind} "
+                     f"step(s) before the last")
         return f"; warning: the last {saves} checkpoint save attempt(s) failed ({why}); {where}"
 
     def view(self) -> dict[str, Any]:
@@ -137,5 +139,6 @@ def resume_line(preemption: dict[str, Any]) -> str:
     reruns = int(preemption.get("resume_reruns", 0))
     if not reruns:
         return f"exit {EXIT_PREEMPTED}: the same command resumes after step {step}, no step re-run"
-    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and re-runs {reruns} "
-            f"step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop step was not written")
+    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and "
+            f"re-runs {reruns} step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop "
+            "step was not written")

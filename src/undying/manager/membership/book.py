@@ -70,7 +70,8 @@ class RankBook:
         """The job trains on ``nodes`` from now on: its ranks are numbered anew, node by node."""
         self.nodes = list(nodes)
         self.ranks = {
-            slot * self.per_node + local: RankInfo(rank=slot * self.per_node + local, node=node, step=step)
+            slot * self.per_node + local: RankInfo(rank=slot * self.per_node + local, node=node,
+                                                   step=step)
             for slot, node in enumerate(nodes) for local in range(self.per_node)
         }
         if persist:
@@ -96,7 +97,8 @@ class RankBook:
             self.rerun_steps.add(step)
         self.committed[rank].add(step)
         moved = info.state is not RankState.RUNNING or info.generation != generation
-        info.step, info.generation, info.state, info.last_seen = step, generation, RankState.RUNNING, t
+        info.step, info.generation = step, generation
+        info.state, info.last_seen = RankState.RUNNING, t
         if moved:
             self._dirty.add(rank)  # its row is written as the log commits
         return rerun
@@ -123,7 +125,8 @@ class RankBook:
             self.incarnations = max(self.incarnations, info.incarnation)
         for rank, steps in committed.items():
             self.committed[rank] |= steps
-        for info in self.ranks.values():  # a row is not rewritten per step (see commit): the steps say
+        # a row is not rewritten per step (see commit): the steps say
+        for info in self.ranks.values():
             steps_of_rank = self.committed.get(info.rank)
             if steps_of_rank:
                 info.step = max(info.step, max(steps_of_rank))

@@ -37,7 +37,8 @@ class StepClock:
         self.step_times: deque[tuple[int, float]] = deque(maxlen=200)
         self.job_steps = JobSteps(world_size)
         self.ledger = StepLedger()
-        self.stalls: deque[Stall] = deque()  # the recent saves' stalls; older ones summed in folded_stall_s
+        # the recent saves' stalls; older ones summed in folded_stall_s
+        self.stalls: deque[Stall] = deque()
         self.folded_stall_s = 0.0
         self.plan: Plan | None = None
 
@@ -79,7 +80,8 @@ class StepClock:
     def median_rank_step_s(self) -> float:
         return statistics.median(self._rank_step_s) if self._rank_step_s else 0.0
 
-    def committed(self, rank: int, step: int, t: float, metrics: Mapping[str, float] | None = None) -> None:
+    def committed(self, rank: int, step: int, t: float,
+                  metrics: Mapping[str, float] | None = None) -> None:
         previous = self._last_commit.get(rank)
         if previous is not None and previous[0] == step - 1:
             self._rank_step_s.append(t - previous[1])
