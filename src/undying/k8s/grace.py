@@ -142,8 +142,8 @@ def _estimate(job: dict[str, Any], saves: list[Any], commits: list[tuple[int, in
 
 
 def _slowest_recent_step(commits: list[tuple[int, int, float]]) -> float:
-    """The manager's figure: the slowest of the recent intervals between a rank's consecutive
-    commits."""
+    """The manager's figure:
+    the slowest of the recent intervals between a rank's consecutive commits."""
     last: dict[int, tuple[int, float]] = {}
     intervals: list[float] = []
     for rank, step, t in commits:

@@ -291,8 +291,8 @@ def workers(spec: Spec) -> Manifest:
 
 
 def build(spec: Spec) -> list[Manifest]:
-    """Every object of the job, in the order to apply them (as `kubectl apply -f DIR` sorts the
-    files)."""
+    """Every object of the job, in the order to apply them
+    (as `kubectl apply -f DIR` sorts the files)."""
     spec.check()
     out = [] if spec.token_secret else [secret(spec)]
     return out + [trace_configmap(spec), manager_service(spec), manager(spec), workers(spec)]

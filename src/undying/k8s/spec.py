@@ -1,5 +1,5 @@
-"""What `undying k8s` is asked for (``Spec``), the commands its pods run, and what a cluster would
-refuse.
+"""What `undying k8s` is asked for (``Spec``), the commands its pods run,
+and what a cluster would refuse.
 
 ``Spec.check`` refuses, in one line each, what Kubernetes or ``undying run``
 would refuse later in a pod: a job id that is no DNS label, a bad quantity or
@@ -237,8 +237,8 @@ class _Refuse(argparse.ArgumentParser):
 
 
 def _check_run_argv(argv: list[str]) -> None:
-    """Parse the agents' command with `undying run`'s own parser: a bad --run-args fails here, not
-    in the pod."""
+    """Parse the agents' command with `undying run`'s own parser: a bad --run-args fails here,
+    not in the pod."""
     from undying.cli import run  # the real parser, so the two can never disagree
 
     parser = _Refuse(prog="undying", add_help=False)

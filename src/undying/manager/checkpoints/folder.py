@@ -1,5 +1,5 @@
-"""The job's persisted checkpoints as the manager sees them: where to resume, what was saved, how
-fast.
+"""The job's persisted checkpoints as the manager sees them: where to resume,
+what was saved, how fast.
 
 The manager reads the checkpoint directory only for two answers (the newest
 valid checkpoint to start or restart from, with every newer one it skipped
@@ -53,8 +53,8 @@ class Checkpoints:
         self._reowning: asyncio.Task[None] | None = None
 
     def own(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hold the checkpoint dir for the job's life, or raise DirInUseError (one line) naming its
-        owner.
+        """Hold the checkpoint dir for the job's life, or raise DirInUseError
+        (one line) naming its owner.
 
         Released with the job dir's (``JobDir.clear_manager``) when the job is over, else when this
         process ends. Losing it later (another process holds its lock: a stranger replaced
@@ -69,8 +69,8 @@ class Checkpoints:
         self.owned = True
 
     async def take_dir(self) -> None:
-        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here, on the loop,
-        and raised."""
+        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here,
+        on the loop, and raised."""
         try:
             await asyncio.to_thread(self.own, asyncio.get_running_loop())
         except UsageError as e:
@@ -118,8 +118,8 @@ class Checkpoints:
         return found.checkpoint
 
     async def find_resume_point(self) -> Checkpoint | None:
-        """Where a starting job begins: the newest valid checkpoint of this job, or None (step
-        1)."""
+        """Where a starting job begins: the newest valid checkpoint of this job,
+        or None (step 1)."""
         config, events = self.core.config, self.core.events
         await self.take_dir()
         ckpt = await asyncio.to_thread(self.latest)
@@ -172,8 +172,8 @@ class Checkpoints:
         return ckpt
 
     def _last_launch(self) -> tuple[int, int] | None:
-        """The newest step the last launch in this job dir committed, and the newest it saved; None:
-        no log."""
+        """The newest step the last launch in this job dir committed,
+        and the newest it saved; None: no log."""
         logs = JobDir(Path(self.core.config.job_dir)).earlier_logs()
         if not logs:
             return None

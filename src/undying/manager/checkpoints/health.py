@@ -1,5 +1,5 @@
-"""Failed checkpoint saves as incidents: told in the status, the API and the metrics, closed by the
-next save.
+"""Failed checkpoint saves as incidents: told in the status, the API and the metrics,
+closed by the next save.
 
 A save that fails (a full disk, a vanished folder, a store that refuses) left
 one ``checkpoint_failed`` event per attempt and nothing else: the status said
@@ -29,8 +29,8 @@ class _IncidentLog(Protocol):
 
 
 class CheckpointHealth:
-    """The job's saves: how many failed, the last OS error, and the incident of the failures in a
-    row."""
+    """The job's saves: how many failed, the last OS error,
+    and the incident of the failures in a row."""
 
     def __init__(self, events: _IncidentLog, incidents: list[Incident]) -> None:
         self._events = events
@@ -47,8 +47,8 @@ class CheckpointHealth:
         return self.open is not None
 
     def adopt(self, incident: Incident) -> bool:
-        """A restarted manager's open incident read back from the log: True when it is one of these
-        (kept here)."""
+        """A restarted manager's open incident read back from the log:
+        True when it is one of these (kept here)."""
         if incident.kind is not IncidentKind.CHECKPOINT_FAILED:
             return False
         self.open = incident
@@ -131,8 +131,8 @@ class CheckpointHealth:
 
 
 def resume_line(preemption: dict[str, Any]) -> str:
-    """The last line of a preempted run: what the same command resumes from, and how many steps it
-    re-runs."""
+    """The last line of a preempted run: what the same command resumes from,
+    and how many steps it re-runs."""
     step = int(preemption.get("checkpoint_step", -1))
     if step < 0:
         return "exit 143: no checkpoint to resume from; the same command starts again at step 1"

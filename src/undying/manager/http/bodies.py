@@ -42,8 +42,8 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
 
 
 def series_query(query: Mapping[str, str]) -> tuple[int | None, int | None, int]:
-    """``from``, ``to`` and ``points`` of a series request, each checked; ``Malformed`` names the
-    bad one."""
+    """``from``, ``to`` and ``points`` of a series request, each checked;
+    ``Malformed`` names the bad one."""
 
     def whole(name: str, low: int, high: int) -> int | None:
         raw = query.get(name)
@@ -186,8 +186,8 @@ def inject_fields(
 
 
 def who(request: web.Request, body: dict[str, Any]) -> str:
-    """Who changed the switch, as the status shows it: the caller's own word, else the API and its
-    peer."""
+    """Who changed the switch, as the status shows it: the caller's own word,
+    else the API and its peer."""
     said = body.get("by")
     if isinstance(said, str) and said.strip():
         return said.strip()[:80]

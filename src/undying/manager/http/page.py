@@ -44,8 +44,8 @@ def status_page() -> bytes:
 
 
 class OpenPages:
-    """The pages that poll ``/api/status`` (by the id each names itself with) and whether each saw
-    the end."""
+    """The pages that poll ``/api/status`` (by the id each names itself with)
+    and whether each saw the end."""
 
     def __init__(self, ended: Callable[[], bool]) -> None:
         self._ended = ended

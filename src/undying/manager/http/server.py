@@ -101,8 +101,8 @@ __all__ = ["start_http", "build_app", "READ_ONLY_PATHS"]
 
 
 class HideTokens(logging.Filter):
-    """Masks what looks like a token (``token=...`` in a query, ``Bearer ...``) in a record's
-    message."""
+    """Masks what looks like a token (``token=...`` in a query, ``Bearer ...``)
+    in a record's message."""
 
     _TOKEN = re.compile(r"((?:[?&;]|%3[fF]|%26)token(?:=|%3[dD]))[^&;\s'\"]*|(bearer\s+)\S+",
                         re.IGNORECASE)

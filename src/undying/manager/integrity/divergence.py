@@ -86,8 +86,8 @@ class Divergence:
                        f"the donor's {str(donor)[:16]})")
 
     def warning(self) -> str:
-        """What the job's end says of a run that diverged ("" when none did): it is not the run
-        without faults."""
+        """What the job's end says of a run that diverged ("" when none did):
+        it is not the run without faults."""
         found = sorted({(rank, step) for rank, step, _ in self._said})
         if not found:
             return ""

@@ -1,5 +1,5 @@
-"""The manager's side of numeric faults: a worker's verdict becomes an incident; nan and bitflip
-drills are armed.
+"""The manager's side of numeric faults: a worker's verdict becomes an incident;
+nan and bitflip drills are armed.
 
 Rank 0 reports each numeric fault once, after the replay decided it
 (``worker.numerics``): transient (replayed, committed as the fault-free run),
@@ -64,8 +64,8 @@ _SKIPPING = ("skip", "rollback")
 
 def on_numeric_fault(core: JobCore, message: Progress,
                      recoveries: Recoveries | None = None) -> None:
-    """Record a worker's numeric verdict as an incident (the job went on, or stops by its own
-    report)."""
+    """Record a worker's numeric verdict as an incident (the job went on,
+    or stops by its own report)."""
     detail: dict[str, Any] = dict(message.detail)
     suspects = [int(r) for r in detail.get("suspects", []) if isinstance(r, int)]
     action = str(detail.get("action", ""))
@@ -103,8 +103,8 @@ def on_numeric_fault(core: JobCore, message: Progress,
 
 
 def skipped_steps(incidents: list[Incident]) -> set[int]:
-    """Every step whose batch a numeric fault's policy skipped (skip: the step; rollback: its
-    range)."""
+    """Every step whose batch a numeric fault's policy skipped (skip: the step;
+    rollback: its range)."""
     steps: set[int] = set()
     for incident in incidents:
         if incident.kind is not IncidentKind.NUMERIC or incident.action not in _SKIPPING:
@@ -161,8 +161,8 @@ def _faults_of(core: JobCore, rank: int) -> list[Incident]:
 
 
 def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) -> None:
-    """A rank at fault ``FAULTS_TO_REPLACE`` times is replaced as a crashed one is: killed, its exit
-    recovered."""
+    """A rank at fault ``FAULTS_TO_REPLACE`` times is replaced as a crashed one is: killed,
+    its exit recovered."""
     faults = _faults_of(core, rank)
     info = core.ranks.get(rank)
     if len(faults) < FAULTS_TO_REPLACE or info is None or core.winding_down \
@@ -198,8 +198,8 @@ def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) ->
 
 
 def _report(summary: str, detail: dict[str, Any]) -> str:
-    """The stop's report in the job's failure reason: the step and verdict, the values, every rank's
-    batch.
+    """The stop's report in the job's failure reason: the step and verdict, the values,
+    every rank's batch.
 
     The ranks raise the same text, but the job fails on this incident first:
     their own reports may come after it stopped them, so this one is whole.

@@ -1,5 +1,5 @@
-"""The manager's side of ``--verify-every``: a step that differed from its replay becomes an ``sdc``
-incident.
+"""The manager's side of ``--verify-every``:
+a step that differed from its replay becomes an ``sdc`` incident.
 
 Rank 0 reports it once (``worker.verify``), when every rank has agreed to roll
 back: the step whose replay on the verifier gave another gradient fingerprint,
@@ -34,8 +34,8 @@ log = logging.getLogger("undying.manager")
 
 
 def on_sdc(core: JobCore, message: Progress) -> None:
-    """Record a verification's mismatch as an ``sdc`` incident naming the rank (the job rolled back
-    and goes on)."""
+    """Record a verification's mismatch as an ``sdc`` incident naming the rank
+    (the job rolled back and goes on)."""
     detail: dict[str, Any] = dict(message.detail)
     rank = detail.get("suspect")
     incident = Incident(
@@ -53,8 +53,8 @@ def on_sdc(core: JobCore, message: Progress) -> None:
 
 
 def on_verified(core: JobCore, message: Progress) -> None:
-    """Count a verified step for the suspect rank's host when that host is quarantined; clear it
-    when requalified.
+    """Count a verified step for the suspect rank's host when that host is quarantined;
+    clear it when requalified.
 
     Kept in the log at each count, so a restarted manager goes on from it.
     A message that does not name a rank and a verdict is left alone (it is

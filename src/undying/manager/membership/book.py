@@ -50,8 +50,8 @@ class RankBook:
 
     @property
     def world_size(self) -> int:
-        """The ranks the job trains on now (an elastic job's layout may hold fewer nodes than
-        --nnodes)."""
+        """The ranks the job trains on now
+        (an elastic job's layout may hold fewer nodes than --nnodes)."""
         return len(self.ranks)
 
     def newest_step(self) -> int:
@@ -82,15 +82,15 @@ class RankBook:
             self._log.set_job("nodes", self.nodes, flush=True)
 
     def take(self, rank: int) -> int:
-        """A new incarnation for ``rank``: the process about to start owns it, every older one is
-        fenced."""
+        """A new incarnation for ``rank``: the process about to start owns it,
+        every older one is fenced."""
         self.incarnations += 1
         self.ranks[rank].incarnation = self.incarnations
         return self.incarnations
 
     def commit(self, rank: int, step: int, generation: int, t: float) -> bool:
-        """``rank`` committed ``step``; True when the step ran before (a re-run after a
-        recovery)."""
+        """``rank`` committed ``step``; True when the step ran before
+        (a re-run after a recovery)."""
         info = self.ranks[rank]
         rerun = step in self.committed[rank]
         if rerun:
@@ -113,8 +113,8 @@ class RankBook:
         self._dirty.clear()
 
     def restore(self, rows: Iterable[RankInfo], committed: dict[int, set[int]]) -> None:
-        """Read the ranks back from the log of a manager that died (its rank rows and committed
-        steps)."""
+        """Read the ranks back from the log of a manager that died
+        (its rank rows and committed steps)."""
         for row in rows:
             info = self.ranks.get(row.rank)
             if info is None:

@@ -43,8 +43,8 @@ class Comings:
     # --- arrivals ----------------------------------------------------------------
 
     def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None:
-        """A node across the network started the process of a rank (a spawn returns before it
-        knows)."""
+        """A node across the network started the process of a rank
+        (a spawn returns before it knows)."""
         info = self.core.ranks[rank]
         if incarnation != info.incarnation:
             return  # a process the rank was taken from since: fenced by the owner key
@@ -130,8 +130,8 @@ class Comings:
         self.detection.on_fault_exit(info, pid, returncode, t)
 
     def on_node_lost(self, node: int, reason: str, t: float) -> None:
-        """Every process of ``node`` is gone or out of reach: its ranks are recovered like crashed
-        ones.
+        """Every process of ``node`` is gone or out of reach:
+        its ranks are recovered like crashed ones.
 
         The survivors may be blocked on a peer that will never answer (a
         link cut rather than a process killed sends no reset), so every rank
@@ -161,8 +161,8 @@ class Comings:
     # --- the job's end -------------------------------------------------------------
 
     def finish(self, *ranks: RankInfo) -> None:
-        """These ranks' part of the job is done (then ranks held as perhaps early leavers may be
-        too)."""
+        """These ranks' part of the job is done
+        (then ranks held as perhaps early leavers may be too)."""
         for info in ranks:
             info.state = RankState.DONE
             self.core.book.finished.add(info.rank)
@@ -172,8 +172,8 @@ class Comings:
         self._maybe_succeeded()
 
     def _maybe_succeeded(self) -> None:
-        """Every rank finished: the job moves through STOPPING to SUCCEEDED (the only way it
-        succeeds)."""
+        """Every rank finished: the job moves through STOPPING to SUCCEEDED
+        (the only way it succeeds)."""
         core = self.core
         if len(core.book.finished) != len(core.ranks):
             return

@@ -38,8 +38,8 @@ class Generations:
         self._open: dict[int, StoreHandle] = {}
 
     def serve(self, port: int, key: bytes) -> int:
-        """Serve the job's stores on host:``port`` to processes that prove ``key``; the port it
-        got."""
+        """Serve the job's stores on host:``port`` to processes that prove ``key``;
+        the port it got."""
         try:
             self._stores = StoreServer(self.host, port, key)
             self._control = self._stores.open(CONTROL_STORE)
@@ -70,8 +70,8 @@ class Generations:
 
     def reannounce(self, world_size: int, *, members: dict[int, int] | None = None,
                    purpose: str = "") -> None:
-        """A restarted manager's new stores: the current generation again, for the ranks that run
-        it."""
+        """A restarted manager's new stores: the current generation again,
+        for the ranks that run it."""
         if self.current >= 0:
             self._announce(self.current, world_size, "the manager restarted", members=members or {},
                            purpose=purpose)

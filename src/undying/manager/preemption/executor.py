@@ -1,5 +1,5 @@
-"""Preemption: SIGTERM, a stop step every rank agrees on, the dying gasp, and an exit within the
-grace period.
+"""Preemption: SIGTERM, a stop step every rank agrees on, the dying gasp,
+and an exit within the grace period.
 
 Kubernetes (or a Slurm scheduler) gives a job a grace period between SIGTERM
 and SIGKILL. The manager sizes its own from what it measured (the last
@@ -76,8 +76,8 @@ class Preemption:
                                step=message.step)
 
     def on_terminated(self, message: Terminated) -> None:
-        """A rank's SIGTERM (its process's, a node's, the job's): the job is preempted, unless it is
-        old news."""
+        """A rank's SIGTERM (its process's, a node's, the job's): the job is preempted,
+        unless it is old news."""
         holder = self.core.ranks[message.rank].pid  # (0: its replacement has not started yet)
         if message.pid and message.pid != holder:
             # A process the rank was taken from (its host cut off, fenced, its agent stopping it):
@@ -148,8 +148,8 @@ class Preemption:
 
     async def _stop_at_agreed_step(self, incident: Incident, newest: int, deadline: float,
                                    grace: float) -> tuple[int, list[int]]:
-        """Every rank stops after one step, saved; those still running at the deadline are killed,
-        named."""
+        """Every rank stops after one step, saved;
+        those still running at the deadline are killed, named."""
         core = self.core
         assert self.view is not None
         live = core.live_ranks()
@@ -185,8 +185,8 @@ class Preemption:
 
     async def _report(self, incident: Incident, t0: float, grace: float, reused: Checkpoint | None,
                       stop: int, late: list[int]) -> None:
-        """Which checkpoint a relaunch resumes from and what it re-runs (``policy``); the job
-        ends."""
+        """Which checkpoint a relaunch resumes from and what it re-runs
+        (``policy``); the job ends."""
         core = self.core
         gasp = self._gasp
         took = round(time.time() - t0, 3)

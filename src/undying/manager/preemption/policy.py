@@ -25,8 +25,8 @@ class OnSigterm(str, enum.Enum):
 
 
 def on_sigterm(*, preempting: bool, winding_down: bool) -> OnSigterm:
-    """A second SIGTERM changes nothing; one that comes while the job stops for another reason
-    neither."""
+    """A second SIGTERM changes nothing;
+    one that comes while the job stops for another reason neither."""
     if preempting:
         return OnSigterm.AGAIN
     return OnSigterm.IGNORE if winding_down else OnSigterm.BEGIN
@@ -50,8 +50,8 @@ class Saved:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a preemption ends: the checkpoint a relaunch resumes from (step -1: none) and why it is
-    that one."""
+    """How a preemption ends: the checkpoint a relaunch resumes from
+    (step -1: none) and why it is that one."""
 
     step: int
     path: str
@@ -72,8 +72,8 @@ class Outcome:
 
 def gasp_outcome(*, all_done: bool, reused: Saved | None, gasp_reuse_s: float,
                  gasp: CheckpointSaved | None, stop: int, t0: float) -> Outcome | None:
-    """The ending when the dying gasp stands (reused, or reported for the stop step); None: look on
-    disk."""
+    """The ending when the dying gasp stands (reused, or reported for the stop step);
+    None: look on disk."""
     if all_done:
         return Outcome(-1, "", "every rank finished", succeeded=True)
     if reused is not None:
@@ -89,8 +89,8 @@ def gasp_outcome(*, all_done: bool, reused: Saved | None, gasp_reuse_s: float,
 
 def fallback_outcome(*, gasp: CheckpointSaved | None, stop: int, late: Sequence[int], grace: float,
                      latest: Saved | None, committed: int) -> Outcome:
-    """No dying gasp reported: one found on disk unreported, the latest valid checkpoint, or
-    none."""
+    """No dying gasp reported: one found on disk unreported,
+    the latest valid checkpoint, or none."""
     if gasp is not None and gasp.error:
         why = gasp.error
     elif late:
@@ -115,8 +115,8 @@ def fallback_outcome(*, gasp: CheckpointSaved | None, stop: int, late: Sequence[
 
 def resume_reruns(outcome: Outcome, *, gasp: CheckpointSaved | None, stop: int,
                   rank_steps: Sequence[int]) -> int:
-    """What a resume from the outcome's checkpoint runs again: every step committed after it (0:
-    nothing lost)."""
+    """What a resume from the outcome's checkpoint runs again: every step committed after it
+    (0: nothing lost)."""
     gasp_ok = gasp is not None and gasp.step == stop and not gasp.error
     committed_end = max([stop if gasp_ok else -1, *rank_steps])
     return max(0, committed_end - outcome.step) if outcome.step >= 0 and not outcome.reused else 0

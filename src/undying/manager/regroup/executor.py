@@ -62,8 +62,8 @@ class Regrouping:
         return [n for n in self.core.book.nodes if n not in available]
 
     def maybe_grow(self) -> None:
-        """An elastic job below MAX with a node here that it does not train on: regroup to take it
-        in.
+        """An elastic job below MAX with a node here that it does not train on:
+        regroup to take it in.
 
         Only while the job runs undisturbed: a node that joins during a recovery
         is taken once it completed; none once a rank finished its last step.
@@ -108,8 +108,8 @@ class Regrouping:
         self.regroup = regroup
         core.move(JobState.RECOVERING)
         sharded = self.checkpoints.sharded
-        # The one planner: the members keep their newest step and save it, or the latest
-        # checkpoint.
+        # The one planner: the members keep their newest step and save it,
+        # or the latest checkpoint.
         saving = plan_regroup(members=live, newest=newest, sharded=sharded)
         if saving.source.kind == "self":
             previous = core.generations.current
@@ -130,20 +130,20 @@ class Regrouping:
         self.maybe_form_world()
 
     def maybe_form_world(self) -> None:
-        """Once every member left: start the job on the nodes here from the saved state, or wait for
-        nodes."""
+        """Once every member left: start the job on the nodes here from the saved state,
+        or wait for nodes."""
         core = self.core
         config = core.config
         regroup = self.regroup
         if regroup is None or waiting_for_members(
                 regroup, now=time.time(), heartbeat_s=config.timeouts.heartbeat_timeout,
                 all_attached=all(a.attached for a in core.agents.values())):
-            # (a restarted manager's agents have their heartbeat timeout to come back: the watch
-            # retries)
+            # (a restarted manager's agents have their heartbeat timeout to come back:
+            # the watch retries)
             return
         if regroup.checkpoint is None:
-            # The members saved synchronously before they left: the newest valid checkpoint
-            # is theirs.
+            # The members saved synchronously before they left:
+            # the newest valid checkpoint is theirs.
             regroup.checkpoint = self.checkpoints.latest()
         ckpt = regroup.checkpoint
         world = form_world(regroup, checkpoint_step=ckpt.step if ckpt is not None else None,
@@ -165,8 +165,8 @@ class Regrouping:
                             "%d here: start `undying run --node-rank I --manager ...` on a host",
                             config.job_id, ckpt.step, ckpt.url, config.fewest_nodes, len(nodes))
             return
-        # The one planner: every rank of the new world loads this checkpoint; the steps after
-        # it are re-run.
+        # The one planner: every rank of the new world loads this checkpoint;
+        # the steps after it are re-run.
         start = plan_regroup(members=sorted(regroup.members), newest=regroup.step,
                              sharded=self.checkpoints.sharded,
                              checkpoint=PersistedState(ckpt.step, path=ckpt.url))
@@ -241,12 +241,12 @@ class Regrouping:
             self.recoveries.fail(why)
 
     def member_exited(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
-        """A process ended during the regroup: a member leaving as asked, a second fault, or old
-        news."""
+        """A process ended during the regroup: a member leaving as asked,
+        a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
-        # Members leave once the state is saved; any other process of the old layout is no
-        # fault now.
+        # Members leave once the state is saved;
+        # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
             return
         cause = self.detection.cause_of(info, pid, returncode, t)
@@ -255,8 +255,8 @@ class Regrouping:
                 f"rank {info.rank} hung ({hung[2]} timeout)" if hung else
                 f"rank {info.rank} {describe_exit(returncode)}")
         if regroup.member_left(info.rank, returncode, what):
-            # A fault: an incident of the regroup's recovery, which re-plans with the members it
-            # has left.
+            # A fault: an incident of the regroup's recovery,
+            # which re-plans with the members it has left.
             kind = (IncidentKind.NODE_LOSS if lost else IncidentKind.HANG if hung
                     else IncidentKind.CRASH)
             incident = self.recoveries.new_incident(kind=kind, rank=info.rank, step=info.step + 1,

@@ -32,8 +32,8 @@ class Grow:
 
 def grow(*, elastic: bool, available: Sequence[int], trained: Sequence[int], nnodes: int,
          running: bool, recovering: bool, any_done: bool) -> Grow | None:
-    """An elastic job below MAX with a node here it does not train on grows, only while it runs
-    undisturbed.
+    """An elastic job below MAX with a node here it does not train on grows,
+    only while it runs undisturbed.
 
     A node that joins during a recovery is taken once it completed; none once a
     rank finished its last step.
@@ -61,8 +61,8 @@ class World:
 
 def waiting_for_members(regroup: Regroup, *, now: float, heartbeat_s: float,
                         all_attached: bool) -> bool:
-    """Members that have not left yet, or a restarted manager giving its agents their heartbeat to
-    come back."""
+    """Members that have not left yet,
+    or a restarted manager giving its agents their heartbeat to come back."""
     if regroup.remaining():
         return True
     return (bool(regroup.restored_at) and now - regroup.restored_at < heartbeat_s
@@ -71,8 +71,8 @@ def waiting_for_members(regroup: Regroup, *, now: float, heartbeat_s: float,
 
 def form_world(regroup: Regroup, *, checkpoint_step: int | None, checkpoint_dir: str,
                available: Sequence[int], nnodes: int, fewest: int) -> World:
-    """Every member left: start on the nodes here from the checkpoint, wait for nodes, or fail
-    saying why.
+    """Every member left: start on the nodes here from the checkpoint, wait for nodes,
+    or fail saying why.
 
     ``checkpoint_step``: the regroup's checkpoint (the members' save, else the
     newest valid one); None when there is none.

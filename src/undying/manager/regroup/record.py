@@ -51,8 +51,8 @@ SAVED_KINDS = ("regroup", "existing")
 
 
 def max_attempts(members: int, max_retries: int) -> int:
-    """Regroup generations one regroup may open: one per member it can lose, plus the link retries'
-    budget.
+    """Regroup generations one regroup may open: one per member it can lose,
+    plus the link retries' budget.
 
     Every re-plan after an exit has one member fewer, so only broken links
     (no member lost) could re-plan without end; they get ``max_retries``.
@@ -107,8 +107,8 @@ class Regroup:
         return True
 
     def group_broke(self, generation: int, what: str, grace_s: float) -> None:
-        """A member's collective failed in ``generation``: a re-plan is due after the grace, unless
-        it is stale.
+        """A member's collective failed in ``generation``: a re-plan is due after the grace,
+        unless it is stale.
 
         The exit that explains it usually arrives within the grace and makes
         the re-plan due at once; a broken link alone (or a manager restarted
@@ -126,8 +126,8 @@ class Regroup:
     # --- what to do next ----------------------------------------------------------
 
     def to_release(self) -> list[int]:
-        """Members still there after a disturbed regroup whose state is saved: they hold nothing
-        more."""
+        """Members still there after a disturbed regroup whose state is saved:
+        they hold nothing more."""
         if not self.saved or not (self.faults or self.broken) or self.waiting_since:
             return []
         return [r for r in self.remaining() if r not in self.released]
@@ -137,8 +137,8 @@ class Regroup:
                 and not self.waiting_since)
 
     def successor(self, members: list[int], step: int) -> Regroup:
-        """The next attempt: ``members`` (the live ones) renumbered; what the regroup learned is
-        kept."""
+        """The next attempt: ``members`` (the live ones) renumbered;
+        what the regroup learned is kept."""
         faults = [*self.faults, self.broken] if self.broken else list(self.faults)
         return Regroup(
             why=self.why, members={r: i for i, r in enumerate(members)},
@@ -177,8 +177,8 @@ class Regroup:
 
     @classmethod
     def from_log(cls, data: dict[str, Any], *, now: float | None = None) -> Regroup:
-        """The regroup a dead manager left under way; its checkpoint is looked for again when the
-        world forms."""
+        """The regroup a dead manager left under way;
+        its checkpoint is looked for again when the world forms."""
         return cls(
             why=str(data["why"]), members={int(r): int(m) for r, m in data["members"].items()},
             step=int(data["step"]), generation=int(data["generation"]),

@@ -52,8 +52,8 @@ class Promote:
 
 def promotions(slots: Sequence[SlotFacts], standbys: Sequence[StandbyFacts], *,
                silence_limit_s: float, closed: bool = False) -> list[Promote]:
-    """Every lost node without an agent, paired with the best standby still heard from; the longest
-    lost first.
+    """Every lost node without an agent, paired with the best standby still heard from;
+    the longest lost first.
 
     ``silence_limit_s``: a standby silent this long (a host cut off) is passed
     over; the server drops it. ``closed``: the job is over, nothing moves.

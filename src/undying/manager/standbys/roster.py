@@ -1,5 +1,5 @@
-"""The manager's side of warm standby agents: parked connections, each waiting to be given a lost
-node.
+"""The manager's side of warm standby agents: parked connections,
+each waiting to be given a lost node.
 
 A standby's agent joins with ``node`` = ``STANDBY_NODE``. It is checked as any
 agent is (token, job, flags), told ``StandbyParked`` with what its zygote
@@ -91,8 +91,8 @@ class Standbys:
 
     async def park(self, join: AgentJoin, writer: asyncio.StreamWriter,
                    check: Callable[[AgentJoin], str], welcome: StandbyParked) -> Parked | None:
-        """A standby's join, checked as a node's would be (any node number): refused, or parked and
-        told so."""
+        """A standby's join, checked as a node's would be (any node number): refused,
+        or parked and told so."""
         refusal = check(msgspec.structs.replace(join, node=0))
         if refusal:
             log.warning("refused a standby agent from %s: %s", join.host, refusal)
@@ -108,8 +108,8 @@ class Standbys:
         return parked
 
     async def serve(self, parked: Parked, reader: asyncio.StreamReader, line_limit: int) -> bytes:
-        """Its beats until it is given a node; returns the first line it sent as the node's agent
-        (b"": gone)."""
+        """Its beats until it is given a node;
+        returns the first line it sent as the node's agent (b"": gone)."""
         try:
             while parked.seated is None:
                 line = await read_line(reader, line_limit)
@@ -139,8 +139,8 @@ class Standbys:
                                          "why": why})
 
     def beat(self, line: bytes, silence_limit_s: float) -> None:
-        """The manager's beat to every parked standby; one silent past the limit (while the manager
-        ran) is dropped."""
+        """The manager's beat to every parked standby; one silent past the limit
+        (while the manager ran) is dropped."""
         for parked in list(self.parked.values()):
             silent = self.clock.silent_s(parked.heard)
             if silent > silence_limit_s:

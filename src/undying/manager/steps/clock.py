@@ -49,8 +49,8 @@ class StepClock:
         self.job_steps.reset(world_size)
 
     def reported(self, phase: str, detail: Mapping[str, Any]) -> None:
-        """A rank's progress report: rank 0's plan of steps is kept (others are no concern of the
-        clock)."""
+        """A rank's progress report: rank 0's plan of steps is kept
+        (others are no concern of the clock)."""
         if phase == PLAN_EVENT:
             self.plan = Plan.from_detail(detail) or self.plan
 

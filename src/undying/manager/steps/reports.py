@@ -45,8 +45,8 @@ NumberRow = tuple[int, int, int, float, dict[str, float]]
 
 
 class History(Protocol):
-    """The run's history the status page charts (``views.RunHistory``): what it is told of the
-    steps."""
+    """The run's history the status page charts (``views.RunHistory``):
+    what it is told of the steps."""
 
     def commits(self, rows: list[NumberRow], world_size: int) -> None: ...
 
@@ -57,8 +57,8 @@ class History(Protocol):
 
 
 class StepReports:
-    """Each worker's report of its steps, to the parts it concerns (``finish``: ranks done, the
-    job's end)."""
+    """Each worker's report of its steps, to the parts it concerns (``finish``: ranks done,
+    the job's end)."""
 
     def __init__(self, core: JobCore, *, history: History, checkpoints: Checkpoints,
                  recoveries: Recoveries, detection: Detection, regrouping: Regrouping,

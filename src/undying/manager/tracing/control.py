@@ -1,5 +1,5 @@
-"""The job's trace switch and what the traces find: every rank follows one switch; slow ranks become
-incidents.
+"""The job's trace switch and what the traces find: every rank follows one switch;
+slow ranks become incidents.
 
 The switch changes while the job runs (``undying trace on|off [--comm]``, the
 API, or a switch file); the agents pass it on to their ranks at once. The comm
@@ -51,8 +51,8 @@ class TraceControl:
                         comm_from_step=self.comm_from_step)
 
     def _comm_switch_step(self) -> int:
-        """The step from which every rank's DDP has (or drops) the comm hook: far enough ahead to
-        hear of it.
+        """The step from which every rank's DDP has (or drops) the comm hook:
+        far enough ahead to hear of it.
 
         Ranks of a synchronous job are within a step or two of the newest
         commit; the switch reaches them in milliseconds. Half a second of steps
@@ -103,14 +103,14 @@ class TraceControl:
         return {**self.switch.to_dict(), "error": self.error, "comm_from_step": self.comm_from_step}
 
     def on_summary(self, message: TraceSummary) -> None:
-        """A rank's window of step phases; slow-rank detection runs on them (no raw records
-        here)."""
+        """A rank's window of step phases; slow-rank detection runs on them
+        (no raw records here)."""
         for finding in self._detector.add(message.summary):
             self._on_slow(finding)
 
     def _on_slow(self, finding: Finding) -> None:
-        """A slow rank or node: an incident to see and act on; nothing is recovered, the job trains
-        on."""
+        """A slow rank or node: an incident to see and act on; nothing is recovered,
+        the job trains on."""
         core = self.core
         now = time.time()
         incident = Incident(
