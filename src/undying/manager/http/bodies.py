@@ -142,7 +142,8 @@ class Malformed(Exception):
 
 
 def inject_fields(
-        body: dict[str, Any]) -> tuple[str, int, int | None, str | None, str | None, float | None]:
+    body: dict[str, Any],
+) -> tuple[str, int, int | None, str | None, str | None, float | None]:
     """The inject request's fields, each checked on its own; ``Malformed`` names the first bad one.
 
     Strict on purpose: ``int()`` would quietly turn a rank of 1.7 into 1 and

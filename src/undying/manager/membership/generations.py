@@ -85,8 +85,8 @@ class Generations:
 
     def _announce(self, generation: int, world_size: int, reason: str, *, members: dict[int, int],
                   purpose: str) -> GenerationRecord:
-        assert self._control is not None and self._stores is not None, \
-            "the job's stores are not served yet"
+        assert self._control is not None and self._stores is not None, (
+            "the job's stores are not served yet")
         store = self._stores.open(generation_store(generation))
         self._open[generation] = store
         record = GenerationRecord(generation=generation, world_size=world_size,
