@@ -68,8 +68,9 @@ class Grace:
         return kubernetes_grace_s(self.gasp_s)
 
     def explain(self) -> str:
-        return (f"terminationGracePeriodSeconds {self.kubernetes_s} = dying-gasp budget {_num(self.gasp_s)} s "
-                f"x {K8S_FACTOR:g} + {K8S_EXTRA_S:g} s; the budget: {self.basis}")
+        return (f"terminationGracePeriodSeconds {self.kubernetes_s} = dying-gasp budget "
+                f"{_num(self.gasp_s)} s x {K8S_FACTOR:g} + {K8S_EXTRA_S:g} s; "
+                f"the budget: {self.basis}")
 
 
 def from_seconds(seconds: float) -> Grace:
@@ -80,37 +81,44 @@ def from_seconds(seconds: float) -> Grace:
 
 def default() -> Grace:
     return Grace(DEFAULT_GASP_S, False,
-                 f"NOT MEASURED: a default of {DEFAULT_GASP_S:g} s; size it with --from-job-dir DIR (a previous "
-                 "run with checkpoints) or --grace-period SECONDS")
+                 f"NOT MEASURED: a default of {DEFAULT_GASP_S:g} s; size it with --from-job-dir "
+                 "DIR (a previous run with checkpoints) or --grace-period SECONDS")
 
 
 def from_job_dir(job_dir: str | Path) -> Grace:
     """The budget a previous run of this job measured, read from ``<job_dir>/events.db``."""
     path = Path(job_dir)
     if not path.is_dir():
-        raise UsageError(f"--from-job-dir {job_dir}: no such folder; pass the --job-dir of a previous run")
+        raise UsageError(f"--from-job-dir {job_dir}: no such folder; pass the --job-dir of a "
+                         "previous run")
     with LogReader(path / "events.db") as reader:
         try:
             job = reader.job()
             saves: list[Any] = [e.data for e in reader.events("checkpoint_saved")]
             commits = [(c.rank, c.step, c.t) for c in reader.commits()]
-        except Exception as e:  # a file that is no event log, one of another schema, a value that is no JSON
-            raise UsageError(f"--from-job-dir {job_dir}: cannot read {path / 'events.db'}: {e}") from None
+        # a file that is no event log, one of another schema, a value that is no JSON
+        except Exception as e:
+            raise UsageError(f"--from-job-dir {job_dir}: cannot read {path / 'events.db'}: "
+                             f"{e}") from None
     return _estimate(job, saves, commits, str(path / "events.db"))
 
 
-def _estimate(job: dict[str, Any], saves: list[Any], commits: list[tuple[int, int, float]], where: str) -> Grace:
+def _estimate(job: dict[str, Any], saves: list[Any], commits: list[tuple[int, int, float]],
+              where: str) -> Grace:
     writes = [(int(s["bytes"]), float(s["write_s"])) for s in saves
-              if isinstance(s, dict) and not s.get("error") and _positive(s.get("bytes")) and _positive(s.get("write_s"))]
+              if isinstance(s, dict) and not s.get("error") and _positive(s.get("bytes"))
+              and _positive(s.get("write_s"))]
     last = job.get("last_checkpoint")
-    if not writes and isinstance(last, dict) and _positive(last.get("bytes")) and _positive(last.get("write_s")):
+    if (not writes and isinstance(last, dict) and _positive(last.get("bytes"))
+            and _positive(last.get("write_s"))):
         writes = [(int(last["bytes"]), float(last["write_s"]))]
     preemption = job.get("preemption") if isinstance(job.get("preemption"), dict) else None
     took = preemption.get("sigterm_to_exit_s") if preemption else None
     if not writes and not _positive(took):
         raise UsageError(
-            f"--from-job-dir: {where} holds no checkpoint write and no dying gasp to size the grace period "
-            "from; run the job with --save-every or --save-interval first, or pass --grace-period SECONDS")
+            f"--from-job-dir: {where} holds no checkpoint write and no dying gasp to size the "
+            "grace period from; run the job with --save-every or --save-interval first, or pass "
+            "--grace-period SECONDS")
     step_s = _slowest_recent_step(commits)
     parts = []
     gasp = 0.0
@@ -119,12 +127,14 @@ def _estimate(job: dict[str, Any], saves: list[Any], commits: list[tuple[int, in
         speed = min(b / s for b, s in writes)
         m = Measurement(size, speed, f"slowest of {len(writes)} checkpoint write(s)")
         gasp = m.grace_period_s() + 2 * step_s
-        parts.append(f"{size} bytes at {speed / 1e6:.1f} MB/s ({m.source}): write {m.write_s:.3f} s, x2, "
-                     f"at least 5 s, plus 2 steps of {step_s:.3f} s = {gasp:.1f} s")
+        parts.append(f"{size} bytes at {speed / 1e6:.1f} MB/s ({m.source}): "
+                     f"write {m.write_s:.3f} s, x2, at least 5 s, plus 2 steps of {step_s:.3f} s "
+                     f"= {gasp:.1f} s")
     if _positive(took):
         assert took is not None
         doubled = max(5.0, 2 * float(took))
-        parts.append(f"a dying gasp took {float(took):.3f} s from SIGTERM to exit, x2, at least 5 s = {doubled:.1f} s")
+        parts.append(f"a dying gasp took {float(took):.3f} s from SIGTERM to exit, x2, "
+                     f"at least 5 s = {doubled:.1f} s")
         gasp = max(gasp, doubled)
     basis = f"measured in {where}: " + "; ".join(parts) + (
         f"; the larger, {_num(_ceil_tenth(gasp))} s" if len(parts) > 1 else "")
@@ -132,7 +142,8 @@ def _estimate(job: dict[str, Any], saves: list[Any], commits: list[tuple[int, in
 
 
 def _slowest_recent_step(commits: list[tuple[int, int, float]]) -> float:
-    """The manager's figure: the slowest of the recent intervals between a rank's consecutive commits."""
+    """The manager's figure:
+    the slowest of the recent intervals between a rank's consecutive commits."""
     last: dict[int, tuple[int, float]] = {}
     intervals: list[float] = []
     for rank, step, t in commits:
@@ -144,7 +155,8 @@ def _slowest_recent_step(commits: list[tuple[int, int, float]]) -> float:
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 def _ceil_tenth(seconds: float) -> float:

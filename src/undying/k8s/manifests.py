@@ -114,34 +114,40 @@ def secret(spec: Spec) -> Manifest:
            "type": "Opaque", "stringData": {TOKEN_KEY: token}}
     return Manifest("00-secret.yaml", (
         "The job's token: the manager's API refuses requests without it; agents present it.",
-        "Generated now. Apply it once: regenerating makes a new token that the running manager does not know.",
+        "Generated now. Apply it once: regenerating makes a new token that the running manager "
+        "does not know.",
     ), obj)
 
 
 def trace_configmap(spec: Spec) -> Manifest:
     step = "on" if spec.trace in ("on", "comm") else "off"
     comm = "on" if spec.trace == "comm" else "off"
-    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, spec.trace_configmap, "trace"),
-           "data": {posixpath.basename(TRACE_SWITCH_FILE): f'{{"step": "{step}", "comm": "{comm}"}}'}}
+    switch = f'{{"step": "{step}", "comm": "{comm}"}}'
+    obj = {"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": _meta(spec, spec.trace_configmap, "trace"),
+           "data": {posixpath.basename(TRACE_SWITCH_FILE): switch}}
     return Manifest("01-trace-configmap.yaml", (
-        f"The trace switch, mounted in every worker at {TRACE_MOUNT}/ (a directory mount: no subPath,",
-        f"which the kubelet never updates). `kubectl edit configmap {spec.trace_configmap}` reaches the",
+        f"The trace switch, mounted in every worker at {TRACE_MOUNT}/ "
+        "(a directory mount: no subPath,",
+        "which the kubelet never updates). "
+        f"`kubectl edit configmap {spec.trace_configmap}` reaches the",
         "agents within the kubelet's sync period (about a minute).",
     ), obj)
 
 
 def manager_service(spec: Spec) -> Manifest:
-    obj = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, spec.manager_name, "manager"),
+    obj = {"apiVersion": "v1", "kind": "Service",
+           "metadata": _meta(spec, spec.manager_name, "manager"),
            "spec": {"selector": _labels(spec, "manager"), "ports": [
                {"name": "agent", "port": spec.port, "targetPort": "agent"},
                {"name": "store", "port": spec.store_port, "targetPort": "store"},
                {"name": "http", "port": spec.http_port, "targetPort": "http"},
            ]}}
     return Manifest("02-manager-service.yaml", (
-        f"The manager's ports: agents join at {spec.port}, workers rendezvous through the c10d store at "
-        f"{spec.store_port},",
-        f"the HTTP API and status page at {spec.http_port} (kubectl port-forward svc/{spec.manager_name} "
-        f"{spec.http_port}).",
+        f"The manager's ports: agents join at {spec.port}, workers rendezvous through the c10d "
+        f"store at {spec.store_port},",
+        f"the HTTP API and status page at {spec.http_port} "
+        f"(kubectl port-forward svc/{spec.manager_name} {spec.http_port}).",
     ), obj)
 
 
@@ -153,7 +159,8 @@ def _manager_pod_spec(spec: Spec) -> dict[str, Any]:
     if spec.checkpoint_pvc:  # the manager looks for the latest valid checkpoint itself
         mounts.append({"name": "ckpt", "mountPath": CKPT_MOUNT})
         volumes.append(_checkpoint_volume(spec))
-    resources = {"requests": {k: v for k, v in (("cpu", spec.manager_cpu), ("memory", spec.manager_memory)) if v}}
+    asked = (("cpu", spec.manager_cpu), ("memory", spec.manager_memory))
+    resources = {"requests": {k: v for k, v in asked if v}}
     container = {
         "name": MANAGER_CONTAINER, **_image(spec), "command": spec.manager_argv(),
         "env": [_token_env(spec), {"name": "PYTHONUNBUFFERED", "value": "1"}],
@@ -167,7 +174,8 @@ def _manager_pod_spec(spec: Spec) -> dict[str, Any]:
     }
     if resources["requests"]:
         container["resources"] = resources
-    return {"terminationGracePeriodSeconds": spec.grace.kubernetes_s, "automountServiceAccountToken": False,
+    return {"terminationGracePeriodSeconds": spec.grace.kubernetes_s,
+            "automountServiceAccountToken": False,
             "containers": [container], "volumes": volumes}
 
 
@@ -175,25 +183,29 @@ def manager(spec: Spec) -> Manifest:
     pod_spec = _manager_pod_spec(spec)
     comments = [
         "The manager: SIGTERM to it (deleting or draining it) preempts the whole job: every rank",
-        "finishes its step and a dying-gasp checkpoint is written, so its grace period is the workers'.",
+        "finishes its step and a dying-gasp checkpoint is written, so its grace period is "
+        "the workers'.",
         spec.grace.explain(),
     ]
     if not spec.job_pvc:
-        comments.append("WARNING: the job dir (/job, the SQLite event log) is an emptyDir: a manager pod that "
-                        "is replaced starts a new log; pass --job-pvc NAME to keep it.")
+        comments.append("WARNING: the job dir (/job, the SQLite event log) is an emptyDir: "
+                        "a manager pod that is replaced starts a new log; pass --job-pvc NAME "
+                        "to keep it.")
     if spec.manager_kind == "pod":
         pod_spec = {"restartPolicy": "OnFailure", **pod_spec}
-        obj = {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(spec, spec.manager_name, "manager"),
-               "spec": pod_spec}
-        comments.append("A bare Pod: restarted in place on failure, stays Completed when the job ends, "
-                        "but is not rescheduled if its node is lost.")
+        obj = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": _meta(spec, spec.manager_name, "manager"), "spec": pod_spec}
+        comments.append("A bare Pod: restarted in place on failure, stays Completed when the job "
+                        "ends, but is not rescheduled if its node is lost.")
     else:
         labels = _labels(spec, "manager")
-        obj = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, spec.manager_name, "manager"),
+        obj = {"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": _meta(spec, spec.manager_name, "manager"),
                "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                         "selector": {"matchLabels": labels},
                         "template": {"metadata": {"labels": labels}, "spec": pod_spec}}}
-        comments.append("A Deployment of one, Recreate: rescheduled when its node is lost, and never two at once.")
+        comments.append("A Deployment of one, Recreate: rescheduled when its node is lost, "
+                        "and never two at once.")
     return Manifest("03-manager.yaml", tuple(comments), obj)
 
 
@@ -204,7 +216,8 @@ def workers(spec: Spec) -> Manifest:
     volumes: list[dict[str, Any]] = [
         {"name": "trace-switch", "configMap": {"name": spec.trace_configmap}},
         {"name": "job", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", **({"sizeLimit": spec.shm_size} if spec.shm_size else {})}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                      **({"sizeLimit": spec.shm_size} if spec.shm_size else {})}},
     ]
     if not spec.checkpoint_url:
         mounts.append({"name": "ckpt", "mountPath": CKPT_MOUNT})
@@ -222,7 +235,8 @@ def workers(spec: Spec) -> Manifest:
             # The Job controller sets this too on Kubernetes >= 1.22; declared here so that
             # $(JOB_COMPLETION_INDEX) in the command expands on every version with indexed Jobs.
             {"name": "JOB_COMPLETION_INDEX",
-             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
+             "valueFrom": {"fieldRef": {
+                 "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
             _token_env(spec),
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ],
@@ -231,11 +245,14 @@ def workers(spec: Spec) -> Manifest:
     }
     if limits:
         container["resources"] = {"limits": limits, **({"requests": requests} if requests else {})}
-    pod_spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": spec.grace.kubernetes_s,
-                "automountServiceAccountToken": False, "containers": [container], "volumes": volumes}
+    pod_spec = {"restartPolicy": "Never",
+                "terminationGracePeriodSeconds": spec.grace.kubernetes_s,
+                "automountServiceAccountToken": False, "containers": [container],
+                "volumes": volumes}
     exit_rule = {"containerName": AGENT_CONTAINER, "operator": "In"}
     obj = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(spec, spec.workers_name, "worker"),
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": _meta(spec, spec.workers_name, "worker"),
         "spec": {
             "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes,
             "backoffLimitPerIndex": spec.node_retries, "maxFailedIndexes": 0,
@@ -243,31 +260,39 @@ def workers(spec: Spec) -> Manifest:
             "podFailurePolicy": {"rules": [
                 {"action": "FailJob", "onExitCodes": {**exit_rule, "values": [EXIT_USAGE]}},
                 {"action": "Ignore", "onExitCodes": {**exit_rule, "values": [EXIT_PREEMPTED]}},
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "Ignore",
+                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
             "template": {"metadata": {"labels": _labels(spec, "worker")}, "spec": pod_spec},
         },
     }
     comments = [
         f"The workers: {spec.nodes} pods, one agent each, node rank = the pod's completion index.",
-        "restartPolicy Never: a failed agent's pod is replaced by a new one with the same index, which joins",
-        f"as that node's replacement (at most {spec.node_retries} times per index, then the Job fails).",
-        "podFailurePolicy: exit 2 (the manager refused the agent: token, flags) fails the Job at once;",
-        "exit 75 (preempted, checkpoint written) and evictions/drains are retried without counting.",
-        "preStop: SIGTERM to the agent (PID 1) starts its dying gasp; the hook waits until it exits.",
+        "restartPolicy Never: a failed agent's pod is replaced by a new one with the same index, "
+        "which joins",
+        f"as that node's replacement (at most {spec.node_retries} times per index, "
+        "then the Job fails).",
+        "podFailurePolicy: exit 2 (the manager refused the agent: token, flags) fails the Job "
+        "at once;",
+        "exit 75 (preempted, checkpoint written) and evictions/drains are retried without "
+        "counting.",
+        "preStop: SIGTERM to the agent (PID 1) starts its dying gasp; the hook waits until it "
+        "exits.",
         spec.grace.explain(),
     ]
     if spec.checkpoint_url:
-        comments.append(f"Checkpoints go to {spec.checkpoint_url} (fsspec); credentials are the image's "
-                        "or the cluster's business.")
+        comments.append(f"Checkpoints go to {spec.checkpoint_url} (fsspec); credentials are the "
+                        "image's or the cluster's business.")
     elif not spec.checkpoint_pvc:
-        comments.append(f"WARNING: checkpoints ({CKPT_MOUNT}) are in an emptyDir: a preemption's dying-gasp "
-                        "checkpoint dies with its pod; pass --checkpoint-pvc NAME (ReadWriteMany).")
+        comments.append(f"WARNING: checkpoints ({CKPT_MOUNT}) are in an emptyDir: a preemption's "
+                        "dying-gasp checkpoint dies with its pod; pass --checkpoint-pvc NAME "
+                        "(ReadWriteMany).")
     return Manifest("04-workers.yaml", tuple(comments), obj)
 
 
 def build(spec: Spec) -> list[Manifest]:
-    """Every object of the job, in the order to apply them (as `kubectl apply -f DIR` sorts the files)."""
+    """Every object of the job, in the order to apply them
+    (as `kubectl apply -f DIR` sorts the files)."""
     spec.check()
     out = [] if spec.token_secret else [secret(spec)]
     return out + [trace_configmap(spec), manager_service(spec), manager(spec), workers(spec)]

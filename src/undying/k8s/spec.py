@@ -1,4 +1,5 @@
-"""What `undying k8s` is asked for (``Spec``), the commands its pods run, and what a cluster would refuse.
+"""What `undying k8s` is asked for (``Spec``), the commands its pods run,
+and what a cluster would refuse.
 
 ``Spec.check`` refuses, in one line each, what Kubernetes or ``undying run``
 would refuse later in a pod: a job id that is no DNS label, a bad quantity or
@@ -114,26 +115,32 @@ class Spec:
         if self.nodes < 1:
             raise UsageError(f"--nodes must be at least 1, got {self.nodes}")
         if not 0 <= self.min_nodes <= self.nodes:
-            raise UsageError(f"--min-nodes must be between 1 and --nodes ({self.nodes}), got {self.min_nodes}")
+            raise UsageError(f"--min-nodes must be between 1 and --nodes ({self.nodes}), "
+                             f"got {self.min_nodes}")
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if not self.image or any(c.isspace() for c in self.image):
             raise UsageError(f"--image must be an image reference without spaces (e.g. "
                              f"registry.example.com/train:1.0), got {self.image!r}")
         if not self.command:
-            raise UsageError("no training script: end the command with -- SCRIPT [ARGS], e.g. -- train.py --lr 0.1")
+            raise UsageError("no training script: end the command with -- SCRIPT [ARGS], "
+                             "e.g. -- train.py --lr 0.1")
         if self.namespace:
             _check_name("--namespace", self.namespace, label=True)
-        for flag, name in (("--token-secret", self.token_secret), ("--checkpoint-pvc", self.checkpoint_pvc),
+        for flag, name in (("--token-secret", self.token_secret),
+                           ("--checkpoint-pvc", self.checkpoint_pvc),
                            ("--job-pvc", self.job_pvc)):
             if name:
                 _check_name(flag, name, label=False)
         if self.checkpoint_pvc and self.checkpoint_url:
-            raise UsageError("--checkpoint-pvc and --checkpoint-dir both say where checkpoints go: pass one")
-        for flag, q in (("--cpu", self.cpu), ("--memory", self.memory), ("--shm-size", self.shm_size),
-                        ("--manager-cpu", self.manager_cpu), ("--manager-memory", self.manager_memory)):
+            raise UsageError("--checkpoint-pvc and --checkpoint-dir both say where checkpoints go: "
+                             "pass one")
+        for flag, q in (("--cpu", self.cpu), ("--memory", self.memory),
+                        ("--shm-size", self.shm_size), ("--manager-cpu", self.manager_cpu),
+                        ("--manager-memory", self.manager_memory)):
             if q and not _QUANTITY.fullmatch(q):
-                raise UsageError(f"{flag}: {q!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi, 1.5)")
+                raise UsageError(f"{flag}: {q!r} is not a Kubernetes quantity "
+                                 "(e.g. 4, 500m, 16Gi, 1.5)")
         if self.gpus < 0:
             raise UsageError(f"--gpus must be 0 or more, got {self.gpus}")
         if self.effective_backend == "nccl" and self.gpus < self.nproc_per_node:
@@ -141,7 +148,8 @@ class Spec:
                 f"--backend nccl needs a GPU per rank: --gpus {self.gpus} for --nproc-per-node "
                 f"{self.nproc_per_node}; raise --gpus or use --backend gloo")
         if not 1 <= self.port <= 65533:
-            raise UsageError(f"--port must be 1..65533 (the store and HTTP API use the next two), got {self.port}")
+            raise UsageError("--port must be 1..65533 (the store and HTTP API use the next two), "
+                             f"got {self.port}")
         if self.node_retries < 0:
             raise UsageError(f"--node-retries must be 0 or more, got {self.node_retries}")
         if self.manager_kind not in ("deployment", "pod"):
@@ -149,25 +157,29 @@ class Spec:
         for arg in self.run_args:
             flag = arg.split("=", 1)[0]
             if _owned(flag):
-                raise UsageError(f"--run-args: {flag} is set by undying k8s itself; use its own option "
-                                 "(see undying k8s --help)")
+                raise UsageError(f"--run-args: {flag} is set by undying k8s itself; "
+                                 "use its own option (see undying k8s --help)")
         _check_run_argv(self.worker_argv(node_rank="0"))
 
     # --- commands -----------------------------------------------------------
 
     def manager_argv(self) -> list[str]:
-        argv = ["undying", "manager", "--job-id", self.job_id, "--host", "0.0.0.0", "--port", str(self.port),
-                "--http-port", str(self.http_port), "--job-dir", JOB_DIR]
+        argv = ["undying", "manager", "--job-id", self.job_id, "--host", "0.0.0.0",
+                "--port", str(self.port), "--http-port", str(self.http_port),
+                "--job-dir", JOB_DIR]
         return argv + (["--open-status"] if self.open_status else [])
 
     def worker_argv(self, node_rank: str = "$(JOB_COMPLETION_INDEX)") -> list[str]:
-        nnodes = f"{self.min_nodes}:{self.nodes}" if 0 < self.min_nodes < self.nodes else str(self.nodes)
+        elastic = 0 < self.min_nodes < self.nodes
+        nnodes = f"{self.min_nodes}:{self.nodes}" if elastic else str(self.nodes)
         argv = ["undying", "run", "--nnodes", nnodes, "--node-rank", node_rank,
                 "--manager", f"{self.manager_name}:{self.port}", "-n", str(self.nproc_per_node),
-                "--job-id", self.job_id, "--job-dir", JOB_DIR, "--trace-switch-file", TRACE_SWITCH_FILE,
+                "--job-id", self.job_id, "--job-dir", JOB_DIR,
+                "--trace-switch-file", TRACE_SWITCH_FILE,
                 "--trace", self.trace, "--checkpoint-dir", self.checkpoint_dir,
                 "--grace-period", f"{self.grace.gasp_s:g}", "--backend", self.effective_backend,
-                "--keep", str(self.keep), "--spares", str(self.spares), "--max-restarts", str(self.max_restarts)]
+                "--keep", str(self.keep), "--spares", str(self.spares),
+                "--max-restarts", str(self.max_restarts)]
         if self.save_every:
             argv += ["--save-every", str(self.save_every)]
         if self.save_interval:
@@ -188,28 +200,34 @@ def validate_job_id(job_id: str) -> None:
         raise UsageError(f"{what} is {len(job_id)} characters; at most {_MAX_JOB_ID}, so that "
                          f"'{job_id[:8]}...{_SUFFIX}' stays a 63-character DNS label")
     if job_id != job_id.lower() and _DNS_LABEL.fullmatch(job_id.lower()):
-        raise UsageError(f"{what} has upper-case letters; Kubernetes names are lower case: {job_id.lower()!r}")
-    bad = sorted({c for c in job_id if not (c.islower() or c.isdigit() or c == "-") or not c.isascii()})
+        raise UsageError(f"{what} has upper-case letters; Kubernetes names are lower case: "
+                         f"{job_id.lower()!r}")
+    bad = sorted({c for c in job_id
+                  if not (c.islower() or c.isdigit() or c == "-") or not c.isascii()})
     if bad:
-        raise UsageError(f"{what} contains {' '.join(repr(c) for c in bad)}; use only lower-case letters, "
-                         "digits and '-' (a DNS-1123 label)")
+        raise UsageError(f"{what} contains {' '.join(repr(c) for c in bad)}; "
+                         "use only lower-case letters, digits and '-' (a DNS-1123 label)")
     if not job_id[0].isalpha():
-        raise UsageError(f"{what} must start with a letter: its Service '{job_id}-manager' is a DNS-1035 label")
+        raise UsageError(f"{what} must start with a letter: its Service '{job_id}-manager' "
+                         "is a DNS-1035 label")
     if job_id.endswith("-"):
         raise UsageError(f"{what} must end with a letter or digit (a DNS-1123 label)")
 
 
 def _check_name(flag: str, name: str, *, label: bool) -> None:
-    pattern, kind, limit = (_DNS_LABEL, "DNS-1123 label", 63) if label else (_DNS_SUBDOMAIN, "DNS-1123 subdomain", 253)
+    pattern, kind, limit = ((_DNS_LABEL, "DNS-1123 label", 63) if label
+                            else (_DNS_SUBDOMAIN, "DNS-1123 subdomain", 253))
     if len(name) > limit or not pattern.fullmatch(name):
-        raise UsageError(f"{flag} {name!r} is not a valid Kubernetes name ({kind}: lower-case letters, digits "
-                         f"and '-'{'' if label else ' or .'}, starting and ending with a letter or digit, at most {limit})")
+        raise UsageError(f"{flag} {name!r} is not a valid Kubernetes name ({kind}: lower-case "
+                         f"letters, digits and '-'{'' if label else ' or .'}, starting and ending "
+                         f"with a letter or digit, at most {limit})")
 
 
 def _owned(flag: str) -> bool:
     """Whether FLAG sets what the manifests set, abbreviations (which argparse accepts) included."""
     if flag.startswith("--"):
-        return len(flag) > 2 and any(o.startswith(flag) for o in _OWNED_RUN_FLAGS if o.startswith("--"))
+        return len(flag) > 2 and any(o.startswith(flag) for o in _OWNED_RUN_FLAGS
+                                     if o.startswith("--"))
     return flag.startswith("-n")  # -n, -n4
 
 
@@ -219,13 +237,16 @@ class _Refuse(argparse.ArgumentParser):
 
 
 def _check_run_argv(argv: list[str]) -> None:
-    """Parse the agents' command with `undying run`'s own parser: a bad --run-args fails here, not in the pod."""
+    """Parse the agents' command with `undying run`'s own parser: a bad --run-args fails here,
+    not in the pod."""
     from undying.cli import run  # the real parser, so the two can never disagree
 
     parser = _Refuse(prog="undying", add_help=False)
     # The subparser is a _Refuse too (add_subparsers makes its parsers of the parent's class).
-    run.add_parser(cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser.add_subparsers(dest="command")))
+    subparsers = parser.add_subparsers(dest="command")
+    run.add_parser(cast("argparse._SubParsersAction[argparse.ArgumentParser]", subparsers))
     try:
         parser.parse_args(argv[1:])
     except UsageError as e:
-        raise UsageError(f"the agents' command would be refused by `undying run`: {e}; check --run-args") from None
+        raise UsageError(f"the agents' command would be refused by `undying run`: {e}; "
+                         "check --run-args") from None

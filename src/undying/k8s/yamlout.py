@@ -37,7 +37,8 @@ def scalar(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        raise TypeError(f"floats are not written to manifests (got {value!r}); use a string or an int")
+        raise TypeError(f"floats are not written to manifests (got {value!r}); "
+                        "use a string or an int")
     if isinstance(value, str):
         if _PLAIN.fullmatch(value) and value.lower() not in _RESERVED:
             return value
@@ -90,7 +91,8 @@ def dump(doc: Mapping[str, Any], comments: Sequence[str] = ()) -> str:
     return "\n".join([*head, *_lines(doc, 0)]) + "\n"
 
 
-def dump_all(docs: Sequence[tuple[Mapping[str, Any], Sequence[str]]], header: Sequence[str] = ()) -> str:
+def dump_all(docs: Sequence[tuple[Mapping[str, Any], Sequence[str]]],
+             header: Sequence[str] = ()) -> str:
     """Several documents separated by ``---``, with a header comment at the top."""
     parts = [f"# {line}".rstrip() + "\n" for h in header for line in h.splitlines()]
     for i, (doc, comments) in enumerate(docs):

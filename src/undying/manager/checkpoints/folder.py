@@ -1,4 +1,5 @@
-"""The job's persisted checkpoints as the manager sees them: where to resume, what was saved, how fast.
+"""The job's persisted checkpoints as the manager sees them: where to resume,
+what was saved, how fast.
 
 The manager reads the checkpoint directory only for two answers (the newest
 valid checkpoint to start or restart from, with every newer one it skipped
@@ -52,10 +53,11 @@ class Checkpoints:
         self._reowning: asyncio.Task[None] | None = None
 
     def own(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hold the checkpoint dir for the job's life, or raise DirInUseError (one line) naming its owner.
+        """Hold the checkpoint dir for the job's life, or raise DirInUseError
+        (one line) naming its owner.
 
-        Released with the job dir's (``JobDir.clear_manager``) when the job is over, else when this process
-        ends. Losing it later (another process holds its lock: a stranger replaced
+        Released with the job dir's (``JobDir.clear_manager``) when the job is over, else when this
+        process ends. Losing it later (another process holds its lock: a stranger replaced
         the file, or a URL lease ran out while this process was stopped) fails
         the job: its next save could land beside another job's.
         """
@@ -67,7 +69,8 @@ class Checkpoints:
         self.owned = True
 
     async def take_dir(self) -> None:
-        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here, on the loop, and raised."""
+        """``own`` off the loop (a URL lease takes a moment); a refusal is logged here,
+        on the loop, and raised."""
         try:
             await asyncio.to_thread(self.own, asyncio.get_running_loop())
         except UsageError as e:
@@ -76,9 +79,9 @@ class Checkpoints:
             raise
 
     def reown(self) -> None:
-        """A restarted manager takes its checkpoint dir back, in the background: the lease of its predecessor
-        on another host may take up to a minute to go stale, and the agents reconnect meanwhile. Another job
-        holding the folder now fails this one, with the reason."""
+        """A restarted manager takes its checkpoint dir back, in the background: the lease of its
+        predecessor on another host may take up to a minute to go stale, and the agents reconnect
+        meanwhile. Another job holding the folder now fails this one, with the reason."""
         async def take() -> None:
             try:
                 await self.take_dir()
@@ -89,8 +92,8 @@ class Checkpoints:
 
     def _lost(self, reason: str) -> None:
         self.core.events.event("checkpoint_dir_lost", path=self.dir, reason=reason)
-        self.core.fail(f"checkpoint dir {self.dir} lost: {reason}; the job stops before it writes beside another "
-                       "job's checkpoints")
+        self.core.fail(f"checkpoint dir {self.dir} lost: {reason}; the job stops before it writes "
+                       "beside another job's checkpoints")
 
     @property
     def sharded(self) -> bool:
@@ -115,7 +118,8 @@ class Checkpoints:
         return found.checkpoint
 
     async def find_resume_point(self) -> Checkpoint | None:
-        """Where a starting job begins: the newest valid checkpoint of this job, or None (step 1)."""
+        """Where a starting job begins: the newest valid checkpoint of this job,
+        or None (step 1)."""
         config, events = self.core.config, self.core.events
         await self.take_dir()
         ckpt = await asyncio.to_thread(self.latest)
@@ -126,8 +130,9 @@ class Checkpoints:
                 # fixing.
                 reasons = "; ".join(f"{name}: {reason}" for name, reason in self.last_skipped)
                 error = UsageError(
-                    f"every checkpoint in {self.dir} was rejected ({reasons}); fix or move them, or pass "
-                    "--start-fresh to train from step 1 (it moves them, whole, to rejected/ there)")
+                    f"every checkpoint in {self.dir} was rejected ({reasons}); fix or move them, "
+                    "or pass --start-fresh to train from step 1 (it moves them, whole, to "
+                    "rejected/ there)")
                 events.event("checkpoints_rejected", path=self.dir,
                              rejected=[{"name": n, "reason": r} for n, r in self.last_skipped])
                 events.set_job("exit_reason", str(error), flush=True)
@@ -136,13 +141,15 @@ class Checkpoints:
                 where, moved = await asyncio.to_thread(self._set_aside_rejected)
                 if moved:
                     events.event("checkpoints_set_aside", path=where, names=moved)
-                    log.warning("job %s: --start-fresh: the %d rejected checkpoint(s) moved to %s, whole; nothing "
-                                "of this job touches them again", config.job_id, len(moved), where)
+                    log.warning("job %s: --start-fresh: the %d rejected checkpoint(s) moved to %s, "
+                                "whole; nothing of this job touches them again", config.job_id,
+                                len(moved), where)
             rerun = self._rerun(0, last)
             if rerun is not None:
                 log.warning("job %s: starting at step 1: %s", config.job_id, rerun_words(rerun))
             return None
-        try:  # another job's checkpoint: refused when --job-id named this job, else resumed and said
+        # another job's checkpoint: refused when --job-id named this job, else resumed and said
+        try:
             other_job = check_same_job(ckpt, config.job_id, config.job_id_given)
         except CheckpointOfAnotherJobError as e:
             events.event("checkpoint_refused", name=ckpt.name, path=ckpt.url, reason=str(e))
@@ -153,43 +160,50 @@ class Checkpoints:
         skipped = [{"name": n, "reason": r} for n, r in self.last_skipped]
         of_job = ckpt.manifest.job_id if ckpt.manifest is not None else ""
         rerun = self._rerun(ckpt.step, last)
-        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind, "skipped": skipped,
-                             "job_id": of_job, "rerun": rerun}
-        events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped, job_id=of_job,
-                     rerun=rerun)
+        self.resumed_from = {"step": ckpt.step, "path": ckpt.url, "kind": ckpt.kind,
+                             "skipped": skipped, "job_id": of_job, "rerun": rerun}
+        events.event("resumed", step=ckpt.step, path=ckpt.url, kind=ckpt.kind, skipped=skipped,
+                     job_id=of_job, rerun=rerun)
         events.set_job("resumed_from", self.resumed_from, flush=True)
-        log.warning("job %s: resuming from checkpoint %s (step %d, %s)%s%s", config.job_id, ckpt.url, ckpt.step,
+        log.warning("job %s: resuming from checkpoint %s (step %d, %s)%s%s", config.job_id,
+                    ckpt.url, ckpt.step,
                     ckpt.kind, "".join(f"; skipped {d['name']}: {d['reason']}" for d in skipped),
                     f"; {rerun_words(rerun)}" if rerun else "")
         return ckpt
 
     def _last_launch(self) -> tuple[int, int] | None:
-        """The newest step the last launch in this job dir committed, and the newest it saved; None: no log."""
+        """The newest step the last launch in this job dir committed,
+        and the newest it saved; None: no log."""
         logs = JobDir(Path(self.core.config.job_dir)).earlier_logs()
         if not logs:
             return None
         try:
             with LogReader(logs[-1]) as reader:
                 committed = reader.newest_step()
-                saved = max((int(e.data.get("step", 0)) for e in reader.events("checkpoint_saved")), default=0)
-        except (OSError, UsageError, LogReader.Error) as e:  # a damaged old log costs this one line, not the run
-            log.warning("job %s: the last launch's log %s cannot be read (%s)", self.core.config.job_id, logs[-1], e)
+                saved = max((int(e.data.get("step", 0))
+                             for e in reader.events("checkpoint_saved")), default=0)
+        # a damaged old log costs this one line, not the run
+        except (OSError, UsageError, LogReader.Error) as e:
+            log.warning("job %s: the last launch's log %s cannot be read (%s)",
+                        self.core.config.job_id, logs[-1], e)
             return None
         return committed, saved
 
     def _rerun(self, resume_step: int, last: tuple[int, int] | None) -> dict[str, Any] | None:
-        """What this launch re-runs that the last one committed (recorded as the job's ``relaunch_rerun``)."""
+        """What this launch re-runs that the last one committed (recorded as the job's
+        ``relaunch_rerun``)."""
         if last is None:
             return None
-        rerun = relaunch_rerun(resume_step, last[0], last[1], [n for n, _ in self.last_skipped], self.dir)
+        skipped = [n for n, _ in self.last_skipped]
+        rerun = relaunch_rerun(resume_step, last[0], last[1], skipped, self.dir)
         if rerun is not None:
             self.core.events.event("relaunch_rerun", **rerun)
             self.core.events.set_job("relaunch_rerun", rerun, flush=True)
         return rerun
 
     def _set_aside_rejected(self) -> tuple[str, list[str]]:
-        """``--start-fresh``: every rejected checkpoint moves to ``rejected/<time>/``, whole, before step 1;
-        where, and the names moved."""
+        """``--start-fresh``: every rejected checkpoint moves to ``rejected/<time>/``, whole, before
+        step 1; where, and the names moved."""
         store = Store.open(self.dir)
         batch = batch_name()
         moved: list[str] = []
@@ -197,20 +211,22 @@ class Checkpoints:
             try:
                 set_aside(store, name, reason, batch=batch)
                 moved.append(name)
-            except OSError as e:  # left where it is: still never overwritten nor pruned (not signed by this job)
-                log.warning("job %s: %s could not be set aside (%s); it stays where it is", self.core.config.job_id,
-                            name, e)
+            # left where it is: still never overwritten nor pruned (not signed by this job)
+            except OSError as e:
+                log.warning("job %s: %s could not be set aside (%s); it stays where it is",
+                            self.core.config.job_id, name, e)
         return store.url_of(store.join(REJECTED_DIR, batch)), moved
 
     def on_saved(self, message: CheckpointSaved) -> None:
-        """A rank's report of a save: logged, measured, and a failing streak tracked (checkpoint_health)."""
+        """A rank's report of a save: logged, measured, and a failing streak tracked
+        (checkpoint_health)."""
         events = self.core.events
         if message.error:
-            events.event("checkpoint_failed", rank=message.rank, step=message.step, kind=message.kind,
-                         error=message.error, os_error=message.os_error)
+            events.event("checkpoint_failed", rank=message.rank, step=message.step,
+                         kind=message.kind, error=message.error, os_error=message.os_error)
             self.core.health.failed(message)
-            log.error("job %s: checkpoint of step %d failed: %s", self.core.config.job_id, message.step,
-                      message.error)
+            log.error("job %s: checkpoint of step %d failed: %s", self.core.config.job_id,
+                      message.step, message.error)
             return
         events.event("checkpoint_saved", rank=message.rank, step=message.step, kind=message.kind,
                      path=message.path, blocking_s=round(message.blocking_s, 6),

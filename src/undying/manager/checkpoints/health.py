@@ -1,4 +1,5 @@
-"""Failed checkpoint saves as incidents: told in the status, the API and the metrics, closed by the next save.
+"""Failed checkpoint saves as incidents: told in the status, the API and the metrics,
+closed by the next save.
 
 A save that fails (a full disk, a vanished folder, a store that refuses) left
 one ``checkpoint_failed`` event per attempt and nothing else: the status said
@@ -28,7 +29,8 @@ class _IncidentLog(Protocol):
 
 
 class CheckpointHealth:
-    """The job's saves: how many failed, the last OS error, and the incident of the failures in a row."""
+    """The job's saves: how many failed, the last OS error,
+    and the incident of the failures in a row."""
 
     def __init__(self, events: _IncidentLog, incidents: list[Incident]) -> None:
         self._events = events
@@ -45,7 +47,8 @@ class CheckpointHealth:
         return self.open is not None
 
     def adopt(self, incident: Incident) -> bool:
-        """A restarted manager's open incident read back from the log: True when it is one of these (kept here)."""
+        """A restarted manager's open incident read back from the log:
+        True when it is one of these (kept here)."""
         if incident.kind is not IncidentKind.CHECKPOINT_FAILED:
             return False
         self.open = incident
@@ -64,7 +67,8 @@ class CheckpointHealth:
         incident = self.open
         if incident is None:
             incident = Incident(
-                id=len(self._incidents) + 1, kind=IncidentKind.CHECKPOINT_FAILED, rank=message.rank, step=message.step,
+                id=len(self._incidents) + 1, kind=IncidentKind.CHECKPOINT_FAILED,
+                rank=message.rank, step=message.step,
                 fault_t=message.t, recovery=0, action="retry at the next save", error=message.error,
             )
             incident.phases["detected"] = time.time()
@@ -110,8 +114,9 @@ class CheckpointHealth:
         if checkpoint_step is None:
             where = "there is no checkpoint of this job"
         else:
-            where = f"the newest checkpoint is of step {checkpoint_step}, {max(0, last_step - checkpoint_step)} " \
-                    f"step(s) before the last"
+            behind = max(0, last_step - checkpoint_step)
+            where = (f"the newest checkpoint is of step {checkpoint_step}, {behind} "
+                     f"step(s) before the last")
         return f"; warning: the last {saves} checkpoint save attempt(s) failed ({why}); {where}"
 
     def view(self) -> dict[str, Any]:
@@ -126,12 +131,14 @@ class CheckpointHealth:
 
 
 def resume_line(preemption: dict[str, Any]) -> str:
-    """The last line of a preempted run: what the same command resumes from, and how many steps it re-runs."""
+    """The last line of a preempted run: what the same command resumes from,
+    and how many steps it re-runs."""
     step = int(preemption.get("checkpoint_step", -1))
     if step < 0:
         return "exit 143: no checkpoint to resume from; the same command starts again at step 1"
     reruns = int(preemption.get("resume_reruns", 0))
     if not reruns:
         return f"exit {EXIT_PREEMPTED}: the same command resumes after step {step}, no step re-run"
-    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and re-runs {reruns} "
-            f"step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop step was not written")
+    return (f"exit {EXIT_PREEMPTED_BEHIND}: the same command resumes after step {step} and "
+            f"re-runs {reruns} step(s) ({step + 1}..{step + reruns}): the dying gasp of the stop "
+            "step was not written")

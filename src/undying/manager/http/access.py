@@ -25,7 +25,8 @@ def tokens_match(given: str | None, expected: str) -> bool:
 
 
 def token_from_headers(headers: Mapping[str, str]) -> str | None:
-    """The token a request shows, from ``Authorization: Bearer`` or ``X-Undying-Token``; None if neither."""
+    """The token a request shows, from ``Authorization: Bearer`` or ``X-Undying-Token``;
+    None if neither."""
     auth = headers.get(AUTH_HEADER, "")
     if auth[: len(_BEARER)].lower() == _BEARER:
         return auth[len(_BEARER):].strip()

@@ -1,6 +1,6 @@
-"""What a request to the manager's HTTP API carries: its JSON body, read and held to what a request may
-hold, and each endpoint's fields checked whole before anything is done. A malformed body is a 400 that
-names the field (never a 500)."""
+"""What a request to the manager's HTTP API carries: its JSON body, read and held to what a request
+may hold, and each endpoint's fields checked whole before anything is done. A malformed body is a
+400 that names the field (never a 500)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["INJECT_EXAMPLE", "MAX_BODY", "Malformed", "error", "inject_fields", "json_response", "parse_json",
-           "read_body", "series_query", "short", "who"]
+__all__ = ["INJECT_EXAMPLE", "MAX_BODY", "Malformed", "error", "inject_fields", "json_response",
+           "parse_json", "read_body", "series_query", "short", "who"]
 
 INJECT_EXAMPLE = '{"kind": "crash", "rank": 0}'
 _INJECT_FIELDS = ("kind", "rank", "at_step", "phase", "how", "factor")
@@ -31,8 +31,10 @@ _BODY_WAIT_S = 10.0
 _POINTS_DEFAULT, _POINTS_MAX = 400, 2000
 
 
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(data, status=status, headers=headers, dumps=lambda d: json.dumps(d, default=str))
+def json_response(data: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers,
+                             dumps=lambda d: json.dumps(d, default=str))
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -40,20 +42,22 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
 
 
 def series_query(query: Mapping[str, str]) -> tuple[int | None, int | None, int]:
-    """``from``, ``to`` and ``points`` of a series request, each checked; ``Malformed`` names the bad one."""
+    """``from``, ``to`` and ``points`` of a series request, each checked;
+    ``Malformed`` names the bad one."""
 
     def whole(name: str, low: int, high: int) -> int | None:
         raw = query.get(name)
         if raw is None or raw == "":
             return None
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 16 or not low <= int(raw) <= high:
-            raise Malformed(f"?{name}= must be a whole number from {low} to {high}, got {short(raw)}; "
-                             f"e.g. /api/series?from=100&to=500&points=400")
+            raise Malformed(f"?{name}= must be a whole number from {low} to {high}, "
+                            f"got {short(raw)}; e.g. /api/series?from=100&to=500&points=400")
         return int(raw)
 
     first, last = whole("from", 0, _MAX_STEP), whole("to", 0, _MAX_STEP)
     if first is not None and last is not None and first > last:
-        raise Malformed(f"?from={first} is after ?to={last}; ask for a range of steps from the first to the last")
+        raise Malformed(f"?from={first} is after ?to={last}; ask for a range of steps from the "
+                        "first to the last")
     points = whole("points", 10, _POINTS_MAX)
     return first, last, _POINTS_DEFAULT if points is None else points
 
@@ -65,13 +69,15 @@ async def read_body(request: web.Request, example: str) -> dict[str, Any] | web.
     except asyncio.TimeoutError:
         return error(408, f"the request body did not arrive within {_BODY_WAIT_S:.0f} s")
     except web.HTTPRequestEntityTooLarge:
-        return error(413, f"the body is over {MAX_BODY} bytes; a request is a small JSON object like {example}")
+        return error(413, f"the body is over {MAX_BODY} bytes; a request is a small JSON object "
+                          f"like {example}")
     try:
         body = parse_json(raw)
     except ValueError as e:
         return error(400, f"the body must be a JSON object like {example}: {e}")
     if not isinstance(body, dict):
-        return error(400, f"the body must be a JSON object like {example}, got {type(body).__name__}")
+        return error(400, f"the body must be a JSON object like {example}, "
+                          f"got {type(body).__name__}")
     return body
 
 
@@ -135,7 +141,9 @@ class Malformed(Exception):
     """A request body field that is missing or of the wrong type; the message names it."""
 
 
-def inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | None, str | None, float | None]:
+def inject_fields(
+    body: dict[str, Any],
+) -> tuple[str, int, int | None, str | None, str | None, float | None]:
     """The inject request's fields, each checked on its own; ``Malformed`` names the first bad one.
 
     Strict on purpose: ``int()`` would quietly turn a rank of 1.7 into 1 and
@@ -149,9 +157,11 @@ def inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | Non
     def whole(name: str, low: int, high: int) -> int | None:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise Malformed(f'"{name}" must be a whole number, got {short(value)}; e.g. {INJECT_EXAMPLE}')
+            raise Malformed(f'"{name}" must be a whole number, got {short(value)}; '
+                            f"e.g. {INJECT_EXAMPLE}")
         if value is not None and not low <= value <= high:
-            raise Malformed(f'"{name}" must be between {low} and {high}, got {short(value)}; e.g. {INJECT_EXAMPLE}')
+            raise Malformed(f'"{name}" must be between {low} and {high}, got {short(value)}; '
+                            f"e.g. {INJECT_EXAMPLE}")
         return value
 
     def text(name: str) -> str | None:
@@ -164,19 +174,21 @@ def inject_fields(body: dict[str, Any]) -> tuple[str, int, int | None, str | Non
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                   or not math.isfinite(value)):
-            raise Malformed(f'"{name}" must be a number, got {short(value)}; e.g. 1.2 for steps 20% slower')
+            raise Malformed(f'"{name}" must be a number, got {short(value)}; '
+                            "e.g. 1.2 for steps 20% slower")
         return None if value is None else float(value)
 
     rank = whole("rank", 0, _MAX_RANK)
     if rank is None:
         raise Malformed(f'inject needs a "rank" (a whole number), e.g. {INJECT_EXAMPLE}')
     kind = text("kind")
-    return (kind if kind is not None else "crash", rank, whole("at_step", 1, _MAX_STEP), text("phase"), text("how"),
-            number("factor"))
+    return (kind if kind is not None else "crash", rank, whole("at_step", 1, _MAX_STEP),
+            text("phase"), text("how"), number("factor"))
 
 
 def who(request: web.Request, body: dict[str, Any]) -> str:
-    """Who changed the switch, as the status shows it: the caller's own word, else the API and its peer."""
+    """Who changed the switch, as the status shows it: the caller's own word,
+    else the API and its peer."""
     said = body.get("by")
     if isinstance(said, str) and said.strip():
         return said.strip()[:80]

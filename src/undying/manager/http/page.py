@@ -44,15 +44,18 @@ def status_page() -> bytes:
 
 
 class OpenPages:
-    """The pages that poll ``/api/status`` (by the id each names itself with) and whether each saw the end."""
+    """The pages that poll ``/api/status`` (by the id each names itself with)
+    and whether each saw the end."""
 
     def __init__(self, ended: Callable[[], bool]) -> None:
         self._ended = ended
-        self._seen: dict[str, tuple[float, bool]] = {}  # page id -> (its last poll, monotonic; it saw the end)
+        # page id -> (its last poll, monotonic; it saw the end)
+        self._seen: dict[str, tuple[float, bool]] = {}
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        ended = self._ended()  # (asked before the answer is made: an end after it is not in the answer)
+        # (asked before the answer is made: an end after it is not in the answer)
+        ended = self._ended()
         response = await handler(request)
         page = request.headers.get(PAGE_HEADER, "")
         if request.path == "/api/status" and response.status == 200 and 0 < len(page) <= 64:
@@ -65,7 +68,8 @@ class OpenPages:
     def waiting(self) -> int:
         """Pages open lately that have not been told the job ended."""
         now = time.monotonic()
-        return sum(1 for t, saw_end in self._seen.values() if not saw_end and now - t < _PAGE_OPEN_S)
+        return sum(1 for t, saw_end in self._seen.values()
+                   if not saw_end and now - t < _PAGE_OPEN_S)
 
     async def told(self, timeout: float = _PAGE_WAIT_S) -> None:
         """Once the job ended: wait until every open page saw it, ``timeout`` at most."""

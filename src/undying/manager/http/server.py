@@ -5,13 +5,18 @@ GET  /metrics         Prometheus metrics of the job (text exposition format)
 GET  /api/status      the job: state, generation, step, ranks, incidents
 GET  /api/ranks       ranks with their step, state and PID
 GET  /api/incidents   incidents with their timelines
-GET  /api/series      the whole run for the page's charts, downsampled: ?from=S&to=S&points=N (all optional)
-POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?, "factor": F?}
+GET  /api/series      the whole run for the page's charts, downsampled: ?from=S&to=S&points=N
+                      (all optional)
+POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?,
+                      "factor": F?}
 POST /api/stop        stop the job
 POST /api/migrate     {"rank": R, "to": HOST?}: move a rank to a warm spare at a step boundary
-POST /api/drain       {"host": H, "reason": "..."?}: no new ranks on the host; POST /api/undrain {"host": H} clears it
-GET  /api/hello       the manager proves the job's key (X-Undying-Nonce; no token: protocol/api_proof.py)
-GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, "t": when, "error": ""}
+POST /api/drain       {"host": H, "reason": "..."?}: no new ranks on the host;
+                      POST /api/undrain {"host": H} clears it
+GET  /api/hello       the manager proves the job's key (X-Undying-Nonce; no token:
+                      protocol/api_proof.py)
+GET  /api/trace       the trace switch: {"step": bool, "comm": bool, "by": who, "t": when,
+                      "error": ""}
 PUT  /api/trace       set it whole, as the switch file does: {"step": "on", "comm": "off"}
 POST /api/trace       change it as the CLI does: {"on": true, "comm": false}
 
@@ -96,9 +101,11 @@ __all__ = ["start_http", "build_app", "READ_ONLY_PATHS"]
 
 
 class HideTokens(logging.Filter):
-    """Masks what looks like a token (``token=...`` in a query, ``Bearer ...``) in a record's message."""
+    """Masks what looks like a token (``token=...`` in a query, ``Bearer ...``)
+    in a record's message."""
 
-    _TOKEN = re.compile(r"((?:[?&;]|%3[fF]|%26)token(?:=|%3[dD]))[^&;\s'\"]*|(bearer\s+)\S+", re.IGNORECASE)
+    _TOKEN = re.compile(r"((?:[?&;]|%3[fF]|%26)token(?:=|%3[dD]))[^&;\s'\"]*|(bearer\s+)\S+",
+                        re.IGNORECASE)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -117,8 +124,8 @@ _server_log.addFilter(QuietLog())
 _server_log.addFilter(HideTokens())
 
 # What open_status opens to anyone, for GET (and HEAD) only.
-READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents", "/api/series",
-                             "/api/trace"})
+READ_ONLY_PATHS = frozenset({"/", "/metrics", "/api/status", "/api/ranks", "/api/incidents",
+                             "/api/series", "/api/trace"})
 _READ_METHODS = frozenset({"GET", "HEAD"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -141,10 +148,11 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
             return error(401, f"this manager runs job {job_id}, the request is for job {meant}; "
                                f"check --job-dir or --manager")
         if request.path == HELLO_PATH:
-            return None  # anyone may ask a manager to prove the job's key; the answer holds no secret
+            # anyone may ask a manager to prove the job's key; the answer holds no secret
+            return None
         if "token" in request.query and request.path != "/":
-            return error(401, "a token in a URL is refused (URLs end up in logs, histories and proxies): send it "
-                               "as 'Authorization: Bearer <token>'")
+            return error(401, "a token in a URL is refused (URLs end up in logs, histories and "
+                              "proxies): send it as 'Authorization: Bearer <token>'")
         if open_status and request.method in _READ_METHODS and request.path in READ_ONLY_PATHS:
             return None
         given = token_from_headers(request.headers)
@@ -156,8 +164,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         page = " (a browser: open /?token=<token>)" if request.path == "/" else ""
         return error(
             401,
-            f"the manager of job {job_id} refused a request with {problem}: send the job's token as "
-            f"'Authorization: Bearer <token>'{page}; {where}",
+            f"the manager of job {job_id} refused a request with {problem}: send the job's token "
+            f"as 'Authorization: Bearer <token>'{page}; {where}",
             headers={"WWW-Authenticate": f'Bearer realm="undying job {job_id}"'},
         )
 
@@ -168,8 +176,9 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
             # The raw path, cut short (a decoded one may hold a newline that forges a log line), and
             # never its query: a token sent in the URL would be written whole.
             path, query, _ = request.raw_path.partition("?")
-            log.warning("job %s: refused %s %s%s from %s (%d)", job_id, request.method, ascii(path[:200]),
-                        " (query not shown)" if query else "", request.remote or "?", refused.status)
+            log.warning("job %s: refused %s %s%s from %s (%d)", job_id, request.method,
+                        ascii(path[:200]), " (query not shown)" if query else "",
+                        request.remote or "?", refused.status)
             return refused
         return await handler(request)
 
@@ -182,9 +191,12 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
     async def hello(request: web.Request) -> web.Response:
         nonce = parse_nonce(request.headers.get(NONCE_HEADER))
         if nonce is None:
-            return error(400, f"{HELLO_PATH} needs a fresh nonce: a header {NONCE_HEADER} of 64 hex digits")
-        peer = peer_name(request.transport.get_extra_info("peername") if request.transport is not None else None)
-        return json_response({"job_id": job_id, "peer": peer, "proof": proof_of(proving, nonce, job_id, peer)},
+            return error(400, f"{HELLO_PATH} needs a fresh nonce: a header {NONCE_HEADER} "
+                              "of 64 hex digits")
+        transport = request.transport
+        peer = peer_name(transport.get_extra_info("peername") if transport is not None else None)
+        proof = proof_of(proving, nonce, job_id, peer)
+        return json_response({"job_id": job_id, "peer": peer, "proof": proof},
                      headers={"Cache-Control": "no-store"})
 
     async def metrics(request: web.Request) -> web.Response:
@@ -200,8 +212,9 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
             return error(400, str(e))
         view = manager.history.view(first, last, points)
         view["world_size"] = manager.world_size
-        view["incidents"] = [{"id": i.id, "kind": i.kind.value, "rank": i.rank, "step": i.step, "t": i.fault_t,
-                              "status": i.status.value, "action": i.action} for i in manager.incidents]
+        view["incidents"] = [{"id": i.id, "kind": i.kind.value, "rank": i.rank, "step": i.step,
+                              "t": i.fault_t, "status": i.status.value, "action": i.action}
+                             for i in manager.incidents]
         return json_response(view)
 
     async def ranks(request: web.Request) -> web.Response:
@@ -231,7 +244,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         if isinstance(body, web.Response):
             return body
         try:
-            switch = TraceSwitch.parse({k: v for k, v in body.items() if k != "by"}, by=who(request, body), t=time.time())
+            switch = TraceSwitch.parse({k: v for k, v in body.items() if k != "by"},
+                                       by=who(request, body), t=time.time())
         except UsageError as e:
             return error(400, str(e))
         return json_response(manager.tracing.set(switch))
@@ -242,15 +256,19 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
             return body
         on, comm = body.get("on"), body.get("comm", False)
         if not isinstance(on, bool):
-            return error(400, f'trace needs a boolean "on", got {short(on)}; e.g. {{"on": true, "comm": false}}')
+            return error(400, f'trace needs a boolean "on", got {short(on)}; '
+                              'e.g. {"on": true, "comm": false}')
         if not isinstance(comm, bool):
-            return error(400, f'"comm" must be a boolean, got {short(comm)}; e.g. {{"on": true, "comm": false}}')
+            return error(400, f'"comm" must be a boolean, got {short(comm)}; '
+                              'e.g. {"on": true, "comm": false}')
         try:
-            return json_response(manager.tracing.change(on=on, comm_only=comm, by=who(request, body)))
+            changed = manager.tracing.change(on=on, comm_only=comm, by=who(request, body))
+            return json_response(changed)
         except UsageError as e:
             return error(400, str(e))
 
-    async def move(request: web.Request) -> web.Response:  # migrate, drain, undrain (manager/placement/migration.py)
+    # migrate, drain, undrain (manager/placement/migration.py)
+    async def move(request: web.Request) -> web.Response:
         what = request.path.rsplit("/", 1)[-1]
         body = await read_body(request, MOVE_EXAMPLES[what])
         if isinstance(body, web.Response):
@@ -266,8 +284,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
 
     # The connection guard (when served through start_http) sees every request, refused ones
     # included.
-    middlewares = [connections.middleware, guard, pages.middleware] if connections is not None else [
-        guard, pages.middleware]
+    middlewares = ([connections.middleware, guard, pages.middleware] if connections is not None
+                   else [guard, pages.middleware])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app.router.add_get("/", page)
     app.router.add_get("/metrics", metrics)
@@ -298,14 +316,16 @@ async def start_http(manager: Manager, host: str, port: int, *, open_status: boo
     limits = limits if limits is not None else manager.config.connections
     token = ensure_token(Path(manager.config.job_dir))
     guard = ConnectionGuard(limits)
-    runner = PageRunner(build_app(manager, token, open_status=open_status, connections=guard), access_log=None,
-                           keepalive_timeout=limits.http_idle_timeout, logger=_server_log)
+    app = build_app(manager, token, open_status=open_status, connections=guard)
+    runner = PageRunner(app, access_log=None, keepalive_timeout=limits.http_idle_timeout,
+                        logger=_server_log)
     await runner.setup()
     site = GuardedSite(runner, host, port, guard)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        raise UsageError(f"cannot serve the manager API on {host}:{port} ({e.strerror}); pass another --http-port") from e
+        raise UsageError(f"cannot serve the manager API on {host}:{port} ({e.strerror}); "
+                         "pass another --http-port") from e
     bound = runner.addresses[0][1]
     return runner, f"http://{host}:{bound}"

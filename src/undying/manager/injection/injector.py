@@ -41,9 +41,11 @@ class Injector:
     def _check_target(self, rank: int) -> None:
         core = self.core
         if rank not in core.ranks:
-            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
+            raise UsageError(f"rank {rank} does not exist; this job has ranks "
+                             f"0..{core.book.world_size - 1}")
         if core.winding_down:
-            raise UsageError(f"job {core.config.job_id} is {core.state.value}; nothing to inject into")
+            raise UsageError(f"job {core.config.job_id} is {core.state.value}; "
+                             "nothing to inject into")
 
     def inject(self, kind: str, rank: int, at_step: int | None, phase: str | None,
                how: str | None = None, *, factor: float | None = None) -> dict[str, Any]:
@@ -59,12 +61,13 @@ class Injector:
         if how is not None and (kind != "hang" or how not in HangHow):
             raise UsageError(f"how={how!r} applies to hang only, as one of {', '.join(HangHow)}")
         if rank not in self.core.ranks:
-            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{self.core.book.world_size - 1}")
+            raise UsageError(f"rank {rank} does not exist; this job has ranks "
+                             f"0..{self.core.book.world_size - 1}")
         if phase is not None and phase not in InjectPhase:
             raise UsageError(f"unknown phase {phase!r}; choose one of {', '.join(InjectPhase)}")
         if kind == "leave" and (phase or "step") not in _LEAVE_PHASES:
-            raise UsageError(f"leave exits the script from its own thread: at phase {' or '.join(_LEAVE_PHASES)}, "
-                             f"not {phase!r}")
+            raise UsageError("leave exits the script from its own thread: "
+                             f"at phase {' or '.join(_LEAVE_PHASES)}, not {phase!r}")
         self._check_target(rank)
         core = self.core
         info = core.ranks[rank]
@@ -74,26 +77,32 @@ class Injector:
         if at_step is None and phase is None and kind in _INJECT_SIGNALS:
             t = time.time()
             if not agent.kill(rank, _INJECT_SIGNALS[kind]):
-                raise UsageError(f"rank {rank} has no running process right now; try again in a moment")
+                raise UsageError(f"rank {rank} has no running process right now; "
+                                 "try again in a moment")
             self.detection.injected[rank] = (t, kind)
             core.events.event("fault_injected", rank=rank, kind=kind, pid=info.pid, phase="now")
             return {"injected": kind, "rank": rank, "pid": info.pid, "when": "now"}
-        fault = ArmFault(kind=kind, at_step=at_step if at_step is not None else info.step + 1, phase=phase or "step")
+        fault = ArmFault(kind=kind, at_step=at_step if at_step is not None else info.step + 1,
+                         phase=phase or "step")
         agent.arm(rank, fault)
-        core.events.event("fault_armed", rank=rank, kind=kind, at_step=fault.at_step, phase=fault.phase)
-        return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": fault.phase}
+        core.events.event("fault_armed", rank=rank, kind=kind, at_step=fault.at_step,
+                          phase=fault.phase)
+        return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step,
+                "phase": fault.phase}
 
-    def _inject_slow(self, rank: int, at_step: int | None, phase: str, factor: float | None) -> dict[str, Any]:
+    def _inject_slow(self, rank: int, at_step: int | None, phase: str,
+                     factor: float | None) -> dict[str, Any]:
         if factor is None or not 1.0 < factor <= 100.0:
-            raise UsageError(f"slow needs a factor above 1 and at most 100 (1.2: steps 20% slower), got {factor}")
+            raise UsageError("slow needs a factor above 1 and at most 100 "
+                             f"(1.2: steps 20% slower), got {factor}")
         if phase not in SlowPhase:
             raise UsageError(f"slow's phase must be one of {', '.join(SlowPhase)}, got {phase!r}")
         self._check_target(rank)
         info = self.core.ranks[rank]
-        fault = ArmFault(kind="slow", at_step=at_step if at_step is not None else info.step + 1, phase=phase,
-                         factor=factor)
+        fault = ArmFault(kind="slow", at_step=at_step if at_step is not None else info.step + 1,
+                         phase=phase, factor=factor)
         self.core.agents[info.node].arm(rank, fault)
-        self.core.events.event("fault_armed", rank=rank, kind="slow", at_step=fault.at_step, phase=phase,
-                               factor=factor)
-        return {"injected": "slow", "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": phase,
-                "factor": factor}
+        self.core.events.event("fault_armed", rank=rank, kind="slow", at_step=fault.at_step,
+                               phase=phase, factor=factor)
+        return {"injected": "slow", "rank": rank, "pid": info.pid, "at_step": fault.at_step,
+                "phase": phase, "factor": factor}

@@ -38,9 +38,9 @@ log = logging.getLogger("undying.manager")
 
 KEPT_STEPS = 4096  # per rank: the batch fingerprints of this many newest steps
 
-_WHY = ("a replacement must build the same dataset and draw the same batch as the rank it replaces "
-        "(seed the setup, fetch batches inside the step, keep what carries across steps in job.state; "
-        "see docs/adopting.md)")
+_WHY = ("a replacement must build the same dataset and draw the same batch as the rank it "
+        "replaces (seed the setup, fetch batches inside the step, keep what carries across steps "
+        "in job.state; see docs/adopting.md)")
 
 
 class Divergence:
@@ -48,13 +48,15 @@ class Divergence:
 
     def __init__(self, core: JobCore) -> None:
         self.core = core
-        self._batches: dict[int, dict[int, tuple[str, int]]] = {}  # rank -> step -> (fingerprint, generation)
+        # rank -> step -> (fingerprint, generation)
+        self._batches: dict[int, dict[int, tuple[str, int]]] = {}
         self._world = core.book.world_size
         self._said: set[tuple[int, int, str]] = set()  # (rank, step, which): one incident each
 
     def on_begun(self, message: StepBegun) -> None:
         world = self.core.book.world_size
-        if world != self._world:  # a regroup: each rank's share of the data is another one from here on
+        # a regroup: each rank's share of the data is another one from here on
+        if world != self._world:
             self._batches.clear()
             self._world = world
         seen = self._batches.setdefault(message.rank, {})
@@ -67,8 +69,9 @@ class Divergence:
             return
         if first[0] != message.batch:
             self._diverged(message.rank, message.step, "batch", first[0], message.batch,
-                           f"rank {message.rank} began step {message.step} with another batch than it had in "
-                           f"generation {first[1]} (fingerprint {message.batch}, first {first[0]})")
+                           f"rank {message.rank} began step {message.step} with another batch "
+                           f"than it had in generation {first[1]} (fingerprint {message.batch}, "
+                           f"first {first[0]})")
 
     def on_progress(self, message: Progress) -> None:
         """A peer's state loaded: its fingerprint must be the donor's."""
@@ -78,31 +81,38 @@ class Divergence:
         if not mine or not donor or mine == donor:
             return
         self._diverged(message.rank, message.step, "state", str(donor), str(mine),
-                       f"rank {message.rank}'s state at step {message.step}, loaded from a peer, is not the "
-                       f"state it was sent (fingerprint {str(mine)[:16]}, the donor's {str(donor)[:16]})")
+                       f"rank {message.rank}'s state at step {message.step}, loaded from a peer, "
+                       f"is not the state it was sent (fingerprint {str(mine)[:16]}, "
+                       f"the donor's {str(donor)[:16]})")
 
     def warning(self) -> str:
-        """What the job's end says of a run that diverged ("" when none did): it is not the run without faults."""
+        """What the job's end says of a run that diverged ("" when none did):
+        it is not the run without faults."""
         found = sorted({(rank, step) for rank, step, _ in self._said})
         if not found:
             return ""
         where = ", ".join(f"rank {rank} at step {step}" for rank, step in found[:5])
-        return (f"; warning: the run diverged after a fault ({where}{', ...' if len(found) > 5 else ''}): its losses "
+        more = ", ..." if len(found) > 5 else ""
+        return (f"; warning: the run diverged after a fault ({where}{more}): its losses "
                 "are not those of the run without it (see the diverged incidents)")
 
-    def _diverged(self, rank: int, step: int, which: str, expected: str, got: str, what: str) -> None:
+    def _diverged(self, rank: int, step: int, which: str, expected: str, got: str,
+                  what: str) -> None:
         if (rank, step, which) in self._said:
             return
         self._said.add((rank, step, which))
         core = self.core
         now = time.time()
-        detail: dict[str, Any] = {"rank": rank, "fingerprint": which, "expected": expected, "got": got,
-                                  "reason": _WHY}
-        incident = Incident(id=len(core.incidents) + 1, kind=IncidentKind.DIVERGED, rank=rank, step=step,
-                            fault_t=now, recovery=0, action="report", status=IncidentStatus.OBSERVED,
-                            error=f"diverged: {what}: the losses from here on are not those of the run without "
-                                  "the fault", detail=cast(IncidentDetail, detail))
+        detail: dict[str, Any] = {"rank": rank, "fingerprint": which, "expected": expected,
+                                  "got": got, "reason": _WHY}
+        incident = Incident(id=len(core.incidents) + 1, kind=IncidentKind.DIVERGED, rank=rank,
+                            step=step, fault_t=now, recovery=0, action="report",
+                            status=IncidentStatus.OBSERVED,
+                            error=f"diverged: {what}: the losses from here on are not those of "
+                                  "the run without the fault",
+                            detail=cast(IncidentDetail, detail))
         incident.phases["detected"] = now
         core.incidents.append(incident)
         core.events.incident(incident)
-        log.warning("job %s gen %d: %s", core.config.job_id, core.generations.current, incident.error)
+        log.warning("job %s gen %d: %s", core.config.job_id, core.generations.current,
+                    incident.error)

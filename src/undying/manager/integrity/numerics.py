@@ -1,4 +1,5 @@
-"""The manager's side of numeric faults: a worker's verdict becomes an incident; nan and bitflip drills are armed.
+"""The manager's side of numeric faults: a worker's verdict becomes an incident;
+nan and bitflip drills are armed.
 
 Rank 0 reports each numeric fault once, after the replay decided it
 (``worker.numerics``): transient (replayed, committed as the fault-free run),
@@ -61,21 +62,27 @@ _LIMITS = {"max_skips_in_a_row": 10, "max_skipped_share": 0.1}
 _SKIPPING = ("skip", "rollback")
 
 
-def on_numeric_fault(core: JobCore, message: Progress, recoveries: Recoveries | None = None) -> None:
-    """Record a worker's numeric verdict as an incident (the job went on, or stops by its own report)."""
+def on_numeric_fault(core: JobCore, message: Progress,
+                     recoveries: Recoveries | None = None) -> None:
+    """Record a worker's numeric verdict as an incident (the job went on,
+    or stops by its own report)."""
     detail: dict[str, Any] = dict(message.detail)
     suspects = [int(r) for r in detail.get("suspects", []) if isinstance(r, int)]
     action = str(detail.get("action", ""))
     failed_t = detail.pop("fault_t", None)
-    fault_t = float(failed_t) if isinstance(failed_t, int | float) and failed_t <= message.t else message.t
+    in_order = isinstance(failed_t, int | float) and failed_t <= message.t
+    fault_t = float(failed_t) if in_order else message.t
     incident = Incident(
-        id=len(core.incidents) + 1, kind=IncidentKind.NUMERIC, rank=suspects[0] if suspects else -1,
-        step=message.step, fault_t=fault_t, recovery=0,
-        action=action, status=IncidentStatus.FAILED if action == "stop" else IncidentStatus.RECOVERED,
-        error=str(detail.get("summary", "")), detail=cast(IncidentDetail, {**detail, "ranks": suspects}),
+        id=len(core.incidents) + 1, kind=IncidentKind.NUMERIC,
+        rank=suspects[0] if suspects else -1,
+        step=message.step, fault_t=fault_t, recovery=0, action=action,
+        status=IncidentStatus.FAILED if action == "stop" else IncidentStatus.RECOVERED,
+        error=str(detail.get("summary", "")),
+        detail=cast(IncidentDetail, {**detail, "ranks": suspects}),
     )
     incident.phases["detected"] = fault_t  # the check failed
-    if action != "stop":  # replayed (and committed) or skipped: the job steps on, mttr_s is the replay's time
+    # replayed (and committed) or skipped: the job steps on, mttr_s is the replay's time
+    if action != "stop":
         incident.phases["first_step_done"] = message.t
     core.incidents.append(incident)
     core.events.incident(incident)
@@ -85,16 +92,19 @@ def on_numeric_fault(core: JobCore, message: Progress, recoveries: Recoveries | 
         skipped = skipped_steps(core.incidents)
         given = detail.get("limits")
         limits: dict[str, Any] = given if isinstance(given, dict) else {}
-        over = skip_limit(skipped, max(core.book.newest_step(), message.step or 0), {**_LIMITS, **limits})
+        over = skip_limit(skipped, max(core.book.newest_step(), message.step or 0),
+                          {**_LIMITS, **limits})
         if over is not None:
-            core.events.event("numerics_gave_up", step=message.step, skipped=len(skipped), reason=over)
+            core.events.event("numerics_gave_up", step=message.step, skipped=len(skipped),
+                              reason=over)
             core.fail(f"{over}; the last at step {message.step}: {detail.get('reason', '?')}")
     elif recoveries is not None and len(suspects) == 1 and detail.get("verdict") in _RANK_VERDICTS:
         _replace_if_found_again(core, recoveries, suspects[0])
 
 
 def skipped_steps(incidents: list[Incident]) -> set[int]:
-    """Every step whose batch a numeric fault's policy skipped (skip: the step; rollback: its range)."""
+    """Every step whose batch a numeric fault's policy skipped (skip: the step;
+    rollback: its range)."""
     steps: set[int] = set()
     for incident in incidents:
         if incident.kind is not IncidentKind.NUMERIC or incident.action not in _SKIPPING:
@@ -124,12 +134,15 @@ def skip_limit(skipped: set[int], steps_run: int, limits: dict[str, Any]) -> str
     while newest - run in skipped:
         run += 1
     if run > in_a_row:
-        return (f"numeric faults skipped {run} steps in a row (steps {newest - run + 1}..{newest}), more than "
-                f"--max-skips-in-a-row {in_a_row}: the data or the model is broken, not a batch; the job stops")
+        return (f"numeric faults skipped {run} steps in a row "
+                f"(steps {newest - run + 1}..{newest}), "
+                f"more than --max-skips-in-a-row {in_a_row}: the data or the model is broken, "
+                "not a batch; the job stops")
     total, steps = len(skipped), max(steps_run, newest, 1)
     if total > in_a_row and total > share * steps:
         return (f"numeric faults skipped {total} of {steps} steps ({total / steps:.0%}), more than "
-                f"--max-skipped-share {share:g}: the data or the model is broken, not a batch; the job stops")
+                f"--max-skipped-share {share:g}: the data or the model is broken, not a batch; "
+                "the job stops")
     return None
 
 
@@ -141,49 +154,59 @@ def _faults_of(core: JobCore, rank: int) -> list[Incident]:
             continue
         if incident.detail.get("faulty_rank"):
             found = []  # a new process since: its own count starts
-        elif incident.detail.get("verdict") in _RANK_VERDICTS and incident.detail.get("ranks") == [rank]:
+        elif (incident.detail.get("verdict") in _RANK_VERDICTS
+              and incident.detail.get("ranks") == [rank]):
             found.append(incident)
     return found
 
 
 def _replace_if_found_again(core: JobCore, recoveries: Recoveries, rank: int) -> None:
-    """A rank at fault ``FAULTS_TO_REPLACE`` times is replaced as a crashed one is: killed, its exit recovered."""
+    """A rank at fault ``FAULTS_TO_REPLACE`` times is replaced as a crashed one is: killed,
+    its exit recovered."""
     faults = _faults_of(core, rank)
     info = core.ranks.get(rank)
     if len(faults) < FAULTS_TO_REPLACE or info is None or core.winding_down \
             or info.state in (RankState.EXITED, RankState.DONE) or info.pid in recoveries.condemned:
         return  # (a rank that finished its steps has nothing left to get wrong)
-    host = node_host(core, info.node) or core.config.host  # (as requalification finds it: manager.placement.migration)
+    # (as requalification finds it: manager.placement.migration)
+    host = node_host(core, info.node) or core.config.host
     steps = [i.step for i in faults]
     reason = (f"rank {rank} was found at fault {len(faults)} times (numeric faults at steps "
-              f"{', '.join(map(str, steps))}, its gradients changed on replay each time): its process is replaced "
-              f"like a crashed one; its host {host} (node {info.node}) is suspect")
+              f"{', '.join(map(str, steps))}, its gradients changed on replay each time): "
+              f"its process is replaced like a crashed one; its host {host} (node {info.node}) "
+              "is suspect")
     now = time.time()
-    incident = recoveries.new_incident(kind=IncidentKind.NUMERIC, rank=rank, step=info.step + 1, fault_t=now,
-                                       detected_t=now, error=reason)
-    incident.detail.update(cast(IncidentDetail, {"faulty_rank": True, "host": host, "node": info.node,
-                                                  "faults": [i.id for i in faults], "fault_steps": steps}))
+    incident = recoveries.new_incident(kind=IncidentKind.NUMERIC, rank=rank, step=info.step + 1,
+                                       fault_t=now, detected_t=now, error=reason)
+    incident.detail.update(cast(IncidentDetail, {"faulty_rank": True, "host": host,
+                                                  "node": info.node,
+                                                  "faults": [i.id for i in faults],
+                                                  "fault_steps": steps}))
     incident.action = Action.REPLACE.value
     incident.phases["decided"] = now
-    core.events.event("faulty_rank", rank=rank, node=info.node, host=host, faults=len(faults), steps=steps,
-                      incident=incident.id, reason=reason)
-    if core.config.nnodes > 1 and host:  # no new rank (standby, joining agent, move) placed there until undrained
+    core.events.event("faulty_rank", rank=rank, node=info.node, host=host, faults=len(faults),
+                      steps=steps, incident=incident.id, reason=reason)
+    # no new rank (standby, joining agent, move) placed there until undrained
+    if core.config.nnodes > 1 and host:
         quarantine(core, host=host, reason=reason)
         incident.detail.update(cast(IncidentDetail, {"quarantined": True}))
     core.events.incident(incident)
     core.move(JobState.RECOVERING)
     recoveries.condemned[info.pid] = (incident, Decision(Action.REPLACE, reason))
-    core.kill(rank)  # its exit carries on in the recovery's usual path: a new process, the state from a peer
+    # its exit carries on in the recovery's usual path: a new process, the state from a peer
+    core.kill(rank)
 
 
 def _report(summary: str, detail: dict[str, Any]) -> str:
-    """The stop's report in the job's failure reason: the step and verdict, the values, every rank's batch.
+    """The stop's report in the job's failure reason: the step and verdict, the values,
+    every rank's batch.
 
     The ranks raise the same text, but the job fails on this incident first:
     their own reports may come after it stopped them, so this one is whole.
     """
     batches = detail.get("batches") or {}
-    where = "; ".join(f"rank {r}: {b}" for r, b in sorted(batches.items(), key=lambda item: int(item[0])))
+    ordered = sorted(batches.items(), key=lambda item: int(item[0]))
+    where = "; ".join(f"rank {r}: {b}" for r, b in ordered)
     return (f"{summary}; values first {detail.get('first')}, replay {detail.get('replay')}"
             + (f"; batches {where}" if where else ""))
 
@@ -199,19 +222,24 @@ def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: s
     allowed = _HOWS[kind]
     how = how or allowed[0]
     if how not in allowed or how not in NumericHow:
-        raise UsageError(f"how={how!r} does not apply to {kind}; choose one of {', '.join(allowed)}")
+        raise UsageError(f"how={how!r} does not apply to {kind}; "
+                         f"choose one of {', '.join(allowed)}")
     if factor is not None:
         raise UsageError("factor applies to slow only (undying inject slow --factor F)")
     if phase not in (None, "backward"):
-        raise UsageError(f"{kind} strikes in backward; phase={phase!r} does not apply (leave it out)")
+        raise UsageError(f"{kind} strikes in backward; phase={phase!r} does not apply "
+                         "(leave it out)")
     if rank not in core.ranks:
-        raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
+        raise UsageError(f"rank {rank} does not exist; this job has ranks "
+                         f"0..{core.book.world_size - 1}")
     if core.winding_down:
         raise UsageError(f"job {core.config.job_id} is {core.state.value}; nothing to inject into")
     info = core.ranks[rank]
-    fault = ArmFault(kind=f"{kind}:{how}", at_step=at_step if at_step is not None else info.step + 1,
+    fault = ArmFault(kind=f"{kind}:{how}",
+                     at_step=at_step if at_step is not None else info.step + 1,
                      phase="backward")
     core.agents[info.node].arm(rank, fault)
-    core.events.event("fault_armed", rank=rank, kind=fault.kind, at_step=fault.at_step, phase=fault.phase)
-    return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step, "phase": fault.phase,
-            "how": how}
+    core.events.event("fault_armed", rank=rank, kind=fault.kind, at_step=fault.at_step,
+                      phase=fault.phase)
+    return {"injected": kind, "rank": rank, "pid": info.pid, "at_step": fault.at_step,
+            "phase": fault.phase, "how": how}

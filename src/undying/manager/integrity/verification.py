@@ -1,4 +1,5 @@
-"""The manager's side of ``--verify-every``: a step that differed from its replay becomes an ``sdc`` incident.
+"""The manager's side of ``--verify-every``:
+a step that differed from its replay becomes an ``sdc`` incident.
 
 Rank 0 reports it once (``worker.verify``), when every rank has agreed to roll
 back: the step whose replay on the verifier gave another gradient fingerprint,
@@ -25,29 +26,35 @@ from undying.protocol.worker_wire import Progress
 
 __all__ = ["on_sdc", "on_verified", "SDC_PHASE", "VERIFIED_PHASE"]
 
-SDC_PHASE = "sdc"  # the worker's phase (worker.verify.SDC_PHASE): the roles share the wire, not each other
+# the worker's phase (worker.verify.SDC_PHASE): the roles share the wire, not each other
+SDC_PHASE = "sdc"
 VERIFIED_PHASE = "verify_result"  # one verified step's verdict (worker.verify.VERIFIED_PHASE)
 
 log = logging.getLogger("undying.manager")
 
 
 def on_sdc(core: JobCore, message: Progress) -> None:
-    """Record a verification's mismatch as an ``sdc`` incident naming the rank (the job rolled back and goes on)."""
+    """Record a verification's mismatch as an ``sdc`` incident naming the rank
+    (the job rolled back and goes on)."""
     detail: dict[str, Any] = dict(message.detail)
     rank = detail.get("suspect")
     incident = Incident(
-        id=len(core.incidents) + 1, kind=IncidentKind.SDC, rank=rank if isinstance(rank, int) else -1,
-        step=message.step, fault_t=message.t, recovery=0, action="rolled_back", status=IncidentStatus.RECOVERED,
+        id=len(core.incidents) + 1, kind=IncidentKind.SDC,
+        rank=rank if isinstance(rank, int) else -1,
+        step=message.step, fault_t=message.t, recovery=0, action="rolled_back",
+        status=IncidentStatus.RECOVERED,
         error=str(detail.get("summary", "")), detail=cast(IncidentDetail, detail),
     )
     incident.phases["detected"] = message.t
-    incident.phases["first_step_done"] = message.t  # the roll-back is the recovery: the job steps on at once
+    # the roll-back is the recovery: the job steps on at once
+    incident.phases["first_step_done"] = message.t
     core.incidents.append(incident)
     core.events.incident(incident)
 
 
 def on_verified(core: JobCore, message: Progress) -> None:
-    """Count a verified step for the suspect rank's host when that host is quarantined; clear it when requalified.
+    """Count a verified step for the suspect rank's host when that host is quarantined;
+    clear it when requalified.
 
     Kept in the log at each count, so a restarted manager goes on from it.
     A message that does not name a rank and a verdict is left alone (it is
@@ -61,10 +68,12 @@ def on_verified(core: JobCore, message: Progress) -> None:
     if mark is None:
         return
     if mark.state is HostState.OK:
-        now = core.hosts.state(host)  # ok, or drained still: an operator's drain was kept under the quarantine
+        # ok, or drained still: an operator's drain was kept under the quarantine
+        now = core.hosts.state(host)
         core.events.event("host_requalified", host=host, passes=mark.passes, steps=list(mark.steps),
                           reason=mark.reason, state=now.value)
-        log.info("job %s: host %s requalified: %d steps of its ranks verified bit for bit in a row (%s)%s",
+        log.info("job %s: host %s requalified: %d steps of its ranks verified bit for bit in a row "
+                 "(%s)%s",
                  core.config.job_id, host, mark.passes, mark.reason,
                  f"; it stays drained, as an operator asked, until `undying undrain {host}`"
                  if now is HostState.DRAINED else "")

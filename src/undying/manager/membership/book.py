@@ -50,7 +50,8 @@ class RankBook:
 
     @property
     def world_size(self) -> int:
-        """The ranks the job trains on now (an elastic job's layout may hold fewer nodes than --nnodes)."""
+        """The ranks the job trains on now
+        (an elastic job's layout may hold fewer nodes than --nnodes)."""
         return len(self.ranks)
 
     def newest_step(self) -> int:
@@ -69,7 +70,8 @@ class RankBook:
         """The job trains on ``nodes`` from now on: its ranks are numbered anew, node by node."""
         self.nodes = list(nodes)
         self.ranks = {
-            slot * self.per_node + local: RankInfo(rank=slot * self.per_node + local, node=node, step=step)
+            slot * self.per_node + local: RankInfo(rank=slot * self.per_node + local, node=node,
+                                                   step=step)
             for slot, node in enumerate(nodes) for local in range(self.per_node)
         }
         if persist:
@@ -80,20 +82,23 @@ class RankBook:
             self._log.set_job("nodes", self.nodes, flush=True)
 
     def take(self, rank: int) -> int:
-        """A new incarnation for ``rank``: the process about to start owns it, every older one is fenced."""
+        """A new incarnation for ``rank``: the process about to start owns it,
+        every older one is fenced."""
         self.incarnations += 1
         self.ranks[rank].incarnation = self.incarnations
         return self.incarnations
 
     def commit(self, rank: int, step: int, generation: int, t: float) -> bool:
-        """``rank`` committed ``step``; True when the step ran before (a re-run after a recovery)."""
+        """``rank`` committed ``step``; True when the step ran before
+        (a re-run after a recovery)."""
         info = self.ranks[rank]
         rerun = step in self.committed[rank]
         if rerun:
             self.rerun_steps.add(step)
         self.committed[rank].add(step)
         moved = info.state is not RankState.RUNNING or info.generation != generation
-        info.step, info.generation, info.state, info.last_seen = step, generation, RankState.RUNNING, t
+        info.step, info.generation = step, generation
+        info.state, info.last_seen = RankState.RUNNING, t
         if moved:
             self._dirty.add(rank)  # its row is written as the log commits
         return rerun
@@ -108,7 +113,8 @@ class RankBook:
         self._dirty.clear()
 
     def restore(self, rows: Iterable[RankInfo], committed: dict[int, set[int]]) -> None:
-        """Read the ranks back from the log of a manager that died (its rank rows and committed steps)."""
+        """Read the ranks back from the log of a manager that died
+        (its rank rows and committed steps)."""
         for row in rows:
             info = self.ranks.get(row.rank)
             if info is None:
@@ -119,7 +125,8 @@ class RankBook:
             self.incarnations = max(self.incarnations, info.incarnation)
         for rank, steps in committed.items():
             self.committed[rank] |= steps
-        for info in self.ranks.values():  # a row is not rewritten per step (see commit): the steps say
+        # a row is not rewritten per step (see commit): the steps say
+        for info in self.ranks.values():
             steps_of_rank = self.committed.get(info.rank)
             if steps_of_rank:
                 info.step = max(info.step, max(steps_of_rank))

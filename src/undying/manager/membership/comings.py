@@ -26,9 +26,9 @@ __all__ = ["Comings"]
 class Comings:
     """Who comes and goes: each arrival and departure of a rank's process or a node's agent."""
 
-    def __init__(self, core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries, detection: Detection,
-                 regrouping: Regrouping, migrations: Migrations, divergence: Divergence,
-                 left_behind: LeftBehind) -> None:
+    def __init__(self, core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries,
+                 detection: Detection, regrouping: Regrouping, migrations: Migrations,
+                 divergence: Divergence, left_behind: LeftBehind) -> None:
         self.core = core
         self.left_behind = left_behind
         self.checkpoints = checkpoints
@@ -37,35 +37,40 @@ class Comings:
         self.regrouping = regrouping
         self.migrations = migrations
         self.divergence = divergence
-        self.sessions: dict[int, str] = {}  # node -> its agent's session (a restarted manager honours them)
+        # node -> its agent's session (a restarted manager honours them)
+        self.sessions: dict[int, str] = {}
 
     # --- arrivals ----------------------------------------------------------------
 
     def on_spawned(self, rank: int, pid: int, warm: bool, incarnation: int) -> None:
-        """A node across the network started the process of a rank (a spawn returns before it knows)."""
+        """A node across the network started the process of a rank
+        (a spawn returns before it knows)."""
         info = self.core.ranks[rank]
         if incarnation != info.incarnation:
             return  # a process the rank was taken from since: fenced by the owner key
         info.pid = pid
-        self.core.events.event("started", generation=info.generation, rank=rank, pid=pid, spare=warm,
-                               incarnation=incarnation)
+        self.core.events.event("started", generation=info.generation, rank=rank, pid=pid,
+                               spare=warm, incarnation=incarnation)
         self.core.book.persist(info)
-        self.migrations.on_spawned(rank, warm)  # (a moved rank's replacement on another host: what it was)
+        # (a moved rank's replacement on another host: what it was)
+        self.migrations.on_spawned(rank, warm)
         recovery = self.recoveries.current
-        if recovery is not None:  # (a stuck spare's rank goes to another spare or a new process: said as it is)
+        # (a stuck spare's rank goes to another spare or a new process: said as it is)
+        if recovery is not None:
             for incident in recovery.incidents:
                 if incident.rank == rank and "replacement" in incident.detail:
                     incident.detail["replacement"] = "warm spare" if warm else "new process"
 
     def on_hello(self, message: Hello) -> None:
-        self.core.events.event("joined", generation=message.generation, rank=message.rank, pid=message.pid,
-                               joining=message.joining)
+        self.core.events.event("joined", generation=message.generation, rank=message.rank,
+                               pid=message.pid, joining=message.joining)
         info = self.core.ranks[message.rank]
         info.pid = message.pid
         info.last_seen = message.t
         info.state = RankState.RECOVERING if message.joining else RankState.STARTING
         self.recoveries.on_joined(message.rank, message.t)
-        self.migrations.on_hello(message.rank, message.t)  # (a moved rank's replacement, started ahead, is ready)
+        # (a moved rank's replacement, started ahead, is ready)
+        self.migrations.on_hello(message.rank, message.t)
         self.core.book.persist(info)
 
     def on_node_joined(self, node: int, session: str, host: str, live: dict[int, int]) -> None:
@@ -87,10 +92,12 @@ class Comings:
         core = self.core
         core.events.event("exited", generation=core.generations.current, rank=rank, pid=pid,
                           returncode=returncode)
-        self.migrations.before_exit(pid, returncode)  # a moving rank's old process: the rank is its again
+        # a moving rank's old process: the rank is its again
+        self.migrations.before_exit(pid, returncode)
         info = core.ranks.get(rank)
         if info is None or pid != info.pid:
-            return  # a process already replaced (or numbered before a regroup); its exit is old news
+            # a process already replaced (or numbered before a regroup); its exit is old news
+            return
         finished_steps = info.state is RankState.DONE
         info.state = RankState.EXITED
         info.last_seen = t
@@ -106,7 +113,8 @@ class Comings:
         # barrier completed on some rank: then this one passed it too. A clean
         # exit before its last step is held: it may have left early (recovery/leaving.py).
         if self.detection.finished(returncode, finished_steps):
-            if returncode == 0 and not finished_steps and self.detection.leavers.on_clean_exit(info, pid, t):
+            if (returncode == 0 and not finished_steps
+                    and self.detection.leavers.on_clean_exit(info, pid, t)):
                 self.finish(*self.detection.leavers.all_left())
                 return
             if returncode != 0:
@@ -122,7 +130,8 @@ class Comings:
         self.detection.on_fault_exit(info, pid, returncode, t)
 
     def on_node_lost(self, node: int, reason: str, t: float) -> None:
-        """Every process of ``node`` is gone or out of reach: its ranks are recovered like crashed ones.
+        """Every process of ``node`` is gone or out of reach:
+        its ranks are recovered like crashed ones.
 
         The survivors may be blocked on a peer that will never answer (a
         link cut rather than a process killed sends no reset), so every rank
@@ -137,20 +146,23 @@ class Comings:
         previous = core.generations.current
         for info in lost:
             self.detection.node_lost[info.pid] = (node, reason, t)
-        self.recoveries.one_generation = True  # every rank of the node is replaced in the same new generation
+        # every rank of the node is replaced in the same new generation
+        self.recoveries.one_generation = True
         try:
             for info in lost:
                 self.on_exit(info.rank, info.pid, -int(signal.SIGKILL), t)
         finally:
             self.recoveries.end_shared_generation()
         for info in core.ranks.values():
-            if info.node != node and info.state is not RankState.EXITED and info.generation <= previous:
+            if (info.node != node and info.state is not RankState.EXITED
+                    and info.generation <= previous):
                 core.agents[info.node].abort(info.rank, previous, f"node {node} lost")
 
     # --- the job's end -------------------------------------------------------------
 
     def finish(self, *ranks: RankInfo) -> None:
-        """These ranks' part of the job is done (then ranks held as perhaps early leavers may be too)."""
+        """These ranks' part of the job is done
+        (then ranks held as perhaps early leavers may be too)."""
         for info in ranks:
             info.state = RankState.DONE
             self.core.book.finished.add(info.rank)
@@ -160,7 +172,8 @@ class Comings:
         self._maybe_succeeded()
 
     def _maybe_succeeded(self) -> None:
-        """Every rank finished: the job moves through STOPPING to SUCCEEDED (the only way it succeeds)."""
+        """Every rank finished: the job moves through STOPPING to SUCCEEDED
+        (the only way it succeeds)."""
         core = self.core
         if len(core.book.finished) != len(core.ranks):
             return
@@ -168,6 +181,7 @@ class Comings:
         last = checkpoints.last["step"] if checkpoints.last else \
             checkpoints.resumed_from["step"] if checkpoints.resumed_from else None
         core.exit_reason = ("every rank finished its last step"
-                            + core.health.warning(core.book.newest_step(), last) + self.divergence.warning())
+                            + core.health.warning(core.book.newest_step(), last)
+                            + self.divergence.warning())
         core.move(JobState.STOPPING)
         core.end(JobState.SUCCEEDED)

@@ -38,7 +38,8 @@ class Generations:
         self._open: dict[int, StoreHandle] = {}
 
     def serve(self, port: int, key: bytes) -> int:
-        """Serve the job's stores on host:``port`` to processes that prove ``key``; the port it got."""
+        """Serve the job's stores on host:``port`` to processes that prove ``key``;
+        the port it got."""
         try:
             self._stores = StoreServer(self.host, port, key)
             self._control = self._stores.open(CONTROL_STORE)
@@ -60,14 +61,17 @@ class Generations:
         """The next generation, announced; the one before it is fenced."""
         previous = self.current
         self.current += 1
-        record = self._announce(self.current, world_size, reason, members=members or {}, purpose=purpose)
+        record = self._announce(self.current, world_size, reason, members=members or {},
+                                purpose=purpose)
         if previous >= 0:
             self._supersede(previous, self.current)
         log.info("job %s: generation %d opened (%s)", self.job_id, self.current, reason)
         return record
 
-    def reannounce(self, world_size: int, *, members: dict[int, int] | None = None, purpose: str = "") -> None:
-        """A restarted manager's new stores: the current generation again, for the ranks that run it."""
+    def reannounce(self, world_size: int, *, members: dict[int, int] | None = None,
+                   purpose: str = "") -> None:
+        """A restarted manager's new stores: the current generation again,
+        for the ranks that run it."""
         if self.current >= 0:
             self._announce(self.current, world_size, "the manager restarted", members=members or {},
                            purpose=purpose)
@@ -81,11 +85,12 @@ class Generations:
 
     def _announce(self, generation: int, world_size: int, reason: str, *, members: dict[int, int],
                   purpose: str) -> GenerationRecord:
-        assert self._control is not None and self._stores is not None, "the job's stores are not served yet"
+        assert self._control is not None and self._stores is not None, (
+            "the job's stores are not served yet")
         store = self._stores.open(generation_store(generation))
         self._open[generation] = store
-        record = GenerationRecord(generation=generation, world_size=world_size, store_host=self.host,
-                                  store_port=store.port, reason=reason,
+        record = GenerationRecord(generation=generation, world_size=world_size,
+                                  store_host=self.host, store_port=store.port, reason=reason,
                                   members={str(r): m for r, m in members.items()}, purpose=purpose)
         self._control.set(generation_key(generation), record.to_json().decode())
         self._control.set(CURRENT_KEY, str(generation))
@@ -95,7 +100,8 @@ class Generations:
         """Fence the old generation: mark it and close its store, so waits on it fail at once."""
         assert self._control is not None
         record = GenerationRecord.from_json(self._control.get(generation_key(old)))
-        superseded = GenerationRecord(**{**record.__dict__, "status": "superseded", "superseded_by": new})
+        superseded = GenerationRecord(**{**record.__dict__, "status": "superseded",
+                                         "superseded_by": new})
         self._control.set(generation_key(old), superseded.to_json().decode())
         store = self._open.pop(old, None)
         if store is not None:

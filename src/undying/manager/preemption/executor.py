@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM, a stop step every rank agrees on, the dying gasp, and an exit within the grace period.
+"""Preemption: SIGTERM, a stop step every rank agrees on, the dying gasp,
+and an exit within the grace period.
 
 Kubernetes (or a Slurm scheduler) gives a job a grace period between SIGTERM
 and SIGKILL. The manager sizes its own from what it measured (the last
@@ -61,8 +62,8 @@ class Preemption:
             m = Measurement(self.checkpoints.state_bytes, self.checkpoints.write_bytes_per_s,
                             "the last checkpoint written")
             return m.grace_period_s() + 2 * step_s, (
-                f"{m.bytes} bytes at {m.write_bytes_per_s / 1e6:.1f} MB/s ({m.source}): write {m.write_s:.3f}s, "
-                f"x2 margin, at least 5s, plus 2 steps of {step_s:.3f}s")
+                f"{m.bytes} bytes at {m.write_bytes_per_s / 1e6:.1f} MB/s ({m.source}): "
+                f"write {m.write_s:.3f}s, x2 margin, at least 5s, plus 2 steps of {step_s:.3f}s")
         return 5.0 + 2 * step_s, "no checkpoint measured yet: 5s plus 2 steps"
 
     def on_saved(self, message: CheckpointSaved) -> None:
@@ -71,15 +72,18 @@ class Preemption:
 
     def on_stop_proposal(self, message: StopProposal) -> None:
         self.proposals[message.rank] = message.step
-        self.core.events.event("stop_proposed", generation=message.generation, rank=message.rank, step=message.step)
+        self.core.events.event("stop_proposed", generation=message.generation, rank=message.rank,
+                               step=message.step)
 
     def on_terminated(self, message: Terminated) -> None:
-        """A rank's SIGTERM (its process's, a node's, the job's): the job is preempted, unless it is old news."""
+        """A rank's SIGTERM (its process's, a node's, the job's): the job is preempted,
+        unless it is old news."""
         holder = self.core.ranks[message.rank].pid  # (0: its replacement has not started yet)
         if message.pid and message.pid != holder:
             # A process the rank was taken from (its host cut off, fenced, its agent stopping it):
             # old news.
-            self.core.events.event("sigterm_stale", rank=message.rank, pid=message.pid, holder=holder)
+            self.core.events.event("sigterm_stale", rank=message.rank, pid=message.pid,
+                                   holder=holder)
             return
         self.core.events.event("sigterm", rank=message.rank)
         self.preempt(f"SIGTERM to rank {message.rank}", rank=message.rank, t=message.t)
@@ -99,11 +103,12 @@ class Preemption:
         if decision is OnSigterm.IGNORE:
             return
         grace, how = self.grace_period()
-        self.view = {"reason": reason, "t": t, "grace_period_s": round(grace, 3), "grace_basis": how}
+        self.view = {"reason": reason, "t": t, "grace_period_s": round(grace, 3),
+                     "grace_basis": how}
         core.exit_reason = f"preempted ({reason})"
         core.move(JobState.STOPPING)
-        log.warning("job %s: %s: dying gasp within a grace period of %.1fs (%s)", core.config.job_id, reason, grace,
-                    how)
+        log.warning("job %s: %s: dying gasp within a grace period of %.1fs (%s)",
+                    core.config.job_id, reason, grace, how)
         self._task = asyncio.get_running_loop().create_task(self._dying_gasp(rank, t, grace))
 
     async def _dying_gasp(self, rank: int, t0: float, grace: float) -> None:
@@ -111,13 +116,15 @@ class Preemption:
         config = core.config
         assert self.view is not None
         newest = core.book.newest_step()
-        incident = Incident(id=len(core.incidents) + 1, kind=IncidentKind.PREEMPT, rank=rank, step=newest, fault_t=t0,
-                            recovery=0, action="dump", error=self.view["reason"])
+        incident = Incident(id=len(core.incidents) + 1, kind=IncidentKind.PREEMPT, rank=rank,
+                            step=newest, fault_t=t0, recovery=0, action="dump",
+                            error=self.view["reason"])
         incident.phases["detected"] = time.time()
         incident.detail["grace_period_s"] = self.view["grace_period_s"]
         core.incidents.append(incident)
         core.events.event("preempt", reason=self.view["reason"], rank=rank,
-                          grace_period_s=self.view["grace_period_s"], grace_basis=self.view["grace_basis"])
+                          grace_period_s=self.view["grace_period_s"],
+                          grace_basis=self.view["grace_basis"])
         deadline = t0 + grace
         reused = None
         if config.checkpoint.gasp_reuse_within > 0:
@@ -131,8 +138,9 @@ class Preemption:
         late: list[int] = []
         if reused is not None:
             incident.detail["reused"] = reused.url
+            created = reused.manifest.created_at if reused.manifest else 0
             core.events.event("dying_gasp_reused", step=reused.step, path=reused.url,
-                              age_s=round(time.time() - (reused.manifest.created_at if reused.manifest else 0), 3))
+                              age_s=round(time.time() - created, 3))
             await core.stop_all(config.timeouts.stop_grace)
         else:
             stop, late = await self._stop_at_agreed_step(incident, newest, deadline, grace)
@@ -140,7 +148,8 @@ class Preemption:
 
     async def _stop_at_agreed_step(self, incident: Incident, newest: int, deadline: float,
                                    grace: float) -> tuple[int, list[int]]:
-        """Every rank stops after one step, saved; those still running at the deadline are killed, named."""
+        """Every rank stops after one step, saved;
+        those still running at the deadline are killed, named."""
         core = self.core
         assert self.view is not None
         live = core.live_ranks()
@@ -162,12 +171,13 @@ class Preemption:
         if late:
             # Named before they go: who did not make it, and where each was.
             phases = {r: p for a in core.agents.values() for r, p in a.phases().items()}
-            killed = [f"rank {r} ({phases.get(r, '?')}, last committed step {core.ranks[r].step})" for r in late]
+            killed = [f"rank {r} ({phases.get(r, '?')}, last committed step {core.ranks[r].step})"
+                      for r in late]
             incident.detail["killed_ranks"] = late
-            core.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop, ranks=late,
-                              where=killed)
-            log.error("job %s: the grace period of %.1fs passed before every rank finished step %d; killing "
-                      "%s", core.config.job_id, grace, stop, ", ".join(killed))
+            core.events.event("grace_exceeded", grace_period_s=round(grace, 3), step=stop,
+                              ranks=late, where=killed)
+            log.error("job %s: the grace period of %.1fs passed before every rank finished step "
+                      "%d; killing %s", core.config.job_id, grace, stop, ", ".join(killed))
             for r in late:  # as Kubernetes would at the deadline: no word, no handler
                 core.kill(r)
             await core.stop_all(0.0)
@@ -175,16 +185,18 @@ class Preemption:
 
     async def _report(self, incident: Incident, t0: float, grace: float, reused: Checkpoint | None,
                       stop: int, late: list[int]) -> None:
-        """Which checkpoint a relaunch resumes from and what it re-runs (``policy``); the job ends."""
+        """Which checkpoint a relaunch resumes from and what it re-runs
+        (``policy``); the job ends."""
         core = self.core
         gasp = self._gasp
         took = round(time.time() - t0, 3)
-        outcome = gasp_outcome(all_done=core.book.all_done(), reused=_saved(reused), gasp=gasp, stop=stop, t0=t0,
+        outcome = gasp_outcome(all_done=core.book.all_done(), reused=_saved(reused), gasp=gasp,
+                               stop=stop, t0=t0,
                                gasp_reuse_s=core.config.checkpoint.gasp_reuse_within)
         if outcome is None:  # no dying gasp stands: what is on disk
             latest = await asyncio.to_thread(self.checkpoints.latest)
-            outcome = fallback_outcome(gasp=gasp, stop=stop, late=late, grace=grace, latest=_saved(latest),
-                                       committed=core.book.newest_step())
+            outcome = fallback_outcome(gasp=gasp, stop=stop, late=late, grace=grace,
+                                       latest=_saved(latest), committed=core.book.newest_step())
         core.exit_reason = outcome.exit_reason
         if outcome.succeeded:
             incident.settle(IncidentStatus.IGNORED)
@@ -193,12 +205,13 @@ class Preemption:
             return
         self._end_preempted(incident, outcome, gasp, stop, late, took)
 
-    def _end_preempted(self, incident: Incident, outcome: Outcome, gasp: CheckpointSaved | None, stop: int,
-                       late: list[int], took: float) -> None:
+    def _end_preempted(self, incident: Incident, outcome: Outcome, gasp: CheckpointSaved | None,
+                       stop: int, late: list[int], took: float) -> None:
         core = self.core
         assert self.view is not None
         step, path, what = outcome.step, outcome.path, outcome.what
-        reruns = resume_reruns(outcome, gasp=gasp, stop=stop, rank_steps=[r.step for r in core.ranks.values()])
+        reruns = resume_reruns(outcome, gasp=gasp, stop=stop,
+                               rank_steps=[r.step for r in core.ranks.values()])
         if outcome.gasp_t is not None:
             incident.phases["checkpoint_written"] = outcome.gasp_t
         if gasp is not None and gasp.error:
@@ -222,4 +235,6 @@ class Preemption:
 
 
 def _saved(checkpoint: Checkpoint | None) -> Saved | None:
-    return None if checkpoint is None else Saved(checkpoint.step, checkpoint.url, checkpoint.kind, checkpoint.name)
+    if checkpoint is None:
+        return None
+    return Saved(checkpoint.step, checkpoint.url, checkpoint.kind, checkpoint.name)

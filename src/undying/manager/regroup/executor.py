@@ -62,22 +62,26 @@ class Regrouping:
         return [n for n in self.core.book.nodes if n not in available]
 
     def maybe_grow(self) -> None:
-        """An elastic job below MAX with a node here that it does not train on: regroup to take it in.
+        """An elastic job below MAX with a node here that it does not train on:
+        regroup to take it in.
 
         Only while the job runs undisturbed: a node that joins during a recovery
         is taken once it completed; none once a rank finished its last step.
         """
         core = self.core
-        decision = grow(elastic=core.config.elastic, available=core.nodes_available(), trained=core.book.nodes,
-                        nnodes=core.config.nnodes, running=core.state is JobState.RUNNING,
-                        recovering=self.recoveries.current is not None, any_done=core.book.any_done())
+        decision = grow(elastic=core.config.elastic, available=core.nodes_available(),
+                        trained=core.book.nodes, nnodes=core.config.nnodes,
+                        running=core.state is JobState.RUNNING,
+                        recovering=self.recoveries.current is not None,
+                        any_done=core.book.any_done())
         if decision is None:
             return
         now = time.time()
         view = core.agents[decision.nodes[0]].view()
-        incident = self.recoveries.new_incident(kind=IncidentKind.NODE_JOINED, rank=-1, step=core.book.newest_step(),
-                                                fault_t=now, detected_t=now,
-                                                error=f"{decision.named} joined ({view.get('host', '')})")
+        incident = self.recoveries.new_incident(
+            kind=IncidentKind.NODE_JOINED, rank=-1, step=core.book.newest_step(),
+            fault_t=now, detected_t=now,
+            error=f"{decision.named} joined ({view.get('host', '')})")
         incident.action = "regroup"
         incident.phases["decided"] = now
         core.events.incident(incident)
@@ -95,7 +99,8 @@ class Regrouping:
         for agent in core.agents.values():
             agent.drop_waiting()  # replacements waiting for a lost node's host: no longer wanted
         live = sorted(r for a in core.agents.values() for r in a.live_ranks()
-                      if r in ranks and ranks[r].node in available and ranks[r].state is not RankState.EXITED)
+                      if r in ranks and ranks[r].node in available
+                      and ranks[r].state is not RankState.EXITED)
         newest = core.book.newest_step()
         regroup = (again.successor(live, newest) if again is not None
                    else Regroup(why=why, members={r: i for i, r in enumerate(live)}, step=newest,
@@ -103,39 +108,47 @@ class Regrouping:
         self.regroup = regroup
         core.move(JobState.RECOVERING)
         sharded = self.checkpoints.sharded
-        # The one planner: the members keep their newest step and save it, or the latest checkpoint.
+        # The one planner: the members keep their newest step and save it,
+        # or the latest checkpoint.
         saving = plan_regroup(members=live, newest=newest, sharded=sharded)
         if saving.source.kind == "self":
             previous = core.generations.current
-            record = core.open_generation(f"regroup: {regroup.cause()}", members=regroup.members, purpose="regroup")
+            record = core.open_generation(f"regroup: {regroup.cause()}", members=regroup.members,
+                                          purpose="regroup")
             regroup.generation = record.generation
             for rank in live:
                 core.agent_of(rank).abort(rank, previous, why)
         else:
             for rank in live:
                 core.kill(rank)
-        core.events.event("regroup", why=why, members=live, generation=regroup.generation, step=newest,
-                          nodes=sorted(available), sharded=sharded, attempt=regroup.attempt, faults=regroup.faults,
+        core.events.event("regroup", why=why, members=live, generation=regroup.generation,
+                          step=newest, nodes=sorted(available), sharded=sharded,
+                          attempt=regroup.attempt, faults=regroup.faults,
                           restore_plan=saving.describe())
         self.persist()
         log.warning("job %s: %s; %s", core.config.job_id, regroup.cause(), saving.reason)
         self.maybe_form_world()
 
     def maybe_form_world(self) -> None:
-        """Once every member left: start the job on the nodes here from the saved state, or wait for nodes."""
+        """Once every member left: start the job on the nodes here from the saved state,
+        or wait for nodes."""
         core = self.core
         config = core.config
         regroup = self.regroup
-        if regroup is None or waiting_for_members(regroup, now=time.time(), heartbeat_s=config.timeouts.heartbeat_timeout,
-                                                  all_attached=all(a.attached for a in core.agents.values())):
-            return  # (a restarted manager's agents have their heartbeat timeout to come back: the watch retries)
+        if regroup is None or waiting_for_members(
+                regroup, now=time.time(), heartbeat_s=config.timeouts.heartbeat_timeout,
+                all_attached=all(a.attached for a in core.agents.values())):
+            # (a restarted manager's agents have their heartbeat timeout to come back:
+            # the watch retries)
+            return
         if regroup.checkpoint is None:
-            # The members saved synchronously before they left: the newest valid checkpoint is
-            # theirs.
+            # The members saved synchronously before they left:
+            # the newest valid checkpoint is theirs.
             regroup.checkpoint = self.checkpoints.latest()
         ckpt = regroup.checkpoint
         world = form_world(regroup, checkpoint_step=ckpt.step if ckpt is not None else None,
-                           checkpoint_dir=str(self.checkpoints.dir), available=core.nodes_available(),
+                           checkpoint_dir=str(self.checkpoints.dir),
+                           available=core.nodes_available(),
                            nnodes=config.nnodes, fewest=config.fewest_nodes)
         nodes = world.nodes
         if world.next is WorldNext.FAIL:
@@ -148,32 +161,36 @@ class Regrouping:
                 self.persist()
                 core.events.event("waiting_for_nodes", nodes=nodes, need=config.fewest_nodes,
                                   checkpoint=ckpt.url, step=ckpt.step)
-                log.warning("job %s: the state of step %d is saved (%s); waiting for %d node(s), %d here: start "
-                            "`undying run --node-rank I --manager ...` on a host", config.job_id, ckpt.step,
-                            ckpt.url, config.fewest_nodes, len(nodes))
+                log.warning("job %s: the state of step %d is saved (%s); waiting for %d node(s), "
+                            "%d here: start `undying run --node-rank I --manager ...` on a host",
+                            config.job_id, ckpt.step, ckpt.url, config.fewest_nodes, len(nodes))
             return
-        # The one planner: every rank of the new world loads this checkpoint; the steps after it are
-        # re-run.
-        start = plan_regroup(members=sorted(regroup.members), newest=regroup.step, sharded=self.checkpoints.sharded,
+        # The one planner: every rank of the new world loads this checkpoint;
+        # the steps after it are re-run.
+        start = plan_regroup(members=sorted(regroup.members), newest=regroup.step,
+                             sharded=self.checkpoints.sharded,
                              checkpoint=PersistedState(ckpt.step, path=ckpt.url))
         lost = start.lost_steps
         before = (list(core.book.nodes), core.book.world_size)
         core.set_layout(nodes, step=ckpt.step)
-        record = core.open_generation(f"{len(nodes)} node(s) {nodes}, {core.book.world_size} ranks, "
-                                      f"from step {ckpt.step}")
+        record = core.open_generation(f"{len(nodes)} node(s) {nodes}, "
+                                      f"{core.book.world_size} ranks, from step {ckpt.step}")
         recovery = self.recoveries.current
-        assert recovery is not None  # a regroup starts from an incident (a node lost, or one joining)
+        # a regroup starts from an incident (a node lost, or one joining)
+        assert recovery is not None
         recovery.renew(record.generation)
         recovery.replaced = set(core.ranks)
         recovery.ready.clear()
         for info in core.ranks.values():
             core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
+        waited = round(time.time() - regroup.waiting_since, 3) if regroup.waiting_since else 0.0
         detail: dict[str, Any] = {
             "from_nodes": before[0], "from_world_size": before[1], "nodes": nodes,
-            "world_size": core.book.world_size, "checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
-            "checkpoint_kind": ckpt.kind,
-            "waited_for_nodes_s": round(time.time() - regroup.waiting_since, 3) if regroup.waiting_since else 0.0,
-            "attempts": regroup.attempt, "faults": regroup.faults, "restore_plan": start.describe()}
+            "world_size": core.book.world_size, "checkpoint": ckpt.url,
+            "checkpoint_step": ckpt.step, "checkpoint_kind": ckpt.kind,
+            "waited_for_nodes_s": waited,
+            "attempts": regroup.attempt, "faults": regroup.faults,
+            "restore_plan": start.describe()}
         for incident in recovery.incidents:
             incident.action = "regroup"
             incident.detail["regroup"] = detail
@@ -182,22 +199,27 @@ class Regrouping:
             core.events.incident(incident)
         core.events.event("regrouped", generation=record.generation, lost_steps=lost, detail=detail)
         log.warning("job %s gen %d: regrouped on node(s) %s (%d ranks, was %d) from %s (step %d)%s",
-                    config.job_id, record.generation, nodes, core.book.world_size, before[1], ckpt.url, ckpt.step,
-                    f"; steps {ckpt.step + 1}..{regroup.step} are re-run" if lost else ", no step lost")
+                    config.job_id, record.generation, nodes, core.book.world_size, before[1],
+                    ckpt.url, ckpt.step,
+                    f"; steps {ckpt.step + 1}..{regroup.step} are re-run" if lost
+                    else ", no step lost")
         self.regroup = None
         self.persist()
 
     def watch(self, resumed: float = 0.0) -> None:
-        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every wait
-        (``resumed``: the manager's return from a stall of its own, ``regroup_policy.overdue``)."""
+        """The regroup's clock: re-plan a broken one, let members go once saved, and bound every
+        wait (``resumed``: the manager's return from a stall of its own,
+        ``regroup_policy.overdue``)."""
         regroup = self.regroup
         assert regroup is not None
         core = self.core
         config = core.config
         now = time.time()
-        again = replan(regroup, now=now, max_retries=config.max_retries)  # a second fault broke it before the save
+        # a second fault broke it before the save
+        again = replan(regroup, now=now, max_retries=config.max_retries)
         if again is Replan.FAIL:
-            self.recoveries.fail(f"{regroup.cause()}; the regroup broke {regroup.attempt} times, its limit")
+            self.recoveries.fail(f"{regroup.cause()}; the regroup broke {regroup.attempt} times, "
+                                 "its limit")
             return
         if again is Replan.AGAIN:
             self.begin(regroup.why, again=regroup)
@@ -210,7 +232,8 @@ class Regrouping:
         if self.regroup is not regroup:
             return
         saved = regroup.checkpoint
-        why = overdue(regroup, now=now, rendezvous_s=config.timeouts.rendezvous_timeout, recovery_s=config.timeouts.recovery_timeout,
+        why = overdue(regroup, now=now, rendezvous_s=config.timeouts.rendezvous_timeout,
+                      recovery_s=config.timeouts.recovery_timeout,
                       fewest=config.fewest_nodes, available=core.nodes_available(),
                       saved_step=saved.step if saved is not None else regroup.step,
                       saved_at=saved.url if saved is not None else regroup.saved, resumed=resumed)
@@ -218,30 +241,36 @@ class Regrouping:
             self.recoveries.fail(why)
 
     def member_exited(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
-        """A process ended during the regroup: a member leaving as asked, a second fault, or old news."""
+        """A process ended during the regroup: a member leaving as asked,
+        a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
-        # Members leave once the state is saved; any other process of the old layout is no fault
-        # now.
+        # Members leave once the state is saved;
+        # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
             return
         cause = self.detection.cause_of(info, pid, returncode, t)
         lost, hung = cause.lost, cause.hung
         what = (f"node {lost[0]} lost ({lost[1]})" if lost else
-                f"rank {info.rank} hung ({hung[2]} timeout)" if hung else f"rank {info.rank} {describe_exit(returncode)}")
+                f"rank {info.rank} hung ({hung[2]} timeout)" if hung else
+                f"rank {info.rank} {describe_exit(returncode)}")
         if regroup.member_left(info.rank, returncode, what):
-            # A fault: an incident of the regroup's recovery, which re-plans with the members it has
-            # left.
-            incident = self.recoveries.new_incident(kind=IncidentKind.NODE_LOSS if lost else IncidentKind.HANG if hung else IncidentKind.CRASH,
-                                                    rank=info.rank, step=info.step + 1, fault_t=t, detected_t=t,
+            # A fault: an incident of the regroup's recovery,
+            # which re-plans with the members it has left.
+            kind = (IncidentKind.NODE_LOSS if lost else IncidentKind.HANG if hung
+                    else IncidentKind.CRASH)
+            incident = self.recoveries.new_incident(kind=kind, rank=info.rank, step=info.step + 1,
+                                                    fault_t=t, detected_t=t,
                                                     error=f"{what} during the regroup")
             incident.action = "regroup"
             incident.phases["decided"] = time.time()
             incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
             self.core.events.incident(incident)
             log.warning("job %s gen %d: %s during the regroup; %s", self.core.config.job_id,
-                        self.core.generations.current, what, "the state is saved" if regroup.saved else
-                        "the members left meet again" if regroup.remaining() else "no member is left")
+                        self.core.generations.current, what,
+                        "the state is saved" if regroup.saved else
+                        "the members left meet again" if regroup.remaining()
+                        else "no member is left")
         self.persist()
         self.maybe_form_world()
 
@@ -261,4 +290,5 @@ class Regrouping:
             self.regroup = Regroup.from_log(logged)
 
     def persist(self) -> None:
-        self.core.events.set_job(LOG_KEY, self.regroup.to_log() if self.regroup is not None else None)
+        logged = self.regroup.to_log() if self.regroup is not None else None
+        self.core.events.set_job(LOG_KEY, logged)

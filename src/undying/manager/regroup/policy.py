@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from undying.manager.regroup.record import Regroup, max_attempts
 
-__all__ = ["Grow", "grow", "World", "WorldNext", "waiting_for_members", "form_world", "Replan", "replan", "overdue"]
+__all__ = ["Grow", "grow", "World", "WorldNext", "waiting_for_members", "form_world", "Replan",
+           "replan", "overdue"]
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,10 @@ class Grow:
         return f"node{'s' if len(self.nodes) > 1 else ''} {', '.join(map(str, self.nodes))}"
 
 
-def grow(*, elastic: bool, available: Sequence[int], trained: Sequence[int], nnodes: int, running: bool,
-         recovering: bool, any_done: bool) -> Grow | None:
-    """An elastic job below MAX with a node here it does not train on grows, only while it runs undisturbed.
+def grow(*, elastic: bool, available: Sequence[int], trained: Sequence[int], nnodes: int,
+         running: bool, recovering: bool, any_done: bool) -> Grow | None:
+    """An elastic job below MAX with a node here it does not train on grows,
+    only while it runs undisturbed.
 
     A node that joins during a recovery is taken once it completed; none once a
     rank finished its last step.
@@ -57,24 +59,28 @@ class World:
     first_wait: bool = False  # the wait for nodes begins now (said once)
 
 
-def waiting_for_members(regroup: Regroup, *, now: float, heartbeat_s: float, all_attached: bool) -> bool:
-    """Members that have not left yet, or a restarted manager giving its agents their heartbeat to come back."""
+def waiting_for_members(regroup: Regroup, *, now: float, heartbeat_s: float,
+                        all_attached: bool) -> bool:
+    """Members that have not left yet,
+    or a restarted manager giving its agents their heartbeat to come back."""
     if regroup.remaining():
         return True
-    return bool(regroup.restored_at) and now - regroup.restored_at < heartbeat_s and not all_attached
+    return (bool(regroup.restored_at) and now - regroup.restored_at < heartbeat_s
+            and not all_attached)
 
 
-def form_world(regroup: Regroup, *, checkpoint_step: int | None, checkpoint_dir: str, available: Sequence[int],
-               nnodes: int, fewest: int) -> World:
-    """Every member left: start on the nodes here from the checkpoint, wait for nodes, or fail saying why.
+def form_world(regroup: Regroup, *, checkpoint_step: int | None, checkpoint_dir: str,
+               available: Sequence[int], nnodes: int, fewest: int) -> World:
+    """Every member left: start on the nodes here from the checkpoint, wait for nodes,
+    or fail saying why.
 
     ``checkpoint_step``: the regroup's checkpoint (the members' save, else the
     newest valid one); None when there is none.
     """
     if checkpoint_step is None:
         return World(WorldNext.FAIL, reason=(
-            f"{regroup.cause()}: no rank saved the state (exits: {regroup.left or 'none alive'}) and there is no "
-            f"checkpoint in {checkpoint_dir} to start from"))
+            f"{regroup.cause()}: no rank saved the state (exits: {regroup.left or 'none alive'}) "
+            f"and there is no checkpoint in {checkpoint_dir} to start from"))
     nodes = list(available[:nnodes])
     if len(nodes) < fewest:
         return World(WorldNext.WAIT_FOR_NODES, nodes, first_wait=not regroup.waiting_since)
@@ -91,27 +97,29 @@ def replan(regroup: Regroup, *, now: float, max_retries: int) -> Replan:
     """A second fault broke the regroup before the state was saved: re-plan, within the bound."""
     if not regroup.replan_due(now):
         return Replan.NONE
-    return Replan.FAIL if regroup.attempt >= max_attempts(regroup.first_members, max_retries) else Replan.AGAIN
+    limit = max_attempts(regroup.first_members, max_retries)
+    return Replan.FAIL if regroup.attempt >= limit else Replan.AGAIN
 
 
 def overdue(regroup: Regroup, *, now: float, rendezvous_s: float, recovery_s: float, fewest: int,
             available: Sequence[int], saved_step: int, saved_at: str, resumed: float = 0.0) -> str:
-    """Why the regroup fails now ("" while it may go on): no node came within the rendezvous timeout, or
-    the members did not save and leave within the recovery timeout.
+    """Why the regroup fails now ("" while it may go on): no node came within the rendezvous
+    timeout, or the members did not save and leave within the recovery timeout.
 
-    ``resumed``: when the manager came back from a stall of its own (``protocol/judge_clock.py``; 0.0:
-    never). A wait counts from its start or from then, whichever is later: a manager that did not run
-    heard none of the joins and reports that waited unread meanwhile.
+    ``resumed``: when the manager came back from a stall of its own (``protocol/judge_clock.py``;
+    0.0: never). A wait counts from its start or from then, whichever is later: a manager that did
+    not run heard none of the joins and reports that waited unread meanwhile.
     """
     if regroup.waiting_since:
         if now - max(regroup.waiting_since, resumed) <= rendezvous_s:
             return ""
-        return (f"{regroup.cause()}; the job needs {fewest} node(s) and has {len(available)} ({list(available)}), "
-                f"and none joined within the rendezvous timeout ({rendezvous_s:.0f}s). The state of step "
-                f"{saved_step} is saved in {saved_at}: start the missing nodes (`undying run --node-rank I "
-                "--manager ...`) and run the job again to resume from it")
+        return (f"{regroup.cause()}; the job needs {fewest} node(s) and has {len(available)} "
+                f"({list(available)}), and none joined within the rendezvous timeout "
+                f"({rendezvous_s:.0f}s). The state of step {saved_step} is saved in {saved_at}: "
+                "start the missing nodes (`undying run --node-rank I --manager ...`) and run the "
+                "job again to resume from it")
     if now - max(regroup.started, resumed) > recovery_s:
         still = sorted(set(regroup.members) - set(regroup.left))
-        return (f"{regroup.cause()}; ranks {still} did not save and leave within the recovery timeout "
-                f"({recovery_s:.0f}s)")
+        return (f"{regroup.cause()}; ranks {still} did not save and leave within the recovery "
+                f"timeout ({recovery_s:.0f}s)")
     return ""

@@ -51,7 +51,8 @@ SAVED_KINDS = ("regroup", "existing")
 
 
 def max_attempts(members: int, max_retries: int) -> int:
-    """Regroup generations one regroup may open: one per member it can lose, plus the link retries' budget.
+    """Regroup generations one regroup may open: one per member it can lose,
+    plus the link retries' budget.
 
     Every re-plan after an exit has one member fewer, so only broken links
     (no member lost) could re-plan without end; they get ``max_retries``.
@@ -66,14 +67,16 @@ class Regroup:
     why: str
     members: dict[int, int]  # old rank -> its number in the current regroup generation
     step: int  # the newest step a member had committed
-    generation: int = -1  # the regroup generation; -1: no member holds the state, a checkpoint is the source
+    # the regroup generation; -1: no member holds the state, a checkpoint is the source
+    generation: int = -1
     started: float = field(default_factory=time.time)  # when the current attempt began
     left: dict[int, int] = field(default_factory=dict)  # member (of any attempt) -> its exit code
     waiting_since: float = 0.0  # every member left, too few nodes: waiting for more to join
     checkpoint: Checkpoint | None = None  # what the job starts from once it has the nodes
     attempt: int = 1  # regroup generations opened for it (a re-plan opens one more)
     first_members: int = 0  # how many members its first attempt had (bounds the re-plans)
-    faults: list[str] = field(default_factory=list)  # overlapping faults, in order (named in a failure)
+    # overlapping faults, in order (named in a failure)
+    faults: list[str] = field(default_factory=list)
     saved: str = ""  # where a member reported the regroup's state saved ("": not yet)
     replan_at: float = 0.0  # a re-plan is due at this time (0: none)
     broken: str = ""  # a failed collective that made it due, while no exit explains it
@@ -104,7 +107,8 @@ class Regroup:
         return True
 
     def group_broke(self, generation: int, what: str, grace_s: float) -> None:
-        """A member's collective failed in ``generation``: a re-plan is due after the grace, unless it is stale.
+        """A member's collective failed in ``generation``: a re-plan is due after the grace,
+        unless it is stale.
 
         The exit that explains it usually arrives within the grace and makes
         the re-plan due at once; a broken link alone (or a manager restarted
@@ -122,21 +126,25 @@ class Regroup:
     # --- what to do next ----------------------------------------------------------
 
     def to_release(self) -> list[int]:
-        """Members still there after a disturbed regroup whose state is saved: they hold nothing more."""
+        """Members still there after a disturbed regroup whose state is saved:
+        they hold nothing more."""
         if not self.saved or not (self.faults or self.broken) or self.waiting_since:
             return []
         return [r for r in self.remaining() if r not in self.released]
 
     def replan_due(self, now: float) -> bool:
-        return bool(self.replan_at) and now >= self.replan_at and not self.saved and not self.waiting_since
+        return (bool(self.replan_at) and now >= self.replan_at and not self.saved
+                and not self.waiting_since)
 
     def successor(self, members: list[int], step: int) -> Regroup:
-        """The next attempt: ``members`` (the live ones) renumbered; what the regroup learned is kept."""
+        """The next attempt: ``members`` (the live ones) renumbered;
+        what the regroup learned is kept."""
         faults = [*self.faults, self.broken] if self.broken else list(self.faults)
         return Regroup(
-            why=self.why, members={r: i for i, r in enumerate(members)}, step=max(self.step, step),
-            left=dict(self.left), attempt=self.attempt + 1, first_members=self.first_members, faults=faults,
-            saved=self.saved, released=list(self.released), restored_at=self.restored_at)
+            why=self.why, members={r: i for i, r in enumerate(members)},
+            step=max(self.step, step), left=dict(self.left), attempt=self.attempt + 1,
+            first_members=self.first_members, faults=faults, saved=self.saved,
+            released=list(self.released), restored_at=self.restored_at)
 
     def cause(self) -> str:
         """Why the job regroups, and every fault that overlapped it."""
@@ -148,8 +156,9 @@ class Regroup:
 
     def view(self) -> dict[str, Any]:
         return {
-            "why": self.why, "members": sorted(self.members), "left": sorted(self.left), "step": self.step,
-            "generation": self.generation, "started": self.started, "waiting_for_nodes_since": self.waiting_since or None,
+            "why": self.why, "members": sorted(self.members), "left": sorted(self.left),
+            "step": self.step, "generation": self.generation, "started": self.started,
+            "waiting_for_nodes_since": self.waiting_since or None,
             "checkpoint": self.checkpoint.url if self.checkpoint else (self.saved or None),
             "attempt": self.attempt, "faults": list(self.faults),
         }
@@ -157,21 +166,26 @@ class Regroup:
     def to_log(self) -> dict[str, Any]:
         """What a restarted manager needs to carry the regroup on (plain JSON)."""
         return {
-            "why": self.why, "members": {str(r): m for r, m in self.members.items()}, "step": self.step,
+            "why": self.why, "members": {str(r): m for r, m in self.members.items()},
+            "step": self.step,
             "generation": self.generation, "started": self.started,
-            "left": {str(r): c for r, c in self.left.items()}, "waiting_since": self.waiting_since,
-            "attempt": self.attempt, "first_members": self.first_members, "faults": list(self.faults),
+            "left": {str(r): c for r, c in self.left.items()},
+            "waiting_since": self.waiting_since, "attempt": self.attempt,
+            "first_members": self.first_members, "faults": list(self.faults),
             "saved": self.saved, "released": list(self.released),
         }
 
     @classmethod
     def from_log(cls, data: dict[str, Any], *, now: float | None = None) -> Regroup:
-        """The regroup a dead manager left under way; its checkpoint is looked for again when the world forms."""
+        """The regroup a dead manager left under way;
+        its checkpoint is looked for again when the world forms."""
         return cls(
             why=str(data["why"]), members={int(r): int(m) for r, m in data["members"].items()},
-            step=int(data["step"]), generation=int(data["generation"]), started=float(data["started"]),
+            step=int(data["step"]), generation=int(data["generation"]),
+            started=float(data["started"]),
             left={int(r): int(c) for r, c in data.get("left", {}).items()},
-            waiting_since=float(data.get("waiting_since", 0.0)), attempt=int(data.get("attempt", 1)),
+            waiting_since=float(data.get("waiting_since", 0.0)),
+            attempt=int(data.get("attempt", 1)),
             first_members=int(data.get("first_members", len(data["members"]))),
             faults=[str(f) for f in data.get("faults", [])], saved=str(data.get("saved", "")),
             released=[int(r) for r in data.get("released", [])],

@@ -50,19 +50,22 @@ class Promote:
     reason: str
 
 
-def promotions(slots: Sequence[SlotFacts], standbys: Sequence[StandbyFacts], *, silence_limit_s: float,
-               closed: bool = False) -> list[Promote]:
-    """Every lost node without an agent, paired with the best standby still heard from; the longest lost first.
+def promotions(slots: Sequence[SlotFacts], standbys: Sequence[StandbyFacts], *,
+               silence_limit_s: float, closed: bool = False) -> list[Promote]:
+    """Every lost node without an agent, paired with the best standby still heard from;
+    the longest lost first.
 
     ``silence_limit_s``: a standby silent this long (a host cut off) is passed
     over; the server drops it. ``closed``: the job is over, nothing moves.
     """
     if closed:
         return []
-    lost = sorted((s for s in slots if not s.attached and s.lost_at > 0), key=lambda s: (s.lost_at, s.node))
+    lost = sorted((s for s in slots if not s.attached and s.lost_at > 0),
+                  key=lambda s: (s.lost_at, s.node))
     fit = sorted((s for s in standbys if s.silent_s <= silence_limit_s),
                  key=lambda s: (-s.spares_ready, s.parked_at, s.key))
     return [Promote(standby.key, slot.node,
-                    f"node {slot.node} was lost; standby {standby.key} ({standby.spares_ready} warm spare"
+                    f"node {slot.node} was lost; standby {standby.key} "
+                    f"({standby.spares_ready} warm spare"
                     f"{'' if standby.spares_ready == 1 else 's'}) takes its number and its ranks")
             for slot, standby in zip(lost, fit, strict=False)]

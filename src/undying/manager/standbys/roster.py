@@ -1,4 +1,5 @@
-"""The manager's side of warm standby agents: parked connections, each waiting to be given a lost node.
+"""The manager's side of warm standby agents: parked connections,
+each waiting to be given a lost node.
 
 A standby's agent joins with ``node`` = ``STANDBY_NODE``. It is checked as any
 agent is (token, job, flags), told ``StandbyParked`` with what its zygote
@@ -53,7 +54,8 @@ class Parked:
     join: AgentJoin
     writer: asyncio.StreamWriter
     parked_at: float = field(default_factory=time.time)
-    last_heard: float = field(default_factory=time.time)  # wall clock, for people; judged by ``heard``
+    # wall clock, for people; judged by ``heard``
+    last_heard: float = field(default_factory=time.time)
     heard: float = field(default_factory=time.monotonic)
     spares_ready: int = 0
     # Set when it is given a node: (the node, its session); the connection is then the node's.
@@ -61,7 +63,8 @@ class Parked:
 
     def view(self) -> dict[str, Any]:
         return {"standby": self.key, "host": self.join.host, "agent_pid": self.join.pid,
-                "spares_ready": self.spares_ready, "parked_at": self.parked_at, "last_heard": self.last_heard}
+                "spares_ready": self.spares_ready, "parked_at": self.parked_at,
+                "last_heard": self.last_heard}
 
 
 # seat(node, join, writer) -> the session: attach the connection to the node's slot as its new
@@ -86,9 +89,10 @@ class Standbys:
         # there is not promoted.
         self.blocked: Callable[[], set[str]] = set
 
-    async def park(self, join: AgentJoin, writer: asyncio.StreamWriter, check: Callable[[AgentJoin], str],
-                   welcome: StandbyParked) -> Parked | None:
-        """A standby's join, checked as a node's would be (any node number): refused, or parked and told so."""
+    async def park(self, join: AgentJoin, writer: asyncio.StreamWriter,
+                   check: Callable[[AgentJoin], str], welcome: StandbyParked) -> Parked | None:
+        """A standby's join, checked as a node's would be (any node number): refused,
+        or parked and told so."""
         refusal = check(msgspec.structs.replace(join, node=0))
         if refusal:
             log.warning("refused a standby agent from %s: %s", join.host, refusal)
@@ -104,7 +108,8 @@ class Standbys:
         return parked
 
     async def serve(self, parked: Parked, reader: asyncio.StreamReader, line_limit: int) -> bytes:
-        """Its beats until it is given a node; returns the first line it sent as the node's agent (b"": gone)."""
+        """Its beats until it is given a node;
+        returns the first line it sent as the node's agent (b"": gone)."""
         try:
             while parked.seated is None:
                 line = await read_line(reader, line_limit)
@@ -130,18 +135,22 @@ class Standbys:
             return
         parked.writer.close()
         log.info("standby %d (%s) dropped: %s", parked.key, parked.join.host, why)
-        self._record("standby_dropped", {"standby": parked.key, "host": parked.join.host, "why": why})
+        self._record("standby_dropped", {"standby": parked.key, "host": parked.join.host,
+                                         "why": why})
 
     def beat(self, line: bytes, silence_limit_s: float) -> None:
-        """The manager's beat to every parked standby; one silent past the limit (while the manager ran) is dropped."""
+        """The manager's beat to every parked standby; one silent past the limit
+        (while the manager ran) is dropped."""
         for parked in list(self.parked.values()):
             silent = self.clock.silent_s(parked.heard)
             if silent > silence_limit_s:
-                self.drop(parked, f"silent for {silent:.1f}s (heartbeat timeout {silence_limit_s:g}s)")
+                self.drop(parked, f"silent for {silent:.1f}s "
+                                  f"(heartbeat timeout {silence_limit_s:g}s)")
             elif line and not parked.writer.is_closing():
                 parked.writer.write(line)
 
-    def place(self, slots: list[SlotFacts], silence_limit_s: float, *, closed: bool = False) -> list[Promote]:
+    def place(self, slots: list[SlotFacts], silence_limit_s: float, *,
+              closed: bool = False) -> list[Promote]:
         """Give lost nodes to standbys (``policy.promotions`` decides); returns what was done."""
         out = self.blocked()
         facts = [StandbyFacts(p.key, p.spares_ready, p.parked_at, self.clock.silent_s(p.heard))
@@ -153,8 +162,10 @@ class Standbys:
             session = self._seat(promote.node, join, parked.writer)
             parked.seated = (promote.node, session)
             log.info("node %d: %s (host %s)", promote.node, promote.reason, parked.join.host)
-            self._record("standby_promoted", {"standby": parked.key, "node": promote.node, "host": parked.join.host,
-                                              "spares_ready": parked.spares_ready, "session": session})
+            self._record("standby_promoted", {"standby": parked.key, "node": promote.node,
+                                              "host": parked.join.host,
+                                              "spares_ready": parked.spares_ready,
+                                              "session": session})
         return done
 
     def tell_all(self, message: Any) -> None:

@@ -37,7 +37,8 @@ class StepClock:
         self.step_times: deque[tuple[int, float]] = deque(maxlen=200)
         self.job_steps = JobSteps(world_size)
         self.ledger = StepLedger()
-        self.stalls: deque[Stall] = deque()  # the recent saves' stalls; older ones summed in folded_stall_s
+        # the recent saves' stalls; older ones summed in folded_stall_s
+        self.stalls: deque[Stall] = deque()
         self.folded_stall_s = 0.0
         self.plan: Plan | None = None
 
@@ -48,7 +49,8 @@ class StepClock:
         self.job_steps.reset(world_size)
 
     def reported(self, phase: str, detail: Mapping[str, Any]) -> None:
-        """A rank's progress report: rank 0's plan of steps is kept (others are no concern of the clock)."""
+        """A rank's progress report: rank 0's plan of steps is kept
+        (others are no concern of the clock)."""
         if phase == PLAN_EVENT:
             self.plan = Plan.from_detail(detail) or self.plan
 
@@ -61,8 +63,9 @@ class StepClock:
 
     def replay(self, commits: Iterable[tuple[int, int, float]],
                reports: Iterable[tuple[str, float, Mapping[str, Any]]]) -> None:
-        """A restarted manager's clock, fed again what the log kept: the commits (without their values),
-        the plan and the saves' stalls, so progress and goodput go on from where they were."""
+        """A restarted manager's clock, fed again what the log kept: the commits (without their
+        values), the plan and the saves' stalls, so progress and goodput go on from where they
+        were."""
         for rank, step, t in commits:
             self.committed(rank, step, t)
         for kind, t, data in reports:
@@ -77,7 +80,8 @@ class StepClock:
     def median_rank_step_s(self) -> float:
         return statistics.median(self._rank_step_s) if self._rank_step_s else 0.0
 
-    def committed(self, rank: int, step: int, t: float, metrics: Mapping[str, float] | None = None) -> None:
+    def committed(self, rank: int, step: int, t: float,
+                  metrics: Mapping[str, float] | None = None) -> None:
         previous = self._last_commit.get(rank)
         if previous is not None and previous[0] == step - 1:
             self._rank_step_s.append(t - previous[1])

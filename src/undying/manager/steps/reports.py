@@ -38,26 +38,31 @@ from undying.protocol.worker_wire import (
 __all__ = ["StepReports", "CommitRow", "History"]
 
 # A commit as the log's steps table takes it: rank, step, generation, time, metrics.
-CommitRow = tuple[int, int, int, float, Mapping[str, float | str]]  # ("inf", "nan": as the wire carries them)
+# ("inf", "nan": as the wire carries them)
+CommitRow = tuple[int, int, int, float, Mapping[str, float | str]]
 # A commit with its metrics as numbers.
 NumberRow = tuple[int, int, int, float, dict[str, float]]
 
 
 class History(Protocol):
-    """The run's history the status page charts (``views.RunHistory``): what it is told of the steps."""
+    """The run's history the status page charts (``views.RunHistory``):
+    what it is told of the steps."""
 
     def commits(self, rows: list[NumberRow], world_size: int) -> None: ...
 
-    def commit(self, rank: int, step: int, t: float, metrics: dict[str, float], world_size: int) -> None: ...
+    def commit(self, rank: int, step: int, t: float, metrics: dict[str, float],
+               world_size: int) -> None: ...
 
     def checkpoint(self, message: CheckpointSaved) -> None: ...
 
 
 class StepReports:
-    """Each worker's report of its steps, to the parts it concerns (``finish``: ranks done, the job's end)."""
+    """Each worker's report of its steps, to the parts it concerns (``finish``: ranks done,
+    the job's end)."""
 
-    def __init__(self, core: JobCore, *, history: History, checkpoints: Checkpoints, recoveries: Recoveries,
-                 detection: Detection, regrouping: Regrouping, divergence: Divergence, gasp: Preemption,
+    def __init__(self, core: JobCore, *, history: History, checkpoints: Checkpoints,
+                 recoveries: Recoveries, detection: Detection, regrouping: Regrouping,
+                 divergence: Divergence, gasp: Preemption,
                  finish: Callable[[RankInfo], None]) -> None:
         self.core = core
         self.history = history
@@ -72,26 +77,31 @@ class StepReports:
     def on_commits(self, rows: list[CommitRow]) -> None:
         core = self.core
         ranks = core.ranks
-        numbers = [(rank, step, generation, t, float_metrics(metrics)) for rank, step, generation, t, metrics in rows
+        numbers = [(rank, step, generation, t, float_metrics(metrics))
+                   for rank, step, generation, t, metrics in rows
                    if rank in ranks]  # (not a process numbered before a regroup)
         core.events.steps(numbers)
         self.history.commits(numbers, core.book.world_size)
         for rank, step, generation, t, metrics in numbers:
             self._commit(rank, step, generation, t, metrics)
-        core.events.changed()  # their ranks rows are due at the next flush, also when one ran in between
+        # their ranks rows are due at the next flush, also when one ran in between
+        core.events.changed()
 
     def on_commit(self, message: StepCommitted) -> None:
         metrics = float_metrics(message.metrics)
         self.core.events.step(message.rank, message.step, message.generation, message.t, metrics)
-        self.history.commit(message.rank, message.step, message.t, metrics, self.core.book.world_size)
+        self.history.commit(message.rank, message.step, message.t, metrics,
+                            self.core.book.world_size)
         self._commit(message.rank, message.step, message.generation, message.t, metrics)
 
-    def _commit(self, rank: int, step: int, generation: int, t: float, metrics: dict[str, float]) -> None:
+    def _commit(self, rank: int, step: int, generation: int, t: float,
+                metrics: dict[str, float]) -> None:
         core = self.core
         if core.book.commit(rank, step, generation, t):
             core.events.event("step_rerun", rank=rank, step=step)
         if self.detection.leavers.pending:
-            self.detection.leavers.on_commit(rank, step)  # a rank that exited 0 before this step left early
+            # a rank that exited 0 before this step left early
+            self.detection.leavers.on_commit(rank, step)
         core.clock.committed(rank, step, t, metrics)
         if core.state is JobState.STARTING:  # the job's first commit: it runs
             core.move(JobState.RUNNING)
@@ -102,18 +112,21 @@ class StepReports:
         info = core.ranks[message.rank]
         info.generation = message.generation
         info.last_seen = message.t
-        core.events.event(message.phase, generation=message.generation, rank=message.rank, step=message.step,
-                          **message.detail)
+        core.events.event(message.phase, generation=message.generation, rank=message.rank,
+                          step=message.step, **message.detail)
         self.checkpoints.on_state_reported(message.phase, message.detail)
         core.clock.reported(message.phase, message.detail)
         self.divergence.on_progress(message)
         self.recoveries.on_progress(message.rank, message.generation, message.step, message.phase,
                                     message.detail, message.t)
-        if message.phase == NUMERIC_PHASE:  # a step's numeric check, replayed: its verdict (integrity/numerics.py)
+        if message.phase == NUMERIC_PHASE:
+            # a step's numeric check, replayed: its verdict (integrity/numerics.py)
             on_numeric_fault(core, message, self.recoveries)
-        elif message.phase == SDC_PHASE:  # a step that differed from its replay (integrity/verification.py)
+        elif message.phase == SDC_PHASE:
+            # a step that differed from its replay (integrity/verification.py)
             on_sdc(core, message)
-        elif message.phase == VERIFIED_PHASE:  # a verified step's verdict: a quarantined host may requalify
+        elif message.phase == VERIFIED_PHASE:
+            # a verified step's verdict: a quarantined host may requalify
             on_verified(core, message)
 
     def on_checkpoint(self, message: CheckpointSaved) -> None:
@@ -132,7 +145,8 @@ class StepReports:
         info.step = message.step
         core.events.event("done", rank=message.rank, step=message.step, digest=message.digest)
         core.book.persist(info)
-        if self.detection.leavers.on_done(message.rank):  # (its exit came first: it finished after all)
+        # (its exit came first: it finished after all)
+        if self.detection.leavers.on_done(message.rank):
             self._finish(info)
             return
         self._maybe_finish_recovery(message.rank, message.t, core.generations.current)

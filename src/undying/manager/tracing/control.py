@@ -1,4 +1,5 @@
-"""The job's trace switch and what the traces find: every rank follows one switch; slow ranks become incidents.
+"""The job's trace switch and what the traces find: every rank follows one switch;
+slow ranks become incidents.
 
 The switch changes while the job runs (``undying trace on|off [--comm]``, the
 API, or a switch file); the agents pass it on to their ranks at once. The comm
@@ -50,7 +51,8 @@ class TraceControl:
                         comm_from_step=self.comm_from_step)
 
     def _comm_switch_step(self) -> int:
-        """The step from which every rank's DDP has (or drops) the comm hook: far enough ahead to hear of it.
+        """The step from which every rank's DDP has (or drops) the comm hook:
+        far enough ahead to hear of it.
 
         Ranks of a synchronous job are within a step or two of the newest
         commit; the switch reaches them in milliseconds. Half a second of steps
@@ -58,7 +60,8 @@ class TraceControl:
         """
         newest = self.core.book.newest_step()
         step_s = self.core.clock.median_rank_step_s()
-        ahead = max(_COMM_SWITCH_MIN_STEPS, math.ceil(_COMM_SWITCH_AHEAD_S / step_s) if step_s > 0 else 0)
+        ahead = max(_COMM_SWITCH_MIN_STEPS,
+                    math.ceil(_COMM_SWITCH_AHEAD_S / step_s) if step_s > 0 else 0)
         return newest + min(ahead, _COMM_SWITCH_MAX_STEPS)
 
     def set(self, switch: TraceSwitch) -> dict[str, Any]:
@@ -71,7 +74,8 @@ class TraceControl:
         self.core.events.event("trace_switch", step=switch.step, comm=switch.comm, by=switch.by,
                                comm_from_step=self.comm_from_step)
         if (previous.step, previous.comm) != (switch.step, switch.comm):
-            log.warning("job %s: tracing %s, by %s", self.core.config.job_id, switch.describe(), switch.by)
+            log.warning("job %s: tracing %s, by %s", self.core.config.job_id, switch.describe(),
+                        switch.by)
         message = self.message()
         for agent in self.core.agents.values():
             agent.set_trace(message)
@@ -99,20 +103,24 @@ class TraceControl:
         return {**self.switch.to_dict(), "error": self.error, "comm_from_step": self.comm_from_step}
 
     def on_summary(self, message: TraceSummary) -> None:
-        """A rank's window of step phases; slow-rank detection runs on them (no raw records here)."""
+        """A rank's window of step phases; slow-rank detection runs on them
+        (no raw records here)."""
         for finding in self._detector.add(message.summary):
             self._on_slow(finding)
 
     def _on_slow(self, finding: Finding) -> None:
-        """A slow rank or node: an incident to see and act on; nothing is recovered, the job trains on."""
+        """A slow rank or node: an incident to see and act on; nothing is recovered,
+        the job trains on."""
         core = self.core
         now = time.time()
         incident = Incident(
-            id=len(core.incidents) + 1, kind=IncidentKind(finding.kind), rank=finding.rank, step=finding.since_step,
-            fault_t=now, recovery=0, action="report", status=IncidentStatus.OBSERVED, error=finding.describe(),
+            id=len(core.incidents) + 1, kind=IncidentKind(finding.kind), rank=finding.rank,
+            step=finding.since_step, fault_t=now, recovery=0, action="report",
+            status=IncidentStatus.OBSERVED, error=finding.describe(),
             detail=cast(IncidentDetail, {**finding.to_dict(), "node": finding.node}),
         )
         incident.phases["detected"] = now
         core.incidents.append(incident)
         core.events.incident(incident)
-        log.warning("job %s gen %d: %s", core.config.job_id, core.generations.current, finding.describe())
+        log.warning("job %s gen %d: %s", core.config.job_id, core.generations.current,
+                    finding.describe())
