@@ -80,7 +80,7 @@ def layout(virtual: int, world_size: int) -> list[range]:
     if world_size > virtual:
         raise UsageError(f"{world_size} ranks for {virtual} virtual ranks: each rank needs at "
                          f"least one virtual rank; run on at most {virtual} ranks or raise "
-                         f"--virtual-ranks")
+                         "--virtual-ranks")
     base, extra = divmod(virtual, world_size)
     blocks, start = [], 0
     for r in range(world_size):
@@ -268,7 +268,7 @@ def invariant_mode(ctx: JobContext, state: State, virtual_ranks: int | None, *, 
         if (isinstance(virtual_ranks, bool) or not isinstance(virtual_ranks, int)
                 or virtual_ranks < 1):
             raise UsageError(f"job.steps(virtual_ranks={virtual_ranks!r}): give a whole number "
-                             f">= 1")
+                             ">= 1")
         if from_env is not None and from_env != virtual_ranks:
             raise UsageError(f"job.steps(virtual_ranks={virtual_ranks}) but undying run "
                              f"--virtual-ranks {from_env}: the job has one number of virtual "
