@@ -70,7 +70,8 @@ T = TypeVar("T")
 
 
 class _Failed(enum.Enum):
-    """A collective of the round failed (a peer lost): the round starts again in the next generation."""
+    """A collective of the round failed (a peer lost): the round starts again in the next
+    generation."""
 
     FAILED = "failed"
 
@@ -104,15 +105,16 @@ def connect_control(ctx: JobContext, deadline: float) -> dist.Store:
 class Rejoin:
     """Joining generations and restoring the state in them, for one job (its context and savers)."""
 
-    def __init__(self, ctx: JobContext, control: dist.Store, shards: Shards, checkpoints: Checkpoints,
-                 wrappers: list[GenerationalDDP]) -> None:
+    def __init__(self, ctx: JobContext, control: dist.Store, shards: Shards,
+                 checkpoints: Checkpoints, wrappers: list[GenerationalDDP]) -> None:
         self.ctx = ctx
         self.control = control
         self.shards = shards
         self.checkpoints = checkpoints
         self.wrappers = wrappers
         self.purpose = ""  # of the generation joined last (see GenerationRecord.purpose)
-        self.restored_digests: dict[str, str] = {}  # a receiver's state and its donor's, told with state_restored
+        # a receiver's state and its donor's, told with state_restored
+        self.restored_digests: dict[str, str] = {}
 
     # --- generations ---------------------------------------------------------------
 
@@ -124,8 +126,9 @@ class Rejoin:
         while True:
             try:
                 record = join_generation(
-                    self.control, generation, rank=ctx.rank, backend=env.backend, rendezvous_s=t.rendezvous_timeout,
-                    connect_s=t.connect_timeout, collective_s=t.collective_timeout, incarnation=env.incarnation,
+                    self.control, generation, rank=ctx.rank, backend=env.backend,
+                    rendezvous_s=t.rendezvous_timeout, connect_s=t.connect_timeout,
+                    collective_s=t.collective_timeout, incarnation=env.incarnation,
                     deadline=deadline, key=env.store_key,
                 )
                 break
@@ -166,7 +169,8 @@ class Rejoin:
             # it at once.
             self.shards.saves.finish_writes(timeout=ctx.env.timeouts.collective_timeout)
             try:
-                reset_after_failure(state.model)  # FSDP left mid-forward/backward: reshard, clear hooks
+                # FSDP left mid-forward/backward: reshard, clear hooks
+                reset_after_failure(state.model)
             except RecoveryError:
                 raise
             except Exception as e:
@@ -178,7 +182,8 @@ class Rejoin:
             return self._rejoin(status, state)
 
     def join_as_replacement(self, *, adopt: bool) -> None:
-        """A new process for a lost rank: join the generation it was started for and receive the state."""
+        """A new process for a lost rank: join the generation it was started for and receive the
+        state."""
         if adopt:
             self.adopt_user_group()
         status = RankStatus(Member.lost(self.ctx.rank))
@@ -197,7 +202,8 @@ class Rejoin:
 
     def _comm_failure(self) -> None:
         ctx = self.ctx
-        ctx.send(CommFailure(ctx.rank, ctx.generation, ctx.current_step, ctx.abort_reason, time.time()))
+        ctx.send(CommFailure(ctx.rank, ctx.generation, ctx.current_step, ctx.abort_reason,
+                             time.time()))
 
     def _rejoin(self, status: RankStatus, state: State | None, first: int | None = None,
                 joined: bool = False) -> int:
@@ -215,7 +221,8 @@ class Rejoin:
             joined = False
             regroup = self.purpose == "regroup"
             if state is not None and state.sharded:
-                if regroup:  # never asked of a sharded job (it regroups from its checkpoint); leave as asked
+                # never asked of a sharded job (it regroups from its checkpoint); leave as asked
+                if regroup:
                     ctx.exit_now(EXIT_REGROUPED)
                 rebind_groups(state.model)  # FSDP keeps the group it was built with
             ctx.send(Progress(ctx.rank, ctx.generation, "group_rebuilt", time.time()))
@@ -226,8 +233,10 @@ class Rejoin:
                 continue
             status = restored.status
             digests, self.restored_digests = self.restored_digests, {}
-            ctx.send(Progress(ctx.rank, ctx.generation, "state_restored", time.time(), step=restored.target,
-                              detail={"donor": restored.donor, "receivers": list(restored.receivers), **digests}))
+            ctx.send(Progress(ctx.rank, ctx.generation, "state_restored", time.time(),
+                              step=restored.target,
+                              detail={"donor": restored.donor,
+                                      "receivers": list(restored.receivers), **digests}))
             ctx.current_step = restored.target
             if regroup:
                 save_and_leave(ctx, state, restored.target, restored.donor, self.checkpoints)
@@ -244,7 +253,8 @@ class Rejoin:
             return restored.target
 
     def _collective(self, work: Callable[[], T]) -> T | Literal[_Failed.FAILED]:
-        """Run a collective step of the round; a communication failure ends the round (the error is kept)."""
+        """Run a collective step of the round; a communication failure ends the round (the error
+        is kept)."""
         try:
             return work()
         except Exception as e:
@@ -255,8 +265,10 @@ class Rejoin:
 
     def _restore(self, status: RankStatus, state: State | None, regroup: bool) -> _Restored | None:
         """One round: exchange holdings, plan, carry out. None: a collective failed on the way."""
-        me = dist.get_rank()  # this generation's number for the rank (a regroup numbers its members anew)
-        mine = dataclasses.replace(status, member=status.member._replace(rank=me)) if regroup else status
+        # this generation's number for the rank (a regroup numbers its members anew)
+        me = dist.get_rank()
+        mine = (dataclasses.replace(status, member=status.member._replace(rank=me)) if regroup
+                else status)
         statuses = self._collective(lambda: exchange_statuses(mine))
         if statuses is _FAILED:
             return None
@@ -272,11 +284,13 @@ class Rejoin:
         assert plan.target is not None
         keepers = [r for r, source in enumerate(plan.sources) if source.kind == "self"]
         transfers = plan.transfers()
-        return _Restored(plan.target, received or status, transfers[0][0] if transfers else keepers[0],
+        donor = transfers[0][0] if transfers else keepers[0]
+        return _Restored(plan.target, received or status, donor,
                          tuple(sorted(r for _, r in transfers)))
 
     def _restore_shards(self, members: list[Member], state: State | None) -> _Restored | None:
-        """Every rank holds a shard of its own (dp = 1): from memory, or all from the latest checkpoint."""
+        """Every rank holds a shard of its own (dp = 1): from memory, or all from the latest
+        checkpoint."""
         layout, replica_of = Layout(dp=1, tp=len(members)), self.shards.replica_of()
         plan: RestorePlan = planner.plan(layout, members, replica_of=replica_of, checkpoint=UNREAD)
         manifest: Manifest | None = None
@@ -297,17 +311,19 @@ class Rejoin:
             return None
         return _Restored(plan.target, status, -1, ())
 
-    def _move_whole_state(self, plan: RestorePlan, state: State | None, me: int) -> RankStatus | None:
-        """Carry out a DDP plan: each donor sends the whole state to its receivers; a receiver loads it
-        (or keeps it for ``steps()`` when it has no State yet). Returns a receiver's new status."""
+    def _move_whole_state(self, plan: RestorePlan, state: State | None,
+                          me: int) -> RankStatus | None:
+        """Carry out a DDP plan: each donor sends the whole state to its receivers; a receiver
+        loads it (or keeps it for ``steps()`` when it has no State yet). Returns a receiver's new
+        status."""
         ctx = self.ctx
         receivers = tuple(r for donor, r in plan.transfers() if donor == me)
         if receivers:
             assert state is not None
             # The donor's fingerprint travels with it: the receiver's state, once loaded, must show
             # the same.
-            send_state({**state.state_dict(), "_undying": {"data_origin": ctx.data_origin, "digest": state.digest()}},
-                       receivers)
+            extra = {"data_origin": ctx.data_origin, "digest": state.digest()}
+            send_state({**state.state_dict(), "_undying": extra}, receivers)
         source = plan.source(me)
         if source.kind != "peer":
             return None
@@ -317,7 +333,8 @@ class Rejoin:
         origin = meta.get("data_origin")
         if state is not None:
             state.load_state_dict(payload)
-            self.restored_digests = {"digest": state.digest(), "donor_digest": str(meta.get("digest", ""))}
+            self.restored_digests = {"digest": state.digest(),
+                                     "donor_digest": str(meta.get("digest", ""))}
         else:
             ctx.stash = (plan.target, {**payload, "_undying": meta})
         if origin is not None:

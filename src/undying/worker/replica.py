@@ -65,7 +65,8 @@ class ReplicationConfig:
     # The job's defaults, written on CheckpointConfig's fields only (the launcher's side of the
     # variables).
     mode: str = CheckpointConfig.replicate  # "off" or "ring"
-    every: int = CheckpointConfig.replicate_every  # replicate at steps that are multiples of this (and at a restore)
+    # replicate at steps that are multiples of this (and at a restore)
+    every: int = CheckpointConfig.replicate_every
 
     @property
     def ring(self) -> bool:
@@ -81,14 +82,16 @@ class ReplicationConfig:
         try:
             every = int(raw)
         except ValueError as e:
-            raise UsageError(f"{REPLICATE_EVERY_ENV}={raw!r}: give a whole number of steps >= 1") from e
+            raise UsageError(f"{REPLICATE_EVERY_ENV}={raw!r}: give a whole number of steps "
+                             ">= 1") from e
         if every < 1:
             raise UsageError(f"{REPLICATE_EVERY_ENV}={every}: give a whole number of steps >= 1")
         return cls(mode, every)
 
 
 def ring_offset(world_size: int, local_world_size: int) -> int:
-    """How far along the ranks a shard's replica lives: the next node's rank, or the next rank on one node."""
+    """How far along the ranks a shard's replica lives: the next node's rank, or the next rank on
+    one node."""
     if world_size <= 1:
         return 0
     if 0 < local_world_size < world_size:
@@ -98,7 +101,8 @@ def ring_offset(world_size: int, local_world_size: int) -> int:
 
 @dataclass
 class Copies:
-    """This rank's in-memory copies, by step: its own serialized shard and its predecessor's replica."""
+    """This rank's in-memory copies, by step: its own serialized shard and its predecessor's
+    replica."""
 
     own: dict[int, bytes] = field(default_factory=dict)
     replicas: dict[int, bytes] = field(default_factory=dict)
@@ -132,7 +136,9 @@ def _header(data: bytes) -> torch.Tensor:
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _checked(payload: torch.Tensor, header: torch.Tensor, source: int) -> bytes:
@@ -141,7 +147,8 @@ def _checked(payload: torch.Tensor, header: torch.Tensor, source: int) -> bytes:
     actual = zlib.crc32(raw)
     if actual != expected:
         raise RecoveryError(
-            f"the shard copy from rank {source} failed its checksum (crc32 {actual:#x}, expected {expected:#x})"
+            f"the shard copy from rank {source} failed its checksum (crc32 {actual:#x}, "
+            f"expected {expected:#x})"
         )
     return raw
 
@@ -155,7 +162,8 @@ def _wait(works: list[dist.Work | None]) -> None:
 def exchange(data: bytes, successor: int, predecessor: int, *, tag: int = TAG_RING) -> bytes:
     """Send ``data`` to ``successor`` and receive the predecessor's bytes, checksummed, at once."""
     header_in = torch.zeros(2, dtype=torch.int64)
-    _wait([dist.isend(_header(data), dst=successor, tag=tag), dist.irecv(header_in, src=predecessor, tag=tag)])
+    _wait([dist.isend(_header(data), dst=successor, tag=tag),
+           dist.irecv(header_in, src=predecessor, tag=tag)])
     incoming = torch.empty(int(header_in[0]), dtype=torch.uint8)
     works: list[dist.Work | None] = []
     if data:

@@ -1,4 +1,5 @@
-"""Moving a restore's state: what every member holds, gathered, and a whole state sent to who lacks it.
+"""Moving a restore's state: what every member holds, gathered, and a whole state sent to who
+lacks it.
 
 Where each rank's state comes from is decided by the one restore planner
 (``undying.checkpoint.planner.plan``) over the members gathered here, so all
@@ -38,7 +39,8 @@ _COPIES = 2
 
 @dataclass(frozen=True)
 class RankStatus:
-    """What a member tells the others at a restore: its holdings (for the planner) and its kind of state."""
+    """What a member tells the others at a restore: its holdings (for the planner) and its kind
+    of state."""
 
     member: Member
     mode: int = MODE_UNKNOWN
@@ -91,6 +93,7 @@ def recv_state(donor: int) -> dict[str, Any]:
     actual = zlib.crc32(raw)
     if actual != expected:
         raise RecoveryError(
-            f"state from rank {donor} failed its checksum (crc32 {actual:#x}, expected {expected:#x})"
+            f"state from rank {donor} failed its checksum (crc32 {actual:#x}, expected "
+            f"{expected:#x})"
         )
     return load_state_bytes(raw, source=f"rank {donor}")

@@ -26,7 +26,8 @@ __all__ = ["seed_from_env", "seed_everything"]
 
 
 def seed_from_env(env: Mapping[str, str] | None = None) -> int:
-    """The seed ``undying run --seed`` passed, or 0; a value that is not a whole number >= 0 is refused."""
+    """The seed ``undying run --seed`` passed, or 0; a value that is not a whole number >= 0 is
+    refused."""
     raw = (os.environ if env is None else env).get(SEED_ENV, "").strip()
     if not raw:
         return JobConfig.seed  # (--seed's default, written on its field only)
@@ -35,7 +36,8 @@ def seed_from_env(env: Mapping[str, str] | None = None) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise UsageError(f"{SEED_ENV}={raw!r} is not a seed: give a whole number >= 0 (undying run --seed N)")
+        raise UsageError(f"{SEED_ENV}={raw!r} is not a seed: give a whole number >= 0 "
+                         "(undying run --seed N)")
     return value
 
 

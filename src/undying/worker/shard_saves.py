@@ -1,4 +1,5 @@
-"""A sharded state's DCP checkpoints, by every rank together: periodic ones in the background, the dying gasp.
+"""A sharded state's DCP checkpoints, by every rank together: periodic ones in the background,
+the dying gasp.
 
 ``Shards`` (``worker.shards``) owns one: a save is collective
 (``save_sharded``: every rank writes its own files through
@@ -36,7 +37,8 @@ log = logging.getLogger("undying.worker")
 
 
 class ShardSaves:
-    """One job's sharded checkpoints: when they are due, their writer thread, the newest one written."""
+    """One job's sharded checkpoints: when they are due, their writer thread, the newest one
+    written."""
 
     def __init__(self, ctx: JobContext, shape: Callable[[State], dict[str, Any]]) -> None:
         self.ctx = ctx
@@ -69,7 +71,8 @@ class ShardSaves:
             ctx.clock.mark()
             if flags[1]:
                 if ctx.rank == 0:
-                    log.info("sharded checkpoint of step %d skipped: the previous one is still being written", index)
+                    log.info("sharded checkpoint of step %d skipped: the previous one is still "
+                             "being written", index)
                 return True
             with ctx.tracing.checkpoint_stall():
                 self._start_save(state, index, meta)
@@ -86,7 +89,8 @@ class ShardSaves:
         return thread is not None and thread.is_alive()
 
     def _checkpoint_group(self) -> dist.ProcessGroup:
-        """A gloo group of its own for the writer thread's collectives (a collective itself: every rank, now).
+        """A gloo group of its own for the writer thread's collectives (a collective itself:
+        every rank, now).
 
         The training thread keeps the default group; two threads must never
         share one group. Built once per generation: a new generation destroys
@@ -98,7 +102,8 @@ class ShardSaves:
         return self._group
 
     def _start_save(self, state: State, step: int, meta: dict[str, Any]) -> None:
-        """Copy this rank's shard to CPU (the loop's only stall) and write it in a thread, with the others."""
+        """Copy this rank's shard to CPU (the loop's only stall) and write it in a thread, with
+        the others."""
         ctx = self.ctx
         assert ctx.env is not None
         group = self._checkpoint_group()
@@ -111,33 +116,36 @@ class ShardSaves:
             t0 = time.time()
             try:
                 result = save_sharded(
-                    env.checkpoint.checkpoint_dir, step, snapshot, group=group, job_id=env.job_id, generation=generation,
-                    kind="periodic", keep=env.checkpoint.keep, meta=meta, layout_extra={"world_size": ctx.world_size},
+                    env.checkpoint.checkpoint_dir, step, snapshot, group=group, job_id=env.job_id,
+                    generation=generation, kind="periodic", keep=env.checkpoint.keep, meta=meta,
+                    layout_extra={"world_size": ctx.world_size},
                 )
-            except Exception as e:  # a peer gone mid-write, a full disk: reported; the latest valid one stands
+            # a peer gone mid-write, a full disk: reported; the latest valid one stands
+            except Exception as e:
                 log.error("rank %d: sharded checkpoint of step %d failed: %s", ctx.rank, step, e)
                 if ctx.rank == 0:
-                    ctx.send(CheckpointSaved(0, step, "periodic", "", blocking, time.time() - t0, 0, time.time(),
-                                              error=f"{type(e).__name__}: {e}"))
+                    ctx.send(CheckpointSaved(0, step, "periodic", "", blocking, time.time() - t0, 0,
+                                              time.time(), error=f"{type(e).__name__}: {e}"))
                 return
             self.last_save = result
             if ctx.rank == 0:
                 ctx.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
-                ctx.send(CheckpointSaved(0, step, "periodic", result.path, blocking, result.write_s, result.bytes,
-                                          time.time()))
+                ctx.send(CheckpointSaved(0, step, "periodic", result.path, blocking,
+                                          result.write_s, result.bytes, time.time()))
 
         self._writer = threading.Thread(target=write, name="undying-sharded-ckpt", daemon=True)
         self._writer.start()
 
     def finish_writes(self, timeout: float | None = None) -> None:
-        """Wait for the write in flight: before the group it uses is destroyed, a dying gasp, or the end."""
+        """Wait for the write in flight: before the group it uses is destroyed, a dying gasp, or
+        the end."""
         thread = self._writer
         if thread is None:
             return
         thread.join(timeout)
         if thread.is_alive():
-            log.error("rank %d: the sharded checkpoint write still runs after %.0fs; going on without it",
-                      self.ctx.rank, timeout or 0)
+            log.error("rank %d: the sharded checkpoint write still runs after %.0fs; going on "
+                      "without it", self.ctx.rank, timeout or 0)
             return
         self._writer = None
 
@@ -157,25 +165,28 @@ class ShardSaves:
                 raise
             log.error("rank %d: sharded checkpoint of step %d failed: %s", ctx.rank, step, e)
             if ctx.rank == 0:
-                ctx.send(CheckpointSaved(0, step, kind, "", 0.0, time.time() - started, 0, time.time(),
-                                          error=f"{type(e).__name__}: {e}"))
+                ctx.send(CheckpointSaved(0, step, kind, "", 0.0, time.time() - started, 0,
+                                          time.time(), error=f"{type(e).__name__}: {e}"))
             return None
         self.last_save = result
         if ctx.rank == 0:
             ctx.tracing.checkpoint_written(result.step, result.write_s, result.bytes)
-            ctx.send(CheckpointSaved(0, step, kind, result.path, result.blocking_s, result.write_s, result.bytes,
-                                      time.time()))
+            ctx.send(CheckpointSaved(0, step, kind, result.path, result.blocking_s, result.write_s,
+                                      result.bytes, time.time()))
         return result
 
-    def dying_gasp(self, state: State, step: int, meta: dict[str, Any], resumed: tuple[int, str] | None) -> None:
+    def dying_gasp(self, state: State, step: int, meta: dict[str, Any],
+                   resumed: tuple[int, str] | None) -> None:
         """Every rank stopped at ``step``: save it together, unless a checkpoint of it exists."""
         ctx = self.ctx
         self.finish_writes()  # a periodic save of this very step may be the dying gasp already
-        existing = self.last_save.path if self.last_save is not None and self.last_save.step == step else \
-            resumed[1] if resumed is not None and resumed[0] == step else None
+        existing = (self.last_save.path
+                    if self.last_save is not None and self.last_save.step == step
+                    else resumed[1] if resumed is not None and resumed[0] == step else None)
         if existing is not None:
             if ctx.rank == 0:
-                log.warning("rank 0: dying gasp: the checkpoint of step %d already exists: %s", step, existing)
+                log.warning("rank 0: dying gasp: the checkpoint of step %d already exists: %s",
+                            step, existing)
                 ctx.send(CheckpointSaved(0, step, "existing", existing, 0.0, 0.0, 0, time.time()))
             return
         try:
@@ -188,7 +199,8 @@ class ShardSaves:
 
 
 def stage(obj: Any) -> Any:
-    """A private CPU copy of a state dict for the writer thread: DTensors stay DTensors (local data cloned)."""
+    """A private CPU copy of a state dict for the writer thread: DTensors stay DTensors (local
+    data cloned)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

@@ -1,4 +1,5 @@
-"""Sharded state (FSDP2 ``fully_shard``, DTensor parameters): what each rank holds, and keeping it usable.
+"""Sharded state (FSDP2 ``fully_shard``, DTensor parameters): what each rank holds, and keeping
+it usable.
 
 Under DDP every rank holds the whole state, so any survivor can hand it to a
 replacement. A sharded model's rank holds only its slices (the local tensors
@@ -73,7 +74,8 @@ def _extras_state(state: State) -> dict[str, Any]:
 
 
 def shard_bytes(state: State, extra: dict[str, Any] | None = None) -> bytes:
-    """This rank's part of the state, serialized: model and optimizer as local tensors, the rest whole.
+    """This rank's part of the state, serialized: model and optimizer as local tensors, the rest
+    whole.
 
     Serializing is the copy: the bytes do not change when training mutates the
     live tensors afterwards. ``extra`` travels beside the state (the job's
@@ -105,15 +107,17 @@ def load_shard_bytes(state: State, data: bytes) -> dict[str, Any]:
         saved = payload["model"]
         missing = sorted(set(live) - set(saved))
         if missing:
-            raise RecoveryError(f"the shard received lacks model entries {missing[:5]}; was it saved by another model?")
+            raise RecoveryError(f"the shard received lacks model entries {missing[:5]}; was it "
+                                "saved by another model?")
         with torch.no_grad():
             for name, tensor in live.items():
                 target = _local(tensor)
                 source = saved[name]
                 if tuple(source.shape) != tuple(target.shape):
                     raise RecoveryError(
-                        f"the shard received has {name} of local shape {list(source.shape)}, this rank holds "
-                        f"{list(target.shape)}: shards move only between jobs of the same world size and mesh"
+                        f"the shard received has {name} of local shape {list(source.shape)}, this "
+                        f"rank holds {list(target.shape)}: shards move only between jobs of the "
+                        "same world size and mesh"
                     )
                 target.copy_(source)
     if state.optimizer is not None:
@@ -136,13 +140,16 @@ def _as_dtensors(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dic
         local_shape = tuple(param.to_local().shape)
         rebuilt: dict[str, Any] = {}
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == local_shape:
+            if (isinstance(value, torch.Tensor) and value.dim() > 0
+                    and tuple(value.shape) == local_shape):
                 from torch.distributed.tensor import DTensor
 
                 rebuilt[key] = DTensor.from_local(value, param.device_mesh, param.placements,
-                                                  run_check=False, shape=param.shape, stride=param.stride())
+                                                  run_check=False, shape=param.shape,
+                                                  stride=param.stride())
             else:
-                rebuilt[key] = value  # a scalar (Adam's step), or state not laid out like the parameter
+                # a scalar (Adam's step), or state not laid out like the parameter
+                rebuilt[key] = value
         state[index] = rebuilt
     return {"state": state, "param_groups": saved["param_groups"]}
 
@@ -176,8 +183,8 @@ def dcp_state_dict(state: State) -> dict[str, Any]:
         if state.optimizer is not None:
             sd["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
     elif state.optimizer is not None:
-        raise UsageError("sharded state needs State(model=...) beside the optimizer: its state is keyed by the "
-                         "model's parameter names")
+        raise UsageError("sharded state needs State(model=...) beside the optimizer: its state "
+                         "is keyed by the model's parameter names")
     if state.scheduler is not None:
         sd["scheduler"] = state.scheduler.state_dict()
     if state.extras:
@@ -214,7 +221,8 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def full_digest(obj: Any) -> str:
-    """A fingerprint of every tensor of a (nested) state dict, whole: equal across world sizes iff bit-equal.
+    """A fingerprint of every tensor of a (nested) state dict, whole: equal across world sizes
+    iff bit-equal.
 
     A DTensor is gathered to its full value first (a collective: every rank
     calls this at the same point, and each gets the same digest), one tensor
@@ -237,7 +245,8 @@ def _fsdp_states(model: torch.nn.Module) -> Iterator[Any]:
 
 
 def reset_after_failure(model: torch.nn.Module | None) -> None:
-    """Undo a step that failed inside FSDP's forward or backward: reshard, clear per-iteration state.
+    """Undo a step that failed inside FSDP's forward or backward: reshard, clear per-iteration
+    state.
 
     Torch's own ``reset_iter_state`` (2.13+) on every root FSDP module; the
     failed step's gradients are dropped anyway. Without it, a recovery of an
@@ -251,8 +260,9 @@ def reset_after_failure(model: torch.nn.Module | None) -> None:
         reset = getattr(module, "reset_iter_state", None)
         if reset is None:
             raise RecoveryError(
-                "this torch has no FSDPModule.reset_iter_state (added in torch 2.13); an FSDP step that "
-                "failed midway cannot be undone in place: upgrade torch, or rely on checkpoints"
+                "this torch has no FSDPModule.reset_iter_state (added in torch 2.13); an FSDP "
+                "step that failed midway cannot be undone in place: upgrade torch, or rely on "
+                "checkpoints"
             )
         reset()
 
@@ -296,14 +306,18 @@ def _rebind(info: Any) -> int:
             group = info.mesh.get_group(getattr(info, dim_attr))
         except Exception as e:
             raise RecoveryError(
-                f"the FSDP mesh's {group_attr.removesuffix('_process_group')} group did not survive the new "
-                f"process-group generation ({type(e).__name__}: {e}); undying rebuilds FSDP in place only on a "
-                "1-D mesh over every rank (init_device_mesh(device, (world_size,)))"
+                f"the FSDP mesh's {group_attr.removesuffix('_process_group')} group did not "
+                f"survive the new process-group generation ({type(e).__name__}: {e}); undying "
+                "rebuilds FSDP in place only on a 1-D mesh over every rank "
+                "(init_device_mesh(device, (world_size,)))"
             ) from e
-        if group.size() != getattr(info, group_attr.replace("process_group", "mesh_size"), group.size()):
-            raise RecoveryError(f"the FSDP mesh's group now has {group.size()} ranks; it was built for another size")
+        built_for = getattr(info, group_attr.replace("process_group", "mesh_size"), group.size())
+        if group.size() != built_for:
+            raise RecoveryError(f"the FSDP mesh's group now has {group.size()} ranks; it was built "
+                                "for another size")
         setattr(info, group_attr, group)
         count += 1
     if getattr(info, "reduce_scatter_process_group", None) is not None:
-        info.reduce_scatter_process_group = None  # a separate group of the old generation: fall back to the shard group
+        # a separate group of the old generation: fall back to the shard group
+        info.reduce_scatter_process_group = None
     return count

@@ -1,4 +1,5 @@
-"""The job loop's side of sharded state: DCP checkpoints by every rank, ring replicas, restore by shards.
+"""The job loop's side of sharded state: DCP checkpoints by every rank, ring replicas, restore
+by shards.
 
 ``Job`` calls in here where the state is sharded (``State.sharded``: the
 model holds DTensors, FSDP2 ``fully_shard``); a replicated (DDP) state keeps
@@ -66,7 +67,8 @@ class Shards:
         self.config = replica.ReplicationConfig.from_environ()
         self.copies = replica.Copies()
         self.resume_digest = os.environ.get(RESUME_DIGEST_ENV, "") == "1"
-        self.quiet = False  # an internal optimizer step (DCP creating optimizer state) is no training step
+        # an internal optimizer step (DCP creating optimizer state) is no training step
+        self.quiet = False
         self._hooked: set[int] = set()
         self._replicated_once = False
         # Its DCP checkpoints: periodic ones written in the background, the dying gasp
@@ -94,7 +96,8 @@ class Shards:
         return self.config.ring and self.offset > 0
 
     def replica_of(self) -> dict[int, int]:
-        """Which rank's shard each rank keeps a replica of (holder -> owner), for the restore planner."""
+        """Which rank's shard each rank keeps a replica of (holder -> owner), for the restore
+        planner."""
         return ring_replica_of(self.ctx.world_size, self.offset) if self.ring else {}
 
     # --- the state, shaped for DCP -----------------------------------------------
@@ -116,7 +119,8 @@ class Shards:
         if not state.sharded:
             return {"sharded": False}
         return {"sharded": True, "world_size": self.ctx.world_size,
-                "replicate": "ring" if self.ring else "off", "every": self.config.every, "offset": self.offset}
+                "replicate": "ring" if self.ring else "off", "every": self.config.every,
+                "offset": self.offset}
 
     def status(self, committed: int, clean: bool) -> RankStatus:
         member = Member(self.ctx.rank, committed, clean=clean, has_state=True,
@@ -124,7 +128,8 @@ class Shards:
         return RankStatus(member, MODE_SHARDED)
 
     def attach(self, state: State) -> None:
-        """Fault-injection points of the forward and backward pass (DDP's wrapper has them built in)."""
+        """Fault-injection points of the forward and backward pass (DDP's wrapper has them built
+        in)."""
         model = state.model
         ctx = self.ctx
         if model is None or id(model) in self._hooked or not ctx.managed:
@@ -169,7 +174,8 @@ class Shards:
         return self.ring and index % self.config.every == 0
 
     def replicate(self, state: State, step: int) -> None:
-        """Inside step ``step``'s transaction, after its body: copy the shard to the successor, then agree.
+        """Inside step ``step``'s transaction, after its body: copy the shard to the successor,
+        then agree.
 
         A comm failure propagates (the step aborts). A replica that fails its
         checksum is not kept: the older one stays, and the event says so.
@@ -196,7 +202,8 @@ class Shards:
                                       "seconds": round(time.perf_counter() - started, 6)}))
 
     def replicate_initial(self, state: State, committed: int) -> bool:
-        """Before the first step of a launch: every shard has a copy from the start. False: a peer failed.
+        """Before the first step of a launch: every shard has a copy from the start. False: a
+        peer failed.
 
         Only processes that start the launch together do it; a replacement
         joins a loop that is already running (it got its copies in ``restore``).
@@ -256,8 +263,8 @@ class Shards:
             self.copies.clear()
         holder = mine.rank if mine.kind == "replica" else ctx.rank
         ctx.send(Progress(ctx.rank, ctx.generation, "shards_restored", time.time(), step=target,
-                          detail={"plan": plan.describe(), "source": _SOURCE_NAMES[mine.kind], "holder": holder,
-                                  "lost_steps": plan.lost_steps}))
+                          detail={"plan": plan.describe(), "source": _SOURCE_NAMES[mine.kind],
+                                  "holder": holder, "lost_steps": plan.lost_steps}))
         if plan.lost_steps and ctx.rank == 0:
             log.warning("job %s: sharded state restored at step %d (%s); %d step(s) are re-run",
                         ctx.env.job_id if ctx.env else "", target, plan.describe(), plan.lost_steps)
@@ -273,26 +280,31 @@ class Shards:
             self.ctx.set_data_origin((int(origin[0]), int(origin[1])))
 
     def latest_checkpoint(self) -> tuple[PersistedState | None, Manifest | None]:
-        """Collective: the latest valid sharded checkpoint (the coordinator reads every checksum), for the planner."""
+        """Collective: the latest valid sharded checkpoint (the coordinator reads every
+        checksum), for the planner."""
         ctx = self.ctx
         assert ctx.env is not None
         ckpt = latest_valid_shared(ctx.env.checkpoint.checkpoint_dir).checkpoint
         manifest = ckpt.manifest if ckpt is not None else None
         if ckpt is None or manifest is None or manifest.layout.get("kind") != "sharded":
-            log.error("rank %d: %s holds no valid sharded checkpoint", ctx.rank, ctx.env.checkpoint.checkpoint_dir)
+            log.error("rank %d: %s holds no valid sharded checkpoint", ctx.rank,
+                      ctx.env.checkpoint.checkpoint_dir)
             return None, None
         return PersistedState(manifest.step, path=ckpt.url), manifest
 
     def rollback(self, plan: RestorePlan, manifest: Manifest, state: State | None) -> RankStatus:
-        """Some shard comes from the checkpoint: every rank loads it, in place (a DCP load is collective)."""
+        """Some shard comes from the checkpoint: every rank loads it, in place (a DCP load is
+        collective)."""
         ctx = self.ctx
         step, path = manifest.step, plan.checkpoint_path
         assert plan.rollback_step == step
         self.copies.clear()
         ctx.send(Progress(ctx.rank, ctx.generation, "rolled_back", time.time(), step=step,
-                          detail={"checkpoint": path, "lost_steps": plan.lost_steps, "reason": plan.describe()}))
+                          detail={"checkpoint": path, "lost_steps": plan.lost_steps,
+                                  "reason": plan.describe()}))
         log.warning("job %s rank %d: %s; rolling back to %s (step %d, %d step(s) lost)",
-                    ctx.env.job_id if ctx.env else "", ctx.rank, plan.describe(), path, step, plan.lost_steps or 0)
+                    ctx.env.job_id if ctx.env else "", ctx.rank, plan.describe(), path, step,
+                    plan.lost_steps or 0)
         if state is not None:
             self.load_checkpoint(state, path, manifest)
         else:

@@ -41,10 +41,11 @@ MAX_SNAPSHOTS = 64
 
 
 def _copy_into(value: Any, into: Any) -> Any:
-    """``value`` with each tensor copied into the matching buffer of ``into`` (allocated when absent or unfit)."""
+    """``value`` with each tensor copied into the matching buffer of ``into`` (allocated when
+    absent or unfit)."""
     if isinstance(value, torch.Tensor):
-        if isinstance(into, torch.Tensor) and into.shape == value.shape and into.dtype == value.dtype \
-                and into.device == value.device:
+        if (isinstance(into, torch.Tensor) and into.shape == value.shape
+                and into.dtype == value.dtype and into.device == value.device):
             with torch.no_grad():
                 into.copy_(value)
             return into
@@ -53,7 +54,8 @@ def _copy_into(value: Any, into: Any) -> Any:
         old = into if isinstance(into, dict) else {}
         return {k: _copy_into(v, old.get(k)) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        old_seq = into if isinstance(into, list | tuple) and len(into) == len(value) else [None] * len(value)
+        fits = isinstance(into, list | tuple) and len(into) == len(value)
+        old_seq = into if fits else [None] * len(value)
         out = [_copy_into(v, o) for v, o in zip(value, old_seq, strict=True)]
         return out if isinstance(value, list) else tuple(out)
     return copy.deepcopy(value)
@@ -81,7 +83,8 @@ def _nbytes(value: Any) -> int:
 
 
 class SnapshotRing:
-    """The pre-step states of the last ``capacity`` steps, oldest first (see the module's docstring)."""
+    """The pre-step states of the last ``capacity`` steps, oldest first (see the module's
+    docstring)."""
 
     def __init__(self, capacity: int) -> None:
         if not 1 <= capacity <= MAX_SNAPSHOTS:
@@ -103,7 +106,8 @@ class SnapshotRing:
         return sum(_nbytes(s) for s in self._held.values())
 
     def save(self, index: int, state: Any) -> None:
-        """Hold the state before step ``index`` (a step saved again, as a replay does, is saved once)."""
+        """Hold the state before step ``index`` (a step saved again, as a replay does, is saved
+        once)."""
         if index in self._held:
             return
         if self._held and index <= next(reversed(self._held)):
@@ -114,9 +118,11 @@ class SnapshotRing:
         self._spare = None
 
     def restore(self, index: int, state: Any) -> None:
-        """Load the pre-state of step ``index``; it and every later one are forgotten (their steps are undone)."""
+        """Load the pre-state of step ``index``; it and every later one are forgotten (their steps
+        are undone)."""
         if index not in self._held:
-            raise UsageError(f"no snapshot of the state before step {index}: the ring holds {self.indices}")
+            raise UsageError(f"no snapshot of the state before step {index}: the ring holds "
+                             f"{self.indices}")
         state.load_state_dict(_clone(self._held[index]))
         self.forget_from(index)
 

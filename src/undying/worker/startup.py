@@ -1,4 +1,5 @@
-"""How this process starts: where its state comes from before its first step, and how it joins the job.
+"""How this process starts: where its state comes from before its first step, and how it joins
+the job.
 
 ``Job`` calls in here once, as it is built. A launch's rank resumes from the
 checkpoint ``undying run --resume`` names (read now, loaded when the script's
@@ -34,14 +35,16 @@ log = logging.getLogger("undying.worker")
 
 
 def resume_at_start(env: WorkerEnv | None, checkpoints: Checkpoints, shards: Shards) -> StatePlan:
-    """The one planner: a replacement's state comes from the members, a launch's from its checkpoint.
+    """The one planner: a replacement's state comes from the members, a launch's from its
+    checkpoint.
 
     An unmanaged script's comes from itself. A checkpoint is read now; its
     state waits for the script's State (``Checkpoints.load_waiting``).
     """
     if env is None:
         return plan_start(joining=False, checkpoint=None)
-    found = checkpoints.resume_point(env.resume_from) if env.resume_from and not env.joining else None
+    found = (checkpoints.resume_point(env.resume_from) if env.resume_from and not env.joining
+             else None)
     start = plan_start(joining=env.joining, checkpoint=found[0] if found is not None else None)
     if start.source.kind == "checkpoint":
         assert found is not None
@@ -50,7 +53,8 @@ def resume_at_start(env: WorkerEnv | None, checkpoints: Checkpoints, shards: Sha
 
 
 def join_at_start(env: WorkerEnv, rejoin: Rejoin) -> None:
-    """Join the job's current generation: as a replacement, in a group the script built, or a new one."""
+    """Join the job's current generation: as a replacement, in a group the script built, or a
+    new one."""
     if env.joining:
         _prewarm_imports()
         # A script that built its own group joined this generation already.

@@ -64,7 +64,8 @@ class State:
                 "pass the model (an nn.Module)"
             )
         for name, value in extras.items():
-            if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")) and not isinstance(value, dict):
+            stateful = hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+            if not stateful and not isinstance(value, dict):
                 raise UsageError(
                     f"State extra {name!r} is a {type(value).__name__}; extras must have "
                     "state_dict()/load_state_dict() or be a dict (updated in place on restore)"
@@ -77,8 +78,9 @@ class State:
         found = has_dtensors(model)
         if sharded is False and found:
             raise UsageError(
-                "State(sharded=False) but the model holds DTensors (FSDP2 fully_shard?): each rank has only its "
-                "slices, so it cannot be saved or restored whole; leave sharded unset or pass sharded=True"
+                "State(sharded=False) but the model holds DTensors (FSDP2 fully_shard?): each "
+                "rank has only its slices, so it cannot be saved or restored whole; leave sharded "
+                "unset or pass sharded=True"
             )
         # Sharded: checkpoints through DCP written by every rank, recovery by shards (see
         # worker.sharding).

@@ -73,11 +73,13 @@ class Step:
 
     @property
     def committed(self) -> bool:
-        """Whether this attempt of the step committed (False while it runs, and for an aborted attempt)."""
+        """Whether this attempt of the step committed (False while it runs, and for an aborted
+        attempt)."""
         return self.outcome is Outcome.COMMITTED
 
     def uses(self, *batch: Any) -> None:
-        """Tell the step which batch it trains on, when the script draws its own (``x, y = get_batch()``).
+        """Tell the step which batch it trains on, when the script draws its own
+        (``x, y = get_batch()``).
 
         Call it inside the step, with the tensors the step trains on: undying
         fingerprints them, so that a rank re-running this step after a fault
@@ -86,22 +88,26 @@ class Step:
         loader, is fingerprinted without it.
         """
         if self.outcome is not Outcome.PENDING:
-            raise UsageError(f"step.uses(...) for step {self.index} after the step ended ({self.outcome.value}): "
-                             "call it inside `with step:`, with the batch the step trains on")
-        if self.fingerprint:  # the step began with its first batch, reported then; the rest are micro-batches
+            raise UsageError(f"step.uses(...) for step {self.index} after the step ended "
+                             f"({self.outcome.value}): call it inside `with step:`, with the "
+                             "batch the step trains on")
+        # the step began with its first batch, reported then; the rest are micro-batches
+        if self.fingerprint:
             self.fingerprint = batch_fingerprint(self.fingerprint, *batch)
             return
         self._report(batch_fingerprint(*batch))
 
     def virtual_ranks(self) -> Iterator[Any]:
-        """Invariant mode (``--virtual-ranks V``): this rank's virtual ranks, one micro-step each (see worker.virtual)."""
+        """Invariant mode (``--virtual-ranks V``): this rank's virtual ranks, one micro-step each
+        (see worker.virtual)."""
         if self._virtual is None:
-            raise UsageError("step.virtual_ranks() needs invariant mode: undying run --virtual-ranks V, "
-                             "or job.steps(..., virtual_ranks=V)")
+            raise UsageError("step.virtual_ranks() needs invariant mode: undying run "
+                             "--virtual-ranks V, or job.steps(..., virtual_ranks=V)")
         return self._virtual(self)
 
     def log(self, **metrics: float | torch.Tensor) -> None:
-        """Record values of this step (e.g. ``loss=loss``); committed with the step, dropped with an aborted attempt.
+        """Record values of this step (e.g. ``loss=loss``); committed with the step, dropped with
+        an aborted attempt.
 
         Only inside ``with step:``: after the block the step has committed
         (or was abandoned), and a value logged then would belong to no step.
@@ -109,8 +115,8 @@ class Step:
         if not self._inside:
             where = "before its `with step:` block" if self.outcome is Outcome.PENDING else \
                 f"after its `with step:` block ended ({self.outcome.value})"
-            raise UsageError(f"step.log({', '.join(metrics)}) for step {self.index} {where}: call step.log inside "
-                             "the block; the values are committed with the step")
+            raise UsageError(f"step.log({', '.join(metrics)}) for step {self.index} {where}: call "
+                             "step.log inside the block; the values are committed with the step")
         for name, value in metrics.items():
             self.metrics[name] = _number(name, value)
 
@@ -142,7 +148,8 @@ class Step:
             hooks.aborted(exc)
             return True
         verdict = hooks.numeric(self, exc)
-        if verdict is not None:  # replayed in place, or skipped: the step commits nothing, the data moves on
+        # replayed in place, or skipped: the step commits nothing, the data moves on
+        if verdict is not None:
             self.outcome = Outcome.REPLAY if verdict == "replay" else Outcome.COMMITTED
             if verdict == "skip":
                 hooks.commit(self)
@@ -157,11 +164,12 @@ class Step:
 
 
 def _number(name: str, value: Any) -> float:
-    """A logged value as a float: a number, or a one-element tensor (``loss``, ``loss.detach()``)."""
+    """A logged value as a float: a number, or a one-element tensor (``loss``,
+    ``loss.detach()``)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise UsageError(f"step.log({name}=...) got a tensor of shape {tuple(value.shape)}; log one number "
-                             f"(e.g. {name}=t.mean())")
+            raise UsageError(f"step.log({name}=...) got a tensor of shape {tuple(value.shape)}; "
+                             f"log one number (e.g. {name}=t.mean())")
         return float(value.item())
     try:
         return float(value)

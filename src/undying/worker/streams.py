@@ -1,4 +1,5 @@
-"""Where a worker's stdout and stderr go: torchrun's ``--redirects``, ``--tee`` and ``--local-ranks-filter``.
+"""Where a worker's stdout and stderr go: torchrun's ``--redirects``, ``--tee`` and
+``--local-ranks-filter``.
 
 The agent puts the decision in the rank's environment (``UNDYING_LOG_DIR``,
 ``UNDYING_REDIRECTS``, ``UNDYING_TEE``: torchrun's Std numbers, 1 stdout,
@@ -34,11 +35,13 @@ from undying.protocol.env import CONSOLE_ENV, JOB_DIR_ENV, LOG_DIR_ENV, REDIRECT
 __all__ = ["direct_streams"]
 
 _STREAMS = ((1, "stdout", 1), (2, "stderr", 2))  # fd, file name, torchrun's Std bit
-_tees: list[subprocess.Popen[bytes]] = []  # (held: the copies outlive nothing of ours but must not be collected)
+# (held: the copies outlive nothing of ours but must not be collected)
+_tees: list[subprocess.Popen[bytes]] = []
 
 
 def direct_streams() -> None:
-    """Point fds 1 and 2 where this rank's environment says; guard what stays on a terminal against its hang-up."""
+    """Point fds 1 and 2 where this rank's environment says; guard what stays on a terminal
+    against its hang-up."""
     _point_streams()
     _guard_terminal()
 
@@ -47,7 +50,8 @@ def _point_streams() -> None:
     env = os.environ
     console = env.get(CONSOLE_ENV, "1") != "0"
     folder = env.get(LOG_DIR_ENV, "")
-    redirects = int(env_value(REDIRECTS_ENV) or 0) if folder else 0  # (undying.inputs: the one reader)
+    # (undying.inputs: the one reader)
+    redirects = int(env_value(REDIRECTS_ENV) or 0) if folder else 0
     tee = int(env_value(TEE_ENV) or 0) if folder else 0
     if console and not redirects and not tee:
         return
@@ -70,19 +74,22 @@ def _point_streams() -> None:
 
 
 def _tee(path: str, fd: int) -> int:
-    """A pipe whose reader writes to ``path`` and to what ``fd`` is now; returns the pipe's write end."""
+    """A pipe whose reader writes to ``path`` and to what ``fd`` is now; returns the pipe's write
+    end."""
     read_end, write_end = os.pipe()
     console = os.dup(fd)
     # Its own session: a signal to the worker's group does not cut the copy short; it ends at EOF.
-    _tees.append(subprocess.Popen(["tee", "-a", path], stdin=read_end, stdout=console, stderr=subprocess.DEVNULL,
-                                  start_new_session=True, close_fds=True))
+    _tees.append(subprocess.Popen(["tee", "-a", path], stdin=read_end, stdout=console,
+                                  stderr=subprocess.DEVNULL, start_new_session=True,
+                                  close_fds=True))
     os.close(read_end)
     os.close(console)
     return write_end
 
 
 class _Guarded:
-    """A standard stream on a terminal whose writes survive the terminal's hang-up (see the module's doc)."""
+    """A standard stream on a terminal whose writes survive the terminal's hang-up (see the
+    module's doc)."""
 
     def __init__(self, stream: TextIO, fd: int) -> None:
         self._stream = stream
@@ -126,7 +133,8 @@ def _guard_terminal() -> None:
 
 
 def _off_the_terminal(fd: int) -> None:
-    """The hung-up terminal on ``fd`` replaced by ``<job dir>/launcher.log`` (or /dev/null without a job dir)."""
+    """The hung-up terminal on ``fd`` replaced by ``<job dir>/launcher.log`` (or /dev/null
+    without a job dir)."""
     job_dir = os.environ.get(JOB_DIR_ENV, "")
     try:
         target = os.open(os.path.join(job_dir, HANGUP_LOG) if job_dir else os.devnull,

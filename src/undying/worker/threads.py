@@ -28,7 +28,8 @@ class StoppedAtExit:
     cannot keep a process from exiting: past ``join_s`` it is left behind.
     """
 
-    def __init__(self, loop: Callable[[threading.Event], None], *, name: str, join_s: float = 5.0) -> None:
+    def __init__(self, loop: Callable[[threading.Event], None], *, name: str,
+                 join_s: float = 5.0) -> None:
         self.stopped = threading.Event()
         self._join_s = join_s
         self._thread = threading.Thread(target=loop, args=(self.stopped,), name=name, daemon=True)
@@ -41,7 +42,8 @@ class StoppedAtExit:
             return
         self._thread.join(self._join_s)
         if self._thread.is_alive():
-            log.warning("thread %s did not stop within %.0fs; left behind", self._thread.name, self._join_s)
+            log.warning("thread %s did not stop within %.0fs; left behind", self._thread.name,
+                        self._join_s)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

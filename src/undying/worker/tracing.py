@@ -1,4 +1,5 @@
-"""The worker's side of tracing: markers at the step loop's seams, online summaries, injected slowdowns.
+"""The worker's side of tracing: markers at the step loop's seams, online summaries, injected
+slowdowns.
 
 The step loop, the DDP wrapper and the checkpoint path call in here at fixed
 points. With the switch off each call is one attribute test, so a job that
@@ -56,7 +57,8 @@ class WorkerTracing:
         self._env = env
         self._send = send
         job_id = env.job_id if env is not None else "unmanaged"
-        self.tracer = Tracer(None, job_id=job_id, rank=rank, node=os.environ.get(NODE_NAME_ENV) or socket.gethostname())
+        node = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+        self.tracer = Tracer(None, job_id=job_id, rank=rank, node=node)
         self._writer: TraceWriter | None = None
         self._writer_lock = threading.Lock()
         self._summarizer = StepSummarizer()
@@ -81,15 +83,17 @@ class WorkerTracing:
         """From the agent's channel thread: the markers go on or off at the next seam."""
         if message.step and self._writer is None and self._env is not None:
             self._open_writer()
-        self.tracer.apply(TraceSwitch(step=message.step, comm=message.comm, by=message.by, t=message.t))
+        self.tracer.apply(TraceSwitch(step=message.step, comm=message.comm, by=message.by,
+                                      t=message.t))
         before = self.comm_hook_at(message.comm_from_step - 1)
         self._hook_plan = (message.comm_from_step, before, message.comm and message.step)
         self.active = self.tracer.step_on or self._slow is not None
-        log.info("rank %d: tracing %s (comm %s), by %s", self._rank, "on" if message.step else "off",
-                 "on" if message.comm else "off", message.by)
+        log.info("rank %d: tracing %s (comm %s), by %s", self._rank,
+                 "on" if message.step else "off", "on" if message.comm else "off", message.by)
 
     def comm_hook_at(self, step: int) -> bool:
-        """Whether the DDP running ``step`` carries the comm-marker hook (the same answer on every rank)."""
+        """Whether the DDP running ``step`` carries the comm-marker hook (the same answer on every
+        rank)."""
         from_step, before, after = self._hook_plan
         return after if step >= from_step else before
 
@@ -102,10 +106,12 @@ class WorkerTracing:
             try:
                 self._writer = TraceWriter(
                     Path(cfg.resolved_dir(".")), self._env.job_id, self._rank,
-                    max_file_bytes=int(cfg.trace_max_file_mb * 1e6), max_dir_bytes=int(cfg.trace_max_dir_mb * 1e6),
+                    max_file_bytes=int(cfg.trace_max_file_mb * 1e6),
+                    max_dir_bytes=int(cfg.trace_max_dir_mb * 1e6),
                 )
             except OSError as e:
-                log.warning("rank %d: cannot write traces under %s (%s); summaries only", self._rank, cfg.trace_dir, e)
+                log.warning("rank %d: cannot write traces under %s (%s); summaries only",
+                            self._rank, cfg.trace_dir, e)
                 return
             self.tracer.writer = self._writer
 
@@ -171,7 +177,8 @@ class WorkerTracing:
     def checkpoint_written(self, step: int, write_s: float, nbytes: int) -> None:
         """From the writer thread: the background part of a save."""
         if self.tracer.step_on:
-            self.tracer.emit("ckpt", time.time() - write_s, write_s, part="write", bytes=nbytes, save_step=step)
+            self.tracer.emit("ckpt", time.time() - write_s, write_s, part="write", bytes=nbytes,
+                             save_step=step)
 
     def committed(self, index: int) -> None:
         duration = time.perf_counter() - self._step_t0
@@ -186,14 +193,16 @@ class WorkerTracing:
     # --- injected slowdowns ---------------------------------------------------------
 
     def arm_slowdown(self, fault: ArmFault) -> None:
-        """``undying inject slow``: from ``fault.at_step`` on, steps take ``factor`` times as long."""
+        """``undying inject slow``: from ``fault.at_step`` on, steps take ``factor`` times as
+        long."""
         self._slow_pending = fault
 
     def _start_slowdown(self, index: int) -> None:
         fault = self._slow_pending
         assert fault is not None
         self._slow_pending = None
-        base = statistics.median(self._recent) if len(self._recent) >= _HISTORY_FOR_SLOWDOWN else _FALLBACK_STEP_S
+        base = (statistics.median(self._recent) if len(self._recent) >= _HISTORY_FOR_SLOWDOWN
+                else _FALLBACK_STEP_S)
         extra = max(0.0, fault.factor - 1.0) * base
         self._slow = (fault.phase, extra, index) if extra > 0 else None
         self.active = self.tracer.step_on or self._slow is not None
@@ -216,7 +225,8 @@ class CommHookState:
     world_size: int
 
 
-def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def traced_allreduce_hook(state: CommHookState,
+                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's gradient all-reduce, as DDP does it itself, plus a ``comm`` marker when those are on.
 
     The bucket is scaled by 1/world size element by element before the sum, as
@@ -236,8 +246,8 @@ def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torc
     def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
         # On gloo's thread, perhaps after the step moved on: the step it belongs to is the one it
         # started in.
-        tracer.emit("comm", wall, time.perf_counter() - start, op="allreduce", bytes=nbytes, bucket=index,
-                    step=step, gen=generation)
+        tracer.emit("comm", wall, time.perf_counter() - start, op="allreduce", bytes=nbytes,
+                    bucket=index, step=step, gen=generation)
         return fut.value()[0]
 
     return dist.all_reduce(buffer, group=state.group, async_op=True).get_future().then(done)

@@ -1,4 +1,5 @@
-"""The verifier's side of ``--verify-every``: the job's script again, serving replays instead of training.
+"""The verifier's side of ``--verify-every``: the job's script again, serving replays instead of
+training.
 
 Rank 0 starts it (``worker.verify``) with the folder to serve and the job's
 verify key in its environment; ``job.steps`` then yields its replays
@@ -65,7 +66,8 @@ def _nowhere(message: Message) -> None:
 
 
 def serve(state: Any, config: Numerics) -> Iterator[Step]:
-    """The verifier's loop: each request's step, replayed from the holder's state on the suspect's batch.
+    """The verifier's loop: each request's step, replayed from the holder's state on the
+    suspect's batch.
 
     Each replay is a step the script's own body runs (``with step:``), stopped
     at ``optimizer.step()``; a numeric guard's gradient hooks take the
@@ -76,12 +78,14 @@ def serve(state: Any, config: Numerics) -> Iterator[Step]:
     folder = Path(os.environ[VERIFY_SERVE_DIR_ENV])
     key = key_for_verifier()
     if key is None:  # started by hand, not by rank 0: it could check nothing it loads
-        log.error("verifier: no verify key (%s): it loads only files sealed by the job; leaving", VERIFY_KEY_ENV)
+        log.error("verifier: no verify key (%s): it loads only files sealed by the job; leaving",
+                  VERIFY_KEY_ENV)
         logging.shutdown()
         os._exit(2)
     parent = os.getppid()
     replaying = [False]
-    _write(folder / f"ready-{os.getpid()}", b"")  # rank 0 waits for answers at the end only while this is up
+    # rank 0 waits for answers at the end only while this is up
+    _write(folder / f"ready-{os.getpid()}", b"")
 
     def stop_at_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
         if replaying[0]:
@@ -89,9 +93,11 @@ def serve(state: Any, config: Numerics) -> Iterator[Step]:
 
     if state.optimizer is not None:
         state.optimizer.register_step_pre_hook(stop_at_optimizer)
-    guard = NumericsGuard(config, state, 0, lambda: 0, _nowhere)  # its gradient hooks take the fingerprint
-    hooks = StepHooks(before_commit=lambda step: False, commit=lambda step: None, is_fault=lambda exc: False,
-                      aborted=lambda exc: None, failed=lambda index, exc: None, began=lambda step, fp: None,
+    # its gradient hooks take the fingerprint
+    guard = NumericsGuard(config, state, 0, lambda: 0, _nowhere)
+    hooks = StepHooks(before_commit=lambda step: False, commit=lambda step: None,
+                      is_fault=lambda exc: False, aborted=lambda exc: None,
+                      failed=lambda index, exc: None, began=lambda step, fp: None,
                       numeric=lambda step, exc: "replay" if isinstance(exc, _Replayed) else None)
     while os.getppid() == parent:
         found = sorted(folder.glob("req-*.json"))
@@ -120,15 +126,18 @@ def serve(state: Any, config: Numerics) -> Iterator[Step]:
             if step.outcome is Outcome.REPLAY:
                 prints = guard.prints()
             else:
-                error = f"the body of step {request.step} ended without optimizer.step() ({step.outcome.value})"
+                error = (f"the body of step {request.step} ended without optimizer.step() "
+                         f"({step.outcome.value})")
         same = not error and prints == request.prints
         differing = [-1] if error else [i for i in range(max(len(prints), len(request.prints)))
                                         if prints[i:i + 1] != request.prints[i:i + 1]]
-        result = VerifyResult(request.round, request.step, request.rank, request.holder, same, differing,
-                              round(time.monotonic() - started, 6), time.time())
+        result = VerifyResult(request.round, request.step, request.rank, request.holder, same,
+                              differing, round(time.monotonic() - started, 6), time.time())
         if error:
-            log.warning("verifier: step %d of rank %d not replayed: %s", request.step, request.rank, error)
-        seal(folder / file_name("res", request.round, request.step, "json"), VERIFY_CODEC.encode(result), key)
+            log.warning("verifier: step %d of rank %d not replayed: %s", request.step,
+                        request.rank, error)
+        seal(folder / file_name("res", request.round, request.step, "json"),
+             VERIFY_CODEC.encode(result), key)
         for done in (path, folder / file_name("batch", request.round, request.step, "pt")):
             with contextlib.suppress(OSError):
                 done.unlink()
@@ -138,8 +147,10 @@ def serve(state: Any, config: Numerics) -> Iterator[Step]:
     os._exit(0)
 
 
-def _load_request(folder: Path, path: Path, key: bytes) -> tuple[VerifyRequest, Any, Any, str] | None:
-    """A request, its batch and the holder's state (None for the state, with why, when they cannot be read).
+def _load_request(folder: Path, path: Path,
+                  key: bytes) -> tuple[VerifyRequest, Any, Any, str] | None:
+    """A request, its batch and the holder's state (None for the state, with why, when they
+    cannot be read).
 
     None: the holder's state is not there yet (it is written from a thread);
     past a minute it is answered as not replayed. Every file must carry the
@@ -163,5 +174,7 @@ def _load_request(folder: Path, path: Path, key: bytes) -> tuple[VerifyRequest, 
     try:
         batch = load_sealed(folder / file_name("batch", request.round, request.step, "pt"), key)
         return request, batch, load_sealed(pre, key), ""
-    except Exception as e:  # ForgedFile: never loaded  # a file torn by a full disk, or refused by weights_only: not a verdict
+    # ForgedFile: never loaded; a file torn by a full disk, or refused by weights_only: not a
+    # verdict
+    except Exception as e:
         return request, None, None, f"{type(e).__name__}: {e}"

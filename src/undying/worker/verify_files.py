@@ -1,4 +1,5 @@
-"""The files of ``verify/`` under the job's MAC: whoever can write the folder cannot make a rank load a byte.
+"""The files of ``verify/`` under the job's MAC: whoever can write the folder cannot make a rank
+load a byte.
 
 A rank and the job's verifier meet through files in ``<job dir>/verify/``
 (``worker.verify``): pre-step states, batches, requests, verdicts. A rank
@@ -43,7 +44,8 @@ _MAC_BYTES = 32
 
 
 class ForgedFile(UndyingError):
-    """A file of ``verify/`` that does not carry the job's MAC: not written by the job, never loaded."""
+    """A file of ``verify/`` that does not carry the job's MAC: not written by the job, never
+    loaded."""
 
 
 def verify_key(checkpoint_key: bytes) -> bytes:
@@ -52,7 +54,8 @@ def verify_key(checkpoint_key: bytes) -> bytes:
 
 
 def key_for_verifier(environ: Mapping[str, str] | None = None) -> bytes | None:
-    """This process's verify key: the verifier's own (VERIFY_KEY_ENV), or a rank's from its checkpoint key."""
+    """This process's verify key: the verifier's own (VERIFY_KEY_ENV), or a rank's from its
+    checkpoint key."""
     env = os.environ if environ is None else environ
     given = env.get(VERIFY_KEY_ENV, "")
     if given:
@@ -70,7 +73,8 @@ def _mac(key: bytes, name: str, data: bytes) -> bytes:
 
 
 def seal(path: Path, data: bytes, key: bytes) -> None:
-    """Write ``data`` to ``path`` whole (aside, then renamed) with its MAC; the reader never sees half a file."""
+    """Write ``data`` to ``path`` whole (aside, then renamed) with its MAC; the reader never sees
+    half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(MAGIC + _mac(key, path.name, data) + data)
@@ -78,16 +82,18 @@ def seal(path: Path, data: bytes, key: bytes) -> None:
 
 
 def unseal(path: Path, key: bytes) -> bytes:
-    """The bytes a sealed file holds, once its MAC is the job's; ``ForgedFile`` says why not (OSError: unreadable)."""
+    """The bytes a sealed file holds, once its MAC is the job's; ``ForgedFile`` says why not
+    (OSError: unreadable)."""
     raw = path.read_bytes()
     if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _MAC_BYTES:
-        raise ForgedFile(f"verify/{path.name} carries no MAC of the job: another process wrote it (or it is torn); "
-                         "refused, not loaded")
+        raise ForgedFile(f"verify/{path.name} carries no MAC of the job: another process wrote "
+                         "it (or it is torn); refused, not loaded")
     claimed = raw[len(MAGIC):len(MAGIC) + _MAC_BYTES]
     data = raw[len(MAGIC) + _MAC_BYTES:]
     if not hmac.compare_digest(claimed, _mac(key, path.name, data)):
-        raise ForgedFile(f"verify/{path.name} fails the job's MAC: written or changed by a process without the "
-                         "job's key, or moved from another name; refused, not loaded")
+        raise ForgedFile(f"verify/{path.name} fails the job's MAC: written or changed by a "
+                         "process without the job's key, or moved from another name; refused, "
+                         "not loaded")
     return data
 
 

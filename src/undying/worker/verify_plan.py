@@ -1,4 +1,5 @@
-"""What ``--verify-every K`` decides, as pure functions: when to verify, whose step, what a verdict means.
+"""What ``--verify-every K`` decides, as pure functions: when to verify, whose step, what a
+verdict means.
 
 Every K steps (steps K, 2K, ...) one rank's step is replayed by the job's
 verifier (``worker.verify``): the suspect's local gradient fingerprint against
@@ -27,9 +28,13 @@ from dataclasses import dataclass, field
 
 from undying.inputs import MAX_EVERY, check_every  # (one reader of K: the CLI, the env, Numerics)
 
-__all__ = ["check_every", "due", "suspect_of", "holder_of", "Decision", "Ledger", "MAX_EVERY", "MAX_PENDING"]
+__all__ = [
+    "check_every", "due", "suspect_of", "holder_of", "Decision", "Ledger", "MAX_EVERY",
+    "MAX_PENDING",
+]
 
-MAX_PENDING = 64  # verifications waiting for the verifier; past it, steps go unverified (and it is said)
+# verifications waiting for the verifier; past it, steps go unverified (and it is said)
+MAX_PENDING = 64
 
 
 def due(step: int, every: int) -> bool:
@@ -43,7 +48,8 @@ def suspect_of(step: int, every: int, world: int) -> int:
 
 
 def holder_of(suspect: int, world: int) -> int:
-    """The rank whose pre-step state the replay starts from: the next one, never the suspect (unless alone)."""
+    """The rank whose pre-step state the replay starts from: the next one, never the suspect
+    (unless alone)."""
     return (suspect + 1) % world
 
 
@@ -51,15 +57,18 @@ def holder_of(suspect: int, world: int) -> int:
 class Decision:
     """Rank 0's word to every rank at a verified step, sent as ``encode()``'s integers."""
 
-    issue: bool  # this step is verified (False: skipped, too many wait for the verifier, or rolling back)
-    rollback_to: int = 0  # 0: none; else every rank loads the pre-step state of this step and re-runs from it
+    # this step is verified (False: skipped, too many wait for the verifier, or rolling back)
+    issue: bool
+    # 0: none; else every rank loads the pre-step state of this step and re-runs from it
+    rollback_to: int = 0
     bad_step: int = 0  # with a roll-back: the step whose verification failed
     bad_rank: int = -1  # ... and the rank whose gradients differed
     round_no: int = 0  # the round after this decision (a roll-back starts a new one)
     source_round: int = 0  # with a roll-back: the round whose files hold the state rolled back to
 
     def encode(self) -> list[int]:
-        return [int(self.issue), self.rollback_to, self.bad_step, self.bad_rank, self.round_no, self.source_round]
+        return [int(self.issue), self.rollback_to, self.bad_step, self.bad_rank, self.round_no,
+                self.source_round]
 
     @staticmethod
     def decode(values: list[int]) -> Decision:
@@ -73,7 +82,8 @@ class Ledger:
 
     max_pending: int = MAX_PENDING
     pending: dict[int, int] = field(default_factory=dict)  # step -> suspect, in the order issued
-    passed: int = 0  # the newest step whose verification passed (its pre-step state is the last verified)
+    # the newest step whose verification passed (its pre-step state is the last verified)
+    passed: int = 0
     passed_round: int = 0  # the round that verified it (its files are named by it)
     round_no: int = 0
     verified: int = 0  # verifications answered (passed or not)
@@ -81,10 +91,12 @@ class Ledger:
     skipped: int = 0  # verified steps not verified: the queue was full
     errors: int = 0  # replays that could not run (the verifier said why)
     overdue: bool = False  # the queue is full now: the verifier is behind (or stopped)
-    given_up: bool = False  # the verifier kept dying: no step is verified from now on (each counted skipped)
+    # the verifier kept dying: no step is verified from now on (each counted skipped)
+    given_up: bool = False
 
     def settle(self, results: list[tuple[int, bool | None]]) -> Decision | None:
-        """Take the verifier's answers ((step, match); None: the replay could not run); a roll-back, or None.
+        """Take the verifier's answers ((step, match); None: the replay could not run); a
+        roll-back, or None.
 
         Answers are taken in step order; answers to steps not pending (an
         earlier round's) are ignored. The first mismatch decides: the job goes
@@ -104,7 +116,8 @@ class Ledger:
                 continue
             self.mismatched += 1
             use_passed = 0 < self.passed < step or self.passed_round != self.round_no
-            target, source = (self.passed, self.passed_round) if use_passed and self.passed else (step, self.round_no)
+            target, source = ((self.passed, self.passed_round) if use_passed and self.passed
+                              else (step, self.round_no))
             self.pending.clear()
             self.overdue = False
             self.round_no += 1
@@ -114,11 +127,13 @@ class Ledger:
         return None
 
     def decide(self, step: int, suspect: int, results: list[tuple[int, bool | None]]) -> Decision:
-        """The decision at verified step ``step``: a roll-back found in ``results``, or whether to verify it."""
+        """The decision at verified step ``step``: a roll-back found in ``results``, or whether
+        to verify it."""
         back = self.settle(results)
         if back is not None:
             return back
-        if step in self.pending:  # the same step again (re-run after a peer's fault): verified once more
+        # the same step again (re-run after a peer's fault): verified once more
+        if step in self.pending:
             del self.pending[step]
         if self.given_up:
             self.skipped += 1
@@ -131,12 +146,13 @@ class Ledger:
         return Decision(True, round_no=self.round_no)
 
     def drop_after(self, step: int) -> None:
-        """Forget what waits for steps after ``step`` (the job went back to ``step``): they run again."""
+        """Forget what waits for steps after ``step`` (the job went back to ``step``): they run
+        again."""
         for waiting in [s for s in self.pending if s > step]:
             del self.pending[waiting]
 
     def summary(self) -> dict[str, int]:
         """What the job's verification did, for its report: nothing silently passed."""
         return {"verified": self.verified, "passed": self.verified - self.mismatched,
-                "mismatched": self.mismatched, "skipped": self.skipped, "not_done": len(self.pending),
-                "errors": self.errors}
+                "mismatched": self.mismatched, "skipped": self.skipped,
+                "not_done": len(self.pending), "errors": self.errors}

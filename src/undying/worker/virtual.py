@@ -46,7 +46,10 @@ if TYPE_CHECKING:
     from undying.worker.state import State
     from undying.worker.step import Step
 
-__all__ = ["virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold", "fold_across"]
+__all__ = [
+    "virtual_ranks_from_env", "invariant_mode", "layout", "VirtualRank", "VirtualRanks", "fold",
+    "fold_across",
+]
 
 
 def virtual_ranks_from_env(env: Mapping[str, str] | None = None) -> int | None:
@@ -59,22 +62,25 @@ def virtual_ranks_from_env(env: Mapping[str, str] | None = None) -> int | None:
     except ValueError:
         value = 0
     if value < 1:
-        raise UsageError(f"{VIRTUAL_RANKS_ENV}={raw!r} is not a number of virtual ranks: give a whole number >= 1 "
-                         "(undying run --virtual-ranks V)")
+        raise UsageError(f"{VIRTUAL_RANKS_ENV}={raw!r} is not a number of virtual ranks: give a "
+                         "whole number >= 1 (undying run --virtual-ranks V)")
     return value
 
 
 def layout(virtual: int, world_size: int) -> list[range]:
-    """The virtual ranks each physical rank runs: contiguous blocks, the first ``V % N`` ranks one more.
+    """The virtual ranks each physical rank runs: contiguous blocks, the first ``V % N`` ranks
+    one more.
 
     4 over 3 ranks: [0, 1], [2], [3]. The order inside a block is the order
     of the micro-steps; the reduction's order does not depend on it.
     """
     if virtual < 1 or world_size < 1:
-        raise UsageError(f"a layout needs virtual ranks >= 1 and ranks >= 1, got {virtual} and {world_size}")
+        raise UsageError(f"a layout needs virtual ranks >= 1 and ranks >= 1, got {virtual} and "
+                         f"{world_size}")
     if world_size > virtual:
-        raise UsageError(f"{world_size} ranks for {virtual} virtual ranks: each rank needs at least one virtual "
-                         f"rank; run on at most {virtual} ranks or raise --virtual-ranks")
+        raise UsageError(f"{world_size} ranks for {virtual} virtual ranks: each rank needs at "
+                         f"least one virtual rank; run on at most {virtual} ranks or raise "
+                         "--virtual-ranks")
     base, extra = divmod(virtual, world_size)
     blocks, start = [], 0
     for r in range(world_size):
@@ -85,7 +91,8 @@ def layout(virtual: int, world_size: int) -> list[range]:
 
 
 def fold(buffers: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of ``buffers`` summed strictly left to right (index 0 first): the one order every layout uses."""
+    """The mean of ``buffers`` summed strictly left to right (index 0 first): the one order
+    every layout uses."""
     total = buffers[0].clone()
     for buffer in buffers[1:]:
         total.add_(buffer)
@@ -93,7 +100,8 @@ def fold(buffers: list[torch.Tensor]) -> torch.Tensor:
 
 
 def fold_across(buffers: list[torch.Tensor], virtual: int, world_size: int) -> torch.Tensor:
-    """The mean of all ``virtual`` ranks' buffers, folded in virtual-rank order; ``buffers`` are this rank's block.
+    """The mean of all ``virtual`` ranks' buffers, folded in virtual-rank order; ``buffers``
+    are this rank's block.
 
     An all-to-all sends each rank its slice of every virtual rank's buffer; it
     folds them in virtual-rank order (element by element the same sums as
@@ -106,7 +114,8 @@ def fold_across(buffers: list[torch.Tensor], virtual: int, world_size: int) -> t
     blocks = layout(virtual, world_size)
     widest = max(len(b) for b in blocks)
     length = buffers[0].numel()
-    dtype, device = buffers[0].dtype, buffers[0].device  # on the gradients' device (NCCL needs CUDA tensors)
+    # on the gradients' device (NCCL needs CUDA tensors)
+    dtype, device = buffers[0].dtype, buffers[0].device
     chunk = -(-length // world_size)
     local = torch.zeros(widest, world_size * chunk, dtype=dtype, device=device)
     for i, buffer in enumerate(buffers):
@@ -122,7 +131,8 @@ def fold_across(buffers: list[torch.Tensor], virtual: int, world_size: int) -> t
 
 
 class VirtualRank:
-    """One virtual rank's micro-step: its number, its batch, and what it logs (averaged over all ``V``)."""
+    """One virtual rank's micro-step: its number, its batch, and what it logs (averaged over all
+    ``V``)."""
 
     def __init__(self, index: int, batch: Any) -> None:
         self.index = index
@@ -130,13 +140,13 @@ class VirtualRank:
         self.metrics: dict[str, float] = {}
 
     def log(self, **metrics: float | torch.Tensor) -> None:
-        """Values of this virtual rank (``loss=loss``); the step logs their mean over the ``V`` virtual
-        ranks, folded in virtual-rank order, the same on every physical rank."""
+        """Values of this virtual rank (``loss=loss``); the step logs their mean over the ``V``
+        virtual ranks, folded in virtual-rank order, the same on every physical rank."""
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise UsageError(f"virtual rank {self.index}: log({name}=...) got a tensor of shape "
-                                     f"{tuple(value.shape)}; log one number")
+                    raise UsageError(f"virtual rank {self.index}: log({name}=...) got a tensor of "
+                                     f"shape {tuple(value.shape)}; log one number")
                 value = value.detach().item()
             self.metrics[name] = float(value)
 
@@ -145,21 +155,24 @@ class VirtualRank:
 
 
 class VirtualRanks:
-    """The job's virtual ranks: per-virtual-rank data cursors, the micro-steps and the fixed-order reduction."""
+    """The job's virtual ranks: per-virtual-rank data cursors, the micro-steps and the
+    fixed-order reduction."""
 
     def __init__(self, ctx: JobContext, state: State, count: int, *, seed: int, total: int | None,
                  epochs: int | None) -> None:
         if state.sharded:
-            raise UsageError("--virtual-ranks works with a replicated model (DDP), not a sharded one (FSDP, "
-                             "DTensors): drop --virtual-ranks or the sharding")
+            raise UsageError("--virtual-ranks works with a replicated model (DDP), not a sharded "
+                             "one (FSDP, DTensors): drop --virtual-ranks or the sharding")
         if state.model is None:
-            raise UsageError("invariant mode (--virtual-ranks) needs State(model=...): undying reduces its gradients")
+            raise UsageError("invariant mode (--virtual-ranks) needs State(model=...): undying "
+                             "reduces its gradients")
         factory = state.loader
         if factory is not None and (not callable(factory) or hasattr(factory, "__iter__")):
             raise UsageError(
-                f"with --virtual-ranks {count}, State(loader=...) takes a function (virtual_rank, virtual_ranks) -> "
-                f"loader, e.g. lambda v, V: DataLoader(ds, sampler=DistributedSampler(ds, V, v)), "
-                f"not a {type(factory).__name__}: each virtual rank reads its own slice")
+                f"with --virtual-ranks {count}, State(loader=...) takes a function "
+                f"(virtual_rank, virtual_ranks) -> loader, e.g. lambda v, V: DataLoader(ds, "
+                f"sampler=DistributedSampler(ds, V, v)), not a {type(factory).__name__}: each "
+                f"virtual rank reads its own slice")
         self.count = count
         self._ctx = ctx
         self._seed = seed
@@ -177,12 +190,14 @@ class VirtualRanks:
 
     def _cursor(self, v: int, origin: tuple[int, int] | None) -> DataCursor:
         loader = self._factory(v, self.count) if self._factory is not None else None
-        return DataCursor(loader, rank=v, seed=self._seed, total=self._total, epochs=self._epochs, origin=origin)
+        return DataCursor(loader, rank=v, seed=self._seed, total=self._total,
+                          epochs=self._epochs, origin=origin)
 
     def batch_for(self, v: int, index: int) -> Any:
         cursor = self._cursors.get(v)
         if cursor is None:
-            cursor = self._cursors[v] = self.cursor if v == 0 else self._cursor(v, self.cursor.origin)
+            cursor = self._cursors[v] = (self.cursor if v == 0
+                                         else self._cursor(v, self.cursor.origin))
         if cursor.origin != self.cursor.origin:  # a resume moved the job's data position
             cursor.set_origin(self.cursor.origin)
         batch = cursor.batch_for(index)
@@ -190,7 +205,8 @@ class VirtualRanks:
         return batch
 
     def micro_steps(self, step: Step) -> Iterator[VirtualRank]:
-        """This rank's virtual ranks for ``step``, each with its batch and its random stream; then the reduction."""
+        """This rank's virtual ranks for ``step``, each with its batch and its random stream;
+        then the reduction."""
         ctx = self._ctx
         mine = layout(self.count, ctx.world_size)[ctx.rank]
         buffers: list[torch.Tensor] = []
@@ -204,13 +220,15 @@ class VirtualRanks:
             if names is None:
                 names = sorted(micro.metrics)
             elif sorted(micro.metrics) != names:
-                raise UsageError(f"step {step.index}: virtual rank {v} logged {sorted(micro.metrics)}, virtual "
-                                 f"rank {mine[0]} logged {names}: every virtual rank logs the same names")
+                raise UsageError(f"step {step.index}: virtual rank {v} logged "
+                                 f"{sorted(micro.metrics)}, virtual rank {mine[0]} logged "
+                                 f"{names}: every virtual rank logs the same names")
             buffers.append(self._take_grads(micro, names))
         world = ctx.world_size if dist.is_initialized() else 1
         # A comm marker, as DDP's all-reduce gets one (`undying trace on --comm`): slow-rank
         # diagnosis sees it.
-        with ctx.tracing.tracer.span("comm", name="ordered_fold", bytes=buffers[0].numel() * buffers[0].element_size()):
+        size = buffers[0].numel() * buffers[0].element_size()
+        with ctx.tracing.tracer.span("comm", name="ordered_fold", bytes=size):
             mean = fold_across(buffers, self.count, world)
         self._put_grads(mean)
         assert names is not None
@@ -222,11 +240,14 @@ class VirtualRanks:
             p.grad = None
 
     def _take_grads(self, micro: VirtualRank, names: list[str]) -> torch.Tensor:
-        """One virtual rank's gradients (and logged values) as one flat buffer; the live gradients cleared."""
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self._dtype)
+        """One virtual rank's gradients (and logged values) as one flat buffer; the live
+        gradients cleared."""
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p))
+                 .reshape(-1).to(self._dtype)
                  for p in self.params]
         device = self.params[0].device if self.params else None
-        parts.append(torch.tensor([micro.metrics[n] for n in names], dtype=self._dtype, device=device))
+        values = [micro.metrics[n] for n in names]
+        parts.append(torch.tensor(values, dtype=self._dtype, device=device))
         self._clear_grads()
         return torch.cat(parts)
 
@@ -238,18 +259,23 @@ class VirtualRanks:
             offset += n
 
 
-def invariant_mode(ctx: JobContext, state: State, virtual_ranks: int | None, *, seed: int, total: int | None,
-                   epochs: int | None) -> VirtualRanks | None:
-    """The job's virtual ranks when it opted in (``job.steps(virtual_ranks=V)`` or ``--virtual-ranks V``), else None."""
+def invariant_mode(ctx: JobContext, state: State, virtual_ranks: int | None, *, seed: int,
+                   total: int | None, epochs: int | None) -> VirtualRanks | None:
+    """The job's virtual ranks when it opted in (``job.steps(virtual_ranks=V)`` or
+    ``--virtual-ranks V``), else None."""
     from_env = virtual_ranks_from_env()
     if virtual_ranks is not None:
-        if isinstance(virtual_ranks, bool) or not isinstance(virtual_ranks, int) or virtual_ranks < 1:
-            raise UsageError(f"job.steps(virtual_ranks={virtual_ranks!r}): give a whole number >= 1")
+        if (isinstance(virtual_ranks, bool) or not isinstance(virtual_ranks, int)
+                or virtual_ranks < 1):
+            raise UsageError(f"job.steps(virtual_ranks={virtual_ranks!r}): give a whole number "
+                             ">= 1")
         if from_env is not None and from_env != virtual_ranks:
-            raise UsageError(f"job.steps(virtual_ranks={virtual_ranks}) but undying run --virtual-ranks {from_env}: "
-                             "the job has one number of virtual ranks; give the same or only one of them")
+            raise UsageError(f"job.steps(virtual_ranks={virtual_ranks}) but undying run "
+                             f"--virtual-ranks {from_env}: the job has one number of virtual "
+                             "ranks; give the same or only one of them")
     count = virtual_ranks if virtual_ranks is not None else from_env
     if count is None:
         return None
-    layout(count, ctx.world_size)  # refused now, by name, if there are more ranks than virtual ranks
+    # refused now, by name, if there are more ranks than virtual ranks
+    layout(count, ctx.world_size)
     return VirtualRanks(ctx, state, count, seed=seed, total=total, epochs=epochs)

@@ -102,7 +102,8 @@ class Request:
 
 
 def _die_with_agent(agent_pid: int) -> None:
-    """The zygote goes when the agent goes (and its workers with it, by their own parent-death signal)."""
+    """The zygote goes when the agent goes (and its workers with it, by their own parent-death
+    signal)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != agent_pid:
@@ -123,7 +124,8 @@ def _send(channel: socket.socket, message: Ready | Unfit | Spawned | Failed) -> 
 
 
 def _fork_detached() -> int:
-    """Fork a worker that is the agent's child, not the zygote's: its PID here, 0 in the worker, -1 if none.
+    """Fork a worker that is the agent's child, not the zygote's: its PID here, 0 in the worker,
+    -1 if none.
 
     The zygote forks a go-between, which forks the worker, writes its PID on a
     pipe and exits: the worker is orphaned at once and re-parented to the
@@ -161,7 +163,8 @@ def _fork_detached() -> int:
 
 
 def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
-    """Fork a worker per request; returns only in a forked worker. A fork server and nothing more."""
+    """Fork a worker per request; returns only in a forked worker. A fork server and nothing
+    more."""
     frames = to_zygote()
     fds: list[int] = []  # received with requests' bytes, taken three per spawn in order
     while True:
@@ -170,7 +173,8 @@ def _serve(channel: socket.socket, defaults: dict[int, object]) -> Request:
         if not data:
             os._exit(0)  # the agent closed the channel: nothing more to start
         for frame in frames.feed(data):
-            request = Request(frame.id, frame.args, frame.env, frame.cwd, frame.stdio, fds[:len(frame.stdio)])
+            request = Request(frame.id, frame.args, frame.env, frame.cwd, frame.stdio,
+                              fds[:len(frame.stdio)])
             del fds[:len(frame.stdio)]
             try:
                 pid = _fork_detached()
@@ -210,7 +214,8 @@ def _restore_signals(defaults: dict[int, object]) -> None:
 
 
 def _become(request: Request) -> None:
-    """Make the forked child the worker the agent asked for: session, directory, environment, fds 0/1/2."""
+    """Make the forked child the worker the agent asked for: session, directory, environment,
+    fds 0/1/2."""
     os.setsid()
     for target, fd in zip(request.stdio, request.fds, strict=True):
         os.dup2(fd, target)
@@ -231,17 +236,19 @@ def _become(request: Request) -> None:
 
 
 def _adopted_by(agent_pid: int, timeout: float = 10.0) -> None:
-    """Until the go-between is gone and the worker is the agent's child (microseconds); exit if never."""
+    """Until the go-between is gone and the worker is the agent's child (microseconds); exit if
+    never."""
     deadline = time.monotonic() + timeout
     while os.getppid() != agent_pid:
         if time.monotonic() > deadline or not _exists(agent_pid):
-            os._exit(1)  # the agent is gone, or is no subreaper: nobody would see this worker's exit
+            # the agent is gone, or is no subreaper: nobody would see this worker's exit
+            os._exit(1)
         time.sleep(0.0005)
 
 
 def _exists(pid: int) -> bool:
-    """Whether ``pid`` is still there (an agent killed as it forked this worker: the worker goes at once,
-    not after the adoption's timeout, its parent-death signal never armed for it)."""
+    """Whether ``pid`` is still there (an agent killed as it forked this worker: the worker goes
+    at once, not after the adoption's timeout, its parent-death signal never armed for it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -252,7 +259,8 @@ def _exists(pid: int) -> bool:
 
 
 def main() -> None:
-    """The zygote's life; in a forked child, the worker's (boot.main, ending the interpreter as it would)."""
+    """The zygote's life; in a forked child, the worker's (boot.main, ending the interpreter as
+    it would)."""
     defaults = _default_signals()
     fd, agent_pid = int(sys.argv[1]), int(sys.argv[2])
     prewarm = PREWARM + (STEP_API_PREWARM if sys.argv[3:] == ["--step-api"] else ())
@@ -273,8 +281,9 @@ def main() -> None:
             importlib.import_module(name)
         threads = _threads()
         if threads != 1:
-            raise RuntimeError(f"{threads} threads after importing {', '.join(prewarm)}: forking is not safe "
-                               "(a BLAS or OpenMP pool started at import; OMP_NUM_THREADS=1 keeps it from starting)")
+            raise RuntimeError(f"{threads} threads after importing {', '.join(prewarm)}: forking "
+                               "is not safe (a BLAS or OpenMP pool started at import; "
+                               "OMP_NUM_THREADS=1 keeps it from starting)")
         if not hasattr(os, "pidfd_open"):
             raise RuntimeError("no pidfd_open on this platform")
         gc.freeze()  # the imports' objects stay shared with the children (no copy-on-write by GC)
@@ -287,7 +296,8 @@ def main() -> None:
     _adopted_by(agent_pid)
     from undying.worker import boot
 
-    boot.main(request.args, parent=agent_pid)  # dies with the agent (parent-death signal), not with the zygote
+    # dies with the agent (parent-death signal), not with the zygote
+    boot.main(request.args, parent=agent_pid)
 
 
 if __name__ == "__main__":
