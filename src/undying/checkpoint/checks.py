@@ -59,12 +59,14 @@ class IncompatibleCheckpointError(CheckpointError, UsageError):
 
 
 class CheckpointOfAnotherJobError(IncompatibleCheckpointError):
-    """The newest checkpoint was written by another job than the one the user named with --job-id."""
+    """The newest checkpoint was written by another job than the one the user named with
+    --job-id."""
 
 
 def check_same_job(checkpoint: Checkpoint | Manifest, job_id: str, job_id_given: bool, *,
                    path: str = "") -> str | None:
-    """May a job starting as ``job_id`` resume ``checkpoint``? Raise if not; else what to log, if anything.
+    """May a job starting as ``job_id`` resume ``checkpoint``? Raise if not; else what to log, if
+    anything.
 
     The rule (one folder, two jobs): a user who named the job (``--job-id``,
     ``job_id_given``) and finds another job's checkpoint in the folder has
@@ -104,7 +106,8 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def tensor_specs(state: Any) -> dict[str, TensorSpec]:
-    """Every tensor of a (nested) state dict by path (``model/fc.weight``, ``optimizer/state/0/exp_avg``).
+    """Every tensor of a (nested) state dict by path (``model/fc.weight``,
+    ``optimizer/state/0/exp_avg``).
 
     Shapes are global: a DTensor reports the whole parameter's shape, so a
     sharded save and a replicated one of the same model record the same specs.
@@ -121,7 +124,8 @@ def tensor_shapes(state: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _known_protocol(name: str) -> bool:
-    """A storage scheme people type ("s3:bucket" is then a URL typo, not a folder named "s3:bucket")."""
+    """A storage scheme people type ("s3:bucket" is then a URL typo, not a folder named
+    "s3:bucket")."""
     return name.lower() in _REMOTE_SCHEMES
 
 

@@ -45,7 +45,8 @@ __all__ = ["SaveResult", "PendingCheckpoint", "default_checksum", "signed"]
 
 @dataclass(frozen=True)
 class SaveResult:
-    """A committed checkpoint: where, and what it cost (``blocking_s`` is the training-loop stall)."""
+    """A committed checkpoint: where, and what it cost (``blocking_s`` is the training-loop
+    stall)."""
 
     step: int
     path: str
@@ -60,12 +61,14 @@ class SaveResult:
 
 
 def default_checksum() -> Checksum:
-    """SHA-256 where this process signs its checkpoints (a MAC over a CRC would vouch for nothing), else CRC32."""
+    """SHA-256 where this process signs its checkpoints (a MAC over a CRC would vouch for nothing),
+    else CRC32."""
     return "sha256" if current_key() is not None else "crc32"
 
 
 def signed(manifest: Manifest) -> Manifest:
-    """``manifest`` with the job's MAC (``checkpoint.mac``), or as it is where this process holds no key."""
+    """``manifest`` with the job's MAC (``checkpoint.mac``), or as it is where this process holds no
+    key."""
     key = current_key()
     if key is None:
         return manifest
@@ -74,8 +77,8 @@ def signed(manifest: Manifest) -> Manifest:
 
 
 def _set_aside_unless_owned(store: Store, name: str) -> bool:
-    """A checkpoint already at ``name`` that this process did not sign is moved to ``rejected/`` (True);
-    one it signed, or a partial write, is left for the caller to replace (False)."""
+    """A checkpoint already at ``name`` that this process did not sign is moved to ``rejected/``
+    (True); one it signed, or a partial write, is left for the caller to replace (False)."""
     found = inspect(store, name, checksums=False)
     if found.owned:
         return False
@@ -129,7 +132,8 @@ class PendingCheckpoint:
         return self.store.join(self.work_path, *relpath.split("/"))
 
     def entries(self, known: dict[str, FileEntry] | None = None, algorithm: Checksum = "crc32") -> list[FileEntry]:
-        """A FileEntry for every file written; those in ``known`` (hashed while written) are not re-read."""
+        """A FileEntry for every file written; those in ``known`` (hashed while written) are not
+        re-read."""
         known = known or {}
         out = []
         for rel in self.store.files_under(self.work_path):

@@ -25,7 +25,8 @@ DIMS = ("tp", "dp", "pp")
 MEGATRON_ORDER: tuple[str, str, str] = ("tp", "dp", "pp")
 
 class LayoutError(UsageError):
-    """A parallel layout that does not describe the world: bad sizes, order, or ranks out of range."""
+    """A parallel layout that does not describe the world: bad sizes, order, or ranks out of
+    range."""
 
 
 class Shard(NamedTuple):
@@ -52,7 +53,8 @@ class Coords(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """A ``dp x tp x pp`` grid and how ranks are numbered in it (``order``: fastest dimension first)."""
+    """A ``dp x tp x pp`` grid and how ranks are numbered in it (``order``: fastest dimension
+    first)."""
 
     dp: int
     tp: int = 1
@@ -142,7 +144,8 @@ class Layout:
 
     @functools.cached_property
     def _shard_table(self) -> tuple[tuple[Shard, ...], dict[Shard, tuple[int, ...]]]:
-        """Every rank's shard and every shard's holders, computed once (by strides: no grid at 8,192 ranks)."""
+        """Every rank's shard and every shard's holders, computed once (by strides: no grid at 8,192
+        ranks)."""
         stride, strides = 1, {}
         for dim in self.order:
             strides[dim] = stride

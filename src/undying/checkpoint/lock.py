@@ -91,7 +91,8 @@ class OwnerLock:
         self.fd: int | None = None
         self.lost = ""
         self.released = False
-        self.pid = os.getpid()  # a child forked without exec inherits this object: it never owns nor releases it
+        # A child forked without exec inherits this object: it never owns nor releases it
+        self.pid = os.getpid()
         self._mutex = threading.Lock()  # the keeper's beat and a release, one at a time
 
     @property
@@ -101,7 +102,8 @@ class OwnerLock:
     # -- local: the kernel's lock ------------------------------------------------
 
     def _take_local(self) -> bool:
-        """Lock the file now at ``self.path`` (created if missing); False when another process holds it."""
+        """Lock the file now at ``self.path`` (created if missing); False when another process holds
+        it."""
         for _ in range(5):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -143,7 +145,8 @@ class OwnerLock:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, data, 0)
             os.fsync(self.fd)
-        except OSError as e:  # the lock holds without its words (a full disk): a refusal cannot name us
+        except OSError as e:
+            # The lock holds without its words (a full disk): a refusal cannot name us
             log.warning("%s %s: the lock's record could not be written (%s); the lock holds", self.holder.what,
                         self.where, e.strerror or e)
 
@@ -205,7 +208,8 @@ class OwnerLock:
     # -- either -------------------------------------------------------------------
 
     def take(self) -> bool:
-        """Take the lock now: False when another owner holds it; UsageError when the storage refuses."""
+        """Take the lock now: False when another owner holds it; UsageError when the storage
+        refuses."""
         try:
             return self._take_local() if self.store.local else self._take_url()
         except OSError as e:
@@ -221,7 +225,8 @@ class OwnerLock:
             return self.lost
 
     def check(self) -> None:
-        """One beat of the keeper: ``keep``, and tell every ``on_lost`` listener once when the lock is lost."""
+        """One beat of the keeper: ``keep``, and tell every ``on_lost`` listener once when the lock
+        is lost."""
         was = self.lost
         try:
             reason = self.keep()
@@ -273,8 +278,9 @@ def _read_url(store: Store, path: str) -> tuple[Holder | None, float | None]:
 
 
 def read_holder(store: Store) -> Holder | None:
-    """Who the lock file under ``store`` names (None: no file, or not a record). Never call it on a lock this
-    process holds locally: closing any descriptor of a file drops the process's POSIX locks on it."""
+    """Who the lock file under ``store`` names (None: no file, or not a record). Never call it on a
+    lock this process holds locally: closing any descriptor of a file drops the process's POSIX
+    locks on it."""
     path = store.join(LOCK_NAME)
     try:
         raw = store.read_bytes(path)
@@ -292,7 +298,8 @@ def live_owner(root: str | os.PathLike[str] | Store) -> str | None:
     store = root if isinstance(root, Store) else Store.open(root)
     with _guard:
         mine = _held.get(_key(store))
-    if mine is not None:  # (never probed from here: closing a descriptor of it would drop this process's lock)
+    # (never probed from here: closing a descriptor of it would drop this process's lock)
+    if mine is not None:
         return mine.holder.words()
     path = store.join(LOCK_NAME)
     if not store.local:
@@ -377,7 +384,8 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
 
 
 def hold_job_dir(path: str | os.PathLike[str]) -> OwnerLock:
-    """``hold`` for a job dir (one launcher or manager at a time); its record names the folder as the job."""
+    """``hold`` for a job dir (one launcher or manager at a time); its record names the folder as
+    the job."""
     return hold(os.fspath(path), job_id=os.path.basename(os.path.abspath(path)), what="job dir",
                 advice="pass another --job-dir or --job-id")
 

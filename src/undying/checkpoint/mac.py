@@ -54,13 +54,15 @@ def key_from_token(token: str) -> bytes:
 
 
 def set_key(key: bytes | None) -> None:
-    """Sign every manifest this process commits, and check every one it reads, with ``key`` (None: neither)."""
+    """Sign every manifest this process commits, and check every one it reads, with ``key`` (None:
+    neither)."""
     _state["key"] = key
 
 
 @contextlib.contextmanager
 def using_key(key: bytes | None) -> Iterator[None]:
-    """``set_key(key)`` for the duration of a block (a command inside a longer-lived process, a test)."""
+    """``set_key(key)`` for the duration of a block (a command inside a longer-lived process, a
+    test)."""
     before = _state["key"]
     _state["key"] = key
     try:
@@ -74,7 +76,8 @@ def current_key() -> bytes | None:
 
 
 def key_from_environ(environ: Mapping[str, str] | None = None) -> bytes | None:
-    """The key an agent handed its worker (env ``UNDYING_CHECKPOINT_KEY``), None when it handed none."""
+    """The key an agent handed its worker (env ``UNDYING_CHECKPOINT_KEY``), None when it handed
+    none."""
     value = (os.environ if environ is None else environ).get(CHECKPOINT_KEY_ENV, "")
     if not value:
         return None
@@ -111,7 +114,8 @@ def mac_problem(manifest: Mapping[str, Any], key: bytes) -> str | None:
 
 
 def signed_by_us(manifest: Mapping[str, Any]) -> bool:
-    """Whether this process may replace or delete the checkpoint of ``manifest``: its own key signed it.
+    """Whether this process may replace or delete the checkpoint of ``manifest``: its own key signed
+    it.
 
     With a key: the MAC verifies under it. Without one (library use outside a
     job): the manifest carries no MAC, so no job signed it. A checkpoint that

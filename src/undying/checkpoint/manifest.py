@@ -130,7 +130,8 @@ def _need(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def _check_tensors(tensors: Mapping[str, Any]) -> None:
-    """Each entry must be {"shape": [ints >= 0], "dtype": str}; the message names the first bad one."""
+    """Each entry must be {"shape": [ints >= 0], "dtype": str}; the message names the first bad
+    one."""
     for name, spec in tensors.items():
         if not isinstance(name, str) or not isinstance(spec, Mapping):
             raise ManifestError(f"manifest tensor {name!r} must map a name to an object, got {spec!r}")
@@ -242,7 +243,8 @@ class Manifest:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise ManifestError(f"manifest 'meta' must be an object, got {meta!r}")
-        job_id = d.get("job_id")  # absent or null: a manifest that never recorded it; no job to compare
+        # Absent or null: a manifest that never recorded it; no job to compare
+        job_id = d.get("job_id")
         if job_id is None:
             job_id = ""
         elif not isinstance(job_id, str):

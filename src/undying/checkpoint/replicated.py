@@ -1,4 +1,5 @@
-"""Replicated checkpoints: every rank holds the same state (as under DDP), so one rank writes it whole.
+"""Replicated checkpoints: every rank holds the same state (as under DDP), so one rank writes it
+whole.
 
 The format is one ``torch.save`` file, ``state.pt``, beside the manifest.
 Its bytes are hashed as they stream out (``_HashingWriter``: no second read
@@ -80,7 +81,8 @@ class _HashingWriter:
         self._f.flush()
 
     def close(self) -> None:
-        """Nothing is left running: every write waited for its checksum (the file is the caller's)."""
+        """Nothing is left running: every write waited for its checksum (the file is the
+        caller's)."""
 
 
 _HASH_POOL: ThreadPoolExecutor | None = None
@@ -88,7 +90,8 @@ _HASH_POOL_LOCK = threading.Lock()
 
 
 def _hash_pool() -> ThreadPoolExecutor:
-    """Checksum helpers shared by every write of this process, started once (a thread per save costs ms)."""
+    """Checksum helpers shared by every write of this process, started once (a thread per save costs
+    ms)."""
     global _HASH_POOL
     with _HASH_POOL_LOCK:
         if _HASH_POOL is None:
@@ -157,7 +160,8 @@ def save_replicated(
     keep: int | None = None,
     blocking_s: float = 0.0,
 ) -> SaveResult:
-    """Write ``state_dict`` (already on CPU, or it is copied) as checkpoint ``step``; call on ONE rank.
+    """Write ``state_dict`` (already on CPU, or it is copied) as checkpoint ``step``; call on ONE
+    rank.
 
     Synchronous: returns once the manifest is committed. ``keep`` prunes older
     checkpoints afterwards. On any failure the temp folder is removed and the
@@ -204,7 +208,8 @@ def save_replicated(
     if keep is not None:
         try:
             prune(store, keep)
-        except OSError as e:  # the checkpoint is committed; retention tries again after the next save
+        except OSError as e:
+            # The checkpoint is committed; retention tries again after the next save
             log.warning("pruning %s after step %d failed: %s", store.url_of(store.root), step, e)
     log.info("checkpoint %s written: %d bytes in %.3fs", ckpt.url, entry.size, write_s)
     return SaveResult(step, ckpt.url, kind, blocking_s, write_s, entry.size)

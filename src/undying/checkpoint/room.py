@@ -53,7 +53,8 @@ def _os_errors(exc: BaseException) -> list[OSError]:
 
 
 def os_error_of(exc: BaseException) -> OSError | None:
-    """The OSError behind ``exc`` (itself, or in its cause/context chain), if any: a storage failure."""
+    """The OSError behind ``exc`` (itself, or in its cause/context chain), if any: a storage
+    failure."""
     found = _os_errors(exc)
     return found[0] if found else None
 
@@ -64,7 +65,8 @@ def is_out_of_space(exc: BaseException) -> bool:
 
 
 def describe_os_error(exc: BaseException) -> str:
-    """What the OS said behind ``exc``, as ``ENOSPC: No space left on device``; "" when no OSError is in it.
+    """What the OS said behind ``exc``, as ``ENOSPC: No space left on device``; "" when no OSError
+    is in it.
 
     The symbolic name is what an operator greps for and a dashboard groups by;
     the text is what a person reads.
@@ -78,7 +80,8 @@ def describe_os_error(exc: BaseException) -> str:
 
 
 def make_room(store: Store) -> list[str]:
-    """Delete every checkpoint but the newest valid one, and stale write leftovers; the names removed.
+    """Delete every checkpoint but the newest valid one, and stale write leftovers; the names
+    removed.
 
     ``prune(keep=1)``: the newest checkpoint whose checksums pass is kept,
     whatever ``--keep`` says; a folder newer than it that is broken stays
@@ -86,7 +89,8 @@ def make_room(store: Store) -> list[str]:
     """
     try:
         removed = prune(store, 1, tmp_max_age_s=_TMP_STALE_S)
-    except OSError as e:  # nothing deleted is no worse than before; the save's own error is what is told
+    except OSError as e:
+        # Nothing deleted is no worse than before; the save's own error is what is told
         log.warning("making room under %s failed: %s", store.url_of(store.root), e)
         return []
     if removed:

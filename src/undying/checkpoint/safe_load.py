@@ -1,4 +1,5 @@
-"""Loading state without running code: ``torch.load(weights_only=True)`` everywhere, and saying why not.
+"""Loading state without running code: ``torch.load(weights_only=True)`` everywhere, and saying why
+not.
 
 A pickle can name any function to call when it is loaded, so state read from
 disk (checkpoints, dying gasps) or the network (a peer's state, a replica's
@@ -33,13 +34,15 @@ _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.
 
 
 def refused_global(error: BaseException) -> str:
-    """The ``module.name`` a weights_only load refused, from torch's message ("" when it names none)."""
+    """The ``module.name`` a weights_only load refused, from torch's message ("" when it names
+    none)."""
     m = _GLOBAL.search(str(error))
     return m.group(1) if m else ""
 
 
 def load_state_bytes(raw: bytes, *, source: str) -> Any:
-    """A state payload that arrived from ``source`` (a peer rank, a replica), loaded without running code."""
+    """A state payload that arrived from ``source`` (a peer rank, a replica), loaded without running
+    code."""
     try:
         return torch.load(io.BytesIO(raw), weights_only=True)
     except pickle.UnpicklingError as e:
@@ -51,7 +54,8 @@ def load_state_bytes(raw: bytes, *, source: str) -> Any:
 
 
 def _skeleton(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by an empty one of its dtype: what weights_only judges, minus the bytes."""
+    """``obj`` with every tensor replaced by an empty one of its dtype: what weights_only judges,
+    minus the bytes."""
     if isinstance(obj, torch.Tensor):
         return torch.empty(0, dtype=obj.dtype)
     if type(obj) in (dict, OrderedDict):  # a subclass is kept whole: it is what weights_only judges
@@ -88,7 +92,8 @@ def _culprit(state: Any, refused: str) -> tuple[str, str]:
 
 
 def check_state_loadable(state: Any, *, what: str = "the training state") -> None:
-    """Raise UsageError naming the object of ``state`` that a ``weights_only=True`` load would refuse."""
+    """Raise UsageError naming the object of ``state`` that a ``weights_only=True`` load would
+    refuse."""
     skeleton = _skeleton(state)
     buffer = io.BytesIO()
     try:

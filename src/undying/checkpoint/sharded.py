@@ -45,7 +45,8 @@ _Group = dist.ProcessGroup | None
 
 
 def _dist(group: _Group) -> tuple[int, int, bool]:
-    """(rank in group, group size, distributed?) — without a process group DCP runs single-process."""
+    """(rank in group, group size, distributed?) — without a process group DCP runs
+    single-process."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1, False
     return dist.get_rank(group), dist.get_world_size(group), True
@@ -106,7 +107,8 @@ def save_sharded(
     overwrite: bool = True,
     keep: int | None = None,
 ) -> SaveResult:
-    """Collective: every rank of ``group`` calls it with its shard; all return the same result or all raise.
+    """Collective: every rank of ``group`` calls it with its shard; all return the same result or
+    all raise.
 
     ``coordinator`` is a rank *within* ``group``. The manifest's ``world_size``
     is the group's size and its layout ``{"kind": "sharded", "planner": "dcp"}``
@@ -131,7 +133,8 @@ def save_sharded(
         raise CheckpointError(f"sharded checkpoint of step {step} not started: {setup}")
     work_path, _ = setup
     try:
-        import torch.distributed.checkpoint as dcp  # ~0.4 s to import: only where a sharded state is saved
+        # ~0.4 s to import: only where a sharded state is saved
+        import torch.distributed.checkpoint as dcp
 
         dcp.save(
             state_dict,
@@ -215,7 +218,8 @@ def save_sharded(
 
 
 def read_manifest(checkpoint: Checkpoint | str | os.PathLike[str]) -> Manifest:
-    """The manifest of one checkpoint folder or URL (no checksums read): to choose how to load it."""
+    """The manifest of one checkpoint folder or URL (no checksums read): to choose how to load
+    it."""
     store, name, url = _split(checkpoint)
     try:
         return Manifest.from_json(store.read_bytes(store.join(name, MANIFEST_NAME)))
@@ -264,7 +268,8 @@ def latest_valid_shared(
     coordinator: int = 0,
     job_id: str | None = None,
 ) -> Latest:
-    """Collective ``latest_valid``: the coordinator reads the checksums once, every rank gets its answer."""
+    """Collective ``latest_valid``: the coordinator reads the checksums once, every rank gets its
+    answer."""
     rank, _, distributed = _dist(group)
     found = latest_valid(root, job_id=job_id) if rank == coordinator else None
     result: Latest = _broadcast(found, coordinator, group, distributed)

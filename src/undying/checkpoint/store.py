@@ -71,7 +71,8 @@ def _load_sync_file_range() -> Any:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without waiting.
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without
+    waiting.
 
     Below the dirty-page limits Linux would hold a checkpoint's pages in
     memory until the final fsync and only then write them, so the disk would

@@ -1,4 +1,5 @@
-"""The async writer: a save blocks the training loop only for a CPU copy; the write runs on a thread.
+"""The async writer: a save blocks the training loop only for a CPU copy; the write runs on a
+thread.
 
 ``AsyncCheckpointer`` splits a save into the only part that must block the
 training loop, a deep copy of the state into CPU memory (``cpu_copy.py``), and
@@ -116,7 +117,8 @@ def _writer_loop(ref: weakref.ReferenceType[AsyncCheckpointer], cond: threading.
 
 
 class AsyncCheckpointer:
-    """Replicated checkpoints written in a background thread; the caller blocks only for the CPU copy.
+    """Replicated checkpoints written in a background thread; the caller blocks only for the CPU
+    copy.
 
     At most one write is in flight. A ``save`` while one is writing follows
     ``if_busy``: ``"wait"`` (default) blocks until the previous write ends, so no
@@ -177,7 +179,8 @@ class AsyncCheckpointer:
         self.checksum: Checksum | None = checksum
         self.layout_extra = layout_extra
         self.on_done = on_done  # called from the writer thread with the result or the error
-        self.on_pruned = on_pruned  # (step, names) when a save had to delete older checkpoints for room
+        # (step, names) when a save had to delete older checkpoints for room
+        self.on_pruned = on_pruned
         self.max_attempts = max_attempts
         self.retry_delay_s = retry_delay_s
         self.retry_delay_max_s = retry_delay_max_s
@@ -218,7 +221,8 @@ class AsyncCheckpointer:
             return self.busy and self._job is not None and self._job.phase == "backoff"
 
     def retry_delay(self, attempt: int) -> float:
-        """Seconds before attempt ``attempt + 1``: ``retry_delay_s`` doubled per failed attempt, capped."""
+        """Seconds before attempt ``attempt + 1``: ``retry_delay_s`` doubled per failed attempt,
+        capped."""
         return float(min(self.retry_delay_max_s, self.retry_delay_s * 2 ** (attempt - 1)))
 
     def _cancel(self, job: _Job, reason: str, *, superseded: bool) -> None:
@@ -366,7 +370,8 @@ class AsyncCheckpointer:
         return job.done.wait(timeout)
 
     def wait(self, timeout: float | None = None, *, retries: bool = True) -> SaveResult | None:
-        """Wait for the save in flight, its retries included; raise CheckpointWriteError if a save failed for good.
+        """Wait for the save in flight, its retries included; raise CheckpointWriteError if a save
+        failed for good.
 
         ``retries=False`` drops a pending retry (an attempt already writing
         finishes): for a dying gasp that is about to write a newer state itself.
@@ -392,7 +397,8 @@ class AsyncCheckpointer:
             self._stop_writer()
 
     def _stop_writer(self) -> None:
-        """End the idle writer thread; not while a save is in flight (a timed-out wait leaves it be)."""
+        """End the idle writer thread; not while a save is in flight (a timed-out wait leaves it
+        be)."""
         thread = self._thread
         if thread is None or self.busy:
             return

@@ -43,7 +43,8 @@ def proof_key(token: str) -> bytes:
 
 
 def peer_name(address: object) -> str:
-    """A socket address as both ends write it: ``host|port``, an IPv4-mapped IPv6 host as plain IPv4."""
+    """A socket address as both ends write it: ``host|port``, an IPv4-mapped IPv6 host as plain
+    IPv4."""
     if not isinstance(address, tuple) or len(address) < 2:
         return "?"
     host = str(address[0])

@@ -1,4 +1,5 @@
-"""The job's secrets in process environments: what a child may inherit, and what a launcher must not.
+"""The job's secrets in process environments: what a child may inherit, and what a launcher must
+not.
 
 One secret, the token, and keys derived from it (``HMAC-SHA256(token, label)``):
 
@@ -39,7 +40,8 @@ _MAX_DEPTH = 64
 
 
 def child_environment(inherited: Mapping[str, str], keys: Mapping[str, str]) -> dict[str, str]:
-    """``inherited`` without the token or any derived key, then the derived ``keys`` this agent hands on.
+    """``inherited`` without the token or any derived key, then the derived ``keys`` this agent
+    hands on.
 
     ``keys`` may hold only derived keys (``DERIVED_KEY_ENVS``): the token is
     never handed to a child, whoever asks.

@@ -122,7 +122,8 @@ class JobStore(dist.Store):
 
     def clone(self) -> JobStore:
         copy = JobStore(*self._address, self._name, self._key, self._timeout())
-        _clones.append(copy)  # handed to C++, which does not keep the Python object alive (see hold)
+        # Handed to C++, which does not keep the Python object alive (see hold)
+        _clones.append(copy)
         return copy
 
     def close(self) -> None:
@@ -204,7 +205,8 @@ _clones: list[JobStore] = []
 
 
 def hold(role: str, store: JobStore) -> JobStore:
-    """Keep ``store``'s Python object alive while C++ holds it; close the one held before in ``role``.
+    """Keep ``store``'s Python object alive while C++ holds it; close the one held before in
+    ``role``.
 
     A ``torch.distributed.Store`` written in Python is a pybind11 trampoline: C++
     (a PrefixStore, a process group, ``new_group`` later on) keeps the C++ half
@@ -243,7 +245,8 @@ def _recv_frame(sock: socket.socket, name: str) -> bytes:
 
 
 def use_for_env_rendezvous() -> None:
-    """``init_process_group`` with ``env://`` (the default) meets the current generation on the job's store.
+    """``init_process_group`` with ``env://`` (the default) meets the current generation on the
+    job's store.
 
     torchrun's contract hands a script ``MASTER_ADDR``/``MASTER_PORT``; under
     undying they name the manager's store server, which only answers a client
@@ -251,7 +254,8 @@ def use_for_env_rendezvous() -> None:
     process: with the key in the environment it opens the generation's
     ``JobStore`` (``UNDYING_GENERATION``), else it is torch's own.
     """
-    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module; the package exports a function
+    # The module; the package exports a function
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
 
     original = rdzv._rendezvous_handlers.get("env")
     if original is None or getattr(original, "_undying", False):

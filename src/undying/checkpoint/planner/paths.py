@@ -100,7 +100,8 @@ def plan_start(*, joining: bool, checkpoint: PersistedState | None) -> StatePlan
 
 
 def plan_numerics_rollback(*, step: int, rollback_steps: int, oldest: Sequence[int | None]) -> StatePlan:
-    """Step ``step`` failed its numeric check twice the same way: back at most ``rollback_steps`` steps.
+    """Step ``step`` failed its numeric check twice the same way: back at most ``rollback_steps``
+    steps.
 
     ``oldest``: for every rank, the oldest step whose pre-step state its
     snapshot ring holds (None: none); a ring holds every step from it to
@@ -128,7 +129,8 @@ def plan_numerics_rollback(*, step: int, rollback_steps: int, oldest: Sequence[i
 
 def plan_verify_rollback(*, world_size: int, bad_step: int, bad_rank: int, rollback_to: int, holder: int,
                          committed: int, file: str = "") -> StatePlan:
-    """Rank ``bad_rank``'s gradients of ``bad_step`` differ from their replay: back to a verified state.
+    """Rank ``bad_rank``'s gradients of ``bad_step`` differ from their replay: back to a verified
+    state.
 
     ``rollback_to``: the step whose pre-step state every rank loads (the last
     verified one, or ``bad_step``'s own, which the replay started from);
