@@ -40,12 +40,13 @@ from undying.protocol.worker_wire import (
 )
 
 __all__ = [
-    "AgentJoin", "AgentWelcome", "AgentRefused", "AgentFenced", "AgentState", "ManagerBeat", "SpawnRank",
-    "RankSpawned", "KillRank", "TellRank", "ArmRank", "AbortRank", "KeepSpares", "StopNode", "NodeStopped",
-    "NodeLeaving", "RankExited", "RankHung", "RankProgress", "RanksStalled", "SpareEvent", "TraceFileSet",
-    "TraceFileError", "NodeStep", "NumberedReports", "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report",
-    "FROM_WORKERS", "encode", "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line",
-    "StandbyJoin", "StandbyParked", "StandbyBeat",
+    "AgentJoin", "AgentWelcome", "AgentRefused", "AgentFenced", "AgentState", "ManagerBeat",
+    "SpawnRank", "RankSpawned", "KillRank", "TellRank", "ArmRank", "AbortRank", "KeepSpares",
+    "StopNode", "NodeStopped", "NodeLeaving", "RankExited", "RankHung", "RankProgress",
+    "RanksStalled", "SpareEvent", "TraceFileSet", "TraceFileError", "NodeStep", "NumberedReports",
+    "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report", "FROM_WORKERS", "encode",
+    "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line", "StandbyJoin",
+    "StandbyParked", "StandbyBeat",
 ]
 
 
@@ -196,8 +197,9 @@ class NodeStep(Message, frozen=True):
     fingerprints: list[str] = []
 
     def __post_init__(self) -> None:
-        if not self.ranks or len(self.t) != len(self.ranks) or len(self.metrics) != len(self.ranks) or (
-                self.fingerprints and len(self.fingerprints) != len(self.ranks)):
+        n = len(self.ranks)
+        if not n or len(self.t) != n or len(self.metrics) != n or (
+                self.fingerprints and len(self.fingerprints) != n):
             raise ValueError(f"a NodeStep of {len(self.ranks)} ranks needs as many times, metrics "
                              f"(and fingerprints, if any); got {len(self.t)}, {len(self.metrics)}, "
                              f"{len(self.fingerprints)}")
@@ -212,8 +214,8 @@ class NodeStep(Message, frozen=True):
         send)."""
         if skip <= 0:
             return self
-        return NodeStep(self.generation, self.step, self.ranks[skip:], self.t[skip:], self.metrics[skip:],
-                        self.fingerprints[skip:])
+        return NodeStep(self.generation, self.step, self.ranks[skip:], self.t[skip:],
+                        self.metrics[skip:], self.fingerprints[skip:])
 
     def commits(self) -> list[StepCommitted]:
         """Each rank's commit, as the rank sent it."""
@@ -393,11 +395,13 @@ class StandbyBeat(Message, frozen=True):
 
 
 FromAgent = AgentJoin | NumberedReports | StandbyJoin | StandbyBeat
-Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
-          | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
-          | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
-ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank | KillRank | TellRank
-           | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet | JobEnded | StandbyParked)
+Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal
+          | TraceSummary | Done | CheckpointSaved | Terminated | StopProposal | SpareEvent
+          | NodeStep | AgentState | RankExited | RankSpawned | RankHung | RanksStalled
+          | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
+ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank
+           | KillRank | TellRank | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet
+           | JobEnded | StandbyParked)
 
 # The reports the manager takes as its workers' messages (``on_messages``, in runs): what workers
 # forward, and the agent's word on its spares, which the manager logs as it logs the workers'.
