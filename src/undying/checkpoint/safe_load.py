@@ -48,8 +48,9 @@ def load_state_bytes(raw: bytes, *, source: str) -> Any:
     except pickle.UnpicklingError as e:
         name = refused_global(e) or "an object that is not plain data"
         raise RecoveryError(
-            f"the state from {source} holds {name}, which undying refuses to unpickle (weights_only=True: "
-            "nothing received may run code); the sending process is not this job's or its state changed type"
+            f"the state from {source} holds {name}, which undying refuses to unpickle "
+            "(weights_only=True: nothing received may run code); the sending process is not "
+            "this job's or its state changed type"
         ) from e
 
 
@@ -87,7 +88,8 @@ def _culprit(state: Any, refused: str) -> tuple[str, str]:
     for path, value in _objects(state, ""):
         if not isinstance(value, _PLAIN | dict | list | tuple | torch.Tensor):
             kind = type(value)
-            return path.lstrip("/") or "(the state itself)", f"{kind.__module__}.{kind.__qualname__}"
+            return (path.lstrip("/") or "(the state itself)",
+                    f"{kind.__module__}.{kind.__qualname__}")
     return "(somewhere in the state)", refused or "an object that is not plain data"
 
 
@@ -107,9 +109,9 @@ def check_state_loadable(state: Any, *, what: str = "the training state") -> Non
     except pickle.UnpicklingError as e:
         path, kind = _culprit(skeleton, refused_global(e))
         raise UsageError(
-            f"{what} cannot be checkpointed or sent to a peer safely: {path} is a {kind}, which undying "
-            "will not unpickle (state is loaded with weights_only=True, so a checkpoint or a peer cannot run "
-            "code). Make that state_dict() return plain data (tensors, numbers, strings, lists, dicts), or, if "
-            f"the class is yours and safe to rebuild, call torch.serialization.add_safe_globals([{kind}]) "
-            "in the script before undying.init()"
+            f"{what} cannot be checkpointed or sent to a peer safely: {path} is a {kind}, which "
+            "undying will not unpickle (state is loaded with weights_only=True, so a checkpoint "
+            "or a peer cannot run code). Make that state_dict() return plain data (tensors, "
+            "numbers, strings, lists, dicts), or, if the class is yours and safe to rebuild, call "
+            f"torch.serialization.add_safe_globals([{kind}]) in the script before undying.init()"
         ) from e

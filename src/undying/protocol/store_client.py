@@ -191,8 +191,8 @@ class JobStore(dist.Store):
                 self._sock.sendall(frame(request))
                 reply = decode(_recv_frame(self._sock, self._name), "reply")
             except TimeoutError as e:
-                raise dist.DistStoreError(f"the job's store {self._name}: no answer to {request.op}: "
-                                          f"Socket Timeout ({e})") from e
+                raise dist.DistStoreError(f"the job's store {self._name}: no answer to "
+                                          f"{request.op}: Socket Timeout ({e})") from e
             except (OSError, msgspec.DecodeError, ValueError) as e:
                 raise dist.DistNetworkError(f"the job's store {self._name}: Connection closed by "
                                             f"peer during {request.op} ({e})") from e

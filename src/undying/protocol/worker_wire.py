@@ -21,11 +21,11 @@ from undying.protocol.codec import Codec, Message, members
 from undying.protocol.env import DEFAULT_HEARTBEAT_TIMEOUT_S, TIMEOUT_HEARTBEAT_ENV
 
 __all__ = [
-    "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
-    "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady", "SpareTaken",
-    "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
-    "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker", "decode_to_worker",
-    "spare_beat_interval", "Metric", "wire_metrics",
+    "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected",
+    "Fatal", "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady",
+    "SpareTaken", "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
+    "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker",
+    "decode_to_worker", "spare_beat_interval", "Metric", "wire_metrics",
 ]
 
 
@@ -117,7 +117,8 @@ class StepCommitted(Message, frozen=True):
             msgspec.structs.force_setattr(self, "metrics", wire_metrics(self.metrics))
         for name, value in self.metrics.items():
             if isinstance(value, str) and value not in _NON_FINITE:
-                raise ValueError(f"metric {name!r} is {value!r}: a number, or one of {', '.join(_NON_FINITE)}")
+                raise ValueError(f"metric {name!r} is {value!r}: a number, or one of "
+                                 f"{', '.join(_NON_FINITE)}")
 
 
 _NON_FINITE = ("inf", "-inf", "nan")
@@ -312,14 +313,15 @@ class TraceSet(Message, frozen=True):
     comm_from_step: int = 0
 
 
-WorkerReport = (Hello | Heartbeat | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
-                | Done | CheckpointSaved | Terminated | StopProposal | SpareReady | SpareTaken)
+WorkerReport = (Hello | Heartbeat | StepBegun | StepCommitted | Progress | CommFailure
+                | FaultInjected | Fatal | TraceSummary | Done | CheckpointSaved | Terminated
+                | StopProposal | SpareReady | SpareTaken)
 WorkerCommand = Preempt | StopAt | Stop | Assign | Abort | ArmFault | TraceSet
 
 # A worker's reports about the job, which its agent forwards to the manager as they came.
 FORWARDED: tuple[type[Message], ...] = (
-    Hello, StepBegun, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done,
-    CheckpointSaved, Terminated, StopProposal,
+    Hello, StepBegun, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary,
+    Done, CheckpointSaved, Terminated, StopProposal,
 )
 
 COMMANDS = members(WorkerCommand)
