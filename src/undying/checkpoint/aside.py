@@ -45,8 +45,8 @@ def set_aside(store: Store, name: str, reason: str, *, batch: str | None = None)
     else:
         store.fs.mv(source, target, recursive=True)
     url = store.url_of(target)
-    log.warning("checkpoint %s set aside as %s (%s): kept whole, never touched again", store.url_of(source), url,
-                reason)
+    log.warning("checkpoint %s set aside as %s (%s): kept whole, never touched again",
+                store.url_of(source), url, reason)
     return url
 
 
@@ -58,5 +58,6 @@ def batches(store: Store) -> list[tuple[str, int]]:
     out = []
     for batch in Store.open(store.url_of(store.join(REJECTED_DIR))).names():
         inner = Store.open(store.url_of(store.join(REJECTED_DIR, batch)))
-        out.append((inner.url_of(inner.root), sum(1 for n in inner.names() if n.startswith("step-"))))
+        held = sum(1 for n in inner.names() if n.startswith("step-"))
+        out.append((inner.url_of(inner.root), held))
     return out

@@ -226,7 +226,8 @@ def prune(
     for c in reversed(valid):
         if inspect(store, c.name, checksums=True).valid:
             if c not in kept:
-                log.warning("keeping %s beyond keep=%d: every newer checkpoint fails its checksums", c.name, keep)
+                log.warning("keeping %s beyond keep=%d: every newer checkpoint fails its checksums",
+                            c.name, keep)
                 kept = [c, *kept]
             break
     kept_names = {c.name for c in kept}

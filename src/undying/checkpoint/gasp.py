@@ -112,7 +112,8 @@ def measure(
         return Measurement(nbytes, last.write_bytes_per_s, f"save of step {last.step}")
     if root is None:
         raise ValueError("measure needs a root to probe, or a last SaveResult")
-    return Measurement(nbytes, measure_write_speed(root, probe_bytes), f"probe of {probe_bytes} bytes")
+    return Measurement(nbytes, measure_write_speed(root, probe_bytes),
+                       f"probe of {probe_bytes} bytes")
 
 
 def recent_dying_gasp(

@@ -91,7 +91,8 @@ class Layout:
             dp = world_size // (tp * pp)
         names = tuple(order)
         if len(names) != 3:
-            raise LayoutError(f"rank order must name each of tp, dp, pp once (fastest first), got {names!r}")
+            raise LayoutError(f"rank order must name each of tp, dp, pp once (fastest first), "
+                              f"got {names!r}")
         layout = cls(dp, tp, pp, (names[0], names[1], names[2]))
         layout.check_world(world_size)
         return layout
@@ -104,8 +105,8 @@ class Layout:
         """Raise LayoutError unless this grid has exactly ``world_size`` ranks."""
         if self.world_size != world_size:
             raise LayoutError(
-                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} ranks, "
-                f"but the world has {world_size}; make dp*tp*pp equal the number of ranks"
+                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} "
+                f"ranks, but the world has {world_size}; make dp*tp*pp equal the number of ranks"
             )
 
     def _size(self, dim: str) -> int:

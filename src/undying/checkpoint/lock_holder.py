@@ -46,8 +46,9 @@ class Holder:
         """The record, or None for anything that is not one (empty, a stranger's bytes)."""
         try:
             d = json.loads(raw)
-            return cls(str(d["job_id"]), str(d["what"]), str(d["host"]), str(d["boot_id"]), int(d["pid"]),
-                       int(d["pid_start"]), str(d["nonce"]), float(d["since"]), float(d["beat"]))
+            return cls(str(d["job_id"]), str(d["what"]), str(d["host"]), str(d["boot_id"]),
+                       int(d["pid"]), int(d["pid_start"]), str(d["nonce"]), float(d["since"]),
+                       float(d["beat"]))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -78,11 +79,13 @@ def holder_here(job_id: str, what: str) -> Holder:
     dir")."""
     now = time.time()
     pid = os.getpid()
-    return Holder(job_id, what, socket.gethostname(), boot_id(), pid, pid_start(pid), secrets.token_hex(8), now, now)
+    return Holder(job_id, what, socket.gethostname(), boot_id(), pid, pid_start(pid),
+                  secrets.token_hex(8), now, now)
 
 
-def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | None, host: str, boot_id: str,
-                 pid_start_here: Callable[[int], int], stale_s: float = STALE_S) -> str | None:
+def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | None, host: str,
+                 boot_id: str, pid_start_here: Callable[[int], int],
+                 stale_s: float = STALE_S) -> str | None:
     """Why a URL lock's record no longer holds its folder, or None while it does (pure but for the
     callable).
 

@@ -102,14 +102,16 @@ def mac_problem(manifest: Mapping[str, Any], key: bytes) -> str | None:
     """Why a manifest fails the job's MAC, or None when it passes."""
     claimed = manifest.get("mac")
     if not isinstance(claimed, str) or not claimed:
-        return ("it has no MAC: it was not written by this job (or was written by an undying before MACs); "
-                "its contents cannot be trusted")
+        return ("it has no MAC: it was not written by this job (or was written by an undying "
+                "before MACs); its contents cannot be trusted")
     if not hmac.compare_digest(claimed, mac_of(manifest, key)):
-        return ("its MAC does not match: the manifest or its files were changed after the job wrote them, "
-                "or another job's token signed it")
-    weak = [f.get("path") for f in manifest.get("files", []) if isinstance(f, Mapping) and "sha256" not in f]
+        return ("its MAC does not match: the manifest or its files were changed after the job "
+                "wrote them, or another job's token signed it")
+    weak = [f.get("path") for f in manifest.get("files", [])
+            if isinstance(f, Mapping) and "sha256" not in f]
     if weak:
-        return f"file(s) {', '.join(map(str, weak))} have no SHA-256 digest, which the MAC needs to vouch for them"
+        return (f"file(s) {', '.join(map(str, weak))} have no SHA-256 digest, which the MAC "
+                "needs to vouch for them")
     return None
 
 
@@ -126,4 +128,5 @@ def signed_by_us(manifest: Mapping[str, Any]) -> bool:
     if key is None:
         return not manifest.get("mac")
     claimed = manifest.get("mac")
-    return isinstance(claimed, str) and bool(claimed) and hmac.compare_digest(claimed, mac_of(manifest, key))
+    return (isinstance(claimed, str) and bool(claimed)
+            and hmac.compare_digest(claimed, mac_of(manifest, key)))

@@ -134,7 +134,8 @@ def _check_tensors(tensors: Mapping[str, Any]) -> None:
     one."""
     for name, spec in tensors.items():
         if not isinstance(name, str) or not isinstance(spec, Mapping):
-            raise ManifestError(f"manifest tensor {name!r} must map a name to an object, got {spec!r}")
+            raise ManifestError(f"manifest tensor {name!r} must map a name to an object, "
+                                f"got {spec!r}")
         shape, dtype = spec.get("shape"), spec.get("dtype")
         if not isinstance(shape, list | tuple) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
@@ -234,7 +235,8 @@ class Manifest:
         schema = _need(d, "schema", int)
         if schema > SCHEMA_VERSION:
             raise ManifestError(
-                f"manifest schema {schema} is newer than this undying understands ({SCHEMA_VERSION}); upgrade undying"
+                f"manifest schema {schema} is newer than this undying understands "
+                f"({SCHEMA_VERSION}); upgrade undying"
             )
         files = _need(d, "files", list)
         digest = d.get("digest")
@@ -251,10 +253,12 @@ class Manifest:
             raise ManifestError(f"manifest 'job_id' must be a string, got {job_id!r}")
         mac = d.get("mac")
         if mac is not None and not isinstance(mac, str):
-            raise ManifestError(f"manifest 'mac' must be a string or absent, got {type(mac).__name__}")
+            raise ManifestError(f"manifest 'mac' must be a string or absent, "
+                                f"got {type(mac).__name__}")
         tensors = d.get("tensors")
         if tensors is not None and not isinstance(tensors, dict):
-            raise ManifestError(f"manifest 'tensors' must be an object or absent, got {type(tensors).__name__}")
+            raise ManifestError(f"manifest 'tensors' must be an object or absent, "
+                                f"got {type(tensors).__name__}")
         return cls(
             step=_need(d, "step", int),
             world_size=_need(d, "world_size", int),
@@ -267,7 +271,9 @@ class Manifest:
             digest=digest,
             meta=dict(meta),
             schema=schema,
-            tensors=None if tensors is None else {k: dict(v) if isinstance(v, dict) else v for k, v in tensors.items()},
+            tensors=None if tensors is None else {
+                k: dict(v) if isinstance(v, dict) else v for k, v in tensors.items()
+            },
             mac=mac,
         )
 

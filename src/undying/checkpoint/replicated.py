@@ -134,7 +134,8 @@ def _torch_internals() -> tuple[Any, Any, Any, Any] | None:
     ser: Any = torch.serialization
     parts = tuple(
         getattr(ser, name, None)
-        for name in ("_open_zipfile_writer_buffer", "_save", "get_crc32_options", "set_crc32_options")
+        for name in ("_open_zipfile_writer_buffer", "_save", "get_crc32_options",
+                     "set_crc32_options")
     )
     return None if any(p is None for p in parts) else (parts[0], parts[1], parts[2], parts[3])
 
@@ -201,7 +202,8 @@ def save_replicated(
             # torch.save reports a failed write as a RuntimeError about stream positions; say what
             # the OS said.
             raise CheckpointError(
-                f"cannot write checkpoint {store.url_of(pending.final_path)} ({os_error.strerror or os_error})"
+                f"cannot write checkpoint {store.url_of(pending.final_path)} "
+                f"({os_error.strerror or os_error})"
             ) from e
         raise
     write_s = time.perf_counter() - started
@@ -232,12 +234,14 @@ def load_replicated(
         problems = verify(url)
         if problems:
             raise CheckpointError(f"checkpoint {url} is not valid: " + "; ".join(problems))
-    parent, name = url.rstrip("/").rsplit("/", 1) if "://" in url else os.path.split(os.path.abspath(url))
+    parent, name = (url.rstrip("/").rsplit("/", 1) if "://" in url
+                    else os.path.split(os.path.abspath(url)))
     store = Store.open(parent)
     manifest = Manifest.from_json(store.read_bytes(store.join(name, "manifest.json")))
     if manifest.layout.get("kind") != "replicated":
         raise CheckpointError(
-            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with load_sharded"
+            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with "
+            "load_sharded"
         )
     with store.open_read(store.join(name, manifest.layout.get("file", STATE_FILE))) as f:
         state = torch.load(f, map_location=map_location, weights_only=weights_only)

@@ -25,7 +25,10 @@ from typing import TypeVar
 from undying.checkpoint.discovery import prune
 from undying.checkpoint.store import Store
 
-__all__ = ["NO_ROOM_ERRNOS", "os_error_of", "is_out_of_space", "describe_os_error", "make_room", "with_room"]
+__all__ = [
+    "NO_ROOM_ERRNOS", "os_error_of", "is_out_of_space", "describe_os_error", "make_room",
+    "with_room",
+]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -94,12 +97,14 @@ def make_room(store: Store) -> list[str]:
         log.warning("making room under %s failed: %s", store.url_of(store.root), e)
         return []
     if removed:
-        log.warning("checkpoint folder %s is full: removed %s to make room (the newest valid checkpoint is kept)",
-                    store.url_of(store.root), ", ".join(removed))
+        log.warning("checkpoint folder %s is full: removed %s to make room (the newest valid "
+                    "checkpoint is kept)", store.url_of(store.root), ", ".join(removed))
     return removed
 
 
-def with_room(store: Store, save: Callable[[], T], *, on_pruned: Callable[[list[str]], None] | None = None) -> T:
+def with_room(
+    store: Store, save: Callable[[], T], *, on_pruned: Callable[[list[str]], None] | None = None
+) -> T:
     """``save()``; when it fails for lack of room, ``make_room`` and ``save()`` once more.
 
     The second failure (or a first that is not about room) propagates

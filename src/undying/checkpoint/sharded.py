@@ -163,7 +163,8 @@ def save_sharded(
     report = (mine, tensor_specs(state_dict))
     reports: list[Any] = [None] * world
     if distributed:
-        dist.gather_object(report, reports if rank == coordinator else None, group=group, group_dst=coordinator)
+        dist.gather_object(report, reports if rank == coordinator else None, group=group,
+                           group_dst=coordinator)
     else:
         reports = [report]
     gathered: list[Any] = [r[0] for r in reports] if rank == coordinator else []
@@ -202,7 +203,8 @@ def save_sharded(
                 try:
                     prune(store, keep)
                 except OSError as e:  # committed: retention tries again after the next save
-                    log.warning("pruning %s after step %d failed: %s", store.url_of(store.root), step, e)
+                    log.warning("pruning %s after step %d failed: %s", store.url_of(store.root),
+                                step, e)
             outcome = (ckpt.url, manifest.total_bytes)
         except Exception as e:
             pending.abort()
@@ -213,7 +215,8 @@ def save_sharded(
     url, nbytes = outcome
     elapsed = time.perf_counter() - started
     if rank == coordinator:
-        log.info("sharded checkpoint %s written by %d ranks: %d bytes in %.3fs", url, world, nbytes, elapsed)
+        log.info("sharded checkpoint %s written by %d ranks: %d bytes in %.3fs", url, world,
+                 nbytes, elapsed)
     return SaveResult(step, url, kind, elapsed, elapsed, nbytes)
 
 
@@ -224,8 +227,8 @@ def read_manifest(checkpoint: Checkpoint | str | os.PathLike[str]) -> Manifest:
     try:
         return Manifest.from_json(store.read_bytes(store.join(name, MANIFEST_NAME)))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {url} has no readable manifest ({e}); run `undying checkpoints verify` "
-                              "on it") from e
+        raise CheckpointError(f"checkpoint {url} has no readable manifest ({e}); run "
+                              "`undying checkpoints verify` on it") from e
 
 
 def load_sharded(
@@ -253,11 +256,13 @@ def load_sharded(
     manifest = Manifest.from_json(store.read_bytes(store.join(name, MANIFEST_NAME)))
     if manifest.layout.get("kind") != "sharded":
         raise CheckpointError(
-            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with load_replicated"
+            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with "
+            "load_replicated"
         )
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state_dict, storage_reader=_reader(store, store.join(name)), process_group=group, no_dist=not distributed)
+    dcp.load(state_dict, storage_reader=_reader(store, store.join(name)), process_group=group,
+             no_dist=not distributed)
     return manifest
 
 

@@ -52,7 +52,8 @@ class CheckpointWriteError(CheckpointError):
             how = f" (attempt {attempt} of {attempts}{'; ' + note if note else ''})"
         else:
             how = ""
-        super().__init__(f"checkpoint write of step {step} failed{how}: {type(cause).__name__}: {cause}")
+        super().__init__(f"checkpoint write of step {step} failed{how}: "
+                         f"{type(cause).__name__}: {cause}")
         self.__cause__ = cause
         self.step = step
         self.attempt = attempt
@@ -310,7 +311,8 @@ class AsyncCheckpointer:
                 else:
                     note = "giving up" if self.max_attempts > 1 else ""
                 err = CheckpointWriteError(
-                    job.step, e, attempt=attempt, attempts=self.max_attempts, retry_in=delay, note=note
+                    job.step, e, attempt=attempt, attempts=self.max_attempts, retry_in=delay,
+                    note=note,
                 )
                 log.error("%s", err)
                 with self._lock:
@@ -325,7 +327,8 @@ class AsyncCheckpointer:
                     return
                 assert delay is not None
                 if job.cancel.wait(delay):
-                    log.warning("retry of the checkpoint of step %d dropped: %s", job.step, job.cancel_reason)
+                    log.warning("retry of the checkpoint of step %d dropped: %s", job.step,
+                                job.cancel_reason)
                     with self._lock:
                         if not job.superseded:
                             self._unreported = err
@@ -333,7 +336,8 @@ class AsyncCheckpointer:
                     return
                 with self._lock:
                     job.phase = "writing"
-                log.warning("checkpoint of step %d: attempt %d of %d", job.step, attempt + 1, self.max_attempts)
+                log.warning("checkpoint of step %d: attempt %d of %d", job.step, attempt + 1,
+                            self.max_attempts)
                 continue
             with self._lock:
                 self.last_result = result

@@ -29,7 +29,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-__all__ = ["HELLO_PATH", "NONCE_HEADER", "NONCE_BYTES", "proof_key", "proof_of", "peer_name", "parse_nonce"]
+__all__ = [
+    "HELLO_PATH", "NONCE_HEADER", "NONCE_BYTES", "proof_key", "proof_of", "peer_name",
+    "parse_nonce",
+]
 
 HELLO_PATH = "/api/hello"
 NONCE_HEADER = "X-Undying-Nonce"
@@ -55,7 +58,8 @@ def peer_name(address: object) -> str:
 
 def proof_of(key: bytes, nonce: bytes, job_id: str, peer: str) -> str:
     """The manager's answer to ``nonce``, hex: bound to the job and to the connection it came on."""
-    message = b"\0".join([b"manager", nonce, job_id.encode("utf-8", "surrogateescape"), peer.encode()])
+    message = b"\0".join([b"manager", nonce, job_id.encode("utf-8", "surrogateescape"),
+                          peer.encode()])
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 

@@ -66,7 +66,8 @@ class Codec(Generic[M]):
         except msgspec.ValidationError as e:
             raise MessageError(self._explain(line, str(e))) from None
         except msgspec.DecodeError as e:
-            raise MessageError(f"malformed message on the {self.channel} ({e}): {_quote(line)}") from None
+            raise MessageError(f"malformed message on the {self.channel} ({e}): "
+                               f"{_quote(line)}") from None
 
     def _explain(self, line: Any, error: str) -> str:
         """A validation error said in the channel's words: which type, which field."""

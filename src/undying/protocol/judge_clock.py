@@ -63,9 +63,11 @@ class JudgeClock:
     """
 
     def __init__(self, period_s: float, window_s: float, name: str, *,
-                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         if period_s <= 0 or window_s <= 0:
-            raise ValueError(f"a judge's period ({period_s}) and window ({window_s}) must be positive")
+            raise ValueError(f"a judge's period ({period_s}) and window ({window_s}) must be "
+                             "positive")
         self.period_s = period_s
         self.window_s = window_s
         self.name = name
@@ -106,8 +108,9 @@ class JudgeClock:
             self.last_stall_s = gap
             self.resumed = now
             self.resumed_wall = self._wall()
-            log.warning("%s did not run for %.1fs (its loop ticks every %gs; a stall of its own: stopped, paused "
-                        "or starved); every peer it watches gets a fresh %gs window before it declares anything",
+            log.warning("%s did not run for %.1fs (its loop ticks every %gs; a stall of its own: "
+                        "stopped, paused or starved); every peer it watches gets a fresh %gs "
+                        "window before it declares anything",
                         self.name, gap, self.period_s, self.window_s)
         return gap
 

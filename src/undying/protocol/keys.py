@@ -99,7 +99,8 @@ def inherited_key_problem(environ: Mapping[str, str], pid: int | None = None) ->
     if not found or started_by_an_agent(environ, pid):
         return None
     names = " and ".join(found)
-    return (f"env {names} {'is' if len(found) == 1 else 'are'} set in this shell, but undying derives its keys from "
-            f"the job's token (--token-file, {TOKEN_ENV} or <job dir>/token) and hands them to its workers itself; "
-            f"a key set by hand or left by an earlier job would sign this run's checkpoints under a key the next "
-            f"launch does not know: run `unset {' '.join(found)}` and launch again")
+    return (f"env {names} {'is' if len(found) == 1 else 'are'} set in this shell, but undying "
+            f"derives its keys from the job's token (--token-file, {TOKEN_ENV} or "
+            f"<job dir>/token) and hands them to its workers itself; a key set by hand or left "
+            f"by an earlier job would sign this run's checkpoints under a key the next launch "
+            f"does not know: run `unset {' '.join(found)}` and launch again")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from undying.protocol.codec import Choice
 
-__all__ = ["InjectKind", "HangHow", "InjectPhase", "SlowPhase", "WorkerPhase", "RecoveryPhase", "NumericHow"]
+__all__ = [
+    "InjectKind", "HangHow", "InjectPhase", "SlowPhase", "WorkerPhase", "RecoveryPhase",
+    "NumericHow",
+]
 
 
 class InjectKind(Choice):

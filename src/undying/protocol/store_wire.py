@@ -63,7 +63,8 @@ def key_from_environ(environ: Mapping[str, str]) -> bytes | None:
     try:
         key = bytes.fromhex(value)
     except ValueError as e:
-        raise ValueError(f"env {STORE_KEY_ENV} is not hex ({e}); it is set by undying's agent, do not set it by hand") from e
+        raise ValueError(f"env {STORE_KEY_ENV} is not hex ({e}); it is set by undying's agent, "
+                         "do not set it by hand") from e
     if len(key) < 16:
         raise ValueError(f"env {STORE_KEY_ENV} is {len(key)} bytes; undying's agent sets 32")
     return key

@@ -48,7 +48,8 @@ class VerifyResult(Message, frozen=True):
     t: float
 
 
-VERIFY_CODEC: Codec[VerifyRequest | VerifyResult] = Codec(VerifyRequest | VerifyResult, "verify folder")
+VERIFY_CODEC: Codec[VerifyRequest | VerifyResult] = Codec(VerifyRequest | VerifyResult,
+                                                          "verify folder")
 
 
 def file_name(kind: str, round_: str, step: int, suffix: str) -> str:
