@@ -79,8 +79,8 @@ def _thread(record: dict[str, Any]) -> tuple[int, str] | None:
         return THREADS.get(f"ckpt/{record.get('part', 'block')}")
     if kind == "comm":
         bucket = record.get("bucket")
-        in_range = isinstance(bucket, int) and not isinstance(bucket, bool) and 0 <= bucket < 1000
-        k = bucket if in_range else 0
+        k = (bucket if isinstance(bucket, int) and not isinstance(bucket, bool)
+             and 0 <= bucket < 1000 else 0)
         tid, name = THREADS["comm"]
         return tid + k, f"{name} (bucket {k})"
     return THREADS.get(str(kind))
