@@ -1123,7 +1123,8 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
     decided_s = incident.phases["decided"] - incident.phases["detected"]
     # The restore planner alone, as Recoveries.plan calls it (it builds the job's layout afresh each time).
     from undying.checkpoint.layout import Layout
-    from undying.checkpoint.planner.holdings import coarse_members, plan
+    from undying.checkpoint.planner.coarse import coarse_members
+    from undying.checkpoint.planner.holdings import plan
 
     t = time.perf_counter()
     plan(Layout(dp=world), coarse_members(world, {crash_rank - 1}, steps)).describe()

@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from undying.checkpoint.layout import Layout, LayoutError, Shard
+from undying.checkpoint.planner.coarse import coarse_members
 from undying.checkpoint.planner.holdings import (
     UNREAD,
     Member,
     MissingShardsError,
     PersistedState,
     RestorePlan,
-    coarse_members,
     plan,
     ring_replica_of,
 )

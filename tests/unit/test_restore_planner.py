@@ -12,11 +12,11 @@ from collections.abc import Iterable, Iterator, Mapping
 import pytest
 
 from undying.checkpoint.layout import DIMS, Layout, LayoutError, Shard
+from undying.checkpoint.planner.coarse import coarse_members
 from undying.checkpoint.planner.holdings import (
     MissingShardsError,
     PersistedState,
     RestorePlan,
-    coarse_members,
     plan,
 )
 from undying.errors import NoStateSourceError, UsageError

@@ -27,13 +27,15 @@ REJECTED_DIR = "rejected"
 
 
 def batch_name(now: float | None = None) -> str:
-    """A new folder name under ``rejected/``: the UTC time, and a suffix that keeps two batches apart."""
+    """A new folder name under ``rejected/``: the UTC time, and a suffix that keeps two batches
+    apart."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
 def set_aside(store: Store, name: str, reason: str, *, batch: str | None = None) -> str:
-    """Move the checkpoint folder ``name`` to ``rejected/<batch>/name``; its new URL. Raises OSError."""
+    """Move the checkpoint folder ``name`` to ``rejected/<batch>/name``; its new URL. Raises
+    OSError."""
     batch = batch or batch_name()
     folder = store.join(REJECTED_DIR, batch)
     store.makedirs(folder)
@@ -43,17 +45,19 @@ def set_aside(store: Store, name: str, reason: str, *, batch: str | None = None)
     else:
         store.fs.mv(source, target, recursive=True)
     url = store.url_of(target)
-    log.warning("checkpoint %s set aside as %s (%s): kept whole, never touched again", store.url_of(source), url,
-                reason)
+    log.warning("checkpoint %s set aside as %s (%s): kept whole, never touched again",
+                store.url_of(source), url, reason)
     return url
 
 
 def batches(store: Store) -> list[tuple[str, int]]:
-    """Each ``rejected/<batch>`` folder under the root (its URL) and how many checkpoint folders it holds."""
+    """Each ``rejected/<batch>`` folder under the root (its URL) and how many checkpoint folders it
+    holds."""
     if not store.isdir(store.join(REJECTED_DIR)):
         return []
     out = []
     for batch in Store.open(store.url_of(store.join(REJECTED_DIR))).names():
         inner = Store.open(store.url_of(store.join(REJECTED_DIR, batch)))
-        out.append((inner.url_of(inner.root), sum(1 for n in inner.names() if n.startswith("step-"))))
+        held = sum(1 for n in inner.names() if n.startswith("step-"))
+        out.append((inner.url_of(inner.root), held))
     return out

@@ -59,12 +59,14 @@ class IncompatibleCheckpointError(CheckpointError, UsageError):
 
 
 class CheckpointOfAnotherJobError(IncompatibleCheckpointError):
-    """The newest checkpoint was written by another job than the one the user named with --job-id."""
+    """The newest checkpoint was written by another job than the one the user named with
+    --job-id."""
 
 
 def check_same_job(checkpoint: Checkpoint | Manifest, job_id: str, job_id_given: bool, *,
                    path: str = "") -> str | None:
-    """May a job starting as ``job_id`` resume ``checkpoint``? Raise if not; else what to log, if anything.
+    """May a job starting as ``job_id`` resume ``checkpoint``? Raise if not; else what to log, if
+    anything.
 
     The rule (one folder, two jobs): a user who named the job (``--job-id``,
     ``job_id_given``) and finds another job's checkpoint in the folder has
@@ -84,10 +86,12 @@ def check_same_job(checkpoint: Checkpoint | Manifest, job_id: str, job_id_given:
         return None
     if job_id_given:
         raise CheckpointOfAnotherJobError(
-            f"checkpoint {where} (step {manifest.step}) belongs to job {theirs!r}, not to this job {job_id!r}; "
-            f"pass --job-id {theirs} to resume it, or another --checkpoint-dir to start fresh"
+            f"checkpoint {where} (step {manifest.step}) belongs to job {theirs!r}, not to this "
+            f"job {job_id!r}; pass --job-id {theirs} to resume it, or another --checkpoint-dir "
+            "to start fresh"
         )
-    return f"resuming job {theirs}'s checkpoint at step {manifest.step} ({where}) as job {job_id} (no --job-id given)"
+    return (f"resuming job {theirs}'s checkpoint at step {manifest.step} ({where}) as job "
+            f"{job_id} (no --job-id given)")
 
 
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,7 +108,8 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def tensor_specs(state: Any) -> dict[str, TensorSpec]:
-    """Every tensor of a (nested) state dict by path (``model/fc.weight``, ``optimizer/state/0/exp_avg``).
+    """Every tensor of a (nested) state dict by path (``model/fc.weight``,
+    ``optimizer/state/0/exp_avg``).
 
     Shapes are global: a DTensor reports the whole parameter's shape, so a
     sharded save and a replicated one of the same model record the same specs.
@@ -121,7 +126,8 @@ def tensor_shapes(state: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _known_protocol(name: str) -> bool:
-    """A storage scheme people type ("s3:bucket" is then a URL typo, not a folder named "s3:bucket")."""
+    """A storage scheme people type ("s3:bucket" is then a URL typo, not a folder named
+    "s3:bucket")."""
     return name.lower() in _REMOTE_SCHEMES
 
 
@@ -141,7 +147,8 @@ def check_writable(url_or_path: str | os.PathLike[str]) -> Store:
     if not text:
         raise _location_error("''", "empty", "give a folder or an fsspec URL (s3://bucket/path)")
     if text.startswith("://"):
-        raise _location_error(text, "the URL has no protocol", "write it as PROTOCOL://PATH, e.g. s3://bucket/path")
+        raise _location_error(text, "the URL has no protocol",
+                              "write it as PROTOCOL://PATH, e.g. s3://bucket/path")
     m = _HALF_URL.match(text) if "://" not in text else None
     if m is not None and (m.group(2) or _known_protocol(m.group(1))):
         raise _location_error(
@@ -149,13 +156,15 @@ def check_writable(url_or_path: str | os.PathLike[str]) -> Store:
             f"write it as {m.group(1)}://{text[m.end():]}",
         )
     if "://" in text and not text.split("://", 1)[1].strip("/"):
-        raise _location_error(text, "the URL names no bucket or path", "add one, e.g. s3://bucket/checkpoints")
+        raise _location_error(text, "the URL names no bucket or path",
+                              "add one, e.g. s3://bucket/checkpoints")
     try:
         store = Store.open(text)
     except CheckpointError as e:
         raise _location_error(
             text, str(e).removeprefix(f"checkpoint root {text}: "),
-            "use a folder, file://, or an fsspec protocol whose package is installed (s3fs for s3://, gcsfs for gs://)",
+            "use a folder, file://, or an fsspec protocol whose package is installed (s3fs for "
+            "s3://, gcsfs for gs://)",
         ) from e
     if store.local:
         _probe_local(text, store.root)
@@ -171,11 +180,13 @@ def _probe_local(text: str, root: str) -> None:
         probe = os.path.dirname(probe)
     if os.path.exists(probe) and not os.path.isdir(probe):
         where = "is a file" if probe == root else f"is inside {probe}, which is a file"
-        raise _location_error(text, f"{where}, not a folder", "give a folder path (it is created if missing)")
+        raise _location_error(text, f"{where}, not a folder",
+                              "give a folder path (it is created if missing)")
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise _location_error(text, f"cannot be created ({e.strerror or e})", "pick a folder you can write to") from e
+        raise _location_error(text, f"cannot be created ({e.strerror or e})",
+                              "pick a folder you can write to") from e
     path = os.path.join(root, f"{TMP_PREFIX}probe-{os.getpid()}-{secrets.token_hex(3)}")
     try:
         with open(path, "wb") as f:
@@ -183,7 +194,8 @@ def _probe_local(text: str, root: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise _location_error(text, f"is not writable ({e.strerror or e})", "pick a folder you can write to") from e
+        raise _location_error(text, f"is not writable ({e.strerror or e})",
+                              "pick a folder you can write to") from e
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -232,11 +244,13 @@ def check_compatible(
     manifest, where = _manifest_of(checkpoint, path)
     if job_id and manifest.job_id and manifest.job_id != job_id:
         raise IncompatibleCheckpointError(
-            f"checkpoint {where} belongs to job {manifest.job_id!r}, not {job_id!r}; point --checkpoint-dir "
-            f"at this job's own folder, or run with --job-id {manifest.job_id} to continue that job"
+            f"checkpoint {where} belongs to job {manifest.job_id!r}, not {job_id!r}; point "
+            f"--checkpoint-dir at this job's own folder, or run with --job-id {manifest.job_id} "
+            "to continue that job"
         )
     kind = manifest.layout.get("kind")
-    if world_size is not None and kind not in RESHARDABLE_LAYOUTS and manifest.world_size != world_size:
+    if (world_size is not None and kind not in RESHARDABLE_LAYOUTS
+            and manifest.world_size != world_size):
         raise IncompatibleCheckpointError(
             f"checkpoint {where} was written by {manifest.world_size} ranks with layout {kind!r}, "
             f"which cannot be loaded on {world_size}; run with {manifest.world_size} ranks"
@@ -251,7 +265,8 @@ def check_compatible(
     for name in list(live) + [n for n in saved if n not in live]:
         if name in live and name in saved:
             if live[name] != saved[name]:
-                problems.append(f"{name} has shape {list(saved[name])} there, {list(live[name])} here")
+                problems.append(f"{name} has shape {list(saved[name])} there, "
+                                f"{list(live[name])} here")
         elif name in live:
             if _parent(name) in saved_parents:
                 problems.append(f"{name} (shape {list(live[name])}) is not in it")
@@ -262,7 +277,8 @@ def check_compatible(
         more = f" (and {n} more mismatch{'es' if n > 1 else ''})" if n else ""
         raise IncompatibleCheckpointError(
             f"checkpoint {where} does not fit this model: {problems[0]}{more}; "
-            "load it into the model it was saved from, or start without it (another --checkpoint-dir)"
+            "load it into the model it was saved from, or start without it (another "
+            "--checkpoint-dir)"
         )
 
 
@@ -271,7 +287,8 @@ def _manifest_of(checkpoint: Checkpoint | Manifest, path: str) -> tuple[Manifest
     if isinstance(checkpoint, Checkpoint):
         if checkpoint.manifest is None:
             raise IncompatibleCheckpointError(
-                f"checkpoint {checkpoint.url} has no readable manifest; run `undying checkpoints verify` on it"
+                f"checkpoint {checkpoint.url} has no readable manifest; run "
+                "`undying checkpoints verify` on it"
             )
         return checkpoint.manifest, checkpoint.url
     return checkpoint, path or f"of step {checkpoint.step}"

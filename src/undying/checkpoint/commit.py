@@ -45,7 +45,8 @@ __all__ = ["SaveResult", "PendingCheckpoint", "default_checksum", "signed"]
 
 @dataclass(frozen=True)
 class SaveResult:
-    """A committed checkpoint: where, and what it cost (``blocking_s`` is the training-loop stall)."""
+    """A committed checkpoint: where, and what it cost (``blocking_s`` is the training-loop
+    stall)."""
 
     step: int
     path: str
@@ -60,22 +61,25 @@ class SaveResult:
 
 
 def default_checksum() -> Checksum:
-    """SHA-256 where this process signs its checkpoints (a MAC over a CRC would vouch for nothing), else CRC32."""
+    """SHA-256 where this process signs its checkpoints (a MAC over a CRC would vouch for nothing),
+    else CRC32."""
     return "sha256" if current_key() is not None else "crc32"
 
 
 def signed(manifest: Manifest) -> Manifest:
-    """``manifest`` with the job's MAC (``checkpoint.mac``), or as it is where this process holds no key."""
+    """``manifest`` with the job's MAC (``checkpoint.mac``), or as it is where this process holds no
+    key."""
     key = current_key()
     if key is None:
         return manifest
-    return dataclasses.replace(manifest, mac=mac_of(dataclasses.replace(manifest, mac=None).to_dict(), key))
+    unsigned = dataclasses.replace(manifest, mac=None)
+    return dataclasses.replace(manifest, mac=mac_of(unsigned.to_dict(), key))
 
 
 
 def _set_aside_unless_owned(store: Store, name: str) -> bool:
-    """A checkpoint already at ``name`` that this process did not sign is moved to ``rejected/`` (True);
-    one it signed, or a partial write, is left for the caller to replace (False)."""
+    """A checkpoint already at ``name`` that this process did not sign is moved to ``rejected/``
+    (True); one it signed, or a partial write, is left for the caller to replace (False)."""
     found = inspect(store, name, checksums=False)
     if found.owned:
         return False
@@ -102,7 +106,8 @@ class PendingCheckpoint:
         self.committed = False
         if not overwrite and store.exists(store.join(self.name, MANIFEST_NAME)):
             raise CheckpointExistsError(
-                f"checkpoint {store.url_of(self.final_path)} already exists; pass overwrite=True to replace it"
+                f"checkpoint {store.url_of(self.final_path)} already exists; pass overwrite=True "
+                "to replace it"
             )
         try:
             store.makedirs(store.root)
@@ -128,8 +133,11 @@ class PendingCheckpoint:
     def file_path(self, relpath: str) -> str:
         return self.store.join(self.work_path, *relpath.split("/"))
 
-    def entries(self, known: dict[str, FileEntry] | None = None, algorithm: Checksum = "crc32") -> list[FileEntry]:
-        """A FileEntry for every file written; those in ``known`` (hashed while written) are not re-read."""
+    def entries(
+        self, known: dict[str, FileEntry] | None = None, algorithm: Checksum = "crc32"
+    ) -> list[FileEntry]:
+        """A FileEntry for every file written; those in ``known`` (hashed while written) are not
+        re-read."""
         known = known or {}
         out = []
         for rel in self.store.files_under(self.work_path):
@@ -157,14 +165,17 @@ class PendingCheckpoint:
             if store.supports_rename:
                 if store.exists(self.final_path):
                     if not self.overwrite:
-                        raise CheckpointExistsError(f"checkpoint {self.final_path} appeared while writing")
+                        raise CheckpointExistsError(
+                            f"checkpoint {self.final_path} appeared while writing")
                     if not _set_aside_unless_owned(store, self.name):
                         # Ours: moved aside (not deleted) until the new one is committed.
-                        replaced = store.join(f"{TMP_PREFIX}{self.step:09d}-replaced-{secrets.token_hex(3)}")
+                        replaced = store.join(
+                            f"{TMP_PREFIX}{self.step:09d}-replaced-{secrets.token_hex(3)}")
                         store.rename(self.final_path, replaced)
                 store.rename(self.work_path, self.final_path)
                 moved = True
-            store.write_atomic(store.join(self.name, MANIFEST_NAME), signed(manifest).to_json().encode())
+            store.write_atomic(store.join(self.name, MANIFEST_NAME),
+                               signed(manifest).to_json().encode())
         except BaseException:
             # Undo what can be undone; a process killed here leaves a step-* folder without
             # a manifest, which discovery skips as partial and prune removes later.
@@ -177,7 +188,8 @@ class PendingCheckpoint:
         if replaced is not None:
             store.remove(replaced)
         self.committed = True
-        return Checkpoint(self.name, self.step, self.final_path, store.url_of(self.final_path), manifest)
+        return Checkpoint(self.name, self.step, self.final_path,
+                          store.url_of(self.final_path), manifest)
 
     def abort(self) -> None:
         """Remove what was written; a committed checkpoint is never touched."""

@@ -1,4 +1,5 @@
-"""The CPU copy a save blocks the training loop for: a deep copy of the state with every tensor on the CPU.
+"""The CPU copy a save blocks the training loop for: a deep copy of the state with every tensor on
+the CPU.
 
 ``AsyncCheckpointer`` (``checkpoint/writer.py``) writes this private copy on its
 thread, never the live tensors, so training may change them right after ``save``

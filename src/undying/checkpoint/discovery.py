@@ -67,14 +67,16 @@ class Checkpoint:
 
 
 class Latest(NamedTuple):
-    """What ``latest_valid`` found: the checkpoint (or None) and every newer one it skipped, with why."""
+    """What ``latest_valid`` found: the checkpoint (or None) and every newer one it skipped, with
+    why."""
 
     checkpoint: Checkpoint | None
     skipped: list[tuple[str, str]]
 
 
 def inspect(store: Store, name: str, *, checksums: bool) -> Checkpoint:
-    """The checkpoint folder ``name`` under ``store`` as found, with every problem (file checksums optional)."""
+    """The checkpoint folder ``name`` under ``store`` as found, with every problem (file checksums
+    optional)."""
     folder = store.join(name)
     step = parse_step_dirname(name)
     assert step is not None, name
@@ -140,7 +142,8 @@ def scan(root: str | os.PathLike[str] | Store, *, checksums: bool = True) -> lis
 
 
 def verify(path: str | os.PathLike[str]) -> list[str]:
-    """Problems of the one checkpoint at ``path`` (a ``step-*`` folder or its URL); [] when valid."""
+    """Problems of the one checkpoint at ``path`` (a ``step-*`` folder or its URL); [] when
+    valid."""
     text = os.fspath(path).rstrip("/")
     if "://" in text:
         parent, name = text.rsplit("/", 1)
@@ -161,7 +164,8 @@ def latest_valid(
     job_id: str | None = None,
     kinds: tuple[str, ...] | None = None,
 ) -> Latest:
-    """The newest checkpoint that is whole and uncorrupted, and the newer ones skipped (name, reason).
+    """The newest checkpoint that is whole and uncorrupted, and the newer ones skipped (name,
+    reason).
 
     Checks newest first and stops at the first valid one, so only the files of
     the checkpoint it returns (and of broken newer ones) are read. ``job_id``
@@ -195,7 +199,8 @@ def prune(
     tmp_max_age_s: float = 3600.0,
     now: float | None = None,
 ) -> list[str]:
-    """Delete all but the ``keep`` newest valid checkpoints and leftover temp folders; the names removed.
+    """Delete all but the ``keep`` newest valid checkpoints and leftover temp folders; the names
+    removed.
 
     Validity here is manifest + file sizes, plus checksums of the newest
     checkpoints until one passes: the latest valid checkpoint (as
@@ -221,7 +226,8 @@ def prune(
     for c in reversed(valid):
         if inspect(store, c.name, checksums=True).valid:
             if c not in kept:
-                log.warning("keeping %s beyond keep=%d: every newer checkpoint fails its checksums", c.name, keep)
+                log.warning("keeping %s beyond keep=%d: every newer checkpoint fails its checksums",
+                            c.name, keep)
                 kept = [c, *kept]
             break
     kept_names = {c.name for c in kept}
@@ -229,7 +235,9 @@ def prune(
     oldest_kept = min((c.step for c in kept), default=None)
     for c in found:
         if c.name in kept_names or not c.owned:
-            continue  # (another job's, a stranger's or an unreadable checkpoint is never this job's to delete)
+            # (another job's, a stranger's or an unreadable checkpoint is never this job's to
+            # delete)
+            continue
         if c.valid or (oldest_kept is not None and c.step < oldest_kept):
             store.remove(c.path)
             removed.append(c.name)

@@ -50,7 +50,8 @@ def state_nbytes(obj: Any) -> int:
 
 @dataclass(frozen=True)
 class Measurement:
-    """A checkpoint's size and the speed it can be written at; ``source`` says where the speed came from."""
+    """A checkpoint's size and the speed it can be written at; ``source`` says where the speed came
+    from."""
 
     bytes: int
     write_bytes_per_s: float
@@ -61,12 +62,14 @@ class Measurement:
         return self.bytes / self.write_bytes_per_s if self.write_bytes_per_s > 0 else float("inf")
 
     def grace_period_s(self, margin: float = 2.0, minimum_s: float = 5.0) -> float:
-        """Seconds to allow for a dying gasp: write time times ``margin``, never under ``minimum_s``."""
+        """Seconds to allow for a dying gasp: write time times ``margin``, never under
+        ``minimum_s``."""
         return max(minimum_s, self.write_s * margin)
 
 
 def measure_write_speed(root: str | os.PathLike[str] | Store, nbytes: int = 8 << 20) -> float:
-    """Bytes per second of writing (and fsyncing) ``nbytes`` under ``root``; the probe file is removed."""
+    """Bytes per second of writing (and fsyncing) ``nbytes`` under ``root``; the probe file is
+    removed."""
     store = root if isinstance(root, Store) else Store.open(root)
     store.makedirs(store.root)
     path = store.join(f"{TMP_PREFIX}probe-{os.getpid()}-{secrets.token_hex(3)}")
@@ -109,7 +112,8 @@ def measure(
         return Measurement(nbytes, last.write_bytes_per_s, f"save of step {last.step}")
     if root is None:
         raise ValueError("measure needs a root to probe, or a last SaveResult")
-    return Measurement(nbytes, measure_write_speed(root, probe_bytes), f"probe of {probe_bytes} bytes")
+    return Measurement(nbytes, measure_write_speed(root, probe_bytes),
+                       f"probe of {probe_bytes} bytes")
 
 
 def recent_dying_gasp(
@@ -120,7 +124,8 @@ def recent_dying_gasp(
     job_id: str | None = None,
     now: float | None = None,
 ) -> Checkpoint | None:
-    """The newest valid dying-gasp checkpoint written in the last ``within_s`` seconds (at ``step`` if given).
+    """The newest valid dying-gasp checkpoint written in the last ``within_s`` seconds (at ``step``
+    if given).
 
     A second SIGTERM shortly after a first must not write the same state again:
     when this returns a checkpoint, reuse it.

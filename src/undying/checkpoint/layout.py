@@ -25,7 +25,8 @@ DIMS = ("tp", "dp", "pp")
 MEGATRON_ORDER: tuple[str, str, str] = ("tp", "dp", "pp")
 
 class LayoutError(UsageError):
-    """A parallel layout that does not describe the world: bad sizes, order, or ranks out of range."""
+    """A parallel layout that does not describe the world: bad sizes, order, or ranks out of
+    range."""
 
 
 class Shard(NamedTuple):
@@ -52,7 +53,8 @@ class Coords(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """A ``dp x tp x pp`` grid and how ranks are numbered in it (``order``: fastest dimension first)."""
+    """A ``dp x tp x pp`` grid and how ranks are numbered in it (``order``: fastest dimension
+    first)."""
 
     dp: int
     tp: int = 1
@@ -89,7 +91,8 @@ class Layout:
             dp = world_size // (tp * pp)
         names = tuple(order)
         if len(names) != 3:
-            raise LayoutError(f"rank order must name each of tp, dp, pp once (fastest first), got {names!r}")
+            raise LayoutError(f"rank order must name each of tp, dp, pp once (fastest first), "
+                              f"got {names!r}")
         layout = cls(dp, tp, pp, (names[0], names[1], names[2]))
         layout.check_world(world_size)
         return layout
@@ -102,8 +105,8 @@ class Layout:
         """Raise LayoutError unless this grid has exactly ``world_size`` ranks."""
         if self.world_size != world_size:
             raise LayoutError(
-                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} ranks, "
-                f"but the world has {world_size}; make dp*tp*pp equal the number of ranks"
+                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} "
+                f"ranks, but the world has {world_size}; make dp*tp*pp equal the number of ranks"
             )
 
     def _size(self, dim: str) -> int:
@@ -142,7 +145,8 @@ class Layout:
 
     @functools.cached_property
     def _shard_table(self) -> tuple[tuple[Shard, ...], dict[Shard, tuple[int, ...]]]:
-        """Every rank's shard and every shard's holders, computed once (by strides: no grid at 8,192 ranks)."""
+        """Every rank's shard and every shard's holders, computed once (by strides: no grid at 8,192
+        ranks)."""
         stride, strides = 1, {}
         for dim in self.order:
             strides[dim] = stride

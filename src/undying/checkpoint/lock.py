@@ -91,7 +91,8 @@ class OwnerLock:
         self.fd: int | None = None
         self.lost = ""
         self.released = False
-        self.pid = os.getpid()  # a child forked without exec inherits this object: it never owns nor releases it
+        # A child forked without exec inherits this object: it never owns nor releases it
+        self.pid = os.getpid()
         self._mutex = threading.Lock()  # the keeper's beat and a release, one at a time
 
     @property
@@ -101,13 +102,17 @@ class OwnerLock:
     # -- local: the kernel's lock ------------------------------------------------
 
     def _take_local(self) -> bool:
-        """Lock the file now at ``self.path`` (created if missing); False when another process holds it."""
+        """Lock the file now at ``self.path`` (created if missing); False when another process holds
+        it."""
         for _ in range(5):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                             0o600)
             except OSError as e:
-                how = "it is a symlink: remove it" if e.errno == errno.ELOOP else (e.strerror or str(e))
-                raise UsageError(f"{self.holder.what} {self.where}: cannot open its lock {self.path} ({how})") from e
+                how = ("it is a symlink: remove it" if e.errno == errno.ELOOP else
+                       (e.strerror or str(e)))
+                raise UsageError(f"{self.holder.what} {self.where}: cannot open its lock "
+                                 f"{self.path} ({how})") from e
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -117,8 +122,9 @@ class OwnerLock:
                 # A filesystem without record locks (some FUSE mounts): the job runs, unguarded, and
                 # says so; the signer rule (discovery.prune, commit) still keeps every other job's
                 # checkpoints whole.
-                log.warning("%s %s: cannot lock %s (%s): this filesystem has no record locks, so a second job "
-                            "here is not refused", self.holder.what, self.where, self.path, e.strerror or e)
+                log.warning("%s %s: cannot lock %s (%s): this filesystem has no record locks, so "
+                            "a second job here is not refused", self.holder.what, self.where,
+                            self.path, e.strerror or e)
             if self._names_fd(fd):
                 if self.fd is not None:
                     os.close(self.fd)  # (the replaced file's: ours, nobody else's)
@@ -143,9 +149,10 @@ class OwnerLock:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, data, 0)
             os.fsync(self.fd)
-        except OSError as e:  # the lock holds without its words (a full disk): a refusal cannot name us
-            log.warning("%s %s: the lock's record could not be written (%s); the lock holds", self.holder.what,
-                        self.where, e.strerror or e)
+        except OSError as e:
+            # The lock holds without its words (a full disk): a refusal cannot name us
+            log.warning("%s %s: the lock's record could not be written (%s); the lock holds",
+                        self.holder.what, self.where, e.strerror or e)
 
     def _read_fd(self) -> bytes:
         assert self.fd is not None
@@ -160,8 +167,8 @@ class OwnerLock:
                 self._write_local()  # a stranger's words: ours again
             return ""
         if self._take_local():
-            log.warning("%s %s: its lock file was deleted or replaced by another process; taken again",
-                        self.holder.what, self.where)
+            log.warning("%s %s: its lock file was deleted or replaced by another process; "
+                        "taken again", self.holder.what, self.where)
             return ""
         other = read_holder(self.store)
         return (f"its lock file {self.path} was replaced, and the new one is held by "
@@ -205,12 +212,14 @@ class OwnerLock:
     # -- either -------------------------------------------------------------------
 
     def take(self) -> bool:
-        """Take the lock now: False when another owner holds it; UsageError when the storage refuses."""
+        """Take the lock now: False when another owner holds it; UsageError when the storage
+        refuses."""
         try:
             return self._take_local() if self.store.local else self._take_url()
         except OSError as e:
-            raise UsageError(f"{self.holder.what} {self.where}: its lock {self.store.url_of(self.path)} cannot be "
-                             f"read or written ({e.strerror or e})") from e
+            raise UsageError(f"{self.holder.what} {self.where}: its lock "
+                             f"{self.store.url_of(self.path)} cannot be read or written "
+                             f"({e.strerror or e})") from e
 
     def keep(self) -> str:
         """Check (local) or renew (URL) the lock; the reason it is lost, "" while it holds."""
@@ -221,7 +230,8 @@ class OwnerLock:
             return self.lost
 
     def check(self) -> None:
-        """One beat of the keeper: ``keep``, and tell every ``on_lost`` listener once when the lock is lost."""
+        """One beat of the keeper: ``keep``, and tell every ``on_lost`` listener once when the lock
+        is lost."""
         was = self.lost
         try:
             reason = self.keep()
@@ -258,8 +268,8 @@ class OwnerLock:
 
 
 def _stale(holder: Holder | None, age: float | None) -> str | None:
-    return stale_reason(holder, now=time.time(), record_age_s=age, host=socket.gethostname(), boot_id=boot_id(),
-                        pid_start_here=pid_start, stale_s=STALE_S)
+    return stale_reason(holder, now=time.time(), record_age_s=age, host=socket.gethostname(),
+                        boot_id=boot_id(), pid_start_here=pid_start, stale_s=STALE_S)
 
 
 def _read_url(store: Store, path: str) -> tuple[Holder | None, float | None]:
@@ -273,8 +283,9 @@ def _read_url(store: Store, path: str) -> tuple[Holder | None, float | None]:
 
 
 def read_holder(store: Store) -> Holder | None:
-    """Who the lock file under ``store`` names (None: no file, or not a record). Never call it on a lock this
-    process holds locally: closing any descriptor of a file drops the process's POSIX locks on it."""
+    """Who the lock file under ``store`` names (None: no file, or not a record). Never call it on a
+    lock this process holds locally: closing any descriptor of a file drops the process's POSIX
+    locks on it."""
     path = store.join(LOCK_NAME)
     try:
         raw = store.read_bytes(path)
@@ -292,7 +303,8 @@ def live_owner(root: str | os.PathLike[str] | Store) -> str | None:
     store = root if isinstance(root, Store) else Store.open(root)
     with _guard:
         mine = _held.get(_key(store))
-    if mine is not None:  # (never probed from here: closing a descriptor of it would drop this process's lock)
+    # (never probed from here: closing a descriptor of it would drop this process's lock)
+    if mine is not None:
         return mine.holder.words()
     path = store.join(LOCK_NAME)
     if not store.local:
@@ -348,7 +360,8 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
     try:
         store.makedirs(store.root)
     except OSError as e:
-        raise UsageError(f"{what} {store.url_of(store.root)} cannot be created ({e.strerror or e})") from e
+        raise UsageError(f"{what} {store.url_of(store.root)} cannot be created "
+                         f"({e.strerror or e})") from e
     lock = OwnerLock(store, holder_here(job_id, what), on_lost)
     deadline = time.monotonic() + STALE_S + 2 * BEAT_S
     while not lock.take():
@@ -356,16 +369,17 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
         same_job_elsewhere = other is not None and other.job_id == job_id and (
             not store.local or other.host != socket.gethostname())
         if other is None or not same_job_elsewhere or time.monotonic() > deadline:
-            who = other.words() if other is not None else "another process (its lock record is unreadable: " \
-                "a full disk, or another tool wrote it)"
+            who = other.words() if other is not None else (
+                "another process (its lock record is unreadable: a full disk, or another tool "
+                "wrote it)")
             raise DirInUseError(f"{what} {lock.where} is in use by {who}: one job at a time"
                                 + (f"; {advice}" if advice else ""))
         # The same job's, from another host: its relaunch (a pod rescheduled) waits for the dead
         # one's lease to run out (or an NFS server to drop a dead client's lock) rather than fail; a
         # live one keeps it.
-        log.warning("%s %s is held by %s, last renewed %.0fs ago: waiting for it to end or go stale (at most "
-                    "%.0fs more)", what, lock.where, other.words(), time.time() - other.beat,
-                    deadline - time.monotonic())
+        log.warning("%s %s is held by %s, last renewed %.0fs ago: waiting for it to end or go "
+                    "stale (at most %.0fs more)", what, lock.where, other.words(),
+                    time.time() - other.beat, deadline - time.monotonic())
         time.sleep(BEAT_S)
     with _guard:
         _held[key] = lock
@@ -377,7 +391,8 @@ def hold(root: str | os.PathLike[str] | Store, *, job_id: str, what: str = "chec
 
 
 def hold_job_dir(path: str | os.PathLike[str]) -> OwnerLock:
-    """``hold`` for a job dir (one launcher or manager at a time); its record names the folder as the job."""
+    """``hold`` for a job dir (one launcher or manager at a time); its record names the folder as
+    the job."""
     return hold(os.fspath(path), job_id=os.path.basename(os.path.abspath(path)), what="job dir",
                 advice="pass another --job-dir or --job-id")
 

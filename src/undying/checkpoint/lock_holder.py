@@ -1,4 +1,5 @@
-"""Who holds an owner lock: the record its file holds, this process's own, and when a record no longer holds.
+"""Who holds an owner lock: the record its file holds, this process's own, and when a record no
+longer holds.
 
 ``checkpoint/lock.py`` takes, keeps and lets go of the locks; this is what their
 file says (``Holder``, one JSON record), how this process describes itself
@@ -31,7 +32,8 @@ class Holder:
     host: str
     boot_id: str
     pid: int
-    pid_start: int  # the pid's start time in clock ticks since boot (tells a reused pid from the owner)
+    # The pid's start time in clock ticks since boot (tells a reused pid from the owner)
+    pid_start: int
     nonce: str
     since: float
     beat: float
@@ -44,8 +46,9 @@ class Holder:
         """The record, or None for anything that is not one (empty, a stranger's bytes)."""
         try:
             d = json.loads(raw)
-            return cls(str(d["job_id"]), str(d["what"]), str(d["host"]), str(d["boot_id"]), int(d["pid"]),
-                       int(d["pid_start"]), str(d["nonce"]), float(d["since"]), float(d["beat"]))
+            return cls(str(d["job_id"]), str(d["what"]), str(d["host"]), str(d["boot_id"]),
+                       int(d["pid"]), int(d["pid_start"]), str(d["nonce"]), float(d["since"]),
+                       float(d["beat"]))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -62,7 +65,8 @@ def boot_id() -> str:
 
 
 def pid_start(pid: int) -> int:
-    """The start time of ``pid`` (clock ticks since boot), 0 when it does not exist or cannot be read."""
+    """The start time of ``pid`` (clock ticks since boot), 0 when it does not exist or cannot be
+    read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -71,15 +75,19 @@ def pid_start(pid: int) -> int:
 
 
 def holder_here(job_id: str, what: str) -> Holder:
-    """The record this process writes as a folder's owner (``what``: "checkpoint dir", "job dir")."""
+    """The record this process writes as a folder's owner (``what``: "checkpoint dir", "job
+    dir")."""
     now = time.time()
     pid = os.getpid()
-    return Holder(job_id, what, socket.gethostname(), boot_id(), pid, pid_start(pid), secrets.token_hex(8), now, now)
+    return Holder(job_id, what, socket.gethostname(), boot_id(), pid, pid_start(pid),
+                  secrets.token_hex(8), now, now)
 
 
-def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | None, host: str, boot_id: str,
-                 pid_start_here: Callable[[int], int], stale_s: float = STALE_S) -> str | None:
-    """Why a URL lock's record no longer holds its folder, or None while it does (pure but for the callable).
+def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | None, host: str,
+                 boot_id: str, pid_start_here: Callable[[int], int],
+                 stale_s: float = STALE_S) -> str | None:
+    """Why a URL lock's record no longer holds its folder, or None while it does (pure but for the
+    callable).
 
     ``record_age_s``: how long ago the store says the record was written (None:
     it does not say); ``pid_start_here``: a pid's start time on this host (0: gone).
@@ -94,7 +102,8 @@ def stale_reason(holder: Holder | None, *, now: float, record_age_s: float | Non
             return f"its process {holder.pid} on this host is gone"
         if holder.pid_start and started != holder.pid_start:
             return f"its pid {holder.pid} on this host is now another process"
-        return None  # its process exists here (running, or stopped: it may wake and write), whatever its beat
+        # Its process exists here (running, or stopped: it may wake and write), whatever its beat
+        return None
     age = now - holder.beat
     if age > stale_s:
         return f"it was last renewed {age:.0f}s ago (stale after {stale_s:.0f}s)"

@@ -54,13 +54,15 @@ def key_from_token(token: str) -> bytes:
 
 
 def set_key(key: bytes | None) -> None:
-    """Sign every manifest this process commits, and check every one it reads, with ``key`` (None: neither)."""
+    """Sign every manifest this process commits, and check every one it reads, with ``key`` (None:
+    neither)."""
     _state["key"] = key
 
 
 @contextlib.contextmanager
 def using_key(key: bytes | None) -> Iterator[None]:
-    """``set_key(key)`` for the duration of a block (a command inside a longer-lived process, a test)."""
+    """``set_key(key)`` for the duration of a block (a command inside a longer-lived process, a
+    test)."""
     before = _state["key"]
     _state["key"] = key
     try:
@@ -74,7 +76,8 @@ def current_key() -> bytes | None:
 
 
 def key_from_environ(environ: Mapping[str, str] | None = None) -> bytes | None:
-    """The key an agent handed its worker (env ``UNDYING_CHECKPOINT_KEY``), None when it handed none."""
+    """The key an agent handed its worker (env ``UNDYING_CHECKPOINT_KEY``), None when it handed
+    none."""
     value = (os.environ if environ is None else environ).get(CHECKPOINT_KEY_ENV, "")
     if not value:
         return None
@@ -99,19 +102,22 @@ def mac_problem(manifest: Mapping[str, Any], key: bytes) -> str | None:
     """Why a manifest fails the job's MAC, or None when it passes."""
     claimed = manifest.get("mac")
     if not isinstance(claimed, str) or not claimed:
-        return ("it has no MAC: it was not written by this job (or was written by an undying before MACs); "
-                "its contents cannot be trusted")
+        return ("it has no MAC: it was not written by this job (or was written by an undying "
+                "before MACs); its contents cannot be trusted")
     if not hmac.compare_digest(claimed, mac_of(manifest, key)):
-        return ("its MAC does not match: the manifest or its files were changed after the job wrote them, "
-                "or another job's token signed it")
-    weak = [f.get("path") for f in manifest.get("files", []) if isinstance(f, Mapping) and "sha256" not in f]
+        return ("its MAC does not match: the manifest or its files were changed after the job "
+                "wrote them, or another job's token signed it")
+    weak = [f.get("path") for f in manifest.get("files", [])
+            if isinstance(f, Mapping) and "sha256" not in f]
     if weak:
-        return f"file(s) {', '.join(map(str, weak))} have no SHA-256 digest, which the MAC needs to vouch for them"
+        return (f"file(s) {', '.join(map(str, weak))} have no SHA-256 digest, which the MAC "
+                "needs to vouch for them")
     return None
 
 
 def signed_by_us(manifest: Mapping[str, Any]) -> bool:
-    """Whether this process may replace or delete the checkpoint of ``manifest``: its own key signed it.
+    """Whether this process may replace or delete the checkpoint of ``manifest``: its own key signed
+    it.
 
     With a key: the MAC verifies under it. Without one (library use outside a
     job): the manifest carries no MAC, so no job signed it. A checkpoint that
@@ -122,4 +128,5 @@ def signed_by_us(manifest: Mapping[str, Any]) -> bool:
     if key is None:
         return not manifest.get("mac")
     claimed = manifest.get("mac")
-    return isinstance(claimed, str) and bool(claimed) and hmac.compare_digest(claimed, mac_of(manifest, key))
+    return (isinstance(claimed, str) and bool(claimed)
+            and hmac.compare_digest(claimed, mac_of(manifest, key)))

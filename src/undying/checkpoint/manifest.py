@@ -130,10 +130,12 @@ def _need(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def _check_tensors(tensors: Mapping[str, Any]) -> None:
-    """Each entry must be {"shape": [ints >= 0], "dtype": str}; the message names the first bad one."""
+    """Each entry must be {"shape": [ints >= 0], "dtype": str}; the message names the first bad
+    one."""
     for name, spec in tensors.items():
         if not isinstance(name, str) or not isinstance(spec, Mapping):
-            raise ManifestError(f"manifest tensor {name!r} must map a name to an object, got {spec!r}")
+            raise ManifestError(f"manifest tensor {name!r} must map a name to an object, "
+                                f"got {spec!r}")
         shape, dtype = spec.get("shape"), spec.get("dtype")
         if not isinstance(shape, list | tuple) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
@@ -233,7 +235,8 @@ class Manifest:
         schema = _need(d, "schema", int)
         if schema > SCHEMA_VERSION:
             raise ManifestError(
-                f"manifest schema {schema} is newer than this undying understands ({SCHEMA_VERSION}); upgrade undying"
+                f"manifest schema {schema} is newer than this undying understands "
+                f"({SCHEMA_VERSION}); upgrade undying"
             )
         files = _need(d, "files", list)
         digest = d.get("digest")
@@ -242,17 +245,20 @@ class Manifest:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise ManifestError(f"manifest 'meta' must be an object, got {meta!r}")
-        job_id = d.get("job_id")  # absent or null: a manifest that never recorded it; no job to compare
+        # Absent or null: a manifest that never recorded it; no job to compare
+        job_id = d.get("job_id")
         if job_id is None:
             job_id = ""
         elif not isinstance(job_id, str):
             raise ManifestError(f"manifest 'job_id' must be a string, got {job_id!r}")
         mac = d.get("mac")
         if mac is not None and not isinstance(mac, str):
-            raise ManifestError(f"manifest 'mac' must be a string or absent, got {type(mac).__name__}")
+            raise ManifestError(f"manifest 'mac' must be a string or absent, "
+                                f"got {type(mac).__name__}")
         tensors = d.get("tensors")
         if tensors is not None and not isinstance(tensors, dict):
-            raise ManifestError(f"manifest 'tensors' must be an object or absent, got {type(tensors).__name__}")
+            raise ManifestError(f"manifest 'tensors' must be an object or absent, "
+                                f"got {type(tensors).__name__}")
         return cls(
             step=_need(d, "step", int),
             world_size=_need(d, "world_size", int),
@@ -265,7 +271,9 @@ class Manifest:
             digest=digest,
             meta=dict(meta),
             schema=schema,
-            tensors=None if tensors is None else {k: dict(v) if isinstance(v, dict) else v for k, v in tensors.items()},
+            tensors=None if tensors is None else {
+                k: dict(v) if isinstance(v, dict) else v for k, v in tensors.items()
+            },
             mac=mac,
         )
 

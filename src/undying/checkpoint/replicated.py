@@ -1,4 +1,5 @@
-"""Replicated checkpoints: every rank holds the same state (as under DDP), so one rank writes it whole.
+"""Replicated checkpoints: every rank holds the same state (as under DDP), so one rank writes it
+whole.
 
 The format is one ``torch.save`` file, ``state.pt``, beside the manifest.
 Its bytes are hashed as they stream out (``_HashingWriter``: no second read
@@ -80,7 +81,8 @@ class _HashingWriter:
         self._f.flush()
 
     def close(self) -> None:
-        """Nothing is left running: every write waited for its checksum (the file is the caller's)."""
+        """Nothing is left running: every write waited for its checksum (the file is the
+        caller's)."""
 
 
 _HASH_POOL: ThreadPoolExecutor | None = None
@@ -88,7 +90,8 @@ _HASH_POOL_LOCK = threading.Lock()
 
 
 def _hash_pool() -> ThreadPoolExecutor:
-    """Checksum helpers shared by every write of this process, started once (a thread per save costs ms)."""
+    """Checksum helpers shared by every write of this process, started once (a thread per save costs
+    ms)."""
     global _HASH_POOL
     with _HASH_POOL_LOCK:
         if _HASH_POOL is None:
@@ -131,7 +134,8 @@ def _torch_internals() -> tuple[Any, Any, Any, Any] | None:
     ser: Any = torch.serialization
     parts = tuple(
         getattr(ser, name, None)
-        for name in ("_open_zipfile_writer_buffer", "_save", "get_crc32_options", "set_crc32_options")
+        for name in ("_open_zipfile_writer_buffer", "_save", "get_crc32_options",
+                     "set_crc32_options")
     )
     return None if any(p is None for p in parts) else (parts[0], parts[1], parts[2], parts[3])
 
@@ -157,7 +161,8 @@ def save_replicated(
     keep: int | None = None,
     blocking_s: float = 0.0,
 ) -> SaveResult:
-    """Write ``state_dict`` (already on CPU, or it is copied) as checkpoint ``step``; call on ONE rank.
+    """Write ``state_dict`` (already on CPU, or it is copied) as checkpoint ``step``; call on ONE
+    rank.
 
     Synchronous: returns once the manifest is committed. ``keep`` prunes older
     checkpoints afterwards. On any failure the temp folder is removed and the
@@ -197,14 +202,16 @@ def save_replicated(
             # torch.save reports a failed write as a RuntimeError about stream positions; say what
             # the OS said.
             raise CheckpointError(
-                f"cannot write checkpoint {store.url_of(pending.final_path)} ({os_error.strerror or os_error})"
+                f"cannot write checkpoint {store.url_of(pending.final_path)} "
+                f"({os_error.strerror or os_error})"
             ) from e
         raise
     write_s = time.perf_counter() - started
     if keep is not None:
         try:
             prune(store, keep)
-        except OSError as e:  # the checkpoint is committed; retention tries again after the next save
+        except OSError as e:
+            # The checkpoint is committed; retention tries again after the next save
             log.warning("pruning %s after step %d failed: %s", store.url_of(store.root), step, e)
     log.info("checkpoint %s written: %d bytes in %.3fs", ckpt.url, entry.size, write_s)
     return SaveResult(step, ckpt.url, kind, blocking_s, write_s, entry.size)
@@ -227,12 +234,14 @@ def load_replicated(
         problems = verify(url)
         if problems:
             raise CheckpointError(f"checkpoint {url} is not valid: " + "; ".join(problems))
-    parent, name = url.rstrip("/").rsplit("/", 1) if "://" in url else os.path.split(os.path.abspath(url))
+    parent, name = (url.rstrip("/").rsplit("/", 1) if "://" in url
+                    else os.path.split(os.path.abspath(url)))
     store = Store.open(parent)
     manifest = Manifest.from_json(store.read_bytes(store.join(name, "manifest.json")))
     if manifest.layout.get("kind") != "replicated":
         raise CheckpointError(
-            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with load_sharded"
+            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with "
+            "load_sharded"
         )
     with store.open_read(store.join(name, manifest.layout.get("file", STATE_FILE))) as f:
         state = torch.load(f, map_location=map_location, weights_only=weights_only)

@@ -25,7 +25,10 @@ from typing import TypeVar
 from undying.checkpoint.discovery import prune
 from undying.checkpoint.store import Store
 
-__all__ = ["NO_ROOM_ERRNOS", "os_error_of", "is_out_of_space", "describe_os_error", "make_room", "with_room"]
+__all__ = [
+    "NO_ROOM_ERRNOS", "os_error_of", "is_out_of_space", "describe_os_error", "make_room",
+    "with_room",
+]
 
 log = logging.getLogger("undying.checkpoint")
 
@@ -53,7 +56,8 @@ def _os_errors(exc: BaseException) -> list[OSError]:
 
 
 def os_error_of(exc: BaseException) -> OSError | None:
-    """The OSError behind ``exc`` (itself, or in its cause/context chain), if any: a storage failure."""
+    """The OSError behind ``exc`` (itself, or in its cause/context chain), if any: a storage
+    failure."""
     found = _os_errors(exc)
     return found[0] if found else None
 
@@ -64,7 +68,8 @@ def is_out_of_space(exc: BaseException) -> bool:
 
 
 def describe_os_error(exc: BaseException) -> str:
-    """What the OS said behind ``exc``, as ``ENOSPC: No space left on device``; "" when no OSError is in it.
+    """What the OS said behind ``exc``, as ``ENOSPC: No space left on device``; "" when no OSError
+    is in it.
 
     The symbolic name is what an operator greps for and a dashboard groups by;
     the text is what a person reads.
@@ -78,7 +83,8 @@ def describe_os_error(exc: BaseException) -> str:
 
 
 def make_room(store: Store) -> list[str]:
-    """Delete every checkpoint but the newest valid one, and stale write leftovers; the names removed.
+    """Delete every checkpoint but the newest valid one, and stale write leftovers; the names
+    removed.
 
     ``prune(keep=1)``: the newest checkpoint whose checksums pass is kept,
     whatever ``--keep`` says; a folder newer than it that is broken stays
@@ -86,16 +92,19 @@ def make_room(store: Store) -> list[str]:
     """
     try:
         removed = prune(store, 1, tmp_max_age_s=_TMP_STALE_S)
-    except OSError as e:  # nothing deleted is no worse than before; the save's own error is what is told
+    except OSError as e:
+        # Nothing deleted is no worse than before; the save's own error is what is told
         log.warning("making room under %s failed: %s", store.url_of(store.root), e)
         return []
     if removed:
-        log.warning("checkpoint folder %s is full: removed %s to make room (the newest valid checkpoint is kept)",
-                    store.url_of(store.root), ", ".join(removed))
+        log.warning("checkpoint folder %s is full: removed %s to make room (the newest valid "
+                    "checkpoint is kept)", store.url_of(store.root), ", ".join(removed))
     return removed
 
 
-def with_room(store: Store, save: Callable[[], T], *, on_pruned: Callable[[list[str]], None] | None = None) -> T:
+def with_room(
+    store: Store, save: Callable[[], T], *, on_pruned: Callable[[list[str]], None] | None = None
+) -> T:
     """``save()``; when it fails for lack of room, ``make_room`` and ``save()`` once more.
 
     The second failure (or a first that is not about room) propagates

@@ -1,4 +1,5 @@
-"""Loading state without running code: ``torch.load(weights_only=True)`` everywhere, and saying why not.
+"""Loading state without running code: ``torch.load(weights_only=True)`` everywhere, and saying why
+not.
 
 A pickle can name any function to call when it is loaded, so state read from
 disk (checkpoints, dying gasps) or the network (a peer's state, a replica's
@@ -33,25 +34,29 @@ _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.
 
 
 def refused_global(error: BaseException) -> str:
-    """The ``module.name`` a weights_only load refused, from torch's message ("" when it names none)."""
+    """The ``module.name`` a weights_only load refused, from torch's message ("" when it names
+    none)."""
     m = _GLOBAL.search(str(error))
     return m.group(1) if m else ""
 
 
 def load_state_bytes(raw: bytes, *, source: str) -> Any:
-    """A state payload that arrived from ``source`` (a peer rank, a replica), loaded without running code."""
+    """A state payload that arrived from ``source`` (a peer rank, a replica), loaded without running
+    code."""
     try:
         return torch.load(io.BytesIO(raw), weights_only=True)
     except pickle.UnpicklingError as e:
         name = refused_global(e) or "an object that is not plain data"
         raise RecoveryError(
-            f"the state from {source} holds {name}, which undying refuses to unpickle (weights_only=True: "
-            "nothing received may run code); the sending process is not this job's or its state changed type"
+            f"the state from {source} holds {name}, which undying refuses to unpickle "
+            "(weights_only=True: nothing received may run code); the sending process is not "
+            "this job's or its state changed type"
         ) from e
 
 
 def _skeleton(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by an empty one of its dtype: what weights_only judges, minus the bytes."""
+    """``obj`` with every tensor replaced by an empty one of its dtype: what weights_only judges,
+    minus the bytes."""
     if isinstance(obj, torch.Tensor):
         return torch.empty(0, dtype=obj.dtype)
     if type(obj) in (dict, OrderedDict):  # a subclass is kept whole: it is what weights_only judges
@@ -83,12 +88,14 @@ def _culprit(state: Any, refused: str) -> tuple[str, str]:
     for path, value in _objects(state, ""):
         if not isinstance(value, _PLAIN | dict | list | tuple | torch.Tensor):
             kind = type(value)
-            return path.lstrip("/") or "(the state itself)", f"{kind.__module__}.{kind.__qualname__}"
+            return (path.lstrip("/") or "(the state itself)",
+                    f"{kind.__module__}.{kind.__qualname__}")
     return "(somewhere in the state)", refused or "an object that is not plain data"
 
 
 def check_state_loadable(state: Any, *, what: str = "the training state") -> None:
-    """Raise UsageError naming the object of ``state`` that a ``weights_only=True`` load would refuse."""
+    """Raise UsageError naming the object of ``state`` that a ``weights_only=True`` load would
+    refuse."""
     skeleton = _skeleton(state)
     buffer = io.BytesIO()
     try:
@@ -102,9 +109,9 @@ def check_state_loadable(state: Any, *, what: str = "the training state") -> Non
     except pickle.UnpicklingError as e:
         path, kind = _culprit(skeleton, refused_global(e))
         raise UsageError(
-            f"{what} cannot be checkpointed or sent to a peer safely: {path} is a {kind}, which undying "
-            "will not unpickle (state is loaded with weights_only=True, so a checkpoint or a peer cannot run "
-            "code). Make that state_dict() return plain data (tensors, numbers, strings, lists, dicts), or, if "
-            f"the class is yours and safe to rebuild, call torch.serialization.add_safe_globals([{kind}]) "
-            "in the script before undying.init()"
+            f"{what} cannot be checkpointed or sent to a peer safely: {path} is a {kind}, which "
+            "undying will not unpickle (state is loaded with weights_only=True, so a checkpoint "
+            "or a peer cannot run code). Make that state_dict() return plain data (tensors, "
+            "numbers, strings, lists, dicts), or, if the class is yours and safe to rebuild, call "
+            f"torch.serialization.add_safe_globals([{kind}]) in the script before undying.init()"
         ) from e

@@ -45,7 +45,8 @@ _Group = dist.ProcessGroup | None
 
 
 def _dist(group: _Group) -> tuple[int, int, bool]:
-    """(rank in group, group size, distributed?) — without a process group DCP runs single-process."""
+    """(rank in group, group size, distributed?) — without a process group DCP runs
+    single-process."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1, False
     return dist.get_rank(group), dist.get_world_size(group), True
@@ -106,7 +107,8 @@ def save_sharded(
     overwrite: bool = True,
     keep: int | None = None,
 ) -> SaveResult:
-    """Collective: every rank of ``group`` calls it with its shard; all return the same result or all raise.
+    """Collective: every rank of ``group`` calls it with its shard; all return the same result or
+    all raise.
 
     ``coordinator`` is a rank *within* ``group``. The manifest's ``world_size``
     is the group's size and its layout ``{"kind": "sharded", "planner": "dcp"}``
@@ -131,7 +133,8 @@ def save_sharded(
         raise CheckpointError(f"sharded checkpoint of step {step} not started: {setup}")
     work_path, _ = setup
     try:
-        import torch.distributed.checkpoint as dcp  # ~0.4 s to import: only where a sharded state is saved
+        # ~0.4 s to import: only where a sharded state is saved
+        import torch.distributed.checkpoint as dcp
 
         dcp.save(
             state_dict,
@@ -160,7 +163,8 @@ def save_sharded(
     report = (mine, tensor_specs(state_dict))
     reports: list[Any] = [None] * world
     if distributed:
-        dist.gather_object(report, reports if rank == coordinator else None, group=group, group_dst=coordinator)
+        dist.gather_object(report, reports if rank == coordinator else None, group=group,
+                           group_dst=coordinator)
     else:
         reports = [report]
     gathered: list[Any] = [r[0] for r in reports] if rank == coordinator else []
@@ -199,7 +203,8 @@ def save_sharded(
                 try:
                     prune(store, keep)
                 except OSError as e:  # committed: retention tries again after the next save
-                    log.warning("pruning %s after step %d failed: %s", store.url_of(store.root), step, e)
+                    log.warning("pruning %s after step %d failed: %s", store.url_of(store.root),
+                                step, e)
             outcome = (ckpt.url, manifest.total_bytes)
         except Exception as e:
             pending.abort()
@@ -210,18 +215,20 @@ def save_sharded(
     url, nbytes = outcome
     elapsed = time.perf_counter() - started
     if rank == coordinator:
-        log.info("sharded checkpoint %s written by %d ranks: %d bytes in %.3fs", url, world, nbytes, elapsed)
+        log.info("sharded checkpoint %s written by %d ranks: %d bytes in %.3fs", url, world,
+                 nbytes, elapsed)
     return SaveResult(step, url, kind, elapsed, elapsed, nbytes)
 
 
 def read_manifest(checkpoint: Checkpoint | str | os.PathLike[str]) -> Manifest:
-    """The manifest of one checkpoint folder or URL (no checksums read): to choose how to load it."""
+    """The manifest of one checkpoint folder or URL (no checksums read): to choose how to load
+    it."""
     store, name, url = _split(checkpoint)
     try:
         return Manifest.from_json(store.read_bytes(store.join(name, MANIFEST_NAME)))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {url} has no readable manifest ({e}); run `undying checkpoints verify` "
-                              "on it") from e
+        raise CheckpointError(f"checkpoint {url} has no readable manifest ({e}); run "
+                              "`undying checkpoints verify` on it") from e
 
 
 def load_sharded(
@@ -249,11 +256,13 @@ def load_sharded(
     manifest = Manifest.from_json(store.read_bytes(store.join(name, MANIFEST_NAME)))
     if manifest.layout.get("kind") != "sharded":
         raise CheckpointError(
-            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with load_replicated"
+            f"checkpoint {url} has layout {manifest.layout.get('kind')!r}; load it with "
+            "load_replicated"
         )
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state_dict, storage_reader=_reader(store, store.join(name)), process_group=group, no_dist=not distributed)
+    dcp.load(state_dict, storage_reader=_reader(store, store.join(name)), process_group=group,
+             no_dist=not distributed)
     return manifest
 
 
@@ -264,7 +273,8 @@ def latest_valid_shared(
     coordinator: int = 0,
     job_id: str | None = None,
 ) -> Latest:
-    """Collective ``latest_valid``: the coordinator reads the checksums once, every rank gets its answer."""
+    """Collective ``latest_valid``: the coordinator reads the checksums once, every rank gets its
+    answer."""
     rank, _, distributed = _dist(group)
     found = latest_valid(root, job_id=job_id) if rank == coordinator else None
     result: Latest = _broadcast(found, coordinator, group, distributed)

@@ -71,7 +71,8 @@ def _load_sync_file_range() -> Any:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without waiting.
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without
+    waiting.
 
     Below the dirty-page limits Linux would hold a checkpoint's pages in
     memory until the final fsync and only then write them, so the disk would
@@ -133,11 +134,13 @@ class Store:
         try:
             import fsspec
         except ImportError as e:  # pragma: no cover - fsspec is a dependency
-            raise CheckpointError(f"checkpoint root {text} is a URL but fsspec is not installed") from e
+            raise CheckpointError(
+                f"checkpoint root {text} is a URL but fsspec is not installed") from e
         try:
             fs, path = fsspec.core.url_to_fs(text)
         except (ImportError, ValueError) as e:
-            raise CheckpointError(f"checkpoint root {text}: no storage for {protocol}:// ({e})") from e
+            raise CheckpointError(
+                f"checkpoint root {text}: no storage for {protocol}:// ({e})") from e
         return cls(path.rstrip("/") or "/", fs=fs, protocol=protocol)
 
     def __repr__(self) -> str:
@@ -171,7 +174,8 @@ class Store:
                 return []
         if not self.fs.exists(self.root):
             return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
+        return sorted(posixpath.basename(p.rstrip("/"))
+                      for p in self.fs.ls(self.root, detail=False))
 
     def files_under(self, folder: str) -> list[str]:
         """Every file below ``folder``, as '/'-separated paths relative to it."""

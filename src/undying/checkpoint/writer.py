@@ -1,4 +1,5 @@
-"""The async writer: a save blocks the training loop only for a CPU copy; the write runs on a thread.
+"""The async writer: a save blocks the training loop only for a CPU copy; the write runs on a
+thread.
 
 ``AsyncCheckpointer`` splits a save into the only part that must block the
 training loop, a deep copy of the state into CPU memory (``cpu_copy.py``), and
@@ -51,7 +52,8 @@ class CheckpointWriteError(CheckpointError):
             how = f" (attempt {attempt} of {attempts}{'; ' + note if note else ''})"
         else:
             how = ""
-        super().__init__(f"checkpoint write of step {step} failed{how}: {type(cause).__name__}: {cause}")
+        super().__init__(f"checkpoint write of step {step} failed{how}: "
+                         f"{type(cause).__name__}: {cause}")
         self.__cause__ = cause
         self.step = step
         self.attempt = attempt
@@ -116,7 +118,8 @@ def _writer_loop(ref: weakref.ReferenceType[AsyncCheckpointer], cond: threading.
 
 
 class AsyncCheckpointer:
-    """Replicated checkpoints written in a background thread; the caller blocks only for the CPU copy.
+    """Replicated checkpoints written in a background thread; the caller blocks only for the CPU
+    copy.
 
     At most one write is in flight. A ``save`` while one is writing follows
     ``if_busy``: ``"wait"`` (default) blocks until the previous write ends, so no
@@ -177,7 +180,8 @@ class AsyncCheckpointer:
         self.checksum: Checksum | None = checksum
         self.layout_extra = layout_extra
         self.on_done = on_done  # called from the writer thread with the result or the error
-        self.on_pruned = on_pruned  # (step, names) when a save had to delete older checkpoints for room
+        # (step, names) when a save had to delete older checkpoints for room
+        self.on_pruned = on_pruned
         self.max_attempts = max_attempts
         self.retry_delay_s = retry_delay_s
         self.retry_delay_max_s = retry_delay_max_s
@@ -218,7 +222,8 @@ class AsyncCheckpointer:
             return self.busy and self._job is not None and self._job.phase == "backoff"
 
     def retry_delay(self, attempt: int) -> float:
-        """Seconds before attempt ``attempt + 1``: ``retry_delay_s`` doubled per failed attempt, capped."""
+        """Seconds before attempt ``attempt + 1``: ``retry_delay_s`` doubled per failed attempt,
+        capped."""
         return float(min(self.retry_delay_max_s, self.retry_delay_s * 2 ** (attempt - 1)))
 
     def _cancel(self, job: _Job, reason: str, *, superseded: bool) -> None:
@@ -306,7 +311,8 @@ class AsyncCheckpointer:
                 else:
                     note = "giving up" if self.max_attempts > 1 else ""
                 err = CheckpointWriteError(
-                    job.step, e, attempt=attempt, attempts=self.max_attempts, retry_in=delay, note=note
+                    job.step, e, attempt=attempt, attempts=self.max_attempts, retry_in=delay,
+                    note=note,
                 )
                 log.error("%s", err)
                 with self._lock:
@@ -321,7 +327,8 @@ class AsyncCheckpointer:
                     return
                 assert delay is not None
                 if job.cancel.wait(delay):
-                    log.warning("retry of the checkpoint of step %d dropped: %s", job.step, job.cancel_reason)
+                    log.warning("retry of the checkpoint of step %d dropped: %s", job.step,
+                                job.cancel_reason)
                     with self._lock:
                         if not job.superseded:
                             self._unreported = err
@@ -329,7 +336,8 @@ class AsyncCheckpointer:
                     return
                 with self._lock:
                     job.phase = "writing"
-                log.warning("checkpoint of step %d: attempt %d of %d", job.step, attempt + 1, self.max_attempts)
+                log.warning("checkpoint of step %d: attempt %d of %d", job.step, attempt + 1,
+                            self.max_attempts)
                 continue
             with self._lock:
                 self.last_result = result
@@ -366,7 +374,8 @@ class AsyncCheckpointer:
         return job.done.wait(timeout)
 
     def wait(self, timeout: float | None = None, *, retries: bool = True) -> SaveResult | None:
-        """Wait for the save in flight, its retries included; raise CheckpointWriteError if a save failed for good.
+        """Wait for the save in flight, its retries included; raise CheckpointWriteError if a save
+        failed for good.
 
         ``retries=False`` drops a pending retry (an attempt already writing
         finishes): for a dying gasp that is about to write a newer state itself.
@@ -392,7 +401,8 @@ class AsyncCheckpointer:
             self._stop_writer()
 
     def _stop_writer(self) -> None:
-        """End the idle writer thread; not while a save is in flight (a timed-out wait leaves it be)."""
+        """End the idle writer thread; not while a save is in flight (a timed-out wait leaves it
+        be)."""
         thread = self._thread
         if thread is None or self.busy:
             return

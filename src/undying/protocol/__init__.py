@@ -23,5 +23,6 @@ imported by name (this package imports none of them, so that ``store_client``
 brings torch only where it is used).
 """
 
-__all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations", "seams",
-           "store_wire", "store_client", "channel_key", "verify_wire", "judge_clock", "keys", "api_proof"]
+__all__ = ["codec", "kinds", "worker_wire", "node_wire", "zygote_wire", "framing", "generations",
+           "seams", "store_wire", "store_client", "channel_key", "verify_wire", "judge_clock",
+           "keys", "api_proof"]

@@ -29,7 +29,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-__all__ = ["HELLO_PATH", "NONCE_HEADER", "NONCE_BYTES", "proof_key", "proof_of", "peer_name", "parse_nonce"]
+__all__ = [
+    "HELLO_PATH", "NONCE_HEADER", "NONCE_BYTES", "proof_key", "proof_of", "peer_name",
+    "parse_nonce",
+]
 
 HELLO_PATH = "/api/hello"
 NONCE_HEADER = "X-Undying-Nonce"
@@ -43,7 +46,8 @@ def proof_key(token: str) -> bytes:
 
 
 def peer_name(address: object) -> str:
-    """A socket address as both ends write it: ``host|port``, an IPv4-mapped IPv6 host as plain IPv4."""
+    """A socket address as both ends write it: ``host|port``, an IPv4-mapped IPv6 host as plain
+    IPv4."""
     if not isinstance(address, tuple) or len(address) < 2:
         return "?"
     host = str(address[0])
@@ -54,7 +58,8 @@ def peer_name(address: object) -> str:
 
 def proof_of(key: bytes, nonce: bytes, job_id: str, peer: str) -> str:
     """The manager's answer to ``nonce``, hex: bound to the job and to the connection it came on."""
-    message = b"\0".join([b"manager", nonce, job_id.encode("utf-8", "surrogateescape"), peer.encode()])
+    message = b"\0".join([b"manager", nonce, job_id.encode("utf-8", "surrogateescape"),
+                          peer.encode()])
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 

@@ -24,7 +24,8 @@ def new_key() -> str:
 
 
 def hello_line(key: str | None = None) -> bytes:
-    """The first line a worker or spare sends its agent (the key from its environment by default)."""
+    """The first line a worker or spare sends its agent (the key from its environment by
+    default)."""
     return (os.environ.get(AGENT_KEY_ENV, "") if key is None else key).encode() + b"\n"
 
 

@@ -33,7 +33,8 @@ class Message(msgspec.Struct, frozen=True, tag_field="type", tag=True, forbid_un
               omit_defaults=True):
     """Base of every message: its class name travels as ``"type"``; unknown fields are refused.
 
-    A field at its default is left out of the line (the receiver fills it in): fewer bytes a message.
+    A field at its default is left out of the line (the receiver fills it in): fewer bytes a
+    message.
     """
 
 
@@ -48,7 +49,8 @@ def members(union: Any) -> tuple[type[msgspec.Struct], ...]:
 
 
 class Codec(Generic[M]):
-    """Encode any message; decode a line into one of ``union``'s messages, or raise ``MessageError``."""
+    """Encode any message; decode a line into one of ``union``'s messages, or raise
+    ``MessageError``."""
 
     def __init__(self, union: Any, channel: str) -> None:
         self.types = members(union)
@@ -64,7 +66,8 @@ class Codec(Generic[M]):
         except msgspec.ValidationError as e:
             raise MessageError(self._explain(line, str(e))) from None
         except msgspec.DecodeError as e:
-            raise MessageError(f"malformed message on the {self.channel} ({e}): {_quote(line)}") from None
+            raise MessageError(f"malformed message on the {self.channel} ({e}): "
+                               f"{_quote(line)}") from None
 
     def _explain(self, line: Any, error: str) -> str:
         """A validation error said in the channel's words: which type, which field."""
@@ -100,7 +103,8 @@ def _quote(line: Any) -> str:
 
 
 class Handlers(Generic[R]):
-    """A receiver's table from message class to handler, built once; ``handle`` calls the one for a message.
+    """A receiver's table from message class to handler, built once; ``handle`` calls the one for a
+    message.
 
     ``Handlers({StepCommitted: self._on_commit, Hello: self._on_hello})``;
     ``handle(message, *context)`` calls ``handler(message, *context)`` (the
@@ -126,12 +130,14 @@ class Handlers(Generic[R]):
         raise MessageError(f"no handler for {type(message).__name__} here: {message!r:.{_SHOWN}}")
 
     def missing(self, types: Iterable[type[Any]]) -> list[str]:
-        """The names of ``types`` this table has no handler for (a test's check that a receiver takes them all)."""
+        """The names of ``types`` this table has no handler for (a test's check that a receiver
+        takes them all)."""
         return [cls.__name__ for cls in types if cls not in self._table]
 
 
 class _ChoiceType(enum.EnumMeta):
-    """``"crash" in InjectKind`` answers for plain strings too (Python 3.12's rule; 3.11 raises TypeError)."""
+    """``"crash" in InjectKind`` answers for plain strings too (Python 3.12's rule; 3.11 raises
+    TypeError)."""
 
     def __contains__(cls, value: object) -> bool:
         if isinstance(value, enum.Enum):

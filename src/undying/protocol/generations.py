@@ -36,7 +36,8 @@ def rank_owner_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class GenerationRecord:
-    """One generation as the control store holds it (also inside SpawnRank, for the agent to spawn into)."""
+    """One generation as the control store holds it (also inside SpawnRank, for the agent to spawn
+    into)."""
 
     generation: int
     world_size: int

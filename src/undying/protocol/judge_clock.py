@@ -48,7 +48,8 @@ log = logging.getLogger("undying.judge")
 
 
 def stall_limit(period_s: float, window_s: float) -> float:
-    """The tick gap past which the judge counts itself stalled: half its window, at least three periods."""
+    """The tick gap past which the judge counts itself stalled: half its window, at least three
+    periods."""
     return max(3 * period_s, window_s / 2)
 
 
@@ -62,15 +63,18 @@ class JudgeClock:
     """
 
     def __init__(self, period_s: float, window_s: float, name: str, *,
-                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         if period_s <= 0 or window_s <= 0:
-            raise ValueError(f"a judge's period ({period_s}) and window ({window_s}) must be positive")
+            raise ValueError(f"a judge's period ({period_s}) and window ({window_s}) must be "
+                             "positive")
         self.period_s = period_s
         self.window_s = window_s
         self.name = name
         self._monotonic = monotonic
         self._wall = wall
-        self._last_tick: float | None = None  # (the first tick starts the clock: no stall before it)
+        # (the first tick starts the clock: no stall before it)
+        self._last_tick: float | None = None
         # When the judge came back from its latest stall, on both clocks (0.0: it never stalled).
         self.resumed = 0.0
         self.resumed_wall = 0.0
@@ -79,7 +83,8 @@ class JudgeClock:
 
     @property
     def window_s(self) -> float:
-        """The judge's window: the silence it declares (its heartbeat timeout); settable, as a job's flags arrive."""
+        """The judge's window: the silence it declares (its heartbeat timeout); settable, as a job's
+        flags arrive."""
         return self._window_s
 
     @window_s.setter
@@ -103,20 +108,23 @@ class JudgeClock:
             self.last_stall_s = gap
             self.resumed = now
             self.resumed_wall = self._wall()
-            log.warning("%s did not run for %.1fs (its loop ticks every %gs; a stall of its own: stopped, paused "
-                        "or starved); every peer it watches gets a fresh %gs window before it declares anything",
+            log.warning("%s did not run for %.1fs (its loop ticks every %gs; a stall of its own: "
+                        "stopped, paused or starved); every peer it watches gets a fresh %gs "
+                        "window before it declares anything",
                         self.name, gap, self.period_s, self.window_s)
         return gap
 
     async def keep_ticking(self) -> None:
-        """Tick every period, forever: a task of the judge's event loop, for a judge whose own waits are long
-        (a connection attempt, a wait for a line) and so cannot tick at a steady pace itself."""
+        """Tick every period, forever: a task of the judge's event loop, for a judge whose own waits
+        are long (a connection attempt, a wait for a line) and so cannot tick at a steady pace
+        itself."""
         while True:
             await asyncio.sleep(self.period_s)
             self.tick()
 
     def counts_from(self, last_heard: float, *, wall: bool = False) -> float:
-        """Where a peer's silence starts: its last word, or the judge's return from a stall if that is later.
+        """Where a peer's silence starts: its last word, or the judge's return from a stall if that
+        is later.
 
         Ticks first: a judgement made before the loop's own tick (a callback that
         ran first after the stall) still sees the stall.
@@ -125,14 +133,16 @@ class JudgeClock:
         return max(last_heard, self.resumed_wall if wall else self.resumed)
 
     def silent_s(self, last_heard: float, now: float | None = None, *, wall: bool = False) -> float:
-        """How long a peer last heard at ``last_heard`` has been silent while this judge was running."""
+        """How long a peer last heard at ``last_heard`` has been silent while this judge was
+        running."""
         since = self.counts_from(last_heard, wall=wall)
         if now is None:
             now = self._wall() if wall else self._monotonic()
         return max(0.0, now - since)
 
     def fresh(self) -> bool:
-        """Whether the judge came back from a stall less than a window ago (ticks first, as ``counts_from``).
+        """Whether the judge came back from a stall less than a window ago (ticks first, as
+        ``counts_from``).
 
         A peer's connection that closes then may have been closed by the peer's
         own judgement of this judge's silence (it connects again): it is judged by

@@ -1,4 +1,5 @@
-"""The job's secrets in process environments: what a child may inherit, and what a launcher must not.
+"""The job's secrets in process environments: what a child may inherit, and what a launcher must
+not.
 
 One secret, the token, and keys derived from it (``HMAC-SHA256(token, label)``):
 
@@ -39,7 +40,8 @@ _MAX_DEPTH = 64
 
 
 def child_environment(inherited: Mapping[str, str], keys: Mapping[str, str]) -> dict[str, str]:
-    """``inherited`` without the token or any derived key, then the derived ``keys`` this agent hands on.
+    """``inherited`` without the token or any derived key, then the derived ``keys`` this agent
+    hands on.
 
     ``keys`` may hold only derived keys (``DERIVED_KEY_ENVS``): the token is
     never handed to a child, whoever asks.
@@ -97,7 +99,8 @@ def inherited_key_problem(environ: Mapping[str, str], pid: int | None = None) ->
     if not found or started_by_an_agent(environ, pid):
         return None
     names = " and ".join(found)
-    return (f"env {names} {'is' if len(found) == 1 else 'are'} set in this shell, but undying derives its keys from "
-            f"the job's token (--token-file, {TOKEN_ENV} or <job dir>/token) and hands them to its workers itself; "
-            f"a key set by hand or left by an earlier job would sign this run's checkpoints under a key the next "
-            f"launch does not know: run `unset {' '.join(found)}` and launch again")
+    return (f"env {names} {'is' if len(found) == 1 else 'are'} set in this shell, but undying "
+            f"derives its keys from the job's token (--token-file, {TOKEN_ENV} or "
+            f"<job dir>/token) and hands them to its workers itself; a key set by hand or left "
+            f"by an earlier job would sign this run's checkpoints under a key the next launch "
+            f"does not know: run `unset {' '.join(found)}` and launch again")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from undying.protocol.codec import Choice
 
-__all__ = ["InjectKind", "HangHow", "InjectPhase", "SlowPhase", "WorkerPhase", "RecoveryPhase", "NumericHow"]
+__all__ = [
+    "InjectKind", "HangHow", "InjectPhase", "SlowPhase", "WorkerPhase", "RecoveryPhase",
+    "NumericHow",
+]
 
 
 class InjectKind(Choice):
@@ -20,7 +23,8 @@ class InjectKind(Choice):
     SLOW = "slow"
     NAN = "nan"
     BITFLIP = "bitflip"
-    LEAVE = "leave"  # the rank's script exits 0 there (sys.exit(0)), as a script that stops early does
+    # The rank's script exits 0 there (sys.exit(0)), as a script that stops early does
+    LEAVE = "leave"
 
 
 class HangHow(Choice):
@@ -51,7 +55,8 @@ class InjectPhase(Choice):
 
 
 class SlowPhase(Choice):
-    """Where an injected slowdown spends its extra time: compute, the wait for a batch, the checkpoint stall."""
+    """Where an injected slowdown spends its extra time: compute, the wait for a batch, the
+    checkpoint stall."""
 
     COMPUTE = "compute"
     DATA = "data"
@@ -59,7 +64,8 @@ class SlowPhase(Choice):
 
 
 class WorkerPhase(Choice):
-    """What a worker is doing, as its heartbeats say: starting up, running steps, rejoining, finished."""
+    """What a worker is doing, as its heartbeats say: starting up, running steps, rejoining,
+    finished."""
 
     INIT = "init"
     STEP = "step"
@@ -91,4 +97,5 @@ class NumericHow(Choice):
     PERSISTENT = "persistent"
     GRAD = "grad"
     PARAM = "param"
-    GRAD_FINITE = "grad-finite"  # the top mantissa bit of the largest local gradient value: stays finite
+    # The top mantissa bit of the largest local gradient value: stays finite
+    GRAD_FINITE = "grad-finite"

@@ -40,12 +40,13 @@ from undying.protocol.worker_wire import (
 )
 
 __all__ = [
-    "AgentJoin", "AgentWelcome", "AgentRefused", "AgentFenced", "AgentState", "ManagerBeat", "SpawnRank",
-    "RankSpawned", "KillRank", "TellRank", "ArmRank", "AbortRank", "KeepSpares", "StopNode", "NodeStopped",
-    "NodeLeaving", "RankExited", "RankHung", "RankProgress", "RanksStalled", "SpareEvent", "TraceFileSet",
-    "TraceFileError", "NodeStep", "NumberedReports", "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report",
-    "FROM_WORKERS", "encode", "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line",
-    "StandbyJoin", "StandbyParked", "StandbyBeat",
+    "AgentJoin", "AgentWelcome", "AgentRefused", "AgentFenced", "AgentState", "ManagerBeat",
+    "SpawnRank", "RankSpawned", "KillRank", "TellRank", "ArmRank", "AbortRank", "KeepSpares",
+    "StopNode", "NodeStopped", "NodeLeaving", "RankExited", "RankHung", "RankProgress",
+    "RanksStalled", "SpareEvent", "TraceFileSet", "TraceFileError", "NodeStep", "NumberedReports",
+    "width", "Acked", "JobEnded", "FromAgent", "ToAgent", "Report", "FROM_WORKERS", "encode",
+    "decode_from_agent", "decode_to_agent", "decode_agent_report", "reports_line", "StandbyJoin",
+    "StandbyParked", "StandbyBeat",
 ]
 
 
@@ -87,7 +88,8 @@ class AgentJoin(Message, frozen=True):
 
 
 class AgentState(Message, frozen=True):
-    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm spares, zygote."""
+    """The node's beat (about twice a second): its live ranks (rank -> pid), their phases, warm
+    spares, zygote."""
 
     node: int
     live: dict[str, int]
@@ -98,7 +100,8 @@ class AgentState(Message, frozen=True):
 
 
 class RankSpawned(Message, frozen=True):
-    """The process that now holds ``rank`` (the answer to SpawnRank, or a stuck spare's replacement)."""
+    """The process that now holds ``rank`` (the answer to SpawnRank, or a stuck spare's
+    replacement)."""
 
     rank: int
     pid: int
@@ -138,7 +141,8 @@ class RankHung(Message, frozen=True):
 
 
 class RanksStalled(Message, frozen=True):
-    """Ranks that beat without progress past ``limit``: every live rank's progress, the manager judges."""
+    """Ranks that beat without progress past ``limit``: every live rank's progress, the manager
+    judges."""
 
     progress: list[RankProgress]
     limit: float
@@ -146,7 +150,8 @@ class RanksStalled(Message, frozen=True):
 
 
 class SpareEvent(Message, frozen=True):
-    """What happened to a node's hot spare (started, exited, hung, stuck taking a rank), for the job's log.
+    """What happened to a node's hot spare (started, exited, hung, stuck taking a rank), for the
+    job's log.
 
     ``what`` is the event's name in the log (``spare_started``, ...); ``detail`` its fields.
     """
@@ -172,7 +177,8 @@ class TraceFileError(Message, frozen=True):
 
 
 class NodeStep(Message, frozen=True):
-    """A node's ranks' commits of one step in one report: the wire unit that grows with nodes, not ranks.
+    """A node's ranks' commits of one step in one report: the wire unit that grows with nodes, not
+    ranks.
 
     What the agent's ranks commit in one pass of its loop with the same
     ``generation`` and ``step`` (under DDP, all of them, within microseconds),
@@ -191,8 +197,9 @@ class NodeStep(Message, frozen=True):
     fingerprints: list[str] = []
 
     def __post_init__(self) -> None:
-        if not self.ranks or len(self.t) != len(self.ranks) or len(self.metrics) != len(self.ranks) or (
-                self.fingerprints and len(self.fingerprints) != len(self.ranks)):
+        n = len(self.ranks)
+        if not n or len(self.t) != n or len(self.metrics) != n or (
+                self.fingerprints and len(self.fingerprints) != n):
             raise ValueError(f"a NodeStep of {len(self.ranks)} ranks needs as many times, metrics "
                              f"(and fingerprints, if any); got {len(self.t)}, {len(self.metrics)}, "
                              f"{len(self.fingerprints)}")
@@ -203,11 +210,12 @@ class NodeStep(Message, frozen=True):
         return len(self.ranks)
 
     def after(self, skip: int) -> NodeStep:
-        """The same record without its first ``skip`` commits (those a manager has from an earlier send)."""
+        """The same record without its first ``skip`` commits (those a manager has from an earlier
+        send)."""
         if skip <= 0:
             return self
-        return NodeStep(self.generation, self.step, self.ranks[skip:], self.t[skip:], self.metrics[skip:],
-                        self.fingerprints[skip:])
+        return NodeStep(self.generation, self.step, self.ranks[skip:], self.t[skip:],
+                        self.metrics[skip:], self.fingerprints[skip:])
 
     def commits(self) -> list[StepCommitted]:
         """Each rank's commit, as the rank sent it."""
@@ -267,11 +275,13 @@ class AgentWelcome(Message, frozen=True):
     control_port: int
     job_dir: str
     trace: TraceSet | None = None
-    acked: int = 0  # the newest of this session's reports the manager holds: the agent resends the rest
+    # The newest of this session's reports the manager holds: the agent resends the rest
+    acked: int = 0
 
 
 class AgentRefused(Message, frozen=True):
-    """The agent cannot join (wrong token, another job, a bad node rank, flags that differ); it exits."""
+    """The agent cannot join (wrong token, another job, a bad node rank, flags that differ); it
+    exits."""
 
     reason: str
 
@@ -332,14 +342,16 @@ class KeepSpares(Message, frozen=True):
 
 
 class StopNode(Message, frozen=True):
-    """Stop every worker of the node (SIGTERM, SIGKILL after ``grace_s``); answered by NodeStopped."""
+    """Stop every worker of the node (SIGTERM, SIGKILL after ``grace_s``); answered by
+    NodeStopped."""
 
     grace_s: float
     seq: int
 
 
 class JobEnded(Message, frozen=True):
-    """The job is over (succeeded, failed, stopped, preempted): the agent exits with ``exit_code``."""
+    """The job is over (succeeded, failed, stopped, preempted): the agent exits with
+    ``exit_code``."""
 
     state: str
     reason: str
@@ -349,7 +361,8 @@ class JobEnded(Message, frozen=True):
 # --- a warm standby agent (``undying run --standby``) --------------------------
 
 class StandbyJoin(Message, frozen=True):
-    """First message of a standby agent: its join, checked as a node's would be (its ``node`` is ignored).
+    """First message of a standby agent: its join, checked as a node's would be (its ``node`` is
+    ignored).
 
     It has no node until the manager gives it a lost one; it is parked meanwhile.
     """
@@ -358,7 +371,8 @@ class StandbyJoin(Message, frozen=True):
 
 
 class StandbyParked(Message, frozen=True):
-    """The manager's answer to a standby's join: it is the job's, with no node yet; keep warm and beat.
+    """The manager's answer to a standby's join: it is the job's, with no node yet; keep warm and
+    beat.
 
     It carries what the standby's zygote and spares must know before they
     start (the job dir, the control store's port, the trace switch). When a
@@ -373,18 +387,21 @@ class StandbyParked(Message, frozen=True):
 
 
 class StandbyBeat(Message, frozen=True):
-    """A parked standby's beat (about twice a second): it is alive, and how many of its spares are warm."""
+    """A parked standby's beat (about twice a second): it is alive, and how many of its spares are
+    warm."""
 
     spares_ready: int
     t: float
 
 
 FromAgent = AgentJoin | NumberedReports | StandbyJoin | StandbyBeat
-Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary | Done
-          | CheckpointSaved | Terminated | StopProposal | SpareEvent | NodeStep | AgentState | RankExited | RankSpawned
-          | RankHung | RanksStalled | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
-ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank | KillRank | TellRank
-           | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet | JobEnded | StandbyParked)
+Report = (Hello | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal
+          | TraceSummary | Done | CheckpointSaved | Terminated | StopProposal | SpareEvent
+          | NodeStep | AgentState | RankExited | RankSpawned | RankHung | RanksStalled
+          | NodeStopped | NodeLeaving | TraceFileSet | TraceFileError)
+ToAgent = (AgentWelcome | AgentRefused | AgentFenced | ManagerBeat | Acked | SpawnRank
+           | KillRank | TellRank | ArmRank | AbortRank | KeepSpares | StopNode | TraceSet
+           | JobEnded | StandbyParked)
 
 # The reports the manager takes as its workers' messages (``on_messages``, in runs): what workers
 # forward, and the agent's word on its spares, which the manager logs as it logs the workers'.
@@ -401,5 +418,6 @@ decode_agent_report = _reports.decode
 
 
 def reports_line(first: int, reports: list[bytes]) -> bytes:
-    """A NumberedReports line of reports already encoded as objects: the bytes ``encode`` would write."""
+    """A NumberedReports line of reports already encoded as objects: the bytes ``encode`` would
+    write."""
     return b'{"type":"NumberedReports","first":%d,"reports":[%s]}\n' % (first, b",".join(reports))

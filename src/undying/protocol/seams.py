@@ -52,7 +52,8 @@ class AgentHandle(Protocol):
 
     @property
     def attached(self) -> bool:
-        """The node's agent is here (one across the network may be gone; a standalone one always is)."""
+        """The node's agent is here (one across the network may be gone; a standalone one always
+        is)."""
         ...
 
     def drop_waiting(self) -> None:

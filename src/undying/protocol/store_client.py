@@ -89,8 +89,11 @@ class JobStore(dist.Store):
     def add(self, key: str, value: int) -> int:
         return self._call(Request("add", [key], number=int(value))).number
 
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        return self._call(Request("compare_set", [key], [_bytes(expected_value), _bytes(desired_value)])).values[0]
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        values = [_bytes(expected_value), _bytes(desired_value)]
+        return self._call(Request("compare_set", [key], values)).values[0]
 
     def delete_key(self, key: str) -> bool:
         return bool(self._call(Request("delete_key", [key])).number)
@@ -122,7 +125,8 @@ class JobStore(dist.Store):
 
     def clone(self) -> JobStore:
         copy = JobStore(*self._address, self._name, self._key, self._timeout())
-        _clones.append(copy)  # handed to C++, which does not keep the Python object alive (see hold)
+        # Handed to C++, which does not keep the Python object alive (see hold)
+        _clones.append(copy)
         return copy
 
     def close(self) -> None:
@@ -144,7 +148,8 @@ class JobStore(dist.Store):
         while True:
             remaining = deadline - time.monotonic()
             try:
-                sock = socket.create_connection(self._address, timeout=max(0.5, min(remaining, 10.0)))
+                sock = socket.create_connection(self._address,
+                                                timeout=max(0.5, min(remaining, 10.0)))
             except OSError as e:  # not listening yet, or gone: try again until the deadline
                 last = e
             else:
@@ -157,25 +162,27 @@ class JobStore(dist.Store):
                     raise
             if time.monotonic() + _RETRY_S >= deadline:
                 raise dist.DistNetworkError(
-                    f"the job's store {self._name} at {self._address[0]}:{self._address[1]} is unreachable "
-                    f"(Connection refused: {last}); is the job's manager running?")
+                    f"the job's store {self._name} at {self._address[0]}:{self._address[1]} is "
+                    f"unreachable (Connection refused: {last}); is the job's manager running?")
             time.sleep(_RETRY_S)
 
     def _handshake(self, sock: socket.socket) -> None:
         challenge = decode(_recv_frame(sock, self._name), "handshake")
         if not isinstance(challenge, Challenge) or len(challenge.nonce) != NONCE_BYTES:
-            raise dist.DistNetworkError(f"{self._address[0]}:{self._address[1]} is no undying store server")
+            raise dist.DistNetworkError(
+                f"{self._address[0]}:{self._address[1]} is no undying store server")
         nonce = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(frame(Proof(self._name, nonce, proof_of(self._key, "client", challenge.nonce, nonce,
-                                                              self._name))))
+        proof = proof_of(self._key, "client", challenge.nonce, nonce, self._name)
+        sock.sendall(frame(Proof(self._name, nonce, proof)))
         answer = decode(_recv_frame(sock, self._name), "handshake")
         if isinstance(answer, Refused):
-            raise dist.DistNetworkError(f"the job's store {self._name} refused this process: {answer.reason}")
+            raise dist.DistNetworkError(
+                f"the job's store {self._name} refused this process: {answer.reason}")
         expected = proof_of(self._key, "server", challenge.nonce, nonce, self._name)
         if not isinstance(answer, Welcome) or not hmac.compare_digest(answer.proof, expected):
             raise dist.DistNetworkError(
-                f"the store server at {self._address[0]}:{self._address[1]} did not prove the job's key: "
-                "it is not this job's manager")
+                f"the store server at {self._address[0]}:{self._address[1]} did not prove the "
+                "job's key: it is not this job's manager")
 
     def _call(self, request: Request) -> Reply:
         with self._lock:
@@ -184,17 +191,18 @@ class JobStore(dist.Store):
                 self._sock.sendall(frame(request))
                 reply = decode(_recv_frame(self._sock, self._name), "reply")
             except TimeoutError as e:
-                raise dist.DistStoreError(f"the job's store {self._name}: no answer to {request.op}: "
-                                          f"Socket Timeout ({e})") from e
+                raise dist.DistStoreError(f"the job's store {self._name}: no answer to "
+                                          f"{request.op}: Socket Timeout ({e})") from e
             except (OSError, msgspec.DecodeError, ValueError) as e:
-                raise dist.DistNetworkError(f"the job's store {self._name}: Connection closed by peer "
-                                            f"during {request.op} ({e})") from e
+                raise dist.DistNetworkError(f"the job's store {self._name}: Connection closed by "
+                                            f"peer during {request.op} ({e})") from e
         if reply.ok:
             return reply
         if reply.kind == "timeout":
             raise dist.DistStoreError(f"the job's store {self._name}: {reply.error}")
         if reply.kind == "closed":
-            raise dist.DistNetworkError(f"the job's store {self._name}: Connection closed by peer ({reply.error})")
+            raise dist.DistNetworkError(
+                f"the job's store {self._name}: Connection closed by peer ({reply.error})")
         raise ValueError(f"the job's store {self._name}: {reply.error}")
 
 
@@ -204,7 +212,8 @@ _clones: list[JobStore] = []
 
 
 def hold(role: str, store: JobStore) -> JobStore:
-    """Keep ``store``'s Python object alive while C++ holds it; close the one held before in ``role``.
+    """Keep ``store``'s Python object alive while C++ holds it; close the one held before in
+    ``role``.
 
     A ``torch.distributed.Store`` written in Python is a pybind11 trampoline: C++
     (a PrefixStore, a process group, ``new_group`` later on) keeps the C++ half
@@ -243,7 +252,8 @@ def _recv_frame(sock: socket.socket, name: str) -> bytes:
 
 
 def use_for_env_rendezvous() -> None:
-    """``init_process_group`` with ``env://`` (the default) meets the current generation on the job's store.
+    """``init_process_group`` with ``env://`` (the default) meets the current generation on the
+    job's store.
 
     torchrun's contract hands a script ``MASTER_ADDR``/``MASTER_PORT``; under
     undying they name the manager's store server, which only answers a client
@@ -251,13 +261,16 @@ def use_for_env_rendezvous() -> None:
     process: with the key in the environment it opens the generation's
     ``JobStore`` (``UNDYING_GENERATION``), else it is torch's own.
     """
-    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module; the package exports a function
+    # The module; the package exports a function
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
 
     original = rdzv._rendezvous_handlers.get("env")
     if original is None or getattr(original, "_undying", False):
         return
 
-    def handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+    def handler(
+        url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any
+    ) -> Iterator[Any]:
         key = key_from_environ(os.environ)
         if key is None or GENERATION_ENV not in os.environ:
             yield from original(url, timeout=timeout, **kwargs)
@@ -268,8 +281,9 @@ def use_for_env_rendezvous() -> None:
         # (MASTER_ADDR/PORT are the script's own store's, TORCHELASTIC_USE_AGENT_STORE=False; the
         # job's is here)
         host, _, port = os.environ.get(STORE_ADDR_ENV, "").rpartition(":")
-        store = hold("generation", JobStore(host or os.environ["MASTER_ADDR"], int(port or os.environ["MASTER_PORT"]),
-                                            generation_store(int(os.environ[GENERATION_ENV])), key, timeout))
+        address = (host or os.environ["MASTER_ADDR"], int(port or os.environ["MASTER_PORT"]))
+        generation = generation_store(int(os.environ[GENERATION_ENV]))
+        store = hold("generation", JobStore(*address, generation, key, timeout))
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 

@@ -42,25 +42,29 @@ __all__ = [
 ]
 
 CONTROL_STORE = "control"
-MAX_FRAME = 64 * 1024 * 1024  # a store holds addresses and small records; a bigger frame is an attack or a bug
+# A store holds addresses and small records; a bigger frame is an attack or a bug
+MAX_FRAME = 64 * 1024 * 1024
 NONCE_BYTES = 32
 _LABEL = b"undying store key v1"
 
 
 def store_key_from_token(token: str) -> bytes:
-    """The job's store key: derived from its token, so it is exactly as secret, and never the token."""
+    """The job's store key: derived from its token, so it is exactly as secret, and never the
+    token."""
     return hmac.new(token.encode(), _LABEL, hashlib.sha256).digest()
 
 
 def key_from_environ(environ: Mapping[str, str]) -> bytes | None:
-    """The key an agent handed its worker, None when it handed none (a malformed one is an error)."""
+    """The key an agent handed its worker, None when it handed none (a malformed one is an
+    error)."""
     value = environ.get(STORE_KEY_ENV, "")
     if not value:
         return None
     try:
         key = bytes.fromhex(value)
     except ValueError as e:
-        raise ValueError(f"env {STORE_KEY_ENV} is not hex ({e}); it is set by undying's agent, do not set it by hand") from e
+        raise ValueError(f"env {STORE_KEY_ENV} is not hex ({e}); it is set by undying's agent, "
+                         "do not set it by hand") from e
     if len(key) < 16:
         raise ValueError(f"env {STORE_KEY_ENV} is {len(key)} bytes; undying's agent sets 32")
     return key

@@ -125,7 +125,8 @@ class TraceSwitch:
             elif step:
                 msg = "comm markers on"
             else:
-                msg = "comm markers on, and step markers (step, ckpt, fp, data) on too: comm markers need them"
+                msg = ("comm markers on, and step markers (step, ckpt, fp, data) on too: comm "
+                       "markers need them")
             step = comm = True
         elif on:
             msg = (

@@ -1,4 +1,5 @@
-"""What a rank and the job's verifier exchange for ``--verify-every``: requests and verdicts, as files.
+"""What a rank and the job's verifier exchange for ``--verify-every``: requests and verdicts, as
+files.
 
 The verifier (``undying.worker.verify``) is a process of the job's own script
 outside the job's process group, so it meets the ranks through a folder of the
@@ -20,19 +21,22 @@ __all__ = ["VerifyRequest", "VerifyResult", "VERIFY_CODEC", "file_name"]
 
 
 class VerifyRequest(Message, frozen=True):
-    """The suspect's side of a verification: its step, rank and local gradient fingerprint (the bits)."""
+    """The suspect's side of a verification: its step, rank and local gradient fingerprint (the
+    bits)."""
 
     round: str
     step: int
     rank: int  # the suspect: whose step is replayed
-    holder: int  # the rank whose pre-step state the replay starts from (another one when the job has two)
+    # The rank whose pre-step state the replay starts from (another one when the job has two)
+    holder: int
     seed: int  # the job's seed: the replay reseeds as that rank did for that step
     prints: list[int]
     t: float
 
 
 class VerifyResult(Message, frozen=True):
-    """The verifier's verdict: the replayed fingerprint equal to the suspect's, bit for bit, or not."""
+    """The verifier's verdict: the replayed fingerprint equal to the suspect's, bit for bit, or
+    not."""
 
     round: str
     step: int
@@ -44,11 +48,13 @@ class VerifyResult(Message, frozen=True):
     t: float
 
 
-VERIFY_CODEC: Codec[VerifyRequest | VerifyResult] = Codec(VerifyRequest | VerifyResult, "verify folder")
+VERIFY_CODEC: Codec[VerifyRequest | VerifyResult] = Codec(VerifyRequest | VerifyResult,
+                                                          "verify folder")
 
 
 def file_name(kind: str, round_: str, step: int, suffix: str) -> str:
-    """``kind-round-step.suffix`` (kind: ``req`` and ``batch`` of the suspect, ``pre`` of the holder, ``res``)."""
+    """``kind-round-step.suffix`` (kind: ``req`` and ``batch`` of the suspect, ``pre`` of the
+    holder, ``res``)."""
     if not round_.isalnum():
         raise ValueError(f"a verification round is letters and digits, got {round_!r}")
     return f"{kind}-{round_}-{step:09d}.{suffix}"

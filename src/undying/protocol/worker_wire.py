@@ -21,11 +21,11 @@ from undying.protocol.codec import Codec, Message, members
 from undying.protocol.env import DEFAULT_HEARTBEAT_TIMEOUT_S, TIMEOUT_HEARTBEAT_ENV
 
 __all__ = [
-    "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected", "Fatal",
-    "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady", "SpareTaken",
-    "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
-    "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker", "decode_to_worker",
-    "spare_beat_interval", "Metric", "wire_metrics",
+    "Hello", "Heartbeat", "StepBegun", "StepCommitted", "Progress", "CommFailure", "FaultInjected",
+    "Fatal", "TraceSummary", "Done", "CheckpointSaved", "Terminated", "StopProposal", "SpareReady",
+    "SpareTaken", "Preempt", "StopAt", "Stop", "Assign", "Abort", "ArmFault", "TraceSet",
+    "WorkerReport", "WorkerCommand", "FORWARDED", "COMMANDS", "encode", "decode_from_worker",
+    "decode_to_worker", "spare_beat_interval", "Metric", "wire_metrics",
 ]
 
 
@@ -63,7 +63,8 @@ class Heartbeat(Message, frozen=True):
 
 
 class StepBegun(Message, frozen=True):
-    """A rank began a step with this batch: ``batch`` fingerprints it (``undying.worker.fingerprint``).
+    """A rank began a step with this batch: ``batch`` fingerprints it
+    (``undying.worker.fingerprint``).
 
     Sent when the step's batch is known (``step.batch``, or what the script
     hands to ``step.uses``), so the batch of a step a rank died in is on record:
@@ -78,7 +79,8 @@ class StepBegun(Message, frozen=True):
     batch: str
 
 
-Metric = str | float  # a step.log value: a number, or "inf", "-inf", "nan" (JSON has no such numbers)
+# A step.log value: a number, or "inf", "-inf", "nan" (JSON has no such numbers)
+Metric = str | float
 
 
 def wire_metrics(metrics: Mapping[str, float | str]) -> dict[str, Metric]:
@@ -92,7 +94,8 @@ def wire_metrics(metrics: Mapping[str, float | str]) -> dict[str, Metric]:
 
 
 def float_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
-    """Metrics as numbers again (``wire_metrics`` undone): what the manager computes and logs with."""
+    """Metrics as numbers again (``wire_metrics`` undone): what the manager computes and logs
+    with."""
     return {name: float(value) for name, value in metrics.items()}
 
 
@@ -114,7 +117,8 @@ class StepCommitted(Message, frozen=True):
             msgspec.structs.force_setattr(self, "metrics", wire_metrics(self.metrics))
         for name, value in self.metrics.items():
             if isinstance(value, str) and value not in _NON_FINITE:
-                raise ValueError(f"metric {name!r} is {value!r}: a number, or one of {', '.join(_NON_FINITE)}")
+                raise ValueError(f"metric {name!r} is {value!r}: a number, or one of "
+                                 f"{', '.join(_NON_FINITE)}")
 
 
 _NON_FINITE = ("inf", "-inf", "nan")
@@ -162,7 +166,8 @@ class Fatal(Message, frozen=True):
 
 
 class TraceSummary(Message, frozen=True):
-    """A rank's compact trace summary over a window of steps (undying.trace.summary), for slow-rank detection."""
+    """A rank's compact trace summary over a window of steps (undying.trace.summary), for slow-rank
+    detection."""
 
     rank: int
     generation: int
@@ -200,7 +205,8 @@ class CheckpointSaved(Message, frozen=True):
 
 
 class Terminated(Message, frozen=True):
-    """This worker received SIGTERM (a kill of its process group): the job should take its dying gasp.
+    """This worker received SIGTERM (a kill of its process group): the job should take its dying
+    gasp.
 
     ``pid``: the process that received it; a process the rank was since taken
     from (stopped by its fenced agent) is old news, not a preemption.
@@ -231,7 +237,8 @@ class SpareReady(Message, frozen=True):
 
 
 class SpareTaken(Message, frozen=True):
-    """The spare's answer to Assign: it took the rank and runs the script now (within --spare-take-timeout)."""
+    """The spare's answer to Assign: it took the rank and runs the script now (within
+    --spare-take-timeout)."""
 
     pid: int
     t: float
@@ -248,14 +255,16 @@ class Preempt(Message, frozen=True):
 
 
 class StopAt(Message, frozen=True):
-    """Finish steps up to ``step``, then stop; rank 0 writes the dying-gasp checkpoint of ``step`` first."""
+    """Finish steps up to ``step``, then stop; rank 0 writes the dying-gasp checkpoint of ``step``
+    first."""
 
     step: int
     grace_s: float
 
 
 class Stop(Message, frozen=True):
-    """Exit now (an ordered stop, not a preemption): the SIGTERM that follows is not a dying gasp."""
+    """Exit now (an ordered stop, not a preemption): the SIGTERM that follows is not a dying
+    gasp."""
 
     reason: str
 
@@ -304,14 +313,15 @@ class TraceSet(Message, frozen=True):
     comm_from_step: int = 0
 
 
-WorkerReport = (Hello | Heartbeat | StepBegun | StepCommitted | Progress | CommFailure | FaultInjected | Fatal | TraceSummary
-                | Done | CheckpointSaved | Terminated | StopProposal | SpareReady | SpareTaken)
+WorkerReport = (Hello | Heartbeat | StepBegun | StepCommitted | Progress | CommFailure
+                | FaultInjected | Fatal | TraceSummary | Done | CheckpointSaved | Terminated
+                | StopProposal | SpareReady | SpareTaken)
 WorkerCommand = Preempt | StopAt | Stop | Assign | Abort | ArmFault | TraceSet
 
 # A worker's reports about the job, which its agent forwards to the manager as they came.
 FORWARDED: tuple[type[Message], ...] = (
-    Hello, StepBegun, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary, Done,
-    CheckpointSaved, Terminated, StopProposal,
+    Hello, StepBegun, StepCommitted, Progress, CommFailure, FaultInjected, Fatal, TraceSummary,
+    Done, CheckpointSaved, Terminated, StopProposal,
 )
 
 COMMANDS = members(WorkerCommand)
@@ -325,7 +335,8 @@ decode_to_worker = _commands.decode
 
 
 def spare_beat_interval(env: Mapping[str, str] | None = None) -> float:
-    """Seconds between a waiting spare's SpareReady beats: a quarter of the heartbeat timeout, at most 1 s.
+    """Seconds between a waiting spare's SpareReady beats: a quarter of the heartbeat timeout, at
+    most 1 s.
 
     Both ends of a spare's line go by it: the spare beats this often, the agent
     judges a spare silent for a few of these stopped or wedged.

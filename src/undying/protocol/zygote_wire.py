@@ -30,7 +30,8 @@ class _Op(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=Tru
 
 
 class Spawn(_Op, frozen=True, tag="spawn"):
-    """Fork a worker: boot's arguments, its whole environment, its working directory, which of 0-2 come."""
+    """Fork a worker: boot's arguments, its whole environment, its working directory, which of 0-2
+    come."""
 
     id: int
     args: list[str]

@@ -40,7 +40,8 @@ class TraceDirError(UsageError):
 
 @dataclass
 class TraceTable:
-    """What ``load_trace`` found: per-step rows, per-rank rows (ranked), findings and reading stats."""
+    """What ``load_trace`` found: per-step rows, per-rank rows (ranked), findings and reading
+    stats."""
 
     path: Path  # the job folder read
     job: str
@@ -82,20 +83,23 @@ class TraceTable:
 
 
 def _rank_dirs(job_dir: Path) -> dict[int, Path]:
-    """The rank folders of a job folder (named by a rank number, holding at least one trace file)."""
+    """The rank folders of a job folder (named by a rank number, holding at least one trace
+    file)."""
     out: dict[int, Path] = {}
     try:
         children = sorted(job_dir.iterdir())
     except OSError:
         return out
     for child in children:
-        if child.is_dir() and child.name.isdigit() and any(is_trace_file(p.name) for p in child.iterdir()):
+        if (child.is_dir() and child.name.isdigit()
+                and any(is_trace_file(p.name) for p in child.iterdir())):
             out[int(child.name)] = child
     return out
 
 
 def _newest(job_dir: Path) -> float:
-    return max((p.stat().st_mtime for d in _rank_dirs(job_dir).values() for p in d.iterdir()), default=0.0)
+    return max((p.stat().st_mtime for d in _rank_dirs(job_dir).values() for p in d.iterdir()),
+               default=0.0)
 
 
 def find_job_dir(path: Path) -> tuple[Path, dict[int, Path], list[str]]:
@@ -119,8 +123,9 @@ def find_job_dir(path: Path) -> tuple[Path, dict[int, Path], list[str]]:
     jobs = [d for d in sorted(path.iterdir()) if d.is_dir() and _rank_dirs(d)]
     if not jobs:
         raise TraceDirError(
-            f"no trace files under {path}: expected <job id>/<rank>/<timestamp>.ndjson below it. "
-            "Was the job run with tracing on (undying run --trace on, or undying trace on while it runs)?"
+            f"no trace files under {path}: expected <job id>/<rank>/<timestamp>.ndjson below "
+            "it. Was the job run with tracing on (undying run --trace on, or undying trace on "
+            "while it runs)?"
         )
     jobs.sort(key=_newest)
     chosen = jobs[-1]
@@ -139,7 +144,8 @@ def load_trace(
     threshold: float = 0.08,
     patience: int = 2,
 ) -> TraceTable:
-    """Read a job's traces and diagnose them (see the module doc). ``TraceDirError`` for bad paths."""
+    """Read a job's traces and diagnose them (see the module doc). ``TraceDirError`` for bad
+    paths."""
     job_dir, rank_dirs, others = find_job_dir(Path(trace_dir))
     files = records = bad = rerun = 0
     skipped: list[str] = []
@@ -195,7 +201,8 @@ def load_trace(
             f"the trace files under {job_dir} hold no completed step (no 'step' records): "
             "were the step markers on (undying trace on)?"
         )
-    findings, summaries = find_slow(step_rows, nodes, window=window, threshold=threshold, patience=patience)
+    findings, summaries = find_slow(step_rows, nodes, window=window, threshold=threshold,
+                                    patience=patience)
     ranks = rank_rows(step_rows, nodes)
     return TraceTable(
         path=job_dir, job=job, other_jobs=others, steps=step_rows, ranks=ranks, findings=findings,

@@ -94,7 +94,7 @@ from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
-from undying.trace.evidence import Track, evidence_of, factor_of, onset_of, rounded, step_factor
+from undying.trace.evidence import Track, node_finding, rank_finding
 from undying.trace.excess import (
     judged_basis,
     node_excess,
@@ -137,7 +137,9 @@ class SlowDetector:
         min_steps: int = 3,
     ) -> None:
         if not 0 < threshold < 1:
-            raise ValueError(f"threshold is a fraction of the step time, between 0 and 1, got {threshold}")
+            raise ValueError(
+                f"threshold is a fraction of the step time, between 0 and 1, got {threshold}"
+            )
         if patience < 1:
             raise ValueError(f"patience must be at least 1 window, got {patience}")
         self.threshold = threshold
@@ -272,23 +274,29 @@ class SlowDetector:
                 z = x / bar if ev.get("corroborated", True) else 0.0
                 if rank in fp_excess and fp_excess[rank][0] / bar > z:
                     x = fp_excess[rank][0]
-                    ev = {**fp_excess[rank][1], "comm": ev.get("comm"), "others_comm": ev.get("others_comm")}
+                    ev = {**fp_excess[rank][1], "comm": ev.get("comm"),
+                          "others_comm": ev.get("others_comm")}
                     z = x / bar
                 self._update(self._track(rank, phase), z, x, first, ev, step)
             for node, ranks in groups.items():
                 zs, xs = node_excess(ranks, values, comm, bar)
-                if fpv is not None:  # the forward pass witnesses for a node as it does for its ranks
+                # The forward pass witnesses for a node as it does for its ranks.
+                if fpv is not None:
                     fzs, fxs = node_excess(ranks, fpv, {}, bar)
                     if min(fzs) > min(zs):
                         zs, xs = fzs, fxs
-                z = min(zs)  # the node is as slow as its least slow rank: all of them, or it is not the node
+                # The node is as slow as its least slow rank: all of them, or it is not the node.
+                z = min(zs)
                 ev = {f"rank{r}": x for r, x in zip(ranks, xs, strict=True)}
                 self._update(self._node_track(node, phase), z, sum(xs) / len(xs), first, ev, step)
             found.extend(self._decide(phase, per_rank, groups))
         return found
 
-    def _update(self, track: Track, z: float, x: float, first: int, ev: dict[str, Any], step: float) -> None:
-        """Add one window's excess (``z`` in bars, ``x`` in seconds) to a rank's or node's evidence."""
+    def _update(
+        self, track: Track, z: float, x: float, first: int, ev: dict[str, Any], step: float
+    ) -> None:
+        """Add one window's excess (``z`` in bars, ``x`` in seconds) to a rank's or node's
+        evidence."""
         before = track.evidence
         gain = min(z, 2.0) - self.slack
         # Capped, so that evidence piled up by a long slow spell does not outlast it.
@@ -317,9 +325,11 @@ class SlowDetector:
                 track.base_steps.append(step)
 
     def _decide(
-        self, phase: str, per_rank: dict[int, tuple[float, dict[str, Any]]], groups: dict[str, list[int]]
+        self, phase: str, per_rank: dict[int, tuple[float, dict[str, Any]]],
+        groups: dict[str, list[int]],
     ) -> list[Finding]:
-        """The findings of one phase in this window: nodes first, then ranks not covered by a node."""
+        """The findings of one phase in this window: nodes first, then ranks not covered by a
+        node."""
         found: list[Finding] = []
         ready = {r for r in per_rank if self._track(r, phase).evidence >= self.report_at}
         covered: set[int] = set()
@@ -337,17 +347,19 @@ class SlowDetector:
                 covered.update(ranks)
                 for r in ranks:
                     self._track(r, phase).active = True  # one finding for all of them
-                found.append(self._node_finding(node, ranks, phase, nt))
+                tracks = [self._track(r, phase) for r in ranks]
+                found.append(node_finding(node, ranks, phase, nt, tracks))
         for rank in sorted(ready - covered):
             track = self._track(rank, phase)
             if track.active:
                 continue
             node = self.nodes.get(rank, "")
-            if node in groups and track.deferred < self.max_defer and self._node_track(node, phase).evidence > 0:
+            if (node in groups and track.deferred < self.max_defer
+                    and self._node_track(node, phase).evidence > 0):
                 track.deferred += 1  # its whole node may be slow: wait a little for it to show
                 continue
             track.active = True
-            found.append(self._rank_finding(rank, phase, track))
+            found.append(rank_finding(rank, self.nodes.get(rank, ""), phase, track))
         return found
 
     def phase_excess(
@@ -375,7 +387,8 @@ class SlowDetector:
         return window_excess(phase, basis, values, step, comm, comm_others, self.threshold)
 
     def _node_groups(self, rows: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
-        """This window's nodes that hold 2 ranks or more; none when all its ranks are on one node."""
+        """This window's nodes that hold 2 ranks or more; none when all its ranks are on one
+        node."""
         groups: dict[str, list[int]] = {}
         for r in sorted(rows):
             groups.setdefault(self.nodes.get(r, ""), []).append(r)
@@ -384,50 +397,17 @@ class SlowDetector:
         groups.pop("", None)  # ranks whose node is unknown belong to no group
         return {n: rs for n, rs in groups.items() if len(rs) >= 2}
 
-    # --- findings -------------------------------------------------------------
-
-    def _rank_finding(self, rank: int, phase: str, track: Track) -> Finding:
-        ev = evidence_of(track)
-        # In every slow window: the longest of all ranks in that phase, the shortest collective
-        # wait.
-        ev["longest"] = track.sums.get("longest", 0.0) == track.counts.get("longest", -1)
-        if "shortest_comm" in track.counts:
-            ev["shortest_comm"] = track.sums["shortest_comm"] == track.counts["shortest_comm"]
-        since, excess = onset_of(track)
-        return Finding(
-            kind="slow_rank", rank=rank, node=self.nodes.get(rank, ""), ranks=[rank], phase=phase,
-            factor=factor_of(ev), excess_s=round(excess, 6), since_step=since,
-            step_factor=step_factor(track.base_step, excess), evidence=ev,
-        )  # fmt: skip
-
-    def _node_finding(self, node: str, ranks: list[int], phase: str, nt: Track) -> Finding:
-        tracks = [self._track(r, phase) for r in ranks]
-        evs = [evidence_of(t) for t in tracks]
-
-        def mean(key: str) -> float | None:
-            xs = [e[key] for e in evs if e.get(key) is not None]
-            return rounded(sum(xs) / len(xs)) if xs and len(xs) == len(evs) else None
-
-        ev: dict[str, Any] = {"basis": evs[0]["basis"] or phase}
-        for key in ("value", "others_median", "comm", "others_comm", "step", "bar"):
-            ev[key] = mean(key)
-        ev["windows"] = nt.run_n
-        ev["evidence"] = round(nt.evidence, 3)
-        ev["per_rank_excess"] = {str(r): rounded(nt.mean(f"rank{r}")) for r in ranks}
-        since, excess = onset_of(nt)
-        return Finding(
-            kind="slow_node", rank=-1, node=node, ranks=list(ranks), phase=phase,
-            factor=factor_of(ev), excess_s=round(excess, 6), since_step=since,
-            step_factor=step_factor(nt.base_step, excess), evidence=ev,
-        )  # fmt: skip
-
     # --- for reports ----------------------------------------------------------
 
     def active(self) -> list[tuple[str, Any, str]]:
-        """What is reported now and not recovered: (``"rank"``, rank, phase) and (``"node"``, node, phase)."""
-        out: list[tuple[str, Any, str]] = [("node", n, p) for (n, p), t in self._node_tracks.items() if t.active]
+        """What is reported now and not recovered: (``"rank"``, rank, phase) and (``"node"``,
+        node, phase)."""
+        out: list[tuple[str, Any, str]] = [
+            ("node", n, p) for (n, p), t in self._node_tracks.items() if t.active
+        ]
         covered = {(r, p) for (_, n, p) in out for r in self._node_ranks(n)}
-        out += [("rank", r, p) for (r, p), t in self._tracks.items() if t.active and (r, p) not in covered]
+        out += [("rank", r, p) for (r, p), t in self._tracks.items()
+                if t.active and (r, p) not in covered]
         return out
 
     def _node_ranks(self, node: str) -> list[int]:

@@ -1,8 +1,10 @@
-"""What the slow-rank detector remembers of each rank and node, and the numbers a finding shows.
+"""What the slow-rank detector remembers of each rank and node, and the numbers a finding
+shows.
 
 A ``Track`` holds one (rank, phase) or (node, phase)'s evidence, its onset and
 the sums of the windows that added to it (``trace/detect.py``'s module doc says
-how evidence gathers); the functions here turn a track into a finding's numbers.
+how evidence gathers); the functions here turn a track into a finding's numbers,
+and ``rank_finding`` and ``node_finding`` into the finding itself.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from undying.trace.finding import onset
+from undying.trace.finding import Finding, onset
 
-__all__ = ["Track", "evidence_of", "factor_of", "onset_of", "step_factor", "rounded"]
+__all__ = [
+    "Track", "evidence_of", "factor_of", "onset_of", "step_factor", "rounded",
+    "rank_finding", "node_finding",
+]
 
 # Windows of history a track keeps for its onset and size (a finding needs a few; 64 is ample).
 HISTORY = 64
@@ -84,3 +89,44 @@ def rounded(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: rounded(x) for k, x in v.items()}
     return v
+
+
+def rank_finding(rank: int, node: str, phase: str, track: Track) -> Finding:
+    """The ``slow_rank`` finding of ``rank`` (on ``node``) in ``phase``, from its track."""
+    ev = evidence_of(track)
+    # In every slow window: the longest of all ranks in that phase, the shortest collective
+    # wait.
+    ev["longest"] = track.sums.get("longest", 0.0) == track.counts.get("longest", -1)
+    if "shortest_comm" in track.counts:
+        ev["shortest_comm"] = track.sums["shortest_comm"] == track.counts["shortest_comm"]
+    since, excess = onset_of(track)
+    return Finding(
+        kind="slow_rank", rank=rank, node=node, ranks=[rank], phase=phase,
+        factor=factor_of(ev), excess_s=round(excess, 6), since_step=since,
+        step_factor=step_factor(track.base_step, excess), evidence=ev,
+    )  # fmt: skip
+
+
+def node_finding(
+    node: str, ranks: list[int], phase: str, nt: Track, tracks: list[Track]
+) -> Finding:
+    """The ``slow_node`` finding of ``node`` in ``phase``, from its track (``nt``) and its
+    ranks' (``tracks``, in the order of ``ranks``)."""
+    evs = [evidence_of(t) for t in tracks]
+
+    def mean(key: str) -> float | None:
+        xs = [e[key] for e in evs if e.get(key) is not None]
+        return rounded(sum(xs) / len(xs)) if xs and len(xs) == len(evs) else None
+
+    ev: dict[str, Any] = {"basis": evs[0]["basis"] or phase}
+    for key in ("value", "others_median", "comm", "others_comm", "step", "bar"):
+        ev[key] = mean(key)
+    ev["windows"] = nt.run_n
+    ev["evidence"] = round(nt.evidence, 3)
+    ev["per_rank_excess"] = {str(r): rounded(nt.mean(f"rank{r}")) for r in ranks}
+    since, excess = onset_of(nt)
+    return Finding(
+        kind="slow_node", rank=-1, node=node, ranks=list(ranks), phase=phase,
+        factor=factor_of(ev), excess_s=round(excess, 6), since_step=since,
+        step_factor=step_factor(nt.base_step, excess), evidence=ev,
+    )  # fmt: skip

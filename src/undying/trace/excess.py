@@ -37,7 +37,8 @@ def others_medians(values: dict[int, float]) -> dict[int, float]:
 def node_excess(
     ranks: list[int], values: dict[int, float], comm: dict[int, float], bar: float
 ) -> tuple[list[float], list[float]]:
-    """A node's ranks' excess over the median of the ranks on other nodes: in bars, and in seconds."""
+    """A node's ranks' excess over the median of the ranks on other nodes: in bars, and in
+    seconds."""
     inside = set(ranks)
     outside = sorted(v for r, v in values.items() if r not in inside)
     out_comm = sorted(c for r, c in comm.items() if r not in inside)
@@ -98,7 +99,8 @@ def waited_for(
     comm_others: dict[int, float],
     threshold: float,
 ) -> dict[int, float]:
-    """Per rank, its largest excess this window in data or checkpoint: what the others waited for it.
+    """Per rank, its largest excess this window in data or checkpoint: what the others waited
+    for it.
 
     The others wait for a rank slow in data or checkpoint; where no marker
     catches that wait (a collective of the script's own, not DDP's) it reads
@@ -114,6 +116,7 @@ def waited_for(
     out: dict[int, float] = {}
     for phase in ("data", "ckpt"):
         values = {r: float(s.get(phase) or 0.0) for r, s in rows.items()}
-        for r, (x, _) in window_excess(phase, phase, values, step, comm, comm_others, threshold).items():
+        excess = window_excess(phase, phase, values, step, comm, comm_others, threshold)
+        for r, (x, _) in excess.items():
             out[r] = max(out.get(r, 0.0), x)
     return {r: x for r, x in out.items() if x > 0}

@@ -65,7 +65,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def describe_finding(f: dict[str, Any]) -> str:
-    """The sentence for a finding given as a dict (a Finding's ``to_dict``, or an incident's copy)."""
+    """The sentence for a finding given as a dict (a Finding's ``to_dict``, or an incident's
+    copy)."""
     phase = f["phase"]
     slow = f"{phase}-slow"
     who = f"rank {f['rank']}" if f["kind"] == "slow_rank" else (
@@ -85,12 +86,14 @@ def describe_finding(f: dict[str, Any]) -> str:
     if ev.get("comm") is not None and ev.get("others_comm") is not None:
         extra.append(f"comm wait {_ms(ev['comm'])} vs {_ms(ev['others_comm'])}")
     if ev.get("basis") == "fp":
-        extra.append("judged by the forward pass" + (": comm markers off" if ev.get("comm") is None else ""))
+        off = ": comm markers off" if ev.get("comm") is None else ""
+        extra.append("judged by the forward pass" + off)
     return f"{text} ({'; '.join(extra)})"
 
 
 def onset(history: Iterable[tuple[int, float, float]]) -> tuple[int, float] | None:
-    """Where a slowdown began and how large it is, from a track's windows: (first step, seconds per step).
+    """Where a slowdown began and how large it is, from a track's windows: (first step, seconds
+    per step).
 
     ``history`` holds (first step, bars, seconds) of each window since the
     evidence last rose from 0, the newest last. Why not simply where the

@@ -1,4 +1,5 @@
-"""A job's trace files as Chrome trace-event JSON, the format Perfetto's UI and chrome://tracing open.
+"""A job's trace files as Chrome trace-event JSON, the format Perfetto's UI and chrome://tracing
+open.
 
 Why this format: it is the one a person already has a viewer for. Every
 rank's steps, forward passes, data waits, collectives and checkpoint saves,
@@ -47,8 +48,11 @@ JOB_PID = 0
 INCIDENT_TID = 9  # beside the markers' threads, on a rank's process
 
 
-def _records(job_dir: Path, rank_dirs: dict[int, Path]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Every readable record of every rank; partial or foreign lines are skipped (as ``diagnose`` does)."""
+def _records(
+    job_dir: Path, rank_dirs: dict[int, Path]
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every readable record of every rank; partial or foreign lines are skipped (as
+    ``diagnose`` does)."""
     for rank, rdir in sorted(rank_dirs.items()):
         for p in sorted(rdir.iterdir()):
             if not p.is_file() or not is_trace_file(p.name):
@@ -75,7 +79,8 @@ def _thread(record: dict[str, Any]) -> tuple[int, str] | None:
         return THREADS.get(f"ckpt/{record.get('part', 'block')}")
     if kind == "comm":
         bucket = record.get("bucket")
-        k = bucket if isinstance(bucket, int) and not isinstance(bucket, bool) and 0 <= bucket < 1000 else 0
+        k = (bucket if isinstance(bucket, int) and not isinstance(bucket, bool)
+             and 0 <= bucket < 1000 else 0)
         tid, name = THREADS["comm"]
         return tid + k, f"{name} (bucket {k})"
     return THREADS.get(str(kind))
@@ -86,13 +91,17 @@ def _name(record: dict[str, Any]) -> str:
     if kind == "comm":
         return f"{record.get('op', 'collective')} step {step}"
     if kind == "ckpt":
-        return f"checkpoint {'write' if record.get('part') == 'write' else 'stall'} step {record.get('save_step', step)}"
+        part = "write" if record.get("part") == "write" else "stall"
+        return f"checkpoint {part} step {record.get('save_step', step)}"
     words = {"step": "step", "fp": "forward", "data": "data wait"}
     return f"{words.get(str(kind), kind)} {step}"
 
 
-def chrome_trace(job_dir_or_trace_dir: Path, incidents: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
-    """The job's records (and ``incidents``, as ``read_job`` gives them) as one trace-event JSON object.
+def chrome_trace(
+    job_dir_or_trace_dir: Path, incidents: Iterable[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """The job's records (and ``incidents``, as ``read_job`` gives them) as one trace-event JSON
+    object.
 
     ``job_dir_or_trace_dir`` is what ``undying diagnose`` takes: a trace dir, a
     job's folder in it, or a rank folder. Raises ``TraceDirError`` (a usage
@@ -123,16 +132,19 @@ def chrome_trace(job_dir_or_trace_dir: Path, incidents: Iterable[dict[str, Any]]
             continue
         pid, (tid, tname) = rank + 1, thread
         threads[(pid, tid)] = tname
-        args = {k: v for k, v in record.items() if k not in ("v", "t", "dur", "job", "rank", "node", "kind")}
-        events.append({"name": _name(record), "cat": str(record.get("kind")), "ph": "X", "ts": us(t),
-                       "dur": round(dur * 1e6, 3), "pid": pid, "tid": tid, "args": args})
+        args = {k: v for k, v in record.items()
+                if k not in ("v", "t", "dur", "job", "rank", "node", "kind")}
+        events.append({"name": _name(record), "cat": str(record.get("kind")), "ph": "X",
+                       "ts": us(t), "dur": round(dur * 1e6, 3), "pid": pid, "tid": tid,
+                       "args": args})
     for inc in incidents:
         fault_t = float(inc["fault_t"])
         who = inc.get("rank")
         rank = who if isinstance(who, int) and not isinstance(who, bool) else -1
         name = f"incident #{inc.get('id', '?')}: {inc.get('kind')}" + (
             f" rank {rank}" if rank >= 0 else "")
-        args = {k: inc.get(k) for k in ("kind", "rank", "step", "action", "status", "mttr_s", "phases", "error")}
+        args = {k: inc.get(k) for k in ("kind", "rank", "step", "action", "status", "mttr_s",
+                                        "phases", "error")}
         pids = [JOB_PID] + ([rank + 1] if rank in rank_dirs else [])
         for pid in pids:
             threads[(pid, INCIDENT_TID)] = "incidents"
@@ -140,20 +152,26 @@ def chrome_trace(job_dir_or_trace_dir: Path, incidents: Iterable[dict[str, Any]]
                            "pid": pid, "tid": INCIDENT_TID, "args": args})
             mttr = _num(inc.get("mttr_s"))
             if mttr is not None and mttr > 0:  # the recovery, as a slice
-                events.append({"name": f"{name}: recovery", "cat": "incident", "ph": "X", "ts": us(fault_t),
-                               "dur": round(mttr * 1e6, 3), "pid": pid, "tid": INCIDENT_TID, "args": args})
+                events.append({"name": f"{name}: recovery", "cat": "incident", "ph": "X",
+                               "ts": us(fault_t), "dur": round(mttr * 1e6, 3), "pid": pid,
+                               "tid": INCIDENT_TID, "args": args})
     meta: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": JOB_PID, "tid": 0, "args": {"name": f"job {job_dir.name}"}},
-        {"name": "process_sort_index", "ph": "M", "pid": JOB_PID, "tid": 0, "args": {"sort_index": -1}},
+        {"name": "process_name", "ph": "M", "pid": JOB_PID, "tid": 0,
+         "args": {"name": f"job {job_dir.name}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": JOB_PID, "tid": 0,
+         "args": {"sort_index": -1}},
     ]
     for rank in sorted(rank_dirs):
         label = f"rank {rank}" + (f" ({nodes[rank]})" if rank in nodes else "")
-        meta.append({"name": "process_name", "ph": "M", "pid": rank + 1, "tid": 0, "args": {"name": label}})
+        meta.append({"name": "process_name", "ph": "M", "pid": rank + 1, "tid": 0,
+                     "args": {"name": label}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": rank + 1, "tid": 0,
                      "args": {"sort_index": rank}})
     for (pid, tid), tname in sorted(threads.items()):
-        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": tname}})
-        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                     "args": {"name": tname}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                     "args": {"sort_index": tid}})
     events.sort(key=lambda e: (e["ts"], e["pid"], e["tid"]))
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
             "otherData": {"job": job_dir.name, "t0_unix": t0, "ranks": sorted(rank_dirs),
@@ -161,7 +179,8 @@ def chrome_trace(job_dir_or_trace_dir: Path, incidents: Iterable[dict[str, Any]]
 
 
 def write_chrome_trace(trace: dict[str, Any], path: Path) -> Path:
-    """Write ``trace`` to ``path`` atomically (a viewer never opens half a file); returns the path."""
+    """Write ``trace`` to ``path`` atomically (a viewer never opens half a file); returns the
+    path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".json", dir=path.parent)

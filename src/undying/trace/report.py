@@ -40,15 +40,18 @@ __all__ = ["write_report", "render_report", "MAX_HEATMAP_COLUMNS"]
 MAX_HEATMAP_COLUMNS = 1500
 
 _CSS = """
-body { font: 14px/1.45 system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto; max-width: 1100px;
-       color: #1d1d1f; padding: 0 1em; }
-h1 { font-size: 1.5em; margin-bottom: .2em; } h2 { font-size: 1.15em; margin-top: 2em; border-bottom: 1px solid #ddd; }
-.meta { color: #666; } table { border-collapse: collapse; margin: .6em 0; font-variant-numeric: tabular-nums; }
+body { font: 14px/1.45 system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto;
+       max-width: 1100px; color: #1d1d1f; padding: 0 1em; }
+h1 { font-size: 1.5em; margin-bottom: .2em; }
+h2 { font-size: 1.15em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+.meta { color: #666; }
+table { border-collapse: collapse; margin: .6em 0; font-variant-numeric: tabular-nums; }
 th, td { padding: .25em .7em; border-bottom: 1px solid #eee; text-align: right; }
 th { background: #f6f6f6; } td.l, th.l { text-align: left; }
 .finding { border-left: 4px solid #d33; background: #fff5f5; padding: .5em .9em; margin: .6em 0; }
-.finding p { margin: .2em 0 .4em; font-weight: 600; } .none { border-left: 4px solid #2a2; background: #f4fbf4;
-       padding: .5em .9em; } img { max-width: 100%; } .note { color: #666; font-size: .92em; }
+.finding p { margin: .2em 0 .4em; font-weight: 600; }
+.none { border-left: 4px solid #2a2; background: #f4fbf4; padding: .5em .9em; }
+img { max-width: 100%; } .note { color: #666; font-size: .92em; }
 tr.top td { background: #fff0f0; }
 """
 
@@ -79,8 +82,11 @@ PHASE_PLOTS = (
 )
 
 
-def _heatmap(table: TraceTable, attr: str, title: str, marks: list[int] | None = None) -> str | None:
-    """A rank x step image of one phase (seconds), binned when there are many steps; None when never measured.
+def _heatmap(
+    table: TraceTable, attr: str, title: str, marks: list[int] | None = None
+) -> str | None:
+    """A rank x step image of one phase (seconds), binned when there are many steps; None when
+    never measured.
 
     ``marks``: steps to draw a dashed line at (where findings say a slowdown began).
     """
@@ -114,11 +120,13 @@ def _heatmap(table: TraceTable, attr: str, title: str, marks: list[int] | None =
                 grid = np.nanmedian(padded.reshape(len(ranks), cols, per_bin), axis=2)
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.32 * len(ranks)))
     finite = grid[np.isfinite(grid)]
-    vmax = float(np.percentile(finite, 99)) if finite.size else None  # one freak step must not wash it out
+    # One freak step must not wash it out.
+    vmax = float(np.percentile(finite, 99)) if finite.size else None
     im = ax.imshow(
         grid * 1000, aspect="auto", interpolation="nearest", cmap="magma",
         extent=(first - 0.5, last + 0.5, len(ranks) - 0.5, -0.5),
-        vmin=float(np.min(finite)) * 1000 if finite.size else None, vmax=vmax * 1000 if vmax else None,
+        vmin=float(np.min(finite)) * 1000 if finite.size else None,
+        vmax=vmax * 1000 if vmax else None,
     )  # fmt: skip
     ax.set_yticks(range(len(ranks)), [str(r) for r in ranks])
     ax.set_ylabel("rank")
@@ -133,7 +141,8 @@ def _heatmap(table: TraceTable, attr: str, title: str, marks: list[int] | None =
 
 
 def _stacked(table: TraceTable) -> str | None:
-    """Per rank: compute, collective wait, data wait and checkpoint stall per step (robust means)."""
+    """Per rank: compute, collective wait, data wait and checkpoint stall per step (robust
+    means)."""
     import matplotlib.pyplot as plt
 
     rows = sorted(table.ranks, key=lambda r: r.rank)
@@ -169,7 +178,8 @@ def _outlier_plot(table: TraceTable) -> str | None:
     import matplotlib.pyplot as plt
 
     kinds = [("data", "data-loader wait"), ("ckpt", "checkpoint stall")]
-    have = [(k, t) for k, t in kinds if any(getattr(s.phases, k) > 0 for rows in table.steps.values() for s in rows)]
+    have = [(k, t) for k, t in kinds
+            if any(getattr(s.phases, k) > 0 for rows in table.steps.values() for s in rows)]
     if not have:
         return None
     fig, axes = plt.subplots(len(have), 1, figsize=(10, 2.6 * len(have)), squeeze=False)
@@ -179,13 +189,14 @@ def _outlier_plot(table: TraceTable) -> str | None:
             rows = [s for s in table.steps[rank] if getattr(s.phases, kind) > 0]
             if not rows:
                 continue
-            pts = ax.scatter([s.step for s in rows], [getattr(s.phases, kind) * 1000 for s in rows], s=4,
-                             label=f"rank {rank}", alpha=0.6)
+            pts = ax.scatter([s.step for s in rows], [getattr(s.phases, kind) * 1000 for s in rows],
+                             s=4, label=f"rank {rank}", alpha=0.6)
             marked = set(outliers.get(rank, {}).get(kind, []))
             hot = [s for s in rows if s.step in marked]
             if hot:
-                ax.scatter([s.step for s in hot], [getattr(s.phases, kind) * 1000 for s in hot], s=60,
-                           facecolors="none", edgecolors=pts.get_facecolor()[0], linewidths=1.5)
+                ax.scatter([s.step for s in hot], [getattr(s.phases, kind) * 1000 for s in hot],
+                           s=60, facecolors="none", edgecolors=pts.get_facecolor()[0],
+                           linewidths=1.5)
         ax.set_ylabel("ms")
         ax.margins(y=0.15)  # room for the rings at the top
         ax.set_title(title + " per step (ringed: outliers)")
@@ -205,16 +216,20 @@ def _finding_html(f: Finding) -> str:
         ("the others' median, ms", _ms(ev.get("others_median"))),
         ("since step", f.since_step),
         ("excess, ms per step", _ms(f.excess_s)),
-        ("its steps over the job's before", "-" if f.step_factor is None else f"{f.step_factor:.2f}x"),
+        ("its steps over the job's before",
+         "-" if f.step_factor is None else f"{f.step_factor:.2f}x"),
         ("bar (threshold x step), ms", _ms(ev.get("bar"))),
         ("step time, ms", _ms(ev.get("step"))),
     ]
     if ev.get("comm") is not None:
-        rows += [("its collective wait, ms", _ms(ev.get("comm"))), ("the others' wait, ms", _ms(ev.get("others_comm")))]
+        rows += [("its collective wait, ms", _ms(ev.get("comm"))),
+                 ("the others' wait, ms", _ms(ev.get("others_comm")))]
     if "longest" in ev:
-        rows.append(("longest of all ranks in every slow window", "yes" if ev["longest"] else "no"))
+        rows.append(("longest of all ranks in every slow window",
+                     "yes" if ev["longest"] else "no"))
     if "shortest_comm" in ev:
-        rows.append(("shortest collective wait in every slow window", "yes" if ev["shortest_comm"] else "no"))
+        rows.append(("shortest collective wait in every slow window",
+                     "yes" if ev["shortest_comm"] else "no"))
     rows += [("windows", ev.get("windows")), ("evidence (bars)", ev.get("evidence"))]
     if ev.get("per_rank_excess"):
         rows.append(("excess per rank, ms", ", ".join(
@@ -242,9 +257,11 @@ def render_report(table: TraceTable, findings: list[Finding]) -> str:
     )
     notes = []
     if table.bad_lines:
-        notes.append(f"{table.bad_lines} unreadable lines skipped (a file cut short, or one still being written)")
+        notes.append(f"{table.bad_lines} unreadable lines skipped (a file cut short, or one "
+                     "still being written)")
     if table.rerun_steps:
-        notes.append(f"{table.rerun_steps} steps were re-run after a recovery; the later run counts")
+        notes.append(f"{table.rerun_steps} steps were re-run after a recovery; the later run "
+                     "counts")
     if table.skipped:
         notes.append("not trace files, skipped: " + ", ".join(table.skipped[:10]))
     if table.other_jobs:
@@ -256,20 +273,23 @@ def render_report(table: TraceTable, findings: list[Finding]) -> str:
     if findings:
         out.extend(_finding_html(f) for f in findings)
     else:
-        out.append("<div class=none>No slow rank or node: every rank kept within the bar of the others.</div>")
+        out.append("<div class=none>No slow rank or node: every rank kept within the bar of "
+                   "the others.</div>")
 
     out.append("<h2>Ranks, slowest first</h2>")
-    head = ["rank", "node", "steps", "step ms", "compute ms", "comm wait ms", "data ms", "ckpt ms", "score",
-            "worst phase", "data outliers", "ckpt outliers"]  # fmt: skip
+    head = ["rank", "node", "steps", "step ms", "compute ms", "comm wait ms", "data ms",
+            "ckpt ms", "score", "worst phase", "data outliers", "ckpt outliers"]  # fmt: skip
     out.append("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>")
     flagged = {r for f in findings for r in f.ranks}
     for r in table.ranks:
         cls = " class=top" if r.rank in flagged else ""
-        cells = [r.rank, r.node, r.steps, _ms(r.step), _ms(r.compute), _ms(r.comm), _ms(r.data), _ms(r.ckpt),
-                 f"{r.score:+.1%}", r.worst or "-", r.outlier_counts.get("data", 0), r.outlier_counts.get("ckpt", 0)]
+        cells = [r.rank, r.node, r.steps, _ms(r.step), _ms(r.compute), _ms(r.comm), _ms(r.data),
+                 _ms(r.ckpt), f"{r.score:+.1%}", r.worst or "-",
+                 r.outlier_counts.get("data", 0), r.outlier_counts.get("ckpt", 0)]
         out.append(f"<tr{cls}>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
-    out.append("</table><p class=note>score: the rank's largest excess over the others' median in any phase, "
-               "as a share of the step time (compute counts only when it also waits least in the collectives).</p>")
+    out.append("</table><p class=note>score: the rank's largest excess over the others' median "
+               "in any phase, as a share of the step time (compute counts only when it also "
+               "waits least in the collectives).</p>")
 
     out.append("<h2>Every phase, rank x step</h2>")
     marks = sorted({f.since_step for f in findings})
@@ -293,23 +313,27 @@ def render_report(table: TraceTable, findings: list[Finding]) -> str:
     uri = _outlier_plot(table)
     if uri:
         out.append(f"<p><img alt='data and checkpoint outliers' src='{uri}'></p>")
-    listed = [(r.rank, k, steps_, r.outlier_counts.get(k, len(steps_))) for r in sorted(table.ranks, key=lambda x: x.rank)
+    listed = [(r.rank, k, steps_, r.outlier_counts.get(k, len(steps_)))
+              for r in sorted(table.ranks, key=lambda x: x.rank)
               for k, steps_ in r.outliers.items()]  # fmt: skip
     if listed:
-        out.append("<table><tr><th>rank</th><th class=l>kind</th><th>count</th><th class=l>steps</th></tr>")
+        out.append("<table><tr><th>rank</th><th class=l>kind</th><th>count</th>"
+                   "<th class=l>steps</th></tr>")
         for rank, kind, steps_, n in listed:
             word = "data-loader wait" if kind == "data" else "checkpoint stall"
             out.append(f"<tr><td>{rank}</td><td class=l>{word}</td><td>{n}</td>"
                        f"<td class=l>{_esc(', '.join(str(s) for s in steps_))}</td></tr>")
         out.append("</table>")
     else:
-        out.append("<p>No data-loader wait or checkpoint stall stood far above its rank's usual.</p>")
+        out.append("<p>No data-loader wait or checkpoint stall stood far above its rank's "
+                   "usual.</p>")
     out.append("</body></html>\n")
     return "\n".join(out)
 
 
 def write_report(table: TraceTable, findings: list[Finding], path: Path) -> Path:
-    """Write the report to ``path`` atomically (a reader never sees half a file); returns the path."""
+    """Write the report to ``path`` atomically (a reader never sees half a file); returns the
+    path."""
     text = render_report(table, findings)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""A job's per-step phases judged: its slow ranks and nodes, the ranks ranked, the steps far above usual.
+"""A job's per-step phases judged: its slow ranks and nodes, the ranks ranked, the steps far
+above usual.
 
 Pure functions over the per-step rows that ``analyze.load_trace`` rebuilds from
 the trace files (and tests and benches build by hand): ``find_slow`` runs the
@@ -68,8 +69,9 @@ class RankRow:
         return {
             "rank": self.rank, "node": self.node, "steps": self.steps,
             "first_step": self.first_step, "last_step": self.last_step,
-            "step_s": self.step, "compute_s": self.compute, "fp_s": self.fp, "data_s": self.data,
-            "ckpt_s": self.ckpt, "comm_wait_s": self.comm, "score": self.score, "worst_phase": self.worst,
+            "step_s": self.step, "compute_s": self.compute, "fp_s": self.fp,
+            "data_s": self.data, "ckpt_s": self.ckpt, "comm_wait_s": self.comm,
+            "score": self.score, "worst_phase": self.worst,
             "outliers": self.outliers, "outlier_counts": self.outlier_counts,
         }  # fmt: skip
 
@@ -94,7 +96,8 @@ def find_slow(
     last step of the window that completed it; None when only the end did).
     """
     summaries = _summaries(step_rows, nodes, window)
-    detector = SlowDetector(threshold, patience, world_size=sum(1 for rows in step_rows.values() if rows))
+    world_size = sum(1 for rows in step_rows.values() if rows)
+    detector = SlowDetector(threshold, patience, world_size=world_size)
     findings: list[Finding] = []
     for s in summaries:
         for f in detector.add(s):
@@ -106,7 +109,9 @@ def find_slow(
     return ([_refine(f, step_rows, window) for f in findings] if refine else findings), summaries
 
 
-def _summaries(step_rows: dict[int, list[StepRow]], nodes: dict[int, str], window: int) -> list[dict[str, Any]]:
+def _summaries(
+    step_rows: dict[int, list[StepRow]], nodes: dict[int, str], window: int
+) -> list[dict[str, Any]]:
     """Every rank's window summaries, window by window (all ranks' window k before any k+1)."""
     buckets: dict[int, dict[int, list[tuple[int, int, StepPhases]]]] = {}
     for rank, rows in step_rows.items():
@@ -121,8 +126,11 @@ def _summaries(step_rows: dict[int, list[StepRow]], nodes: dict[int, str], windo
     return out
 
 
-def _excess_by_step(rank: int, basis: str, step_rows: dict[int, list[StepRow]], span: int = 5) -> dict[int, float]:
-    """Step -> ``rank``'s ``basis`` value (a StepPhases field) over the other ranks' usual at that step.
+def _excess_by_step(
+    rank: int, basis: str, step_rows: dict[int, list[StepRow]], span: int = 5
+) -> dict[int, float]:
+    """Step -> ``rank``'s ``basis`` value (a StepPhases field) over the other ranks' usual at
+    that step.
 
     The others' usual is the median of their per-step median over the ``span``
     steps either side: one rank descheduled for a step or two on a loaded
@@ -149,7 +157,8 @@ def _excess_by_step(rank: int, basis: str, step_rows: dict[int, list[StepRow]], 
 
 
 def _step_onset(excess: dict[int, float], near: int, window: int) -> tuple[int, float] | None:
-    """The step a slowdown began and its size (seconds per step), from one rank's excess step by step.
+    """The step a slowdown began and its size (seconds per step), from one rank's excess step
+    by step.
 
     The detector works on windows, so its ``since`` is a window's first step;
     the files have every step. The level is the median excess over the three
@@ -168,7 +177,8 @@ def _step_onset(excess: dict[int, float], near: int, window: int) -> tuple[int, 
         return None
     for start in range(near - window, near + window + 1):
         run = [excess[s] for s in range(start, start + 5) if s in excess]
-        if start in excess and excess[start] >= half and len(run) >= 4 and sum(x >= half for x in run) >= 4:
+        if (start in excess and excess[start] >= half and len(run) >= 4
+                and sum(x >= half for x in run) >= 4):
             slowed = [excess[s] for s in range(start, start + 3 * window) if s in excess]
             return start, median(slowed)
     return None
@@ -179,7 +189,8 @@ def _refine(finding: Finding, step_rows: dict[int, list[StepRow]], window: int) 
     basis = finding.evidence.get("basis") or finding.phase
     if basis not in StepPhases._fields:
         return finding
-    onsets = [_step_onset(_excess_by_step(r, basis, step_rows), finding.since_step, window) for r in finding.ranks]
+    onsets = [_step_onset(_excess_by_step(r, basis, step_rows), finding.since_step, window)
+              for r in finding.ranks]
     if any(o is None for o in onsets):
         return finding
     found = [o for o in onsets if o is not None]
@@ -226,7 +237,8 @@ def rank_rows(step_rows: dict[int, list[StepRow]], nodes: dict[int, str]) -> lis
 
 
 def _score(rows: list[RankRow]) -> None:
-    """Each rank's largest excess over the others' median, in any phase, as a share of the step time.
+    """Each rank's largest excess over the others' median, in any phase, as a share of the step
+    time.
 
     Compute counts only with comm markers (without them every rank's compute
     holds the same wait for the slowest); the forward pass stands in for it.
@@ -250,7 +262,8 @@ def _score(rows: list[RankRow]) -> None:
             if comm_known and phase == "compute":
                 mc = _others_median(waits, r.rank)
                 if mc is not None and waits[r.rank] >= mc:
-                    excess = min(excess, 0.0)  # computes longer but waits as long: not the one waited for
+                    # Computes longer but waits as long: not the one waited for.
+                    excess = min(excess, 0.0)
             if excess > best.get(r.rank, (-math.inf, ""))[0]:
                 best[r.rank] = (excess, phase)
     for r in rows:
@@ -286,7 +299,8 @@ def _outliers(steps: list[StepRow], step_s: float) -> tuple[dict[str, list[int]]
             counts[kind] = len(hits)
             worst = sorted(pairs, key=lambda p: -p[1])
             keep = {n for n, v in worst if v > limit}
-            lists[kind] = sorted(keep)[:OUTLIER_LIST_MAX] if len(keep) <= OUTLIER_LIST_MAX else sorted(
-                n for n, _ in worst[:OUTLIER_LIST_MAX]
+            lists[kind] = (
+                sorted(keep)[:OUTLIER_LIST_MAX] if len(keep) <= OUTLIER_LIST_MAX
+                else sorted(n for n, _ in worst[:OUTLIER_LIST_MAX])
             )
     return lists, counts

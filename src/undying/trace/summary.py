@@ -42,7 +42,10 @@ from collections import deque
 from statistics import median
 from typing import Any, NamedTuple
 
-__all__ = ["StepPhases", "StepAccumulator", "StepSummarizer", "PHASE_KINDS", "robust_mean", "window_summary"]
+__all__ = [
+    "StepPhases", "StepAccumulator", "StepSummarizer", "PHASE_KINDS", "robust_mean",
+    "window_summary",
+]
 
 # Record kinds that carry a duration attributed to a step.
 PHASE_KINDS = ("step", "fp", "data", "ckpt", "comm")
@@ -70,7 +73,8 @@ class StepPhases(NamedTuple):
 class StepAccumulator:
     """The records of one step on one rank, in one generation, folded as they arrive."""
 
-    __slots__ = ("gen", "t", "dur", "fp", "data", "ckpt", "n_comm", "_last_launch", "_last_end", "_spans")
+    __slots__ = ("gen", "t", "dur", "fp", "data", "ckpt", "n_comm", "_last_launch", "_last_end",
+                 "_spans")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
@@ -140,10 +144,12 @@ class StepAccumulator:
         if comm is not None:
             assert self._last_launch is not None
             inside += self._inside(self._last_launch, comm)
-        return StepPhases(self.dur, self.fp, self.data, self.ckpt, comm, max(0.0, self.dur - inside))
+        return StepPhases(self.dur, self.fp, self.data, self.ckpt, comm,
+                          max(0.0, self.dur - inside))
 
     def comm_wait(self) -> float | None:
-        """The step's exposed collective time: from its last collective's launch to the last completion.
+        """The step's exposed collective time: from its last collective's launch to the last
+        completion.
 
         Not the sum of the collectives' durations: with DDP, bucket all-reduces
         are launched during the backward pass and overlap it and each other, so
@@ -221,7 +227,8 @@ class StepSummarizer:
         acc.add(record)
 
     def take(self) -> dict[str, Any] | None:
-        """The oldest finished window's summary, or None when no window finished since the last call."""
+        """The oldest finished window's summary, or None when no window finished since the last
+        call."""
         return self._ready.popleft() if self._ready else None
 
     def flush(self) -> dict[str, Any] | None:
@@ -241,13 +248,15 @@ class StepSummarizer:
         done = sorted((s, a) for s, a in self._steps.items() if a.done)
         if not done or self._bucket is None:
             return None
-        return window_summary(self._rank, self._node, self._bucket, [(s, a.gen, a.values()) for s, a in done])
+        steps = [(s, a.gen, a.values()) for s, a in done]
+        return window_summary(self._rank, self._node, self._bucket, steps)
 
 
 def window_summary(
     rank: int | None, node: str | None, window: int, steps: list[tuple[int, int, StepPhases]]
 ) -> dict[str, Any]:
-    """The compact summary of one rank's window: robust means over ``steps`` (step, generation, phases).
+    """The compact summary of one rank's window: robust means over ``steps`` (step, generation,
+    phases).
 
     The one place the summary's numbers are made, online (``StepSummarizer``)
     and offline (``undying.trace.analyze``).

@@ -134,7 +134,8 @@ class Tracer:
         self._failed_listeners: set[int] = set()
 
     def apply(self, switch: TraceSwitch) -> None:
-        """Turn markers on or off as the switch says (comm only with step, as the switch ensures)."""
+        """Turn markers on or off as the switch says (comm only with step, as the switch
+        ensures)."""
         self.step_on = switch.step
         self.comm_on = switch.comm and switch.step
 

@@ -390,7 +390,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _jsonable(obj: Any) -> Any:
-    """JSON for values json cannot encode: numpy/torch scalars, paths, sets, anything else as text."""
+    """JSON for values json cannot encode: numpy/torch scalars, paths, sets, anything else as
+    text."""
     item = getattr(obj, "item", None)
     if callable(item):
         try:

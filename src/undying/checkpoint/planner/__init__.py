@@ -1,4 +1,5 @@
-"""The one restore planner: for every path that replaces a rank's state, where it comes from and why.
+"""The one restore planner: for every path that replaces a rank's state, where it comes from and
+why.
 
 Five paths replace a rank's state, and each asks this package, then only
 carries the plan out (docs/architecture.md, "One restore planner"):

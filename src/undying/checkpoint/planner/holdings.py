@@ -1,4 +1,5 @@
-"""Recovery's plan: after a fault, where every rank's state comes from (docs/architecture.md).
+"""Recovery's plan: after a fault, where every rank's state comes from
+(docs/architecture.md).
 
 One pure function, ``plan``, of the parallel layout, what every member holds
 and the persisted checkpoint: the manager calls it with its view to decide,
@@ -43,13 +44,13 @@ __all__ = [
     "MissingShardsError",
     "ring_replica_of",
     "plan",
-    "coarse_members",
 ]
 
 
 @dataclass(frozen=True)
 class PersistedState:
-    """What a persisted checkpoint offers: the step it holds and which shards (None: all of them).
+    """What a persisted checkpoint offers: the step it holds and which shards (None: all
+    of them).
 
     A torch.distributed.checkpoint save is complete for any layout (it reshards
     on load): leave ``shards`` None. Per-shard files (e.g. dying-gasp files of
@@ -64,14 +65,16 @@ class PersistedState:
         if self.step < 0:
             raise LayoutError(f"a checkpoint step must be >= 0, got {self.step}")
         if self.shards is not None:
-            object.__setattr__(self, "shards", frozenset(Shard(*s) for s in self.shards))
+            object.__setattr__(self, "shards",
+                               frozenset(Shard(*s) for s in self.shards))
 
     def holds(self, shard: Shard) -> bool:
         return self.shards is None or shard in self.shards
 
 
 class Unread(enum.Enum):
-    """A checkpoint not read (reading checks every file: I/O a restore from memory must not pay)."""
+    """A checkpoint not read (reading checks every file: I/O a restore from memory must
+    not pay)."""
 
     UNREAD = "unread"
 
@@ -80,7 +83,8 @@ UNREAD: Final = Unread.UNREAD
 
 
 class Member(NamedTuple):
-    """What one member holds after the fault: a worker reports its own; the manager knows less.
+    """What one member holds after the fault: a worker reports its own; the manager knows
+    less.
 
     ``step`` is the last step it committed (0: none yet); ``clean`` says its
     live state is that step's (False when a failed step's optimizer already
@@ -98,26 +102,30 @@ class Member(NamedTuple):
 
     @classmethod
     def lost(cls, rank: int, step: int = 0) -> Member:
-        """A rank whose state is gone (``step``: the last it committed, for the count of lost steps)."""
+        """A rank whose state is gone (``step``: the last it committed, for the count of
+        lost steps)."""
         return cls(rank, step, clean=False, has_state=False)
 
     def live_at(self, step: int) -> bool:
         return self.has_state and self.clean and self.step == step
 
     def __str__(self) -> str:
-        return f"rank {self.rank}: committed {self.step}, clean={self.clean}, has_state={self.has_state}"
+        return (f"rank {self.rank}: committed {self.step}, clean={self.clean}, "
+                f"has_state={self.has_state}")
 
 
-# Where a rank's state comes from, best first; ``holder_file`` (a verified state another rank wrote)
-# and ``fresh`` (the script's own initial state) are only the start's and the roll-backs'
-# (``planner.paths``).
-SourceKind = Literal["self", "snapshot", "peer", "replica", "checkpoint", "holder_file", "fresh"]
+# Where a rank's state comes from, best first; ``holder_file`` (a verified state another
+# rank wrote) and ``fresh`` (the script's own initial state) are only the start's and the
+# roll-backs' (``planner.paths``).
+SourceKind = Literal["self", "snapshot", "peer", "replica", "checkpoint", "holder_file",
+                     "fresh"]
 
 
 @dataclass(frozen=True)
 class Source:
-    """Where one rank's state comes from: ``rank`` is the donor (peer, replica, the holder of a file),
-    ``step`` the copy's step (the last step committed in it), ``path`` its file or checkpoint."""
+    """Where one rank's state comes from: ``rank`` is the donor (peer, replica, the holder
+    of a file), ``step`` the copy's step (the last step committed in it), ``path`` its file
+    or checkpoint."""
 
     kind: SourceKind
     rank: int | None = None
@@ -132,7 +140,9 @@ class Source:
         if self.kind == "snapshot":
             return f"its own snapshot of step {self.step}"
         if self.kind == "checkpoint":
-            return "the latest checkpoint" if self.step is None else f"checkpoint of step {self.step}"
+            if self.step is None:
+                return "the latest checkpoint"
+            return f"checkpoint of step {self.step}"
         if self.kind == "holder_file":
             return f"rank {self.rank}'s file of the state after step {self.step}"
         if self.kind == "fresh":
@@ -148,8 +158,9 @@ class Source:
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """Every rank's source (``sources[r]``), the step all hold after it (None: read the checkpoint and plan
-    again), the rollback when any state comes from the checkpoint, and the steps committed past it (re-run)."""
+    """Every rank's source (``sources[r]``), the step all hold after it (None: read the
+    checkpoint and plan again), the rollback when any state comes from the checkpoint, and
+    the steps committed past it (re-run)."""
 
     layout: Layout
     failed: frozenset[int]
@@ -169,7 +180,8 @@ class RestorePlan:
 
     @property
     def read_checkpoint(self) -> bool:
-        """No step has every shard in memory: read the latest checkpoint and plan again with it."""
+        """No step has every shard in memory: read the latest checkpoint and plan again
+        with it."""
         return self.target is None
 
     def transfers(self) -> list[tuple[int, int]]:
@@ -181,7 +193,8 @@ class RestorePlan:
 
     def describe(self) -> str:
         """One line for a log: who gets what from where, and the rollback."""
-        moved = [f"rank {r} <- {s}" for r, s in enumerate(self.sources) if s.kind != "self"]
+        moved = [f"rank {r} <- {s}" for r, s in enumerate(self.sources)
+                 if s.kind != "self"]
         text = "; ".join(moved) if moved else "every rank keeps its own state"
         if self.target is None:
             text += "; no step has every shard in memory: the latest checkpoint decides"
@@ -190,7 +203,8 @@ class RestorePlan:
             if self.lost_steps is not None:
                 text += f" ({self.lost_steps} steps lost)"
         elif self.lost_steps:
-            text += f"; the job goes back to step {self.target} in memory ({self.lost_steps} steps re-run)"
+            text += (f"; the job goes back to step {self.target} in memory "
+                     f"({self.lost_steps} steps re-run)")
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,13 +221,14 @@ class RestorePlan:
 
 
 _SELF = Source("self")
-# A refusal names at most this many members (the rest are counted): an 8,192-rank job's error stays
-# readable.
+# A refusal names at most this many members (the rest are counted): an 8,192-rank job's
+# error stays readable.
 _NAMED_MEMBERS = 16
 
 
 class MissingShardsError(NoStateSourceError):
-    """No complete state exists: ``missing`` lists every shard no source holds (and ``plan`` is None)."""
+    """No complete state exists: ``missing`` lists every shard no source holds (and
+    ``plan`` is None)."""
 
     def __init__(self, missing: Sequence[Shard], message: str) -> None:
         super().__init__(message)
@@ -221,20 +236,23 @@ class MissingShardsError(NoStateSourceError):
 
 
 def ring_replica_of(world_size: int, offset: int) -> dict[int, int]:
-    """A ring's replicas, holder -> owner: rank r's shard is kept by rank ``(r + offset) % world_size``."""
+    """A ring's replicas, holder -> owner: rank r's shard is kept by rank
+    ``(r + offset) % world_size``."""
     if offset % max(world_size, 1) == 0:
         return {}
     return {(r + offset) % world_size: r for r in range(world_size)}
 
 
 def _whole_job(members: Iterable[Member], layout: Layout) -> list[Member]:
-    """The members by rank; LayoutError unless they are exactly the ranks of the layout, once each."""
+    """The members by rank; LayoutError unless they are exactly the ranks of the layout,
+    once each."""
     by_rank = sorted(members)  # by rank: ranks differ (checked next), so nothing else is compared
     ranks = [m.rank for m in by_rank]
     if ranks != list(range(layout.world_size)):
+        more = " ..." if len(ranks) > _NAMED_MEMBERS else ""
         raise LayoutError(
-            f"members from ranks {ranks[:_NAMED_MEMBERS]}{' ...' if len(ranks) > _NAMED_MEMBERS else ''} "
-            f"are not one whole job of {layout.world_size} ranks (every rank 0..{layout.world_size - 1} once)"
+            f"members from ranks {ranks[:_NAMED_MEMBERS]}{more} are not one whole job of "
+            f"{layout.world_size} ranks (every rank 0..{layout.world_size - 1} once)"
         )
     return by_rank
 
@@ -270,7 +288,8 @@ def _common_snapshots(by_rank: Sequence[Member], ranks: Sequence[int]) -> set[in
 
 
 def _deal(receivers: Sequence[int], donors: Sequence[int]) -> dict[int, int]:
-    """Receivers (lowest first) dealt round-robin over donors (lowest first): deterministic and spread."""
+    """Receivers (lowest first) dealt round-robin over donors (lowest first):
+    deterministic and spread."""
     return {r: donors[i % len(donors)] for i, r in enumerate(receivers)}
 
 
@@ -281,7 +300,8 @@ def plan(
     replica_of: Mapping[int, int] | None = None,
     checkpoint: PersistedState | Unread | None = None,
 ) -> RestorePlan:
-    """Where every rank's state comes from, given what every member holds (the one restore planner).
+    """Where every rank's state comes from, given what every member holds (the one
+    restore planner).
 
     ``members``: one per rank of ``layout``, in any order. ``replica_of``:
     holder -> owner of in-memory replicas (``ring_replica_of``). ``checkpoint``:
@@ -300,14 +320,16 @@ def plan(
     ckpt = checkpoint if isinstance(checkpoint, PersistedState) else None
     if ckpt is not None and ckpt.step > newest:
         raise LayoutError(
-            f"the checkpoint is of step {ckpt.step}, newer than the current step {newest} (the newest any member "
-            "committed); it belongs to another run: point the job at its own checkpoint directory"
+            f"the checkpoint is of step {ckpt.step}, newer than the current step "
+            f"{newest} (the newest any member committed); it belongs to another run: "
+            "point the job at its own checkpoint directory"
         )
     shard_of, holders_of = layout._shard_table
     all_shards = layout._all_shards
     failed = frozenset(m.rank for m in by_rank if not m.has_state)
 
-    # Copies by shard and step: live states (any rank of the shard can use them), ring replicas.
+    # Copies by shard and step: live states (any rank of the shard can use them), ring
+    # replicas.
     live: dict[Shard, dict[int, list[int]]] = {}
     ring: dict[Shard, dict[int, list[int]]] = {}
     snapshots = False
@@ -332,10 +354,12 @@ def plan(
         memory[s] = steps
         common = set(steps) if common is None else common & steps
     if not common and checkpoint is UNREAD:
-        return RestorePlan(layout, failed, tuple(Source("checkpoint") for _ in by_rank), None, None, None, "",
-                           ("no step has every shard in memory: read the latest checkpoint and plan again",))
+        why = "no step has every shard in memory: read the latest checkpoint and plan again"
+        return RestorePlan(layout, failed, tuple(Source("checkpoint") for _ in by_rank),
+                           None, None, None, "", (why,))
     if not common:
-        on_disk = {s: memory[s] | ({ckpt.step} if ckpt is not None and ckpt.holds(s) else set())
+        on_disk = {s: memory[s] | ({ckpt.step} if ckpt is not None and ckpt.holds(s)
+                                   else set())
                    for s in all_shards}
         common = set.intersection(*on_disk.values()) if on_disk else set()
         if not common:
@@ -370,10 +394,14 @@ def plan(
     if from_disk:
         assert ckpt is not None
         kept = sum(1 for s in sources if s.kind != "checkpoint")
-        notes.append(f"the checkpoint is of the current step {target}: survivors keep their state" if kept else
-                     f"some shard exists only in the checkpoint of step {target}: every rank loads it")
+        notes.append(
+            f"the checkpoint is of the current step {target}: survivors keep their state"
+            if kept else
+            f"some shard exists only in the checkpoint of step {target}: every rank loads it"
+        )
     return RestorePlan(
-        layout, failed, tuple(sources), target, target if from_disk else None, max(0, newest - target),
+        layout, failed, tuple(sources), target, target if from_disk else None,
+        max(0, newest - target),
         ckpt.path if from_disk and ckpt is not None else "", tuple(notes),
     )
 
@@ -387,45 +415,31 @@ def _refusal(
     all_shards = layout._all_shards
     lacking = [s for s in all_shards if not on_disk[s]]
     only_on_disk = [s for s in all_shards if not memory[s]]
-    fix = "the job cannot continue; periodic checkpoints (--save-every) or ring replicas (--replicate ring) " \
-          "would have kept them"
+    fix = ("the job cannot continue; periodic checkpoints (--save-every) or ring replicas "
+           "(--replicate ring) would have kept them")
     if lacking:
-        why = ("lost with every holder and replica, and there is no checkpoint" if ckpt is None else
-               f"lost with every holder and replica, and not in the checkpoint of step {ckpt.step}")
+        why = ("lost with every holder and replica, and there is no checkpoint"
+               if ckpt is None else
+               "lost with every holder and replica, and not in the checkpoint of step "
+               f"{ckpt.step}")
         missing = lacking
     elif ckpt is not None:
         missing = [s for s in all_shards if ckpt.step not in on_disk[s]]
-        why = (f"are needed at step {ckpt.step} to roll back (shards {', '.join(map(str, only_on_disk)) or 'none'} "
-               "exist only there) but are in memory only at other steps and not in that checkpoint")
+        only = ", ".join(map(str, only_on_disk)) or "none"
+        why = (f"are needed at step {ckpt.step} to roll back (shards {only} exist only "
+               "there) but are in memory only at other steps and not in that checkpoint")
         fix = "restart from a checkpoint that holds every shard"
     else:
         newest = max(set().union(*memory.values()))
         missing = [s for s in all_shards if newest not in memory[s]]
-        why = f"have no copy at step {newest}, and no step has a copy of every shard; there is no checkpoint"
+        why = (f"have no copy at step {newest}, and no step has a copy of every shard; "
+               "there is no checkpoint")
     named = ", ".join(f"{s} (ranks {', '.join(map(str, holders_of[s]))})" for s in missing)
     shown = "; ".join(str(m) for m in by_rank[:_NAMED_MEMBERS])
-    more = f"; and {len(by_rank) - _NAMED_MEMBERS} more" if len(by_rank) > _NAMED_MEMBERS else ""
+    more = (f"; and {len(by_rank) - _NAMED_MEMBERS} more"
+            if len(by_rank) > _NAMED_MEMBERS else "")
     return MissingShardsError(
-        missing, f"no complete state: {len(missing)} shard(s) {why}: {named}; {fix} (members: {shown}{more})"
+        missing,
+        f"no complete state: {len(missing)} shard(s) {why}: {named}; {fix} "
+        f"(members: {shown}{more})",
     )
-
-
-# --- the manager's view today: who failed, and the step the survivors hold ------------------------
-
-
-def coarse_members(
-    world_size: int, failed: Iterable[int], step: int, *, replica_of: Mapping[int, int] | None = None,
-    copies_at: int | None = None,
-) -> list[Member]:
-    """Members as a manager sees them: the failed ranks lost, the others clean at ``step``; with a ring
-    (``replica_of``) each survivor keeps its snapshot and its replica of ``copies_at`` (default ``step``:
-    replicated every step; with ``UNDYING_REPLICATE_EVERY=k``, the last multiple of k)."""
-    lost = frozenset(failed)
-    for r in lost:
-        if type(r) is not int or not 0 <= r < world_size:  # a bool is not a rank
-            raise LayoutError(f"failed rank {r!r} is outside 0..{world_size - 1}")
-    holders = frozenset(replica_of or ())
-    at = step if copies_at is None else copies_at
-    snapshots = (at,) if holders and at != step else ()
-    return [Member.lost(r, step) if r in lost else
-            Member(r, step, snapshots=snapshots, replicas=(at,) if r in holders else ()) for r in range(world_size)]

@@ -36,7 +36,10 @@ from undying.checkpoint.layout import LayoutError
 from undying.checkpoint.planner.holdings import UNREAD, PersistedState, Source, Unread
 from undying.errors import NoStateSourceError
 
-__all__ = ["Occasion", "StatePlan", "plan_start", "plan_numerics_rollback", "plan_verify_rollback", "plan_regroup"]
+__all__ = [
+    "Occasion", "StatePlan", "plan_start", "plan_numerics_rollback", "plan_verify_rollback",
+    "plan_regroup",
+]
 
 
 class Occasion(str, enum.Enum):
@@ -89,18 +92,22 @@ def plan_start(*, joining: bool, checkpoint: PersistedState | None) -> StatePlan
     """
     if joining:
         return StatePlan(Occasion.START, Source("peer"), None,
-                         "a replacement for a lost rank: its state comes from the members, by the restore plan "
-                         "they make when it joins")
+                         "a replacement for a lost rank: its state comes from the members, by "
+                         "the restore plan they make when it joins")
     if checkpoint is not None:
         where = f" ({checkpoint.path})" if checkpoint.path else ""
-        return StatePlan(Occasion.START, Source("checkpoint", step=checkpoint.step, path=checkpoint.path),
-                         checkpoint.step, f"the job resumes from the checkpoint of step {checkpoint.step}{where}")
+        source = Source("checkpoint", step=checkpoint.step, path=checkpoint.path)
+        return StatePlan(Occasion.START, source, checkpoint.step,
+                         f"the job resumes from the checkpoint of step {checkpoint.step}{where}")
     return StatePlan(Occasion.START, Source("fresh", step=0), 0,
                      "no checkpoint to resume from: the script's own initial state, from step 1")
 
 
-def plan_numerics_rollback(*, step: int, rollback_steps: int, oldest: Sequence[int | None]) -> StatePlan:
-    """Step ``step`` failed its numeric check twice the same way: back at most ``rollback_steps`` steps.
+def plan_numerics_rollback(
+    *, step: int, rollback_steps: int, oldest: Sequence[int | None]
+) -> StatePlan:
+    """Step ``step`` failed its numeric check twice the same way: back at most ``rollback_steps``
+    steps.
 
     ``oldest``: for every rank, the oldest step whose pre-step state its
     snapshot ring holds (None: none); a ring holds every step from it to
@@ -114,21 +121,25 @@ def plan_numerics_rollback(*, step: int, rollback_steps: int, oldest: Sequence[i
         raise LayoutError("a numerics roll-back needs every rank's ring (none given)")
     for held in oldest:
         if held is not None and (_whole(held, "a ring's oldest step", 1) > step):
-            raise LayoutError(f"a ring holds the pre-state of step {held} at the earliest, after the failed "
-                              f"step {step}: it belongs to another loop")
-    back_to = max([step - rollback_steps + 1, *(step if held is None else held for held in oldest)])
+            raise LayoutError(f"a ring holds the pre-state of step {held} at the earliest, "
+                              f"after the failed step {step}: it belongs to another loop")
+    back_to = max([step - rollback_steps + 1,
+                   *(step if held is None else held for held in oldest)])
     if back_to >= step:
         return StatePlan(Occasion.NUMERICS_ROLLBACK, Source("self", step=step - 1), step - 1,
-                         f"no earlier state held (the ring starts at step {step}): the batch is skipped")
+                         f"no earlier state held (the ring starts at step {step}): the batch is "
+                         "skipped")
     return StatePlan(Occasion.NUMERICS_ROLLBACK, Source("snapshot", step=back_to - 1), back_to - 1,
-                     f"every rank loads its own snapshot of the state before step {back_to}, the newest every "
-                     f"rank's ring holds ({rollback_steps} step(s) back at most); the batches of steps "
-                     f"{back_to}..{step} are skipped", lost_steps=step - back_to)
+                     f"every rank loads its own snapshot of the state before step {back_to}, the "
+                     f"newest every rank's ring holds ({rollback_steps} step(s) back at most); "
+                     f"the batches of steps {back_to}..{step} are skipped",
+                     lost_steps=step - back_to)
 
 
-def plan_verify_rollback(*, world_size: int, bad_step: int, bad_rank: int, rollback_to: int, holder: int,
-                         committed: int, file: str = "") -> StatePlan:
-    """Rank ``bad_rank``'s gradients of ``bad_step`` differ from their replay: back to a verified state.
+def plan_verify_rollback(*, world_size: int, bad_step: int, bad_rank: int, rollback_to: int,
+                         holder: int, committed: int, file: str = "") -> StatePlan:
+    """Rank ``bad_rank``'s gradients of ``bad_step`` differ from their replay: back to a verified
+    state.
 
     ``rollback_to``: the step whose pre-step state every rank loads (the last
     verified one, or ``bad_step``'s own, which the replay started from);
@@ -145,18 +156,22 @@ def plan_verify_rollback(*, world_size: int, bad_step: int, bad_rank: int, rollb
         if type(rank) is not int or not 0 <= rank < world_size:
             raise LayoutError(f"{what} rank {rank!r} is outside 0..{world_size - 1}")
     if rollback_to > bad_step or rollback_to > committed + 1:
-        raise LayoutError(f"a roll-back to the state before step {rollback_to} is not back: the failed step is "
-                          f"{bad_step}, the job committed step {committed}")
+        raise LayoutError(f"a roll-back to the state before step {rollback_to} is not back: the "
+                          f"failed step is {bad_step}, the job committed step {committed}")
     verified = rollback_to < bad_step
     if not verified and holder == bad_rank and world_size > 1:
         raise NoStateSourceError(
-            f"step {bad_step}: the only state named to roll back to is rank {bad_rank}'s own pre-step copy, and "
-            f"rank {bad_rank} is the suspect: its memory may be the corrupt one; the job stops rather than load it")
-    which = "the last verified one" if verified else "the failed step's own, which the replay started from"
-    return StatePlan(Occasion.VERIFY_ROLLBACK, Source("holder_file", holder, rollback_to - 1, file), rollback_to - 1,
-                     f"step {bad_step}: rank {bad_rank}'s gradients differ from their replay: every rank loads the "
-                     f"state after step {rollback_to - 1} ({which}) from rank {holder}'s file, not from its own "
-                     "memory", lost_steps=committed - rollback_to + 1)
+            f"step {bad_step}: the only state named to roll back to is rank {bad_rank}'s own "
+            f"pre-step copy, and rank {bad_rank} is the suspect: its memory may be the corrupt "
+            "one; the job stops rather than load it")
+    which = ("the last verified one" if verified else
+             "the failed step's own, which the replay started from")
+    source = Source("holder_file", holder, rollback_to - 1, file)
+    return StatePlan(Occasion.VERIFY_ROLLBACK, source, rollback_to - 1,
+                     f"step {bad_step}: rank {bad_rank}'s gradients differ from their replay: "
+                     f"every rank loads the state after step {rollback_to - 1} ({which}) from "
+                     f"rank {holder}'s file, not from its own memory",
+                     lost_steps=committed - rollback_to + 1)
 
 
 def plan_regroup(*, members: Sequence[int], newest: int, sharded: bool,
@@ -175,16 +190,21 @@ def plan_regroup(*, members: Sequence[int], newest: int, sharded: bool,
     if isinstance(checkpoint, PersistedState):
         where = f" ({checkpoint.path})" if checkpoint.path else ""
         lost = max(0, newest - checkpoint.step)
-        return StatePlan(Occasion.REGROUP, Source("checkpoint", step=checkpoint.step, path=checkpoint.path),
-                         checkpoint.step, f"the new world starts from the checkpoint of step {checkpoint.step}{where}"
-                         + (f"; steps {checkpoint.step + 1}..{newest} are re-run" if lost else ", no step lost"),
+        source = Source("checkpoint", step=checkpoint.step, path=checkpoint.path)
+        rerun = (f"; steps {checkpoint.step + 1}..{newest} are re-run" if lost else
+                 ", no step lost")
+        return StatePlan(Occasion.REGROUP, source, checkpoint.step,
+                         "the new world starts from the checkpoint of step "
+                         f"{checkpoint.step}{where}" + rerun,
                          lost_steps=lost)
     live = sorted(members)
     if live and not sharded:
         return StatePlan(Occasion.REGROUP, Source("self", step=newest), newest,
-                         f"ranks {live} hold step {newest}: they agree on it (the restore plan of their regroup "
-                         "generation), save it, and the job starts again from that save")
-    why = ("a sharded state is not whole on the survivors (a lost node's shards and their replicas were there)"
-           if live else "no rank is left to save the state")
+                         f"ranks {live} hold step {newest}: they agree on it (the restore plan of "
+                         "their regroup generation), save it, and the job starts again from that "
+                         "save")
+    why = ("a sharded state is not whole on the survivors (a lost node's shards and their "
+           "replicas were there)" if live else "no rank is left to save the state")
     return StatePlan(Occasion.REGROUP, Source("checkpoint"), None,
-                     f"{why}: the job starts again from its latest checkpoint, its steps since re-run")
+                     f"{why}: the job starts again from its latest checkpoint, its steps since "
+                     "re-run")

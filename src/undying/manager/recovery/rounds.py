@@ -20,13 +20,13 @@ from typing import Any
 
 from undying.checkpoint import Checkpoint
 from undying.checkpoint.layout import Layout, LayoutError
+from undying.checkpoint.planner.coarse import coarse_members
 from undying.checkpoint.planner.holdings import (
     UNREAD,
     MissingShardsError,
     PersistedState,
     RestorePlan,
     Unread,
-    coarse_members,
     plan,
     ring_replica_of,
 )
