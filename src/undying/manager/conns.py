@@ -67,7 +67,8 @@ class _Refuse(asyncio.Protocol):
 
 
 class _Tracked(asyncio.Protocol):
-    """aiohttp's protocol for one connection, passed every event, with the guard told when it opens and closes."""
+    """aiohttp's protocol for one connection, passed every event, with the guard told when it opens
+    and closes."""
 
     def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol, conn: _Conn) -> None:
         self._guard = guard
@@ -140,7 +141,8 @@ class ConnectionGuard:
         self._conns.pop(inner, None)
 
     def _close(self, inner: asyncio.Protocol) -> None:
-        """Close the connection of ``inner``; it no longer counts from now (its close completes a turn later)."""
+        """Close the connection of ``inner``; it no longer counts from now (its close completes a
+        turn later)."""
         conn = self._conns.pop(inner, None)
         if conn is not None and conn.transport is not None:
             conn.transport.close()
@@ -148,7 +150,8 @@ class ConnectionGuard:
     @web.middleware
     async def middleware(self, request: web.Request,
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """Marks the connection busy while its request is handled, then gives it the idle deadline."""
+        """Marks the connection busy while its request is handled, then gives it the idle
+        deadline."""
         conn = self._conns.get(request.protocol)
         if conn is not None:
             conn.busy = True
@@ -186,7 +189,8 @@ class ConnectionGuard:
 
 
 class GuardedSite(web.BaseSite):
-    """A TCP site whose connections go through ``guard`` (aiohttp's TCPSite offers no hook for it)."""
+    """A TCP site whose connections go through ``guard`` (aiohttp's TCPSite offers no hook for
+    it)."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard) -> None:
         super().__init__(runner)
@@ -212,8 +216,8 @@ class GuardedSite(web.BaseSite):
 
 
 class QuietLog(logging.Filter):
-    """At most ``burst`` lines of one kind (logger, level, format) per ``window_s``, each without its
-    traceback; the first line after a window in which some were held back says how many.
+    """At most ``burst`` lines of one kind (logger, level, format) per ``window_s``, each without
+    its traceback; the first line after a window in which some were held back says how many.
 
     10,000 malformed requests then cost a few dozen short lines, not 10,000 tracebacks.
     """
@@ -222,7 +226,8 @@ class QuietLog(logging.Filter):
         super().__init__()
         self.burst = burst
         self.window_s = window_s
-        self._seen: dict[tuple[str, int, str], list[float]] = {}  # kind -> [window start, lines, held back]
+        # kind -> [window start, lines, held back]
+        self._seen: dict[tuple[str, int, str], list[float]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.levelno, str(record.msg))
@@ -255,12 +260,13 @@ class QuietLog(logging.Filter):
             record.msg = f"{record.msg} (and {held} more like it held back in the last {self.window_s:.0f} s)"
 
 
-log.addFilter(QuietLog())  # a flood: a few lines a minute of evictions and refusals, not one a connection
+# a flood: a few lines a minute of evictions and refusals, not one a connection
+log.addFilter(QuietLog())
 
 
 async def read_line(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    """The next line of ``reader`` (``b""`` at its end, a partial line at EOF, as ``readline``), at most
-    ``max_bytes`` long; past that, ``ValueError``.
+    """The next line of ``reader`` (``b""`` at its end, a partial line at EOF, as ``readline``), at
+    most ``max_bytes`` long; past that, ``ValueError``.
 
     ``readline`` can only be bounded by the reader's one limit, fixed when the server starts. The
     agents' port needs two: a joined agent may send a 16 MB line of reports, but a connection that

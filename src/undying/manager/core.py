@@ -1,4 +1,5 @@
-"""What every part of the manager shares: the job's config, log, ranks, agents, generations and state.
+"""What every part of the manager shares: the job's config, log, ranks, agents, generations and
+state.
 
 The manager is a router over small parts (recovery, regroup, preemption,
 checkpoints, tracing, commands, views); each takes this core and nothing of
@@ -48,7 +49,8 @@ class JobCore:
         self.agents: dict[int, AgentHandle] = {}
         self.incidents: list[Incident] = []
         self.health = CheckpointHealth(events, self.incidents)  # failed saves as incidents
-        self.hosts = HostBook()  # drained and quarantined hosts: no new ranks there (manager/placement/hosts.py)
+        # drained and quarantined hosts: no new ranks there (manager/placement/hosts.py)
+        self.hosts = HostBook()
         self.exit_reason = ""
         self.started_at = time.time()
         self.finished = asyncio.Event()
@@ -80,7 +82,8 @@ class JobCore:
         return {r for a in self.agents.values() for r in a.live_ranks()}
 
     def set_layout(self, nodes: list[int], *, step: int = 0, persist: bool = True) -> None:
-        """The job trains on ``nodes`` from now on: its ranks are numbered anew, what was per rank restarts."""
+        """The job trains on ``nodes`` from now on: its ranks are numbered anew, what was per rank
+        restarts."""
         self.book.set_layout(nodes, step=step, persist=persist)
         self.clock.reset(self.book.world_size)
         for hook in self._layout_hooks:
@@ -92,7 +95,8 @@ class JobCore:
 
     def open_generation(self, reason: str, *, members: dict[int, int] | None = None,
                         purpose: str = "") -> GenerationRecord:
-        """The next generation, of every rank of the layout or, for a regroup, of ``members`` (renumbered)."""
+        """The next generation, of every rank of the layout or, for a regroup, of ``members``
+        (renumbered)."""
         size = len(members) if members is not None else self.book.world_size
         record = self.generations.open_next(size, reason, members=members, purpose=purpose)
         self.events.event("generation_opened", generation=record.generation, reason=reason,
@@ -140,7 +144,8 @@ class JobCore:
             return
         self.exit_reason = reason
         log.error("job %s failed: %s", self.config.job_id, reason)
-        self.move(JobState.STOPPING)  # at once: a fault reported meanwhile is no new incident to decide
+        # at once: a fault reported meanwhile is no new incident to decide
+        self.move(JobState.STOPPING)
         asyncio.get_running_loop().create_task(self._stop_then(JobState.FAILED))
 
     def stop(self, reason: str) -> None:

@@ -83,11 +83,15 @@ class Manager:
         self.gasp = Preemption(core, self.checkpoints)
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
-        self.migrations = Migrations(core, self.recoveries, self.detection,  # undying migrate / drain / undrain
+        # undying migrate / drain / undrain
+        self.migrations = Migrations(core, self.recoveries, self.detection,
                                      busy=lambda: "the job is regrouping" if self.regrouping.active else "")
-        self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
-        self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
-        left_behind = LeftBehind(core, self.recoveries)  # a survivor gloo never let go: replaced in its round
+        # the whole run, bounded: the page's charts, the metrics' histograms
+        self.history = RunHistory()
+        # a re-run step's batch or a restored state that is another one
+        self.divergence = Divergence(core)
+        # a survivor gloo never let go: replaced in its round
+        left_behind = LeftBehind(core, self.recoveries)
         self.comings = Comings(core, checkpoints=self.checkpoints, recoveries=self.recoveries,
                                detection=self.detection, regrouping=self.regrouping, migrations=self.migrations,
                                divergence=self.divergence, left_behind=left_behind)
@@ -170,7 +174,8 @@ class Manager:
     # --- setup ----------------------------------------------------------------
 
     def start_control_store(self, key: bytes) -> int:
-        """Serve the job's stores on --host:--port to processes that prove ``key`` (the job's store key)."""
+        """Serve the job's stores on --host:--port to processes that prove ``key`` (the job's store
+        key)."""
         port = self.core.generations.serve(self.config.port, key)
         self.events.set_job("control_port", port, flush=True)
         return port
@@ -180,7 +185,8 @@ class Manager:
         agent.set_trace(self.tracing.message())
 
     async def run(self, *, restored: bool = False, ready: asyncio.Future[None] | None = None) -> JobState:
-        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait until the job ends.
+        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait
+        until the job ends.
 
         ``ready``: what must complete first (every node joined); ``restored``:
         the job runs already (a restarted manager), nothing is started.
@@ -201,7 +207,8 @@ class Manager:
             for info in core.ranks.values():
                 core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
             if not self.recoveries.step_api:
-                core.move(JobState.RUNNING)  # (its ranks commit no step to say so: started is running)
+                # (its ranks commit no step to say so: started is running)
+                core.move(JobState.RUNNING)
         for agent in core.agents.values():
             agent.keep_spares()
         watching = self.watch.start()
@@ -214,14 +221,16 @@ class Manager:
         return self.state
 
     def restore(self) -> dict[int, str]:
-        """Carry on a job whose manager died: read its state back from the log (``restoring``); the sessions."""
+        """Carry on a job whose manager died: read its state back from the log (``restoring``); the
+        sessions."""
         sessions = restore_job(self.core, checkpoints=self.checkpoints, recoveries=self.recoveries,
                                history=self.history, regrouping=self.regrouping, migrations=self.migrations)
         self.comings.sessions = sessions
         return dict(sessions)
 
     def reopen_generation(self) -> None:
-        """After a restart: the control store is new; give it the current generation and the ranks' owners."""
+        """After a restart: the control store is new; give it the current generation and the ranks'
+        owners."""
         regroup = self.regrouping.regroup
         if regroup is not None and regroup.generation != self.generation:
             regroup = None
@@ -246,7 +255,8 @@ class Manager:
         self.handlers.handle(message)
 
     def on_messages(self, messages: list[Message]) -> None:
-        """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes each.
+        """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes
+        each.
 
         Commits (one rank's ``StepCommitted``, or a node's ``NodeStep`` of a
         step) are taken as rows, not message objects: a run of them has its
@@ -275,7 +285,8 @@ class Manager:
             self.steps.on_commits(rows)
 
     def _on_standby(self, what: str, detail: dict[str, Any]) -> None:
-        self.events.event(what, **detail)  # a standby parked, given a node, or dropped (manager/standbys/)
+        # a standby parked, given a node, or dropped (manager/standbys/)
+        self.events.event(what, **detail)
 
     # --- the job's end, by the user, a failure or a SIGTERM -----------------------
 

@@ -1,4 +1,5 @@
-"""What the manager does with each of an agent's reports: the manager's half of the one conversation.
+"""What the manager does with each of an agent's reports: the manager's half of the one
+conversation.
 
 Every agent reports in ``protocol/node_wire.py`` messages, over the network
 (``manager/nodes.py`` takes them off each node's connection, in order, each
@@ -69,7 +70,8 @@ class NodeEvents(Protocol):
 
 
 class NodeReports:
-    """The table from an agent's report to the manager's act (``events`` once the manager exists)."""
+    """The table from an agent's report to the manager's act (``events`` once the manager
+    exists)."""
 
     def __init__(self, events: Callable[[], NodeEvents], lose: Callable[[NodeSlot, str], None]) -> None:
         self._events = events
@@ -88,7 +90,8 @@ class NodeReports:
 
     @staticmethod
     def is_workers(message: Message | None) -> bool:
-        """A worker's message (or the agent's word on its spares, or a step's commits): taken in runs."""
+        """A worker's message (or the agent's word on its spares, or a step's commits): taken in
+        runs."""
         return isinstance(message, NodeStep) or type(message) in FROM_WORKERS
 
     def handle(self, message: Message, slot: NodeSlot) -> None:

@@ -68,8 +68,8 @@ MANAGER_BEAT_S = 0.5
 _WATCH_S = 0.2
 # A line longer than this is no agent's message: the connection is dropped.
 _LINE_LIMIT = 16 * 1024 * 1024
-# Before a connection has joined, its line (the join: a few KB of flags) may be at most this long, so
-# that connections nobody has vouched for cannot make the manager hold _LINE_LIMIT each.
+# Before a connection has joined, its line (the join: a few KB of flags) may be at most this long,
+# so that connections nobody has vouched for cannot make the manager hold _LINE_LIMIT each.
 _JOIN_LIMIT = 64 * 1024
 
 
@@ -105,13 +105,15 @@ class AgentServer:
         self.host = host
         # A connection that sends no join line within this long is no agent: it is closed.
         self.join_wait_s = join_wait_s
-        # Open connections at most: at the cap, the oldest one that has not joined yet is closed for a new
-        # one (a flood of silent sockets cannot use up the manager's files nor lock a node out).
+        # Open connections at most: at the cap, the oldest one that has not joined yet is closed for
+        # a new one (a flood of silent sockets cannot use up the manager's files nor lock a node
+        # out).
         self.max_connections = max_connections
         self._unjoined: dict[asyncio.StreamWriter, float] = {}
         self.port = port
         self._check = check
-        # The watch's own clock: a node's silence counts only while this manager ran (protocol/judge_clock.py).
+        # The watch's own clock: a node's silence counts only while this manager ran
+        # (protocol/judge_clock.py).
         self.clock = JudgeClock(_WATCH_S, heartbeat_s, "the manager")
         self.slots: dict[int, NodeSlot] = {}
         self._events: NodeEvents | None = None
@@ -130,21 +132,24 @@ class AgentServer:
         self.persisted: dict[int, int] = dict(self.received)
         self.control_port, self.job_dir = 0, ""  # told to every agent that joins (``bind``)
         self.reports = NodeReports(self._node_events, self.lose)  # each agent report to the manager's act
-        # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they go.
+        # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they
+        # go.
         self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail),
                                  self.clock)
 
     @property
     def heartbeat_s(self) -> float:
-        """A node silent this long (while the manager ran) is lost; the job's flag, given by ``bind``."""
+        """A node silent this long (while the manager ran) is lost; the job's flag, given by
+        ``bind``."""
         return self.clock.window_s
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_JOIN_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
-        # The clock runs from here, not from the watch's first pass: a stall before that pass (a restarted
-        # manager's restore from its log, or a pause right after its start) is a stall of the judge too.
+        # The clock runs from here, not from the watch's first pass: a stall before that pass (a
+        # restarted manager's restore from its log, or a pause right after its start) is a stall of
+        # the judge too.
         self.clock.tick()
         self._spawn_task(self._beat_and_watch())
         return self.port
@@ -201,7 +206,8 @@ class AgentServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _beat_and_watch(self) -> None:
-        """Beat to every attached agent; a node silent past the heartbeat timeout, while this manager ran, is lost.
+        """Beat to every attached agent; a node silent past the heartbeat timeout, while this
+        manager ran, is lost.
 
         After a stall of the manager itself (``clock``), every node gets a fresh
         window: its words waited in the socket while the manager did not read.
@@ -227,7 +233,8 @@ class AgentServer:
                     slot.send_line(beat + encode(Acked(self.persisted.get(slot.node, 0))))
 
     def _connection_ended(self, slot: NodeSlot, reason: str) -> None:
-        """The node's connection closed or failed: the node is lost, unless this manager itself just stalled.
+        """The node's connection closed or failed: the node is lost, unless this manager itself just
+        stalled.
 
         An agent that heard nothing from a stopped manager for its heartbeat
         timeout connects again with its session (agent/remote.py), and its old
@@ -251,7 +258,8 @@ class AgentServer:
         self.on_change()
         if self._events is not None:
             self._events.on_node_lost(slot.node, reason, time.time())
-            self.place_standbys()  # a warm standby takes the node: the replacements waiting in the slot go to it
+            # a warm standby takes the node: the replacements waiting in the slot go to it
+            self.place_standbys()
 
     def place_standbys(self) -> None:
         """Lost nodes to parked standbys (``standby.promotions`` decides which to which)."""
@@ -272,7 +280,8 @@ class AgentServer:
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
         slot: NodeSlot | None = None
-        session, first = "", b""  # (first: the line a standby given a node sent first as the node's agent)
+        # (first: the line a standby given a node sent first as the node's agent)
+        session, first = "", b""
         try:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
@@ -283,7 +292,8 @@ class AgentServer:
                 parked = await self._park(join.join, writer)
                 try:  # (it passed the gate: its lines may be a node's, 16 MiB)
                     first = await self.standbys.serve(parked, reader, _LINE_LIMIT) if parked is not None else b""
-                finally:  # given a node: from now on (a failed read included) the connection is the node's
+                # given a node: from now on (a failed read included) the connection is the node's
+                finally:
                     if parked is not None and parked.seated is not None:
                         slot, session = self.slots[parked.seated[0]], parked.seated[1]
             else:
@@ -292,8 +302,9 @@ class AgentServer:
                 return
             while True:
                 line, first = first or await read_line(reader, _LINE_LIMIT), b""
-                # This connection speaks for the node only while it is the slot's: the agent may have
-                # resumed its session on a new one (then closing this one is no loss), or been fenced.
+                # This connection speaks for the node only while it is the slot's: the agent may
+                # have resumed its session on a new one (then closing this one is no loss), or been
+                # fenced.
                 current = slot.session == session and slot.writer is writer
                 if not line:
                     if current:
@@ -358,7 +369,8 @@ class AgentServer:
             if slot.writer is not None and slot.writer is not writer:
                 slot.writer.close()  # its old connection: the agent already gave it up
         else:
-            if slot.writer is not None and slot.writer.is_closing():  # (closed in a fresh window: see _connection_ended)
+            # (closed in a fresh window: see _connection_ended)
+            if slot.writer is not None and slot.writer.is_closing():
                 self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed and a new agent "
                                 f"joined for the node from {join.host}")
             if slot.attached:
@@ -390,7 +402,8 @@ class AgentServer:
         self.on_change()
 
     async def _park(self, join: AgentJoin, writer: asyncio.StreamWriter) -> Parked | None:
-        """A standby's join: checked as a node's would be (any node number), parked, maybe given a lost node."""
+        """A standby's join: checked as a node's would be (any node number), parked, maybe given a
+        lost node."""
         while self._events is None:  # (the job's flags come from a node's join, never a standby's)
             await asyncio.sleep(0.05)
         parked = await self.standbys.park(join, writer, self._check,
@@ -420,8 +433,10 @@ class AgentServer:
             first, last = last + 1, last + width(message)
             taken = self.received.get(node, 0)
             if last <= taken:
-                continue  # sent again after a break or a manager restart; this manager has it already
-            if isinstance(message, NodeStep):  # its commits, those this manager lacks, in one record
+                # sent again after a break or a manager restart; this manager has it already
+                continue
+            # its commits, those this manager lacks, in one record
+            if isinstance(message, NodeStep):
                 run.append(message.after(taken - first + 1))
                 self.received[node] = last
                 continue

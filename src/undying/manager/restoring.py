@@ -1,4 +1,5 @@
-"""A restarted manager carries the job on from its log: what the old manager wrote is what this one knows."""
+"""A restarted manager carries the job on from its log: what the old manager wrote is what this one
+knows."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
         core.incidents.append(incident)
         recoveries.count = max(recoveries.count, incident.recovery)
         if incident.status is IncidentStatus.OPEN and not core.health.adopt(incident):
-            open_incidents.append(incident)  # (failing saves are no recovery: CheckpointHealth keeps them)
+            # (failing saves are no recovery: CheckpointHealth keeps them)
+            open_incidents.append(incident)
     if open_incidents:
         recoveries.current = Recovery(id=open_incidents[0].recovery, generation=generation,
                                       incidents=open_incidents)

@@ -91,7 +91,8 @@ class _Store:
         self.connections.clear()
 
     async def until(self, keys: list[str], timeout: float) -> None:
-        """Return when every key is set; _Timeout after ``timeout`` s; StoreClosedError if closed."""
+        """Return when every key is set; _Timeout after ``timeout`` s; StoreClosedError if
+        closed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout)
         while True:
@@ -284,7 +285,8 @@ class StoreServer:
                 return
             store.connections.add(writer)
             while not store.closed:
-                body = await _read_frame(reader)  # no deadline: a rank may train for days between calls
+                # no deadline: a rank may train for days between calls
+                body = await _read_frame(reader)
                 try:
                     request = decode(body, "request")
                 except msgspec.DecodeError as e:
@@ -333,7 +335,8 @@ class StoreServer:
     def _refuse(self, why: str) -> None:
         self.refused += 1
         now = time.monotonic()
-        if now - self._last_refusal_log >= 10.0:  # a flood of strangers grows the log by a line per 10 s
+        # a flood of strangers grows the log by a line per 10 s
+        if now - self._last_refusal_log >= 10.0:
             self._last_refusal_log = now
             log.warning("store server on %s:%d: refused a connection (%s); %d refused so far",
                         self.host, self.port, why, self.refused)

@@ -1,8 +1,8 @@
 """Where ranks run: a host's state (ok, drained, quarantined), and ranks and nodes moved on purpose.
 
-``hosts`` (``HostBook``: one state per host, and when a quarantined host requalifies);
-``migration`` (``Migrations``: planned moves at a step boundary, drains); ``requests`` (an operator's
-move request, checked); ``host_marks`` (where a rank runs, quarantining the host of a fault);
+``hosts`` (``HostBook``: one state per host, and when a quarantined host requalifies); ``migration``
+(``Migrations``: planned moves at a step boundary, drains); ``requests`` (an operator's move
+request, checked); ``host_marks`` (where a rank runs, quarantining the host of a fault);
 ``standby_seats`` (the standby agents a whole node moves to).
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision

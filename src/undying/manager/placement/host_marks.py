@@ -43,7 +43,8 @@ UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of 
 
 
 def host_of(core: JobCore, rank: int) -> str:
-    """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node job)."""
+    """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node
+    job)."""
     info = core.ranks.get(rank)
     return node_host(core, info.node) if info is not None else ""
 

@@ -1,4 +1,5 @@
-"""A host's placement state: ``ok``, ``drained`` by an operator, or ``quarantined`` by a fault policy.
+"""A host's placement state: ``ok``, ``drained`` by an operator, or ``quarantined`` by a fault
+policy.
 
 One state per host, shared by the two ways a host is taken out: an operator
 drains it (``undying drain HOST``, before maintenance) and a fault policy
@@ -36,7 +37,8 @@ LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
 # and a job verifying every K steps with R ranks on the host gets it back within about 3*K*world/R
 # steps.
 REQUALIFY_PASSES = 3
-_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")  # a hostname, an IPv4 or a bracketed or bare IPv6
+# a hostname, an IPv4 or a bracketed or bare IPv6
+_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
 
 
 class HostState(enum.StrEnum):
@@ -54,9 +56,11 @@ class HostMark:
     reason: str
     by: str
     t: float
-    passes: int = 0  # quarantined: verified steps of its ranks in a row since it was quarantined or last mismatched
+    # quarantined: verified steps of its ranks in a row since it was quarantined or last mismatched
+    passes: int = 0
     steps: tuple[int, ...] = ()  # which steps those were
-    drained: HostMark | None = None  # quarantined: the operator's drain kept under it, the state once it requalifies
+    # quarantined: the operator's drain kept under it, the state once it requalifies
+    drained: HostMark | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
@@ -84,7 +88,8 @@ def check_host(host: object) -> str:
 
 
 def check_job_host(host: object, known: Iterable[str], *, others_may_join: bool) -> str:
-    """``host`` checked, and one the job knows (``known``: its nodes', its standbys', those already out).
+    """``host`` checked, and one the job knows (``known``: its nodes', its standbys', those already
+    out).
 
     A host the job does not know is a name under which nothing can ever be
     drained when no other host can join (one node, the manager in its
@@ -125,8 +130,8 @@ class HostBook:
         return f"host {host} is {self.state(host).value}: it gets no new ranks; `undying undrain {host}` first"
 
     def drain(self, host: str, *, by: str, reason: str, t: float) -> HostMark:
-        """An operator takes the host out. A quarantined host stays quarantined (its reason is kept), with
-        the drain kept under it: the host is drained still once it requalifies."""
+        """An operator takes the host out. A quarantined host stays quarantined (its reason is
+        kept), with the drain kept under it: the host is drained still once it requalifies."""
         current = self._marks.get(check_host(host))
         mark = HostMark(host, HostState.DRAINED, reason or "drained by an operator", by, t)
         if current is not None and current.state is HostState.QUARANTINED:
@@ -136,8 +141,8 @@ class HostBook:
         return mark
 
     def quarantine(self, host: str, *, reason: str, by: str, t: float) -> HostMark:
-        """A fault policy takes the host out, with its reason (a drained host becomes quarantined, its drain
-        kept under the quarantine)."""
+        """A fault policy takes the host out, with its reason (a drained host becomes quarantined,
+        its drain kept under the quarantine)."""
         if not reason.strip():
             raise UsageError(f"quarantining host {host!r} needs a reason (what was found at fault there)")
         current = self._marks.get(check_host(host))
@@ -173,7 +178,8 @@ class HostBook:
         return mark
 
     def clear(self, host: str) -> HostMark | None:
-        """An operator puts the host back (drained or quarantined); the mark it had, or None (it was ok)."""
+        """An operator puts the host back (drained or quarantined); the mark it had, or None (it was
+        ok)."""
         return self._marks.pop(check_host(host), None)
 
     def view(self) -> list[dict[str, Any]]:
@@ -185,7 +191,8 @@ class HostBook:
 
     @classmethod
     def from_log(cls, logged: object) -> HostBook:
-        """The book a manager wrote (nothing, or a list of marks); anything unreadable is left out."""
+        """The book a manager wrote (nothing, or a list of marks); anything unreadable is left
+        out."""
         book = cls()
         if not isinstance(logged, list):
             return book

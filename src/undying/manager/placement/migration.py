@@ -95,10 +95,13 @@ class Migrations:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection
-        self._busy = busy  # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
+        # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
+        self._busy = busy
         self.pending: dict[int, _Pending] = {}  # pid -> the move it is armed for
-        self.server: AgentServer | None = None  # the agents' server (a multi-node job): standbys, slots
-        recoveries.round_opened.append(self._overtaken)  # a recovery before a rank's boundary cancels its move
+        # the agents' server (a multi-node job): standbys, slots
+        self.server: AgentServer | None = None
+        # a recovery before a rank's boundary cancels its move
+        recoveries.round_opened.append(self._overtaken)
 
     @property
     def hosts(self) -> HostBook:
@@ -110,7 +113,8 @@ class Migrations:
     # --- the operator's commands ----------------------------------------------------
 
     def migrate(self, rank: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
-        """Arm ``rank`` to leave at the next boundary, for a warm spare of its node (``to``: that node's host)."""
+        """Arm ``rank`` to leave at the next boundary, for a warm spare of its node (``to``: that
+        node's host)."""
         core = self.core
         if rank not in core.ranks:
             raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
@@ -121,7 +125,8 @@ class Migrations:
         host = self.host_of(info.node)
         target = host if to is None or to in (host, "localhost") else check_host(to)
         if target != host and sum(1 for r in core.ranks.values() if r.node == info.node) == 1:
-            return self.migrate_node(info.node, target, by=by)  # the node's one rank: the node moves
+            # the node's one rank: the node moves
+            return self.migrate_node(info.node, target, by=by)
         if target != host:
             raise UsageError(
                 f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them moves to a warm "
@@ -141,7 +146,8 @@ class Migrations:
         ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
                                  store_host=generations.host, store_port=generations.store_port(),
                                  reason=f"migration of rank {rank} (opened at the boundary)")
-        warm = core.spawn(rank, ahead, joining=True) or spares > 0  # (a node across the network says later)
+        # (a node across the network says later)
+        warm = core.spawn(rank, ahead, joining=True) or spares > 0
         self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
                                          warm=warm, holder=holder)
         core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
@@ -152,7 +158,8 @@ class Migrations:
                 "replacement": "warm spare" if warm else "new process"}
 
     def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
-        """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to`` takes the node."""
+        """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to``
+        takes the node."""
         core = self.core
         if node not in core.agents or node not in core.book.nodes:
             raise UsageError(f"node {node} is not a node of this job; it trains on nodes "
@@ -202,7 +209,8 @@ class Migrations:
         return {"host": host, "state": mark.state.value, "reason": mark.reason, "moved": moved}
 
     def quarantine(self, host: str, reason: str, *, by: str = "numerics") -> dict[str, Any]:
-        """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks there."""
+        """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks
+        there."""
         return quarantine(self.core, host=host, reason=reason, by=by)
 
     def undrain(self, host: str, *, by: str = "api") -> dict[str, Any]:
@@ -239,8 +247,9 @@ class Migrations:
         return True
 
     def before_exit(self, pid: int, returncode: int) -> None:
-        """Any process's exit, before it is judged: a moving rank's old process that ended before its boundary
-        cancels the move (the rank is that process's again, so its exit is the rank's fault, handled as such)."""
+        """Any process's exit, before it is judged: a moving rank's old process that ended before
+        its boundary cancels the move (the rank is that process's again, so its exit is the rank's
+        fault, handled as such)."""
         pending = self.pending.get(pid)
         # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read
         # after this)
@@ -249,7 +258,8 @@ class Migrations:
                                   f"move's boundary (step {pending.boundary}); its exit is handled as the fault it is")
 
     def _overtaken(self, incident: Incident) -> None:
-        """A recovery round opens while ranks wait for their boundaries: each move is cancelled first.
+        """A recovery round opens while ranks wait for their boundaries: each move is cancelled
+        first.
 
         The rank's old process holds its state (perhaps the last one that
         does: every other holder may be the fault), so the rank is given back
@@ -271,7 +281,8 @@ class Migrations:
                                           "again once the job runs)")
 
     def _cancel(self, pending: _Pending, reason: str) -> None:
-        """A rank's move is off: the rank is its old process's again, the replacement started ahead is killed."""
+        """A rank's move is off: the rank is its old process's again, the replacement started ahead
+        is killed."""
         del self.pending[pending.pid]
         core = self.core
         info = core.ranks[pending.rank]
@@ -279,7 +290,8 @@ class Migrations:
         assert pending.holder is not None
         info.incarnation, info.state, info.generation, info.restarts = pending.holder
         info.pid = pending.pid
-        core.generations.set_owner(info.rank, info.incarnation)  # (the one started ahead is fenced, not it)
+        # (the one started ahead is fenced, not it)
+        core.generations.set_owner(info.rank, info.incarnation)
         core.book.persist(info)
         core.kill(info.rank)  # the node's newest process of the rank: the one started ahead (agent: the old one
         # is the rank's worker again once it is gone)
@@ -288,19 +300,22 @@ class Migrations:
         log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id, pending.rank, reason)
 
     def on_spawned(self, rank: int, warm: bool) -> None:
-        """A node across the network says what it started for ``rank``: a moved rank's replacement's kind."""
+        """A node across the network says what it started for ``rank``: a moved rank's replacement's
+        kind."""
         for pending in self.pending.values():
             if pending.rank == rank and pending.node is None:
                 pending.warm = warm
 
     def on_hello(self, rank: int, t: float) -> None:
-        """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process said it long ago)."""
+        """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process
+        said it long ago)."""
         for pending in self.pending.values():
             if pending.rank == rank and pending.node is None and not pending.ready_t:
                 pending.ready_t = t
 
     def on_left(self, message: FaultInjected) -> bool:
-        """A moved rank says it leaves at its boundary: open the generation its replacement waits for.
+        """A moved rank says it leaves at its boundary: open the generation its replacement waits
+        for.
 
         The old process exits right after saying so (its exit is old news: the
         rank is the replacement's); the peers, waiting in the next step's first
@@ -339,7 +354,8 @@ class Migrations:
 
     def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:
         """The planned ``migration`` incident of a rank that left at its boundary (``step``)."""
-        self.detection.injected.pop(info.rank, None)  # (its "migrate" report is no fault to time a crash from)
+        # (its "migrate" report is no fault to time a crash from)
+        self.detection.injected.pop(info.rank, None)
         incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=step,
                                                 fault_t=t, detected_t=now,
                                                 error=f"planned: rank {info.rank} moved from pid {pending.pid} on "
@@ -361,8 +377,8 @@ class Migrations:
         core.events.incident(incident)
 
     def _move_node(self, first: RankInfo, pending: _Pending, t: float) -> None:
-        """The node's first rank left at its boundary: the node's agent is let go, every rank of it is
-        replaced in one new generation, and the standby on the target host is given the node."""
+        """The node's first rank left at its boundary: the node's agent is let go, every rank of it
+        is replaced in one new generation, and the standby on the target host is given the node."""
         core, node = self.core, pending.node
         assert node is not None and self.server is not None
         slot = self.server.slots[node]
@@ -376,7 +392,8 @@ class Migrations:
                     continue
                 mine = pending if info is first else self.pending.pop(info.pid, None)
                 if info is not first and info.state not in (RankState.EXITED, RankState.DONE):
-                    info.state = RankState.EXITED  # its process goes with its agent (fenced if it lingers)
+                    # its process goes with its agent (fenced if it lingers)
+                    info.state = RankState.EXITED
                     core.book.persist(info)
                 self._replace(info, mine or pending, t)
         finally:
@@ -404,23 +421,26 @@ class Migrations:
         return ""
 
     def _boundary(self, newest: int, *, warm: bool) -> int:
-        """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least), and
-        before the job's last steps (its plan says how many it has): else refused."""
+        """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least),
+        and before the job's last steps (its plan says how many it has): else refused."""
         step_s = self.core.clock.median_rank_step_s()
         lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS, math.ceil(READY_S[warm] / step_s)))
         plan = self.core.clock.plan
         if plan is not None:
-            lead = min(lead, plan.total_steps - 2 - newest)  # (the replacement's start may then be in the stall)
+            # (the replacement's start may then be in the stall)
+            lead = min(lead, plan.total_steps - 2 - newest)
             if lead < LEAD_STEPS:
                 raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step boundary "
                                  f"{LEAD_STEPS} steps ahead of step {newest}; nothing to move")
         return newest + lead
 
     def standby_views(self) -> list[dict[str, Any]]:
-        """The standby agents parked with no node yet (a multi-node job's): where a node can move or fail over to."""
+        """The standby agents parked with no node yet (a multi-node job's): where a node can move or
+        fail over to."""
         return self.server.standbys.views() if self.server is not None else []
 
     def _record(self, what: str, detail: dict[str, Any]) -> None:
-        """A change of the host book: its event, and the book as the job fact a restarted manager reads."""
+        """A change of the host book: its event, and the book as the job fact a restarted manager
+        reads."""
         self.core.events.event(what, **detail)
         self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)

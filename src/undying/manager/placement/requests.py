@@ -1,5 +1,6 @@
-"""An operator's request to move ranks or hosts (``POST /api/migrate``, ``/api/drain``, ``/api/undrain``):
-its JSON body checked whole before anything is done, then handed to the planned moves."""
+"""An operator's request to move ranks or hosts (``POST /api/migrate``, ``/api/drain``,
+``/api/undrain``): its JSON body checked whole before anything is done, then handed to the planned
+moves."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ _MAX_RANK = 1 << 20
 
 
 def request_move(migrations: Migrations, what: str, body: dict[str, Any], by: str) -> dict[str, Any]:
-    """``POST /api/<what>`` with its JSON body, checked whole before anything is done; UsageError names the field."""
+    """``POST /api/<what>`` with its JSON body, checked whole before anything is done; UsageError
+    names the field."""
     example = MOVE_EXAMPLES[what]
     if what == "migrate":
         rank, to, node = body.get("rank"), body.get("to"), body.get("node")

@@ -1,5 +1,5 @@
-"""The standby agents a whole node moves to (``undying migrate --node``, ``drain``): which hosts have one
-parked, which one a node moves to, and giving the node to it."""
+"""The standby agents a whole node moves to (``undying migrate --node``, ``drain``): which hosts
+have one parked, which one a node moves to, and giving the node to it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def parked_hosts(server: AgentServer | None) -> list[str]:
 
 
 def standby_on(server: AgentServer | None, hosts: HostBook, to: str | None, *, avoid: set[str]) -> str:
-    """The host of the standby a node moves to: ``to`` (one must be parked there) or any not avoided."""
+    """The host of the standby a node moves to: ``to`` (one must be parked there) or any not
+    avoided."""
     parked = [h for h in parked_hosts(server) if h not in avoid and not hosts.blocked(h)]
     if to is not None:
         check_host(to)

@@ -1,4 +1,5 @@
-"""Detection: from what the agents and ranks report to an incident, with its kind, its times and its words.
+"""Detection: from what the agents and ranks report to an incident, with its kind, its times and its
+words.
 
 A process exit is a crash, a user error (the rank said so before dying), a
 script that cannot run, a hang (the manager had it killed for silence) or a
@@ -40,7 +41,8 @@ class ExitCause:
     returncode: int
     t: float
     injected: tuple[float, str] | None = None  # (when, kind) of a fault injected into the rank
-    hung: tuple[float, float, str] | None = None  # (last heard, detected, phase): killed for silence
+    # (last heard, detected, phase): killed for silence
+    hung: tuple[float, float, str] | None = None
     lost: tuple[int, str, float] | None = None  # (node, why, when): its node was lost
     fatal: Fatal | None = None  # the error the rank reported before dying
 
@@ -86,7 +88,8 @@ def describe_exit(returncode: int) -> str:
 
 
 def script_error(job_dir: str, rank: int) -> str:
-    """The job's failure when a rank's script could not run: the error its first rank left, in one line."""
+    """The job's failure when a rank's script could not run: the error its first rank left, in one
+    line."""
     try:
         with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8", errors="replace") as f:
             told = f.read(2000).strip()
@@ -97,7 +100,8 @@ def script_error(job_dir: str, rank: int) -> str:
 
 
 def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
-    """The error and traceback a rank's process left in torchrun's error file (``@record`` writes it), or ("", "").
+    """The error and traceback a rank's process left in torchrun's error file (``@record`` writes
+    it), or ("", "").
 
     torchrun reads the same file back into its failure report; so does the manager. A file
     that is missing, unreadable or not torchrun's JSON says nothing (the exit code speaks).
@@ -122,11 +126,13 @@ class Detection:
         self.hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
         self.fatal: dict[int, Fatal] = {}  # pid -> the error its rank reported
         self.node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
-        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.recovery.leaving)
+        # ranks that exited 0 before their last step (manager.recovery.leaving)
+        self.leavers = Leavers(core, recoveries, self.injected)
         self.grace_tasks: set[asyncio.Task[None]] = set()
 
     def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:
-        """Everything known about why ``pid`` ended (each fact is used once: a later process starts clean)."""
+        """Everything known about why ``pid`` ended (each fact is used once: a later process starts
+        clean)."""
         return ExitCause(returncode, t, injected=self.injected.pop(info.rank, None), hung=self.hung.pop(pid, None),
                          lost=self.node_lost.pop(pid, None), fatal=self.fatal.pop(pid, None))
 
@@ -139,7 +145,8 @@ class Detection:
         error, traceback = found.error, found.traceback
         if not traceback and not cause.hung and not cause.lost:
             told, stack = error_file(self.core.config.job_dir, info.rank, info.incarnation)
-            if told:  # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
+            # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
+            if told:
                 error, traceback = f"{error}: {told}", f"rank {info.rank}:\n{stack}" if stack else ""
         incident = self.recoveries.new_incident(kind=found.kind, rank=info.rank, step=info.step + 1,
                                                 fault_t=found.fault_t, detected_t=found.detected_t,
@@ -224,7 +231,8 @@ class Detection:
         self.recoveries.handle(incident)
 
     def on_comm_failure(self, message: CommFailure) -> None:
-        """A rank's collective failed: wait the grace for an exit that explains it, else retry the link."""
+        """A rank's collective failed: wait the grace for an exit that explains it, else retry the
+        link."""
         if message.generation < self.core.generations.current:
             return  # the manager already moved on; the worker follows
         task = asyncio.get_running_loop().create_task(self._comm_failure_grace(message))

@@ -58,7 +58,8 @@ class Leavers:
         self.pending: dict[int, Left] = {}  # rank -> its early exit, not judged yet
 
     def on_clean_exit(self, info: RankInfo, pid: int, t: float) -> bool:
-        """A rank that did not say ``Done`` exited 0. True when that is not (yet) its part of the job done.
+        """A rank that did not say ``Done`` exited 0. True when that is not (yet) its part of the
+        job done.
 
         Only for a script that uses the step API, and while no rank passed the
         final barrier (then every rank passed it). The caller finishes the
@@ -84,27 +85,31 @@ class Leavers:
             self.incident(left, f"while rank {rank} committed step {step}")
 
     def explains(self, rank: int, step: int, what: str) -> bool:
-        """A failed collective or a stall of ``rank`` in ``step``: when a rank left before it, that is the fault."""
+        """A failed collective or a stall of ``rank`` in ``step``: when a rank left before it, that
+        is the fault."""
         early = [p for p in self.pending.values() if p.rank != rank and step > p.step]
         for left in early:
             self.incident(left, f"while rank {rank} went on to step {step} ({what})")
         return bool(early)
 
     def on_done(self, rank: int) -> bool:
-        """A rank's ``Done``: True when it came after its process's exit (it passed the final barrier after all)."""
+        """A rank's ``Done``: True when it came after its process's exit (it passed the final
+        barrier after all)."""
         if self.pending.pop(rank, None) is None:
             return False
         self.core.events.event("left_early", rank=rank, verdict="finished: its Done came after its exit")
         return True
 
     def all_left(self) -> list[RankInfo]:
-        """The held ranks, once every rank is finished or held: none went on, they ended their loops together.
+        """The held ranks, once every rank is finished or held: none went on, they ended their loops
+        together.
 
         (The job then ends as torchrun's would: every rank exited 0.)
         """
         ranks = self.core.ranks
         for left in list(self.pending.values()):
-            if ranks[left.rank].pid != left.pid:  # (the rank was given a new process since: its old exit is moot)
+            # (the rank was given a new process since: its old exit is moot)
+            if ranks[left.rank].pid != left.pid:
                 del self.pending[left.rank]
         if not self.pending or any(r.rank not in self.pending and r.rank not in self.core.book.finished
                                    for r in ranks.values()):
@@ -133,6 +138,7 @@ class Leavers:
                                                 fault_t=injected[0] if injected else left.t, detected_t=time.time(),
                                                 error=error)
         incident.detail.update({"returncode": 0, "pid": left.pid, "node": left.node})
-        if injected:  # (`undying inject leave`: not the script's own early end, so never counted as a repeat)
+        # (`undying inject leave`: not the script's own early end, so never counted as a repeat)
+        if injected:
             incident.detail["injected"] = True
         self.recoveries.handle(incident)

@@ -59,14 +59,14 @@ class Decision:
 
 
 def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
-    """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank
-    (up to ``max_step_recoveries`` times for one rank at one step) -> restart every rank from the
-    latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
-    fail with a report. A script that cannot run (a SyntaxError or ImportError) fails at once:
-    no replacement would run it either. A rank that left early (``left-early``) is replaced
-    once; leaving early again fails the job: its script stops before the others' (an
-    injected leave is no script's, and never counts so). A script that does not use the step API has one rung
-    below failing: the whole group restarts (``max_restarts`` times), as under torchrun."""
+    """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank (up to
+    ``max_step_recoveries`` times for one rank at one step) -> restart every rank from the latest
+    valid checkpoint when no peer holds the state (up to ``max_restarts`` times) -> fail with a
+    report. A script that cannot run (a SyntaxError or ImportError) fails at once: no replacement
+    would run it either. A rank that left early (``left-early``) is replaced once; leaving early
+    again fails the job: its script stops before the others' (an injected leave is no script's, and
+    never counts so). A script that does not use the step API has one rung below failing: the whole
+    group restarts (``max_restarts`` times), as under torchrun."""
     if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
     if not ctx.step_api:

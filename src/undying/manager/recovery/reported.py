@@ -20,7 +20,8 @@ __all__ = ["ReportedFaults", "Moves"]
 
 
 class Moves(Protocol):
-    """What recovery asks of the planned moves (``placement.Migrations``), which are built on recovery."""
+    """What recovery asks of the planned moves (``placement.Migrations``), which are built on
+    recovery."""
 
     def on_left(self, message: FaultInjected) -> bool: ...
 
@@ -41,7 +42,8 @@ class ReportedFaults:
         self.core.events.event("comm_failure", generation=message.generation, rank=message.rank,
                                step=message.step, error=message.error)
         self.core.book.persist(info)
-        if self.regrouping.active:  # the regroup's group broke: it re-plans (after the grace), no retry
+        # the regroup's group broke: it re-plans (after the grace), no retry
+        if self.regrouping.active:
             self.regrouping.on_group_broke(message.generation,
                                            f"rank {message.rank}'s group broke ({message.error})")
             return

@@ -1,4 +1,5 @@
-"""Recovery: from an incident to the next generation, and the round's timeline until the job trains again.
+"""Recovery: from an incident to the next generation, and the round's timeline until the job trains
+again.
 
 An incident opens (or joins) a recovery round. The policy (``policy.decide``,
 a pure function) picks the rung: retry in place, replace the rank, restart
@@ -114,7 +115,8 @@ class Recoveries:
         incident.phases["detected"] = detected_t
         incidents.append(incident)
         self.current.incidents.append(incident)
-        if opened and kind is not IncidentKind.MIGRATION:  # (a planned move's own incident overtakes nothing)
+        # (a planned move's own incident overtakes nothing)
+        if opened and kind is not IncidentKind.MIGRATION:
             for told in self.round_opened:
                 told(incident)
         return incident
@@ -132,7 +134,8 @@ class Recoveries:
                    if r.rank != excluding and r.state is not RankState.EXITED and r.rank not in replaced)
 
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
-        """Where every rank's state comes from after this incident (the one restore planner), and its words.
+        """Where every rank's state comes from after this incident (the one restore planner), and
+        its words.
 
         The manager's view: the ranks that failed (this one, the exited, the
         replacements still waiting for state) hold nothing, every other holds
@@ -165,13 +168,15 @@ class Recoveries:
 
         self.restart_from = None
         try:
-            found = plan_at(newest, UNREAD)  # from memory; the checkpoint is read only when no step is whole
+            # from memory; the checkpoint is read only when no step is whole
+            found = plan_at(newest, UNREAD)
             if found.read_checkpoint:
                 ckpt = self.checkpoints.latest()
                 # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
                 found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url)) if ckpt \
                     else plan_at(newest, None)
-                self.restart_from = ckpt  # the checkpoint the plan read: the restart rung carries the plan out
+                # the checkpoint the plan read: the restart rung carries the plan out
+                self.restart_from = ckpt
         except (MissingShardsError, LayoutError) as e:
             return None, str(e)
         return found, found.describe()
@@ -238,8 +243,8 @@ class Recoveries:
                 self._shared_record = record
         assert self.current is not None
         if decision.action is not Action.RESTART:
-            # Nothing failed by itself in a stuck collective or a link's retry: every rank is told to
-            # leave. A replaced rank's process is gone: its peers find that out by themselves.
+            # Nothing failed by itself in a stuck collective or a link's retry: every rank is told
+            # to leave. A replaced rank's process is gone: its peers find that out by themselves.
             stuck = bool(incident.detail.get("stuck_collective"))
             self.tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
                                f"{incident.kind} of rank {incident.rank}: {decision.action.value}",
@@ -254,12 +259,14 @@ class Recoveries:
         elif decision.action is Action.RESTART and self.restart_from is None:
             self._restart_group(incident, record)
         elif decision.action is Action.RESTART:
-            assert self.restore_plan is not None  # (the plan that read the checkpoint named restart_from)
+            # (the plan that read the checkpoint named restart_from)
+            assert self.restore_plan is not None
             self._restart_all(incident, record, self.restore_plan)
 
     def tell_to_leave(self, previous: int, reason: str, *, abort: bool) -> None:
-        """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at once
-        (one that already left ignores it), else only watched for now (``leave_order.py`` says when)."""
+        """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at
+        once (one that already left ignores it), else only watched for now (``leave_order.py`` says
+        when)."""
         assert self.current is not None
         core = self.core
         order = LeaveOrder(previous, reason, time.time(), aborted=abort)
@@ -275,8 +282,8 @@ class Recoveries:
     def lingering(self, now: float, resumed: float = 0.0) -> tuple[list[RankInfo], list[RankInfo]]:
         """Survivors of the round's leave order still in the old generation: (to tell now, stuck).
 
-        A replacement of this round is no survivor and is not judged here; a newer generation than the
-        round's (a regroup renumbered the ranks) makes the order old news.
+        A replacement of this round is no survivor and is not judged here; a newer generation than
+        the round's (a regroup renumbered the ranks) makes the order old news.
         """
         recovery = self.current
         if recovery is None or recovery.leave is None or recovery.generation != self.core.generations.current:
@@ -289,11 +296,13 @@ class Recoveries:
         return survivors, stuck
 
     def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
-        """Survivors told to leave the old generation that neither failed nor joined the new one in time."""
+        """Survivors told to leave the old generation that neither failed nor joined the new one in
+        time."""
         return self.lingering(now, resumed)[1]
 
     def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:
-        """torchrun's recovery for a script that does not use the step API: every rank starts again, now.
+        """torchrun's recovery for a script that does not use the step API: every rank starts again,
+        now.
 
         Every live rank is killed (its peers of the old group would wait on the
         dead one forever) and every rank, a finished one too, gets a new
@@ -327,8 +336,8 @@ class Recoveries:
         core.move(JobState.RUNNING)
 
     def _restart_all(self, incident: Incident, record: GenerationRecord, plan: RestorePlan) -> None:
-        """The restart rung: new processes for every rank, all starting from the checkpoint ``plan`` names
-        (the latest valid one, read when no step had every shard in memory).
+        """The restart rung: new processes for every rank, all starting from the checkpoint ``plan``
+        names (the latest valid one, read when no step had every shard in memory).
 
         Replacements already started for the dead ranks wait for a donor that no
         longer exists: they are killed too. The steps since the checkpoint are
@@ -357,7 +366,8 @@ class Recoveries:
                     core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
 
     def on_joined(self, rank: int, t: float) -> None:
-        """A rank's process joined its generation: a replacement is ready (and the script uses the step API)."""
+        """A rank's process joined its generation: a replacement is ready (and the script uses the
+        step API)."""
         self.hello_seen = True
         if self.current is not None and rank in self.current.replaced:
             self.current.ready[rank] = t
@@ -383,7 +393,8 @@ class Recoveries:
             recovery.restored_step = step
 
     def maybe_finish(self, rank: int, t: float, *, message_generation: int) -> bool:
-        """A rank's first step in the round's generation; True when it was the last one's (the round is over)."""
+        """A rank's first step in the round's generation; True when it was the last one's (the round
+        is over)."""
         recovery = self.current
         core = self.core
         if recovery is None or message_generation < recovery.generation:
@@ -423,10 +434,11 @@ class Recoveries:
         self.core.fail(reason)
 
     def overdue(self, now: float, resumed: float = 0.0) -> str:
-        """Why the round is past the recovery timeout, or "" (a lost node's round waits for --node-wait).
+        """Why the round is past the recovery timeout, or "" (a lost node's round waits for
+        --node-wait).
 
-        The timeout counts from the round's start or from ``resumed``, the manager's return from a stall of
-        its own (``protocol/judge_clock.py``), whichever is later.
+        The timeout counts from the round's start or from ``resumed``, the manager's return from a
+        stall of its own (``protocol/judge_clock.py``), whichever is later.
         """
         recovery = self.current
         timeouts = self.core.config.timeouts

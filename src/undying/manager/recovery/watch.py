@@ -53,7 +53,8 @@ class Watch:
         self.left_behind = left_behind
         self.regrouping = regrouping
         self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout, "the manager's deadlines")
-        self.clock.tick()  # (from its start: a manager paused before its watch first ran still sees that stall)
+        # (from its start: a manager paused before its watch first ran still sees that stall)
+        self.clock.tick()
 
     def start(self) -> list[asyncio.Task[None]]:
         """The watch and the flush, running until cancelled."""
@@ -63,10 +64,12 @@ class Watch:
         while True:
             await asyncio.sleep(WATCH_S)
             self.clock.tick()
-            self.check(self.clock.resumed_wall)  # (its return from its latest stall; 0.0: it never stalled)
+            # (its return from its latest stall; 0.0: it never stalled)
+            self.check(self.clock.resumed_wall)
 
     def check(self, resumed: float) -> None:
-        """One pass: each deadline due, acted on (``resumed``: when the manager came back from a stall)."""
+        """One pass: each deadline due, acted on (``resumed``: when the manager came back from a
+        stall)."""
         if self.core.winding_down:
             return
         if self.regrouping.active:

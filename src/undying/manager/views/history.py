@@ -66,7 +66,8 @@ class Downsampled:
             raise ValueError(f"a series needs an even capacity of at least 2 buckets, got {capacity}")
         self.capacity = capacity
         self.width = 1
-        self.origin: int | None = None  # the first step seen: bucket i covers origin + i*width onwards
+        # the first step seen: bucket i covers origin + i*width onwards
+        self.origin: int | None = None
         self.last_step = 0
         self._n: list[int] = []
         self._sum: list[float] = []
@@ -152,14 +153,16 @@ class Histogram:
             return
         if not self.counts:
             self.counts = [0] * len(self.bounds)
-        i = bisect.bisect_left(self.bounds, value)  # the first bound at or above it (le: "less or equal")
+        # the first bound at or above it (le: "less or equal")
+        i = bisect.bisect_left(self.bounds, value)
         if i < len(self.counts):
             self.counts[i] += 1
         self.count += 1
         self.total += value
 
     def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, observations at or below it) for each bound; ``count`` is the +Inf bucket."""
+        """(upper bound, observations at or below it) for each bound; ``count`` is the +Inf
+        bucket."""
         running, out = 0, []
         for bound, n in zip(self.bounds, self.counts or [0] * len(self.bounds), strict=True):
             running += n
@@ -168,7 +171,8 @@ class Histogram:
 
 
 def rank_step_label(rank: int) -> str:
-    """The ``rank`` label of a rank's step time: its number for the first ranks, one shared value past them."""
+    """The ``rank`` label of a rank's step time: its number for the first ranks, one shared value
+    past them."""
     return str(rank) if rank < LABELLED_RANKS else f"{LABELLED_RANKS}+"
 
 
@@ -182,9 +186,11 @@ class RunHistory:
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         self.capacity = capacity
-        self.job = Downsampled(capacity)  # each step: from the previous step's last commit to its own
+        # each step: from the previous step's last commit to its own
+        self.job = Downsampled(capacity)
         self.ranks: dict[int, Downsampled] = {}  # each rank's time between its consecutive commits
-        self.values: dict[str, Downsampled] = {}  # each step.log name: the mean over the ranks that gave it
+        # each step.log name: the mean over the ranks that gave it
+        self.values: dict[str, Downsampled] = {}
         self.last_values: dict[str, float] = {}  # each name's mean at the newest step that had it
         self.step_seconds = Histogram(STEP_BUCKETS)
         self.rank_step_seconds: dict[str, Histogram] = {}
@@ -192,7 +198,8 @@ class RunHistory:
         self.bytes_written = 0
         self.goodput: tuple[float, dict[str, float]] | None = None
         self._last: dict[int, tuple[int, float]] = {}  # rank -> its last commit (step, t)
-        self._pending: dict[int, dict[int, tuple[float, Mapping[str, float]]]] = {}  # step -> rank -> commit
+        # step -> rank -> commit
+        self._pending: dict[int, dict[int, tuple[float, Mapping[str, float]]]] = {}
         self._done: dict[int, float] = {}  # step -> when its last rank committed it
 
     # --- fed by the manager ---------------------------------------------------------
@@ -211,7 +218,8 @@ class RunHistory:
             if rank < PAGE_RANKS:
                 self.ranks.setdefault(rank, Downsampled(self.capacity)).add(step, seconds)
         commits = self._pending.setdefault(step, {})
-        commits[rank] = (t, metrics)  # (a rank's second commit of a step re-run after a fault: the later counts)
+        # (a rank's second commit of a step re-run after a fault: the later counts)
+        commits[rank] = (t, metrics)
         if len(commits) >= max(1, world_size):
             self._step_done(step, commits)
 
@@ -241,7 +249,8 @@ class RunHistory:
             del self._pending[old]
 
     def checkpoint(self, message: CheckpointSaved) -> None:
-        """A save report: a committed save's stall, write time and size (a reused one wrote nothing)."""
+        """A save report: a committed save's stall, write time and size (a reused one wrote
+        nothing)."""
         if message.error or message.kind == "existing":
             return
         self.save_seconds["blocking"].observe(message.blocking_s)
@@ -249,7 +258,8 @@ class RunHistory:
         self.bytes_written += max(0, int(message.bytes))
 
     def set_goodput(self, ratio: float, lost_s: Mapping[str, float]) -> None:
-        """The job's goodput (the share of wall time spent on steps that count) and its losses by cause, in seconds.
+        """The job's goodput (the share of wall time spent on steps that count) and its losses by
+        cause, in seconds.
 
         The manager calls this where goodput is worked out; the metrics show the
         last values set (none before the first call: no made-up number).
@@ -290,7 +300,8 @@ class RunHistory:
     # --- read by the page and the metrics ---------------------------------------------
 
     def view(self, first: int | None = None, last: int | None = None, points: int = 400) -> dict[str, Any]:
-        """The run between steps ``first`` and ``last`` (the whole run by default), at most ``points`` per series."""
+        """The run between steps ``first`` and ``last`` (the whole run by default), at most
+        ``points`` per series."""
         return {
             "first": self.job.origin if self.job.origin is not None else None,
             "last": self.job.last_step or None,

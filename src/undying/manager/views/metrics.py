@@ -113,7 +113,8 @@ def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
 
 
 def _checkpoints(checkpoints: Mapping[str, Any], step: int, history: RunHistory) -> Iterator[Metric]:
-    """Saves: the last one, how long they stall and write, what they wrote, which failed, what is at risk."""
+    """Saves: the last one, how long they stall and write, what they wrote, which failed, what is at
+    risk."""
     health = checkpoints.get("health") or {}
     yield CounterMetricFamily("undying_checkpoint_failures", "Checkpoint saves that failed (every attempt).",
                               value=float(health.get("failures") or 0))
@@ -240,7 +241,8 @@ def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def _histograms(name: str, doc: str, label: str | None, histograms: Mapping[str, Histogram]) -> HistogramMetricFamily:
-    """A histogram family from ``RunHistory``'s counts, one series per label value (``label`` None: one series)."""
+    """A histogram family from ``RunHistory``'s counts, one series per label value (``label`` None:
+    one series)."""
     family = HistogramMetricFamily(name, doc, labels=[label] if label else [])
     for value, h in sorted(histograms.items(), key=lambda kv: (len(kv[0]), kv[0])):
         if label is None and not h.count:
@@ -267,14 +269,16 @@ def _goodput(history: RunHistory) -> Iterator[Metric]:
 
 
 def new_registry(status: StatusSource, history: RunHistory | None = None) -> CollectorRegistry:
-    """A registry of its own holding one collector over ``status`` (and the run's ``history``, if given)."""
+    """A registry of its own holding one collector over ``status`` (and the run's ``history``, if
+    given)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(status, history))
     return registry
 
 
 def metric_names(registry: CollectorRegistry) -> set[str]:
-    """Every sample name ``registry`` can expose (``_total``, ``_bucket``, ``_count``, ``_sum`` included)."""
+    """Every sample name ``registry`` can expose (``_total``, ``_bucket``, ``_count``, ``_sum``
+    included)."""
     names: set[str] = set()
     for family in registry.collect():
         names.add(family.name)
