@@ -120,17 +120,20 @@ class ConnectionGuard:
                 # Only a connection already made can be closed: one accepted in this same batch has
                 # no transport yet; the cap is then over by at most the listen backlog, for a
                 # moment.
-                idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy and c.transport is not None]
+                idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy
+                        and c.transport is not None]
                 if idle:
                     _, oldest = min(idle, key=lambda item: item[0])
                     self._close(oldest)
-                    log.warning("HTTP: %d connections open (the cap, --max-connections): closed the oldest idle "
-                                "one", self.cap)
+                    log.warning("HTTP: %d connections open (the cap, --max-connections): closed "
+                                "the oldest idle one", self.cap)
                 elif all(c.busy for c in self._conns.values()):
-                    log.warning("HTTP: %d connections, all busy: refused one with 503", len(self._conns))
+                    log.warning("HTTP: %d connections, all busy: refused one with 503",
+                                len(self._conns))
                     return _Refuse()
             inner = make()
-            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.http_header_timeout,
+            conn = self._conns[inner] = _Conn(opened=now,
+                                              deadline=now + self.limits.http_header_timeout,
                                               limit=self.limits.http_header_timeout)
             return _Tracked(self, inner, conn)
 
@@ -175,7 +178,8 @@ class ConnectionGuard:
 
     async def _watch_loop(self) -> None:
         period = max(0.05, min(1.0, self.limits.http_header_timeout / 4))
-        clock = JudgeClock(period, min(self.limits.http_header_timeout, self.limits.http_idle_timeout), "the manager's HTTP server")
+        clock = JudgeClock(period, min(self.limits.http_header_timeout,
+                                       self.limits.http_idle_timeout), "the manager's HTTP server")
         while True:
             await asyncio.sleep(period)
             clock.tick()
@@ -185,14 +189,16 @@ class ConnectionGuard:
             for inner in late:
                 self._close(inner)
             if late:
-                log.info("HTTP: closed %d connection(s) with no complete request within their time limit", len(late))
+                log.info(
+                    "HTTP: closed %d connection(s) with no complete request within their time limit", len(late))
 
 
 class GuardedSite(web.BaseSite):
     """A TCP site whose connections go through ``guard`` (aiohttp's TCPSite offers no hook for
     it)."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int,
+                 guard: ConnectionGuard) -> None:
         super().__init__(runner)
         self._host = host
         self._port = port
@@ -207,7 +213,8 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            self._guard.factory(server), self._host, self._port, backlog=self._backlog, reuse_address=True)
+            self._guard.factory(server), self._host, self._port, backlog=self._backlog,
+            reuse_address=True)
         self._guard.start()
 
     async def stop(self) -> None:

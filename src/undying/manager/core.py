@@ -104,7 +104,8 @@ class JobCore:
         self.events.set_job("generation", record.generation, flush=True)
         return record
 
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "") -> bool:
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
+              resume_from: str = "") -> bool:
         """Give ``rank`` a process; True when it was a warm spare."""
         info = self.ranks[rank]
         # The rank now belongs to the process about to start: any older one is fenced out of every
@@ -112,7 +113,8 @@ class JobCore:
         # meanwhile.
         incarnation = self.book.take(rank)
         self.generations.set_owner(rank, incarnation)
-        pid, warm = self.agents[info.node].spawn(rank, record, joining=joining, resume_from=resume_from,
+        pid, warm = self.agents[info.node].spawn(rank, record, joining=joining,
+                                                 resume_from=resume_from,
                                                  incarnation=incarnation)
         info.pid = pid  # 0 for a node across the network until it says which (on_spawned)
         info.state = RankState.STARTING
@@ -120,7 +122,8 @@ class JobCore:
         info.last_seen = time.time()
         if joining:
             info.restarts += 1
-        self.events.event("spawned", generation=record.generation, rank=rank, pid=pid, joining=joining, spare=warm)
+        self.events.event("spawned", generation=record.generation, rank=rank, pid=pid,
+                          joining=joining, spare=warm)
         self.book.persist(info)
         return warm
 
@@ -170,7 +173,8 @@ class JobCore:
         for incident in self.incidents if final in (JobState.FAILED, JobState.STOPPED) else ():
             if incident.status is IncidentStatus.OPEN:
                 incident.settle(IncidentStatus.FAILED)
-                incident.detail.setdefault("closed", f"the job ended ({final.value}) before it was resolved")
+                incident.detail.setdefault("closed",
+                                           f"the job ended ({final.value}) before it was resolved")
                 self.events.incident(incident)
         self.move(final)
         self.events.set_job("ended_at", time.time())

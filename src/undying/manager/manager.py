@@ -85,7 +85,8 @@ class Manager:
         self.injector = Injector(core, self.detection)
         # undying migrate / drain / undrain
         self.migrations = Migrations(core, self.recoveries, self.detection,
-                                     busy=lambda: "the job is regrouping" if self.regrouping.active else "")
+                                     busy=lambda: "the job is regrouping" if self.regrouping.active
+                                     else "")
         # the whole run, bounded: the page's charts, the metrics' histograms
         self.history = RunHistory()
         # a re-run step's batch or a restored state that is another one
@@ -93,14 +94,18 @@ class Manager:
         # a survivor gloo never let go: replaced in its round
         left_behind = LeftBehind(core, self.recoveries)
         self.comings = Comings(core, checkpoints=self.checkpoints, recoveries=self.recoveries,
-                               detection=self.detection, regrouping=self.regrouping, migrations=self.migrations,
+                               detection=self.detection, regrouping=self.regrouping,
+                               migrations=self.migrations,
                                divergence=self.divergence, left_behind=left_behind)
         self.steps = StepReports(core, history=self.history, checkpoints=self.checkpoints,
-                                 recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping,
-                                 divergence=self.divergence, gasp=self.gasp, finish=self.comings.finish)
+                                 recoveries=self.recoveries, detection=self.detection,
+                                 regrouping=self.regrouping,
+                                 divergence=self.divergence, gasp=self.gasp,
+                                 finish=self.comings.finish)
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
-        self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping,
+        self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection,
+                           regrouping=self.regrouping,
                            left_behind=left_behind)
         # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it
         # concerns.
@@ -116,13 +121,16 @@ class Manager:
         self.on_standby = self._on_standby
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({
-            StepCommitted: self.steps.on_commit, NodeStep: lambda message: self.on_messages([message]),
-            Progress: self.steps.on_progress, CheckpointSaved: self.steps.on_checkpoint, Done: self.steps.on_done,
+            StepCommitted: self.steps.on_commit,
+            NodeStep: lambda message: self.on_messages([message]),
+            Progress: self.steps.on_progress, CheckpointSaved: self.steps.on_checkpoint,
+            Done: self.steps.on_done,
             Hello: self.comings.on_hello, CommFailure: self.faults.on_comm_failure,
             FaultInjected: self.faults.on_fault_injected, Fatal: self.faults.on_fatal,
             StopProposal: self.gasp.on_stop_proposal, Terminated: self.gasp.on_terminated,
             TraceSummary: self.tracing.on_summary, StepBegun: self.divergence.on_begun,
-            SpareEvent: lambda message: events.event(message.what, node=message.node, pid=message.pid,
+            SpareEvent: lambda message: events.event(message.what, node=message.node,
+                                                     pid=message.pid,
                                                      **message.detail),
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
@@ -184,7 +192,8 @@ class Manager:
         self.core.agents[agent.node] = agent
         agent.set_trace(self.tracing.message())
 
-    async def run(self, *, restored: bool = False, ready: asyncio.Future[None] | None = None) -> JobState:
+    async def run(self, *, restored: bool = False,
+                  ready: asyncio.Future[None] | None = None) -> JobState:
         """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait
         until the job ends.
 
@@ -202,8 +211,11 @@ class Manager:
             core.set_layout(core.nodes_available()[: self.config.nnodes])
         if not restored:
             resume = await self.checkpoints.find_resume_point()
-            start = plan_start(joining=False, checkpoint=PersistedState(resume.step, path=resume.url) if resume else None)
-            record = core.open_generation("start" if start.source.kind == "fresh" else f"resume from step {start.step}")
+            start = plan_start(joining=False,
+                               checkpoint=PersistedState(resume.step, path=resume.url) if resume
+                               else None)
+            record = core.open_generation("start" if start.source.kind == "fresh"
+                                          else f"resume from step {start.step}")
             for info in core.ranks.values():
                 core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
             if not self.recoveries.step_api:
@@ -224,7 +236,8 @@ class Manager:
         """Carry on a job whose manager died: read its state back from the log (``restoring``); the
         sessions."""
         sessions = restore_job(self.core, checkpoints=self.checkpoints, recoveries=self.recoveries,
-                               history=self.history, regrouping=self.regrouping, migrations=self.migrations)
+                               history=self.history, regrouping=self.regrouping,
+                               migrations=self.migrations)
         self.comings.sessions = sessions
         return dict(sessions)
 
@@ -270,12 +283,14 @@ class Manager:
                 assert isinstance(message, NodeStep)
                 # (NodeStep checked its lists are of one length; the repeats are endless, hence not
                 # strict)
-                rows += zip(message.ranks, repeat(message.step), repeat(message.generation), message.t,
+                rows += zip(message.ranks, repeat(message.step), repeat(message.generation),
+                            message.t,
                             message.metrics, strict=False)
                 continue
             if kind is StepCommitted:
                 assert isinstance(message, StepCommitted)
-                rows.append((message.rank, message.step, message.generation, message.t, message.metrics))
+                rows.append((message.rank, message.step, message.generation, message.t,
+                             message.metrics))
                 continue
             if rows:
                 self.steps.on_commits(rows)
@@ -306,5 +321,7 @@ class Manager:
         return self.injector.inject(kind, rank, at_step, phase, how, factor=factor)
 
     def status(self) -> dict[str, Any]:
-        return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp, recoveries=self.recoveries,
-                          regrouping=self.regrouping, trace=self.tracing, standbys=self.migrations.standby_views())
+        return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp,
+                          recoveries=self.recoveries,
+                          regrouping=self.regrouping, trace=self.tracing,
+                          standbys=self.migrations.standby_views())

@@ -39,7 +39,8 @@ __all__ = ["NodeEvents", "NodeReports", "NODE_REPORTS"]
 log = logging.getLogger("undying.manager.nodes")
 
 # Every report of an agent's own the table takes (a test checks it has a handler for each).
-NODE_REPORTS = (AgentState, RankExited, RankSpawned, RankHung, RanksStalled, NodeStopped, NodeLeaving,
+NODE_REPORTS = (AgentState, RankExited, RankSpawned, RankHung, RanksStalled, NodeStopped,
+                NodeLeaving,
                 TraceFileSet, TraceFileError)
 
 
@@ -73,20 +74,27 @@ class NodeReports:
     """The table from an agent's report to the manager's act (``events`` once the manager
     exists)."""
 
-    def __init__(self, events: Callable[[], NodeEvents], lose: Callable[[NodeSlot, str], None]) -> None:
+    def __init__(self, events: Callable[[], NodeEvents], lose: Callable[[NodeSlot, str],
+                                                                        None]) -> None:
         self._events = events
         self._lose = lose
         self.table = Handlers[None]({
             AgentState: lambda message, slot: slot.on_state(message),
             RankExited: self._on_exited,
             RankSpawned: self._on_spawned,
-            RankHung: lambda m, slot: self._events().on_hang(m.rank, m.pid, m.phase, m.last_seen, m.t),
+            RankHung: lambda m, slot: self._events().on_hang(m.rank, m.pid, m.phase, m.last_seen,
+                                                             m.t),
             RanksStalled: lambda m, slot: self._events().on_stall(m.progress, m.limit, m.t),
             NodeStopped: lambda message, slot: slot.stopped(message.seq),
-            NodeLeaving: lambda m, slot: self._lose(slot, f"node {slot.node} ({slot.host}) is leaving: {m.reason}"),
-            TraceFileSet: lambda m, slot: self._events().on_trace_file(TraceSwitch(m.step, m.comm, m.by, m.t)),
-            TraceFileError: lambda message, slot: self._events().on_trace_file_error(message.message),
-        }, otherwise=lambda message, slot: log.warning("node %d: unexpected message %r", slot.node, message))
+            NodeLeaving: lambda m, slot: self._lose(slot,
+                                                    f"node {slot.node} ({slot.host}) is leaving: "
+                                                    f"{m.reason}"),
+            TraceFileSet: lambda m, slot: self._events().on_trace_file(TraceSwitch(m.step, m.comm,
+                                                                                   m.by, m.t)),
+            TraceFileError: lambda message, slot: self._events().on_trace_file_error(
+                message.message),
+        }, otherwise=lambda message, slot: log.warning("node %d: unexpected message %r", slot.node,
+                                                       message))
 
     @staticmethod
     def is_workers(message: Message | None) -> bool:

@@ -131,10 +131,12 @@ class AgentServer:
         self.received: dict[int, int] = dict(acked or {})
         self.persisted: dict[int, int] = dict(self.received)
         self.control_port, self.job_dir = 0, ""  # told to every agent that joins (``bind``)
-        self.reports = NodeReports(self._node_events, self.lose)  # each agent report to the manager's act
+        # each agent report to the manager's act
+        self.reports = NodeReports(self._node_events, self.lose)
         # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they
         # go.
-        self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail),
+        self.standbys = Standbys(self._seat,
+                                 lambda what, detail: self._node_events().on_standby(what, detail),
                                  self.clock)
 
     @property
@@ -145,7 +147,8 @@ class AgentServer:
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_JOIN_LIMIT)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port,
+                                                  limit=_JOIN_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
         # The clock runs from here, not from the watch's first pass: a stall before that pass (a
         # restarted manager's restore from its log, or a pause right after its start) is a stall of
@@ -244,8 +247,9 @@ class AgentServer:
         within it resumes its session, one that does not is lost at its end.
         """
         if self.clock.fresh():
-            log.warning("node %d: %s, right after this manager's own stall of %.1fs: the node has a fresh %gs "
-                        "window to come back before it is lost", slot.node, reason, self.clock.last_stall_s,
+            log.warning("node %d: %s, right after this manager's own stall of %.1fs: the node has "
+                        "a fresh %gs window to come back before it is lost", slot.node, reason,
+                        self.clock.last_stall_s,
                         self.heartbeat_s)
             return
         self.lose(slot, reason)
@@ -269,13 +273,16 @@ class AgentServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= self.max_connections:
             if not self._unjoined:
-                _flood_log.warning("agents' port: %d connections, every one a node's: refused a new one", len(self._connections))
+                _flood_log.warning(
+                    "agents' port: %d connections, every one a node's: refused a new one",
+                    len(self._connections))
                 writer.close()
                 return
             oldest = min(self._unjoined, key=self._unjoined.__getitem__)
             del self._unjoined[oldest]
             oldest.close()
-            _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had not joined",
+            _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had "
+                               "not joined",
                         len(self._connections))
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
@@ -308,7 +315,9 @@ class AgentServer:
                 current = slot.session == session and slot.writer is writer
                 if not line:
                     if current:
-                        self._connection_ended(slot, f"node {slot.node} ({slot.host}): its agent's connection closed")
+                        self._connection_ended(slot,
+                                               f"node {slot.node} ({slot.host}): its agent's "
+                                               "connection closed")
                     return
                 if not current:
                     return  # fenced, or resumed elsewhere meanwhile: whatever it says here is stale
@@ -321,10 +330,12 @@ class AgentServer:
                 if isinstance(reports, StandbyBeat):
                     continue  # a standby's last beat, sent as it was given this node
                 if not isinstance(reports, NumberedReports):  # (a second AgentJoin)
-                    log.warning("node %d: dropped an unexpected %s", slot.node, type(reports).__name__)
+                    log.warning("node %d: dropped an unexpected %s", slot.node,
+                                type(reports).__name__)
                     continue
                 self._take(slot, session, writer, reports)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError,
+                ValueError) as e:
             if slot is not None and slot.session == session and session and slot.writer is writer:
                 self._connection_ended(slot, f"node {slot.node} ({slot.host}): connection failed "
                                              f"({type(e).__name__}: {e})")
@@ -333,7 +344,8 @@ class AgentServer:
             self._unjoined.pop(writer, None)
             writer.close()
 
-    async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[NodeSlot | None, str]:
+    async def _admit(self, join: AgentJoin,
+                     writer: asyncio.StreamWriter) -> tuple[NodeSlot | None, str]:
         refusal = self._check(join)
         if refusal:
             log.warning("refused an agent from %s (node %d): %s", join.host, join.node, refusal)
@@ -356,9 +368,10 @@ class AgentServer:
         if join.session:
             current = slot.session or self.known_sessions.get(join.node, "")
             if join.session != current:
-                reason = (f"node {join.node}'s session {join.session} is stale: the node was declared lost"
-                          f"{' (' + slot.lost_reason + ')' if slot.lost_reason else ''} and its ranks given away; "
-                          "stop every worker and join again")
+                reason = (f"node {join.node}'s session {join.session} is stale: the node was "
+                          "declared "
+                          f"lost{' (' + slot.lost_reason + ')' if slot.lost_reason else ''} and "
+                          "its ranks given away; stop every worker and join again")
                 log.warning("fenced the agent of node %d on %s: %s", join.node, join.host, reason)
                 writer.write(encode(AgentFenced(reason)))
                 await writer.drain()
@@ -371,11 +384,13 @@ class AgentServer:
         else:
             # (closed in a fresh window: see _connection_ended)
             if slot.writer is not None and slot.writer.is_closing():
-                self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed and a new agent "
+                self.lose(slot,
+                          f"node {join.node} ({slot.host}): its agent's connection closed and a "
+                          "new agent "
                                 f"joined for the node from {join.host}")
             if slot.attached:
-                refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); pass another "
-                           f"--node-rank (0..{len(self.slots) - 1})")
+                refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); "
+                           f"pass another --node-rank (0..{len(self.slots) - 1})")
                 writer.write(encode(AgentRefused(refusal)))
                 await writer.drain()
                 return None, ""
@@ -390,13 +405,16 @@ class AgentServer:
         self._welcome(self.slots[node], join, writer, session)
         return session
 
-    def _welcome(self, slot: NodeSlot, join: AgentJoin, writer: asyncio.StreamWriter, session: str) -> None:
+    def _welcome(self, slot: NodeSlot, join: AgentJoin, writer: asyncio.StreamWriter,
+                 session: str) -> None:
         events = self._node_events()
         slot.attach(writer, join, session)
-        writer.write(encode(AgentWelcome(session, slot.node, self.control_port, self.job_dir, events.welcome_trace(),
+        writer.write(encode(AgentWelcome(session, slot.node, self.control_port, self.job_dir,
+                                         events.welcome_trace(),
                                          acked=self.received.get(slot.node, 0))))
         slot.send_waiting()
-        log.info("node %d joined from %s (agent pid %d, session %s)", slot.node, join.host, join.pid, session)
+        log.info("node %d joined from %s (agent pid %d, session %s)", slot.node, join.host,
+                 join.pid, session)
         events.on_node_joined(slot.node, session, join.host, slot.live)
         self._joined.set()
         self.on_change()
@@ -407,11 +425,13 @@ class AgentServer:
         while self._events is None:  # (the job's flags come from a node's join, never a standby's)
             await asyncio.sleep(0.05)
         parked = await self.standbys.park(join, writer, self._check,
-                                          StandbyParked(self.control_port, self.job_dir, self._node_events().welcome_trace()))
+                                          StandbyParked(self.control_port, self.job_dir,
+                                                        self._node_events().welcome_trace()))
         self.place_standbys()  # a node lost before it came: it is given one at once
         return parked
 
-    def _take(self, slot: NodeSlot, session: str, writer: asyncio.StreamWriter, line: NumberedReports) -> None:
+    def _take(self, slot: NodeSlot, session: str, writer: asyncio.StreamWriter,
+              line: NumberedReports) -> None:
         """A line of reports, in order; each taken once, however often it is sent (by its number).
 
         The node's position (``received``) moves to a report before it is

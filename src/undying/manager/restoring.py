@@ -20,7 +20,8 @@ __all__ = ["restore_job"]
 log = logging.getLogger("undying.manager")
 
 
-def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries, history: RunHistory,
+def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries,
+                history: RunHistory,
                 regrouping: Regrouping, migrations: Migrations) -> dict[int, str]:
     """Read the job back from its log into the manager's parts; returns the agents' sessions.
 
@@ -58,5 +59,6 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
     events.event("manager_restarted", generation=generation, state=core.state.value,
                  incidents=len(core.incidents), open_incidents=[i.id for i in open_incidents])
     log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to %d",
-                core.config.job_id, generation, core.state.value, len(core.incidents), core.book.newest_step())
+                core.config.job_id, generation, core.state.value, len(core.incidents),
+                core.book.newest_step())
     return {int(n): str(s) for n, s in job.get("sessions", {}).items()}

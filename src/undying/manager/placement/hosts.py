@@ -29,7 +29,8 @@ from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "check_job_host", "REQUALIFY_PASSES"]
+__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "check_job_host",
+           "REQUALIFY_PASSES"]
 
 LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
 # A quarantined host is cleared after this many verified steps of its ranks in a row (each a replay
@@ -63,7 +64,8 @@ class HostMark:
     drained: HostMark | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
+        out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason,
+                               "by": self.by, "t": self.t}
         if self.state is HostState.QUARANTINED:
             out |= {"passes": self.passes, "needed": REQUALIFY_PASSES, "steps": list(self.steps)}
             if self.drained is not None:
@@ -74,16 +76,21 @@ class HostMark:
     def from_dict(cls, item: Any) -> HostMark:
         """A mark as ``to_dict`` wrote it; KeyError, TypeError or ValueError when it is not one."""
         under = item.get("drained")
-        return cls(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")), str(item.get("by", "")),
-                   float(item.get("t", 0.0)), int(item.get("passes", 0)), tuple(int(s) for s in item.get("steps", ())),
-                   cls.from_dict(under) if isinstance(under, dict) and under.get("state") == "drained" else None)
+        return cls(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")),
+                   str(item.get("by", "")),
+                   float(item.get("t", 0.0)), int(item.get("passes", 0)), tuple(int(s)
+                                                                                for s in item.get(
+                                                                                    "steps", ())),
+                   cls.from_dict(under) if isinstance(under, dict)
+                   and under.get("state") == "drained" else None)
 
 
 def check_host(host: object) -> str:
     """A host name as given on the command line or in a request, checked; the error names it."""
     if not isinstance(host, str) or not _HOST.match(host):
-        raise UsageError(f"host {host!r} is not a host name or address (letters, digits, '.', '-', ':', "
-                         f"at most 255 characters); give it as `undying status` lists it under nodes")
+        raise UsageError(f"host {host!r} is not a host name or address (letters, digits, '.', '-', "
+                         "':', at most 255 characters); give it as `undying status` lists it "
+                         "under nodes")
     return host
 
 
@@ -100,9 +107,10 @@ def check_job_host(host: object, known: Iterable[str], *, others_may_join: bool)
     check_host(host)
     names = sorted({h for h in known if h})
     if not others_may_join and host not in names:
-        raise UsageError(f"host {host} is not a host of this job, which runs on {', '.join(names) or 'no host yet'} "
-                         "(one node, whose manager runs in its launcher: no other host can join it); give a host "
-                         "as `undying status` lists it under nodes")
+        raise UsageError(f"host {host} is not a host of this job, which runs on "
+                         f"{', '.join(names) or 'no host yet'} "
+                         "(one node, whose manager runs in its launcher: no other host can join "
+                         "it); give a host as `undying status` lists it under nodes")
     return str(host)
 
 
@@ -144,7 +152,8 @@ class HostBook:
         """A fault policy takes the host out, with its reason (a drained host becomes quarantined,
         its drain kept under the quarantine)."""
         if not reason.strip():
-            raise UsageError(f"quarantining host {host!r} needs a reason (what was found at fault there)")
+            raise UsageError(
+                f"quarantining host {host!r} needs a reason (what was found at fault there)")
         current = self._marks.get(check_host(host))
         under = current if current is not None and current.state is HostState.DRAINED else (
             current.drained if current is not None else None)
@@ -167,7 +176,8 @@ class HostBook:
         if not passed:
             mark = replace(mark, passes=0, steps=())
         else:
-            mark = replace(mark, passes=mark.passes + 1, steps=(*mark.steps, step)[-REQUALIFY_PASSES:])
+            mark = replace(mark, passes=mark.passes + 1, steps=(*mark.steps,
+                                                                step)[-REQUALIFY_PASSES:])
         if mark.passes >= REQUALIFY_PASSES:
             if mark.drained is not None:
                 self._marks[host] = mark.drained

@@ -91,7 +91,8 @@ class _Pending:
 class Migrations:
     """The planned moves of one job: armed ranks waiting for their boundary, and the host book."""
 
-    def __init__(self, core: JobCore, recoveries: Recoveries, detection: Detection, *, busy: Any) -> None:
+    def __init__(self, core: JobCore, recoveries: Recoveries, detection: Detection, *,
+                 busy: Any) -> None:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection
@@ -117,7 +118,8 @@ class Migrations:
         node's host)."""
         core = self.core
         if rank not in core.ranks:
-            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
+            raise UsageError(
+                f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
         info = core.ranks[rank]
         why = self._why_not_now(info)
         if why:
@@ -129,9 +131,10 @@ class Migrations:
             return self.migrate_node(info.node, target, by=by)
         if target != host:
             raise UsageError(
-                f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them moves to a warm "
-                f"spare of its own node (leave --to out, or give --to {host}), or the whole node moves to a "
-                f"standby on {target} (`undying migrate --node {info.node} --to {target}`)")
+                f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them "
+                f"moves to a warm spare of its own node (leave --to out, or give --to {host}), or "
+                f"the whole node moves to a standby on {target} (`undying migrate --node "
+                f"{info.node} --to {target}`)")
         if refused := self.hosts.refusal(host):
             raise UsageError(refused)
         old_pid, agent = info.pid, core.agents[info.node]
@@ -139,22 +142,28 @@ class Migrations:
         spares = agent.spares_ready()
         boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
         now = time.time()
-        agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))  # (before the spawn: the old one)
+        # (before the spawn: the old one)
+        agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
         # The replacement starts now, while the rank trains on: it waits for the generation the
         # boundary opens.
         generations = core.generations
-        ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
+        ahead = GenerationRecord(generation=generations.current + 1,
+                                 world_size=core.book.world_size,
                                  store_host=generations.host, store_port=generations.store_port(),
                                  reason=f"migration of rank {rank} (opened at the boundary)")
         # (a node across the network says later)
         warm = core.spawn(rank, ahead, joining=True) or spares > 0
-        self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
+        self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now,
+                                         generation=ahead.generation,
                                          warm=warm, holder=holder)
-        core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
+        core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host,
+                          to=target,
                           by=by, replacement="warm spare" if warm else "new process")
-        log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id, rank,
+        log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id,
+                 rank,
                  old_pid, "warm spare" if warm else "new process", target, boundary)
-        return {"migrating": rank, "pid": old_pid, "from": host, "to": target, "boundary_step": boundary,
+        return {"migrating": rank, "pid": old_pid, "from": host, "to": target,
+                "boundary_step": boundary,
                 "replacement": "warm spare" if warm else "new process"}
 
     def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
@@ -174,13 +183,18 @@ class Migrations:
         boundary = max(max(r.step for r in ranks), core.book.newest_step()) + LEAD_STEPS
         now = time.time()
         for info in ranks:
-            self.pending[info.pid] = _Pending(info.rank, info.pid, boundary, host, standby, by, now, node=node)
-            core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
-        core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks], boundary=boundary,
+            self.pending[info.pid] = _Pending(info.rank, info.pid, boundary, host, standby, by, now,
+                                              node=node)
+            core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1,
+                                                      phase="step"))
+        core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks],
+                          boundary=boundary,
                           host=host, to=standby, by=by)
-        log.info("job %s: node %d (%s) moves to the standby on %s after step %d", core.config.job_id, node, host,
+        log.info("job %s: node %d (%s) moves to the standby on %s after step %d",
+                 core.config.job_id, node, host,
                  standby, boundary)
-        return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host, "to": standby,
+        return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host,
+                "to": standby,
                 "boundary_step": boundary, "replacement": "standby agent"}
 
     def drain(self, host: str, *, by: str = "api", reason: str = "") -> dict[str, Any]:
@@ -189,17 +203,19 @@ class Migrations:
         Refused, with nothing changed, when there are fewer standbys (not on a
         drained or quarantined host) than nodes to move.
         """
-        check_job_host(host, [*map(self.host_of, self.core.agents), *parked_hosts(self.server), *self.hosts.blocked_hosts()],
+        check_job_host(host, [*map(self.host_of, self.core.agents), *parked_hosts(self.server),
+                              *self.hosts.blocked_hosts()],
                        others_may_join=self.server is not None)
         nodes = sorted({r.node for r in self.core.ranks.values()
-                        if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host})
+                        if r.state not in (RankState.EXITED, RankState.DONE)
+                        and self.host_of(r.node) == host})
         free = [h for h in parked_hosts(self.server) if h != host and not self.hosts.blocked(h)]
         if len(free) < len(nodes):
             raise UsageError(
-                f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is nowhere to move "
-                f"{'them' if len(nodes) > 1 else 'it'}: {len(free)} standby agent(s) parked on other hosts "
-                f"(`undying run --standby ...` on a host that is not drained); start one, or stop the job, "
-                f"then drain {host}")
+                f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is "
+                f"nowhere to move {'them' if len(nodes) > 1 else 'it'}: {len(free)} standby "
+                "agent(s) parked on other hosts (`undying run --standby ...` on a host that is not "
+                f"drained); start one, or stop the job, then drain {host}")
         for info in self.core.ranks.values():  # checked whole first: a refusal changes nothing
             if info.node in nodes and (why := self._why_not_now(info)):
                 raise UsageError(f"cannot drain host {host} now: {why}")
@@ -235,7 +251,8 @@ class Migrations:
             return False
         del self.pending[pid]
         if returncode != EXIT_MIGRATED:  # it died before its boundary: a fault like any other
-            self.core.events.event("migration_failed", rank=pending.rank, pid=pid, returncode=returncode)
+            self.core.events.event("migration_failed", rank=pending.rank, pid=pid,
+                                   returncode=returncode)
             return False
         core = self.core
         previous = core.generations.current
@@ -254,8 +271,11 @@ class Migrations:
         # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read
         # after this)
         if pending is not None and pending.node is None and returncode != EXIT_MIGRATED:
-            self._cancel(pending, f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before the "
-                                  f"move's boundary (step {pending.boundary}); its exit is handled as the fault it is")
+            self._cancel(pending,
+                         f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before "
+                         "the "
+                                  f"move's boundary (step {pending.boundary}); its exit is handled "
+                                  "as the fault it is")
 
     def _overtaken(self, incident: Incident) -> None:
         """A recovery round opens while ranks wait for their boundaries: each move is cancelled
@@ -269,7 +289,8 @@ class Migrations:
         """
         why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
         for pending in [p for p in self.pending.values() if p.node is None]:
-            self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); rank "
+            self._cancel(pending,
+                         f"{why} before the move's boundary (step {pending.boundary}); rank "
                                   f"{pending.rank} stays on pid {pending.pid}")
         for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
             # A whole node's move: its ranks stay too (worker.commands); nothing was started ahead
@@ -277,8 +298,8 @@ class Migrations:
             ranks = sorted(p.rank for p in self.pending.values() if p.node == node)
             self.pending = {pid: p for pid, p in self.pending.items() if p.node != node}
             self.core.events.event("migration_failed", node=node, ranks=ranks, returncode=None,
-                                   reason=f"{why} before the move's boundary; node {node} stays where it is (move it "
-                                          "again once the job runs)")
+                                   reason=f"{why} before the move's boundary; node {node} stays "
+                                          "where it is (move it again once the job runs)")
 
     def _cancel(self, pending: _Pending, reason: str) -> None:
         """A rank's move is off: the rank is its old process's again, the replacement started ahead
@@ -293,11 +314,13 @@ class Migrations:
         # (the one started ahead is fenced, not it)
         core.generations.set_owner(info.rank, info.incarnation)
         core.book.persist(info)
-        core.kill(info.rank)  # the node's newest process of the rank: the one started ahead (agent: the old one
+        # the node's newest process of the rank: the one started ahead (agent: the old one
+        core.kill(info.rank)
         # is the rank's worker again once it is gone)
         core.events.event("migration_failed", rank=pending.rank, pid=pending.pid, returncode=None,
                           replacement_pid=ahead, reason=reason)
-        log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id, pending.rank, reason)
+        log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id,
+                    pending.rank, reason)
 
     def on_spawned(self, rank: int, warm: bool) -> None:
         """A node across the network says what it started for ``rank``: a moved rank's replacement's
@@ -322,14 +345,16 @@ class Migrations:
         collective, are told to leave the old generation. A move cancelled
         since (a recovery overtook it) is not carried out: the process stays.
         """
-        pending = next((p for p in self.pending.values() if p.rank == message.rank and p.node is None), None)
+        pending = next((p for p in self.pending.values() if p.rank == message.rank
+                        and p.node is None), None)
         core = self.core
         if pending is None:
             if any(p.rank == message.rank for p in self.pending.values()):
                 return False  # (a whole node's move: its ranks' exits carry it out)
             # A move cancelled since (a recovery overtook it): the process stays at its boundary
             # (worker.commands).
-            core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
+            core.events.event("fault_injected", rank=message.rank, kind=message.kind,
+                              step=message.step,
                               phase=message.phase, cancelled=True)
             return True
         del self.pending[pending.pid]
@@ -352,18 +377,23 @@ class Migrations:
         self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated", abort=True)
         return True
 
-    def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:
+    def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *,
+                  step: int) -> Incident:
         """The planned ``migration`` incident of a rank that left at its boundary (``step``)."""
         # (its "migrate" report is no fault to time a crash from)
         self.detection.injected.pop(info.rank, None)
-        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=step,
+        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank,
+                                                step=step,
                                                 fault_t=t, detected_t=now,
-                                                error=f"planned: rank {info.rank} moved from pid {pending.pid} on "
-                                                      f"{pending.host} (by {pending.by})")
+                                                error=f"planned: rank {info.rank} moved from pid "
+                                                      f"{pending.pid} on {pending.host} (by "
+                                                      f"{pending.by})")
         incident.phases["decided"] = now
-        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": step, "from": pending.host,
+        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": step,
+                                        "from": pending.host,
                                         "to": pending.to, "by": pending.by, "pid": pending.pid,
-                                        **({"node": pending.node} if pending.node is not None else {})}
+                                        **({"node": pending.node} if pending.node is not None
+                                           else {})}
         incident.action = "migrate"
         self.core.events.event("decided", rank=info.rank, incident=incident.id, action="migrate",
                                reason="planned migration")
@@ -382,7 +412,9 @@ class Migrations:
         core, node = self.core, pending.node
         assert node is not None and self.server is not None
         slot = self.server.slots[node]
-        slot.send(JobEnded("moved", f"node {node} moved to a standby on {pending.to} ({self.hosts.state(pending.host).value} "
+        slot.send(JobEnded("moved",
+                           f"node {node} moved to a standby on {pending.to} "
+                           f"({self.hosts.state(pending.host).value} "
                                     f"host {pending.host}); this agent is done", 0))
         slot.detach(f"moved to {pending.to}")
         self.recoveries.one_generation = True
@@ -415,7 +447,8 @@ class Migrations:
             return busy
         if info.state in (RankState.EXITED, RankState.DONE) or not info.pid:
             return f"rank {info.rank} has no running process ({info.state.value})"
-        if any(p.rank == info.rank and (p.node is not None or p.generation > core.generations.current)
+        if any(p.rank == info.rank and (p.node is not None
+                                        or p.generation > core.generations.current)
                for p in self.pending.values()):
             return f"rank {info.rank} is already being moved"
         return ""
@@ -424,14 +457,17 @@ class Migrations:
         """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least),
         and before the job's last steps (its plan says how many it has): else refused."""
         step_s = self.core.clock.median_rank_step_s()
-        lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS, math.ceil(READY_S[warm] / step_s)))
+        lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS,
+                                                                  math.ceil(
+                                                                      READY_S[warm] / step_s)))
         plan = self.core.clock.plan
         if plan is not None:
             # (the replacement's start may then be in the stall)
             lead = min(lead, plan.total_steps - 2 - newest)
             if lead < LEAD_STEPS:
-                raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step boundary "
-                                 f"{LEAD_STEPS} steps ahead of step {newest}; nothing to move")
+                raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step "
+                                 f"boundary {LEAD_STEPS} steps ahead of step {newest}; nothing to "
+                                 "move")
         return newest + lead
 
     def standby_views(self) -> list[dict[str, Any]]:

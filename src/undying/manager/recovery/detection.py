@@ -91,7 +91,8 @@ def script_error(job_dir: str, rank: int) -> str:
     """The job's failure when a rank's script could not run: the error its first rank left, in one
     line."""
     try:
-        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8", errors="replace") as f:
+        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8",
+                  errors="replace") as f:
             told = f.read(2000).strip()
     except OSError:
         told = ""
@@ -113,7 +114,8 @@ def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
         message = data["message"]
         if isinstance(message, str):
             return message[:2000], ""
-        return str(message.get("message", ""))[:2000], str(message.get("extraInfo", {}).get("py_callstack", ""))[:20000]
+        return str(message.get("message", ""))[:2000], str(message.get("extraInfo", {}).get(
+            "py_callstack", ""))[:20000]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "", ""
 
@@ -133,7 +135,8 @@ class Detection:
     def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:
         """Everything known about why ``pid`` ended (each fact is used once: a later process starts
         clean)."""
-        return ExitCause(returncode, t, injected=self.injected.pop(info.rank, None), hung=self.hung.pop(pid, None),
+        return ExitCause(returncode, t, injected=self.injected.pop(info.rank, None),
+                         hung=self.hung.pop(pid, None),
                          lost=self.node_lost.pop(pid, None), fatal=self.fatal.pop(pid, None))
 
     def on_fault_exit(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
@@ -179,7 +182,8 @@ class Detection:
         if pid in self.hung:
             return  # already being killed
         self.hung[pid] = (last_seen, t, phase)
-        core.events.event("hang_detected", generation=core.generations.current, rank=rank, pid=pid, phase=phase,
+        core.events.event("hang_detected", generation=core.generations.current, rank=rank, pid=pid,
+                          phase=phase,
                           silent_s=round(t - last_seen, 3), step=info.step + 1)
         core.kill(rank)
 
@@ -195,13 +199,15 @@ class Detection:
         core = self.core
         if core.winding_down:
             return
-        if self.leavers.pending and any(self.leavers.explains(p.rank, p.step, f"stuck for {t - p.progress_t:.1f}s")
+        if self.leavers.pending and any(self.leavers.explains(p.rank, p.step,
+                                                              f"stuck for {t - p.progress_t:.1f}s")
                                         for p in progress if p.phase == "step"):
             return  # they wait for a rank that left: that rank is the fault
         generation = core.generations.current
         recovery = self.recoveries.current
         if recovery is not None:
-            culprits = sorted(p.rank for p in progress if p.phase == "step" and p.generation < generation
+            culprits = sorted(p.rank for p in progress if p.phase == "step"
+                              and p.generation < generation
                               and t - max(p.progress_t, recovery.started) > limit)
         elif self.hung:
             return  # a stuck rank is being killed; the ones waiting for it are not stuck
@@ -214,7 +220,8 @@ class Detection:
         stuck_ranks = [p for p in progress if p.phase == "step" and p.generation == generation]
         if not culprits and (recovery is not None or not stuck_ranks):
             return  # explained by the recovery under way
-        core.events.event("stall_detected", generation=generation, culprits=culprits, limit_s=round(limit, 3),
+        core.events.event("stall_detected", generation=generation, culprits=culprits,
+                          limit_s=round(limit, 3),
                           progress=[dataclasses.asdict(p) for p in progress])
         for rank in culprits:
             stuck = by_rank[rank]
@@ -223,9 +230,11 @@ class Detection:
             return
         first = min(stuck_ranks, key=lambda p: (p.progress_t, p.rank))
         incident = self.recoveries.new_incident(
-            kind=IncidentKind.COMM_ERROR, rank=first.rank, step=first.step, fault_t=first.progress_t, detected_t=t,
+            kind=IncidentKind.COMM_ERROR, rank=first.rank, step=first.step,
+            fault_t=first.progress_t, detected_t=t,
             error=f"every rank is stuck in the same collective (#{first.collectives} of generation "
-                  f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link is to blame",
+                  f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link "
+                  "is to blame",
         )
         incident.detail["stuck_collective"] = True
         self.recoveries.handle(incident)
@@ -262,7 +271,8 @@ class Detection:
         if injected:
             fault_t, rank = min(injected)
             del self.injected[rank]
-        incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank, step=message.step,
+        incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank,
+                                                          step=message.step,
                                                           fault_t=fault_t, detected_t=time.time(),
                                                           error=message.error)
         incident.detail["injected"] = bool(injected)

@@ -51,7 +51,8 @@ class Left:
 class Leavers:
     """The ranks that left without their ``Done``, until the others show whether they went on."""
 
-    def __init__(self, core: JobCore, recoveries: Recoveries, injected: dict[int, tuple[float, str]]) -> None:
+    def __init__(self, core: JobCore, recoveries: Recoveries, injected: dict[int, tuple[float,
+                                                                                        str]]) -> None:
         self.core = core
         self.recoveries = recoveries
         self._injected = injected  # rank -> (when, kind) of a fault injected into it (detection's)
@@ -69,7 +70,8 @@ class Leavers:
             return False
         left = Left(info.rank, pid, info.step, t, info.node)
         self.pending[info.rank] = left
-        self.core.events.event("left_early", generation=self.core.generations.current, rank=info.rank, pid=pid,
+        self.core.events.event("left_early", generation=self.core.generations.current,
+                               rank=info.rank, pid=pid,
                                step=info.step, verdict="pending")
         if self.recoveries.current is not None:  # the others rejoin without it: they go on
             self.incident(left, "while the others were recovering")
@@ -97,7 +99,8 @@ class Leavers:
         barrier after all)."""
         if self.pending.pop(rank, None) is None:
             return False
-        self.core.events.event("left_early", rank=rank, verdict="finished: its Done came after its exit")
+        self.core.events.event("left_early", rank=rank,
+                               verdict="finished: its Done came after its exit")
         return True
 
     def all_left(self) -> list[RankInfo]:
@@ -111,14 +114,17 @@ class Leavers:
             # (the rank was given a new process since: its old exit is moot)
             if ranks[left.rank].pid != left.pid:
                 del self.pending[left.rank]
-        if not self.pending or any(r.rank not in self.pending and r.rank not in self.core.book.finished
+        if not self.pending or any(r.rank not in self.pending
+                                   and r.rank not in self.core.book.finished
                                    for r in ranks.values()):
             return []
         done = [ranks[rank] for rank in sorted(self.pending)]
         for info in done:
             left = self.pending.pop(info.rank)
-            self.core.events.event("left_early", rank=info.rank, verdict=f"every rank ended its loop: it at step "
-                                                                         f"{left.step}, none went on past it")
+            self.core.events.event("left_early", rank=info.rank,
+                                   verdict=f"every rank ended its loop: it at step "
+                                                                         f"{left.step}, none went "
+                                                                         "on past it")
         return done
 
     def incident(self, left: Left, evidence: str) -> None:
@@ -128,14 +134,18 @@ class Leavers:
         info = core.ranks[left.rank]
         if info.pid != left.pid:
             return  # (already replaced)
-        error = (f"rank {left.rank} exited 0 at step {left.step + 1} before finishing its steps, {evidence}: "
+        error = (f"rank {left.rank} exited 0 at step {left.step + 1} before finishing its steps, "
+                 f"{evidence}: "
                  "it left the job early")
-        core.events.event("left_early", generation=core.generations.current, rank=left.rank, pid=left.pid,
+        core.events.event("left_early", generation=core.generations.current, rank=left.rank,
+                          pid=left.pid,
                           step=left.step, verdict="incident", evidence=evidence)
         injected = self._injected.get(left.rank)
         injected = self._injected.pop(left.rank) if injected is not None and injected[1] == "leave" else None
-        incident = self.recoveries.new_incident(kind=IncidentKind.LEFT_EARLY, rank=left.rank, step=left.step + 1,
-                                                fault_t=injected[0] if injected else left.t, detected_t=time.time(),
+        incident = self.recoveries.new_incident(kind=IncidentKind.LEFT_EARLY, rank=left.rank,
+                                                step=left.step + 1,
+                                                fault_t=injected[0] if injected else left.t,
+                                                detected_t=time.time(),
                                                 error=error)
         incident.detail.update({"returncode": 0, "pid": left.pid, "node": left.node})
         # (`undying inject leave`: not the script's own early end, so never counted as a repeat)

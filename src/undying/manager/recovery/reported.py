@@ -29,7 +29,8 @@ class Moves(Protocol):
 class ReportedFaults:
     """The handlers of the faults workers report."""
 
-    def __init__(self, core: JobCore, *, detection: Detection, regrouping: Regroups, moves: Moves) -> None:
+    def __init__(self, core: JobCore, *, detection: Detection, regrouping: Regroups,
+                 moves: Moves) -> None:
         self.core = core
         self.detection = detection
         self.regrouping = regrouping
@@ -54,10 +55,12 @@ class ReportedFaults:
             return  # a moved rank at its boundary (placement/migration.py)
         if message.kind != "slow":  # a slowdown is no fault a later exit should be timed from
             self.detection.injected[message.rank] = (message.t, message.kind)
-        self.core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
+        self.core.events.event("fault_injected", rank=message.rank, kind=message.kind,
+                               step=message.step,
                                phase=message.phase)
 
     def on_fatal(self, message: Fatal) -> None:
         self.detection.fatal[self.core.ranks[message.rank].pid] = message
-        self.core.events.event("user_error", rank=message.rank, step=message.step, error=message.error,
+        self.core.events.event("user_error", rank=message.rank, step=message.step,
+                               error=message.error,
                                traceback=message.traceback)

@@ -80,7 +80,8 @@ class Recoveries:
         self.count = 0
         self.restarts = 0
         self.restart_from: Checkpoint | None = None
-        self.restore_plan: RestorePlan | None = None  # the planner's word on the incident decided last
+        # the planner's word on the incident decided last
+        self.restore_plan: RestorePlan | None = None
         # pid -> the incident and decision its exit carries on (a live rank escalated from retries,
         # killed).
         self.condemned: dict[int, tuple[Incident, Decision]] = {}
@@ -101,7 +102,8 @@ class Recoveries:
         """Whether the script uses undying's step API (else a fault restarts the whole group)."""
         return self.core.config.step_api or self.hello_seen
 
-    def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float, detected_t: float,
+    def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float,
+                     detected_t: float,
                      error: str = "", traceback: str = "") -> Incident:
         """An incident of the round under way (or of a new round)."""
         opened = self.current is None
@@ -131,7 +133,8 @@ class Recoveries:
         """Ranks whose processes live and hold the state (not replacements waiting for it)."""
         replaced = self._replaced()
         return sum(1 for r in self.core.ranks.values()
-                   if r.rank != excluding and r.state is not RankState.EXITED and r.rank not in replaced)
+                   if r.rank != excluding and r.state is not RankState.EXITED
+                   and r.rank not in replaced)
 
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
         """Where every rank's state comes from after this incident (the one restore planner), and
@@ -173,7 +176,8 @@ class Recoveries:
             if found.read_checkpoint:
                 ckpt = self.checkpoints.latest()
                 # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
-                found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url)) if ckpt \
+                found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step,
+                                                                       path=ckpt.url)) if ckpt \
                     else plan_at(newest, None)
                 # the checkpoint the plan read: the restart rung carries the plan out
                 self.restart_from = ckpt
@@ -199,19 +203,23 @@ class Recoveries:
             incident, core.incidents,
             PolicyContext(core.config.max_restarts, holders, core.config.max_retries,
                           checkpoint_step=self.restart_from.step if self.restart_from else None,
-                          restarts=self.restarts, max_step_recoveries=core.config.max_step_recoveries,
+                          restarts=self.restarts,
+                          max_step_recoveries=core.config.max_step_recoveries,
                           step_api=self.step_api,
                           # (a failed collective loses no process: its retry needs no state from
                           # anyone)
-                          no_state=words if found is None and incident.kind is not IncidentKind.COMM_ERROR else ""),
+                          no_state=words if found is None
+                          and incident.kind is not IncidentKind.COMM_ERROR else ""),
         )
         incident.action = decision.action.value
         incident.phases["decided"] = time.time()
         incident.detail["reason"] = decision.reason
-        core.events.event("decided", rank=incident.rank, incident=incident.id, action=decision.action.value,
+        core.events.event("decided", rank=incident.rank, incident=incident.id,
+                          action=decision.action.value,
                           reason=decision.reason)
         log.warning("job %s gen %d: %s of rank %d at step %d -> %s (%s)", core.config.job_id,
-                    core.generations.current, incident.kind, incident.rank, incident.step, decision.action.value,
+                    core.generations.current, incident.kind, incident.rank, incident.step,
+                    decision.action.value,
                     decision.reason)
         if decision.action is Action.FAIL:
             incident.settle(IncidentStatus.FAILED)
@@ -238,7 +246,8 @@ class Recoveries:
         if self._shared_record is not None and decision.action is Action.REPLACE:
             record = self._shared_record
         else:
-            record = core.open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+            record = core.open_generation(
+                f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
             if self.one_generation:
                 self._shared_record = record
         assert self.current is not None
@@ -292,7 +301,8 @@ class Recoveries:
         longest = self.core.clock.longest_rank_step_s()
         survivors = [i for i in order.abort_due(ranks, generation, now, resumed, longest)
                      if i.rank not in recovery.replaced]
-        stuck = [i for i in order.stuck(ranks, generation, now, resumed, longest) if i.rank not in recovery.replaced]
+        stuck = [i for i in order.stuck(ranks, generation, now, resumed, longest)
+                 if i.rank not in recovery.replaced]
         return survivors, stuck
 
     def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
@@ -321,8 +331,10 @@ class Recoveries:
             self.current.replaced.add(info.rank)
             core.spawn(info.rank, record, joining=False)
         started = time.time()
-        incident.detail.update({"restart": self.restarts, "replacement": "every rank: new processes"})
-        core.events.event("restarted", generation=record.generation, step=0, path="", kind="whole-group",
+        incident.detail.update({"restart": self.restarts,
+                                "replacement": "every rank: new processes"})
+        core.events.event("restarted", generation=record.generation, step=0, path="",
+                          kind="whole-group",
                           lost_steps=0, restart=self.restarts)
         log.warning("job %s gen %d: every rank starts again (whole-group restart %d of at most %d)",
                     core.config.job_id, record.generation, self.restarts, core.config.max_restarts)
@@ -357,13 +369,15 @@ class Recoveries:
             self.current.ready.pop(info.rank, None)
             core.spawn(info.rank, record, joining=False, resume_from=plan.checkpoint_path)
         lost = max(0, newest - ckpt.step)
-        incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step, "lost_steps": lost,
+        incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
+                                "lost_steps": lost,
                                 "restart": self.restarts})
         core.events.event("restarted", generation=record.generation, step=ckpt.step, path=ckpt.url,
                           kind=ckpt.kind, lost_steps=lost, restart=self.restarts)
         core.events.incident(incident)
         log.warning("job %s gen %d: every rank restarts from %s (step %d); steps %d..%d are re-run",
-                    core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
+                    core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1,
+                    newest)
 
     def on_joined(self, rank: int, t: float) -> None:
         """A rank's process joined its generation: a replacement is ready (and the script uses the
@@ -403,9 +417,12 @@ class Recoveries:
         if len(recovery.first_step) < core.book.world_size:
             return False
         phases = {
-            "replacement_ready": max(recovery.ready.values()) if recovery.replaced and recovery.ready else None,
-            "group_rebuilt": max(recovery.group_rebuilt.values()) if recovery.group_rebuilt else None,
-            "state_restored": max(recovery.state_restored.values()) if recovery.state_restored else None,
+            "replacement_ready": max(recovery.ready.values()) if recovery.replaced
+            and recovery.ready else None,
+            "group_rebuilt": max(recovery.group_rebuilt.values()) if recovery.group_rebuilt
+            else None,
+            "state_restored": max(recovery.state_restored.values()) if recovery.state_restored
+            else None,
             "first_step_done": max(recovery.first_step.values()),
         }
         for incident in recovery.incidents:
@@ -445,4 +462,5 @@ class Recoveries:
         if recovery is None or now - max(recovery.started, resumed) <= timeouts.recovery_timeout:
             return ""
         return (f"recovery {recovery.id} did not complete within {timeouts.recovery_timeout:.0f}s "
-                f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})")
+                f"(generation {recovery.generation}; ranks with a first step: "
+                f"{sorted(recovery.first_step)})")

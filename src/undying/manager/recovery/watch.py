@@ -45,14 +45,16 @@ class Regroups(Protocol):
 class Watch:
     """The manager's deadlines, judged on its own clock (``clock``), and the log's flush."""
 
-    def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection, regrouping: Regroups,
+    def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection,
+                 regrouping: Regroups,
                  left_behind: LeftBehind) -> None:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection
         self.left_behind = left_behind
         self.regrouping = regrouping
-        self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout, "the manager's deadlines")
+        self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout,
+                                "the manager's deadlines")
         # (from its start: a manager paused before its watch first ran still sees that stall)
         self.clock.tick()
 
@@ -83,8 +85,9 @@ class Watch:
             # Its ranks wait for a host to take them; past --node-wait the job goes on without it.
             node_wait = self.core.config.timeouts.node_wait
             if time.time() - max(recovery.started, resumed) > node_wait:
-                self.regrouping.begin(f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost "
-                                      f"and not replaced within --node-wait {node_wait:g}s")
+                self.regrouping.begin(f"node{'s' if len(lost) > 1 else ''} "
+                                      f"{', '.join(map(str, lost))} lost and not replaced within "
+                                      f"--node-wait {node_wait:g}s")
             return
         overdue = self.recoveries.overdue(time.time(), resumed)
         if overdue:

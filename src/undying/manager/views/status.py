@@ -20,8 +20,10 @@ from undying.manager.tracing import TraceControl
 __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]
 
 
-def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption, recoveries: Recoveries,
-               regrouping: Regrouping, trace: TraceControl, standbys: list[dict[str, Any]]) -> dict[str, Any]:
+def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption,
+               recoveries: Recoveries,
+               regrouping: Regrouping, trace: TraceControl,
+               standbys: list[dict[str, Any]]) -> dict[str, Any]:
     config = core.config
     grace, basis = preemption.grace_period()
     incidents = [i.to_dict() for i in core.incidents]
@@ -38,7 +40,8 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "rerun_steps": sorted(core.book.rerun_steps),
         "spares_ready": sum(a.spares_ready() for a in core.agents.values()),
         "exit_reason": core.exit_reason,
-        "recovery_mode": "" if recoveries.step_api else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts),
+        "recovery_mode": "" if recoveries.step_api
+        else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts),
         "checkpoints": {
             "dir": checkpoints.dir,
             "last": checkpoints.last,
@@ -66,7 +69,8 @@ def job_progress(core: JobCore) -> Progress:
     """Step of total, epoch, rate, ETA and the last values given to ``step.log``
     (``progress.compute``)."""
     clock = core.clock
-    return compute(core.book.slowest_step(), clock.plan, clock.job_steps.recent, world_size=core.book.world_size,
+    return compute(core.book.slowest_step(), clock.plan, clock.job_steps.recent,
+                   world_size=core.book.world_size,
                    values=clock.job_steps.last_values, running=not core.winding_down)
 
 
@@ -76,7 +80,8 @@ def job_goodput(core: JobCore, incidents: list[dict[str, Any]]) -> Goodput:
     ended = core.state.terminal
     clock = core.clock
     return account(clock.ledger, incidents, clock.stalls, start=core.started_at,
-                   end=core.machine.since if ended else time.time(), ended=ended, folded_stall_s=clock.folded_stall_s)
+                   end=core.machine.since if ended else time.time(), ended=ended,
+                   folded_stall_s=clock.folded_stall_s)
 
 
 def rank_views(core: JobCore) -> list[dict[str, Any]]:
