@@ -114,8 +114,7 @@ class JobCore:
         incarnation = self.book.take(rank)
         self.generations.set_owner(rank, incarnation)
         pid, warm = self.agents[info.node].spawn(rank, record, joining=joining,
-                                                 resume_from=resume_from,
-                                                 incarnation=incarnation)
+                                                 resume_from=resume_from, incarnation=incarnation)
         info.pid = pid  # 0 for a node across the network until it says which (on_spawned)
         info.state = RankState.STARTING
         info.generation = record.generation

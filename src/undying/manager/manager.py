@@ -105,8 +105,7 @@ class Manager:
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
         self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection,
-                           regrouping=self.regrouping,
-                           left_behind=left_behind)
+                           regrouping=self.regrouping, left_behind=left_behind)
         # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it
         # concerns.
         self.on_exit = self.comings.on_exit
@@ -130,8 +129,7 @@ class Manager:
             StopProposal: self.gasp.on_stop_proposal, Terminated: self.gasp.on_terminated,
             TraceSummary: self.tracing.on_summary, StepBegun: self.divergence.on_begun,
             SpareEvent: lambda message: events.event(message.what, node=message.node,
-                                                     pid=message.pid,
-                                                     **message.detail),
+                                                     pid=message.pid, **message.detail),
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
             return  # restore() reads the job back from its log
@@ -284,8 +282,7 @@ class Manager:
                 # (NodeStep checked its lists are of one length; the repeats are endless, hence not
                 # strict)
                 rows += zip(message.ranks, repeat(message.step), repeat(message.generation),
-                            message.t,
-                            message.metrics, strict=False)
+                            message.t, message.metrics, strict=False)
                 continue
             if kind is StepCommitted:
                 assert isinstance(message, StepCommitted)

@@ -40,8 +40,7 @@ log = logging.getLogger("undying.manager.nodes")
 
 # Every report of an agent's own the table takes (a test checks it has a handler for each).
 NODE_REPORTS = (AgentState, RankExited, RankSpawned, RankHung, RanksStalled, NodeStopped,
-                NodeLeaving,
-                TraceFileSet, TraceFileError)
+                NodeLeaving, TraceFileSet, TraceFileError)
 
 
 class NodeEvents(Protocol):

@@ -249,8 +249,7 @@ class AgentServer:
         if self.clock.fresh():
             log.warning("node %d: %s, right after this manager's own stall of %.1fs: the node has "
                         "a fresh %gs window to come back before it is lost", slot.node, reason,
-                        self.clock.last_stall_s,
-                        self.heartbeat_s)
+                        self.clock.last_stall_s, self.heartbeat_s)
             return
         self.lose(slot, reason)
 
@@ -384,10 +383,8 @@ class AgentServer:
         else:
             # (closed in a fresh window: see _connection_ended)
             if slot.writer is not None and slot.writer.is_closing():
-                self.lose(slot,
-                          f"node {join.node} ({slot.host}): its agent's connection closed and a "
-                          "new agent "
-                                f"joined for the node from {join.host}")
+                self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed "
+                                f"and a new agent joined for the node from {join.host}")
             if slot.attached:
                 refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); "
                            f"pass another --node-rank (0..{len(self.slots) - 1})")

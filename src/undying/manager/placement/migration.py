@@ -154,17 +154,13 @@ class Migrations:
         # (a node across the network says later)
         warm = core.spawn(rank, ahead, joining=True) or spares > 0
         self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now,
-                                         generation=ahead.generation,
-                                         warm=warm, holder=holder)
+                                         generation=ahead.generation, warm=warm, holder=holder)
         core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host,
-                          to=target,
-                          by=by, replacement="warm spare" if warm else "new process")
+                          to=target, by=by, replacement="warm spare" if warm else "new process")
         log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id,
-                 rank,
-                 old_pid, "warm spare" if warm else "new process", target, boundary)
+                 rank, old_pid, "warm spare" if warm else "new process", target, boundary)
         return {"migrating": rank, "pid": old_pid, "from": host, "to": target,
-                "boundary_step": boundary,
-                "replacement": "warm spare" if warm else "new process"}
+                "boundary_step": boundary, "replacement": "warm spare" if warm else "new process"}
 
     def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
         """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to``
@@ -188,14 +184,11 @@ class Migrations:
             core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1,
                                                       phase="step"))
         core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks],
-                          boundary=boundary,
-                          host=host, to=standby, by=by)
+                          boundary=boundary, host=host, to=standby, by=by)
         log.info("job %s: node %d (%s) moves to the standby on %s after step %d",
-                 core.config.job_id, node, host,
-                 standby, boundary)
+                 core.config.job_id, node, host, standby, boundary)
         return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host,
-                "to": standby,
-                "boundary_step": boundary, "replacement": "standby agent"}
+                "to": standby, "boundary_step": boundary, "replacement": "standby agent"}
 
     def drain(self, host: str, *, by: str = "api", reason: str = "") -> dict[str, Any]:
         """Mark ``host`` drained and move every node of the job on it to a standby parked elsewhere.
@@ -271,11 +264,9 @@ class Migrations:
         # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read
         # after this)
         if pending is not None and pending.node is None and returncode != EXIT_MIGRATED:
-            self._cancel(pending,
-                         f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before "
-                         "the "
-                                  f"move's boundary (step {pending.boundary}); its exit is handled "
-                                  "as the fault it is")
+            self._cancel(pending, f"rank {pending.rank}'s process {pid} "
+                                  f"{describe_exit(returncode)} before the move's boundary (step "
+                                  f"{pending.boundary}); its exit is handled as the fault it is")
 
     def _overtaken(self, incident: Incident) -> None:
         """A recovery round opens while ranks wait for their boundaries: each move is cancelled
@@ -289,9 +280,8 @@ class Migrations:
         """
         why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
         for pending in [p for p in self.pending.values() if p.node is None]:
-            self._cancel(pending,
-                         f"{why} before the move's boundary (step {pending.boundary}); rank "
-                                  f"{pending.rank} stays on pid {pending.pid}")
+            self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); "
+                                  f"rank {pending.rank} stays on pid {pending.pid}")
         for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
             # A whole node's move: its ranks stay too (worker.commands); nothing was started ahead
             # for it.
@@ -354,8 +344,7 @@ class Migrations:
             # A move cancelled since (a recovery overtook it): the process stays at its boundary
             # (worker.commands).
             core.events.event("fault_injected", rank=message.rank, kind=message.kind,
-                              step=message.step,
-                              phase=message.phase, cancelled=True)
+                              step=message.step, phase=message.phase, cancelled=True)
             return True
         del self.pending[pending.pid]
         core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
@@ -383,8 +372,7 @@ class Migrations:
         # (its "migrate" report is no fault to time a crash from)
         self.detection.injected.pop(info.rank, None)
         incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank,
-                                                step=step,
-                                                fault_t=t, detected_t=now,
+                                                step=step, fault_t=t, detected_t=now,
                                                 error=f"planned: rank {info.rank} moved from pid "
                                                       f"{pending.pid} on {pending.host} (by "
                                                       f"{pending.by})")
@@ -412,10 +400,9 @@ class Migrations:
         core, node = self.core, pending.node
         assert node is not None and self.server is not None
         slot = self.server.slots[node]
-        slot.send(JobEnded("moved",
-                           f"node {node} moved to a standby on {pending.to} "
-                           f"({self.hosts.state(pending.host).value} "
-                                    f"host {pending.host}); this agent is done", 0))
+        slot.send(JobEnded("moved", f"node {node} moved to a standby on {pending.to} "
+                                    f"({self.hosts.state(pending.host).value} host "
+                                    f"{pending.host}); this agent is done", 0))
         slot.detach(f"moved to {pending.to}")
         self.recoveries.one_generation = True
         try:

@@ -14,8 +14,7 @@ __all__ = ["MOVE_EXAMPLES", "request_move"]
 
 # What each POST of the HTTP API takes (manager/http/): its body's example, for the errors.
 MOVE_EXAMPLES = {"migrate": '{"rank": 1, "to": "HOST"} or {"node": 1, "to": "HOST"}',
-                 "drain": '{"host": "HOST"}',
-                 "undrain": '{"host": "HOST"}'}
+                 "drain": '{"host": "HOST"}', "undrain": '{"host": "HOST"}'}
 _MAX_RANK = 1 << 20
 
 

@@ -183,8 +183,7 @@ class Detection:
             return  # already being killed
         self.hung[pid] = (last_seen, t, phase)
         core.events.event("hang_detected", generation=core.generations.current, rank=rank, pid=pid,
-                          phase=phase,
-                          silent_s=round(t - last_seen, 3), step=info.step + 1)
+                          phase=phase, silent_s=round(t - last_seen, 3), step=info.step + 1)
         core.kill(rank)
 
     def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:

@@ -71,8 +71,7 @@ class Leavers:
         left = Left(info.rank, pid, info.step, t, info.node)
         self.pending[info.rank] = left
         self.core.events.event("left_early", generation=self.core.generations.current,
-                               rank=info.rank, pid=pid,
-                               step=info.step, verdict="pending")
+                               rank=info.rank, pid=pid, step=info.step, verdict="pending")
         if self.recoveries.current is not None:  # the others rejoin without it: they go on
             self.incident(left, "while the others were recovering")
         return True
@@ -138,15 +137,13 @@ class Leavers:
                  f"{evidence}: "
                  "it left the job early")
         core.events.event("left_early", generation=core.generations.current, rank=left.rank,
-                          pid=left.pid,
-                          step=left.step, verdict="incident", evidence=evidence)
+                          pid=left.pid, step=left.step, verdict="incident", evidence=evidence)
         injected = self._injected.get(left.rank)
         injected = self._injected.pop(left.rank) if injected is not None and injected[1] == "leave" else None
         incident = self.recoveries.new_incident(kind=IncidentKind.LEFT_EARLY, rank=left.rank,
                                                 step=left.step + 1,
                                                 fault_t=injected[0] if injected else left.t,
-                                                detected_t=time.time(),
-                                                error=error)
+                                                detected_t=time.time(), error=error)
         incident.detail.update({"returncode": 0, "pid": left.pid, "node": left.node})
         # (`undying inject leave`: not the script's own early end, so never counted as a repeat)
         if injected:

@@ -76,17 +76,16 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
                   i.rank == incident.rank and i.action == Action.REPLACE.value
                   and not i.detail.get("injected")]
         if before:
-            return Decision(Action.FAIL,
-                            f"rank {incident.rank} left the job early again at step "
-                            f"{incident.step} "
-                                         "(exit 0 before its last step while the others went on; "
-                                         f"replaced for it at step {before[0].step}): its script "
-                                         "ends its loop before the others', and any new process "
-                                         "would too; make every rank run the same steps")
+            return Decision(Action.FAIL, f"rank {incident.rank} left the job early again at step "
+                                         f"{incident.step} (exit 0 before its last step while the "
+                                         "others went on; replaced for it at step "
+                                         f"{before[0].step}): its script ends its loop before "
+                                         "the others', and any new process would too; make every "
+                                         "rank run the same steps")
     if ctx.no_state and ctx.holders_alive > 0:
-        return Decision(Action.FAIL,
-                        f"the surviving ranks do not hold the whole training state and no valid "
-                                     f"checkpoint has the rest ({ctx.no_state}); restart the job")
+        return Decision(Action.FAIL, "the surviving ranks do not hold the whole training state "
+                                     f"and no valid checkpoint has the rest ({ctx.no_state}); "
+                                     "restart the job")
     if ctx.holders_alive == 0:
         gone = "every rank that held the training state is gone, so there is no peer to restore from"
         if ctx.checkpoint_step is None:

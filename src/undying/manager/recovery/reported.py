@@ -56,11 +56,9 @@ class ReportedFaults:
         if message.kind != "slow":  # a slowdown is no fault a later exit should be timed from
             self.detection.injected[message.rank] = (message.t, message.kind)
         self.core.events.event("fault_injected", rank=message.rank, kind=message.kind,
-                               step=message.step,
-                               phase=message.phase)
+                               step=message.step, phase=message.phase)
 
     def on_fatal(self, message: Fatal) -> None:
         self.detection.fatal[self.core.ranks[message.rank].pid] = message
         self.core.events.event("user_error", rank=message.rank, step=message.step,
-                               error=message.error,
-                               traceback=message.traceback)
+                               error=message.error, traceback=message.traceback)

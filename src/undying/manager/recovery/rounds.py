@@ -103,8 +103,7 @@ class Recoveries:
         return self.core.config.step_api or self.hello_seen
 
     def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float,
-                     detected_t: float,
-                     error: str = "", traceback: str = "") -> Incident:
+                     detected_t: float, error: str = "", traceback: str = "") -> Incident:
         """An incident of the round under way (or of a new round)."""
         opened = self.current is None
         if self.current is None:
@@ -215,12 +214,10 @@ class Recoveries:
         incident.phases["decided"] = time.time()
         incident.detail["reason"] = decision.reason
         core.events.event("decided", rank=incident.rank, incident=incident.id,
-                          action=decision.action.value,
-                          reason=decision.reason)
+                          action=decision.action.value, reason=decision.reason)
         log.warning("job %s gen %d: %s of rank %d at step %d -> %s (%s)", core.config.job_id,
                     core.generations.current, incident.kind, incident.rank, incident.step,
-                    decision.action.value,
-                    decision.reason)
+                    decision.action.value, decision.reason)
         if decision.action is Action.FAIL:
             incident.settle(IncidentStatus.FAILED)
             core.events.incident(incident)
@@ -334,8 +331,7 @@ class Recoveries:
         incident.detail.update({"restart": self.restarts,
                                 "replacement": "every rank: new processes"})
         core.events.event("restarted", generation=record.generation, step=0, path="",
-                          kind="whole-group",
-                          lost_steps=0, restart=self.restarts)
+                          kind="whole-group", lost_steps=0, restart=self.restarts)
         log.warning("job %s gen %d: every rank starts again (whole-group restart %d of at most %d)",
                     core.config.job_id, record.generation, self.restarts, core.config.max_restarts)
         for settled in self.current.incidents:
@@ -370,8 +366,7 @@ class Recoveries:
             core.spawn(info.rank, record, joining=False, resume_from=plan.checkpoint_path)
         lost = max(0, newest - ckpt.step)
         incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
-                                "lost_steps": lost,
-                                "restart": self.restarts})
+                                "lost_steps": lost, "restart": self.restarts})
         core.events.event("restarted", generation=record.generation, step=ckpt.step, path=ckpt.url,
                           kind=ckpt.kind, lost_steps=lost, restart=self.restarts)
         core.events.incident(incident)
@@ -422,8 +417,7 @@ class Recoveries:
             "group_rebuilt": max(recovery.group_rebuilt.values()) if recovery.group_rebuilt
             else None,
             "state_restored": max(recovery.state_restored.values()) if recovery.state_restored
-            else None,
-            "first_step_done": max(recovery.first_step.values()),
+            else None, "first_step_done": max(recovery.first_step.values()),
         }
         for incident in recovery.incidents:
             if incident.status is not IncidentStatus.OPEN:

@@ -46,8 +46,7 @@ class Watch:
     """The manager's deadlines, judged on its own clock (``clock``), and the log's flush."""
 
     def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection,
-                 regrouping: Regroups,
-                 left_behind: LeftBehind) -> None:
+                 regrouping: Regroups, left_behind: LeftBehind) -> None:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection

@@ -141,8 +141,7 @@ class Downsampled:
         if members:
             end = max(i for i in range(lo, hi + 1) if n[i])
             out.append([origin + start * width, min(origin + (end + 1) * width - 1, self.last_step),
-                        acc / count,
-                        least, most])
+                        acc / count, least, most])
         return out
 
 

@@ -128,8 +128,7 @@ def _checkpoints(checkpoints: Mapping[str, Any], step: int,
                               value=float(health.get("failures") or 0))
     yield GaugeMetricFamily("undying_checkpoint_failing",
                             "1 while the latest checkpoint save failed and none has succeeded "
-                            "since.",
-                            value=1.0 if health.get("failing") else 0.0)
+                            "since.", value=1.0 if health.get("failing") else 0.0)
     last = checkpoints.get("last") or checkpoints.get("resumed_from") or {}
     behind = GaugeMetricFamily("undying_checkpoint_steps_behind",
                                "Committed steps newer than the newest checkpoint: what a restart "
@@ -201,8 +200,7 @@ def _steps(status: Mapping[str, Any], history: RunHistory) -> Iterator[Metric]:
     yield _histograms("undying_rank_step_seconds",
                       f"Seconds between a rank's consecutive commits; ranks 0-{LABELLED_RANKS - 1} "
                       "each have their own rank label, the ranks after them share "
-                      f"rank=\"{LABELLED_RANKS}+\".",
-                      "rank", history.rank_step_seconds)
+                      f"rank=\"{LABELLED_RANKS}+\".", "rank", history.rank_step_seconds)
 
 
 def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -253,8 +251,7 @@ def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
     enabled = GaugeMetricFamily(
         "undying_trace_enabled",
         "1 while the trace markers are on: step (with ckpt, fp and data) and comm switch "
-        "separately.",
-        labels=["markers"],
+        "separately.", labels=["markers"],
     )
     for markers in ("step", "comm"):
         enabled.add_metric([markers], 1.0 if trace.get(markers) else 0.0)
@@ -286,8 +283,7 @@ def _goodput(history: RunHistory) -> Iterator[Metric]:
                               "Goodput), 0 to 1.")
     lost = GaugeMetricFamily("undying_goodput_lost_seconds",
                              "Wall time that did not go to steps that count, by cause (start-up, "
-                             "recovery, ...).",
-                             labels=["cause"])
+                             "recovery, ...).", labels=["cause"])
     if history.goodput is not None:
         share, losses = history.goodput
         ratio.add_metric([], share)

@@ -41,8 +41,7 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "spares_ready": sum(a.spares_ready() for a in core.agents.values()),
         "exit_reason": core.exit_reason,
         "recovery_mode": "" if recoveries.step_api
-        else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts),
-        "checkpoints": {
+        else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts), "checkpoints": {
             "dir": checkpoints.dir,
             "last": checkpoints.last,
             "resumed_from": checkpoints.resumed_from,
