@@ -43,8 +43,8 @@ __all__ = ["ConnectionGuard", "GuardedSite", "QuietLog", "read_line"]
 
 log = logging.getLogger("undying.manager.conns")
 
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: 76\r\n\r\n"
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: 76\r\n\r\n"
             b'{"error": "the manager has too many requests in progress; try again later"}\n')
 
 
@@ -151,8 +151,9 @@ class ConnectionGuard:
             conn.transport.close()
 
     @web.middleware
-    async def middleware(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
         """Marks the connection busy while its request is handled, then gives it the idle
         deadline."""
         conn = self._conns.get(request.protocol)
@@ -163,7 +164,8 @@ class ConnectionGuard:
         finally:
             if conn is not None:
                 conn.busy = False
-                conn.deadline, conn.limit = time.monotonic() + self.limits.http_idle_timeout, self.limits.http_idle_timeout
+                idle_s = self.limits.http_idle_timeout
+                conn.deadline, conn.limit = time.monotonic() + idle_s, idle_s
 
     def start(self) -> None:
         if self._watch is None:
@@ -189,8 +191,8 @@ class ConnectionGuard:
             for inner in late:
                 self._close(inner)
             if late:
-                log.info(
-                    "HTTP: closed %d connection(s) with no complete request within their time limit", len(late))
+                log.info("HTTP: closed %d connection(s) with no complete request within their time "
+                         "limit", len(late))
 
 
 class GuardedSite(web.BaseSite):
@@ -251,7 +253,8 @@ class QuietLog(logging.Filter):
             state[1] += 1
             self._plain(record, 0)
             if state[1] == self.burst:
-                record.msg = f"{record.msg} (more like this are held back for {self.window_s:.0f} s and counted)"
+                record.msg = (f"{record.msg} (more like this are held back for "
+                              f"{self.window_s:.0f} s and counted)")
             return True
         state[2] += 1
         return False
@@ -264,7 +267,8 @@ class QuietLog(logging.Filter):
         record.exc_info = None
         record.exc_text = None
         if held:
-            record.msg = f"{record.msg} (and {held} more like it held back in the last {self.window_s:.0f} s)"
+            record.msg = (f"{record.msg} (and {held} more like it held back in the last "
+                          f"{self.window_s:.0f} s)")
 
 
 # a flood: a few lines a minute of evictions and refusals, not one a connection

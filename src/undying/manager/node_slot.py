@@ -100,8 +100,8 @@ class NodeSlot:
 
     def tell(self, rank: int, message: Message) -> bool:
         if not isinstance(message, COMMANDS):
-            raise MessageError(
-                f"{type(message).__name__} is no command a worker takes (worker_wire.WorkerCommand)")
+            raise MessageError(f"{type(message).__name__} is no command a worker takes "
+                               "(worker_wire.WorkerCommand)")
         if rank not in self.live:
             return False
         return self.send(TellRank(rank, typing.cast(WorkerCommand, message)))

@@ -297,7 +297,8 @@ class AgentServer:
             if isinstance(join, StandbyJoin):
                 parked = await self._park(join.join, writer)
                 try:  # (it passed the gate: its lines may be a node's, 16 MiB)
-                    first = await self.standbys.serve(parked, reader, _LINE_LIMIT) if parked is not None else b""
+                    first = (await self.standbys.serve(parked, reader, _LINE_LIMIT)
+                             if parked is not None else b"")
                 # given a node: from now on (a failed read included) the connection is the node's
                 finally:
                     if parked is not None and parked.seated is not None:

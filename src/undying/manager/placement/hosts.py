@@ -135,7 +135,8 @@ class HostBook:
         """Why ``host`` gets no new ranks, as every refusal says it ("" when it may get them)."""
         if host not in self._marks:
             return ""
-        return f"host {host} is {self.state(host).value}: it gets no new ranks; `undying undrain {host}` first"
+        return (f"host {host} is {self.state(host).value}: it gets no new ranks; "
+                f"`undying undrain {host}` first")
 
     def drain(self, host: str, *, by: str, reason: str, t: float) -> HostMark:
         """An operator takes the host out. A quarantined host stays quarantined (its reason is

@@ -278,7 +278,8 @@ class Migrations:
         is killed; the old process stays at its boundary (worker.commands). The
         recovery then plans with the old process as the rank's holder.
         """
-        why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
+        why = (f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step "
+               f"{incident.step})")
         for pending in [p for p in self.pending.values() if p.node is None]:
             self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); "
                                   f"rank {pending.rank} stays on pid {pending.pid}")

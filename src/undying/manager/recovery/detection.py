@@ -67,7 +67,8 @@ def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classifi
     elif hung:
         last_heard, detected, phase = hung
         if phase == "step":
-            error = f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); killed"
+            error = (f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); "
+                     "killed")
         else:
             error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
     else:
@@ -150,7 +151,8 @@ class Detection:
             told, stack = error_file(self.core.config.job_dir, info.rank, info.incarnation)
             # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
             if told:
-                error, traceback = f"{error}: {told}", f"rank {info.rank}:\n{stack}" if stack else ""
+                traceback = f"rank {info.rank}:\n{stack}" if stack else ""
+                error = f"{error}: {told}"
         incident = self.recoveries.new_incident(kind=found.kind, rank=info.rank, step=info.step + 1,
                                                 fault_t=found.fault_t, detected_t=found.detected_t,
                                                 error=error, traceback=traceback)
@@ -255,7 +257,8 @@ class Detection:
         # A rank that reported an error in the user's code is on its way out (its interpreter tears
         # down, which takes seconds on a busy machine): its exit, not the link, is what failed.
         patience = time.monotonic() + 10 * grace
-        while self.fatal and time.monotonic() < patience and core.generations.current == message.generation:
+        while (self.fatal and time.monotonic() < patience
+               and core.generations.current == message.generation):
             await asyncio.sleep(0.05)
         if core.generations.current != message.generation or core.state not in (
                 JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):

@@ -51,8 +51,8 @@ class Left:
 class Leavers:
     """The ranks that left without their ``Done``, until the others show whether they went on."""
 
-    def __init__(self, core: JobCore, recoveries: Recoveries, injected: dict[int, tuple[float,
-                                                                                        str]]) -> None:
+    def __init__(self, core: JobCore, recoveries: Recoveries,
+                 injected: dict[int, tuple[float, str]]) -> None:
         self.core = core
         self.recoveries = recoveries
         self._injected = injected  # rank -> (when, kind) of a fault injected into it (detection's)
@@ -139,7 +139,8 @@ class Leavers:
         core.events.event("left_early", generation=core.generations.current, rank=left.rank,
                           pid=left.pid, step=left.step, verdict="incident", evidence=evidence)
         injected = self._injected.get(left.rank)
-        injected = self._injected.pop(left.rank) if injected is not None and injected[1] == "leave" else None
+        injected = (self._injected.pop(left.rank)
+                    if injected is not None and injected[1] == "leave" else None)
         incident = self.recoveries.new_incident(kind=IncidentKind.LEFT_EARLY, rank=left.rank,
                                                 step=left.step + 1,
                                                 fault_t=injected[0] if injected else left.t,

@@ -87,7 +87,8 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
                                      f"and no valid checkpoint has the rest ({ctx.no_state}); "
                                      "restart the job")
     if ctx.holders_alive == 0:
-        gone = "every rank that held the training state is gone, so there is no peer to restore from"
+        gone = ("every rank that held the training state is gone, so there is no peer to restore "
+                "from")
         if ctx.checkpoint_step is None:
             return Decision(Action.FAIL,
                             f"{gone}, and there is no valid checkpoint to restart from; restart "

@@ -292,7 +292,8 @@ class Recoveries:
         the round's (a regroup renumbered the ranks) makes the order old news.
         """
         recovery = self.current
-        if recovery is None or recovery.leave is None or recovery.generation != self.core.generations.current:
+        if (recovery is None or recovery.leave is None
+                or recovery.generation != self.core.generations.current):
             return [], []
         order, ranks, generation = recovery.leave, self.core.ranks, recovery.generation
         longest = self.core.clock.longest_rank_step_s()

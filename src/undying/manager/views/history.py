@@ -116,7 +116,8 @@ class Downsampled:
         """
         if self.origin is None:
             return []
-        origin, width, n, total, low, high = self.origin, self.width, self._n, self._sum, self._min, self._max
+        origin, width = self.origin, self.width
+        n, total, low, high = self._n, self._sum, self._min, self._max
         lo = 0 if first is None else max(0, (first - origin) // width)
         hi = len(n) - 1 if last is None else min(len(n) - 1, (last - origin) // width)
         filled = sum(1 for i in range(lo, hi + 1) if n[i])
@@ -274,7 +275,8 @@ class RunHistory:
         The manager calls this where goodput is worked out; the metrics show the
         last values set (none before the first call: no made-up number).
         """
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                or not 0.0 <= ratio <= 1.0):
             raise ValueError(f"goodput is a share of wall time between 0 and 1, got {ratio!r}")
         if len(lost_s) > _MAX_CAUSES:
             raise ValueError(
@@ -284,8 +286,8 @@ class RunHistory:
             if not isinstance(cause, str) or not _NAME.fullmatch(cause):
                 raise ValueError(
                     f"a cause of lost time is a short name like 'recovery', got {cause!r}")
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                    or seconds < 0:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                    or not math.isfinite(seconds) or seconds < 0:
                 raise ValueError(
                     f"the time lost to {cause} must be seconds (0 or more), got {seconds!r}")
             losses[cause] = float(seconds)

@@ -263,8 +263,8 @@ def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
     )
 
 
-def _histograms(name: str, doc: str, label: str | None, histograms: Mapping[str,
-                                                                            Histogram]) -> HistogramMetricFamily:
+def _histograms(name: str, doc: str, label: str | None,
+                histograms: Mapping[str, Histogram]) -> HistogramMetricFamily:
     """A histogram family from ``RunHistory``'s counts, one series per label value (``label`` None:
     one series)."""
     family = HistogramMetricFamily(name, doc, labels=[label] if label else [])
