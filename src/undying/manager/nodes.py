@@ -35,7 +35,7 @@ from undying.manager.conns import QuietLog, read_line
 from undying.manager.node_reports import NodeEvents, NodeReports
 from undying.manager.node_slot import NodeSlot
 from undying.manager.standbys import Parked, SlotFacts, Standbys
-from undying.protocol.codec import Message, MessageError
+from undying.protocol.codec import MessageError
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
     Acked,
@@ -44,15 +44,12 @@ from undying.protocol.node_wire import (
     AgentRefused,
     AgentWelcome,
     ManagerBeat,
-    NodeStep,
     NumberedReports,
     StandbyBeat,
     StandbyJoin,
     StandbyParked,
-    decode_agent_report,
     decode_from_agent,
     encode,
-    width,
 )
 
 __all__ = ["NodeSlot", "AgentServer", "JobFacts", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
@@ -333,7 +330,8 @@ class AgentServer:
                     log.warning("node %d: dropped an unexpected %s", slot.node,
                                 type(reports).__name__)
                     continue
-                self._take(slot, session, writer, reports)
+                assert self._events is not None
+                self.reports.take(slot, session, writer, reports, self.received)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError,
                 ValueError) as e:
             if slot is not None and slot.session == session and session and slot.writer is writer:
@@ -427,54 +425,6 @@ class AgentServer:
                                                         self._node_events().welcome_trace()))
         self.place_standbys()  # a node lost before it came: it is given one at once
         return parked
-
-    def _take(self, slot: NodeSlot, session: str, writer: asyncio.StreamWriter,
-              line: NumberedReports) -> None:
-        """A line of reports, in order; each taken once, however often it is sent (by its number).
-
-        The node's position (``received``) moves to a report before it is
-        handled, so a log commit made while it is handled counts it. A run of
-        workers' messages (a NodeStep's commits among them) goes to the
-        manager in one call (``on_messages``), the position moved past all of
-        them first.
-        """
-        assert self._events is not None
-        node = slot.node
-        last = line.first - 1  # the number of the report before this one
-        run: list[Message] = []
-        for body in line.reports:
-            try:
-                message: Message | None = decode_agent_report(body)
-            except MessageError as e:
-                log.warning("node %d: dropped a bad report: %s", node, e)
-                message = None
-            first, last = last + 1, last + width(message)
-            taken = self.received.get(node, 0)
-            if last <= taken:
-                # sent again after a break or a manager restart; this manager has it already
-                continue
-            # its commits, those this manager lacks, in one record
-            if isinstance(message, NodeStep):
-                run.append(message.after(taken - first + 1))
-                self.received[node] = last
-                continue
-            if self.reports.is_workers(message):
-                assert message is not None
-                run.append(message)
-                self.received[node] = last
-                continue
-            if run:
-                self.reports.workers(run)
-                run = []
-                if not (slot.session == session and slot.writer is writer):
-                    return
-            self.received[node] = last
-            if message is not None:
-                self.reports.table.handle(message, slot)
-                if not (slot.session == session and slot.writer is writer):
-                    return  # the node left, or was lost: the rest of its line is stale
-        if run:
-            self.reports.workers(run)
 
     def _node_events(self) -> NodeEvents:
         assert self._events is not None

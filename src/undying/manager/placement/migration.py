@@ -36,9 +36,7 @@ in the log, so a restarted manager keeps it.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from undying.config import EXIT_MIGRATED
@@ -47,6 +45,7 @@ from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo,
 from undying.manager.core import JobCore
 from undying.manager.placement.host_marks import node_host, quarantine
 from undying.manager.placement.hosts import LOG_KEY, HostBook, check_host, check_job_host
+from undying.manager.placement.moves import LEAD_STEPS, PendingMove, boundary_step
 from undying.manager.placement.standby_seats import parked_hosts, place_on, standby_on
 from undying.manager.recovery import Action, Decision, Detection, Recoveries, describe_exit
 from undying.protocol.generations import GenerationRecord
@@ -56,36 +55,9 @@ from undying.protocol.worker_wire import ArmFault, FaultInjected
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
 
-__all__ = ["Migrations", "LEAD_STEPS"]
+__all__ = ["Migrations"]
 
 log = logging.getLogger("undying.manager")
-
-# How many steps past the newest committed one the boundary is set, at least: every rank hears the
-# arming before it begins the boundary's next step (a late one leaves at the step after: still a
-# boundary).
-LEAD_STEPS = 2
-# And time enough for the replacement, started at once, to be ready (a warm spare runs the script to
-# its join; a new process imports torch first): measured on a loaded 2-core machine, with room.
-READY_S = {True: 2.0, False: 10.0}
-MAX_LEAD_STEPS = 10_000
-
-
-@dataclass
-class _Pending:
-    rank: int
-    pid: int
-    boundary: int  # the last step the rank commits before it leaves
-    host: str
-    to: str
-    by: str
-    t: float  # when it was armed: the incident's "planned" time
-    node: int | None = None  # a whole node's move (to a standby on ``to``): every rank of it leaves
-    generation: int = -1  # a rank's move: the generation its replacement, started ahead, waits for
-    warm: bool = False  # that replacement is a warm spare (else a new process)
-    ready_t: float = 0.0  # when it said hello (0: not yet)
-    # A rank's move: the rank as its old process held it (incarnation, state, generation, restarts),
-    # given back if the move is cancelled.
-    holder: tuple[int, RankState, int, int] | None = None
 
 
 class Migrations:
@@ -98,7 +70,7 @@ class Migrations:
         self.detection = detection
         # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
         self._busy = busy
-        self.pending: dict[int, _Pending] = {}  # pid -> the move it is armed for
+        self.pending: dict[int, PendingMove] = {}  # pid -> the move it is armed for
         # the agents' server (a multi-node job): standbys, slots
         self.server: AgentServer | None = None
         # a recovery before a rank's boundary cancels its move
@@ -140,7 +112,7 @@ class Migrations:
         old_pid, agent = info.pid, core.agents[info.node]
         holder = (info.incarnation, info.state, info.generation, info.restarts)
         spares = agent.spares_ready()
-        boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
+        boundary = boundary_step(core, max(info.step, core.book.newest_step()), warm=spares > 0)
         now = time.time()
         # (before the spawn: the old one)
         agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
@@ -153,8 +125,8 @@ class Migrations:
                                  reason=f"migration of rank {rank} (opened at the boundary)")
         # (a node across the network says later)
         warm = core.spawn(rank, ahead, joining=True) or spares > 0
-        self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now,
-                                         generation=ahead.generation, warm=warm, holder=holder)
+        self.pending[old_pid] = PendingMove(rank, old_pid, boundary, host, target, by, now,
+                                            generation=ahead.generation, warm=warm, holder=holder)
         core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host,
                           to=target, by=by, replacement="warm spare" if warm else "new process")
         log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id,
@@ -179,8 +151,8 @@ class Migrations:
         boundary = max(max(r.step for r in ranks), core.book.newest_step()) + LEAD_STEPS
         now = time.time()
         for info in ranks:
-            self.pending[info.pid] = _Pending(info.rank, info.pid, boundary, host, standby, by, now,
-                                              node=node)
+            self.pending[info.pid] = PendingMove(info.rank, info.pid, boundary, host, standby, by,
+                                                 now, node=node)
             core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1,
                                                       phase="step"))
         core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks],
@@ -292,7 +264,7 @@ class Migrations:
                                    reason=f"{why} before the move's boundary; node {node} stays "
                                           "where it is (move it again once the job runs)")
 
-    def _cancel(self, pending: _Pending, reason: str) -> None:
+    def _cancel(self, pending: PendingMove, reason: str) -> None:
         """A rank's move is off: the rank is its old process's again, the replacement started ahead
         is killed."""
         del self.pending[pending.pid]
@@ -367,7 +339,7 @@ class Migrations:
         self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated", abort=True)
         return True
 
-    def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *,
+    def _incident(self, info: RankInfo, pending: PendingMove, t: float, now: float, *,
                   step: int) -> Incident:
         """The planned ``migration`` incident of a rank that left at its boundary (``step``)."""
         # (its "migrate" report is no fault to time a crash from)
@@ -388,14 +360,14 @@ class Migrations:
                                reason="planned migration")
         return incident
 
-    def _replace(self, info: RankInfo, pending: _Pending, t: float) -> None:
+    def _replace(self, info: RankInfo, pending: PendingMove, t: float) -> None:
         """The planned incident of one rank, carried out as the recovery's replacement."""
         core = self.core
         incident = self._incident(info, pending, t, t, step=info.step)
         self.recoveries.execute(incident, Decision(Action.REPLACE, "planned migration"))
         core.events.incident(incident)
 
-    def _move_node(self, first: RankInfo, pending: _Pending, t: float) -> None:
+    def _move_node(self, first: RankInfo, pending: PendingMove, t: float) -> None:
         """The node's first rank left at its boundary: the node's agent is let go, every rank of it
         is replaced in one new generation, and the standby on the target host is given the node."""
         core, node = self.core, pending.node
@@ -440,23 +412,6 @@ class Migrations:
                for p in self.pending.values()):
             return f"rank {info.rank} is already being moved"
         return ""
-
-    def _boundary(self, newest: int, *, warm: bool) -> int:
-        """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least),
-        and before the job's last steps (its plan says how many it has): else refused."""
-        step_s = self.core.clock.median_rank_step_s()
-        lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS,
-                                                                  math.ceil(
-                                                                      READY_S[warm] / step_s)))
-        plan = self.core.clock.plan
-        if plan is not None:
-            # (the replacement's start may then be in the stall)
-            lead = min(lead, plan.total_steps - 2 - newest)
-            if lead < LEAD_STEPS:
-                raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step "
-                                 f"boundary {LEAD_STEPS} steps ahead of step {newest}; nothing to "
-                                 "move")
-        return newest + lead
 
     def standby_views(self) -> list[dict[str, Any]]:
         """The standby agents parked with no node yet (a multi-node job's): where a node can move or
