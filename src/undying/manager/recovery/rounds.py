@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from undying.checkpoint import Checkpoint
@@ -43,33 +42,12 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.recovery.leave_order import LeaveOrder
 from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
+from undying.manager.recovery.round_record import Recovery
 from undying.protocol.generations import GenerationRecord
 
-__all__ = ["Recovery", "Recoveries"]
+__all__ = ["Recoveries"]
 
 log = logging.getLogger("undying.manager")
-
-@dataclass
-class Recovery:
-    """One recovery round: the incidents it handles and the generation it forms."""
-
-    id: int
-    generation: int
-    incidents: list[Incident] = field(default_factory=list)
-    replaced: set[int] = field(default_factory=set)
-    ready: dict[int, float] = field(default_factory=dict)
-    group_rebuilt: dict[int, float] = field(default_factory=dict)
-    state_restored: dict[int, float] = field(default_factory=dict)
-    first_step: dict[int, float] = field(default_factory=dict)
-    restored_step: int = -1
-    started: float = field(default_factory=time.time)
-    leave: LeaveOrder | None = None  # the survivors of the generation before, which must leave it
-
-    def renew(self, generation: int) -> None:
-        """The round forms ``generation`` now: the phases seen of an earlier one are void."""
-        self.generation = generation
-        for phase in (self.group_rebuilt, self.state_restored, self.first_step):
-            phase.clear()
 
 
 class Recoveries:
