@@ -278,8 +278,7 @@ class AgentServer:
             del self._unjoined[oldest]
             oldest.close()
             _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had "
-                               "not joined",
-                        len(self._connections))
+                               "not joined", len(self._connections))
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
         slot: NodeSlot | None = None
@@ -312,9 +311,8 @@ class AgentServer:
                 current = slot.session == session and slot.writer is writer
                 if not line:
                     if current:
-                        self._connection_ended(slot,
-                                               f"node {slot.node} ({slot.host}): its agent's "
-                                               "connection closed")
+                        self._connection_ended(slot, f"node {slot.node} ({slot.host}): its agent's "
+                                                     "connection closed")
                     return
                 if not current:
                     return  # fenced, or resumed elsewhere meanwhile: whatever it says here is stale
@@ -366,10 +364,10 @@ class AgentServer:
         if join.session:
             current = slot.session or self.known_sessions.get(join.node, "")
             if join.session != current:
+                lost = " (" + slot.lost_reason + ")" if slot.lost_reason else ""
                 reason = (f"node {join.node}'s session {join.session} is stale: the node was "
-                          "declared "
-                          f"lost{' (' + slot.lost_reason + ')' if slot.lost_reason else ''} and "
-                          "its ranks given away; stop every worker and join again")
+                          f"declared lost{lost} and its ranks given away; stop every worker and "
+                          "join again")
                 log.warning("fenced the agent of node %d on %s: %s", join.node, join.host, reason)
                 writer.write(encode(AgentFenced(reason)))
                 await writer.drain()

@@ -58,8 +58,7 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
     migrations.restore(job.get(HOSTS_KEY))
     events.event("manager_restarted", generation=generation, state=core.state.value,
                  incidents=len(core.incidents), open_incidents=[i.id for i in open_incidents])
-    log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to "
-                "%d",
-                core.config.job_id, generation, core.state.value, len(core.incidents),
+    log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up "
+                "to %d", core.config.job_id, generation, core.state.value, len(core.incidents),
                 core.book.newest_step())
     return {int(n): str(s) for n, s in job.get("sessions", {}).items()}

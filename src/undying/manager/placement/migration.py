@@ -277,9 +277,9 @@ class Migrations:
         # (the one started ahead is fenced, not it)
         core.generations.set_owner(info.rank, info.incarnation)
         core.book.persist(info)
-        # the node's newest process of the rank: the one started ahead (agent: the old one
+        # the node's newest process of the rank: the one started ahead (agent: the old one is the
+        # rank's worker again once it is gone)
         core.kill(info.rank)
-        # is the rank's worker again once it is gone)
         core.events.event("migration_failed", rank=pending.rank, pid=pending.pid, returncode=None,
                           replacement_pid=ahead, reason=reason)
         log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id,

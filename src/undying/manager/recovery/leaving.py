@@ -121,9 +121,8 @@ class Leavers:
         for info in done:
             left = self.pending.pop(info.rank)
             self.core.events.event("left_early", rank=info.rank,
-                                   verdict=f"every rank ended its loop: it at step "
-                                                                         f"{left.step}, none went "
-                                                                         "on past it")
+                                   verdict=f"every rank ended its loop: it at step {left.step}, "
+                                           "none went on past it")
         return done
 
     def incident(self, left: Left, evidence: str) -> None:
@@ -134,8 +133,7 @@ class Leavers:
         if info.pid != left.pid:
             return  # (already replaced)
         error = (f"rank {left.rank} exited 0 at step {left.step + 1} before finishing its steps, "
-                 f"{evidence}: "
-                 "it left the job early")
+                 f"{evidence}: it left the job early")
         core.events.event("left_early", generation=core.generations.current, rank=left.rank,
                           pid=left.pid, step=left.step, verdict="incident", evidence=evidence)
         injected = self._injected.get(left.rank)

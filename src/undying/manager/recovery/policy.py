@@ -145,8 +145,7 @@ def _restart_group(incident: Incident, ctx: PolicyContext) -> Decision:
             Action.FAIL,
             f"rank {incident.rank} {what} ({incident.error or incident.kind}); the whole group was "
             f"already restarted {ctx.restarts} time(s) (--max-restarts {ctx.max_restarts}): "
-            f"{WHOLE_GROUP}, so a "
-            "fault restarts every rank",
+            f"{WHOLE_GROUP}, so a fault restarts every rank",
         )
     return Decision(
         Action.RESTART,
