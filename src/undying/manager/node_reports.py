@@ -5,9 +5,9 @@ Every agent reports in ``protocol/node_wire.py`` messages, over the network
 (``manager/nodes.py`` reads each node's connection; ``NodeReports.take``
 takes its lines of reports in order, each once) or from the manager's own
 process (``launch/in_process.py``); either way each report comes here, to one
-table. Its workers' messages (and the
-agent's word on its spares) go to the manager in runs (``on_messages``); the
-agent's own reports, each to its handler.
+table. Its workers' messages (and the agent's word on its spares) go to the
+manager in runs (``on_messages``); the agent's own reports, each to its
+handler.
 """
 
 from __future__ import annotations
@@ -86,19 +86,18 @@ class NodeReports:
             AgentState: lambda message, slot: slot.on_state(message),
             RankExited: self._on_exited,
             RankSpawned: self._on_spawned,
-            RankHung: lambda m, slot: self._events().on_hang(m.rank, m.pid, m.phase, m.last_seen,
-                                                             m.t),
+            RankHung: lambda m, slot: self._events().on_hang(
+                m.rank, m.pid, m.phase, m.last_seen, m.t),
             RanksStalled: lambda m, slot: self._events().on_stall(m.progress, m.limit, m.t),
             NodeStopped: lambda message, slot: slot.stopped(message.seq),
-            NodeLeaving: lambda m, slot: self._lose(slot,
-                                                    f"node {slot.node} ({slot.host}) is leaving: "
-                                                    f"{m.reason}"),
-            TraceFileSet: lambda m, slot: self._events().on_trace_file(TraceSwitch(m.step, m.comm,
-                                                                                   m.by, m.t)),
+            NodeLeaving: lambda m, slot: self._lose(
+                slot, f"node {slot.node} ({slot.host}) is leaving: {m.reason}"),
+            TraceFileSet: lambda m, slot: self._events().on_trace_file(
+                TraceSwitch(m.step, m.comm, m.by, m.t)),
             TraceFileError: lambda message, slot: self._events().on_trace_file_error(
                 message.message),
-        }, otherwise=lambda message, slot: log.warning("node %d: unexpected message %r", slot.node,
-                                                       message))
+        }, otherwise=lambda message, slot: log.warning(
+            "node %d: unexpected message %r", slot.node, message))
 
     @staticmethod
     def is_workers(message: Message | None) -> bool:

@@ -77,12 +77,10 @@ class HostMark:
         """A mark as ``to_dict`` wrote it; KeyError, TypeError or ValueError when it is not one."""
         under = item.get("drained")
         return cls(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")),
-                   str(item.get("by", "")),
-                   float(item.get("t", 0.0)), int(item.get("passes", 0)), tuple(int(s)
-                                                                                for s in item.get(
-                                                                                    "steps", ())),
-                   cls.from_dict(under) if isinstance(under, dict)
-                   and under.get("state") == "drained" else None)
+                   str(item.get("by", "")), float(item.get("t", 0.0)), int(item.get("passes", 0)),
+                   tuple(int(s) for s in item.get("steps", ())),
+                   cls.from_dict(under)
+                   if isinstance(under, dict) and under.get("state") == "drained" else None)
 
 
 def check_host(host: object) -> str:

@@ -115,8 +115,8 @@ def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
         message = data["message"]
         if isinstance(message, str):
             return message[:2000], ""
-        return str(message.get("message", ""))[:2000], str(message.get("extraInfo", {}).get(
-            "py_callstack", ""))[:20000]
+        callstack = message.get("extraInfo", {}).get("py_callstack", "")
+        return str(message.get("message", ""))[:2000], str(callstack)[:20000]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "", ""
 

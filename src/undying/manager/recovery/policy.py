@@ -126,9 +126,9 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
             f"collective failed at step {incident.step} again after {ctx.max_retries} retries "
             f"(--max-retries {ctx.max_retries}); rank {incident.rank} is replaced",
         )
-    what = {IncidentKind.HANG: "stopped answering and was killed",
-            IncidentKind.LEFT_EARLY: "left early (exit 0 while the others went on)"}.get(
-                incident.kind, "exited")
+    kinds = {IncidentKind.HANG: "stopped answering and was killed",
+             IncidentKind.LEFT_EARLY: "left early (exit 0 while the others went on)"}
+    what = kinds.get(incident.kind, "exited")
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
 
 
