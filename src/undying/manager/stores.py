@@ -322,9 +322,9 @@ class StoreServer:
             self._refuse("no handshake")
             return None
         if (not isinstance(proof, Proof) or len(proof.nonce) != NONCE_BYTES
-            or len(proof.store) > _MAX_STORE_NAME
-                or not hmac.compare_digest(proof.proof, proof_of(self._key, "client", nonce,
-                                                                 proof.nonce, proof.store))):
+                or len(proof.store) > _MAX_STORE_NAME
+                or not hmac.compare_digest(
+                    proof.proof, proof_of(self._key, "client", nonce, proof.nonce, proof.store))):
             self._refuse("a wrong proof of the job's key")
             writer.write(frame(Refused("the job's store key was not shown; only the job's own "
                                        "processes may use its stores")))

@@ -175,8 +175,8 @@ class HostBook:
         if not passed:
             mark = replace(mark, passes=0, steps=())
         else:
-            mark = replace(mark, passes=mark.passes + 1, steps=(*mark.steps,
-                                                                step)[-REQUALIFY_PASSES:])
+            steps = (*mark.steps, step)[-REQUALIFY_PASSES:]
+            mark = replace(mark, passes=mark.passes + 1, steps=steps)
         if mark.passes >= REQUALIFY_PASSES:
             if mark.drained is not None:
                 self._marks[host] = mark.drained

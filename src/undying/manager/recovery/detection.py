@@ -200,9 +200,9 @@ class Detection:
         core = self.core
         if core.winding_down:
             return
-        if self.leavers.pending and any(self.leavers.explains(p.rank, p.step,
-                                                              f"stuck for {t - p.progress_t:.1f}s")
-                                        for p in progress if p.phase == "step"):
+        if self.leavers.pending and any(
+                self.leavers.explains(p.rank, p.step, f"stuck for {t - p.progress_t:.1f}s")
+                for p in progress if p.phase == "step"):
             return  # they wait for a rank that left: that rank is the fault
         generation = core.generations.current
         recovery = self.recoveries.current

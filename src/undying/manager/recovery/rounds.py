@@ -153,9 +153,8 @@ class Recoveries:
             if found.read_checkpoint:
                 ckpt = self.checkpoints.latest()
                 # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
-                found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step,
-                                                                       path=ckpt.url)) if ckpt \
-                    else plan_at(newest, None)
+                found = (plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url))
+                         if ckpt else plan_at(newest, None))
                 # the checkpoint the plan read: the restart rung carries the plan out
                 self.restart_from = ckpt
         except (MissingShardsError, LayoutError) as e:

@@ -135,9 +135,8 @@ class Downsampled:
             most = high[i] if high[i] > most else most
             members += 1
             if members == group:
-                out.append([origin + start * width, min(origin + (i + 1) * width - 1,
-                                                        self.last_step), acc / count,
-                            least, most])
+                bucket_end = min(origin + (i + 1) * width - 1, self.last_step)
+                out.append([origin + start * width, bucket_end, acc / count, least, most])
                 count, acc, least, most, members = 0, 0.0, math.inf, -math.inf, 0
         if members:
             end = max(i for i in range(lo, hi + 1) if n[i])
