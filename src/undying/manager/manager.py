@@ -84,9 +84,9 @@ class Manager:
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
         # undying migrate / drain / undrain
-        self.migrations = Migrations(core, self.recoveries, self.detection,
-                                     busy=lambda: "the job is regrouping" if self.regrouping.active
-                                     else "")
+        self.migrations = Migrations(
+            core, self.recoveries, self.detection,
+            busy=lambda: "the job is regrouping" if self.regrouping.active else "")
         # the whole run, bounded: the page's charts, the metrics' histograms
         self.history = RunHistory()
         # a re-run step's batch or a restored state that is another one
@@ -209,9 +209,9 @@ class Manager:
             core.set_layout(core.nodes_available()[: self.config.nnodes])
         if not restored:
             resume = await self.checkpoints.find_resume_point()
-            start = plan_start(joining=False,
-                               checkpoint=PersistedState(resume.step, path=resume.url) if resume
-                               else None)
+            start = plan_start(
+                joining=False,
+                checkpoint=PersistedState(resume.step, path=resume.url) if resume else None)
             record = core.open_generation("start" if start.source.kind == "fresh"
                                           else f"resume from step {start.step}")
             for info in core.ranks.values():

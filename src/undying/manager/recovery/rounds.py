@@ -390,12 +390,13 @@ class Recoveries:
         if len(recovery.first_step) < core.book.world_size:
             return False
         phases = {
-            "replacement_ready": max(recovery.ready.values()) if recovery.replaced
-            and recovery.ready else None,
-            "group_rebuilt": max(recovery.group_rebuilt.values()) if recovery.group_rebuilt
-            else None,
-            "state_restored": max(recovery.state_restored.values()) if recovery.state_restored
-            else None, "first_step_done": max(recovery.first_step.values()),
+            "replacement_ready": (max(recovery.ready.values())
+                                  if recovery.replaced and recovery.ready else None),
+            "group_rebuilt": (max(recovery.group_rebuilt.values())
+                              if recovery.group_rebuilt else None),
+            "state_restored": (max(recovery.state_restored.values())
+                               if recovery.state_restored else None),
+            "first_step_done": max(recovery.first_step.values()),
         }
         for incident in recovery.incidents:
             if incident.status is not IncidentStatus.OPEN:
