@@ -319,6 +319,5 @@ class Manager:
 
     def status(self) -> dict[str, Any]:
         return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp,
-                          recoveries=self.recoveries,
-                          regrouping=self.regrouping, trace=self.tracing,
-                          standbys=self.migrations.standby_views())
+                          recoveries=self.recoveries, regrouping=self.regrouping,
+                          trace=self.tracing, standbys=self.migrations.standby_views())

@@ -274,8 +274,8 @@ class Detection:
             fault_t, rank = min(injected)
             del self.injected[rank]
         incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank,
-                                                          step=message.step,
-                                                          fault_t=fault_t, detected_t=time.time(),
+                                                          step=message.step, fault_t=fault_t,
+                                                          detected_t=time.time(),
                                                           error=message.error)
         incident.detail["injected"] = bool(injected)
         self.recoveries.handle(incident)

@@ -21,8 +21,7 @@ __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]
 
 
 def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption,
-               recoveries: Recoveries,
-               regrouping: Regrouping, trace: TraceControl,
+               recoveries: Recoveries, regrouping: Regrouping, trace: TraceControl,
                standbys: list[dict[str, Any]]) -> dict[str, Any]:
     config = core.config
     grace, basis = preemption.grace_period()
@@ -40,8 +39,9 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "rerun_steps": sorted(core.book.rerun_steps),
         "spares_ready": sum(a.spares_ready() for a in core.agents.values()),
         "exit_reason": core.exit_reason,
-        "recovery_mode": "" if recoveries.step_api
-        else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts), "checkpoints": {
+        "recovery_mode": ("" if recoveries.step_api
+                          else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)),
+        "checkpoints": {
             "dir": checkpoints.dir,
             "last": checkpoints.last,
             "resumed_from": checkpoints.resumed_from,
