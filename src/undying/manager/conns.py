@@ -43,8 +43,8 @@ __all__ = ["ConnectionGuard", "GuardedSite", "QuietLog", "read_line"]
 
 log = logging.getLogger("undying.manager.conns")
 
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: 76\r\n\r\n"
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: 76\r\n\r\n"
             b'{"error": "the manager has too many requests in progress; try again later"}\n')
 
 
@@ -67,7 +67,8 @@ class _Refuse(asyncio.Protocol):
 
 
 class _Tracked(asyncio.Protocol):
-    """aiohttp's protocol for one connection, passed every event, with the guard told when it opens and closes."""
+    """aiohttp's protocol for one connection, passed every event, with the guard told when it opens
+    and closes."""
 
     def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol, conn: _Conn) -> None:
         self._guard = guard
@@ -119,17 +120,20 @@ class ConnectionGuard:
                 # Only a connection already made can be closed: one accepted in this same batch has
                 # no transport yet; the cap is then over by at most the listen backlog, for a
                 # moment.
-                idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy and c.transport is not None]
+                idle = [(c.opened, p) for p, c in self._conns.items() if not c.busy
+                        and c.transport is not None]
                 if idle:
                     _, oldest = min(idle, key=lambda item: item[0])
                     self._close(oldest)
-                    log.warning("HTTP: %d connections open (the cap, --max-connections): closed the oldest idle "
-                                "one", self.cap)
+                    log.warning("HTTP: %d connections open (the cap, --max-connections): closed "
+                                "the oldest idle one", self.cap)
                 elif all(c.busy for c in self._conns.values()):
-                    log.warning("HTTP: %d connections, all busy: refused one with 503", len(self._conns))
+                    log.warning("HTTP: %d connections, all busy: refused one with 503",
+                                len(self._conns))
                     return _Refuse()
             inner = make()
-            conn = self._conns[inner] = _Conn(opened=now, deadline=now + self.limits.http_header_timeout,
+            conn = self._conns[inner] = _Conn(opened=now,
+                                              deadline=now + self.limits.http_header_timeout,
                                               limit=self.limits.http_header_timeout)
             return _Tracked(self, inner, conn)
 
@@ -140,15 +144,18 @@ class ConnectionGuard:
         self._conns.pop(inner, None)
 
     def _close(self, inner: asyncio.Protocol) -> None:
-        """Close the connection of ``inner``; it no longer counts from now (its close completes a turn later)."""
+        """Close the connection of ``inner``; it no longer counts from now (its close completes a
+        turn later)."""
         conn = self._conns.pop(inner, None)
         if conn is not None and conn.transport is not None:
             conn.transport.close()
 
     @web.middleware
-    async def middleware(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """Marks the connection busy while its request is handled, then gives it the idle deadline."""
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """Marks the connection busy while its request is handled, then gives it the idle
+        deadline."""
         conn = self._conns.get(request.protocol)
         if conn is not None:
             conn.busy = True
@@ -157,7 +164,8 @@ class ConnectionGuard:
         finally:
             if conn is not None:
                 conn.busy = False
-                conn.deadline, conn.limit = time.monotonic() + self.limits.http_idle_timeout, self.limits.http_idle_timeout
+                idle_s = self.limits.http_idle_timeout
+                conn.deadline, conn.limit = time.monotonic() + idle_s, idle_s
 
     def start(self) -> None:
         if self._watch is None:
@@ -172,7 +180,8 @@ class ConnectionGuard:
 
     async def _watch_loop(self) -> None:
         period = max(0.05, min(1.0, self.limits.http_header_timeout / 4))
-        clock = JudgeClock(period, min(self.limits.http_header_timeout, self.limits.http_idle_timeout), "the manager's HTTP server")
+        clock = JudgeClock(period, min(self.limits.http_header_timeout,
+                                       self.limits.http_idle_timeout), "the manager's HTTP server")
         while True:
             await asyncio.sleep(period)
             clock.tick()
@@ -182,13 +191,16 @@ class ConnectionGuard:
             for inner in late:
                 self._close(inner)
             if late:
-                log.info("HTTP: closed %d connection(s) with no complete request within their time limit", len(late))
+                log.info("HTTP: closed %d connection(s) with no complete request within their time "
+                         "limit", len(late))
 
 
 class GuardedSite(web.BaseSite):
-    """A TCP site whose connections go through ``guard`` (aiohttp's TCPSite offers no hook for it)."""
+    """A TCP site whose connections go through ``guard`` (aiohttp's TCPSite offers no hook for
+    it)."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int,
+                 guard: ConnectionGuard) -> None:
         super().__init__(runner)
         self._host = host
         self._port = port
@@ -203,7 +215,8 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            self._guard.factory(server), self._host, self._port, backlog=self._backlog, reuse_address=True)
+            self._guard.factory(server), self._host, self._port, backlog=self._backlog,
+            reuse_address=True)
         self._guard.start()
 
     async def stop(self) -> None:
@@ -212,8 +225,8 @@ class GuardedSite(web.BaseSite):
 
 
 class QuietLog(logging.Filter):
-    """At most ``burst`` lines of one kind (logger, level, format) per ``window_s``, each without its
-    traceback; the first line after a window in which some were held back says how many.
+    """At most ``burst`` lines of one kind (logger, level, format) per ``window_s``, each without
+    its traceback; the first line after a window in which some were held back says how many.
 
     10,000 malformed requests then cost a few dozen short lines, not 10,000 tracebacks.
     """
@@ -222,7 +235,8 @@ class QuietLog(logging.Filter):
         super().__init__()
         self.burst = burst
         self.window_s = window_s
-        self._seen: dict[tuple[str, int, str], list[float]] = {}  # kind -> [window start, lines, held back]
+        # kind -> [window start, lines, held back]
+        self._seen: dict[tuple[str, int, str], list[float]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.levelno, str(record.msg))
@@ -239,7 +253,8 @@ class QuietLog(logging.Filter):
             state[1] += 1
             self._plain(record, 0)
             if state[1] == self.burst:
-                record.msg = f"{record.msg} (more like this are held back for {self.window_s:.0f} s and counted)"
+                record.msg = (f"{record.msg} (more like this are held back for "
+                              f"{self.window_s:.0f} s and counted)")
             return True
         state[2] += 1
         return False
@@ -252,15 +267,17 @@ class QuietLog(logging.Filter):
         record.exc_info = None
         record.exc_text = None
         if held:
-            record.msg = f"{record.msg} (and {held} more like it held back in the last {self.window_s:.0f} s)"
+            record.msg = (f"{record.msg} (and {held} more like it held back in the last "
+                          f"{self.window_s:.0f} s)")
 
 
-log.addFilter(QuietLog())  # a flood: a few lines a minute of evictions and refusals, not one a connection
+# a flood: a few lines a minute of evictions and refusals, not one a connection
+log.addFilter(QuietLog())
 
 
 async def read_line(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    """The next line of ``reader`` (``b""`` at its end, a partial line at EOF, as ``readline``), at most
-    ``max_bytes`` long; past that, ``ValueError``.
+    """The next line of ``reader`` (``b""`` at its end, a partial line at EOF, as ``readline``), at
+    most ``max_bytes`` long; past that, ``ValueError``.
 
     ``readline`` can only be bounded by the reader's one limit, fixed when the server starts. The
     agents' port needs two: a joined agent may send a 16 MB line of reports, but a connection that

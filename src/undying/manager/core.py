@@ -1,4 +1,5 @@
-"""What every part of the manager shares: the job's config, log, ranks, agents, generations and state.
+"""What every part of the manager shares: the job's config, log, ranks, agents, generations and
+state.
 
 The manager is a router over small parts (recovery, regroup, preemption,
 checkpoints, tracing, commands, views); each takes this core and nothing of
@@ -48,7 +49,8 @@ class JobCore:
         self.agents: dict[int, AgentHandle] = {}
         self.incidents: list[Incident] = []
         self.health = CheckpointHealth(events, self.incidents)  # failed saves as incidents
-        self.hosts = HostBook()  # drained and quarantined hosts: no new ranks there (manager/placement/hosts.py)
+        # drained and quarantined hosts: no new ranks there (manager/placement/hosts.py)
+        self.hosts = HostBook()
         self.exit_reason = ""
         self.started_at = time.time()
         self.finished = asyncio.Event()
@@ -80,7 +82,8 @@ class JobCore:
         return {r for a in self.agents.values() for r in a.live_ranks()}
 
     def set_layout(self, nodes: list[int], *, step: int = 0, persist: bool = True) -> None:
-        """The job trains on ``nodes`` from now on: its ranks are numbered anew, what was per rank restarts."""
+        """The job trains on ``nodes`` from now on: its ranks are numbered anew, what was per rank
+        restarts."""
         self.book.set_layout(nodes, step=step, persist=persist)
         self.clock.reset(self.book.world_size)
         for hook in self._layout_hooks:
@@ -92,7 +95,8 @@ class JobCore:
 
     def open_generation(self, reason: str, *, members: dict[int, int] | None = None,
                         purpose: str = "") -> GenerationRecord:
-        """The next generation, of every rank of the layout or, for a regroup, of ``members`` (renumbered)."""
+        """The next generation, of every rank of the layout or, for a regroup, of ``members``
+        (renumbered)."""
         size = len(members) if members is not None else self.book.world_size
         record = self.generations.open_next(size, reason, members=members, purpose=purpose)
         self.events.event("generation_opened", generation=record.generation, reason=reason,
@@ -100,7 +104,8 @@ class JobCore:
         self.events.set_job("generation", record.generation, flush=True)
         return record
 
-    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "") -> bool:
+    def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
+              resume_from: str = "") -> bool:
         """Give ``rank`` a process; True when it was a warm spare."""
         info = self.ranks[rank]
         # The rank now belongs to the process about to start: any older one is fenced out of every
@@ -108,15 +113,16 @@ class JobCore:
         # meanwhile.
         incarnation = self.book.take(rank)
         self.generations.set_owner(rank, incarnation)
-        pid, warm = self.agents[info.node].spawn(rank, record, joining=joining, resume_from=resume_from,
-                                                 incarnation=incarnation)
+        pid, warm = self.agents[info.node].spawn(rank, record, joining=joining,
+                                                 resume_from=resume_from, incarnation=incarnation)
         info.pid = pid  # 0 for a node across the network until it says which (on_spawned)
         info.state = RankState.STARTING
         info.generation = record.generation
         info.last_seen = time.time()
         if joining:
             info.restarts += 1
-        self.events.event("spawned", generation=record.generation, rank=rank, pid=pid, joining=joining, spare=warm)
+        self.events.event("spawned", generation=record.generation, rank=rank, pid=pid,
+                          joining=joining, spare=warm)
         self.book.persist(info)
         return warm
 
@@ -140,7 +146,8 @@ class JobCore:
             return
         self.exit_reason = reason
         log.error("job %s failed: %s", self.config.job_id, reason)
-        self.move(JobState.STOPPING)  # at once: a fault reported meanwhile is no new incident to decide
+        # at once: a fault reported meanwhile is no new incident to decide
+        self.move(JobState.STOPPING)
         asyncio.get_running_loop().create_task(self._stop_then(JobState.FAILED))
 
     def stop(self, reason: str) -> None:
@@ -165,7 +172,8 @@ class JobCore:
         for incident in self.incidents if final in (JobState.FAILED, JobState.STOPPED) else ():
             if incident.status is IncidentStatus.OPEN:
                 incident.settle(IncidentStatus.FAILED)
-                incident.detail.setdefault("closed", f"the job ended ({final.value}) before it was resolved")
+                incident.detail.setdefault("closed",
+                                           f"the job ended ({final.value}) before it was resolved")
                 self.events.incident(incident)
         self.move(final)
         self.events.set_job("ended_at", time.time())

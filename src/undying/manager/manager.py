@@ -83,21 +83,29 @@ class Manager:
         self.gasp = Preemption(core, self.checkpoints)
         self.tracing = TraceControl(core)
         self.injector = Injector(core, self.detection)
-        self.migrations = Migrations(core, self.recoveries, self.detection,  # undying migrate / drain / undrain
-                                     busy=lambda: "the job is regrouping" if self.regrouping.active else "")
-        self.history = RunHistory()  # the whole run, bounded: the page's charts, the metrics' histograms
-        self.divergence = Divergence(core)  # a re-run step's batch or a restored state that is another one
-        left_behind = LeftBehind(core, self.recoveries)  # a survivor gloo never let go: replaced in its round
+        # undying migrate / drain / undrain
+        self.migrations = Migrations(
+            core, self.recoveries, self.detection,
+            busy=lambda: "the job is regrouping" if self.regrouping.active else "")
+        # the whole run, bounded: the page's charts, the metrics' histograms
+        self.history = RunHistory()
+        # a re-run step's batch or a restored state that is another one
+        self.divergence = Divergence(core)
+        # a survivor gloo never let go: replaced in its round
+        left_behind = LeftBehind(core, self.recoveries)
         self.comings = Comings(core, checkpoints=self.checkpoints, recoveries=self.recoveries,
-                               detection=self.detection, regrouping=self.regrouping, migrations=self.migrations,
+                               detection=self.detection, regrouping=self.regrouping,
+                               migrations=self.migrations,
                                divergence=self.divergence, left_behind=left_behind)
         self.steps = StepReports(core, history=self.history, checkpoints=self.checkpoints,
-                                 recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping,
-                                 divergence=self.divergence, gasp=self.gasp, finish=self.comings.finish)
+                                 recoveries=self.recoveries, detection=self.detection,
+                                 regrouping=self.regrouping,
+                                 divergence=self.divergence, gasp=self.gasp,
+                                 finish=self.comings.finish)
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
-        self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection, regrouping=self.regrouping,
-                           left_behind=left_behind)
+        self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection,
+                           regrouping=self.regrouping, left_behind=left_behind)
         # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it
         # concerns.
         self.on_exit = self.comings.on_exit
@@ -112,14 +120,16 @@ class Manager:
         self.on_standby = self._on_standby
         # Which handler takes each message a worker (or the agent, for its ranks) sends.
         self.handlers = Handlers[None]({
-            StepCommitted: self.steps.on_commit, NodeStep: lambda message: self.on_messages([message]),
-            Progress: self.steps.on_progress, CheckpointSaved: self.steps.on_checkpoint, Done: self.steps.on_done,
+            StepCommitted: self.steps.on_commit,
+            NodeStep: lambda message: self.on_messages([message]),
+            Progress: self.steps.on_progress, CheckpointSaved: self.steps.on_checkpoint,
+            Done: self.steps.on_done,
             Hello: self.comings.on_hello, CommFailure: self.faults.on_comm_failure,
             FaultInjected: self.faults.on_fault_injected, Fatal: self.faults.on_fatal,
             StopProposal: self.gasp.on_stop_proposal, Terminated: self.gasp.on_terminated,
             TraceSummary: self.tracing.on_summary, StepBegun: self.divergence.on_begun,
-            SpareEvent: lambda message: events.event(message.what, node=message.node, pid=message.pid,
-                                                     **message.detail),
+            SpareEvent: lambda message: events.event(message.what, node=message.node,
+                                                     pid=message.pid, **message.detail),
         }, otherwise=lambda message: log.warning("unexpected message %r", message))
         if restoring:
             return  # restore() reads the job back from its log
@@ -170,7 +180,8 @@ class Manager:
     # --- setup ----------------------------------------------------------------
 
     def start_control_store(self, key: bytes) -> int:
-        """Serve the job's stores on --host:--port to processes that prove ``key`` (the job's store key)."""
+        """Serve the job's stores on --host:--port to processes that prove ``key`` (the job's store
+        key)."""
         port = self.core.generations.serve(self.config.port, key)
         self.events.set_job("control_port", port, flush=True)
         return port
@@ -179,8 +190,10 @@ class Manager:
         self.core.agents[agent.node] = agent
         agent.set_trace(self.tracing.message())
 
-    async def run(self, *, restored: bool = False, ready: asyncio.Future[None] | None = None) -> JobState:
-        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait until the job ends.
+    async def run(self, *, restored: bool = False,
+                  ready: asyncio.Future[None] | None = None) -> JobState:
+        """Start every rank in generation 0 (from the latest valid checkpoint, if any) and wait
+        until the job ends.
 
         ``ready``: what must complete first (every node joined); ``restored``:
         the job runs already (a restarted manager), nothing is started.
@@ -196,12 +209,16 @@ class Manager:
             core.set_layout(core.nodes_available()[: self.config.nnodes])
         if not restored:
             resume = await self.checkpoints.find_resume_point()
-            start = plan_start(joining=False, checkpoint=PersistedState(resume.step, path=resume.url) if resume else None)
-            record = core.open_generation("start" if start.source.kind == "fresh" else f"resume from step {start.step}")
+            start = plan_start(
+                joining=False,
+                checkpoint=PersistedState(resume.step, path=resume.url) if resume else None)
+            record = core.open_generation("start" if start.source.kind == "fresh"
+                                          else f"resume from step {start.step}")
             for info in core.ranks.values():
                 core.spawn(info.rank, record, joining=False, resume_from=start.source.path)
             if not self.recoveries.step_api:
-                core.move(JobState.RUNNING)  # (its ranks commit no step to say so: started is running)
+                # (its ranks commit no step to say so: started is running)
+                core.move(JobState.RUNNING)
         for agent in core.agents.values():
             agent.keep_spares()
         watching = self.watch.start()
@@ -214,14 +231,17 @@ class Manager:
         return self.state
 
     def restore(self) -> dict[int, str]:
-        """Carry on a job whose manager died: read its state back from the log (``restoring``); the sessions."""
+        """Carry on a job whose manager died: read its state back from the log (``restoring``); the
+        sessions."""
         sessions = restore_job(self.core, checkpoints=self.checkpoints, recoveries=self.recoveries,
-                               history=self.history, regrouping=self.regrouping, migrations=self.migrations)
+                               history=self.history, regrouping=self.regrouping,
+                               migrations=self.migrations)
         self.comings.sessions = sessions
         return dict(sessions)
 
     def reopen_generation(self) -> None:
-        """After a restart: the control store is new; give it the current generation and the ranks' owners."""
+        """After a restart: the control store is new; give it the current generation and the ranks'
+        owners."""
         regroup = self.regrouping.regroup
         if regroup is not None and regroup.generation != self.generation:
             regroup = None
@@ -246,7 +266,8 @@ class Manager:
         self.handlers.handle(message)
 
     def on_messages(self, messages: list[Message]) -> None:
-        """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes each.
+        """Workers' messages that came together (a node's batch), in order, as ``on_message`` takes
+        each.
 
         Commits (one rank's ``StepCommitted``, or a node's ``NodeStep`` of a
         step) are taken as rows, not message objects: a run of them has its
@@ -260,12 +281,13 @@ class Manager:
                 assert isinstance(message, NodeStep)
                 # (NodeStep checked its lists are of one length; the repeats are endless, hence not
                 # strict)
-                rows += zip(message.ranks, repeat(message.step), repeat(message.generation), message.t,
-                            message.metrics, strict=False)
+                rows += zip(message.ranks, repeat(message.step), repeat(message.generation),
+                            message.t, message.metrics, strict=False)
                 continue
             if kind is StepCommitted:
                 assert isinstance(message, StepCommitted)
-                rows.append((message.rank, message.step, message.generation, message.t, message.metrics))
+                rows.append((message.rank, message.step, message.generation, message.t,
+                             message.metrics))
                 continue
             if rows:
                 self.steps.on_commits(rows)
@@ -275,7 +297,8 @@ class Manager:
             self.steps.on_commits(rows)
 
     def _on_standby(self, what: str, detail: dict[str, Any]) -> None:
-        self.events.event(what, **detail)  # a standby parked, given a node, or dropped (manager/standbys/)
+        # a standby parked, given a node, or dropped (manager/standbys/)
+        self.events.event(what, **detail)
 
     # --- the job's end, by the user, a failure or a SIGTERM -----------------------
 
@@ -295,5 +318,6 @@ class Manager:
         return self.injector.inject(kind, rank, at_step, phase, how, factor=factor)
 
     def status(self) -> dict[str, Any]:
-        return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp, recoveries=self.recoveries,
-                          regrouping=self.regrouping, trace=self.tracing, standbys=self.migrations.standby_views())
+        return job_status(self.core, checkpoints=self.checkpoints, preemption=self.gasp,
+                          recoveries=self.recoveries, regrouping=self.regrouping,
+                          trace=self.tracing, standbys=self.migrations.standby_views())

@@ -41,7 +41,8 @@ __all__ = ["NodeSlot", "Line"]
 
 
 class Line(Protocol):
-    """Where a slot writes its commands (encoded lines): a node's connection, or the in-process line."""
+    """Where a slot writes its commands (encoded lines): a node's connection, or the in-process
+    line."""
 
     def write(self, data: bytes) -> None: ...
 
@@ -54,7 +55,8 @@ class Line(Protocol):
 
 @dataclass
 class NodeSlot:
-    """The slot of one node: its agent's line when it has one (TCP or in-process), the commands waiting otherwise."""
+    """The slot of one node: its agent's line when it has one (TCP or in-process), the commands
+    waiting otherwise."""
 
     node: int
     session: str = ""
@@ -62,7 +64,8 @@ class NodeSlot:
     pid: int = 0
     writer: Line | None = None
     last_heard: float = 0.0  # wall clock, for people (the status); judged by ``heard``
-    heard: float = 0.0  # monotonic: the agent's last word, as the manager's judge clock counts silence
+    # monotonic: the agent's last word, as the manager's judge clock counts silence
+    heard: float = 0.0
     joined_at: float = 0.0
     lost_at: float = 0.0
     lost_reason: str = ""
@@ -70,7 +73,8 @@ class NodeSlot:
     _phases: dict[int, str] = field(default_factory=dict)
     _spares: int = 0
     _zygote_pid: int = 0
-    _answers: dict[int, RankSpawned] = field(default_factory=dict)  # rank -> the process the node gave it
+    # rank -> the process the node gave it
+    _answers: dict[int, RankSpawned] = field(default_factory=dict)
     _waiting: list[SpawnRank] = field(default_factory=list)
     _stops: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     _seq: int = 0
@@ -96,7 +100,8 @@ class NodeSlot:
 
     def tell(self, rank: int, message: Message) -> bool:
         if not isinstance(message, COMMANDS):
-            raise MessageError(f"{type(message).__name__} is no command a worker takes (worker_wire.WorkerCommand)")
+            raise MessageError(f"{type(message).__name__} is no command a worker takes "
+                               "(worker_wire.WorkerCommand)")
         if rank not in self.live:
             return False
         return self.send(TellRank(rank, typing.cast(WorkerCommand, message)))
@@ -124,8 +129,9 @@ class NodeSlot:
         return self._spares if self.writer is not None else 0
 
     async def stop_all(self, grace_s: float) -> None:
-        """Stop the node's workers; a node that is gone, or stays silent past the grace, counts as stopped
-        (so does one whose connection closed while it has a window to come back: nothing can answer on it)."""
+        """Stop the node's workers; a node that is gone, or stays silent past the grace, counts as
+        stopped (so does one whose connection closed while it has a window to come back: nothing can
+        answer on it)."""
         if self.writer is None or self.writer.is_closing():
             return
         self._seq += 1
@@ -184,11 +190,13 @@ class NodeSlot:
             self.send(command)
 
     def drop_waiting(self) -> None:
-        """The job regroups without this node's old ranks: no agent that takes the node gets them."""
+        """The job regroups without this node's old ranks: no agent that takes the node gets
+        them."""
         self._waiting.clear()
 
     def detach(self, reason: str) -> None:
-        """The node is lost: its connection closes, its session is stale, nothing it held is live."""
+        """The node is lost: its connection closes, its session is stale, nothing it held is
+        live."""
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
@@ -235,5 +243,6 @@ class NodeSlot:
 
 
 def _satisfies_the_seam(slot: NodeSlot) -> AgentHandle:
-    """(For mypy: a remote node's slot is what the manager drives, ``protocol.seams.AgentHandle``.)"""
+    """(For mypy: a remote node's slot is what the manager drives,
+    ``protocol.seams.AgentHandle``.)"""
     return slot

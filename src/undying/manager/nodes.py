@@ -35,7 +35,7 @@ from undying.manager.conns import QuietLog, read_line
 from undying.manager.node_reports import NodeEvents, NodeReports
 from undying.manager.node_slot import NodeSlot
 from undying.manager.standbys import Parked, SlotFacts, Standbys
-from undying.protocol.codec import Message, MessageError
+from undying.protocol.codec import MessageError
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.node_wire import (
     Acked,
@@ -44,15 +44,12 @@ from undying.protocol.node_wire import (
     AgentRefused,
     AgentWelcome,
     ManagerBeat,
-    NodeStep,
     NumberedReports,
     StandbyBeat,
     StandbyJoin,
     StandbyParked,
-    decode_agent_report,
     decode_from_agent,
     encode,
-    width,
 )
 
 __all__ = ["NodeSlot", "AgentServer", "JobFacts", "NodeEvents", "JoinCheck", "MANAGER_BEAT_S"]
@@ -68,8 +65,8 @@ MANAGER_BEAT_S = 0.5
 _WATCH_S = 0.2
 # A line longer than this is no agent's message: the connection is dropped.
 _LINE_LIMIT = 16 * 1024 * 1024
-# Before a connection has joined, its line (the join: a few KB of flags) may be at most this long, so
-# that connections nobody has vouched for cannot make the manager hold _LINE_LIMIT each.
+# Before a connection has joined, its line (the join: a few KB of flags) may be at most this long,
+# so that connections nobody has vouched for cannot make the manager hold _LINE_LIMIT each.
 _JOIN_LIMIT = 64 * 1024
 
 
@@ -105,13 +102,15 @@ class AgentServer:
         self.host = host
         # A connection that sends no join line within this long is no agent: it is closed.
         self.join_wait_s = join_wait_s
-        # Open connections at most: at the cap, the oldest one that has not joined yet is closed for a new
-        # one (a flood of silent sockets cannot use up the manager's files nor lock a node out).
+        # Open connections at most: at the cap, the oldest one that has not joined yet is closed for
+        # a new one (a flood of silent sockets cannot use up the manager's files nor lock a node
+        # out).
         self.max_connections = max_connections
         self._unjoined: dict[asyncio.StreamWriter, float] = {}
         self.port = port
         self._check = check
-        # The watch's own clock: a node's silence counts only while this manager ran (protocol/judge_clock.py).
+        # The watch's own clock: a node's silence counts only while this manager ran
+        # (protocol/judge_clock.py).
         self.clock = JudgeClock(_WATCH_S, heartbeat_s, "the manager")
         self.slots: dict[int, NodeSlot] = {}
         self._events: NodeEvents | None = None
@@ -129,22 +128,28 @@ class AgentServer:
         self.received: dict[int, int] = dict(acked or {})
         self.persisted: dict[int, int] = dict(self.received)
         self.control_port, self.job_dir = 0, ""  # told to every agent that joins (``bind``)
-        self.reports = NodeReports(self._node_events, self.lose)  # each agent report to the manager's act
-        # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they go.
-        self.standbys = Standbys(self._seat, lambda what, detail: self._node_events().on_standby(what, detail),
+        # each agent report to the manager's act
+        self.reports = NodeReports(self._node_events, self.lose)
+        # Warm standby agents with no node yet (``undying run --standby``): given lost nodes as they
+        # go.
+        self.standbys = Standbys(self._seat,
+                                 lambda what, detail: self._node_events().on_standby(what, detail),
                                  self.clock)
 
     @property
     def heartbeat_s(self) -> float:
-        """A node silent this long (while the manager ran) is lost; the job's flag, given by ``bind``."""
+        """A node silent this long (while the manager ran) is lost; the job's flag, given by
+        ``bind``."""
         return self.clock.window_s
 
     async def start(self) -> int:
         self._first_join = asyncio.get_running_loop().create_future()
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_JOIN_LIMIT)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port,
+                                                  limit=_JOIN_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
-        # The clock runs from here, not from the watch's first pass: a stall before that pass (a restarted
-        # manager's restore from its log, or a pause right after its start) is a stall of the judge too.
+        # The clock runs from here, not from the watch's first pass: a stall before that pass (a
+        # restarted manager's restore from its log, or a pause right after its start) is a stall of
+        # the judge too.
         self.clock.tick()
         self._spawn_task(self._beat_and_watch())
         return self.port
@@ -201,7 +206,8 @@ class AgentServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _beat_and_watch(self) -> None:
-        """Beat to every attached agent; a node silent past the heartbeat timeout, while this manager ran, is lost.
+        """Beat to every attached agent; a node silent past the heartbeat timeout, while this
+        manager ran, is lost.
 
         After a stall of the manager itself (``clock``), every node gets a fresh
         window: its words waited in the socket while the manager did not read.
@@ -227,7 +233,8 @@ class AgentServer:
                     slot.send_line(beat + encode(Acked(self.persisted.get(slot.node, 0))))
 
     def _connection_ended(self, slot: NodeSlot, reason: str) -> None:
-        """The node's connection closed or failed: the node is lost, unless this manager itself just stalled.
+        """The node's connection closed or failed: the node is lost, unless this manager itself just
+        stalled.
 
         An agent that heard nothing from a stopped manager for its heartbeat
         timeout connects again with its session (agent/remote.py), and its old
@@ -237,9 +244,9 @@ class AgentServer:
         within it resumes its session, one that does not is lost at its end.
         """
         if self.clock.fresh():
-            log.warning("node %d: %s, right after this manager's own stall of %.1fs: the node has a fresh %gs "
-                        "window to come back before it is lost", slot.node, reason, self.clock.last_stall_s,
-                        self.heartbeat_s)
+            log.warning("node %d: %s, right after this manager's own stall of %.1fs: the node has "
+                        "a fresh %gs window to come back before it is lost", slot.node, reason,
+                        self.clock.last_stall_s, self.heartbeat_s)
             return
         self.lose(slot, reason)
 
@@ -251,7 +258,8 @@ class AgentServer:
         self.on_change()
         if self._events is not None:
             self._events.on_node_lost(slot.node, reason, time.time())
-            self.place_standbys()  # a warm standby takes the node: the replacements waiting in the slot go to it
+            # a warm standby takes the node: the replacements waiting in the slot go to it
+            self.place_standbys()
 
     def place_standbys(self) -> None:
         """Lost nodes to parked standbys (``standby.promotions`` decides which to which)."""
@@ -261,18 +269,21 @@ class AgentServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= self.max_connections:
             if not self._unjoined:
-                _flood_log.warning("agents' port: %d connections, every one a node's: refused a new one", len(self._connections))
+                _flood_log.warning(
+                    "agents' port: %d connections, every one a node's: refused a new one",
+                    len(self._connections))
                 writer.close()
                 return
             oldest = min(self._unjoined, key=self._unjoined.__getitem__)
             del self._unjoined[oldest]
             oldest.close()
-            _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had not joined",
-                        len(self._connections))
+            _flood_log.warning("agents' port: %d connections (the cap): closed the oldest that had "
+                               "not joined", len(self._connections))
         self._connections.add(writer)
         self._unjoined[writer] = time.monotonic()
         slot: NodeSlot | None = None
-        session, first = "", b""  # (first: the line a standby given a node sent first as the node's agent)
+        # (first: the line a standby given a node sent first as the node's agent)
+        session, first = "", b""
         try:
             line = await asyncio.wait_for(read_line(reader, _JOIN_LIMIT), self.join_wait_s)
             self._unjoined.pop(writer, None)
@@ -282,8 +293,10 @@ class AgentServer:
             if isinstance(join, StandbyJoin):
                 parked = await self._park(join.join, writer)
                 try:  # (it passed the gate: its lines may be a node's, 16 MiB)
-                    first = await self.standbys.serve(parked, reader, _LINE_LIMIT) if parked is not None else b""
-                finally:  # given a node: from now on (a failed read included) the connection is the node's
+                    first = (await self.standbys.serve(parked, reader, _LINE_LIMIT)
+                             if parked is not None else b"")
+                # given a node: from now on (a failed read included) the connection is the node's
+                finally:
                     if parked is not None and parked.seated is not None:
                         slot, session = self.slots[parked.seated[0]], parked.seated[1]
             else:
@@ -292,12 +305,14 @@ class AgentServer:
                 return
             while True:
                 line, first = first or await read_line(reader, _LINE_LIMIT), b""
-                # This connection speaks for the node only while it is the slot's: the agent may have
-                # resumed its session on a new one (then closing this one is no loss), or been fenced.
+                # This connection speaks for the node only while it is the slot's: the agent may
+                # have resumed its session on a new one (then closing this one is no loss), or been
+                # fenced.
                 current = slot.session == session and slot.writer is writer
                 if not line:
                     if current:
-                        self._connection_ended(slot, f"node {slot.node} ({slot.host}): its agent's connection closed")
+                        self._connection_ended(slot, f"node {slot.node} ({slot.host}): its agent's "
+                                                     "connection closed")
                     return
                 if not current:
                     return  # fenced, or resumed elsewhere meanwhile: whatever it says here is stale
@@ -310,10 +325,13 @@ class AgentServer:
                 if isinstance(reports, StandbyBeat):
                     continue  # a standby's last beat, sent as it was given this node
                 if not isinstance(reports, NumberedReports):  # (a second AgentJoin)
-                    log.warning("node %d: dropped an unexpected %s", slot.node, type(reports).__name__)
+                    log.warning("node %d: dropped an unexpected %s", slot.node,
+                                type(reports).__name__)
                     continue
-                self._take(slot, session, writer, reports)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+                assert self._events is not None
+                self.reports.take(slot, session, writer, reports, self.received)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError,
+                ValueError) as e:
             if slot is not None and slot.session == session and session and slot.writer is writer:
                 self._connection_ended(slot, f"node {slot.node} ({slot.host}): connection failed "
                                              f"({type(e).__name__}: {e})")
@@ -322,7 +340,8 @@ class AgentServer:
             self._unjoined.pop(writer, None)
             writer.close()
 
-    async def _admit(self, join: AgentJoin, writer: asyncio.StreamWriter) -> tuple[NodeSlot | None, str]:
+    async def _admit(self, join: AgentJoin,
+                     writer: asyncio.StreamWriter) -> tuple[NodeSlot | None, str]:
         refusal = self._check(join)
         if refusal:
             log.warning("refused an agent from %s (node %d): %s", join.host, join.node, refusal)
@@ -345,9 +364,10 @@ class AgentServer:
         if join.session:
             current = slot.session or self.known_sessions.get(join.node, "")
             if join.session != current:
-                reason = (f"node {join.node}'s session {join.session} is stale: the node was declared lost"
-                          f"{' (' + slot.lost_reason + ')' if slot.lost_reason else ''} and its ranks given away; "
-                          "stop every worker and join again")
+                lost = " (" + slot.lost_reason + ")" if slot.lost_reason else ""
+                reason = (f"node {join.node}'s session {join.session} is stale: the node was "
+                          f"declared lost{lost} and its ranks given away; stop every worker and "
+                          "join again")
                 log.warning("fenced the agent of node %d on %s: %s", join.node, join.host, reason)
                 writer.write(encode(AgentFenced(reason)))
                 await writer.drain()
@@ -358,12 +378,13 @@ class AgentServer:
             if slot.writer is not None and slot.writer is not writer:
                 slot.writer.close()  # its old connection: the agent already gave it up
         else:
-            if slot.writer is not None and slot.writer.is_closing():  # (closed in a fresh window: see _connection_ended)
-                self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed and a new agent "
-                                f"joined for the node from {join.host}")
+            # (closed in a fresh window: see _connection_ended)
+            if slot.writer is not None and slot.writer.is_closing():
+                self.lose(slot, f"node {join.node} ({slot.host}): its agent's connection closed "
+                                f"and a new agent joined for the node from {join.host}")
             if slot.attached:
-                refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); pass another "
-                           f"--node-rank (0..{len(self.slots) - 1})")
+                refusal = (f"node {join.node} already has an agent ({slot.host}, pid {slot.pid}); "
+                           f"pass another --node-rank (0..{len(self.slots) - 1})")
                 writer.write(encode(AgentRefused(refusal)))
                 await writer.drain()
                 return None, ""
@@ -378,70 +399,30 @@ class AgentServer:
         self._welcome(self.slots[node], join, writer, session)
         return session
 
-    def _welcome(self, slot: NodeSlot, join: AgentJoin, writer: asyncio.StreamWriter, session: str) -> None:
+    def _welcome(self, slot: NodeSlot, join: AgentJoin, writer: asyncio.StreamWriter,
+                 session: str) -> None:
         events = self._node_events()
         slot.attach(writer, join, session)
-        writer.write(encode(AgentWelcome(session, slot.node, self.control_port, self.job_dir, events.welcome_trace(),
+        writer.write(encode(AgentWelcome(session, slot.node, self.control_port, self.job_dir,
+                                         events.welcome_trace(),
                                          acked=self.received.get(slot.node, 0))))
         slot.send_waiting()
-        log.info("node %d joined from %s (agent pid %d, session %s)", slot.node, join.host, join.pid, session)
+        log.info("node %d joined from %s (agent pid %d, session %s)", slot.node, join.host,
+                 join.pid, session)
         events.on_node_joined(slot.node, session, join.host, slot.live)
         self._joined.set()
         self.on_change()
 
     async def _park(self, join: AgentJoin, writer: asyncio.StreamWriter) -> Parked | None:
-        """A standby's join: checked as a node's would be (any node number), parked, maybe given a lost node."""
+        """A standby's join: checked as a node's would be (any node number), parked, maybe given a
+        lost node."""
         while self._events is None:  # (the job's flags come from a node's join, never a standby's)
             await asyncio.sleep(0.05)
         parked = await self.standbys.park(join, writer, self._check,
-                                          StandbyParked(self.control_port, self.job_dir, self._node_events().welcome_trace()))
+                                          StandbyParked(self.control_port, self.job_dir,
+                                                        self._node_events().welcome_trace()))
         self.place_standbys()  # a node lost before it came: it is given one at once
         return parked
-
-    def _take(self, slot: NodeSlot, session: str, writer: asyncio.StreamWriter, line: NumberedReports) -> None:
-        """A line of reports, in order; each taken once, however often it is sent (by its number).
-
-        The node's position (``received``) moves to a report before it is
-        handled, so a log commit made while it is handled counts it. A run of
-        workers' messages (a NodeStep's commits among them) goes to the
-        manager in one call (``on_messages``), the position moved past all of
-        them first.
-        """
-        assert self._events is not None
-        node = slot.node
-        last = line.first - 1  # the number of the report before this one
-        run: list[Message] = []
-        for body in line.reports:
-            try:
-                message: Message | None = decode_agent_report(body)
-            except MessageError as e:
-                log.warning("node %d: dropped a bad report: %s", node, e)
-                message = None
-            first, last = last + 1, last + width(message)
-            taken = self.received.get(node, 0)
-            if last <= taken:
-                continue  # sent again after a break or a manager restart; this manager has it already
-            if isinstance(message, NodeStep):  # its commits, those this manager lacks, in one record
-                run.append(message.after(taken - first + 1))
-                self.received[node] = last
-                continue
-            if self.reports.is_workers(message):
-                assert message is not None
-                run.append(message)
-                self.received[node] = last
-                continue
-            if run:
-                self.reports.workers(run)
-                run = []
-                if not (slot.session == session and slot.writer is writer):
-                    return
-            self.received[node] = last
-            if message is not None:
-                self.reports.table.handle(message, slot)
-                if not (slot.session == session and slot.writer is writer):
-                    return  # the node left, or was lost: the rest of its line is stale
-        if run:
-            self.reports.workers(run)
 
     def _node_events(self) -> NodeEvents:
         assert self._events is not None

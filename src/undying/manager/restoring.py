@@ -1,4 +1,5 @@
-"""A restarted manager carries the job on from its log: what the old manager wrote is what this one knows."""
+"""A restarted manager carries the job on from its log: what the old manager wrote is what this one
+knows."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ __all__ = ["restore_job"]
 log = logging.getLogger("undying.manager")
 
 
-def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries, history: RunHistory,
+def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveries,
+                history: RunHistory,
                 regrouping: Regrouping, migrations: Migrations) -> dict[int, str]:
     """Read the job back from its log into the manager's parts; returns the agents' sessions.
 
@@ -47,7 +49,8 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
         core.incidents.append(incident)
         recoveries.count = max(recoveries.count, incident.recovery)
         if incident.status is IncidentStatus.OPEN and not core.health.adopt(incident):
-            open_incidents.append(incident)  # (failing saves are no recovery: CheckpointHealth keeps them)
+            # (failing saves are no recovery: CheckpointHealth keeps them)
+            open_incidents.append(incident)
     if open_incidents:
         recoveries.current = Recovery(id=open_incidents[0].recovery, generation=generation,
                                       incidents=open_incidents)
@@ -55,6 +58,7 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
     migrations.restore(job.get(HOSTS_KEY))
     events.event("manager_restarted", generation=generation, state=core.state.value,
                  incidents=len(core.incidents), open_incidents=[i.id for i in open_incidents])
-    log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up to %d",
-                core.config.job_id, generation, core.state.value, len(core.incidents), core.book.newest_step())
+    log.warning("job %s: carried on from its log: generation %d, %s, %d incident(s), steps up "
+                "to %d", core.config.job_id, generation, core.state.value, len(core.incidents),
+                core.book.newest_step())
     return {int(n): str(s) for n, s in job.get("sessions", {}).items()}

@@ -91,7 +91,8 @@ class _Store:
         self.connections.clear()
 
     async def until(self, keys: list[str], timeout: float) -> None:
-        """Return when every key is set; _Timeout after ``timeout`` s; StoreClosedError if closed."""
+        """Return when every key is set; _Timeout after ``timeout`` s; StoreClosedError if
+        closed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout)
         while True:
@@ -112,7 +113,8 @@ class _Store:
         """One store call, with c10d's semantics (``get`` and ``multi_get`` wait for their keys)."""
         op, keys, values = request.op, request.keys, request.values
         if len(keys) > _MAX_KEYS:
-            return Reply(False, error=f"{len(keys)} keys in one request (at most {_MAX_KEYS})", kind="bad")
+            return Reply(False, error=f"{len(keys)} keys in one request (at most {_MAX_KEYS})",
+                         kind="bad")
         try:
             if op == "set" and len(keys) == 1 == len(values):
                 self.data[keys[0]] = values[0]
@@ -249,7 +251,8 @@ class StoreServer:
 
     # --- the network's side -------------------------------------------------
 
-    def _run(self, sock: socket.socket, started: threading.Event, failed: list[BaseException]) -> None:
+    def _run(self, sock: socket.socket, started: threading.Event,
+             failed: list[BaseException]) -> None:
         asyncio.set_event_loop(self._loop)
         try:
             self._server = self._loop.run_until_complete(
@@ -284,7 +287,8 @@ class StoreServer:
                 return
             store.connections.add(writer)
             while not store.closed:
-                body = await _read_frame(reader)  # no deadline: a rank may train for days between calls
+                # no deadline: a rank may train for days between calls
+                body = await _read_frame(reader)
                 try:
                     request = decode(body, "request")
                 except msgspec.DecodeError as e:
@@ -296,7 +300,8 @@ class StoreServer:
                         reply = Reply(False, error=str(e), kind="closed")
                 writer.write(frame(reply))
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.TimeoutError, OSError):
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.TimeoutError,
+                OSError):
             pass
         finally:
             if store is not None:
@@ -304,26 +309,31 @@ class StoreServer:
             self._connections -= 1
             writer.transport.abort()
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Store | None:
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> _Store | None:
         """The store the client proved the key for; None (connection refused) otherwise."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         writer.write(frame(Challenge(nonce)))
         try:
             body = await asyncio.wait_for(_read_frame(reader), self._handshake_timeout)
             proof = decode(body, "handshake")
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError, OSError):
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError,
+                OSError):
             self._refuse("no handshake")
             return None
-        if (not isinstance(proof, Proof) or len(proof.nonce) != NONCE_BYTES or len(proof.store) > _MAX_STORE_NAME
-                or not hmac.compare_digest(proof.proof, proof_of(self._key, "client", nonce, proof.nonce, proof.store))):
+        if (not isinstance(proof, Proof) or len(proof.nonce) != NONCE_BYTES
+                or len(proof.store) > _MAX_STORE_NAME
+                or not hmac.compare_digest(
+                    proof.proof, proof_of(self._key, "client", nonce, proof.nonce, proof.store))):
             self._refuse("a wrong proof of the job's key")
-            writer.write(frame(Refused("the job's store key was not shown; only the job's own processes may "
-                                       "use its stores")))
+            writer.write(frame(Refused("the job's store key was not shown; only the job's own "
+                                       "processes may use its stores")))
             await _drain(writer)
             return None
         store = self._stores.get(proof.store)
         if store is None or store.closed:
-            writer.write(frame(Refused(f"store {proof.store!r} is closed (Connection closed by peer)")))
+            writer.write(
+                frame(Refused(f"store {proof.store!r} is closed (Connection closed by peer)")))
             await _drain(writer)
             return None
         writer.write(frame(Welcome(proof_of(self._key, "server", nonce, proof.nonce, proof.store))))
@@ -333,7 +343,8 @@ class StoreServer:
     def _refuse(self, why: str) -> None:
         self.refused += 1
         now = time.monotonic()
-        if now - self._last_refusal_log >= 10.0:  # a flood of strangers grows the log by a line per 10 s
+        # a flood of strangers grows the log by a line per 10 s
+        if now - self._last_refusal_log >= 10.0:
             self._last_refusal_log = now
             log.warning("store server on %s:%d: refused a connection (%s); %d refused so far",
                         self.host, self.port, why, self.refused)

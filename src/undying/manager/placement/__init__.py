@@ -1,9 +1,10 @@
 """Where ranks run: a host's state (ok, drained, quarantined), and ranks and nodes moved on purpose.
 
-``hosts`` (``HostBook``: one state per host, and when a quarantined host requalifies);
-``migration`` (``Migrations``: planned moves at a step boundary, drains); ``requests`` (an operator's
-move request, checked); ``host_marks`` (where a rank runs, quarantining the host of a fault);
-``standby_seats`` (the standby agents a whole node moves to).
+``hosts`` (``HostBook``: one state per host, and when a quarantined host requalifies); ``migration``
+(``Migrations``: planned moves at a step boundary, drains); ``moves`` (a move while it waits,
+and its boundary step); ``requests`` (an operator's move request, checked); ``host_marks`` (where
+a rank runs, quarantining the host of a fault); ``standby_seats`` (the standby agents a whole node
+moves to).
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision
 above all, must not pay for the others.

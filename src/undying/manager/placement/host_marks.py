@@ -38,12 +38,14 @@ def quarantine(core: JobCore, *, reason: str, rank: int | None = None, host: str
 
 # What clears a quarantined host (manager.placement.hosts.HostBook.verified,
 # manager.integrity.verification.on_verified).
-UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified bit for bit "
-         f"in a row, only in a job run with --verify-every) or an operator runs `undying undrain HOST`")
+UNTIL = (f"no new ranks there until it requalifies ({REQUALIFY_PASSES} steps of its ranks verified "
+         "bit for bit in a row, only in a job run with --verify-every) or an operator runs "
+         "`undying undrain HOST`")
 
 
 def host_of(core: JobCore, rank: int) -> str:
-    """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node job)."""
+    """The host ``rank`` runs on, as its node's agent said it ("" when unknown, e.g. a single-node
+    job)."""
     info = core.ranks.get(rank)
     return node_host(core, info.node) if info is not None else ""
 

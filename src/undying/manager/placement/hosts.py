@@ -1,4 +1,5 @@
-"""A host's placement state: ``ok``, ``drained`` by an operator, or ``quarantined`` by a fault policy.
+"""A host's placement state: ``ok``, ``drained`` by an operator, or ``quarantined`` by a fault
+policy.
 
 One state per host, shared by the two ways a host is taken out: an operator
 drains it (``undying drain HOST``, before maintenance) and a fault policy
@@ -28,7 +29,8 @@ from typing import Any
 
 from undying.errors import UsageError
 
-__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "check_job_host", "REQUALIFY_PASSES"]
+__all__ = ["HostState", "HostMark", "HostBook", "LOG_KEY", "check_host", "check_job_host",
+           "REQUALIFY_PASSES"]
 
 LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
 # A quarantined host is cleared after this many verified steps of its ranks in a row (each a replay
@@ -36,7 +38,8 @@ LOG_KEY = "hosts"  # the job fact the book is kept under in the event log
 # and a job verifying every K steps with R ranks on the host gets it back within about 3*K*world/R
 # steps.
 REQUALIFY_PASSES = 3
-_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")  # a hostname, an IPv4 or a bracketed or bare IPv6
+# a hostname, an IPv4 or a bracketed or bare IPv6
+_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
 
 
 class HostState(enum.StrEnum):
@@ -54,12 +57,15 @@ class HostMark:
     reason: str
     by: str
     t: float
-    passes: int = 0  # quarantined: verified steps of its ranks in a row since it was quarantined or last mismatched
+    # quarantined: verified steps of its ranks in a row since it was quarantined or last mismatched
+    passes: int = 0
     steps: tuple[int, ...] = ()  # which steps those were
-    drained: HostMark | None = None  # quarantined: the operator's drain kept under it, the state once it requalifies
+    # quarantined: the operator's drain kept under it, the state once it requalifies
+    drained: HostMark | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason, "by": self.by, "t": self.t}
+        out: dict[str, Any] = {"host": self.host, "state": self.state.value, "reason": self.reason,
+                               "by": self.by, "t": self.t}
         if self.state is HostState.QUARANTINED:
             out |= {"passes": self.passes, "needed": REQUALIFY_PASSES, "steps": list(self.steps)}
             if self.drained is not None:
@@ -70,21 +76,25 @@ class HostMark:
     def from_dict(cls, item: Any) -> HostMark:
         """A mark as ``to_dict`` wrote it; KeyError, TypeError or ValueError when it is not one."""
         under = item.get("drained")
-        return cls(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")), str(item.get("by", "")),
-                   float(item.get("t", 0.0)), int(item.get("passes", 0)), tuple(int(s) for s in item.get("steps", ())),
-                   cls.from_dict(under) if isinstance(under, dict) and under.get("state") == "drained" else None)
+        return cls(str(item["host"]), HostState(item["state"]), str(item.get("reason", "")),
+                   str(item.get("by", "")), float(item.get("t", 0.0)), int(item.get("passes", 0)),
+                   tuple(int(s) for s in item.get("steps", ())),
+                   cls.from_dict(under)
+                   if isinstance(under, dict) and under.get("state") == "drained" else None)
 
 
 def check_host(host: object) -> str:
     """A host name as given on the command line or in a request, checked; the error names it."""
     if not isinstance(host, str) or not _HOST.match(host):
-        raise UsageError(f"host {host!r} is not a host name or address (letters, digits, '.', '-', ':', "
-                         f"at most 255 characters); give it as `undying status` lists it under nodes")
+        raise UsageError(f"host {host!r} is not a host name or address (letters, digits, '.', '-', "
+                         "':', at most 255 characters); give it as `undying status` lists it "
+                         "under nodes")
     return host
 
 
 def check_job_host(host: object, known: Iterable[str], *, others_may_join: bool) -> str:
-    """``host`` checked, and one the job knows (``known``: its nodes', its standbys', those already out).
+    """``host`` checked, and one the job knows (``known``: its nodes', its standbys', those already
+    out).
 
     A host the job does not know is a name under which nothing can ever be
     drained when no other host can join (one node, the manager in its
@@ -95,9 +105,10 @@ def check_job_host(host: object, known: Iterable[str], *, others_may_join: bool)
     check_host(host)
     names = sorted({h for h in known if h})
     if not others_may_join and host not in names:
-        raise UsageError(f"host {host} is not a host of this job, which runs on {', '.join(names) or 'no host yet'} "
-                         "(one node, whose manager runs in its launcher: no other host can join it); give a host "
-                         "as `undying status` lists it under nodes")
+        raise UsageError(f"host {host} is not a host of this job, which runs on "
+                         f"{', '.join(names) or 'no host yet'} "
+                         "(one node, whose manager runs in its launcher: no other host can join "
+                         "it); give a host as `undying status` lists it under nodes")
     return str(host)
 
 
@@ -122,11 +133,12 @@ class HostBook:
         """Why ``host`` gets no new ranks, as every refusal says it ("" when it may get them)."""
         if host not in self._marks:
             return ""
-        return f"host {host} is {self.state(host).value}: it gets no new ranks; `undying undrain {host}` first"
+        return (f"host {host} is {self.state(host).value}: it gets no new ranks; "
+                f"`undying undrain {host}` first")
 
     def drain(self, host: str, *, by: str, reason: str, t: float) -> HostMark:
-        """An operator takes the host out. A quarantined host stays quarantined (its reason is kept), with
-        the drain kept under it: the host is drained still once it requalifies."""
+        """An operator takes the host out. A quarantined host stays quarantined (its reason is
+        kept), with the drain kept under it: the host is drained still once it requalifies."""
         current = self._marks.get(check_host(host))
         mark = HostMark(host, HostState.DRAINED, reason or "drained by an operator", by, t)
         if current is not None and current.state is HostState.QUARANTINED:
@@ -136,10 +148,11 @@ class HostBook:
         return mark
 
     def quarantine(self, host: str, *, reason: str, by: str, t: float) -> HostMark:
-        """A fault policy takes the host out, with its reason (a drained host becomes quarantined, its drain
-        kept under the quarantine)."""
+        """A fault policy takes the host out, with its reason (a drained host becomes quarantined,
+        its drain kept under the quarantine)."""
         if not reason.strip():
-            raise UsageError(f"quarantining host {host!r} needs a reason (what was found at fault there)")
+            raise UsageError(
+                f"quarantining host {host!r} needs a reason (what was found at fault there)")
         current = self._marks.get(check_host(host))
         under = current if current is not None and current.state is HostState.DRAINED else (
             current.drained if current is not None else None)
@@ -162,7 +175,8 @@ class HostBook:
         if not passed:
             mark = replace(mark, passes=0, steps=())
         else:
-            mark = replace(mark, passes=mark.passes + 1, steps=(*mark.steps, step)[-REQUALIFY_PASSES:])
+            steps = (*mark.steps, step)[-REQUALIFY_PASSES:]
+            mark = replace(mark, passes=mark.passes + 1, steps=steps)
         if mark.passes >= REQUALIFY_PASSES:
             if mark.drained is not None:
                 self._marks[host] = mark.drained
@@ -173,7 +187,8 @@ class HostBook:
         return mark
 
     def clear(self, host: str) -> HostMark | None:
-        """An operator puts the host back (drained or quarantined); the mark it had, or None (it was ok)."""
+        """An operator puts the host back (drained or quarantined); the mark it had, or None (it was
+        ok)."""
         return self._marks.pop(check_host(host), None)
 
     def view(self) -> list[dict[str, Any]]:
@@ -185,7 +200,8 @@ class HostBook:
 
     @classmethod
     def from_log(cls, logged: object) -> HostBook:
-        """The book a manager wrote (nothing, or a list of marks); anything unreadable is left out."""
+        """The book a manager wrote (nothing, or a list of marks); anything unreadable is left
+        out."""
         book = cls()
         if not isinstance(logged, list):
             return book

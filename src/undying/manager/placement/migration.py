@@ -36,9 +36,7 @@ in the log, so a restarted manager keeps it.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from undying.config import EXIT_MIGRATED
@@ -47,6 +45,7 @@ from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo,
 from undying.manager.core import JobCore
 from undying.manager.placement.host_marks import node_host, quarantine
 from undying.manager.placement.hosts import LOG_KEY, HostBook, check_host, check_job_host
+from undying.manager.placement.moves import LEAD_STEPS, PendingMove, boundary_step
 from undying.manager.placement.standby_seats import parked_hosts, place_on, standby_on
 from undying.manager.recovery import Action, Decision, Detection, Recoveries, describe_exit
 from undying.protocol.generations import GenerationRecord
@@ -56,49 +55,26 @@ from undying.protocol.worker_wire import ArmFault, FaultInjected
 if TYPE_CHECKING:
     from undying.manager.nodes import AgentServer
 
-__all__ = ["Migrations", "LEAD_STEPS"]
+__all__ = ["Migrations"]
 
 log = logging.getLogger("undying.manager")
-
-# How many steps past the newest committed one the boundary is set, at least: every rank hears the
-# arming before it begins the boundary's next step (a late one leaves at the step after: still a
-# boundary).
-LEAD_STEPS = 2
-# And time enough for the replacement, started at once, to be ready (a warm spare runs the script to
-# its join; a new process imports torch first): measured on a loaded 2-core machine, with room.
-READY_S = {True: 2.0, False: 10.0}
-MAX_LEAD_STEPS = 10_000
-
-
-@dataclass
-class _Pending:
-    rank: int
-    pid: int
-    boundary: int  # the last step the rank commits before it leaves
-    host: str
-    to: str
-    by: str
-    t: float  # when it was armed: the incident's "planned" time
-    node: int | None = None  # a whole node's move (to a standby on ``to``): every rank of it leaves
-    generation: int = -1  # a rank's move: the generation its replacement, started ahead, waits for
-    warm: bool = False  # that replacement is a warm spare (else a new process)
-    ready_t: float = 0.0  # when it said hello (0: not yet)
-    # A rank's move: the rank as its old process held it (incarnation, state, generation, restarts),
-    # given back if the move is cancelled.
-    holder: tuple[int, RankState, int, int] | None = None
 
 
 class Migrations:
     """The planned moves of one job: armed ranks waiting for their boundary, and the host book."""
 
-    def __init__(self, core: JobCore, recoveries: Recoveries, detection: Detection, *, busy: Any) -> None:
+    def __init__(self, core: JobCore, recoveries: Recoveries, detection: Detection, *,
+                 busy: Any) -> None:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection
-        self._busy = busy  # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
-        self.pending: dict[int, _Pending] = {}  # pid -> the move it is armed for
-        self.server: AgentServer | None = None  # the agents' server (a multi-node job): standbys, slots
-        recoveries.round_opened.append(self._overtaken)  # a recovery before a rank's boundary cancels its move
+        # () -> str: why the job cannot move a rank now ("" when it can), e.g. a regroup
+        self._busy = busy
+        self.pending: dict[int, PendingMove] = {}  # pid -> the move it is armed for
+        # the agents' server (a multi-node job): standbys, slots
+        self.server: AgentServer | None = None
+        # a recovery before a rank's boundary cancels its move
+        recoveries.round_opened.append(self._overtaken)
 
     @property
     def hosts(self) -> HostBook:
@@ -110,10 +86,12 @@ class Migrations:
     # --- the operator's commands ----------------------------------------------------
 
     def migrate(self, rank: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
-        """Arm ``rank`` to leave at the next boundary, for a warm spare of its node (``to``: that node's host)."""
+        """Arm ``rank`` to leave at the next boundary, for a warm spare of its node (``to``: that
+        node's host)."""
         core = self.core
         if rank not in core.ranks:
-            raise UsageError(f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
+            raise UsageError(
+                f"rank {rank} does not exist; this job has ranks 0..{core.book.world_size - 1}")
         info = core.ranks[rank]
         why = self._why_not_now(info)
         if why:
@@ -121,38 +99,44 @@ class Migrations:
         host = self.host_of(info.node)
         target = host if to is None or to in (host, "localhost") else check_host(to)
         if target != host and sum(1 for r in core.ranks.values() if r.node == info.node) == 1:
-            return self.migrate_node(info.node, target, by=by)  # the node's one rank: the node moves
+            # the node's one rank: the node moves
+            return self.migrate_node(info.node, target, by=by)
         if target != host:
             raise UsageError(
-                f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them moves to a warm "
-                f"spare of its own node (leave --to out, or give --to {host}), or the whole node moves to a "
-                f"standby on {target} (`undying migrate --node {info.node} --to {target}`)")
+                f"rank {rank} runs on node {info.node} (host {host}) with other ranks; one of them "
+                f"moves to a warm spare of its own node (leave --to out, or give --to {host}), or "
+                f"the whole node moves to a standby on {target} (`undying migrate --node "
+                f"{info.node} --to {target}`)")
         if refused := self.hosts.refusal(host):
             raise UsageError(refused)
         old_pid, agent = info.pid, core.agents[info.node]
         holder = (info.incarnation, info.state, info.generation, info.restarts)
         spares = agent.spares_ready()
-        boundary = self._boundary(max(info.step, core.book.newest_step()), warm=spares > 0)
+        boundary = boundary_step(core, max(info.step, core.book.newest_step()), warm=spares > 0)
         now = time.time()
-        agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))  # (before the spawn: the old one)
+        # (before the spawn: the old one)
+        agent.arm(rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
         # The replacement starts now, while the rank trains on: it waits for the generation the
         # boundary opens.
         generations = core.generations
-        ahead = GenerationRecord(generation=generations.current + 1, world_size=core.book.world_size,
+        ahead = GenerationRecord(generation=generations.current + 1,
+                                 world_size=core.book.world_size,
                                  store_host=generations.host, store_port=generations.store_port(),
                                  reason=f"migration of rank {rank} (opened at the boundary)")
-        warm = core.spawn(rank, ahead, joining=True) or spares > 0  # (a node across the network says later)
-        self.pending[old_pid] = _Pending(rank, old_pid, boundary, host, target, by, now, generation=ahead.generation,
-                                         warm=warm, holder=holder)
-        core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host, to=target,
-                          by=by, replacement="warm spare" if warm else "new process")
-        log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id, rank,
-                 old_pid, "warm spare" if warm else "new process", target, boundary)
-        return {"migrating": rank, "pid": old_pid, "from": host, "to": target, "boundary_step": boundary,
-                "replacement": "warm spare" if warm else "new process"}
+        # (a node across the network says later)
+        warm = core.spawn(rank, ahead, joining=True) or spares > 0
+        self.pending[old_pid] = PendingMove(rank, old_pid, boundary, host, target, by, now,
+                                            generation=ahead.generation, warm=warm, holder=holder)
+        core.events.event("migration_planned", rank=rank, pid=old_pid, boundary=boundary, host=host,
+                          to=target, by=by, replacement="warm spare" if warm else "new process")
+        log.info("job %s: rank %d (pid %d) moves to a %s on %s after step %d", core.config.job_id,
+                 rank, old_pid, "warm spare" if warm else "new process", target, boundary)
+        return {"migrating": rank, "pid": old_pid, "from": host, "to": target,
+                "boundary_step": boundary, "replacement": "warm spare" if warm else "new process"}
 
     def migrate_node(self, node: int, to: str | None, *, by: str = "api") -> dict[str, Any]:
-        """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to`` takes the node."""
+        """Arm every rank of ``node`` to leave at the next boundary; a standby parked on ``to``
+        takes the node."""
         core = self.core
         if node not in core.agents or node not in core.book.nodes:
             raise UsageError(f"node {node} is not a node of this job; it trains on nodes "
@@ -167,14 +151,16 @@ class Migrations:
         boundary = max(max(r.step for r in ranks), core.book.newest_step()) + LEAD_STEPS
         now = time.time()
         for info in ranks:
-            self.pending[info.pid] = _Pending(info.rank, info.pid, boundary, host, standby, by, now, node=node)
-            core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1, phase="step"))
-        core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks], boundary=boundary,
-                          host=host, to=standby, by=by)
-        log.info("job %s: node %d (%s) moves to the standby on %s after step %d", core.config.job_id, node, host,
-                 standby, boundary)
-        return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host, "to": standby,
-                "boundary_step": boundary, "replacement": "standby agent"}
+            self.pending[info.pid] = PendingMove(info.rank, info.pid, boundary, host, standby, by,
+                                                 now, node=node)
+            core.agents[node].arm(info.rank, ArmFault(kind="migrate", at_step=boundary + 1,
+                                                      phase="step"))
+        core.events.event("migration_planned", node=node, ranks=[r.rank for r in ranks],
+                          boundary=boundary, host=host, to=standby, by=by)
+        log.info("job %s: node %d (%s) moves to the standby on %s after step %d",
+                 core.config.job_id, node, host, standby, boundary)
+        return {"migrating_node": node, "ranks": [r.rank for r in ranks], "from": host,
+                "to": standby, "boundary_step": boundary, "replacement": "standby agent"}
 
     def drain(self, host: str, *, by: str = "api", reason: str = "") -> dict[str, Any]:
         """Mark ``host`` drained and move every node of the job on it to a standby parked elsewhere.
@@ -182,17 +168,19 @@ class Migrations:
         Refused, with nothing changed, when there are fewer standbys (not on a
         drained or quarantined host) than nodes to move.
         """
-        check_job_host(host, [*map(self.host_of, self.core.agents), *parked_hosts(self.server), *self.hosts.blocked_hosts()],
+        check_job_host(host, [*map(self.host_of, self.core.agents), *parked_hosts(self.server),
+                              *self.hosts.blocked_hosts()],
                        others_may_join=self.server is not None)
         nodes = sorted({r.node for r in self.core.ranks.values()
-                        if r.state not in (RankState.EXITED, RankState.DONE) and self.host_of(r.node) == host})
+                        if r.state not in (RankState.EXITED, RankState.DONE)
+                        and self.host_of(r.node) == host})
         free = [h for h in parked_hosts(self.server) if h != host and not self.hosts.blocked(h)]
         if len(free) < len(nodes):
             raise UsageError(
-                f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is nowhere to move "
-                f"{'them' if len(nodes) > 1 else 'it'}: {len(free)} standby agent(s) parked on other hosts "
-                f"(`undying run --standby ...` on a host that is not drained); start one, or stop the job, "
-                f"then drain {host}")
+                f"host {host} runs node(s) {', '.join(map(str, nodes))} of the job and there is "
+                f"nowhere to move {'them' if len(nodes) > 1 else 'it'}: {len(free)} standby "
+                "agent(s) parked on other hosts (`undying run --standby ...` on a host that is not "
+                f"drained); start one, or stop the job, then drain {host}")
         for info in self.core.ranks.values():  # checked whole first: a refusal changes nothing
             if info.node in nodes and (why := self._why_not_now(info)):
                 raise UsageError(f"cannot drain host {host} now: {why}")
@@ -202,7 +190,8 @@ class Migrations:
         return {"host": host, "state": mark.state.value, "reason": mark.reason, "moved": moved}
 
     def quarantine(self, host: str, reason: str, *, by: str = "numerics") -> dict[str, Any]:
-        """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks there."""
+        """A fault policy takes ``host`` out (e.g. a rank there found at fault twice): no new ranks
+        there."""
         return quarantine(self.core, host=host, reason=reason, by=by)
 
     def undrain(self, host: str, *, by: str = "api") -> dict[str, Any]:
@@ -227,7 +216,8 @@ class Migrations:
             return False
         del self.pending[pid]
         if returncode != EXIT_MIGRATED:  # it died before its boundary: a fault like any other
-            self.core.events.event("migration_failed", rank=pending.rank, pid=pid, returncode=returncode)
+            self.core.events.event("migration_failed", rank=pending.rank, pid=pid,
+                                   returncode=returncode)
             return False
         core = self.core
         previous = core.generations.current
@@ -239,17 +229,20 @@ class Migrations:
         return True
 
     def before_exit(self, pid: int, returncode: int) -> None:
-        """Any process's exit, before it is judged: a moving rank's old process that ended before its boundary
-        cancels the move (the rank is that process's again, so its exit is the rank's fault, handled as such)."""
+        """Any process's exit, before it is judged: a moving rank's old process that ended before
+        its boundary cancels the move (the rank is that process's again, so its exit is the rank's
+        fault, handled as such)."""
         pending = self.pending.get(pid)
         # (EXIT_MIGRATED: it left at its boundary, and said so on its channel, which may be read
         # after this)
         if pending is not None and pending.node is None and returncode != EXIT_MIGRATED:
-            self._cancel(pending, f"rank {pending.rank}'s process {pid} {describe_exit(returncode)} before the "
-                                  f"move's boundary (step {pending.boundary}); its exit is handled as the fault it is")
+            self._cancel(pending, f"rank {pending.rank}'s process {pid} "
+                                  f"{describe_exit(returncode)} before the move's boundary (step "
+                                  f"{pending.boundary}); its exit is handled as the fault it is")
 
     def _overtaken(self, incident: Incident) -> None:
-        """A recovery round opens while ranks wait for their boundaries: each move is cancelled first.
+        """A recovery round opens while ranks wait for their boundaries: each move is cancelled
+        first.
 
         The rank's old process holds its state (perhaps the last one that
         does: every other holder may be the fault), so the rank is given back
@@ -257,21 +250,23 @@ class Migrations:
         is killed; the old process stays at its boundary (worker.commands). The
         recovery then plans with the old process as the rank's holder.
         """
-        why = f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step {incident.step})"
+        why = (f"a recovery took the job on first ({incident.kind} of rank {incident.rank} at step "
+               f"{incident.step})")
         for pending in [p for p in self.pending.values() if p.node is None]:
-            self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); rank "
-                                  f"{pending.rank} stays on pid {pending.pid}")
+            self._cancel(pending, f"{why} before the move's boundary (step {pending.boundary}); "
+                                  f"rank {pending.rank} stays on pid {pending.pid}")
         for node in sorted({p.node for p in self.pending.values() if p.node is not None}):
             # A whole node's move: its ranks stay too (worker.commands); nothing was started ahead
             # for it.
             ranks = sorted(p.rank for p in self.pending.values() if p.node == node)
             self.pending = {pid: p for pid, p in self.pending.items() if p.node != node}
             self.core.events.event("migration_failed", node=node, ranks=ranks, returncode=None,
-                                   reason=f"{why} before the move's boundary; node {node} stays where it is (move it "
-                                          "again once the job runs)")
+                                   reason=f"{why} before the move's boundary; node {node} stays "
+                                          "where it is (move it again once the job runs)")
 
-    def _cancel(self, pending: _Pending, reason: str) -> None:
-        """A rank's move is off: the rank is its old process's again, the replacement started ahead is killed."""
+    def _cancel(self, pending: PendingMove, reason: str) -> None:
+        """A rank's move is off: the rank is its old process's again, the replacement started ahead
+        is killed."""
         del self.pending[pending.pid]
         core = self.core
         info = core.ranks[pending.rank]
@@ -279,43 +274,50 @@ class Migrations:
         assert pending.holder is not None
         info.incarnation, info.state, info.generation, info.restarts = pending.holder
         info.pid = pending.pid
-        core.generations.set_owner(info.rank, info.incarnation)  # (the one started ahead is fenced, not it)
+        # (the one started ahead is fenced, not it)
+        core.generations.set_owner(info.rank, info.incarnation)
         core.book.persist(info)
-        core.kill(info.rank)  # the node's newest process of the rank: the one started ahead (agent: the old one
-        # is the rank's worker again once it is gone)
+        # the node's newest process of the rank: the one started ahead (agent: the old one is the
+        # rank's worker again once it is gone)
+        core.kill(info.rank)
         core.events.event("migration_failed", rank=pending.rank, pid=pending.pid, returncode=None,
                           replacement_pid=ahead, reason=reason)
-        log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id, pending.rank, reason)
+        log.warning("job %s: the move of rank %d is cancelled: %s", core.config.job_id,
+                    pending.rank, reason)
 
     def on_spawned(self, rank: int, warm: bool) -> None:
-        """A node across the network says what it started for ``rank``: a moved rank's replacement's kind."""
+        """A node across the network says what it started for ``rank``: a moved rank's replacement's
+        kind."""
         for pending in self.pending.values():
             if pending.rank == rank and pending.node is None:
                 pending.warm = warm
 
     def on_hello(self, rank: int, t: float) -> None:
-        """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process said it long ago)."""
+        """A process of ``rank`` said hello: a moved rank's replacement is ready (its old process
+        said it long ago)."""
         for pending in self.pending.values():
             if pending.rank == rank and pending.node is None and not pending.ready_t:
                 pending.ready_t = t
 
     def on_left(self, message: FaultInjected) -> bool:
-        """A moved rank says it leaves at its boundary: open the generation its replacement waits for.
+        """A moved rank says it leaves at its boundary: open the generation its replacement waits
+        for.
 
         The old process exits right after saying so (its exit is old news: the
         rank is the replacement's); the peers, waiting in the next step's first
         collective, are told to leave the old generation. A move cancelled
         since (a recovery overtook it) is not carried out: the process stays.
         """
-        pending = next((p for p in self.pending.values() if p.rank == message.rank and p.node is None), None)
+        pending = next((p for p in self.pending.values() if p.rank == message.rank
+                        and p.node is None), None)
         core = self.core
         if pending is None:
             if any(p.rank == message.rank for p in self.pending.values()):
                 return False  # (a whole node's move: its ranks' exits carry it out)
             # A move cancelled since (a recovery overtook it): the process stays at its boundary
             # (worker.commands).
-            core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
-                              phase=message.phase, cancelled=True)
+            core.events.event("fault_injected", rank=message.rank, kind=message.kind,
+                              step=message.step, phase=message.phase, cancelled=True)
             return True
         del self.pending[pending.pid]
         core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
@@ -337,37 +339,43 @@ class Migrations:
         self.recoveries.tell_to_leave(previous, f"rank {info.rank} migrated", abort=True)
         return True
 
-    def _incident(self, info: RankInfo, pending: _Pending, t: float, now: float, *, step: int) -> Incident:
+    def _incident(self, info: RankInfo, pending: PendingMove, t: float, now: float, *,
+                  step: int) -> Incident:
         """The planned ``migration`` incident of a rank that left at its boundary (``step``)."""
-        self.detection.injected.pop(info.rank, None)  # (its "migrate" report is no fault to time a crash from)
-        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank, step=step,
-                                                fault_t=t, detected_t=now,
-                                                error=f"planned: rank {info.rank} moved from pid {pending.pid} on "
-                                                      f"{pending.host} (by {pending.by})")
+        # (its "migrate" report is no fault to time a crash from)
+        self.detection.injected.pop(info.rank, None)
+        incident = self.recoveries.new_incident(kind=IncidentKind.MIGRATION, rank=info.rank,
+                                                step=step, fault_t=t, detected_t=now,
+                                                error=f"planned: rank {info.rank} moved from pid "
+                                                      f"{pending.pid} on {pending.host} (by "
+                                                      f"{pending.by})")
         incident.phases["decided"] = now
-        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": step, "from": pending.host,
+        incident.detail["migration"] = {"planned_t": pending.t, "boundary_step": step,
+                                        "from": pending.host,
                                         "to": pending.to, "by": pending.by, "pid": pending.pid,
-                                        **({"node": pending.node} if pending.node is not None else {})}
+                                        **({"node": pending.node} if pending.node is not None
+                                           else {})}
         incident.action = "migrate"
         self.core.events.event("decided", rank=info.rank, incident=incident.id, action="migrate",
                                reason="planned migration")
         return incident
 
-    def _replace(self, info: RankInfo, pending: _Pending, t: float) -> None:
+    def _replace(self, info: RankInfo, pending: PendingMove, t: float) -> None:
         """The planned incident of one rank, carried out as the recovery's replacement."""
         core = self.core
         incident = self._incident(info, pending, t, t, step=info.step)
         self.recoveries.execute(incident, Decision(Action.REPLACE, "planned migration"))
         core.events.incident(incident)
 
-    def _move_node(self, first: RankInfo, pending: _Pending, t: float) -> None:
-        """The node's first rank left at its boundary: the node's agent is let go, every rank of it is
-        replaced in one new generation, and the standby on the target host is given the node."""
+    def _move_node(self, first: RankInfo, pending: PendingMove, t: float) -> None:
+        """The node's first rank left at its boundary: the node's agent is let go, every rank of it
+        is replaced in one new generation, and the standby on the target host is given the node."""
         core, node = self.core, pending.node
         assert node is not None and self.server is not None
         slot = self.server.slots[node]
-        slot.send(JobEnded("moved", f"node {node} moved to a standby on {pending.to} ({self.hosts.state(pending.host).value} "
-                                    f"host {pending.host}); this agent is done", 0))
+        slot.send(JobEnded("moved", f"node {node} moved to a standby on {pending.to} "
+                                    f"({self.hosts.state(pending.host).value} host "
+                                    f"{pending.host}); this agent is done", 0))
         slot.detach(f"moved to {pending.to}")
         self.recoveries.one_generation = True
         try:
@@ -376,7 +384,8 @@ class Migrations:
                     continue
                 mine = pending if info is first else self.pending.pop(info.pid, None)
                 if info is not first and info.state not in (RankState.EXITED, RankState.DONE):
-                    info.state = RankState.EXITED  # its process goes with its agent (fenced if it lingers)
+                    # its process goes with its agent (fenced if it lingers)
+                    info.state = RankState.EXITED
                     core.book.persist(info)
                 self._replace(info, mine or pending, t)
         finally:
@@ -398,29 +407,19 @@ class Migrations:
             return busy
         if info.state in (RankState.EXITED, RankState.DONE) or not info.pid:
             return f"rank {info.rank} has no running process ({info.state.value})"
-        if any(p.rank == info.rank and (p.node is not None or p.generation > core.generations.current)
+        if any(p.rank == info.rank and (p.node is not None
+                                        or p.generation > core.generations.current)
                for p in self.pending.values()):
             return f"rank {info.rank} is already being moved"
         return ""
 
-    def _boundary(self, newest: int, *, warm: bool) -> int:
-        """The last step before a move: the replacement's start time ahead (LEAD_STEPS at least), and
-        before the job's last steps (its plan says how many it has): else refused."""
-        step_s = self.core.clock.median_rank_step_s()
-        lead = LEAD_STEPS if step_s <= 0 else max(LEAD_STEPS, min(MAX_LEAD_STEPS, math.ceil(READY_S[warm] / step_s)))
-        plan = self.core.clock.plan
-        if plan is not None:
-            lead = min(lead, plan.total_steps - 2 - newest)  # (the replacement's start may then be in the stall)
-            if lead < LEAD_STEPS:
-                raise UsageError(f"the job ends at step {plan.total_steps}, too soon for a step boundary "
-                                 f"{LEAD_STEPS} steps ahead of step {newest}; nothing to move")
-        return newest + lead
-
     def standby_views(self) -> list[dict[str, Any]]:
-        """The standby agents parked with no node yet (a multi-node job's): where a node can move or fail over to."""
+        """The standby agents parked with no node yet (a multi-node job's): where a node can move or
+        fail over to."""
         return self.server.standbys.views() if self.server is not None else []
 
     def _record(self, what: str, detail: dict[str, Any]) -> None:
-        """A change of the host book: its event, and the book as the job fact a restarted manager reads."""
+        """A change of the host book: its event, and the book as the job fact a restarted manager
+        reads."""
         self.core.events.event(what, **detail)
         self.core.events.set_job(LOG_KEY, self.hosts.to_log(), flush=True)

@@ -1,5 +1,5 @@
-"""The standby agents a whole node moves to (``undying migrate --node``, ``drain``): which hosts have one
-parked, which one a node moves to, and giving the node to it."""
+"""The standby agents a whole node moves to (``undying migrate --node``, ``drain``): which hosts
+have one parked, which one a node moves to, and giving the node to it."""
 
 from __future__ import annotations
 
@@ -21,20 +21,23 @@ def parked_hosts(server: AgentServer | None) -> list[str]:
     return [p.join.host for p in server.standbys.parked.values()]
 
 
-def standby_on(server: AgentServer | None, hosts: HostBook, to: str | None, *, avoid: set[str]) -> str:
-    """The host of the standby a node moves to: ``to`` (one must be parked there) or any not avoided."""
+def standby_on(server: AgentServer | None, hosts: HostBook, to: str | None, *,
+               avoid: set[str]) -> str:
+    """The host of the standby a node moves to: ``to`` (one must be parked there) or any not
+    avoided."""
     parked = [h for h in parked_hosts(server) if h not in avoid and not hosts.blocked(h)]
     if to is not None:
         check_host(to)
         if refused := hosts.refusal(to):
             raise UsageError(refused)
         if to not in parked:
-            raise UsageError(f"no standby agent is parked on host {to} (parked on: {', '.join(parked) or 'none'}); "
-                             f"start one there with `undying run --standby ...`")
+            raise UsageError(f"no standby agent is parked on host {to} (parked on: "
+                             f"{', '.join(parked) or 'none'}); start one there with `undying run "
+                             "--standby ...`")
         return to
     if not parked:
-        raise UsageError("no standby agent is parked to move the node to; start one on another host with "
-                         "`undying run --standby ...`")
+        raise UsageError("no standby agent is parked to move the node to; start one on another "
+                         "host with `undying run --standby ...`")
     return parked[0]
 
 

@@ -3,6 +3,7 @@
 ``detection`` (an exit, a silence, a stall or a failed collective becomes an incident); ``leaving``
 (a rank that exits 0 early); ``policy`` (the recovery ladder, a pure function: incident and history
 to an action); ``rounds`` (``Recoveries``: the executor of that action and the round's timeline);
+``round_record`` (``Recovery``: one round's incidents, generation and phases);
 ``reported`` (the faults a worker reports itself); ``watch`` (the manager's deadlines, each pass).
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
     from undying.manager.recovery.left_behind import LeftBehind
     from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
     from undying.manager.recovery.reported import ReportedFaults
-    from undying.manager.recovery.rounds import Recoveries, Recovery
+    from undying.manager.recovery.round_record import Recovery
+    from undying.manager.recovery.rounds import Recoveries
     from undying.manager.recovery.watch import Watch
 
 __all__ = [
@@ -46,7 +48,7 @@ _WHERE = {
     "LeftBehind": "left_behind",
     "describe_exit": "detection",
     "Recoveries": "rounds",
-    "Recovery": "rounds",
+    "Recovery": "round_record",
     "ReportedFaults": "reported",
     "Watch": "watch",
 }

@@ -1,4 +1,5 @@
-"""Detection: from what the agents and ranks report to an incident, with its kind, its times and its words.
+"""Detection: from what the agents and ranks report to an incident, with its kind, its times and its
+words.
 
 A process exit is a crash, a user error (the rank said so before dying), a
 script that cannot run, a hang (the manager had it killed for silence) or a
@@ -40,7 +41,8 @@ class ExitCause:
     returncode: int
     t: float
     injected: tuple[float, str] | None = None  # (when, kind) of a fault injected into the rank
-    hung: tuple[float, float, str] | None = None  # (last heard, detected, phase): killed for silence
+    # (last heard, detected, phase): killed for silence
+    hung: tuple[float, float, str] | None = None
     lost: tuple[int, str, float] | None = None  # (node, why, when): its node was lost
     fatal: Fatal | None = None  # the error the rank reported before dying
 
@@ -65,7 +67,8 @@ def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classifi
     elif hung:
         last_heard, detected, phase = hung
         if phase == "step":
-            error = f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); killed"
+            error = (f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); "
+                     "killed")
         else:
             error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
     else:
@@ -86,9 +89,11 @@ def describe_exit(returncode: int) -> str:
 
 
 def script_error(job_dir: str, rank: int) -> str:
-    """The job's failure when a rank's script could not run: the error its first rank left, in one line."""
+    """The job's failure when a rank's script could not run: the error its first rank left, in one
+    line."""
     try:
-        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8", errors="replace") as f:
+        with open(os.path.join(job_dir, SCRIPT_ERROR_FILE), encoding="utf-8",
+                  errors="replace") as f:
             told = f.read(2000).strip()
     except OSError:
         told = ""
@@ -97,7 +102,8 @@ def script_error(job_dir: str, rank: int) -> str:
 
 
 def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
-    """The error and traceback a rank's process left in torchrun's error file (``@record`` writes it), or ("", "").
+    """The error and traceback a rank's process left in torchrun's error file (``@record`` writes
+    it), or ("", "").
 
     torchrun reads the same file back into its failure report; so does the manager. A file
     that is missing, unreadable or not torchrun's JSON says nothing (the exit code speaks).
@@ -109,7 +115,8 @@ def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
         message = data["message"]
         if isinstance(message, str):
             return message[:2000], ""
-        return str(message.get("message", ""))[:2000], str(message.get("extraInfo", {}).get("py_callstack", ""))[:20000]
+        callstack = message.get("extraInfo", {}).get("py_callstack", "")
+        return str(message.get("message", ""))[:2000], str(callstack)[:20000]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "", ""
 
@@ -122,12 +129,15 @@ class Detection:
         self.hung: dict[int, tuple[float, float, str]] = {}  # pid -> (last heard, detected, phase)
         self.fatal: dict[int, Fatal] = {}  # pid -> the error its rank reported
         self.node_lost: dict[int, tuple[int, str, float]] = {}  # pid -> (node, why, when)
-        self.leavers = Leavers(core, recoveries, self.injected)  # ranks that exited 0 before their last step (manager.recovery.leaving)
+        # ranks that exited 0 before their last step (manager.recovery.leaving)
+        self.leavers = Leavers(core, recoveries, self.injected)
         self.grace_tasks: set[asyncio.Task[None]] = set()
 
     def cause_of(self, info: RankInfo, pid: int, returncode: int, t: float) -> ExitCause:
-        """Everything known about why ``pid`` ended (each fact is used once: a later process starts clean)."""
-        return ExitCause(returncode, t, injected=self.injected.pop(info.rank, None), hung=self.hung.pop(pid, None),
+        """Everything known about why ``pid`` ended (each fact is used once: a later process starts
+        clean)."""
+        return ExitCause(returncode, t, injected=self.injected.pop(info.rank, None),
+                         hung=self.hung.pop(pid, None),
                          lost=self.node_lost.pop(pid, None), fatal=self.fatal.pop(pid, None))
 
     def on_fault_exit(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
@@ -139,8 +149,10 @@ class Detection:
         error, traceback = found.error, found.traceback
         if not traceback and not cause.hung and not cause.lost:
             told, stack = error_file(self.core.config.job_dir, info.rank, info.incarnation)
-            if told:  # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
-                error, traceback = f"{error}: {told}", f"rank {info.rank}:\n{stack}" if stack else ""
+            # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
+            if told:
+                traceback = f"rank {info.rank}:\n{stack}" if stack else ""
+                error = f"{error}: {told}"
         incident = self.recoveries.new_incident(kind=found.kind, rank=info.rank, step=info.step + 1,
                                                 fault_t=found.fault_t, detected_t=found.detected_t,
                                                 error=error, traceback=traceback)
@@ -172,8 +184,8 @@ class Detection:
         if pid in self.hung:
             return  # already being killed
         self.hung[pid] = (last_seen, t, phase)
-        core.events.event("hang_detected", generation=core.generations.current, rank=rank, pid=pid, phase=phase,
-                          silent_s=round(t - last_seen, 3), step=info.step + 1)
+        core.events.event("hang_detected", generation=core.generations.current, rank=rank, pid=pid,
+                          phase=phase, silent_s=round(t - last_seen, 3), step=info.step + 1)
         core.kill(rank)
 
     def on_stall(self, progress: list[RankProgress], limit: float, t: float) -> None:
@@ -188,13 +200,15 @@ class Detection:
         core = self.core
         if core.winding_down:
             return
-        if self.leavers.pending and any(self.leavers.explains(p.rank, p.step, f"stuck for {t - p.progress_t:.1f}s")
-                                        for p in progress if p.phase == "step"):
+        if self.leavers.pending and any(
+                self.leavers.explains(p.rank, p.step, f"stuck for {t - p.progress_t:.1f}s")
+                for p in progress if p.phase == "step"):
             return  # they wait for a rank that left: that rank is the fault
         generation = core.generations.current
         recovery = self.recoveries.current
         if recovery is not None:
-            culprits = sorted(p.rank for p in progress if p.phase == "step" and p.generation < generation
+            culprits = sorted(p.rank for p in progress if p.phase == "step"
+                              and p.generation < generation
                               and t - max(p.progress_t, recovery.started) > limit)
         elif self.hung:
             return  # a stuck rank is being killed; the ones waiting for it are not stuck
@@ -207,7 +221,8 @@ class Detection:
         stuck_ranks = [p for p in progress if p.phase == "step" and p.generation == generation]
         if not culprits and (recovery is not None or not stuck_ranks):
             return  # explained by the recovery under way
-        core.events.event("stall_detected", generation=generation, culprits=culprits, limit_s=round(limit, 3),
+        core.events.event("stall_detected", generation=generation, culprits=culprits,
+                          limit_s=round(limit, 3),
                           progress=[dataclasses.asdict(p) for p in progress])
         for rank in culprits:
             stuck = by_rank[rank]
@@ -216,15 +231,18 @@ class Detection:
             return
         first = min(stuck_ranks, key=lambda p: (p.progress_t, p.rank))
         incident = self.recoveries.new_incident(
-            kind=IncidentKind.COMM_ERROR, rank=first.rank, step=first.step, fault_t=first.progress_t, detected_t=t,
+            kind=IncidentKind.COMM_ERROR, rank=first.rank, step=first.step,
+            fault_t=first.progress_t, detected_t=t,
             error=f"every rank is stuck in the same collective (#{first.collectives} of generation "
-                  f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link is to blame",
+                  f"{first.generation}) for {t - first.progress_t:.1f}s; no rank lags, so the link "
+                  "is to blame",
         )
         incident.detail["stuck_collective"] = True
         self.recoveries.handle(incident)
 
     def on_comm_failure(self, message: CommFailure) -> None:
-        """A rank's collective failed: wait the grace for an exit that explains it, else retry the link."""
+        """A rank's collective failed: wait the grace for an exit that explains it, else retry the
+        link."""
         if message.generation < self.core.generations.current:
             return  # the manager already moved on; the worker follows
         task = asyncio.get_running_loop().create_task(self._comm_failure_grace(message))
@@ -239,7 +257,8 @@ class Detection:
         # A rank that reported an error in the user's code is on its way out (its interpreter tears
         # down, which takes seconds on a busy machine): its exit, not the link, is what failed.
         patience = time.monotonic() + 10 * grace
-        while self.fatal and time.monotonic() < patience and core.generations.current == message.generation:
+        while (self.fatal and time.monotonic() < patience
+               and core.generations.current == message.generation):
             await asyncio.sleep(0.05)
         if core.generations.current != message.generation or core.state not in (
                 JobState.RUNNING, JobState.RECOVERING, JobState.STARTING):
@@ -254,8 +273,9 @@ class Detection:
         if injected:
             fault_t, rank = min(injected)
             del self.injected[rank]
-        incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank, step=message.step,
-                                                          fault_t=fault_t, detected_t=time.time(),
+        incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank,
+                                                          step=message.step, fault_t=fault_t,
+                                                          detected_t=time.time(),
                                                           error=message.error)
         incident.detail["injected"] = bool(injected)
         self.recoveries.handle(incident)

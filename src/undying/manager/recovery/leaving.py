@@ -51,14 +51,16 @@ class Left:
 class Leavers:
     """The ranks that left without their ``Done``, until the others show whether they went on."""
 
-    def __init__(self, core: JobCore, recoveries: Recoveries, injected: dict[int, tuple[float, str]]) -> None:
+    def __init__(self, core: JobCore, recoveries: Recoveries,
+                 injected: dict[int, tuple[float, str]]) -> None:
         self.core = core
         self.recoveries = recoveries
         self._injected = injected  # rank -> (when, kind) of a fault injected into it (detection's)
         self.pending: dict[int, Left] = {}  # rank -> its early exit, not judged yet
 
     def on_clean_exit(self, info: RankInfo, pid: int, t: float) -> bool:
-        """A rank that did not say ``Done`` exited 0. True when that is not (yet) its part of the job done.
+        """A rank that did not say ``Done`` exited 0. True when that is not (yet) its part of the
+        job done.
 
         Only for a script that uses the step API, and while no rank passed the
         final barrier (then every rank passed it). The caller finishes the
@@ -68,8 +70,8 @@ class Leavers:
             return False
         left = Left(info.rank, pid, info.step, t, info.node)
         self.pending[info.rank] = left
-        self.core.events.event("left_early", generation=self.core.generations.current, rank=info.rank, pid=pid,
-                               step=info.step, verdict="pending")
+        self.core.events.event("left_early", generation=self.core.generations.current,
+                               rank=info.rank, pid=pid, step=info.step, verdict="pending")
         if self.recoveries.current is not None:  # the others rejoin without it: they go on
             self.incident(left, "while the others were recovering")
         return True
@@ -84,36 +86,43 @@ class Leavers:
             self.incident(left, f"while rank {rank} committed step {step}")
 
     def explains(self, rank: int, step: int, what: str) -> bool:
-        """A failed collective or a stall of ``rank`` in ``step``: when a rank left before it, that is the fault."""
+        """A failed collective or a stall of ``rank`` in ``step``: when a rank left before it, that
+        is the fault."""
         early = [p for p in self.pending.values() if p.rank != rank and step > p.step]
         for left in early:
             self.incident(left, f"while rank {rank} went on to step {step} ({what})")
         return bool(early)
 
     def on_done(self, rank: int) -> bool:
-        """A rank's ``Done``: True when it came after its process's exit (it passed the final barrier after all)."""
+        """A rank's ``Done``: True when it came after its process's exit (it passed the final
+        barrier after all)."""
         if self.pending.pop(rank, None) is None:
             return False
-        self.core.events.event("left_early", rank=rank, verdict="finished: its Done came after its exit")
+        self.core.events.event("left_early", rank=rank,
+                               verdict="finished: its Done came after its exit")
         return True
 
     def all_left(self) -> list[RankInfo]:
-        """The held ranks, once every rank is finished or held: none went on, they ended their loops together.
+        """The held ranks, once every rank is finished or held: none went on, they ended their loops
+        together.
 
         (The job then ends as torchrun's would: every rank exited 0.)
         """
         ranks = self.core.ranks
         for left in list(self.pending.values()):
-            if ranks[left.rank].pid != left.pid:  # (the rank was given a new process since: its old exit is moot)
+            # (the rank was given a new process since: its old exit is moot)
+            if ranks[left.rank].pid != left.pid:
                 del self.pending[left.rank]
-        if not self.pending or any(r.rank not in self.pending and r.rank not in self.core.book.finished
+        if not self.pending or any(r.rank not in self.pending
+                                   and r.rank not in self.core.book.finished
                                    for r in ranks.values()):
             return []
         done = [ranks[rank] for rank in sorted(self.pending)]
         for info in done:
             left = self.pending.pop(info.rank)
-            self.core.events.event("left_early", rank=info.rank, verdict=f"every rank ended its loop: it at step "
-                                                                         f"{left.step}, none went on past it")
+            self.core.events.event("left_early", rank=info.rank,
+                                   verdict=f"every rank ended its loop: it at step {left.step}, "
+                                           "none went on past it")
         return done
 
     def incident(self, left: Left, evidence: str) -> None:
@@ -123,16 +132,19 @@ class Leavers:
         info = core.ranks[left.rank]
         if info.pid != left.pid:
             return  # (already replaced)
-        error = (f"rank {left.rank} exited 0 at step {left.step + 1} before finishing its steps, {evidence}: "
-                 "it left the job early")
-        core.events.event("left_early", generation=core.generations.current, rank=left.rank, pid=left.pid,
-                          step=left.step, verdict="incident", evidence=evidence)
+        error = (f"rank {left.rank} exited 0 at step {left.step + 1} before finishing its steps, "
+                 f"{evidence}: it left the job early")
+        core.events.event("left_early", generation=core.generations.current, rank=left.rank,
+                          pid=left.pid, step=left.step, verdict="incident", evidence=evidence)
         injected = self._injected.get(left.rank)
-        injected = self._injected.pop(left.rank) if injected is not None and injected[1] == "leave" else None
-        incident = self.recoveries.new_incident(kind=IncidentKind.LEFT_EARLY, rank=left.rank, step=left.step + 1,
-                                                fault_t=injected[0] if injected else left.t, detected_t=time.time(),
-                                                error=error)
+        injected = (self._injected.pop(left.rank)
+                    if injected is not None and injected[1] == "leave" else None)
+        incident = self.recoveries.new_incident(kind=IncidentKind.LEFT_EARLY, rank=left.rank,
+                                                step=left.step + 1,
+                                                fault_t=injected[0] if injected else left.t,
+                                                detected_t=time.time(), error=error)
         incident.detail.update({"returncode": 0, "pid": left.pid, "node": left.node})
-        if injected:  # (`undying inject leave`: not the script's own early end, so never counted as a repeat)
+        # (`undying inject leave`: not the script's own early end, so never counted as a repeat)
+        if injected:
             incident.detail["injected"] = True
         self.recoveries.handle(incident)

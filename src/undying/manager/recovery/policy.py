@@ -59,38 +59,45 @@ class Decision:
 
 
 def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> Decision:
-    """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank
-    (up to ``max_step_recoveries`` times for one rank at one step) -> restart every rank from the
-    latest valid checkpoint when no peer holds the state (up to ``max_restarts`` times) ->
-    fail with a report. A script that cannot run (a SyntaxError or ImportError) fails at once:
-    no replacement would run it either. A rank that left early (``left-early``) is replaced
-    once; leaving early again fails the job: its script stops before the others' (an
-    injected leave is no script's, and never counts so). A script that does not use the step API has one rung
-    below failing: the whole group restarts (``max_restarts`` times), as under torchrun."""
+    """The ladder: retry (comm errors, up to ``max_retries`` at a step) -> replace the rank (up to
+    ``max_step_recoveries`` times for one rank at one step) -> restart every rank from the latest
+    valid checkpoint when no peer holds the state (up to ``max_restarts`` times) -> fail with a
+    report. A script that cannot run (a SyntaxError or ImportError) fails at once: no replacement
+    would run it either. A rank that left early (``left-early``) is replaced once; leaving early
+    again fails the job: its script stops before the others' (an injected leave is no script's, and
+    never counts so). A script that does not use the step API has one rung below failing: the whole
+    group restarts (``max_restarts`` times), as under torchrun."""
     if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
     if not ctx.step_api:
         return _restart_group(incident, ctx)
     if incident.kind is IncidentKind.LEFT_EARLY and not incident.detail.get("injected"):
         before = [i for i in history if i is not incident and i.kind is IncidentKind.LEFT_EARLY and
-                  i.rank == incident.rank and i.action == Action.REPLACE.value and not i.detail.get("injected")]
+                  i.rank == incident.rank and i.action == Action.REPLACE.value
+                  and not i.detail.get("injected")]
         if before:
-            return Decision(Action.FAIL, f"rank {incident.rank} left the job early again at step {incident.step} "
-                                         f"(exit 0 before its last step while the others went on; replaced for it at "
-                                         f"step {before[0].step}): its script ends its loop before the others', and "
-                                         "any new process would too; make every rank run the same steps")
+            return Decision(Action.FAIL, f"rank {incident.rank} left the job early again at step "
+                                         f"{incident.step} (exit 0 before its last step while the "
+                                         "others went on; replaced for it at step "
+                                         f"{before[0].step}): its script ends its loop before "
+                                         "the others', and any new process would too; make every "
+                                         "rank run the same steps")
     if ctx.no_state and ctx.holders_alive > 0:
-        return Decision(Action.FAIL, f"the surviving ranks do not hold the whole training state and no valid "
-                                     f"checkpoint has the rest ({ctx.no_state}); restart the job")
+        return Decision(Action.FAIL, "the surviving ranks do not hold the whole training state "
+                                     f"and no valid checkpoint has the rest ({ctx.no_state}); "
+                                     "restart the job")
     if ctx.holders_alive == 0:
-        gone = "every rank that held the training state is gone, so there is no peer to restore from"
+        gone = ("every rank that held the training state is gone, so there is no peer to restore "
+                "from")
         if ctx.checkpoint_step is None:
-            return Decision(Action.FAIL, f"{gone}, and there is no valid checkpoint to restart from; restart the job")
+            return Decision(Action.FAIL,
+                            f"{gone}, and there is no valid checkpoint to restart from; restart "
+                            "the job")
         if ctx.restarts >= ctx.max_restarts:
             return Decision(
                 Action.FAIL,
-                f"{gone}, and the job was already restarted from a checkpoint {ctx.restarts} time(s) "
-                f"(--max-restarts {ctx.max_restarts})",
+                f"{gone}, and the job was already restarted from a checkpoint {ctx.restarts} "
+                f"time(s) (--max-restarts {ctx.max_restarts})",
             )
         return Decision(
             Action.RESTART,
@@ -99,10 +106,12 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
         )
     earlier = [i for i in history if i is not incident and i.step == incident.step]
     if incident.kind is IncidentKind.COMM_ERROR:
-        retries = sum(1 for i in earlier if i.kind is IncidentKind.COMM_ERROR and i.action == Action.RETRY.value)
+        retries = sum(1 for i in earlier if i.kind is IncidentKind.COMM_ERROR
+                      and i.action == Action.RETRY.value)
         if retries < ctx.max_retries:
             return Decision(Action.RETRY, "collective failed with every process alive")
-    replacements = sum(1 for i in earlier if i.rank == incident.rank and i.action == Action.REPLACE.value)
+    replacements = sum(1 for i in earlier if i.rank == incident.rank
+                       and i.action == Action.REPLACE.value)
     if replacements >= ctx.step_limit:
         what = "raised" if incident.kind is IncidentKind.ERROR else "failed"
         return Decision(
@@ -117,8 +126,9 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
             f"collective failed at step {incident.step} again after {ctx.max_retries} retries "
             f"(--max-retries {ctx.max_retries}); rank {incident.rank} is replaced",
         )
-    what = {IncidentKind.HANG: "stopped answering and was killed",
-            IncidentKind.LEFT_EARLY: "left early (exit 0 while the others went on)"}.get(incident.kind, "exited")
+    kinds = {IncidentKind.HANG: "stopped answering and was killed",
+             IncidentKind.LEFT_EARLY: "left early (exit 0 while the others went on)"}
+    what = kinds.get(incident.kind, "exited")
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
 
 
@@ -127,23 +137,26 @@ WHOLE_GROUP = "this script does not use undying's step API"
 
 def _restart_group(incident: Incident, ctx: PolicyContext) -> Decision:
     """torchrun's recovery for a script undying cannot recover in place: every rank starts again."""
-    what = {IncidentKind.HANG: "hung and was killed", IncidentKind.NODE_LOSS: "was lost with its node",
+    what = {IncidentKind.HANG: "hung and was killed",
+            IncidentKind.NODE_LOSS: "was lost with its node",
             IncidentKind.COMM_ERROR: "lost its link"}.get(incident.kind, "exited")
     if ctx.restarts >= ctx.max_restarts:
         return Decision(
             Action.FAIL,
-            f"rank {incident.rank} {what} ({incident.error or incident.kind}); the whole group was already "
-            f"restarted {ctx.restarts} time(s) (--max-restarts {ctx.max_restarts}): {WHOLE_GROUP}, so a "
-            "fault restarts every rank",
+            f"rank {incident.rank} {what} ({incident.error or incident.kind}); the whole group was "
+            f"already restarted {ctx.restarts} time(s) (--max-restarts {ctx.max_restarts}): "
+            f"{WHOLE_GROUP}, so a fault restarts every rank",
         )
     return Decision(
         Action.RESTART,
-        f"rank {incident.rank} {what}; whole-group restart {ctx.restarts + 1} of at most {ctx.max_restarts}: "
-        f"{WHOLE_GROUP}, so every rank starts again (a script that saves its own snapshot resumes from it)",
+        f"rank {incident.rank} {what}; whole-group restart {ctx.restarts + 1} of at most "
+        f"{ctx.max_restarts}: {WHOLE_GROUP}, so every rank starts again (a script that saves its "
+        "own snapshot resumes from it)",
     )
 
 
-def stall_culprits(progress: Sequence[RankProgress], limit_s: float, now: float) -> list[int] | None:
+def stall_culprits(progress: Sequence[RankProgress], limit_s: float,
+                   now: float) -> list[int] | None:
     """Of ranks stuck in a step together, the ones the others wait for.
 
     A collective counts on a rank when the rank enters it, so the ranks
@@ -167,5 +180,6 @@ def stall_culprits(progress: Sequence[RankProgress], limit_s: float, now: float)
     fewest = min(p.collectives for p in running)
     if fewest == max(p.collectives for p in running):
         return []
-    stuck = sorted(p.rank for p in running if p.collectives == fewest and now - p.progress_t > limit_s)
+    stuck = sorted(p.rank for p in running if p.collectives == fewest
+                   and now - p.progress_t > limit_s)
     return stuck or None

@@ -20,7 +20,8 @@ __all__ = ["ReportedFaults", "Moves"]
 
 
 class Moves(Protocol):
-    """What recovery asks of the planned moves (``placement.Migrations``), which are built on recovery."""
+    """What recovery asks of the planned moves (``placement.Migrations``), which are built on
+    recovery."""
 
     def on_left(self, message: FaultInjected) -> bool: ...
 
@@ -28,7 +29,8 @@ class Moves(Protocol):
 class ReportedFaults:
     """The handlers of the faults workers report."""
 
-    def __init__(self, core: JobCore, *, detection: Detection, regrouping: Regroups, moves: Moves) -> None:
+    def __init__(self, core: JobCore, *, detection: Detection, regrouping: Regroups,
+                 moves: Moves) -> None:
         self.core = core
         self.detection = detection
         self.regrouping = regrouping
@@ -41,7 +43,8 @@ class ReportedFaults:
         self.core.events.event("comm_failure", generation=message.generation, rank=message.rank,
                                step=message.step, error=message.error)
         self.core.book.persist(info)
-        if self.regrouping.active:  # the regroup's group broke: it re-plans (after the grace), no retry
+        # the regroup's group broke: it re-plans (after the grace), no retry
+        if self.regrouping.active:
             self.regrouping.on_group_broke(message.generation,
                                            f"rank {message.rank}'s group broke ({message.error})")
             return
@@ -52,10 +55,10 @@ class ReportedFaults:
             return  # a moved rank at its boundary (placement/migration.py)
         if message.kind != "slow":  # a slowdown is no fault a later exit should be timed from
             self.detection.injected[message.rank] = (message.t, message.kind)
-        self.core.events.event("fault_injected", rank=message.rank, kind=message.kind, step=message.step,
-                               phase=message.phase)
+        self.core.events.event("fault_injected", rank=message.rank, kind=message.kind,
+                               step=message.step, phase=message.phase)
 
     def on_fatal(self, message: Fatal) -> None:
         self.detection.fatal[self.core.ranks[message.rank].pid] = message
-        self.core.events.event("user_error", rank=message.rank, step=message.step, error=message.error,
-                               traceback=message.traceback)
+        self.core.events.event("user_error", rank=message.rank, step=message.step,
+                               error=message.error, traceback=message.traceback)

@@ -1,4 +1,5 @@
-"""Recovery: from an incident to the next generation, and the round's timeline until the job trains again.
+"""Recovery: from an incident to the next generation, and the round's timeline until the job trains
+again.
 
 An incident opens (or joins) a recovery round. The policy (``policy.decide``,
 a pure function) picks the rung: retry in place, replace the rank, restart
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from undying.checkpoint import Checkpoint
@@ -42,33 +42,12 @@ from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.recovery.leave_order import LeaveOrder
 from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
+from undying.manager.recovery.round_record import Recovery
 from undying.protocol.generations import GenerationRecord
 
-__all__ = ["Recovery", "Recoveries"]
+__all__ = ["Recoveries"]
 
 log = logging.getLogger("undying.manager")
-
-@dataclass
-class Recovery:
-    """One recovery round: the incidents it handles and the generation it forms."""
-
-    id: int
-    generation: int
-    incidents: list[Incident] = field(default_factory=list)
-    replaced: set[int] = field(default_factory=set)
-    ready: dict[int, float] = field(default_factory=dict)
-    group_rebuilt: dict[int, float] = field(default_factory=dict)
-    state_restored: dict[int, float] = field(default_factory=dict)
-    first_step: dict[int, float] = field(default_factory=dict)
-    restored_step: int = -1
-    started: float = field(default_factory=time.time)
-    leave: LeaveOrder | None = None  # the survivors of the generation before, which must leave it
-
-    def renew(self, generation: int) -> None:
-        """The round forms ``generation`` now: the phases seen of an earlier one are void."""
-        self.generation = generation
-        for phase in (self.group_rebuilt, self.state_restored, self.first_step):
-            phase.clear()
 
 
 class Recoveries:
@@ -79,7 +58,8 @@ class Recoveries:
         self.count = 0
         self.restarts = 0
         self.restart_from: Checkpoint | None = None
-        self.restore_plan: RestorePlan | None = None  # the planner's word on the incident decided last
+        # the planner's word on the incident decided last
+        self.restore_plan: RestorePlan | None = None
         # pid -> the incident and decision its exit carries on (a live rank escalated from retries,
         # killed).
         self.condemned: dict[int, tuple[Incident, Decision]] = {}
@@ -100,8 +80,8 @@ class Recoveries:
         """Whether the script uses undying's step API (else a fault restarts the whole group)."""
         return self.core.config.step_api or self.hello_seen
 
-    def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float, detected_t: float,
-                     error: str = "", traceback: str = "") -> Incident:
+    def new_incident(self, *, kind: IncidentKind, rank: int, step: int, fault_t: float,
+                     detected_t: float, error: str = "", traceback: str = "") -> Incident:
         """An incident of the round under way (or of a new round)."""
         opened = self.current is None
         if self.current is None:
@@ -114,7 +94,8 @@ class Recoveries:
         incident.phases["detected"] = detected_t
         incidents.append(incident)
         self.current.incidents.append(incident)
-        if opened and kind is not IncidentKind.MIGRATION:  # (a planned move's own incident overtakes nothing)
+        # (a planned move's own incident overtakes nothing)
+        if opened and kind is not IncidentKind.MIGRATION:
             for told in self.round_opened:
                 told(incident)
         return incident
@@ -129,10 +110,12 @@ class Recoveries:
         """Ranks whose processes live and hold the state (not replacements waiting for it)."""
         replaced = self._replaced()
         return sum(1 for r in self.core.ranks.values()
-                   if r.rank != excluding and r.state is not RankState.EXITED and r.rank not in replaced)
+                   if r.rank != excluding and r.state is not RankState.EXITED
+                   and r.rank not in replaced)
 
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
-        """Where every rank's state comes from after this incident (the one restore planner), and its words.
+        """Where every rank's state comes from after this incident (the one restore planner), and
+        its words.
 
         The manager's view: the ranks that failed (this one, the exited, the
         replacements still waiting for state) hold nothing, every other holds
@@ -165,13 +148,15 @@ class Recoveries:
 
         self.restart_from = None
         try:
-            found = plan_at(newest, UNREAD)  # from memory; the checkpoint is read only when no step is whole
+            # from memory; the checkpoint is read only when no step is whole
+            found = plan_at(newest, UNREAD)
             if found.read_checkpoint:
                 ckpt = self.checkpoints.latest()
                 # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
-                found = plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url)) if ckpt \
-                    else plan_at(newest, None)
-                self.restart_from = ckpt  # the checkpoint the plan read: the restart rung carries the plan out
+                found = (plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url))
+                         if ckpt else plan_at(newest, None))
+                # the checkpoint the plan read: the restart rung carries the plan out
+                self.restart_from = ckpt
         except (MissingShardsError, LayoutError) as e:
             return None, str(e)
         return found, found.describe()
@@ -194,20 +179,22 @@ class Recoveries:
             incident, core.incidents,
             PolicyContext(core.config.max_restarts, holders, core.config.max_retries,
                           checkpoint_step=self.restart_from.step if self.restart_from else None,
-                          restarts=self.restarts, max_step_recoveries=core.config.max_step_recoveries,
+                          restarts=self.restarts,
+                          max_step_recoveries=core.config.max_step_recoveries,
                           step_api=self.step_api,
                           # (a failed collective loses no process: its retry needs no state from
                           # anyone)
-                          no_state=words if found is None and incident.kind is not IncidentKind.COMM_ERROR else ""),
+                          no_state=words if found is None
+                          and incident.kind is not IncidentKind.COMM_ERROR else ""),
         )
         incident.action = decision.action.value
         incident.phases["decided"] = time.time()
         incident.detail["reason"] = decision.reason
-        core.events.event("decided", rank=incident.rank, incident=incident.id, action=decision.action.value,
-                          reason=decision.reason)
+        core.events.event("decided", rank=incident.rank, incident=incident.id,
+                          action=decision.action.value, reason=decision.reason)
         log.warning("job %s gen %d: %s of rank %d at step %d -> %s (%s)", core.config.job_id,
-                    core.generations.current, incident.kind, incident.rank, incident.step, decision.action.value,
-                    decision.reason)
+                    core.generations.current, incident.kind, incident.rank, incident.step,
+                    decision.action.value, decision.reason)
         if decision.action is Action.FAIL:
             incident.settle(IncidentStatus.FAILED)
             core.events.incident(incident)
@@ -233,13 +220,14 @@ class Recoveries:
         if self._shared_record is not None and decision.action is Action.REPLACE:
             record = self._shared_record
         else:
-            record = core.open_generation(f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
+            record = core.open_generation(
+                f"{incident.kind} of rank {incident.rank}: {decision.action.value}")
             if self.one_generation:
                 self._shared_record = record
         assert self.current is not None
         if decision.action is not Action.RESTART:
-            # Nothing failed by itself in a stuck collective or a link's retry: every rank is told to
-            # leave. A replaced rank's process is gone: its peers find that out by themselves.
+            # Nothing failed by itself in a stuck collective or a link's retry: every rank is told
+            # to leave. A replaced rank's process is gone: its peers find that out by themselves.
             stuck = bool(incident.detail.get("stuck_collective"))
             self.tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
                                f"{incident.kind} of rank {incident.rank}: {decision.action.value}",
@@ -254,12 +242,14 @@ class Recoveries:
         elif decision.action is Action.RESTART and self.restart_from is None:
             self._restart_group(incident, record)
         elif decision.action is Action.RESTART:
-            assert self.restore_plan is not None  # (the plan that read the checkpoint named restart_from)
+            # (the plan that read the checkpoint named restart_from)
+            assert self.restore_plan is not None
             self._restart_all(incident, record, self.restore_plan)
 
     def tell_to_leave(self, previous: int, reason: str, *, abort: bool) -> None:
-        """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at once
-        (one that already left ignores it), else only watched for now (``leave_order.py`` says when)."""
+        """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at
+        once (one that already left ignores it), else only watched for now (``leave_order.py`` says
+        when)."""
         assert self.current is not None
         core = self.core
         order = LeaveOrder(previous, reason, time.time(), aborted=abort)
@@ -275,25 +265,29 @@ class Recoveries:
     def lingering(self, now: float, resumed: float = 0.0) -> tuple[list[RankInfo], list[RankInfo]]:
         """Survivors of the round's leave order still in the old generation: (to tell now, stuck).
 
-        A replacement of this round is no survivor and is not judged here; a newer generation than the
-        round's (a regroup renumbered the ranks) makes the order old news.
+        A replacement of this round is no survivor and is not judged here; a newer generation than
+        the round's (a regroup renumbered the ranks) makes the order old news.
         """
         recovery = self.current
-        if recovery is None or recovery.leave is None or recovery.generation != self.core.generations.current:
+        if (recovery is None or recovery.leave is None
+                or recovery.generation != self.core.generations.current):
             return [], []
         order, ranks, generation = recovery.leave, self.core.ranks, recovery.generation
         longest = self.core.clock.longest_rank_step_s()
         survivors = [i for i in order.abort_due(ranks, generation, now, resumed, longest)
                      if i.rank not in recovery.replaced]
-        stuck = [i for i in order.stuck(ranks, generation, now, resumed, longest) if i.rank not in recovery.replaced]
+        stuck = [i for i in order.stuck(ranks, generation, now, resumed, longest)
+                 if i.rank not in recovery.replaced]
         return survivors, stuck
 
     def stuck(self, now: float, resumed: float = 0.0) -> list[RankInfo]:
-        """Survivors told to leave the old generation that neither failed nor joined the new one in time."""
+        """Survivors told to leave the old generation that neither failed nor joined the new one in
+        time."""
         return self.lingering(now, resumed)[1]
 
     def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:
-        """torchrun's recovery for a script that does not use the step API: every rank starts again, now.
+        """torchrun's recovery for a script that does not use the step API: every rank starts again,
+        now.
 
         Every live rank is killed (its peers of the old group would wait on the
         dead one forever) and every rank, a finished one too, gets a new
@@ -312,9 +306,10 @@ class Recoveries:
             self.current.replaced.add(info.rank)
             core.spawn(info.rank, record, joining=False)
         started = time.time()
-        incident.detail.update({"restart": self.restarts, "replacement": "every rank: new processes"})
-        core.events.event("restarted", generation=record.generation, step=0, path="", kind="whole-group",
-                          lost_steps=0, restart=self.restarts)
+        incident.detail.update({"restart": self.restarts,
+                                "replacement": "every rank: new processes"})
+        core.events.event("restarted", generation=record.generation, step=0, path="",
+                          kind="whole-group", lost_steps=0, restart=self.restarts)
         log.warning("job %s gen %d: every rank starts again (whole-group restart %d of at most %d)",
                     core.config.job_id, record.generation, self.restarts, core.config.max_restarts)
         for settled in self.current.incidents:
@@ -327,8 +322,8 @@ class Recoveries:
         core.move(JobState.RUNNING)
 
     def _restart_all(self, incident: Incident, record: GenerationRecord, plan: RestorePlan) -> None:
-        """The restart rung: new processes for every rank, all starting from the checkpoint ``plan`` names
-        (the latest valid one, read when no step had every shard in memory).
+        """The restart rung: new processes for every rank, all starting from the checkpoint ``plan``
+        names (the latest valid one, read when no step had every shard in memory).
 
         Replacements already started for the dead ranks wait for a donor that no
         longer exists: they are killed too. The steps since the checkpoint are
@@ -348,16 +343,18 @@ class Recoveries:
             self.current.ready.pop(info.rank, None)
             core.spawn(info.rank, record, joining=False, resume_from=plan.checkpoint_path)
         lost = max(0, newest - ckpt.step)
-        incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step, "lost_steps": lost,
-                                "restart": self.restarts})
+        incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
+                                "lost_steps": lost, "restart": self.restarts})
         core.events.event("restarted", generation=record.generation, step=ckpt.step, path=ckpt.url,
                           kind=ckpt.kind, lost_steps=lost, restart=self.restarts)
         core.events.incident(incident)
         log.warning("job %s gen %d: every rank restarts from %s (step %d); steps %d..%d are re-run",
-                    core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1, newest)
+                    core.config.job_id, record.generation, ckpt.url, ckpt.step, ckpt.step + 1,
+                    newest)
 
     def on_joined(self, rank: int, t: float) -> None:
-        """A rank's process joined its generation: a replacement is ready (and the script uses the step API)."""
+        """A rank's process joined its generation: a replacement is ready (and the script uses the
+        step API)."""
         self.hello_seen = True
         if self.current is not None and rank in self.current.replaced:
             self.current.ready[rank] = t
@@ -383,7 +380,8 @@ class Recoveries:
             recovery.restored_step = step
 
     def maybe_finish(self, rank: int, t: float, *, message_generation: int) -> bool:
-        """A rank's first step in the round's generation; True when it was the last one's (the round is over)."""
+        """A rank's first step in the round's generation; True when it was the last one's (the round
+        is over)."""
         recovery = self.current
         core = self.core
         if recovery is None or message_generation < recovery.generation:
@@ -392,9 +390,12 @@ class Recoveries:
         if len(recovery.first_step) < core.book.world_size:
             return False
         phases = {
-            "replacement_ready": max(recovery.ready.values()) if recovery.replaced and recovery.ready else None,
-            "group_rebuilt": max(recovery.group_rebuilt.values()) if recovery.group_rebuilt else None,
-            "state_restored": max(recovery.state_restored.values()) if recovery.state_restored else None,
+            "replacement_ready": (max(recovery.ready.values())
+                                  if recovery.replaced and recovery.ready else None),
+            "group_rebuilt": (max(recovery.group_rebuilt.values())
+                              if recovery.group_rebuilt else None),
+            "state_restored": (max(recovery.state_restored.values())
+                               if recovery.state_restored else None),
             "first_step_done": max(recovery.first_step.values()),
         }
         for incident in recovery.incidents:
@@ -423,14 +424,16 @@ class Recoveries:
         self.core.fail(reason)
 
     def overdue(self, now: float, resumed: float = 0.0) -> str:
-        """Why the round is past the recovery timeout, or "" (a lost node's round waits for --node-wait).
+        """Why the round is past the recovery timeout, or "" (a lost node's round waits for
+        --node-wait).
 
-        The timeout counts from the round's start or from ``resumed``, the manager's return from a stall of
-        its own (``protocol/judge_clock.py``), whichever is later.
+        The timeout counts from the round's start or from ``resumed``, the manager's return from a
+        stall of its own (``protocol/judge_clock.py``), whichever is later.
         """
         recovery = self.current
         timeouts = self.core.config.timeouts
         if recovery is None or now - max(recovery.started, resumed) <= timeouts.recovery_timeout:
             return ""
         return (f"recovery {recovery.id} did not complete within {timeouts.recovery_timeout:.0f}s "
-                f"(generation {recovery.generation}; ranks with a first step: {sorted(recovery.first_step)})")
+                f"(generation {recovery.generation}; ranks with a first step: "
+                f"{sorted(recovery.first_step)})")

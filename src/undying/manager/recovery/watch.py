@@ -45,15 +45,17 @@ class Regroups(Protocol):
 class Watch:
     """The manager's deadlines, judged on its own clock (``clock``), and the log's flush."""
 
-    def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection, regrouping: Regroups,
-                 left_behind: LeftBehind) -> None:
+    def __init__(self, core: JobCore, *, recoveries: Recoveries, detection: Detection,
+                 regrouping: Regroups, left_behind: LeftBehind) -> None:
         self.core = core
         self.recoveries = recoveries
         self.detection = detection
         self.left_behind = left_behind
         self.regrouping = regrouping
-        self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout, "the manager's deadlines")
-        self.clock.tick()  # (from its start: a manager paused before its watch first ran still sees that stall)
+        self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout,
+                                "the manager's deadlines")
+        # (from its start: a manager paused before its watch first ran still sees that stall)
+        self.clock.tick()
 
     def start(self) -> list[asyncio.Task[None]]:
         """The watch and the flush, running until cancelled."""
@@ -63,10 +65,12 @@ class Watch:
         while True:
             await asyncio.sleep(WATCH_S)
             self.clock.tick()
-            self.check(self.clock.resumed_wall)  # (its return from its latest stall; 0.0: it never stalled)
+            # (its return from its latest stall; 0.0: it never stalled)
+            self.check(self.clock.resumed_wall)
 
     def check(self, resumed: float) -> None:
-        """One pass: each deadline due, acted on (``resumed``: when the manager came back from a stall)."""
+        """One pass: each deadline due, acted on (``resumed``: when the manager came back from a
+        stall)."""
         if self.core.winding_down:
             return
         if self.regrouping.active:
@@ -80,8 +84,9 @@ class Watch:
             # Its ranks wait for a host to take them; past --node-wait the job goes on without it.
             node_wait = self.core.config.timeouts.node_wait
             if time.time() - max(recovery.started, resumed) > node_wait:
-                self.regrouping.begin(f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost "
-                                      f"and not replaced within --node-wait {node_wait:g}s")
+                self.regrouping.begin(f"node{'s' if len(lost) > 1 else ''} "
+                                      f"{', '.join(map(str, lost))} lost and not replaced within "
+                                      f"--node-wait {node_wait:g}s")
             return
         overdue = self.recoveries.overdue(time.time(), resumed)
         if overdue:

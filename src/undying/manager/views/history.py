@@ -33,14 +33,17 @@ from typing import Any
 from undying.jobfiles.events import LogReader
 from undying.protocol.worker_wire import CheckpointSaved
 
-__all__ = ["RunHistory", "Downsampled", "Histogram", "STEP_BUCKETS", "SAVE_BUCKETS", "LABELLED_RANKS"]
+__all__ = ["RunHistory", "Downsampled", "Histogram", "STEP_BUCKETS", "SAVE_BUCKETS",
+           "LABELLED_RANKS"]
 
 log = logging.getLogger("undying.manager")
 
 # A step takes milliseconds (a small model on CPU) to minutes (a large one, a recovery inside it).
-STEP_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+STEP_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                                   30.0, 60.0, 300.0)
 # A save's stall is a CPU copy (milliseconds); its write, up to minutes for a large state.
-SAVE_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+SAVE_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
+                                   300.0, 600.0)
 # Ranks with a label of their own in undying_rank_step_seconds: a histogram is ~17 series a label
 # value, so 16 ranks are ~280 series, an ordinary exporter's size; the ranks past them share one
 # label value.
@@ -63,10 +66,12 @@ class Downsampled:
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         if capacity < 2 or capacity % 2:
-            raise ValueError(f"a series needs an even capacity of at least 2 buckets, got {capacity}")
+            raise ValueError(
+                f"a series needs an even capacity of at least 2 buckets, got {capacity}")
         self.capacity = capacity
         self.width = 1
-        self.origin: int | None = None  # the first step seen: bucket i covers origin + i*width onwards
+        # the first step seen: bucket i covers origin + i*width onwards
+        self.origin: int | None = None
         self.last_step = 0
         self._n: list[int] = []
         self._sum: list[float] = []
@@ -103,14 +108,16 @@ class Downsampled:
         self._max = [max(hi[i], hi[i + 1]) if i + 1 < len(hi) else hi[i] for i in pairs]
         self.width *= 2
 
-    def points(self, first: int | None = None, last: int | None = None, limit: int = 400) -> list[list[float]]:
+    def points(self, first: int | None = None, last: int | None = None,
+               limit: int = 400) -> list[list[float]]:
         """Buckets overlapping steps ``first``..``last``, merged into at most ``limit`` points.
 
         Each point is ``[first step, last step, mean, min, max]`` of the steps it covers.
         """
         if self.origin is None:
             return []
-        origin, width, n, total, low, high = self.origin, self.width, self._n, self._sum, self._min, self._max
+        origin, width = self.origin, self.width
+        n, total, low, high = self._n, self._sum, self._min, self._max
         lo = 0 if first is None else max(0, (first - origin) // width)
         hi = len(n) - 1 if last is None else min(len(n) - 1, (last - origin) // width)
         filled = sum(1 for i in range(lo, hi + 1) if n[i])
@@ -128,13 +135,13 @@ class Downsampled:
             most = high[i] if high[i] > most else most
             members += 1
             if members == group:
-                out.append([origin + start * width, min(origin + (i + 1) * width - 1, self.last_step), acc / count,
-                            least, most])
+                bucket_end = min(origin + (i + 1) * width - 1, self.last_step)
+                out.append([origin + start * width, bucket_end, acc / count, least, most])
                 count, acc, least, most, members = 0, 0.0, math.inf, -math.inf, 0
         if members:
             end = max(i for i in range(lo, hi + 1) if n[i])
-            out.append([origin + start * width, min(origin + (end + 1) * width - 1, self.last_step), acc / count,
-                        least, most])
+            out.append([origin + start * width, min(origin + (end + 1) * width - 1, self.last_step),
+                        acc / count, least, most])
         return out
 
 
@@ -152,14 +159,16 @@ class Histogram:
             return
         if not self.counts:
             self.counts = [0] * len(self.bounds)
-        i = bisect.bisect_left(self.bounds, value)  # the first bound at or above it (le: "less or equal")
+        # the first bound at or above it (le: "less or equal")
+        i = bisect.bisect_left(self.bounds, value)
         if i < len(self.counts):
             self.counts[i] += 1
         self.count += 1
         self.total += value
 
     def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, observations at or below it) for each bound; ``count`` is the +Inf bucket."""
+        """(upper bound, observations at or below it) for each bound; ``count`` is the +Inf
+        bucket."""
         running, out = 0, []
         for bound, n in zip(self.bounds, self.counts or [0] * len(self.bounds), strict=True):
             running += n
@@ -168,7 +177,8 @@ class Histogram:
 
 
 def rank_step_label(rank: int) -> str:
-    """The ``rank`` label of a rank's step time: its number for the first ranks, one shared value past them."""
+    """The ``rank`` label of a rank's step time: its number for the first ranks, one shared value
+    past them."""
     return str(rank) if rank < LABELLED_RANKS else f"{LABELLED_RANKS}+"
 
 
@@ -182,9 +192,11 @@ class RunHistory:
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         self.capacity = capacity
-        self.job = Downsampled(capacity)  # each step: from the previous step's last commit to its own
+        # each step: from the previous step's last commit to its own
+        self.job = Downsampled(capacity)
         self.ranks: dict[int, Downsampled] = {}  # each rank's time between its consecutive commits
-        self.values: dict[str, Downsampled] = {}  # each step.log name: the mean over the ranks that gave it
+        # each step.log name: the mean over the ranks that gave it
+        self.values: dict[str, Downsampled] = {}
         self.last_values: dict[str, float] = {}  # each name's mean at the newest step that had it
         self.step_seconds = Histogram(STEP_BUCKETS)
         self.rank_step_seconds: dict[str, Histogram] = {}
@@ -192,26 +204,31 @@ class RunHistory:
         self.bytes_written = 0
         self.goodput: tuple[float, dict[str, float]] | None = None
         self._last: dict[int, tuple[int, float]] = {}  # rank -> its last commit (step, t)
-        self._pending: dict[int, dict[int, tuple[float, Mapping[str, float]]]] = {}  # step -> rank -> commit
+        # step -> rank -> commit
+        self._pending: dict[int, dict[int, tuple[float, Mapping[str, float]]]] = {}
         self._done: dict[int, float] = {}  # step -> when its last rank committed it
 
     # --- fed by the manager ---------------------------------------------------------
 
-    def commits(self, rows: Iterable[tuple[int, int, int, float, Mapping[str, float]]], world_size: int) -> None:
+    def commits(self, rows: Iterable[tuple[int, int, int, float, Mapping[str, float]]],
+                world_size: int) -> None:
         """Rows of (rank, step, generation, t, metrics), as the manager takes commits."""
         for rank, step, _generation, t, metrics in rows:
             self.commit(rank, step, t, metrics, world_size)
 
-    def commit(self, rank: int, step: int, t: float, metrics: Mapping[str, float], world_size: int) -> None:
+    def commit(self, rank: int, step: int, t: float, metrics: Mapping[str, float],
+               world_size: int) -> None:
         previous = self._last.get(rank)
         self._last[rank] = (step, t)
         if previous is not None and previous[0] == step - 1 and t >= previous[1]:
             seconds = t - previous[1]
-            self.rank_step_seconds.setdefault(rank_step_label(rank), Histogram(STEP_BUCKETS)).observe(seconds)
+            self.rank_step_seconds.setdefault(rank_step_label(rank),
+                                              Histogram(STEP_BUCKETS)).observe(seconds)
             if rank < PAGE_RANKS:
                 self.ranks.setdefault(rank, Downsampled(self.capacity)).add(step, seconds)
         commits = self._pending.setdefault(step, {})
-        commits[rank] = (t, metrics)  # (a rank's second commit of a step re-run after a fault: the later counts)
+        # (a rank's second commit of a step re-run after a fault: the later counts)
+        commits[rank] = (t, metrics)
         if len(commits) >= max(1, world_size):
             self._step_done(step, commits)
 
@@ -229,7 +246,8 @@ class RunHistory:
                 if not isinstance(value, (int, float)):
                     continue
                 if name in self.values or name in sums or (
-                        len(self.values.keys() | sums.keys()) < MAX_VALUES and _NAME.fullmatch(name)):
+                        len(self.values.keys() | sums.keys()) < MAX_VALUES
+                        and _NAME.fullmatch(name)):
                     sums.setdefault(name, []).append(float(value))
         for name, values in sums.items():
             mean = math.fsum(values) / len(values)
@@ -241,7 +259,8 @@ class RunHistory:
             del self._pending[old]
 
     def checkpoint(self, message: CheckpointSaved) -> None:
-        """A save report: a committed save's stall, write time and size (a reused one wrote nothing)."""
+        """A save report: a committed save's stall, write time and size (a reused one wrote
+        nothing)."""
         if message.error or message.kind == "existing":
             return
         self.save_seconds["blocking"].observe(message.blocking_s)
@@ -249,22 +268,27 @@ class RunHistory:
         self.bytes_written += max(0, int(message.bytes))
 
     def set_goodput(self, ratio: float, lost_s: Mapping[str, float]) -> None:
-        """The job's goodput (the share of wall time spent on steps that count) and its losses by cause, in seconds.
+        """The job's goodput (the share of wall time spent on steps that count) and its losses by
+        cause, in seconds.
 
         The manager calls this where goodput is worked out; the metrics show the
         last values set (none before the first call: no made-up number).
         """
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                or not 0.0 <= ratio <= 1.0):
             raise ValueError(f"goodput is a share of wall time between 0 and 1, got {ratio!r}")
         if len(lost_s) > _MAX_CAUSES:
-            raise ValueError(f"goodput names at most {_MAX_CAUSES} causes of lost time, got {len(lost_s)}")
+            raise ValueError(
+                f"goodput names at most {_MAX_CAUSES} causes of lost time, got {len(lost_s)}")
         losses: dict[str, float] = {}
         for cause, seconds in lost_s.items():
             if not isinstance(cause, str) or not _NAME.fullmatch(cause):
-                raise ValueError(f"a cause of lost time is a short name like 'recovery', got {cause!r}")
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                    or seconds < 0:
-                raise ValueError(f"the time lost to {cause} must be seconds (0 or more), got {seconds!r}")
+                raise ValueError(
+                    f"a cause of lost time is a short name like 'recovery', got {cause!r}")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                    or not math.isfinite(seconds) or seconds < 0:
+                raise ValueError(
+                    f"the time lost to {cause} must be seconds (0 or more), got {seconds!r}")
             losses[cause] = float(seconds)
         self.goodput = (float(ratio), losses)
 
@@ -280,17 +304,23 @@ class RunHistory:
                     self.commit(c.rank, c.step, c.t, c.metrics, world_size)
                 for e in reader.events("checkpoint_saved"):
                     d = e.data
-                    self.checkpoint(CheckpointSaved(int(e.rank or 0), int(d.get("step", 0)), str(d.get("kind", "")),
-                                                    str(d.get("path", "")), float(d.get("blocking_s", 0.0)),
-                                                    float(d.get("write_s", 0.0)), int(d.get("bytes", 0)), e.t))
+                    self.checkpoint(CheckpointSaved(int(e.rank or 0), int(d.get("step", 0)),
+                                                    str(d.get("kind", "")),
+                                                    str(d.get("path", "")),
+                                                    float(d.get("blocking_s", 0.0)),
+                                                    float(d.get("write_s", 0.0)),
+                                                    int(d.get("bytes", 0)), e.t))
         except (LogReader.Error, OSError, ValueError, TypeError) as e:
-            log.warning("the run's history (the page's charts, the step-time histograms) starts afresh: the event "
-                        "log %s could not be read back (%s: %s)", path, type(e).__name__, e)
+            log.warning("the run's history (the page's charts, the step-time histograms) starts "
+                        "afresh: the event log %s could not be read back (%s: %s)", path,
+                        type(e).__name__, e)
 
     # --- read by the page and the metrics ---------------------------------------------
 
-    def view(self, first: int | None = None, last: int | None = None, points: int = 400) -> dict[str, Any]:
-        """The run between steps ``first`` and ``last`` (the whole run by default), at most ``points`` per series."""
+    def view(self, first: int | None = None, last: int | None = None,
+             points: int = 400) -> dict[str, Any]:
+        """The run between steps ``first`` and ``last`` (the whole run by default), at most
+        ``points`` per series."""
         return {
             "first": self.job.origin if self.job.origin is not None else None,
             "last": self.job.last_step or None,

@@ -43,12 +43,14 @@ from prometheus_client.registry import Collector
 from undying.jobfiles.records import IncidentKind, JobState, RankState
 from undying.manager.views.history import LABELLED_RANKS, Histogram, RunHistory
 
-__all__ = ["StatusCollector", "RECOVERY_BUCKETS", "CONTENT_TYPE", "new_registry", "exposition", "metric_names"]
+__all__ = ["StatusCollector", "RECOVERY_BUCKETS", "CONTENT_TYPE", "new_registry", "exposition",
+           "metric_names"]
 
 # Recovery (fault to first completed step) takes about a second with a warm
 # spare, a few without one, and up to the recovery timeout (600 s by default)
 # when something is badly wrong: buckets cover all three.
-RECOVERY_BUCKETS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RECOVERY_BUCKETS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                                       600.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -77,7 +79,8 @@ class StatusCollector(Collector):
         yield from _ranks(status.get("ranks") or [])
         yield from _steps(status, self._history)
         yield from _incidents(status.get("incidents") or [])
-        yield from _checkpoints(status.get("checkpoints") or {}, int(status.get("step") or 0), self._history)
+        yield from _checkpoints(status.get("checkpoints") or {}, int(status.get("step") or 0),
+                                self._history)
         yield from _trace(status.get("trace") or {})
         goodput = status.get("goodput") or {}
         if goodput.get("ratio") is not None:  # worked out with the status (views.job_goodput)
@@ -86,7 +89,8 @@ class StatusCollector(Collector):
 
 
 def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
-    info = GaugeMetricFamily("undying_job_info", "The job this manager runs (always 1).", labels=["job_id"])
+    info = GaugeMetricFamily("undying_job_info", "The job this manager runs (always 1).",
+                             labels=["job_id"])
     info.add_metric([job_id], 1)
     yield info
     state = GaugeMetricFamily(
@@ -100,29 +104,35 @@ def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
         "undying_generation", "The current process-group generation (one more per recovery).",
         value=float(status.get("generation") or 0),
     )
-    yield GaugeMetricFamily("undying_world_size", "Ranks the job trains on.", value=float(status.get("world_size") or 0))
+    yield GaugeMetricFamily("undying_world_size", "Ranks the job trains on.",
+                            value=float(status.get("world_size") or 0))
     yield GaugeMetricFamily(
         "undying_spares_ready", "Hot spare processes warm and ready to replace a rank.",
         value=float(status.get("spares_ready") or 0),
     )
     restarts = (status.get("checkpoints") or {}).get("restarts") or 0
     yield CounterMetricFamily(
-        "undying_job_restarts", "Whole-job restarts from a checkpoint (the last rung before failing).",
+        "undying_job_restarts",
+        "Whole-job restarts from a checkpoint (the last rung before failing).",
         value=float(restarts),
     )
 
 
-def _checkpoints(checkpoints: Mapping[str, Any], step: int, history: RunHistory) -> Iterator[Metric]:
-    """Saves: the last one, how long they stall and write, what they wrote, which failed, what is at risk."""
+def _checkpoints(checkpoints: Mapping[str, Any], step: int,
+                 history: RunHistory) -> Iterator[Metric]:
+    """Saves: the last one, how long they stall and write, what they wrote, which failed, what is at
+    risk."""
     health = checkpoints.get("health") or {}
-    yield CounterMetricFamily("undying_checkpoint_failures", "Checkpoint saves that failed (every attempt).",
+    yield CounterMetricFamily("undying_checkpoint_failures",
+                              "Checkpoint saves that failed (every attempt).",
                               value=float(health.get("failures") or 0))
     yield GaugeMetricFamily("undying_checkpoint_failing",
-                            "1 while the latest checkpoint save failed and none has succeeded since.",
-                            value=1.0 if health.get("failing") else 0.0)
+                            "1 while the latest checkpoint save failed and none has succeeded "
+                            "since.", value=1.0 if health.get("failing") else 0.0)
     last = checkpoints.get("last") or checkpoints.get("resumed_from") or {}
     behind = GaugeMetricFamily("undying_checkpoint_steps_behind",
-                               "Committed steps newer than the newest checkpoint: what a restart from disk re-runs.")
+                               "Committed steps newer than the newest checkpoint: what a restart "
+                               "from disk re-runs.")
     last_step = GaugeMetricFamily("undying_checkpoint_last_step",
                                   "The step of the newest checkpoint saved (or resumed from).")
     if isinstance(last.get("step"), int):
@@ -134,24 +144,28 @@ def _checkpoints(checkpoints: Mapping[str, Any], step: int, history: RunHistory)
     if isinstance((checkpoints.get("last") or {}).get("bytes"), int):
         size.add_metric([], float(checkpoints["last"]["bytes"]))
     yield size
-    yield CounterMetricFamily("undying_checkpoint_written_bytes", "Bytes written by every checkpoint saved.",
+    yield CounterMetricFamily("undying_checkpoint_written_bytes",
+                              "Bytes written by every checkpoint saved.",
                               value=float(history.bytes_written))
     yield _histograms("undying_checkpoint_save_seconds",
-                      "Seconds of each save: the training loop's stall (part=blocking, the copy) and the write "
-                      "beside training (part=write).", "part", history.save_seconds)
+                      "Seconds of each save: the training loop's stall (part=blocking, the copy) "
+                      "and the write beside training (part=write).", "part", history.save_seconds)
 
 
 def _ranks(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
     alive = sum(1 for r in ranks if r.get("state") in _ALIVE and r.get("pid"))
-    yield GaugeMetricFamily("undying_ranks_alive", "Ranks with a live process (starting, running or recovering).",
+    yield GaugeMetricFamily("undying_ranks_alive",
+                            "Ranks with a live process (starting, running or recovering).",
                             value=float(alive))
     by_state = Counter(str(r.get("state")) for r in ranks)
     states = GaugeMetricFamily("undying_ranks", "Ranks in each state.", labels=["state"])
     for s in RankState:
         states.add_metric([s.value], float(by_state.get(s.value, 0)))
     yield states
-    step = GaugeMetricFamily("undying_rank_step", "The last step each rank committed.", labels=["rank"])
-    restarts = CounterMetricFamily("undying_rank_restarts", "Times each rank was replaced.", labels=["rank"])
+    step = GaugeMetricFamily("undying_rank_step", "The last step each rank committed.",
+                             labels=["rank"])
+    restarts = CounterMetricFamily("undying_rank_restarts", "Times each rank was replaced.",
+                                   labels=["rank"])
     for r in ranks:
         step.add_metric([str(r.get("rank"))], float(r.get("step") or 0))
         restarts.add_metric([str(r.get("rank"))], float(r.get("restarts") or 0))
@@ -163,26 +177,30 @@ def _steps(status: Mapping[str, Any], history: RunHistory) -> Iterator[Metric]:
     # A gauge, not a counter: a whole-job restart from a checkpoint moves it back.
     yield GaugeMetricFamily("undying_step", "Steps completed by every rank (the job's step).",
                             value=float(status.get("step") or 0))
-    yield CounterMetricFamily("undying_rerun_steps", "Steps run again after a fault (the step in flight).",
+    yield CounterMetricFamily("undying_rerun_steps",
+                              "Steps run again after a fault (the step in flight).",
                               value=float(len(status.get("rerun_steps") or [])))
     times = [t for t in (status.get("step_times") or []) if len(t) == 2 and t[1] is not None]
-    last = GaugeMetricFamily("undying_last_step_seconds", "Duration of the last step every rank committed.")
+    last = GaugeMetricFamily("undying_last_step_seconds",
+                             "Duration of the last step every rank committed.")
     if times:
         last.add_metric([], float(times[-1][1]))
     yield last
     logged = GaugeMetricFamily("undying_step_value",
-                               "The newest completed step's values given to step.log (the mean over the ranks), "
-                               "by name: the first 8 names logged.", labels=["name"])
+                               "The newest completed step's values given to step.log (the mean "
+                               "over the ranks), by name: the first 8 names logged.",
+                               labels=["name"])
     for name, value in sorted(history.last_values.items()):
         logged.add_metric([name], value)
     yield logged
     yield _histograms("undying_step_seconds",
-                      "Seconds of each step of the job: from the last commit of the step before to the last "
-                      "commit of this one (every rank's).", None, {"": history.step_seconds})
+                      "Seconds of each step of the job: from the last commit of the step before to "
+                      "the last commit of this one (every rank's).", None,
+                      {"": history.step_seconds})
     yield _histograms("undying_rank_step_seconds",
-                      f"Seconds between a rank's consecutive commits; ranks 0-{LABELLED_RANKS - 1} each have "
-                      f"their own rank label, the ranks after them share rank=\"{LABELLED_RANKS}+\".",
-                      "rank", history.rank_step_seconds)
+                      f"Seconds between a rank's consecutive commits; ranks 0-{LABELLED_RANKS - 1} "
+                      "each have their own rank label, the ranks after them share "
+                      f"rank=\"{LABELLED_RANKS}+\".", "rank", history.rank_step_seconds)
 
 
 def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -190,14 +208,17 @@ def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
     # incident.
     kinds = Counter({k.value: 0 for k in IncidentKind})
     kinds.update(str(i.get("kind") or "") for i in incidents)
-    total = CounterMetricFamily("undying_incidents", "Incidents by fault kind (each kind from 0).", labels=["kind"])
+    total = CounterMetricFamily("undying_incidents", "Incidents by fault kind (each kind from 0).",
+                                labels=["kind"])
     for kind, n in sorted(kinds.items()):
         total.add_metric([kind], float(n))
     yield total
     # The action is decided after the incident opens (and may be escalated): counted once decided,
     # by the action.
-    actions = Counter((str(i.get("kind") or ""), str(i["action"])) for i in incidents if i.get("action"))
-    taken = CounterMetricFamily("undying_incident_actions", "Incidents by fault kind and the action decided.",
+    actions = Counter((str(i.get("kind") or ""), str(i["action"])) for i in incidents
+                      if i.get("action"))
+    taken = CounterMetricFamily("undying_incident_actions",
+                                "Incidents by fault kind and the action decided.",
                                 labels=["kind", "action"])
     for (kind, action), n in sorted(actions.items()):
         taken.add_metric([kind, action], float(n))
@@ -207,12 +228,14 @@ def _incidents(incidents: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
                             value=float(open_now))
     mttrs = [float(i["mttr_s"]) for i in incidents if isinstance(i.get("mttr_s"), (int, float))]
     yield _histogram(
-        "undying_recovery_seconds", "Seconds from a fault to the job's first completed step after it (MTTR).",
+        "undying_recovery_seconds",
+        "Seconds from a fault to the job's first completed step after it (MTTR).",
         mttrs, RECOVERY_BUCKETS,
     )
 
 
-def _histogram(name: str, doc: str, values: Sequence[float], bounds: Sequence[float]) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, values: Sequence[float],
+               bounds: Sequence[float]) -> HistogramMetricFamily:
     buckets: list[tuple[str, float]] = [
         (_le(b), float(sum(1 for v in values if v <= b))) for b in bounds
     ]
@@ -227,20 +250,23 @@ def _le(bound: float) -> str:
 def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
     enabled = GaugeMetricFamily(
         "undying_trace_enabled",
-        "1 while the trace markers are on: step (with ckpt, fp and data) and comm switch separately.",
-        labels=["markers"],
+        "1 while the trace markers are on: step (with ckpt, fp and data) and comm switch "
+        "separately.", labels=["markers"],
     )
     for markers in ("step", "comm"):
         enabled.add_metric([markers], 1.0 if trace.get(markers) else 0.0)
     yield enabled
     yield GaugeMetricFamily(
-        "undying_trace_switch_error", "1 while the watched switch file is malformed (the last good setting holds).",
+        "undying_trace_switch_error",
+        "1 while the watched switch file is malformed (the last good setting holds).",
         value=1.0 if trace.get("error") else 0.0,
     )
 
 
-def _histograms(name: str, doc: str, label: str | None, histograms: Mapping[str, Histogram]) -> HistogramMetricFamily:
-    """A histogram family from ``RunHistory``'s counts, one series per label value (``label`` None: one series)."""
+def _histograms(name: str, doc: str, label: str | None,
+                histograms: Mapping[str, Histogram]) -> HistogramMetricFamily:
+    """A histogram family from ``RunHistory``'s counts, one series per label value (``label`` None:
+    one series)."""
     family = HistogramMetricFamily(name, doc, labels=[label] if label else [])
     for value, h in sorted(histograms.items(), key=lambda kv: (len(kv[0]), kv[0])):
         if label is None and not h.count:
@@ -253,10 +279,11 @@ def _histograms(name: str, doc: str, label: str | None, histograms: Mapping[str,
 
 def _goodput(history: RunHistory) -> Iterator[Metric]:
     ratio = GaugeMetricFamily("undying_goodput_ratio",
-                              "Share of the job's wall time spent on steps that count (ML Goodput), 0 to 1.")
+                              "Share of the job's wall time spent on steps that count (ML "
+                              "Goodput), 0 to 1.")
     lost = GaugeMetricFamily("undying_goodput_lost_seconds",
-                             "Wall time that did not go to steps that count, by cause (start-up, recovery, ...).",
-                             labels=["cause"])
+                             "Wall time that did not go to steps that count, by cause (start-up, "
+                             "recovery, ...).", labels=["cause"])
     if history.goodput is not None:
         share, losses = history.goodput
         ratio.add_metric([], share)
@@ -267,14 +294,16 @@ def _goodput(history: RunHistory) -> Iterator[Metric]:
 
 
 def new_registry(status: StatusSource, history: RunHistory | None = None) -> CollectorRegistry:
-    """A registry of its own holding one collector over ``status`` (and the run's ``history``, if given)."""
+    """A registry of its own holding one collector over ``status`` (and the run's ``history``, if
+    given)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(status, history))
     return registry
 
 
 def metric_names(registry: CollectorRegistry) -> set[str]:
-    """Every sample name ``registry`` can expose (``_total``, ``_bucket``, ``_count``, ``_sum`` included)."""
+    """Every sample name ``registry`` can expose (``_total``, ``_bucket``, ``_count``, ``_sum``
+    included)."""
     names: set[str] = set()
     for family in registry.collect():
         names.add(family.name)

@@ -1,4 +1,5 @@
-"""What the manager shows: the job's status as one JSON object (the API, the page, the CLI and the metrics read it)."""
+"""What the manager shows: the job's status as one JSON object (the API, the page, the CLI and the
+metrics read it)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from undying.manager.tracing import TraceControl
 __all__ = ["job_status", "rank_views", "job_progress", "job_goodput"]
 
 
-def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption, recoveries: Recoveries,
-               regrouping: Regrouping, trace: TraceControl, standbys: list[dict[str, Any]]) -> dict[str, Any]:
+def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemption,
+               recoveries: Recoveries, regrouping: Regrouping, trace: TraceControl,
+               standbys: list[dict[str, Any]]) -> dict[str, Any]:
     config = core.config
     grace, basis = preemption.grace_period()
     incidents = [i.to_dict() for i in core.incidents]
@@ -37,7 +39,8 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "rerun_steps": sorted(core.book.rerun_steps),
         "spares_ready": sum(a.spares_ready() for a in core.agents.values()),
         "exit_reason": core.exit_reason,
-        "recovery_mode": "" if recoveries.step_api else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts),
+        "recovery_mode": ("" if recoveries.step_api
+                          else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)),
         "checkpoints": {
             "dir": checkpoints.dir,
             "last": checkpoints.last,
@@ -54,25 +57,30 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "goodput": job_goodput(core, incidents).to_dict(),
         "ranks": rank_views(core),
         "nodes": [a.view() for a in core.agents.values()],
-        "hosts_out": core.hosts.view(),  # drained or quarantined: no new ranks there (manager/placement/hosts.py)
+        # drained or quarantined: no new ranks there (manager/placement/hosts.py)
+        "hosts_out": core.hosts.view(),
         "standbys": standbys,  # parked agents with no node yet: where a lost or moved node goes
         "incidents": incidents,
     }
 
 
 def job_progress(core: JobCore) -> Progress:
-    """Step of total, epoch, rate, ETA and the last values given to ``step.log`` (``progress.compute``)."""
+    """Step of total, epoch, rate, ETA and the last values given to ``step.log``
+    (``progress.compute``)."""
     clock = core.clock
-    return compute(core.book.slowest_step(), clock.plan, clock.job_steps.recent, world_size=core.book.world_size,
+    return compute(core.book.slowest_step(), clock.plan, clock.job_steps.recent,
+                   world_size=core.book.world_size,
                    values=clock.job_steps.last_values, running=not core.winding_down)
 
 
 def job_goodput(core: JobCore, incidents: list[dict[str, Any]]) -> Goodput:
-    """The job's goodput so far (to its end once it ended), with its losses named (``goodput.account``)."""
+    """The job's goodput so far (to its end once it ended), with its losses named
+    (``goodput.account``)."""
     ended = core.state.terminal
     clock = core.clock
     return account(clock.ledger, incidents, clock.stalls, start=core.started_at,
-                   end=core.machine.since if ended else time.time(), ended=ended, folded_stall_s=clock.folded_stall_s)
+                   end=core.machine.since if ended else time.time(), ended=ended,
+                   folded_stall_s=clock.folded_stall_s)
 
 
 def rank_views(core: JobCore) -> list[dict[str, Any]]:
