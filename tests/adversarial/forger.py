@@ -5,7 +5,8 @@ first COUNT pre-step states the job writes there, it plants what made every
 rank load a forged state before (issue #25): the state itself replaced by one
 with every tensor zeroed (read by skipping whatever header the file has, as a
 stranger can), and a verdict of a mismatch for that step (so that the job rolls
-back to it). It holds no key: it writes plain ``torch.save`` files and plain
+back to it), and one more under a step no verifier answers (so one forged verdict
+is there to be read whatever the race with the verifier). It holds no key: it writes plain ``torch.save`` files and plain
 messages, and names them as the job does. Prints one JSON line: what it planted.
 """
 
@@ -59,10 +60,12 @@ def forge(folder: Path, count: int, seconds: float) -> dict[str, list[str]]:
             os.replace(tmp, pre)
             planted["states"].append(pre.name)
             verdict = VerifyResult(round_, int(step), 0, 1, False, [0], 0.001, time.time())
-            res = folder / f"res-{round_}-{step}.json"
-            tmp.write_bytes(VERIFY_CODEC.encode(verdict))
-            os.replace(tmp, res)
-            planted["verdicts"].append(res.name)
+            # The verdict under the step's own name races the verifier's (whose file replaces it);
+            # one for a step no verifier answers waits for rank 0's next look, however late.
+            for res in (folder / f"res-{round_}-{step}.json", folder / f"res-{round_}-{int(step) + 10**6}.json"):
+                tmp.write_bytes(VERIFY_CODEC.encode(verdict))
+                os.replace(tmp, res)
+                planted["verdicts"].append(res.name)
         time.sleep(0.005)
     return planted
 
