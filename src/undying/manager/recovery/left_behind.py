@@ -70,9 +70,7 @@ class LeftBehind:
         self.recoveries.tell_to_leave(previous, f"rank {info.rank} left behind: replace",
                                       abort=True)
         recovery.renew(record.generation)
-        recovery.replaced.add(info.rank)
-        recovery.ready.pop(info.rank, None)
-        core.spawn(info.rank, record, joining=True)
+        self.recoveries.replace_in_round(info.rank, record)
         for incident in recovery.incidents:
             if incident.status is IncidentStatus.OPEN:
                 left = incident.detail.setdefault("left_behind", [])

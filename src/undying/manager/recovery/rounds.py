@@ -234,9 +234,7 @@ class Recoveries:
                                abort=stuck or decision.action is Action.RETRY)
         self.current.renew(record.generation)
         if decision.action is Action.REPLACE:
-            self.current.replaced.add(incident.rank)
-            self.current.ready.pop(incident.rank, None)
-            warm = core.spawn(incident.rank, record, joining=True)
+            warm = self.replace_in_round(incident.rank, record)
             incident.detail["replacement"] = "warm spare" if warm else "new process"
             core.events.incident(incident)
         elif decision.action is Action.RESTART and self.restart_from is None:
@@ -245,6 +243,13 @@ class Recoveries:
             # (the plan that read the checkpoint named restart_from)
             assert self.restore_plan is not None
             self._restart_all(incident, record, self.restore_plan)
+
+    def replace_in_round(self, rank: int, record: GenerationRecord) -> bool:
+        """A new process for ``rank`` joins the round in ``record`` (True: a warm spare)."""
+        assert self.current is not None
+        self.current.replaced.add(rank)
+        self.current.ready.pop(rank, None)
+        return self.core.spawn(rank, record, joining=True)
 
     def tell_to_leave(self, previous: int, reason: str, *, abort: bool) -> None:
         """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at
