@@ -76,8 +76,9 @@ def test_a_finite_gradient_flip_is_found_at_its_step_and_rolled_back(oracle: Ora
     assert {v["step"] for v in verdicts if v["passed"]} >= set(range(1, at)), verdicts
 
 
-def test_a_stopped_verifier_never_blocks_a_step(tmp_path: Path) -> None:
-    """SIGSTOP the verifier as it starts: every step still commits, and the job says what went unverified."""
+def test_a_stopped_verifier_never_blocks_a_step_and_is_replaced(tmp_path: Path) -> None:
+    """SIGSTOP the verifier as it starts: every step still commits; 5 s on it is killed and replaced, the new
+    one verifies what still waits, and the job says what went unverified."""
     job = tmp_path / "job"
     args = ["--epochs", "1", "--samples", "5120"]  # 80 steps on 4 ranks: past the 64 verifications that may wait
     result: list[int] = []
@@ -106,13 +107,17 @@ def test_a_stopped_verifier_never_blocks_a_step(tmp_path: Path) -> None:
     with LogReader(job / "events.db") as reader:
         commits = reader.commit_times()
         overdue = reader.events("verify_overdue")
+        restarted = reader.events("verify_restarted")
         (summary,) = reader.events("verify_summary")
     assert {(r, s) for r, s, _ in commits} == {(r, s) for r in range(4) for s in range(1, 81)}
     assert len(commits) == 4 * 80  # every step committed once on every rank
     assert overdue and overdue[0].data["skipped"] >= 1, overdue
+    assert [(e.data["old_pid"], e.data["exit"]) for e in restarted] == [(pid, "killed by SIGKILL")], restarted
     data = summary.data
-    assert data["verified"] == 0 and data["passed"] == 0, data  # nothing counted as passed
-    assert data["skipped"] + data["not_done"] == 80 and data["skipped"] >= 16, data
+    assert data["restarts"] == 1 and not data["gave_up"] and data["mismatched"] == 0, data
+    assert data["verified"] >= 1 and data["passed"] == data["verified"], data  # the new one's work
+    assert data["verified"] + data["skipped"] + data["not_done"] + data["errors"] == 80, data
+    assert data["skipped"] >= 16, data  # past the 64 that may wait while it was stopped: never verified
 
 
 def test_a_killed_verifier_is_replaced_and_forged_verify_files_are_refused(

@@ -167,6 +167,7 @@ class Verification:
         self._deaths = 0  # the verifier's deaths since its last answer
         self._restarts = 0
         self._gave_up = ""  # why the verifier was given up on ("" while it is kept)
+        self._stopped_since: float | None = None  # since when it was seen stopped (SIGSTOP)
 
     # --- the loop's seams -------------------------------------------------------------
 
@@ -327,13 +328,11 @@ class Verification:
         owed = len(self._ledger.pending)
         ready = False
         while self._ledger.pending:
-            if (self._process is not None and self._process.poll() is not None
-                    and self._keep_verifier()):
+            if self._process is not None and self._keep_verifier():
                 # a new one: it takes the requests still in the folder
                 ready, last = False, time.monotonic()
-            if (self._process is None or self._process.poll() is not None
-                    or stopped(self._process.pid)):
-                return  # gone, or stopped (SIGSTOP): nothing will come; the summary says not done
+            if self._process is None or self._process.poll() is not None:
+                return  # gone for good: nothing will come; the summary says not done
             if not ready and (self.folder / f"ready-{self._process.pid}").exists():
                 ready, last = True, time.monotonic()  # up now: from here it answers or stalls
             have = self._files.answered(self._round_no)
@@ -353,6 +352,11 @@ class Verification:
         if process is None or self._gave_up:
             return False
         code = process.poll()
+        if code is None and self._stopped_too_long(process.pid):
+            log.warning("the verifier (pid %d) was stopped for %.0fs: killed, and replaced",
+                        process.pid, STALL_S)
+            process.kill()  # (SIGKILL ends a stopped process too)
+            code, self._stopped_since = process.wait(), None
         if code is None:
             return False
         self._deaths += 1
@@ -382,6 +386,14 @@ class Verification:
             "note": "the verifier died; a new one takes the requests still waiting in the "
                     "folder"}))
         return True
+
+    def _stopped_too_long(self, pid: int) -> bool:
+        """Stopped (SIGSTOP, a debugger) for STALL_S on: it answers nothing until it is replaced."""
+        if not stopped(pid):
+            self._stopped_since = None
+            return False
+        self._stopped_since = self._stopped_since or time.monotonic()
+        return time.monotonic() - self._stopped_since > STALL_S
 
     def _refuse(self, path: Path, error: ForgedFile) -> None:
         """A file that failed the job's MAC: removed unread, and said (the first few one by
