@@ -299,3 +299,16 @@ def test_a_manager_stalled_before_its_watch_first_ran_still_sees_its_stall(tmp_p
         assert server.clock.fresh() and server.clock.stalls == 1
 
     run(with_server(body, tmp_path, heartbeat_s=0.4))
+
+
+def test_a_judge_that_starts_late_counts_no_stall_before_its_start() -> None:
+    """A manager's watch built, then the job's start-up (seconds), then its loop: no stall, no warning."""
+    clocks = Clocks()
+    clock = judge(clocks)
+    clocks.advance(10.0)  # the start-up's work before the loop runs
+    clock.start()
+    running(clocks, clock, 1.0)
+    assert clock.stalls == 0 and clock.resumed == 0.0
+    clocks.advance(2.0)  # a real stall of the loop, once it runs
+    clock.tick()
+    assert clock.stalls == 1

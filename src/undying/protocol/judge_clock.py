@@ -94,6 +94,11 @@ class JudgeClock:
         self._window_s = value
         self.stall_s = stall_limit(self.period_s, value)
 
+    def start(self) -> None:
+        """The judge's loop starts now: the time before it (a start-up's work) is no stall of it."""
+        self._last_tick = None
+        self.tick()
+
     def tick(self) -> float:
         """One pass of the judge's loop; returns the gap since the previous tick.
 

@@ -54,11 +54,13 @@ class Watch:
         self.regrouping = regrouping
         self.clock = JudgeClock(WATCH_S, core.config.timeouts.heartbeat_timeout,
                                 "the manager's deadlines")
-        # (from its start: a manager paused before its watch first ran still sees that stall)
         self.clock.tick()
 
     def start(self) -> list[asyncio.Task[None]]:
-        """The watch and the flush, running until cancelled."""
+        """The watch and the flush, running until cancelled. The watch's clock counts from here: the
+        job's start-up before it (a zygote importing torch, the ranks spawned) is no stall of the
+        manager's, and warned of none."""
+        self.clock.start()
         return [asyncio.create_task(self._watch()), asyncio.create_task(self._flush_periodically())]
 
     async def _watch(self) -> None:
