@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 from undying.inputs import env_value
 from undying.protocol.env import VERBOSE_ENV
@@ -39,7 +40,7 @@ def show_launcher_log(verbose: bool) -> None:
     logging.getLogger(SHOWN_LOG).setLevel(logging.INFO)
 
 
-class _UnlessTheScriptLogs(logging.StreamHandler):  # type: ignore[type-arg]
+class _UnlessTheScriptLogs(logging.StreamHandler[TextIO]):
     """A rank's stderr for undying's INFO lines, while the script has no handler of its own on the
     root logger (once it has, the lines reach it there, and are shown once)."""
 
