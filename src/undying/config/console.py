@@ -60,7 +60,4 @@ def show_rank_log() -> None:
         handler = _UnlessTheScriptLogs()
         handler.setFormatter(logging.Formatter(_FORMAT, _DATE))
         ours.addHandler(handler)
-    elif not verbose:
-        for handler in [h for h in ours.handlers if isinstance(h, _UnlessTheScriptLogs)]:
-            ours.removeHandler(handler)
 
