@@ -71,6 +71,7 @@ from undying.protocol.env import (
     TRACE_DIR_ENV,
     TRACE_MAX_DIR_MB_ENV,
     TRACE_MAX_FILE_MB_ENV,
+    VERBOSE_ENV,
     VERIFY_EVERY_ENV,
     VERIFY_SERVE_DIR_ENV,
     VIRTUAL_RANKS_ENV,
@@ -381,6 +382,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar(STORE_ADDR_ENV, _address, _OWN),
     EnvVar(JOINING_ENV, _choice("0", "1"), _OWN),
     EnvVar(BACKEND_ENV, _choice("gloo", "nccl"), _OWN),
+    EnvVar(VERBOSE_ENV, _choice("0", "1"), "undying -v run sets it to 1"),
     EnvVar(JOB_ID_ENV, _job_id, _OWN, blank=False),
     # (a process with it set serves as the job's verifier: never one a launcher starts)
     EnvVar(VERIFY_SERVE_DIR_ENV, _none, "set by undying for its verifier; unset it"),

@@ -130,9 +130,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _run_argv(job_dir: Path, ranks: int, extra_run_args: list[str] | None, script: Path,
-              script_args: list[str]) -> list[str]:
+              script_args: list[str], verbose: bool = False) -> list[str]:
     return [
-        sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0",
+        sys.executable, "-m", "undying", *(["-v"] if verbose else []), "run", "-n", str(ranks),
+        "--port", "0",
         "--job-dir", str(job_dir), "--job-id", job_dir.name, "--stop-grace", "3",
         *(extra_run_args or []), str(script), *script_args,
     ]
@@ -216,14 +217,15 @@ def run_job(job_dir: Path, script_args: list[str], *, ranks: int = RANKS,
             fault: FaultPlan | None = None, faults: Sequence[FaultPlan] = (),
             timeout_s: float = 120.0, extra_run_args: list[str] | None = None,
             log_file: Path | None = None,
-            script: Path = TRAIN_SCRIPT, when_warm: bool = False) -> int:
+            script: Path = TRAIN_SCRIPT, when_warm: bool = False, verbose: bool = False) -> int:
     """Run ``undying run`` on the demo script to its end; arm the faults once the manager is up.
 
     With ``when_warm`` the faults wait until the job runs with a warm spare, and
-    their ``at_step`` counts from the step the job is at then.
+    their ``at_step`` counts from the step the job is at then; with ``verbose``, ``undying -v
+    run``.
     """
     planned = [*([fault] if fault is not None else []), *faults]
-    argv = _run_argv(job_dir, ranks, extra_run_args, script, script_args)
+    argv = _run_argv(job_dir, ranks, extra_run_args, script, script_args, verbose)
     log_path = log_file or job_dir.parent / f"{job_dir.name}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

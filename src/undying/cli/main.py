@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
-import logging
 import sys
 from typing import NoReturn
 
 from undying import __version__
 from undying.cli import chaos, checkpoints, demo, diagnose, inject, k8s, manager, run, status, trace
 from undying.cli import migrate as moves
+from undying.config import show_launcher_log
 from undying.errors import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "dead ranks are replaced, only the step in flight is re-run.",
     )
     parser.add_argument("--version", action="version", version=f"undying {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more (to stderr)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log more (to stderr): every INFO line, the ranks' own too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run.add_parser(sub)
     manager.add_parser(sub)
@@ -80,12 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="[undying %(asctime)s %(levelname)s] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    # WARNING and the INFO lines people read (a recovery's), or every INFO line with -v.
+    show_launcher_log(args.verbose)
     try:
         return int(args.func(args))
     except UsageError as e:

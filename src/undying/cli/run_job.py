@@ -17,7 +17,7 @@ from undying.cli.run_config import config_from_args, numerics_env
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
 from undying.inputs import check_environment, check_every
-from undying.protocol.env import NUMERICS_ENV, VERIFY_EVERY_ENV, VIRTUAL_RANKS_ENV
+from undying.protocol.env import NUMERICS_ENV, VERBOSE_ENV, VERIFY_EVERY_ENV, VIRTUAL_RANKS_ENV
 from undying.user_files import check_folder, open_user_file
 
 __all__ = ["run", "check_script", "refuse_inherited_keys"]
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
                              "ranks: each rank runs at least one virtual rank; raise "
                              "--virtual-ranks or run fewer ranks")
         os.environ[VIRTUAL_RANKS_ENV] = str(args.virtual_ranks)
+    if getattr(args, "verbose", False):  # `undying -v run`: the ranks show their INFO lines too
+        os.environ[VERBOSE_ENV] = "1"  # (config.console reads it in each rank)
     if args.verify_every is not None:  # the workers inherit it (worker.verify reads it)
         os.environ[VERIFY_EVERY_ENV] = str(check_every(args.verify_every))
     # The workers inherit it (worker.numerics reads it).

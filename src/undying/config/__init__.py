@@ -15,15 +15,19 @@ the first one saw; no other is sent.
 
 The modules, one concern each: ``job`` (``JobConfig``, ``LaunchConfig``), ``timeouts``,
 ``sections`` (the checkpoint's and the trace's), ``manager`` (``undying manager``'s options,
-the sockets' limits) and ``exits`` (a worker's exit codes and the files it leaves in the job
-dir). This package is the surface the roles, the CLI and users import from: ``__all__`` (at
-most 15 names) lists the settings, and the other constants imported from here (the rest of the
-exit codes and the worker's files, the auto step timeout's bounds) are re-exported by name
-(``from ... import X as X``).
+the sockets' limits), ``console`` (which log lines reach the terminal) and ``exits`` (a
+worker's exit codes and the files it leaves in the job dir). This package is the surface the
+roles, the CLI and users import from: ``__all__`` (at most 15 names) lists the settings, and the
+other constants imported from here (the rest of the exit codes and the worker's files, the auto
+step timeout's bounds, the console's log setup) are re-exported by name (``from ... import X as
+X``).
 """
 
 from __future__ import annotations
 
+from undying.config.console import SHOWN_LOG as SHOWN_LOG
+from undying.config.console import show_launcher_log as show_launcher_log
+from undying.config.console import show_rank_log as show_rank_log
 from undying.config.exits import ERROR_FILE as ERROR_FILE
 from undying.config.exits import EXIT_FENCED as EXIT_FENCED
 from undying.config.exits import EXIT_MIGRATED as EXIT_MIGRATED

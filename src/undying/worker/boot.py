@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     from undying.worker.streams import direct_streams
 
     direct_streams()  # --redirects, --tee, --local-ranks-filter: this rank's environment says where
+    from undying.config import show_rank_log
+
+    show_rank_log()  # undying's own lines: WARNING and above, INFO too under `undying -v`
     if kind == "--no-python":
         os.execvp(script, args)  # (the parent-death signal stays armed across exec)
     sys.argv = args

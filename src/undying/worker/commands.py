@@ -98,8 +98,9 @@ class Commands:
 
     def _on_abort(self, message: Abort) -> None:
         if message.generation == self.ctx.generation:
-            log.warning("rank %d: leaving generation %d: %s", self.ctx.rank, message.generation,
-                        message.reason)
+            # (INFO: a handled fault's detail, config/console.py)
+            log.info("rank %d: leaving generation %d: %s", self.ctx.rank, message.generation,
+                     message.reason)
             break_connections()
 
 

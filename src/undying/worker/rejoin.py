@@ -160,7 +160,9 @@ class Rejoin:
         ctx = self.ctx
         assert ctx.env is not None
         ctx.faults.check("recovery", ctx.current_step)
-        log.warning("job %s gen %d rank %d step %d: collective failed (%s); recovering",
+        # (INFO: the manager says the fault and its recovery in one line each; the error's words
+        # are in the comm_failure event, status and the page; `undying -v` shows this line.)
+        log.info("job %s gen %d rank %d step %d: collective failed (%s); recovering",
                     ctx.env.job_id, ctx.generation, ctx.rank, ctx.current_step, ctx.abort_reason)
         self._comm_failure()
         state.discard_gradients()

@@ -30,6 +30,7 @@ from undying.checkpoint.planner.holdings import (
     plan,
     ring_replica_of,
 )
+from undying.config import SHOWN_LOG
 from undying.jobfiles.records import (
     Incident,
     IncidentKind,
@@ -48,6 +49,7 @@ from undying.protocol.generations import GenerationRecord
 __all__ = ["Recoveries"]
 
 log = logging.getLogger("undying.manager")
+shown = logging.getLogger(SHOWN_LOG)  # (a line a person reads at INFO: the launcher shows it)
 
 
 class Recoveries:
@@ -411,9 +413,10 @@ class Recoveries:
             incident.detail["generation"] = recovery.generation
             incident.detail["restored_step"] = recovery.restored_step
             core.events.incident(incident)
-            log.warning("job %s gen %d: recovered from %s of rank %d in %.3fs (restored step %d)",
-                        core.config.job_id, recovery.generation, incident.kind, incident.rank,
-                        incident.mttr_s or -1.0, recovery.restored_step)
+            # (INFO, shown: the fault was the warning; config/console.py)
+            shown.info("job %s gen %d: recovered from %s of rank %d in %.2f s, restored step %d",
+                       core.config.job_id, recovery.generation, incident.kind, incident.rank,
+                       incident.mttr_s or -1.0, recovery.restored_step)
         self.current = None
         if core.state is JobState.RECOVERING:
             core.move(JobState.RUNNING)
