@@ -256,7 +256,7 @@ def test_an_unchanged_script_gets_a_whole_group_restart_and_resumes_from_its_sna
     head, *rest = text[text.rindex("\nundying: job ") + 1:].splitlines()
     summary = [head, *rest[:next(n for n, line in enumerate(rest) if not line.startswith(" "))]]
     flat = " ".join(line.strip() for line in summary)
-    assert "succeeded: wall time" in flat and "1 whole-group restart" in flat, summary
+    assert "succeeded: wall time" in flat and "whole-group restarts: 1 (at most 3" in flat, summary
     assert "crash of rank 1 (killed by SIGKILL); all 2 ranks started again" in flat, summary
     assert "incidents: 1, 1 recovered" in flat and "succeeded: 1 whole-group restart(s), 1 incident(s) recovered" \
         in text, text[-3000:]

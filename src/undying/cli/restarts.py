@@ -57,7 +57,9 @@ def _cause(incident: Mapping[str, Any]) -> str:
     said = error[0] if error else ""
     if len(said) > _ERROR_CHARS:
         said = said[: _ERROR_CHARS - 1] + "…"
-    return f"{incident.get('kind')} of rank {incident.get('rank')}" + (f" ({said})" if said else "")
+    rank = incident.get("rank")
+    whose = f"rank {rank}" if isinstance(rank, int) and rank >= 0 else "the job"
+    return f"{incident.get('kind')} of {whose}" + (f" ({said})" if said else "")
 
 
 def _outcome(found: Round, *, world_size: int, restarts: int, max_restarts: int | None) -> str:
@@ -67,6 +69,8 @@ def _outcome(found: Round, *, world_size: int, restarts: int, max_restarts: int 
         later = f" {duration(found.after_s)} later" if found.after_s is not None else ""
         return f"{who} started again{later} (restart {found.restart})"
     if status == "failed":
+        if max_restarts == 0:
+            return "not restarted: the job failed (--max-restarts 0)"
         used_up = max_restarts is not None and restarts >= max_restarts
         return "not restarted: the job failed" + (
             f" (--max-restarts {max_restarts} used up)" if used_up else "")
@@ -98,10 +102,7 @@ def no_step_summary(job: Mapping[str, Any], incidents: Sequence[Mapping[str, Any
     the restarts with their causes, the incident count, and where the details are."""
     config = job.get("config") or {}
     max_restarts = config.get("max_restarts")
-    found = rounds(incidents)
-    restarts = sum(1 for r in found if r.restart is not None)
-    head = (f"undying: job {job.get('job_id')} {job.get('state', '?')}: wall time "
-            f"{duration(wall_s)}, {restarts} whole-group restart{'s' if restarts != 1 else ''}")
+    head = f"undying: job {job.get('job_id')} {job.get('state', '?')}: wall time {duration(wall_s)}"
     lines = wrapped(head, "", "  ")
     lines.extend(wrapped(NO_STEPS, "  ", "    "))
     lines.extend(restart_lines(incidents, started_at=float(job.get("started_at") or 0.0),
@@ -109,5 +110,8 @@ def no_step_summary(job: Mapping[str, Any], incidents: Sequence[Mapping[str, Any
                                max_restarts=int(max_restarts) if max_restarts is not None
                                else None))
     lines.append("  " + incidents_line(incidents))
+    for other in (i for i in incidents if not int(i.get("recovery") or 0)):  # (of no round)
+        lines.extend(wrapped(f"#{other.get('id')} {_cause(other)}: {other.get('action') or '-'}, "
+                             f"{other.get('status')}", "    ", "      "))
     lines.extend(wrapped(f"details: undying status --job-dir {job_dir}", "  ", "    "))
     return lines
