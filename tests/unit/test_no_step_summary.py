@@ -189,3 +189,20 @@ def test_incidents_of_one_round_are_one_restart(tmp_path: Path) -> None:
     [only] = rounds(both)
     assert only.restart == 1 and only.after_s == 0.2 and [i["id"] for i in only.incidents] == [1, 2]
     assert only.status == "recovered"
+
+
+def test_undying_status_of_the_running_job_says_how_long_it_runs_and_its_restarts(tmp_path: Path) -> None:
+    """The manager's live status (what `undying status` and --watch draw while the job runs)."""
+    manager, _ = torchrun_job(tmp_path)
+    crash(manager, 1, time.time())
+    status = {**manager.status(), "live": True}
+    manager.close()
+    assert status["has_steps"] is False and status["max_restarts"] == 3
+    out = io.StringIO()
+    render(status, Console(file=out, width=80, color_system=None, force_terminal=False))
+    text = out.getvalue()
+    flat = " ".join(line.strip() for line in text.splitlines())
+    assert "running for" in flat and "whole-group restarts: 1 (at most 3: --max-restarts)" in flat, text
+    assert "crash of rank 1 (killed by SIGKILL); all 2 ranks started again" in flat, text
+    for word in ("step 0", "goodput", "progress:", "ETA"):
+        assert word not in text, (word, text)
