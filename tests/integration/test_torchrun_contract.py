@@ -250,6 +250,19 @@ def test_an_unchanged_script_gets_a_whole_group_restart_and_resumes_from_its_sna
     losses = json.loads((faulty_out / "losses.json").read_text())
     assert losses == json.loads((clean_out / "losses.json").read_text()) and len(losses) == 7
     assert time.time() - killed < 120
+    # The end summary in the script's own terms: wall time, the one restart and its cause; no step,
+    # goodput or re-run line, and the launcher's count of recovered incidents is the summary's.
+    text = log.read_text()
+    head, *rest = text[text.rindex("\nundying: job ") + 1:].splitlines()
+    summary = [head, *rest[:next(n for n, line in enumerate(rest) if not line.startswith(" "))]]
+    flat = " ".join(line.strip() for line in summary)
+    assert "succeeded: wall time" in flat and "whole-group restarts: 1 (at most 3" in flat, summary
+    assert "crash of rank 1 (killed by SIGKILL); all 2 ranks started again" in flat, summary
+    assert "incidents: 1, 1 recovered" in flat and "succeeded: 1 whole-group restart(s), 1 incident(s) recovered" \
+        in text, text[-3000:]
+    assert all(len(line) <= 80 for line in summary if str(job_dir) not in line), summary
+    for word in ("step 0", "goodput", "re-run"):
+        assert word not in flat, (word, summary)
 
 
 KILLED_SCRIPT = textwrap.dedent("""

@@ -53,7 +53,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
 ]
 DECISION_MODULES = ("undying.manager.recovery.policy", "undying.manager.regroup.record", "undying.manager.membership.book",
                     "undying.manager.steps.clock", "undying.jobfiles.records", "undying.checkpoint.planner",
-                    "undying.jobfiles.progress", "undying.jobfiles.goodput", "undying.jobfiles.reruns",
+                    "undying.jobfiles.progress", "undying.jobfiles.goodput", "undying.jobfiles.reruns", "undying.jobfiles.restarts",
                     "undying.checkpoint.planner.holdings", "undying.checkpoint.planner.paths",
                     "undying.manager.regroup.policy", "undying.manager.preemption.policy", "undying.manager.standbys.policy")
 MAX_LINES = 600

@@ -29,6 +29,7 @@ from undying.cli.client import (
     readable_log,
     resolve_job_dir,
 )
+from undying.cli.restarts import logged_has_steps
 from undying.cli.status_view import TERMINAL, render, view
 from undying.cli.summary import (
     logged_account,
@@ -162,6 +163,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
     with readable_log(jd.events_db):
         account = logged_account(jd.events_db, step=step)
+        with LogReader(jd.events_db) as reader:
+            steps = logged_has_steps(reader)
     config = job.get("config") or {}
     max_restarts = config.get("max_restarts", JobConfig.max_restarts)
     return {
@@ -178,6 +181,9 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "exit_reason": exit_reason,
         "recovery_mode": "" if config.get("step_api", JobConfig.step_api) else
         WHOLE_GROUP_LINE.format(max_restarts=max_restarts),
+        # (a script that never calls job.steps: no step or goodput, its restarts instead)
+        "has_steps": steps,
+        "max_restarts": max_restarts,
         "preemption": job.get("preemption"),
         "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
         "ranks": data["ranks"],

@@ -17,6 +17,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from undying.cli.restarts import NO_STEPS, restart_lines, wrapped
 from undying.cli.summary import LOSS_WORDS, duration, goodput_line, verification_line
 
 __all__ = ["TERMINAL", "render", "view", "slow_finding"]
@@ -50,10 +51,13 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     if status.get("recovery_mode"):
         parts.append(Text("  " + str(status["recovery_mode"])))
     progress = status.get("progress") or {}
-    if progress:
-        parts.extend(_progress_lines(progress, bar=bar))
     goodput = status.get("goodput") or {}
-    if goodput.get("ratio") is not None:
+    steps = status.get("has_steps", True)
+    if not steps:  # (a torchrun script: its time and restarts, never "step 0" or "0.0%")
+        parts.extend(Text(line) for line in _no_step_lines(status, goodput))
+    if progress and steps:
+        parts.extend(_progress_lines(progress, bar=bar))
+    if goodput.get("ratio") is not None and steps:
         parts.append(Text(goodput_line(goodput)))
     parts.extend(_checkpoint_lines(status))
     if status.get("verification"):
@@ -80,7 +84,7 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
         parts.append(_trace_line(status.get("trace") or {}))
     if status.get("step_times"):
         parts.append(_step_time_line(status["step_times"]))
-    parts.append(_ranks_table(status.get("ranks") or []))
+    parts.append(_ranks_table(status.get("ranks") or [], steps=steps))
     for run in status.get("earlier_runs") or []:
         parts.append(Text(f"  earlier launch in this job dir: {run['log']}: {run['state']}, "
                           f"last step {run['step']}, {run['events']} events, "
@@ -89,7 +93,7 @@ def view(status: dict[str, Any], note: str = "", *, bar: bool = False) -> Group:
     if not incidents:
         parts.append(Text("no incidents"))
         return Group(*parts)
-    parts.append(_incidents_table(incidents))
+    parts.append(_incidents_table(incidents, steps=steps))
     for i in incidents:
         parts.extend(_incident_details(i, goodput))
     for i in incidents:
@@ -149,15 +153,29 @@ def _checkpoint_lines(status: dict[str, Any]) -> list[Text]:
     return lines
 
 
+def _no_step_lines(status: dict[str, Any], goodput: dict[str, Any]) -> list[str]:
+    """A script with no steps: its time so far (or in all) and its whole-group restarts, why."""
+    running = status.get("live") and status.get("state") not in TERMINAL
+    time_words = f"{'running for' if running else 'wall time'} {duration(goodput.get('wall_s'))}"
+    lines = wrapped(f"{time_words}; {NO_STEPS}", "  ", "    ")
+    max_restarts = status.get("max_restarts")
+    return lines + restart_lines(status.get("incidents") or [],
+                                 started_at=float(status.get("started_at") or 0.0),
+                                 world_size=int(status.get("world_size") or 1),
+                                 max_restarts=int(max_restarts) if max_restarts is not None
+                                 else None)
+
+
 def _header(status: dict[str, Any]) -> Text:
     started = status.get("started_at")
     live = status.get("live")
     running = live and status.get("state") not in TERMINAL
     age = f", running {time.time() - started:.0f}s" if started and running else ""
+    step = f", step {status.get('step')}" if status.get("has_steps", True) else ""
     return Text.assemble(
         (f"job {status.get('job_id')}", "bold"),
         f": {status.get('state')}, generation {status.get('generation')}, "
-        f"{status.get('world_size')} ranks, step {status.get('step')}{age}",
+        f"{status.get('world_size')} ranks{step}{age}",
         "" if live else " (from the event log; the launcher is not running)",
     )
 
@@ -204,10 +222,10 @@ def _step_time_line(step_times: Sequence[Sequence[float]], width: int = 40) -> T
     )
 
 
-def _ranks_table(ranks: Sequence[dict[str, Any]]) -> Table:
+def _ranks_table(ranks: Sequence[dict[str, Any]], *, steps: bool = True) -> Table:
     # The phase column appears when the manager reports phases, so older output stays as it was.
     keys = ["rank", "node", "state", *(["phase"] if any("phase" in r for r in ranks) else []),
-            "step", "generation", "pid", "restarts"]
+            *(["step"] if steps else []), "generation", "pid", "restarts"]
     headers = {"generation": "gen", "restarts": "restarts"}
     table = Table(title="ranks")
     for k in keys:
@@ -217,16 +235,16 @@ def _ranks_table(ranks: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
-def _incidents_table(incidents: Sequence[dict[str, Any]]) -> Table:
+def _incidents_table(incidents: Sequence[dict[str, Any]], *, steps: bool = True) -> Table:
     """One row per incident, short cells only; its timeline and findings follow on lines of their
-    own."""
+    own. ``steps`` False: the script has none, and the step cell says so ("-")."""
     table = Table(title="incidents")
     for header in ("#", "kind", "rank", "step", "action", "status", "MTTR s"):
         table.add_column(header, overflow="fold")
     for i in incidents:
         mttr = "-" if i.get("mttr_s") is None else f"{i['mttr_s']:.3f}"
-        cells = (i["id"], i["kind"], i["rank"], i["step"], i.get("action") or "-", i["status"],
-                 mttr)
+        cells = (i["id"], i["kind"], i["rank"], i["step"] if steps else "-",
+                 i.get("action") or "-", i["status"], mttr)
         table.add_row(*(Text(str(c)) for c in cells))
     return table
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from undying.cli.restarts import incidents_line, logged_has_steps, no_step_summary
+from undying.cli.words import duration
 from undying.errors import UsageError
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.goodput import Goodput, Stall, StepLedger, account
@@ -85,21 +87,6 @@ def logged_account(path: Path, *, step: int | None = None) -> Account:
 
 
 # --- words ------------------------------------------------------------------
-
-
-def duration(seconds: float | None) -> str:
-    """Seconds as a person reads them: 0.42 s, 41.2 s, 12 min 5 s, 3 h 4 min."""
-    if seconds is None:
-        return "-"
-    if seconds < 10:
-        return f"{seconds:.2f} s"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
 
 
 def loss_words(goodput: dict[str, Any], *, least: float = 0.0005) -> str:
@@ -179,13 +166,16 @@ def end_summary(job_dir: str | Path) -> list[str]:
     with LogReader(jd.events_db) as reader:
         job = reader.job()
         incidents = reader.incidents()
+        steps = logged_has_steps(reader)
     account_ = logged_account(jd.events_db)
     goodput = account_.goodput.to_dict()
     progress = account_.progress
     state = job.get("state", "?")
-    any_recovered = any(i.get("mttr_s") is not None for i in incidents)
+    any_recovered = any(i.get("status") == "recovered" for i in incidents)
     if state == "failed" and progress.step == 0 and not any_recovered:
         return []  # nothing trained and nothing recovered: the failure's own line says it all
+    if not steps:  # (a torchrun script: its wall time and restarts, never "step 0" or "0.0%")
+        return no_step_summary(job, incidents, wall_s=goodput["wall_s"], job_dir=jd.path)
     total = f" of {progress.total_steps}" if progress.total_steps is not None else ""
     lines = [f"undying: job {job.get('job_id')} {state}: step {progress.step}{total}, "
              f"wall time {duration(goodput['wall_s'])}"]
@@ -193,14 +183,8 @@ def end_summary(job_dir: str | Path) -> list[str]:
         shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(progress.values.items()))
         lines.append(f"  last values (step {progress.values_step}, mean over ranks): {shown}")
     lines.append("  " + goodput_line(goodput))
-    recovered = [i for i in incidents if i.get("mttr_s") is not None]
-    if incidents:
-        mttrs = [float(i["mttr_s"]) for i in recovered]
-        mean = f", mean MTTR {duration(sum(mttrs) / len(mttrs))}" if mttrs else ""
-        lines.append(f"  incidents: {len(incidents)}, {len(recovered)} recovered{mean}")
-        lines.extend("    " + incident_line(i, goodput) for i in incidents)
-    else:
-        lines.append("  incidents: none")
+    lines.append("  " + incidents_line(incidents))
+    lines.extend("    " + incident_line(i, goodput) for i in incidents)
     rerun = job.get("rerun_steps") or []
     lines.append(f"  steps re-run: {len(rerun)}" + (f" ({_steps_words(rerun)})" if rerun else ""))
     relaunch = job.get("relaunch_rerun")

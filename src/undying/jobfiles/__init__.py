@@ -10,7 +10,7 @@ reads them, ``log_rows``), and the
 records the log stores (``records``: the job's and the ranks' states,
 incidents, the job's state machine), and the pure computations over them that
 the manager and the command line both make (``progress``, ``goodput``,
-``reruns``).
+``reruns``, and ``restarts``: a script without steps in its own terms).
 
 What does not: anything that decides (the manager's policy, recovery,
 regroups), anything that serves (the manager's HTTP API and its check of a

@@ -165,9 +165,15 @@ def _never_lost(slot: NodeSlot, reason: str) -> None:
 def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
     recovered = [i for i in manager.incidents if i.status == "recovered"]
     if final is JobState.SUCCEEDED:
-        say(f"job {config.job_id} succeeded: {config.world_size} ranks, "
-            f"generation {manager.generation}, "
-            f"{len(recovered)} incident(s) recovered, {len(manager.rerun_steps)} step(s) re-run")
+        if manager.status().get("has_steps", True):
+            say(f"job {config.job_id} succeeded: {config.world_size} ranks, "
+                f"generation {manager.generation}, "
+                f"{len(recovered)} incident(s) recovered, "
+                f"{len(manager.rerun_steps)} step(s) re-run")
+        else:  # (a script that never calls job.steps: its faults restarted the group, no step)
+            restarts = len({i.recovery for i in recovered if i.action == "restart"})
+            say(f"job {config.job_id} succeeded: {restarts} whole-group restart(s), "
+                f"{len(recovered)} incident(s) recovered")
         if any(i.kind == "diverged" for i in manager.incidents):
             # A recovery that did not reproduce the run is not a plain success: the last line says
             # so.

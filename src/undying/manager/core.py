@@ -105,8 +105,11 @@ class JobCore:
         return record
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool,
-              resume_from: str = "") -> bool:
-        """Give ``rank`` a process; True when it was a warm spare."""
+              resume_from: str = "", restart: bool = False) -> bool:
+        """Give ``rank`` a process; True when it was a warm spare.
+
+        A replacement (``joining``) and a process of a restart of every rank (``restart``) count as
+        one of the rank's restarts (torchrun's TORCHELASTIC_RESTART_COUNT counts the latter)."""
         info = self.ranks[rank]
         # The rank now belongs to the process about to start: any older one is fenced out of every
         # later generation (it reads the owner before joining), even one on a host cut off
@@ -119,7 +122,7 @@ class JobCore:
         info.state = RankState.STARTING
         info.generation = record.generation
         info.last_seen = time.time()
-        if joining:
+        if joining or restart:
             info.restarts += 1
         self.events.event("spawned", generation=record.generation, rank=rank, pid=pid,
                           joining=joining, spare=warm)

@@ -311,7 +311,7 @@ class Recoveries:
         core.book.finished.clear()
         for info in core.ranks.values():
             self.current.replaced.add(info.rank)
-            core.spawn(info.rank, record, joining=False)
+            core.spawn(info.rank, record, joining=False, restart=True)
         started = time.time()
         incident.detail.update({"restart": self.restarts,
                                 "replacement": "every rank: new processes"})
@@ -348,7 +348,8 @@ class Recoveries:
         for info in core.ranks.values():
             self.current.replaced.add(info.rank)
             self.current.ready.pop(info.rank, None)
-            core.spawn(info.rank, record, joining=False, resume_from=plan.checkpoint_path)
+            core.spawn(info.rank, record, joining=False, resume_from=plan.checkpoint_path,
+                       restart=True)
         lost = max(0, newest - ckpt.step)
         incident.detail.update({"checkpoint": ckpt.url, "checkpoint_step": ckpt.step,
                                 "lost_steps": lost, "restart": self.restarts})

@@ -113,7 +113,8 @@ def _job(status: Mapping[str, Any], job_id: str) -> Iterator[Metric]:
     restarts = (status.get("checkpoints") or {}).get("restarts") or 0
     yield CounterMetricFamily(
         "undying_job_restarts",
-        "Whole-job restarts from a checkpoint (the last rung before failing).",
+        "Restarts of every rank: from a checkpoint (the last rung before failing), "
+        "or a whole-group restart of a script without the step API.",
         value=float(restarts),
     )
 
@@ -164,8 +165,9 @@ def _ranks(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
     yield states
     step = GaugeMetricFamily("undying_rank_step", "The last step each rank committed.",
                              labels=["rank"])
-    restarts = CounterMetricFamily("undying_rank_restarts", "Times each rank was replaced.",
-                                   labels=["rank"])
+    restarts = CounterMetricFamily("undying_rank_restarts",
+                                   "Times each rank got a new process after a fault (replaced, or "
+                                   "restarted with every rank).", labels=["rank"])
     for r in ranks:
         step.add_metric([str(r.get("rank"))], float(r.get("step") or 0))
         restarts.add_metric([str(r.get("rank"))], float(r.get("restarts") or 0))

@@ -10,6 +10,7 @@ from undying.config import WHOLE_GROUP_LINE
 from undying.jobfiles.goodput import Goodput, account
 from undying.jobfiles.progress import Progress, compute
 from undying.jobfiles.records import RankState
+from undying.jobfiles.restarts import has_steps
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
 from undying.manager.preemption import Preemption
@@ -41,6 +42,10 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
         "exit_reason": core.exit_reason,
         "recovery_mode": ("" if recoveries.step_api
                           else WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)),
+        # (a script that never calls job.steps: no step or goodput, its restarts instead)
+        "has_steps": has_steps(step_api=recoveries.step_api, planned=core.clock.plan is not None,
+                               committed=len(core.clock.ledger) > 0),
+        "max_restarts": config.max_restarts,
         "checkpoints": {
             "dir": checkpoints.dir,
             "last": checkpoints.last,
