@@ -183,7 +183,12 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
                 f"({health.last_os_error or health.last_error}); "
                 "a later one succeeded"))
     elif final is JobState.FAILED:
-        log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
+        # The last line is the reason, quoting the first failure; a traceback it carries comes
+        # before it.
+        head, _, details = manager.exit_reason.partition("\n")
+        if details.strip():
+            log.error("job %s: the failure's traceback:\n%s", config.job_id, details.rstrip())
+        log.error("job %s FAILED: %s", config.job_id, head)
     elif final is JobState.PREEMPTED:
         log.warning("job %s %s", config.job_id, manager.exit_reason)
         log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
