@@ -144,6 +144,7 @@ def test_a_failed_jobs_reason_quotes_its_first_failure() -> None:
                       "RuntimeError: CUDA error: an illegal memory access was encountered\nrank 1:\nTraceback ...")
     said = f"rank 1 exited (exited with code 1: {NO_DATA}); the whole group was already restarted"
     assert quote_first_failure(said, [failure(1)]) == said, "already quoted: said once"
+    assert quote_first_failure(said, [failure(0, NO_DATA.replace("3", "0"))]) == said, "numbers aside"
     assert quote_first_failure("a bad checkpoint dir", []) == "a bad checkpoint dir"
 
 

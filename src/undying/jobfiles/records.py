@@ -8,6 +8,7 @@ The manager decides with them (no asyncio, sqlite3 or torch here: a tested rule)
 from __future__ import annotations
 
 import enum
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -270,6 +271,10 @@ def quote_first_failure(reason: str, incidents: Sequence[Incident]) -> str:
     first = next((i for i in incidents if i.kind in _FAULTS), None)
     head, newline, rest = reason.partition("\n")
     words = (first.detail.get("raised") or first.error).strip() if first is not None else ""
-    if first is None or not words or words in head:
-        return reason
+    if first is None or not words or _numberless(words) in _numberless(head):
+        return reason  # (quoted already, numbers aside: rank 1's error as rank 0's words say it)
     return f"{head}; first failure: {first.kind} of rank {first.rank}: {words}{newline}{rest}"
+
+
+def _numberless(words: str) -> str:
+    return re.sub(r"\d+", "#", words)

@@ -183,12 +183,9 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
                 f"({health.last_os_error or health.last_error}); "
                 "a later one succeeded"))
     elif final is JobState.FAILED:
-        # The last line is the reason, quoting the first failure; a traceback it carries comes
-        # before it.
-        head, _, details = manager.exit_reason.partition("\n")
-        if details.strip():
-            log.error("job %s: the failure's traceback:\n%s", config.job_id, details.rstrip())
-        log.error("job %s FAILED: %s", config.job_id, head)
+        # The last line: the reason, quoting the first failure. A traceback it carries is not
+        # repeated here: the manager's "failed" line just showed it (the log and status keep it).
+        log.error("job %s FAILED: %s", config.job_id, manager.exit_reason.partition("\n")[0])
     elif final is JobState.PREEMPTED:
         log.warning("job %s %s", config.job_id, manager.exit_reason)
         log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))
