@@ -12,7 +12,7 @@ from undying.manager.manager import Manager
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.worker_wire import Hello, StepCommitted
 
-__all__ = ["FakeAgent", "running"]
+__all__ = ["FakeAgent", "running", "starting"]
 
 
 class FakeAgent:
@@ -71,4 +71,22 @@ def running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, FakeAgent]:
         manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
         for step in range(1, 5):
             manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
+    return manager, agent
+
+
+def starting(tmp_path: Path, ranks: int = 2, *, step_api: bool = True,
+             max_restarts: int = 3) -> tuple[Manager, FakeAgent]:
+    """A job of ``ranks`` ranks that committed no step yet: every process started (and, with the
+    step API, said hello)."""
+    manager = Manager(JobConfig(job_id="s", job_dir=str(tmp_path), nproc_per_node=ranks, port=0,
+                                step_api=step_api, max_restarts=max_restarts),
+                      EventLog(tmp_path / "e.db"))
+    manager.start_control_store(os.urandom(32))
+    agent = FakeAgent()
+    manager.add_agent(cast(Any, agent))
+    record = manager.core.open_generation("start")
+    for rank in range(ranks):
+        manager.core.spawn(rank, record, joining=False)
+        if step_api:
+            manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
     return manager, agent

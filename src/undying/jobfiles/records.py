@@ -8,12 +8,14 @@ The manager decides with them (no asyncio, sqlite3 or torch here: a tested rule)
 from __future__ import annotations
 
 import enum
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 __all__ = ["JobState", "RankState", "IllegalTransition", "JobStateMachine", "Incident",
-           "IncidentKind", "IncidentStatus", "IncidentDetail", "RankInfo"]
+           "IncidentKind", "IncidentStatus", "IncidentDetail", "RankInfo", "quote_first_failure"]
 
 
 class JobState(str, enum.Enum):
@@ -152,6 +154,10 @@ class IncidentDetail(TypedDict, total=False):
     pid: int
     node: int | str  # a node's number; a slow finding's host name
     injected: bool
+    # The exception the process raised (its report, or torchrun's error file), and whether it had
+    # committed no step yet: a start-up error (recovery/policy.certain_start).
+    raised: str
+    startup: bool
     # The decision and how it was carried out.
     reason: str
     restore_plan: str
@@ -247,3 +253,28 @@ class Incident:
             "traceback": self.traceback,
             "detail": self.detail,
         }
+
+
+# The faults of a rank's process (or its link, or its node): what a failed job's first failure is.
+_FAULTS = frozenset({IncidentKind.CRASH, IncidentKind.ERROR, IncidentKind.HANG,
+                     IncidentKind.COMM_ERROR, IncidentKind.NODE_LOSS, IncidentKind.SCRIPT_ERROR,
+                     IncidentKind.LEFT_EARLY})
+
+
+def quote_first_failure(reason: str, incidents: Sequence[Incident]) -> str:
+    """A failed job's reason, its first line quoting the job's first failure: the exception its rank
+    raised (else the failure's own words), unless the line quotes them already.
+
+    The first line is the one a person reads last (the launcher prints it after
+    the rest); the lines below it (a traceback) stay as they are.
+    """
+    first = next((i for i in incidents if i.kind in _FAULTS), None)
+    head, newline, rest = reason.partition("\n")
+    words = (first.detail.get("raised") or first.error).strip() if first is not None else ""
+    if first is None or not words or _numberless(words) in _numberless(head):
+        return reason  # (quoted already, numbers aside: rank 1's error as rank 0's words say it)
+    return f"{head}; first failure: {first.kind} of rank {first.rank}: {words}{newline}{rest}"
+
+
+def _numberless(words: str) -> str:
+    return re.sub(r"\d+", "#", words)

@@ -189,7 +189,9 @@ def _report(config: JobConfig, manager: Manager, final: JobState) -> None:
                 f"({health.last_os_error or health.last_error}); "
                 "a later one succeeded"))
     elif final is JobState.FAILED:
-        log.error("job %s FAILED: %s", config.job_id, manager.exit_reason)
+        # The last line: the reason, quoting the first failure. A traceback it carries is not
+        # repeated here: the manager's "failed" line just showed it (the log and status keep it).
+        log.error("job %s FAILED: %s", config.job_id, manager.exit_reason.partition("\n")[0])
     elif final is JobState.PREEMPTED:
         log.warning("job %s %s", config.job_id, manager.exit_reason)
         log.warning("job %s: %s", config.job_id, resume_line(manager.preemption or {}))

@@ -25,6 +25,7 @@ from undying.jobfiles.records import (
     JobStateMachine,
     RankInfo,
     RankState,
+    quote_first_failure,
 )
 from undying.manager.checkpoints import CheckpointHealth
 from undying.manager.membership import Generations, RankBook
@@ -147,7 +148,8 @@ class JobCore:
     def fail(self, reason: str) -> None:
         if self.winding_down:
             return
-        self.exit_reason = reason
+        # (its first line quotes the job's first failure: the exception, not only an exit code)
+        self.exit_reason = reason = quote_first_failure(reason, self.incidents)
         log.error("job %s failed: %s", self.config.job_id, reason)
         # at once: a fault reported meanwhile is no new incident to decide
         self.move(JobState.STOPPING)

@@ -226,6 +226,31 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
             sys.stderr.write(message + "\n")
             sys.stderr.flush()
         os._exit(EXIT_SCRIPT_ERROR)
+    except Exception as e:
+        _record(e)  # then the interpreter prints its traceback and exits 1, as it would
+        raise
+
+
+def _record(e: Exception) -> None:
+    """The script raised: leave the error in torchrun's error file, as its ``@record`` would.
+
+    The manager reads the file back when the rank's process ends (the failure
+    report quotes it, and a start-up error every rank raises the same way twice
+    in a row ends the job). A script decorated with ``@record`` wrote it first:
+    that one stands.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path:
+        return
+    import json
+
+    data = {"message": {"message": f"{type(e).__name__}: {e}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                                      "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
 
 
 def _returned() -> None:

@@ -44,6 +44,7 @@ class RankBook:
         self.rerun_steps: set[int] = set()
         self.finished: set[int] = set()
         self.incarnations = 0  # the newest process given a rank (see take)
+        self.stepped: set[int] = set()  # the processes (incarnations) that committed a step
         self._dirty: set[int] = set()
         log.before_flush(self._write_dirty)
         self.set_layout(list(nodes), persist=False)
@@ -96,6 +97,7 @@ class RankBook:
         if rerun:
             self.rerun_steps.add(step)
         self.committed[rank].add(step)
+        self.stepped.add(info.incarnation)
         moved = info.state is not RankState.RUNNING or info.generation != generation
         info.step, info.generation = step, generation
         info.state, info.last_seen = RankState.RUNNING, t
@@ -130,3 +132,6 @@ class RankBook:
             steps_of_rank = self.committed.get(info.rank)
             if steps_of_rank:
                 info.step = max(info.step, max(steps_of_rank))
+                # (whose commits they were is not logged: its process is taken to have stepped, so
+                # its failure is never judged a start-up one)
+                self.stepped.add(info.incarnation)

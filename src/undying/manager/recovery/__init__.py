@@ -3,7 +3,8 @@
 ``detection`` (an exit, a silence, a stall or a failed collective becomes an incident); ``leaving``
 (a rank that exits 0 early); ``policy`` (the recovery ladder, a pure function: incident and history
 to an action); ``rounds`` (``Recoveries``: the executor of that action and the round's timeline);
-``round_record`` (``Recovery``: one round's incidents, generation and phases);
+``round_record`` (``Recovery``: one round's incidents, generation and phases); ``starts`` (what a
+rank's process raised, from torchrun's error file, and a whole-group restart's previous attempt);
 ``reported`` (the faults a worker reports itself); ``watch`` (the manager's deadlines, each pass).
 
 Names are imported on first use (PEP 562): importing one module of this package, a pure decision

@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import signal
 import time
 from dataclasses import dataclass
 
-from undying.config import ERROR_FILE, EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE, worker_dir
+from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
 from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
 from undying.manager.recovery.leaving import Leavers
 from undying.manager.recovery.policy import stall_culprits
 from undying.manager.recovery.rounds import Recoveries
+from undying.manager.recovery.starts import error_file
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, Fatal
 
-__all__ = ["Detection", "ExitCause", "classify_exit", "describe_exit"]
+__all__ = ["Detection", "ExitCause", "classify_exit", "describe_exit", "error_file"]
 
 
 @dataclass(frozen=True)
@@ -101,26 +101,6 @@ def script_error(job_dir: str, rank: int) -> str:
     return f"the training script could not run: {where}; fix it and run the same command again"
 
 
-def error_file(job_dir: str, rank: int, incarnation: int) -> tuple[str, str]:
-    """The error and traceback a rank's process left in torchrun's error file (``@record`` writes
-    it), or ("", "").
-
-    torchrun reads the same file back into its failure report; so does the manager. A file
-    that is missing, unreadable or not torchrun's JSON says nothing (the exit code speaks).
-    """
-    path = os.path.join(worker_dir(job_dir, rank, incarnation), ERROR_FILE)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            data = json.loads(f.read(1 << 20))
-        message = data["message"]
-        if isinstance(message, str):
-            return message[:2000], ""
-        callstack = message.get("extraInfo", {}).get("py_callstack", "")
-        return str(message.get("message", ""))[:2000], str(callstack)[:20000]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return "", ""
-
-
 class Detection:
     def __init__(self, core: JobCore, recoveries: Recoveries) -> None:
         self.core = core
@@ -147,16 +127,21 @@ class Detection:
                               script_error=script_error(self.core.config.job_dir, info.rank)
                               if returncode == EXIT_SCRIPT_ERROR else "")
         error, traceback = found.error, found.traceback
+        raised = cause.fatal.error if cause.fatal else ""
         if not traceback and not cause.hung and not cause.lost:
             told, stack = error_file(self.core.config.job_dir, info.rank, info.incarnation)
             # torchrun's error file, as torchrun reads it: the error, by rank, with its traceback
             if told:
                 traceback = f"rank {info.rank}:\n{stack}" if stack else ""
-                error = f"{error}: {told}"
+                error, raised = f"{error}: {told}", told
         incident = self.recoveries.new_incident(kind=found.kind, rank=info.rank, step=info.step + 1,
                                                 fault_t=found.fault_t, detected_t=found.detected_t,
                                                 error=error, traceback=traceback)
         incident.detail.update({"returncode": returncode, "pid": pid, "node": info.node})
+        if raised and not (cause.hung or cause.lost or cause.injected):
+            # what the policy weighs of a start that fails the same way again (certain_start)
+            incident.detail.update({"raised": raised,
+                                    "startup": info.incarnation not in self.core.book.stepped})
         if cause.injected:
             incident.detail["injected"] = True
         self.recoveries.handle(incident)

@@ -7,13 +7,15 @@ and again is a bug, and the job stops with a report instead of looping.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from undying.jobfiles.records import Incident, IncidentKind
 from undying.protocol.node_wire import RankProgress
 
-__all__ = ["Action", "Decision", "PolicyContext", "WHOLE_GROUP", "decide", "stall_culprits"]
+__all__ = ["Action", "Decision", "PolicyContext", "WHOLE_GROUP", "decide", "certain_start",
+           "stall_culprits"]
 
 
 class Action(str, enum.Enum):
@@ -46,6 +48,15 @@ class PolicyContext:
     # The script uses undying's step API; False: it holds no state undying can move, so a fault
     # restarts the whole group (torchrun's recovery), up to max_restarts times.
     step_api: bool = True
+    # Some rank committed a step (False: the job has trained nothing yet, and a start of every rank
+    # from the beginning loses nothing).
+    trained: bool = True
+    # The ranks of the job (0: unknown, and no start-up failure is judged certain).
+    world_size: int = 0
+    # For a whole-group restart (no step API): the exception each process of the previous attempt
+    # raised, by rank ("" or absent: none it said), and those of this attempt's processes so far.
+    last_start: Mapping[int, str] = field(default_factory=dict)
+    this_start: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def step_limit(self) -> int:
@@ -66,9 +77,15 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     would run it either. A rank that left early (``left-early``) is replaced once; leaving early
     again fails the job: its script stops before the others' (an injected leave is no script's, and
     never counts so). A script that does not use the step API has one rung below failing: the whole
-    group restarts (``max_restarts`` times), as under torchrun."""
+    group restarts (``max_restarts`` times), as under torchrun, and so does every rank of a job
+    that lost them all before its first step with no checkpoint. A start-up error that every rank
+    raised the same way twice in a row (``certain_start``) fails at once, whatever the limits say: a
+    start raises it again."""
     if incident.kind is IncidentKind.SCRIPT_ERROR:
         return Decision(Action.FAIL, incident.error)
+    certain = certain_start(incident, history, ctx)
+    if certain:
+        return Decision(Action.FAIL, certain)
     if not ctx.step_api:
         return _restart_group(incident, ctx)
     if incident.kind is IncidentKind.LEFT_EARLY and not incident.detail.get("injected"):
@@ -89,6 +106,8 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     if ctx.holders_alive == 0:
         gone = ("every rank that held the training state is gone, so there is no peer to restore "
                 "from")
+        if ctx.checkpoint_step is None and not ctx.trained:
+            return _restart_start(incident, ctx)
         if ctx.checkpoint_step is None:
             return Decision(Action.FAIL,
                             f"{gone}, and there is no valid checkpoint to restart from; restart "
@@ -132,14 +151,75 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
     return Decision(Action.REPLACE, f"rank {incident.rank} {what}; a new process takes its place")
 
 
+def _shape(error: str) -> str:
+    """An exception's words with their numbers left out: rank 0's and rank 1's "rank 0 has no data"
+    are the same error."""
+    return re.sub(r"\d+", "#", error.strip())
+
+
+def certain_start(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) -> str:
+    """Why restarting after ``incident`` would fail again for sure, or "" (then the ladder decides).
+
+    A start-up failure (the process committed no step: ``detail["startup"]``)
+    with an exception (``detail["raised"]``) is certain when every rank raised
+    that exception (numbers aside) and this rank raised it twice in a row. With
+    the step API each rank's fault is an incident: every rank's latest one
+    before this must be that start-up error, this rank's too. A whole-group
+    restart kills the others at the first exit: their words are what their
+    processes left (``ctx.last_start``, the attempt before; ``ctx.this_start``,
+    this one), and every rank must have raised it in one of the two, this rank
+    in the attempt before. A different error, or one rank only, is a flaky
+    start: it gets its restarts.
+    """
+    raised = incident.detail.get("raised", "")
+    if not raised or not incident.detail.get("startup") or ctx.world_size < 1:
+        return ""
+    shape = _shape(raised)
+    others = [r for r in range(ctx.world_size) if r != incident.rank]
+    if ctx.step_api:
+        latest: dict[int, str] = {}
+        for earlier in history:
+            if earlier is not incident:
+                latest[earlier.rank] = (_shape(earlier.detail.get("raised", ""))
+                                        if earlier.detail.get("startup") else "")
+        certain = all(latest.get(r) == shape for r in [incident.rank, *others])
+    else:
+        certain = (_shape(ctx.last_start.get(incident.rank, "")) == shape
+                   and all(shape in (_shape(ctx.last_start.get(r, "")),
+                                     _shape(ctx.this_start.get(r, ""))) for r in others))
+    if not certain:
+        return ""
+    where = " before it committed a step" if ctx.step_api else ""
+    return (f"every rank raised the same error{where}, twice in a row: {raised.strip()}; a "
+            "restart would raise it again, so the job ends (whatever --max-restarts says): fix "
+            "it and run the same command again")
+
+
+def _restart_start(incident: Incident, ctx: PolicyContext) -> Decision:
+    """Every rank failed before the job's first step, with no checkpoint: nothing is lost if every
+    rank starts again from the beginning (a flaky start gets its restarts, ``max_restarts``)."""
+    words = f"rank {incident.rank} {_what(incident)} ({incident.error or incident.kind})"
+    if ctx.restarts >= ctx.max_restarts:
+        return Decision(Action.FAIL, f"{words} before the job's first step, and every rank was "
+                                     f"already started again {ctx.restarts} time(s) "
+                                     f"(--max-restarts {ctx.max_restarts})")
+    return Decision(Action.RESTART, f"{words}, and no rank holds state yet (the job trained no "
+                                    f"step): every rank starts again from the beginning (restart "
+                                    f"{ctx.restarts + 1} of at most {ctx.max_restarts})")
+
+
+def _what(incident: Incident) -> str:
+    return {IncidentKind.HANG: "hung and was killed",
+            IncidentKind.NODE_LOSS: "was lost with its node",
+            IncidentKind.COMM_ERROR: "lost its link"}.get(incident.kind, "exited")
+
+
 WHOLE_GROUP = "this script does not use undying's step API"
 
 
 def _restart_group(incident: Incident, ctx: PolicyContext) -> Decision:
     """torchrun's recovery for a script undying cannot recover in place: every rank starts again."""
-    what = {IncidentKind.HANG: "hung and was killed",
-            IncidentKind.NODE_LOSS: "was lost with its node",
-            IncidentKind.COMM_ERROR: "lost its link"}.get(incident.kind, "exited")
+    what = _what(incident)
     if ctx.restarts >= ctx.max_restarts:
         return Decision(
             Action.FAIL,

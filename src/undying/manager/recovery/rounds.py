@@ -44,6 +44,7 @@ from undying.manager.core import JobCore
 from undying.manager.recovery.leave_order import LeaveOrder
 from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
 from undying.manager.recovery.round_record import Recovery
+from undying.manager.recovery.starts import Attempts
 from undying.protocol.generations import GenerationRecord
 
 __all__ = ["Recoveries"]
@@ -60,6 +61,7 @@ class Recoveries:
         self.count = 0
         self.restarts = 0
         self.restart_from: Checkpoint | None = None
+        self.attempts = Attempts(core.config.job_dir)  # a whole-group restart's processes
         # the planner's word on the incident decided last
         self.restore_plan: RestorePlan | None = None
         # pid -> the incident and decision its exit carries on (a live rank escalated from retries,
@@ -177,13 +179,17 @@ class Recoveries:
         holders = self.holders_alive(incident.rank)
         if found is not None and found.needs_checkpoint and not self.checkpoints.sharded:
             holders = 0  # (sharded ranks roll back to the checkpoint in place: they live on)
+        # (what every rank's process raised at the whole group's starts: read only without steps)
+        last, this = self.attempts.words(core.ranks.values(), read=not self.step_api)
         decision = decide(
             incident, core.incidents,
             PolicyContext(core.config.max_restarts, holders, core.config.max_retries,
                           checkpoint_step=self.restart_from.step if self.restart_from else None,
                           restarts=self.restarts,
                           max_step_recoveries=core.config.max_step_recoveries,
-                          step_api=self.step_api,
+                          step_api=self.step_api, world_size=core.book.world_size,
+                          trained=core.book.newest_step() > 0,
+                          last_start=last, this_start=this,
                           # (a failed collective loses no process: its retry needs no state from
                           # anyone)
                           no_state=words if found is None
@@ -293,8 +299,8 @@ class Recoveries:
         return self.lingering(now, resumed)[1]
 
     def _restart_group(self, incident: Incident, record: GenerationRecord) -> None:
-        """torchrun's recovery for a script that does not use the step API: every rank starts again,
-        now.
+        """torchrun's recovery for a script that does not use the step API (or a job that lost every
+        rank before its first step): every rank starts again, now.
 
         Every live rank is killed (its peers of the old group would wait on the
         dead one forever) and every rank, a finished one too, gets a new
@@ -305,6 +311,7 @@ class Recoveries:
         core = self.core
         assert self.current is not None
         self.restarts += 1
+        self.attempts.restarting(core.ranks.values())
         for info in core.ranks.values():
             if info.state is not RankState.EXITED:
                 core.kill(info.rank)
