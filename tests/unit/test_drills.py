@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -246,11 +247,18 @@ def test_bad_waits_are_refused_by_name(capsys: pytest.CaptureFixture[str], argv:
     assert len(err.strip().splitlines()) == 1 and words in err, err
 
 
-def test_a_wait_that_sees_no_job_come_up_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    job_dir = tmp_path / "never"
-    assert main(["inject", "crash", "--rank", "0", "--wait", "0.3", "--job-dir", str(job_dir)]) == 2
+@pytest.mark.parametrize("where", ["--job-dir", "--manager"])
+def test_a_wait_that_sees_no_job_come_up_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 where: str) -> None:
+    if where == "--job-dir":
+        job = str(tmp_path / "never")
+    else:  # an address where nothing listens
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            job = f"127.0.0.1:{s.getsockname()[1]}"
+    assert main(["inject", "crash", "--rank", "0", "--wait", "0.3", where, job]) == 2
     err = capsys.readouterr().err
-    assert f"no job came up in 0.3 s at {job_dir}" in err and len(err.strip().splitlines()) == 1, err
+    assert f"no job came up in 0.3 s at {job}" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_conflict_is_a_usage_error() -> None:

@@ -149,7 +149,10 @@ def _connect(args: argparse.Namespace) -> Api:
     deadline = time.monotonic() + args.wait
     while True:
         try:
-            return connect(args.manager, args.job_dir, args.token_file)
+            api = connect(args.manager, args.job_dir, args.token_file)
+            if args.wait:  # (a --manager address is only a name until something answers there)
+                api.get("/api/status")
+            return api
         except JobNotRunningError:
             if time.monotonic() >= deadline:
                 if not args.wait:
