@@ -52,7 +52,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "or optimizer: a rank that leaves early, replaced)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None,
-                   help="fault when the rank reaches this step (default: now)")
+                   help="fault when the rank reaches this step (default: now); refused for a "
+                   "step the rank already committed, past the job's last step, or in a script "
+                   "without the step API (it has no steps)")
     p.add_argument(
         "--phase", choices=[p.value for p in (*InjectPhase, *SlowPhase)], default=None,
         help="where in the step: step (its start, the default with --at-step), forward, "
