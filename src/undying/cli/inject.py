@@ -156,15 +156,14 @@ def _connect(args: argparse.Namespace) -> Api:
                 api.get("/api/status")
             return api
         except JobNotRunningError:
-            if time.monotonic() >= deadline:
-                if not args.wait:
-                    raise
-                raise JobNotRunningError(f"no job came up in {args.wait:g} s at "
-                                         f"{args.manager or args.job_dir}; start it with "
-                                         "`undying run`, or wait longer (--wait)") from None
+            if not args.wait:
+                raise
         except UsageError:
             # (only a job dir the launcher has not made yet is waited for)
-            made = args.job_dir is None or Path(args.job_dir).exists()
-            if made or not args.wait or time.monotonic() >= deadline:
+            if not args.wait or args.job_dir is None or Path(args.job_dir).exists():
                 raise
+        if time.monotonic() >= deadline:
+            raise JobNotRunningError(f"no job came up in {args.wait:g} s at "
+                                     f"{args.manager or args.job_dir}; start it with "
+                                     "`undying run`, or wait longer (--wait)")
         time.sleep(0.2)
