@@ -20,9 +20,9 @@ from undying.errors import ConflictError
 from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.tokens import find_token
 
-# 2 epochs of 32 steps, slow enough that the job still trains when the refusals are asked for.
-JOB_ARGS = ["--epochs", "2", "--step-seconds", "0.1"]
-LAST = 64
+# 1 epoch of 32 steps, slow enough that the job still trains when the refusals are asked for.
+JOB_ARGS = ["--epochs", "1", "--step-seconds", "0.1"]
+LAST = 32
 AT_STEP = 8
 
 
