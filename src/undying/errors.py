@@ -10,6 +10,7 @@ __all__ = [
     "UndyingError",
     "UsageError",
     "JobNotRunningError",
+    "ConflictError",
     "RecoveryError",
     "NoStateSourceError",
     "GenerationSupersededError",
@@ -29,6 +30,11 @@ class UsageError(UndyingError):
 
 class JobNotRunningError(UsageError):
     """A command needed a running job and found none."""
+
+
+class ConflictError(UsageError):
+    """A well-formed request the job's state refuses (a drill for a step already passed, past the
+    job's end, or at a step of a script that has none). Exit code 2; HTTP 409."""
 
 
 class RecoveryError(UndyingError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from undying.errors import JobNotRunningError, UsageError
+from undying.errors import ConflictError, JobNotRunningError, UsageError
 from undying.inputs import check_manager_url, is_job_id
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.jobdir import JobDir
@@ -288,6 +288,8 @@ def _exchange(url: str, method: str, path: str, body: bytes | None, timeout: flo
         message = _message(raw, f"HTTP Error {response.status}: {response.reason}")
         if response.status == 401:
             raise AccessDeniedError(message)
+        if response.status == 409:  # well-formed, but the job's state refuses it now
+            raise ConflictError(message)
         raise UsageError(message)
     try:
         return json.loads(raw)

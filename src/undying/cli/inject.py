@@ -1,13 +1,22 @@
-"""``undying inject``: real faults into a running job, for chaos drills."""
+"""``undying inject``: real faults into a running job, for chaos drills.
+
+A drill the job could never take is refused in one line, exit 2 (the manager's
+409, ``manager.injection``): a step already passed (leave ``--at-step`` out to
+inject now), a step past the job's end, any armed fault in a script without
+the step API. ``--wait`` arms a drill before the job's first step: it waits for
+the job's manager to come up.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
-from undying.cli.client import add_job_arguments, connect
-from undying.errors import UsageError
+from undying.cli.client import Api, add_job_arguments, connect
+from undying.errors import JobNotRunningError, UsageError
 from undying.inputs import finite_arg
 from undying.protocol.kinds import HangHow, InjectKind, InjectPhase, SlowPhase
 
@@ -43,7 +52,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "or optimizer: a rank that leaves early, replaced)")
     p.add_argument("--rank", type=int, required=True, help="the rank to fault")
     p.add_argument("--at-step", type=int, default=None,
-                   help="fault when the rank reaches this step (default: now)")
+                   help="fault when the rank reaches this step (default: now); refused for a "
+                   "step the rank already committed, past the job's last step, or in a script "
+                   "without the step API (it has no steps)")
     p.add_argument(
         "--phase", choices=[p.value for p in (*InjectPhase, *SlowPhase)], default=None,
         help="where in the step: step (its start, the default with --at-step), forward, "
@@ -71,6 +82,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "grad-finite: the top mantissa bit of the gradient's largest value, which stays "
                    "finite and no spike (only `undying run --verify-every` finds it)")
     add_job_arguments(p)
+    p.add_argument("--wait", type=finite_arg("--wait"), default=0.0, metavar="SECONDS",
+                   help="wait up to SECONDS for the job's manager to come up, then inject: arms "
+                   "a drill before the job's first step (start the job meanwhile; needs "
+                   "--job-dir or --manager; default: the job must be running now)")
     p.add_argument("--json", action="store_true", help="print the manager's answer as JSON")
     p.set_defaults(func=run)
 
@@ -100,7 +115,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.phase in SlowPhase:
         raise UsageError(f"--phase {args.phase} applies to slow only; for {args.kind} choose one "
                          f"of {InjectPhase.names()}")
-    api = connect(args.manager, args.job_dir, args.token_file)
+    if not 0 <= args.wait <= _MAX_WAIT_S:
+        raise UsageError(f"--wait must be between 0 and {_MAX_WAIT_S:.0f} seconds, got "
+                         f"{args.wait:g}")
+    if args.wait and args.manager is None and args.job_dir is None:
+        raise UsageError("--wait needs --job-dir or --manager: a job not started yet has no "
+                         "folder to be found by")
+    api = _connect(args)
     body = {"kind": args.kind, "rank": args.rank, "at_step": args.at_step, "phase": args.phase,
             "how": args.how, "factor": args.factor}
     if args.kind == "bitflip":
@@ -112,8 +133,37 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(answer) + "\n")
     elif "at_step" in answer:
         factor = f" x{answer['factor']}" if "factor" in answer else ""
-        print(f"armed: {args.kind}{factor} of rank {args.rank} (pid {answer['pid']}) at step "
+        # (no pid yet: armed before the rank's first process, which gets it when it starts)
+        pid = f" (pid {answer['pid']})" if answer.get("pid") else ""
+        print(f"armed: {args.kind}{factor} of rank {args.rank}{pid} at step "
               f"{answer['at_step']}, phase {answer['phase']}")
     else:
         print(f"injected: {args.kind} of rank {args.rank} (pid {answer['pid']})")
     return 0
+
+
+# --wait's bound: a drill armed for a job that starts within the hour.
+_MAX_WAIT_S = 3600.0
+
+
+def _connect(args: argparse.Namespace) -> Api:
+    """The job's manager; with ``--wait``, once it comes up (a job dir not made yet included)."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            api = connect(args.manager, args.job_dir, args.token_file)
+            if args.wait:  # (a --manager address is only a name until something answers there)
+                api.get("/api/status")
+            return api
+        except JobNotRunningError:
+            if not args.wait:
+                raise
+        except UsageError:
+            # (only a job dir the launcher has not made yet is waited for)
+            if not args.wait or args.job_dir is None or Path(args.job_dir).exists():
+                raise
+        if time.monotonic() >= deadline:
+            raise JobNotRunningError(f"no job came up in {args.wait:g} s at "
+                                     f"{args.manager or args.job_dir}; start it with "
+                                     "`undying run`, or wait longer (--wait)")
+        time.sleep(0.2)

@@ -8,7 +8,8 @@ GET  /api/incidents   incidents with their timelines
 GET  /api/series      the whole run for the page's charts, downsampled: ?from=S&to=S&points=N
                       (all optional)
 POST /api/inject      {"kind": "crash", "rank": R, "at_step": S?, "phase": P?, "how": H?,
-                      "factor": F?}
+                      "factor": F?}: 400 for a bad field, 409 for a drill the job's state
+                      refuses (a step passed or past its end, a script without steps)
 POST /api/stop        stop the job
 POST /api/migrate     {"rank": R, "to": HOST?}: move a rank to a warm spare at a step boundary
 POST /api/drain       {"host": H, "reason": "..."?}: no new ranks on the host;
@@ -66,7 +67,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from undying.errors import UsageError
+from undying.errors import ConflictError, UsageError
 from undying.jobfiles.tokens import JOB_HEADER, ensure_token, where_the_token_is
 from undying.manager.conns import ConnectionGuard, ConnectionLimits, GuardedSite, QuietLog
 from undying.manager.http.access import token_from_headers, tokens_match
@@ -233,6 +234,8 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
             return error(400, str(e))
         try:
             return json_response(manager.inject(kind, rank, at_step, phase, how, factor=factor))
+        except ConflictError as e:  # well-formed, but the job's state refuses it now
+            return error(409, str(e))
         except UsageError as e:
             return error(400, str(e))
 

@@ -30,9 +30,10 @@ or a restarted manager counts on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
-from undying.errors import UsageError
+from undying.errors import ConflictError, UsageError
 from undying.jobfiles.records import (
     Incident,
     IncidentDetail,
@@ -212,12 +213,14 @@ def _report(summary: str, detail: dict[str, Any]) -> str:
 
 
 def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: str | None,
-                phase: str | None = None, factor: float | None = None) -> dict[str, Any]:
+                phase: str | None = None, factor: float | None = None, *,
+                due: Callable[[str, int, int | None, str], int]) -> dict[str, Any]:
     """Arm a NaN or a bit flip in a rank's step (``undying inject nan|bitflip``).
 
     A NaN and a gradient flip strike in backward, before the all-reduce; a
     weight flip at the step's backward too, in the model itself (``phase``
-    may be given only as that).
+    may be given only as that). ``due`` gives the step it fires at, or refuses
+    one it never would (``manager.injection``'s ``Injector.due_step``).
     """
     allowed = _HOWS[kind]
     how = how or allowed[0]
@@ -233,10 +236,10 @@ def arm_numeric(core: JobCore, kind: str, rank: int, at_step: int | None, how: s
         raise UsageError(f"rank {rank} does not exist; this job has ranks "
                          f"0..{core.book.world_size - 1}")
     if core.winding_down:
-        raise UsageError(f"job {core.config.job_id} is {core.state.value}; nothing to inject into")
+        raise ConflictError(f"job {core.config.job_id} is {core.state.value}; "
+                            "nothing to inject into")
     info = core.ranks[rank]
-    fault = ArmFault(kind=f"{kind}:{how}",
-                     at_step=at_step if at_step is not None else info.step + 1,
+    fault = ArmFault(kind=f"{kind}:{how}", at_step=due(kind, rank, at_step, "backward"),
                      phase="backward")
     core.agents[info.node].arm(rank, fault)
     core.events.event("fault_armed", rank=rank, kind=fault.kind, at_step=fault.at_step,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from undying.jobfiles.goodput import Stall, StepLedger
@@ -41,6 +41,8 @@ class StepClock:
         self.stalls: deque[Stall] = deque()
         self.folded_stall_s = 0.0
         self.plan: Plan | None = None
+        # told rank 0's plan when it comes (a drill armed before it is checked against it then)
+        self.plan_told: list[Callable[[Plan], None]] = []
 
     def reset(self, world_size: int) -> None:
         """A new layout: steps in flight are of the old one (the step times seen so far stay)."""
@@ -52,7 +54,11 @@ class StepClock:
         """A rank's progress report: rank 0's plan of steps is kept
         (others are no concern of the clock)."""
         if phase == PLAN_EVENT:
-            self.plan = Plan.from_detail(detail) or self.plan
+            plan = Plan.from_detail(detail)
+            if plan is not None:  # (a damaged one leaves the last)
+                self.plan = plan
+                for told in self.plan_told:
+                    told(plan)
 
     def saved(self, step: int, t: float, blocking_s: float) -> None:
         """A checkpoint of ``step`` was saved; the loop stalled ``blocking_s`` for its copy."""
