@@ -365,7 +365,7 @@ def test_api_page_documents_every_public_name() -> None:
 
 
 def test_docs_hold_only_small_files() -> None:
-    """Raw benchmark output belongs in docs/ as one JSON file, never a bench's whole --out folder.
+    """Raw benchmark output belongs in docs/data/ as one JSON file, never a bench's whole --out folder.
 
     A recovery run once wrote its logs, event databases and checkpoints (84 MB)
     into a folder named like its JSON file, and that folder was committed.
@@ -376,5 +376,17 @@ def test_docs_hold_only_small_files() -> None:
         if path.is_file() and path.stat().st_size > 512 * 1024
     ]
     assert not large, f"files too large for docs/: {large}"
-    folders = [p.relative_to(ROOT) for p in DOCS.glob("*.json") if not p.is_file()]
+    folders = [p.relative_to(ROOT) for p in DOCS.rglob("*.json") if not p.is_file()]
     assert not folders, f"JSON names that are folders in docs/: {folders}"
+
+
+def test_benchmark_output_is_out_of_the_sites_root() -> None:
+    """The site's root holds its pages; the benchmarks' raw JSON is in docs/data/, linked from there."""
+    at_root = sorted(path.name for path in DOCS.glob("*.json"))
+    assert not at_root, f"JSON files at the docs site's root: {at_root}; move them to docs/data/ " \
+                        "and link them as data/NAME.json from docs/benchmarks.md"
+    data = sorted((DOCS / "data").glob("*.json"))
+    assert data, "docs/data/ holds no benchmark output"
+    page = (DOCS / "benchmarks.md").read_text()
+    unlinked = [path.name for path in data if f"data/{path.name}" not in page]
+    assert not unlinked, f"docs/data/ files that docs/benchmarks.md does not name: {unlinked}"
