@@ -19,7 +19,7 @@ invariant / plain. ``--reduce-only`` adds the reduction alone: ``all_reduce``
 of the flattened gradient vs ``fold_across`` of this rank's ``V/N`` of them.
 
     python bench/invariant.py                        # 2 and 4 ranks
-    python bench/invariant.py --ranks 2 --hidden 512 --out docs/invariant-DATE.json
+    python bench/invariant.py --ranks 2 --hidden 512 --out docs/data/invariant-DATE.json
 """
 
 from __future__ import annotations

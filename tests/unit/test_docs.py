@@ -277,6 +277,8 @@ def test_message_check_sees_a_message_that_is_not_documented() -> None:
 # --- links ----------------------------------------------------------------------------------------------
 
 _LOOPBACK = re.compile(r"https?://(localhost|127\.[0-9.]+|\[::1\])(:[0-9$A-Z_]+)?(/|$)")
+# Package indexes that a command in the README installs from (pip's --index-url), not pages to open.
+_PACKAGE_INDEXES = {"https://download.pytorch.org/whl/cpu"}
 _URL = re.compile(r"\bhttps?://[^\s)\"'`>\]]*")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -292,7 +294,7 @@ def test_no_link_leaves_the_repository() -> None:
         text = page.read_text()
         name = page.relative_to(ROOT)
         for url in _URL.findall(text):
-            if not _LOOPBACK.match(url):
+            if not _LOOPBACK.match(url) and url not in _PACKAGE_INDEXES:
                 problems.append(f"{name}: {url}")
         for target in _LINK.findall(text):
             if target.startswith("#") or "://" in target:
@@ -363,7 +365,7 @@ def test_api_page_documents_every_public_name() -> None:
 
 
 def test_docs_hold_only_small_files() -> None:
-    """Raw benchmark output belongs in docs/ as one JSON file, never a bench's whole --out folder.
+    """Raw benchmark output belongs in docs/data/ as one JSON file, never a bench's whole --out folder.
 
     A recovery run once wrote its logs, event databases and checkpoints (84 MB)
     into a folder named like its JSON file, and that folder was committed.
@@ -374,5 +376,17 @@ def test_docs_hold_only_small_files() -> None:
         if path.is_file() and path.stat().st_size > 512 * 1024
     ]
     assert not large, f"files too large for docs/: {large}"
-    folders = [p.relative_to(ROOT) for p in DOCS.glob("*.json") if not p.is_file()]
+    folders = [p.relative_to(ROOT) for p in DOCS.rglob("*.json") if not p.is_file()]
     assert not folders, f"JSON names that are folders in docs/: {folders}"
+
+
+def test_benchmark_output_is_out_of_the_sites_root() -> None:
+    """The site's root holds its pages; the benchmarks' raw JSON is in docs/data/, linked from there."""
+    at_root = sorted(path.name for path in DOCS.glob("*.json"))
+    assert not at_root, f"JSON files at the docs site's root: {at_root}; move them to docs/data/ " \
+                        "and link them as data/NAME.json from docs/benchmarks.md"
+    data = sorted((DOCS / "data").glob("*.json"))
+    assert data, "docs/data/ holds no benchmark output"
+    page = (DOCS / "benchmarks.md").read_text()
+    unlinked = [path.name for path in data if f"data/{path.name}" not in page]
+    assert not unlinked, f"docs/data/ files that docs/benchmarks.md does not name: {unlinked}"
