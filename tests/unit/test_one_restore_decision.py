@@ -49,7 +49,7 @@ PATHS = {
         "recovery, a whole (DDP) state: every rank plans from the statuses all exchanged",
     "worker/rejoin.py:Rejoin._restore_shards":
         "recovery, a sharded state: from memory, or (planned again once read) from the latest checkpoint",
-    "manager/recovery/rounds.py:Recoveries.plan":
+    "manager/recovery/incident_plan.py:plan_after":
         "recovery, the manager's decision: its view of the members; the restart rung carries the plan out",
     # numerics roll-back
     "worker/numerics_guard.py:NumericsGuard.resolve":

@@ -19,17 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from undying.checkpoint import Checkpoint
-from undying.checkpoint.layout import Layout, LayoutError
-from undying.checkpoint.planner.coarse import coarse_members
-from undying.checkpoint.planner.holdings import (
-    UNREAD,
-    MissingShardsError,
-    PersistedState,
-    RestorePlan,
-    Unread,
-    plan,
-    ring_replica_of,
-)
+from undying.checkpoint.planner.holdings import RestorePlan
 from undying.config import SHOWN_LOG
 from undying.jobfiles.records import (
     Incident,
@@ -41,6 +31,7 @@ from undying.jobfiles.records import (
 )
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
+from undying.manager.recovery.incident_plan import plan_after
 from undying.manager.recovery.leave_order import LeaveOrder
 from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
 from undying.manager.recovery.round_record import Recovery
@@ -118,52 +109,13 @@ class Recoveries:
                    and r.rank not in replaced)
 
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
-        """Where every rank's state comes from after this incident (the one restore planner), and
-        its words.
-
-        The manager's view: the ranks that failed (this one, the exited, the
-        replacements still waiting for state) hold nothing, every other holds
-        the newest committed step, and, for sharded state with ring replicas,
-        its snapshot and replica of the last replicated step. The checkpoint is
-        read only when no step has every shard in memory. None: no complete
-        state exists, and the words say which shard is missing.
-        """
+        """Where every rank's state comes from after this incident, and its words
+        (``incident_plan.py``); the checkpoint it read, if any, is the restart rung's."""
         replaced = self._replaced()
-        ranks = self.core.ranks
-        world = self.core.book.world_size
-        failed = {r.rank for r in ranks.values()
+        failed = {r.rank for r in self.core.ranks.values()
                   if r.rank == incident.rank or r.state is RankState.EXITED or r.rank in replaced}
-        newest = self.core.book.newest_step()
-        layout, replica_of, every = Layout(dp=world), {}, 0
-        if self.checkpoints.sharded:
-            # Every rank holds a shard of its own (dp=1, tp=world); a ring replica is on rank +
-            # offset, replicated every `every` steps.
-            state_layout = self.checkpoints.state_layout
-            offset = int(state_layout.get("offset", 0))
-            layout = Layout(dp=1, tp=world)
-            if self.checkpoints.ring and offset > 0:
-                replica_of = ring_replica_of(world, offset)
-                every = max(1, int(state_layout.get("every", 1)))
-
-        def plan_at(step: int, checkpoint: PersistedState | Unread | None) -> RestorePlan:
-            members = coarse_members(world, failed, step, replica_of=replica_of,
-                                     copies_at=step - step % every if every else None)
-            return plan(layout, members, replica_of=replica_of, checkpoint=checkpoint)
-
-        self.restart_from = None
-        try:
-            # from memory; the checkpoint is read only when no step is whole
-            found = plan_at(newest, UNREAD)
-            if found.read_checkpoint:
-                ckpt = self.checkpoints.latest()
-                # (ranks that resumed from the checkpoint and committed nothing yet report step 0)
-                found = (plan_at(max(newest, ckpt.step), PersistedState(ckpt.step, path=ckpt.url))
-                         if ckpt else plan_at(newest, None))
-                # the checkpoint the plan read: the restart rung carries the plan out
-                self.restart_from = ckpt
-        except (MissingShardsError, LayoutError) as e:
-            return None, str(e)
-        return found, found.describe()
+        found, words, self.restart_from = plan_after(self.core, self.checkpoints, failed)
+        return found, words
 
     def handle(self, incident: Incident) -> None:
         """Decide the rung for ``incident`` by the restore plan and the policy, and carry it out."""
