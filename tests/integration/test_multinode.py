@@ -121,9 +121,11 @@ def test_a_slow_node_is_found_online_across_hosts(make_hosts: Callable[[int], Ho
     try:
         cluster.start()
         status = cluster.wait_for_step(10)
+        # Both from the same step, far enough ahead that neither rank has passed it by the second
+        # request (a step already committed is refused, not fired late).
+        at = status["step"] + 10
         for rank in (2, 3):
-            cluster.inject({"kind": "slow", "rank": rank, "factor": 1.5, "phase": "compute",
-                            "at_step": status["step"] + 2})
+            cluster.inject({"kind": "slow", "rank": rank, "factor": 1.5, "phase": "compute", "at_step": at})
         assert cluster.wait(180) == 0, cluster.logs()
     finally:
         cluster.close()
