@@ -60,29 +60,22 @@ class FakeAgent:
 
 def running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, FakeAgent]:
     """A job of ``ranks`` step-API ranks, each at step 4 of generation 0."""
-    manager = Manager(JobConfig(job_id="l", job_dir=str(tmp_path), nproc_per_node=ranks, port=0),
-                      EventLog(tmp_path / "e.db"))
-    manager.start_control_store(os.urandom(32))
-    agent = FakeAgent()
-    manager.add_agent(cast(Any, agent))
-    record = manager.core.open_generation("start")
+    manager, agent = starting(tmp_path, ranks, job_id="l")
     for rank in range(ranks):
-        manager.core.spawn(rank, record, joining=False)
-        manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
         for step in range(1, 5):
             manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
     return manager, agent
 
 
-def starting(tmp_path: Path, ranks: int = 2, *, step_api: bool = True,
-             max_restarts: int = 3) -> tuple[Manager, FakeAgent]:
+def starting(tmp_path: Path, ranks: int = 2, *, step_api: bool = True, max_restarts: int = 3,
+             job_id: str = "s", log: str = "e.db", agent: Any = None) -> tuple[Manager, Any]:
     """A job of ``ranks`` ranks that committed no step yet: every process started (and, with the
-    step API, said hello)."""
-    manager = Manager(JobConfig(job_id="s", job_dir=str(tmp_path), nproc_per_node=ranks, port=0,
+    step API, said hello). ``agent``: the node's agent (a FakeAgent unless given)."""
+    manager = Manager(JobConfig(job_id=job_id, job_dir=str(tmp_path), nproc_per_node=ranks, port=0,
                                 step_api=step_api, max_restarts=max_restarts),
-                      EventLog(tmp_path / "e.db"))
+                      EventLog(tmp_path / log))
     manager.start_control_store(os.urandom(32))
-    agent = FakeAgent()
+    agent = FakeAgent() if agent is None else agent
     manager.add_agent(cast(Any, agent))
     record = manager.core.open_generation("start")
     for rank in range(ranks):

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import re
 import time
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 from rich.console import Console
 
-from tests.unit.live_manager import FakeAgent, running
+from tests.unit.live_manager import FakeAgent, running, starting
 from undying.cli.restarts import incidents_line
 from undying.cli.status import collect_status
 from undying.cli.status_view import render
 from undying.cli.summary import end_summary
-from undying.config import JobConfig
-from undying.jobfiles.events import EventLog, LogReader
+from undying.jobfiles.events import LogReader
 from undying.jobfiles.records import JobState
 from undying.jobfiles.restarts import has_steps, rounds
 from undying.manager.manager import Manager
@@ -41,18 +38,11 @@ class StoppingAgent(FakeAgent):
         pass
 
 
-def torchrun_job(job_dir: Path, *, ranks: int = 2, max_restarts: int = 3) -> tuple[Manager, FakeAgent]:
+def torchrun_job(job_dir: Path, *, ranks: int = 2, max_restarts: int = 3) -> tuple[Manager, StoppingAgent]:
     """A job whose script does not import undying, its ranks started and running (as
     ``Manager.run`` starts them): no hello, no step."""
-    config = JobConfig(job_id="plain", job_dir=str(job_dir), nproc_per_node=ranks, port=0, step_api=False,
-                       max_restarts=max_restarts)
-    manager = Manager(config, EventLog(job_dir / "events.db"))
-    manager.start_control_store(os.urandom(32))
-    agent = StoppingAgent()
-    manager.add_agent(cast(Any, agent))
-    record = manager.core.open_generation("start")
-    for rank in range(ranks):
-        manager.core.spawn(rank, record, joining=False)
+    manager, agent = starting(job_dir, ranks, step_api=False, max_restarts=max_restarts, job_id="plain",
+                              log="events.db", agent=StoppingAgent())
     manager.core.move(JobState.RUNNING)
     return manager, agent
 
