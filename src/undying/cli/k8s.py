@@ -33,29 +33,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "k8s",
         help="write the Kubernetes manifests of a multi-node job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="undying k8s --job-id J --nodes N --nproc-per-node P --image IMAGE [options] -- "
-        "SCRIPT [ARGS]",
+        usage="undying k8s --job-id J --nodes N --nproc-per-node P --image IMAGE\n"
+        "                   [options] -- SCRIPT [ARGS]",
         description=f"""\
 Write what a cluster needs to run SCRIPT on N nodes x P ranks, as one
-multi-document YAML on stdout (`| kubectl apply -f -`) or as files in --out DIR:
+multi-document YAML on stdout (`| kubectl apply -f -`) or as files in --out
+DIR:
 
-  Secret <J>-token             the job's token (UNDYING_TOKEN in every pod)
-  ConfigMap <J>-trace          the trace switch, mounted at {TRACE_SWITCH_FILE}
-  Service, Deployment <J>-manager  `undying manager` on ports P, P+1 (c10d store), P+2 (HTTP)
-  Job <J>-workers              an indexed Job: N pods, one `undying run` agent each,
-                               --node-rank = the pod's completion index
+  Secret <J>-token      the job's token (UNDYING_TOKEN in every pod)
+  ConfigMap <J>-trace   the trace switch, mounted at
+                        {TRACE_SWITCH_FILE}
+  Service, Deployment <J>-manager
+                        `undying manager` on ports P, P+1 (c10d store),
+                        P+2 (HTTP)
+  Job <J>-workers       an indexed Job: N pods, one `undying run` agent each,
+                        --node-rank = the pod's completion index
 
-Grace period. Kubernetes sends SIGTERM, then SIGKILL terminationGracePeriodSeconds
-later; between the two the agent must finish its step and write the dying-gasp
-checkpoint. undying k8s sizes a dying-gasp budget G, passes it to the agents
-(`undying run --grace-period G`, undying's own deadline) and sets
-terminationGracePeriodSeconds = ceil(G x {factor} + {extra}): x{factor} for a slower disk or a
-busier node than was measured, +{extra} s for the agent to stop its workers. G is:
-  --from-job-dir DIR   measured by a previous run of the job (DIR/events.db): the
-                       checkpoint's size over the slowest write speed seen, x2,
-                       at least 5 s, plus two of the slowest recent steps (the
-                       manager's own rule), or twice a measured SIGTERM-to-exit
-                       time if larger;
+Grace period. Kubernetes sends SIGTERM, then SIGKILL
+terminationGracePeriodSeconds later; between the two the agent must finish its
+step and write the dying-gasp checkpoint. undying k8s sizes a dying-gasp
+budget G, passes it to the agents (`undying run --grace-period G`, undying's
+own deadline) and sets terminationGracePeriodSeconds = ceil(G x {factor} + {extra}):
+x{factor} for a slower disk or a busier node than was measured, +{extra} s for the
+agent to stop its workers. G is:
+  --from-job-dir DIR   measured by a previous run of the job (DIR/events.db):
+                       the checkpoint's size over the slowest write speed
+                       seen, x2, at least 5 s, plus two of the slowest recent
+                       steps (the manager's own rule), or twice a measured
+                       SIGTERM-to-exit time if larger;
   --grace-period S     S seconds;
   neither              {grace_mod.DEFAULT_GASP_S:g} s, and the manifests say it was not measured.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from undying.cli.limits import add_connection_arguments
+from undying.cli.run_help import add_help_options
 from undying.cli.run_job import run
 from undying.cli.settings import add_setting
 from undying.cli.torchrun_flags import (
@@ -43,15 +44,9 @@ from undying.protocol.env import (
 
 __all__ = ["add_parser"]
 
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run a training script on N ranks, recovering from faults (takes torchrun's "
-        "flags)",
-        allow_abbrev=False,  # an abbreviation is the script's argument, never one of ours
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=f"""\
+# The first paragraph of the help: what `undying run --help` (the short help) says before the
+# common options.
+_SUMMARY = """\
 Run SCRIPT on --nproc-per-node ranks with torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*, ...) and torchrun's flags:
 replace the word `torchrun` with `undying run`. Everything after SCRIPT is the
@@ -59,7 +54,19 @@ script's own. When a rank of a script that uses undying's step API dies, the
 others keep their state in memory, a new process takes its place, its state
 comes from a peer, and only the step in flight is re-run. A script that does
 not use it gets torchrun's recovery: the whole group restarts (--max-restarts),
-and a script that saves its own snapshot resumes from it.
+and a script that saves its own snapshot resumes from it."""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on N ranks, recovering from faults (takes torchrun's "
+        "flags)",
+        allow_abbrev=False,  # an abbreviation is the script's argument, never one of ours
+        add_help=False,  # -h is the short help (cli/run_help.py), --help-all this one
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"""\
+{_SUMMARY}
 
 The manager runs inside this launcher: its event log is <job dir>/events.db and
 its HTTP API address is in <job dir>/manager.json (see `undying status`).
@@ -74,11 +81,12 @@ finish it, rank 0 writes a dying-gasp checkpoint of it within --grace-period,
 and everything exits; run the same command to resume with no step lost.
 
 Exit code: 0 succeeded, 1 failed, 2 bad input, 130 stopped by Ctrl-C,
-{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint of the stop step to resume from,
-{EXIT_PREEMPTED_BEHIND} preempted with only an older checkpoint (the dying gasp could not be
-written: a resume re-runs the steps after it, the last line counts them), 143 SIGTERM with
-no checkpoint at all.""",
+{EXIT_PREEMPTED} preempted by SIGTERM with a checkpoint of the stop step to resume
+from, {EXIT_PREEMPTED_BEHIND} preempted with only an older checkpoint (the dying gasp could not
+be written: a resume re-runs the steps after it, the last line counts them),
+143 SIGTERM with no checkpoint at all.""",
     )
+    add_help_options(p, _SUMMARY)
     add_setting(p, JobConfig, "-n", "--nproc-per-node", "--nproc_per_node", type=nproc_arg,
                 metavar="N",
                 help="worker processes on this node: a number, or auto (one per GPU, else per "
@@ -253,7 +261,8 @@ no checkpoint at all.""",
                         "each rank runs some of them, and the losses are bit-identical on any "
                         "number of ranks <= V, across shrink and grow (the script loops over "
                         "step.virtual_ranks(); see docs/elastic.md). Give it on every node")
-    p.add_argument("--verify-every", default=None, metavar="K",
+    n = p.add_argument_group("silent data corruption and numerics (a script using the step API)")
+    n.add_argument("--verify-every", default=None, metavar="K",
                    help="check for silent data corruption without waiting for a NaN: every K "
                         "steps one rank's step (the ranks in turn) is replayed by a verifier "
                         "process from another rank's copy of the pre-step state and the rank's "
@@ -265,7 +274,7 @@ no checkpoint at all.""",
                         "(job.steps(numerics=...)); the same as Numerics(verify_every=K). A whole "
                         "number of steps from 1; give the same K on every node (see "
                         "docs/numerics.md)")
-    p.add_argument("--numerics", choices=("skip", "rollback", "stop"), default=None,
+    n.add_argument("--numerics", choices=("skip", "rollback", "stop"), default=None,
                    metavar="POLICY",
                    help="check every step before it commits (a script using the step API, no "
                    "code change): the loss and gradient norm finite, and with --spike-factor no "
@@ -274,18 +283,18 @@ no checkpoint at all.""",
                    "--rollback-steps steps and skip their batches) or stop (fail with a report). "
                    "Sets job.steps(numerics=...)'s default; a script's own Numerics(...) wins. "
                    "See docs/numerics.md")
-    p.add_argument("--spike-factor", type=finite_arg("--spike-factor"), default=None,
+    n.add_argument("--spike-factor", type=finite_arg("--spike-factor"), default=None,
                    metavar="F",
                    help="with --numerics: a loss above F x the median of the last 50 committed "
                    "losses is a fault (after 20 of them; F > 1, e.g. 10)")
-    p.add_argument("--rollback-steps", type=_rollback_steps, default=None, metavar="N",
+    n.add_argument("--rollback-steps", type=_rollback_steps, default=None, metavar="N",
                    help="with --numerics rollback: how many steps to go back (1-64, default 2); "
                    "each is a copy of the model and optimizer state held in memory")
-    p.add_argument("--max-skips-in-a-row", type=_max_skips, default=None, metavar="N",
+    n.add_argument("--max-skips-in-a-row", type=_max_skips, default=None, metavar="N",
                    help="with --numerics skip|rollback: the job fails, with the reason, once "
                    "more than N steps in a row were skipped (the data or the model is broken, "
                    "not a batch; default 10)")
-    p.add_argument("--max-skipped-share", type=_skipped_share, default=None, metavar="F",
+    n.add_argument("--max-skipped-share", type=_skipped_share, default=None, metavar="F",
                    help="with --numerics skip|rollback: the job fails once more than "
                    "--max-skips-in-a-row steps were skipped in all and they are more than F of "
                    "the steps run (0 < F <= 1, default 0.1)")

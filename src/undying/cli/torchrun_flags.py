@@ -123,7 +123,7 @@ def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's flags that ``undying run`` did not have under the same name (the others are in
     run.py)."""
     g = p.add_argument_group(
-        "torchrun's flags (the same spellings; `undying run` takes a torchrun command line)")
+        "torchrun's flags (same spellings: `undying run` takes a torchrun command line)")
     g.add_argument("--standalone", action="store_true",
                    help="one node, the manager in this launcher with its store on a free port (as "
                    "torchrun's --standalone); without it one node runs the same way, its store on "
