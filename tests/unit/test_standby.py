@@ -229,6 +229,6 @@ def test_a_standby_without_a_manager_or_with_a_node_rank_is_refused_saying_why(
 
 def test_run_help_explains_standby(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["run", "--help"])
+        main(["run", "--help-all"])  # (--help names it; --help-all says what it does)
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--standby" in help_text and "takes that node's rank" in help_text
