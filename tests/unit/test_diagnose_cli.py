@@ -76,3 +76,59 @@ def test_help_says_what_trace_dir_is() -> None:
     p = diagnose("--help")
     assert p.returncode == 0
     assert "TRACE_DIR is the job's trace dir" in p.stdout and "--threshold" in p.stdout
+
+
+# A sitecustomize that makes `import matplotlib` fail, as on a base install without the plots extra.
+NO_MATPLOTLIB = '''\
+import sys
+
+
+class _NoPlots:
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoPlots())
+'''
+
+
+def test_without_matplotlib_the_text_report_and_an_html_without_plots_say_how_to_get_them(
+        traces: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(NO_MATPLOTLIB)
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": f"{blocker}{os.pathsep}{src}"}
+    blocked = subprocess.run([sys.executable, "-c", "import matplotlib"], capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert blocked.returncode == 1 and "No module named 'matplotlib'" in blocked.stderr
+    html = tmp_path / "r.html"
+    p = subprocess.run([sys.executable, "-m", "undying", "diagnose", str(traces), "--html", str(html)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert re.search(r"rank 2 is compute-slow", p.stdout) and "ranks, slowest first" in p.stdout
+    assert p.stdout.splitlines()[-1] == "no plots in it: matplotlib is not installed (pip install 'undying[plots]')"
+    text = html.read_text()
+    assert "<img " not in text and "pip install &#x27;undying[plots]&#x27;" in text
+    assert "rank 2 is compute-slow" in text and "<h2>Ranks, slowest first</h2>" in text
+    p = subprocess.run([sys.executable, "-m", "undying", "diagnose", str(traces), "--html", str(html), "--json"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and json.loads(p.stdout)["plots"] is False
+
+
+def test_at_80_columns_the_table_is_whole_and_no_line_is_wider(traces: Path, tmp_path: Path) -> None:
+    """Piped at COLUMNS=80 (a terminal of 80 columns): every header whole, no cell cut to "…"."""
+    deep = tmp_path / ("a-folder-with-a-long-name-" * 3) / "and-deeper-still" / "report.html"
+    p = subprocess.run([sys.executable, "-m", "undying", "diagnose", str(traces), "--html", str(deep)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [line for line in lines if len(line) > 80 and line != str(deep)] == []
+    assert "…" not in p.stdout
+    header = next(line for line in lines if line.lstrip().startswith("rank "))
+    assert header.split() == ["rank", "node", "steps", "step", "compute", "comm", "data", "ckpt", "score", "worst"]
+    assert lines[-2:] == ["HTML report:", str(deep)]  # a path too long to share a line stands alone
+    assert re.search(r"^outliers \(steps far above", p.stdout, re.M)
+    assert json.loads(diagnose(str(traces), "--json").stdout)["plots"] is True

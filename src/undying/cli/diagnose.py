@@ -11,13 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from undying.errors import UsageError
+
+if TYPE_CHECKING:
+    from undying.trace.analyze import TraceTable
 
 __all__ = ["add_parser", "run"]
 
@@ -35,8 +42,10 @@ ranks are compared phase by phase: the slow rank computes longest and waits
 least in the collectives (comm markers show that: undying trace on --comm).
 
 Prints the findings and a table of the ranks, slowest first, and writes an HTML
-report (one file, plots embedded) to --html. Exit 0 whether or not something is
-slow; 2 for a path that holds no traces.
+report (one file, plots embedded) to --html; the plots need the plots extra
+(pip install 'undying[plots]': matplotlib), and without it the report has the
+tables and findings and says so. Exit 0 whether or not something is slow; 2
+for a path that holds no traces.
 """
 
 
@@ -92,9 +101,47 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+def _wrapped(console: Console, text: str, first: str = "", rest: str = "  ") -> None:
+    """``text`` wrapped at words to the console's width (80 when piped), never cut."""
+    width = max(40, console.width)
+    for line in textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest,
+                              break_on_hyphens=False, break_long_words=False):
+        console.print(Text(line), soft_wrap=True)
+
+
+def _path_line(console: Console, label: str, path: Path | str) -> None:
+    """``label`` and ``path`` on one line when they fit, else the path alone on its own line
+    (a path broken in two cannot be copied)."""
+    if len(label) + len(str(path)) <= console.width:
+        console.print(Text(f"{label}{path}"), soft_wrap=True)
+    else:
+        if label:
+            console.print(Text(label.rstrip()))
+        console.print(Text(str(path)), soft_wrap=True)
+
+
+def _ranks_table(table: TraceTable) -> Table:
+    """The ranks, slowest first, in ms per step: ten short columns, 80 columns wide at most."""
+    t = Table(title="ranks, slowest first (ms per step)", title_justify="left",
+              box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("rank", "node", "steps", "step", "compute", "comm", "data", "ckpt", "score",
+                "worst"):  # fmt: skip
+        left = col in ("node", "worst")
+        t.add_column(col, justify="left" if left else "right", no_wrap=not left,
+                     overflow="fold")
+    flagged = {r for f in table.findings for r in f.ranks}
+    for r in table.ranks:
+        t.add_row(
+            str(r.rank), r.node or "-", str(r.steps), _ms(r.step), _ms(r.compute), _ms(r.comm),
+            _ms(r.data), _ms(r.ckpt), f"{r.score:+.1%}", r.worst or "-",
+            style="red" if r.rank in flagged else None,
+        )  # fmt: skip
+    return t
+
+
 def run(args: argparse.Namespace) -> int:
     from undying.trace.analyze import load_trace  # matplotlib and friends only when diagnosing
-    from undying.trace.report import write_report
+    from undying.trace.report import PLOTS_HINT, plots_available, write_report
 
     trace_dir = Path(args.trace_dir)
     table = load_trace(trace_dir, window=args.window, threshold=args.threshold,
@@ -107,44 +154,40 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot write the report to {html_path} ({e.strerror or e}); pass "
                          "--html PATH") from e
     if args.json:
-        sys.stdout.write(json.dumps(table.to_dict() | {"html": str(html_path)}) + "\n")
+        sys.stdout.write(json.dumps(table.to_dict() | {"html": str(html_path),
+                                                        "plots": plots_available()}) + "\n")
         return 0
-    # Piped (a log, a CI job), rich would squeeze the table into 80 columns.
-    console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 120)
+    console = Console(file=sys.stdout, highlight=False)
     steps = sum(len(v) for v in table.steps.values())
     console.print(
         f"[bold]job {table.job}[/bold]: {len(table.ranks)} ranks, {steps} rank-steps, "
-        f"{table.records} records in {table.files} files ({table.path}); "
-        f"comm markers {'on' if table.comm_known else 'off'}"
+        f"{table.records} records in {table.files} files; comm markers "
+        f"{'on' if table.comm_known else 'off'}"
     )
+    _path_line(console, "read from ", table.path)
     if table.other_jobs:
-        console.print(f"other jobs here, not read (pass one's folder): "
-                      f"{', '.join(table.other_jobs)}")
+        _wrapped(console, "other jobs here, not read (pass one's folder): "
+                 f"{', '.join(table.other_jobs)}")
     if table.bad_lines:
         console.print(f"{table.bad_lines} unreadable lines skipped (a file cut short or still "
                       "being written)")
     if table.skipped:
-        console.print(f"skipped, not trace files: {', '.join(table.skipped[:5])}"
-                      + (f" and {len(table.skipped) - 5} more" if len(table.skipped) > 5 else ""))
+        _wrapped(console, f"skipped, not trace files: {', '.join(table.skipped[:5])}"
+                 + (f" and {len(table.skipped) - 5} more" if len(table.skipped) > 5 else ""))
     if table.findings:
         console.print("[bold red]findings[/bold red]")
         for f in table.findings:
-            console.print(f"  - {f.describe()}", soft_wrap=True)
+            _wrapped(console, f.describe(), "  - ", "    ")
     else:
         console.print("[green]no slow rank or node[/green]: every rank kept within "
                       f"{table.threshold:.0%} of the step time of the others")
-    t = Table(title="ranks, slowest first (ms per step)", title_justify="left")
-    for col in ("rank", "node", "steps", "step", "compute", "comm wait", "data", "ckpt",
-                "score", "worst phase", "outliers"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("node", "worst phase", "outliers") else "right")
-    flagged = {r for f in table.findings for r in f.ranks}
-    for r in table.ranks:
-        out = ", ".join(f"{k} {n}" for k, n in sorted(r.outlier_counts.items())) or "-"
-        t.add_row(
-            str(r.rank), r.node or "-", str(r.steps), _ms(r.step), _ms(r.compute), _ms(r.comm),
-            _ms(r.data), _ms(r.ckpt), f"{r.score:+.1%}", r.worst or "-", out,
-            style="red" if r.rank in flagged else None,
-        )  # fmt: skip
-    console.print(t)
-    console.print(f"HTML report: {html_path}")
+    console.print(_ranks_table(table))
+    outliers = [f"rank {r.rank}: " + ", ".join(f"{k} {n}" for k, n in sorted(r.outlier_counts.items()))
+                for r in table.ranks if r.outlier_counts]
+    if outliers:
+        _wrapped(console, "outliers (steps far above the rank's usual wait or stall): "
+                 + "; ".join(outliers))
+    _path_line(console, "HTML report: ", html_path)
+    if not plots_available():
+        _wrapped(console, f"no plots in it: matplotlib is not installed ({PLOTS_HINT})")
     return 0

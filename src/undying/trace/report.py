@@ -2,7 +2,9 @@
 
 No external assets: the CSS is inline and the plots are PNGs (matplotlib,
 Agg backend, so no display is needed) embedded as base64 data URIs; the file
-works offline, from an artifact store, or as an email attachment.
+works offline, from an artifact store, or as an email attachment. matplotlib is
+an optional extra (``undying[plots]``): without it the report has every table
+and finding, no plots, and says how to get them (``PLOTS_HINT``).
 
 What it shows, in the order someone chasing a slow job reads it:
 
@@ -34,7 +36,11 @@ from undying.trace.detect import Finding
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["write_report", "render_report", "MAX_HEATMAP_COLUMNS"]
+__all__ = ["write_report", "render_report", "plots_available", "MAX_HEATMAP_COLUMNS",
+           "PLOTS_HINT"]
+
+# What to install for the plots (matplotlib, with numpy and pillow), said where they are missing.
+PLOTS_HINT = "pip install 'undying[plots]'"
 
 # A heat map wider than this many steps is drawn from bins of consecutive steps (their median).
 MAX_HEATMAP_COLUMNS = 1500
@@ -238,11 +244,19 @@ def _finding_html(f: Finding) -> str:
     return f"<div class=finding><p>{_esc(f.describe())}</p><table>{cells}</table></div>"
 
 
+def plots_available() -> bool:
+    """Whether matplotlib imports here (the ``plots`` extra is installed)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    return True
+
+
 def render_report(table: TraceTable, findings: list[Finding]) -> str:
     """The report as one HTML string (see the module doc)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    plots = plots_available()
     out: list[str] = [
         "<!doctype html><html lang=en><head><meta charset=utf-8>",
         f"<title>undying diagnosis: {_esc(table.job)}</title><style>{_CSS}</style></head><body>",
@@ -291,27 +305,12 @@ def render_report(table: TraceTable, findings: list[Finding]) -> str:
                "in any phase, as a share of the step time (compute counts only when it also "
                "waits least in the collectives).</p>")
 
-    out.append("<h2>Every phase, rank x step</h2>")
-    marks = sorted({f.since_step for f in findings})
-    for attr, title in PHASE_PLOTS:
-        if attr == "compute" and not table.comm_known:
-            title = "compute (comm markers off: it includes the wait for the slowest rank)"
-        uri = _heatmap(table, attr, title, marks)
-        if uri:
-            out.append(f"<p><img alt='{_esc(attr)}: {_esc(title)} heat map' src='{uri}'></p>")
-    if marks:
-        out.append("<p class=note>Dashed lines: the step each finding says the slowdown began.</p>")
-
-    out.append("<h2>Compute vs collective wait</h2>")
-    uri = _stacked(table)
-    if uri:
-        out.append(f"<p><img alt='compute vs collective wait' src='{uri}'></p>")
-    out.append("<p class=note>In a synchronous job the slow rank computes longest and waits least: "
-               "the others wait for it inside the collectives.</p>")
-
+    if not plots:
+        out.append(f"<p class=note>No plots: matplotlib is not installed here; {_esc(PLOTS_HINT)} "
+                   "and run undying diagnose again to draw them.</p>")
+    out.extend(_plots(table, findings) if plots else [])
     out.append("<h2>Data-loader and checkpoint outliers</h2>")
-    uri = _outlier_plot(table)
-    if uri:
+    if plots and (uri := _outlier_plot(table)):
         out.append(f"<p><img alt='data and checkpoint outliers' src='{uri}'></p>")
     listed = [(r.rank, k, steps_, r.outlier_counts.get(k, len(steps_)))
               for r in sorted(table.ranks, key=lambda x: x.rank)
@@ -329,6 +328,27 @@ def render_report(table: TraceTable, findings: list[Finding]) -> str:
                    "usual.</p>")
     out.append("</body></html>\n")
     return "\n".join(out)
+
+
+def _plots(table: TraceTable, findings: list[Finding]) -> list[str]:
+    """The heat map of every phase and the compute-vs-wait bars, as HTML (matplotlib needed)."""
+    out = ["<h2>Every phase, rank x step</h2>"]
+    marks = sorted({f.since_step for f in findings})
+    for attr, title in PHASE_PLOTS:
+        if attr == "compute" and not table.comm_known:
+            title = "compute (comm markers off: it includes the wait for the slowest rank)"
+        uri = _heatmap(table, attr, title, marks)
+        if uri:
+            out.append(f"<p><img alt='{_esc(attr)}: {_esc(title)} heat map' src='{uri}'></p>")
+    if marks:
+        out.append("<p class=note>Dashed lines: the step each finding says the slowdown began.</p>")
+    out.append("<h2>Compute vs collective wait</h2>")
+    uri = _stacked(table)
+    if uri:
+        out.append(f"<p><img alt='compute vs collective wait' src='{uri}'></p>")
+    out.append("<p class=note>In a synchronous job the slow rank computes longest and waits least: "
+               "the others wait for it inside the collectives.</p>")
+    return out
 
 
 def write_report(table: TraceTable, findings: list[Finding], path: Path) -> Path:
