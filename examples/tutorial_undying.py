@@ -48,12 +48,13 @@ class Trainer:
         self.epochs_run = snapshot["EPOCHS_RUN"]
         print(f"Resuming training from snapshot at Epoch {self.epochs_run}")
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> None:
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad()
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         loss.backward()
         self.optimizer.step()
+        return loss.detach()
 
     def _run_epoch(self, epoch: int) -> None:
         b_sz = len(next(iter(self.train_data))[0])
@@ -71,7 +72,7 @@ class Trainer:
         state = self.job.state(model=self.model.module, optimizer=self.optimizer, loader=self.train_data)
         for step in self.job.steps(state, epochs=max_epochs):
             with step:
-                self._run_batch(*step.batch)
+                step.log(loss=self._run_batch(*step.batch))
             epoch, end_of_epoch = step.epoch, step.index % len(self.train_data) == 0
             if step.committed and end_of_epoch and self.local_rank == 0 and epoch % self.save_every == 0:
                 self._save_snapshot(epoch)

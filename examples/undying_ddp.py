@@ -28,6 +28,7 @@ for step in job.steps(state, epochs=5):
     with step:
         inputs, targets = step.batch
         loss = F.mse_loss(ddp(inputs), targets)
+        step.log(loss=loss)  # this rank's loss: the summary, `undying status` and the page show it
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

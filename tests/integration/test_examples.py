@@ -8,7 +8,13 @@ preemption are compared bit for bit with its run without faults.
 
 from __future__ import annotations
 
+import csv
 import difflib
+import io
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,28 @@ from undying.config import EXIT_PREEMPTED
 from undying.demo.oracle import compare_runs, load_run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _status(job_dir: Path, *argv: str) -> str:
+    """``undying status --job-dir JOB_DIR ARGV`` as a person runs it at an 80-column terminal."""
+    p = subprocess.run([sys.executable, "-m", "undying", "status", "--job-dir", str(job_dir), *argv],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def assert_the_loss_was_logged(job_dir: Path, log: Path, steps: int, ranks: int = 2) -> None:
+    """The example called ``step.log(loss=...)`` at every step: the summary, ``status`` and its
+    ``--steps`` CSV have the values (the page's "Logged values" chart reads the same); ``status``
+    fits 80 columns."""
+    rows = list(csv.DictReader(io.StringIO(_status(job_dir, "--steps"))))
+    assert {(int(r["step"]), int(r["rank"])) for r in rows} == {
+        (s, r) for s in range(1, steps + 1) for r in range(ranks)}
+    assert all(float(r["loss"]) >= 0 for r in rows)
+    assert re.search(rf"last values \(step {steps}\b.*: loss \d", log.read_text())  # the end summary
+    shown = _status(job_dir)
+    assert re.search(r"loss \d", shown), shown
+    assert [line for line in shown.splitlines() if len(line) > 80] == []
 
 
 def test_adapting_a_plain_ddp_script_changes_about_ten_lines() -> None:
@@ -41,6 +69,7 @@ def test_the_adapted_example_survives_a_crash(tmp_path: Path) -> None:
     assert [(i["kind"], i["rank"], i["status"]) for i in run.incidents] == [("crash", 1, "recovered")]
     assert run.rerun_steps == []
     assert len(set(run.digests.values())) == 1, "every rank ends with the same model"
+    assert_the_loss_was_logged(tmp_path / "job", tmp_path / "job.log", steps=160)  # 2048 / 32 / 2 x 5
 
 
 def changed_lines(plain: str, adapted: str) -> int:
@@ -74,6 +103,7 @@ def test_the_adapted_tutorial_recovers_a_crash_in_place(tmp_path: Path) -> None:
     assert [(i["kind"], i["rank"], i["status"]) for i in run.incidents] == [("crash", 1, "recovered")]
     assert run.rerun_steps == [] and len(set(run.digests.values())) == 1
     assert (tmp_path / "snapshot.pt").exists()
+    assert_the_loss_was_logged(tmp_path / "job", tmp_path / "job.log", steps=96)  # 2048 / 32 / 2 x 3
 
 
 def test_the_adapted_gpt_survives_a_crash_a_hang_and_a_preemption_bit_for_bit(
