@@ -37,9 +37,11 @@ WIDTH = 80  # the help's line width on the page (argparse reads COLUMNS, and lea
 _INTRO = """\
 # Commands
 
-Every `undying` command and option, as `undying <command> --help` prints it.
-This page is generated from the command's own parsers each time the site is
-built, so it is never out of date.
+Every `undying` command and option, as `undying <command> --help` prints it
+(for `undying run`, as `undying run --help-all` does: its `--help` shows the
+common options in full and names the others by group). This page is
+generated from the command's own parsers each time the site is built, so it
+is never out of date.
 
 The commands in short:
 

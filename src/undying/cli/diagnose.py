@@ -182,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         console.print("[green]no slow rank or node[/green]: every rank kept within "
                       f"{table.threshold:.0%} of the step time of the others")
     console.print(_ranks_table(table))
-    outliers = [f"rank {r.rank}: " + ", ".join(f"{k} {n}" for k, n in sorted(r.outlier_counts.items()))
+    outliers = [f"rank {r.rank}: " + ", ".join(f"{k} {n}"
+                                               for k, n in sorted(r.outlier_counts.items()))
                 for r in table.ranks if r.outlier_counts]
     if outliers:
         _wrapped(console, "outliers (steps far above the rank's usual wait or stall): "

@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--phase", choices=[p.value for p in (*InjectPhase, *SlowPhase)], default=None,
         metavar="PHASE",  # (the choices in braces made the usage and help 107 columns wide)
-        help=f"one of {', '.join(p.value for p in (*InjectPhase, *SlowPhase))}: where in the step: step (its start, the default with --at-step), forward, "
+        help=f"one of {', '.join(p.value for p in (*InjectPhase, *SlowPhase))}: where in the "
+        "step: step (its start, the default with --at-step), forward, "
         "backward (during the gradient all-reduce), optimizer, recovery (when the rank starts "
         "recovering from another fault), rejoin (the rank's next replacement process, once it "
         "joined and received its state: a fault of the replacement itself); for slow: compute "
