@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ DEFAULT_FOLDER = "~/.local/state/undying/prometheus"
 CREDENTIAL_FILE = "scrape-credential"
 _PREFIX, _SUFFIX = "undying-", ".json"
 _MAX_FILE = 64 * 1024
+_MAX_SWEPT = 4096  # files looked at by one sweep (each job's start sweeps again)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _PID, _SINCE, _BOOT = "__meta_undying_pid", "__meta_undying_since", "__meta_undying_boot"
 
@@ -179,7 +181,7 @@ def sweep(where: Path) -> list[Path]:
     """Remove the stale target files of the user's dead jobs in ``where``; the paths removed."""
     removed = []
     with contextlib.suppress(OSError):
-        for path in sorted(where.glob(f"{_PREFIX}*{_SUFFIX}")):
+        for path in itertools.islice(where.glob(f"{_PREFIX}*{_SUFFIX}"), _MAX_SWEPT):
             target = _own_target(path)
             if target is not None and target.stale():
                 with contextlib.suppress(FileNotFoundError):
