@@ -13,6 +13,7 @@ import pytest
 
 from tests.oracle import Oracle
 from undying.checkpoint.mac import using_key
+from undying.protocol.env import PROMETHEUS_DIR_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +45,19 @@ def job_token() -> Iterator[str]:
         os.environ.pop("UNDYING_TOKEN", None)
     else:
         os.environ["UNDYING_TOKEN"] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def prometheus_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The jobs' Prometheus target files and scrape credential go to the session's temp folder, not the
+    user's own (where a Prometheus of theirs would scrape the tests' jobs)."""
+    previous = os.environ.get(PROMETHEUS_DIR_ENV)
+    os.environ[PROMETHEUS_DIR_ENV] = str(folder := tmp_path_factory.mktemp("prometheus"))
+    yield folder
+    if previous is None:
+        os.environ.pop(PROMETHEUS_DIR_ENV, None)
+    else:
+        os.environ[PROMETHEUS_DIR_ENV] = previous
 
 
 @pytest.fixture

@@ -56,6 +56,7 @@ from undying.protocol.env import (
     LOG_DIR_ENV,
     NODE_NAME_ENV,
     NUMERICS_ENV,
+    PROMETHEUS_DIR_ENV,
     REDIRECTS_ENV,
     REPLICATE_ENV,
     REPLICATE_EVERY_ENV,
@@ -390,7 +391,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     *(EnvVar(name, _any, "") for name in (
         CHECKPOINT_DIR_ENV, TRACE_DIR_ENV, LOG_DIR_ENV, CONSOLE_ENV, JOB_DIR_ENV,
         RESUME_FROM_ENV, RETURNED_FILE_ENV, NODE_NAME_ENV, RESUME_DIGEST_ENV,
-        DEMO_QUIET_ENV)),
+        DEMO_QUIET_ENV, PROMETHEUS_DIR_ENV)),
 )}
 # (UNDYING_TOKEN and the keys derived from it are read, and refused when inherited, by
 # undying.jobfiles.tokens.)

@@ -286,11 +286,16 @@ def test_torchruns_rendezvous_maps_onto_the_manager_and_the_job_id(capsys: pytes
     assert args.manager == "host0:29400"  # torchrun's default port, and `undying manager`'s
 
 
-def test_standalone_picks_a_free_port_and_nproc_words_resolve(script: Path) -> None:
+def test_one_node_picks_a_free_port_unless_one_is_fixed_and_nproc_words_resolve(script: Path) -> None:
     _, config = _config(["--standalone", "--nproc-per-node", "cpu", str(script)])
     assert config.port == 0 and config.nproc_per_node == (os.cpu_count() or 1)
+    # Without --standalone too, as torchrun --standalone: a second job on the machine just works.
     _, config = _config(["--nproc-per-node", "2", str(script)])
-    assert config.port == 29500 and config.nproc_per_node == 2
+    assert config.port == 0 and config.nproc_per_node == 2
+    _, config = _config(["--port", "29555", str(script)])
+    assert config.port == 29555
+    _, config = _config(["--rdzv-endpoint", "localhost:29556", str(script)])
+    assert config.port == 29556
 
 
 def test_torchruns_launch_flags_reach_the_config(script: Path, tmp_path: Path) -> None:

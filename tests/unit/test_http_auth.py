@@ -103,7 +103,7 @@ class RecordingAgent:
 class Served:
     """A real Manager and its API, on an event loop of their own in a thread (the test thread is the client)."""
 
-    def __init__(self, job_dir: Path, *, open_status: bool = False) -> None:
+    def __init__(self, job_dir: Path, *, open_status: bool = False, scrape_credential: str | None = None) -> None:
         self.job_dir = job_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -117,7 +117,8 @@ class Served:
 
         async def serve() -> tuple[web.AppRunner, str]:
             # The launcher's own call: positional host and port.
-            return await start_http(self.manager, "127.0.0.1", 0, open_status=open_status)
+            return await start_http(self.manager, "127.0.0.1", 0, open_status=open_status,
+                                    scrape_credential=scrape_credential)
 
         try:
             self.runner, self.url = self.call(serve)
@@ -437,3 +438,26 @@ def test_a_token_in_a_url_is_refused_and_written_to_no_log(served: Served, caplo
     record = logging.LogRecord("x", logging.WARNING, __file__, 1, f"Authorization: Bearer {served.token}", None, None)
     HideTokens().filter(record)
     assert served.token not in record.getMessage()
+
+
+def test_the_users_scrape_credential_opens_get_metrics_and_nothing_else(tmp_path: Path) -> None:
+    credential = "scrape-credential-of-the-user"
+    s = Served(tmp_path, scrape_credential=credential)
+    try:
+        before = s.snapshot()
+        code, text = raw(s.url + "/metrics", headers=bearer(credential))
+        assert code == 200 and "undying_step " in str(text)
+        assert raw(s.url + "/metrics", "HEAD", headers=bearer(credential))[0] == 200
+        assert raw(s.url + "/metrics", headers=bearer(s.token))[0] == 200  # the job's token as before
+        for headers in ({}, bearer("a-wrong-one"), {"X-Undying-Token": credential + "x"}):
+            assert raw(s.url + "/metrics", headers=headers)[0] == 401, headers
+        for path in READS:
+            if path != "/metrics":
+                assert raw(s.url + path, headers=bearer(credential))[0] == 401, path
+        assert raw(s.url + f"/?token={credential}")[0] == 401
+        for path, body in (("/api/stop", b"{}"), ("/api/inject", b'{"kind": "crash", "rank": 0}'),
+                           ("/api/trace", b'{"on": true}')):
+            assert raw(s.url + path, "POST", body, {**bearer(credential), "Content-Type": "application/json"})[0] == 401
+        assert s.snapshot() == before
+    finally:
+        s.close()

@@ -336,6 +336,12 @@ def test_the_token_secret_is_referenced_by_manager_and_workers(name: str) -> Non
         assert var["valueFrom"]["secretKeyRef"] == {"name": secret_name, "key": "token"}
 
 
+def test_the_manager_writes_no_prometheus_target_file_in_its_pod() -> None:
+    docs, _, _ = generate(*OPTION_SETS["minimal"])
+    [c] = pod_spec(manager_doc(docs))["containers"]
+    assert {"name": "UNDYING_PROMETHEUS_DIR", "value": "off"} in c["env"]  # (its Service is the target)
+
+
 def test_each_generation_makes_a_new_token() -> None:
     a, _, _ = generate(*OPTION_SETS["minimal"])
     b, _, _ = generate(*OPTION_SETS["minimal"])

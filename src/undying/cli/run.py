@@ -179,8 +179,9 @@ be written: a resume re-runs the steps after it, the last line counts them),
                 help="when the trace dir passes this size, its oldest 20%% of trace files are "
                 "deleted (default %(default)g)")
     p.add_argument("--port", type=int, default=None,
-                   help=f"the manager's c10d store port; 0 picks a free one (default "
-                   f"{JobConfig.port}; --standalone: 0)")
+                   help="one node: the manager's c10d store port (default: a free one, as "
+                   "torchrun --standalone, so jobs side by side never collide; pass one to fix "
+                   "it); several nodes use the `undying manager`'s (--manager)")
     add_setting(p, JobConfig, "--http-port", type=int,
                 help="the manager's HTTP API port on localhost (default: a free one)")
     add_setting(p, JobConfig, "--open-status", action="store_true",

@@ -126,8 +126,8 @@ def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
         "torchrun's flags (same spellings: `undying run` takes a torchrun command line)")
     g.add_argument("--standalone", action="store_true",
                    help="one node, the manager in this launcher with its store on a free port (as "
-                   "torchrun's --standalone); without it one node runs the same way, its store on "
-                   "--port")
+                   "torchrun's --standalone); without it one node runs the same way (on --port "
+                   "when given)")
     g.add_argument("--rdzv-backend", "--rdzv_backend", default="static", metavar="BACKEND",
                    help="static or c10d: undying's manager is the rendezvous either way; etcd is "
                    "refused")

@@ -93,7 +93,10 @@ class JobConfig:
     # size).
     min_nodes: int = 0
     host: str = "127.0.0.1"
-    port: int = 29500
+    # The port of the manager's c10d store on one node: 0 picks a free one (as torchrun
+    # --standalone does), so jobs side by side on a machine never collide; several nodes use the
+    # `undying manager`'s own ports instead.
+    port: int = 0
     http_port: int = 0
     backend: str = "gloo"
     # Whole-group restarts (torchrun's --max-restarts): every rank started again, from the latest

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from undying.k8s.spec import CKPT_MOUNT, JOB_DIR, TRACE_MOUNT, TRACE_SWITCH_FILE, Spec
-from undying.protocol.env import TOKEN_ENV
+from undying.protocol.env import PROMETHEUS_DIR_ENV, TOKEN_ENV
 
 __all__ = [
     "Manifest",
@@ -163,7 +163,9 @@ def _manager_pod_spec(spec: Spec) -> dict[str, Any]:
     resources = {"requests": {k: v for k, v in asked if v}}
     container = {
         "name": MANAGER_CONTAINER, **_image(spec), "command": spec.manager_argv(),
-        "env": [_token_env(spec), {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        # (Prometheus finds the manager through its Service, never a target file in the pod)
+        "env": [_token_env(spec), {"name": "PYTHONUNBUFFERED", "value": "1"},
+                {"name": PROMETHEUS_DIR_ENV, "value": "off"}],
         "ports": [{"name": "agent", "containerPort": spec.port},
                   {"name": "store", "containerPort": spec.store_port},
                   {"name": "http", "containerPort": spec.http_port}],

@@ -5,7 +5,8 @@ its API.
 (``manager_service``) each host a job's manager the same way: the job dir
 prepared and its token read (the checkpoints' key from it), the SQLite event
 log opened, the manager built on it, its control store serving the job's
-stores, and its HTTP API announced in the job dir. What differs between them
+stores, and its HTTP API announced in the job dir (and to Prometheus, by a
+target file in the user's folder, ``undying.jobfiles.prometheus``). What differs between them
 (the agents' server, the agent in the launcher's own process) is theirs.
 """
 
@@ -23,6 +24,7 @@ from undying.checkpoint.mac import key_from_token, set_key
 from undying.config import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, JobConfig
 from undying.jobfiles.events import EventLog
 from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.prometheus import Publisher
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import ensure_token_with_source
 from undying.manager.http import start_http
@@ -90,6 +92,8 @@ class ManagerHost:
         self.manager = Manager(config, events, restoring=restoring)
         self.known_sessions: dict[int, str] = {}
         self._runner: web.AppRunner | None = None
+        # Its Prometheus target file and the user's scrape credential (jobfiles/prometheus.py).
+        self._prometheus = Publisher()
         try:
             if restoring:
                 self.known_sessions = self.manager.restore()
@@ -107,17 +111,21 @@ class ManagerHost:
         tells); returns its URL. ``open_status``: the status page is served without the token."""
         config = self.config
         self._runner, url = await start_http(self.manager, config.host, config.http_port,
-                                             open_status=open_status)
+                                             open_status=open_status,
+                                             scrape_credential=self._prometheus.credential())
         self.files.job_dir.write_manager({"url": url, "pid": os.getpid(), "job_id": config.job_id,
                                           **facts, "control_port": self.control_port,
                                           "started_at": time.time()})
         self.events.set_job("url", url, flush=True)
+        # (after manager.json: a scraper that finds the target finds a job dir that names it)
+        self._prometheus.publish(url, config.job_id, config.job_dir)
         return url
 
     async def close(self) -> None:
         """The API stops, the job dir forgets this manager, the manager closes its stores and
         log."""
         try:
+            self._prometheus.withdraw()
             if self._runner is not None:
                 await self._runner.cleanup()
             self.files.job_dir.clear_manager()

@@ -35,6 +35,7 @@ __all__ = [
     "VERIFY_SERVE_DIR_ENV",
     # Switches a user (or a test) sets for undying's own processes.
     "WORKER_START_ENV", "HOST_NAME_ENV", "RESUME_DIGEST_ENV", "DEMO_QUIET_ENV",
+    "PROMETHEUS_DIR_ENV",
 ]
 
 # The prefix of them all: a verifier keeps none of a rank's but those it names (worker/verify.py).
@@ -161,3 +162,6 @@ HOST_NAME_ENV = "UNDYING_HOST_NAME"
 RESUME_DIGEST_ENV = "UNDYING_RESUME_DIGEST"
 # Set: `undying demo` prints no OK/FAILED verdict line (cli/demo.py).
 DEMO_QUIET_ENV = "UNDYING_DEMO_QUIET"
+# The folder of the user's Prometheus file_sd target files and scrape credential, or "off"
+# (jobfiles/prometheus.py; default ~/.local/state/undying/prometheus).
+PROMETHEUS_DIR_ENV = "UNDYING_PROMETHEUS_DIR"

@@ -32,6 +32,8 @@ in process lists and pod names) and "wrong manager" is the more useful answer.
 With ``open_status`` the read-only endpoints (GET of /, /metrics, /api/status,
 /api/ranks, /api/incidents, /api/trace) answer anyone, for a dashboard or a
 Prometheus without the token; inject, stop and trace changes still need it.
+``GET /metrics`` also takes the user's scrape credential, one for all of the
+user's jobs (``undying.jobfiles.prometheus``), and nothing else does.
 
 The page in a browser. A browser cannot add a header to the address bar, so
 ``GET /`` also takes the token as ``/?token=<token>`` (only there: the API takes
@@ -132,8 +134,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def build_app(manager: Manager, token: str | None = None, *, open_status: bool = False,
-              connections: ConnectionGuard | None = None) -> web.Application:
-    """The API of ``manager``; ``token`` defaults to the job's (``ensure_token`` of its job dir)."""
+              connections: ConnectionGuard | None = None,
+              scrape_credential: str | None = None) -> web.Application:
+    """The API of ``manager``; ``token`` defaults to the job's (``ensure_token`` of its job dir).
+
+    ``scrape_credential``: the user's (``undying.jobfiles.prometheus``), accepted for GET (and
+    HEAD) /metrics and nothing else."""
     expected = token if token is not None else ensure_token(Path(manager.config.job_dir))
     job_id = manager.config.job_id
     proving = proof_key(expected)  # what /api/hello proves the job with (never the token itself)
@@ -160,6 +166,9 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
         if given is None and request.path == "/" and request.method in _READ_METHODS:
             given = request.query.get("token")
         if tokens_match(given, expected):
+            return None
+        if (scrape_credential is not None and request.path == "/metrics"
+                and request.method in _READ_METHODS and tokens_match(given, scrape_credential)):
             return None
         problem = "no token" if not given else "a wrong token"
         page = " (a browser: open /?token=<token>)" if request.path == "/" else ""
@@ -309,8 +318,10 @@ def build_app(manager: Manager, token: str | None = None, *, open_status: bool =
 
 
 async def start_http(manager: Manager, host: str, port: int, *, open_status: bool = False,
-                     limits: ConnectionLimits | None = None) -> tuple[web.AppRunner, str]:
-    """Serve the API of ``manager`` on ``host:port`` with the job's token (``<job dir>/token``).
+                     limits: ConnectionLimits | None = None,
+                     scrape_credential: str | None = None) -> tuple[web.AppRunner, str]:
+    """Serve the API of ``manager`` on ``host:port`` with the job's token (``<job dir>/token``)
+    (and, for GET /metrics only, the user's ``scrape_credential``).
 
     Returns the runner (``cleanup()`` stops it) and the base URL. ``host`` is
     what the caller chose: 127.0.0.1 unless the user asked for more. Every
@@ -319,7 +330,8 @@ async def start_http(manager: Manager, host: str, port: int, *, open_status: boo
     limits = limits if limits is not None else manager.config.connections
     token = ensure_token(Path(manager.config.job_dir))
     guard = ConnectionGuard(limits)
-    app = build_app(manager, token, open_status=open_status, connections=guard)
+    app = build_app(manager, token, open_status=open_status, connections=guard,
+                    scrape_credential=scrape_credential)
     runner = PageRunner(app, access_log=None, keepalive_timeout=limits.http_idle_timeout,
                         logger=_server_log)
     await runner.setup()

@@ -46,7 +46,8 @@ class Generations:
         except OSError as e:
             if "in use" in str(e).lower() or "EADDRINUSE" in str(e):
                 raise UsageError(
-                    f"port {port} is in use; pass --port with a free port, or --port 0 to pick one"
+                    f"port {port} is in use; pass --port with a free port, or drop --port (or "
+                    "pass --port 0) to pick a free one"
                 ) from e
             raise UsageError(f"cannot listen on {self.host}:{port}: {e}") from e
         return self._control.port
