@@ -40,6 +40,8 @@ from undying.config.exits import SCRIPT_ERROR_FILE as SCRIPT_ERROR_FILE
 from undying.config.job import WHOLE_GROUP_LINE as WHOLE_GROUP_LINE
 from undying.config.job import JobConfig, LaunchConfig
 from undying.config.manager import DEFAULT_MANAGER_PORT, ConnectionLimits, ManagerOptions
+from undying.config.manager import PROGRESS_EVERY_S as PROGRESS_EVERY_S
+from undying.config.manager import check_progress_every as check_progress_every
 from undying.config.sections import TRACE_INITIAL as TRACE_INITIAL
 from undying.config.sections import (
     CheckpointConfig,

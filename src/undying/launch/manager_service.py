@@ -29,6 +29,7 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import where_the_token_is
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
+from undying.launch.progress import ProgressShow
 from undying.manager.checkpoints import resume_line
 from undying.manager.http import tokens_match
 from undying.manager.manager import Manager
@@ -173,13 +174,15 @@ async def _serve(options: ManagerOptions) -> int:
         url = await hosted.serve_api(open_status=options.open_status, agent_port=server.port)
         log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id,
                     config.nnodes, config.nproc_per_node, url, job_dir.path)
-        return await _run(manager, server, config, restart)
+        return await _run(manager, server, config, restart,
+                          ProgressShow(manager.status, url, options.progress_every))
     finally:
         await server.close()
         await hosted.close()
 
 
-async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool) -> int:
+async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool,
+               shown: ProgressShow) -> int:
     loop = asyncio.get_running_loop()
     interrupted: list[signal.Signals] = []
 
@@ -196,6 +199,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    # (the live line on a terminal, else a line every --progress-every seconds; agents show none)
+    shown.start()
     try:
         if restart:
             waiting = asyncio.ensure_future(
@@ -211,6 +216,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         finally:
             waiting.cancel()
     finally:
+        shown.close()
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)

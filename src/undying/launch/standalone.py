@@ -36,6 +36,7 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.launch.in_process import InProcessLine, InProcessReports
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
+from undying.launch.progress import ProgressShow
 from undying.manager.checkpoints import resume_line
 from undying.manager.manager import Manager
 from undying.manager.node_reports import NodeReports
@@ -126,9 +127,12 @@ async def _launch(config: JobConfig, script: str, script_args: list[str],
 
     for sig in hangup.STOP_SIGNALS:
         loop.add_signal_handler(sig, hangup.handle, sig, config.job_dir, on_signal)
+    # (the live line on a terminal, else a line every --progress-every seconds: launch/progress.py)
+    shown = ProgressShow(manager.status, url, config.launch.progress_every).start()
     try:
         final = await manager.run()
     finally:
+        shown.close()  # (what follows prints where the live line was)
         for sig in hangup.STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         hangup.after_the_job(config.job_dir)
