@@ -1,4 +1,4 @@
-"""The launcher's progress line (cli/progress_line.py, launch/progress.py): its words from given
+"""The launcher's progress line (cli/progress_line.py, cli/progress_show.py): its words from given
 figures, the terminal or not, ``--progress-every``'s input, and every line the launcher's builders
 make within 80 columns."""
 
@@ -18,9 +18,9 @@ import pytest
 
 from tests.unit.live_manager import running
 from undying.cli.progress_line import clock, fit, live_line, periodic_line, progress_every_arg
+from undying.cli.progress_show import LIVE, OFF, PERIODIC, ProgressShow, choose_mode
 from undying.cli.summary import banner
 from undying.errors import UsageError
-from undying.launch.progress import LIVE, OFF, PERIODIC, ProgressShow, choose_mode
 
 URL = "http://127.0.0.1:41234"
 NOW = 1_000_000.0
@@ -154,7 +154,7 @@ def _read_all(fd: int) -> bytes:
 
 def test_the_live_line_is_rewritten_in_place_and_log_lines_print_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TERM", "xterm")
-    monkeypatch.setattr("undying.launch.progress._REDRAW_S", 0.05)
+    monkeypatch.setattr("undying.cli.progress_show._REDRAW_S", 0.05)
     leader, follower = os.openpty()
     figures = status(step=1)
     handler: logging.StreamHandler[Any] | None = None

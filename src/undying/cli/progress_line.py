@@ -5,7 +5,7 @@ serves (``progress``: step of total, rate, ETA; ``goodput``; the incidents, and
 for a script without the step API its whole-group restarts, ``jobfiles.restarts``).
 Two forms, each one line of at most ``WIDTH`` columns:
 
-- ``live_line``: on a terminal, rewritten in place (``launch/progress.py``):
+- ``live_line``: on a terminal, rewritten in place (``cli/progress_show.py``):
   step of total, rate, ETA, goodput, incidents so far and the status page's URL;
 - ``periodic_line``: when the launcher's stderr is not a terminal, every
   ``--progress-every`` seconds, after the log's ``[undying HH:MM:SS]``.
@@ -129,8 +129,14 @@ def _rate(steps_per_s: float | None) -> str:
     if not steps_per_s or steps_per_s <= 0:
         return ""
     if steps_per_s >= 1:
-        return f"{steps_per_s:.3g} it/s"
-    return f"{1 / steps_per_s:.3g} s/it"
+        return f"{_figure(steps_per_s)} it/s"
+    return f"{_figure(1 / steps_per_s)} s/it"
+
+
+def _figure(value: float) -> str:
+    """Two significant digits below 10 (2.5, 0.31), whole above (12, 1234): a figure to glance
+    at."""
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
 
 
 def _incidents(incidents: Sequence[Mapping[str, Any]]) -> str:

@@ -59,8 +59,8 @@ class LaunchConfig:
     # loopback and a free port on one node; the manager's host and port 29500 on several.
     master_addr: str = ""
     master_port: int = 0
-    # The launcher's progress on its stderr (launch/progress.py): a live line on a terminal, else a
-    # line every this many seconds; 0: neither. (Per node: an agent of a multi-node job shows none.)
+    # The launcher's progress on its stderr (cli/progress_show.py): a live line on a terminal, else
+    # a line every this many seconds; 0: neither. (Per node: a multi-node job's agent shows none.)
     progress_every: float = PROGRESS_EVERY_S
 
     def validate(self) -> None:

@@ -22,8 +22,9 @@ __all__ = ["DEFAULT_MANAGER_PORT", "PROGRESS_EVERY_S", "MOST_PROGRESS_EVERY_S",
 DEFAULT_MANAGER_PORT = 29400
 
 
-# The progress of the process that runs a job (launch/progress.py) where its stderr is no terminal:
-# a line every this many seconds (--progress-every), at most a day apart; 0: none (nor a live line).
+# The progress of the process that runs a job (cli/progress_show.py) where its stderr is no
+# terminal: a line every this many seconds (--progress-every), at most a day apart; 0: none (nor a
+# live line).
 PROGRESS_EVERY_S = 30.0
 MOST_PROGRESS_EVERY_S = 86400.0
 
@@ -97,7 +98,7 @@ class ManagerOptions:
     # The HTTP API's port (the command's default: --port + 2).
     http_port: int
     open_status: bool = False
-    # Its progress on its stderr (launch/progress.py): a live line on a terminal, else a line every
-    # this many seconds; 0: neither.
+    # Its progress on its stderr (cli/progress_show.py): a live line on a terminal, else a line
+    # every this many seconds; 0: neither.
     progress_every: float = PROGRESS_EVERY_S
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from undying.cli.progress_show import ProgressShow
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.errors import UsageError
 from undying.jobfiles.events import read_job_table
@@ -29,7 +30,6 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import where_the_token_is
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
-from undying.launch.progress import ProgressShow
 from undying.manager.checkpoints import resume_line
 from undying.manager.http import tokens_match
 from undying.manager.manager import Manager

@@ -28,6 +28,7 @@ from undying.agent.agent import Agent
 from undying.agent.commands import NodeCommands, report_state
 from undying.agent.netif import interface_for
 from undying.checkpoint.mac import key_from_token
+from undying.cli.progress_show import ProgressShow
 from undying.cli.summary import print_banner, print_end_summary
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
@@ -36,7 +37,6 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.launch.in_process import InProcessLine, InProcessReports
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
-from undying.launch.progress import ProgressShow
 from undying.manager.checkpoints import resume_line
 from undying.manager.manager import Manager
 from undying.manager.node_reports import NodeReports
@@ -127,7 +127,7 @@ async def _launch(config: JobConfig, script: str, script_args: list[str],
 
     for sig in hangup.STOP_SIGNALS:
         loop.add_signal_handler(sig, hangup.handle, sig, config.job_dir, on_signal)
-    # (the live line on a terminal, else a line every --progress-every seconds: launch/progress.py)
+    # (a live line on a terminal, else a line every --progress-every seconds: cli/progress_show.py)
     shown = ProgressShow(manager.status, url, config.launch.progress_every).start()
     try:
         final = await manager.run()

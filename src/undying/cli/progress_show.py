@@ -34,7 +34,7 @@ from undying.cli.progress_line import WIDTH, live_line, periodic_line
 
 __all__ = ["LIVE", "PERIODIC", "OFF", "choose_mode", "ProgressShow"]
 
-log = logging.getLogger("undying.launch.progress")
+log = logging.getLogger("undying.cli.progress_show")
 
 LIVE, PERIODIC, OFF = "live", "periodic", "off"
 # How often the live line is drawn again (its figures change with each step; a person reads it).
