@@ -72,6 +72,9 @@ def test_a_live_line_on_a_terminal_and_a_periodic_one_in_a_file(tmp_path: Path) 
     # Then the line is taken off and the end summary prints where it was; no warning on the way.
     assert re.search(r"\x1b\[Kundying: job tty succeeded: step 16 of 16", text), text[-3000:]
     assert "WARNING" not in text, text[-3000:]
+    # Every line within 80 columns but for a path alone on its line (the job dir's is long here).
+    for line in text.replace(ERASE, "\n").replace("\r\n", "\n").splitlines():
+        assert len(line) <= 80 or len(line.split()) == 1, line
 
     log = tmp_path / "file.log"
     with open(log, "wb") as out:

@@ -5,11 +5,14 @@ make within 80 columns."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import io
 import logging
 import os
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 from typing import Any
@@ -221,3 +224,47 @@ def test_the_banner_fits_80_columns_with_a_path_or_url_alone_on_its_line() -> No
             assert f"status: undying status --job-dir {job_dir} (--watch to follow it)" in flat
             for line in lines:
                 assert len(line) <= 80 or (deep in line and len(line.split()) <= 2), line
+
+
+LOGS = """
+import logging, sys
+from undying.config import show_launcher_log
+show_launcher_log(False)
+logging.getLogger("undying.manager").warning(
+    "job job-20261129-150258-c0001c gen 0: crash of rank 1 at step 5 -> replace (rank 1 exited; a new "
+    "process takes its place) in 12.6 s, files in " + "/a-long-folder-name" * 5)
+try:
+    raise ValueError("kept as it is")
+except ValueError:
+    logging.getLogger("undying.manager").exception("failed")
+"""
+
+
+def _log_to(stderr: int) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-c", LOGS], stderr=stderr, stdout=subprocess.DEVNULL, timeout=60,
+                          check=True)
+
+
+def test_the_launchers_log_lines_fit_80_columns_on_a_terminal_and_stay_whole_in_a_file(tmp_path: Path) -> None:
+    leader, follower = os.openpty()
+    try:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        _log_to(follower)
+        lines = _read_all(leader).decode().replace("\r\n", "\n").splitlines()
+    finally:
+        os.close(leader)
+        os.close(follower)
+    record = lines[:lines.index(next(line for line in lines if "ERROR] failed" in line))]
+    assert len(record) > 1 and record[0].startswith("[undying ") and "WARNING] job " in record[0], lines
+    assert all(line.startswith("  ") for line in record[1:]), record
+    path = "/a-long-folder-name" * 5
+    for line in record:
+        assert len(line) <= 80 or line.strip() == path, line  # (a path alone on its line)
+    said = " ".join(" ".join(record).split())
+    assert said.endswith("a new process takes its place) in 12.6 s, files in " + path), said
+    assert "12.6 s" in "\n".join(record)  # a number and its unit on one line
+    assert "Traceback" in "\n".join(lines) and any(line == "ValueError: kept as it is" for line in lines)
+    with open(tmp_path / "log", "wb") as file:
+        _log_to(file.fileno())
+    whole = (tmp_path / "log").read_text().splitlines()
+    assert whole[0].endswith("files in " + path) and "WARNING] job " in whole[0], whole

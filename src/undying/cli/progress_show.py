@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, TextIO
 
 from undying.cli.progress_line import WIDTH, live_line, periodic_line
@@ -132,9 +133,9 @@ class ProgressShow:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is self._stream:
                 self._swapped.append((handler, handler.stream))
-                handler.setStream(above)  # type: ignore[arg-type]
+                handler.setStream(above)
         if sys.stderr is self._stream:
-            sys.stderr = above  # type: ignore[assignment]
+            sys.stderr = above
 
     def _undivert(self) -> None:
         for handler, stream in self._swapped:
@@ -177,9 +178,7 @@ class ProgressShow:
         while True:
             await asyncio.sleep(self._every_s)
             prefix = f"[undying {time.strftime('%H:%M:%S')}] "
-            width = WIDTH - len(prefix)
-            line = self._figures(lambda status, width=width: periodic_line(
-                status, now=time.time(), width=width))
+            line = self._figures(partial(_periodic_words, width=WIDTH - len(prefix)))
             if line is not None:
                 self._write(prefix + line + "\n")
 
@@ -198,3 +197,7 @@ class ProgressShow:
             self._stream.flush()
         except (OSError, ValueError):  # a terminal that hung up (EIO), a closed stream
             pass
+
+
+def _periodic_words(status: Mapping[str, Any], *, width: int) -> str:
+    return periodic_line(status, now=time.time(), width=width)

@@ -26,8 +26,10 @@ X``).
 from __future__ import annotations
 
 from undying.config.console import SHOWN_LOG as SHOWN_LOG
+from undying.config.console import fit_terminal as fit_terminal
 from undying.config.console import show_launcher_log as show_launcher_log
 from undying.config.console import show_rank_log as show_rank_log
+from undying.config.console import wrap as wrap
 from undying.config.exits import ERROR_FILE as ERROR_FILE
 from undying.config.exits import EXIT_FENCED as EXIT_FENCED
 from undying.config.exits import EXIT_MIGRATED as EXIT_MIGRATED

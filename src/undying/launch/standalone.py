@@ -30,7 +30,7 @@ from undying.agent.netif import interface_for
 from undying.checkpoint.mac import key_from_token
 from undying.cli.progress_show import ProgressShow
 from undying.cli.summary import print_banner, print_end_summary
-from undying.config import WHOLE_GROUP_LINE, JobConfig
+from undying.config import WHOLE_GROUP_LINE, JobConfig, fit_terminal
 from undying.errors import UsageError
 from undying.jobfiles.events import read_job_table
 from undying.jobfiles.jobdir import JobDir
@@ -207,7 +207,8 @@ def say(line: str) -> None:
     """A line the user reads whatever the log level, and no warning: the start and end of a run that
     went well."""
     try:
-        sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
+        sys.stderr.write(fit_terminal(f"[undying {time.strftime('%H:%M:%S')}] {line}",
+                                      sys.stderr) + "\n")
         sys.stderr.flush()
     except OSError:
         # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
