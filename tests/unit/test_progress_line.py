@@ -9,6 +9,7 @@ import fcntl
 import io
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -96,6 +97,18 @@ def test_the_figures_come_from_the_managers_own_status(tmp_path: Path) -> None:
     finally:
         manager.close()
     assert line.startswith("step 4, ") and line.endswith(f"0 incidents, {URL}"), line
+
+
+def test_a_script_without_steps_has_its_restarts_from_the_managers_own_status(tmp_path: Path) -> None:
+    from tests.unit.test_no_step_summary import crash, torchrun_job
+
+    manager, _ = torchrun_job(tmp_path)
+    try:
+        crash(manager, 1, time.time())
+        line = live_line(manager.status(), url=URL, now=time.time(), width=80)
+    finally:
+        manager.close()
+    assert re.fullmatch(rf"elapsed 0:0\d, 1 restart \(crash of rank 1\), 1 incident, {URL}", line), line
 
 
 def test_clock() -> None:

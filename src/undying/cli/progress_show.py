@@ -160,17 +160,18 @@ class ProgressShow:
             await asyncio.sleep(_REDRAW_S)
 
     def draw(self) -> None:
-        """(Under ``lock``.) The line, in place of the one shown."""
-        if not self._line or self._task is None:
+        """(Under ``lock``.) The line, in place of the one shown; nothing once the stream is no
+        terminal (a hang-up moved it onto a file)."""
+        if not self._line or self._task is None or not _is_terminal(self._stream):
             return
         self._write(_ERASE + self._line)
         self._shown = True
 
     def erase(self) -> None:
         """(Under ``lock``.) The line off the terminal, the cursor at its start."""
-        if self._shown:
+        if self._shown and _is_terminal(self._stream):
             self._write(_ERASE)
-            self._shown = False
+        self._shown = False
 
     # --- the periodic line ---------------------------------------------------------------------
 
