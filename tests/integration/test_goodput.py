@@ -93,7 +93,8 @@ def test_progress_and_the_last_values_of_the_finished_job(crashed: Outcome) -> N
 
 def test_the_end_summary_and_the_banner_say_how_the_job_went(crashed: Outcome) -> None:
     lines = end_summary(crashed.job_dir)
-    text = "\n".join(lines)
+    assert all(len(line) <= 80 or len(line.split()) == 1 for line in lines), lines
+    text = " ".join(" ".join(lines).split())  # (an entry wider than 80 columns goes on over lines)
     assert lines[0].startswith(f"undying: job {crashed.job_dir.name} succeeded: step 64 of 64, wall time ")
     assert "goodput " in text and "lost: " in text and "start-up" in text
     assert "incidents: 1, 1 recovered, mean MTTR" in text and "#1 crash of rank 1 at step 20: replace" in text
@@ -102,7 +103,7 @@ def test_the_end_summary_and_the_banner_say_how_the_job_went(crashed: Outcome) -
     assert f"details: undying status --job-dir {crashed.job_dir}" in text
     printed = crashed.log()  # what `undying run` wrote: the banner first, the same summary last
     assert f"undying: job {crashed.job_dir.name} started, 2 ranks" in printed
-    assert f"status:      undying status --job-dir {crashed.job_dir}" in printed
+    assert f"status: undying status --job-dir {crashed.job_dir}" in " ".join(printed.split())
     assert "status page: http://127.0.0.1:" in printed
     assert lines[0] in printed and lines[-1] in printed
     # The launcher's own verdict stays the last line (a resume's count of re-run steps is read there).

@@ -151,10 +151,12 @@ def test_the_banner_names_the_job_its_folder_page_and_status_command() -> None:
     lines = banner("j1", "/jobs/j1", "http://127.0.0.1:8080", ranks=4)
     assert lines[0] == "undying: job j1 started, 4 ranks"
     assert "job dir:     /jobs/j1" in lines[1]
-    assert "status page: http://127.0.0.1:8080/  (add ?token=<the token in /jobs/j1/token>)" in lines[2]
-    assert "status:      undying status --job-dir /jobs/j1" in lines[3]
-    assert "open to anyone" in banner("j1", "/jobs/j1", "http://h:1/", ranks=1, open_status=True)[2]
-    assert all(len(line) <= 100 for line in lines)
+    # The page's URL on a line of its own (a terminal makes it a link), how to open it below it.
+    assert lines[2] == "  status page: http://127.0.0.1:8080/"
+    assert lines[3] == "               (add ?token=<the token in /jobs/j1/token>)"
+    assert "status:      undying status --job-dir /jobs/j1" in lines[4]
+    assert "open to anyone" in banner("j1", "/jobs/j1", "http://h:1/", ranks=1, open_status=True)[3]
+    assert all(len(line) <= 80 for line in lines)
 
 
 def test_durations_and_losses_in_words() -> None:

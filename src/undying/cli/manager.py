@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from undying.cli.limits import add_connection_arguments, connection_limits
+from undying.cli.progress_line import progress_every_arg
 from undying.cli.refusal import Ledger
 from undying.cli.settings import add_setting, from_args
 from undying.config import ManagerOptions
@@ -62,6 +63,9 @@ stops it. Exit code as `undying run`'s.""",
                    help="the HTTP API's port (default --port + 2; 0 picks one)")
     add_setting(p, ManagerOptions, "--open-status", action="store_true",
                 help="serve the read-only status (GET /, /api/status, /metrics) without the token")
+    add_setting(p, ManagerOptions, "--progress-every", type=progress_every_arg, metavar="SECONDS",
+                help="a live progress line on a terminal; elsewhere (a file, a pipe) a progress "
+                "line every SECONDS (default %(default)g); 0: neither")
     add_connection_arguments(p)
     p.set_defaults(func=run)
 

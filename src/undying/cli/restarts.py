@@ -8,12 +8,12 @@ columns; a path that cannot break stands alone on its own line.
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from undying.cli.words import duration
+from undying.config import wrap
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.progress import PLAN_EVENT
 from undying.jobfiles.restarts import Round, has_steps, recovered, rounds
@@ -30,8 +30,7 @@ NO_STEPS = "no steps to count: the script never calls job.steps (undying's step 
 def wrapped(text: str, indent: str = "", more: str = "") -> list[str]:
     """``text`` in lines of at most ``WIDTH`` columns (``more``: the indent of the lines after the
     first); a word that cannot break (a path) stands alone on its line."""
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=more or indent,
-                         break_long_words=False, break_on_hyphens=False) or [indent.rstrip()]
+    return wrap(text, WIDTH, indent, more)  # (nor between a number and its unit: config.console)
 
 
 def logged_has_steps(reader: LogReader) -> bool:

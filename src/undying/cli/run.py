@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from undying.cli.limits import add_connection_arguments
+from undying.cli.progress_line import progress_every_arg
 from undying.cli.run_help import add_help_options
 from undying.cli.run_job import run
 from undying.cli.settings import add_setting
@@ -26,6 +27,7 @@ from undying.config import (
     TRACE_INITIAL,
     CheckpointConfig,
     JobConfig,
+    LaunchConfig,
     Timeouts,
     TraceConfig,
 )
@@ -187,6 +189,9 @@ be written: a resume re-runs the steps after it, the last line counts them),
     add_setting(p, JobConfig, "--open-status", action="store_true",
                 help="serve the read-only status (GET /, /api/status, /metrics) without the "
                 "job's token; inject, stop and trace changes always need it (<job dir>/token)")
+    add_setting(p, LaunchConfig, "--progress-every", type=progress_every_arg, metavar="SECONDS",
+                help="a live progress line on a terminal; elsewhere (a file, a pipe) a progress "
+                "line every SECONDS (default %(default)g); 0: neither")
     add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"),
                 help="torch.distributed backend (default %(default)s)")
     m = p.add_argument_group(

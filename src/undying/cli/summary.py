@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from undying.cli.restarts import incidents_line, logged_has_steps, no_step_summary
+from undying.cli.restarts import incidents_line, logged_has_steps, no_step_summary, wrapped
 from undying.cli.words import duration
 from undying.errors import UsageError
 from undying.jobfiles.events import LogReader
@@ -126,21 +126,26 @@ def incident_line(incident: dict[str, Any], goodput: dict[str, Any] | None = Non
 
 # --- the banner ---------------------------------------------------------------
 
+# Where the banner's values start (under "  status page: ").
+_BANNER_MORE = " " * 15
+
 
 def banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int, open_status: bool = False,
            token_from: str = "") -> list[str]:
     """The lines ``undying run`` prints once its manager answers (``token_from``: where its token
-    came from)."""
+    came from), each within 80 columns: a path or URL that cannot break stands alone on its
+    line."""
     page = f"{url.rstrip('/')}/"
     how = "open to anyone on its address (--open-status)" if open_status else \
         f"add ?token=<the token in {Path(job_dir) / 'token'}>"
-    return [
-        f"undying: job {job_id} started, {ranks} rank{'s' if ranks != 1 else ''}"
-        + (f", token from {token_from}" if token_from else ""),
-        f"  job dir:     {job_dir}",
-        f"  status page: {page}  ({how})",
-        f"  status:      undying status --job-dir {job_dir}  (--watch to follow it)",
-    ]
+    lines = wrapped(f"undying: job {job_id} started, {ranks} rank{'s' if ranks != 1 else ''}"
+                    + (f", token from {token_from}" if token_from else ""), "", "  ")
+    lines += wrapped(f"job dir:     {job_dir}", "  ", _BANNER_MORE)
+    lines += wrapped(f"status page: {page}", "  ", _BANNER_MORE)
+    lines += wrapped(f"({how})", _BANNER_MORE)
+    lines += wrapped(f"status:      undying status --job-dir {job_dir}", "  ", _BANNER_MORE)
+    lines += wrapped("(--watch to follow it)", _BANNER_MORE)
+    return lines
 
 
 def print_banner(job_id: str, job_dir: str | Path, url: str, *, ranks: int,
@@ -177,29 +182,36 @@ def end_summary(job_dir: str | Path) -> list[str]:
     if not steps:  # (a torchrun script: its wall time and restarts, never "step 0" or "0.0%")
         return no_step_summary(job, incidents, wall_s=goodput["wall_s"], job_dir=jd.path)
     total = f" of {progress.total_steps}" if progress.total_steps is not None else ""
-    lines = [f"undying: job {job.get('job_id')} {state}: step {progress.step}{total}, "
-             f"wall time {duration(goodput['wall_s'])}"]
+    lines = wrapped(f"undying: job {job.get('job_id')} {state}: step {progress.step}{total}, "
+                    f"wall time {duration(goodput['wall_s'])}", "", "  ")
     if progress.values:
         shown = ", ".join(f"{k} {v:.6g}" for k, v in sorted(progress.values.items()))
-        lines.append(f"  last values (step {progress.values_step}, mean over ranks): {shown}")
-    lines.append("  " + goodput_line(goodput))
-    lines.append("  " + incidents_line(incidents))
-    lines.extend("    " + incident_line(i, goodput) for i in incidents)
+        lines += _entry(f"last values (step {progress.values_step}, mean over ranks): {shown}")
+    lines += _entry(goodput_line(goodput))
+    lines += _entry(incidents_line(incidents))
+    for incident in incidents:
+        lines += wrapped(incident_line(incident, goodput), "    ", "      ")
     rerun = job.get("rerun_steps") or []
-    lines.append(f"  steps re-run: {len(rerun)}" + (f" ({_steps_words(rerun)})" if rerun else ""))
+    lines += _entry(f"steps re-run: {len(rerun)}" + (f" ({_steps_words(rerun)})" if rerun else ""))
     relaunch = job.get("relaunch_rerun")
     if isinstance(relaunch, dict):  # steps the last launch committed and this one trained again
-        lines.append(f"  this launch {rerun_words(relaunch)}")
+        lines += _entry(f"this launch {rerun_words(relaunch)}")
     last = job.get("last_checkpoint") or {}
     where = job.get("checkpoint_dir") or "-"
     saved = (f" (newest: step {last['step']}, {last.get('path')})"
              if last.get("step") is not None else " (none saved by this launch)")
-    lines.append(f"  checkpoints: {where}{saved}")
+    lines += _entry(f"checkpoints: {where}{saved}")
     verification = logged_verification(jd.events_db, step=progress.step)
     if verification is not None:
-        lines.append("  " + verification_line(verification))
-    lines.append(f"  details: undying status --job-dir {jd.path}")
+        lines += _entry(verification_line(verification))
+    lines += _entry(f"details: undying status --job-dir {jd.path}")
     return lines
+
+
+def _entry(text: str) -> list[str]:
+    """One entry of the end summary, within 80 columns (a path that cannot break alone on its
+    line)."""
+    return wrapped(text, "  ", "    ")
 
 
 def print_end_summary(job_dir: str | Path, out: TextIO | None = None) -> None:

@@ -26,8 +26,10 @@ X``).
 from __future__ import annotations
 
 from undying.config.console import SHOWN_LOG as SHOWN_LOG
+from undying.config.console import fit_terminal as fit_terminal
 from undying.config.console import show_launcher_log as show_launcher_log
 from undying.config.console import show_rank_log as show_rank_log
+from undying.config.console import wrap as wrap
 from undying.config.exits import ERROR_FILE as ERROR_FILE
 from undying.config.exits import EXIT_FENCED as EXIT_FENCED
 from undying.config.exits import EXIT_MIGRATED as EXIT_MIGRATED
@@ -40,6 +42,8 @@ from undying.config.exits import SCRIPT_ERROR_FILE as SCRIPT_ERROR_FILE
 from undying.config.job import WHOLE_GROUP_LINE as WHOLE_GROUP_LINE
 from undying.config.job import JobConfig, LaunchConfig
 from undying.config.manager import DEFAULT_MANAGER_PORT, ConnectionLimits, ManagerOptions
+from undying.config.manager import PROGRESS_EVERY_S as PROGRESS_EVERY_S
+from undying.config.manager import check_progress_every as check_progress_every
 from undying.config.sections import TRACE_INITIAL as TRACE_INITIAL
 from undying.config.sections import (
     CheckpointConfig,

@@ -18,26 +18,72 @@ page, and for ``undying -v``:
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
+import textwrap
 from typing import TextIO
 
 from undying.inputs import env_value
 from undying.protocol.env import VERBOSE_ENV
 
-__all__ = ["SHOWN_LOG", "show_launcher_log", "show_rank_log"]
+__all__ = ["SHOWN_LOG", "WIDTH", "show_launcher_log", "show_rank_log", "fit_terminal", "wrap"]
 
 # The logger of the INFO lines a person reads whatever the level (undying.shown).
 SHOWN_LOG = "undying.shown"
 _FORMAT = "[undying %(asctime)s %(levelname)s] %(message)s"
 _DATE = "%H:%M:%S"
+# The columns a line the launcher prints fits in.
+WIDTH = 80
+# A number and the unit after it, kept on one line.
+_UNIT = re.compile(r"(\d) (s|ms|min|h|GB|MB|KB)\b")
 
 
 def show_launcher_log(verbose: bool) -> None:
     """The log of an ``undying`` command on its stderr: WARNING and above and ``SHOWN_LOG``'s INFO
-    lines, or every INFO line with ``verbose`` (``-v``)."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=_FORMAT,
-                        datefmt=_DATE, stream=sys.stderr)
+    lines, or every INFO line with ``verbose`` (``-v``); on a terminal, within 80 columns."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Fitted(sys.stderr, _FORMAT, _DATE))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
     logging.getLogger(SHOWN_LOG).setLevel(logging.INFO)
+
+
+def fit_terminal(text: str, stream: TextIO) -> str:
+    """``text``'s first line in lines of at most 80 columns (the terminal's, if narrower) where
+    ``stream`` is a terminal, the lines after it indented by two; a word that cannot break (a
+    path, a URL) stands alone on its line. Elsewhere (a file, a pipe) ``text`` as it is: one line
+    per line to search."""
+    head, newline, rest = text.partition("\n")
+    try:
+        if not stream.isatty():
+            return text
+        width = min(WIDTH, os.get_terminal_size(stream.fileno()).columns or WIDTH)
+    except (OSError, ValueError, AttributeError):  # (a hung-up terminal: EIO; a closed stream)
+        return text
+    if len(head) <= width:
+        return text
+    return "\n".join(wrap(head, width, "", "  ")) + newline + rest
+
+
+def wrap(text: str, width: int, indent: str = "", more: str = "") -> list[str]:
+    """``text`` in lines of at most ``width`` columns (``more``: the indent of the lines after the
+    first): broken between words, never inside one (a path stands alone on its line), nor between
+    a number and its unit (``12.6 s``)."""
+    kept = _UNIT.sub("\\1\u00a0\\2", text)  # (textwrap breaks at whitespace; U+00A0 is none)
+    lines = textwrap.wrap(kept, width, initial_indent=indent, subsequent_indent=more or indent,
+                          break_long_words=False, break_on_hyphens=False)
+    return [line.replace("\u00a0", " ") for line in lines] or [indent.rstrip()]
+
+
+class _Fitted(logging.Formatter):
+    """The launcher's log lines, each within 80 columns on a terminal (``fit_terminal``)."""
+
+    def __init__(self, stream: TextIO, fmt: str, datefmt: str) -> None:
+        super().__init__(fmt, datefmt)
+        self._stream = stream
+
+    def format(self, record: logging.LogRecord) -> str:
+        return fit_terminal(super().format(record), self._stream)
 
 
 class _UnlessTheScriptLogs(logging.StreamHandler[TextIO]):

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from undying.config.manager import ConnectionLimits
+from undying.config.manager import PROGRESS_EVERY_S, ConnectionLimits, check_progress_every
 from undying.config.sections import CheckpointConfig, TraceConfig
 from undying.config.timeouts import Timeouts
 from undying.errors import UsageError
@@ -59,6 +59,9 @@ class LaunchConfig:
     # loopback and a free port on one node; the manager's host and port 29500 on several.
     master_addr: str = ""
     master_port: int = 0
+    # The launcher's progress on its stderr (cli/progress_show.py): a live line on a terminal, else
+    # a line every this many seconds; 0: neither. (Per node: a multi-node job's agent shows none.)
+    progress_every: float = PROGRESS_EVERY_S
 
     def validate(self) -> None:
         if self.module and self.no_python:
@@ -74,6 +77,7 @@ class LaunchConfig:
                              "the folder the streams are written to")
         if not 0 <= self.master_port < 65536:
             raise UsageError(f"--master-port must be in [0, 65535], got {self.master_port}")
+        check_progress_every(self.progress_every)
         if not self.role or len(self.role) > 256 or not self.role.isprintable():
             raise UsageError(f"--role must be 1 to 256 printable characters, got {self.role!r:.80}")
 
@@ -218,7 +222,7 @@ class JobConfig:
         mine, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
         per_node = {"node_rank", "job_dir", "host", "port", "http_port", "trace.trace_switch_file",
                     "job_id_given", "open_status"}
-        per_node |= {"launch.log_dir", "launch.local_ranks_filter"}
+        per_node |= {"launch.log_dir", "launch.local_ranks_filter", "launch.progress_every"}
         return sorted(k for k in mine.keys() | theirs.keys()
                       if k not in per_node
                       and not k.startswith(("connections.", "launch.redirects", "launch.tee"))

@@ -14,11 +14,27 @@ from typing import Any
 from undying.errors import UsageError
 from undying.inputs import check_finite
 
-__all__ = ["DEFAULT_MANAGER_PORT", "default_max_connections", "ConnectionLimits", "ManagerOptions"]
+__all__ = ["DEFAULT_MANAGER_PORT", "PROGRESS_EVERY_S", "MOST_PROGRESS_EVERY_S",
+           "check_progress_every", "default_max_connections", "ConnectionLimits", "ManagerOptions"]
 
 # `undying manager`'s agent port; the control store is on the next port, its HTTP API on the one
 # after.
 DEFAULT_MANAGER_PORT = 29400
+
+
+# The progress of the process that runs a job (cli/progress_show.py) where its stderr is no
+# terminal: a line every this many seconds (--progress-every), at most a day apart; 0: none (nor a
+# live line).
+PROGRESS_EVERY_S = 30.0
+MOST_PROGRESS_EVERY_S = 86400.0
+
+
+def check_progress_every(value: float) -> float:
+    """``value`` when it is 0 (off) to a day, else ``UsageError`` naming ``--progress-every``."""
+    if not 0.0 <= value <= MOST_PROGRESS_EVERY_S:  # (NaN fails this too)
+        raise UsageError(f"--progress-every must be 0 (off) to {MOST_PROGRESS_EVERY_S:g} seconds, "
+                         f"got {value}")
+    return value
 
 
 # A listening socket's header and idle timeouts are tens of seconds at most (undying.manager.conns).
@@ -82,4 +98,7 @@ class ManagerOptions:
     # The HTTP API's port (the command's default: --port + 2).
     http_port: int
     open_status: bool = False
+    # Its progress on its stderr (cli/progress_show.py): a live line on a terminal, else a line
+    # every this many seconds; 0: neither.
+    progress_every: float = PROGRESS_EVERY_S
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from undying.cli.progress_show import ProgressShow
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.errors import UsageError
 from undying.jobfiles.events import read_job_table
@@ -173,13 +174,15 @@ async def _serve(options: ManagerOptions) -> int:
         url = await hosted.serve_api(open_status=options.open_status, agent_port=server.port)
         log.warning("job %s: %d nodes x %d ranks, API at %s, job dir %s", config.job_id,
                     config.nnodes, config.nproc_per_node, url, job_dir.path)
-        return await _run(manager, server, config, restart)
+        return await _run(manager, server, config, restart,
+                          ProgressShow(manager.status, url, options.progress_every))
     finally:
         await server.close()
         await hosted.close()
 
 
-async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool) -> int:
+async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart: bool,
+               shown: ProgressShow) -> int:
     loop = asyncio.get_running_loop()
     interrupted: list[signal.Signals] = []
 
@@ -196,6 +199,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
 
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    # (the live line on a terminal, else a line every --progress-every seconds; agents show none)
+    shown.start()
     try:
         if restart:
             waiting = asyncio.ensure_future(
@@ -211,6 +216,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         finally:
             waiting.cancel()
     finally:
+        shown.close()
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)

@@ -28,8 +28,9 @@ from undying.agent.agent import Agent
 from undying.agent.commands import NodeCommands, report_state
 from undying.agent.netif import interface_for
 from undying.checkpoint.mac import key_from_token
+from undying.cli.progress_show import ProgressShow
 from undying.cli.summary import print_banner, print_end_summary
-from undying.config import WHOLE_GROUP_LINE, JobConfig
+from undying.config import WHOLE_GROUP_LINE, JobConfig, fit_terminal
 from undying.errors import UsageError
 from undying.jobfiles.events import read_job_table
 from undying.jobfiles.jobdir import JobDir
@@ -126,9 +127,12 @@ async def _launch(config: JobConfig, script: str, script_args: list[str],
 
     for sig in hangup.STOP_SIGNALS:
         loop.add_signal_handler(sig, hangup.handle, sig, config.job_dir, on_signal)
+    # (a live line on a terminal, else a line every --progress-every seconds: cli/progress_show.py)
+    shown = ProgressShow(manager.status, url, config.launch.progress_every).start()
     try:
         final = await manager.run()
     finally:
+        shown.close()  # (what follows prints where the live line was)
         for sig in hangup.STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         hangup.after_the_job(config.job_dir)
@@ -203,7 +207,8 @@ def say(line: str) -> None:
     """A line the user reads whatever the log level, and no warning: the start and end of a run that
     went well."""
     try:
-        sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
+        sys.stderr.write(fit_terminal(f"[undying {time.strftime('%H:%M:%S')}] {line}",
+                                      sys.stderr) + "\n")
         sys.stderr.flush()
     except OSError:
         # a terminal that hung up with no SIGHUP to this process: the line has nowhere to go
