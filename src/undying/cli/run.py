@@ -23,6 +23,7 @@ from undying.config import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
+    TRACKER_NAMES,
     CheckpointConfig,
     JobConfig,
     Timeouts,
@@ -178,6 +179,10 @@ no checkpoint at all.""",
     add_setting(p, JobConfig, "--open-status", action="store_true",
                 help="serve the read-only status (GET /, /api/status, /metrics) without the "
                 "job's token; inject, stop and trace changes always need it (<job dir>/token)")
+    add_setting(p, JobConfig, "--trackers", type=_trackers, metavar="NAMES",
+                help="send each committed step's step.log values (the mean over the ranks) to "
+                f"these trackers, once per step, from the manager: {','.join(TRACKER_NAMES)} "
+                "(comma-separated; each needs its library: pip install 'undying[NAME]')")
     add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"),
                 help="torch.distributed backend (default %(default)s)")
     m = p.add_argument_group(
@@ -295,6 +300,15 @@ no checkpoint at all.""",
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="arguments for the script: all its own")
     p.set_defaults(func=run)
+
+
+def _trackers(raw: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
+    for name in names:
+        if name not in TRACKER_NAMES:
+            raise argparse.ArgumentTypeError(f"unknown tracker {name!r}; choose from "
+                                             f"{', '.join(TRACKER_NAMES)} (comma-separated)")
+    return names
 
 
 def _manager_address(raw: str) -> str:
