@@ -208,7 +208,8 @@ def test_tensorboard_takes_each_step_once_across_two_launches(tmp_path: Path) ->
     assert sorted(seen) == sorted((tag, step) for tag in ("loss", "lr") for step in range(1, 7))
 
 
-def test_the_option_names_known_trackers_and_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_option_names_known_trackers_and_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
     from undying.cli.main import build_parser
 
     args = build_parser().parse_args(["run", "--trackers", " TensorBoard,mlflow,tensorboard", "train.py"])
@@ -225,3 +226,10 @@ def test_the_option_names_known_trackers_and_says_what_to_install(monkeypatch: p
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert missing_library("wandb") == "--trackers wandb needs the wandb package: pip install 'undying[wandb]'"
+    from undying.cli.run_config import config_from_args
+
+    script = tmp_path / "train.py"
+    script.write_text("import undying\n")
+    args = build_parser().parse_args(["run", "--trackers", "mlflow", str(script)])
+    with pytest.raises(UsageError, match=r"pip install 'undying\[mlflow\]'"):  # (refused at start, in one line)
+        config_from_args(args)
