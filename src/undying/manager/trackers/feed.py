@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from undying.manager.trackers.cursor import Cursor
 from undying.manager.trackers.sinks import Row, Sink, make_sink
@@ -35,6 +36,7 @@ CLOSE_S = 30.0
 # Steps sent in one batch (one flush and one cursor write per batch).
 _BATCH = 256
 _STOP = None
+T = TypeVar("T")
 
 
 class Feed:
@@ -80,7 +82,7 @@ class Feed:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _call(self, what: Callable[[], object]) -> object:
+    def _call(self, what: Callable[[], T]) -> T:
         self._busy_since = self._clock()
         try:
             return what()
@@ -93,7 +95,7 @@ class Feed:
             last = self.cursor.last(self.name)
             facts = self._call(lambda: self.sink.open(self.cursor.facts(self.name), last))
             opened = True
-            self.cursor.advance(self.name, **dict(facts))  # type: ignore[call-overload]
+            self.cursor.advance(self.name, **facts)
             stop = False
             while not stop:
                 batch: list[Row] = []
@@ -125,10 +127,14 @@ class Feed:
         rows = [(step, values) for step, values in batch if step > last and values]
         if not rows or self.problem:
             return last
-        self._call(lambda: (self.sink.log(rows), self.sink.flush()))
+        self._call(lambda: self._log_and_flush(rows))
         last = rows[-1][0]
         self.cursor.advance(self.name, last)
         return last
+
+    def _log_and_flush(self, rows: Sequence[Row]) -> None:
+        self.sink.log(rows)
+        self.sink.flush()
 
 
 class Trackers:
