@@ -270,8 +270,7 @@ class Manager:
             self.events.close()
 
     def _tracker_dropped(self, name: str, reason: str) -> None:
-        log.warning("tracker %s dropped: %s; the job goes on without it (the steps it took are "
-                    "in <job dir>/trackers.json)", name, reason)
+        log.warning("tracker %s dropped (the job goes on): %s", name, reason)
         self.events.event("tracker_dropped", tracker=name, reason=reason)
 
     # --- the workers' messages --------------------------------------------------

@@ -113,7 +113,9 @@ class Feed:
                         break
                 last = self._send(batch, last)
         except Exception as e:  # a tracker's library may raise anything: it is dropped, not fatal
-            self.problem = self.problem or f"{type(e).__name__}: {e}"[:300]
+            # (its first line, bounded: a library's message may run to pages)
+            first = (str(e).strip().splitlines() or [""])[0]
+            self.problem = self.problem or f"{type(e).__name__}: {first}"[:200]
         finally:
             if opened:
                 try:
