@@ -318,7 +318,7 @@ def test_the_manager_is_split_into_subpackages_by_concern() -> None:
     """The folders say the concerns; the flat folder of near-twin names (regroup, regrouping,
     regroup_policy; standby, standbys) is gone."""
     expected = {"checkpoints", "http", "injection", "integrity", "membership", "placement", "preemption",
-                "recovery", "regroup", "standbys", "steps", "tracing", "views"}
+                "recovery", "regroup", "standbys", "steps", "tracing", "trackers", "views"}
     assert {p.rpartition(".")[2] for p in MANAGER_PARTS} == expected
     top = sorted(m for m in MODULES if m.startswith(MANAGER + ".") and m.count(".") == 2 and not _part(m))
     assert len(top) <= 9, f"the manager's top folder holds {top}: does a new module belong to a concern's folder?"

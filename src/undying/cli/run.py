@@ -25,6 +25,7 @@ from undying.config import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_BEHIND,
     TRACE_INITIAL,
+    TRACKER_NAMES,
     CheckpointConfig,
     JobConfig,
     LaunchConfig,
@@ -192,6 +193,10 @@ be written: a resume re-runs the steps after it, the last line counts them),
     add_setting(p, LaunchConfig, "--progress-every", type=progress_every_arg, metavar="SECONDS",
                 help="a live progress line on a terminal; elsewhere (a file, a pipe) a progress "
                 "line every SECONDS (default %(default)g); 0: neither")
+    add_setting(p, JobConfig, "--trackers", type=_trackers, metavar="NAMES",
+                help="send each committed step's step.log values (the mean over the ranks) to "
+                f"these trackers, once per step, from the manager: {','.join(TRACKER_NAMES)} "
+                "(comma-separated; each needs its library: pip install 'undying[NAME]')")
     add_setting(p, JobConfig, "--backend", choices=("gloo", "nccl"),
                 help="torch.distributed backend (default %(default)s)")
     m = p.add_argument_group(
@@ -310,6 +315,15 @@ be written: a resume re-runs the steps after it, the last line counts them),
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="arguments for the script: all its own")
     p.set_defaults(func=run)
+
+
+def _trackers(raw: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
+    for name in names:
+        if name not in TRACKER_NAMES:
+            raise argparse.ArgumentTypeError(f"unknown tracker {name!r}; choose from "
+                                             f"{', '.join(TRACKER_NAMES)} (comma-separated)")
+    return names
 
 
 def _manager_address(raw: str) -> str:

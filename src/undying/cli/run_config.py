@@ -22,6 +22,7 @@ from undying.config import CheckpointConfig, JobConfig, LaunchConfig, Timeouts, 
 from undying.errors import UsageError
 from undying.inputs import check_job_id, env_value
 from undying.jobfiles.jobdir import default_job_dir
+from undying.manager.trackers import missing_library
 from undying.protocol.env import REPLICATE_ENV, REPLICATE_EVERY_ENV
 
 __all__ = ["config_from_args", "numerics_env"]
@@ -88,6 +89,9 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         sys.stderr.write(f"undying: note: --max-restarts {args.max_restarts} bounds whole-group "
                          f"restarts (torchrun's meaning); recoveries at one step are bounded by "
                          f"--max-step-recoveries ({args.max_step_recoveries})\n")
+    for tracker in args.trackers:  # (refused here, in one line, not found missing mid-job)
+        if missing := missing_library(tracker):
+            raise UsageError(missing)
     job_id = args.job_id or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     check_job_id(job_id)
     # Each field from its option by the rule (--a-b: a_b, cli/settings.py), but the values derived

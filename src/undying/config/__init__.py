@@ -39,6 +39,7 @@ from undying.config.exits import EXIT_SCRIPT_ERROR as EXIT_SCRIPT_ERROR
 from undying.config.exits import HANGUP_LOG as HANGUP_LOG
 from undying.config.exits import RETURNED_FILE as RETURNED_FILE
 from undying.config.exits import SCRIPT_ERROR_FILE as SCRIPT_ERROR_FILE
+from undying.config.job import TRACKER_NAMES as TRACKER_NAMES
 from undying.config.job import WHOLE_GROUP_LINE as WHOLE_GROUP_LINE
 from undying.config.job import JobConfig, LaunchConfig
 from undying.config.manager import DEFAULT_MANAGER_PORT, ConnectionLimits, ManagerOptions

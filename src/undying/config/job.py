@@ -19,7 +19,7 @@ from undying.errors import UsageError
 from undying.inputs import check_job_id
 from undying.protocol.env import TIMEOUT_ENVS
 
-__all__ = ["JobConfig", "LaunchConfig", "STREAMS", "WHOLE_GROUP_LINE"]
+__all__ = ["JobConfig", "LaunchConfig", "STREAMS", "WHOLE_GROUP_LINE", "TRACKER_NAMES"]
 
 
 # What the start banner and `undying status` say of a job whose script does not use the step API.
@@ -28,6 +28,10 @@ WHOLE_GROUP_LINE = ("whole-group restart: this script does not use undying's ste
                     "and a script that saves its own snapshot resumes from it; "
                     "to recover a rank in place instead, adopt the step API "
                     "(README: \"Adopting it\", about ten lines)")
+
+
+# The experiment trackers the manager can send step.log values to (manager/trackers/).
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
 
 
 # The workers' output streams, as torchrun's --redirects/--tee take them: none, stdout, stderr,
@@ -136,6 +140,9 @@ class JobConfig:
     # The script uses undying's step API (it imports undying); False: a fault restarts the whole
     # group, no init or step timeout applies, and the banner and the status say so.
     step_api: bool = True
+    # Experiment trackers (of TRACKER_NAMES) the manager sends each committed step's step.log
+    # values to, once per step (manager/trackers/); () for none.
+    trackers: tuple[str, ...] = ()
 
     @property
     def checkpoint_dir(self) -> str:
@@ -189,6 +196,10 @@ class JobConfig:
             raise UsageError(f"--seed must be between 0 and 2**63-1, got {self.seed}")
         if self.backend not in ("gloo", "nccl"):
             raise UsageError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        for name in self.trackers:
+            if name not in TRACKER_NAMES:
+                raise UsageError(f"--trackers: unknown tracker {name!r}; choose from "
+                                 f"{', '.join(TRACKER_NAMES)} (comma-separated)")
         self.timeouts.validate()
         self.checkpoint.validate()
         self.trace.validate()
@@ -213,6 +224,7 @@ class JobConfig:
                 launch[table] = {int(k): int(v) for k, v in launch.get(table, {}).items()}
             launch["local_ranks_filter"] = tuple(launch.get("local_ranks_filter", ()))
             body["launch"] = LaunchConfig(**launch)
+            body["trackers"] = tuple(str(name) for name in body.get("trackers", ()))
             return cls(**body)
         except (TypeError, ValueError, AttributeError) as e:
             raise UsageError(f"a job configuration this version cannot read: {e}") from e

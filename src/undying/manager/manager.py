@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 from undying.checkpoint.planner import PersistedState, plan_start
@@ -46,6 +47,7 @@ from undying.manager.regroup import Regrouping
 from undying.manager.restoring import restore_job
 from undying.manager.steps import CommitRow, StepReports
 from undying.manager.tracing import TraceControl
+from undying.manager.trackers import Trackers
 from undying.manager.views import RunHistory, job_status
 from undying.protocol.codec import Handlers, Message
 from undying.protocol.node_wire import NodeStep, SpareEvent
@@ -97,11 +99,16 @@ class Manager:
                                detection=self.detection, regrouping=self.regrouping,
                                migrations=self.migrations,
                                divergence=self.divergence, left_behind=left_behind)
+        # --trackers: each step every rank committed, its values to each tracker once (a thread
+        # each; the cursor in the job dir carries "once" across a manager's restart and a relaunch)
+        self.trackers = (Trackers(config.trackers, config.job_id, Path(config.job_dir),
+                                  report=self._tracker_dropped)
+                         if config.trackers else None)
         self.steps = StepReports(core, history=self.history, checkpoints=self.checkpoints,
                                  recoveries=self.recoveries, detection=self.detection,
                                  regrouping=self.regrouping,
                                  divergence=self.divergence, gasp=self.gasp,
-                                 finish=self.comings.finish)
+                                 finish=self.comings.finish, tracking=self.trackers)
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
                                      moves=self.migrations)
         self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection,
@@ -255,8 +262,16 @@ class Manager:
                 self.core.generations.set_owner(info.rank, info.incarnation)
 
     def close(self) -> None:
-        self.core.generations.close()
-        self.events.close()
+        try:
+            if self.trackers is not None:  # (each sends what is queued, within its bound)
+                self.trackers.close(succeeded=self.state is JobState.SUCCEEDED)
+        finally:
+            self.core.generations.close()
+            self.events.close()
+
+    def _tracker_dropped(self, name: str, reason: str) -> None:
+        log.warning("tracker %s dropped (the job goes on): %s", name, reason)
+        self.events.event("tracker_dropped", tracker=name, reason=reason)
 
     # --- the workers' messages --------------------------------------------------
 

@@ -184,6 +184,11 @@ class Job:
         return self.ctx.generation
 
     @property
+    def job_id(self) -> str:
+        """The job's id (``undying run --job-id``), "" outside ``undying run``: a tracker's run."""
+        return self.env.job_id if self.env is not None else ""
+
+    @property
     def current_step(self) -> int:
         return self.ctx.current_step
 

@@ -86,8 +86,10 @@ class StepClock:
     def median_rank_step_s(self) -> float:
         return statistics.median(self._rank_step_s) if self._rank_step_s else 0.0
 
-    def committed(self, rank: int, step: int, t: float,
-                  metrics: Mapping[str, float] | None = None) -> None:
+    def committed(self, rank: int, step: int, t: float, metrics: Mapping[str, float] | None = None
+                  ) -> tuple[float, dict[str, float]] | None:
+        """A rank's commit; when it completes the step (every rank committed it): when, and the
+        step's values (their mean over the ranks)."""
         previous = self._last_commit.get(rank)
         if previous is not None and previous[0] == step - 1:
             self._rank_step_s.append(t - previous[1])
@@ -96,6 +98,7 @@ class StepClock:
         if done is not None:
             self.ledger.done(step, done[0])
             self._note_job_step(step, done[0])
+        return done
 
     def _note_job_step(self, step: int, done: float) -> None:
         """Every rank committed ``step`` at ``done``: its time is from the previous step's done."""

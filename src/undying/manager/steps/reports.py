@@ -35,7 +35,7 @@ from undying.protocol.worker_wire import (
     float_metrics,
 )
 
-__all__ = ["StepReports", "CommitRow", "History"]
+__all__ = ["StepReports", "CommitRow", "History", "Tracking"]
 
 # A commit as the log's steps table takes it: rank, step, generation, time, metrics.
 # ("inf", "nan": as the wire carries them)
@@ -56,6 +56,12 @@ class History(Protocol):
     def checkpoint(self, message: CheckpointSaved) -> None: ...
 
 
+class Tracking(Protocol):
+    """The experiment trackers (``trackers.Trackers``): told each step every rank committed."""
+
+    def committed(self, step: int, values: Mapping[str, float]) -> None: ...
+
+
 class StepReports:
     """Each worker's report of its steps, to the parts it concerns (``finish``: ranks done,
     the job's end)."""
@@ -63,8 +69,9 @@ class StepReports:
     def __init__(self, core: JobCore, *, history: History, checkpoints: Checkpoints,
                  recoveries: Recoveries, detection: Detection, regrouping: Regrouping,
                  divergence: Divergence, gasp: Preemption,
-                 finish: Callable[[RankInfo], None]) -> None:
+                 finish: Callable[[RankInfo], None], tracking: Tracking | None = None) -> None:
         self.core = core
+        self.tracking = tracking
         self.history = history
         self.checkpoints = checkpoints
         self.recoveries = recoveries
@@ -102,7 +109,10 @@ class StepReports:
         if self.detection.leavers.pending:
             # a rank that exited 0 before this step left early
             self.detection.leavers.on_commit(rank, step)
-        core.clock.committed(rank, step, t, metrics)
+        done = core.clock.committed(rank, step, t, metrics)
+        if done is not None and self.tracking is not None:
+            # every rank committed it: its values (their mean) to the trackers, once
+            self.tracking.committed(step, done[1])
         if core.state is JobState.STARTING:  # the job's first commit: it runs
             core.move(JobState.RUNNING)
         self._maybe_finish_recovery(rank, t, generation)
