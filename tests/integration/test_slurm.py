@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -120,3 +121,86 @@ def test_outside_a_step_or_with_several_tasks_a_node_it_is_refused_saying_what_t
     assert tasks and "-n RANKS_PER_NODE" in tasks[0], text
     assert lines.count("exit=2") == 2, text
     assert not (tmp_path / "undying-jobs").exists(), os.listdir(tmp_path)
+
+
+# 64 steps of ~0.1 s: preempted at step 10 or a little later, requeued, resumed.
+LONG_ARGS = ["--epochs", "4", "--samples", "1024", "--step-seconds", "0.1"]
+
+
+def _status_step(cluster: SlurmCluster, job_dir: Path) -> int:
+    r = cluster.run([*UNDYING, "status", "--job-dir", str(job_dir), "--json"], check=False,
+                    env=_env(cluster), timeout=30)
+    try:
+        return int(json.loads(r.stdout)["progress"]["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+def _submit(cluster: SlurmCluster, work: Path, script: str) -> str:
+    (work / "job.sh").write_text(script)
+    r = cluster.run(["sbatch", "--parsable", str(work / "job.sh")], cwd=work, env=_env(cluster))
+    return r.stdout.strip().split(";")[0]
+
+
+def _preempted_then_resumed(cluster: SlurmCluster, work: Path, job: str, signal_it: list[str],
+                            oracle: Oracle) -> str:
+    """Signal the running job at step >= 10; it takes its gasp, requeues itself, resumes, ends;
+    the losses of both starts are the fault-free run's. Returns the job's output."""
+    from undying.cli.demo import load_preempted
+
+    job_dir = work / "undying-jobs" / f"slurm-{job}"
+    out = work / f"slurm-{job}.out"
+    _wait_for("step 10", lambda: _status_step(cluster, job_dir) >= 10, 120)
+    sigterm_t = time.time()
+    cluster.run(signal_it)
+    _wait_for("the requeued job's end",
+              lambda: "srun-exit=0" in (out.read_text() if out.exists() else "")
+              or cluster.squeue(job) == "", 240)
+    text = out.read_text(errors="replace")
+    assert "requeued Slurm job" in text and "restart=1" in text, text[-5000:]
+    assert text.count("exit 75") >= 1, text[-5000:]
+    merged, _ = load_preempted(job_dir, sigterm_t)
+    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=4), merged)
+    assert comparison.identical and comparison.lost_steps == 0 and not merged.rerun_steps, (
+        comparison.reasons, text[-5000:])
+    return text
+
+
+def test_scancel_of_the_whole_job_takes_the_gasp_requeues_and_resumes_identically(
+        cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    """`scancel --signal=TERM` (and a preemption, a time limit) reaches every process of the
+    job's steps: agents and workers too, not only the manager. The job is preempted, not left by
+    each node."""
+    work = tmp_path / "work"
+    work.mkdir()
+    run = " ".join([*UNDYING, "run", "-n", "2", str(TRAIN_SCRIPT), *LONG_ARGS])
+    job = _submit(cluster, work, f"""#!/bin/bash
+#SBATCH -N2 --ntasks-per-node=1 --requeue --open-mode=append -o {work}/slurm-%j.out
+echo restart=${{SLURM_RESTART_COUNT:-0}}
+srun --ntasks-per-node=1 {run}
+echo srun-exit=$?
+""")
+    text = _preempted_then_resumed(cluster, work, job, ["scancel", "--signal=TERM", job], oracle)
+    # Each node heard the SIGTERM, and stayed for the job's gasp rather than leave.
+    assert text.count("this node stays for its dying gasp") == 2, text[-5000:]
+    assert not re.search(r"this node leaves the job$", text, re.M), text[-5000:]
+    assert "fenced" not in text, text[-5000:]
+
+
+def test_the_batch_script_undying_slurm_writes_forwards_its_signal_and_resumes(
+        cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    """`--signal=B:TERM@T` and `scancel --batch` reach the batch shell alone: the script that
+    `undying slurm` writes passes the signal on; the rest is the same."""
+    work = tmp_path / "work"
+    work.mkdir()
+    made = subprocess.run(
+        [*UNDYING, "slurm", "--nodes", "2", "-n", "2", "--undying", " ".join(UNDYING),
+         "--", str(TRAIN_SCRIPT), *LONG_ARGS], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    script = made.stdout.replace("#SBATCH --output=undying-%j.out",
+                                 f"#SBATCH --output={work}/slurm-%j.out")
+    script = script.replace("srun_pid=$!", "srun_pid=$!\necho restart=${SLURM_RESTART_COUNT:-0}")
+    script = script.replace('exit "$code"', 'echo srun-exit=$code\nexit "$code"')
+    job = _submit(cluster, work, script)
+    _preempted_then_resumed(cluster, work, job, ["scancel", "--batch", "--signal=TERM", job],
+                            oracle)

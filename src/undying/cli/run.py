@@ -11,6 +11,7 @@ import argparse
 
 from undying.cli.limits import add_connection_arguments
 from undying.cli.run_job import run
+from undying.cli.run_slurm import add_slurm_arguments
 from undying.cli.settings import add_setting
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
@@ -290,6 +291,7 @@ no checkpoint at all.""",
                    "--max-skips-in-a-row steps were skipped in all and they are more than F of "
                    "the steps run (0 < F <= 1, default 0.1)")
     add_torchrun_arguments(p)
+    add_slurm_arguments(p)
     p.add_argument("script",
                    help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,

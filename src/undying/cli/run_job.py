@@ -156,7 +156,8 @@ def _run_slurm_node(args: argparse.Namespace, config: JobConfig, script_args: li
     sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {slurm_line(step, config.job_id)}\n")
     return run_slurm_node(step, config.job_id, config.job_dir, port,
                           verbose=bool(getattr(args, "verbose", False)),
-                          join=lambda: _run_node(args, config, script_args))
+                          join=lambda: _run_node(args, config, script_args),
+                          max_requeues=args.max_requeues)
 
 
 def refuse_inherited_keys() -> None:

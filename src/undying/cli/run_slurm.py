@@ -15,8 +15,25 @@ from collections.abc import Mapping
 
 from undying.config import JobConfig
 from undying.launch.slurm import SlurmStep, manager_port, read_slurm
+from undying.launch.slurm_node import DEFAULT_MAX_REQUEUES
 
-__all__ = ["apply_slurm"]
+__all__ = ["add_slurm_arguments", "apply_slurm"]
+
+
+def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "Slurm (`srun --ntasks-per-node=1 undying run ...`: nodes, node rank, manager, job id "
+        "and job dir come from the step; docs/slurm.md)")
+    g.add_argument("--max-requeues", type=_requeues, default=DEFAULT_MAX_REQUEUES, metavar="N",
+                   help="a preempted job (exit 75) puts itself back in Slurm's queue (scontrol "
+                   "requeue, where sbatch --requeue allows it) until it was requeued N times "
+                   "(default %(default)s; 0: never)")
+
+
+def _requeues(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r:.20} is not a count in [0, 10000]")
+    return int(text)
 
 
 def _layout_chosen(args: argparse.Namespace) -> bool:

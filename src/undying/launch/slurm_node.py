@@ -11,6 +11,9 @@ users (``squeue``, ``scontrol show job``). So every other node waits, bounded, f
 job dir is on a filesystem every node shares. Not seen in time: one line that says which of
 the two it may be.
 
+A job preempted (exit 75, or 74 with an older checkpoint) puts itself back in Slurm's queue
+(``requeue``), where its allocation allows it, and says so or says how to resume.
+
 The manager child is supervised: killed by a signal while the job runs (the OOM killer, a
 stray ``kill``), it is started again on the same job dir, and carries the job on from its log
 as a restarted manager does; the agents reconnect. At the job's end the node's exit code is
@@ -31,17 +34,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.errors import UsageError
 from undying.jobfiles.tokens import TOKEN_FILE
 from undying.launch.slurm import SlurmStep
 
-__all__ = ["ManagerChild", "listen_address", "run_slurm_node", "wait_for_token"]
+__all__ = ["ManagerChild", "listen_address", "requeue", "run_slurm_node", "wait_for_token"]
 
 log = logging.getLogger("undying.slurm")
 
 TOKEN_WAIT = 120.0  # the first node's manager is up in seconds; a shared filesystem shows it
 MANAGER_END_WAIT = 60.0  # after this node's agent ended: the manager's last words (the summary)
 MAX_MANAGER_RESTARTS = 3
+DEFAULT_MAX_REQUEUES = 20  # a job preempted this often in a row without ending is looping
+SCONTROL_TIMEOUT = 30.0
 
 
 def listen_address(node: str) -> str:
@@ -147,7 +153,7 @@ def manager_argv(step: SlurmStep, job_id: str, job_dir: str, port: int,
 
 
 def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, verbose: bool,
-                   join: Callable[[], int]) -> int:
+                   join: Callable[[], int], max_requeues: int = DEFAULT_MAX_REQUEUES) -> int:
     """This node's part: the manager first (on the first node), then ``join()``, the agent."""
     manager: ManagerChild | None = None
     if step.node_rank == 0:
@@ -162,9 +168,46 @@ def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, ver
         raise
     if manager is not None:
         code = manager.finish(code)
+        if code in (EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND):
+            log.warning("job %s: %s", job_id, requeue(step, max_requeues))
     with contextlib.suppress(OSError):
         sys.stderr.flush()
     return code
+
+
+def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(["scontrol", *argv], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def requeue(step: SlurmStep, max_requeues: int) -> str:
+    """After a preemption: put the job back in Slurm's queue, where it may be; what happened.
+
+    Slurm requeues a job that exits 75 only where its admin set ``RequeueExit=75``; the job
+    asks for it itself instead (``scontrol requeue``), when its allocation allows requeueing
+    (``sbatch --requeue``, or the cluster's default) and it was requeued fewer than
+    ``max_requeues`` times. The next start resumes from the dying gasp in the job dir.
+    """
+    resume = "to resume, submit the same batch script again (it continues from the job dir)"
+    if step.restart_count >= max_requeues:
+        return (f"not requeued: Slurm job {step.job_id} was requeued {step.restart_count} "
+                f"times (--max-requeues {max_requeues}); {resume}")
+    shown = _scontrol("show", "job", "--oneliner", step.job_id)
+    if shown is None or shown.returncode != 0:
+        why = shown.stderr.strip()[:200] if shown is not None else "scontrol did not run"
+        return f"not requeued: cannot ask Slurm about job {step.job_id} ({why}); {resume}"
+    if "Requeue=1" not in shown.stdout.split():
+        return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
+                f"{resume}")
+    done = _scontrol("requeue", step.job_id)
+    if done is None or done.returncode != 0:
+        why = done.stderr.strip()[:200] if done is not None else "scontrol did not run"
+        return f"not requeued: scontrol requeue {step.job_id} failed ({why}); {resume}"
+    return (f"requeued Slurm job {step.job_id} (requeue {step.restart_count + 1} of at most "
+            f"{max_requeues}); its next start resumes from the job dir")
 
 
 def slurm_line(step: SlurmStep, job_id: str) -> str:
