@@ -153,3 +153,48 @@ def test_a_killed_manager_child_is_started_again_and_ends_with_the_job(tmp_path:
         assert child.finish(0) == 75  # the node's exit code is the manager's (the job's)
     finally:
         child.stop()
+
+
+def _script(*argv: str) -> str:
+    args = build_parser().parse_args(["slurm", *argv])
+    from undying.cli.slurm import batch_script
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return batch_script(args, command)
+
+
+def test_the_batch_script_has_each_line_a_preemptible_job_needs() -> None:
+    text = _script("--nodes", "3", "-n", "4", "--min-nodes", "2", "--time", "1:00:00",
+                   "--grace", "90", "--undying", "python3 -m undying", "--", "train.py", "--x",
+                   "a b")
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for option in ("--nodes=3", "--ntasks-per-node=1", "--time=1:00:00", "--requeue",
+                   "--signal=B:TERM@90", "--open-mode=append"):
+        assert any(line.startswith(f"#SBATCH {option}") for line in lines), (option, text)
+    assert "trap 'scancel --signal=TERM \"$SLURM_JOB_ID\"' TERM" in lines
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert srun == ("srun --ntasks-per-node=1 --kill-on-bad-exit=0 python3 -m undying run -n 4 "
+                    "--nnodes 2:3 --max-requeues 20 train.py --x 'a b' &")
+    assert "--requeue" not in _script("--nodes", "1", "-n", "1", "--no-requeue", "--", "t.py")
+
+
+@pytest.mark.parametrize("argv", [["--nodes", "0", "-n", "1"], ["--nodes", "1", "-n", "1",
+                                   "--time", "1h"], ["--nodes", "1", "-n", "1", "--partition",
+                                   "a;b"], ["--nodes", "1", "-n", "1", "--job-name", "$(x)"]])
+def test_the_batch_script_refuses_what_sbatch_would_not_take(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["slurm", *argv, "--", "t.py"])
+
+
+def test_undying_slurm_writes_a_new_file_or_says_why_not(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from undying.cli.main import main
+
+    out = tmp_path / "job.sh"
+    assert main(["slurm", "--nodes", "2", "-n", "2", "--out", str(out), "--", "t.py"]) == 0
+    assert out.read_text().startswith("#!/bin/bash") and "sbatch" in capsys.readouterr().err
+    assert main(["slurm", "--nodes", "2", "-n", "2", "--out", str(out), "--", "t.py"]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["slurm", "--nodes", "2", "-n", "2"]) == 2
+    assert "after --" in capsys.readouterr().err

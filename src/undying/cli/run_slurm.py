@@ -22,8 +22,7 @@ __all__ = ["add_slurm_arguments", "apply_slurm"]
 
 def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "Slurm (`srun --ntasks-per-node=1 undying run ...`: nodes, node rank, manager, job id "
-        "and job dir come from the step; docs/slurm.md)")
+        "Slurm (under srun the layout comes from the step: docs/slurm.md)")
     g.add_argument("--max-requeues", type=_requeues, default=DEFAULT_MAX_REQUEUES, metavar="N",
                    help="a preempted job (exit 75) puts itself back in Slurm's queue (scontrol "
                    "requeue, where sbatch --requeue allows it) until it was requeued N times "
