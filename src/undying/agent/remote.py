@@ -32,6 +32,7 @@ from pathlib import Path
 from undying.agent import hangup
 from undying.agent.agent import Agent
 from undying.agent.commands import NodeCommands, report_state
+from undying.agent.node_signals import NodeSignals
 from undying.agent.reports import ManagerClient
 from undying.checkpoint.mac import key_from_token
 from undying.config import JobConfig
@@ -120,8 +121,11 @@ class NodeRunner:
             STORE_KEY_ENV: store_key_from_token(token).hex(),  # and reach the job's stores
             **_interface_env(self.manager_host, self.node),
         }
+        # A stop signal here: the node's leaving, or the job's preemption reaching it.
+        self.signals = NodeSignals(lambda: self.node, self._leave_now, self.client.send)
         self.agent = Agent(config, node=self.node, script=script, script_args=script_args,
-                           report=self.client.send, control_port=0, manager_host=self.manager_host,
+                           report=self.signals.worker_report, control_port=0,
+                           manager_host=self.manager_host,
                            extra_env=extra_env,
                            # a standby keeps enough warm spares for a whole node's ranks
                            spares=max(config.spares, config.nproc_per_node) if standby else None)
@@ -152,6 +156,7 @@ class NodeRunner:
         finally:
             for sig in hangup.STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
+            self.signals.close()
             hangup.after_the_job(self.config.job_dir)
             for task in list(self._tasks):
                 task.cancel()
@@ -162,9 +167,17 @@ class NodeRunner:
     def _on_signal(self, sig: signal.Signals, detached: Path | None = None) -> None:
         if self._leaving:
             return
+        if detached is not None:  # (SIGHUP: the terminal is gone; where the rest goes)
+            log.warning("node %d: %s", self.node,
+                        hangup.hangup_line(sig, detached, "judged as a SIGTERM"))
+        self.signals.signalled(sig)  # the node leaves, unless the job is being preempted
+
+    def _leave_now(self, sig: signal.Signals) -> None:
+        if self._leaving:
+            return
         self._leaving = f"{sig.name} to the agent of node {self.node}"
         log.warning("node %d: %s", self.node,
-                    hangup.hangup_line(sig, detached, "this node leaves the job"))
+                    hangup.hangup_line(sig, None, "this node leaves the job"))
         self.client.send(NodeLeaving(self.node, self._leaving, time.time()))
         self._leave.set()
 
@@ -286,7 +299,9 @@ class NodeRunner:
                                 self.node)
                     return
                 self._last_beat = time.monotonic()
-                self._commands.handle(decode_to_agent(line))
+                command = decode_to_agent(line)
+                self.signals.heard(command)  # a Preempt: the job's stop reached this node
+                self._commands.handle(command)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.warning("node %d: connection to the manager failed (%s); connecting again",
                         self.node, e)

@@ -9,7 +9,19 @@ import sys
 from typing import NoReturn
 
 from undying import __version__
-from undying.cli import chaos, checkpoints, demo, diagnose, inject, k8s, manager, run, status, trace
+from undying.cli import (
+    chaos,
+    checkpoints,
+    demo,
+    diagnose,
+    inject,
+    k8s,
+    manager,
+    run,
+    slurm,
+    status,
+    trace,
+)
 from undying.cli import migrate as moves
 from undying.config import show_launcher_log
 from undying.errors import UsageError
@@ -53,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_parser(sub)
     diagnose.add_parser(sub)
     k8s.add_parser(sub)
+    slurm.add_parser(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ from undying.cli.limits import add_connection_arguments
 from undying.cli.progress_line import progress_every_arg
 from undying.cli.run_help import add_help_options
 from undying.cli.run_job import run
+from undying.cli.run_slurm import add_slurm_arguments
 from undying.cli.settings import add_setting
 from undying.cli.torchrun_flags import (
     add_torchrun_arguments,
@@ -310,6 +311,7 @@ be written: a resume re-runs the steps after it, the last line counts them),
                    "--max-skips-in-a-row steps were skipped in all and they are more than F of "
                    "the steps run (0 < F <= 1, default 0.1)")
     add_torchrun_arguments(p)
+    add_slurm_arguments(p)
     p.add_argument("script",
                    help="the training script (with -m a module, with --no-python a program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,

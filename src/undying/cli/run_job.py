@@ -14,9 +14,11 @@ import time
 
 from undying.cli.refusal import Ledger
 from undying.cli.run_config import config_from_args, numerics_env
+from undying.cli.run_slurm import apply_slurm
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import UsageError
 from undying.inputs import check_environment, check_every
+from undying.launch.slurm import SlurmStep
 from undying.protocol.env import NUMERICS_ENV, VERBOSE_ENV, VERIFY_EVERY_ENV, VIRTUAL_RANKS_ENV
 from undying.user_files import check_folder, open_user_file
 
@@ -41,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     # Every UNDYING_ variable a rank or the agent reads, read now: a bad one is one line here, not a
     # traceback in every rank after the job started.
     check_environment()
+    slurm = apply_slurm(args)  # `srun undying run`: Slurm's layout, where flags left it open
     config = config_from_args(args)
     if args.virtual_ranks is not None:  # the workers inherit it (worker.virtual reads it)
         most_ranks = args.nproc_per_node * args.nnodes[1]
@@ -65,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     # Before this launch makes anything: what a refusal undoes.
     ledger = Ledger.take(config.job_dir)
     try:
+        if slurm is not None:
+            return _run_slurm_node(args, config, script_args, slurm)
         if args.manager is not None:
             return _run_node(args, config, script_args)
         return _launch(args, config, script_args)
@@ -139,6 +144,20 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
                          f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
     return run_node(config, args.script, script_args, args.manager, token,
                     job_dir_given=bool(args.job_dir), standby=args.standby)
+
+
+def _run_slurm_node(args: argparse.Namespace, config: JobConfig, script_args: list[str],
+                    step: SlurmStep) -> int:
+    """One node of an ``srun undying run`` job: its first node runs the manager too."""
+    from undying.agent.remote import parse_manager_address
+    from undying.launch.slurm_node import run_slurm_node, slurm_line
+
+    _, port = parse_manager_address(args.manager)
+    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {slurm_line(step, config.job_id)}\n")
+    return run_slurm_node(step, config.job_id, config.job_dir, port,
+                          verbose=bool(getattr(args, "verbose", False)),
+                          join=lambda: _run_node(args, config, script_args),
+                          max_requeues=args.max_requeues)
 
 
 def refuse_inherited_keys() -> None:

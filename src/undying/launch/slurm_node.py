@@ -1,0 +1,218 @@
+"""One node of an ``srun undying run`` job: the first node also runs the manager.
+
+Every node runs the same command. The step's first node starts ``undying manager`` as a
+child process (the job's manager, as a multi-node job has one, listening at the node's own
+address), then every node, that one included, joins it as an agent.
+
+The job's token and keys are in the job dir, which the manager makes private to the user
+(0700): a token derived from the job id or from the environment would be readable by other
+users (``squeue``, ``scontrol show job``). So every other node waits, bounded, for
+``<job dir>/token`` to appear; the token seen from another node is also the proof that the
+job dir is on a filesystem every node shares. Not seen in time: one line that says which of
+the two it may be.
+
+A job preempted (exit 75, or 74 with an older checkpoint) puts itself back in Slurm's queue
+(``requeue``), where its allocation allows it, and says so or says how to resume.
+
+The manager child is supervised: killed by a signal while the job runs (the OOM killer, a
+stray ``kill``), it is started again on the same job dir, and carries the job on from its log
+as a restarted manager does; the agents reconnect. At the job's end the node's exit code is
+the manager's (the job's), and no manager outlives its node's launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
+from undying.errors import UsageError
+from undying.jobfiles.tokens import TOKEN_FILE
+from undying.launch.slurm import SlurmStep
+
+__all__ = ["ManagerChild", "listen_address", "requeue", "run_slurm_node", "wait_for_token"]
+
+log = logging.getLogger("undying.slurm")
+
+TOKEN_WAIT = 120.0  # the first node's manager is up in seconds; a shared filesystem shows it
+MANAGER_END_WAIT = 60.0  # after this node's agent ended: the manager's last words (the summary)
+MAX_MANAGER_RESTARTS = 3
+DEFAULT_MAX_REQUEUES = 20  # a job preempted this often in a row without ending is looping
+SCONTROL_TIMEOUT = 30.0
+
+
+def listen_address(node: str) -> str:
+    """Where the manager listens: the address ``node`` (this host's Slurm name) resolves to.
+
+    A name that resolves to loopback (Debian maps the host's own name to 127.0.1.1) or not at
+    all: every interface (0.0.0.0), which other nodes reach; the token guards it as always.
+    """
+    try:
+        infos = socket.getaddrinfo(node, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return "0.0.0.0"
+    addresses = [str(info[4][0]) for info in infos]
+    usable = [a for a in addresses if not a.startswith("127.")]
+    return usable[0] if usable else "0.0.0.0"
+
+
+def wait_for_token(job_dir: Path, timeout: float, alive: Callable[[], str | None]) -> None:
+    """Until ``<job_dir>/token`` exists; UsageError after ``timeout`` or when ``alive()`` says
+    why it never will (the manager exited)."""
+    path = job_dir / TOKEN_FILE
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        why = alive()
+        if why is not None:
+            raise UsageError(why)
+        if time.monotonic() > deadline:
+            raise UsageError(
+                f"no {path} after {timeout:g}s: the job dir is not on a filesystem every node "
+                "shares, or the first node's manager did not start (see its output); pass "
+                "--job-dir with a folder every node sees")
+        time.sleep(0.2)
+
+
+class ManagerChild:
+    """The job's manager, a child of the first node's launcher, started again if killed."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._ending = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv)
+        self._watch = threading.Thread(target=self._supervise, name="manager-child", daemon=True)
+        self._watch.start()
+
+    def exited(self) -> str | None:
+        """Why the manager will never write the token (it exited), or None while it runs."""
+        process = self.process
+        if process is None or process.poll() is None or self.restarts:
+            return None
+        return f"the job's manager exited ({process.returncode}) before it started; see its output"
+
+    def _supervise(self) -> None:
+        while not self._ending.is_set():
+            process = self.process
+            assert process is not None
+            code = process.wait()
+            if self._ending.is_set() or code >= 0 or self.restarts >= MAX_MANAGER_RESTARTS:
+                return
+            self.restarts += 1
+            log.warning("the job's manager was killed (signal %d); starting it again (%d of %d)",
+                        -code, self.restarts, MAX_MANAGER_RESTARTS)
+            self.process = subprocess.Popen(self.argv)
+
+    def finish(self, agent_code: int) -> int:
+        """After this node's agent ended: the manager's exit code (the job's); none outlives
+        us."""
+        process = self.process
+        assert process is not None
+        try:
+            code = process.wait(timeout=MANAGER_END_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("the job's manager did not end %gs after this node's agent; stopping "
+                        "it", MANAGER_END_WAIT)
+            self.stop()
+            return agent_code
+        finally:
+            self._ending.set()
+        return code if code >= 0 else agent_code
+
+    def stop(self) -> None:
+        self._ending.set()
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def manager_argv(step: SlurmStep, job_id: str, job_dir: str, port: int,
+                 verbose: bool) -> list[str]:
+    return [sys.executable, "-m", "undying", *(["-v"] if verbose else []), "manager",
+            "--job-id", job_id, "--job-dir", job_dir, "--host", listen_address(step.nodes[0]),
+            "--port", str(port)]
+
+
+def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, verbose: bool,
+                   join: Callable[[], int], max_requeues: int = DEFAULT_MAX_REQUEUES) -> int:
+    """This node's part: the manager first (on the first node), then ``join()``, the agent."""
+    manager: ManagerChild | None = None
+    if step.node_rank == 0:
+        manager = ManagerChild(manager_argv(step, job_id, job_dir, port, verbose))
+        manager.start()
+    try:
+        wait_for_token(Path(job_dir), TOKEN_WAIT, manager.exited if manager else lambda: None)
+        code = join()
+    except BaseException:
+        if manager is not None:
+            manager.stop()
+        raise
+    if manager is not None:
+        code = manager.finish(code)
+        if code in (EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND):
+            log.warning("job %s: %s", job_id, requeue(step, max_requeues))
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+    return code
+
+
+def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(["scontrol", *argv], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def requeue(step: SlurmStep, max_requeues: int) -> str:
+    """After a preemption: put the job back in Slurm's queue, where it may be; what happened.
+
+    Slurm requeues a job that exits 75 only where its admin set ``RequeueExit=75``; the job
+    asks for it itself instead (``scontrol requeue``), when its allocation allows requeueing
+    (``sbatch --requeue``, or the cluster's default) and it was requeued fewer than
+    ``max_requeues`` times. The next start resumes from the dying gasp in the job dir.
+    """
+    resume = "to resume, submit the same batch script again (it continues from the job dir)"
+    if step.restart_count >= max_requeues:
+        return (f"not requeued: Slurm job {step.job_id} was requeued {step.restart_count} "
+                f"times (--max-requeues {max_requeues}); {resume}")
+    shown = _scontrol("show", "job", "--oneliner", step.job_id)
+    if shown is None or shown.returncode != 0:
+        why = shown.stderr.strip()[:200] if shown is not None else "scontrol did not run"
+        return f"not requeued: cannot ask Slurm about job {step.job_id} ({why}); {resume}"
+    if "Requeue=1" not in shown.stdout.split():
+        return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
+                f"{resume}")
+    done = _scontrol("requeue", step.job_id)
+    if done is None or done.returncode != 0:
+        why = done.stderr.strip()[:200] if done is not None else "scontrol did not run"
+        return f"not requeued: scontrol requeue {step.job_id} failed ({why}); {resume}"
+    return (f"requeued Slurm job {step.job_id} (requeue {step.restart_count + 1} of at most "
+            f"{max_requeues}); its next start resumes from the job dir")
+
+
+def slurm_line(step: SlurmStep, job_id: str) -> str:
+    """The launcher's first line under Slurm: what it read, so a wrong layout shows at once."""
+    restarts = f", requeued {step.restart_count}x" if step.restart_count else ""
+    return (f"job {job_id}: Slurm job {step.job_id}{restarts}, node {step.node_rank} of "
+            f"{step.nnodes} ({step.nodes[step.node_rank]}), manager on {step.nodes[0]}"
+            f"{' (here)' if step.node_rank == 0 else ''}; pid {os.getpid()}")

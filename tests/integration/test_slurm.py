@@ -1,0 +1,206 @@
+"""undying under a real Slurm cluster (slurmctld + one slurmd per node, each node a network
+namespace): `srun undying run` with no other flag, and what is refused.
+
+The cluster is tests/slurm_cluster.py; it skips, with the reason, where the machine cannot run
+one (not root, no namespaces, no slurm-wlm/munge).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.oracle import Oracle
+from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason
+from undying.demo import TRAIN_SCRIPT
+from undying.demo.oracle import compare_runs, load_run
+from undying.jobfiles.events import read_job
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(slurm_unavailable_reason() is not None,
+                                 reason=str(slurm_unavailable_reason()))]
+
+# 64 steps of ~0.1 s on 2 nodes x 2 ranks: a crash at step 12 lands mid-run.
+SCRIPT_ARGS = ["--epochs", "2", "--samples", "1024", "--step-seconds", "0.1"]
+UNDYING = [sys.executable, "-m", "undying"]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
+    made = SlurmCluster(tmp_path / "slurm", nodes=2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _env(cluster: SlurmCluster) -> dict[str, str]:
+    """The test session's env without its shared token: the job makes and shares its own."""
+    env = cluster.env()
+    env.pop("UNDYING_TOKEN", None)
+    return env
+
+
+def _wait_for(what: str, condition: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(condition) and condition():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"no {what} after {timeout}s")
+
+
+def test_srun_undying_run_needs_no_other_flag_and_survives_a_rank_crash(
+        cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    srun = cluster.popen(
+        ["srun", "-N2", "--ntasks-per-node=1", *UNDYING, "run", "-n", "2", str(TRAIN_SCRIPT),
+         *SCRIPT_ARGS], cwd=work, env=_env(cluster),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        job_dir = work / "undying-jobs" / "slurm-1"
+        _wait_for("job dir", lambda: (job_dir / "token").exists(), 60)
+        inject = cluster.run([*UNDYING, "inject", "crash", "--rank", "3", "--at-step", "12",
+                              "--job-dir", str(job_dir)], check=False, cwd=work, env=_env(cluster))
+        assert inject.returncode == 0, inject.stdout + inject.stderr
+        out, _ = srun.communicate(timeout=240)
+    finally:
+        if srun.poll() is None:
+            srun.kill()
+            srun.wait(10)
+    text = out.decode(errors="replace")
+    assert srun.returncode == 0, text[-4000:]
+    # What the launchers read from Slurm, in their first lines.
+    assert "Slurm job 1, node 0 of 2 (n0), manager on n0 (here)" in text, text[-4000:]
+    assert "Slurm job 1, node 1 of 2 (n1), manager on n0;" in text, text[-4000:]
+    # The job dir is the documented default, private to the user.
+    assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
+    baseline = oracle.baseline(SCRIPT_ARGS, ranks=4)
+    run = load_run(job_dir / "events.db")
+    comparison = compare_runs(baseline, run)
+    assert comparison.identical, (comparison.reasons, text[-4000:])
+    assert comparison.lost_steps == 0 and not run.rerun_steps
+    job = read_job(job_dir / "events.db")
+    crashed = [i for i in job["incidents"] if i.get("kind") == "crash"]
+    assert [i["rank"] for i in crashed] == [3], json.dumps(job["incidents"])[:2000]
+
+
+def _batch(cluster: SlurmCluster, folder: Path, body: str, *, nodes: int = 1) -> str:
+    """Submit ``body`` as a batch script, wait for its end, return its output."""
+    script = folder / "job.sh"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    out = folder / "job.out"
+    r = cluster.run(["sbatch", "--parsable", "-N", str(nodes), "--ntasks-per-node=2", "-o",
+                     str(out), str(script)],
+                    cwd=folder, env=_env(cluster))
+    job = r.stdout.strip().split(";")[0]
+    _wait_for(f"end of batch job {job}", lambda: cluster.squeue(job) == "" and out.exists(), 90)
+    return out.read_text(errors="replace")
+
+
+def test_outside_a_step_or_with_several_tasks_a_node_it_is_refused_saying_what_to_write(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = f"{' '.join(UNDYING)} run -n 1 {TRAIN_SCRIPT} --epochs 1 --samples 64"
+    text = _batch(cluster, tmp_path, f"{run}; echo exit=$?\n"
+                  f"srun -N1 --ntasks-per-node=2 {run}; echo exit=$?")
+    lines = text.splitlines()
+    shell = [line for line in lines if "not in an srun step" in line]
+    assert shell and "srun --ntasks-per-node=1 undying run" in shell[0], text
+    assert "--standalone" in shell[0], text
+    tasks = [line for line in lines if "tasks on a node" in line]
+    assert tasks and "-n RANKS_PER_NODE" in tasks[0], text
+    assert lines.count("exit=2") == 2, text
+    assert not (tmp_path / "undying-jobs").exists(), os.listdir(tmp_path)
+
+
+# 64 steps of ~0.1 s: preempted at step 10 or a little later, requeued, resumed.
+LONG_ARGS = ["--epochs", "4", "--samples", "1024", "--step-seconds", "0.1"]
+
+
+def _status_step(cluster: SlurmCluster, job_dir: Path) -> int:
+    r = cluster.run([*UNDYING, "status", "--job-dir", str(job_dir), "--json"], check=False,
+                    env=_env(cluster), timeout=30)
+    try:
+        return int(json.loads(r.stdout)["progress"]["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+def _submit(cluster: SlurmCluster, work: Path, script: str) -> str:
+    (work / "job.sh").write_text(script)
+    r = cluster.run(["sbatch", "--parsable", str(work / "job.sh")], cwd=work, env=_env(cluster))
+    return r.stdout.strip().split(";")[0]
+
+
+def _preempted_then_resumed(cluster: SlurmCluster, work: Path, job: str, signal_it: list[str],
+                            oracle: Oracle) -> str:
+    """Signal the running job at step >= 10; it takes its gasp, requeues itself, resumes, ends;
+    the losses of both starts are the fault-free run's. Returns the job's output."""
+    from undying.cli.demo import load_preempted
+
+    job_dir = work / "undying-jobs" / f"slurm-{job}"
+    out = work / f"slurm-{job}.out"
+    _wait_for("step 10", lambda: _status_step(cluster, job_dir) >= 10, 120)
+    sigterm_t = time.time()
+    cluster.run(signal_it)
+    _wait_for("the requeued job's end",
+              lambda: "srun-exit=0" in (out.read_text() if out.exists() else "")
+              or cluster.squeue(job) == "", 240)
+    text = out.read_text(errors="replace")
+    assert "requeued Slurm job" in text and "restart=1" in text, text[-5000:]
+    assert text.count("exit 75") >= 1, text[-5000:]
+    merged, _ = load_preempted(job_dir, sigterm_t)
+    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=4), merged)
+    assert comparison.identical and comparison.lost_steps == 0 and not merged.rerun_steps, (
+        comparison.reasons, text[-5000:])
+    return text
+
+
+def test_scancel_of_the_whole_job_takes_the_gasp_requeues_and_resumes_identically(
+        cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    """`scancel --signal=TERM` (and a preemption, a time limit) reaches every process of the
+    job's steps: agents and workers too, not only the manager. The job is preempted, not left by
+    each node."""
+    work = tmp_path / "work"
+    work.mkdir()
+    run = " ".join([*UNDYING, "run", "-n", "2", str(TRAIN_SCRIPT), *LONG_ARGS])
+    job = _submit(cluster, work, f"""#!/bin/bash
+#SBATCH -N2 --ntasks-per-node=1 --requeue --open-mode=append -o {work}/slurm-%j.out
+echo restart=${{SLURM_RESTART_COUNT:-0}}
+srun --ntasks-per-node=1 {run}
+echo srun-exit=$?
+""")
+    text = _preempted_then_resumed(cluster, work, job, ["scancel", "--signal=TERM", job], oracle)
+    # Each node heard the SIGTERM, and stayed for the job's gasp rather than leave.
+    assert text.count("this node stays for its dying gasp") == 2, text[-5000:]
+    assert not re.search(r"this node leaves the job$", text, re.M), text[-5000:]
+    assert "fenced" not in text, text[-5000:]
+
+
+def test_the_batch_script_undying_slurm_writes_forwards_its_signal_and_resumes(
+        cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    """`--signal=B:TERM@T` and `scancel --batch` reach the batch shell alone: the script that
+    `undying slurm` writes passes the signal on; the rest is the same."""
+    work = tmp_path / "work"
+    work.mkdir()
+    made = subprocess.run(
+        [*UNDYING, "slurm", "--nodes", "2", "-n", "2", "--undying", " ".join(UNDYING),
+         "--", str(TRAIN_SCRIPT), *LONG_ARGS], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    script = made.stdout.replace("#SBATCH --output=undying-%j.out",
+                                 f"#SBATCH --output={work}/slurm-%j.out")
+    script = script.replace("srun_pid=$!", "srun_pid=$!\necho restart=${SLURM_RESTART_COUNT:-0}")
+    script = script.replace('exit "$code"', 'echo srun-exit=$code\nexit "$code"')
+    job = _submit(cluster, work, script)
+    _preempted_then_resumed(cluster, work, job, ["scancel", "--batch", "--signal=TERM", job],
+                            oracle)
