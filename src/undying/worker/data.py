@@ -25,7 +25,7 @@ import torch
 from undying.errors import UsageError
 from undying.worker import rng
 
-__all__ = ["DataCursor", "map_position"]
+__all__ = ["DataCursor", "epoch_setters", "map_position", "sampler_chain"]
 
 
 def map_position(position: int, old_steps_per_epoch: int, new_steps_per_epoch: int) -> int:
@@ -91,6 +91,7 @@ class DataCursor:
             id(g): (g, g.initial_seed())
             for g in _generators_of(loader)
         }
+        self._epoch_setters = epoch_setters(loader)
         self._epoch = -1
         self._iterator: Any = None
         self._next_index = 0
@@ -143,16 +144,10 @@ class DataCursor:
 
     def _start_epoch(self, epoch: int) -> None:
         rng.reseed(self._seed, self._rank, "epoch", epoch)
-        samplers = {
-            id(s): s
-            for s in (
-                getattr(self._loader, "sampler", None),
-                getattr(getattr(self._loader, "batch_sampler", None), "sampler", None),
-            )
-            if s is not None and hasattr(s, "set_epoch")
-        }
-        for sampler in samplers.values():
-            sampler.set_epoch(epoch)
+        # The loader's own set_epoch first (accelerate's sets its samplers' from it), then every
+        # sampler of its chain, so a chain that sets only some of its links still sees the epoch.
+        for holder in self._epoch_setters:
+            holder.set_epoch(epoch)
         for generator, initial in self._generators.values():
             generator.manual_seed(rng.derived_seed(initial, 0, "sampler", epoch))
         self._iterator = iter(self._loader)
@@ -173,16 +168,49 @@ class DataCursor:
         return batch
 
 
-def _generators_of(loader: Any) -> list[torch.Generator]:
+# The links of a loader's sampler chain: DataLoader.sampler and .batch_sampler, a batch sampler's
+# .sampler and its wrapped .batch_sampler (accelerate's BatchSamplerShard), to any depth.
+_LINKS = ("sampler", "batch_sampler", "base_dataloader", "dataset")
+_MAX_DEPTH = 16
+
+
+def sampler_chain(loader: Any) -> list[Any]:
+    """The loader and every object reachable from it through its sampler links, each once, the
+    loader first (breadth first, at most ``_MAX_DEPTH`` links deep)."""
     if loader is None:
         return []
-    holders = [
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(loader, "batch_sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    ]
-    return [
-        g for g in (getattr(h, "generator", None) for h in holders if h is not None)
-        if isinstance(g, torch.Generator)
-    ]
+    seen: dict[int, Any] = {id(loader): loader}
+    level = [loader]
+    for _ in range(_MAX_DEPTH):
+        following = []
+        for holder in level:
+            for link in _LINKS:
+                try:
+                    found = getattr(holder, link, None)
+                except Exception:  # a property that raises (a dataset without the attribute)
+                    continue
+                if found is None or id(found) in seen or isinstance(found, str | bytes | int):
+                    continue
+                seen[id(found)] = found
+                following.append(found)
+        if not following:
+            break
+        level = following
+    return list(seen.values())
+
+
+def epoch_setters(loader: Any) -> list[Any]:
+    """The links of ``loader``'s chain with a ``set_epoch``, the loader's own first."""
+    return [h for h in sampler_chain(loader) if callable(getattr(h, "set_epoch", None))]
+
+
+def _generators_of(loader: Any) -> list[torch.Generator]:
+    """The generators of the chain's links (``generator``, or accelerate's nested
+    ``synchronized_generator``), each once."""
+    found: dict[int, torch.Generator] = {}
+    for holder in sampler_chain(loader):
+        for name in ("generator", "synchronized_generator"):
+            g = getattr(holder, name, None)
+            if isinstance(g, torch.Generator):
+                found.setdefault(id(g), g)
+    return list(found.values())

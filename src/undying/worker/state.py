@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from undying.errors import UsageError
 from undying.worker.dtensor import has_dtensors, is_dtensor
+from undying.worker.wrappers import loader_for_state, optimizer_for_state
 
 __all__ = ["State"]
 
@@ -71,9 +72,10 @@ class State:
                     "state_dict()/load_state_dict() or be a dict (updated in place on restore)"
                 )
         self.model = model
-        self.optimizer = optimizer
+        # accelerate's and Lightning's wrappers unwrapped; ZeRO's partitioned state refused
+        self.optimizer = optimizer_for_state(optimizer)
         self.scheduler = scheduler
-        self.loader = loader
+        self.loader = loader_for_state(loader)
         self.extras = extras
         found = has_dtensors(model)
         if sharded is False and found:

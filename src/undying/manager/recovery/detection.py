@@ -97,7 +97,8 @@ def script_error(job_dir: str, rank: int) -> str:
             told = f.read(2000).strip()
     except OSError:
         told = ""
-    where = told or f"rank {rank} exited with a SyntaxError or ImportError (its output says where)"
+    where = told or (f"rank {rank} exited with a SyntaxError, an ImportError or a StateError "
+                     "(its output says where)")
     return f"the training script could not run: {where}; fix it and run the same command again"
 
 
