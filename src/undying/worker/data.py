@@ -96,6 +96,7 @@ class DataCursor:
         self._iterator: Any = None
         self._next_index = 0
         self._cache: dict[int, Any] = {}
+        self.fetched = 0  # batches read so far: progress, for the heartbeat (a replay's too)
         self.set_origin(self.origin)
 
     def set_origin(self, origin: tuple[int, int]) -> None:
@@ -165,6 +166,7 @@ class DataCursor:
                 f"but len(loader) is {self.steps_per_epoch}"
             ) from e
         self._next_index += 1
+        self.fetched += 1
         return batch
 
 
