@@ -10,6 +10,7 @@ compared bit for bit with their runs without faults.
 from __future__ import annotations
 
 import difflib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -113,13 +114,17 @@ def test_the_adapted_accelerate_loop_survives_a_sigkill_bit_for_bit(tmp_path: Pa
     ranks' random states in its iterator) replayed by the replacement to the step, losses identical."""
     pytest.importorskip("accelerate")
     script, run_args = EXAMPLES / "accelerate_undying.py", ["--spares", "0"]
-    assert run_job(tmp_path / "base", [], ranks=2, script=script, extra_run_args=run_args, timeout_s=150) == 0
+    # the two runs side by side (most of a job's time is its start): step 20 is mid-epoch (16 steps
+    # each), so the replacement replays the epoch's first 3 batches
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(run_job, tmp_path / "base", [], ranks=2, script=script, extra_run_args=run_args,
+                           timeout_s=150)
+        faulty_rc = pool.submit(run_job, tmp_path / "crash", [], ranks=2, script=script,
+                                faults=[crash(1, 20, "backward")], extra_run_args=run_args, timeout_s=150)
+        assert base.result() == 0, (tmp_path / "base.log").read_text()[-3000:]
+        assert faulty_rc.result() == 0, (tmp_path / "crash.log").read_text()[-3000:]
     baseline = load_run(tmp_path / "base" / "events.db")
     assert sorted(baseline.losses) == list(range(1, 49))
-    # step 20 is mid-epoch (16 steps each): the replacement replays the epoch's first 3 batches
-    rc = run_job(tmp_path / "crash", [], ranks=2, script=script, faults=[crash(1, 20, "backward")],
-                 extra_run_args=run_args, timeout_s=150)
-    assert rc == 0, (tmp_path / "crash.log").read_text()[-3000:]
     faulty = load_run(tmp_path / "crash" / "events.db")
     comparison = compare_runs(baseline, faulty)
     assert comparison.identical, comparison.reasons
