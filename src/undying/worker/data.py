@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from undying.errors import UsageError
+from undying.errors import StateError, UsageError
 from undying.worker import rng
 
 __all__ = ["DataCursor", "epoch_setters", "map_position", "sampler_chain"]
@@ -72,12 +72,12 @@ class DataCursor:
             try:
                 self.steps_per_epoch = len(loader)
             except TypeError as e:
-                raise UsageError(
+                raise StateError(
                     "the loader given to State(loader=...) has no length; undying positions "
                     "data by step and needs len(loader) batches per epoch"
                 ) from e
             if self.steps_per_epoch == 0:
-                raise UsageError("the loader given to State(loader=...) yields no batches")
+                raise StateError("the loader given to State(loader=...) yields no batches")
         if epochs is not None and self.steps_per_epoch is None:
             raise UsageError("job.steps(epochs=N) needs State(loader=...); "
                              "use total=N without a loader")
