@@ -147,3 +147,24 @@ def test_every_set_epoch_of_a_chain_nested_to_any_depth_is_called_the_loaders_ow
     looped = _Epochs()
     looped.sampler = looped  # a chain that points back at itself ends
     assert epoch_setters(looped) == [looped]
+
+
+class _Broadcasting:
+    """A loader whose iterator runs a collective when it starts (as accelerate's synchronises random states)."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        dist.broadcast(torch.zeros(1), src=0)
+        yield from (torch.tensor([float(i)]) for i in range(3))
+
+
+def test_a_loader_that_runs_a_collective_is_refused_at_its_first_batch_by_what_it_did(group: None) -> None:
+    cursor = DataCursor(_Broadcasting(), rank=0, seed=SEED, total=None, epochs=1)
+    with pytest.raises(StateError) as caught:
+        cursor.batch_for(1)
+    words = str(caught.value)
+    assert "ran 1 collective(s) when it read batch 0 of epoch 0" in words and "runs no collective" in words
+    quiet = DataCursor(DataLoader(_dataset(), batch_size=8), rank=0, seed=SEED, total=None, epochs=1)
+    assert quiet.batch_for(2)[0].shape == (8, 1), "a loader without collectives reads on"

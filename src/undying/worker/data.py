@@ -24,6 +24,7 @@ import torch
 
 from undying.errors import StateError, UsageError
 from undying.worker import rng
+from undying.worker.group import collectives_entered
 
 __all__ = ["DataCursor", "epoch_setters", "map_position", "sampler_chain"]
 
@@ -151,13 +152,16 @@ class DataCursor:
             holder.set_epoch(epoch)
         for generator, initial in self._generators.values():
             generator.manual_seed(rng.derived_seed(initial, 0, "sampler", epoch))
+        before = collectives_entered()
         self._iterator = iter(self._loader)
+        self._no_collective(before, "started its epoch's iterator")
         self._epoch = epoch
         self._next_index = 0
         self._cache.clear()
 
     def _fetch(self, step: int) -> Any:
         rng.reseed(self._seed, self._rank, "data", step)
+        before = collectives_entered()
         try:
             batch = next(self._iterator)
         except StopIteration as e:
@@ -165,9 +169,21 @@ class DataCursor:
                 f"the loader ended after {self._next_index} batches in epoch {self._epoch}, "
                 f"but len(loader) is {self.steps_per_epoch}"
             ) from e
+        self._no_collective(before, f"read batch {self._next_index} of epoch {self._epoch}")
         self._next_index += 1
         self.fetched += 1
         return batch
+
+    def _no_collective(self, before: int, what: str) -> None:
+        """A loader that runs a collective cannot be replayed: refused at once, by what it did."""
+        after = collectives_entered()
+        if before >= 0 and after > before:
+            raise StateError(
+                f"the loader given to job.state ran {after - before} collective(s) when it {what}: "
+                "a replacement replays its loader alone to the step, where a collective would wait "
+                "for ranks that never come; give job.state a loader that runs no collective (each "
+                "rank reads its data itself; accelerate's prepared loader does, with "
+                "dispatch_batches=False)")
 
 
 # The links of a loader's sampler chain: DataLoader.sampler and .batch_sampler, a batch sampler's
