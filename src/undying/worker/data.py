@@ -7,6 +7,11 @@ must re-run a step re-uses the batch it holds, and a replacement rank replays
 the epoch's iterator to that position. Replay fetches the skipped batches (it
 is exact for any loader, worker processes and random transforms included);
 its cost is one epoch's prefix of data loading, paid only by replacements.
+Because a replacement replays alone, a loader that runs a collective while it
+is read is refused at its first batch. Each epoch the loader's own
+``set_epoch`` and every ``set_epoch`` along its sampler chain are called and the
+chain's generators reset from their seeds (``sampler_chain``), so the replay
+draws the order the first pass drew.
 
 A job resumed on another number of ranks has another number of batches per
 epoch. Its data position is then carried over by *origin*: the resumed step
