@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "UndyingError",
     "UsageError",
+    "StateError",
     "JobNotRunningError",
     "ConflictError",
     "RecoveryError",
@@ -26,6 +27,12 @@ class UndyingError(Exception):
 
 class UsageError(UndyingError):
     """Bad input from the user: a flag, a path, a port. Exit code 2."""
+
+
+class StateError(UsageError):
+    """The training state a script declares (``undying.State``) cannot be kept or restored as
+    given: every process of the script would raise it again, so the job fails at once with it,
+    never as lost state."""
 
 
 class JobNotRunningError(UsageError):

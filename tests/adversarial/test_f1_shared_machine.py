@@ -182,7 +182,8 @@ def test_a_job_on_a_shared_machine_gives_another_user_nothing(
 
     assert job.wait(timeout=120) == 0, (shared / "job.log").read_text()[-3000:]
     launcher_log = (shared / "job.log").read_text()
-    assert f"started, 2 ranks, token from env {TOKEN_ENV}" in launcher_log  # the start line names the source
+    # The start line names the source (wrapped at 80 columns: read across its lines).
+    assert f"started, 2 ranks, token from env {TOKEN_ENV}" in " ".join(launcher_log.split())
     assert "(query not shown)" in launcher_log  # the refused query was logged, without its token
 
     # Private whatever the umask: the folder 0700, undying's own files 0600.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tests.unit.live_manager import running
 from undying.jobfiles.records import IncidentKind, RankState
+from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure
 
 
@@ -60,5 +61,34 @@ def test_a_newer_generation_since_the_telling_voids_it(tmp_path: Path) -> None:
         assert told is not None
         manager.core.open_generation("a regroup")
         assert told.leave is not None and manager.recoveries.stuck(told.leave.t + 60.0) == []
+    finally:
+        manager.close()
+
+
+def test_a_recovery_whose_first_step_waits_for_the_replacement_kills_it_within_the_step_timeout(tmp_path: Path) -> None:
+    """The replacement replays its loader to the step, and the loader's __iter__ runs a collective (accelerate's
+    rng synchronisation): the survivor waits in the step, the replacement in its own collective. Past the limit
+    the recovery failed: the replacement is killed for it, with the reason, and replaced (a repeat at the same
+    step ends the job by --max-step-recoveries)."""
+    manager, agent = running(tmp_path)
+    try:
+        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
+        recovery = manager.recoveries.current
+        assert recovery is not None and manager.core.generations.current == 1
+        replacement, started = manager.ranks[1].pid, recovery.started
+        progress = [RankProgress(0, manager.ranks[0].pid, 1, "step", 5, 1, started + 1.0),
+                    RankProgress(1, replacement, 1, "init", 4, 1, started + 1.0)]
+        manager.on_stall(progress, 5.0, started + 4.0)
+        assert agent.killed == [], "within the limit the step may still come"
+        restoring = [progress[0], RankProgress(1, replacement, 1, "recovery", 4, 0, started + 1.0)]
+        manager.on_stall(restoring, 5.0, started + 7.0)
+        assert agent.killed == [], "a rank still restoring is the recovery deadline's"
+        manager.on_stall(progress, 5.0, started + 7.0)
+        assert agent.killed == [1]
+        manager.on_exit(1, replacement, -9, started + 7.1)
+        [hang] = [i for i in manager.incidents if i.kind == IncidentKind.HANG.value]
+        assert (hang.rank, hang.step, hang.action) == (1, 5, "replace"), hang
+        assert "did not come to step 5 after a recovery" in hang.error and "loader's __iter__" in hang.error
+        assert manager.ranks[1].pid != replacement, "a new process takes its place"
     finally:
         manager.close()

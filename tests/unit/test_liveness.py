@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from undying.agent.liveness import is_stalled, judge_silence
+from undying.agent.liveness import is_stalled, judge_silence, stall_to_report
 from undying.config import Timeouts
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
@@ -69,3 +69,14 @@ def test_a_silent_rank_that_already_exited_is_not_hung_and_a_stopped_one_is() ->
         child.kill()
         child.wait(10)
     assert process_state(child.pid) == "?" and not has_exited(child.pid)  # gone: its exit was recorded
+
+
+def test_a_stall_is_reported_once_and_again_each_limit_it_lasts() -> None:
+    """The manager may judge a first report too early (a rank behind that still moved, a replacement still
+    replaying its loader): a stall that lasts is heard again, never only logged once."""
+    beat = _beat(WorkerPhase.STEP, t=111.0, progress_t=100.0)
+    assert stall_to_report(beat, (0.0, 0.0), 111.0, 10.0, TIMEOUTS), "a new stall"
+    assert not stall_to_report(beat, (100.0, 111.0), 115.0, 10.0, TIMEOUTS), "reported already"
+    assert stall_to_report(_beat(WorkerPhase.STEP, t=121.5, progress_t=100.0), (100.0, 111.0), 121.5, 10.0, TIMEOUTS)
+    moving = _beat(WorkerPhase.STEP, t=121.5, progress_t=120.0)
+    assert not stall_to_report(moving, (100.0, 111.0), 121.5, 10.0, TIMEOUTS), "it moved: no stall"

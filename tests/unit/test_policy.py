@@ -186,6 +186,34 @@ def test_a_job_of_one_rank_blames_that_rank() -> None:
     assert stall_culprits([_progress(0, 5, phase="init")]) == []
 
 
+def recovery_stall(progress: list[RankProgress], now: float = 110.0, started: float = 98.0) -> list[int] | None:
+    """A recovery into generation 2 begun at ``started``, judged at ``now`` with a 5 s limit."""
+    return policy.recovery_stall(progress, 2, started, 5.0, now)
+
+
+def test_a_recoverys_first_step_waiting_for_a_rank_still_starting_its_steps_blames_that_rank() -> None:
+    """Rank 1, the replacement, restored its state and replays its loader (init): the others have waited
+    in the step past the limit, so it is in a collective of its own (accelerate's rng synchronisation)."""
+    progress = [_progress(0, 1), _progress(1, 1, phase="init"), _progress(2, 1)]
+    assert recovery_stall(progress) == [1]
+    assert recovery_stall(progress, now=104.0) is None, "within the limit: nothing yet"
+    assert recovery_stall(progress, started=106.0) is None, "counted from the recovery's start at the earliest"
+    replaying = [_progress(0, 1), _progress(1, 1, phase="init", progress_t=108.0), _progress(2, 1)]
+    assert recovery_stall(replaying) is None, "a replacement still reading batches is slow, not stuck"
+    assert recovery_stall(replaying, now=114.0) == [1], "and then it stopped"
+
+
+def test_a_recovery_with_a_rank_still_restoring_is_left_to_the_recoverys_own_deadline() -> None:
+    assert recovery_stall([_progress(0, 1), _progress(1, 0, phase="recovery")]) is None
+
+
+def test_a_recoverys_first_step_is_judged_as_any_step_once_every_rank_is_in_it() -> None:
+    assert recovery_stall([_progress(0, 2), _progress(1, 1)]) == [1]
+    assert recovery_stall([_progress(0, 2), _progress(1, 2)]) == [], "one collective: the link"
+    assert recovery_stall([_progress(0, 2), _progress(1, 1, generation=1)]) == [], "an old generation's rank is not the new one's"
+    assert recovery_stall([_progress(0, 1, phase="init"), _progress(1, 1, phase="init")]) is None, "nobody waits in the step"
+
+
 # --- a script that does not use the step API: torchrun's recovery, the whole group restarts ---------------
 
 

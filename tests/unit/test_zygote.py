@@ -73,6 +73,9 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
     script.write_text(SCRIPT)
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n")
+    # a state the script declares that undying refuses (undying.State): certain, like a SyntaxError
+    refused = tmp_path / "refused.py"
+    refused.write_text("from undying.errors import StateError\nraise StateError('no such state')\n")
     work = tmp_path / "work"
     work.mkdir()
 
@@ -86,6 +89,7 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
                 ("ok", [str(script), "exit", "0"], _env()),
                 ("raise", [str(script), "raise"], _env()),
                 ("syntax", [str(broken)], _env()),
+                ("state", [str(refused)], _env()),
             ]:
                 process = zygote.spawn(args, env, str(work))
                 assert process is not None, zygote.reason
@@ -111,7 +115,7 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
         return codes
 
     codes = asyncio.run(run())
-    assert codes == {"exit": 3, "ok": 0, "raise": 1, "syntax": EXIT_SCRIPT_ERROR,
+    assert codes == {"exit": 3, "ok": 0, "raise": 1, "syntax": EXIT_SCRIPT_ERROR, "state": EXIT_SCRIPT_ERROR,
                      "killed": -signal.SIGKILL, "terminated": -signal.SIGTERM}
     captured = capfd.readouterr()
     reports = _reports(captured.out)

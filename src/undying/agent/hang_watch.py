@@ -25,9 +25,9 @@ from undying.agent.children import Orphans
 from undying.agent.life import LifeMachine
 from undying.agent.liveness import (
     has_exited,
-    is_stalled,
     judge_silence,
     process_state,
+    stall_to_report,
     step_timeout,
     watch_clock,
 )
@@ -105,9 +105,9 @@ class HangWatch:
                                 silence.limit_s)
                     self._report(RankHung(worker.rank, worker.pid, silence.phase,
                                           worker.last_seen or worker.started, now))
-                elif ((beat := worker.beat) is not None
-                        and beat.progress_t != worker.stall_reported_t
-                        and is_stalled(beat, self.step_timeout(), timeouts)):
+                elif ((beat := worker.beat) is not None and stall_to_report(
+                        beat, (worker.stall_reported_t, worker.stall_reported_at), now,
+                        self.step_timeout(), timeouts)):
                     stalled.append(worker)
             if stalled:
                 self._report_stall(stalled, now)
@@ -116,7 +116,7 @@ class HangWatch:
         """Report every local rank's progress: the manager picks the one the others wait for."""
         for worker in stalled:
             assert worker.beat is not None
-            worker.stall_reported_t = worker.beat.progress_t
+            worker.stall_reported_t, worker.stall_reported_at = worker.beat.progress_t, now
             log.warning("node %d: rank %d (pid %d) made no progress for %.1fs in %s of step %d "
                         "(%d collectives entered)", self._source.node, worker.rank, worker.pid,
                         now - worker.beat.progress_t, worker.beat.phase, worker.beat.step,

@@ -23,8 +23,8 @@ from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
 
-__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "process_state", "has_exited",
-           "watch_clock"]
+__all__ = ["Silence", "judge_silence", "step_timeout", "is_stalled", "stall_to_report",
+           "process_state", "has_exited", "watch_clock"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,16 @@ def is_stalled(beat: Heartbeat, step_timeout: float, timeouts: Timeouts) -> bool
     limit = (step_timeout if beat.phase == WorkerPhase.STEP
              else timeouts.init_timeout if beat.phase == WorkerPhase.INIT else 0)
     return bool(limit) and beat.t - beat.progress_t > limit
+
+
+def stall_to_report(beat: Heartbeat, reported: tuple[float, float], now: float,
+                    step_timeout: float, timeouts: Timeouts) -> bool:
+    """Whether to report a rank's stall: stalled (``is_stalled``) and either a new one (another
+    progress time than the one last reported, ``reported[0]``) or one that lasted another
+    ``step_timeout`` since it was reported (at ``reported[1]``): the manager may have judged the
+    first report too early (a rank behind that still moved) and must hear it again."""
+    new = beat.progress_t != reported[0] or now - reported[1] > step_timeout
+    return new and is_stalled(beat, step_timeout, timeouts)
 
 
 def process_state(pid: int) -> str:

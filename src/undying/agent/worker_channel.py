@@ -64,6 +64,7 @@ class LocalWorker:
     hang_reported: bool = False
     beat: Heartbeat | None = None  # the latest, with the rank's progress
     stall_reported_t: float = 0.0  # the progress time of the stall last reported
+    stall_reported_at: float = 0.0  # when (a stall that lasts is reported again each limit)
     last_commit: tuple[int, int, float] = (-1, -1, 0.0)  # generation, step, time
     incarnation: int = 0  # the manager's number for this process as the rank's holder
 

@@ -44,6 +44,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from undying.errors import StateError
 from undying.protocol.env import (
     AGENT_ADDR_ENV,
     AGENT_PID_ENV,
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
             raise
         _returned()
         _end()
-    except (SyntaxError, ImportError) as e:
+    except (SyntaxError, ImportError, StateError) as e:
         from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
 
         # An error in the script, not a fault: one line that says where, not a traceback through

@@ -7,6 +7,11 @@ must re-run a step re-uses the batch it holds, and a replacement rank replays
 the epoch's iterator to that position. Replay fetches the skipped batches (it
 is exact for any loader, worker processes and random transforms included);
 its cost is one epoch's prefix of data loading, paid only by replacements.
+Because a replacement replays alone, a loader that runs a collective while it
+is read is refused at its first batch. Each epoch the loader's own
+``set_epoch`` and every ``set_epoch`` along its sampler chain are called and the
+chain's generators reset from their seeds (``sampler_chain``), so the replay
+draws the order the first pass drew.
 
 A job resumed on another number of ranks has another number of batches per
 epoch. Its data position is then carried over by *origin*: the resumed step
@@ -22,10 +27,11 @@ from typing import Any
 
 import torch
 
-from undying.errors import UsageError
+from undying.errors import StateError, UsageError
 from undying.worker import rng
+from undying.worker.group import collectives_entered
 
-__all__ = ["DataCursor", "map_position"]
+__all__ = ["DataCursor", "epoch_setters", "map_position", "sampler_chain"]
 
 
 def map_position(position: int, old_steps_per_epoch: int, new_steps_per_epoch: int) -> int:
@@ -72,12 +78,12 @@ class DataCursor:
             try:
                 self.steps_per_epoch = len(loader)
             except TypeError as e:
-                raise UsageError(
+                raise StateError(
                     "the loader given to State(loader=...) has no length; undying positions "
                     "data by step and needs len(loader) batches per epoch"
                 ) from e
             if self.steps_per_epoch == 0:
-                raise UsageError("the loader given to State(loader=...) yields no batches")
+                raise StateError("the loader given to State(loader=...) yields no batches")
         if epochs is not None and self.steps_per_epoch is None:
             raise UsageError("job.steps(epochs=N) needs State(loader=...); "
                              "use total=N without a loader")
@@ -91,10 +97,12 @@ class DataCursor:
             id(g): (g, g.initial_seed())
             for g in _generators_of(loader)
         }
+        self._epoch_setters = epoch_setters(loader)
         self._epoch = -1
         self._iterator: Any = None
         self._next_index = 0
         self._cache: dict[int, Any] = {}
+        self.fetched = 0  # batches read so far: progress, for the heartbeat (a replay's too)
         self.set_origin(self.origin)
 
     def set_origin(self, origin: tuple[int, int]) -> None:
@@ -143,25 +151,22 @@ class DataCursor:
 
     def _start_epoch(self, epoch: int) -> None:
         rng.reseed(self._seed, self._rank, "epoch", epoch)
-        samplers = {
-            id(s): s
-            for s in (
-                getattr(self._loader, "sampler", None),
-                getattr(getattr(self._loader, "batch_sampler", None), "sampler", None),
-            )
-            if s is not None and hasattr(s, "set_epoch")
-        }
-        for sampler in samplers.values():
-            sampler.set_epoch(epoch)
+        # The loader's own set_epoch first (accelerate's sets its samplers' from it), then every
+        # sampler of its chain, so a chain that sets only some of its links still sees the epoch.
+        for holder in self._epoch_setters:
+            holder.set_epoch(epoch)
         for generator, initial in self._generators.values():
             generator.manual_seed(rng.derived_seed(initial, 0, "sampler", epoch))
+        before = collectives_entered()
         self._iterator = iter(self._loader)
+        self._no_collective(before, "started its epoch's iterator")
         self._epoch = epoch
         self._next_index = 0
         self._cache.clear()
 
     def _fetch(self, step: int) -> Any:
         rng.reseed(self._seed, self._rank, "data", step)
+        before = collectives_entered()
         try:
             batch = next(self._iterator)
         except StopIteration as e:
@@ -169,20 +174,66 @@ class DataCursor:
                 f"the loader ended after {self._next_index} batches in epoch {self._epoch}, "
                 f"but len(loader) is {self.steps_per_epoch}"
             ) from e
+        self._no_collective(before, f"read batch {self._next_index} of epoch {self._epoch}")
         self._next_index += 1
+        self.fetched += 1
         return batch
+
+    def _no_collective(self, before: int, what: str) -> None:
+        """A loader that runs a collective cannot be replayed: refused at once, by what it did."""
+        after = collectives_entered()
+        if before >= 0 and after > before:
+            raise StateError(
+                f"the loader given to job.state ran {after - before} collective(s) when it {what}: "
+                "a replacement replays its loader alone to the step, where a collective would wait "
+                "for ranks that never come; give job.state a loader that runs no collective (each "
+                "rank reads its data itself; accelerate's prepared loader does, with "
+                "dispatch_batches=False)")
+
+
+# The links of a loader's sampler chain: DataLoader.sampler and .batch_sampler, a batch sampler's
+# .sampler and its wrapped .batch_sampler (accelerate's BatchSamplerShard), to any depth.
+_LINKS = ("sampler", "batch_sampler", "base_dataloader", "dataset")
+_MAX_DEPTH = 16
+
+
+def sampler_chain(loader: Any) -> list[Any]:
+    """The loader and every object reachable from it through its sampler links, each once, the
+    loader first (breadth first, at most ``_MAX_DEPTH`` links deep)."""
+    if loader is None:
+        return []
+    seen: dict[int, Any] = {id(loader): loader}
+    level = [loader]
+    for _ in range(_MAX_DEPTH):
+        following = []
+        for holder in level:
+            for link in _LINKS:
+                try:
+                    found = getattr(holder, link, None)
+                except Exception:  # a property that raises (a dataset without the attribute)
+                    continue
+                if found is None or id(found) in seen or isinstance(found, str | bytes | int):
+                    continue
+                seen[id(found)] = found
+                following.append(found)
+        if not following:
+            break
+        level = following
+    return list(seen.values())
+
+
+def epoch_setters(loader: Any) -> list[Any]:
+    """The links of ``loader``'s chain with a ``set_epoch``, the loader's own first."""
+    return [h for h in sampler_chain(loader) if callable(getattr(h, "set_epoch", None))]
 
 
 def _generators_of(loader: Any) -> list[torch.Generator]:
-    if loader is None:
-        return []
-    holders = [
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(loader, "batch_sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    ]
-    return [
-        g for g in (getattr(h, "generator", None) for h in holders if h is not None)
-        if isinstance(g, torch.Generator)
-    ]
+    """The generators of the chain's links (``generator``, or accelerate's nested
+    ``synchronized_generator``), each once."""
+    found: dict[int, torch.Generator] = {}
+    for holder in sampler_chain(loader):
+        for name in ("generator", "synchronized_generator"):
+            g = getattr(holder, name, None)
+            if isinstance(g, torch.Generator):
+                found.setdefault(id(g), g)
+    return list(found.values())

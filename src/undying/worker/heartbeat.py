@@ -28,6 +28,7 @@ def beat(ctx: JobContext, stopped: threading.Event) -> None:
     interval = min(0.5, max(0.05, ctx.env.timeouts.heartbeat_timeout / 5))
     sample = min(0.25, interval)
     last: tuple[int, str, int, int] | None = None
+    read = 0  # batches the loader gave: a replacement replaying its loader moves, not stuck
     progress_t = time.time()
     next_beat = 0.0
     while not stopped.wait(sample):
@@ -35,8 +36,9 @@ def beat(ctx: JobContext, stopped: threading.Event) -> None:
         key = (ctx.generation, ctx.phase, ctx.current_step,
                collectives_entered() - ctx.collectives_base)
         changed_phase = last is not None and key[:2] != last[:2]
-        if key != last:
-            last, progress_t = key, now
+        fetched = ctx.cursor.fetched if ctx.cursor is not None else 0
+        if key != last or fetched != read:
+            last, read, progress_t = key, fetched, now
         # A new phase is told at once: "I left the stuck group".
         if now >= next_beat or changed_phase:
             next_beat = now + interval - sample / 2

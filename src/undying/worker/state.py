@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from undying.errors import UsageError
+from undying.errors import StateError
 from undying.worker.dtensor import has_dtensors, is_dtensor
+from undying.worker.wrappers import loader_for_state, optimizer_for_state
 
 __all__ = ["State"]
 
@@ -59,25 +60,26 @@ class State:
         if isinstance(model, DistributedDataParallel):
             model = model.module  # a DDP's state is its module's (what job.ddp(model) wraps)
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise UsageError(
+            raise StateError(
                 f"State(model=...) needs a torch.nn.Module, got {type(model).__name__}; "
                 "pass the model (an nn.Module)"
             )
         for name, value in extras.items():
             stateful = hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
             if not stateful and not isinstance(value, dict):
-                raise UsageError(
+                raise StateError(
                     f"State extra {name!r} is a {type(value).__name__}; extras must have "
                     "state_dict()/load_state_dict() or be a dict (updated in place on restore)"
                 )
         self.model = model
-        self.optimizer = optimizer
+        # accelerate's and Lightning's wrappers unwrapped; ZeRO's partitioned state refused
+        self.optimizer = optimizer_for_state(optimizer)
         self.scheduler = scheduler
-        self.loader = loader
+        self.loader = loader_for_state(loader)
         self.extras = extras
         found = has_dtensors(model)
         if sharded is False and found:
-            raise UsageError(
+            raise StateError(
                 "State(sharded=False) but the model holds DTensors (FSDP2 fully_shard?): each "
                 "rank has only its slices, so it cannot be saved or restored whole; leave sharded "
                 "unset or pass sharded=True"

@@ -25,7 +25,7 @@ from undying.config import EXIT_SCRIPT_ERROR, SCRIPT_ERROR_FILE
 from undying.jobfiles.records import Incident, IncidentKind, JobState, RankInfo, RankState
 from undying.manager.core import JobCore
 from undying.manager.recovery.leaving import Leavers
-from undying.manager.recovery.policy import stall_culprits
+from undying.manager.recovery.policy import recovery_stall, stall_culprits
 from undying.manager.recovery.rounds import Recoveries
 from undying.manager.recovery.starts import error_file
 from undying.protocol.node_wire import RankProgress
@@ -45,6 +45,11 @@ class ExitCause:
     hung: tuple[float, float, str] | None = None
     lost: tuple[int, str, float] | None = None  # (node, why, when): its node was lost
     fatal: Fatal | None = None  # the error the rank reported before dying
+
+
+# The phase a rank is killed for (a hang) when the first step of a recovery's generation waits
+# for it past the step timeout.
+STALLED_IN_RECOVERY = "recovery-stall"
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,13 @@ def classify_exit(cause: ExitCause, *, step: int, script_error: str) -> Classifi
         if phase == "step":
             error = (f"no progress in step {step} for {detected - last_heard:.1f}s (step timeout); "
                      "killed")
+        elif phase == STALLED_IN_RECOVERY:
+            error = (f"did not come to step {step} after a recovery while the other ranks waited "
+                     f"in it past the step timeout ({detected - last_heard:.1f}s without "
+                     "progress): it waited in a collective they never entered, such as one its "
+                     "loader's __iter__ runs while it replays the loader alone; killed. Run no "
+                     "collective in the loader given to job.state (accelerate's rng_types, "
+                     "dispatch_batches)")
         else:
             error = f"no heartbeat for {detected - last_heard:.1f}s ({phase} timeout); killed"
     else:
@@ -97,7 +109,8 @@ def script_error(job_dir: str, rank: int) -> str:
             told = f.read(2000).strip()
     except OSError:
         told = ""
-    where = told or f"rank {rank} exited with a SyntaxError or ImportError (its output says where)"
+    where = told or (f"rank {rank} exited with a SyntaxError, an ImportError or a StateError "
+                     "(its output says where)")
     return f"the training script could not run: {where}; fix it and run the same command again"
 
 
@@ -180,7 +193,12 @@ class Detection:
         is to blame: it is the link, and the collective is retried in place.
         While a recovery runs, ranks look stuck until they hear of it; then
         only a rank still in a step of the old generation ``limit`` seconds
-        after the recovery began is stuck.
+        after the recovery began is stuck. Once the new generation's first step
+        has waited ``limit`` seconds (``recovery_stall``), the recovery failed:
+        the rank it waits for (one still starting its steps, in a collective of
+        its own) is killed and replaced, and a recovery that stalls so at the
+        same step again ends the job by ``--max-step-recoveries`` with the reason;
+        every rank in one collective is the link's fault, retried.
         """
         core = self.core
         if core.winding_down:
@@ -191,10 +209,18 @@ class Detection:
             return  # they wait for a rank that left: that rank is the fault
         generation = core.generations.current
         recovery = self.recoveries.current
+        phase = "step"
         if recovery is not None:
             culprits = sorted(p.rank for p in progress if p.phase == "step"
                               and p.generation < generation
                               and t - max(p.progress_t, recovery.started) > limit)
+            if not culprits:
+                # the new generation's first step, waiting past the limit for a rank that does
+                # not come to it (or all of them in one collective): the recovery failed
+                late = recovery_stall(progress, generation, recovery.started, limit, t)
+                if late is None:
+                    return  # explained by the recovery under way
+                culprits, phase = late, STALLED_IN_RECOVERY
         elif self.hung:
             return  # a stuck rank is being killed; the ones waiting for it are not stuck
         else:
@@ -204,14 +230,14 @@ class Detection:
             culprits = found
         by_rank = {p.rank: p for p in progress}
         stuck_ranks = [p for p in progress if p.phase == "step" and p.generation == generation]
-        if not culprits and (recovery is not None or not stuck_ranks):
+        if not culprits and not stuck_ranks:
             return  # explained by the recovery under way
         core.events.event("stall_detected", generation=generation, culprits=culprits,
-                          limit_s=round(limit, 3),
+                          limit_s=round(limit, 3), in_recovery=recovery is not None,
                           progress=[dataclasses.asdict(p) for p in progress])
         for rank in culprits:
             stuck = by_rank[rank]
-            self.on_hang(rank, stuck.pid, "step", stuck.progress_t, t)
+            self.on_hang(rank, stuck.pid, phase, stuck.progress_t, t)
         if culprits:
             return
         first = min(stuck_ranks, key=lambda p: (p.progress_t, p.rank))

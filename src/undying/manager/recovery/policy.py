@@ -9,13 +9,13 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from undying.jobfiles.records import Incident, IncidentKind
 from undying.protocol.node_wire import RankProgress
 
 __all__ = ["Action", "Decision", "PolicyContext", "WHOLE_GROUP", "decide", "certain_start",
-           "stall_culprits"]
+           "recovery_stall", "stall_culprits"]
 
 
 class Action(str, enum.Enum):
@@ -137,7 +137,8 @@ def decide(incident: Incident, history: Sequence[Incident], ctx: PolicyContext) 
             Action.FAIL,
             f"rank {incident.rank} {what} at step {incident.step}, which was already recovered "
             f"{replacements} time(s) at that step (--max-step-recoveries {ctx.step_limit}); "
-            "a fault that repeats at the same step is a bug, not bad luck",
+            "a fault that repeats at the same step is a bug, not bad luck"
+            + (f" (the last: {incident.error})" if incident.kind is IncidentKind.HANG else ""),
         )
     if incident.kind is IncidentKind.COMM_ERROR:
         return Decision(
@@ -263,3 +264,31 @@ def stall_culprits(progress: Sequence[RankProgress], limit_s: float,
     stuck = sorted(p.rank for p in running if p.collectives == fewest
                    and now - p.progress_t > limit_s)
     return stuck or None
+
+
+def recovery_stall(progress: Sequence[RankProgress], generation: int, started: float,
+                   limit_s: float, now: float) -> list[int] | None:
+    """During a recovery into ``generation`` (begun at ``started``), the ranks of that generation
+    the others wait for, once a rank in its first step has waited there past ``limit_s``
+    (counted from ``started`` at the earliest); None: nothing to act on (yet).
+
+    A rank still starting its steps (``init``: a replacement past its restore, replaying its
+    loader to the step) while others wait in the step is the one they wait for: once it made no
+    progress either (no batch read) past ``limit_s``, it waits in a collective of its own that
+    the others never enter (one its loader's ``__iter__`` runs on this rank alone); one that
+    still reads batches is slow, not stuck (None). A rank still restoring (``recovery``) is not
+    judged here: the recovery's own deadline bounds it. When every rank is in the step,
+    ``stall_culprits`` judges them as in any step: ``[]`` when none lags (the link), None when
+    the ones behind still move.
+    """
+    members = [p for p in progress if p.generation == generation]
+    waiting = [p for p in members
+               if p.phase == "step" and now - max(p.progress_t, started) > limit_s]
+    if not waiting or any(p.phase == "recovery" for p in members):
+        return None
+    late = [p for p in members if p.phase == "init"]
+    if late:
+        stuck = sorted(p.rank for p in late if now - max(p.progress_t, started) > limit_s)
+        return stuck or None
+    return stall_culprits([replace(p, progress_t=max(p.progress_t, started)) for p in progress],
+                          limit_s, now)
