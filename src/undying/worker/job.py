@@ -27,7 +27,7 @@ import torch.distributed as dist
 from undying.checkpoint.mac import key_from_environ, set_key
 from undying.checkpoint.planner import StatePlan
 from undying.checkpoint.safe_load import check_state_loadable
-from undying.errors import StateError, UsageError
+from undying.errors import UsageError
 from undying.protocol.store_client import JobStore
 from undying.protocol.store_wire import CONTROL_STORE
 from undying.protocol.worker_wire import (
@@ -61,6 +61,7 @@ from undying.worker.threads import StoppedAtExit
 from undying.worker.tracing import WorkerTracing
 from undying.worker.verify import Verification, serve, serving, start_verification, verify_every
 from undying.worker.virtual import invariant_mode
+from undying.worker.wrappers import watch_optimizer_steps
 
 __all__ = ["init", "Job", "Step"]
 
@@ -345,13 +346,7 @@ class Job:
     def _attach(self, state: State) -> None:
         """Know when the optimizer steps: a step that fails after it leaves the state torn."""
         if state.optimizer is not None:
-            try:
-                state.optimizer.register_step_pre_hook(self._before_optimizer_step)
-            except Exception as e:  # the script's state, not a fault: fails the job at once
-                raise StateError(
-                    f"undying cannot watch the steps of the optimizer given to job.state "
-                    f"({type(state.optimizer).__name__}: {type(e).__name__}: {e}); pass the "
-                    "torch.optim.Optimizer it wraps") from e
+            watch_optimizer_steps(state.optimizer, self._before_optimizer_step)
         if state.sharded:
             self._shards.attach(state)
 

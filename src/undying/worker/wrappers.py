@@ -24,13 +24,14 @@ be replayed on one rank at all and is refused.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from undying.errors import StateError
 
-__all__ = ["loader_for_state", "optimizer_for_state"]
+__all__ = ["loader_for_state", "optimizer_for_state", "watch_optimizer_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +105,15 @@ def loader_for_state(loader: Any) -> Any:
                  loader.rng_types)
         loader.rng_types = None
     return loader
+
+
+def watch_optimizer_steps(optimizer: torch.optim.Optimizer, hook: Callable[..., None]) -> None:
+    """``hook`` before each of the optimizer's steps; one that cannot take it is the script's
+    state, not a fault: a ``StateError`` that fails the job at once."""
+    try:
+        optimizer.register_step_pre_hook(hook)
+    except Exception as e:
+        raise StateError(
+            f"undying cannot watch the steps of the optimizer given to job.state "
+            f"({type(optimizer).__name__}: {type(e).__name__}: {e}); pass the "
+            "torch.optim.Optimizer it wraps") from e
