@@ -117,7 +117,10 @@ class UndyingStrategy(DDPStrategy):
                                  "restarts from its checkpoint")
             self._schedulers_set_lr(optimizer)
             with step:
-                out = super().optimizer_step(optimizer, closure, model, **kwargs)
+                # The closure (training_step, backward and its all-reduce) first: the optimizer's
+                # step then only updates, and a fault in the closure leaves the state untouched.
+                loss = closure()
+                out = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
                 if self.global_rank == 0 and isinstance(out, torch.Tensor) and out.numel() == 1:
                     step.log(loss=out)
             if step.committed:
@@ -192,6 +195,9 @@ def _check_supported(trainer: Any) -> None:
     if len(trainer.optimizers) != 1:
         raise UsageError(f"UndyingStrategy takes one optimizer, configure_optimizers gave "
                          f"{len(trainer.optimizers)}")
+    if isinstance(trainer.optimizers[0], torch.optim.LBFGS):
+        raise UsageError("UndyingStrategy runs the closure once per step, before the optimizer's "
+                         "step; LBFGS evaluates it several times: use another optimizer")
     if trainer.accumulate_grad_batches != 1:
         raise UsageError(f"UndyingStrategy needs accumulate_grad_batches=1 (got "
                          f"{trainer.accumulate_grad_batches}): the batches accumulated before a "
