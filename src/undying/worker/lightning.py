@@ -24,6 +24,7 @@ scripts that use it (``pip install lightning``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from undying.errors import UsageError
+from undying.protocol.env import JOB_ID_ENV
+from undying.worker.ddp import GenerationalDDP
 from undying.worker.job import Job, init
 from undying.worker.state import State
 from undying.worker.step import Step
@@ -62,10 +65,16 @@ class UndyingStrategy(DDPStrategy):
     # --- joining the job ----------------------------------------------------
 
     def setup_environment(self) -> None:
-        """Join the job (``undying.init()``) before Lightning looks for a process group."""
-        self._job = init()
+        """Join the job (``undying.init()``): under ``undying run`` before Lightning looks for a
+        process group (it finds the job's); under plain ``python`` or ``torchrun`` after Lightning
+        made one (the job is then unmanaged: it trains without fault tolerance)."""
+        if os.environ.get(JOB_ID_ENV):
+            self._job = init()
+            super().setup_environment()
+        else:
+            super().setup_environment()
+            self._job = init()
         self._resume_at = self._job.ctx.waiting_step
-        super().setup_environment()
 
     def _setup_model(self, model: torch.nn.Module) -> Any:
         """undying's DDP, rebuilt on every new process-group generation (``job.ddp``)."""
@@ -96,6 +105,13 @@ class UndyingStrategy(DDPStrategy):
                                  "undying planned longer: with UndyingStrategy, end the run by "
                                  "max_epochs or max_steps (not early stopping or max_time)")
         super().on_train_end()
+
+    def teardown(self) -> None:
+        # Lightning's DDP teardown reads the live DDP's statistics; undying's wrapper may have none
+        # (no step ran, or between generations): unwrap as it would.
+        if isinstance(self.model, GenerationalDDP):
+            self.model = self.lightning_module
+        super().teardown()
 
     # --- the step transaction -------------------------------------------------
 
