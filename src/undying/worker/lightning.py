@@ -24,12 +24,14 @@ scripts that use it (``pip install lightning``).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from torch.optim.lr_scheduler import LRScheduler
 
 from undying.errors import UsageError
 from undying.protocol.env import JOB_ID_ENV
@@ -82,10 +84,13 @@ class UndyingStrategy(DDPStrategy):
                                 **self._ddp_kwargs)
 
     def on_train_start(self) -> None:
-        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        if module is None:
+            raise UsageError("UndyingStrategy started training without a LightningModule: "
+                             "call trainer.fit(model)")
+        trainer = module.trainer
         _check_supported(trainer)
-        optimizer = trainer.optimizers[0]
-        state = State(model=self.lightning_module, optimizer=optimizer)
+        state = State(model=module, optimizer=trainer.optimizers[0])
         self._steps = iter(self._live().steps(state, total=int(trainer.estimated_stepping_batches)))
         self._schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         self._in_loop = True
@@ -115,7 +120,7 @@ class UndyingStrategy(DDPStrategy):
 
     # --- the step transaction -------------------------------------------------
 
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any],
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
         self._entered += 1
         if self._catching_up():
@@ -136,21 +141,20 @@ class UndyingStrategy(DDPStrategy):
                 # The closure (training_step, backward and its all-reduce) first: the optimizer's
                 # step then only updates, and a fault in the closure leaves the state untouched.
                 loss = closure()
-                out = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+                out = super().optimizer_step(optimizer, functools.partial(_given, loss), model,
+                                             **kwargs)
                 if self.global_rank == 0 and isinstance(out, torch.Tensor) and out.numel() == 1:
                     step.log(loss=out)
             if step.committed:
                 return out
 
-    def _schedulers_set_lr(self, optimizer: Any) -> None:
+    def _schedulers_set_lr(self, optimizer: torch.optim.Optimizer) -> None:
         """The learning rate of this point of the loop, the schedulers' (a state loaded from a
         peer carries the optimizer's of its own moment)."""
         for scheduler in self._schedulers:
-            last = getattr(scheduler, "get_last_lr", None)
-            if last is None or getattr(scheduler, "optimizer", None) is not optimizer:
-                continue
-            for group, lr in zip(optimizer.param_groups, last(), strict=False):
-                group["lr"] = lr
+            if isinstance(scheduler, LRScheduler) and scheduler.optimizer is optimizer:
+                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=False):
+                    group["lr"] = lr
 
     # --- a replacement catching up with the loop --------------------------------
 
@@ -200,6 +204,11 @@ class UndyingStrategy(DDPStrategy):
             raise UsageError("UndyingStrategy is used before Lightning set up its environment: "
                              "pass it to Trainer(strategy=...) and call trainer.fit")
         return self._job
+
+
+def _given(value: Any) -> Any:
+    """The closure the optimizer calls: the loss of the closure already run."""
+    return value
 
 
 def _check_supported(trainer: Any) -> None:
