@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch.optim.lr_scheduler import LRScheduler
 
 from undying.errors import UsageError
 from undying.protocol.env import JOB_ID_ENV
@@ -62,7 +61,6 @@ class UndyingStrategy(DDPStrategy):
         self._resume_at = 0  # the step a replacement's (or a resumed launch's) state waits at
         self._entered = 0  # optimizer steps the loop entered (each is one step of the job)
         self._in_loop = False
-        self._schedulers: list[Any] = []
 
     # --- joining the job ----------------------------------------------------
 
@@ -92,7 +90,6 @@ class UndyingStrategy(DDPStrategy):
         _check_supported(trainer)
         state = State(model=module, optimizer=trainer.optimizers[0])
         self._steps = iter(self._live().steps(state, total=int(trainer.estimated_stepping_batches)))
-        self._schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         self._in_loop = True
         super().on_train_start()
 
@@ -131,12 +128,17 @@ class UndyingStrategy(DDPStrategy):
             raise UsageError("UndyingStrategy's optimizer step ran outside Trainer.fit: "
                              "undying recovers training steps only (use trainer.fit)")
         while True:
+            # The learning rate and the other hyperparameters are the loop's (its schedulers', its
+            # hooks'), set for this step: a state loaded now carries those of its own moment.
+            loops = [{k: v for k, v in group.items() if k != "params"}
+                     for group in optimizer.param_groups]
             step = next(steps)  # (a replacement: the state its peer sent is loaded now)
+            for group, values in zip(optimizer.param_groups, loops, strict=False):
+                group.update(values)
             if step.index != self._entered:
                 raise UsageError(f"undying is at step {step.index} but Lightning's loop at step "
-                                 f"{self._entered}: the loop cannot be moved in place; the job "
-                                 "restarts from its checkpoint")
-            self._schedulers_set_lr(optimizer)
+                                 f"{self._entered}: the loop cannot be moved in place; run the "
+                                 "job again to resume from its latest checkpoint")
             with step:
                 # The closure (training_step, backward and its all-reduce) first: the optimizer's
                 # step then only updates, and a fault in the closure leaves the state untouched.
@@ -147,14 +149,6 @@ class UndyingStrategy(DDPStrategy):
                     step.log(loss=out)
             if step.committed:
                 return out
-
-    def _schedulers_set_lr(self, optimizer: torch.optim.Optimizer) -> None:
-        """The learning rate of this point of the loop, the schedulers' (a state loaded from a
-        peer carries the optimizer's of its own moment)."""
-        for scheduler in self._schedulers:
-            if isinstance(scheduler, LRScheduler) and scheduler.optimizer is optimizer:
-                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=False):
-                    group["lr"] = lr
 
     # --- a replacement catching up with the loop --------------------------------
 
