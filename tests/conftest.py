@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -26,6 +27,19 @@ def no_checkpoint_key_left_over() -> Iterator[None]:
     """
     with using_key(None):
         yield
+
+
+@pytest.fixture(autouse=True)
+def undying_logger_as_it_was() -> Iterator[None]:
+    """A test that runs a command in-process sets the ``undying`` logger up as the command does
+    (its own handler, no propagation: config.console); caplog reads the root logger, so the next
+    test gets the logger back as it was."""
+    ours = logging.getLogger("undying")
+    saved = (ours.level, ours.propagate, list(ours.handlers))
+    yield
+    ours.setLevel(saved[0])
+    ours.propagate = saved[1]
+    ours.handlers[:] = saved[2]
 
 
 @pytest.fixture(scope="session")

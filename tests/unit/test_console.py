@@ -75,10 +75,31 @@ def test_a_rank_of_a_verbose_launcher_shows_undyings_info_lines_once_with_or_wit
         from undying.config import show_rank_log; show_rank_log()
         import logging; logging.basicConfig(level=logging.WARNING, format="%(name)s] %(message)s")
     """, verbose="1")
-    # Once each, through the script's handler (the script's own INFO line stays below its level).
+    # Once each, through undying's own handler (the script's own INFO line stays below its level).
     assert _said(scripted) == ["info of undying.manager", "warning of undying.manager",
                                "info of undying.worker", "warning of undying.worker",
                                "info of undying.shown", "warning of undying.shown", "warning of script"], scripted
+
+
+@pytest.mark.parametrize("setup", ["show_rank_log()", "show_launcher_log(True)"])
+def test_a_root_handler_as_hydra_sets_one_up_sees_nothing_of_undyings_while_undying_shows_every_line(
+        setup: str) -> None:
+    """hydra and accelerate configure the root logger: undying's lines, in a rank or the launcher,
+    never reach it, and still reach undying's own output (the job's log)."""
+    lines = _stderr(f"""
+        from undying.config import show_launcher_log, show_rank_log; {setup}
+        import logging, sys
+        root = logging.StreamHandler(sys.stderr)
+        root.setFormatter(logging.Formatter("ROOT %(name)s] %(message)s"))
+        logging.getLogger().addHandler(root)
+    """, verbose="1")
+    rooted = [line for line in lines if line.startswith("ROOT ")]
+    assert rooted and all(line.startswith("ROOT script]") for line in rooted), lines
+    # (the launcher's root handler, for other libraries' lines, has undying's form: not counted)
+    ours = [line for line in lines if line.startswith("[undying ") and "of script" not in line]
+    assert _said(ours) == ["info of undying.manager", "warning of undying.manager",
+                           "info of undying.worker", "warning of undying.worker",
+                           "info of undying.shown", "warning of undying.shown"], lines
 
 
 def test_a_bad_verbose_switch_is_one_line_that_names_it() -> None:

@@ -13,6 +13,10 @@ page, and for ``undying -v``:
   sets ``UNDYING_VERBOSE=1`` for its ranks, which then show their INFO lines as well. A script
   that sets up logging of its own (``logging.basicConfig(level=logging.INFO)``) does not raise
   undying's lines in its ranks: the ``undying`` logger has its level set.
+
+In both, the ``undying`` logger writes through a handler of its own and does not propagate to the
+root logger: a library that owns the root logger (hydra, accelerate, a script's ``basicConfig``)
+keeps its log free of undying's lines, and undying's lines keep their own form and destination.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ _UNIT = re.compile(r"(\d) (s|ms|min|h|GB|MB|KB)\b")
 def show_launcher_log(verbose: bool) -> None:
     """The log of an ``undying`` command on its stderr: WARNING and above and ``SHOWN_LOG``'s INFO
     lines, or every INFO line with ``verbose`` (``-v``); on a terminal, within 80 columns."""
+    # Other libraries' lines, through the root logger, as they were (fitted on a terminal too).
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Fitted(sys.stderr, _FORMAT, _DATE))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
+    _own_handler(logging.INFO if verbose else logging.WARNING, _Fitted(sys.stderr, _FORMAT, _DATE))
     logging.getLogger(SHOWN_LOG).setLevel(logging.INFO)
 
 
@@ -86,24 +92,27 @@ class _Fitted(logging.Formatter):
         return fit_terminal(super().format(record), self._stream)
 
 
-class _UnlessTheScriptLogs(logging.StreamHandler[TextIO]):
-    """A rank's stderr for undying's INFO lines, while the script has no handler of its own on the
-    root logger (once it has, the lines reach it there, and are shown once)."""
+class _OwnStderr(logging.StreamHandler[TextIO]):
+    """undying's lines on the process's stderr as it is at each line (a rank's is redirected by
+    worker/streams.py after this handler exists; the launcher's live progress line diverts it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers:
-            self.stream = sys.stderr  # (as it is now: guarded on a terminal, worker/streams.py)
-            super().emit(record)
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _own_handler(level: int, formatter: logging.Formatter | None = None) -> None:
+    """The ``undying`` logger at ``level``, on its own stderr handler, never the root logger's."""
+    ours = logging.getLogger("undying")
+    ours.setLevel(level)
+    ours.propagate = False
+    if not any(isinstance(h, _OwnStderr) for h in ours.handlers):
+        handler = _OwnStderr()
+        handler.setFormatter(formatter or logging.Formatter(_FORMAT, _DATE))
+        ours.addHandler(handler)
 
 
 def show_rank_log() -> None:
     """In a rank, before its script runs: undying's lines at WARNING and above, or at INFO when the
     launcher was run with ``-v`` (``UNDYING_VERBOSE=1``)."""
-    verbose = env_value(VERBOSE_ENV) == "1"
-    ours = logging.getLogger("undying")
-    ours.setLevel(logging.INFO if verbose else logging.WARNING)
-    if verbose and not any(isinstance(h, _UnlessTheScriptLogs) for h in ours.handlers):
-        handler = _UnlessTheScriptLogs()
-        handler.setFormatter(logging.Formatter(_FORMAT, _DATE))
-        ours.addHandler(handler)
-
+    _own_handler(logging.INFO if env_value(VERBOSE_ENV) == "1" else logging.WARNING)

@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     if parent is None:
         parent = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     _die_with_parent(parent)
+    from undying.worker.title import name_process, prepare
+
+    prepare()  # before a spare's assignment changes the environment (worker.title)
     script = args[0]
     if spare:
         _wait_as_spare(Path(script))
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     from undying.config import show_rank_log
 
     show_rank_log()  # undying's own lines: WARNING and above, INFO too under `undying -v`
+    name_process(script)  # `ps` names the job and the rank
     if kind == "--no-python":
         os.execvp(script, args)  # (the parent-death signal stays armed across exec)
     sys.argv = args

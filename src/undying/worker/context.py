@@ -89,6 +89,13 @@ class JobContext:
     def managed(self) -> bool:
         return self.env is not None
 
+    @property
+    def waiting_step(self) -> int:
+        """The step of a state that waits for the script's State (a replacement's, a resumed
+        launch's); 0 when this process starts fresh."""
+        waiting = self.stash or self.deferred
+        return waiting[0] if waiting is not None else 0
+
     def aborted(self, exc: BaseException) -> None:
         """A collective failed: remembered as the reason for the recovery that follows."""
         self.abort_reason = f"{type(exc).__name__}: {exc}"

@@ -273,6 +273,9 @@ def main() -> None:
                 os.dup2(null, std)
                 os.close(null)
     _die_with_agent(agent_pid)
+    from undying.worker.title import prepare
+
+    prepare()  # before a child's environment is replaced: its title is set from it (worker.title)
     channel = socket.socket(fileno=fd)
     try:
         import importlib
