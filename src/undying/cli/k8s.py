@@ -16,7 +16,7 @@ from undying.errors import UsageError
 from undying.inputs import finite_arg, job_id_arg
 from undying.k8s import grace as grace_mod
 from undying.k8s.manifests import Manifest, build
-from undying.k8s.spec import TRACE_SWITCH_FILE, Spec
+from undying.k8s.spec import KINDS, TRACE_SWITCH_FILE, Spec
 from undying.k8s.yamlout import dump, dump_all
 from undying.user_files import open_user_file
 
@@ -24,7 +24,7 @@ __all__ = ["add_parser", "run", "spec_from_args"]
 
 # Files a previous `undying k8s --out DIR` may have left; removed when not written again.
 _KNOWN_FILES = ("00-secret.yaml", "01-trace-configmap.yaml", "02-manager-service.yaml",
-                "03-manager.yaml", "04-workers.yaml")
+                "03-manager.yaml", "04-workers.yaml", "02-jobset.yaml")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,6 +48,10 @@ DIR:
                         P+2 (HTTP)
   Job <J>-workers       an indexed Job: N pods, one `undying run` agent each,
                         --node-rank = the pod's completion index
+With --kind jobset the last three are one JobSet <J> (the JobSet controller
+must be installed): replicated jobs 'manager' and 'workers', its headless
+Service <J>, a failure policy that restarts the whole set from the newest
+checkpoint at most --jobset-restarts times.
 
 Grace period. Kubernetes sends SIGTERM, then SIGKILL
 terminationGracePeriodSeconds later; between the two the agent must finish its
@@ -88,6 +92,15 @@ Write them once and keep them: each run generates a new token (or pass
     p.add_argument("--out", default="", metavar="DIR",
                    help="write one file per object into DIR (created if missing) instead of "
                    "stdout")
+    p.add_argument("--kind", choices=KINDS, default="job",
+                   help="job (default): a Service and a Deployment (or Pod) for the manager and an "
+                   "indexed Job for the workers, Kubernetes' own kinds; jobset: one JobSet "
+                   "(jobset.x-k8s.io/v1alpha2) of both, with its headless Service and failure "
+                   "policy")
+    p.add_argument("--jobset-restarts", type=int, default=None, metavar="N",
+                   help="--kind jobset: whole-set restarts (every pod recreated, the job resumed "
+                   "from its newest checkpoint) before the JobSet fails; its "
+                   "failurePolicy.maxRestarts (default 2)")
     p.add_argument("--token-secret", default="", metavar="NAME",
                    help="use this existing Secret's key 'token' instead of generating one")
     g = p.add_argument_group("grace period (see above)").add_mutually_exclusive_group()
@@ -174,6 +187,9 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         grace = grace_mod.from_seconds(args.grace_period)
     else:
         grace = grace_mod.default()
+    if args.jobset_restarts is not None and args.kind != "jobset":
+        raise UsageError("--jobset-restarts is for --kind jobset; add --kind jobset or drop it")
+    restarts = 2 if args.jobset_restarts is None else args.jobset_restarts
     try:
         run_args = shlex.split(args.run_args)
     except ValueError as e:
@@ -190,6 +206,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         image_pull_policy=args.image_pull_policy, backend=args.backend, trace=args.trace,
         save_every=args.save_every, save_interval=args.save_interval, keep=args.keep,
         spares=args.spares, max_restarts=args.max_restarts, run_args=run_args,
+        kind=args.kind, jobset_restarts=restarts,
     )
 
 

@@ -30,6 +30,10 @@ Choices that matter (docs/kubernetes.md says more):
 - The manager's Deployment uses the Recreate strategy: two managers on one
   job (and one event log) must never run at once.
 
+With ``--kind jobset`` the manager and the workers are instead the two
+replicated jobs of one JobSet (``jobset``), which adds the headless Service the
+agents find the manager through and a failure policy over both.
+
 What the user asked for, and its checks, is ``spec`` (``Spec``).
 """
 
@@ -40,6 +44,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from undying.k8s import jobset as jobset_mod
 from undying.k8s.spec import CKPT_MOUNT, JOB_DIR, TRACE_MOUNT, TRACE_SWITCH_FILE, Spec
 from undying.protocol.env import PROMETHEUS_DIR_ENV, TOKEN_ENV
 
@@ -211,7 +216,8 @@ def manager(spec: Spec) -> Manifest:
     return Manifest("03-manager.yaml", tuple(comments), obj)
 
 
-def workers(spec: Spec) -> Manifest:
+def _workers_job_spec(spec: Spec) -> dict[str, Any]:
+    """The workers' Job spec: the same in a Job of its own and in the JobSet's 'workers'."""
     mounts = [{"name": "trace-switch", "mountPath": TRACE_MOUNT, "readOnly": True},
               {"name": "job", "mountPath": JOB_DIR},
               {"name": "dshm", "mountPath": "/dev/shm"}]
@@ -252,22 +258,21 @@ def workers(spec: Spec) -> Manifest:
                 "automountServiceAccountToken": False, "containers": [container],
                 "volumes": volumes}
     exit_rule = {"containerName": AGENT_CONTAINER, "operator": "In"}
-    obj = {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": _meta(spec, spec.workers_name, "worker"),
-        "spec": {
-            "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes,
-            "backoffLimitPerIndex": spec.node_retries, "maxFailedIndexes": 0,
-            "podReplacementPolicy": "Failed",
-            "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {**exit_rule, "values": [EXIT_USAGE]}},
-                {"action": "Ignore", "onExitCodes": {**exit_rule, "values": [EXIT_PREEMPTED]}},
-                {"action": "Ignore",
-                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            ]},
-            "template": {"metadata": {"labels": _labels(spec, "worker")}, "spec": pod_spec},
-        },
+    return {
+        "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes,
+        "backoffLimitPerIndex": spec.node_retries, "maxFailedIndexes": 0,
+        "podReplacementPolicy": "Failed",
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob", "onExitCodes": {**exit_rule, "values": [EXIT_USAGE]}},
+            {"action": "Ignore", "onExitCodes": {**exit_rule, "values": [EXIT_PREEMPTED]}},
+            {"action": "Ignore",
+             "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]},
+        "template": {"metadata": {"labels": _labels(spec, "worker")}, "spec": pod_spec},
     }
+
+
+def _workers_comments(spec: Spec) -> list[str]:
     comments = [
         f"The workers: {spec.nodes} pods, one agent each, node rank = the pod's completion index.",
         "restartPolicy Never: a failed agent's pod is replaced by a new one with the same index, "
@@ -289,7 +294,29 @@ def workers(spec: Spec) -> Manifest:
         comments.append(f"WARNING: checkpoints ({CKPT_MOUNT}) are in an emptyDir: a preemption's "
                         "dying-gasp checkpoint dies with its pod; pass --checkpoint-pvc NAME "
                         "(ReadWriteMany).")
-    return Manifest("04-workers.yaml", tuple(comments), obj)
+    return comments
+
+
+def workers(spec: Spec) -> Manifest:
+    obj = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": _meta(spec, spec.workers_name, "worker"), "spec": _workers_job_spec(spec)}
+    return Manifest("04-workers.yaml", tuple(_workers_comments(spec)), obj)
+
+
+def jobset(spec: Spec) -> Manifest:
+    """The manager and the workers as one JobSet (``--kind jobset``)."""
+    manager_job = {
+        "metadata": {"labels": _labels(spec, "manager")},
+        "spec": {"completionMode": "Indexed", "completions": 1, "parallelism": 1,
+                 "backoffLimit": spec.node_retries,
+                 "template": {"metadata": {"labels": _labels(spec, "manager")},
+                              "spec": {"restartPolicy": "OnFailure",
+                                       **_manager_pod_spec(spec)}}}}
+    workers_job = {"metadata": {"labels": _labels(spec, "worker")},
+                   "spec": _workers_job_spec(spec)}
+    obj, comments = jobset_mod.jobset(spec, _meta(spec, spec.job_id, "jobset"), manager_job,
+                                      workers_job)
+    return Manifest("02-jobset.yaml", tuple(comments + _workers_comments(spec)), obj)
 
 
 def build(spec: Spec) -> list[Manifest]:
@@ -297,4 +324,6 @@ def build(spec: Spec) -> list[Manifest]:
     (as `kubectl apply -f DIR` sorts the files)."""
     spec.check()
     out = [] if spec.token_secret else [secret(spec)]
+    if spec.kind == "jobset":
+        return out + [trace_configmap(spec), jobset(spec)]
     return out + [trace_configmap(spec), manager_service(spec), manager(spec), workers(spec)]

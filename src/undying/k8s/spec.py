@@ -17,13 +17,20 @@ from typing import cast
 from undying.errors import UsageError
 from undying.k8s.grace import Grace
 
-__all__ = ["Spec", "validate_job_id", "TRACE_MOUNT", "TRACE_SWITCH_FILE", "JOB_DIR", "CKPT_MOUNT"]
+__all__ = ["Spec", "validate_job_id", "TRACE_MOUNT", "TRACE_SWITCH_FILE", "JOB_DIR", "CKPT_MOUNT",
+           "KINDS", "MANAGER_RJOB", "WORKERS_RJOB"]
 
 # Where the pods mount what the commands name.
 TRACE_MOUNT = "/etc/undying/trace"
 TRACE_SWITCH_FILE = f"{TRACE_MOUNT}/switch.json"
 JOB_DIR = "/job"
 CKPT_MOUNT = "/ckpt"
+# What `undying k8s --kind` writes: Kubernetes' own objects, or one JobSet (jobset.x-k8s.io).
+KINDS = ("job", "jobset")
+# The JobSet's replicated jobs. JobSet names their pods <J>-<replicated job>-<job index>-<pod
+# index> (with a 5-character random suffix), and the pods' hostnames the same without it.
+MANAGER_RJOB = "manager"
+WORKERS_RJOB = "workers"
 # The longest suffix added to the job id in an object name ("-manager", "-workers").
 _SUFFIX = "-workers"
 _MAX_JOB_ID = 63 - len(_SUFFIX)
@@ -75,6 +82,8 @@ class Spec:
     run_args: list[str] = field(default_factory=list)
     # The fewest nodes the job may train on (--nnodes MIN:MAX on every agent); 0: exactly ``nodes``.
     min_nodes: int = 0
+    kind: str = "job"  # one of KINDS
+    jobset_restarts: int = 2  # the JobSet's failurePolicy.maxRestarts (--kind jobset only)
 
     # --- derived names ------------------------------------------------------
 
@@ -93,6 +102,14 @@ class Spec:
     @property
     def trace_configmap(self) -> str:
         return f"{self.job_id}-trace"
+
+    @property
+    def manager_host(self) -> str:
+        """Where the agents find the manager: its Service, or (JobSet) its pod's hostname in the
+        JobSet's headless Service, whose name is the job id."""
+        if self.kind == "jobset":
+            return f"{self.job_id}-{MANAGER_RJOB}-0-0.{self.job_id}"
+        return self.manager_name
 
     @property
     def store_port(self) -> int:
@@ -154,12 +171,33 @@ class Spec:
             raise UsageError(f"--node-retries must be 0 or more, got {self.node_retries}")
         if self.manager_kind not in ("deployment", "pod"):
             raise UsageError(f"--manager-kind must be deployment or pod, got {self.manager_kind!r}")
+        self._check_kind()
         for arg in self.run_args:
             flag = arg.split("=", 1)[0]
             if _owned(flag):
                 raise UsageError(f"--run-args: {flag} is set by undying k8s itself; "
                                  "use its own option (see undying k8s --help)")
         _check_run_argv(self.worker_argv(node_rank="0"))
+
+    def _check_kind(self) -> None:
+        if self.kind not in KINDS:
+            raise UsageError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind != "jobset":
+            return
+        if self.manager_kind != "deployment":
+            raise UsageError("--manager-kind is for --kind job; with --kind jobset the manager is "
+                             "the JobSet's replicated job 'manager': drop --manager-kind")
+        if self.jobset_restarts < 0:
+            raise UsageError(f"--jobset-restarts must be 0 or more, got {self.jobset_restarts}")
+        # JobSet's admission webhook refuses a set whose longest pod name (with its 5-character
+        # random suffix) is no DNS-1035 label: <J>-workers-0-<last index>-xxxxx.
+        longest = f"{self.job_id}-{WORKERS_RJOB}-0-{self.nodes - 1}-xxxxx"
+        if len(longest) > 63:
+            most = len(self.job_id) - (len(longest) - 63)
+            raise UsageError(f"--job-id {self.job_id!r} is too long for --kind jobset with "
+                             f"{self.nodes} nodes: its pods would be named {longest!r} "
+                             f"({len(longest)} characters, at most 63); use at most {most} "
+                             "characters")
 
     # --- commands -----------------------------------------------------------
 
@@ -173,7 +211,7 @@ class Spec:
         elastic = 0 < self.min_nodes < self.nodes
         nnodes = f"{self.min_nodes}:{self.nodes}" if elastic else str(self.nodes)
         argv = ["undying", "run", "--nnodes", nnodes, "--node-rank", node_rank,
-                "--manager", f"{self.manager_name}:{self.port}", "-n", str(self.nproc_per_node),
+                "--manager", f"{self.manager_host}:{self.port}", "-n", str(self.nproc_per_node),
                 "--job-id", self.job_id, "--job-dir", JOB_DIR,
                 "--trace-switch-file", TRACE_SWITCH_FILE,
                 "--trace", self.trace, "--checkpoint-dir", self.checkpoint_dir,
