@@ -581,3 +581,307 @@ def test_help_explains_the_grace_period(capsys: pytest.CaptureFixture[str]) -> N
     text = capsys.readouterr().out
     assert "terminationGracePeriodSeconds = ceil(G x 1.5 + 10)" in text
     assert "--from-job-dir" in text and "--grace-period" in text
+
+
+# --- every manifest against the OpenAPI schemas of each Kubernetes version it claims -----------
+#
+# kubernetes-validate ships the JSON schemas that Kubernetes' own OpenAPI documents give, one set per
+# minor version ("strict": no field the API does not define). The manifests claim Kubernetes
+# MIN_KUBERNETES (1.29) or newer, so each is checked against every version from 1.29 to the newest
+# that the installed package ships. What a schema cannot tell: whether a field's feature gate is on
+# (1.28's schema already has backoffLimitPerIndex and podReplacementPolicy, alpha and off there), and
+# what only the API server's validation refuses (names, cross-field rules). A JobSet has no schema
+# offline: its Job templates are checked here as Jobs, its own fields below against JobSet's reference.
+
+def _schema_versions() -> list[str]:
+    """The claimed versions the installed kubernetes-validate has schemas for, oldest first."""
+    try:
+        import kubernetes_validate  # noqa: F401
+    except ImportError:
+        return []
+    from importlib.resources import files
+
+    from undying.k8s.spec import MIN_KUBERNETES
+
+    root = files("kubernetes_validate") / "kubernetes-json-schema"
+    found = {tuple(int(x) for x in m.group(1, 2))
+             for d in root.iterdir() if (m := re.fullmatch(r"v(\d+)\.(\d+)\.0-local-strict", d.name))}
+    return [f"{a}.{b}" for a, b in sorted(found) if (a, b) >= MIN_KUBERNETES]
+
+
+SCHEMA_VERSIONS = _schema_versions()
+_validators: dict[tuple[str, str], Any] = {}
+
+
+def schema_errors(doc: dict[str, Any], version: str) -> list[str]:
+    """Every way DOC breaks Kubernetes VERSION's strict OpenAPI schema for its kind, by path."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the [test] extra")
+    from importlib.resources import files
+
+    import jsonschema
+    from referencing import Registry, Resource
+
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])  # apps/v1 -> apps-v1
+    key = (version, f"{doc['kind'].lower()}-{group}")
+    if key not in _validators:
+        folder = files(kv.__name__) / "kubernetes-json-schema" / f"v{version}.0-local-strict"
+        schema = json.loads((folder / f"{key[1]}.json").read_text())
+        if (version, "") not in _validators:  # the definitions, ~1 MB, read once per version
+            _validators[version, ""] = Resource.from_contents(
+                json.loads((folder / "_definitions.json").read_text()))
+        registry = Resource.from_contents(schema) @ (_validators[version, ""] @ Registry())
+        _validators[key] = jsonschema.Draft202012Validator(schema, registry=registry)
+    return [f"{doc['kind']}.{'.'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in _validators[key].iter_errors(doc)]
+
+
+def as_jobs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """DOC, or for a JobSet the Jobs its controller makes of its templates (<J>-<name>-0)."""
+    if doc["kind"] != "JobSet":
+        return [doc]
+    return [{"apiVersion": "batch/v1", "kind": "Job",
+             "metadata": {"name": f"{doc['metadata']['name']}-{r['name']}-0", **r["template"]["metadata"]},
+             "spec": r["template"]["spec"]} for r in doc["spec"]["replicatedJobs"]]
+
+
+def test_the_claimed_versions_have_schemas() -> None:
+    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the [test] extra")
+    assert SCHEMA_VERSIONS[:1] == ["1.29"], "no schema of the oldest claimed version: nothing is checked"
+    assert len(SCHEMA_VERSIONS) >= 9, SCHEMA_VERSIONS  # 1.29 .. 1.37 with kubernetes-validate 1.37
+
+
+def test_the_schema_check_rejects_what_the_api_would() -> None:
+    """Not vacuous: a typo, a wrong type, a missing required field, a bad enum fail in every version."""
+    docs, _, _ = generate(*OPTION_SETS["minimal"])
+    job = by_kind(docs)["Job"]
+    for version in (SCHEMA_VERSIONS[0], SCHEMA_VERSIONS[-1]) if SCHEMA_VERSIONS else ():
+        assert schema_errors(job, version) == []
+        typo = json.loads(json.dumps(job))
+        typo["spec"]["podReplacementPolicys"] = typo["spec"].pop("podReplacementPolicy")
+        assert any("podReplacementPolicys" in e for e in schema_errors(typo, version))
+        wrong = json.loads(json.dumps(job))
+        wrong["spec"]["backoffLimitPerIndex"] = "3"
+        assert any("spec.backoffLimitPerIndex" in e for e in schema_errors(wrong, version))
+        missing = json.loads(json.dumps(job))
+        del missing["spec"]["template"]["spec"]["containers"][0]["name"]
+        assert any("'name' is a required property" in e for e in schema_errors(missing, version))
+        deep = json.loads(json.dumps(job))
+        deep["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["cmd"] = ["x"]
+        assert any("preStop.exec" in e for e in schema_errors(deep, version))
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS or [pytest.param("none", marks=pytest.mark.skip(
+    reason="kubernetes-validate is not installed (the [test] extra)"))])
+def test_every_manifest_passes_the_schema_of_each_claimed_version(version: str) -> None:
+    checked = set()
+    for argv in [*OPTION_SETS.values(), *JOBSET_SETS.values()]:
+        docs, _, _ = generate(*argv)
+        for doc in docs:
+            for obj in as_jobs(doc):
+                assert schema_errors(obj, version) == [], f"Kubernetes {version}"
+                checked.add(obj["metadata"]["name"])
+    assert {"llama-7b-workers", "llama-7b-manager", "llama-7b-manager-0", "llama-7b-workers-0"} <= checked
+
+
+# --- --kind jobset ---------------------------------------------------------------------------------
+
+JOBSET_SETS = {
+    "jobset": (*BASE, "--kind", "jobset", "--", "train.py"),
+    "jobset-all": (*BASE, "--kind", "jobset", "--jobset-restarts", "5", "--gpus", "8", "--checkpoint-pvc", "ckpt",
+                   "--job-pvc", "llama-job", "--token-secret", "llama-token", "--namespace", "training",
+                   "--min-nodes", "2", "--grace-period", "30", "--", "train.py", "--lr", "0.1"),
+}
+# JobSet's v1alpha2 API reference (jobset.x-k8s.io): the fields of each type and their types, the
+# required ones and the enumerations, as far as these manifests use them. No schema of it exists offline
+# (the CRD ships with the controller), so this is the check; other types go to the kubernetes client's models.
+JOBSET_TYPES: dict[str, dict[str, str]] = {
+    "JobSet": {"apiVersion": "str", "kind": "str", "metadata": "V1ObjectMeta", "spec": "JobSetSpec"},
+    "JobSetSpec": {"replicatedJobs": "list[ReplicatedJob]", "network": "Network", "successPolicy": "SuccessPolicy",
+                   "failurePolicy": "FailurePolicy", "startupPolicy": "StartupPolicy", "suspend": "bool",
+                   "coordinator": "Coordinator", "managedBy": "str", "ttlSecondsAfterFinished": "int"},
+    "ReplicatedJob": {"name": "str", "groupName": "str", "template": "V1JobTemplateSpec", "replicas": "int",
+                      "dependsOn": "list[DependsOn]"},
+    "Network": {"enableDNSHostnames": "bool", "subdomain": "str", "publishNotReadyAddresses": "bool"},
+    "FailurePolicy": {"maxRestarts": "int", "restartStrategy": "str", "rules": "list[FailurePolicyRule]"},
+    "FailurePolicyRule": {"name": "str", "action": "str", "onJobFailureReasons": "list[str]",
+                          "onJobFailureMessagePatterns": "list[str]", "targetReplicatedJobs": "list[str]"},
+    "SuccessPolicy": {"operator": "str", "targetReplicatedJobs": "list[str]"},
+}
+JOBSET_REQUIRED = {"ReplicatedJob": {"name", "template"}, "FailurePolicyRule": {"name", "action"},
+                   "SuccessPolicy": {"operator"}}
+JOBSET_ENUMS = {
+    ("FailurePolicyRule", "action"): {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts",
+                                      "RestartJob", "RestartJobAndIgnoreMaxRestarts"},
+    ("FailurePolicy", "restartStrategy"): {"Recreate", "BlockingRecreate", "InPlaceRestart"},
+    ("SuccessPolicy", "operator"): {"All", "Any"},
+}
+# The reasons Kubernetes gives a failed Job (its Failed condition), which onJobFailureReasons match.
+JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
+                       "PodFailurePolicy"}
+_RULE_NAME = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
+
+
+def jobset_errors(value: Any, type_name: str = "JobSet", path: str = "JobSet") -> list[str]:
+    """Every field of VALUE that JobSet's reference does not define or types otherwise, by path."""
+    if type_name.startswith("list["):
+        if not isinstance(value, list):
+            return [f"{path}: expected a list, got {value!r}"]
+        return [e for i, v in enumerate(value) for e in jobset_errors(v, type_name[5:-1], f"{path}[{i}]")]
+    if type_name not in JOBSET_TYPES:  # a Kubernetes type, or a primitive
+        return model_errors(value, type_name, path)
+    if not isinstance(value, dict):
+        return [f"{path}: expected a {type_name}, got {value!r}"]
+    fields = JOBSET_TYPES[type_name]
+    errors = [f"{path}: {type_name} needs {sorted(JOBSET_REQUIRED.get(type_name, set()) - set(value))}"
+              ] if JOBSET_REQUIRED.get(type_name, set()) - set(value) else []
+    for key, item in value.items():
+        if key not in fields:
+            errors.append(f"{path}.{key}: {type_name} has no field {key!r}")
+            continue
+        errors += jobset_errors(item, fields[key], f"{path}.{key}")
+        allowed = JOBSET_ENUMS.get((type_name, key))
+        if allowed and item not in allowed:
+            errors.append(f"{path}.{key}: {item!r} is none of {sorted(allowed)}")
+    return errors
+
+
+def jobset_webhook_errors(js: dict[str, Any]) -> list[str]:
+    """What JobSet's admission webhook refuses that the field types do not say."""
+    spec, name = js["spec"], js["metadata"]["name"]
+    rjobs = [r["name"] for r in spec["replicatedJobs"]]
+    errors = []
+    subdomain = spec.get("network", {}).get("subdomain", name)
+    if not (_DNS_1035.fullmatch(subdomain) and len(subdomain) <= 63):
+        errors.append(f"network.subdomain {subdomain!r} is no DNS-1035 label")
+    for r in spec["replicatedJobs"]:
+        job_spec = r["template"]["spec"]
+        last_job = f"{name}-{r['name']}-{r['replicas'] - 1}"
+        last_pod = f"{last_job}-{job_spec['completions'] - 1}-abcde"  # + the pod's 5-character suffix
+        for generated in (last_job, last_pod):
+            if not (_DNS_1035.fullmatch(generated) and len(generated) <= 63):
+                errors.append(f"generated name {generated!r} is no DNS-1035 label of at most 63")
+    for target in spec.get("successPolicy", {}).get("targetReplicatedJobs", []):
+        if target not in rjobs:
+            errors.append(f"successPolicy names {target!r}, no replicated job")
+    rules = spec.get("failurePolicy", {}).get("rules", [])
+    if len({r["name"] for r in rules}) != len(rules):
+        errors.append("failurePolicy rule names repeat")
+    for rule in rules:
+        if not _RULE_NAME.fullmatch(rule["name"]):
+            errors.append(f"failurePolicy rule name {rule['name']!r}")
+        errors += [f"rule {rule['name']}: no Job fails for {reason!r}"
+                   for reason in rule.get("onJobFailureReasons", []) if reason not in JOB_FAILURE_REASONS]
+        errors += [f"rule {rule['name']}: {t!r} is no replicated job"
+                   for t in rule.get("targetReplicatedJobs", []) if t not in rjobs]
+    return errors
+
+
+def test_the_jobset_checker_rejects_what_the_reference_would() -> None:
+    docs, _, _ = generate(*JOBSET_SETS["jobset"])
+    js = by_kind(docs)["JobSet"]
+    assert jobset_errors(js) == [] and jobset_webhook_errors(js) == []
+    bad = json.loads(json.dumps(js))
+    bad["spec"]["failurePolicy"]["maxRestart"] = 3  # a typo
+    bad["spec"]["failurePolicy"]["rules"][0]["action"] = "FailJobset"  # no such action
+    bad["spec"]["network"]["enableDNSHostnames"] = "true"  # a string for a bool
+    bad["spec"]["replicatedJobs"][1]["template"]["spec"]["template"]["spec"]["restartPolicyy"] = "Never"
+    del bad["spec"]["successPolicy"]["operator"]
+    errors = "\n".join(jobset_errors(bad))
+    for part in ("failurePolicy.maxRestart:", "'FailJobset' is none of", "enableDNSHostnames: expected bool",
+                 "template.spec.template.spec.restartPolicyy", "SuccessPolicy needs ['operator']"):
+        assert part in errors, (part, errors)
+    hook = json.loads(json.dumps(js))
+    hook["metadata"]["name"] = "x" * 50
+    hook["spec"]["failurePolicy"]["rules"][0]["name"] = "agent-refused"
+    hook["spec"]["failurePolicy"]["rules"][0]["onJobFailureReasons"] = ["ExitCode2"]
+    hook["spec"]["successPolicy"]["targetReplicatedJobs"] = ["worker"]
+    assert len(jobset_webhook_errors(hook)) == 5, jobset_webhook_errors(hook)  # 2 names, the rule's name and reason, the target
+
+
+@pytest.mark.parametrize("name", JOBSET_SETS)
+def test_the_jobset_follows_its_reference_and_its_jobs_are_valid(name: str) -> None:
+    docs, _, spec = generate(*JOBSET_SETS[name])
+    assert [d["kind"] for d in docs] == ([] if spec.token_secret else ["Secret"]) + ["ConfigMap", "JobSet"]
+    js = by_kind(docs)["JobSet"]
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert js["metadata"]["name"] == spec.job_id and js["metadata"].get("namespace", "") == spec.namespace
+    assert jobset_errors(js) == []
+    assert jobset_webhook_errors(js) == []
+    for job in as_jobs(js):
+        check_document(job)  # the kubernetes client's models, as for --kind job
+        assert job["spec"]["completionMode"] == "Indexed", "JobSet names pods by their completion index"
+    for doc in docs[:-1]:
+        check_document(doc)
+
+
+@pytest.mark.parametrize("name", JOBSET_SETS)
+def test_the_jobset_failure_policy_restarts_and_the_agents_find_the_manager(name: str) -> None:
+    docs, _, spec = generate(*JOBSET_SETS[name])
+    js = by_kind(docs)["JobSet"]["spec"]
+    manager, workers = (r["template"] for r in js["replicatedJobs"])
+    assert [(r["name"], r["replicas"]) for r in js["replicatedJobs"]] == [("manager", 1), ("workers", 1)]
+    # The headless Service: every pod is <J>-<replicated job>-<job index>-<pod index>.<subdomain>.
+    assert js["network"] == {"enableDNSHostnames": True, "subdomain": spec.job_id, "publishNotReadyAddresses": True}
+    manager_pod = f"{spec.job_id}-manager-0-0.{js['network']['subdomain']}"
+    [container] = manager["spec"]["template"]["spec"]["containers"]
+    assert {"name": "agent", "containerPort": spec.port} in container["ports"]
+    assert manager["spec"]["completions"] == manager["spec"]["parallelism"] == 1
+    assert manager["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert manager["spec"]["backoffLimit"] == spec.node_retries
+    [agent] = workers["spec"]["template"]["spec"]["containers"]
+    for index in range(spec.nodes):
+        env = container_env(agent, {"batch.kubernetes.io/job-completion-index": str(index)},
+                            {f"{spec.secret_name}/token": "tok"})
+        args = parse_run([expand(a, env) for a in agent["command"]])
+        assert args.manager == f"{manager_pod}:{spec.port}" and args.node_rank == index
+    # The workers are --kind job's workers, but for the manager's address.
+    argv = list(JOBSET_SETS[name])
+    del argv[argv.index("--kind"):argv.index("--kind") + 2]
+    if "--jobset-restarts" in argv:
+        del argv[argv.index("--jobset-restarts"):argv.index("--jobset-restarts") + 2]
+    plain = by_kind(generate(*argv)[0])["Job"]["spec"]
+    text = json.dumps(workers["spec"]).replace(manager_pod, f"{spec.job_id}-manager")
+    assert json.loads(text) == plain
+    # Restarts: an agent the manager refused (exit 2, the workers' podFailurePolicy's only FailJob, so
+    # the only way to the reason PodFailurePolicy) fails the set; any other failed Job restarts it
+    # whole, at most --jobset-restarts times, old pods gone first; done when the workers are.
+    exits = {v for r in workers["spec"]["podFailurePolicy"]["rules"] if r["action"] == "FailJob"
+             for v in r["onExitCodes"]["values"]}
+    assert exits == {2}
+    policy = js["failurePolicy"]
+    assert policy["maxRestarts"] == (5 if name == "jobset-all" else 2)
+    assert policy["restartStrategy"] == "BlockingRecreate"
+    first, last = policy["rules"]
+    assert (first["action"], first["onJobFailureReasons"], first["targetReplicatedJobs"]) == (
+        "FailJobSet", ["PodFailurePolicy"], ["workers"])
+    assert last["action"] == "RestartJobSet" and set(last) == {"name", "action"}, "the rest: any reason, any job"
+    assert js["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["workers"]}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--jobset-restarts", "3"), "--jobset-restarts is for --kind jobset"),
+    (("--kind", "jobset", "--manager-kind", "pod"), "--manager-kind is for --kind job"),
+    (("--kind", "jobset", "--jobset-restarts", "-1"), "--jobset-restarts must be 0 or more, got -1"),
+    (("--kind", "jobset", "--job-id", "a" * 46), "is too long for --kind jobset with 4 nodes"),
+    (("--kind", "jobset", "--job-id", "a" * 45, "--nodes", "11"), "use at most 44 characters"),
+])
+def test_bad_jobset_options_are_refused_by_name(argv: tuple[str, ...], message: str) -> None:
+    test_bad_options_are_refused_by_name(argv, message)
+
+
+def test_the_longest_jobset_job_id_is_taken() -> None:
+    docs, _, _ = generate(*BASE[2:], "--job-id", "a" * 45, "--kind", "jobset", "--", "train.py")
+    assert jobset_webhook_errors(by_kind(docs)["JobSet"]) == []
+
+
+def test_out_dir_switches_between_kinds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "manifests"
+    for kind, files in (("job", ["00-secret.yaml", "01-trace-configmap.yaml", "02-manager-service.yaml",
+                                 "03-manager.yaml", "04-workers.yaml"]),
+                        ("jobset", ["00-secret.yaml", "01-trace-configmap.yaml", "02-jobset.yaml"])):
+        args = parser().parse_args(["k8s", *BASE, "--kind", kind, "--out", str(out), "--", "train.py"])
+        assert args.func(args) == 0
+        assert sorted(p.name for p in out.iterdir()) == files, "the other kind's files are removed"
+    header = (out / "02-jobset.yaml").read_text().splitlines()[0]
+    assert "for Kubernetes 1.29 or newer" in header
+    assert "removed" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from undying.errors import UsageError
 from undying.inputs import finite_arg, job_id_arg
 from undying.k8s import grace as grace_mod
 from undying.k8s.manifests import Manifest, build
-from undying.k8s.spec import KINDS, TRACE_SWITCH_FILE, Spec
+from undying.k8s.spec import KINDS, MIN_KUBERNETES, TRACE_SWITCH_FILE, Spec
 from undying.k8s.yamlout import dump, dump_all
 from undying.user_files import open_user_file
 
@@ -214,8 +214,9 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     manifests = build(spec)
     header = [f"Written by undying {__version__} (undying k8s) for job {spec.job_id}: "
-              f"{spec.nodes} node(s) x {spec.nproc_per_node} rank(s). Apply with kubectl apply "
-              "-f; see docs/kubernetes.md."]
+              f"{spec.nodes} node(s) x {spec.nproc_per_node} rank(s), for Kubernetes "
+              f"{'.'.join(map(str, MIN_KUBERNETES))} or newer. Apply with kubectl apply -f; "
+              "see docs/kubernetes.md."]
     if args.out:  # refused before a word of the rest: one line
         _check_out(Path(args.out), [m.filename for m in manifests])
     if not spec.grace.measured:

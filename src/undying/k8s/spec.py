@@ -18,13 +18,17 @@ from undying.errors import UsageError
 from undying.k8s.grace import Grace
 
 __all__ = ["Spec", "validate_job_id", "TRACE_MOUNT", "TRACE_SWITCH_FILE", "JOB_DIR", "CKPT_MOUNT",
-           "KINDS", "MANAGER_RJOB", "WORKERS_RJOB"]
+           "KINDS", "MANAGER_RJOB", "WORKERS_RJOB", "MIN_KUBERNETES"]
 
 # Where the pods mount what the commands name.
 TRACE_MOUNT = "/etc/undying/trace"
 TRACE_SWITCH_FILE = f"{TRACE_MOUNT}/switch.json"
 JOB_DIR = "/job"
 CKPT_MOUNT = "/ckpt"
+# The oldest Kubernetes the manifests are for: backoffLimitPerIndex and podReplacementPolicy are
+# on by default from 1.29 (tests/unit/test_k8s.py checks every manifest against the OpenAPI
+# schemas of each version from this one to the newest that kubernetes-validate ships).
+MIN_KUBERNETES = (1, 29)
 # What `undying k8s --kind` writes: Kubernetes' own objects, or one JobSet (jobset.x-k8s.io).
 KINDS = ("job", "jobset")
 # The JobSet's replicated jobs. JobSet names their pods <J>-<replicated job>-<job index>-<pod
