@@ -5,6 +5,9 @@ against the `kubernetes` Python client's OpenAPI models twice: deserialized
 into the model (required fields, and on clients >= 37 the types), and walked
 key by key against each model's ``attribute_map`` (the API's wire names), so a
 typo, a snake_case name or a wrong type fails whatever the client's version.
+Each document (and each Job template of a JobSet) also passes the strict OpenAPI schema of every
+Kubernetes version the manifests claim (kubernetes-validate's); a JobSet's own fields are checked against
+JobSet's v1alpha2 API reference, no schema of it being available offline.
 Meaning: the agents' command is parsed by `undying run`'s real parser after
 Kubernetes' own $(VAR) expansion, the Service's ports are the manager's flags,
 the grace period comes from a real event log written by EventLog.
