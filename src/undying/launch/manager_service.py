@@ -100,23 +100,26 @@ class _Gate:
         return ""
 
 
-def _resumable(job_dir: JobDir, job_id: str) -> bool:
-    """A log of this job whose manager stopped before the job ended: carry it on."""
+def _resumable(job_dir: JobDir, job_id: str) -> tuple[bool, str]:
+    """A log of this job whose manager stopped before the job ended: carry it on. And why a log
+    that is there cannot be read, said once the manager listens (a refusal stays one line)."""
     if not job_dir.events_db.exists():
-        return False
+        return False, ""
     try:
         job = read_job_table(job_dir.events_db)
     except Exception as e:  # a damaged log is no job to carry on; the new run says so
-        log.warning("job dir %s: its event log cannot be read (%s); starting a new job",
-                    job_dir.path, e)
-        return False
+        return False, (f"job dir {job_dir.path}: its event log cannot be read ({e}); starting a "
+                       "new job")
     state = job.get("state", "")
-    return job.get("job_id") == job_id and state in ("running", "recovering") and "config" in job
+    resumable = (job.get("job_id") == job_id and state in ("running", "recovering")
+                 and "config" in job)
+    return resumable, ""
 
 
 async def _serve(options: ManagerOptions) -> int:
     looked = JobDir(Path(options.job_dir))
-    restart = _resumable(looked, options.job_id) if looked.path.is_dir() else False
+    restart, unreadable = (_resumable(looked, options.job_id) if looked.path.is_dir()
+                           else (False, ""))
     files = JobFiles.open(looked.path, keep_log=restart)
     job_dir = files.job_dir
     gate = _Gate(options, files.token)
@@ -134,6 +137,8 @@ async def _serve(options: ManagerOptions) -> int:
     except OSError as e:
         raise UsageError(f"cannot listen for agents on {options.host}:{options.port} "
                          f"({e.strerror or e}); pass another --port") from e
+    if unreadable:
+        log.warning("%s", unreadable)
     log.warning("manager of job %s listening for agents on %s:%d, token from %s%s",
                 options.job_id, options.host, server.port, files.token_from,
                 " (carrying on the job from its log)" if restart else "")

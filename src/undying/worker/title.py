@@ -32,6 +32,10 @@ def prepare() -> None:
     """Load ``setproctitle`` while the process's argument and environment areas are still the
     ones it was started with: it finds the argument area through them, and a zygote's child has
     its environment replaced (worker/zygote.py) before it knows its rank."""
+    # SPT_NOENV: the title goes in the argument area alone. Without it setproctitle moves the
+    # environment to make room, and /proc/PID/environ no longer shows it: the agent finds the
+    # processes a rank started (forked ones share the area) by the mark in their environment.
+    os.environ.setdefault("SPT_NOENV", "1")
     with contextlib.suppress(ImportError):
         import setproctitle
 
