@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -204,3 +205,71 @@ def test_the_batch_script_undying_slurm_writes_forwards_its_signal_and_resumes(
     job = _submit(cluster, work, script)
     _preempted_then_resumed(cluster, work, job, ["scancel", "--batch", "--signal=TERM", job],
                             oracle)
+
+
+@pytest.fixture
+def cluster3(tmp_path: Path) -> Iterator[SlurmCluster]:
+    made = SlurmCluster(tmp_path / "slurm", nodes=3)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _with_a_spare_node(cluster: SlurmCluster, work: Path) -> tuple[str, Path]:
+    """A 2-node job with a third node as its warm standby (`--spare-nodes 1`), at step 10."""
+    run = " ".join([*UNDYING, "run", "-n", "2", "--spare-nodes", "1", "--heartbeat-timeout",
+                    "3", str(TRAIN_SCRIPT), *LONG_ARGS])
+    job = _submit(cluster, work, f"""#!/bin/bash
+#SBATCH -N3 --ntasks-per-node=1 --no-kill -o {work}/slurm-%j.out
+srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 {run}
+echo srun-exit=$?
+""")
+    job_dir = work / "undying-jobs" / f"slurm-{job}"
+    _wait_for("step 10", lambda: _status_step(cluster, job_dir) >= 10, 120)
+    return job, job_dir
+
+
+def _trained_on(cluster: SlurmCluster, work: Path, job: str, job_dir: Path,
+                oracle: Oracle) -> str:
+    out = work / f"slurm-{job}.out"
+    _wait_for("the job's end", lambda: "srun-exit=" in (out.read_text() if out.exists() else ""),
+              180)
+    text = out.read_text(errors="replace")
+    assert "(a warm standby)" in text and "(n2)" in text, text[-5000:]
+    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=4), load_run(job_dir / "events.db"))
+    assert comparison.identical and comparison.lost_steps == 0, (comparison.reasons, text[-5000:])
+    return text
+
+
+def test_a_lost_node_s_ranks_start_on_the_spare_node_of_the_allocation(
+        cluster3: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    """`sbatch --no-kill`: node n1 (its slurmd and every process on it) is lost; the job's
+    third node, a warm standby, takes its ranks and the job trains on, identical."""
+    work = tmp_path / "work"
+    work.mkdir()
+    job, job_dir = _with_a_spare_node(cluster3, work)
+    cluster3.kill_node(1)
+    _trained_on(cluster3, work, job, job_dir, oracle)
+    job_row = read_job(job_dir / "events.db")
+    assert job_row["state"] == "succeeded", job_row
+
+
+def test_a_sigterm_to_one_node_s_processes_alone_is_that_node_leaving(
+        cluster3: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
+    """Not the job's preemption: node n1's launcher and ranks get SIGTERM (slurmd does not);
+    the node leaves, the standby takes its ranks, no gasp, the job trains on identically."""
+    work = tmp_path / "work"
+    work.mkdir()
+    job, job_dir = _with_a_spare_node(cluster3, work)
+    for pid in cluster3.hosts.pids(2):  # host 2 is node n1
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"slurm" not in command:
+            os.kill(pid, signal.SIGTERM)
+    text = _trained_on(cluster3, work, job, job_dir, oracle)
+    assert re.search(r"node 1: SIGTERM: this node leaves the job$", text, re.M), text[-5000:]
+    kinds = [i["kind"] for i in read_job(job_dir / "events.db")["incidents"]]
+    assert "preempt" not in kinds and kinds, (kinds, text[-5000:])

@@ -198,3 +198,20 @@ def test_undying_slurm_writes_a_new_file_or_says_why_not(tmp_path: Path,
     assert "exists" in capsys.readouterr().err
     assert main(["slurm", "--nodes", "2", "-n", "2"]) == 2
     assert "after --" in capsys.readouterr().err
+
+
+def test_spare_nodes_are_the_step_s_last_nodes_and_join_as_standbys() -> None:
+    three = {**STEP, "SLURM_NODEID": "2"}
+    last = _args("--spare-nodes", "1")
+    apply_slurm(last, three)
+    assert last.nnodes == (2, 2) and last.standby and last.node_rank == 0
+    first = _args("--spare-nodes", "1")
+    apply_slurm(first, {**STEP, "SLURM_NODEID": "1"})
+    assert first.nnodes == (2, 2) and not first.standby and first.node_rank == 1
+    fewer = _args("--nnodes", "2")  # the same, said as --nnodes below the step's node count
+    apply_slurm(fewer, three)
+    assert fewer.standby
+    with pytest.raises(UsageError, match="leaves no node to train on"):
+        apply_slurm(_args("--spare-nodes", "3"), STEP)
+    with pytest.raises(UsageError, match="disagree"):
+        apply_slurm(_args("--spare-nodes", "1", "--nnodes", "3"), STEP)

@@ -153,7 +153,8 @@ def _run_slurm_node(args: argparse.Namespace, config: JobConfig, script_args: li
     from undying.launch.slurm_node import run_slurm_node, slurm_line
 
     _, port = parse_manager_address(args.manager)
-    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {slurm_line(step, config.job_id)}\n")
+    line = slurm_line(step, config.job_id, standby=args.standby)
+    sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
     return run_slurm_node(step, config.job_id, config.job_dir, port,
                           verbose=bool(getattr(args, "verbose", False)),
                           join=lambda: _run_node(args, config, script_args),

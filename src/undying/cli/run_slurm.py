@@ -3,6 +3,8 @@
 What Slurm says (``launch/slurm.py``) becomes ``--nnodes``, ``--node-rank``, ``--manager``
 (the step's first node, at a port derived from the job id), ``--job-id`` (``slurm-<id>``) and
 ``--job-dir`` (``<submit dir>/undying-jobs/slurm-<id>``); a flag the user gave wins over it.
+Nodes past the job's (``--spare-nodes K``, or ``--nnodes`` below the step's node count) join as
+warm standbys (``--standby``): a lost node's ranks start on one of them at once.
 ``--standalone``, ``--manager`` or ``--rdzv-endpoint`` mean the user chose the layout: Slurm
 is then not read at all (so torchrun's spellings under ``srun`` work as before).
 """
@@ -14,6 +16,7 @@ import os
 from collections.abc import Mapping
 
 from undying.config import JobConfig
+from undying.errors import UsageError
 from undying.launch.slurm import SlurmStep, manager_port, read_slurm
 from undying.launch.slurm_node import DEFAULT_MAX_REQUEUES
 
@@ -27,11 +30,20 @@ def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
                    help="a preempted job (exit 75) puts itself back in Slurm's queue (scontrol "
                    "requeue, where sbatch --requeue allows it) until it was requeued N times "
                    "(default %(default)s; 0: never)")
+    g.add_argument("--spare-nodes", type=_spares, default=0, metavar="K",
+                   help="the step's last K nodes are warm standbys: a lost node's ranks start "
+                   "on one at once (the job trains on N-K nodes; default %(default)s)")
 
 
 def _requeues(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 10_000:
         raise argparse.ArgumentTypeError(f"{text!r:.20} is not a count in [0, 10000]")
+    return int(text)
+
+
+def _spares(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 4096:
+        raise argparse.ArgumentTypeError(f"{text!r:.20} is not a count in [0, 4096]")
     return int(text)
 
 
@@ -49,9 +61,19 @@ def apply_slurm(args: argparse.Namespace,
     step = read_slurm(environ)
     if step is None:
         return None
+    training = step.nnodes - args.spare_nodes
+    if training < 1:
+        raise UsageError(f"--spare-nodes {args.spare_nodes} leaves no node to train on: the step "
+                         f"has {step.nnodes} node(s); ask Slurm for more (sbatch --nodes) or "
+                         "pass fewer spare nodes")
     if args.nnodes == (JobConfig.nnodes, JobConfig.nnodes):
-        args.nnodes = (step.nnodes, step.nnodes)
-    if args.node_rank == JobConfig.node_rank:
+        args.nnodes = (training, training)
+    elif args.spare_nodes and args.nnodes[1] != training:
+        raise UsageError(f"--nnodes {args.nnodes[1]} and --spare-nodes {args.spare_nodes} "
+                         f"disagree: the step has {step.nnodes} nodes; pass one of them")
+    if step.node_rank >= args.nnodes[1]:
+        args.standby = True  # a node past the job's: a warm standby, given a rank when one is lost
+    elif args.node_rank == JobConfig.node_rank:
         args.node_rank = step.node_rank
     if args.job_id is None:
         args.job_id = step.undying_job_id

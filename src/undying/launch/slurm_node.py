@@ -210,9 +210,10 @@ def requeue(step: SlurmStep, max_requeues: int) -> str:
             f"{max_requeues}); its next start resumes from the job dir")
 
 
-def slurm_line(step: SlurmStep, job_id: str) -> str:
+def slurm_line(step: SlurmStep, job_id: str, *, standby: bool = False) -> str:
     """The launcher's first line under Slurm: what it read, so a wrong layout shows at once."""
     restarts = f", requeued {step.restart_count}x" if step.restart_count else ""
+    role = " (a warm standby)" if standby else ""
     return (f"job {job_id}: Slurm job {step.job_id}{restarts}, node {step.node_rank} of "
-            f"{step.nnodes} ({step.nodes[step.node_rank]}), manager on {step.nodes[0]}"
+            f"{step.nnodes} ({step.nodes[step.node_rank]}){role}, manager on {step.nodes[0]}"
             f"{' (here)' if step.node_rank == 0 else ''}; pid {os.getpid()}")
