@@ -37,7 +37,7 @@ from undying.cli.summary import (
 )
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import JobNotRunningError, UsageError
-from undying.jobfiles.events import LogReader, read_job
+from undying.jobfiles.events import LogReader
 from undying.jobfiles.jobdir import JobDir
 
 __all__ = ["add_parser", "collect_status", "watch", "step_values", "write_steps"]
@@ -114,7 +114,7 @@ def _earlier_run(log: Path) -> dict[str, Any]:
     recorded."""
     try:
         with LogReader(log) as reader:
-            job, commits = reader.job(), reader.commits()
+            job, newest = reader.job(), reader.newest_step()
             incidents, events = reader.incidents(), reader.count_events()
     except (UsageError, LogReader.Error) as e:
         return {"log": log.name, "state": "unreadable", "error": str(e), "step": None,
@@ -125,7 +125,7 @@ def _earlier_run(log: Path) -> dict[str, Any]:
         # An archived log's launcher is gone by definition: one that never ended was interrupted.
         "state": state if state in TERMINAL else "interrupted",
         "job_id": job.get("job_id"),
-        "step": max((c.step for c in commits), default=0),
+        "step": newest,
         "events": events,
         "incidents": len(incidents),
     }
@@ -144,12 +144,11 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     alive was interrupted (the launcher killed, the machine lost): said so, with
     how to resume, never "running" forever.
     """
-    with readable_log(jd.events_db):
-        data = read_job(jd.events_db)
+    # (bounded reads: the newest step of each rank, never every commit of a long job)
+    with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
+        data = {"job": reader.job(), "ranks": reader.ranks(), "incidents": reader.incidents()}
+        newest = reader.newest_steps()
     job = data["job"]
-    newest: dict[int, int] = {}
-    for commit in data["steps"]:
-        newest[commit["rank"]] = max(newest.get(commit["rank"], 0), commit["step"])
     state = job.get("state")
     exit_reason = job.get("exit_reason", "")
     info = jd.read_manager()

@@ -21,8 +21,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar
@@ -34,10 +33,10 @@ from undying.jobfiles.log_rows import (
     LoggedEvent,
     SavedJob,
     incident_from_row,
-    metrics_json,
     rank_from_row,
 )
 from undying.jobfiles.records import Incident
+from undying.jobfiles.step_rows import NodeStepRow, in_time_order, pack, ranks_of, unpack
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -49,12 +48,18 @@ __all__ = [
     "fold_wal",
 ]
 
-SCHEMA_VERSION = 1
+# 2: commits kept per node and step (node_steps, see step_rows); a log of 1 (steps, per rank and
+# step) is still read.
+SCHEMA_VERSION = 2
 log = logging.getLogger("undying.manager")
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _INCIDENT_SQL = ("INSERT OR REPLACE INTO incidents "
                  "(id, kind, rank, step, action, status, fault_t, data) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
+
+_NODE_STEP_SQL = ("INSERT INTO node_steps (step, generation, t, ranks, names, data) "
+                  "VALUES (?, ?, ?, ?, ?, ?)")
+_NODE_STEP_COLUMNS = "step, generation, t, ranks, names, data"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -68,6 +73,10 @@ CREATE TABLE IF NOT EXISTS steps (
     rank INTEGER NOT NULL, step INTEGER NOT NULL, generation INTEGER NOT NULL,
     t REAL NOT NULL, metrics TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS steps_by_step ON steps (step, rank);
+CREATE TABLE IF NOT EXISTS node_steps (
+    step INTEGER NOT NULL, generation INTEGER NOT NULL, t REAL NOT NULL,
+    ranks TEXT NOT NULL, names TEXT NOT NULL, data BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS node_steps_by_step ON node_steps (step);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
 
@@ -164,19 +173,17 @@ class EventLog:
     def saved_job(self) -> SavedJob:
         """Everything a restarted manager needs from the log, read on this (the loop's)
         connection."""
-        committed: dict[int, set[int]] = defaultdict(set)
-        commits = []
-        for rank, step, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t"):
-            committed[int(rank)].add(int(step))
-            commits.append((int(rank), int(step), float(t)))
+        newest: dict[int, int] = {}
+        for rank, step in _newest_steps(self._db):
+            newest[rank] = max(step, newest.get(rank, step))
         return SavedJob(
             facts=_job_facts(self._db),
             ranks=[rank_from_row(json.loads(d))
                    for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
-            committed=dict(committed),
+            newest_steps=newest,
             incidents=[incident_from_row(json.loads(d))
                        for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
-            commits=commits,
+            commits=((c.rank, c.step, c.t) for c in _commits(self._db)),
             reports=[(str(k), float(t), json.loads(d)) for k, t, d in self._db.execute(
                 "SELECT kind, t, data FROM events "
                 "WHERE kind IN ('steps_planned', 'checkpoint_saved') ORDER BY id")],
@@ -203,19 +210,12 @@ class EventLog:
 
     def step(self, rank: int, step: int, generation: int, t: float,
              metrics: Mapping[str, float | str]) -> None:
-        self._exec(
-            "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            (rank, step, generation, t, metrics_json(metrics)),
-        )
-        self._dirty = True
+        self.steps([(rank, step, generation, t, metrics)])
 
     def steps(self, rows: Sequence[tuple[int, int, int, float, Mapping[str, float | str]]]) -> None:
-        """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
-        self._exec_many(
-            "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            [(rank, step, generation, t, metrics_json(metrics))
-             for rank, step, generation, t, metrics in rows],
-        )
+        """Commits (rank, step, generation, t, metrics), typically a node's of one step: one
+        ``node_steps`` row per step and generation among them (``step_rows.pack``)."""
+        self._exec_many(_NODE_STEP_SQL, pack(rows))
         self._dirty = True
 
     def incident(self, incident: Incident) -> None:
@@ -338,32 +338,51 @@ class LogReader:
                 for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")]
 
     def commits(self) -> list[Commit]:
-        """Every logged commit, in time order."""
-        rows = self._db.execute("SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")
-        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in rows]
+        """Every logged commit, in time order (``iter_commits`` reads them one by one)."""
+        return list(_commits(self._db))
+
+    def iter_commits(self) -> Iterator[Commit]:
+        """Every logged commit, in time order, read as they are taken: memory bounded however
+        long the job ran."""
+        return _commits(self._db)
 
     def commit_times(self) -> list[tuple[int, int, float]]:
         """Every logged commit as (rank, step, time), in time order: the commits without their
-        values (cheaper)."""
-        rows = self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")
-        return [(int(r), int(s), float(t)) for r, s, t in rows]
+        values."""
+        return [(c.rank, c.step, c.t) for c in _commits(self._db)]
 
     def newest_step(self) -> int:
         """The newest step any rank committed (0 for none)."""
-        (step,) = self._db.execute("SELECT MAX(step) FROM steps").fetchone()
-        return int(step or 0)
+        newest = 0
+        for table in ("steps", "node_steps"):
+            (step,) = self._db.execute(f"SELECT MAX(step) FROM {table}").fetchone()
+            newest = max(newest, int(step or 0))
+        return newest
+
+    def newest_steps(self) -> dict[int, int]:
+        """The newest step each rank committed, by rank (a bounded read however long the job
+        ran)."""
+        newest: dict[int, int] = {}
+        for rank, step in _newest_steps(self._db):
+            newest[rank] = max(step, newest.get(rank, step))
+        return newest
 
     def commits_of_step(self, step: int) -> list[Commit]:
         """The commits of one step (each rank's, and again for a step re-run), in time order."""
-        rows = self._db.execute(
-            "SELECT rank, step, generation, t, metrics FROM steps WHERE step = ? ORDER BY t",
-            (step,))
-        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in rows]
+        return list(_commits(self._db, "WHERE step = ?", (step,)))
 
     def first_commit_times(self) -> dict[int, float]:
         """When each rank first committed a step (unix seconds), by rank."""
+        firsts: dict[int, float] = {}
         rows = self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")
-        return {int(r): float(t) for r, t in rows}
+        found = [(int(r), float(t)) for r, t in rows]
+        # the earliest row of each set of ranks holds each of its ranks' first commit
+        for row in self._db.execute(f"SELECT {_NODE_STEP_COLUMNS}, MIN(t) FROM node_steps "
+                                    "GROUP BY ranks"):
+            found.extend((c.rank, c.t) for c in unpack(row[:6]))
+        for rank, t in found:
+            firsts[rank] = min(t, firsts.get(rank, t))
+        return firsts
 
     def events(self, kind: str) -> list[LoggedEvent]:
         """The events of one kind (``done``, ``checkpoint_saved``, ...), oldest first."""
@@ -382,6 +401,26 @@ class LogReader:
         """How many events the log holds (of every kind)."""
         (n,) = self._db.execute("SELECT COUNT(*) FROM events").fetchone()
         return int(n)
+
+
+def _commits(db: sqlite3.Connection | HeldWrites, where: str = "",
+             params: Sequence[Any] = ()) -> Iterator[Commit]:
+    """The commits of both tables (a log of schema 1 has the per-rank one), in time order."""
+    old = (Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in
+           db.execute(f"SELECT rank, step, generation, t, metrics FROM steps {where} ORDER BY t",
+                      params))
+    rows: Iterator[NodeStepRow] = db.execute(
+        f"SELECT {_NODE_STEP_COLUMNS} FROM node_steps {where} ORDER BY t", params)
+    return in_time_order(old, rows)
+
+
+def _newest_steps(db: sqlite3.Connection | HeldWrites) -> Iterator[tuple[int, int]]:
+    """(rank, the newest step it committed), from both tables; a rank may come more than once."""
+    for rank, step in db.execute("SELECT rank, MAX(step) FROM steps GROUP BY rank"):
+        yield int(rank), int(step)
+    for runs, step in db.execute("SELECT ranks, MAX(step) FROM node_steps GROUP BY ranks"):
+        for rank in ranks_of(str(runs)):
+            yield rank, int(step)
 
 
 def read_job_table(path: Path) -> dict[str, Any]:
