@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,8 +40,14 @@ from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.log_rows import Commit
 
-__all__ = ["add_parser", "collect_status", "watch", "step_values", "write_steps"]
+__all__ = ["add_parser", "collect_status", "watch", "step_values", "recent_step_values",
+           "write_steps", "STATUS_STEP_ROWS"]
+
+# `status --json` of a job dir carries the step values of the newest steps, at most this many rows
+# (rank x step): bounded however long and wide the job; every row is `status --steps`.
+STATUS_STEP_ROWS = 512
 
 # Polls in a row a manager may miss (a busy machine) before --watch decides it is gone.
 MAX_MISSES = 3
@@ -217,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         if args.manager is None:
             with contextlib.suppress(UsageError, JobNotRunningError):
-                status["step_values"] = step_values(resolve_job_dir(args.job_dir))
+                # (a window: the newest steps' rows; every row is `--steps`)
+                window, status["step_values"] = recent_step_values(resolve_job_dir(args.job_dir))
+                status["step_values_window"] = window
         sys.stdout.write(json.dumps(status, default=str) + "\n")
         return 0
     render(status, Console())
@@ -312,7 +321,24 @@ def step_values(jd: JobDir) -> list[dict[str, Any]]:
     step, then rank.
     """
     with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
-        commits = reader.commits()
+        return _value_rows(reader.iter_commits())
+
+
+def recent_step_values(jd: JobDir, rows: int = STATUS_STEP_ROWS
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``status --json``'s window of ``step_values``: the rows of the newest steps, at most
+    ``rows`` of them, however long the job ran (the whole series: ``--steps``)."""
+    with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
+        world = max(1, int(reader.job().get("world_size") or 1))
+        newest = reader.newest_step()
+        kept = _value_rows(reader.commits_since(newest - max(1, -(-rows // world)) + 1))[-rows:]
+    return {"rows": len(kept), "max_rows": rows,
+            "first_step": kept[0]["step"] if kept else None,
+            "last_step": kept[-1]["step"] if kept else None,
+            "all": f"undying status --steps --job-dir {jd.path}"}, kept
+
+
+def _value_rows(commits: Iterable[Commit]) -> list[dict[str, Any]]:
     newest: dict[tuple[int, int], dict[str, Any]] = {}
     runs: dict[tuple[int, int], int] = {}
     for c in commits:  # (in time order: the later commit of a step wins)
