@@ -153,9 +153,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     """
     # (bounded reads: the newest step of each rank, never every commit of a long job)
     with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
-        data = {"job": reader.job(), "ranks": reader.ranks(), "incidents": reader.incidents()}
+        job, ranks, incidents = reader.job(), reader.ranks(), reader.incidents()
         newest = reader.newest_steps()
-    job = data["job"]
     state = job.get("state")
     exit_reason = job.get("exit_reason", "")
     info = jd.read_manager()
@@ -166,7 +165,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
                        "(killed, or its machine lost); run the same `undying run` command again to "
                        "resume from its latest checkpoint")
         state = "interrupted"
-    step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
+    step = min((max(r["step"], newest.get(r["rank"], 0)) for r in ranks), default=0)
     with readable_log(jd.events_db):
         account = logged_account(jd.events_db, step=step)
         with LogReader(jd.events_db) as reader:
@@ -192,8 +191,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "max_restarts": max_restarts,
         "preemption": job.get("preemption"),
         "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
-        "ranks": data["ranks"],
-        "incidents": data["incidents"],
+        "ranks": ranks,
+        "incidents": incidents,
         "live": False,
     }
 
