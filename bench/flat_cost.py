@@ -62,6 +62,7 @@ from control_plane import (  # noqa: E402  (bench/ is a folder of scripts)
     kill_managers,
     load_average,
     raise_fd_limit,
+    stop_job,
 )
 from recovery import interrupt, publish  # noqa: E402
 
@@ -99,6 +100,20 @@ async def wait_listening(manager: ManagerProcess, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+async def acknowledged(sim: Sim, manager: ManagerProcess, limit: int, timeout_s: float, step: int) -> None:
+    """Until every node's reports made so far are acknowledged (the manager's log committed them) but the newest
+    ``limit``. A report made while waiting does not count: a beat is written to no log, so it is acknowledged
+    only with the next commit."""
+    targets = [(node, node.seq - limit) for node in sim.nodes]
+    deadline = time.monotonic() + timeout_s
+    # (a node keeps what it sent until acknowledged, in order: the oldest kept is the first not acknowledged)
+    while any(node.sent and node.sent[0][0] <= target for node, target in targets):
+        if time.monotonic() > deadline or manager.process.poll() is not None:
+            raise RuntimeError(f"the manager acknowledged nothing for {timeout_s:.0f}s at step {step} "
+                               f"({manager.log_path})")
+        await asyncio.sleep(0.005)
+
+
 async def train(sim: Sim, manager: ManagerProcess, args: argparse.Namespace, text: TextIO) -> dict[str, Any]:
     """``args.steps`` steps of every rank; samples of the manager's RSS and the log's size."""
     samples: list[dict[str, Any]] = []
@@ -114,13 +129,7 @@ async def train(sim: Sim, manager: ManagerProcess, args: argparse.Namespace, tex
             boundary += args.step_s
             await asyncio.sleep(max(0.0, boundary - time.time()))
         else:
-            limit = args.in_flight * sim.config.nproc_per_node
-            deadline = time.monotonic() + args.timeout_s
-            while any(len(node.sent) > limit for node in sim.nodes):
-                if time.monotonic() > deadline or manager.process.poll() is not None:
-                    raise RuntimeError(f"the manager acknowledged nothing for {args.timeout_s:.0f}s at step {step} "
-                                       f"({manager.log_path})")
-                await asyncio.sleep(0.005)
+            await acknowledged(sim, manager, args.in_flight * sim.config.nproc_per_node, args.timeout_s, step)
         if args.step_s > 0 and step == probe_from:
             manager.begin_probe()
             probing = True
@@ -130,6 +139,7 @@ async def train(sim: Sim, manager: ManagerProcess, args: argparse.Namespace, tex
         if step % 1000 == 0:
             sim.window.reset()  # (the sender's own figures: not kept for 100,000 steps)
         if step % args.sample_every == 0 or step == args.steps:
+            await acknowledged(sim, manager, 0, args.timeout_s, step)  # (the manager took every step so far)
             samples.append({"step": step, "t": round(time.time() - t0, 2), "rss_kb": rss_kb(pid),
                             "log_bytes": log_bytes(manager.events_db), "load": load_average()[0]})
             last = samples[-1]
@@ -179,9 +189,7 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
         out = await train(sim, manager, args, text)
         result.update(out, **summarize(out, nnodes, args.steps), load_after=load_average())
     finally:
-        for node in sim.nodes:
-            node.close()
-        manager.stop()
+        await stop_job(manager, sim)  # (the agents answer its StopNode: closed first, they would be lost nodes)
     return result
 
 
