@@ -99,6 +99,8 @@ class EventLog:
         self._incidents: dict[int, tuple[Any, ...]] = {}
         self._ranks: dict[int, str] = {}
         self._hooks: list[Callable[[], None]] = []
+        # The commits since the last flush: written then, one node_steps row per step (step_rows).
+        self._commits: list[tuple[int, int, int, float, Mapping[str, float | str]]] = []
         self._open()
         self.set_job("schema_version", SCHEMA_VERSION)
 
@@ -175,6 +177,7 @@ class EventLog:
     def saved_job(self) -> SavedJob:
         """Everything a restarted manager needs from the log, read on this (the loop's)
         connection."""
+        self._write_commits()  # (what is not flushed yet too)
         newest: dict[int, int] = {}
         for rank, step in newest_steps(self._db):
             newest[rank] = max(step, newest.get(rank, step))
@@ -215,10 +218,16 @@ class EventLog:
         self.steps([(rank, step, generation, t, metrics)])
 
     def steps(self, rows: Sequence[tuple[int, int, int, float, Mapping[str, float | str]]]) -> None:
-        """Commits (rank, step, generation, t, metrics), typically a node's of one step: one
-        ``node_steps`` row per step and generation among them (``step_rows.pack``)."""
-        self._exec_many(_NODE_STEP_SQL, pack(rows))
+        """Commits (rank, step, generation, t, metrics): kept until the next flush, which writes
+        the commits of each step among them as one ``node_steps`` row (``step_rows.pack``), so
+        a step costs a row a flush, however many ranks (and whichever way they came)."""
+        self._commits.extend(rows)
         self._dirty = True
+
+    def _write_commits(self) -> None:
+        if self._commits:
+            commits, self._commits = self._commits, []
+            self._exec_many(_NODE_STEP_SQL, pack(commits))
 
     def incident(self, incident: Incident) -> None:
         row = (incident.id, incident.kind, incident.rank, incident.step, incident.action,
@@ -272,6 +281,7 @@ class EventLog:
             if problem:
                 self._replace(problem)
         if self._dirty:
+            self._write_commits()
             for hook in self._hooks:
                 hook()
             try:

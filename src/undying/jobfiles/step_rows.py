@@ -1,14 +1,17 @@
-"""The log's commits kept compactly: one row per node and step, its ranks' values packed in it.
+"""The log's commits kept compactly: one row per step (and flush), its ranks' values packed in it.
 
 A rank commits every step, so the log's commits are the one thing in it that
-grows with ranks x steps. ``EventLog.steps`` is handed a node's commits of a
-step in one call (``NodeStep``, the agent's report); they become one row of
-``node_steps``: the step, the generation, the earliest commit's time, the
-ranks (``"0-7"``: runs of consecutive ranks), the names given to ``step.log``
-(``'["loss"]'``) and, per rank, its commit time and its values as float64
-(``data``; 8 bytes each, exact: a NaN loss reads back as NaN, a time as it was
-sent). Per rank stays only what differs per rank and what the oracle compares:
-each rank's loss and commit time.
+grows with ranks x steps. ``EventLog`` keeps the commits it is handed until
+its next flush (a short timer); the commits of a step among them become one
+row of ``node_steps`` (a row a step, two for one whose commits straddle a
+flush, whichever way the commits came: a node's ``NodeStep`` or one rank's at
+a time, so never more rows than node-steps in practice): the step, the
+generation, the earliest commit's time, the ranks (``"0-7"``: runs of
+consecutive ranks), the names given to ``step.log`` (``'["loss"]'``) and,
+per rank, its commit time and its values as float64 (``data``; 8 bytes each,
+exact: a NaN loss reads back as NaN, a time as it was sent). Per rank stays
+only what differs per rank and what the oracle compares: each rank's values
+and commit time.
 
 A log written before (``steps``: one row per rank and step, schema 1) stays
 readable: ``in_time_order`` merges both tables' commits into one stream, in
@@ -70,6 +73,7 @@ def pack(commits: Iterable[CommitIn]) -> list[NodeStepRow]:
             (rank, float(t), [float(v) for v in metrics.values()]))
     rows: list[NodeStepRow] = []
     for (step, generation, names), members in groups.items():
+        members.sort(key=lambda member: member[0])  # by rank (stable): runs like "0-7"
         values = array("d")
         for _, t, numbers in members:
             values.append(t)
