@@ -171,12 +171,13 @@ def test_a_long_job_costs_the_manager_memory_and_status_no_more(tmp_path: Path,
     finally:
         tracemalloc.stop()
     # The page's series (views/history.py) fill up to their capacity, then halve: bounded, but not flat
-    # between two moments; the rest is flat but for goodput's ledger (16 bytes a step of the job, not a rank).
-    # Before, the book alone kept ~100 bytes per rank-step (~800 a step here).
+    # between two moments. The rest grows by goodput's ledger only (16 bytes a step of the job, not of a rank,
+    # ~40 with its arrays' headroom), beside the commits held until the next flush (a window). Before, the
+    # book alone kept ~100 bytes per rank-step: ~800 a step here.
     charts = [tracemalloc.Filter(False, "*/manager/views/history.py")]
     grown = sum(d.size_diff for d in after.filter_traces(charts).compare_to(before.filter_traces(charts),
                                                                               "filename"))
-    assert grown / 3_000 < 48, f"the manager grew {grown / 3_000:.0f} bytes a step"
+    assert grown / 3_000 < 100, f"the manager grew {grown / 3_000:.0f} bytes a step"
     history = manager.history
     assert all(len(series._n) <= history.capacity
                for series in (history.job, *history.ranks.values(), *history.values.values()))
