@@ -60,7 +60,7 @@ Definitions
   for ``StepCommitted`` and ``AgentState``) to when the manager's handler for
   it returned (``Manager.on_messages``, which takes a node's run of worker
   messages in one call, or ``Manager.on_message``, for a worker's message;
-  ``AgentServer._dispatch`` for the agent's own). Both clocks are this host's.
+  ``NodeReports.handle`` for the agent's own). Both clocks are this host's.
   It includes the kernel, the wait in the manager's socket buffer and event
   loop behind other work (a burst of commits, a log flush), the line's
   decode and the manager's handling itself (its SQLite rows). The
@@ -282,9 +282,10 @@ class Probe:
         from undying.jobfiles.events import EventLog
         from undying.manager import nodes
         from undying.manager.manager import Manager
+        from undying.manager.node_reports import NodeReports
 
         probe = self
-        dispatch = nodes.AgentServer._dispatch
+        dispatch = NodeReports.handle  # (an agent's own report; it was AgentServer._dispatch)
         on_message = Manager.on_message
         on_messages = Manager.on_messages
         flush = EventLog.flush
@@ -293,11 +294,11 @@ class Probe:
 
         handle = Recoveries.handle
 
-        def timed_dispatch(server: Any, slot: Any, message: Message) -> None:
+        def timed_dispatch(reports: Any, message: Message, slot: Any) -> None:
             if not probe.on:
-                return dispatch(server, slot, message)
+                return dispatch(reports, message, slot)
             began = time.perf_counter()
-            dispatch(server, slot, message)
+            dispatch(reports, message, slot)
             took = time.perf_counter() - began
             kind = type(message).__name__
             probe.handling[kind].append(took)
@@ -343,7 +344,7 @@ class Probe:
             loop.add_signal_handler(signal.SIGUSR2, probe.end)
             return port
 
-        for owner, name, wrapper in ((nodes.AgentServer, "_dispatch", timed_dispatch),
+        for owner, name, wrapper in ((NodeReports, "handle", timed_dispatch),
                                      (Manager, "on_message", timed_on_message),
                                      (Manager, "on_messages", timed_on_messages), (EventLog, "flush", timed_flush),
                                      (nodes.AgentServer, "start", start_with_lag_probe),
@@ -550,8 +551,8 @@ def check_encoding() -> None:
         sink = LineSink()
         client.connected(sink, 0)  # type: ignore[arg-type]
         for reports in passes:
-            for how, message in reports:
-                client.send(message) if how == "send" else client.on_message(message)
+            for _how, message in reports:
+                client.send(message)  # (a worker's message too: ManagerClient.send takes both now)
             await asyncio.sleep(0)  # the pass ends: its reports are written
         client.disconnected()
         client.connected(sink, 2)  # type: ignore[arg-type]
@@ -617,7 +618,7 @@ class SimNode:
 
     def worker(self, message: Message) -> None:
         """A worker's message, forwarded as the agent forwards it (numbered, as itself)."""
-        self.client.on_message(message)
+        self.client.send(message)
         self.seq += 1
         window = self.sim.window
         if window.on:
@@ -1073,7 +1074,7 @@ async def micro_costs(nnodes: int, ranks_per_node: int, steps: int, root: Path) 
         client.connected(sink, 0)  # type: ignore[arg-type]
         for node_messages in by_node:
             for m in node_messages:
-                client.on_message(m)
+                client.send(m)
             client.flush()  # the pass ends
         assert len(sink.lines) == nnodes
         t = time.perf_counter()

@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -193,18 +192,18 @@ def committed_steps(job_dir: Path) -> dict[int, list[int]]:
 
 
 def newest_step(job_dir: Path) -> int:
-    from undying.jobfiles.events import connect_readonly
+    from undying.jobfiles.events import LogReader
 
     try:
-        db = connect_readonly(job_dir / "events.db")
+        reader = LogReader(job_dir / "events.db")
     except Exception:  # not created yet
         return 0
     try:
-        return int(db.execute("SELECT MAX(step) FROM steps").fetchone()[0] or 0)
-    except sqlite3.Error:
+        return reader.newest_step()
+    except LogReader.Error:
         return 0
     finally:
-        db.close()
+        reader.close()
 
 
 def run(job_dir: Path, script: Path, args: list[str], ranks: int, run_args: list[str] | None = None,

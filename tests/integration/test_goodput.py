@@ -26,6 +26,7 @@ from tests.integration.jobs import manager_url, start_job, wait_running
 from tests.oracle import Oracle, Outcome, crash
 from undying.cli.status import watch
 from undying.cli.summary import end_summary, logged_account
+from undying.jobfiles.events import LogReader
 
 SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.02")  # 64 steps of at least 20 ms; the losses are the unpaced run's
 RUN_ARGS = ("--spares", "0", "--save-every", "16")  # a cold replacement (a wait for it) and checkpoint stalls
@@ -47,12 +48,8 @@ def _facts(db: Path) -> dict[str, Any]:
 
 
 def _first_step_done(db: Path) -> float:
-    con = sqlite3.connect(db)
-    try:
-        ((t,),) = con.execute("SELECT MAX(t) FROM steps WHERE step = 1 AND generation = 0").fetchall()
-        return float(t)
-    finally:
-        con.close()
+    with LogReader(db) as reader:
+        return max(c.t for c in reader.commits_of_step(1) if c.generation == 0)
 
 
 def test_goodput_and_its_named_losses_add_up_to_the_wall_time(crashed: Outcome) -> None:

@@ -22,7 +22,6 @@ import os
 import random
 import signal
 import socket
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -33,7 +32,7 @@ import pytest
 
 from undying.agent.reports import ManagerClient
 from undying.config import JobConfig, ManagerOptions, Timeouts
-from undying.jobfiles.events import EventLog, read_job, read_job_table
+from undying.jobfiles.events import EventLog, LogReader, read_job, read_job_table
 from undying.jobfiles.tokens import TOKEN_ENV
 from undying.launch.manager_service import _Gate, _serve
 from undying.manager.manager import Manager
@@ -815,11 +814,8 @@ def test_a_batch_sent_again_after_a_manager_restart_is_not_applied_twice(tmp_pat
         return server, manager, events
 
     def rows() -> list[tuple[int, int]]:
-        db = sqlite3.connect(db_path)
-        try:
-            return [(r, s) for r, s in db.execute("SELECT rank, step FROM steps ORDER BY step, rank")]
-        finally:
-            db.close()
+        with LogReader(db_path) as reader:
+            return sorted(((c.rank, c.step) for c in reader.commits()), key=lambda rs: (rs[1], rs[0]))
 
     async def body() -> None:
         server, manager, events = await start(restart=False)

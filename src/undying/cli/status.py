@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,10 +38,16 @@ from undying.cli.summary import (
 )
 from undying.config import WHOLE_GROUP_LINE, JobConfig
 from undying.errors import JobNotRunningError, UsageError
-from undying.jobfiles.events import LogReader, read_job
+from undying.jobfiles.events import LogReader
 from undying.jobfiles.jobdir import JobDir
+from undying.jobfiles.log_rows import Commit
 
-__all__ = ["add_parser", "collect_status", "watch", "step_values", "write_steps"]
+__all__ = ["add_parser", "collect_status", "watch", "step_values", "recent_step_values",
+           "write_steps", "STATUS_STEP_ROWS"]
+
+# `status --json` of a job dir carries the step values of the newest steps, at most this many rows
+# (rank x step): bounded however long and wide the job; every row is `status --steps`.
+STATUS_STEP_ROWS = 512
 
 # Polls in a row a manager may miss (a busy machine) before --watch decides it is gone.
 MAX_MISSES = 3
@@ -114,7 +121,7 @@ def _earlier_run(log: Path) -> dict[str, Any]:
     recorded."""
     try:
         with LogReader(log) as reader:
-            job, commits = reader.job(), reader.commits()
+            job, newest = reader.job(), reader.newest_step()
             incidents, events = reader.incidents(), reader.count_events()
     except (UsageError, LogReader.Error) as e:
         return {"log": log.name, "state": "unreadable", "error": str(e), "step": None,
@@ -125,7 +132,7 @@ def _earlier_run(log: Path) -> dict[str, Any]:
         # An archived log's launcher is gone by definition: one that never ended was interrupted.
         "state": state if state in TERMINAL else "interrupted",
         "job_id": job.get("job_id"),
-        "step": max((c.step for c in commits), default=0),
+        "step": newest,
         "events": events,
         "incidents": len(incidents),
     }
@@ -144,12 +151,10 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
     alive was interrupted (the launcher killed, the machine lost): said so, with
     how to resume, never "running" forever.
     """
-    with readable_log(jd.events_db):
-        data = read_job(jd.events_db)
-    job = data["job"]
-    newest: dict[int, int] = {}
-    for commit in data["steps"]:
-        newest[commit["rank"]] = max(newest.get(commit["rank"], 0), commit["step"])
+    # (bounded reads: the newest step of each rank, never every commit of a long job)
+    with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
+        job, ranks, incidents = reader.job(), reader.ranks(), reader.incidents()
+        newest = reader.newest_steps()
     state = job.get("state")
     exit_reason = job.get("exit_reason", "")
     info = jd.read_manager()
@@ -160,7 +165,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
                        "(killed, or its machine lost); run the same `undying run` command again to "
                        "resume from its latest checkpoint")
         state = "interrupted"
-    step = min((max(r["step"], newest.get(r["rank"], 0)) for r in data["ranks"]), default=0)
+    step = min((max(r["step"], newest.get(r["rank"], 0)) for r in ranks), default=0)
     with readable_log(jd.events_db):
         account = logged_account(jd.events_db, step=step)
         with LogReader(jd.events_db) as reader:
@@ -186,8 +191,8 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "max_restarts": max_restarts,
         "preemption": job.get("preemption"),
         "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
-        "ranks": data["ranks"],
-        "incidents": data["incidents"],
+        "ranks": ranks,
+        "incidents": incidents,
         "live": False,
     }
 
@@ -218,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         if args.manager is None:
             with contextlib.suppress(UsageError, JobNotRunningError):
-                status["step_values"] = step_values(resolve_job_dir(args.job_dir))
+                # (a window: the newest steps' rows; every row is `--steps`)
+                window, status["step_values"] = recent_step_values(resolve_job_dir(args.job_dir))
+                status["step_values_window"] = window
         sys.stdout.write(json.dumps(status, default=str) + "\n")
         return 0
     render(status, Console())
@@ -313,7 +320,24 @@ def step_values(jd: JobDir) -> list[dict[str, Any]]:
     step, then rank.
     """
     with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
-        commits = reader.commits()
+        return _value_rows(reader.iter_commits())
+
+
+def recent_step_values(jd: JobDir, rows: int = STATUS_STEP_ROWS
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``status --json``'s window of ``step_values``: the rows of the newest steps, at most
+    ``rows`` of them, however long the job ran (the whole series: ``--steps``)."""
+    with readable_log(jd.events_db), LogReader(jd.events_db) as reader:
+        world = max(1, int(reader.job().get("world_size") or 1))
+        newest = reader.newest_step()
+        kept = _value_rows(reader.commits_since(newest - max(1, -(-rows // world)) + 1))[-rows:]
+    return {"rows": len(kept), "max_rows": rows,
+            "first_step": kept[0]["step"] if kept else None,
+            "last_step": kept[-1]["step"] if kept else None,
+            "all": f"undying status --steps --job-dir {jd.path}"}, kept
+
+
+def _value_rows(commits: Iterable[Commit]) -> list[dict[str, Any]]:
     newest: dict[tuple[int, int], dict[str, Any]] = {}
     runs: dict[tuple[int, int], int] = {}
     for c in commits:  # (in time order: the later commit of a step wins)

@@ -57,11 +57,11 @@ def logged_account(path: Path, *, step: int | None = None) -> Account:
         steps = JobSteps(int(job.get("world_size") or 1))
         ledger = StepLedger()
         newest = 0.0
-        for rank, s, t in reader.commit_times():
-            newest = max(newest, t)
-            done = steps.commit(rank, s, t)
+        for c in reader.iter_commits():  # (one by one: a long job's log is never held whole)
+            newest = max(newest, c.t)
+            done = steps.commit(c.rank, c.step, c.t)
             if done is not None:
-                ledger.done(s, done[0])
+                ledger.done(c.step, done[0])
         last = steps.recent[-1][0] if steps.recent else None
         values = None
         if last is not None:

@@ -1,18 +1,16 @@
 """The job dir and what it holds, shared by every role and every command.
 
-What belongs here: the job dir's layout and its lock (``jobdir``: the folder,
-``manager.json`` that says where the running manager listens, the logs), who
-owns its files and their modes (``ownership``: 0700 and 0600 whatever the
-umask, a stranger's file refused), the token's file and where a caller finds
-it (``tokens``), the user's Prometheus folder beside them (``prometheus``: each
-job's file_sd target file and the scrape credential), the SQLite event log, its
-writer and its readers (``events``,
-with ``held_writes`` beneath it: the one module that speaks SQL; its rows as Python
-reads them, ``log_rows``), and the
-records the log stores (``records``: the job's and the ranks' states,
-incidents, the job's state machine), and the pure computations over them that
-the manager and the command line both make (``progress``, ``goodput``,
-``reruns``, and ``restarts``: a script without steps in its own terms).
+What belongs here: the job dir's layout and its lock (``jobdir``: the folder, ``manager.json``
+that says where the running manager listens, the logs), who owns its files and their modes
+(``ownership``: 0700 and 0600 whatever the umask, a stranger's file refused), the token's file
+and where a caller finds it (``tokens``), the user's Prometheus folder beside them
+(``prometheus``: each job's file_sd target file and the scrape credential), the SQLite event
+log, its writer (``events``, with ``held_writes`` beneath it) and its readers (``log_reader``):
+the only modules that speak SQL; its rows as Python reads them (``log_rows``; a node's commits
+of a step packed in one row, ``step_rows``), and the records the log stores (``records``: the
+job's and the ranks' states, incidents, the job's state machine), and the pure computations over
+them that the manager and the command line both make (``progress``, ``goodput``, ``reruns``, and
+``restarts``: a script without steps in its own terms).
 
 What does not: anything that decides (the manager's policy, recovery,
 regroups), anything that serves (the manager's HTTP API and its check of a

@@ -5,11 +5,13 @@ demo, also after the job ended. WAL mode lets readers run beside the writer.
 Commits of steps are frequent, so writes are grouped and flushed on a short
 timer and at once for anything a person would look for (incidents, states).
 
-This is the one module that speaks SQL (``held_writes`` only replays the
-statements it is handed). Everything else reads a log through ``LogReader``
-and the typed rows of ``log_rows``, and a restarted manager through
-``EventLog.saved_job``, so the schema can change here without a hunt for
-queries in the command line, the demo, the oracle or the manager.
+This module (the writer) and ``log_reader`` (the readers, ``LogReader``) are
+the only ones that speak SQL (``held_writes`` only replays the statements it
+is handed). Everything else reads a log through ``LogReader`` and the typed
+rows of ``log_rows``, and a restarted manager through ``EventLog.saved_job``,
+so the schema can change here without a hunt for queries in the command
+line, the demo, the oracle or the manager. ``LogReader`` and its helpers are
+imported from here as before.
 """
 
 from __future__ import annotations
@@ -21,23 +23,23 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any
 
-from undying.errors import UsageError
 from undying.jobfiles.held_writes import HeldWrites
-from undying.jobfiles.log_rows import (
-    Commit,
-    LoggedEvent,
-    SavedJob,
-    incident_from_row,
-    metrics_json,
-    rank_from_row,
+from undying.jobfiles.log_reader import (
+    LogReader,
+    commits,
+    connect_readonly,
+    job_facts,
+    newest_steps,
+    read_job,
+    read_job_table,
 )
+from undying.jobfiles.log_rows import SavedJob, incident_from_row, rank_from_row
 from undying.jobfiles.records import Incident
+from undying.jobfiles.step_rows import pack
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -49,12 +51,17 @@ __all__ = [
     "fold_wal",
 ]
 
-SCHEMA_VERSION = 1
+# 2: commits kept per node and step (node_steps, see step_rows); a log of 1 (steps, per rank and
+# step) is still read.
+SCHEMA_VERSION = 2
 log = logging.getLogger("undying.manager")
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _INCIDENT_SQL = ("INSERT OR REPLACE INTO incidents "
                  "(id, kind, rank, step, action, status, fault_t, data) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
+
+_NODE_STEP_SQL = ("INSERT INTO node_steps (step, generation, t, ranks, names, data) "
+                  "VALUES (?, ?, ?, ?, ?, ?)")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -68,6 +75,10 @@ CREATE TABLE IF NOT EXISTS steps (
     rank INTEGER NOT NULL, step INTEGER NOT NULL, generation INTEGER NOT NULL,
     t REAL NOT NULL, metrics TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS steps_by_step ON steps (step, rank);
+CREATE TABLE IF NOT EXISTS node_steps (
+    step INTEGER NOT NULL, generation INTEGER NOT NULL, t REAL NOT NULL,
+    ranks TEXT NOT NULL, names TEXT NOT NULL, data BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS node_steps_by_step ON node_steps (step);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
 
@@ -88,6 +99,8 @@ class EventLog:
         self._incidents: dict[int, tuple[Any, ...]] = {}
         self._ranks: dict[int, str] = {}
         self._hooks: list[Callable[[], None]] = []
+        # The commits since the last flush: written then, one node_steps row per step (step_rows).
+        self._commits: list[tuple[int, int, int, float, Mapping[str, float | str]]] = []
         self._open()
         self.set_job("schema_version", SCHEMA_VERSION)
 
@@ -164,19 +177,18 @@ class EventLog:
     def saved_job(self) -> SavedJob:
         """Everything a restarted manager needs from the log, read on this (the loop's)
         connection."""
-        committed: dict[int, set[int]] = defaultdict(set)
-        commits = []
-        for rank, step, t in self._db.execute("SELECT rank, step, t FROM steps ORDER BY t"):
-            committed[int(rank)].add(int(step))
-            commits.append((int(rank), int(step), float(t)))
+        self._write_commits()  # (what is not flushed yet too)
+        newest: dict[int, int] = {}
+        for rank, step in newest_steps(self._db):
+            newest[rank] = max(step, newest.get(rank, step))
         return SavedJob(
-            facts=_job_facts(self._db),
+            facts=job_facts(self._db),
             ranks=[rank_from_row(json.loads(d))
                    for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")],
-            committed=dict(committed),
+            newest_steps=newest,
             incidents=[incident_from_row(json.loads(d))
                        for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")],
-            commits=commits,
+            commits=((c.rank, c.step, c.t) for c in commits(self._db)),
             reports=[(str(k), float(t), json.loads(d)) for k, t, d in self._db.execute(
                 "SELECT kind, t, data FROM events "
                 "WHERE kind IN ('steps_planned', 'checkpoint_saved') ORDER BY id")],
@@ -203,20 +215,19 @@ class EventLog:
 
     def step(self, rank: int, step: int, generation: int, t: float,
              metrics: Mapping[str, float | str]) -> None:
-        self._exec(
-            "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            (rank, step, generation, t, metrics_json(metrics)),
-        )
-        self._dirty = True
+        self.steps([(rank, step, generation, t, metrics)])
 
     def steps(self, rows: Sequence[tuple[int, int, int, float, Mapping[str, float | str]]]) -> None:
-        """Several commits' rows (rank, step, generation, t, metrics) in one statement."""
-        self._exec_many(
-            "INSERT INTO steps (rank, step, generation, t, metrics) VALUES (?, ?, ?, ?, ?)",
-            [(rank, step, generation, t, metrics_json(metrics))
-             for rank, step, generation, t, metrics in rows],
-        )
+        """Commits (rank, step, generation, t, metrics): kept until the next flush, which writes
+        the commits of each step among them as one ``node_steps`` row (``step_rows.pack``), so
+        a step costs a row a flush, however many ranks (and whichever way they came)."""
+        self._commits.extend(rows)
         self._dirty = True
+
+    def _write_commits(self) -> None:
+        if self._commits:
+            commits, self._commits = self._commits, []
+            self._exec_many(_NODE_STEP_SQL, pack(commits))
 
     def incident(self, incident: Incident) -> None:
         row = (incident.id, incident.kind, incident.rank, incident.step, incident.action,
@@ -270,6 +281,7 @@ class EventLog:
             if problem:
                 self._replace(problem)
         if self._dirty:
+            self._write_commits()
             for hook in self._hooks:
                 hook()
             try:
@@ -286,115 +298,6 @@ class EventLog:
         self._db.close()
         with contextlib.suppress(OSError):
             os.close(self._probe)
-
-
-def connect_readonly(path: Path) -> sqlite3.Connection:
-    """Open an event log for reading only; never creates a file."""
-    if not path.is_file():
-        raise UsageError(f"{path} is not an undying event log; pass the --job-dir of a job")
-    return sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
-
-
-def _job_facts(db: sqlite3.Connection | HeldWrites) -> dict[str, Any]:
-    return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM job")}
-
-
-class LogReader:
-    """A job's event log opened read-only (the job running or not), with typed queries.
-
-    Use as a context manager; each method is one query. Readers run beside
-    the writer (WAL) and see what it last committed. A file that is no event
-    log (or a damaged one) raises ``LogReader.Error`` from the first query.
-    """
-
-    Error: ClassVar[type[Exception]] = sqlite3.Error
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db = connect_readonly(path)
-
-    def __enter__(self) -> LogReader:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._db.close()
-
-    def job(self) -> dict[str, Any]:
-        """The job's key/value facts (state, ids, generation, ...): cheap however long the job
-        ran."""
-        return _job_facts(self._db)
-
-    def ranks(self) -> list[dict[str, Any]]:
-        """Each rank's last row (``RankInfo.to_dict``), by rank."""
-        return [json.loads(d) for (d,) in self._db.execute("SELECT data FROM ranks ORDER BY rank")]
-
-    def incidents(self) -> list[dict[str, Any]]:
-        """Each incident's last row (``Incident.to_dict``), oldest first."""
-        return [json.loads(d)
-                for (d,) in self._db.execute("SELECT data FROM incidents ORDER BY id")]
-
-    def commits(self) -> list[Commit]:
-        """Every logged commit, in time order."""
-        rows = self._db.execute("SELECT rank, step, generation, t, metrics FROM steps ORDER BY t")
-        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in rows]
-
-    def commit_times(self) -> list[tuple[int, int, float]]:
-        """Every logged commit as (rank, step, time), in time order: the commits without their
-        values (cheaper)."""
-        rows = self._db.execute("SELECT rank, step, t FROM steps ORDER BY t")
-        return [(int(r), int(s), float(t)) for r, s, t in rows]
-
-    def newest_step(self) -> int:
-        """The newest step any rank committed (0 for none)."""
-        (step,) = self._db.execute("SELECT MAX(step) FROM steps").fetchone()
-        return int(step or 0)
-
-    def commits_of_step(self, step: int) -> list[Commit]:
-        """The commits of one step (each rank's, and again for a step re-run), in time order."""
-        rows = self._db.execute(
-            "SELECT rank, step, generation, t, metrics FROM steps WHERE step = ? ORDER BY t",
-            (step,))
-        return [Commit(int(r), int(s), int(g), float(t), json.loads(m)) for r, s, g, t, m in rows]
-
-    def first_commit_times(self) -> dict[int, float]:
-        """When each rank first committed a step (unix seconds), by rank."""
-        rows = self._db.execute("SELECT rank, MIN(t) FROM steps GROUP BY rank")
-        return {int(r): float(t) for r, t in rows}
-
-    def events(self, kind: str) -> list[LoggedEvent]:
-        """The events of one kind (``done``, ``checkpoint_saved``, ...), oldest first."""
-        rows = self._db.execute(
-            "SELECT id, t, generation, rank, kind, data FROM events WHERE kind = ? ORDER BY id",
-            (kind,))
-        return [LoggedEvent(int(i), float(t), g, r, k, json.loads(d))
-                for i, t, g, r, k, d in rows]
-
-    def newest_event_t(self) -> float | None:
-        """When the newest event was logged (unix seconds); None for a log with none."""
-        (t,) = self._db.execute("SELECT MAX(t) FROM events").fetchone()
-        return None if t is None else float(t)
-
-    def count_events(self) -> int:
-        """How many events the log holds (of every kind)."""
-        (n,) = self._db.execute("SELECT COUNT(*) FROM events").fetchone()
-        return int(n)
-
-
-def read_job_table(path: Path) -> dict[str, Any]:
-    """The job's key/value facts only (state, ids, generation): cheap however long the job ran."""
-    with LogReader(path) as reader:
-        return reader.job()
-
-
-def read_job(path: Path) -> dict[str, Any]:
-    """Everything ``undying status`` shows, read from the log of a job (running or not)."""
-    with LogReader(path) as reader:
-        return {"job": reader.job(), "ranks": reader.ranks(), "incidents": reader.incidents(),
-                "steps": [c.to_dict() for c in reader.commits()]}
 
 
 def fold_wal(path: Path) -> None:

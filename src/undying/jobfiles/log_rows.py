@@ -3,41 +3,19 @@ back.
 
 ``events`` (the one module that speaks SQL) writes and reads them; these say
 what a row holds and how a rank's and an incident's rows turn back into
-records, and how a commit's metrics are kept as JSON text.
+records (a commit's row: ``step_rows``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from undying.jobfiles.records import Incident, RankInfo, RankState
 
-__all__ = ["Commit", "LoggedEvent", "SavedJob", "rank_from_row", "incident_from_row",
-           "metrics_json"]
-
-
-_ENCODE_JSON = msgspec.json.Encoder().encode
-
-
-def metrics_json(metrics: Mapping[str, float | str]) -> str:
-    """A commit's metrics as the steps table keeps them (JSON text), on the path of every rank's
-    every step.
-
-    msgspec writes it 30x faster than ``json.dumps``; but it writes NaN and
-    infinities as null, and a NaN loss must read back as NaN (the oracle
-    compares losses), so those rare rows take ``json.dumps``, which keeps them.
-    """
-    if all(not isinstance(v, str) and math.isfinite(v) for v in metrics.values()):
-        return _ENCODE_JSON(metrics).decode()
-    # ("inf", "nan": how the wire carries them)
-    return json.dumps({k: float(v) for k, v in metrics.items()})
+__all__ = ["Commit", "LoggedEvent", "SavedJob", "rank_from_row", "incident_from_row"]
 
 
 @dataclass(frozen=True)
@@ -73,17 +51,18 @@ class SavedJob:
 
     ``facts`` is the job table (state, generation, layout, sessions, ...);
     ``ranks`` each rank as last written, by rank (a row is not rewritten per
-    step: ``committed`` says how far each rank got); ``incidents`` every
+    step: ``newest_steps`` says how far each rank got); ``incidents`` every
     incident as last written, oldest first, its phases absolute times again.
     """
 
     facts: dict[str, Any]
     ranks: list[RankInfo]
-    committed: dict[int, set[int]]
+    newest_steps: dict[int, int]  # rank -> the newest step it committed
     incidents: list[Incident]
     # What the step clock is fed again (progress, goodput): every commit (rank, step, time) in time
-    # order, and the plan and checkpoint reports (kind, time, data) in order.
-    commits: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    # order, read as it is taken (once: the log is not held in memory), and the plan and checkpoint
+    # reports (kind, time, data) in order.
+    commits: Iterable[tuple[int, int, float]] = ()
     reports: list[tuple[str, float, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 

@@ -27,8 +27,9 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
 
     The generation, every rank (its process, step, owner), every incident
     (one still open belongs to a recovery this manager finishes), the
-    committed steps (so a step re-run after the restart is still seen) and
-    the checkpoints.
+    newest step each rank committed (so a step re-run after the restart is
+    still seen) and the checkpoints. The commits are read one by one, never
+    held all at once: a restart's memory does not grow with the job's length.
     """
     events = core.events
     saved = events.saved_job()
@@ -41,7 +42,7 @@ def restore_job(core: JobCore, *, checkpoints: Checkpoints, recoveries: Recoveri
     core.book.rerun_steps = set(job.get("rerun_steps", []))
     if "nodes" in job:
         core.set_layout([int(n) for n in job["nodes"]], persist=False)
-    core.book.restore(saved.ranks, saved.committed)
+    core.book.restore(saved.ranks, saved.newest_steps)
     history.replay(events.path, core.book.world_size)
     core.clock.replay(saved.commits, saved.reports)
     open_incidents: list[Incident] = []

@@ -5,11 +5,15 @@ same answer to "who is in the job": the recovery code, the regroup, the
 preemption and the views. The book also decides which rank rows the event log
 rewrites: a rank that only trains on changes its step, which the steps table
 holds already, so a flush after a step of thousands of ranks writes no rank row.
+
+Its memory grows with ranks and faults, never with steps: of the steps each
+rank committed it keeps the newest (a step at or below it is a re-run), so a
+job of any length holds one number per rank (``committed``), plus the steps
+re-run and the processes that stepped, which grow with recoveries only.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -40,7 +44,8 @@ class RankBook:
         # every node of --nnodes, or, for an elastic job, those it has (see set_layout).
         self.nodes: list[int] = []
         self.ranks: dict[int, RankInfo] = {}
-        self.committed: defaultdict[int, set[int]] = defaultdict(set)
+        # rank -> the newest step it committed: a step at or below it ran before
+        self.committed: dict[int, int] = {}
         self.rerun_steps: set[int] = set()
         self.finished: set[int] = set()
         self.incarnations = 0  # the newest process given a rank (see take)
@@ -93,10 +98,12 @@ class RankBook:
         """``rank`` committed ``step``; True when the step ran before
         (a re-run after a recovery)."""
         info = self.ranks[rank]
-        rerun = step in self.committed[rank]
+        newest = self.committed.get(rank)
+        rerun = newest is not None and step <= newest
         if rerun:
             self.rerun_steps.add(step)
-        self.committed[rank].add(step)
+        else:
+            self.committed[rank] = step
         self.stepped.add(info.incarnation)
         moved = info.state is not RankState.RUNNING or info.generation != generation
         info.step, info.generation = step, generation
@@ -114,9 +121,9 @@ class RankBook:
             self._log.rank(rank, self.ranks[rank].to_dict())
         self._dirty.clear()
 
-    def restore(self, rows: Iterable[RankInfo], committed: dict[int, set[int]]) -> None:
+    def restore(self, rows: Iterable[RankInfo], newest_steps: dict[int, int]) -> None:
         """Read the ranks back from the log of a manager that died
-        (its rank rows and committed steps)."""
+        (its rank rows and the newest step each rank committed)."""
         for row in rows:
             info = self.ranks.get(row.rank)
             if info is None:
@@ -125,13 +132,13 @@ class RankBook:
             info.state, info.restarts = row.state, row.restarts
             info.last_seen, info.incarnation = row.last_seen, row.incarnation
             self.incarnations = max(self.incarnations, info.incarnation)
-        for rank, steps in committed.items():
-            self.committed[rank] |= steps
+        for rank, step in newest_steps.items():
+            self.committed[rank] = max(step, self.committed.get(rank, step))
         # a row is not rewritten per step (see commit): the steps say
         for info in self.ranks.values():
-            steps_of_rank = self.committed.get(info.rank)
-            if steps_of_rank:
-                info.step = max(info.step, max(steps_of_rank))
+            newest = self.committed.get(info.rank)
+            if newest:
+                info.step = max(info.step, newest)
                 # (whose commits they were is not logged: its process is taken to have stepped, so
                 # its failure is never judged a start-up one)
                 self.stepped.add(info.incarnation)

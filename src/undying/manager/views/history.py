@@ -300,7 +300,7 @@ class RunHistory:
         """
         try:
             with LogReader(path) as reader:
-                for c in reader.commits():
+                for c in reader.iter_commits():
                     self.commit(c.rank, c.step, c.t, c.metrics, world_size)
                 for e in reader.events("checkpoint_saved"):
                     d = e.data
