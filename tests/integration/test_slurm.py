@@ -251,8 +251,9 @@ def test_a_lost_node_s_ranks_start_on_the_spare_node_of_the_allocation(
     job, job_dir = _with_a_spare_node(cluster3, work)
     cluster3.kill_node(1)
     _trained_on(cluster3, work, job, job_dir, oracle)
-    job_row = read_job(job_dir / "events.db")
-    assert job_row["state"] == "succeeded", job_row
+    run = load_run(job_dir / "events.db")
+    assert run.state == "succeeded", run.state
+    assert [i["kind"] for i in run.incidents if i["status"] == "recovered"], run.incidents
 
 
 def test_a_sigterm_to_one_node_s_processes_alone_is_that_node_leaving(

@@ -215,3 +215,10 @@ def test_spare_nodes_are_the_step_s_last_nodes_and_join_as_standbys() -> None:
         apply_slurm(_args("--spare-nodes", "3"), STEP)
     with pytest.raises(UsageError, match="disagree"):
         apply_slurm(_args("--spare-nodes", "1", "--nnodes", "3"), STEP)
+
+
+def test_the_batch_script_asks_for_spare_nodes_and_keeps_the_job_when_one_fails() -> None:
+    text = _script("--nodes", "2", "-n", "2", "--spare-nodes", "1", "--", "t.py")
+    assert "#SBATCH --nodes=3" in text and "#SBATCH --no-kill" in text
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert "--no-kill" in srun and "--spare-nodes 1" in srun

@@ -47,6 +47,9 @@ undying {__version__}.""")
     p.add_argument("--min-nodes", type=_count("--min-nodes", 1, 4096), default=None,
                    metavar="M", help="an elastic job: it goes on with M..N nodes "
                    "(`undying run --nnodes M:N`)")
+    p.add_argument("--spare-nodes", type=_count("--spare-nodes", 0, 4096), default=0,
+                   metavar="K", help="K more nodes as warm standbys: a lost node's ranks start "
+                   "on one at once (asks Slurm for N+K nodes, with --no-kill)")
     p.add_argument("--job-name", type=_checked("--job-name", _NAME), default="undying",
                    help="Slurm's job name (default %(default)s)")
     p.add_argument("--time", type=_checked("--time", _TIME), default=None,
@@ -96,10 +99,15 @@ def batch_script(args: argparse.Namespace, command: list[str]) -> str:
     run = [*undying, "run", "-n", str(args.nproc_per_node),
            *(["--nnodes", nnodes] if nnodes else []),
            *(["--max-requeues", str(args.max_requeues)] if not args.no_requeue else []),
+           *(["--spare-nodes", str(args.spare_nodes)] if args.spare_nodes else []),
            *command]
     sbatch = [
         ("--job-name", args.job_name, ""),
-        ("--nodes", str(args.nodes), "the job's nodes"),
+        ("--nodes", str(args.nodes + args.spare_nodes),
+         f"the job's nodes, {args.spare_nodes} of them spare" if args.spare_nodes
+         else "the job's nodes"),
+        *([("--no-kill", None, "a lost node is the job's to recover, not Slurm's")]
+          if args.spare_nodes else []),
         ("--ntasks-per-node", "1", "one undying launcher a node; it starts the ranks"),
         *([("--cpus-per-task", str(args.cpus_per_node), "the launcher's and its ranks' CPUs")]
           if args.cpus_per_node else []),
@@ -123,7 +131,8 @@ def batch_script(args: argparse.Namespace, command: list[str]) -> str:
         "# every process of the job's steps, which agree on a stop step and take the dying gasp.",
         "trap 'scancel --signal=TERM \"$SLURM_JOB_ID\"' TERM",
         "",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(run)} &",
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=0{' --no-kill' if args.spare_nodes else ''} "
+        f"{shlex.join(run)} &",
         "srun_pid=$!",
         "wait \"$srun_pid\"; code=$?",
         "# (a trapped signal ends `wait` early: wait again until srun itself ends)",
