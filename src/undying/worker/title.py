@@ -35,11 +35,17 @@ def prepare() -> None:
     # SPT_NOENV: the title goes in the argument area alone. Without it setproctitle moves the
     # environment to make room, and /proc/PID/environ no longer shows it: the agent finds the
     # processes a rank started (forked ones share the area) by the mark in their environment.
+    # It is read once, at the first call; the script's environment stays as it was given.
+    added = "SPT_NOENV" not in os.environ
     os.environ.setdefault("SPT_NOENV", "1")
-    with contextlib.suppress(ImportError):
-        import setproctitle
+    try:
+        with contextlib.suppress(ImportError):
+            import setproctitle
 
-        setproctitle.getproctitle()  # (its first call finds the area)
+            setproctitle.getproctitle()  # (its first call finds the area)
+    finally:
+        if added:
+            os.environ.pop("SPT_NOENV", None)
 
 
 def name_process(script: str) -> None:
