@@ -122,3 +122,20 @@ def test_a_ranks_print_to_a_hung_up_terminal_lands_in_the_job_dir_and_never_rais
     # (A print is two writes, its text then its newline: the first to fail may land its newline first.)
     assert [line for line in said.splitlines() if line] == ["step 0 loss 0.5", "step 1 loss 0.5", "step 2 loss 0.5",
                                                            "on stderr"], said
+
+
+def test_a_rank_s_print_erases_the_launcher_s_live_line_it_would_land_after() -> None:
+    """Under the launcher's live line (UNDYING_LIVE_LINE), a write that starts a line first clears
+    it; a write in the middle of a line does not."""
+    import io
+
+    from undying.worker.streams import _Guarded
+
+    shown = io.StringIO()
+    guarded = _Guarded(shown, 1, erase=True)  # type: ignore[arg-type]
+    for text in ("epoch 0 loss 0.4656\n", "half ", "a line\n", ""):
+        guarded.write(text)
+    assert shown.getvalue() == "\r\x1b[Kepoch 0 loss 0.4656\n\r\x1b[Khalf a line\n"
+    plain = io.StringIO()
+    _Guarded(plain, 1).write("epoch 0\n")  # type: ignore[arg-type]
+    assert plain.getvalue() == "epoch 0\n"

@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, TextIO
 
 from undying.cli.progress_line import WIDTH, live_line, periodic_line
+from undying.protocol.env import LIVE_LINE_ENV
 
 __all__ = ["LIVE", "PERIODIC", "OFF", "choose_mode", "ProgressShow"]
 
@@ -110,6 +111,7 @@ class ProgressShow:
     def start(self) -> ProgressShow:
         """Begin (on the running event loop); returns itself."""
         if self.mode == LIVE:
+            os.environ[LIVE_LINE_ENV] = "1"  # the ranks started from now on erase it to print
             self._above = _AboveTheLine(self, self._stream)
             self._divert(self._above)
             self._task = asyncio.ensure_future(self._live())

@@ -23,6 +23,7 @@ __all__ = [
     "REPLICATE_EVERY_ENV", "CHECKPOINT_DIR_ENV", "SAVE_EVERY_ENV", "SAVE_INTERVAL_ENV", "KEEP_ENV",
     "TRACE_DIR_ENV", "TRACE_MAX_FILE_MB_ENV", "TRACE_MAX_DIR_MB_ENV",
     "LOG_DIR_ENV", "REDIRECTS_ENV", "TEE_ENV", "CONSOLE_ENV", "VERBOSE_ENV",
+    "LIVE_LINE_ENV",
     # The timeouts a rank reads.
     "TIMEOUT_RENDEZVOUS_ENV", "TIMEOUT_CONNECT_ENV", "TIMEOUT_COLLECTIVE_ENV",
     "TIMEOUT_HEARTBEAT_ENV", "TIMEOUT_EXIT_ENV", "TIMEOUT_ENVS", "DEFAULT_HEARTBEAT_TIMEOUT_S",
@@ -82,6 +83,10 @@ CONSOLE_ENV = "UNDYING_CONSOLE"
 # `undying -v`: "1" when a rank's own log lines at INFO go to its stderr too (set by the launcher,
 # cli/run_job.py; read in each rank, config/console.py). Else a rank shows WARNING and above.
 VERBOSE_ENV = "UNDYING_VERBOSE"
+# "1" when the launcher draws its live progress line on the terminal the ranks share (set by
+# cli/progress_show.py): a rank's print on that terminal first erases the line (worker/streams.py),
+# which the launcher draws again below it.
+LIVE_LINE_ENV = "UNDYING_LIVE_LINE"
 
 # --- the timeouts a rank reads: undying.config.Timeouts' fields, in seconds ---------------------
 # Set for every rank from undying run's options (config.JobConfig.timeout_env), read back into the

@@ -17,7 +17,9 @@ to the dead terminal fails with EIO. A rank's ``print`` raising there would
 fail the very steps the gasp waits for, so ``sys.stdout`` and ``sys.stderr``
 on a terminal are guarded (``_Guarded``): on EIO the descriptor is moved onto
 ``<job dir>/launcher.log`` (where the launcher's own output goes then) and the
-write is done there.
+write is done there. Where the launcher draws its live progress line on that terminal
+(``UNDYING_LIVE_LINE``), a print that starts a line first erases it: the rank's words take the
+line, and the launcher draws its own again below them.
 """
 
 from __future__ import annotations
@@ -30,11 +32,19 @@ from typing import Any, TextIO
 
 from undying.config import HANGUP_LOG
 from undying.inputs import env_value
-from undying.protocol.env import CONSOLE_ENV, JOB_DIR_ENV, LOG_DIR_ENV, REDIRECTS_ENV, TEE_ENV
+from undying.protocol.env import (
+    CONSOLE_ENV,
+    JOB_DIR_ENV,
+    LIVE_LINE_ENV,
+    LOG_DIR_ENV,
+    REDIRECTS_ENV,
+    TEE_ENV,
+)
 
 __all__ = ["direct_streams"]
 
 _STREAMS = ((1, "stdout", 1), (2, "stderr", 2))  # fd, file name, torchrun's Std bit
+_ERASE = "\r\x1b[K"  # to the line's start, and clear it
 # (held: the copies outlive nothing of ours but must not be collected)
 _tees: list[subprocess.Popen[bytes]] = []
 
@@ -91,9 +101,11 @@ class _Guarded:
     """A standard stream on a terminal whose writes survive the terminal's hang-up (see the
     module's doc)."""
 
-    def __init__(self, stream: TextIO, fd: int) -> None:
+    def __init__(self, stream: TextIO, fd: int, erase: bool = False) -> None:
         self._stream = stream
         self._fd = fd
+        self._erase = erase  # the launcher's live line may be on this line: erase it first
+        self._line_start = True
 
     def _again(self, call: Any, *args: Any) -> Any:
         try:
@@ -108,6 +120,10 @@ class _Guarded:
             return len(args[0]) if args and isinstance(args[0], str) else None
 
     def write(self, text: str) -> int:
+        if self._erase and self._line_start and text:
+            self._again(self._stream.write, _ERASE)  # (the launcher draws it again below)
+        if text:
+            self._line_start = text.endswith("\n")
         return int(self._again(self._stream.write, text) or 0)
 
     def writelines(self, lines: Any) -> None:
@@ -129,7 +145,7 @@ def _guard_terminal() -> None:
         except (OSError, ValueError, AttributeError):
             on_terminal = False
         if on_terminal:
-            setattr(sys, name, _Guarded(stream, fd))
+            setattr(sys, name, _Guarded(stream, fd, erase=os.environ.get(LIVE_LINE_ENV) == "1"))
 
 
 def _off_the_terminal(fd: int) -> None:
