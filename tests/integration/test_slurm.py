@@ -23,15 +23,16 @@ import pytest
 from tests.oracle import Oracle
 from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason
 from undying.demo import TRAIN_SCRIPT
-from undying.demo.oracle import compare_runs, load_run
+from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
 from undying.jobfiles.events import read_job
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(slurm_unavailable_reason() is not None,
                                  reason=str(slurm_unavailable_reason()))]
 
-# 64 steps of ~0.1 s on 2 nodes x 2 ranks: a crash at step 12 lands mid-run.
-SCRIPT_ARGS = ["--epochs", "2", "--samples", "1024", "--step-seconds", "0.1"]
+# 64 steps of ~0.1 s on 2 nodes x 1 rank (a small job: 2 cores run the whole cluster): a crash at
+# step 12 lands mid-run.
+SCRIPT_ARGS = ["--epochs", "2", "--samples", "512", "--step-seconds", "0.1"]
 UNDYING = [sys.executable, "-m", "undying"]
 
 
@@ -65,13 +66,13 @@ def test_srun_undying_run_needs_no_other_flag_and_survives_a_rank_crash(
     work = tmp_path / "work"
     work.mkdir()
     srun = cluster.popen(
-        ["srun", "-N2", "--ntasks-per-node=1", *UNDYING, "run", "-n", "2", str(TRAIN_SCRIPT),
+        ["srun", "-N2", "--ntasks-per-node=1", *UNDYING, "run", "-n", "1", str(TRAIN_SCRIPT),
          *SCRIPT_ARGS], cwd=work, env=_env(cluster),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         job_dir = work / "undying-jobs" / "slurm-1"
         _wait_for("job dir", lambda: (job_dir / "token").exists(), 60)
-        inject = cluster.run([*UNDYING, "inject", "crash", "--rank", "3", "--at-step", "12",
+        inject = cluster.run([*UNDYING, "inject", "crash", "--rank", "1", "--at-step", "12",
                               "--job-dir", str(job_dir)], check=False, cwd=work, env=_env(cluster))
         assert inject.returncode == 0, inject.stdout + inject.stderr
         out, _ = srun.communicate(timeout=240)
@@ -86,14 +87,14 @@ def test_srun_undying_run_needs_no_other_flag_and_survives_a_rank_crash(
     assert "Slurm job 1, node 1 of 2 (n1), manager on n0;" in text, text[-4000:]
     # The job dir is the documented default, private to the user.
     assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
-    baseline = oracle.baseline(SCRIPT_ARGS, ranks=4)
+    baseline = oracle.baseline(SCRIPT_ARGS, ranks=2)
     run = load_run(job_dir / "events.db")
     comparison = compare_runs(baseline, run)
     assert comparison.identical, (comparison.reasons, text[-4000:])
     assert comparison.lost_steps == 0 and not run.rerun_steps
     job = read_job(job_dir / "events.db")
     crashed = [i for i in job["incidents"] if i.get("kind") == "crash"]
-    assert [i["rank"] for i in crashed] == [3], json.dumps(job["incidents"])[:2000]
+    assert [i["rank"] for i in crashed] == [1], json.dumps(job["incidents"])[:2000]
 
 
 def _batch(cluster: SlurmCluster, folder: Path, body: str, *, nodes: int = 1) -> str:
@@ -124,8 +125,9 @@ def test_outside_a_step_or_with_several_tasks_a_node_it_is_refused_saying_what_t
     assert not (tmp_path / "undying-jobs").exists(), os.listdir(tmp_path)
 
 
-# 64 steps of ~0.1 s: preempted at step 10 or a little later, requeued, resumed.
-LONG_ARGS = ["--epochs", "4", "--samples", "1024", "--step-seconds", "0.1"]
+# 64 steps of ~0.1 s on 2 ranks: preempted at step 10 or a little later (and at 30), requeued,
+# resumed.
+LONG_ARGS = ["--epochs", "2", "--samples", "1024", "--step-seconds", "0.1"]
 
 
 def _status_step(cluster: SlurmCluster, job_dir: Path) -> int:
@@ -143,59 +145,30 @@ def _submit(cluster: SlurmCluster, work: Path, script: str) -> str:
     return r.stdout.strip().split(";")[0]
 
 
-def _preempted_then_resumed(cluster: SlurmCluster, work: Path, job: str, signal_it: list[str],
-                            oracle: Oracle) -> str:
-    """Signal the running job at step >= 10; it takes its gasp, requeues itself, resumes, ends;
-    the losses of both starts are the fault-free run's. Returns the job's output."""
-    from undying.cli.demo import load_preempted
-
-    job_dir = work / "undying-jobs" / f"slurm-{job}"
-    out = work / f"slurm-{job}.out"
-    _wait_for("step 10", lambda: _status_step(cluster, job_dir) >= 10, 120)
-    sigterm_t = time.time()
-    cluster.run(signal_it)
-    _wait_for("the requeued job's end",
-              lambda: "srun-exit=0" in (out.read_text() if out.exists() else "")
-              or cluster.squeue(job) == "", 240)
-    text = out.read_text(errors="replace")
-    assert "requeued Slurm job" in text and "restart=1" in text, text[-5000:]
-    assert text.count("exit 75") >= 1, text[-5000:]
-    merged, _ = load_preempted(job_dir, sigterm_t)
-    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=4), merged)
-    assert comparison.identical and comparison.lost_steps == 0 and not merged.rerun_steps, (
-        comparison.reasons, text[-5000:])
-    return text
+def _launches(job_dir: Path) -> RunRecord:
+    """Every launch of a job that was requeued, oldest first, as one record."""
+    older = sorted(job_dir.glob("events.*.db"), key=lambda p: p.stat().st_mtime)
+    merged = load_run(older[0]) if older else load_run(job_dir / "events.db")
+    for db in [*older[1:], job_dir / "events.db"] if older else []:
+        merged = merge_runs(merged, load_run(db))
+    return merged
 
 
-def test_scancel_of_the_whole_job_takes_the_gasp_requeues_and_resumes_identically(
+def test_the_written_batch_script_preempted_both_ways_requeues_and_resumes_identically(
         cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
-    """`scancel --signal=TERM` (and a preemption, a time limit) reaches every process of the
-    job's steps: agents and workers too, not only the manager. The job is preempted, not left by
-    each node."""
-    work = tmp_path / "work"
-    work.mkdir()
-    run = " ".join([*UNDYING, "run", "-n", "2", str(TRAIN_SCRIPT), *LONG_ARGS])
-    job = _submit(cluster, work, f"""#!/bin/bash
-#SBATCH -N2 --ntasks-per-node=1 --requeue --open-mode=append -o {work}/slurm-%j.out
-echo restart=${{SLURM_RESTART_COUNT:-0}}
-srun --ntasks-per-node=1 {run}
-echo srun-exit=$?
-""")
-    text = _preempted_then_resumed(cluster, work, job, ["scancel", "--signal=TERM", job], oracle)
-    # Each node heard the SIGTERM, and stayed for the job's gasp rather than leave.
-    assert text.count("this node stays for its dying gasp") == 2, text[-5000:]
-    assert not re.search(r"this node leaves the job$", text, re.M), text[-5000:]
-    assert "fenced" not in text, text[-5000:]
+    """The batch script `undying slurm` writes, submitted as it is, stopped twice:
 
+    - `scancel --signal=TERM` (as a preemption and the time limit do) reaches every process of
+      the job's steps, agents and workers too, not only the manager: the job is preempted (each
+      node stays for the gasp rather than leave), requeues itself and resumes;
+    - `scancel --batch --signal=TERM` (as `--signal=B:TERM@T` does) reaches the batch shell alone,
+      whose trap passes it on: the same.
 
-def test_the_batch_script_undying_slurm_writes_forwards_its_signal_and_resumes(
-        cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
-    """`--signal=B:TERM@T` and `scancel --batch` reach the batch shell alone: the script that
-    `undying slurm` writes passes the signal on; the rest is the same."""
+    The three starts' losses are the fault-free run's, no step run twice."""
     work = tmp_path / "work"
     work.mkdir()
     made = subprocess.run(
-        [*UNDYING, "slurm", "--nodes", "2", "-n", "2", "--undying", " ".join(UNDYING),
+        [*UNDYING, "slurm", "--nodes", "2", "-n", "1", "--undying", " ".join(UNDYING),
          "--", str(TRAIN_SCRIPT), *LONG_ARGS], capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     script = made.stdout.replace("#SBATCH --output=undying-%j.out",
@@ -203,8 +176,29 @@ def test_the_batch_script_undying_slurm_writes_forwards_its_signal_and_resumes(
     script = script.replace("srun_pid=$!", "srun_pid=$!\necho restart=${SLURM_RESTART_COUNT:-0}")
     script = script.replace('exit "$code"', 'echo srun-exit=$code\nexit "$code"')
     job = _submit(cluster, work, script)
-    _preempted_then_resumed(cluster, work, job, ["scancel", "--batch", "--signal=TERM", job],
-                            oracle)
+    job_dir = work / "undying-jobs" / f"slurm-{job}"
+    out = work / f"slurm-{job}.out"
+
+    def said() -> str:
+        return out.read_text(errors="replace") if out.exists() else ""
+
+    for restart, (at, signal_it) in enumerate([(10, ["scancel", "--signal=TERM", job]),
+                                                (30, ["scancel", "--batch", "--signal=TERM", job])],
+                                               start=1):
+        _wait_for(f"step {at}", lambda at=at: _status_step(cluster, job_dir) >= at, 120)
+        cluster.run(signal_it)
+        _wait_for(f"requeue {restart}", lambda restart=restart: f"restart={restart}" in said(), 120)
+    _wait_for("the job's end", lambda: "srun-exit=0" in said(), 180)
+    text = said()
+    assert text.count("requeueing Slurm job") == 2 and text.count("exit 75") >= 2, text[-6000:]
+    # Each node heard each SIGTERM, and stayed for the job's gasp rather than leave.
+    assert text.count("this node stays for") == 4, text[-6000:]
+    assert not re.search(r"this node leaves the job$", text, re.M), text[-6000:]
+    assert "fenced" not in text, text[-6000:]
+    merged = _launches(job_dir)
+    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=2), merged)
+    assert comparison.identical and comparison.lost_steps == 0 and not merged.rerun_steps, (
+        comparison.reasons, text[-6000:])
 
 
 @pytest.fixture
@@ -218,7 +212,7 @@ def cluster3(tmp_path: Path) -> Iterator[SlurmCluster]:
 
 def _with_a_spare_node(cluster: SlurmCluster, work: Path) -> tuple[str, Path]:
     """A 2-node job with a third node as its warm standby (`--spare-nodes 1`), at step 10."""
-    run = " ".join([*UNDYING, "run", "-n", "2", "--spare-nodes", "1", "--heartbeat-timeout",
+    run = " ".join([*UNDYING, "run", "-n", "1", "--spare-nodes", "1", "--heartbeat-timeout",
                     "3", str(TRAIN_SCRIPT), *LONG_ARGS])
     job = _submit(cluster, work, f"""#!/bin/bash
 #SBATCH -N3 --ntasks-per-node=1 --no-kill -o {work}/slurm-%j.out
@@ -237,7 +231,7 @@ def _trained_on(cluster: SlurmCluster, work: Path, job: str, job_dir: Path,
               180)
     text = out.read_text(errors="replace")
     assert "(a warm standby)" in text and "(n2)" in text, text[-5000:]
-    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=4), load_run(job_dir / "events.db"))
+    comparison = compare_runs(oracle.baseline(LONG_ARGS, ranks=2), load_run(job_dir / "events.db"))
     assert comparison.identical and comparison.lost_steps == 0, (comparison.reasons, text[-5000:])
     return text
 

@@ -189,7 +189,9 @@ def requeue(step: SlurmStep, max_requeues: int) -> str:
     Slurm requeues a job that exits 75 only where its admin set ``RequeueExit=75``; the job
     asks for it itself instead (``scontrol requeue``), when its allocation allows requeueing
     (``sbatch --requeue``, or the cluster's default) and it was requeued fewer than
-    ``max_requeues`` times. The next start resumes from the dying gasp in the job dir.
+    ``max_requeues`` times. The next start resumes from the dying gasp in the job dir. A
+    requeue ends every process of the job at once, this one included: the line that says so
+    is logged before it is asked for.
     """
     resume = "to resume, submit the same batch script again (it continues from the job dir)"
     if step.restart_count >= max_requeues:
@@ -202,12 +204,15 @@ def requeue(step: SlurmStep, max_requeues: int) -> str:
     if "Requeue=1" not in shown.stdout.split():
         return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
                 f"{resume}")
+    log.warning("requeueing Slurm job %s (requeue %d of at most %d); its next start resumes "
+                "from the job dir", step.job_id, step.restart_count + 1, max_requeues)
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
     done = _scontrol("requeue", step.job_id)
     if done is None or done.returncode != 0:
         why = done.stderr.strip()[:200] if done is not None else "scontrol did not run"
         return f"not requeued: scontrol requeue {step.job_id} failed ({why}); {resume}"
-    return (f"requeued Slurm job {step.job_id} (requeue {step.restart_count + 1} of at most "
-            f"{max_requeues}); its next start resumes from the job dir")
+    return f"requeued Slurm job {step.job_id}"
 
 
 def slurm_line(step: SlurmStep, job_id: str, *, standby: bool = False) -> str:
