@@ -91,3 +91,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
+    _deal(items)
+
+
+def _deal(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's worksteal, each worker starts on its own slice of the collection and
+    the others steal from a slice's end. Dealt like cards: each slice starts with its share of the
+    jobs (integration and adversarial tests, seconds each) and ends with unit tests (cheap to
+    steal), so no job of a minute waits at the end of one worker's slice while the others idle.
+    Deterministic: every worker collects the same order, as xdist requires."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2:
+        return
+    jobs = [i for i in items if {"integration", "adversarial"} & set(Path(str(i.fspath)).parts)]
+    dealt_jobs = set(jobs)
+    rest = [i for i in items if i not in dealt_jobs]
+    dealt: list[pytest.Item] = []
+    for worker in range(workers):
+        dealt += jobs[worker::workers] + rest[worker::workers]
+    items[:] = dealt
