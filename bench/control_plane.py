@@ -832,6 +832,20 @@ class Sim:
             node.close()
 
 
+async def wait_listening(manager: ManagerProcess, timeout_s: float) -> None:
+    """Until the manager's listener comes up; RuntimeError if it exits or takes past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # (torch's import takes seconds on a busy machine)
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", manager.port), timeout=1).close()
+            return
+        if manager.process.poll() is not None:
+            raise RuntimeError(f"the manager exited at start ({manager.log_path})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the manager did not listen within {timeout_s:.0f}s ({manager.log_path})")
+        await asyncio.sleep(0.05)
+
+
 async def wait_for_incident(events_db: Path, rank: int, after: float, timeout_s: float, *,
                             decided_only: bool = False) -> dict[str, Any] | None:
     """The incident of ``rank`` faulted at or after ``after``, once no longer open (or decided), from the log."""
@@ -874,16 +888,7 @@ async def run_size(nnodes: int, args: argparse.Namespace, root: Path, text: Text
     out: dict[str, Any] = {"nodes": nnodes, "ranks": nnodes * args.ranks_per_node, "load_before": load_average()}
     print(f"\n{nnodes} nodes x {args.ranks_per_node} ranks (load {out['load_before']})", file=text, flush=True)
     try:
-        deadline = time.monotonic() + args.timeout_s
-        while True:  # the manager's listener comes up (torch's import takes seconds on a busy machine)
-            with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", manager.port), timeout=1).close()
-                break
-            if manager.process.poll() is not None:
-                raise RuntimeError(f"the manager exited at start ({manager.log_path})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the manager did not listen within {args.timeout_s:.0f}s ({manager.log_path})")
-            await asyncio.sleep(0.05)
+        await wait_listening(manager, args.timeout_s)
         began = time.time()
         await sim.join_all()
         joined = time.time()

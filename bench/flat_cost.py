@@ -63,6 +63,7 @@ from control_plane import (  # noqa: E402  (bench/ is a folder of scripts)
     load_average,
     raise_fd_limit,
     stop_job,
+    wait_listening,
 )
 from recovery import interrupt, publish  # noqa: E402
 
@@ -85,19 +86,6 @@ def log_bytes(events_db: Path) -> int:
         finally:
             db.close()
     return events_db.stat().st_size
-
-
-async def wait_listening(manager: ManagerProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:  # (torch's import takes seconds on a busy machine)
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", manager.port), timeout=1).close()
-            return
-        if manager.process.poll() is not None:
-            raise RuntimeError(f"the manager exited at start ({manager.log_path})")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the manager did not listen within {timeout_s:.0f}s ({manager.log_path})")
-        await asyncio.sleep(0.05)
 
 
 async def acknowledged(sim: Sim, manager: ManagerProcess, limit: int, timeout_s: float, step: int) -> None:

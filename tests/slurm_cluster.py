@@ -221,6 +221,12 @@ KillWait=10
         self.hosts.kill_host(i + 1)
         self._daemons.pop(f"n{i}", None)
 
+    def __enter__(self) -> SlurmCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop every daemon and every process in the cluster's hosts; delete the hosts."""
         for proc in list(self._daemons.values()):

@@ -38,11 +38,8 @@ UNDYING = [sys.executable, "-m", "undying"]
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
-    made = SlurmCluster(tmp_path / "slurm", nodes=2)
-    try:
+    with SlurmCluster(tmp_path / "slurm", nodes=2) as made:
         yield made
-    finally:
-        made.close()
 
 
 def _env(cluster: SlurmCluster) -> dict[str, str]:
@@ -203,11 +200,8 @@ def test_the_written_batch_script_preempted_both_ways_requeues_and_resumes_ident
 
 @pytest.fixture
 def cluster3(tmp_path: Path) -> Iterator[SlurmCluster]:
-    made = SlurmCluster(tmp_path / "slurm", nodes=3)
-    try:
+    with SlurmCluster(tmp_path / "slurm", nodes=3) as made:
         yield made
-    finally:
-        made.close()
 
 
 def _with_a_spare_node(cluster: SlurmCluster, work: Path) -> tuple[str, Path]:

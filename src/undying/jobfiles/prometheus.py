@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from undying.checkpoint.lock_holder import boot_id, pid_start
 from undying.errors import UsageError
+from undying.jobfiles.jobdir import pid_alive
 from undying.jobfiles.ownership import owner_problem
 from undying.jobfiles.tokens import read_token_file
 from undying.protocol.env import PROMETHEUS_DIR_ENV
@@ -82,31 +84,9 @@ def _usable(path: Path) -> None:
         raise UsageError(f"{problem}; or set {PROMETHEUS_DIR_ENV} to a folder of yours")
 
 
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:64]
-    except OSError:
-        return ""
-
-
 def _started(pid: int) -> str:
     """When process ``pid`` started (clock ticks since boot, from /proc); "" where unknown."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    fields = raw[raw.rfind(")") + 2:].split()  # (the name may hold spaces and parentheses)
-    return fields[19] if len(fields) > 19 else ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return str(pid_start(pid) or "")
 
 
 def target_address(url: str) -> str:
@@ -150,9 +130,9 @@ class TargetFile:
     def stale(self) -> bool:
         """Whether its writer is gone: another boot, no such process, or another process under
         its PID."""
-        if self.boot and self.boot != _boot_id():
+        if self.boot and self.boot != boot_id():
             return True
-        if not _alive(self.pid):
+        if not pid_alive(self.pid):
             return True
         return bool(self.since) and self.since != _started(self.pid)
 
@@ -255,7 +235,7 @@ class Publisher:
         pid = os.getpid()
         path = self.folder / f"{_PREFIX}{job_id}-{pid}{_SUFFIX}"
         target = TargetFile(target_address(url), job_id, os.path.abspath(job_dir), pid,
-                            _started(pid), _boot_id())
+                            _started(pid), boot_id())
         try:
             _usable(self.folder)
             sweep(self.folder)
