@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,12 @@ def _undying(*args: str) -> subprocess.CompletedProcess[str]:
 # fault-free baseline serves both.
 JOB = ["--epochs", "6", "--samples", "4096"]
 SWITCHED_JOB = [*JOB, "--step-seconds", "0.08"]
+# The switch is carried CLI -> manager -> agent -> worker and taken at a step's start: a rank
+# has it within a step or two of the committed step the status shows after the CLI returned.
+# The bound leaves room for a loaded machine, where the line's messages wait for a core too.
+_SWITCH_STEPS = 5
 
 
-@pytest.mark.alone
 def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
     """On, off, from the CLI and from a file, while the job trains: every loss stays what it is untraced."""
     job_dir = tmp_path / "job"
@@ -50,31 +52,32 @@ def test_the_switch_reaches_every_rank_while_the_job_runs(oracle: Oracle, tmp_pa
     trace_dir = job_dir / "traces"
     assert _records(trace_dir) == [], "tracing is off by default"
 
-    # The CLI: on with collectives; every rank writes step and comm records within a second.
+    # The CLI: on with collectives; every rank writes step and comm records from a step or two
+    # later (counted in steps, not seconds: a loaded machine slows both alike), not from a restart.
     on = _undying("trace", "on", "--comm", "--job-dir", str(job_dir))
-    switched_t = time.time()
     assert on.returncode == 0, on.stderr
     assert "step on, comm on" in on.stdout
-    first_seen: dict[tuple[object, object], float] = {}
+    on_step = status(url)["step"]
+    first_step: dict[tuple[object, object], int] = {}
 
     def every_rank_traces() -> bool:
         for r in _records(trace_dir):
             key = (r["rank"], r["kind"])
-            first_seen[key] = min(first_seen.get(key, float("inf")), float(r["t"]))  # type: ignore[arg-type]
-        return all((rank, kind) in first_seen for rank in range(4) for kind in ("step", "comm", "fp", "data"))
+            first_step[key] = min(first_step.get(key, 1 << 30), int(r["step"]))  # type: ignore[call-overload]
+        return all((rank, kind) in first_step for rank in range(4) for kind in ("step", "comm", "fp", "data"))
 
     wait_for(every_rank_traces, 10, "step, comm, fp and data records from every rank")
     for rank in range(4):
-        assert first_seen[(rank, "fp")] - switched_t < 1.0, first_seen
+        assert first_step[(rank, "fp")] <= on_step + _SWITCH_STEPS, (on_step, first_step)
     trace = status(url)["trace"]
     assert (trace["step"], trace["comm"]) == (True, True) and trace["by"].startswith("cli ")
 
-    # Off: comm goes with it (it needs the step markers), and no records are written after that.
+    # Off: comm goes with it (it needs the step markers), and no step after that writes a record.
     off = _undying("trace", "off", "--job-dir", str(job_dir))
     assert off.returncode == 0 and "comm markers turned off too" in off.stdout, off.stdout + off.stderr
-    off_t = time.time()
-    time.sleep(1.5)
-    late = [r for r in _records(trace_dir) if float(r["t"]) > off_t + 1.0]  # type: ignore[arg-type]
+    off_step = status(url)["step"]
+    wait_for(lambda: status(url)["step"] > off_step + _SWITCH_STEPS + 2, 20, "the steps after the switch off")
+    late = [r for r in _records(trace_dir) if int(r["step"]) > off_step + _SWITCH_STEPS]  # type: ignore[call-overload]
     assert late == [], late[:3]
 
     # The watched file (a ConfigMap's form): on, then a malformed one is reported and ignored.
