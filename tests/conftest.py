@@ -94,6 +94,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     _deal(items)
 
 
+# Test files whose tests take 20-70 s each on 2 cores (the suite's --durations, 2026-11-29): a real
+# Slurm cluster, several hosts, chaos, overlapping faults.
+_LONG_JOBS = frozenset({
+    "test_slurm.py", "test_slurm_more.py", "test_chaos.py", "test_multinode.py",
+    "test_f8_regroup_overlaps.py", "test_f7_spares.py", "test_f1_strangers.py", "test_examples.py",
+    "test_invariant.py", "test_migrate.py", "test_demo_node_loss.py", "test_trackers.py",
+})
+
+
 def _deal(items: list[pytest.Item]) -> None:
     """Under pytest-xdist's worksteal, each worker starts on its own slice of the collection and
     the others steal from a slice's end. Dealt like cards: each slice starts with its share of the
@@ -104,6 +113,9 @@ def _deal(items: list[pytest.Item]) -> None:
     if workers < 2:
         return
     jobs = [i for i in items if {"integration", "adversarial"} & set(Path(str(i.fspath)).parts)]
+    # The longest first (a job of a minute started last is the run's tail): a stable sort, so the
+    # order stays deterministic.
+    jobs.sort(key=lambda i: Path(str(i.fspath)).name not in _LONG_JOBS)
     dealt_jobs = set(jobs)
     rest = [i for i in items if i not in dealt_jobs]
     dealt: list[pytest.Item] = []
