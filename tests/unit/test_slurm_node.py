@@ -37,9 +37,10 @@ def _until(what: str, condition: Callable[[], object], timeout: float = 30.0) ->
 
 
 @pytest.fixture
-def child(tmp_path: Path) -> Iterator[ManagerChild]:
+def child(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ManagerChild]:
+    """A launcher's manager child; ended when stopped ``getattr(request, "param", 2.0)`` s."""
     made = ManagerChild([sys.executable, "-c", MANAGER, str(tmp_path / "end")],
-                        stopped_limit=2.0)
+                        stopped_limit=getattr(request, "param", 2.0))
     made.start()
     try:
         yield made
@@ -49,6 +50,7 @@ def child(tmp_path: Path) -> Iterator[ManagerChild]:
         made.stop()
 
 
+@pytest.mark.parametrize("child", [60.0], indirect=True)  # (a pause far below the limit)
 def test_a_paused_manager_is_waited_for_and_carries_on_when_continued(
         child: ManagerChild, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="undying.slurm")
