@@ -129,6 +129,7 @@ def test_the_token_wait_is_bounded_and_says_why(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="manager exited"):
         wait_for_token(tmp_path, 30, lambda: "the job's manager exited (1) before it started")
     (tmp_path / "token").write_text("x")
+    os.chmod(tmp_path / "token", 0o600)  # as the manager writes it (test_slurm_node.py: others)
     wait_for_token(tmp_path, 0.3, lambda: None)
 
 

@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 
 from undying.errors import UsageError
-from undying.jobfiles.ownership import check_trusted, private_dir, write_private
+from undying.jobfiles.ownership import check_trusted, owner_problem, private_dir, write_private
 from undying.protocol.keys import TOKEN_ENV
 from undying.user_files import open_user_file
 
@@ -45,6 +45,7 @@ __all__ = [
     "find_token_with_source",
     "read_token_file",
     "auth_headers",
+    "check_shared_token",
     "where_the_token_is",
 ]
 
@@ -113,6 +114,41 @@ def read_token_file(path: Path, *, private: bool = True) -> str:
     except UnicodeDecodeError:
         raise UsageError(f"token file {path} does not hold a token (not ASCII text)") from None
     return _check(text, f"token file {path}")
+
+
+def check_shared_token(job_dir: Path) -> str:
+    """The token another node's manager wrote to ``<job_dir>/token``, checked as one of ours;
+    UsageError (one line naming the path and what to do) when another user may have made it.
+
+    The nodes of a Slurm job run as one user, and the first node's manager makes the job dir
+    itself (0700) and the token in it (0600): a job dir or a token that is a link, or that
+    another user owns or may write, was planted, and its token is known to that user, who could
+    then reach the job's manager and its stores. Root gets no exception here: the job dir must be
+    its own too (``read_token_file`` trusts a root-run job's files of the job dir's owner).
+    """
+    fix = "remove it, or pass a --job-dir of your own, and start the job again"
+    try:
+        st = os.lstat(job_dir)
+    except OSError as e:
+        raise UsageError(f"cannot read the job dir {job_dir} ({e.strerror or e}); pass a "
+                         "--job-dir every node of the job can read") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
+        raise UsageError(f"the job dir {job_dir} is {kind}, not the folder the first node's "
+                         f"manager makes: another user may have planted it; {fix}")
+    problem = owner_problem(st, str(job_dir))  # (judged as a file: root's own, too)
+    if problem is not None:
+        raise UsageError(f"the job dir {problem}")
+    path = Path(job_dir) / TOKEN_FILE
+    try:
+        link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        link = False
+    if link:
+        raise UsageError(f"token file {path} is a symbolic link, not the file the first node's "
+                         "manager writes: another user may know the token it leads to; remove "
+                         "it and start the job again")
+    return read_token_file(path)
 
 
 def _owner(folder: Path) -> int | None:

@@ -16,8 +16,12 @@ A job preempted (exit 75, or 74 with an older checkpoint) puts itself back in Sl
 
 The manager child is supervised: killed by a signal while the job runs (the OOM killer, a
 stray ``kill``), it is started again on the same job dir, and carries the job on from its log
-as a restarted manager does; the agents reconnect. At the job's end the node's exit code is
-the manager's (the job's), and no manager outlives its node's launcher.
+as a restarted manager does; the agents reconnect. Stopped (SIGSTOP, a debugger), the job waits
+for it, and a SIGCONT carries the job on; stopped for ``MANAGER_STOPPED_LIMIT`` (counted only
+while this launcher runs: a whole job suspended by ``scontrol suspend`` is no stop of it), it is
+ended, and the job with it, in one line, rather than holding the allocation forever. At the
+job's end the node's exit code is the manager's (the job's), and no manager outlives its node's
+launcher.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from pathlib import Path
 
 from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.errors import UsageError
-from undying.jobfiles.tokens import TOKEN_FILE
+from undying.jobfiles.tokens import TOKEN_FILE, check_shared_token
 from undying.launch.slurm import SlurmStep
+from undying.protocol.judge_clock import JudgeClock
 
 __all__ = ["ManagerChild", "listen_address", "requeue", "run_slurm_node", "wait_for_token"]
 
@@ -46,6 +51,10 @@ log = logging.getLogger("undying.slurm")
 TOKEN_WAIT = 120.0  # the first node's manager is up in seconds; a shared filesystem shows it
 MANAGER_END_WAIT = 60.0  # after this node's agent ended: the manager's last words (the summary)
 MAX_MANAGER_RESTARTS = 3
+# A manager stopped this long (SIGSTOP kept) is ended, and the job with it: the agents' own bound
+# for a manager they cannot reach (--rendezvous-timeout's default).
+MANAGER_STOPPED_LIMIT = 300.0
+WATCH_EVERY = 0.5  # how often the launcher looks at its manager child
 DEFAULT_MAX_REQUEUES = 20  # a job preempted this often in a row without ending is looping
 SCONTROL_TIMEOUT = 30.0
 
@@ -66,11 +75,13 @@ def listen_address(node: str) -> str:
 
 
 def wait_for_token(job_dir: Path, timeout: float, alive: Callable[[], str | None]) -> None:
-    """Until ``<job_dir>/token`` exists; UsageError after ``timeout`` or when ``alive()`` says
-    why it never will (the manager exited)."""
+    """Until ``<job_dir>/token`` exists, then checked as the first node's manager writes it
+    (``check_shared_token``: the user's own job dir and file, no link, nobody else's writes);
+    UsageError after ``timeout``, when ``alive()`` says why it never will (the manager exited),
+    or when another user may have made the token."""
     path = job_dir / TOKEN_FILE
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not os.path.lexists(path):  # (a link to nowhere is refused below, not waited for)
         why = alive()
         if why is not None:
             raise UsageError(why)
@@ -80,17 +91,24 @@ def wait_for_token(job_dir: Path, timeout: float, alive: Callable[[], str | None
                 "shares, or the first node's manager did not start (see its output); pass "
                 "--job-dir with a folder every node sees")
         time.sleep(0.2)
+    check_shared_token(job_dir)
 
 
 class ManagerChild:
-    """The job's manager, a child of the first node's launcher, started again if killed."""
+    """The job's manager, a child of the first node's launcher, started again if killed, ended
+    if stopped for good."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], *,
+                 stopped_limit: float = MANAGER_STOPPED_LIMIT) -> None:
         self.argv = argv
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        self.stopped_limit = stopped_limit
+        self.gave_up = ""  # why the manager was ended (stopped for good); "" while it is not
         self._ending = threading.Event()
         self._watch: threading.Thread | None = None
+        # the launcher judges its manager's stop: only over time the launcher itself ran
+        self._clock = JudgeClock(WATCH_EVERY, stopped_limit, "this node's launcher")
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.argv)
@@ -100,21 +118,64 @@ class ManagerChild:
     def exited(self) -> str | None:
         """Why the manager will never write the token (it exited), or None while it runs."""
         process = self.process
+        if self.gave_up:
+            return self.gave_up
         if process is None or process.poll() is None or self.restarts:
             return None
         return f"the job's manager exited ({process.returncode}) before it started; see its output"
 
     def _supervise(self) -> None:
+        self._clock.start()
+        stopped_since: float | None = None
         while not self._ending.is_set():
             process = self.process
             assert process is not None
-            code = process.wait()
+            try:
+                code = process.wait(timeout=WATCH_EVERY)
+            except subprocess.TimeoutExpired:
+                self._clock.tick()
+                stopped_since = self._watch_stop(process, stopped_since)
+                if self.gave_up:
+                    return
+                continue
+            stopped_since = None
             if self._ending.is_set() or code >= 0 or self.restarts >= MAX_MANAGER_RESTARTS:
                 return
             self.restarts += 1
             log.warning("the job's manager was killed (signal %d); starting it again (%d of %d)",
                         -code, self.restarts, MAX_MANAGER_RESTARTS)
             self.process = subprocess.Popen(self.argv)
+
+    def _watch_stop(self, process: subprocess.Popen[bytes],
+                    since: float | None) -> float | None:
+        """One look at a running manager: stopped, since when (None: it runs); ended when it was
+        stopped ``stopped_limit`` by this launcher's own clock."""
+        state = process_state(process.pid)
+        if state not in STOPPED_STATES:
+            if since is not None:
+                log.warning("the job's manager (pid %d) continues after %.0fs stopped",
+                            process.pid, time.monotonic() - since)
+            return None
+        if since is None:
+            log.warning("the job's manager (pid %d) is stopped (%s); the job waits for it: "
+                        "`kill -CONT %d` carries it on; still stopped after %gs, it is ended "
+                        "and the job with it", process.pid, STOPPED_STATES[state], process.pid,
+                        self.stopped_limit)
+            return time.monotonic()
+        stopped_s = self._clock.silent_s(since)
+        if stopped_s < self.stopped_limit:
+            return since
+        self.gave_up = (
+            f"the job's manager (pid {process.pid}) stayed stopped for {stopped_s:.0f}s "
+            f"({STOPPED_STATES[state]}); ended, and the job with it: every node stops as it finds "
+            "the manager gone, and a new start resumes from the newest checkpoint. To pause a "
+            "job, suspend all of it (scontrol suspend) or preempt it (scancel --signal=TERM: "
+            "the dying gasp, exit 75)")
+        log.error("%s", self.gave_up)
+        process.kill()  # (a stopped process dies of SIGKILL too)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+        return since
 
     def finish(self, agent_code: int) -> int:
         """After this node's agent ended: the manager's exit code (the job's); none outlives
@@ -130,6 +191,8 @@ class ManagerChild:
             return agent_code
         finally:
             self._ending.set()
+        if self.gave_up:
+            return agent_code or 1
         return code if code >= 0 else agent_code
 
     def stop(self) -> None:
@@ -138,11 +201,26 @@ class ManagerChild:
         if process is None or process.poll() is not None:
             return
         process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGCONT)  # a stopped manager takes its SIGTERM now
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+# The states of /proc/<pid>/stat a process makes no progress in until someone continues it.
+STOPPED_STATES = {"T": "SIGSTOP", "t": "held by a debugger"}
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (``R``, ``S``, ``T``...); "" where unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return ""
+    fields = text.rpartition(")")[2].split()  # (the name in parentheses may hold anything)
+    return fields[0] if fields else ""
 
 
 def manager_argv(step: SlurmStep, job_id: str, job_dir: str, port: int,
