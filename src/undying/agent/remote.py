@@ -203,7 +203,7 @@ class NodeRunner:
                 continue
             try:
                 await self._session(reader, writer)
-                offline_since = time.monotonic()
+                offline_since = max(offline_since, self._last_beat)  # its last word
             except _Refused as e:
                 log.error("node %d: the manager refused this agent: %s", self.node, e)
                 return 2
@@ -215,6 +215,13 @@ class NodeRunner:
                 self.session = ""
                 offline_since = time.monotonic()
             except (ConnectionError, OSError, asyncio.TimeoutError, ValueError) as e:
+                # A manager stopped for good (SIGSTOP) still accepts connections, in its
+                # listener's queue, and never answers: judged by its silence, as unreachable.
+                if self.clock.silent_s(max(offline_since, self._last_beat)) > limit:
+                    log.error("node %d: the manager at %s:%d stayed silent for %.0fs (%s: %s); "
+                              "stopping", self.node, self.manager_host, self.manager_port, limit,
+                              type(e).__name__, e)
+                    return 1
                 log.warning("node %d: the connection to the manager failed (%s: %s); "
                             "connecting again", self.node, type(e).__name__, e)
                 await self._sleep_or_leave(0.5)
@@ -254,7 +261,9 @@ class NodeRunner:
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         join = self._join_message()
         writer.write(encode(StandbyJoin(join) if self.node == _STANDBY else join))
-        line = await asyncio.wait_for(reader.readline(), 30.0)
+        # (never longer than this agent waits for its manager at all)
+        line = await asyncio.wait_for(reader.readline(),
+                                      min(30.0, self.config.timeouts.rendezvous_timeout))
         if not line:
             raise ConnectionError("the manager closed the connection")
         reply = decode_to_agent(line)
