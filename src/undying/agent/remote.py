@@ -58,7 +58,8 @@ from undying.protocol.node_wire import (
 from undying.protocol.store_wire import store_key_from_token
 from undying.protocol.worker_wire import TraceSet
 
-__all__ = ["NodeRunner", "run_node", "parse_manager_address", "SESSION_MESSAGES", "JOIN_ANSWERS"]
+__all__ = ["NodeRunner", "run_node", "parse_manager_address", "SESSION_MESSAGES", "JOIN_ANSWERS",
+           "ManagerLost"]
 
 log = logging.getLogger("undying.agent.remote")
 
@@ -74,6 +75,11 @@ _EXIT_SIGTERM = 143
 
 def parse_manager_address(address: str) -> tuple[str, int]:
     return check_address("--manager", address)  # (the one rule of an address: undying.inputs)
+
+
+class ManagerLost(Exception):
+    """The manager stayed unreachable past ``manager_lost_s``: its node is taken as lost (Slurm's
+    first node; ``launch/slurm_node.py`` resumes the job elsewhere)."""
 
 
 class _Fenced(Exception):
@@ -106,8 +112,10 @@ class NodeRunner:
     """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
 
     def __init__(self, config: JobConfig, script: str, script_args: list[str], manager: str,
-                 token: str, *, job_dir_given: bool = True, standby: bool = False) -> None:
+                 token: str, *, job_dir_given: bool = True, standby: bool = False,
+                 manager_lost_s: float | None = None) -> None:
         self.config = config
+        self._manager_lost_s = manager_lost_s  # unreachable this long: ManagerLost (None: exit 1)
         self._job_dir_given = job_dir_given
         self.manager_host, self.manager_port = parse_manager_address(manager)
         self.token = token
@@ -185,7 +193,7 @@ class NodeRunner:
         """Connect, serve the manager, connect again after a break; until the job ends or this node
         leaves."""
         offline_since = time.monotonic()
-        limit = self.config.timeouts.rendezvous_timeout
+        limit = self._manager_lost_s or self.config.timeouts.rendezvous_timeout
         while True:
             if self._leaving:
                 await self._flush_leaving()
@@ -196,6 +204,10 @@ class NodeRunner:
                                             limit=16 * 1024 * 1024), 5.0)
             except (OSError, asyncio.TimeoutError) as e:
                 if self.clock.silent_s(offline_since) > limit:
+                    if self._manager_lost_s:
+                        raise ManagerLost(f"the manager at {self.manager_host}:"
+                                          f"{self.manager_port} stayed unreachable for "
+                                          f"{limit:.0f}s ({e})") from e
                     log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); "
                               "stopping", self.node, self.manager_host, self.manager_port, limit, e)
                     return 1
@@ -416,12 +428,16 @@ def _interface_env(manager_host: str, node: int) -> dict[str, str]:
 
 
 def run_node(config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
-             *, job_dir_given: bool = True, standby: bool = False) -> int:
+             *, job_dir_given: bool = True, standby: bool = False,
+             manager_lost_s: float | None = None) -> int:
     """Run this node's agent until the job ends (its exit code) or the node leaves (143).
 
     ``standby``: join as a warm standby with no node, until the manager gives it a lost one.
+    ``manager_lost_s``: the manager unreachable this long raises ManagerLost (its workers stopped
+    first), rather than ending the agent with 1 after the rendezvous timeout.
     """
     config.validate()
     return asyncio.run(NodeRunner(config, script, script_args, manager, token,
-                                  job_dir_given=job_dir_given, standby=standby).run())
+                                  job_dir_given=job_dir_given, standby=standby,
+                                  manager_lost_s=manager_lost_s).run())
 
