@@ -168,7 +168,7 @@ async def _serve(options: ManagerOptions) -> int:
     events.before_flush(lambda: events.set_job("acked", server.positions()))
     if (slurm := slurm_facts(os.environ)) is not None:  # its Slurm job, and Slurm's requeues
         events.set_job("slurm", slurm)
-        events.event("slurm_job", **slurm)
+        events.event("slurm_job", job_id=slurm["job_id"], restarts=slurm["restarts"])
     try:
         hosted = ManagerHost(config, files, events, restoring=restart)
     except BaseException:
