@@ -18,12 +18,12 @@ from rich.console import Console
 
 from undying.agent.remote import ManagerLost, run_node
 from undying.cli.status_view import render
-from undying.config import JobConfig, Timeouts
+from undying.config import EXIT_PREEMPTED_BEHIND, JobConfig, Timeouts
 from undying.jobfiles.events import EventLog
 from undying.jobfiles.jobdir import JobDir
 from undying.launch.manager_service import _resumable
 from undying.launch.slurm import SlurmStep, slurm_facts
-from undying.launch.slurm_node import manager_lost_after, requeue
+from undying.launch.slurm_node import manager_lost, manager_lost_after, requeue
 
 
 def test_the_manager_is_judged_lost_after_two_heartbeat_windows_at_least_20s_at_most_the_rendezvous(
@@ -129,3 +129,33 @@ def test_a_survivor_does_not_requeue_a_job_another_survivor_requeued(
     said = requeue(dataclasses.replace(step, restart_count=20), 20)  # the cap: never asked
     assert said.startswith("not requeued") and "--max-requeues 20" in said, said
     assert not (tmp_path / "requeued").exists()
+
+
+def test_a_survivor_says_so_in_the_job_dir_requeues_and_ends_74_never_through_a_link(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its srun ran on the lost node: the survivor's lines go to ``<job dir>/launcher.log`` too
+    (0600); a link planted there is not followed, and the node still requeues and ends 74."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    _scontrol(tools, "JobId=7 JobState=RUNNING Requeue=1 Restarts=0 BatchFlag=1")
+    step = SlurmStep(job_id="7", nodes=("n0", "n1"), node_rank=0, submit_dir="/s",
+                     restart_count=0)
+    job_dir = tmp_path / "jd"
+    job_dir.mkdir(mode=0o700)
+    assert manager_lost(step, "slurm-7", str(job_dir), "the manager at n0:1 stayed unreachable "
+                        "for 20s", 20) == EXIT_PREEMPTED_BEHIND
+    log = job_dir / "launcher.log"
+    text = log.read_text()
+    assert "node 0: the manager at n0:1 stayed unreachable for 20s: its node (n0) is taken as " \
+        "lost; this node ends with 74" in text, text
+    assert "node 0: requeueing Slurm job 7 (requeue 1 of at most 20)" in text, text
+    assert "node 0: requeued Slurm job 7" in text and stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert (tools / "requeued").exists()
+    log.unlink()
+    (tools / "requeued").unlink()
+    other = tmp_path / "someone-else"
+    other.write_text("theirs\n")
+    log.symlink_to(other)
+    assert manager_lost(step, "slurm-7", str(job_dir), "gone", 20) == EXIT_PREEMPTED_BEHIND
+    assert other.read_text() == "theirs\n" and (tools / "requeued").exists()

@@ -51,8 +51,8 @@ from undying.errors import UsageError
 from undying.jobfiles.tokens import TOKEN_FILE
 from undying.launch.slurm import SlurmStep
 
-__all__ = ["ManagerChild", "listen_address", "manager_lost_after", "requeue", "run_slurm_node",
-           "wait_for_token"]
+__all__ = ["ManagerChild", "listen_address", "manager_lost", "manager_lost_after", "requeue",
+           "run_slurm_node", "wait_for_token"]
 
 log = logging.getLogger("undying.slurm")
 
