@@ -7,6 +7,7 @@ The whole path, on a real Slurm cluster, is tests/integration/test_slurm.py's
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from undying.agent.remote import ManagerLost, run_node
+from undying.agent.remote import ManagerLost, NodeRunner, run_node
 from undying.cli.status_view import render
 from undying.config import EXIT_PREEMPTED_BEHIND, JobConfig, Timeouts
 from undying.jobfiles.events import EventLog
@@ -41,17 +42,20 @@ def _closed_port() -> int:
 
 def test_an_agent_whose_manager_stays_unreachable_raises_manager_lost_or_ends_1(
         tmp_path: Path) -> None:
-    """Under Slurm (a bound given) the agent raises ManagerLost, whose words name the manager and
-    the bound; without one it ends 1 after the rendezvous timeout, as before."""
+    """Under Slurm (a bound given) an agent that had joined its manager raises ManagerLost once
+    the manager stays unreachable past the bound, in words that name it and the bound. One that
+    never joined waits the rendezvous timeout, as without a bound, and ends 1."""
     script = tmp_path / "t.py"
     script.write_text("print('never started')\n")
     manager = f"127.0.0.1:{_closed_port()}"
     config = JobConfig(job_id="j1", job_dir=str(tmp_path / "jd"), nnodes=2, node_rank=1)
+    runner = NodeRunner(config, str(script), [], manager, "t" * 32, manager_lost_s=1.0)
+    runner._joined = True  # (as after a join; then the manager went away)
     with pytest.raises(ManagerLost, match=rf"the manager at {manager} stayed unreachable for 1s"):
-        run_node(config, str(script), [], manager, "t" * 32, manager_lost_s=1.0)
+        asyncio.run(runner.run())
     config = dataclasses.replace(
         config, timeouts=dataclasses.replace(config.timeouts, rendezvous_timeout=1.0))
-    assert run_node(config, str(script), [], manager, "t" * 32) == 1
+    assert run_node(config, str(script), [], manager, "t" * 32, manager_lost_s=600.0) == 1
 
 
 def test_slurm_s_job_and_restart_count_are_read_and_checked() -> None:

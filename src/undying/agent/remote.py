@@ -115,7 +115,9 @@ class NodeRunner:
                  token: str, *, job_dir_given: bool = True, standby: bool = False,
                  manager_lost_s: float | None = None) -> None:
         self.config = config
-        self._manager_lost_s = manager_lost_s  # unreachable this long: ManagerLost (None: exit 1)
+        # A manager joined once, then unreachable this long: ManagerLost (None: exit 1 as below)
+        self._manager_lost_s = manager_lost_s
+        self._joined = False
         self._job_dir_given = job_dir_given
         self.manager_host, self.manager_port = parse_manager_address(manager)
         self.token = token
@@ -193,7 +195,7 @@ class NodeRunner:
         """Connect, serve the manager, connect again after a break; until the job ends or this node
         leaves."""
         offline_since = time.monotonic()
-        limit = self._manager_lost_s or self.config.timeouts.rendezvous_timeout
+        limit = self.config.timeouts.rendezvous_timeout
         while True:
             if self._leaving:
                 await self._flush_leaving()
@@ -203,11 +205,12 @@ class NodeRunner:
                     asyncio.open_connection(self.manager_host, self.manager_port,
                                             limit=16 * 1024 * 1024), 5.0)
             except (OSError, asyncio.TimeoutError) as e:
-                if self.clock.silent_s(offline_since) > limit:
-                    if self._manager_lost_s:
+                lost_s = self._manager_lost_s if self._joined else None
+                if self.clock.silent_s(offline_since) > (lost_s or limit):
+                    if lost_s:
                         raise ManagerLost(f"the manager at {self.manager_host}:"
                                           f"{self.manager_port} stayed unreachable for "
-                                          f"{limit:.0f}s ({e})") from e
+                                          f"{lost_s:.0f}s ({e})") from e
                     log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); "
                               "stopping", self.node, self.manager_host, self.manager_port, limit, e)
                     return 1
@@ -270,6 +273,7 @@ class NodeRunner:
         if not line:
             raise ConnectionError("the manager closed the connection")
         reply = decode_to_agent(line)
+        self._joined = self._joined or isinstance(reply, JOIN_ANSWERS)
         if isinstance(reply, StandbyParked):
             welcome = await self._park(reply, reader, writer)
             if welcome is None:
@@ -433,8 +437,9 @@ def run_node(config: JobConfig, script: str, script_args: list[str], manager: st
     """Run this node's agent until the job ends (its exit code) or the node leaves (143).
 
     ``standby``: join as a warm standby with no node, until the manager gives it a lost one.
-    ``manager_lost_s``: the manager unreachable this long raises ManagerLost (its workers stopped
-    first), rather than ending the agent with 1 after the rendezvous timeout.
+    ``manager_lost_s``: a manager this agent joined once, then unreachable this long, raises
+    ManagerLost (its workers stopped first), rather than ending the agent with 1 after the
+    rendezvous timeout (which still bounds the wait for the first join).
     """
     config.validate()
     return asyncio.run(NodeRunner(config, script, script_args, manager, token,
