@@ -176,7 +176,7 @@ def test_the_batch_script_has_each_line_a_preemptible_job_needs() -> None:
     assert "trap 'scancel --signal=TERM \"$SLURM_JOB_ID\"' TERM" in lines
     (srun,) = [line for line in lines if line.startswith("srun ")]
     assert srun == ("srun --ntasks-per-node=1 --kill-on-bad-exit=0 python3 -m undying run -n 4 "
-                    "--nnodes 2:3 --max-requeues 20 train.py --x 'a b' &")
+                    "--nnodes 2:3 --max-requeues 20 --save-interval 600 train.py --x 'a b' &")
     assert "--requeue" not in _script("--nodes", "1", "-n", "1", "--no-requeue", "--", "t.py")
 
 

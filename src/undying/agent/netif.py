@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
+import os
 import socket
 import struct
 
-__all__ = ["interface_for", "source_address"]
+__all__ = ["gloo_interface_env", "interface_for", "source_address"]
+
+log = logging.getLogger("undying.agent.netif")
 
 SIOCGIFADDR = 0x8915  # linux/sockios.h: get an interface's (primary) IPv4 address
 _IFNAMSIZ = 16
@@ -78,3 +82,19 @@ def interface_for(address: str) -> str | None:
             if answer[_IFNAMSIZ + 4: _IFNAMSIZ + 8] == wanted:
                 return name
     return None
+
+
+def gloo_interface_env(manager_host: str, node: int) -> dict[str, str]:
+    """Gloo binds where the hostname resolves unless told: point it at the interface toward the
+    manager."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or manager_host in ("127.0.0.1", "localhost", "::1"):
+        return {}
+    try:
+        name = interface_for(source_address(manager_host))
+    except Exception as e:  # no route yet, an exotic platform: gloo's own choice stands
+        log.info("node %d: no interface found toward %s (%s)", node, manager_host, e)
+        return {}
+    if not name or name == "lo":
+        return {}
+    log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", node, name)
+    return {"GLOO_SOCKET_IFNAME": name}

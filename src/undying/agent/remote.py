@@ -32,6 +32,7 @@ from pathlib import Path
 from undying.agent import hangup
 from undying.agent.agent import Agent
 from undying.agent.commands import NodeCommands, report_state
+from undying.agent.netif import gloo_interface_env
 from undying.agent.node_signals import NodeSignals
 from undying.agent.reports import ManagerClient
 from undying.checkpoint.mac import key_from_token
@@ -58,7 +59,8 @@ from undying.protocol.node_wire import (
 from undying.protocol.store_wire import store_key_from_token
 from undying.protocol.worker_wire import TraceSet
 
-__all__ = ["NodeRunner", "run_node", "parse_manager_address", "SESSION_MESSAGES", "JOIN_ANSWERS"]
+__all__ = ["NodeRunner", "run_node", "parse_manager_address", "SESSION_MESSAGES", "JOIN_ANSWERS",
+           "ManagerLost"]
 
 log = logging.getLogger("undying.agent.remote")
 
@@ -74,6 +76,11 @@ _EXIT_SIGTERM = 143
 
 def parse_manager_address(address: str) -> tuple[str, int]:
     return check_address("--manager", address)  # (the one rule of an address: undying.inputs)
+
+
+class ManagerLost(Exception):
+    """The manager stayed unreachable past ``manager_lost_s``: its node is taken as lost (Slurm's
+    first node; ``launch/slurm_node.py`` resumes the job elsewhere)."""
 
 
 class _Fenced(Exception):
@@ -106,8 +113,12 @@ class NodeRunner:
     """One node of a multi-node job: the agent, its connection to the manager, and its signals."""
 
     def __init__(self, config: JobConfig, script: str, script_args: list[str], manager: str,
-                 token: str, *, job_dir_given: bool = True, standby: bool = False) -> None:
+                 token: str, *, job_dir_given: bool = True, standby: bool = False,
+                 manager_lost_s: float | None = None) -> None:
         self.config = config
+        # A manager joined once, then unreachable this long: ManagerLost (None: exit 1 as below)
+        self._manager_lost_s = manager_lost_s
+        self._joined = False
         self._job_dir_given = job_dir_given
         self.manager_host, self.manager_port = parse_manager_address(manager)
         self.token = token
@@ -119,7 +130,7 @@ class NodeRunner:
             # its workers sign and check checkpoints
             CHECKPOINT_KEY_ENV: key_from_token(token).hex(),
             STORE_KEY_ENV: store_key_from_token(token).hex(),  # and reach the job's stores
-            **_interface_env(self.manager_host, self.node),
+            **gloo_interface_env(self.manager_host, self.node),
         }
         # A stop signal here: the node's leaving, or the job's preemption reaching it.
         self.signals = NodeSignals(lambda: self.node, self._leave_now, self.client.send)
@@ -185,7 +196,6 @@ class NodeRunner:
         """Connect, serve the manager, connect again after a break; until the job ends or this node
         leaves."""
         offline_since = time.monotonic()
-        limit = self.config.timeouts.rendezvous_timeout
         while True:
             if self._leaving:
                 await self._flush_leaving()
@@ -195,10 +205,8 @@ class NodeRunner:
                     asyncio.open_connection(self.manager_host, self.manager_port,
                                             limit=16 * 1024 * 1024), 5.0)
             except (OSError, asyncio.TimeoutError) as e:
-                if self.clock.silent_s(offline_since) > limit:
-                    log.error("node %d: the manager at %s:%d stayed unreachable for %.0fs (%s); "
-                              "stopping", self.node, self.manager_host, self.manager_port, limit, e)
-                    return 1
+                if (code := self._given_up(offline_since, "unreachable", e)) is not None:
+                    return code
                 await self._sleep_or_leave(0.5)
                 continue
             try:
@@ -217,11 +225,8 @@ class NodeRunner:
             except (ConnectionError, OSError, asyncio.TimeoutError, ValueError) as e:
                 # A manager stopped for good (SIGSTOP) still accepts connections, in its
                 # listener's queue, and never answers: judged by its silence, as unreachable.
-                if self.clock.silent_s(max(offline_since, self._last_beat)) > limit:
-                    log.error("node %d: the manager at %s:%d stayed silent for %.0fs (%s: %s); "
-                              "stopping", self.node, self.manager_host, self.manager_port, limit,
-                              type(e).__name__, e)
-                    return 1
+                if (code := self._given_up(offline_since, "silent", e)) is not None:
+                    return code
                 log.warning("node %d: the connection to the manager failed (%s: %s); "
                             "connecting again", self.node, type(e).__name__, e)
                 await self._sleep_or_leave(0.5)
@@ -232,6 +237,19 @@ class NodeRunner:
             finally:
                 self.client.disconnected()
                 writer.close()
+
+    def _given_up(self, offline_since: float, how: str, error: BaseException) -> int | None:
+        """None: try again. Past the bound since the manager's last word: this node's exit code,
+        or ManagerLost (under Slurm, a manager joined before: its node is taken as lost)."""
+        lost_s = self._manager_lost_s if self._joined else None
+        bound = lost_s or self.config.timeouts.rendezvous_timeout
+        if self.clock.silent_s(max(offline_since, self._last_beat)) <= bound:
+            return None
+        where = f"the manager at {self.manager_host}:{self.manager_port} stayed {how} for"
+        if lost_s:
+            raise ManagerLost(f"{where} {lost_s:.0f}s ({error})") from error
+        log.error("node %d: %s %.0fs (%s); stopping", self.node, where, bound, error)
+        return 1
 
     async def _sleep_or_leave(self, seconds: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -267,6 +285,7 @@ class NodeRunner:
         if not line:
             raise ConnectionError("the manager closed the connection")
         reply = decode_to_agent(line)
+        self._joined = self._joined or isinstance(reply, JOIN_ANSWERS)
         if isinstance(reply, StandbyParked):
             welcome = await self._park(reply, reader, writer)
             if welcome is None:
@@ -406,31 +425,18 @@ class NodeRunner:
             log.warning("node %d: unexpected command %r", self.node, message)
 
 
-def _interface_env(manager_host: str, node: int) -> dict[str, str]:
-    """Gloo binds where the hostname resolves unless told: point it at the interface toward the
-    manager."""
-    if "GLOO_SOCKET_IFNAME" in os.environ or manager_host in ("127.0.0.1", "localhost", "::1"):
-        return {}
-    try:
-        from undying.agent.netif import interface_for, source_address
-
-        name = interface_for(source_address(manager_host))
-    except Exception as e:  # no route yet, an exotic platform: gloo's own choice stands
-        log.info("node %d: no interface found toward %s (%s)", node, manager_host, e)
-        return {}
-    if not name or name == "lo":
-        return {}
-    log.info("node %d: GLOO_SOCKET_IFNAME=%s (the interface toward the manager)", node, name)
-    return {"GLOO_SOCKET_IFNAME": name}
-
-
 def run_node(config: JobConfig, script: str, script_args: list[str], manager: str, token: str,
-             *, job_dir_given: bool = True, standby: bool = False) -> int:
+             *, job_dir_given: bool = True, standby: bool = False,
+             manager_lost_s: float | None = None) -> int:
     """Run this node's agent until the job ends (its exit code) or the node leaves (143).
 
     ``standby``: join as a warm standby with no node, until the manager gives it a lost one.
+    ``manager_lost_s``: a manager this agent joined once, then unreachable this long, raises
+    ManagerLost (its workers stopped first), rather than ending the agent with 1 after the
+    rendezvous timeout (which still bounds the wait for the first join).
     """
     config.validate()
     return asyncio.run(NodeRunner(config, script, script_args, manager, token,
-                                  job_dir_given=job_dir_given, standby=standby).run())
+                                  job_dir_given=job_dir_given, standby=standby,
+                                  manager_lost_s=manager_lost_s).run())
 

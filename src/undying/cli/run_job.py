@@ -108,7 +108,8 @@ def _launch(args: argparse.Namespace, config: JobConfig, script_args: list[str])
     return launch(config, args.script, script_args, args.token_file)
 
 
-def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str]) -> int:
+def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str],
+              manager_lost_s: float | None = None) -> int:
     """One node of a multi-node job: an agent that joins the manager at --manager."""
     from pathlib import Path
 
@@ -143,21 +144,24 @@ def _run_node(args: argparse.Namespace, config: JobConfig, script_args: list[str
         sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] job {config.job_id}: "
                          f"{WHOLE_GROUP_LINE.format(max_restarts=config.max_restarts)}\n")
     return run_node(config, args.script, script_args, args.manager, token,
-                    job_dir_given=bool(args.job_dir), standby=args.standby)
+                    job_dir_given=bool(args.job_dir), standby=args.standby,
+                    manager_lost_s=manager_lost_s)
 
 
 def _run_slurm_node(args: argparse.Namespace, config: JobConfig, script_args: list[str],
                     step: SlurmStep) -> int:
     """One node of an ``srun undying run`` job: its first node runs the manager too."""
     from undying.agent.remote import parse_manager_address
-    from undying.launch.slurm_node import run_slurm_node, slurm_line
+    from undying.launch.slurm_node import manager_lost_after, run_slurm_node, slurm_line
 
     _, port = parse_manager_address(args.manager)
     line = slurm_line(step, config.job_id, standby=args.standby)
     sys.stderr.write(f"[undying {time.strftime('%H:%M:%S')}] {line}\n")
     return run_slurm_node(step, config.job_id, config.job_dir, port,
                           verbose=bool(getattr(args, "verbose", False)),
-                          join=lambda: _run_node(args, config, script_args),
+                          # (the first node lost: this node resumes the job elsewhere)
+                          join=lambda: _run_node(args, config, script_args,
+                                                 manager_lost_after(config.timeouts)),
                           max_requeues=args.max_requeues)
 
 

@@ -18,6 +18,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")
 _PARTITION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._,-]{0,127}")
 DEFAULT_GRACE_S = 120  # ahead of the time limit; Slurm may send it up to 60 s early
+# A periodic checkpoint this often: losing the first node (the manager's) resumes from the newest
+# one, so at most this much training runs again (docs/slurm.md, "Losing the first node").
+DEFAULT_SAVE_INTERVAL_S = 600
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,6 +41,8 @@ stdout or to --out FILE; submit it with `sbatch FILE`. Its lines:
                         script passes it on to every process of the job
                         (scancel --signal=TERM), which takes the dying gasp
   --open-mode=append    a requeued job's output goes on in the same file
+  --save-interval S     a checkpoint every S s (undying run's): a lost first
+                        node requeues the job, which resumes from the newest
 
 undying {__version__}.""")
     p.add_argument("--nodes", type=_count("--nodes", 1, 4096), required=True, metavar="N",
@@ -65,6 +70,11 @@ undying {__version__}.""")
     p.add_argument("--max-requeues", type=_count("--max-requeues", 0, 10_000),
                    default=DEFAULT_MAX_REQUEUES, metavar="N",
                    help="requeues after a preemption, at most (default %(default)s)")
+    p.add_argument("--save-interval", type=_count("--save-interval", 0, 7 * 86_400),
+                   default=DEFAULT_SAVE_INTERVAL_S, metavar="S",
+                   help="a checkpoint every S s: losing the first node requeues the job, which "
+                   "resumes from the newest (default %(default)s; 0: none, and such a job "
+                   "starts over)")
     p.add_argument("--no-requeue", action="store_true",
                    help="leave out --requeue: a preempted job ends (exit 75)")
     p.add_argument("--undying", default=None, metavar="COMMAND",
@@ -100,6 +110,7 @@ def batch_script(args: argparse.Namespace, command: list[str]) -> str:
            *(["--nnodes", nnodes] if nnodes else []),
            *(["--max-requeues", str(args.max_requeues)] if not args.no_requeue else []),
            *(["--spare-nodes", str(args.spare_nodes)] if args.spare_nodes else []),
+           *(["--save-interval", str(args.save_interval)] if args.save_interval else []),
            *command]
     sbatch = [
         ("--job-name", args.job_name, ""),

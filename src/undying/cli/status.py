@@ -190,6 +190,7 @@ def _logged_status(jd: JobDir) -> dict[str, Any]:
         "has_steps": steps,
         "max_restarts": max_restarts,
         "preemption": job.get("preemption"),
+        "slurm": job.get("slurm"),
         "hosts_out": job.get("hosts") or [],  # drained or quarantined (manager/placement/hosts.py)
         "ranks": ranks,
         "incidents": incidents,

@@ -171,11 +171,15 @@ def _header(status: dict[str, Any]) -> Text:
     live = status.get("live")
     running = live and status.get("state") not in TERMINAL
     age = f", running {time.time() - started:.0f}s" if started and running else ""
+    slurm = status.get("slurm") if isinstance(status.get("slurm"), dict) else None
+    # (the launch's Slurm job, and how many times Slurm requeued it: SLURM_RESTART_COUNT)
+    under = "" if slurm is None else f", Slurm job {slurm.get('job_id')}" + (
+        f" requeued {slurm.get('restarts')}x" if slurm.get("restarts") else "")
     step = f", step {status.get('step')}" if status.get("has_steps", True) else ""
     return Text.assemble(
         (f"job {status.get('job_id')}", "bold"),
         f": {status.get('state')}, generation {status.get('generation')}, "
-        f"{status.get('world_size')} ranks{step}{age}",
+        f"{status.get('world_size')} ranks{step}{age}{under}",
         "" if live else " (from the event log; the launcher is not running)",
     )
 

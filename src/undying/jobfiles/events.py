@@ -242,6 +242,11 @@ class EventLog:
         self._exec("INSERT OR REPLACE INTO ranks (rank, data) VALUES (?, ?)", (rank, text))
         self._dirty = True
 
+    def job_fact(self, key: str) -> Any:
+        """The fact ``key`` as this log last set it (None: never set by this process)."""
+        text = self._facts.get(key)
+        return None if text is None else json.loads(text)
+
     def set_job(self, key: str, value: Any, *, flush: bool = False) -> None:
         self._facts[key] = text = json.dumps(value, default=str)
         self._exec("INSERT OR REPLACE INTO job (key, value) VALUES (?, ?)", (key, text))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import where_the_token_is
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
+from undying.launch.slurm import slurm_facts
 from undying.manager.checkpoints import resume_line
 from undying.manager.http import tokens_match
 from undying.manager.manager import Manager
@@ -101,8 +103,9 @@ class _Gate:
 
 
 def _resumable(job_dir: JobDir, job_id: str) -> tuple[bool, str]:
-    """A log of this job whose manager stopped before the job ended: carry it on. And why a log
-    that is there cannot be read, said once the manager listens (a refusal stays one line)."""
+    """A log of this job whose manager stopped before the job ended: carry it on (not one of an
+    earlier Slurm launch: SLURM_RESTART_COUNT changed). And why a log that is there is not carried
+    on, said once the manager listens (a refusal stays one line)."""
     if not job_dir.events_db.exists():
         return False, ""
     try:
@@ -113,6 +116,13 @@ def _resumable(job_dir: JobDir, job_id: str) -> tuple[bool, str]:
     state = job.get("state", "")
     resumable = (job.get("job_id") == job_id and state in ("running", "recovering")
                  and "config" in job)
+    slurm = slurm_facts(os.environ)
+    if resumable and slurm is not None and job.get("slurm", slurm) != slurm:
+        # Slurm requeued the job (its first node was lost): a new launch, which resumes from the
+        # newest checkpoint; the log's agents and ranks are gone with the old allocation.
+        return False, (f"job dir {job_dir.path}: its log is of Slurm job {slurm['job_id']}'s "
+                       "launch before its latest requeue, now gone; this launch resumes from the "
+                       "newest checkpoint")
     return resumable, ""
 
 
@@ -156,6 +166,9 @@ async def _serve(options: ManagerOptions) -> int:
     # Which of each node's reports the log holds commits with them: a restarted manager asks for the
     # rest.
     events.before_flush(lambda: events.set_job("acked", server.positions()))
+    if (slurm := slurm_facts(os.environ)) is not None:  # its Slurm job, and Slurm's requeues
+        events.set_job("slurm", slurm)
+        events.event("slurm_job", job_id=slurm["job_id"], restarts=slurm["restarts"])
     try:
         hosted = ManagerHost(config, files, events, restoring=restart)
     except BaseException:

@@ -25,7 +25,8 @@ from undying.config.manager import DEFAULT_MANAGER_PORT
 from undying.errors import UsageError
 from undying.inputs import check_job_id
 
-__all__ = ["SlurmStep", "expand_hostlist", "read_slurm", "manager_port", "MAX_NODES"]
+__all__ = ["SlurmStep", "expand_hostlist", "read_slurm", "manager_port", "slurm_facts",
+           "MAX_NODES"]
 
 MAX_NODES = 65_536  # more names than this in one node list is a malformed variable, not a job
 _MAX_TEXT = 1 << 20
@@ -134,6 +135,17 @@ def _tasks_per_node(text: str) -> list[int]:
     return counts
 
 
+def slurm_facts(environ: Mapping[str, str]) -> dict[str, int | str] | None:
+    """The Slurm job a process runs in and how many times Slurm requeued it
+    (``SLURM_RESTART_COUNT``), for the job's log and status; None outside Slurm."""
+    job_id = (environ.get("SLURM_JOB_ID") or "").strip()
+    if not job_id.isdigit() or len(job_id) > 12:
+        return None
+    restarts = (environ.get("SLURM_RESTART_COUNT") or "0").strip()
+    return {"job_id": job_id,
+            "restarts": int(restarts) if restarts.isdigit() and len(restarts) < 10 else 0}
+
+
 def _variable(environ: Mapping[str, str], name: str) -> str:
     value = environ.get(name)
     if value is None or not value.strip():
@@ -188,7 +200,7 @@ def read_slurm(environ: Mapping[str, str]) -> SlurmStep | None:
         raise UsageError(f"Slurm's step variables disagree: SLURM_STEP_NODELIST={nodelist:.60} "
                          f"({len(nodes)} nodes), SLURM_STEP_TASKS_PER_NODE={tasks_text:.40}, "
                          f"SLURM_NODEID={node_rank}; pass --nnodes, --node-rank and --manager")
-    restarts = environ.get("SLURM_RESTART_COUNT", "0").strip() or "0"
+    facts = slurm_facts(environ)
     return SlurmStep(job_id=job_id.strip(), nodes=nodes, node_rank=node_rank,
                      submit_dir=environ.get("SLURM_SUBMIT_DIR") or ".",
-                     restart_count=int(restarts) if restarts.isdigit() else 0)
+                     restart_count=int(facts["restarts"]) if facts else 0)

@@ -14,6 +14,16 @@ the two it may be.
 A job preempted (exit 75, or 74 with an older checkpoint) puts itself back in Slurm's queue
 (``requeue``), where its allocation allows it, and says so or says how to resume.
 
+The first node lost (its host gone, and the manager with it): the job is requeued and resumes
+from its newest checkpoint; the manager is not moved to a survivor (the workers' stores are
+pinned to its host). Each surviving node's agent judges the manager lost once it stayed
+unreachable for ``manager_lost_after`` (longer than a restarted manager takes to listen again),
+stops its ranks, says so in one line and ends with 74 ("resume me; steps after the newest
+checkpoint run again"); the lowest surviving node asks for the requeue first (each waits
+``REQUEUE_STAGGER_S`` a node rank before it asks, and the requeue ends every node of the job).
+Slurm keeps the requeued job completing until it marks the lost node down (``SlurmdTimeout``),
+and places it on other nodes then.
+
 The manager child is supervised: killed by a signal while the job runs (the OOM killer, a
 stray ``kill``), it is started again on the same job dir, and carries the job on from its log
 as a restarted manager does; the agents reconnect. Stopped (SIGSTOP, a debugger), the job waits
@@ -29,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,13 +49,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
+from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, HANGUP_LOG
+from undying.config.timeouts import Timeouts
 from undying.errors import UsageError
 from undying.jobfiles.tokens import TOKEN_FILE, check_shared_token
 from undying.launch.slurm import SlurmStep
 from undying.protocol.judge_clock import JudgeClock
 
-__all__ = ["ManagerChild", "listen_address", "requeue", "run_slurm_node", "wait_for_token"]
+__all__ = ["ManagerChild", "listen_address", "manager_lost", "manager_lost_after", "requeue",
+           "run_slurm_node", "wait_for_token"]
 
 log = logging.getLogger("undying.slurm")
 
@@ -57,6 +70,15 @@ MANAGER_STOPPED_LIMIT = 300.0
 WATCH_EVERY = 0.5  # how often the launcher looks at its manager child
 DEFAULT_MAX_REQUEUES = 20  # a job preempted this often in a row without ending is looping
 SCONTROL_TIMEOUT = 30.0
+# The manager unreachable this long (at least; two heartbeat timeouts when longer, at most the
+# rendezvous timeout): its node is lost. A manager killed alone is started again at once by its
+# launcher and listens again in seconds.
+MANAGER_LOST_FLOOR_S = 20.0
+# The first node lost: node k asks for the requeue after k x this (a lower survivor asks first,
+# and its requeue ends this node too), at most REQUEUE_STAGGER_MAX_S.
+REQUEUE_STAGGER_S = 3.0
+REQUEUE_STAGGER_MAX_S = 60.0
+_RESTARTS = re.compile(r"\bRestarts=(\d+)\b")
 
 
 def listen_address(node: str) -> str:
@@ -230,9 +252,17 @@ def manager_argv(step: SlurmStep, job_id: str, job_dir: str, port: int,
             "--port", str(port)]
 
 
+def manager_lost_after(timeouts: Timeouts) -> float:
+    """Seconds the manager may stay unreachable before a node takes the first node as lost."""
+    return min(timeouts.rendezvous_timeout,
+               max(MANAGER_LOST_FLOOR_S, 2 * timeouts.heartbeat_timeout))
+
+
 def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, verbose: bool,
                    join: Callable[[], int], max_requeues: int = DEFAULT_MAX_REQUEUES) -> int:
     """This node's part: the manager first (on the first node), then ``join()``, the agent."""
+    from undying.agent.remote import ManagerLost  # (the agent's: loaded by join() in any case)
+
     manager: ManagerChild | None = None
     if step.node_rank == 0:
         manager = ManagerChild(manager_argv(step, job_id, job_dir, port, verbose))
@@ -240,6 +270,10 @@ def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, ver
     try:
         wait_for_token(Path(job_dir), TOKEN_WAIT, manager.exited if manager else lambda: None)
         code = join()
+    except ManagerLost as e:
+        if manager is not None:
+            manager.stop()
+        return manager_lost(step, job_id, job_dir, str(e), max_requeues)
     except BaseException:
         if manager is not None:
             manager.stop()
@@ -253,6 +287,37 @@ def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, ver
     return code
 
 
+def manager_lost(step: SlurmStep, job_id: str, job_dir: str, why: str, max_requeues: int) -> int:
+    """The job's manager is lost with its node: this node's ranks are stopped; the lowest surviving
+    node requeues the job, which resumes from its newest checkpoint. 74: resume me.
+
+    The lines are also appended to ``<job dir>/launcher.log``: this node's output goes through
+    ``srun``, which ran on the lost first node (the batch host) and is gone with it.
+    """
+    _say(job_dir, f"job {job_id}: node {step.node_rank}: {why}: its node ({step.nodes[0]}) is "
+                  f"taken as lost; this node ends with {EXIT_PREEMPTED_BEHIND}, and the job "
+                  "resumes from its newest checkpoint")
+    # (a lower node that survived asks first: its requeue ends this node, asleep or not)
+    time.sleep(min(step.node_rank * REQUEUE_STAGGER_S, REQUEUE_STAGGER_MAX_S))
+    prefix = f"job {job_id}: node {step.node_rank}: "
+    _say(job_dir, prefix + requeue(step, max_requeues, lambda line: _say(job_dir, prefix + line)))
+    return EXIT_PREEMPTED_BEHIND
+
+
+def _say(job_dir: str, line: str) -> None:
+    """``line`` logged, and appended to ``<job dir>/launcher.log`` (0600, never through a link)."""
+    log.warning("%s", line)
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(Path(job_dir) / HANGUP_LOG, flags, 0o600)
+    except OSError:
+        return  # (the job dir unwritable: the log line stands alone)
+    with contextlib.suppress(OSError), os.fdopen(fd, "a", encoding="utf-8") as f:
+        f.write(f"[undying {time.strftime('%H:%M:%S')} WARNING] {line}\n")
+
+
 def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | None:
     try:
         return subprocess.run(["scontrol", *argv], capture_output=True, text=True,
@@ -261,15 +326,18 @@ def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | None:
         return None
 
 
-def requeue(step: SlurmStep, max_requeues: int) -> str:
-    """After a preemption: put the job back in Slurm's queue, where it may be; what happened.
+def requeue(step: SlurmStep, max_requeues: int,
+            say: Callable[[str], None] | None = None) -> str:
+    """After a preemption, or the first node lost: put the job back in Slurm's queue, where it may
+    be; what happened (``say``: where the line before the ask goes; the log by default).
 
     Slurm requeues a job that exits 75 only where its admin set ``RequeueExit=75``; the job
     asks for it itself instead (``scontrol requeue``), when its allocation allows requeueing
     (``sbatch --requeue``, or the cluster's default) and it was requeued fewer than
-    ``max_requeues`` times. The next start resumes from the dying gasp in the job dir. A
-    requeue ends every process of the job at once, this one included: the line that says so
-    is logged before it is asked for.
+    ``max_requeues`` times, and no other node requeued it meanwhile (Slurm's ``Restarts``). The
+    next start resumes from the dying gasp, or the newest checkpoint, in the job dir. A requeue
+    ends every process of the job at once, this one included: the line that says so is logged
+    before it is asked for.
     """
     resume = "to resume, submit the same batch script again (it continues from the job dir)"
     if step.restart_count >= max_requeues:
@@ -279,11 +347,15 @@ def requeue(step: SlurmStep, max_requeues: int) -> str:
     if shown is None or shown.returncode != 0:
         why = shown.stderr.strip()[:200] if shown is not None else "scontrol did not run"
         return f"not requeued: cannot ask Slurm about job {step.job_id} ({why}); {resume}"
+    restarts = _RESTARTS.search(shown.stdout)
+    if restarts is not None and int(restarts.group(1)) > step.restart_count:
+        return (f"not requeued again: Slurm job {step.job_id} was requeued already "
+                f"(Restarts={restarts.group(1)}); it resumes from the job dir")
     if "Requeue=1" not in shown.stdout.split():
         return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
                 f"{resume}")
-    log.warning("requeueing Slurm job %s (requeue %d of at most %d); its next start resumes "
-                "from the job dir", step.job_id, step.restart_count + 1, max_requeues)
+    (say or log.warning)(f"requeueing Slurm job {step.job_id} (requeue {step.restart_count + 1} "
+                         f"of at most {max_requeues}); its next start resumes from the job dir")
     with contextlib.suppress(OSError):
         sys.stderr.flush()
     done = _scontrol("requeue", step.job_id)

@@ -56,6 +56,8 @@ def job_status(core: JobCore, *, checkpoints: Checkpoints, preemption: Preemptio
             "health": core.health.view(),
         },
         "preemption": preemption.view,
+        # Under Slurm: its job id and how many times it was requeued (SLURM_RESTART_COUNT)
+        "slurm": core.events.job_fact("slurm"),
         "trace": trace.status(),
         "step_times": [list(p) for p in core.clock.step_times],
         "progress": job_progress(core).to_dict(),
