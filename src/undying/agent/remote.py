@@ -240,8 +240,9 @@ class NodeRunner:
 
     def _given_up(self, offline_since: float, how: str, error: BaseException) -> int | None:
         """None: try again. Past the bound since the manager's last word: this node's exit code,
-        or ManagerLost (under Slurm, a manager joined before: its node is taken as lost)."""
-        lost_s = self._manager_lost_s if self._joined else None
+        or ManagerLost (under Slurm, a manager joined before and now unreachable: its node is
+        taken as lost; one that answers no more is a stopped one, which its launcher ends)."""
+        lost_s = self._manager_lost_s if self._joined and how == "unreachable" else None
         bound = lost_s or self.config.timeouts.rendezvous_timeout
         if self.clock.silent_s(max(offline_since, self._last_beat)) <= bound:
             return None
