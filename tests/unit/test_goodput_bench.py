@@ -12,6 +12,7 @@ import importlib.util
 import math
 import random
 import sys
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
 
@@ -75,8 +76,8 @@ def test_schedule_is_seeded_spaced_and_inside_the_job() -> None:
     steps = [f.step for f in a]
     assert steps == sorted(steps)
     slice_ = (1800 - 40) // 9
-    assert all(later - earlier >= slice_ // 2 - 20 for earlier, later in zip(steps, steps[1:]))
-    assert 20 <= steps[0] and steps[-1] <= 1780
+    assert all(later - earlier >= slice_ // 2 - 20 for earlier, later in pairwise(steps))
+    assert steps[0] >= 20 and steps[-1] <= 1780
     assert {f.kind for f in a} == set(plan.MIX)
     assert all(0 <= f.rank < 4 for f in a)
 
