@@ -86,11 +86,13 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     stop,
     wait_for,
 )
+from soak import load_launches  # noqa: E402
 from soak_plan import SOAK_SCRIPT  # noqa: E402
 from soak_single import SingleJob  # noqa: E402
 
 from undying.cli.client import api_post  # noqa: E402
 from undying.cli.summary import logged_account  # noqa: E402
+from undying.demo.oracle import compare_runs, load_run  # noqa: E402
 from undying.errors import JobNotRunningError, UsageError  # noqa: E402
 from undying.jobfiles.events import read_job  # noqa: E402
 
@@ -303,7 +305,21 @@ def run_all(args: argparse.Namespace, root: Path, log: TextIO) -> dict[str, Any]
         run["load_1min"] = round(load, 2)
         runs[name] = run
         print(f"{run['wall_s']:.1f} s, launches {run['launches']}", file=log, flush=True)
+    runs["undying"]["oracle"] = oracle(root / "undying" / "job", root / "undying_fault_free" / "job")
     return report(args, workload, faults, cost, every, runs)
+
+
+def oracle(faulty: Path, fault_free: Path) -> dict[str, Any]:
+    """undying's oracle across the faulty job's launches: final states, steps missing or
+    mismatched; steps whose executions logged different losses (a roll-back's discarded work
+    among them) are in ``reasons``."""
+    try:
+        c = compare_runs(load_launches(faulty), load_run(fault_free / "events.db"))
+    except (OSError, ValueError, KeyError) as e:
+        return {"error": str(e)}
+    return {"identical": c.identical, "digests_equal": c.digests_equal,
+            "missing_steps": len(c.missing_steps), "mismatched_steps": len(c.mismatched_steps),
+            "reasons": c.reasons[:4]}
 
 
 def report(args: argparse.Namespace, workload: Workload, faults: list[Fault], cost: float,
@@ -375,6 +391,8 @@ def render(result: dict[str, Any], out: TextIO) -> None:
     mg = result["runs"]["undying"].get("manager_goodput", {})
     print(f"\nundying's own account: goodput {mg.get('ratio')}, losses (s) {mg.get('losses')}; "
           f"incidents {result['runs']['undying'].get('incidents')}", file=out)
+    print(f"undying's oracle against its fault-free run: {result['runs']['undying'].get('oracle')}",
+          file=out)
     print(f"ratio of goodputs undying / torchrun: {result['ratio_goodput']}", file=out)
 
 
