@@ -38,7 +38,7 @@ checkpoint saved after it keeps it). The ratio undying / torchrun is printed.
 
 Run it from the repository root::
 
-    python bench/goodput.py --minutes 30 --json --out /tmp/goodput   # the run (~2.5 h)
+    python bench/goodput.py --minutes 30 --json --out /tmp/goodput   # the run (~3 h)
     python bench/goodput.py --minutes 3 --mtbi 20 --hang-timeout 10  # a short validation
 
 It reports and asserts nothing. Every process started is stopped on exit.
@@ -240,7 +240,7 @@ def _arm(job: SingleJob, fault: Fault, deadline: float, verify: tuple[int, int],
         return {**fault.to_dict(), "at": step, "rc": rc, "relaunched": ok}
     body = {**UNDYING_FAULT[fault.kind], "rank": fault.rank}
     at = fault.step
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and job.process is not None and job.process.poll() is None:
         try:
             api_post(job.url, "/api/inject", {**body, "at_step": at})
             return {**fault.to_dict(), "armed_at": at}
@@ -443,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a launch that did not come up (soak_single.SingleJob.start)
+        print(f"goodput: {e}; every process started was stopped", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted; every process started was stopped", file=sys.stderr)
         return 130

@@ -14,9 +14,9 @@ is the recovery, not a queue of runnable processes.
 
 Only runs with the fault are timed (the fault-free runs and the no-spare run
 of the 4-rank bench are left out: they measure other things). One repetition
-runs, for each size in turn, torchrun then undying, so the sizes and the two
-systems are interleaved over the machine's changing load; ``--repeats``
-repetitions. Reported per size and system: the median recovery (kill to every
+runs, for each size in turn, both systems (torchrun first in odd repetitions,
+undying first in even ones), so the sizes and the two systems are interleaved
+over the machine's changing load; ``--repeats`` repetitions. Reported per size and system: the median recovery (kill to every
 rank's first step after it) with its minimum and maximum, and the phase
 timeline (undying: the manager's incident phases; torchrun: every new worker
 started, group up and checkpoint loaded, first step), as the median of each
@@ -137,14 +137,16 @@ def _growth(sizes: dict[int, Any], names: Sequence[str]) -> dict[str, Any]:
 
 def run_sweep(args: argparse.Namespace, sizes: list[int], root: Path,
               progress: TextIO) -> dict[str, Any]:
-    """Every repetition: each size in turn, torchrun then undying, each with the fault."""
+    """Every repetition: each size in turn, both systems with the fault (torchrun first in odd
+    repetitions, undying first in even ones, so neither always follows the other's load)."""
     fault = Fault(rank=args.kill_rank, step=args.kill_step)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {"torchrun": {}, "undying": {}}
     loads: list[tuple[float, float]] = []
     for index in range(1, args.repeats + 1):
         for ranks in sizes:
             workload = sweep_workload(ranks, args.steps, args)
-            for system in ("torchrun", "undying"):
+            order = ("torchrun", "undying") if index % 2 else ("undying", "torchrun")
+            for system in order:
                 run_dir = root / f"rep{index}-{ranks}ranks-{system}"
                 print(f"[{index}/{args.repeats}] {ranks} ranks, {system} with the fault ...",
                       end=" ", file=progress, flush=True)
