@@ -21,15 +21,38 @@ It writes to ``DIR``, one JSON object per line:
   process SIGKILLs itself at the start of step ``--kill-at-step`` on rank
   ``--kill-rank``, in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` == 0).
 
+``--faults FILE`` (bench/goodput.py) replays a schedule instead: a JSON list of
+``{"kind", "rank", "step"}``, each fault done once (a file ``fired-<i>-r<R>``,
+created exclusively, says it was), at the start of its step on its rank, and
+logged first in ``faults.rank<R>.jsonl`` (``{"i", "kind", "step", "attempt", "t"}``):
+
+* ``crash-hw``, ``crash-sw``: SIGKILL of the process;
+* ``comm-error``: the collective fails (a ``RuntimeError``, as gloo raises on a
+  broken connection): the process exits 1;
+* ``hang``: the process sleeps for ever; its peers' next collective times out
+  after ``--collective-timeout`` seconds and fails them;
+* ``bitflip``: the top mantissa bit of the largest value of the rank's local
+  gradient of the last layer's weight flipped in that step's backward, before
+  DDP's all-reduce (the job goes on, silently wrong: nothing here checks it);
+* ``preempt`` (every rank): rank 0 saves a checkpoint of the steps done, every
+  rank meets at a barrier and exits 0, so torchrun exits 0 and the driver
+  launches the job again (a planned stop with notice, at a step boundary).
+
+``BENCH_LAUNCH`` (the driver's launch number, from 0) makes the attempt
+``100 x launch + TORCHELASTIC_RESTART_COUNT``. Rank 0 writes ``done.json`` once
+the last step is done.
+
 Steps are numbered from 1, as undying numbers them.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -58,6 +81,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-at-step", type=int, default=0,
                    help="SIGKILL a rank at the start of this step (0: never)")
     p.add_argument("--kill-rank", type=int, default=2, help="the rank that --kill-at-step kills")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="a step lasts at least this (a sleep after its work), as the demo's")
+    p.add_argument("--faults", type=Path, default=None,
+                   help="a schedule of faults to replay (JSON list of {kind, rank, step})")
+    p.add_argument("--collective-timeout", type=float, default=1800.0,
+                   help="seconds before a collective waiting on a peer fails (gloo's default)")
     return p.parse_args()
 
 
@@ -118,14 +147,76 @@ def kill_self(run_dir: Path, rank: int, step: int, attempt: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def take(run_dir: Path, index: int, rank: int) -> bool:
+    """True once per (fault, rank): the marker file is created exclusively."""
+    try:
+        os.close(os.open(run_dir / f"fired-{index}-r{rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def flip_hook(grad: torch.Tensor) -> torch.Tensor:
+    """The top mantissa bit of the largest value flipped: finite, no spike, silently wrong."""
+    flipped = grad.clone()
+    flat = flipped.view(-1)
+    at = int(flat.abs().argmax())
+    bits = flat[at:at + 1].view(torch.int32)
+    bits ^= 1 << 22
+    return flipped
+
+
+def arm_flip(model: nn.Module) -> None:
+    """Flip (``flip_hook``) the next local gradient of the last layer's weight, once, before
+    DDP's all-reduce sees it (a tensor hook runs before the gradient is accumulated)."""
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    handles = []
+
+    def once(grad: torch.Tensor) -> torch.Tensor:
+        handles.pop().remove()
+        return flip_hook(grad)
+    handles.append(last.weight.register_hook(once))
+
+
+def fire(faults: list[dict[str, Any]], step: int, rank: int, attempt: int, run_dir: Path,
+         model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+    """Do the schedule's faults due at the start of ``step`` on this rank (module doc)."""
+    for index, fault in enumerate(faults):
+        kind = fault["kind"]
+        if fault["step"] != step or (kind != "preempt" and fault["rank"] != rank):
+            continue
+        if not take(run_dir, index, rank):
+            continue
+        with open(run_dir / f"faults.rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"i": index, "kind": kind, "step": step, "attempt": attempt,
+                                "t": time.time()}) + "\n")
+        if kind in ("crash-hw", "crash-sw"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "comm-error":
+            raise RuntimeError(f"injected communication error on rank {rank} at step {step}")
+        elif kind == "hang":
+            while True:
+                time.sleep(3600)
+        elif kind == "bitflip":
+            arm_flip(model)
+        elif kind == "preempt":
+            if rank == 0 and step > 1:
+                save_checkpoint(run_dir / CHECKPOINT, step - 1, model, optimizer, scheduler)
+            dist.barrier()
+            dist.destroy_process_group()
+            sys.exit(0)
+
+
 def main() -> None:
     args = parse_args()
     rank = int(os.environ["RANK"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = (100 * int(os.environ.get("BENCH_LAUNCH", "0"))
+               + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    faults = json.loads(args.faults.read_text()) if args.faults is not None else []
     args.run_dir.mkdir(parents=True, exist_ok=True)
     log = open(args.run_dir / f"steps.rank{rank}.jsonl", "a")  # noqa: SIM115 (open for the whole run)
     record(log, event="start", attempt=attempt, pid=os.getpid(), t=time.time())
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
     world_size = dist.get_world_size()
 
     torch.manual_seed(1234)
@@ -150,6 +241,9 @@ def main() -> None:
             step += 1
             if step == args.kill_at_step and rank == args.kill_rank and attempt == 0:
                 kill_self(args.run_dir, rank, step, attempt)
+            if faults:
+                fire(faults, step, rank, attempt, args.run_dir, model, optimizer, scheduler)
+            started = time.monotonic()
             loss = F.mse_loss(ddp(inputs), targets)
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
@@ -157,11 +251,14 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
+            time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
             record(log, event="step", attempt=attempt, step=step, t=time.time(),
                    loss=(mean_loss / world_size).item())
             if rank == 0 and args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
                 save_checkpoint(checkpoint, step, model, optimizer, scheduler)
     log.close()
+    if rank == 0:
+        (args.run_dir / "done.json").write_text(json.dumps({"step": step, "t": time.time()}))
     dist.destroy_process_group()
 
 

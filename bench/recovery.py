@@ -119,15 +119,18 @@ class Workload:
     hidden: int
     layers: int
     batch_size: int
+    ranks: int = RANKS
+    step_seconds: float = 0.0  # a step lasts at least this (a sleep after its work; 0: no pacing)
 
     def script_args(self) -> list[str]:
+        pace = ["--step-seconds", str(self.step_seconds)] if self.step_seconds > 0 else []
         return ["--epochs", str(self.epochs), "--samples", str(self.samples),
                 "--features", str(self.features), "--hidden", str(self.hidden),
-                "--layers", str(self.layers), "--batch-size", str(self.batch_size)]
+                "--layers", str(self.layers), "--batch-size", str(self.batch_size), *pace]
 
     @property
     def steps_per_epoch(self) -> int:  # DistributedSampler pads to equal shards
-        return math.ceil(math.ceil(self.samples / RANKS) / self.batch_size)
+        return math.ceil(math.ceil(self.samples / self.ranks) / self.batch_size)
 
     @property
     def total_steps(self) -> int:
@@ -235,7 +238,7 @@ def run_torchrun(workload: Workload, fault: Fault | None, run_dir: Path, checkpo
                  timeout_s: float) -> Run:
     run_dir.mkdir(parents=True)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(RANKS), "--max-restarts", "3", "--monitor-interval", "0.1",
+            "--nproc-per-node", str(workload.ranks), "--max-restarts", "3", "--monitor-interval", "0.1",
             str(PLAIN_SCRIPT), *workload.script_args(), "--run-dir", str(run_dir),
             "--checkpoint-every", str(checkpoint_every)]
     if fault is not None:
@@ -256,7 +259,7 @@ def run_torchrun(workload: Workload, fault: Fault | None, run_dir: Path, checkpo
     run = Run("torchrun", fault is not None, rc, wall_s, commits, fault_t,
               extra={"leftover_workers_killed": leftovers})
     if fault_t is not None:
-        run.phases = torchrun_phases(records, commits, fault_t)
+        run.phases = torchrun_phases(records, commits, fault_t, workload.ranks)
     return run
 
 
@@ -276,7 +279,7 @@ def plain_worker_pids(run_dir: Path) -> list[int]:
 
 
 def torchrun_phases(records: list[dict[str, Any]], commits: list[Commit],
-                    fault_t: float) -> dict[str, float]:
+                    fault_t: float, ranks: int = RANKS) -> dict[str, float]:
     """Seconds from the kill until every rank of the first restart reached each point."""
     fault_attempt = attempt_at(commits, fault_t)
     restarts = [r["attempt"] for r in records if r["attempt"] > fault_attempt]
@@ -286,9 +289,9 @@ def torchrun_phases(records: list[dict[str, Any]], commits: list[Commit],
     phases = {}
     for name, event in (("workers_started", "start"), ("group_ready", "ready")):
         times = [r["t"] for r in records if r["attempt"] == attempt and r["event"] == event]
-        if len(times) == RANKS:
+        if len(times) == ranks:
             phases[name] = max(times) - fault_t
-    recovery = recovery_s(commits, fault_t)
+    recovery = recovery_s(commits, fault_t, ranks)
     if recovery is not None:
         phases["first_step_done"] = recovery
     return phases
@@ -301,7 +304,7 @@ def run_undying(workload: Workload, fault: Fault | None, run_dir: Path, timeout_
                 spares: int = 1) -> Run:
     run_dir.mkdir(parents=True)
     job_dir = run_dir / "job"
-    argv = [sys.executable, "-m", "undying", "run", "-n", str(RANKS), "--port", "0",
+    argv = [sys.executable, "-m", "undying", "run", "-n", str(workload.ranks), "--port", "0",
             "--job-dir", str(job_dir), "--job-id", run_dir.name, "--stop-grace", "3",
             "--spares", str(spares),
             str(TRAIN_SCRIPT), *workload.script_args()]
@@ -386,21 +389,22 @@ def attempt_at(commits: list[Commit], t: float) -> int:
     return max((c.attempt for c in commits if c.t <= t), default=0)
 
 
-def recovery_s(commits: list[Commit], fault_t: float) -> float | None:
+def recovery_s(commits: list[Commit], fault_t: float, ranks: int = RANKS) -> float | None:
     """From the fault until every rank completed its first step in a later generation/attempt."""
     fault_attempt = attempt_at(commits, fault_t)
     first: dict[int, float] = {}
     for c in commits:
         if c.attempt > fault_attempt:
             first[c.rank] = min(first.get(c.rank, math.inf), c.t)
-    return max(first.values()) - fault_t if len(first) == RANKS else None
+    return max(first.values()) - fault_t if len(first) == ranks else None
 
 
-def catch_up_s(commits: list[Commit], fault_t: float, fault_step: int) -> float | None:
+def catch_up_s(commits: list[Commit], fault_t: float, fault_step: int,
+               ranks: int = RANKS) -> float | None:
     """From the fault until every rank completed the step it was killed in."""
     fault_attempt = attempt_at(commits, fault_t)
     done = {c.rank: c.t for c in commits if c.attempt > fault_attempt and c.step == fault_step}
-    return max(done.values()) - fault_t if len(done) == RANKS else None
+    return max(done.values()) - fault_t if len(done) == ranks else None
 
 
 def lost_steps(commits: list[Commit]) -> int:
@@ -411,23 +415,23 @@ def lost_steps(commits: list[Commit]) -> int:
     return len({step for (_, step), n in seen.items() if n > 1})
 
 
-def step_times(commits: list[Commit], warmup: int) -> list[float]:
+def step_times(commits: list[Commit], warmup: int, ranks: int = RANKS) -> list[float]:
     """done(s) - done(s-1) within each generation/attempt, past its first ``warmup`` steps."""
     done: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for c in commits:
         done[c.attempt][c.step].append(c.t)
     durations = []
     for steps in done.values():
-        full = {s: max(ts) for s, ts in steps.items() if len(ts) == RANKS}
+        full = {s: max(ts) for s, ts in steps.items() if len(ts) == ranks}
         for s in sorted(full)[warmup:]:
             if s - 1 in full:
                 durations.append(full[s] - full[s - 1])
     return durations
 
 
-def run_metrics(run: Run, fault: Fault, warmup: int) -> dict[str, Any]:
+def run_metrics(run: Run, fault: Fault, warmup: int, ranks: int = RANKS) -> dict[str, Any]:
     """One run's figures (times in seconds, step time in milliseconds)."""
-    times = step_times(run.commits, warmup)
+    times = step_times(run.commits, warmup, ranks)
     metrics: dict[str, Any] = {
         "rc": run.rc,
         "wall_s": round(run.wall_s, 3),
@@ -439,9 +443,9 @@ def run_metrics(run: Run, fault: Fault, warmup: int) -> dict[str, Any]:
         fault_t = run.fault_t
         metrics.update(
             fault_seen=fault_t is not None,
-            recovery_s=None if fault_t is None else _round(recovery_s(run.commits, fault_t)),
+            recovery_s=None if fault_t is None else _round(recovery_s(run.commits, fault_t, ranks)),
             catch_up_s=None if fault_t is None else _round(
-                catch_up_s(run.commits, fault_t, fault.step)),
+                catch_up_s(run.commits, fault_t, fault.step, ranks)),
             lost_steps=lost_steps(run.commits),
             phases={k: round(v, 4) for k, v in run.phases.items()},
         )
@@ -633,16 +637,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout, the report on stderr")
     p.add_argument("--out", type=Path, default=None, help="keep every run's logs and records here")
+    p.add_argument("--ranks", default=None,
+                   help="world sizes to sweep, e.g. 2,4,8,16: recovery as the world grows "
+                        "(bench/recovery_ranks.py; then a small paced job is the default)")
+    p.add_argument("--steps", type=int, default=40,
+                   help="with --ranks: the steps of the job at every size")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="every step lasts at least this (a sleep; 0.2 with --ranks)")
+    known, _ = p.parse_known_args(argv)
+    if known.ranks is not None:
+        from recovery_ranks import SWEEP_DEFAULTS
+        p.set_defaults(**SWEEP_DEFAULTS)
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.ranks is not None:
+        from recovery_ranks import parse_ranks
+        try:
+            args.ranks = parse_ranks(args.ranks)
+        except ValueError as e:
+            p.error(str(e))
+        if not 1 < args.kill_step <= args.steps or args.kill_rank >= min(args.ranks):
+            p.error(f"with --ranks: --kill-step must be in 2..{args.steps} (--steps) and "
+                    f"--kill-rank below the smallest size, {min(args.ranks)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ranks is not None:
+        return main_sweep(args)
     workload = Workload(args.epochs, args.samples, args.features, args.hidden, args.layers,
-                        args.batch_size)
+                        args.batch_size, step_seconds=args.step_seconds)
     if not 1 < args.kill_step <= workload.total_steps or not 0 <= args.kill_rank < RANKS:
         sys.exit(f"--kill-step must be in 2..{workload.total_steps} "
                  f"and --kill-rank in 0..{RANKS - 1}")
@@ -662,6 +688,26 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     result = report(args, workload, fault, reps)
     render(result, text)
+    publish(result, args.out, args.json, text, "logs and records")
+    return 0
+
+
+def main_sweep(args: argparse.Namespace) -> int:
+    """``--ranks``: the same fault at each world size (bench/recovery_ranks.py)."""
+    from recovery_ranks import render_sweep, run_sweep
+    signal.signal(signal.SIGTERM, interrupt)
+    text = sys.stderr if args.json else sys.stdout
+    root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-recovery-ranks-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_sweep(args, args.ranks, root, sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted; every process started was stopped", file=sys.stderr)
+        return 130
+    finally:
+        if args.out is None:
+            shutil.rmtree(root, ignore_errors=True)
+    render_sweep(result, text)
     publish(result, args.out, args.json, text, "logs and records")
     return 0
 
