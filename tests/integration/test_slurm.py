@@ -275,7 +275,10 @@ def test_losing_the_first_node_requeues_the_job_which_resumes_from_its_newest_ch
     work = tmp_path / "work"
     work.mkdir()
     save_every = 5
-    run = " ".join([*UNDYING, "run", "-n", "1", "--heartbeat-timeout", "3", "--save-every",
+    # (--heartbeat-timeout 10: the survivor judges its manager only over time it ran itself, and
+    # a tick gap past half its window is a stall of its own that starts the count again; at 3 s,
+    # a 2-core machine loaded by the suite's other jobs kept restarting the 20 s count)
+    run = " ".join([*UNDYING, "run", "-n", "1", "--heartbeat-timeout", "10", "--save-every",
                     str(save_every), str(TRAIN_SCRIPT), *LONG_ARGS])
     job = _submit(cluster3, work, f"""#!/bin/bash
 #SBATCH -N2 --ntasks-per-node=1 --no-kill --requeue --open-mode=append -o {work}/slurm-%j.out
