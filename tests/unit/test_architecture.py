@@ -3,7 +3,7 @@
 Layers, lowest first (a module imports from its own layer or a lower one):
 
 0. the contract floor: ``protocol`` (the codec, the messages, generations, the
-   stores' wire), with ``errors``, ``inputs`` and ``user_files``;
+   stores' wire), with ``errors``, ``inputs``, ``user_files`` and ``procfs``;
 1. libraries every role may use: ``checkpoint``, ``trace``, ``config``, and
    ``jobfiles`` (the job dir and what it holds: its layout and lock, the
    token's file, the event log and the records it stores), which imports no role;
@@ -49,7 +49,8 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
          "undying.__main__")),
     (2, ROLES),
     (1, ("undying.checkpoint", "undying.trace", "undying.config", "undying.jobfiles")),
-    (0, ("undying.protocol", "undying.errors", "undying.inputs", "undying.user_files")),
+    (0, ("undying.protocol", "undying.errors", "undying.inputs", "undying.user_files",
+         "undying.procfs")),
 ]
 DECISION_MODULES = ("undying.manager.recovery.policy", "undying.manager.regroup.record", "undying.manager.membership.book",
                     "undying.manager.steps.clock", "undying.jobfiles.records", "undying.checkpoint.planner",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 import selectors
 import shutil
@@ -360,3 +361,34 @@ def test_a_launch_of_the_same_job_waits_for_a_local_lock_another_host_holds(
     finally:
         killer.join()
         release(root)
+
+
+def test_a_zombie_launcher_holds_no_job_dir(tmp_path: Path) -> None:
+    """A launcher SIGKILLed with its parent stays a zombie until whoever adopts it collects it
+    (seen on a Slurm node lost: its launcher's pid still answered 20 s later). It exited and holds
+    nothing: its job dir is free for the next launch, as a gone one's is."""
+    from undying.checkpoint.lock import release_all
+    from undying.errors import UsageError
+    from undying.jobfiles.jobdir import JobDir, pid_alive
+    from undying.procfs import is_zombie
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        job_dir = JobDir(tmp_path / "job")
+        job_dir.path.mkdir(mode=0o700)
+        job_dir.manager_file.write_text(json.dumps({"pid": child.pid}))
+        with pytest.raises(UsageError, match="belongs to a running job"):
+            job_dir.prepare()  # (its launcher runs)
+        release_all()
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not is_zombie(child.pid) and time.monotonic() < deadline:  # (not collected: a zombie)
+            time.sleep(0.01)
+        assert is_zombie(child.pid)
+        os.kill(child.pid, 0)  # its pid still answers
+        assert not pid_alive(child.pid)
+        job_dir.prepare()  # the next launch takes the job dir
+    finally:
+        release_all()
+        child.kill()
+        child.wait(timeout=10)

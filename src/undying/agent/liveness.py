@@ -14,11 +14,10 @@ pause of the agent does not change.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 from undying.config import AUTO_STEP_TIMEOUT_FACTOR, AUTO_STEP_TIMEOUT_FLOOR_S, Timeouts
+from undying.procfs import process_state
 from undying.protocol.judge_clock import JudgeClock
 from undying.protocol.kinds import WorkerPhase
 from undying.protocol.worker_wire import Heartbeat
@@ -94,16 +93,6 @@ def stall_to_report(beat: Heartbeat, reported: tuple[float, float], now: float,
     first report too early (a rank behind that still moved) and must hear it again."""
     new = beat.progress_t != reported[0] or now - reported[1] > step_timeout
     return new and is_stalled(beat, step_timeout, timeouts)
-
-
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of ``pid`` (``R`` running, ``S`` sleeping, ``D`` in I/O, ``T``
-    stopped, ``Z`` exited and not yet collected), or ``?`` where ``/proc`` does not say (gone, not
-    Linux)."""
-    with contextlib.suppress(OSError, IndexError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2]  # (the name in parentheses may hold spaces and ')')
-    return "?"
 
 
 def has_exited(pid: int) -> bool:

@@ -21,6 +21,7 @@ from undying.checkpoint.lock import hold_job_dir, release_all
 from undying.errors import JobNotRunningError, UsageError
 from undying.jobfiles.events import fold_wal
 from undying.jobfiles.ownership import check_trusted, make_private, private_dir, write_private
+from undying.procfs import is_zombie
 
 __all__ = ["JobDir", "default_job_dir", "pid_alive"]
 
@@ -150,7 +151,9 @@ class JobDir:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID exists (one of another user's counts)."""
+    """Whether a process with this PID exists (one of another user's counts), a zombie not: it
+    exited and holds nothing (a killed launcher whose parent died with it stays one until
+    whoever adopts it collects it)."""
     if pid <= 0:
         return False
     try:
@@ -158,5 +161,5 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        return not is_zombie(pid)
+    return not is_zombie(pid)

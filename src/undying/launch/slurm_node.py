@@ -54,6 +54,7 @@ from undying.config.timeouts import Timeouts
 from undying.errors import UsageError
 from undying.jobfiles.tokens import TOKEN_FILE, check_shared_token
 from undying.launch.slurm import SlurmStep
+from undying.procfs import process_state
 from undying.protocol.judge_clock import JudgeClock
 
 __all__ = ["ManagerChild", "listen_address", "manager_lost", "manager_lost_after", "requeue",
@@ -233,16 +234,6 @@ class ManagerChild:
 
 # The states of /proc/<pid>/stat a process makes no progress in until someone continues it.
 STOPPED_STATES = {"T": "SIGSTOP", "t": "held by a debugger"}
-
-
-def process_state(pid: int) -> str:
-    """The state letter of ``/proc/<pid>/stat`` (``R``, ``S``, ``T``...); "" where unknown."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text(errors="replace")
-    except OSError:
-        return ""
-    fields = text.rpartition(")")[2].split()  # (the name in parentheses may hold anything)
-    return fields[0] if fields else ""
 
 
 def manager_argv(step: SlurmStep, job_id: str, job_dir: str, port: int,
