@@ -52,7 +52,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import statistics
 import sys
@@ -85,6 +84,7 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     read_plain_records,
     stop,
     wait_for,
+    work_root,
 )
 from soak import load_launches  # noqa: E402
 from soak_plan import SOAK_SCRIPT  # noqa: E402
@@ -436,10 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt)
     text = sys.stderr if args.json else sys.stdout
-    root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-goodput-"))
-    root.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_all(args, root, sys.stderr)
+        with work_root(args.out, "undying-bench-goodput-") as root:
+            result = run_all(args, root, sys.stderr)
     except ValueError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2
@@ -449,9 +448,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; every process started was stopped", file=sys.stderr)
         return 130
-    finally:
-        if args.out is None:
-            shutil.rmtree(root, ignore_errors=True)
     render(result, text)
     publish(result, args.out, args.json, text, "logs and records")
     return 0

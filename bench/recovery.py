@@ -78,7 +78,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -675,17 +675,13 @@ def main(argv: list[str] | None = None) -> int:
     fault = Fault(rank=args.kill_rank, step=args.kill_step)
     signal.signal(signal.SIGTERM, interrupt)
     text = sys.stderr if args.json else sys.stdout
-    root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-recovery-"))
-    root.mkdir(parents=True, exist_ok=True)
     try:
-        reps = [run_repeat(i, args, workload, fault, root, sys.stderr)
-                for i in range(1, args.repeats + 1)]
+        with work_root(args.out, "undying-bench-recovery-") as root:
+            reps = [run_repeat(i, args, workload, fault, root, sys.stderr)
+                    for i in range(1, args.repeats + 1)]
     except KeyboardInterrupt:
         print("interrupted; every process started was stopped", file=sys.stderr)
         return 130
-    finally:
-        if args.out is None:
-            shutil.rmtree(root, ignore_errors=True)
     result = report(args, workload, fault, reps)
     render(result, text)
     publish(result, args.out, args.json, text, "logs and records")
@@ -697,19 +693,28 @@ def main_sweep(args: argparse.Namespace) -> int:
     from recovery_ranks import render_sweep, run_sweep
     signal.signal(signal.SIGTERM, interrupt)
     text = sys.stderr if args.json else sys.stdout
-    root = args.out or Path(tempfile.mkdtemp(prefix="undying-bench-recovery-ranks-"))
-    root.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_sweep(args, args.ranks, root, sys.stderr)
+        with work_root(args.out, "undying-bench-recovery-ranks-") as root:
+            result = run_sweep(args, args.ranks, root, sys.stderr)
     except KeyboardInterrupt:
         print("interrupted; every process started was stopped", file=sys.stderr)
         return 130
-    finally:
-        if args.out is None:
-            shutil.rmtree(root, ignore_errors=True)
     render_sweep(result, text)
     publish(result, args.out, args.json, text, "logs and records")
     return 0
+
+
+@contextlib.contextmanager
+def work_root(out: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a bench's runs keep their logs: ``--out`` (kept), or a temporary folder removed at
+    the end, however the bench ends."""
+    root = out or Path(tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        yield root
+    finally:
+        if out is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def publish(result: dict[str, Any], out: Path | None, as_json: bool, text: TextIO, kept: str) -> None:

@@ -28,14 +28,17 @@ What it takes on one machine (learned setting it up; each is a line below):
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +217,28 @@ KillWait=3
         kwargs.setdefault("env", self.env())
         return subprocess.Popen(self._wrapped(0, argv), start_new_session=True, **kwargs)
 
+    def job_env(self) -> dict[str, str]:
+        """The env for a job's commands: the test session's without its shared token (the job
+        makes and shares its own)."""
+        env = self.env()
+        env.pop("UNDYING_TOKEN", None)
+        return env
+
+    def submit(self, work: Path, script: str) -> str:
+        """``script`` written to ``<work>/job.sh`` and submitted from ``work``; the job id."""
+        (work / "job.sh").write_text(script)
+        r = self.run(["sbatch", "--parsable", str(work / "job.sh")], cwd=work, env=self.job_env())
+        return r.stdout.strip().split(";")[0]
+
+    def status_step(self, job_dir: Path) -> int:
+        """The job's step as `undying status --json` says it, -1 while it cannot."""
+        r = self.run([sys.executable, "-m", "undying", "status", "--job-dir", str(job_dir),
+                      "--json"], check=False, env=self.job_env(), timeout=30)
+        try:
+            return int(json.loads(r.stdout)["progress"]["step"])
+        except (ValueError, KeyError, TypeError):
+            return -1
+
     def squeue(self, job: str) -> str:
         """The job's state (``RUNNING``, ``PENDING``...), "" once Slurm forgot it."""
         r = self.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False, timeout=10)
@@ -248,3 +273,13 @@ KillWait=3
             for f in self._logs:
                 f.close()
             shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+
+def wait_for(what: str, condition: Callable[[], object], timeout: float) -> None:
+    """Until ``condition()`` holds; TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"no {what} after {timeout}s")

@@ -14,14 +14,13 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.oracle import Oracle
-from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason
+from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason, wait_for
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
 from undying.jobfiles.events import LogReader, read_job
@@ -42,35 +41,19 @@ def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
         yield made
 
 
-def _env(cluster: SlurmCluster) -> dict[str, str]:
-    """The test session's env without its shared token: the job makes and shares its own."""
-    env = cluster.env()
-    env.pop("UNDYING_TOKEN", None)
-    return env
-
-
-def _wait_for(what: str, condition: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(condition) and condition():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"no {what} after {timeout}s")
-
-
 def test_srun_undying_run_needs_no_other_flag_and_survives_a_rank_crash(
         cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
     work = tmp_path / "work"
     work.mkdir()
     srun = cluster.popen(
         ["srun", "-N2", "--ntasks-per-node=1", *UNDYING, "run", "-n", "1", str(TRAIN_SCRIPT),
-         *SCRIPT_ARGS], cwd=work, env=_env(cluster),
+         *SCRIPT_ARGS], cwd=work, env=cluster.job_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         job_dir = work / "undying-jobs" / "slurm-1"
-        _wait_for("job dir", lambda: (job_dir / "token").exists(), 60)
+        wait_for("job dir", lambda: (job_dir / "token").exists(), 60)
         inject = cluster.run([*UNDYING, "inject", "crash", "--rank", "1", "--at-step", "12",
-                              "--job-dir", str(job_dir)], check=False, cwd=work, env=_env(cluster))
+                              "--job-dir", str(job_dir)], check=False, cwd=work, env=cluster.job_env())
         assert inject.returncode == 0, inject.stdout + inject.stderr
         out, _ = srun.communicate(timeout=240)
     finally:
@@ -101,9 +84,9 @@ def _batch(cluster: SlurmCluster, folder: Path, body: str, *, nodes: int = 1) ->
     out = folder / "job.out"
     r = cluster.run(["sbatch", "--parsable", "-N", str(nodes), "--ntasks-per-node=2", "-o",
                      str(out), str(script)],
-                    cwd=folder, env=_env(cluster))
+                    cwd=folder, env=cluster.job_env())
     job = r.stdout.strip().split(";")[0]
-    _wait_for(f"end of batch job {job}", lambda: cluster.squeue(job) == "" and out.exists(), 90)
+    wait_for(f"end of batch job {job}", lambda: cluster.squeue(job) == "" and out.exists(), 90)
     return out.read_text(errors="replace")
 
 
@@ -125,21 +108,6 @@ def test_outside_a_step_or_with_several_tasks_a_node_it_is_refused_saying_what_t
 # 64 steps of ~0.1 s on 2 ranks: preempted at step 10 or a little later (and at 30), requeued,
 # resumed.
 LONG_ARGS = ["--epochs", "2", "--samples", "1024", "--step-seconds", "0.1"]
-
-
-def _status_step(cluster: SlurmCluster, job_dir: Path) -> int:
-    r = cluster.run([*UNDYING, "status", "--job-dir", str(job_dir), "--json"], check=False,
-                    env=_env(cluster), timeout=30)
-    try:
-        return int(json.loads(r.stdout)["progress"]["step"])
-    except (ValueError, KeyError, TypeError):
-        return -1
-
-
-def _submit(cluster: SlurmCluster, work: Path, script: str) -> str:
-    (work / "job.sh").write_text(script)
-    r = cluster.run(["sbatch", "--parsable", str(work / "job.sh")], cwd=work, env=_env(cluster))
-    return r.stdout.strip().split(";")[0]
 
 
 def _launches(job_dir: Path) -> RunRecord:
@@ -172,7 +140,7 @@ def test_the_written_batch_script_preempted_both_ways_requeues_and_resumes_ident
                                  f"#SBATCH --output={work}/slurm-%j.out")
     script = script.replace("srun_pid=$!", "srun_pid=$!\necho restart=${SLURM_RESTART_COUNT:-0}")
     script = script.replace('exit "$code"', 'echo srun-exit=$code\nexit "$code"')
-    job = _submit(cluster, work, script)
+    job = cluster.submit(work, script)
     job_dir = work / "undying-jobs" / f"slurm-{job}"
     out = work / f"slurm-{job}.out"
 
@@ -182,10 +150,10 @@ def test_the_written_batch_script_preempted_both_ways_requeues_and_resumes_ident
     for restart, (at, signal_it) in enumerate([(10, ["scancel", "--signal=TERM", job]),
                                                 (30, ["scancel", "--batch", "--signal=TERM", job])],
                                                start=1):
-        _wait_for(f"step {at}", lambda at=at: _status_step(cluster, job_dir) >= at, 120)
+        wait_for(f"step {at}", lambda at=at: cluster.status_step(job_dir) >= at, 120)
         cluster.run(signal_it)
-        _wait_for(f"requeue {restart}", lambda restart=restart: f"restart={restart}" in said(), 120)
-    _wait_for("the job's end", lambda: "srun-exit=0" in said(), 180)
+        wait_for(f"requeue {restart}", lambda restart=restart: f"restart={restart}" in said(), 120)
+    wait_for("the job's end", lambda: "srun-exit=0" in said(), 180)
     text = said()
     assert text.count("requeueing Slurm job") == 2 and text.count("exit 75") >= 2, text[-6000:]
     # Each node heard each SIGTERM, and stayed for the job's gasp rather than leave.
@@ -208,20 +176,20 @@ def _with_a_spare_node(cluster: SlurmCluster, work: Path) -> tuple[str, Path]:
     """A 2-node job with a third node as its warm standby (`--spare-nodes 1`), at step 10."""
     run = " ".join([*UNDYING, "run", "-n", "1", "--spare-nodes", "1", "--heartbeat-timeout",
                     "3", str(TRAIN_SCRIPT), *LONG_ARGS])
-    job = _submit(cluster, work, f"""#!/bin/bash
+    job = cluster.submit(work, f"""#!/bin/bash
 #SBATCH -N3 --ntasks-per-node=1 --no-kill -o {work}/slurm-%j.out
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 {run}
 echo srun-exit=$?
 """)
     job_dir = work / "undying-jobs" / f"slurm-{job}"
-    _wait_for("step 10", lambda: _status_step(cluster, job_dir) >= 10, 120)
+    wait_for("step 10", lambda: cluster.status_step(job_dir) >= 10, 120)
     return job, job_dir
 
 
 def _trained_on(cluster: SlurmCluster, work: Path, job: str, job_dir: Path,
                 oracle: Oracle) -> str:
     out = work / f"slurm-{job}.out"
-    _wait_for("the job's end", lambda: "srun-exit=" in (out.read_text() if out.exists() else ""),
+    wait_for("the job's end", lambda: "srun-exit=" in (out.read_text() if out.exists() else ""),
               180)
     text = out.read_text(errors="replace")
     assert "(a warm standby)" in text and "(n2)" in text, text[-5000:]
@@ -280,7 +248,7 @@ def test_losing_the_first_node_requeues_the_job_which_resumes_from_its_newest_ch
     # a 2-core machine loaded by the suite's other jobs kept restarting the 20 s count)
     run = " ".join([*UNDYING, "run", "-n", "1", "--heartbeat-timeout", "10", "--save-every",
                     str(save_every), str(TRAIN_SCRIPT), *LONG_ARGS])
-    job = _submit(cluster3, work, f"""#!/bin/bash
+    job = cluster3.submit(work, f"""#!/bin/bash
 #SBATCH -N2 --ntasks-per-node=1 --no-kill --requeue --open-mode=append -o {work}/slurm-%j.out
 echo restart=${{SLURM_RESTART_COUNT:-0}} nodes=$SLURM_JOB_NODELIST
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 {run}
@@ -292,10 +260,10 @@ echo srun-exit=$?
     def said() -> str:
         return out.read_text(errors="replace") if out.exists() else ""
 
-    _wait_for("step 12", lambda: _status_step(cluster3, job_dir) >= 12, 120)
+    wait_for("step 12", lambda: cluster3.status_step(job_dir) >= 12, 120)
     cluster3.kill_node(0)
-    _wait_for("the requeue", lambda: "restart=1" in said(), 120)
-    _wait_for("the job's end", lambda: "srun-exit=" in said().split("restart=1")[-1], 180)
+    wait_for("the requeue", lambda: "restart=1" in said(), 120)
+    wait_for("the job's end", lambda: "srun-exit=" in said().split("restart=1")[-1], 180)
     text = said()
     assert "srun-exit=0" in text.split("restart=1")[-1], text[-6000:]
     assert "restart=1 nodes=n[1-2]" in text, text[-6000:]  # not on the lost node
@@ -333,8 +301,8 @@ echo srun-exit=$?
         started = [e.data for e in reader.events("slurm_job")]
     assert started == [{"job_id": job, "restarts": 1}], started
     status = cluster3.run([*UNDYING, "status", "--job-dir", str(job_dir), "--json"],
-                          env=_env(cluster3), timeout=30)
+                          env=cluster3.job_env(), timeout=30)
     assert json.loads(status.stdout)["slurm"] == {"job_id": job, "restarts": 1}, status.stdout
-    shown = cluster3.run([*UNDYING, "status", "--job-dir", str(job_dir)], env=_env(cluster3),
+    shown = cluster3.run([*UNDYING, "status", "--job-dir", str(job_dir)], env=cluster3.job_env(),
                          timeout=30)
     assert f"Slurm job {job} requeued 1x" in shown.stdout, shown.stdout

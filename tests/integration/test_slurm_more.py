@@ -8,16 +8,14 @@ stranger's token are unit tests (tests/unit/test_slurm_node.py).
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.oracle import Oracle
-from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason
+from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason, wait_for
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import compare_runs, load_run
 from undying.jobfiles.events import read_job
@@ -37,31 +35,6 @@ def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
         yield made
 
 
-def _env(cluster: SlurmCluster) -> dict[str, str]:
-    """The test session's env without its shared token: the job makes and shares its own."""
-    env = cluster.env()
-    env.pop("UNDYING_TOKEN", None)
-    return env
-
-
-def _wait_for(what: str, condition: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(condition) and condition():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"no {what} after {timeout}s")
-
-
-def _status_step(cluster: SlurmCluster, job_dir: Path) -> int:
-    r = cluster.run([*UNDYING, "status", "--job-dir", str(job_dir), "--json"], check=False,
-                    env=_env(cluster), timeout=30)
-    try:
-        return int(json.loads(r.stdout)["progress"]["step"])
-    except (ValueError, KeyError, TypeError):
-        return -1
-
-
 def test_an_elastic_job_without_a_spare_node_regroups_on_the_nodes_it_has(
         cluster: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
     """`sbatch --no-kill`, `srun undying run --nnodes 1:2` on a 2-node step: the user's range
@@ -72,18 +45,16 @@ def test_an_elastic_job_without_a_spare_node_regroups_on_the_nodes_it_has(
     work.mkdir()
     run = " ".join([*UNDYING, "run", "-n", "1", "--nnodes", "1:2", "--node-wait", "3",
                     "--heartbeat-timeout", "3", "--spares", "0", str(TRAIN_SCRIPT), *SCRIPT_ARGS])
-    (work / "job.sh").write_text(f"""#!/bin/bash
+    job = cluster.submit(work, f"""#!/bin/bash
 #SBATCH -N2 --ntasks-per-node=1 --no-kill -o {work}/slurm-%j.out
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 {run}
 echo srun-exit=$?
 """)
-    job = cluster.run(["sbatch", "--parsable", str(work / "job.sh")], cwd=work,
-                      env=_env(cluster)).stdout.strip().split(";")[0]
     job_dir = work / "undying-jobs" / f"slurm-{job}"
     out = work / f"slurm-{job}.out"
-    _wait_for("step 10", lambda: _status_step(cluster, job_dir) >= 10, 120)
+    wait_for("step 10", lambda: cluster.status_step(job_dir) >= 10, 120)
     cluster.kill_node(1)
-    _wait_for("the job's end", lambda: "srun-exit=" in (out.read_text() if out.exists() else ""),
+    wait_for("the job's end", lambda: "srun-exit=" in (out.read_text() if out.exists() else ""),
               180)
     text = out.read_text(errors="replace")
     assert "node 0 of 2 (n0), manager on n0 (here)" in text, text[-5000:]

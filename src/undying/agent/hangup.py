@@ -34,6 +34,7 @@ from pathlib import Path
 from undying.config import HANGUP_LOG
 
 __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit",
+           "open_launcher_log",
            "hangup_line", "handle", "after_the_job"]
 
 
@@ -41,6 +42,13 @@ __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 STOP_SIGNALS = (signal.SIGINT, *PREEMPT_SIGNALS)
 LOG_NAME = HANGUP_LOG  # in the job dir: what the process said after its terminal hung up
+
+
+def open_launcher_log(job_dir: str | Path) -> int:
+    """``<job dir>/launcher.log`` opened to append: 0600, never through a link (OSError as
+    ``os.open`` raises it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+    return os.open(Path(job_dir) / LOG_NAME, flags, 0o600)
 
 
 def detach_from_terminal(job_dir: str | Path) -> Path | None:
@@ -59,8 +67,7 @@ def detach_from_terminal(job_dir: str | Path) -> Path | None:
             stream.flush()
     path = Path(job_dir) / LOG_NAME
     try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(path, flags, 0o600)
+        fd = open_launcher_log(job_dir)
     except OSError:
         fd = _devnull()
         if fd < 0:

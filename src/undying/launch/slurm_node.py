@@ -49,7 +49,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND, HANGUP_LOG
+from undying.agent.hangup import open_launcher_log
+from undying.config.exits import EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND
 from undying.config.timeouts import Timeouts
 from undying.errors import UsageError
 from undying.jobfiles.tokens import TOKEN_FILE, check_shared_token
@@ -300,9 +301,8 @@ def _say(job_dir: str, line: str) -> None:
     log.warning("%s", line)
     with contextlib.suppress(OSError):
         sys.stderr.flush()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(Path(job_dir) / HANGUP_LOG, flags, 0o600)
+        fd = open_launcher_log(job_dir)
     except OSError:
         return  # (the job dir unwritable: the log line stands alone)
     with contextlib.suppress(OSError), os.fdopen(fd, "a", encoding="utf-8") as f:

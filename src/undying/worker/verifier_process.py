@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from undying.procfs import process_state
 from undying.protocol.env import (
     AGENT_PID_ENV,
     ENV_PREFIX,
@@ -65,10 +66,7 @@ def spawn_verifier(folder: Path, every: int, seed: int, key: bytes) -> subproces
 def stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP, a debugger): Linux's /proc says; elsewhere,
     never."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) in ("T", "t")
 
 
 def how_it_ended(code: int) -> str:
