@@ -33,13 +33,20 @@ __all__ = [
 
 
 class Hello(Message, frozen=True):
-    """First message on a worker's channel: who it is."""
+    """First message on a worker's channel: who it is.
+
+    ``incarnation``: the process number its owner key carries (0: not known,
+    an unmanaged script). A process the rank was taken from since (a cancelled
+    move's replacement, started ahead) may still say hello on its way out: the
+    manager knows it by this and leaves the rank to its process.
+    """
 
     rank: int
     pid: int
     generation: int
     joining: bool
     t: float
+    incarnation: int = 0
 
 
 class Heartbeat(Message, frozen=True):

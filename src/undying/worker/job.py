@@ -156,7 +156,8 @@ class Job:
         control = JobStore(env.control_host, env.control_port, CONTROL_STORE, env.store_key,
                            timedelta(seconds=env.timeouts.rendezvous_timeout))
         self._rejoin = Rejoin(self.ctx, control, self._shards, self._checkpoints, self._wrappers)
-        self.ctx.send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time()))
+        self.ctx.send(Hello(self.rank, os.getpid(), self.generation, env.joining, time.time(),
+                           env.incarnation))
         # Stopped at exit: it calls into torch (see undying.worker.threads).
         StoppedAtExit(lambda stopped: beat(self.ctx, stopped), name="undying-heartbeat")
         if threading.current_thread() is threading.main_thread():

@@ -62,9 +62,17 @@ class Comings:
                     incident.detail["replacement"] = "warm spare" if warm else "new process"
 
     def on_hello(self, message: Hello) -> None:
+        info = self.core.ranks[message.rank]
+        if message.incarnation and message.incarnation != info.incarnation:
+            # A process the rank was taken from since (fenced by the owner key), e.g. a cancelled
+            # move's replacement on its way out: taking its pid would judge its kill a crash of
+            # the rank, whose process (perhaps the only holder of the state) still runs.
+            self.core.events.event("hello_ignored", generation=message.generation,
+                                   rank=message.rank, pid=message.pid,
+                                   incarnation=message.incarnation)
+            return
         self.core.events.event("joined", generation=message.generation, rank=message.rank,
                                pid=message.pid, joining=message.joining)
-        info = self.core.ranks[message.rank]
         info.pid = message.pid
         info.last_seen = message.t
         info.state = RankState.RECOVERING if message.joining else RankState.STARTING
