@@ -60,7 +60,7 @@ Definitions
   for ``StepCommitted`` and ``AgentState``) to when the manager's handler for
   it returned (``Manager.on_messages``, which takes a node's run of worker
   messages in one call, or ``Manager.on_message``, for a worker's message;
-  ``NodeReports.handle`` for the agent's own). Both clocks are this host's.
+  the handler table's ``handle`` for the agent's own). Both clocks are this host's.
   It includes the kernel, the wait in the manager's socket buffer and event
   loop behind other work (a burst of commits, a log flush), the line's
   decode and the manager's handling itself (its SQLite rows). The
@@ -282,10 +282,13 @@ class Probe:
         from undying.jobfiles.events import EventLog
         from undying.manager import nodes
         from undying.manager.manager import Manager
-        from undying.manager.node_reports import NodeReports
+        from undying.manager.node_reports import NODE_REPORTS
+        from undying.protocol.codec import Handlers
 
         probe = self
-        dispatch = NodeReports.handle  # (an agent's own report; it was AgentServer._dispatch)
+        # An agent's own report: NodeReports.take hands each to its table (a Handlers), which
+        # is what is timed (wrapping NodeReports.handle alone missed every report of a line).
+        dispatch = Handlers.handle
         on_message = Manager.on_message
         on_messages = Manager.on_messages
         flush = EventLog.flush
@@ -294,16 +297,17 @@ class Probe:
 
         handle = Recoveries.handle
 
-        def timed_dispatch(reports: Any, message: Message, slot: Any) -> None:
-            if not probe.on:
-                return dispatch(reports, message, slot)
+        def timed_dispatch(table: Any, message: Message, *context: Any) -> Any:
+            if not probe.on or not isinstance(message, NODE_REPORTS):
+                return dispatch(table, message, *context)
             began = time.perf_counter()
-            dispatch(reports, message, slot)
+            result = dispatch(table, message, *context)
             took = time.perf_counter() - began
             kind = type(message).__name__
             probe.handling[kind].append(took)
             if isinstance(message, (AgentState, RankExited)):
                 probe.note(kind, message.t)
+            return result
 
         def timed_on_message(manager: Any, message: Message) -> None:
             on_message(manager, message)
@@ -344,7 +348,7 @@ class Probe:
             loop.add_signal_handler(signal.SIGUSR2, probe.end)
             return port
 
-        for owner, name, wrapper in ((NodeReports, "handle", timed_dispatch),
+        for owner, name, wrapper in ((Handlers, "handle", timed_dispatch),
                                      (Manager, "on_message", timed_on_message),
                                      (Manager, "on_messages", timed_on_messages), (EventLog, "flush", timed_flush),
                                      (nodes.AgentServer, "start", start_with_lag_probe),

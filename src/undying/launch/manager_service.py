@@ -32,6 +32,7 @@ from undying.jobfiles.records import JobState
 from undying.jobfiles.tokens import where_the_token_is
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
 from undying.launch.slurm import slurm_facts
+from undying.manager import heap
 from undying.manager.checkpoints import resume_line
 from undying.manager.http import tokens_match
 from undying.manager.manager import Manager
@@ -308,4 +309,5 @@ async def _lose_absent_nodes(server: AgentServer, heartbeat_s: float) -> None:
 
 def serve_manager(options: ManagerOptions) -> int:
     """Run the manager until its job ends; the exit code says how (as `undying run`'s does)."""
+    heap.at_start()
     return asyncio.run(_serve(options))

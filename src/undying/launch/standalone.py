@@ -37,6 +37,7 @@ from undying.jobfiles.jobdir import JobDir
 from undying.jobfiles.records import JobState
 from undying.launch.in_process import InProcessLine, InProcessReports
 from undying.launch.manager_host import JobFiles, ManagerHost, exit_code
+from undying.manager import heap
 from undying.manager.checkpoints import resume_line
 from undying.manager.manager import Manager
 from undying.manager.node_reports import NodeReports
@@ -230,6 +231,7 @@ def launch(config: JobConfig, script: str, script_args: list[str],
                     "Pass --force to train it again, or another --job-id",
                     config.job_id, done)
         return 0
+    heap.at_start()  # (the launcher is the job's manager)
     return asyncio.run(_launch(config, script, script_args, token_file))
 
 

@@ -27,6 +27,7 @@ from undying.jobfiles.records import (
     RankState,
     quote_first_failure,
 )
+from undying.manager import heap
 from undying.manager.checkpoints import CheckpointHealth
 from undying.manager.membership import Generations, RankBook
 from undying.manager.placement import HostBook
@@ -141,6 +142,8 @@ class JobCore:
         self.machine.move(new)
         self.events.event("job_state", state=new.value)
         self.persist_state()
+        if new is JobState.RUNNING:
+            heap.job_running()  # (what was built to run the steps is not walked by the collector)
 
     def persist_state(self) -> None:
         self.events.set_job("state", self.state.value, flush=True)
