@@ -124,7 +124,10 @@ def test_a_dead_spare_is_replaced_and_the_new_one_recovers_a_crash(
 ) -> None:
     """Finding 7: SIGKILL the spare: a new one is started, and it takes the next crashed rank."""
     job_dir = tmp_path / "job"
-    run_args = ["--spares", "1", "--job-id", "job", "--init-timeout", f"{INIT_TIMEOUT_S:g}"]
+    # (--spare-take-timeout 10: what is tested is the new spare taking the crashed rank; at the
+    # default 2 s, a suite loading 2 cores with four workers once passed it over for a new process)
+    run_args = ["--spares", "1", "--job-id", "job", "--init-timeout", f"{INIT_TIMEOUT_S:g}",
+                "--spare-take-timeout", "10"]
     launcher = start_job(job_dir, ["--epochs", "2", "--step-seconds", "0.4"], ranks=RANKS, run_args=run_args,
                          reap=reap)
     url = manager_url(job_dir)
