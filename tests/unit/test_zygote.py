@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -65,6 +66,14 @@ async def _started(process: ChildProcess, cwd: Path) -> None:
 
 def _reports(out: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def _fresh_interpreter_handlers() -> list[str]:
+    """SIGINT's and SIGTERM's handlers in a fresh interpreter started from this process."""
+    code = ("import signal; print(repr(signal.getsignal(signal.SIGINT))); "
+            "print(repr(signal.getsignal(signal.SIGTERM)))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.splitlines()
 
 
 def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
@@ -127,7 +136,9 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
     assert "ONLY_HERE" not in reports[1]["env"]  # (nor of an earlier worker's)
     assert first["argv"] == [str(script), "exit", "3"] and first["main"] == "__main__"
     assert first["torch"]  # imported once, in the zygote
-    assert first["sigint"] == repr(signal.default_int_handler) and first["sigterm"] == repr(signal.SIG_DFL)
+    # As a fresh interpreter started from here has them: Python's own SIGINT handler, unless this
+    # process was started with SIGINT ignored (a shell's background job), which a child inherits
+    assert [first["sigint"], first["sigterm"]] == _fresh_interpreter_handlers()
     assert len({r["pid"] for r in reports}) == 5 and all(r["ppid"] == os.getpid() for r in reports)  # the agent's
     # fds 0/1/2 and the descriptor listdir opened: none of the zygote's channel, selector or pidfds.
     assert all(len(r["fds"]) <= 4 and r["fds"][:3] == [0, 1, 2] for r in reports), [r["fds"] for r in reports]
