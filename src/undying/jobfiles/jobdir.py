@@ -161,5 +161,5 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return not is_zombie(pid)
+        pass  # (another user's: it exists)
     return not is_zombie(pid)

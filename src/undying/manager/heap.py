@@ -38,8 +38,8 @@ def at_start() -> None:
     """Before the manager's loop: collect once, freeze what lives, collect the young less often."""
     gc.collect()
     gc.freeze()
-    _, threshold1, threshold2 = gc.get_threshold()
-    gc.set_threshold(max(THRESHOLD0, gc.get_threshold()[0]), threshold1, threshold2)
+    threshold0, threshold1, threshold2 = gc.get_threshold()
+    gc.set_threshold(max(THRESHOLD0, threshold0), threshold1, threshold2)
 
 
 def job_running() -> None:
