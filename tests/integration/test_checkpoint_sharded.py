@@ -206,11 +206,20 @@ def newest_step(job_dir: Path) -> int:
         reader.close()
 
 
+def checkpoint_committed(job_dir: Path, step: int | None) -> bool:
+    """The checkpoint of ``step`` is visible: its manifest, written last, is in place (None: no wait)."""
+    from undying.checkpoint.manifest import MANIFEST_NAME
+
+    return step is None or (job_dir / "checkpoints" / f"step-{step:09d}" / MANIFEST_NAME).exists()
+
+
 def run(job_dir: Path, script: Path, args: list[str], ranks: int, run_args: list[str] | None = None,
-        crash: tuple[int, int, str] | None = None) -> None:
+        crash: tuple[int, int, str] | None = None, arm_after_checkpoint: int | None = None) -> None:
     """``undying run`` to its end; ``crash`` (rank, step, phase) is armed once the job commits a step.
 
-    Arming waits for a commit because an agent drops a fault armed before the rank's process exists.
+    Arming waits for a commit because an agent drops a fault armed before the rank's process exists;
+    with ``arm_after_checkpoint``, also for that step's checkpoint to be committed (a periodic one is
+    written in the background, and a crash while it is written loses it, by design).
     """
     from undying.cli.client import api_post
     from undying.jobfiles.jobdir import JobDir
@@ -224,9 +233,9 @@ def run(job_dir: Path, script: Path, args: list[str], ranks: int, run_args: list
         try:
             if crash is not None:
                 rank, step, phase = crash
-                while newest_step(job_dir) < 1:
+                while newest_step(job_dir) < 1 or not checkpoint_committed(job_dir, arm_after_checkpoint):
                     assert process.poll() is None, f"the job exited ({process.returncode}) before its first step"
-                    assert time.monotonic() < deadline, "the job committed no step in time"
+                    assert time.monotonic() < deadline, "the job committed no step (or checkpoint) in time"
                     time.sleep(0.05)
                 info = JobDir(job_dir).read_manager()
                 assert info is not None
@@ -352,8 +361,10 @@ def test_ring_replica_restores_a_killed_rank_with_identical_losses(
 
 
 @pytest.mark.parametrize(("env", "run_args", "fault_step", "restored_at"), [
-    # No replica: the lost shard exists only in the checkpoint of step 4.
-    ({}, ["--save-every", "4"], 7, 4),
+    # No replica: the lost shard exists only in the checkpoint of step 4. Its write runs in the background
+    # while steps 5-7 run: --step-seconds gives it 0.3 s a step (in CI, under load, three 0.1 s steps were
+    # once not enough), and the crash is armed only once it is committed.
+    ({}, ["--save-every", "4"], 8, 4),
     # Replicated every 3 steps: the copies are of step 6, the survivors at 7.
     ({"UNDYING_REPLICATE": "ring", "UNDYING_REPLICATE_EVERY": "3"}, [], 8, 6),
 ], ids=["no-replica-checkpoint", "lagging-replica"])
@@ -366,7 +377,9 @@ def test_a_shard_with_no_current_copy_rolls_every_rank_back_and_counts_the_lost_
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     job_dir = tmp_path / "job"
-    run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4, run_args, crash=(2, fault_step, "backward"))
+    args = FSDP_ARGS if env else [*FSDP_ARGS, "--step-seconds", "0.3"]
+    run(job_dir, FSDP_SCRIPT, args, 4, run_args, crash=(2, fault_step, "backward"),
+        arm_after_checkpoint=None if env else restored_at)
     outcome = load_run(job_dir / "events.db")
     comparison = compare_runs(fsdp_baseline, outcome)
     lost = list(range(restored_at + 1, fault_step))
