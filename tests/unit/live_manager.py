@@ -25,6 +25,7 @@ class FakeAgent:
         self.killed: list[int] = []
         self.armed: list[tuple[int, str]] = []
         self.aborted: list[tuple[int, int]] = []  # (rank, generation)
+        self.aborted_at_step_start: list[tuple[int, int]] = []  # the planned leaves among them
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
               incarnation: int = 0) -> tuple[int, bool]:
@@ -35,8 +36,10 @@ class FakeAgent:
         self.killed.append(rank)
         return True
 
-    def abort(self, rank: int, generation: int, reason: str) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False) -> bool:
         self.aborted.append((rank, generation))
+        if at_step_start:
+            self.aborted_at_step_start.append((rank, generation))
         return True
 
     def keep_spares(self) -> None:

@@ -227,9 +227,9 @@ class Agent:
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         return self.ranks.kill(rank, sig)
 
-    def abort(self, rank: int, generation: int, reason: str) -> bool:
-        """Have ``rank`` leave ``generation`` now: its stuck collective fails, it rejoins."""
-        return self.ranks.abort(rank, generation, reason)
+    def abort(self, rank: int, generation: int, reason: str, at_step_start: bool = False) -> bool:
+        """Have ``rank`` leave ``generation`` (now, or at its next step's start): it rejoins."""
+        return self.ranks.abort(rank, generation, reason, at_step_start)
 
     def tell(self, rank: int, message: Message) -> bool:
         """Send a command to ``rank``'s worker (queued until it says hello); False if it has no

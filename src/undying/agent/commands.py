@@ -53,7 +53,7 @@ class NodeCommands:
             TellRank: lambda message: agent.tell(message.rank, message.command),
             ArmRank: lambda message: agent.arm(message.rank, message.fault),
             AbortRank: lambda message: agent.abort(message.rank, message.generation,
-                                                   message.reason),
+                                                   message.reason, message.at_step_start),
             KeepSpares: lambda message: agent.keep_spares(),
             TraceSet: lambda message: agent.set_trace(message),
             StopNode: self._start_stop,

@@ -95,12 +95,13 @@ class LocalRanks:
             return False
         return True
 
-    def abort(self, rank: int, generation: int, reason: str) -> bool:
-        """Have ``rank`` leave ``generation`` now: its stuck collective fails, it rejoins."""
+    def abort(self, rank: int, generation: int, reason: str, at_step_start: bool = False) -> bool:
+        """Have ``rank`` leave ``generation`` (now: its stuck collective fails; or at its next
+        step's start): it rejoins."""
         worker = self.workers.get(rank)
         if worker is None or worker.writer is None or worker.process.returncode is not None:
             return False
-        worker.writer.write(encode(Abort(generation, reason)))
+        worker.writer.write(encode(Abort(generation, reason, at_step_start)))
         return True
 
     def tell(self, rank: int, message: Message) -> bool:

@@ -117,10 +117,11 @@ class NodeSlot:
     def arm(self, rank: int, fault: ArmFault) -> None:
         self.send(ArmRank(rank, fault))
 
-    def abort(self, rank: int, generation: int, reason: str) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, *,
+              at_step_start: bool = False) -> bool:
         if rank not in self.live:
             return False
-        return self.send(AbortRank(rank, generation, reason))
+        return self.send(AbortRank(rank, generation, reason, at_step_start))
 
     def keep_spares(self) -> None:
         self.send(KeepSpares())

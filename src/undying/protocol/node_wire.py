@@ -332,9 +332,12 @@ class ArmRank(Message, frozen=True):
 
 
 class AbortRank(Message, frozen=True):
+    """``Abort`` for ``rank``'s worker (``at_step_start``: a planned leave, see ``Abort``)."""
+
     rank: int
     generation: int
     reason: str
+    at_step_start: bool = False
 
 
 class KeepSpares(Message, frozen=True):

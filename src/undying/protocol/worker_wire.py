@@ -283,10 +283,19 @@ class Assign(Message, frozen=True):
 
 
 class Abort(Message, frozen=True):
-    """Leave the current process group now (its collective is stuck): break its connections."""
+    """Leave the current process group now (its collective is stuck): break its connections.
+
+    ``at_step_start``: a planned leave (an elastic job growing), with every peer
+    healthy: leave at the start of the next step instead, with no collective in
+    flight, so that no step's work is dropped and no connection is broken under a
+    transfer (gloo leaves a send it was writing when its connection closed waiting
+    for the collective timeout). A rank that reaches no step start within its
+    grace leaves at once, as without it.
+    """
 
     generation: int
     reason: str
+    at_step_start: bool = False
 
 
 class ArmFault(Message, frozen=True):

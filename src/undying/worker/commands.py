@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -97,11 +98,50 @@ class Commands:
         self.ctx.exit_now(EXIT_MIGRATED)
 
     def _on_abort(self, message: Abort) -> None:
-        if message.generation == self.ctx.generation:
-            # (INFO: a handled fault's detail, config/console.py)
-            log.info("rank %d: leaving generation %d: %s", self.ctx.rank, message.generation,
-                     message.reason)
-            break_connections()
+        ctx = self.ctx
+        if message.generation != ctx.generation:
+            return
+        if message.at_step_start:
+            # Planned: the step loop leaves at its next step's start (Job.steps); a rank that
+            # reaches none within the grace (a long step, the final barrier) leaves then, at once.
+            grace = self._leave_grace()
+            log.info("rank %d: leaving generation %d at the start of the next step (within %.1fs): "
+                     "%s", ctx.rank, message.generation, grace, message.reason)
+            ctx.planned_leave = (message.generation, message.reason)
+            timer = threading.Timer(grace, self._leave_unless_left, args=(message,))
+            timer.daemon = True
+            timer.start()
+            return
+        # (INFO: a handled fault's detail, config/console.py)
+        log.info("rank %d: leaving generation %d: %s", ctx.rank, message.generation,
+                 message.reason)
+        break_connections()
+
+    def _leave_grace(self) -> float:
+        """How long a planned leave waits for a step's start: three of the slowest recent steps,
+        at least the heartbeat timeout."""
+        ctx = self.ctx
+        floor = ctx.env.timeouts.heartbeat_timeout if ctx.env is not None else 1.0
+        return max(floor, 3 * ctx.tracing.slowest_recent_step())
+
+    def take_planned_leave(self, index: int) -> bool:
+        """At step ``index``'s start (the step loop's thread): whether a planned leave of this
+        generation is due now, its reason then set as the recovery's."""
+        ctx = self.ctx
+        leave, ctx.planned_leave = ctx.planned_leave, None
+        if leave is None or leave[0] != ctx.generation:
+            return False
+        ctx.abort_reason = f"a planned leave at the start of step {index}: {leave[1]}"
+        return True
+
+    def _leave_unless_left(self, message: Abort) -> None:
+        ctx = self.ctx
+        if ctx.planned_leave != (message.generation, message.reason) or \
+                ctx.generation != message.generation:
+            return  # the step loop took it (or the generation is gone already)
+        log.info("rank %d: no step started in generation %d since the planned leave was asked; "
+                 "leaving now", ctx.rank, message.generation)
+        break_connections()
 
 
 def leave_early() -> None:

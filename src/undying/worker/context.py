@@ -84,6 +84,9 @@ class JobContext:
     deferred: tuple[int, Callable[[State], None]] | None = None
     # A whole (replicated) state read or received before the State existed: (step, state dict).
     stash: tuple[int, dict[str, Any]] | None = None
+    # A planned leave (worker_wire.Abort.at_step_start): (generation, reason), taken by the step
+    # loop at its next step's start; None when none is asked.
+    planned_leave: tuple[int, str] | None = None
 
     @property
     def managed(self) -> bool:

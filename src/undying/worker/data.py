@@ -120,6 +120,13 @@ class DataCursor:
             self._epoch = -1  # positions moved: the next batch starts its epoch's iterator afresh
             self._cache.clear()
 
+    def outline(self, loader: Any) -> dict[str, Any]:
+        """The steps as ``undying status`` shows them: how many, per epoch, from where, and the
+        batch size of ``loader`` (the script's)."""
+        size = getattr(loader, "batch_size", None)
+        return {"total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+                "origin": list(self.origin), "batch_size": size if isinstance(size, int) else None}
+
     def position(self, step: int) -> int:
         """Batches each rank has read once step ``step`` is done (``step`` itself without an
         origin)."""

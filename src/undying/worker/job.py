@@ -271,19 +271,17 @@ class Job:
             self.ctx.send(Progress(self.rank, self.generation, "state_layout", time.time(),
                                 detail=self._shards.layout(state)))
         committed = self._checkpoints.load_waiting(state, self._start, self._shards)
-        # The progress `undying status` shows: of how many steps, which epoch.
-        if self.managed and self.rank == 0:
-            size = getattr(state.loader, "batch_size", None)
-            planned = {"total_steps": cursor.total_steps, "steps_per_epoch": cursor.steps_per_epoch,
-                       "origin": list(cursor.origin),
-                       "batch_size": size if isinstance(size, int) else None}
+        if self.managed and self.rank == 0:  # the progress `undying status` shows
             self.ctx.send(Progress(self.rank, self.generation, "steps_planned", time.time(),
-                                   step=committed, detail=planned))
+                                   step=committed, detail=cursor.outline(state.loader)))
         if self.managed and state.sharded and not self._shards.replicate_initial(state, committed):
             committed = self._rejoin.recover(state, committed, clean=True)
         while True:
             while committed < cursor.total_steps:
                 index = committed + 1
+                if self.managed and self._commands.take_planned_leave(index):
+                    committed = self._rejoin.recover(state, committed, clean=True, planned=True)
+                    continue
                 verify = self._verify
                 if verify is not None and verify.due(index):
                     back = self._verified(state, committed, verify.begin, index, state)

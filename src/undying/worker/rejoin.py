@@ -155,15 +155,20 @@ class Rejoin:
 
     # --- recovery ----------------------------------------------------------------------
 
-    def recover(self, state: State, committed: int, *, clean: bool) -> int:
-        """Leave the broken generation, join the next, restore; returns the step now held."""
+    def recover(self, state: State, committed: int, *, clean: bool, planned: bool = False) -> int:
+        """Leave the broken generation, join the next, restore; returns the step now held.
+
+        ``planned``: not a failure but a planned leave between steps (``ctx.abort_reason`` says
+        which).
+        """
         ctx = self.ctx
         assert ctx.env is not None
         ctx.faults.check("recovery", ctx.current_step)
         # (INFO: the manager says the fault and its recovery in one line each; the error's words
         # are in the comm_failure event, status and the page; `undying -v` shows this line.)
-        log.info("job %s gen %d rank %d step %d: collective failed (%s); recovering",
-                    ctx.env.job_id, ctx.generation, ctx.rank, ctx.current_step, ctx.abort_reason)
+        log.info("job %s gen %d rank %d step %d: %s (%s); recovering",
+                 ctx.env.job_id, ctx.generation, ctx.rank, ctx.current_step,
+                 "leaving between steps" if planned else "collective failed", ctx.abort_reason)
         self._comm_failure()
         state.discard_gradients()
         if state.sharded:

@@ -180,6 +180,10 @@ class WorkerTracing:
             self.tracer.emit("ckpt", time.time() - write_s, write_s, part="write", bytes=nbytes,
                              save_step=step)
 
+    def slowest_recent_step(self) -> float:
+        """The longest of this rank's recent steps, in seconds (0.0 before the first)."""
+        return max(self._recent, default=0.0)
+
     def committed(self, index: int) -> None:
         duration = time.perf_counter() - self._step_t0
         self._recent.append(duration)

@@ -85,13 +85,16 @@ class Regrouping:
         incident.action = "regroup"
         incident.phases["decided"] = now
         core.events.incident(incident)
-        self.begin(f"{decision.named} joined: the job grows to {decision.size} nodes")
+        # Planned, every rank healthy: the members leave at their next step's start.
+        self.begin(f"{decision.named} joined: the job grows to {decision.size} nodes", planned=True)
 
-    def begin(self, why: str, *, again: Regroup | None = None) -> None:
+    def begin(self, why: str, *, again: Regroup | None = None, planned: bool = False) -> None:
         """Go on with the nodes the job has now: save the state they hold, then start again from it.
 
         ``again``: the regroup under way broke (a member lost before the state
         was saved): its live members meet in a new regroup generation.
+        ``planned``: no fault (a node joined): the members leave their generation
+        at their next step's start rather than mid-step (``worker_wire.Abort``).
         """
         core = self.core
         ranks = core.ranks
@@ -117,7 +120,7 @@ class Regrouping:
                                           purpose="regroup")
             regroup.generation = record.generation
             for rank in live:
-                core.agent_of(rank).abort(rank, previous, why)
+                core.agent_of(rank).abort(rank, previous, why, at_step_start=planned)
         else:
             for rank in live:
                 core.kill(rank)
