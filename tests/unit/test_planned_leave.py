@@ -1,0 +1,90 @@
+"""A planned leave (``Abort.at_step_start``, an elastic job growing) waits for the step loop's next
+step start; unplanned, or past its grace, the group's connections break at once.
+
+Real sockets stand for the group's: a socket pair whose one end is registered as a connection of
+the group (what ``worker.group._build`` records), its other end the peer, which sees EOF the
+moment its connection is broken.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from undying.protocol.worker_wire import Abort
+from undying.worker import group
+from undying.worker.commands import Commands
+from undying.worker.gasp import Preemption
+from undying.worker.startup import unmanaged_context
+
+
+@pytest.fixture
+def connection() -> Iterator[socket.socket]:
+    """The peer's end of a connection the group holds."""
+    ours, peer = socket.socketpair()
+    group._group_sockets[ours.fileno()] = os.readlink(f"/proc/self/fd/{ours.fileno()}")
+    try:
+        yield peer
+    finally:
+        group._group_sockets.clear()
+        ours.close()
+        peer.close()
+
+
+def _broken(peer: socket.socket, within: float) -> bool:
+    """The peer saw its connection end (EOF) within ``within`` seconds."""
+    readable, _, _ = select.select([peer], [], [], within)
+    return bool(readable) and peer.recv(1) == b""
+
+
+def _commands() -> Commands:
+    ctx = unmanaged_context()  # generation 0, no recent step: a grace of 1 s (the floor outside a job)
+    return Commands(ctx, Preemption(ctx))
+
+
+def test_an_abort_breaks_the_group_at_once(connection: socket.socket) -> None:
+    _commands().on_command(Abort(0, "rank 2 crashed"))
+    assert _broken(connection, 1.0)
+
+
+def test_a_planned_leave_waits_for_the_next_step_start_and_then_breaks_nothing(
+        connection: socket.socket) -> None:
+    commands = _commands()
+    commands.on_command(Abort(0, "node 1 joined", at_step_start=True))
+    assert not _broken(connection, 0.3), "broken before the step loop took the leave"
+    assert commands.take_planned_leave(14)
+    assert commands.ctx.abort_reason == "a planned leave at the start of step 14: node 1 joined"
+    assert not commands.take_planned_leave(15), "taken once"
+    # The loop leaves the group itself (Rejoin.recover); the grace's timer must not break it again.
+    assert not _broken(connection, 1.5)
+
+
+def test_a_planned_leave_no_step_start_takes_breaks_the_group_after_its_grace(
+        connection: socket.socket) -> None:
+    commands = _commands()
+    started = time.monotonic()
+    commands.on_command(Abort(0, "node 1 joined", at_step_start=True))
+    assert not _broken(connection, 0.5)
+    assert _broken(connection, 3.0), "a rank in a long step or the final barrier never left"
+    assert time.monotonic() - started >= 0.9
+
+
+def test_a_leave_of_another_generation_is_ignored(connection: socket.socket) -> None:
+    commands = _commands()
+    commands.on_command(Abort(3, "old news"))
+    commands.on_command(Abort(3, "old news", at_step_start=True))
+    assert not commands.take_planned_leave(1)
+    assert not _broken(connection, 1.5)
+
+
+def test_a_planned_leave_of_a_generation_left_since_is_dropped(connection: socket.socket) -> None:
+    commands = _commands()
+    commands.on_command(Abort(0, "node 1 joined", at_step_start=True))
+    commands.ctx.generation = 1  # a fault took the rank out of generation 0 first
+    assert not commands.take_planned_leave(7)
+    assert not _broken(connection, 1.5), "the grace's timer broke the new generation's group"
