@@ -60,6 +60,17 @@ class FakeAgent:
     def phases(self) -> dict[int, str]:
         return {}
 
+    @property
+    def attached(self) -> bool:
+        return True
+
+    def live_ranks(self) -> list[int]:
+        """Every rank spawned here and not killed since (a kill is taken as done)."""
+        return sorted({rank for rank, _ in self.spawned} - set(self.killed))
+
+    def drop_waiting(self) -> None:
+        pass
+
 
 def running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, FakeAgent]:
     """A job of ``ranks`` step-API ranks, each at step 4 of generation 0."""

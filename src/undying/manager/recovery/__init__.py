@@ -19,6 +19,7 @@ import undying.manager
 
 if TYPE_CHECKING:
     from undying.manager.recovery.detection import Detection, describe_exit
+    from undying.manager.recovery.leave_order import LeaveOrder
     from undying.manager.recovery.left_behind import LeftBehind
     from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
     from undying.manager.recovery.reported import ReportedFaults
@@ -32,6 +33,7 @@ __all__ = [
     "PolicyContext",
     "decide",
     "Detection",
+    "LeaveOrder",
     "LeftBehind",
     "describe_exit",
     "Recoveries",
@@ -46,6 +48,7 @@ _WHERE = {
     "PolicyContext": "policy",
     "decide": "policy",
     "Detection": "detection",
+    "LeaveOrder": "leave_order",
     "LeftBehind": "left_behind",
     "describe_exit": "detection",
     "Recoveries": "rounds",

@@ -26,7 +26,7 @@ from undying.checkpoint.planner import PersistedState, plan_regroup
 from undying.jobfiles.records import IncidentKind, JobState, RankInfo, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.recovery import Detection, Recoveries, describe_exit
+from undying.manager.recovery import Detection, LeaveOrder, Recoveries, describe_exit
 from undying.manager.regroup.policy import (
     Replan,
     WorldNext,
@@ -51,6 +51,10 @@ class Regrouping:
         self.checkpoints = checkpoints
         self.detection = detection
         self.regroup: Regroup | None = None
+        # The members told to leave their generation, judged as a recovery's survivors are
+        # (``recovery.leave_order``); and those killed for never leaving it: pid -> rank.
+        self._leave: LeaveOrder | None = None
+        self._left_behind: dict[int, int] = {}
 
     @property
     def active(self) -> bool:
@@ -114,6 +118,7 @@ class Regrouping:
         # The one planner: the members keep their newest step and save it,
         # or the latest checkpoint.
         saving = plan_regroup(members=live, newest=newest, sharded=sharded)
+        self._leave = None
         if saving.source.kind == "self":
             previous = core.generations.current
             record = core.open_generation(f"regroup: {regroup.cause()}", members=regroup.members,
@@ -121,6 +126,11 @@ class Regrouping:
             regroup.generation = record.generation
             for rank in live:
                 core.agent_of(rank).abort(rank, previous, why, at_step_start=planned)
+            # A planned leave may take a member its grace (worker.commands) before it is due.
+            due = time.time() + (max(core.config.timeouts.heartbeat_timeout,
+                                     3 * core.clock.longest_rank_step_s()) if planned else 0.0)
+            self._leave = LeaveOrder(previous, why, due, aborted=True,
+                                     told={r: ranks[r].pid for r in live})
         else:
             for rank in live:
                 core.kill(rank)
@@ -227,6 +237,7 @@ class Regrouping:
         if again is Replan.AGAIN:
             self.begin(regroup.why, again=regroup)
             return
+        self.judge_left_behind(regroup, now, resumed)
         for rank in regroup.to_release():  # the state is saved: whoever is left holds nothing more
             regroup.released.append(rank)
             self.persist()
@@ -243,6 +254,32 @@ class Regrouping:
         if why:
             self.recoveries.fail(why)
 
+    def judge_left_behind(self, regroup: Regroup, now: float, resumed: float) -> None:
+        """Kill each member that neither failed nor joined the regroup's generation in time.
+
+        gloo can leave a member's collective waiting out its whole timeout (a
+        send it was writing when its connection closed): no fault of its own,
+        judged as a recovery's survivor is (``recovery.left_behind``), in
+        seconds rather than at the step timeout. Its exit re-plans the regroup
+        with the members left, with no incident of its own.
+        """
+        order, core = self._leave, self.core
+        if order is None or regroup.generation != core.generations.current:
+            return
+        for info in order.stuck(core.ranks, regroup.generation, now, resumed,
+                                core.clock.longest_rank_step_s()):
+            if info.pid in self._left_behind:
+                continue
+            self._left_behind[info.pid] = info.rank
+            waited = round(now - order.t, 3)
+            core.events.event("left_behind", generation=info.generation, rank=info.rank,
+                              pid=info.pid, step=info.step + 1, waited_s=waited)
+            log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after the regroup "
+                        "told it to leave (gloo never ends its collective's wait); killed, the "
+                        "regroup goes on with the members left", core.config.job_id, info.rank,
+                        info.pid, info.generation, waited)
+            core.kill(info.rank)
+
     def member_exited(self, info: RankInfo, pid: int, returncode: int, t: float) -> None:
         """A process ended during the regroup: a member leaving as asked,
         a second fault, or old news."""
@@ -251,6 +288,17 @@ class Regrouping:
         # Members leave once the state is saved;
         # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
+            return
+        if self._left_behind.pop(pid, None) is not None:
+            what = f"rank {info.rank} left behind in generation {info.generation}"
+            regroup.member_left(info.rank, returncode, what)
+            recovery = self.recoveries.current
+            for incident in recovery.incidents if recovery is not None else []:
+                if info.rank not in (left := incident.detail.setdefault("left_behind", [])):
+                    left.append(info.rank)
+                self.core.events.incident(incident)
+            self.persist()
+            self.maybe_form_world()
             return
         cause = self.detection.cause_of(info, pid, returncode, t)
         lost, hung = cause.lost, cause.hung
