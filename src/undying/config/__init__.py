@@ -55,6 +55,7 @@ from undying.config.sections import (
 from undying.config.timeouts import AUTO_STEP_TIMEOUT_FACTOR as AUTO_STEP_TIMEOUT_FACTOR
 from undying.config.timeouts import AUTO_STEP_TIMEOUT_FLOOR_S as AUTO_STEP_TIMEOUT_FLOOR_S
 from undying.config.timeouts import Timeouts, flag, timeouts_from_env
+from undying.config.timeouts import planned_leave_grace as planned_leave_grace
 
 __all__ = [
     "JobConfig",

@@ -18,7 +18,7 @@ from undying.errors import UsageError
 from undying.protocol.env import DEFAULT_HEARTBEAT_TIMEOUT_S, TIMEOUT_ENVS
 
 __all__ = ["MAX_TIMEOUT_S", "flag", "Timeouts", "AUTO_STEP_TIMEOUT_FLOOR_S",
-           "AUTO_STEP_TIMEOUT_FACTOR", "timeouts_from_env"]
+           "AUTO_STEP_TIMEOUT_FACTOR", "timeouts_from_env", "planned_leave_grace"]
 
 MAX_TIMEOUT_S = 24 * 3600.0
 
@@ -109,3 +109,10 @@ def timeouts_from_env(env: os._Environ[str] | dict[str, str] | None = None) -> T
     timeouts = Timeouts(**kwargs)
     timeouts.validate()
     return timeouts
+
+
+def planned_leave_grace(heartbeat_timeout_s: float, slowest_step_s: float) -> float:
+    """How long a planned leave (``worker_wire.Abort.at_step_start``) may wait for a step's start:
+    three of the slowest recent steps, at least the heartbeat timeout. The worker waits this long
+    before it leaves at once; the manager judges the member only after it."""
+    return max(heartbeat_timeout_s, 3 * slowest_step_s)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from undying.config import EXIT_MIGRATED
+from undying.config import EXIT_MIGRATED, planned_leave_grace
 from undying.protocol.codec import Message
 from undying.protocol.worker_wire import Abort, ArmFault, Preempt, Stop, StopAt, TraceSet
 from undying.worker.channel import AgentChannel
@@ -118,11 +118,9 @@ class Commands:
         break_connections()
 
     def _leave_grace(self) -> float:
-        """How long a planned leave waits for a step's start: three of the slowest recent steps,
-        at least the heartbeat timeout."""
         ctx = self.ctx
-        floor = ctx.env.timeouts.heartbeat_timeout if ctx.env is not None else 1.0
-        return max(floor, 3 * ctx.tracing.slowest_recent_step())
+        heartbeat = ctx.env.timeouts.heartbeat_timeout if ctx.env is not None else 1.0
+        return planned_leave_grace(heartbeat, ctx.tracing.slowest_recent_step())
 
     def take_planned_leave(self, index: int) -> bool:
         """At step ``index``'s start (the step loop's thread): whether a planned leave of this

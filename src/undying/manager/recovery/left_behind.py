@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from undying.jobfiles.records import IncidentStatus, RankInfo
+from undying.jobfiles.records import RankInfo
 from undying.manager.core import JobCore
 from undying.manager.recovery.rounds import Recoveries
 
@@ -71,10 +71,6 @@ class LeftBehind:
                                       abort=True)
         recovery.renew(record.generation)
         self.recoveries.replace_in_round(info.rank, record)
-        for incident in recovery.incidents:
-            if incident.status is IncidentStatus.OPEN:
-                left = incident.detail.setdefault("left_behind", [])
-                if info.rank not in left:
-                    left.append(info.rank)
-                core.events.incident(incident)
+        for incident in recovery.name_left_behind(info.rank):
+            core.events.incident(incident)
         return True

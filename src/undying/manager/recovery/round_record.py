@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from undying.jobfiles.records import Incident
+from undying.jobfiles.records import Incident, IncidentStatus
 from undying.manager.recovery.leave_order import LeaveOrder
 
 __all__ = ["Recovery"]
@@ -31,6 +31,15 @@ class Recovery:
     restored_step: int = -1
     started: float = field(default_factory=time.time)
     leave: LeaveOrder | None = None  # the survivors of the generation before, which must leave it
+
+    def name_left_behind(self, rank: int) -> list[Incident]:
+        """Name ``rank``, killed for never leaving its generation, in the round's open incidents;
+        returns them (to be logged again)."""
+        named = [i for i in self.incidents if i.status is IncidentStatus.OPEN]
+        for incident in named:
+            if rank not in (left := incident.detail.setdefault("left_behind", [])):
+                left.append(rank)
+        return named
 
     def renew(self, generation: int) -> None:
         """The round forms ``generation`` now: the phases seen of an earlier one are void."""

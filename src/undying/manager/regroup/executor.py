@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from undying.checkpoint.planner import PersistedState, plan_regroup
+from undying.config import planned_leave_grace
 from undying.jobfiles.records import IncidentKind, JobState, RankInfo, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
@@ -127,8 +128,9 @@ class Regrouping:
             for rank in live:
                 core.agent_of(rank).abort(rank, previous, why, at_step_start=planned)
             # A planned leave may take a member its grace (worker.commands) before it is due.
-            due = time.time() + (max(core.config.timeouts.heartbeat_timeout,
-                                     3 * core.clock.longest_rank_step_s()) if planned else 0.0)
+            due = time.time() + (planned_leave_grace(core.config.timeouts.heartbeat_timeout,
+                                                     core.clock.longest_rank_step_s())
+                                 if planned else 0.0)
             self._leave = LeaveOrder(previous, why, due, aborted=True,
                                      told={r: ranks[r].pid for r in live})
         else:
@@ -293,9 +295,7 @@ class Regrouping:
             what = f"rank {info.rank} left behind in generation {info.generation}"
             regroup.member_left(info.rank, returncode, what)
             recovery = self.recoveries.current
-            for incident in recovery.incidents if recovery is not None else []:
-                if info.rank not in (left := incident.detail.setdefault("left_behind", [])):
-                    left.append(info.rank)
+            for incident in recovery.name_left_behind(info.rank) if recovery is not None else []:
                 self.core.events.incident(incident)
             self.persist()
             self.maybe_form_world()
