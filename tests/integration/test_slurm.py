@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.oracle import Oracle
 from tests.slurm_cluster import SlurmCluster, slurm_unavailable_reason, wait_for
 from undying.demo import TRAIN_SCRIPT
 from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs
+from undying.errors import UsageError
 from undying.jobfiles.events import LogReader, read_job
 
 pytestmark = [pytest.mark.integration,
@@ -247,6 +249,28 @@ def _processes(cluster: SlurmCluster, host: int) -> str:
     return "\n".join(lines)
 
 
+def _logged_step(job_dir: Path) -> int:
+    """The newest step the job's log has, -1 while it has none."""
+    try:
+        with LogReader(job_dir / "events.db") as reader:
+            return reader.newest_step()
+    except (OSError, sqlite3.Error, ValueError, UsageError):  # (not made yet, or being made)
+        return -1
+
+
+def _what_happened(cluster: SlurmCluster, job: str, job_dir: Path) -> str:
+    """For a failed wait: the survivor's processes, its lines in the job dir, the job as Slurm
+    has it, and the controller's and the survivor's slurmd's last lines."""
+    said_there = job_dir / "launcher.log"
+    shown = cluster.run(["scontrol", "show", "job", "--oneliner", job], check=False, timeout=30)
+    return "\n".join([
+        f"the survivor's processes:\n{_processes(cluster, 2)}",
+        f"launcher.log:\n{said_there.read_text() if said_there.exists() else '(none)'}",
+        f"scontrol show job: {shown.stdout.strip()[:1500]} {shown.stderr.strip()[:300]}",
+        f"slurmctld:\n{cluster.log('slurmctld')[-2500:]}",
+        f"slurmd n1:\n{cluster.log('slurmd-n1')[-2500:]}"])
+
+
 def test_losing_the_first_node_requeues_the_job_which_resumes_from_its_newest_checkpoint(
         cluster3: SlurmCluster, tmp_path: Path, oracle: Oracle) -> None:
     """Node n0 (the manager's, and the batch shell's) is lost: its slurmd and every process on
@@ -275,14 +299,17 @@ echo srun-exit=$?
     def said() -> str:
         return out.read_text(errors="replace") if out.exists() else ""
 
-    wait_for("step 12", lambda: cluster3.status_step(job_dir) >= 12, 120)
+    # (read from the job's log here, not by `undying status`: a loaded machine made each status
+    # call seconds long, and once the whole 6 s job had ended before its node was lost)
+    wait_for("step 12", lambda: _logged_step(job_dir) >= 12, 120)
     cluster3.kill_node(0)
+    assert "srun-exit=" not in said() and _logged_step(job_dir) < 64, (
+        f"the job ended before its first node was lost: {said()[-2000:]}")
     try:
         wait_for("the requeue", lambda: "restart=1" in said(), 120)
     except TimeoutError as e:
-        # (twice in CI under load, cause unseen: the survivor's output went with the lost node)
-        raise AssertionError(f"{e}; the survivor's processes:\n{_processes(cluster3, 2)}\n"
-                             f"{said()[-3000:]}") from e
+        # (three times in CI under load: what the survivor said, and what Slurm did, to see why)
+        raise AssertionError(f"{e}; {_what_happened(cluster3, job, job_dir)}\n{said()[-3000:]}") from e
     wait_for("the job's end", lambda: "srun-exit=" in said().split("restart=1")[-1], 180)
     text = said()
     assert "srun-exit=0" in text.split("restart=1")[-1], text[-6000:]

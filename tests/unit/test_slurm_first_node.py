@@ -24,7 +24,7 @@ from undying.jobfiles.events import EventLog
 from undying.jobfiles.jobdir import JobDir
 from undying.launch.manager_service import _resumable
 from undying.launch.slurm import SlurmStep, slurm_facts
-from undying.launch.slurm_node import manager_lost, manager_lost_after, requeue
+from undying.launch.slurm_node import manager_lost, manager_lost_after, requeue, run_slurm_node
 
 
 def test_the_manager_is_judged_lost_after_two_heartbeat_windows_at_least_20s_at_most_the_rendezvous(
@@ -163,3 +163,28 @@ def test_a_survivor_says_so_in_the_job_dir_requeues_and_ends_74_never_through_a_
     log.symlink_to(other)
     assert manager_lost(step, "slurm-7", str(job_dir), "gone", 20) == EXIT_PREEMPTED_BEHIND
     assert other.read_text() == "theirs\n" and (tools / "requeued").exists()
+
+
+def test_a_node_s_agent_ending_otherwise_than_0_says_so_in_the_job_dir(tmp_path: Path) -> None:
+    """A node but the first whose agent ends with a code or an error: one line in
+    ``<job dir>/launcher.log`` (its srun output may have gone with the first node); a 0 adds
+    nothing there."""
+    job_dir = tmp_path / "jd"
+    job_dir.mkdir(mode=0o700)
+    token = job_dir / "token"
+    token.write_text("t" * 64)
+    token.chmod(0o600)
+    step = SlurmStep(job_id="7", nodes=("n0", "n1"), node_rank=1, submit_dir="/s",
+                     restart_count=0)
+    log = job_dir / "launcher.log"
+    assert run_slurm_node(step, "slurm-7", str(job_dir), 1, verbose=False, join=lambda: 0) == 0
+    assert not log.exists()
+    assert run_slurm_node(step, "slurm-7", str(job_dir), 1, verbose=False, join=lambda: 143) == 143
+    assert "job slurm-7: node 1: this node's agent ended with 143" in log.read_text()
+
+    def broken() -> int:
+        raise RuntimeError("the agent's socket is gone")
+
+    with pytest.raises(RuntimeError):
+        run_slurm_node(step, "slurm-7", str(job_dir), 1, verbose=False, join=broken)
+    assert "node 1: ended by RuntimeError: the agent's socket is gone" in log.read_text()

@@ -266,10 +266,16 @@ def run_slurm_node(step: SlurmStep, job_id: str, job_dir: str, port: int, *, ver
         if manager is not None:
             manager.stop()
         return manager_lost(step, job_id, job_dir, str(e), max_requeues)
-    except BaseException:
+    except BaseException as e:
         if manager is not None:
             manager.stop()
+        if step.node_rank > 0:
+            _say(job_dir, f"job {job_id}: node {step.node_rank}: ended by {type(e).__name__}: "
+                          f"{str(e)[:300]}")
         raise
+    if step.node_rank > 0 and code != 0:
+        # (its output goes through srun on the first node, which may be gone with it)
+        _say(job_dir, f"job {job_id}: node {step.node_rank}: this node's agent ended with {code}")
     if manager is not None:
         code = manager.finish(code)
         if code in (EXIT_PREEMPTED, EXIT_PREEMPTED_BEHIND):
