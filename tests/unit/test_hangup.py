@@ -107,6 +107,7 @@ sys.stderr.flush()
 def test_a_ranks_print_to_a_hung_up_terminal_lands_in_the_job_dir_and_never_raises(tmp_path: Path) -> None:
     master, slave = pty.openpty()
     env = {**os.environ, "UNDYING_JOB_DIR": str(tmp_path)}
+    env.pop("UNDYING_LIVE_LINE", None)  # (no launcher's live line here to erase)
     # A session of its own without the terminal as its controlling one, as a rank runs: no SIGHUP reaches it,
     # only the failing writes.
     rank = subprocess.Popen([sys.executable, "-c", _RANK], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,

@@ -170,6 +170,7 @@ def _read_all(fd: int) -> bytes:
 
 def test_the_live_line_is_rewritten_in_place_and_log_lines_print_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("UNDYING_LIVE_LINE", raising=False)
     monkeypatch.setattr("undying.cli.progress_show._REDRAW_S", 0.05)
     leader, follower = os.openpty()
     figures = status(step=1)
@@ -208,6 +209,9 @@ def test_the_live_line_is_rewritten_in_place_and_log_lines_print_above_it(monkey
     # At the end the line is erased and what follows prints on its own line, with no progress after it.
     assert text.rstrip().endswith("after the job") and "step" not in text.partition("after the job")[2]
     assert all(len(line) <= 80 for line in text.replace(erase, "\n").splitlines())
+    # Ranks started after the line is gone print plainly: the setting leaves with it (it leaked
+    # into this test process once, and a later test's rank erased a line that was never drawn).
+    assert "UNDYING_LIVE_LINE" not in os.environ
 
 
 def test_off_the_terminal_a_progress_line_every_interval_within_80_columns() -> None:

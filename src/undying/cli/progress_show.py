@@ -107,11 +107,14 @@ class ProgressShow:
         self._task: asyncio.Task[None] | None = None
         self._swapped: list[tuple[logging.StreamHandler[Any], Any]] = []
         self._above: _AboveTheLine | None = None
+        self._env_before: str | None = None  # UNDYING_LIVE_LINE as it was before start()
 
     def start(self) -> ProgressShow:
         """Begin (on the running event loop); returns itself."""
         if self.mode == LIVE:
-            os.environ[LIVE_LINE_ENV] = "1"  # the ranks started from now on erase it to print
+            # the ranks started from now on erase it to print (until close(): none is drawn then)
+            self._env_before = os.environ.get(LIVE_LINE_ENV)
+            os.environ[LIVE_LINE_ENV] = "1"
             self._above = _AboveTheLine(self, self._stream)
             self._divert(self._above)
             self._task = asyncio.ensure_future(self._live())
@@ -127,6 +130,11 @@ class ProgressShow:
         with self.lock:
             self.erase()
             self._undivert()
+        if self.mode == LIVE:
+            if self._env_before is None:
+                os.environ.pop(LIVE_LINE_ENV, None)
+            else:
+                os.environ[LIVE_LINE_ENV] = self._env_before
 
     # --- the live line ------------------------------------------------------------------------
 
