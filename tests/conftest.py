@@ -42,6 +42,23 @@ def undying_logger_as_it_was() -> Iterator[None]:
     ours.handlers[:] = saved[2]
 
 
+@pytest.fixture(autouse=True)
+def no_undying_setting_left_in_the_environment() -> Iterator[None]:
+    """A test leaves the ``UNDYING_*`` settings of this process's environment as it found them:
+    the ranks a later test in the same worker starts inherit them. (The launcher's live line
+    left ``UNDYING_LIVE_LINE`` behind, and a later test's rank erased a line nobody drew.)"""
+    before = {k: v for k, v in os.environ.items() if k.startswith("UNDYING_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("UNDYING_")}
+    if after != before:
+        for k in after.keys() - before.keys():
+            del os.environ[k]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"the test left {', '.join(changed)} changed in the environment; set it with "
+                    "monkeypatch, or restore it")
+
+
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Oracle:
     """One set of references for the whole run: under pytest-xdist, the workers' common temp folder."""
