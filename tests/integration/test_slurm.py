@@ -152,7 +152,9 @@ def test_the_written_batch_script_preempted_both_ways_requeues_and_resumes_ident
     for restart, (at, signal_it) in enumerate([(10, ["scancel", "--signal=TERM", job]),
                                                 (30, ["scancel", "--batch", "--signal=TERM", job])],
                                                start=1):
-        wait_for(f"step {at}", lambda at=at: cluster.status_step(job_dir) >= at, 120)
+        # (from the job's log, as the first-node test reads it: a status call can take seconds)
+        wait_for(f"step {at}", lambda at=at: _logged_step(job_dir) >= at, 120)
+        assert "srun-exit=" not in said(), f"the job ended before its signal: {said()[-2000:]}"
         cluster.run(signal_it)
         wait_for(f"requeue {restart}", lambda restart=restart: f"restart={restart}" in said(), 120)
     wait_for("the job's end", lambda: "srun-exit=0" in said(), 180)
