@@ -59,6 +59,34 @@ def no_undying_setting_left_in_the_environment() -> Iterator[None]:
                     "monkeypatch, or restore it")
 
 
+_WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                    signal.SIGCHLD)
+
+
+@pytest.fixture(autouse=True)
+def process_left_as_found() -> Iterator[None]:
+    """A test leaves this process's working folder, umask and signal handlers as it found them:
+    a later test in the same worker (and every process it starts) would run with them."""
+    cwd = os.getcwd()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    handlers = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS}
+    yield
+    changed = []
+    if os.getcwd() != cwd:
+        changed.append(f"the working folder ({os.getcwd()})")
+        os.chdir(cwd)
+    if (now := os.umask(umask)) != umask:
+        changed.append(f"the umask ({now:o})")
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) != handler:
+            changed.append(f"the handler of {sig.name}")
+            signal.signal(sig, handler)
+    if changed:
+        pytest.fail(f"the test left {', '.join(changed)} changed; restore it (monkeypatch.chdir, "
+                    "a finally)")
+
+
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Oracle:
     """One set of references for the whole run: under pytest-xdist, the workers' common temp folder."""

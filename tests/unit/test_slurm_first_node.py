@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import socket
 import stat
 from pathlib import Path
@@ -51,11 +52,18 @@ def test_an_agent_whose_manager_stays_unreachable_raises_manager_lost_or_ends_1(
     config = JobConfig(job_id="j1", job_dir=str(tmp_path / "jd"), nnodes=2, node_rank=1)
     runner = NodeRunner(config, str(script), [], manager, "t" * 32, manager_lost_s=1.0)
     runner._joined = True  # (as after a join; then the manager went away)
-    with pytest.raises(ManagerLost, match=rf"the manager at {manager} stayed unreachable for 1s"):
-        asyncio.run(runner.run())
-    config = dataclasses.replace(
-        config, timeouts=dataclasses.replace(config.timeouts, rendezvous_timeout=1.0))
-    assert run_node(config, str(script), [], manager, "t" * 32, manager_lost_s=600.0) == 1
+    # (an agent's end sets the process's SIGHUP and SIGQUIT for its last lines: agent.hangup)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        with pytest.raises(ManagerLost,
+                           match=rf"the manager at {manager} stayed unreachable for 1s"):
+            asyncio.run(runner.run())
+        config = dataclasses.replace(
+            config, timeouts=dataclasses.replace(config.timeouts, rendezvous_timeout=1.0))
+        assert run_node(config, str(script), [], manager, "t" * 32, manager_lost_s=600.0) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def test_slurm_s_job_and_restart_count_are_read_and_checked() -> None:
