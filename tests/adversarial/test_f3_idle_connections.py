@@ -105,9 +105,13 @@ def test_half_open_connections_are_closed_and_a_crash_is_still_recovered(
             if len(held) % 50 == 0:
                 most = max(most, _fds(pid))
         most = max(most, _fds(pid))
-        # The cap held: the manager never had more than CAP of these open, plus at most one accept batch
-        # (the listen backlog, 128) closing at that moment, plus the few the job's own use.
-        assert most <= baseline + CAP + 128 + 8, f"{most} fds with {HELD} half-open connections (baseline {baseline})"
+        # The cap held: the manager never had more than CAP of these open, plus the sockets its event loop
+        # accepted but had not yet handed to the guard, plus the few the job's own use. asyncio accepts a batch
+        # of up to the listen backlog (128) per pass of its loop and the guard sees them a pass or two later,
+        # so while the flood lasts two batches can be in flight (a fresh clone's run on a loaded machine saw
+        # 275 fds over a baseline of 27: CAP + 148). The settled count is checked next, against CAP alone.
+        assert most <= baseline + CAP + 2 * 128 + 8, \
+            f"{most} fds with {HELD} half-open connections (baseline {baseline})"
         wait_for(lambda: _fds(pid) <= baseline + CAP + 8, 5, f"at most {CAP} connections held")
         # The operator still gets in while the flood is held: a crash through the API, with the token.
         answer = api_post(url, "/api/inject", {"kind": "crash", "rank": 1})
