@@ -154,7 +154,8 @@ def test_the_written_batch_script_preempted_both_ways_requeues_and_resumes_ident
                                                start=1):
         # (from the job's log, as the first-node test reads it: a status call can take seconds)
         wait_for(f"step {at}", lambda at=at: _logged_step(job_dir) >= at, 120)
-        assert "srun-exit=" not in said(), f"the job ended before its signal: {said()[-2000:]}"
+        this_start = said().split(f"restart={restart - 1}")[-1]  # (the file holds every start's)
+        assert "srun-exit=" not in this_start, f"the job ended before its signal: {said()[-2000:]}"
         cluster.run(signal_it)
         wait_for(f"requeue {restart}", lambda restart=restart: f"restart={restart}" in said(), 120)
     wait_for("the job's end", lambda: "srun-exit=0" in said(), 180)

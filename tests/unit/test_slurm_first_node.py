@@ -196,3 +196,56 @@ def test_a_node_s_agent_ending_otherwise_than_0_says_so_in_the_job_dir(tmp_path:
     with pytest.raises(RuntimeError):
         run_slurm_node(step, "slurm-7", str(job_dir), 1, verbose=False, join=broken)
     assert "node 1: ended by RuntimeError: the agent's socket is gone" in log.read_text()
+
+
+def _flaky_scontrol(folder: Path, fail_shows: int, *, requeue_answer_lost: bool = False) -> None:
+    """A stand-in ``scontrol`` whose first ``fail_shows`` ``show job`` calls fail as a controller
+    that does not answer; ``requeue`` leaves a mark (and, with ``requeue_answer_lost``, fails as if
+    its answer were lost, after which ``show job`` says the job was requeued)."""
+    tool = folder / "scontrol"
+    lost = "echo 'slurm_requeue error: Socket timed out on send/recv operation' >&2; exit 1" \
+        if requeue_answer_lost else "exit 0"
+    tool.write_text(f"""#!/bin/sh
+echo "$@" >> {folder}/calls
+if [ "$1" = requeue ]; then touch {folder}/requeued; {lost}; fi
+if [ "$(grep -c '^show' {folder}/calls)" -le {fail_shows} ]; then
+  echo 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2; exit 1
+fi
+if [ -e {folder}/requeued ]; then r=1; else r=0; fi
+echo "JobId=7 JobState=RUNNING Requeue=1 Restarts=$r BatchFlag=1"
+""")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+
+
+def test_a_controller_that_does_not_answer_is_asked_again_and_a_lost_answer_not_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's only way back into the queue is the survivor's requeue: a controller that does not
+    answer (restarting, failing over) is asked again; a requeue done whose answer was lost is not
+    asked for twice; one that never answers ends in one line that says how to resume."""
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    step = SlurmStep(job_id="7", nodes=("n0", "n1"), node_rank=1, submit_dir="/s",
+                     restart_count=0)
+    said: list[str] = []
+    _flaky_scontrol(tmp_path, fail_shows=2)
+    assert requeue(step, 20, said.append, pause_s=0) == "requeued Slurm job 7"
+    assert (tmp_path / "calls").read_text().split("\n")[:4] == [
+        "show job --oneliner 7", "show job --oneliner 7", "show job --oneliner 7", "requeue 7"]
+    assert "Unable to contact slurm controller" in said[0] and "try 2 of 3" in said[0], said
+    assert said[-1].startswith("requeueing Slurm job 7 (requeue 1 of at most 20)"), said
+
+    for name in ("calls", "requeued"):
+        (tmp_path / name).unlink()
+    said.clear()
+    _flaky_scontrol(tmp_path, fail_shows=0, requeue_answer_lost=True)
+    assert requeue(step, 20, said.append, pause_s=0) == "requeued Slurm job 7"
+    assert (tmp_path / "calls").read_text().count("requeue 7") == 1  # asked once
+    assert sum(line.startswith("requeueing") for line in said) == 1, said
+
+    (tmp_path / "calls").unlink()
+    (tmp_path / "requeued").unlink()
+    _flaky_scontrol(tmp_path, fail_shows=99)
+    answer = requeue(step, 20, said.append, pause_s=0)
+    assert answer.startswith("not requeued: cannot ask Slurm about job 7 (slurm_load_jobs error: "
+                             "Unable to contact slurm controller"), answer
+    assert "3 tries; to resume, submit the same batch script again" in answer, answer
+    assert not (tmp_path / "requeued").exists()

@@ -72,6 +72,9 @@ MANAGER_STOPPED_LIMIT = 300.0
 WATCH_EVERY = 0.5  # how often the launcher looks at its manager child
 DEFAULT_MAX_REQUEUES = 20  # a job preempted this often in a row without ending is looping
 SCONTROL_TIMEOUT = 30.0
+# A controller that does not answer a requeue is asked again (restarting, failing over, busy).
+REQUEUE_ATTEMPTS = 3
+REQUEUE_RETRY_S = 5.0
 # The manager unreachable this long (at least; two heartbeat timeouts when longer, at most the
 # rendezvous timeout): its node is lost. A manager killed alone is started again at once by its
 # launcher and listens again in seconds.
@@ -315,16 +318,29 @@ def _say(job_dir: str, line: str) -> None:
         f.write(f"[undying {time.strftime('%H:%M:%S')} WARNING] {line}\n")
 
 
-def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | None:
+def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | str:
+    """``scontrol ARGV``'s result, or why it did not run (not found, or no answer in time)."""
     try:
         return subprocess.run(["scontrol", *argv], capture_output=True, text=True,
                               timeout=SCONTROL_TIMEOUT)
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
+        return f"no answer from scontrol in {SCONTROL_TIMEOUT:g}s"
+    except OSError as e:
+        return f"scontrol did not run: {e}"
+
+
+def _failure(result: subprocess.CompletedProcess[str] | str) -> str | None:
+    """Why an scontrol call failed, or None when it did not."""
+    if isinstance(result, str):
+        return result
+    if result.returncode == 0:
         return None
+    return result.stderr.strip()[:200] or f"exit {result.returncode}"
 
 
 def requeue(step: SlurmStep, max_requeues: int,
-            say: Callable[[str], None] | None = None) -> str:
+            say: Callable[[str], None] | None = None, *,
+            attempts: int = REQUEUE_ATTEMPTS, pause_s: float = REQUEUE_RETRY_S) -> str:
     """After a preemption, or the first node lost: put the job back in Slurm's queue, where it may
     be; what happened (``say``: where the line before the ask goes; the log by default).
 
@@ -335,31 +351,46 @@ def requeue(step: SlurmStep, max_requeues: int,
     next start resumes from the dying gasp, or the newest checkpoint, in the job dir. A requeue
     ends every process of the job at once, this one included: the line that says so is logged
     before it is asked for.
+
+    A controller that does not answer (restarting, failing over, too busy) is asked again,
+    ``attempts`` times ``pause_s`` apart: the job's only way back into the queue is this call. Each
+    try looks at ``Restarts`` first, so a requeue that was done but whose answer was lost is not
+    asked for twice.
     """
     resume = "to resume, submit the same batch script again (it continues from the job dir)"
     if step.restart_count >= max_requeues:
         return (f"not requeued: Slurm job {step.job_id} was requeued {step.restart_count} "
                 f"times (--max-requeues {max_requeues}); {resume}")
-    shown = _scontrol("show", "job", "--oneliner", step.job_id)
-    if shown is None or shown.returncode != 0:
-        why = shown.stderr.strip()[:200] if shown is not None else "scontrol did not run"
-        return f"not requeued: cannot ask Slurm about job {step.job_id} ({why}); {resume}"
-    restarts = _RESTARTS.search(shown.stdout)
-    if restarts is not None and int(restarts.group(1)) > step.restart_count:
-        return (f"not requeued again: Slurm job {step.job_id} was requeued already "
-                f"(Restarts={restarts.group(1)}); it resumes from the job dir")
-    if "Requeue=1" not in shown.stdout.split():
-        return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
-                f"{resume}")
-    (say or log.warning)(f"requeueing Slurm job {step.job_id} (requeue {step.restart_count + 1} "
-                         f"of at most {max_requeues}); its next start resumes from the job dir")
-    with contextlib.suppress(OSError):
-        sys.stderr.flush()
-    done = _scontrol("requeue", step.job_id)
-    if done is None or done.returncode != 0:
-        why = done.stderr.strip()[:200] if done is not None else "scontrol did not run"
-        return f"not requeued: scontrol requeue {step.job_id} failed ({why}); {resume}"
-    return f"requeued Slurm job {step.job_id}"
+    failed = ""
+    for attempt in range(attempts):
+        if attempt:
+            (say or log.warning)(f"{failed}; asking Slurm again in {pause_s:g}s "
+                                 f"(try {attempt + 1} of {attempts})")
+            time.sleep(pause_s)
+        shown = _scontrol("show", "job", "--oneliner", step.job_id)
+        if (why := _failure(shown)) is not None:
+            failed = f"cannot ask Slurm about job {step.job_id} ({why})"
+            continue
+        assert not isinstance(shown, str)
+        restarts = _RESTARTS.search(shown.stdout)
+        if restarts is not None and int(restarts.group(1)) > step.restart_count:
+            if failed.startswith("scontrol requeue"):  # (ours: its answer was lost)
+                return f"requeued Slurm job {step.job_id}"
+            return (f"not requeued again: Slurm job {step.job_id} was requeued already "
+                    f"(Restarts={restarts.group(1)}); it resumes from the job dir")
+        if "Requeue=1" not in shown.stdout.split():
+            return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
+                    f"{resume}")
+        if not failed.startswith("scontrol requeue"):
+            (say or log.warning)(
+                f"requeueing Slurm job {step.job_id} (requeue {step.restart_count + 1} of at "
+                f"most {max_requeues}); its next start resumes from the job dir")
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
+        if (why := _failure(_scontrol("requeue", step.job_id))) is None:
+            return f"requeued Slurm job {step.job_id}"
+        failed = f"scontrol requeue {step.job_id} failed ({why})"
+    return f"not requeued: {failed}, {attempts} tries; {resume}"
 
 
 def slurm_line(step: SlurmStep, job_id: str, *, standby: bool = False) -> str:
