@@ -26,6 +26,8 @@ What it takes on one machine (learned setting it up; each is a line below):
   (its trap fired again by the requeue's own SIGTERM) is killed after 3 s, not 10 (the
   written-script test: 62 -> 52 s). The gasp is never under it: the tests' SIGTERMs come from
   ``scancel --signal``, which is not followed by a SIGKILL.
+- ``SlurmdDebug=verbose``: each task's end in its node's log ("exited with exit code N", "Killed
+  by signal 9"): what a test that fails shows of a node whose srun output went with another node.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 KillWait=3
+SlurmdDebug=verbose
 {extra_conf}{node_lines}PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
