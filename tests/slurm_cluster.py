@@ -18,10 +18,10 @@ What it takes on one machine (learned setting it up; each is a line below):
   so the machine's own munge, if any, is untouched.
 - Clients (``sbatch``, ``srun``, ``scancel``) need ``SLURM_CONF``; they run on the
   controller's host through the same wrapper.
-- ``AuthInfo=cred_expire=15`` and ``bf_interval=1,sched_interval=1``: a requeued job
-  starts again in 16 s, not two minutes. Not less: the credential of every launch lives that
-  long, and a slurmd stalled 8 s on a loaded machine failed a launch at 5 ("Job credential
-  expired", reproduced by stopping the slurmds 8 s as a requeued job started);
+- ``AuthInfo=cred_expire=5`` and ``bf_interval=1,sched_interval=1``: a requeued job
+  starts again in 6 s, not two minutes. It is also how long each launch's credential lives: a
+  slurmd stopped 8 s as a requeued job started failed its launch ("Job credential expired"),
+  but the launches of two full suites under load took 0-20 ms, so 5 s is kept;
   ``SlurmdTimeout=10``: a lost node is noticed in about 26 s, not 300; ``KillWait=3``: a requeued job whose batch shell lingers
   (its trap fired again by the requeue's own SIGTERM) is killed after 3 s, not 10 (the
   written-script test: 62 -> 52 s). The gasp is never under it: the tests' SIGTERMs come from
@@ -119,7 +119,7 @@ class SlurmCluster:
 ClusterName=undying
 SlurmctldHost={CONTROLLER}({self.hosts.addr(0)})
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket},cred_expire=15
+AuthInfo=socket={self.munge_socket},cred_expire=5
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
