@@ -26,6 +26,10 @@ What it takes on one machine (learned setting it up; each is a line below):
   (its trap fired again by the requeue's own SIGTERM) is killed after 3 s, not 10 (the
   written-script test: 62 -> 52 s). The gasp is never under it: the tests' SIGTERMs come from
   ``scancel --signal``, which is not followed by a SIGKILL.
+- A lost node's processes are all stopped before any is killed (``Hosts.kill_host``): ``srun``
+  forks a helper that, when ``srun`` dies, SIGKILLs the step's tasks on every node, so killed one
+  by one the batch host's ``srun`` and helper took the survivors with them (the first-node test
+  failed so in 1 full suite of 3; reproduced at will by killing ``srun`` alone).
 - ``SlurmdDebug=verbose``: each task's end in its node's log ("exited with exit code N", "Killed
   by signal 9"): what a test that fails shows of a node whose srun output went with another node.
 """
@@ -250,7 +254,9 @@ SlurmdDebug=verbose
         return r.stdout.strip()
 
     def kill_node(self, i: int) -> None:
-        """Lose node ``i``: its slurmd and everything it started are SIGKILLed (the host stays)."""
+        """Lose node ``i``: its slurmd and everything it started stop, then die, as one (the
+        host stays). Killed one by one, the batch host's ``srun`` could die a moment before the
+        helper it leaves, which then SIGKILLs the step's tasks on every other node."""
         self.hosts.kill_host(i + 1)
         self._daemons.pop(f"n{i}", None)
 

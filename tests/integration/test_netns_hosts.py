@@ -4,7 +4,8 @@ What these pin down for the multi-node tests built on them:
 - a process started with ``hosts.popen`` is the program itself (``ip netns exec``
   execs), inside the host's namespace, in a session of its own;
 - ``kill_host`` leaves nothing alive in the host, not even a child that left
-  its process group; ``close`` deletes every namespace, link and process;
+  its process group, and its processes die as one (none outlives another long
+  enough to act on its death); ``close`` deletes every namespace, link and process;
 - torch.distributed runs across hosts: a TCPStore in host 0, gloo ranks in
   hosts 1 and 2, when ``GLOO_SOCKET_IFNAME`` names each host's veth (given, or
   found with undying.agent.netif as the agent will). Without it gloo binds to
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -244,6 +246,49 @@ time.sleep(600)
     _wait(lambda: not any(_alive(p) for p in family), 10, "host 1's processes to be gone")
     assert other.proc.poll() is None, "killing host 1 touched host 0"
     assert netns_pids(hosts.name(0)) == [other.proc.pid]
+
+
+WATCHER = """
+import os, select, sys
+fd = os.pidfd_open(int(sys.argv[1]))
+print("watching", flush=True)
+select.select([fd], [], [])
+open(sys.argv[2], "w").write("dead")
+"""
+
+# A victim, three hundred processes started after it, and a watcher of the victim, last: each in a
+# session of its own, as Slurm's daemons start theirs (out of reach of one process group's kill).
+FAMILY = """
+import subprocess, sys, time
+victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
+fillers = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(300)]
+watcher = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(victim.pid), sys.argv[2]],
+                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+assert watcher.stdout.readline() == "watching\\n"
+print("ready", victim.pid, watcher.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lost_host_s_processes_die_as_one_so_none_reacts_to_another_s_death(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:
+    """As on a machine that loses power, no process of a killed host outlives another: a
+    watcher that acts the moment the process it watches dies (as Slurm's srun helper does,
+    SIGKILLing the step's tasks on every other node when srun dies) never gets to act, though
+    three hundred processes started between the two would give it time if they died one by one."""
+    hosts = make_hosts(2)
+    marker = tmp_path / "the-watcher-saw-it-die"
+    lines = _python(hosts, 1, FAMILY, WATCHER, str(marker))
+    m = lines.expect(r"^ready (\d+) (\d+)$", 60)
+    victim, watcher = int(m.group(1)), int(m.group(2))
+    # (the victim has the lower PID, so a one-by-one kill from /proc's order would reach it
+    # first; where PIDs wrapped between the two, the test still holds but tells less)
+
+    hosts.kill_host(1)
+
+    assert hosts.pids(1) == []
+    assert not _alive(victim) and not _alive(watcher)
+    assert not marker.exists(), "the watcher outlived the process it watched and acted"
 
 
 def test_the_test_talks_to_a_host_from_inside_and_a_new_host_joins(make_hosts: Callable[[int], Hosts]) -> None:

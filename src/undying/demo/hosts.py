@@ -14,7 +14,9 @@ Every process started through :meth:`Hosts.popen` runs in a session of its
 own, so :meth:`Hosts.kill_host` (a node lost) and :meth:`Hosts.close` can kill
 it by PID and process group; they also kill, by PID, any other process found
 inside the host's namespace (a child that left the group still dies with its
-host). :meth:`Hosts.cut` / :meth:`Hosts.heal` take a host's bridge port down
+host). A lost host's processes are all stopped before any is killed, so none
+outlives another long enough to react to its death, as on a machine that loses
+power. :meth:`Hosts.cut` / :meth:`Hosts.heal` take a host's bridge port down
 and up: a partition, with the host's own interface and addresses left as they
 were. :meth:`Hosts.inside` runs the caller's own code in a host (sockets opened
 there belong to it: to call a manager's HTTP API), :meth:`Hosts.add_host` plugs
@@ -59,6 +61,15 @@ CLONE_NEWNET = 0x40000000
 KILL_TIMEOUT = 10.0
 
 _counter = itertools.count()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (``R``, ``S``, ``T`` stopped...), "" once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _setns(fd: int, what: str) -> None:
@@ -257,20 +268,28 @@ class Hosts:
         return netns_pids(self.name(i))
 
     def kill_host(self, i: int) -> None:
-        """Lose host i: SIGKILL each process started in it (PID and process group), then any
-        other in it.
+        """Lose host i: every process in it stops at once, then dies.
+
+        A machine that loses power takes all its processes in the same instant, so
+        none sees another die first. Killing them one by one would not: a process that
+        outlives its neighbour by a millisecond reacts to that death over the network
+        (Slurm's ``srun`` leaves a helper that, seeing ``srun`` killed, SIGKILLs the
+        step's tasks on every other node). So each process is first frozen (SIGSTOP,
+        until a pass over the host finds none left running), and only then SIGKILLed:
+        the PIDs started here by process group too, the rest by PID from /proc.
 
         Returns once none is left; the host's namespace and link stay, empty (a
         dead machine still plugged in). Raises if a process survives.
         """
         self._check(i)
+        deadline = time.monotonic() + KILL_TIMEOUT
+        self._freeze(i, deadline)
         procs = self._procs[i]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + KILL_TIMEOUT
         left = self.pids(i)
         while left and time.monotonic() < deadline:
             for pid in left:  # strays that left the group (setsid'd children): by PID, from /proc
@@ -284,6 +303,18 @@ class Hosts:
         if left:
             raise RuntimeError(f"host {i} ({self.name(i)}): processes {left} survived SIGKILL "
                                f"for {KILL_TIMEOUT}s")
+
+    def _freeze(self, i: int, deadline: float) -> None:
+        """SIGSTOP every process in host i, again for any that a running one forked
+        meanwhile, until all are stopped (or ``deadline``: the kill goes on regardless)."""
+        while time.monotonic() < deadline:
+            running = [pid for pid in self.pids(i) if _state(pid) not in ("T", "t", "Z", "")]
+            if not running:
+                return
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.001)  # (a stop lands when the process next runs)
 
     # -- network faults -------------------------------------------------------------------------
 
