@@ -26,10 +26,13 @@ What it takes on one machine (learned setting it up; each is a line below):
   (its trap fired again by the requeue's own SIGTERM) is killed after 3 s, not 10 (the
   written-script test: 62 -> 52 s). The gasp is never under it: the tests' SIGTERMs come from
   ``scancel --signal``, which is not followed by a SIGKILL.
-- A lost node's processes are all stopped before any is killed (``Hosts.kill_host``): ``srun``
-  forks a helper that, when ``srun`` dies, SIGKILLs the step's tasks on every node, so killed one
-  by one the batch host's ``srun`` and helper took the survivors with them (the first-node test
-  failed so in 1 full suite of 3; reproduced at will by killing ``srun`` alone).
+- A lost node's processes are all stopped, then killed children first (``Hosts.kill_host``):
+  ``srun`` forks a helper that, when ``srun`` dies, SIGKILLs the step's tasks on every node, so
+  killed one by one the batch host's ``srun`` and helper took the survivors with them (the
+  first-node test failed so in 1 full suite of 3; reproduced at will by killing ``srun`` alone).
+  Stopped first but killed in /proc's order, the batch step's slurmstepd died before the batch
+  shell, whose process group (the shell, ``srun`` and the helper) the kernel then continued
+  (SIGHUP, SIGCONT), with the same end.
 - ``SlurmdDebug=verbose``: each task's end in its node's log ("exited with exit code N", "Killed
   by signal 9"): what a test that fails shows of a node whose srun output went with another node.
 """

@@ -5,7 +5,7 @@ What these pin down for the multi-node tests built on them:
   execs), inside the host's namespace, in a session of its own;
 - ``kill_host`` leaves nothing alive in the host, not even a child that left
   its process group, and its processes die as one (none outlives another long
-  enough to act on its death); ``close`` deletes every namespace, link and process;
+  enough to act on its death, none is woken by a group its parent's death orphans); ``close`` deletes every namespace, link and process;
 - torch.distributed runs across hosts: a TCPStore in host 0, gloo ranks in
   hosts 1 and 2, when ``GLOO_SOCKET_IFNAME`` names each host's veth (given, or
   found with undying.agent.netif as the agent will). Without it gloo binds to
@@ -289,6 +289,48 @@ def test_a_lost_host_s_processes_die_as_one_so_none_reacts_to_another_s_death(
     assert hosts.pids(1) == []
     assert not _alive(victim) and not _alive(watcher)
     assert not marker.exists(), "the watcher outlived the process it watched and acted"
+
+
+# A process group like a Slurm batch shell's: a leader (here the host's own process, a session
+# leader) whose child is in a group of its own in the same session, with that child's child in
+# its group, ignoring SIGHUP and acting when its parent dies (as srun and its helper do).
+# Three hundred processes started before them stand between the leader and the two in /proc.
+ORPHANED = """
+import os, signal, subprocess, sys, time
+fillers = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(300)]
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setpgid(0, 0)
+    if os.fork() == 0:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        os.close(w)
+        print("watching", os.getpid(), flush=True)
+        os.read(r, 1)  # the end of file: its parent died
+        open(sys.argv[1], "w").write("dead")
+        os._exit(0)
+    os.close(r)
+    time.sleep(600)
+    os._exit(0)
+os.close(r)
+os.close(w)
+time.sleep(600)
+"""
+
+
+def test_a_lost_host_s_stopped_processes_are_killed_children_first(
+        make_hosts: Callable[[int], Hosts], tmp_path: Path) -> None:
+    """Stopped first, a host's processes are killed children before parents: a parent killed
+    first orphans its child's process group, and the kernel wakes a stopped group it orphans
+    (SIGHUP, then SIGCONT), so a watcher that ignores SIGHUP would run again and act."""
+    hosts = make_hosts(2)
+    marker = tmp_path / "the-watcher-saw-its-parent-die"
+    lines = _python(hosts, 1, ORPHANED, str(marker))
+    watcher = int(lines.expect(r"^watching (\d+)$", 60).group(1))
+
+    hosts.kill_host(1)
+
+    assert hosts.pids(1) == [] and not _alive(watcher)
+    assert not marker.exists(), "the watcher was woken by its orphaned group and acted"
 
 
 def test_the_test_talks_to_a_host_from_inside_and_a_new_host_joins(make_hosts: Callable[[int], Hosts]) -> None:

@@ -63,13 +63,32 @@ KILL_TIMEOUT = 10.0
 _counter = itertools.count()
 
 
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (``R``, ``S``, ``T`` stopped...), "" once gone."""
+def _stat(pid: int) -> list[str]:
+    """A process's /proc stat fields after its name (state, ppid, ...), [] once gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``R``, ``S``, ``T`` stopped...), "" once gone."""
+    fields = _stat(pid)
+    return fields[0] if fields else ""
+
+
+def _children_first(pids: list[int]) -> list[int]:
+    """``pids`` ordered so that each comes before its parent (the deepest first)."""
+    parent = {pid: int(f[1]) for pid in pids if len(f := _stat(pid)) > 1}
+
+    def depth(pid: int) -> int:
+        d, seen = 0, {pid}
+        while (pid := parent.get(pid, 0)) in parent and pid not in seen:
+            d, seen = d + 1, seen | {pid}
+        return d
+
+    return sorted(parent, key=depth, reverse=True)
 
 
 def _setns(fd: int, what: str) -> None:
@@ -271,12 +290,14 @@ class Hosts:
         """Lose host i: every process in it stops at once, then dies.
 
         A machine that loses power takes all its processes in the same instant, so
-        none sees another die first. Killing them one by one would not: a process that
-        outlives its neighbour by a millisecond reacts to that death over the network
-        (Slurm's ``srun`` leaves a helper that, seeing ``srun`` killed, SIGKILLs the
-        step's tasks on every other node). So each process is first frozen (SIGSTOP,
-        until a pass over the host finds none left running), and only then SIGKILLed:
-        the PIDs started here by process group too, the rest by PID from /proc.
+        none sees another die first. Killed one by one, a process that outlives its
+        neighbour by a moment reacts to that death over the network (Slurm's ``srun``
+        leaves a helper that, when ``srun`` dies, SIGKILLs the step's tasks on every
+        other node). So each process is first stopped (SIGSTOP, until a pass over the
+        host finds none left running), then SIGKILLed children before parents: a
+        parent killed first would leave its children's process group orphaned, and
+        the kernel wakes a stopped group it orphans (SIGHUP, then SIGCONT), so a
+        stopped ``srun`` helper would run again and act.
 
         Returns once none is left; the host's namespace and link stay, empty (a
         dead machine still plugged in). Raises if a process survives.
@@ -284,15 +305,18 @@ class Hosts:
         self._check(i)
         deadline = time.monotonic() + KILL_TIMEOUT
         self._freeze(i, deadline)
+        for pid in _children_first(self.pids(i)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         procs = self._procs[i]
-        for proc in procs:
+        for proc in procs:  # (anything of theirs that appeared since: by process group)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
         left = self.pids(i)
         while left and time.monotonic() < deadline:
-            for pid in left:  # strays that left the group (setsid'd children): by PID, from /proc
+            for pid in _children_first(left):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.01)
