@@ -5,7 +5,8 @@ What these pin down for the multi-node tests built on them:
   execs), inside the host's namespace, in a session of its own;
 - ``kill_host`` leaves nothing alive in the host, not even a child that left
   its process group, and its processes die as one (none outlives another long
-  enough to act on its death, none is woken by a group its parent's death orphans); ``close`` deletes every namespace, link and process;
+  enough to act on its death, none is woken by a group its parent's death
+  orphans); ``close`` deletes every namespace, link and process;
 - torch.distributed runs across hosts: a TCPStore in host 0, gloo ranks in
   hosts 1 and 2, when ``GLOO_SOCKET_IFNAME`` names each host's veth (given, or
   found with undying.agent.netif as the agent will). Without it gloo binds to

@@ -54,6 +54,7 @@ from undying.demo.namespaces import (
     ns_inode,
     run_ip,
 )
+from undying.procfs import parent_pid, process_state
 
 __all__ = ["Hosts"]
 
@@ -63,29 +64,14 @@ KILL_TIMEOUT = 10.0
 _counter = itertools.count()
 
 
-def _stat(pid: int) -> list[str]:
-    """A process's /proc stat fields after its name (state, ppid, ...), [] once gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _state(pid: int) -> str:
-    """A process's state letter (``R``, ``S``, ``T`` stopped...), "" once gone."""
-    fields = _stat(pid)
-    return fields[0] if fields else ""
-
-
 def _children_first(pids: list[int]) -> list[int]:
     """``pids`` ordered so that each comes before its parent (the deepest first)."""
-    parent = {pid: int(f[1]) for pid in pids if len(f := _stat(pid)) > 1}
+    parent = {pid: ppid for pid in pids if (ppid := parent_pid(pid)) is not None}
 
     def depth(pid: int) -> int:
-        d, seen = 0, {pid}
-        while (pid := parent.get(pid, 0)) in parent and pid not in seen:
-            d, seen = d + 1, seen | {pid}
+        d = 0
+        while (pid := parent.get(pid, 0)) in parent and d < len(parent):
+            d += 1
         return d
 
     return sorted(parent, key=depth, reverse=True)
@@ -305,15 +291,6 @@ class Hosts:
         self._check(i)
         deadline = time.monotonic() + KILL_TIMEOUT
         self._freeze(i, deadline)
-        for pid in _children_first(self.pids(i)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        procs = self._procs[i]
-        for proc in procs:  # (anything of theirs that appeared since: by process group)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
         left = self.pids(i)
         while left and time.monotonic() < deadline:
             for pid in _children_first(left):
@@ -321,6 +298,12 @@ class Hosts:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.01)
             left = self.pids(i)
+        procs = self._procs[i]
+        for proc in procs:  # (and what is left of their process groups, wherever it is now)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
         for proc in procs:  # reap our own children so none lingers as a zombie
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -332,7 +315,8 @@ class Hosts:
         """SIGSTOP every process in host i, again for any that a running one forked
         meanwhile, until all are stopped (or ``deadline``: the kill goes on regardless)."""
         while time.monotonic() < deadline:
-            running = [pid for pid in self.pids(i) if _state(pid) not in ("T", "t", "Z", "")]
+            running = [pid for pid in self.pids(i)
+                       if process_state(pid) not in ("T", "t", "Z", "X", "?")]
             if not running:
                 return
             for pid in running:

@@ -362,6 +362,7 @@ def requeue(step: SlurmStep, max_requeues: int,
         return (f"not requeued: Slurm job {step.job_id} was requeued {step.restart_count} "
                 f"times (--max-requeues {max_requeues}); {resume}")
     failed = ""
+    asked = False  # a requeue was sent whose answer did not come back
     for attempt in range(attempts):
         if attempt:
             (say or log.warning)(f"{failed}; asking Slurm again in {pause_s:g}s "
@@ -369,19 +370,19 @@ def requeue(step: SlurmStep, max_requeues: int,
             time.sleep(pause_s)
         shown = _scontrol("show", "job", "--oneliner", step.job_id)
         if (why := _failure(shown)) is not None:
-            failed = f"cannot ask Slurm about job {step.job_id} ({why})"
+            failed, asked = f"cannot ask Slurm about job {step.job_id} ({why})", False
             continue
         assert not isinstance(shown, str)
         restarts = _RESTARTS.search(shown.stdout)
         if restarts is not None and int(restarts.group(1)) > step.restart_count:
-            if failed.startswith("scontrol requeue"):  # (ours: its answer was lost)
+            if asked:  # (ours: its answer was lost)
                 return f"requeued Slurm job {step.job_id}"
             return (f"not requeued again: Slurm job {step.job_id} was requeued already "
                     f"(Restarts={restarts.group(1)}); it resumes from the job dir")
         if "Requeue=1" not in shown.stdout.split():
             return (f"not requeued: Slurm job {step.job_id} does not allow it (sbatch --requeue); "
                     f"{resume}")
-        if not failed.startswith("scontrol requeue"):
+        if not asked:
             (say or log.warning)(
                 f"requeueing Slurm job {step.job_id} (requeue {step.restart_count + 1} of at "
                 f"most {max_requeues}); its next start resumes from the job dir")
@@ -389,7 +390,7 @@ def requeue(step: SlurmStep, max_requeues: int,
             sys.stderr.flush()
         if (why := _failure(_scontrol("requeue", step.job_id))) is None:
             return f"requeued Slurm job {step.job_id}"
-        failed = f"scontrol requeue {step.job_id} failed ({why})"
+        failed, asked = f"scontrol requeue {step.job_id} failed ({why})", True
     return f"not requeued: {failed}, {attempts} tries; {resume}"
 
 
