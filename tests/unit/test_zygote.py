@@ -26,7 +26,7 @@ from undying.agent.liveness import process_state
 from undying.agent.zygote import Zygote, ZygoteKeeper, start_mode
 from undying.config import EXIT_SCRIPT_ERROR
 from undying.errors import UsageError
-from undying.protocol.env import WORKER_START_ENV
+from undying.protocol.env import RETURNED_FILE_ENV, WORKER_START_ENV
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
@@ -43,6 +43,17 @@ SCRIPT = textwrap.dedent("""
         time.sleep(60)
     if sys.argv[1] == "raise":
         raise RuntimeError("the script failed")
+""")
+
+
+# A script that leaves a file open with its write still buffered (as a library's module-level handle
+# does), and with "freeze" freezes its objects first (gc.freeze, as some training scripts do).
+LEAVES_OPEN = textwrap.dedent("""
+    import gc, sys
+    sys.left_open = open(sys.argv[1] + ".txt", "w")
+    sys.left_open.write("written, never closed")
+    if sys.argv[2:] == ["freeze"]:
+        gc.freeze()
 """)
 
 
@@ -85,8 +96,13 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
     # a state the script declares that undying refuses (undying.State): certain, like a SyntaxError
     refused = tmp_path / "refused.py"
     refused.write_text("from undying.errors import StateError\nraise StateError('no such state')\n")
+    leaves_open = tmp_path / "leaves_open.py"
+    leaves_open.write_text(LEAVES_OPEN)
     work = tmp_path / "work"
     work.mkdir()
+    # As the agent starts a rank: its return marked, and its end undying's (boot.end_process), not
+    # the interpreter's teardown.
+    managed = _env(**{RETURNED_FILE_ENV: str(tmp_path / "returned")})
 
     async def run() -> dict[str, int]:
         zygote = Zygote(node=0)
@@ -99,6 +115,8 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
                 ("raise", [str(script), "raise"], _env()),
                 ("syntax", [str(broken)], _env()),
                 ("state", [str(refused)], _env()),
+                ("left-open", [str(leaves_open), "plain"], managed),
+                ("left-open-frozen", [str(leaves_open), "frozen", "freeze"], managed),
             ]:
                 process = zygote.spawn(args, env, str(work))
                 assert process is not None, zygote.reason
@@ -125,7 +143,12 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(
 
     codes = asyncio.run(run())
     assert codes == {"exit": 3, "ok": 0, "raise": 1, "syntax": EXIT_SCRIPT_ERROR, "state": EXIT_SCRIPT_ERROR,
-                     "killed": -signal.SIGKILL, "terminated": -signal.SIGTERM}
+                     "left-open": 0, "left-open-frozen": 0, "killed": -signal.SIGKILL,
+                     "terminated": -signal.SIGTERM}
+    # A file the script left open keeps its buffered write: the end flushes it, whether its object
+    # was created after the zygote's frozen imports or frozen by the script itself.
+    for name in ("plain", "frozen"):
+        assert (work / f"{name}.txt").read_text() == "written, never closed", name
     captured = capfd.readouterr()
     reports = _reports(captured.out)
     assert len(reports) == 5  # the broken script never ran

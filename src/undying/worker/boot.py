@@ -56,6 +56,10 @@ from undying.protocol.env import (
 _PR_SET_PDEATHSIG = 1
 _DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
 _UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# How many objects were frozen (gc.freeze) when the script started: in a worker the zygote forked,
+# its imports (torch's object graph), which no script's file is among. None: not known (a process
+# that ends through ``end_process`` without ``main``).
+_frozen_before_script: int | None = None
 
 
 def _die_with_parent(expected_parent: int) -> None:
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     # shutdown then skips collecting torch's object graph, which took a worker 1.3-3 s of CPU
     # after its last step (every job end, and a whole-job restart, waited for it).
     atexit.register(gc.freeze)
+    global _frozen_before_script
+    _frozen_before_script = gc.get_freeze_count()  # a forked worker's: the zygote's imports
     from undying.protocol.store_client import use_for_env_rendezvous
 
     # The script's own init_process_group() meets its peers on the job's store.
@@ -318,6 +324,11 @@ def end_process() -> NoReturn:
     for thread in threading.enumerate():
         if thread is not main_thread and not thread.daemon:
             thread.join()
+    # No interpreter teardown follows (os._exit), so the freeze ``main`` registered for it has
+    # nothing to spare; left in, it froze the script's objects too and the flush below had to
+    # unfreeze and walk torch's whole object graph (0.2 s of CPU a rank, each of its pages
+    # copied from the zygote's on the way).
+    atexit.unregister(gc.freeze)
     atexit._run_exitfuncs()
     _flush_open_files()
     os._exit(0)
@@ -331,7 +342,11 @@ def _flush_open_files() -> None:
     and text files are tracked by the garbage collector, so they are all found
     here; what other cleanup objects do in ``__del__`` is skipped.
     """
-    gc.unfreeze()  # (the exit handlers froze every object, and get_objects() lists none of those)
+    # get_objects() lists no frozen object. Those frozen before the script started are the
+    # zygote's imports (no file of the script's among them), left as they are; where the script
+    # froze objects of its own since (gc.freeze), or it is not known, every object is looked at.
+    if _frozen_before_script is None or gc.get_freeze_count() > _frozen_before_script:
+        gc.unfreeze()
     # Concrete: no ABC check on every object.
     files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
     for obj in gc.get_objects():
