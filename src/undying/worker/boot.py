@@ -54,12 +54,34 @@ from undying.protocol.env import (
 )
 
 _PR_SET_PDEATHSIG = 1
+
+# What the zygote (worker/zygote.py) imports before it serves: what every worker imports (a spare
+# imports these too).
+# Not torch._dynamo: imported before the process group is made, gloo's teardown deadlocked on the
+# interpreter lock where the tutorial's main() returns (a thread joined while the lock is held, 4 of
+# 6 runs; bench/teardown.py). A fresh interpreter imports it later (DDP does): so does a forked
+# worker. sympy (with mpmath, a third of torch._dynamo's import) is pure Python and changes nothing
+# of that (0 hangs in 8): imported here, it stays off a replacement rank's path.
+# And what boot imports before the script runs (its title, streams, config and store client; 28 ms
+# a worker, each of them forked after the import would have paid it).
+PREWARM = ("torch", "torch.distributed", "sympy", "undying.worker", "undying.worker.boot",
+           "undying.worker.streams", "undying.config", "undying.protocol.store_client")
 _DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
 _UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# How many objects were frozen (gc.freeze) when the script started: in a worker the zygote forked,
-# its imports (torch's object graph), which no script's file is among. None: not known (a process
-# that ends through ``end_process`` without ``main``).
-_frozen_before_script: int | None = None
+# Whether the objects frozen (gc.freeze) may hold a file of the script's: None, not known (a process
+# that ends through ``end_process`` without ``main``). ``main`` sets it False as the script starts:
+# then the frozen objects are the zygote's imports (in a worker it forked) and no file of the
+# script's is among them, until the script itself calls gc.freeze (``_freeze_noted``). Noted, not
+# counted: gc.get_freeze_count() walks every frozen object, 40 ms a call after torch's import.
+_script_froze: bool | None = None
+_gc_freeze = gc.freeze
+
+
+def _freeze_noted() -> None:
+    """gc.freeze, as the script sees it: noted, so the end looks at frozen objects too."""
+    global _script_froze
+    _script_froze = True
+    _gc_freeze()
 
 
 def _die_with_parent(expected_parent: int) -> None:
@@ -127,8 +149,7 @@ def _wait_as_spare(script: Path) -> None:
     )
     from undying.protocol.worker_wire import decode_to_worker as decode
 
-    prewarm = ["torch", "torch.distributed", "sympy", "undying.worker"]  # (PREWARM)
-    for name in [*prewarm, *_installed_imports(script)]:
+    for name in [*PREWARM, *_installed_imports(script)]:
         # A prewarm only; the script reports its own import errors.
         with contextlib.suppress(Exception):
             importlib.import_module(name)
@@ -192,9 +213,10 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
     # Registered first, so it runs last, after the script's own exit handlers: the interpreter's
     # shutdown then skips collecting torch's object graph, which took a worker 1.3-3 s of CPU
     # after its last step (every job end, and a whole-job restart, waited for it).
-    atexit.register(gc.freeze)
-    global _frozen_before_script
-    _frozen_before_script = gc.get_freeze_count()  # a forked worker's: the zygote's imports
+    atexit.register(_gc_freeze)
+    global _script_froze
+    _script_froze = False
+    gc.freeze = _freeze_noted
     from undying.protocol.store_client import use_for_env_rendezvous
 
     # The script's own init_process_group() meets its peers on the job's store.
@@ -328,7 +350,7 @@ def end_process() -> NoReturn:
     # nothing to spare; left in, it froze the script's objects too and the flush below had to
     # unfreeze and walk torch's whole object graph (0.2 s of CPU a rank, each of its pages
     # copied from the zygote's on the way).
-    atexit.unregister(gc.freeze)
+    atexit.unregister(_gc_freeze)
     atexit._run_exitfuncs()
     _flush_open_files()
     os._exit(0)
@@ -344,8 +366,8 @@ def _flush_open_files() -> None:
     """
     # get_objects() lists no frozen object. Those frozen before the script started are the
     # zygote's imports (no file of the script's among them), left as they are; where the script
-    # froze objects of its own since (gc.freeze), or it is not known, every object is looked at.
-    if _frozen_before_script is None or gc.get_freeze_count() > _frozen_before_script:
+    # froze objects of its own (gc.freeze), or it is not known, every object is looked at.
+    if _script_froze is not False:
         gc.unfreeze()
     # Concrete: no ABC check on every object.
     files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)

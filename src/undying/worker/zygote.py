@@ -67,21 +67,18 @@ from undying.protocol.zygote_wire import (
     encode_frame,
     to_zygote,
 )
+from undying.worker.boot import PREWARM
 
 __all__ = ["Request", "PREWARM", "main"]
 
-# What the zygote imports before it serves: what every worker imports (a spare imports these too).
-# Not torch._dynamo: imported before the process group is made, gloo's teardown deadlocked on the
-# interpreter lock where the tutorial's main() returns (a thread joined while the lock is held, 4 of
-# 6 runs; bench/teardown.py). A fresh interpreter imports it later (DDP does): so does a forked
-# worker. sympy (with mpmath, a third of torch._dynamo's import) is pure Python and changes nothing
-# of that (0 hangs in 8): imported here, it stays off a replacement rank's path.
-PREWARM = ("torch", "torch.distributed", "sympy", "undying.worker")
 # A script of the step API imports torch._dynamo before its process group anyway (``undying.init``
 # prewarms it in a thread: worker/job.py), and ends through undying (boot.end_process), never
 # through gloo's teardown: its zygote imports it once (``--step-api``) instead of every worker
 # paying a second of CPU for it (1.1 s here; the suite's 2 cores ran 4 min longer without it).
-STEP_API_PREWARM = ("torch._dynamo",)
+# So with the step API itself (``undying.init``, worker/job.py and the checkpoint, protocol and
+# trace modules under it: 70 ms a rank, on a cold replacement's path to its first step too); none
+# starts a thread or reads the environment as it is imported.
+STEP_API_PREWARM = ("torch._dynamo", "undying.worker.job")
 _PR_SET_PDEATHSIG = 1
 
 
