@@ -64,9 +64,11 @@ def test_second_kill_while_a_recovery_is_under_way(oracle: Oracle, tmp_path: Pat
     assert len({i["detail"].get("generation") for i in outcome.incidents}) == 1, "one recovery handled both"
 
 
-@pytest.mark.alone
 def test_a_warm_spare_replaces_the_dead_rank(oracle: Oracle, tmp_path: Path) -> None:
-    """With a spare warm, the replacement is that process: no interpreter start, no torch import."""
+    """With a spare warm, the replacement is that process: no interpreter start, no torch import.
+
+    Behaviour only (how fast it is, is bench/recovery.py's to say): it was a test of the slow
+    part of the suite, run alone, for a bound of 1.5 s on the replacement's readiness."""
     outcome = oracle.assert_survives(
         tmp_path / "job", [crash(1, 6, "optimizer")], script_args=("--epochs", "6", "--samples", "4096"),
         extra_run_args=("--spares", "1"), when_warm=True,
@@ -75,7 +77,6 @@ def test_a_warm_spare_replaces_the_dead_rank(oracle: Oracle, tmp_path: Path) -> 
     assert incident["detail"]["replacement"] == "warm spare"
     spawned = [e for e in outcome.events("spawned") if e["joining"]]
     assert [e["spare"] for e in spawned] == [True]
-    assert incident["phases"]["replacement_ready"] < 1.5
 
 
 def test_recovery_needs_no_numpy(oracle: Oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

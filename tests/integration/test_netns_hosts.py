@@ -180,12 +180,8 @@ def _net_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
-@pytest.mark.alone
-def test_setup_is_fast_and_close_leaves_nothing(make_hosts: Callable[[int], Hosts]) -> None:
-    start = time.perf_counter()
+def test_setup_and_close_leave_nothing(make_hosts: Callable[[int], Hosts]) -> None:
     hosts = make_hosts(4)
-    setup_s = time.perf_counter() - start
-    assert setup_s < 1.0, f"setting up 4 test hosts took {setup_s:.2f}s"
     names = [hosts.bridge_ns, *(hosts.name(i) for i in range(4))]
     assert set(names) <= set(our_namespaces(os.getpid()))
     assert len({hosts.addr(i) for i in range(4)}) == 4 and hosts.addr(0).startswith("10.")
