@@ -146,15 +146,17 @@ def run_ranks(mode: str, world: int, root: Path, out: Path) -> list[dict[str, ob
     proc = subprocess.Popen([sys.executable, "-c", _FORKED_RANKS, mode, str(root), str(out), str(world)], env=env,
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    timed_out = False
     try:
         stdout, stderr = proc.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the forked ranks are in its process group
-        proc.communicate(timeout=10)
-        pytest.fail(f"{mode}: the ranks did not end within {DEADLINE_S:.0f} s")
+        timed_out = True
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the forked ranks are in its process group
+    if timed_out:
+        proc.communicate(timeout=10)
+        pytest.fail(f"{mode}: the ranks did not end within {DEADLINE_S:.0f} s")
     assert proc.returncode == 0, f"{mode}: the ranks' parent exited {proc.returncode}:\n{stderr[-3000:]}"
     codes = {int(rank): code for rank, code in json.loads(stdout.splitlines()[-1]).items()}
     for rank in range(world):

@@ -54,6 +54,8 @@ from undying.protocol.env import (
 )
 
 _PR_SET_PDEATHSIG = 1
+_DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
+_UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # What the zygote (worker/zygote.py) imports before it serves: what every worker imports (a spare
 # imports these too).
@@ -62,12 +64,11 @@ _PR_SET_PDEATHSIG = 1
 # 6 runs; bench/teardown.py). A fresh interpreter imports it later (DDP does): so does a forked
 # worker. sympy (with mpmath, a third of torch._dynamo's import) is pure Python and changes nothing
 # of that (0 hangs in 8): imported here, it stays off a replacement rank's path.
-# And what boot imports before the script runs (its title, streams, config and store client; 28 ms
-# a worker, each of them forked after the import would have paid it).
-PREWARM = ("torch", "torch.distributed", "sympy", "undying.worker", "undying.worker.boot",
-           "undying.worker.streams", "undying.config", "undying.protocol.store_client")
-_DUMP_S = 0.5  # between the stack dump at --exit-grace and the end
-_UNDYING_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# And what boot (which the zygote imports itself) imports before the script runs: its streams,
+# config and store client (28 ms a worker, each of them forked after the import would have paid it).
+PREWARM = ("torch", "torch.distributed", "sympy", "undying.worker", "undying.worker.streams",
+           "undying.config", "undying.protocol.store_client")
+
 # Whether the objects frozen (gc.freeze) may hold a file of the script's: None, not known (a process
 # that ends through ``end_process`` without ``main``). ``main`` sets it False as the script starts:
 # then the frozen objects are the zygote's imports (in a worker it forked) and no file of the
