@@ -52,7 +52,7 @@ echo srun-exit=$?
 """)
     job_dir = work / "undying-jobs" / f"slurm-{job}"
     out = work / f"slurm-{job}.out"
-    wait_for("step 10", lambda: cluster.status_step(job_dir) >= 10, 120)
+    wait_for("step 10", lambda: SlurmCluster.logged_step(job_dir) >= 10, 120)
     cluster.kill_node(1)
     wait_for("the job's end", lambda: "srun-exit=" in (out.read_text() if out.exists() else ""),
               180)

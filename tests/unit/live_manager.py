@@ -12,7 +12,7 @@ from undying.manager.manager import Manager
 from undying.protocol.generations import GenerationRecord
 from undying.protocol.worker_wire import Hello, StepCommitted
 
-__all__ = ["FakeAgent", "running", "starting"]
+__all__ = ["FakeAgent", "running", "starting", "on_nodes"]
 
 
 class FakeAgent:
@@ -72,9 +72,10 @@ class FakeAgent:
         pass
 
 
-def running(tmp_path: Path, ranks: int = 2) -> tuple[Manager, FakeAgent]:
-    """A job of ``ranks`` step-API ranks, each at step 4 of generation 0."""
-    manager, agent = starting(tmp_path, ranks, job_id="l")
+def running(tmp_path: Path, ranks: int = 2, *, agent: Any = None) -> tuple[Manager, Any]:
+    """A job of ``ranks`` step-API ranks, each at step 4 of generation 0 (``agent``: the node's
+    agent, a FakeAgent unless given)."""
+    manager, agent = starting(tmp_path, ranks, job_id="l", agent=agent)
     for rank in range(ranks):
         for step in range(1, 5):
             manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
@@ -97,3 +98,23 @@ def starting(tmp_path: Path, ranks: int = 2, *, step_api: bool = True, max_resta
         if step_api:
             manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
     return manager, agent
+
+
+def on_nodes(tmp_path: Path, nodes: int = 2) -> tuple[Manager, list[FakeAgent]]:
+    """A job of one step-API rank on each of ``nodes`` nodes (an agent each), at step 4."""
+    manager = Manager(JobConfig(job_id="n", job_dir=str(tmp_path), nproc_per_node=1, nnodes=nodes,
+                                port=0, step_api=True), EventLog(tmp_path / "e.db"))
+    manager.start_control_store(os.urandom(32))
+    agents = []
+    for node in range(nodes):
+        agent = FakeAgent()
+        agent.node = node
+        manager.add_agent(cast(Any, agent))
+        agents.append(agent)
+    record = manager.core.open_generation("start")
+    for rank in range(nodes):
+        manager.core.spawn(rank, record, joining=False)
+        manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
+        for step in range(1, 5):
+            manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
+    return manager, agents

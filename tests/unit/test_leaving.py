@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.live_manager import running
+from tests.unit.live_manager import on_nodes, running
 from undying.jobfiles.events import LogReader
 from undying.jobfiles.records import Incident
 from undying.manager.manager import Manager
@@ -41,6 +41,30 @@ def test_a_done_that_comes_after_the_exit_finishes_the_rank(tmp_path: Path) -> N
         manager.on_exit(rank, manager.ranks[rank].pid, 0, 10.0)  # (the agent's exit watch was first)
         manager.on_message(Done(rank, 4, "d", 10.0))
     assert manager.state.value == "succeeded" and not manager.incidents
+    manager.close()
+
+
+def test_a_node_lost_after_its_ranks_said_done_and_before_they_exited_ends_the_job(tmp_path: Path) -> None:
+    """Its agent left (a SIGTERM) as the job ended: the exits it would have reported never come."""
+    manager, agents = on_nodes(tmp_path)
+    for rank in (0, 1):
+        manager.on_message(Done(rank, 4, "d", 9.0))
+    manager.on_node_lost(1, "node 1 (h1) is leaving: SIGTERM to the agent of node 1", 10.0)
+    assert manager.state.value == "running"  # (rank 0's exit is still to come)
+    manager.on_exit(0, manager.ranks[0].pid, 0, 10.1)
+    assert manager.state.value == "succeeded" and not manager.incidents
+    assert agents[0].spawned == [(0, False)] and agents[1].spawned == [(1, False)], "nothing replaced"
+    manager.close()
+
+
+def test_a_node_lost_before_its_rank_said_done_after_a_peer_did_ends_the_job(tmp_path: Path) -> None:
+    """A peer's done means the job's final barrier completed: the lost rank passed it too."""
+    manager, agents = on_nodes(tmp_path)
+    manager.on_message(Done(0, 4, "d", 9.0))
+    manager.on_exit(0, manager.ranks[0].pid, 0, 9.1)
+    manager.on_node_lost(1, "node 1 (h1) is leaving: SIGTERM to the agent of node 1", 10.0)
+    assert manager.state.value == "succeeded" and not manager.incidents
+    assert agents[1].spawned == [(1, False)], "nothing replaced"
     manager.close()
 
 

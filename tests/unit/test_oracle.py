@@ -83,8 +83,10 @@ def test_a_failed_run_is_not_identical() -> None:
 def test_different_final_states_are_not_identical() -> None:
     c = compare_runs(record(), record(digests={0: "aa", 1: "bc"}))
     assert not c.identical and not c.digests_equal
+    assert any("ranks [1] ended in different states" in r for r in c.reasons), c.reasons
     c = compare_runs(record(), record(digests={0: "aa"}))  # a rank never reported its digest
     assert not c.identical and not c.digests_equal
+    assert any("faulty run reported no final state for ranks [1]" in r for r in c.reasons), c.reasons
 
 
 def test_no_digests_at_all_is_not_proof() -> None:

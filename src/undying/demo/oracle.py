@@ -89,7 +89,8 @@ def compare_runs(baseline: RunRecord, faulty: RunRecord) -> Comparison:
                            f"{run.inconsistent_steps[:10]}")
     digests_equal = bool(baseline.digests) and baseline.digests == faulty.digests
     if not digests_equal:
-        reasons.append("the final model/optimizer state differs between the runs")
+        reasons.append(f"the final model/optimizer state differs between the runs"
+                       f"{_digests_apart(baseline.digests, faulty.digests)}")
     if faulty.rerun_steps:
         reasons.append(f"completed steps were re-run: {faulty.rerun_steps[:10]}")
     return Comparison(
@@ -101,6 +102,16 @@ def compare_runs(baseline: RunRecord, faulty: RunRecord) -> Comparison:
         digests_equal=digests_equal,
         reasons=reasons,
     )
+
+
+def _digests_apart(baseline: dict[int, str], faulty: dict[int, str]) -> str:
+    """Which ranks' final states differ, and which no run reported (a rank's ``done``)."""
+    differ = sorted(r for r in set(baseline) & set(faulty) if baseline[r] != faulty[r])
+    parts = [f"ranks {differ} ended in different states"] if differ else []
+    for run, name in ((baseline, "fault-free"), (faulty, "faulty")):
+        if unreported := sorted((set(baseline) | set(faulty)) - set(run)):
+            parts.append(f"the {name} run reported no final state for ranks {unreported}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def merge_runs(first: RunRecord, second: RunRecord) -> RunRecord:

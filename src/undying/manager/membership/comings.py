@@ -151,6 +151,14 @@ class Comings:
             return  # (a node the job does not train on: an elastic job's extra one)
         lost = [r for r in core.ranks.values()
                 if r.node == node and r.state not in (RankState.EXITED, RankState.DONE)]
+        # Ranks that reported their last step done and had not exited yet: no exit will come
+        # now, and the job would wait for one for ever. Their part is done.
+        done = [r for r in core.ranks.values() if r.node == node
+                and r.state is RankState.DONE and r.rank not in core.book.finished]
+        if done:
+            self.finish(*done)
+            if core.winding_down:
+                return  # (that was the job's end)
         previous = core.generations.current
         for info in lost:
             self.detection.node_lost[info.pid] = (node, reason, t)

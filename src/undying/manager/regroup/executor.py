@@ -125,6 +125,7 @@ class Regrouping:
             record = core.open_generation(f"regroup: {regroup.cause()}", members=regroup.members,
                                           purpose="regroup")
             regroup.generation = record.generation
+            self.persist()  # (before any member hears of it)
             for rank in live:
                 core.agent_of(rank).abort(rank, previous, why, at_step_start=planned)
             # A planned leave may take a member its grace (worker.commands) before it is due.
@@ -134,13 +135,13 @@ class Regrouping:
             self._leave = LeaveOrder(previous, why, due, aborted=True,
                                      told={r: ranks[r].pid for r in live})
         else:
+            self.persist()
             for rank in live:
                 core.kill(rank)
         core.events.event("regroup", why=why, members=live, generation=regroup.generation,
                           step=newest, nodes=sorted(available), sharded=sharded,
                           attempt=regroup.attempt, faults=regroup.faults,
                           restore_plan=saving.describe())
-        self.persist()
         log.warning("job %s: %s; %s", core.config.job_id, regroup.cause(), saving.reason)
         self.maybe_form_world()
 
@@ -188,6 +189,10 @@ class Regrouping:
         lost = start.lost_steps
         before = (list(core.book.nodes), core.book.world_size)
         core.set_layout(nodes, step=ckpt.step)
+        # Over, in the same commit as the new generation, before any of its ranks starts: a
+        # manager restarted after it carries on that generation, and never starts it twice.
+        self.regroup = None
+        self.persist(commit=False)
         record = core.open_generation(f"{len(nodes)} node(s) {nodes}, "
                                       f"{core.book.world_size} ranks, from step {ckpt.step}")
         recovery = self.recoveries.current
@@ -218,8 +223,6 @@ class Regrouping:
                     ckpt.url, ckpt.step,
                     f"; steps {ckpt.step + 1}..{regroup.step} are re-run" if lost
                     else ", no step lost")
-        self.regroup = None
-        self.persist()
 
     def watch(self, resumed: float = 0.0) -> None:
         """The regroup's clock: re-plan a broken one, let members go once saved, and bound every
@@ -340,6 +343,15 @@ class Regrouping:
         if logged:
             self.regroup = Regroup.from_log(logged)
 
-    def persist(self) -> None:
+    def persist(self, *, commit: bool = True) -> None:
+        """Write the record to the log, committed at once (``commit``) unless a commit follows.
+
+        Write-ahead: a manager may be SIGKILLed the moment after a member is told
+        to leave, let go or started. Its successor knows only what was committed,
+        and the agents tell it again only what came after the last commit (a
+        member's exit as it left): a record committed late would have it take
+        that leave for a crash. So each change is committed before what it
+        decided reaches an agent; they are a handful a regroup.
+        """
         logged = self.regroup.to_log() if self.regroup is not None else None
-        self.core.events.set_job(LOG_KEY, logged)
+        self.core.events.set_job(LOG_KEY, logged, flush=commit)
