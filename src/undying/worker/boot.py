@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
                 runpy.run_path(script, run_name="__main__")
         except SystemExit as e:
             if e.code not in (None, 0):
+                # (argparse's usage error is one: on every rank, and again on every restart)
+                _record(e)
                 raise
             _returned()
             _end()
@@ -265,8 +267,10 @@ def main(argv: list[str] | None = None, *, parent: int | None = None) -> None:
         raise
 
 
-def _record(e: Exception) -> None:
-    """The script raised: leave the error in torchrun's error file, as its ``@record`` would.
+def _record(e: BaseException) -> None:
+    """The script raised: leave the error in torchrun's error file, as its ``@record`` would
+    (``@record`` leaves a ``SystemExit`` out; this also notes one with an error code, so a start
+    that exits so on every rank is seen to fail the same way again, ``policy.certain_start``).
 
     The manager reads the file back when the rank's process ends (the failure
     report quotes it, and a start-up error every rank raises the same way twice
@@ -279,7 +283,8 @@ def _record(e: Exception) -> None:
     import json
 
     data = {"message": {"message": f"{type(e).__name__}: {e}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                        "extraInfo": {"py_callstack": "" if isinstance(e, SystemExit)
+                                      else traceback.format_exc(),
                                       "timestamp": str(int(time.time()))}}}
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
