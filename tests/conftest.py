@@ -100,7 +100,7 @@ def process_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
         changed.append(f"the umask ({now:o})")
     for sig, handler in handlers.items():
         if signal.getsignal(sig) != handler:
-            changed.append(f"the handler of {sig.name}")
+            changed.append(f"the handler of {sig.name} ({handler!r} -> {signal.getsignal(sig)!r})")
             signal.signal(sig, handler)
     if changed:
         pytest.fail(f"the test left {', '.join(changed)} changed; restore it (monkeypatch.chdir, "

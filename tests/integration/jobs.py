@@ -24,22 +24,27 @@ __all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "al
 
 
 def start_job(job_dir: Path, script_args: list[str], *, ranks: int = 4, run_args: list[str] | None = None,
-              script: Path = TRAIN_SCRIPT, reap: list[int], tty: int | None = None) -> subprocess.Popen[bytes]:
-    """``undying run`` in the background, its output in ``<job dir>.log`` (or on ``tty``, a terminal's fd)."""
+              script: Path = TRAIN_SCRIPT, reap: list[int], tty: int | None = None,
+              ignoring: tuple[signal.Signals, ...] = ()) -> subprocess.Popen[bytes]:
+    """``undying run`` in the background, its output in ``<job dir>.log`` (or on ``tty``, a terminal's fd),
+    started with ``ignoring``'s signals ignored (as `nohup` ignores SIGHUP)."""
     argv = [sys.executable, "-m", "undying", "run", "-n", str(ranks), "--port", "0", "--job-dir", str(job_dir),
             "--stop-grace", "3", *(run_args or []), str(script), *script_args]
     log = open(job_dir.parent / f"{job_dir.name}.log", "wb") if tty is None else tty  # noqa: SIM115
-    # On a terminal: it is the controlling terminal of the launcher's session, as in a shell (its close is a hang-up).
+
+    def in_the_child() -> None:
+        # On a terminal: it is the controlling terminal of the launcher's session, as in a shell (its close is a
+        # hang-up).
+        if tty is not None:
+            fcntl.ioctl(1, termios.TIOCSCTTY, 0)
+        for sig in ignoring:
+            signal.signal(sig, signal.SIG_IGN)
+
     process = subprocess.Popen(argv, stdin=subprocess.DEVNULL if tty is not None else None, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True,
-                               preexec_fn=None if tty is None else _controlling_terminal)
+                               preexec_fn=None if tty is None and not ignoring else in_the_child)
     reap.append(process.pid)
     return process
-
-
-def _controlling_terminal() -> None:
-    """In the child, after its setsid: its stdout (a terminal) becomes the session's controlling terminal."""
-    fcntl.ioctl(1, termios.TIOCSCTTY, 0)
 
 
 def events(db: Path, kind: str) -> list[dict[str, Any]]:

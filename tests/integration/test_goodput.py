@@ -69,7 +69,7 @@ def test_goodput_and_its_named_losses_add_up_to_the_wall_time(crashed: Outcome) 
     restored = max(phases["group_rebuilt"], phases["state_restored"], phases["replacement_ready"])
     assert cost["recovery_s"] == pytest.approx(phases["decided"] - phases["detected"]
                                                + restored - phases["replacement_ready"], abs=0.002)
-    assert cost["spare_wait_s"] > 0.05, "a cold replacement (--spares 0) is waited for"
+    assert cost["spare_wait_s"] > 0, "a replacement with no spare ready (--spares 0) is waited for"
     assert 0 < cost.get("rerun_s", 0.0) < 1.0, "the step in flight at the kill was lost"
     stalls = sum(e["blocking_s"] for e in crashed.events("checkpoint_saved"))
     assert stalls > 0 and losses["checkpoint"] == pytest.approx(stalls, abs=0.002)

@@ -307,3 +307,27 @@ def test_a_hung_up_terminal_preempts_with_a_dying_gasp_and_the_resume_is_identic
     merged, _ = load_preempted(job_dir, hangup_t)
     comparison = compare_runs(oracle.baseline(ARGS, 2), merged)
     assert comparison.identical and comparison.lost_steps == 0 and not merged.rerun_steps, comparison.reasons
+
+
+def test_under_nohup_a_hang_up_leaves_the_job_running_to_its_end(
+    tmp_path: Path, reap: list[int], oracle: Oracle
+) -> None:
+    """`nohup undying run ...`: the launcher starts with SIGHUP ignored, and it stays ignored (as the user
+    asked: the job outlives its terminal). A hang-up (SIGHUP to the launcher's whole session, ranks and all)
+    mid-run neither preempts the job nor loses a rank: it ends succeeded, every loss the uninterrupted run's."""
+    job_dir = tmp_path / "job"
+    launcher = start_job(job_dir, ARGS, ranks=2, run_args=["--spares", "0", "--job-id", "job"], reap=reap,
+                         ignoring=(signal.SIGHUP,))
+    url = manager_url(job_dir, timeout=90)
+    running = wait_running(url, min_step=10)
+    reap.extend(r["pid"] for r in running["ranks"])
+    os.killpg(launcher.pid, signal.SIGHUP)  # (start_new_session: its group is its session, the terminal's reach)
+    rc = launcher.wait(timeout=120)
+    said = (tmp_path / "job.log").read_text(errors="replace")
+    assert rc == 0, f"exit {rc}\n{said[-3000:]}"
+    job = job_table(job_dir / "events.db")
+    assert job["state"] == "succeeded" and "preemption" not in job, job
+    run = load_run(job_dir / "events.db")
+    assert run.incidents == [], run.incidents
+    comparison = compare_runs(oracle.baseline(ARGS, 2), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons

@@ -140,3 +140,22 @@ def test_a_rank_s_print_erases_the_launcher_s_live_line_it_would_land_after() ->
     plain = io.StringIO()
     _Guarded(plain, 1).write("epoch 0\n")  # type: ignore[arg-type]
     assert plain.getvalue() == "epoch 0\n"
+
+
+def test_a_signal_ignored_at_start_is_left_ignored_by_the_job_and_after_it(tmp_path: Path) -> None:
+    """`nohup` ignores SIGHUP; a shell's `&` without job control ignores SIGINT and SIGQUIT. The launcher,
+    the agent and the manager handle only the stop signals not ignored, and after the job leave them so.
+    (End to end: tests/integration/test_preempt.py, a hang-up under nohup.)"""
+    from undying.agent import hangup
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        assert hangup.not_ignored(hangup.STOP_SIGNALS) == (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+        hangup.after_the_job(tmp_path)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert callable(signal.getsignal(signal.SIGQUIT)), "SIGQUIT, not ignored, still dumps the stacks"
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -28,13 +28,13 @@ import signal
 import stat
 import sys
 import termios
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from undying.config import HANGUP_LOG
 
 __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit",
-           "open_launcher_log",
+           "open_launcher_log", "not_ignored",
            "hangup_line", "handle", "after_the_job"]
 
 
@@ -42,6 +42,19 @@ __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 STOP_SIGNALS = (signal.SIGINT, *PREEMPT_SIGNALS)
 LOG_NAME = HANGUP_LOG  # in the job dir: what the process said after its terminal hung up
+
+
+def not_ignored(signals: Iterable[signal.Signals]) -> tuple[signal.Signals, ...]:
+    """Of ``signals``, those this process does not ignore: the ones it handles.
+
+    A signal ignored when the job starts stays ignored, as whoever started it
+    asked: `nohup undying run ...` (SIGHUP ignored) goes on when its terminal
+    closes, and a launcher a script started in the background (``&`` without
+    job control: SIGINT and SIGQUIT ignored) is not stopped by a Ctrl-C meant
+    for the foreground. Its workers inherit the same (an ignored signal stays
+    ignored across fork and exec).
+    """
+    return tuple(s for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
 
 
 def open_launcher_log(job_dir: str | Path) -> int:
@@ -115,8 +128,10 @@ def after_the_job(job_dir: str | Path) -> None:
     A hang-up then only moves the output off the terminal, and SIGQUIT dumps
     the stacks: neither ends the process before its last line and exit code.
     """
-    signal.signal(signal.SIGHUP, lambda signum, frame: detach_from_terminal(job_dir))
-    signal.signal(signal.SIGQUIT, lambda signum, frame: on_quit())
+    if signal.SIGHUP in not_ignored([signal.SIGHUP]):
+        signal.signal(signal.SIGHUP, lambda signum, frame: detach_from_terminal(job_dir))
+    if signal.SIGQUIT in not_ignored([signal.SIGQUIT]):
+        signal.signal(signal.SIGQUIT, lambda signum, frame: on_quit())
 
 
 def _isatty(fd: int) -> bool:

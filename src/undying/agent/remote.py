@@ -159,13 +159,14 @@ class NodeRunner:
         loop = asyncio.get_running_loop()
         # (cancelled with the others at the end)
         self._tasks.add(loop.create_task(self.clock.keep_ticking()))
-        # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup)
-        for sig in hangup.STOP_SIGNALS:
+        # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup); an ignored one stays so
+        handled = hangup.not_ignored(hangup.STOP_SIGNALS)
+        for sig in handled:
             loop.add_signal_handler(sig, hangup.handle, sig, self.config.job_dir, self._on_signal)
         try:
             return await self._serve()
         finally:
-            for sig in hangup.STOP_SIGNALS:
+            for sig in handled:
                 loop.remove_signal_handler(sig)
             self.signals.close()
             hangup.after_the_job(self.config.job_dir)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from undying.agent.hangup import not_ignored
 from undying.cli.progress_show import ProgressShow
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.errors import UsageError
@@ -216,7 +217,8 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         else:
             manager.stop(f"stopped by {sig.name} to the manager")
 
-    for sig in _STOP_SIGNALS:
+    handled = not_ignored(_STOP_SIGNALS)  # (one ignored at start stays so: nohup, `&`)
+    for sig in handled:
         loop.add_signal_handler(sig, on_signal, sig)
     # (the live line on a terminal, else a line every --progress-every seconds; agents show none)
     shown.start()
@@ -236,7 +238,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
             waiting.cancel()
     finally:
         shown.close()
-        for sig in _STOP_SIGNALS:
+        for sig in handled:
             loop.remove_signal_handler(sig)
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
     # the last line: what the same command resumes from, what it re-runs
