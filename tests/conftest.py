@@ -64,6 +64,22 @@ _WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT
                     signal.SIGCHLD)
 
 
+
+
+def _still_ignored(signum: int, frame: object) -> None:
+    """Ignores a signal here, as SIG_IGN did, but is reset to the default in a program this
+    process starts (a handler does not survive an exec; SIG_IGN would)."""
+
+
+# The suite's jobs start as from a terminal's shell, whose signals reach them: SIGINT for Ctrl-C,
+# SIGHUP for a closed terminal, SIGQUIT for Ctrl-\. Where the suite itself was started with them
+# ignored (`nohup`, `&` in a script), undying would leave them ignored in every job (as it must:
+# agent.hangup.not_ignored) and the tests of those signals would send them in vain. Here they
+# stay ignored by this process, and every job the suite starts has them at their defaults.
+for _sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    if signal.getsignal(_sig) is signal.SIG_IGN:
+        signal.signal(_sig, _still_ignored)
+
 # The handlers this process started with (conftest is imported before any test or fixture runs).
 _STARTED_WITH = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS}
 _last_test: list[str] = ["(none yet)"]

@@ -148,14 +148,42 @@ def test_a_signal_ignored_at_start_is_left_ignored_by_the_job_and_after_it(tmp_p
     (End to end: tests/integration/test_preempt.py, a hang-up under nohup.)"""
     from undying.agent import hangup
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    saved = {sig: signal.getsignal(sig) for sig in hangup.STOP_SIGNALS}
     try:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        for sig in hangup.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGHUP else signal.SIG_DFL)
         assert hangup.not_ignored(hangup.STOP_SIGNALS) == (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
         hangup.after_the_job(tmp_path)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         assert callable(signal.getsignal(signal.SIGQUIT)), "SIGQUIT, not ignored, still dumps the stacks"
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_the_handlers_a_job_finds_are_the_ones_it_leaves(tmp_path: Path) -> None:
+    """asyncio's remove_signal_handler puts the default back; undying puts back what it found (a launcher
+    or a manager run inside another program, or a test). An ignored one it never touches."""
+    import asyncio
+
+    from undying.agent import hangup
+
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    saved = {sig: signal.getsignal(sig) for sig in hangup.STOP_SIGNALS}
+    try:
+        signal.signal(signal.SIGTERM, mine)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+        async def job() -> None:
+            undo = hangup.handle_on(asyncio.get_running_loop(), lambda sig: None)
+            assert signal.getsignal(signal.SIGTERM) is not mine  # (the loop's, while the job runs)
+            undo()
+
+        asyncio.run(job())
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is saved[signal.SIGINT]
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

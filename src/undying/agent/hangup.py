@@ -19,6 +19,7 @@ write of the stop path (a log line, the summary) can fail it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import faulthandler
@@ -34,7 +35,7 @@ from pathlib import Path
 from undying.config import HANGUP_LOG
 
 __all__ = ["STOP_SIGNALS", "PREEMPT_SIGNALS", "LOG_NAME", "detach_from_terminal", "on_quit",
-           "open_launcher_log", "not_ignored",
+           "open_launcher_log", "not_ignored", "handle_on",
            "hangup_line", "handle", "after_the_job"]
 
 
@@ -55,6 +56,29 @@ def not_ignored(signals: Iterable[signal.Signals]) -> tuple[signal.Signals, ...]
     ignored across fork and exec).
     """
     return tuple(s for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
+
+
+def handle_on(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object,
+              signals: Iterable[signal.Signals] = STOP_SIGNALS) -> Callable[[], None]:
+    """Handle each of ``signals`` not ignored, on ``loop``: ``callback(sig, *args)``; the undo.
+
+    The undo removes the handlers and puts back the ones before (asyncio alone
+    would leave the defaults): a launcher, agent or manager run inside another
+    program, or a test, leaves its process's handlers as it found them.
+    """
+    handled = not_ignored(signals)
+    previous = {sig: signal.getsignal(sig) for sig in handled}
+    for sig in handled:
+        loop.add_signal_handler(sig, callback, sig, *args)
+
+    def undo() -> None:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+            before = previous[sig]
+            with contextlib.suppress(TypeError, ValueError, OSError):
+                signal.signal(sig, before if before is not None else signal.SIG_DFL)
+
+    return undo
 
 
 def open_launcher_log(job_dir: str | Path) -> int:

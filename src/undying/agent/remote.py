@@ -160,14 +160,11 @@ class NodeRunner:
         # (cancelled with the others at the end)
         self._tasks.add(loop.create_task(self.clock.keep_ticking()))
         # SIGHUP and SIGQUIT as SIGTERM: this node leaves (agent.hangup); an ignored one stays so
-        handled = hangup.not_ignored(hangup.STOP_SIGNALS)
-        for sig in handled:
-            loop.add_signal_handler(sig, hangup.handle, sig, self.config.job_dir, self._on_signal)
+        unhandle = hangup.handle_on(loop, hangup.handle, self.config.job_dir, self._on_signal)
         try:
             return await self._serve()
         finally:
-            for sig in handled:
-                loop.remove_signal_handler(sig)
+            unhandle()
             self.signals.close()
             hangup.after_the_job(self.config.job_dir)
             for task in list(self._tasks):

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from undying.agent.hangup import not_ignored
+from undying.agent.hangup import handle_on
 from undying.cli.progress_show import ProgressShow
 from undying.config import JobConfig, ManagerOptions, Timeouts
 from undying.errors import UsageError
@@ -217,9 +217,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         else:
             manager.stop(f"stopped by {sig.name} to the manager")
 
-    handled = not_ignored(_STOP_SIGNALS)  # (one ignored at start stays so: nohup, `&`)
-    for sig in handled:
-        loop.add_signal_handler(sig, on_signal, sig)
+    unhandle = handle_on(loop, on_signal, signals=_STOP_SIGNALS)  # (one ignored stays so: nohup)
     # (the live line on a terminal, else a line every --progress-every seconds; agents show none)
     shown.start()
     try:
@@ -238,8 +236,7 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
             waiting.cancel()
     finally:
         shown.close()
-        for sig in handled:
-            loop.remove_signal_handler(sig)
+        unhandle()
     code = exit_code(manager, final, interrupted[0] if interrupted else None)
     # the last line: what the same command resumes from, what it re-runs
     if final is JobState.PREEMPTED:

@@ -126,17 +126,15 @@ async def _launch(config: JobConfig, script: str, script_args: list[str],
         log.warning("job %s: %s received, stopping the workers", config.job_id, sig.name)
         manager.stop(f"stopped by {sig.name}")
 
-    handled = hangup.not_ignored(hangup.STOP_SIGNALS)  # (one ignored at start stays so: nohup)
-    for sig in handled:
-        loop.add_signal_handler(sig, hangup.handle, sig, config.job_dir, on_signal)
+    # (one ignored at start stays so: nohup)
+    unhandle = hangup.handle_on(loop, hangup.handle, config.job_dir, on_signal)
     # (a live line on a terminal, else a line every --progress-every seconds: cli/progress_show.py)
     shown = ProgressShow(manager.status, url, config.launch.progress_every).start()
     try:
         final = await manager.run()
     finally:
         shown.close()  # (what follows prints where the live line was)
-        for sig in handled:
-            loop.remove_signal_handler(sig)
+        unhandle()
         hangup.after_the_job(config.job_dir)
         await slot.stop_all(config.timeouts.stop_grace)  # (StopNode, answered by NodeStopped)
         beat.cancel()
