@@ -7,7 +7,6 @@ import logging
 import os
 import secrets
 import signal
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,29 +79,10 @@ for _sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
     if signal.getsignal(_sig) is signal.SIG_IGN:
         signal.signal(_sig, _still_ignored)
 
-# The handlers this process started with (conftest is imported before any test or fixture runs).
-_STARTED_WITH = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS}
-_last_test: list[str] = ["(none yet)"]
-
-
 @pytest.fixture(autouse=True)
-def process_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+def process_left_as_found() -> Iterator[None]:
     """A test leaves this process's working folder, umask and signal handlers as it found them:
-    a later test in the same worker (and every process it starts) would run with them.
-
-    Each test starts with the handlers the process started with. Ones changed where no test's
-    check sees it (a module's fixture, a teardown that ran after this check's) are put back
-    first, with a warning naming the test this worker ran before: the test about to run is not
-    the one that changed them, and was once failed for it (two in one full run, 2026-11-30).
-    """
-    leaked = [s.name for s, h in _STARTED_WITH.items() if signal.getsignal(s) != h]
-    if leaked:
-        for sig, handler in _STARTED_WITH.items():
-            signal.signal(sig, handler)
-        warnings.warn(f"the handlers of {', '.join(leaked)} were changed outside any test's check, "
-                      f"after {_last_test[0]} (put back before {request.node.nodeid})",
-                      stacklevel=1)
-    _last_test[0] = request.node.nodeid
+    a later test in the same worker (and every process it starts) would run with them."""
     cwd = os.getcwd()
     umask = os.umask(0o022)
     os.umask(umask)

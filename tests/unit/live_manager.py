@@ -76,9 +76,7 @@ def running(tmp_path: Path, ranks: int = 2, *, agent: Any = None) -> tuple[Manag
     """A job of ``ranks`` step-API ranks, each at step 4 of generation 0 (``agent``: the node's
     agent, a FakeAgent unless given)."""
     manager, agent = starting(tmp_path, ranks, job_id="l", agent=agent)
-    for rank in range(ranks):
-        for step in range(1, 5):
-            manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
+    _to_step_4(manager, ranks)
     return manager, agent
 
 
@@ -89,14 +87,8 @@ def starting(tmp_path: Path, ranks: int = 2, *, step_api: bool = True, max_resta
     manager = Manager(JobConfig(job_id=job_id, job_dir=str(tmp_path), nproc_per_node=ranks, port=0,
                                 step_api=step_api, max_restarts=max_restarts),
                       EventLog(tmp_path / log))
-    manager.start_control_store(os.urandom(32))
     agent = FakeAgent() if agent is None else agent
-    manager.add_agent(cast(Any, agent))
-    record = manager.core.open_generation("start")
-    for rank in range(ranks):
-        manager.core.spawn(rank, record, joining=False)
-        if step_api:
-            manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
+    _start(manager, [agent], ranks, step_api=step_api)
     return manager, agent
 
 
@@ -104,17 +96,27 @@ def on_nodes(tmp_path: Path, nodes: int = 2) -> tuple[Manager, list[FakeAgent]]:
     """A job of one step-API rank on each of ``nodes`` nodes (an agent each), at step 4."""
     manager = Manager(JobConfig(job_id="n", job_dir=str(tmp_path), nproc_per_node=1, nnodes=nodes,
                                 port=0, step_api=True), EventLog(tmp_path / "e.db"))
-    manager.start_control_store(os.urandom(32))
-    agents = []
-    for node in range(nodes):
-        agent = FakeAgent()
+    agents = [FakeAgent() for _ in range(nodes)]
+    for node, agent in enumerate(agents):
         agent.node = node
+    _start(manager, agents, nodes, step_api=True)
+    _to_step_4(manager, nodes)
+    return manager, agents
+
+
+def _start(manager: Manager, agents: list[Any], ranks: int, *, step_api: bool) -> None:
+    """Generation 0: every rank spawned on its node's agent (and, with the step API, said hello)."""
+    manager.start_control_store(os.urandom(32))
+    for agent in agents:
         manager.add_agent(cast(Any, agent))
-        agents.append(agent)
     record = manager.core.open_generation("start")
-    for rank in range(nodes):
+    for rank in range(ranks):
         manager.core.spawn(rank, record, joining=False)
-        manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
+        if step_api:
+            manager.on_message(Hello(rank, manager.ranks[rank].pid, 0, False, 1.0))
+
+
+def _to_step_4(manager: Manager, ranks: int) -> None:
+    for rank in range(ranks):
         for step in range(1, 5):
             manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
-    return manager, agents

@@ -12,7 +12,9 @@ the moment each command reaches it.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,30 +53,28 @@ class WitnessAgent(FakeAgent):
                              incarnation=incarnation)
 
 
-def _job(tmp_path: Path, ranks: int) -> tuple[Any, WitnessAgent]:
+@contextlib.contextmanager
+def _job(tmp_path: Path, ranks: int) -> Iterator[tuple[Any, WitnessAgent]]:
+    """A running job whose node's agent is a witness (what it saw at the start cleared)."""
     witness = WitnessAgent(tmp_path / "e.db")
-    manager, agent = running(tmp_path, ranks=ranks, agent=witness)
-    assert agent is witness
+    manager, _ = running(tmp_path, ranks=ranks, agent=witness)
     witness.seen.clear()  # (the start's spawns)
-    return manager, witness
+    with contextlib.closing(manager):
+        yield manager, witness
 
 
 def test_every_member_is_told_to_leave_only_once_the_regroup_is_committed(tmp_path: Path) -> None:
-    manager, agent = _job(tmp_path, ranks=2)
-    try:
+    with _job(tmp_path, ranks=2) as (manager, agent):
         manager.regrouping.begin("node 1 lost")
         regroup = manager.regrouping.regroup
         assert regroup is not None and [c for c, *_ in agent.seen] == ["abort", "abort"], agent.seen
         for _, rank, logged, _generation in agent.seen:
             assert logged is not None and str(rank) in logged["members"], (rank, logged)
             assert logged["generation"] == regroup.generation, logged
-    finally:
-        manager.close()
 
 
 def test_a_member_is_let_go_only_once_its_release_is_committed(tmp_path: Path) -> None:
-    manager, agent = _job(tmp_path, ranks=3)
-    try:
+    with _job(tmp_path, ranks=3) as (manager, agent):
         manager.regrouping.begin("node 1 lost")
         manager.regrouping.on_saved("regroup", str(tmp_path / "step-000000004"))
         rank2 = manager.ranks[2]
@@ -85,14 +85,11 @@ def test_a_member_is_let_go_only_once_its_release_is_committed(tmp_path: Path) -
         for _, rank, logged, _generation in agent.seen:
             assert logged is not None and rank in logged["released"], (rank, logged)
             assert logged["saved"] and logged["left"] == {"2": -9}, logged
-    finally:
-        manager.close()
 
 
 def test_the_new_world_starts_only_once_the_regroup_s_end_is_committed_with_its_generation(
         tmp_path: Path) -> None:
-    manager, agent = _job(tmp_path, ranks=2)
-    try:
+    with _job(tmp_path, ranks=2) as (manager, agent):
         now = time.time()
         manager.recoveries.new_incident(kind=IncidentKind.NODE_LOSS, rank=1, step=5, fault_t=now,
                                         detected_t=now, error="node 1 lost")
@@ -112,5 +109,3 @@ def test_the_new_world_starts_only_once_the_regroup_s_end_is_committed_with_its_
         assert new_generation > regroup.generation
         for rank, logged, generation in spawns:
             assert logged is None and generation == new_generation, (rank, logged, generation)
-    finally:
-        manager.close()

@@ -152,10 +152,10 @@ def after_the_job(job_dir: str | Path) -> None:
     A hang-up then only moves the output off the terminal, and SIGQUIT dumps
     the stacks: neither ends the process before its last line and exit code.
     """
-    if signal.SIGHUP in not_ignored([signal.SIGHUP]):
-        signal.signal(signal.SIGHUP, lambda signum, frame: detach_from_terminal(job_dir))
-    if signal.SIGQUIT in not_ignored([signal.SIGQUIT]):
-        signal.signal(signal.SIGQUIT, lambda signum, frame: on_quit())
+    then = {signal.SIGHUP: lambda signum, frame: detach_from_terminal(job_dir),
+            signal.SIGQUIT: lambda signum, frame: on_quit()}
+    for sig in not_ignored(then):
+        signal.signal(sig, then[sig])
 
 
 def _isatty(fd: int) -> bool:

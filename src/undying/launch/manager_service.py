@@ -45,11 +45,6 @@ __all__ = ["ManagerOptions", "serve_manager"]
 log = logging.getLogger("undying.launch.manager_service")
 
 
-# What ends `undying manager` in order: SIGINT stops the job, the others preempt it (agent.hangup's
-# rule).
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
 class _Gate:
     """Decides who may join: the token, the job, a node rank in range, and flags like the first
     agent's."""
@@ -217,7 +212,9 @@ async def _run(manager: Manager, server: AgentServer, config: JobConfig, restart
         else:
             manager.stop(f"stopped by {sig.name} to the manager")
 
-    unhandle = handle_on(loop, on_signal, signals=_STOP_SIGNALS)  # (one ignored stays so: nohup)
+    # What ends `undying manager` in order: SIGINT stops the job, the others preempt it
+    # (agent.hangup's rule); one ignored at start stays so (nohup)
+    unhandle = handle_on(loop, on_signal)
     # (the live line on a terminal, else a line every --progress-every seconds; agents show none)
     shown.start()
     try:
