@@ -170,7 +170,7 @@ def arm_flip(model: nn.Module) -> None:
     """Flip (``flip_hook``) the next local gradient of the last layer's weight, once, before
     DDP's all-reduce sees it (a tensor hook runs before the gradient is accumulated)."""
     last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
-    handles = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def once(grad: torch.Tensor) -> torch.Tensor:
         handles.pop().remove()
