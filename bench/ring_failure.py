@@ -13,9 +13,9 @@ SIGKILLs that rank and records when each survivor's all-reduce fails.
 Two behaviours for a survivor whose collective failed, run one after the
 other at each size:
 
-* ``break``: it shuts down its group's sockets at once, as undying's workers do
-  on leaving (``undying.worker.group.break_connections``), so the next
-  survivor's wait fails now;
+* ``break``: it shuts down its sockets at once with undying's own
+  ``undying.worker.group.break_connections`` (what a worker does on leaving; the
+  group is plain c10d), so the next survivor's wait fails now;
 * ``linger``: it keeps them open for ``--linger`` seconds (a script that does
   not leave at once: each survivor further along waits that long more).
 
@@ -34,7 +34,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,11 +50,12 @@ def _rank(port: int, rank: int, world: int, linger: float, collective_s: float) 
     import torch
     import torch.distributed as dist
 
+    from undying.worker.group import break_connections, claim_existing_sockets
+
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
-    before = set(os.listdir("/proc/self/fd"))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=collective_s))
-    group_fds = [int(fd) for fd in os.listdir("/proc/self/fd") if fd not in before]
+    claim_existing_sockets()  # the group's (and the store's, which is no longer needed then)
     tensor = torch.ones(_ELEMENTS)
     dist.all_reduce(tensor)
     if rank == _VICTIM:
@@ -67,21 +67,10 @@ def _rank(port: int, rank: int, world: int, linger: float, collective_s: float) 
     except Exception as e:  # the failure this bench times
         outcome = {"rank": rank, "failed": True, "t": time.time(), "error": str(e)[:120]}
         if linger <= 0:
-            _shut_down(group_fds)
+            break_connections()
     print(json.dumps(outcome), flush=True)
     time.sleep(max(linger, 0.0))
     os._exit(0)  # no teardown: the group is broken
-
-
-def _shut_down(fds: list[int]) -> None:
-    """Shut down the group's connected sockets (never its listener: gloo aborts on that)."""
-    for fd in fds:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def one_run(world: int, linger: float, collective_s: float, timeout_s: float) -> dict[str, Any]:
