@@ -26,6 +26,8 @@ class FakeAgent:
         self.armed: list[tuple[int, str]] = []
         self.aborted: list[tuple[int, int]] = []  # (rank, generation)
         self.aborted_at_step_start: list[tuple[int, int]] = []  # the planned leaves among them
+        # A lost peer's survivors, told to leave any step from from_step on: (rank, generation, from_step).
+        self.leaving_from: list[tuple[int, int, int]] = []
 
     def spawn(self, rank: int, record: GenerationRecord, *, joining: bool, resume_from: str = "",
               incarnation: int = 0) -> tuple[int, bool]:
@@ -36,7 +38,11 @@ class FakeAgent:
         self.killed.append(rank)
         return True
 
-    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False,
+              from_step: int = 0) -> bool:
+        if from_step:
+            self.leaving_from.append((rank, generation, from_step))
+            return True
         self.aborted.append((rank, generation))
         if at_step_start:
             self.aborted_at_step_start.append((rank, generation))

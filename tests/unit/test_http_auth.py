@@ -73,7 +73,8 @@ class RecordingAgent:
     def arm(self, rank: int, fault: ArmFault) -> None:
         self.calls.append(("arm", rank, fault.kind, fault.at_step))
 
-    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False,
+              from_step: int = 0) -> bool:
         self.calls.append(("abort", rank))
         return True
 

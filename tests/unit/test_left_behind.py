@@ -8,17 +8,20 @@ from pathlib import Path
 from tests.unit.live_manager import running
 from undying.jobfiles.records import IncidentKind, RankState
 from undying.protocol.node_wire import RankProgress
-from undying.protocol.worker_wire import CommFailure
+from undying.protocol.worker_wire import CommFailure, StepCommitted
 
 
 def test_the_survivors_are_told_to_leave_and_one_that_never_does_is_stuck_after_the_limit(tmp_path: Path) -> None:
     manager, agent = running(tmp_path, ranks=3)
     try:
+        manager.on_message(StepCommitted(2, 0, 5, 6.0, {"loss": 1.0}))  # rank 2 is a step ahead (at 4, the others)
         manager.on_exit(2, manager.ranks[2].pid, -9, time.time())  # rank 2 dies: replaced in generation 1
         told = manager.recoveries.current
         assert told is not None and manager.core.generations.current == 1
         assert agent.aborted == [], (
             "a crash's survivors are watched, not aborted: one whose step needs no more of rank 2 finishes it")
+        assert sorted(agent.leaving_from) == [(0, 0, 6), (1, 0, 6)], (
+            "told at once to leave step 6, which no rank completed; step 5, which rank 2 completed, may finish")
         assert told.leave is not None and told.leave.told == {0: manager.ranks[0].pid, 1: manager.ranks[1].pid}, "watched"
         manager.on_message(CommFailure(1, 0, 5, "peer closed", time.time()))  # rank 1 found the fault itself
         assert manager.ranks[1].state is RankState.RECOVERING

@@ -1,5 +1,7 @@
 """A planned leave (``Abort.at_step_start``, an elastic job growing) waits for the step loop's next
-step start; unplanned, or past its grace, the group's connections break at once.
+step start; unplanned, or past its grace, the group's connections break at once; a lost peer's
+survivors (``Abort.from_step``) leave at once where no rank completed their step, else at the next
+step start.
 
 Real sockets stand for the group's: a socket pair whose one end is registered as a connection of
 the group (what ``worker.group._build`` records), its other end the peer, which sees EOF the
@@ -88,3 +90,31 @@ def test_a_planned_leave_of_a_generation_left_since_is_dropped(connection: socke
     commands.ctx.generation = 1  # a fault took the rank out of generation 0 first
     assert not commands.take_planned_leave(7)
     assert not _broken(connection, 1.5), "the grace's timer broke the new generation's group"
+
+
+def test_a_lost_peers_survivor_in_a_step_nobody_completed_leaves_at_once(connection: socket.socket) -> None:
+    """``from_step``: no rank completed step 8, so the survivor in it can never finish it: its links break now."""
+    commands = _commands()
+    commands.ctx.step_in_flight = 8
+    commands.on_command(Abort(0, "crash of rank 2: replace", from_step=8))
+    assert _broken(connection, 1.0)
+
+
+def test_a_lost_peers_survivor_finishing_a_completed_step_leaves_at_the_next_step_start(
+        connection: socket.socket) -> None:
+    """Rank 2 committed step 7 and died: the survivor still taking its last part of step 7 finishes it."""
+    commands = _commands()
+    commands.ctx.step_in_flight = 7
+    commands.on_command(Abort(0, "crash of rank 2: replace", from_step=8))
+    assert not _broken(connection, 1.5), "a step a peer completed was broken (it would run twice)"
+    assert commands.take_planned_leave(8)
+    assert commands.ctx.abort_reason == "leaving at the start of step 8: crash of rank 2: replace"
+    assert not commands.take_planned_leave(9), "taken once"
+
+
+def test_a_lost_peers_leave_of_another_generation_is_ignored(connection: socket.socket) -> None:
+    commands = _commands()
+    commands.ctx.step_in_flight = 9
+    commands.on_command(Abort(3, "old news", from_step=8))
+    assert not commands.take_planned_leave(10)
+    assert not _broken(connection, 1.0)

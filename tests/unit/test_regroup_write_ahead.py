@@ -38,7 +38,8 @@ class WitnessAgent(FakeAgent):
             job = read_job_table(self.log)
             self.seen.append((command, rank, job.get("regroup"), int(job.get("generation", -1))))
 
-    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, *, at_step_start: bool = False,
+              from_step: int = 0) -> bool:
         self._witness("abort", rank)
         return super().abort(rank, generation, reason, at_step_start=at_step_start)
 

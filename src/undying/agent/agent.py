@@ -227,9 +227,10 @@ class Agent:
     def kill(self, rank: int, sig: signal.Signals) -> bool:
         return self.ranks.kill(rank, sig)
 
-    def abort(self, rank: int, generation: int, reason: str, at_step_start: bool = False) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, at_step_start: bool = False,
+              from_step: int = 0) -> bool:
         """Have ``rank`` leave ``generation`` (now, or at its next step's start): it rejoins."""
-        return self.ranks.abort(rank, generation, reason, at_step_start)
+        return self.ranks.abort(rank, generation, reason, at_step_start, from_step)
 
     def tell(self, rank: int, message: Message) -> bool:
         """Send a command to ``rank``'s worker (queued until it says hello); False if it has no

@@ -95,13 +95,14 @@ class LocalRanks:
             return False
         return True
 
-    def abort(self, rank: int, generation: int, reason: str, at_step_start: bool = False) -> bool:
+    def abort(self, rank: int, generation: int, reason: str, at_step_start: bool = False,
+              from_step: int = 0) -> bool:
         """Have ``rank`` leave ``generation`` (now: its stuck collective fails; or at its next
-        step's start): it rejoins."""
+        step's start; see ``Abort``): it rejoins."""
         worker = self.workers.get(rank)
         if worker is None or worker.writer is None or worker.process.returncode is not None:
             return False
-        worker.writer.write(encode(Abort(generation, reason, at_step_start)))
+        worker.writer.write(encode(Abort(generation, reason, at_step_start, from_step)))
         return True
 
     def tell(self, rank: int, message: Message) -> bool:

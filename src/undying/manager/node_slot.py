@@ -118,10 +118,10 @@ class NodeSlot:
         self.send(ArmRank(rank, fault))
 
     def abort(self, rank: int, generation: int, reason: str, *,
-              at_step_start: bool = False) -> bool:
+              at_step_start: bool = False, from_step: int = 0) -> bool:
         if rank not in self.live:
             return False
-        return self.send(AbortRank(rank, generation, reason, at_step_start))
+        return self.send(AbortRank(rank, generation, reason, at_step_start, from_step))
 
     def keep_spares(self) -> None:
         self.send(KeepSpares())

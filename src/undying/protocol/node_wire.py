@@ -332,12 +332,14 @@ class ArmRank(Message, frozen=True):
 
 
 class AbortRank(Message, frozen=True):
-    """``Abort`` for ``rank``'s worker (``at_step_start``: a planned leave, see ``Abort``)."""
+    """``Abort`` for ``rank``'s worker (``at_step_start``: a planned leave; ``from_step``: a lost
+    peer's survivors; see ``Abort``)."""
 
     rank: int
     generation: int
     reason: str
     at_step_start: bool = False
+    from_step: int = 0
 
 
 class KeepSpares(Message, frozen=True):

@@ -107,15 +107,37 @@ class Commands:
             grace = self._leave_grace()
             log.info("rank %d: leaving generation %d at the start of the next step (within %.1fs): "
                      "%s", ctx.rank, message.generation, grace, message.reason)
-            ctx.planned_leave = (message.generation, message.reason)
+            ctx.planned_leave = (message.generation, message.reason, True)
             timer = threading.Timer(grace, self._leave_unless_left, args=(message,))
             timer.daemon = True
             timer.start()
+            return
+        if message.from_step:
+            self.leave_from(message)
             return
         # (INFO: a handled fault's detail, config/console.py)
         log.info("rank %d: leaving generation %d: %s", ctx.rank, message.generation,
                  message.reason)
         break_connections()
+
+    def leave_from(self, message: Abort) -> None:
+        """A peer's process is gone: leave now if in step ``message.from_step`` or later, else at
+        the next step's start (the step in flight can still finish: a peer completed it).
+
+        The leave is asked first and the step read second, while the step loop sets the step
+        first and looks for a leave second: however the two threads interleave, a rank that
+        begins step ``from_step`` either takes the leave there or has its links broken here.
+        """
+        ctx = self.ctx
+        ctx.planned_leave = (message.generation, message.reason, False)
+        if ctx.step_in_flight >= message.from_step:
+            # (INFO: a handled fault's detail, config/console.py)
+            log.info("rank %d: leaving generation %d in step %d: %s", ctx.rank,
+                     message.generation, ctx.step_in_flight, message.reason)
+            break_connections()
+        else:
+            log.info("rank %d: finishing step %d, then leaving generation %d: %s", ctx.rank,
+                     ctx.step_in_flight, message.generation, message.reason)
 
     def _leave_grace(self) -> float:
         ctx = self.ctx
@@ -129,12 +151,13 @@ class Commands:
         leave, ctx.planned_leave = ctx.planned_leave, None
         if leave is None or leave[0] != ctx.generation:
             return False
-        ctx.abort_reason = f"a planned leave at the start of step {index}: {leave[1]}"
+        what = "a planned leave" if leave[2] else "leaving"
+        ctx.abort_reason = f"{what} at the start of step {index}: {leave[1]}"
         return True
 
     def _leave_unless_left(self, message: Abort) -> None:
         ctx = self.ctx
-        if ctx.planned_leave != (message.generation, message.reason) or \
+        if ctx.planned_leave != (message.generation, message.reason, True) or \
                 ctx.generation != message.generation:
             return  # the step loop took it (or the generation is gone already)
         log.info("rank %d: no step started in generation %d since the planned leave was asked; "

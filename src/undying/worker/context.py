@@ -69,6 +69,9 @@ class JobContext:
     close_channel: Callable[[], None] = lambda: None
     clock: SaveClock = field(default_factory=SaveClock)
     current_step: int = 0
+    # The step the loop is in (set at its start, before a planned leave is looked for): which
+    # survivors of a lost peer leave at once (worker_wire.Abort.from_step).
+    step_in_flight: int = 0
     # What the heartbeats report: init until this process completes a step, and the collectives
     # entered since the group's state was restored (the transfer's sends count on their two ends
     # only).
@@ -84,9 +87,10 @@ class JobContext:
     deferred: tuple[int, Callable[[State], None]] | None = None
     # A whole (replicated) state read or received before the State existed: (step, state dict).
     stash: tuple[int, dict[str, Any]] | None = None
-    # A planned leave (worker_wire.Abort.at_step_start): (generation, reason), taken by the step
-    # loop at its next step's start; None when none is asked.
-    planned_leave: tuple[int, str] | None = None
+    # A leave at the next step's start: (generation, reason, planned), taken by the step loop;
+    # planned: worker_wire.Abort.at_step_start, else a lost peer's (Abort.from_step). None when
+    # none is asked.
+    planned_leave: tuple[int, str, bool] | None = None
 
     @property
     def managed(self) -> bool:

@@ -279,6 +279,7 @@ class Job:
         while True:
             while committed < cursor.total_steps:
                 index = committed + 1
+                ctx.step_in_flight = index  # first, then the leave: see Commands.leave_from
                 if self.managed and self._commands.take_planned_leave(index):
                     committed = self._rejoin.recover(state, committed, clean=True, planned=True)
                     continue

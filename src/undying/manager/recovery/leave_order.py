@@ -8,9 +8,13 @@ the survivors are first only watched: their links to it close, so a
 collective that needs it fails by itself, and one that does not (the lost rank
 had sent its part of the step before it died) finishes; breaking that
 survivor's links at once would throw a finished step away and run it again.
-One still in the old generation after the step in flight had time to end
-(``abort_due``: at least ``_ABORT_MIN_S``, at least the longest step) waits on
-a peer that waits too, and is told then.
+They are also told at once which steps can finish nowhere (``from_step``: past
+the newest step any rank committed, ``worker_wire.Abort``): a survivor in one
+of those leaves now, rather than when its neighbour in gloo's ring gives up
+(the failure travels the ring a rank at a time); one finishing an earlier step
+leaves at the next step's start. One still in the old generation after the
+step in flight had time to end (``abort_due``: at least ``_ABORT_MIN_S``, at
+least the longest step) waits on a peer that waits too, and is told then.
 
 A survivor that has still neither failed nor joined the new generation a
 while later (``stuck``) is in a wait that will never end: gloo leaves a send

@@ -189,9 +189,13 @@ class Recoveries:
             # Nothing failed by itself in a stuck collective or a link's retry: every rank is told
             # to leave. A replaced rank's process is gone: its peers find that out by themselves.
             stuck = bool(incident.detail.get("stuck_collective"))
+            abort = stuck or decision.action is Action.RETRY
+            # A lost process: a step no rank completed can finish nowhere, and its survivors are
+            # told so at once (the leave order still watches those finishing an earlier step).
             self.tell_to_leave(previous, f"stuck collective: {decision.action.value}" if stuck else
                                f"{incident.kind} of rank {incident.rank}: {decision.action.value}",
-                               abort=stuck or decision.action is Action.RETRY)
+                               abort=abort,
+                               from_step=0 if abort else core.book.newest_step() + 1)
         self.current.renew(record.generation)
         if decision.action is Action.REPLACE:
             warm = self.replace_in_round(incident.rank, record)
@@ -211,10 +215,11 @@ class Recoveries:
         self.current.ready.pop(rank, None)
         return self.core.spawn(rank, record, joining=True)
 
-    def tell_to_leave(self, previous: int, reason: str, *, abort: bool) -> None:
+    def tell_to_leave(self, previous: int, reason: str, *, abort: bool, from_step: int = 0) -> None:
         """Every rank with a process must leave generation ``previous``; ``abort``: it is told to at
         once (one that already left ignores it), else only watched for now (``leave_order.py`` says
-        when)."""
+        when). ``from_step``: watched, and told at once to leave any step from that one on, which
+        no rank completed (``worker_wire.Abort``)."""
         assert self.current is not None
         core = self.core
         order = LeaveOrder(previous, reason, time.time(), aborted=abort)
@@ -223,6 +228,8 @@ class Recoveries:
                 continue
             if abort:
                 core.agents[info.node].abort(info.rank, previous, reason)
+            elif from_step and info.state is RankState.RUNNING:
+                core.agents[info.node].abort(info.rank, previous, reason, from_step=from_step)
             if info.state is RankState.RUNNING:
                 order.told[info.rank] = info.pid
         self.current.leave = order
