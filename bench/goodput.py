@@ -86,13 +86,18 @@ from recovery import (  # noqa: E402  (bench/ is a folder of scripts)
     wait_for,
     work_root,
 )
-from soak import load_launches  # noqa: E402
+from soak import launch_logs, load_launches  # noqa: E402
 from soak_plan import SOAK_SCRIPT  # noqa: E402
 from soak_single import SingleJob  # noqa: E402
 
 from undying.cli.client import api_post  # noqa: E402
 from undying.cli.summary import logged_account  # noqa: E402
-from undying.demo.oracle import compare_runs, load_run  # noqa: E402
+from undying.demo.oracle import (  # noqa: E402
+    compare_runs,
+    final_losses,
+    load_run,
+    rolled_back_steps,
+)
 from undying.errors import JobNotRunningError, UsageError  # noqa: E402
 from undying.jobfiles.events import read_job  # noqa: E402
 
@@ -312,16 +317,33 @@ def run_all(args: argparse.Namespace, root: Path, log: TextIO) -> dict[str, Any]
 
 
 def oracle(faulty: Path, fault_free: Path) -> dict[str, Any]:
-    """undying's oracle across the faulty job's launches: final states, steps missing or
-    mismatched; steps whose executions logged different losses (a roll-back's discarded work
-    among them) are in ``reasons``."""
+    """undying's oracle across the faulty job's launches, against its fault-free run.
+
+    ``identical``: every execution of every step logged the fault-free loss and
+    no step ran twice (``compare_runs``, strict). A bit flip's roll-back breaks
+    that by design: the steps after the flip ran on the corrupt state, logged
+    other losses, and were run again. ``identical_after_rollbacks`` judges the
+    run that stands: each step's last loss on every rank is the fault-free one,
+    the final states are equal, nothing is missing, and every step run twice is
+    one an ``sdc`` roll-back re-ran.
+    """
     try:
-        c = compare_runs(load_launches(faulty), load_run(fault_free / "events.db"))
+        baseline = load_run(fault_free / "events.db")
+        run = load_launches(faulty)
+        c = compare_runs(baseline, run)
+        losses, disagree = final_losses(launch_logs(faulty))
     except (OSError, ValueError, KeyError) as e:
         return {"error": str(e)}
-    return {"identical": c.identical, "digests_equal": c.digests_equal,
-            "missing_steps": len(c.missing_steps), "mismatched_steps": len(c.mismatched_steps),
-            "reasons": c.reasons[:4]}
+    rolled = rolled_back_steps(run.incidents)
+    unaccounted = sorted(set(run.rerun_steps) - rolled)
+    missing = sorted(s for s in baseline.losses if s not in losses)
+    differ = sorted(s for s in baseline.losses if s in losses and losses[s] != baseline.losses[s])
+    return {"identical": c.identical, "reasons": c.reasons[:4],
+            "identical_after_rollbacks": (not disagree and not missing and not differ
+                                          and c.digests_equal and not unaccounted),
+            "digests_equal": c.digests_equal, "rolled_back_steps": len(rolled),
+            "missing_steps": missing[:10], "final_losses_differ": differ[:10],
+            "ranks_disagree": disagree[:10], "reruns_not_rolled_back": unaccounted[:10]}
 
 
 def report(args: argparse.Namespace, workload: Workload, faults: list[Fault], cost: float,

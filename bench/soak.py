@@ -109,9 +109,14 @@ from undying.demo.oracle import RunRecord, compare_runs, load_run, merge_runs  #
 DEFAULT_FAULTS = {"single": 200, "multi": 100}
 
 
+def launch_logs(job_dir: Path) -> list[Path]:
+    """Every launch's event log, oldest first (the older ones archived as events.<time>.db at each start)."""
+    return [*sorted(job_dir.glob("events.*.db"), key=lambda p: p.stat().st_mtime), job_dir / "events.db"]
+
+
 def load_launches(job_dir: Path) -> RunRecord:
     """Every launch of the job as one record (the older logs were archived as events.<time>.db at each start)."""
-    older = sorted(job_dir.glob("events.*.db"), key=lambda p: p.stat().st_mtime)
+    older = launch_logs(job_dir)[:-1]
     record = load_run(job_dir / "events.db")
     if older:
         merged = load_run(older[0])

@@ -22,26 +22,12 @@ from pathlib import Path
 from tests.integration.jobs import alive, events, manager_url, start_job, wait_for
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan, run_job
-from undying.demo.oracle import compare_runs, load_run
+from undying.demo.oracle import compare_runs, final_losses, load_run, rolled_back_steps
 from undying.jobfiles.events import LogReader
 from undying.worker.verify_plan import suspect_of
 
 EPOCHS = ("--epochs", "2")  # the baseline other tests use: 4 ranks, 32 steps
 VERIFY_ALL = ("--spares", "0", "--verify-every", "1")
-
-
-def _final_losses(events_db: Path) -> tuple[dict[int, float], list[int]]:
-    """Each step's loss as its last commit on every rank logged it (after a roll-back: the re-run's), and the
-    steps where the ranks' last commits disagree."""
-    last: dict[tuple[int, int], float] = {}
-    with LogReader(events_db) as reader:
-        for commit in reader.commits():  # in time order: a re-run's commit comes after the one it replaces
-            last[(commit.rank, commit.step)] = commit.metrics["loss"]
-    by_step: dict[int, set[float]] = {}
-    for (_, step), loss in last.items():
-        by_step.setdefault(step, set()).add(loss)
-    return {s: next(iter(v)) for s, v in by_step.items() if len(v) == 1}, sorted(s for s, v in by_step.items()
-                                                                                 if len(v) > 1)
 
 
 def test_a_finite_gradient_flip_is_found_at_its_step_and_rolled_back(oracle: Oracle, tmp_path: Path) -> None:
@@ -59,9 +45,10 @@ def test_a_finite_gradient_flip_is_found_at_its_step_and_rolled_back(oracle: Ora
     assert detail["rolled_back_to"] == at - 2, detail
     rerun = load_run(outcome.job_dir / "events.db").rerun_steps
     assert rerun == list(range(at - 1, at - 1 + detail["rerun_steps"])), (rerun, detail)
+    assert set(rerun) == rolled_back_steps(outcome.incidents), "the oracle's reading of the roll-back"
     # The oracle: after the roll-back every step's loss is the fault-free run's, bit for bit, and so is the state.
     baseline = oracle.baseline(EPOCHS, 4)
-    losses, disagree = _final_losses(outcome.job_dir / "events.db")
+    losses, disagree = final_losses([outcome.job_dir / "events.db"])
     assert not disagree and losses == baseline.losses, (disagree, sorted(
         s for s in baseline.losses if losses.get(s) != baseline.losses[s]))
     assert outcome.run.digests == baseline.digests

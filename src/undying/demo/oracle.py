@@ -17,7 +17,8 @@ from typing import Any
 
 from undying.jobfiles.events import LogReader
 
-__all__ = ["RunRecord", "Comparison", "load_run", "compare_runs", "merge_runs"]
+__all__ = ["RunRecord", "Comparison", "load_run", "compare_runs", "merge_runs", "final_losses",
+           "rolled_back_steps"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +139,39 @@ def merge_runs(first: RunRecord, second: RunRecord) -> RunRecord:
         incidents=[*first.incidents, *second.incidents],
         commits=first.commits + second.commits,
     )
+
+
+def final_losses(events_dbs: list[Path],
+                 metric: str = "loss") -> tuple[dict[int, float], list[int]]:
+    """Each step's loss as every rank's last commit of it logged it, across the launches'
+    logs (oldest first), and the steps where those last commits disagree.
+
+    After a ``--verify-every`` roll-back a step's first run trained on the corrupt
+    state and logged other numbers; its re-run is the one that counts. The
+    strict oracle (``load_run``) sees both runs; this sees the one that stands.
+    """
+    last: dict[tuple[int, int], float] = {}
+    for path in events_dbs:
+        with LogReader(path) as reader:
+            for commit in reader.iter_commits():  # time order: a re-run after what it replaces
+                if metric in commit.metrics:
+                    last[(commit.rank, commit.step)] = commit.metrics[metric]
+    by_step: dict[int, set[float]] = defaultdict(set)
+    for (_, step), value in last.items():
+        by_step[step].add(value)
+    losses = {step: next(iter(v)) for step, v in by_step.items() if len(v) == 1}
+    return losses, sorted(step for step, v in by_step.items() if len(v) > 1)
+
+
+def rolled_back_steps(incidents: list[dict[str, Any]]) -> set[int]:
+    """The steps that ``sdc`` incidents' roll-backs re-ran (the verified step after the one rolled
+    back to, and as many as the incident counts)."""
+    steps: set[int] = set()
+    for incident in incidents:
+        detail = incident.get("detail") or {}
+        if incident.get("kind") != "sdc" or incident.get("action") != "rolled_back":
+            continue
+        start, count = detail.get("rolled_back_to"), detail.get("rerun_steps")
+        if isinstance(start, int) and isinstance(count, int):
+            steps.update(range(start + 1, start + 1 + count))
+    return steps
