@@ -116,13 +116,10 @@ def launch_logs(job_dir: Path) -> list[Path]:
 
 def load_launches(job_dir: Path) -> RunRecord:
     """Every launch of the job as one record (the older logs were archived as events.<time>.db at each start)."""
-    older = launch_logs(job_dir)[:-1]
-    record = load_run(job_dir / "events.db")
-    if older:
-        merged = load_run(older[0])
-        for path in [*older[1:], job_dir / "events.db"]:
-            merged = merge_runs(merged, load_run(path))
-        record = merged
+    first, *later = launch_logs(job_dir)
+    record = load_run(first)
+    for path in later:
+        record = merge_runs(record, load_run(path))
     return record
 
 

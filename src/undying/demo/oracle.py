@@ -53,12 +53,12 @@ def load_run(events_db: Path, metric: str = "loss") -> RunRecord:
         completed[(commit.rank, commit.step)] += 1
         if metric in commit.metrics:
             values[commit.step].add(commit.metrics[metric])
-    losses = {step: next(iter(v)) for step, v in values.items() if len(v) == 1}
+    losses, inconsistent = _agreed(values)
     digests = {event.rank: event.data["digest"] for event in done if event.rank is not None}
     return RunRecord(
         state=str(job.get("state")),
         losses=losses,
-        inconsistent_steps=sorted(s for s, v in values.items() if len(v) > 1),
+        inconsistent_steps=inconsistent,
         rerun_steps=sorted({step for (_, step), n in completed.items() if n > 1}),
         digests=digests,
         incidents=incidents,
@@ -159,8 +159,13 @@ def final_losses(events_dbs: list[Path],
     by_step: dict[int, set[float]] = defaultdict(set)
     for (_, step), value in last.items():
         by_step[step].add(value)
-    losses = {step: next(iter(v)) for step, v in by_step.items() if len(v) == 1}
-    return losses, sorted(step for step, v in by_step.items() if len(v) > 1)
+    return _agreed(by_step)
+
+
+def _agreed(values: dict[int, set[float]]) -> tuple[dict[int, float], list[int]]:
+    """Each step's value where every rank logged the same one, and the steps where they differ."""
+    return ({step: next(iter(v)) for step, v in values.items() if len(v) == 1},
+            sorted(step for step, v in values.items() if len(v) > 1))
 
 
 def rolled_back_steps(incidents: list[dict[str, Any]]) -> set[int]:
