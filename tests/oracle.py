@@ -87,7 +87,7 @@ class Oracle:
         self._root.mkdir(parents=True, exist_ok=True)
         self._baselines: dict[tuple[Any, ...], RunRecord] = {}
 
-    def _shared(self, name: str, key: tuple[Any, ...], make: Any) -> Path:
+    def shared(self, name: str, key: tuple[Any, ...], make: Any) -> Path:
         """The folder of the reference ``key``: made by ``make(folder)`` once, by whichever process comes first."""
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         folder = self._root / f"{name}-{digest}"
@@ -116,7 +116,7 @@ class Oracle:
                 rc = run_job(job_dir, list(script_args), ranks=ranks, timeout_s=180,
                              extra_run_args=["--spares", "0", *run_args], script=script or TRAIN_SCRIPT)
                 assert rc == 0, f"the fault-free run failed ({rc}); log: {job_dir}.log"
-            folder = self._shared("baseline", key, make)
+            folder = self.shared("baseline", key, make)
             self._baselines[key] = load_run(folder / "job" / "events.db")
         return self._baselines[key]
 
@@ -148,7 +148,7 @@ class Oracle:
                          extra_run_args=["--spares", "0", "--checkpoint-dir", str(checkpoints)])
             assert rc == 0, f"the resume on {then} ranks failed ({rc}); log: {second}.log"
 
-        folder = self._shared("regroup", (ranks, then, at_step, tuple(script_args)), make)
+        folder = self.shared("regroup", (ranks, then, at_step, tuple(script_args)), make)
         first, second = folder / "from" / f"regroup-{at_step}", folder / "to" / f"regroup-{at_step}"
         before, after = load_run(first / "events.db"), load_run(second / "events.db")
         assert min(after.losses) == at_step + 1, f"the resume started at step {min(after.losses)}, not {at_step + 1}"
@@ -170,6 +170,28 @@ class Oracle:
                         when_warm: bool = False) -> Outcome:
         """Run with ``faults`` (cold replacements unless ``extra_run_args`` asks for spares)."""
         outcome = self.run(job_dir, script_args, ranks, faults, extra_run_args, when_warm)
+        return self._survived(outcome, faults)
+
+    def shared_survival(self, faults: Sequence[FaultPlan], *, script_args: Sequence[str], ranks: int,
+                        extra_run_args: Sequence[str]) -> Outcome:
+        """``assert_survives`` of a job several tests only read: run once per session, not per worker.
+
+        A module-scoped fixture runs once per pytest-xdist worker that runs one of the module's
+        tests: up to four times the same job. This one is made like a reference (under a file
+        lock, by the first worker to need it), and every caller checks the same survival.
+        The job's folder is shared: read it, never write to it.
+        """
+        key = (tuple(faults), ranks, tuple(script_args), tuple(extra_run_args))
+        folder = self.shared("survival", key, lambda folder: self.assert_survives(
+            folder / "job", faults, script_args=script_args, ranks=ranks, extra_run_args=extra_run_args))
+        job_dir = folder / "job"
+        run = load_run(job_dir / "events.db")
+        # (the job exited 0: the folder is complete only once assert_survives has passed)
+        return self._survived(Outcome(compare_runs(self.baseline(script_args, ranks), run), run, job_dir, 0),
+                              faults)
+
+    @staticmethod
+    def _survived(outcome: Outcome, faults: Sequence[FaultPlan]) -> Outcome:
         log_tail = outcome.log()[-3000:]
         assert outcome.returncode == 0, f"the run with faults exited {outcome.returncode}\n{log_tail}"
         assert outcome.comparison.identical, f"{outcome.comparison.reasons}\n{log_tail}"

@@ -29,12 +29,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from undying.checkpoint import latest_valid, verify
 from undying.checkpoint.manifest import MANIFEST_NAME
+
+if TYPE_CHECKING:  # (not imported at run time: the forked ranks import this module)
+    from tests.oracle import Oracle
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
@@ -354,18 +357,22 @@ def test_a_job_preempted_on_4_ranks_resumes_on_2_with_the_state_it_saved(
 
 # --- a lost rank's shard ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def fsdp_baseline(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The FSDP job on 4 ranks without a fault, without replication: what every faulted run must equal."""
+@pytest.fixture
+def fsdp_baseline(oracle: Oracle) -> Any:
+    """The FSDP job on 4 ranks without a fault, without replication: what every faulted run must equal.
+
+    Once per session (a module-scoped fixture ran once per pytest-xdist worker: up to 4 times)."""
     from undying.demo.oracle import load_run
 
-    job_dir = tmp_path_factory.mktemp("fsdp-baseline") / "job"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("UNDYING_TOKEN", "sharded-state-test-token")
-        mp.setenv("OMP_NUM_THREADS", "1")
-        mp.delenv("UNDYING_REPLICATE", raising=False)
-        run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4)
-    return load_run(job_dir / "events.db")
+    def make(folder: Path) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("UNDYING_TOKEN", "sharded-state-test-token")
+            mp.setenv("OMP_NUM_THREADS", "1")
+            mp.delenv("UNDYING_REPLICATE", raising=False)
+            run(folder / "job", FSDP_SCRIPT, FSDP_ARGS, 4)
+
+    folder = oracle.shared("fsdp-baseline", (str(FSDP_SCRIPT), tuple(FSDP_ARGS)), make)
+    return load_run(folder / "job" / "events.db")
 
 
 @pytest.mark.parametrize(("rank", "step", "phase", "kinds"), [

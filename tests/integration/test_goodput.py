@@ -32,10 +32,10 @@ SCRIPT_ARGS = ("--epochs", "2", "--step-seconds", "0.02")  # 64 steps of at leas
 RUN_ARGS = ("--spares", "0", "--save-every", "16")  # a cold replacement (a wait for it) and checkpoint stalls
 
 
-@pytest.fixture(scope="module")
-def crashed(oracle: Oracle, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
-    job_dir = tmp_path_factory.mktemp("goodput") / "job"
-    return oracle.assert_survives(job_dir, [crash(1, 20, "backward")], ranks=2, script_args=SCRIPT_ARGS,
+@pytest.fixture
+def crashed(oracle: Oracle) -> Outcome:
+    """The one job (of the session, not of each worker) that these tests read."""
+    return oracle.shared_survival([crash(1, 20, "backward")], ranks=2, script_args=SCRIPT_ARGS,
                                   extra_run_args=RUN_ARGS)
 
 

@@ -15,8 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from tests.integration.jobs import job_table
 from tests.oracle import Oracle
 from undying.cli.demo import FaultPlan
@@ -26,17 +24,20 @@ def leave(rank: int, at_step: int, phase: str) -> FaultPlan:
     return FaultPlan(kind="leave", rank=rank, at_step=at_step, phase=phase, expect="left-early")
 
 
-@pytest.mark.parametrize("phase", ["forward", "step"])  # sys.exit(0) inside step 5; the script ends after step 4
-def test_a_rank_that_leaves_early_is_recovered_with_identical_losses(oracle: Oracle, tmp_path: Path,
-                                                                      phase: str) -> None:
-    outcome = oracle.assert_survives(tmp_path / "job", [leave(1, 5, phase)])
-    [incident] = outcome.incidents
-    assert (incident["kind"], incident["rank"], incident["step"], incident["action"]) == ("left-early", 1, 5,
-                                                                                         "replace"), incident
-    assert "exited 0 at step 5 before finishing its steps" in incident["error"], incident
-    assert incident["detail"]["injected"] is True
-    exits = [e for e in outcome.events("exited") if e["rank"] == 1]
-    assert exits[0]["returncode"] == 0  # the leaver's own exit: clean, and still no success
+# sys.exit(0) inside a step's forward; and at a step's start (the script ends after the step before).
+# Both in one job, one after the other: the first's recovery is over long before the second's step.
+LEAVES = [leave(1, 5, "forward"), leave(2, 9, "step")]
+
+
+def test_a_rank_that_leaves_early_is_recovered_with_identical_losses(oracle: Oracle, tmp_path: Path) -> None:
+    outcome = oracle.assert_survives(tmp_path / "job", LEAVES)
+    assert [(i["kind"], i["rank"], i["step"], i["action"]) for i in outcome.incidents] == [
+        ("left-early", f.rank, f.at_step, "replace") for f in LEAVES], outcome.incidents
+    for fault, incident in zip(LEAVES, outcome.incidents, strict=True):
+        assert f"exited 0 at step {fault.at_step} before finishing its steps" in incident["error"], incident
+        assert incident["detail"]["injected"] is True
+        exits = [e for e in outcome.events("exited") if e["rank"] == fault.rank]
+        assert exits[0]["returncode"] == 0  # the leaver's own exit: clean, and still no success
 
 
 # Rank 1 stops after step 4 of 32 (its loop ends, its script returns): every time, a replacement too.
