@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tests.integration.jobs import events
 from tests.unit.live_manager import running
 from undying.jobfiles.records import IncidentKind, RankState
+from undying.manager.manager import Manager
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, StepCommitted
 
@@ -93,5 +95,46 @@ def test_a_recovery_whose_first_step_waits_for_the_replacement_kills_it_within_t
         assert (hang.rank, hang.step, hang.action) == (1, 5, "replace"), hang
         assert "did not come to step 5 after a recovery" in hang.error and "loader's __iter__" in hang.error
         assert manager.ranks[1].pid != replacement, "a new process takes its place"
+    finally:
+        manager.close()
+
+
+def _events(manager: Manager, tmp_path: Path, kind: str) -> list[dict]:
+    manager.core.events.flush()
+    return events(tmp_path / "e.db", kind)
+
+
+def test_a_stuck_survivor_that_is_the_last_holder_of_the_state_is_waited_for_not_killed(tmp_path: Path) -> None:
+    """A 2-rank job loses rank 1: rank 0 alone holds the newest step. Killed for being stuck, it would take
+    the state with it (the job failed so under load: 'every rank that held the training state is gone');
+    kept, its collective ends by itself and the round goes on. With a third rank holding it too, it is killed."""
+    manager, agent = running(tmp_path, ranks=2)
+    try:
+        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
+        told = manager.recoveries.current
+        assert told is not None and told.leave is not None
+        manager.watch.left_behind.judge(told.leave.t + 6.0)
+        assert [i.rank for i in manager.recoveries.stuck(told.leave.t + 6.0)] == [0], "stuck past the limit"
+        assert 0 not in agent.killed, "the last holder of the state is not killed"
+        [kept] = _events(manager, tmp_path, "left_behind_kept")
+        assert (kept["pid"], kept["step"]) == (manager.ranks[0].pid, 5), kept
+        assert _events(manager, tmp_path, "left_behind") == []
+        manager.watch.left_behind.judge(told.leave.t + 9.0)
+        assert len(_events(manager, tmp_path, "left_behind_kept")) == 1, "said once"
+    finally:
+        manager.close()
+
+
+def test_a_stuck_survivor_whose_state_another_rank_holds_is_killed(tmp_path: Path) -> None:
+    manager, agent = running(tmp_path, ranks=3)
+    try:
+        manager.on_exit(2, manager.ranks[2].pid, -9, time.time())
+        told = manager.recoveries.current
+        assert told is not None and told.leave is not None
+        manager.on_message(CommFailure(1, 0, 5, "peer closed", time.time()))  # rank 1 left by itself: it holds step 4
+        manager.watch.left_behind.judge(told.leave.t + 6.0)
+        assert agent.killed == [0], "rank 1 holds the same replicated state: the stuck rank 0 is killed"
+        assert [e["pid"] for e in _events(manager, tmp_path, "left_behind")] == [manager.ranks[0].pid]
+        assert _events(manager, tmp_path, "left_behind_kept") == []
     finally:
         manager.close()

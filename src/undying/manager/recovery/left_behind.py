@@ -10,6 +10,13 @@ whole timeout however its sockets end. Such a survivor is no fault of its own:
 it is killed and, at its exit, replaced in a new generation of the same round,
 named in the round's incidents (``left_behind``) and in a ``left_behind``
 event, not counted as another incident.
+
+Unless it is the last holder of the state (``Recoveries.kill_keeps_state``): a
+2-rank job's survivor, a shard nobody else holds. Killing it would end the job
+(no peer to restore from) or roll it back to the checkpoint; waiting costs at
+most its collective timeout, after which it leaves by itself (and the round's
+recovery timeout bounds the whole). It is kept, with a ``left_behind_kept``
+event and one warning saying why.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class LeftBehind:
         self.recoveries = recoveries
         # pid -> its rank: killed for never leaving, replaced at its exit
         self.killed: dict[int, int] = {}
+        # pid -> its rank: stuck too, but the last holder of state: waited for, never killed
+        self.kept: dict[int, int] = {}
 
     def judge(self, now: float, resumed: float = 0.0) -> None:
         """Tell each watched survivor still in its step to leave; kill each one ``stuck`` (once: its
@@ -44,9 +53,20 @@ class LeftBehind:
             self.core.agents[info.node].abort(info.rank, order.previous, order.reason)
             order.aborted = True
         for info in stuck:
-            if info.pid in self.killed:
+            if info.pid in self.killed or info.pid in self.kept:
                 continue
             waited = round(now - order.t, 3)
+            if not self.recoveries.kill_keeps_state(info.rank):
+                self.kept[info.pid] = info.rank
+                self.core.events.event("left_behind_kept", generation=info.generation,
+                                       rank=info.rank, pid=info.pid, step=info.step + 1,
+                                       waited_s=waited)
+                log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was "
+                            "told to leave; it holds state no other rank has, so it is not killed: "
+                            "waiting for it (its collective ends by --collective-timeout %.0fs)",
+                            self.core.config.job_id, info.rank, info.pid, info.generation, waited,
+                            self.core.config.timeouts.collective_timeout)
+                continue
             self.killed[info.pid] = info.rank
             self.core.events.event("left_behind", generation=info.generation, rank=info.rank,
                                    pid=info.pid, step=info.step + 1, waited_s=waited)

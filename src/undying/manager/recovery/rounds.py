@@ -108,6 +108,23 @@ class Recoveries:
                    if r.rank != excluding and r.state is not RankState.EXITED
                    and r.rank not in replaced)
 
+    def kill_keeps_state(self, rank: int) -> bool:
+        """Whether killing ``rank`` (a survivor that never left the old generation) leaves the
+        round's state as whole as it is: every shard it holds is held by a live rank too, or the
+        round reads the checkpoint anyway. Killing the last holder of a step fails the job (or
+        rolls it back) for certain; the stuck rank's collective ends by itself at its timeout.
+        """
+        if not self.step_api:
+            return True  # nothing of undying's to keep: every rank starts again anyway
+        replaced = self._replaced()
+        failed = {r.rank for r in self.core.ranks.values()
+                  if r.state is RankState.EXITED or r.rank in replaced} | {rank}
+        found, _, _ = plan_after(self.core, self.checkpoints, failed)
+        if found is None:
+            return False
+        current = self.restore_plan
+        return not found.needs_checkpoint or (current is not None and current.needs_checkpoint)
+
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
         """Where every rank's state comes from after this incident, and its words
         (``incident_plan.py``); the checkpoint it read, if any, is the restart rung's."""
