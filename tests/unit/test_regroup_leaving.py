@@ -84,3 +84,24 @@ def _events(tmp_path: Path, kind: str) -> list[dict]:
     from tests.integration.jobs import events
 
     return events(tmp_path / "e.db", kind)
+
+
+def test_a_stuck_member_that_alone_holds_the_unsaved_state_is_waited_for_not_killed(tmp_path: Path) -> None:
+    """Rank 1's process is gone: rank 0, stuck, is the only member left with the state, and nothing is
+    saved yet. Killing it would leave the regroup nothing to save (recovery/left_behind.py's rule)."""
+    manager, agent = running(tmp_path, ranks=2)
+    try:
+        manager.regrouping.begin("node 1 lost")
+        regroup = manager.regrouping.regroup
+        assert regroup is not None
+        told = time.time()
+        manager.on_exit(1, manager.ranks[1].pid, -9, told)
+        assert regroup.remaining() == [0] and not regroup.saved
+        manager.regrouping.judge_left_behind(regroup, told + 6.0, 0.0)
+        manager.regrouping.judge_left_behind(regroup, told + 9.0, 0.0)
+        assert 0 not in agent.killed, "the last holder of the unsaved state is not killed"
+        manager.core.events.flush()
+        [kept] = _events(tmp_path, "left_behind_kept")
+        assert kept["pid"] == manager.ranks[0].pid and _events(tmp_path, "left_behind") == []
+    finally:
+        manager.close()

@@ -56,6 +56,8 @@ class Regrouping:
         # (``recovery.leave_order``); and those killed for never leaving it: pid -> rank.
         self._leave: LeaveOrder | None = None
         self._left_behind: dict[int, int] = {}
+        # stuck too, but the last holders of the unsaved state: waited for, never killed
+        self._kept: dict[int, int] = {}
 
     @property
     def active(self) -> bool:
@@ -267,16 +269,33 @@ class Regrouping:
         judged as a recovery's survivor is (``recovery.left_behind``), in
         seconds rather than at the step timeout. Its exit re-plans the regroup
         with the members left, with no incident of its own.
+
+        Unless the state is not saved yet and the member is its last holder (the
+        only member left, or any member of a sharded state: its shard is its own):
+        then it is waited for, as a recovery's last holder is
+        (``recovery/left_behind.py``), with a ``left_behind_kept`` event.
         """
         order, core = self._leave, self.core
         if order is None or regroup.generation != core.generations.current:
             return
         for info in order.stuck(core.ranks, regroup.generation, now, resumed,
                                 core.clock.longest_rank_step_s()):
-            if info.pid in self._left_behind:
+            if info.pid in self._left_behind or info.pid in self._kept:
+                continue
+            waited = round(now - order.t, 3)
+            alone = self.checkpoints.sharded or regroup.remaining() == [info.rank]
+            if not regroup.saved and alone:
+                self._kept[info.pid] = info.rank
+                core.events.event("left_behind_kept", generation=info.generation, rank=info.rank,
+                                  pid=info.pid, step=info.step + 1, waited_s=waited)
+                log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after the "
+                            "regroup told it to leave; the regroup's state is not saved and it "
+                            "holds what no other member does, so it is not killed: waiting for it "
+                            "(its collective ends by --collective-timeout %.0fs)",
+                            core.config.job_id, info.rank, info.pid, info.generation, waited,
+                            core.config.timeouts.collective_timeout)
                 continue
             self._left_behind[info.pid] = info.rank
-            waited = round(now - order.t, 3)
             core.events.event("left_behind", generation=info.generation, rank=info.rank,
                               pid=info.pid, step=info.step + 1, waited_s=waited)
             log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after the regroup "
