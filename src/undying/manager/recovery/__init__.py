@@ -20,7 +20,7 @@ import undying.manager
 if TYPE_CHECKING:
     from undying.manager.recovery.detection import Detection, describe_exit
     from undying.manager.recovery.leave_order import LeaveOrder
-    from undying.manager.recovery.left_behind import LeftBehind
+    from undying.manager.recovery.left_behind import LeftBehind, keep_stuck
     from undying.manager.recovery.policy import Action, Decision, PolicyContext, decide
     from undying.manager.recovery.reported import ReportedFaults
     from undying.manager.recovery.round_record import Recovery
@@ -36,6 +36,7 @@ __all__ = [
     "LeaveOrder",
     "LeftBehind",
     "describe_exit",
+    "keep_stuck",
     "Recoveries",
     "Recovery",
     "ReportedFaults",
@@ -51,6 +52,7 @@ _WHERE = {
     "LeaveOrder": "leave_order",
     "LeftBehind": "left_behind",
     "describe_exit": "detection",
+    "keep_stuck": "left_behind",
     "Recoveries": "rounds",
     "Recovery": "round_record",
     "ReportedFaults": "reported",

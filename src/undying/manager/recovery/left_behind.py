@@ -27,9 +27,21 @@ from undying.jobfiles.records import RankInfo
 from undying.manager.core import JobCore
 from undying.manager.recovery.rounds import Recoveries
 
-__all__ = ["LeftBehind"]
+__all__ = ["LeftBehind", "keep_stuck"]
 
 log = logging.getLogger("undying.manager")
+
+
+def keep_stuck(core: JobCore, info: RankInfo, waited: float, whose: str) -> None:
+    """Record a stuck rank kept because it is the last holder of ``whose`` state: the
+    ``left_behind_kept`` event and the one warning (a recovery's survivor, a regroup's member)."""
+    core.events.event("left_behind_kept", generation=info.generation, rank=info.rank,
+                      pid=info.pid, step=info.step + 1, waited_s=waited)
+    log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was told to "
+                "leave; it holds %s state no other rank has, so it is not killed: waiting for it "
+                "(its collective ends by --collective-timeout %.0fs)", core.config.job_id,
+                info.rank, info.pid, info.generation, waited, whose,
+                core.config.timeouts.collective_timeout)
 
 
 class LeftBehind:
@@ -58,14 +70,7 @@ class LeftBehind:
             waited = round(now - order.t, 3)
             if not self.recoveries.kill_keeps_state(info.rank):
                 self.kept[info.pid] = info.rank
-                self.core.events.event("left_behind_kept", generation=info.generation,
-                                       rank=info.rank, pid=info.pid, step=info.step + 1,
-                                       waited_s=waited)
-                log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was "
-                            "told to leave; it holds state no other rank has, so it is not killed: "
-                            "waiting for it (its collective ends by --collective-timeout %.0fs)",
-                            self.core.config.job_id, info.rank, info.pid, info.generation, waited,
-                            self.core.config.timeouts.collective_timeout)
+                keep_stuck(self.core, info, waited, "the recovery's")
                 continue
             self.killed[info.pid] = info.rank
             self.core.events.event("left_behind", generation=info.generation, rank=info.rank,

@@ -27,7 +27,13 @@ from undying.config import planned_leave_grace
 from undying.jobfiles.records import IncidentKind, JobState, RankInfo, RankState
 from undying.manager.checkpoints import Checkpoints
 from undying.manager.core import JobCore
-from undying.manager.recovery import Detection, LeaveOrder, Recoveries, describe_exit
+from undying.manager.recovery import (
+    Detection,
+    LeaveOrder,
+    Recoveries,
+    describe_exit,
+    keep_stuck,
+)
 from undying.manager.regroup.policy import (
     Replan,
     WorldNext,
@@ -286,14 +292,7 @@ class Regrouping:
             alone = self.checkpoints.sharded or regroup.remaining() == [info.rank]
             if not regroup.saved and alone:
                 self._kept[info.pid] = info.rank
-                core.events.event("left_behind_kept", generation=info.generation, rank=info.rank,
-                                  pid=info.pid, step=info.step + 1, waited_s=waited)
-                log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after the "
-                            "regroup told it to leave; the regroup's state is not saved and it "
-                            "holds what no other member does, so it is not killed: waiting for it "
-                            "(its collective ends by --collective-timeout %.0fs)",
-                            core.config.job_id, info.rank, info.pid, info.generation, waited,
-                            core.config.timeouts.collective_timeout)
+                keep_stuck(core, info, waited, "the regroup's unsaved")
                 continue
             self._left_behind[info.pid] = info.rank
             core.events.event("left_behind", generation=info.generation, rank=info.rank,
