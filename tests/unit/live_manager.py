@@ -126,3 +126,12 @@ def _to_step_4(manager: Manager, ranks: int) -> None:
     for rank in range(ranks):
         for step in range(1, 5):
             manager.on_message(StepCommitted(rank, 0, step, 1.0 + step, {"loss": 1.0}))
+
+
+def logged(manager: Manager, tmp_path: Path, kind: str) -> list[dict[str, Any]]:
+    """The events of ``kind`` in the log of a manager made here (``tmp_path``/e.db), its held writes
+    flushed first."""
+    from tests.integration.jobs import events
+
+    manager.core.events.flush()
+    return events(tmp_path / "e.db", kind)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.integration.jobs import events
-from tests.unit.live_manager import running
+from tests.unit.live_manager import logged, running
 from undying.jobfiles.records import IncidentKind, RankState
-from undying.manager.manager import Manager
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, StepCommitted
 
@@ -99,11 +97,6 @@ def test_a_recovery_whose_first_step_waits_for_the_replacement_kills_it_within_t
         manager.close()
 
 
-def _events(manager: Manager, tmp_path: Path, kind: str) -> list[dict]:
-    manager.core.events.flush()
-    return events(tmp_path / "e.db", kind)
-
-
 def test_a_stuck_survivor_that_is_the_last_holder_of_the_state_is_waited_for_not_killed(tmp_path: Path) -> None:
     """A 2-rank job loses rank 1: rank 0 alone holds the newest step. Killed for being stuck, it would take
     the state with it (the job failed so under load: 'every rank that held the training state is gone');
@@ -116,11 +109,11 @@ def test_a_stuck_survivor_that_is_the_last_holder_of_the_state_is_waited_for_not
         manager.watch.left_behind.judge(told.leave.t + 6.0)
         assert [i.rank for i in manager.recoveries.stuck(told.leave.t + 6.0)] == [0], "stuck past the limit"
         assert 0 not in agent.killed, "the last holder of the state is not killed"
-        [kept] = _events(manager, tmp_path, "left_behind_kept")
+        [kept] = logged(manager, tmp_path, "left_behind_kept")
         assert (kept["pid"], kept["step"]) == (manager.ranks[0].pid, 5), kept
-        assert _events(manager, tmp_path, "left_behind") == []
+        assert logged(manager, tmp_path, "left_behind") == []
         manager.watch.left_behind.judge(told.leave.t + 9.0)
-        assert len(_events(manager, tmp_path, "left_behind_kept")) == 1, "said once"
+        assert len(logged(manager, tmp_path, "left_behind_kept")) == 1, "said once"
     finally:
         manager.close()
 
@@ -134,7 +127,7 @@ def test_a_stuck_survivor_whose_state_another_rank_holds_is_killed(tmp_path: Pat
         manager.on_message(CommFailure(1, 0, 5, "peer closed", time.time()))  # rank 1 left by itself: it holds step 4
         manager.watch.left_behind.judge(told.leave.t + 6.0)
         assert agent.killed == [0], "rank 1 holds the same replicated state: the stuck rank 0 is killed"
-        assert [e["pid"] for e in _events(manager, tmp_path, "left_behind")] == [manager.ranks[0].pid]
-        assert _events(manager, tmp_path, "left_behind_kept") == []
+        assert [e["pid"] for e in logged(manager, tmp_path, "left_behind")] == [manager.ranks[0].pid]
+        assert logged(manager, tmp_path, "left_behind_kept") == []
     finally:
         manager.close()

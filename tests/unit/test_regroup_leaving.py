@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.unit.live_manager import running
+from tests.unit.live_manager import logged, running
 from undying.jobfiles.records import RankState
 from undying.protocol.worker_wire import CommFailure
 
@@ -57,8 +57,7 @@ def test_a_member_that_never_leaves_is_killed_and_the_regroup_goes_on_without_an
         manager.on_exit(1, stuck, -9, told + 7.1)
         assert len(manager.incidents) == incidents, "no incident of its own"
         assert regroup.faults == ["rank 1 left behind in generation 0"] and regroup.replan_due(time.time())
-        manager.core.events.flush()
-        [event] = _events(tmp_path, "left_behind")
+        [event] = logged(manager, tmp_path, "left_behind")
         assert event["pid"] == stuck and 5.9 < event["waited_s"] <= 6.0, event
     finally:
         manager.close()
@@ -80,12 +79,6 @@ def test_a_planned_leave_is_judged_only_after_the_members_grace(tmp_path: Path) 
         manager.close()
 
 
-def _events(tmp_path: Path, kind: str) -> list[dict]:
-    from tests.integration.jobs import events
-
-    return events(tmp_path / "e.db", kind)
-
-
 def test_a_stuck_member_that_alone_holds_the_unsaved_state_is_waited_for_not_killed(tmp_path: Path) -> None:
     """Rank 1's process is gone: rank 0, stuck, is the only member left with the state, and nothing is
     saved yet. Killing it would leave the regroup nothing to save (recovery/left_behind.py's rule)."""
@@ -100,8 +93,7 @@ def test_a_stuck_member_that_alone_holds_the_unsaved_state_is_waited_for_not_kil
         manager.regrouping.judge_left_behind(regroup, told + 6.0, 0.0)
         manager.regrouping.judge_left_behind(regroup, told + 9.0, 0.0)
         assert 0 not in agent.killed, "the last holder of the unsaved state is not killed"
-        manager.core.events.flush()
-        [kept] = _events(tmp_path, "left_behind_kept")
-        assert kept["pid"] == manager.ranks[0].pid and _events(tmp_path, "left_behind") == []
+        [kept] = logged(manager, tmp_path, "left_behind_kept")
+        assert kept["pid"] == manager.ranks[0].pid and logged(manager, tmp_path, "left_behind") == []
     finally:
         manager.close()

@@ -50,8 +50,8 @@ class LeftBehind:
         self.recoveries = recoveries
         # pid -> its rank: killed for never leaving, replaced at its exit
         self.killed: dict[int, int] = {}
-        # pid -> its rank: stuck too, but the last holder of state: waited for, never killed
-        self.kept: dict[int, int] = {}
+        # pids stuck too, but the last holders of state: waited for, never killed
+        self.kept: set[int] = set()
 
     def judge(self, now: float, resumed: float = 0.0) -> None:
         """Tell each watched survivor still in its step to leave; kill each one ``stuck`` (once: its
@@ -69,7 +69,7 @@ class LeftBehind:
                 continue
             waited = round(now - order.t, 3)
             if not self.recoveries.kill_keeps_state(info.rank):
-                self.kept[info.pid] = info.rank
+                self.kept.add(info.pid)
                 keep_stuck(self.core, info, waited, "the recovery's")
                 continue
             self.killed[info.pid] = info.rank

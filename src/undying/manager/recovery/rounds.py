@@ -103,10 +103,13 @@ class Recoveries:
 
     def holders_alive(self, excluding: int) -> int:
         """Ranks whose processes live and hold the state (not replacements waiting for it)."""
+        return len(self.core.ranks) - len(self._holding_nothing(excluding))
+
+    def _holding_nothing(self, rank: int) -> set[int]:
+        """``rank`` and every rank whose process is gone or is a replacement waiting for state."""
         replaced = self._replaced()
-        return sum(1 for r in self.core.ranks.values()
-                   if r.rank != excluding and r.state is not RankState.EXITED
-                   and r.rank not in replaced)
+        return {r.rank for r in self.core.ranks.values()
+                if r.rank == rank or r.state is RankState.EXITED or r.rank in replaced}
 
     def kill_keeps_state(self, rank: int) -> bool:
         """Whether killing ``rank`` (a survivor that never left the old generation) leaves the
@@ -116,10 +119,7 @@ class Recoveries:
         """
         if not self.step_api:
             return True  # nothing of undying's to keep: every rank starts again anyway
-        replaced = self._replaced()
-        failed = {r.rank for r in self.core.ranks.values()
-                  if r.state is RankState.EXITED or r.rank in replaced} | {rank}
-        found, _, _ = plan_after(self.core, self.checkpoints, failed)
+        found, _, _ = plan_after(self.core, self.checkpoints, self._holding_nothing(rank))
         if found is None:
             return False
         current = self.restore_plan
@@ -128,10 +128,8 @@ class Recoveries:
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
         """Where every rank's state comes from after this incident, and its words
         (``incident_plan.py``); the checkpoint it read, if any, is the restart rung's."""
-        replaced = self._replaced()
-        failed = {r.rank for r in self.core.ranks.values()
-                  if r.rank == incident.rank or r.state is RankState.EXITED or r.rank in replaced}
-        found, words, self.restart_from = plan_after(self.core, self.checkpoints, failed)
+        found, words, self.restart_from = plan_after(self.core, self.checkpoints,
+                                                     self._holding_nothing(incident.rank))
         return found, words
 
     def handle(self, incident: Incident) -> None:

@@ -62,8 +62,8 @@ class Regrouping:
         # (``recovery.leave_order``); and those killed for never leaving it: pid -> rank.
         self._leave: LeaveOrder | None = None
         self._left_behind: dict[int, int] = {}
-        # stuck too, but the last holders of the unsaved state: waited for, never killed
-        self._kept: dict[int, int] = {}
+        # pids stuck too, but the last holders of the unsaved state: waited for, never killed
+        self._kept: set[int] = set()
 
     @property
     def active(self) -> bool:
@@ -291,7 +291,7 @@ class Regrouping:
             waited = round(now - order.t, 3)
             alone = self.checkpoints.sharded or regroup.remaining() == [info.rank]
             if not regroup.saved and alone:
-                self._kept[info.pid] = info.rank
+                self._kept.add(info.pid)
                 keep_stuck(core, info, waited, "the regroup's unsaved")
                 continue
             self._left_behind[info.pid] = info.rank
