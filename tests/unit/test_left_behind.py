@@ -114,6 +114,9 @@ def test_a_stuck_survivor_that_is_the_last_holder_of_the_state_is_waited_for_not
         assert logged(manager, tmp_path, "left_behind") == []
         manager.watch.left_behind.judge(told.leave.t + 9.0)
         assert len(logged(manager, tmp_path, "left_behind_kept")) == 1, "said once"
+        stuck = manager.ranks[0].pid
+        assert manager.watch.left_behind.on_exit(manager.ranks[0], stuck) is False, "its exit is any exit"
+        assert stuck not in manager.watch.left_behind.kept, "forgotten at its exit: a new process may take the pid"
     finally:
         manager.close()
 

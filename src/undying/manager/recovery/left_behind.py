@@ -83,6 +83,7 @@ class LeftBehind:
 
     def on_exit(self, info: RankInfo, pid: int) -> bool:
         """True when this exit was a survivor's killed for never leaving: replaced in the round."""
+        self.kept.discard(pid)  # (a kept one's exit is judged as any other; its pid may come again)
         if self.killed.pop(pid, None) is None:
             return False
         recovery = self.recoveries.current

@@ -308,6 +308,7 @@ class Regrouping:
         a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
+        self._kept.discard(pid)  # (a kept one's exit is judged as any other; its pid may recur)
         # Members leave once the state is saved;
         # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
