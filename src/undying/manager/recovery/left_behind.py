@@ -13,10 +13,10 @@ event, not counted as another incident.
 
 Unless it is the last holder of the state (``Recoveries.kill_keeps_state``): a
 2-rank job's survivor, a shard nobody else holds. Killing it would end the job
-(no peer to restore from) or roll it back to the checkpoint; waiting costs at
-most its collective timeout, after which it leaves by itself (and the round's
-recovery timeout bounds the whole). It is kept, with a ``left_behind_kept``
-event and one warning saying why.
+(no peer to restore from) or roll it back to the checkpoint; waiting gives its
+collective the chance to end and the rank to leave. It is kept, with a
+``left_behind_kept`` event and one warning saying why, until it leaves or the
+step timeout's hang judgement (``--step-timeout``) ends it as any rank's.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ def keep_stuck(core: JobCore, info: RankInfo, waited: float, whose: str) -> None
     core.events.event("left_behind_kept", generation=info.generation, rank=info.rank,
                       pid=info.pid, step=info.step + 1, waited_s=waited)
     log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was told to "
-                "leave; it holds %s state no other rank has, so it is not killed: waiting for it "
-                "(its collective ends by --collective-timeout %.0fs)", core.config.job_id,
-                info.rank, info.pid, info.generation, waited, whose,
-                core.config.timeouts.collective_timeout)
+                "leave; it holds %s state no other rank has, so it is not killed here: waiting for "
+                "it to leave (until --step-timeout judges it hung)", core.config.job_id,
+                info.rank, info.pid, info.generation, waited, whose)
 
 
 class LeftBehind:

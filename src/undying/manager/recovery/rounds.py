@@ -115,7 +115,7 @@ class Recoveries:
         """Whether killing ``rank`` (a survivor that never left the old generation) leaves the
         round's state as whole as it is: every shard it holds is held by a live rank too, or the
         round reads the checkpoint anyway. Killing the last holder of a step fails the job (or
-        rolls it back) for certain; the stuck rank's collective ends by itself at its timeout.
+        rolls it back) for certain; waiting gives the stuck rank's collective the chance to end.
         """
         if not self.step_api:
             return True  # nothing of undying's to keep: every rank starts again anyway
