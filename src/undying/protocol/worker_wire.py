@@ -143,13 +143,18 @@ class Progress(Message, frozen=True):
 
 
 class CommFailure(Message, frozen=True):
-    """A collective failed on this rank; it left ``generation`` and waits for the next."""
+    """A collective failed on this rank; it left ``generation`` and waits for the next.
+
+    ``torn``: the rank's live state was already past ``step`` (its optimizer stepped, or the step's
+    body ran to its end and the commit failed), so it is restored from a snapshot, not kept.
+    """
 
     rank: int
     generation: int
     step: int
     error: str
     t: float
+    torn: bool = False
 
 
 class FaultInjected(Message, frozen=True):

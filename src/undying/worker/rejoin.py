@@ -169,7 +169,7 @@ class Rejoin:
         log.info("job %s gen %d rank %d step %d: %s (%s); recovering",
                  ctx.env.job_id, ctx.generation, ctx.rank, ctx.current_step,
                  "leaving between steps" if planned else "collective failed", ctx.abort_reason)
-        self._comm_failure()
+        self._comm_failure(torn=not clean)
         state.discard_gradients()
         if state.sharded:
             # The write uses a group of this generation, which leaving destroys; a dead peer fails
@@ -207,10 +207,10 @@ class Rejoin:
             self.ctx.report_fatal(self.ctx.current_step + 1, e)
             raise
 
-    def _comm_failure(self) -> None:
+    def _comm_failure(self, *, torn: bool = False) -> None:
         ctx = self.ctx
         ctx.send(CommFailure(ctx.rank, ctx.generation, ctx.current_step, ctx.abort_reason,
-                             time.time()))
+                             time.time(), torn=torn))
 
     def _rejoin(self, status: RankStatus, state: State | None, first: int | None = None,
                 joined: bool = False) -> int:

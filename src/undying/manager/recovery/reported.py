@@ -41,7 +41,7 @@ class ReportedFaults:
         info.state = RankState.RECOVERING
         info.last_seen = message.t
         self.core.events.event("comm_failure", generation=message.generation, rank=message.rank,
-                               step=message.step, error=message.error)
+                               step=message.step, error=message.error, torn=message.torn)
         self.core.book.persist(info)
         # the regroup's group broke: it re-plans (after the grace), no retry
         if self.regrouping.active:
