@@ -380,8 +380,9 @@ def fsdp_baseline(oracle: Oracle) -> Any:
     (2, 6, "backward", {False}),
     # After the last collective of the step: a survivor that finished its body fails replicating it,
     # so nobody commits it; it rolls back to its own snapshot and re-runs the step with the replacement.
-    # A survivor may instead fail in the reduce-scatter itself: the killed rank had all it needed
-    # from it, but its own last send to it died with it (CI saw all three survivors do so once).
+    # A survivor may instead leave before its body ends (CI saw all three do so once): a loaded one
+    # still in the reduce-scatter when the manager says the killed rank is gone leaves at once (the
+    # step cannot commit without it), or the killed rank's last send to it died with it.
     (1, 9, "optimizer", {True, False}),
 ], ids=["backward", "optimizer"])
 def test_ring_replica_restores_a_killed_rank_with_identical_losses(
