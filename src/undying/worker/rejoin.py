@@ -53,6 +53,7 @@ from undying.worker.restore import (
     exchange_statuses,
     recv_state,
     send_state,
+    settle,
 )
 from undying.worker.sharding import rebind_groups, reset_after_failure
 
@@ -325,17 +326,21 @@ class Rejoin:
         status."""
         ctx = self.ctx
         receivers = tuple(r for donor, r in plan.transfers() if donor == me)
+        sent: list[dist.Work] = []
         if receivers:
             assert state is not None
             # The donor's fingerprint travels with it: the receiver's state, once loaded, must show
             # the same.
             extra = {"data_origin": ctx.data_origin, "digest": state.digest()}
-            send_state({**state.state_dict(), "_undying": extra}, receivers)
+            sent = send_state({**state.state_dict(), "_undying": extra}, receivers)
         source = plan.source(me)
-        if source.kind != "peer":
+        payload = recv_state(source.rank) if source.kind == "peer" and source.rank is not None \
+            else None
+        if plan.transfers():
+            settle([], sent)  # every member: a receiver that died mid-transfer strands no donor
+        if payload is None:
             return None
-        assert source.rank is not None and plan.target is not None
-        payload = recv_state(source.rank)
+        assert plan.target is not None
         meta = payload.pop("_undying", {})
         origin = meta.get("data_origin")
         if state is not None:

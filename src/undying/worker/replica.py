@@ -40,6 +40,7 @@ import torch.distributed as dist
 from undying.config import CheckpointConfig
 from undying.errors import RecoveryError, UsageError
 from undying.protocol.env import REPLICATE_ENV, REPLICATE_EVERY_ENV
+from undying.worker.restore import settle
 
 __all__ = [
     "ReplicationConfig",
@@ -153,24 +154,22 @@ def _checked(payload: torch.Tensor, header: torch.Tensor, source: int) -> bytes:
     return raw
 
 
-def _wait(works: list[dist.Work | None]) -> None:
-    for work in works:
-        if work is not None:
-            work.wait()
-
-
 def exchange(data: bytes, successor: int, predecessor: int, *, tag: int = TAG_RING) -> bytes:
-    """Send ``data`` to ``successor`` and receive the predecessor's bytes, checksummed, at once."""
+    """Send ``data`` to ``successor`` and receive the predecessor's bytes, checksummed, at once.
+
+    Collective: it ends with a barrier (``restore.settle``), so once it returns on any rank every
+    rank's successor holds its copy.
+    """
     header_in = torch.zeros(2, dtype=torch.int64)
-    _wait([dist.isend(_header(data), dst=successor, tag=tag),
-           dist.irecv(header_in, src=predecessor, tag=tag)])
+    sent = [dist.isend(_header(data), dst=successor, tag=tag)]
+    header_work = dist.irecv(header_in, src=predecessor, tag=tag)
+    assert header_work is not None
+    header_work.wait()
     incoming = torch.empty(int(header_in[0]), dtype=torch.uint8)
-    works: list[dist.Work | None] = []
     if data:
-        works.append(dist.isend(_as_tensor(data), dst=successor, tag=tag + 1))
-    if incoming.numel():
-        works.append(dist.irecv(incoming, src=predecessor, tag=tag + 1))
-    _wait(works)
+        sent.append(dist.isend(_as_tensor(data), dst=successor, tag=tag + 1))
+    received = [dist.irecv(incoming, src=predecessor, tag=tag + 1)] if incoming.numel() else []
+    settle([w for w in received if w is not None], [w for w in sent if w is not None])
     return _checked(incoming, header_in, predecessor)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import io
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from undying.errors import RecoveryError
 
 __all__ = [
     "MODE_UNKNOWN", "MODE_REPLICATED", "MODE_SHARDED",
-    "RankStatus", "exchange_statuses", "send_state", "recv_state",
+    "RankStatus", "exchange_statuses", "send_state", "recv_state", "settle",
 ]
 
 
@@ -70,17 +71,39 @@ def exchange_statuses(status: RankStatus) -> list[RankStatus]:
     return statuses
 
 
-def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> int:
+def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> list[dist.Work]:
+    """Start sending the whole state to each receiver; finish with ``settle``."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     view = buffer.getbuffer()
     checksum = zlib.crc32(view)
     payload = torch.frombuffer(view, dtype=torch.uint8)  # no copy
     header = torch.tensor([payload.numel(), checksum], dtype=torch.int64)
+    works: list[dist.Work | None] = []
     for rank in receivers:
-        dist.send(header, dst=rank)
-        dist.send(payload, dst=rank)
-    return int(payload.numel())
+        works += [dist.isend(header, dst=rank), dist.isend(payload, dst=rank)]
+    return [w for w in works if w is not None]
+
+
+def settle(received: Sequence[dist.Work], sent: Sequence[dist.Work]) -> None:
+    """Finish a transfer every rank of the group takes part in: this rank's receives, a barrier,
+    then its sends.
+
+    A receive fails as soon as its peer's connection does; a send may not. gloo
+    (as torch bundles it) queues a send whose write met a connection the peer
+    had already closed, and a closing connection wakes no queued send, so its
+    wait would last the whole collective timeout (600 s by default): a survivor
+    stuck there while the manager waits for it to leave. Waited on after a
+    barrier that every rank entered with its receives done, each send was
+    delivered and returns at once; a peer gone before that fails a receive or
+    the barrier instead, at once. (The barrier's own sends keep a narrower
+    window: a peer that leaves between posting its receive and taking the data.)
+    """
+    for work in received:
+        work.wait()
+    dist.barrier()
+    for work in sent:
+        work.wait()
 
 
 def recv_state(donor: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from undying.protocol.worker_wire import Progress
 from undying.worker import replica, sharding
 from undying.worker.context import JobContext
 from undying.worker.group import is_comm_failure
-from undying.worker.restore import MODE_SHARDED, RankStatus
+from undying.worker.restore import MODE_SHARDED, RankStatus, settle
 from undying.worker.shard_saves import ShardSaves
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ class Shards:
             log.error("rank %d: %s; keeping the older replica", ctx.rank, e)
             ctx.send(Progress(ctx.rank, ctx.generation, "replica_rejected", time.time(), step=step,
                               detail={"from": self.predecessor, "error": str(e)}))
-        dist.barrier()  # commit only once every rank's successor holds its copy of this step
+        # The exchange ended in a barrier: every rank's successor holds its copy of this step.
         self.copies.committed(step)
         if not self._replicated_once:
             self._replicated_once = True
@@ -240,8 +240,8 @@ class Shards:
         if mine.kind == "replica":
             assert mine.rank is not None
             payload = replica.recv_bytes(mine.rank)
-        for work in works:
-            work.wait()
+        if plan.transfers():
+            settle([], works)  # every rank: a receiver that died mid-transfer strands no donor
         if mine.kind == "snapshot":
             payload = self.copies.own[target]
         if payload is not None:
