@@ -288,7 +288,8 @@ class Assign(Message, frozen=True):
 
 
 class Abort(Message, frozen=True):
-    """Leave the current process group now (its collective is stuck): break its connections.
+    """Leave the current process group now (its collective is stuck): end the rank's reading of
+    its connections, so its collective fails (``worker.group.break_connections``).
 
     ``at_step_start``: a planned leave (an elastic job growing), with every peer
     healthy: leave at the start of the next step instead, with no collective in

@@ -118,7 +118,7 @@ class Commands:
         # (INFO: a handled fault's detail, config/console.py)
         log.info("rank %d: leaving generation %d: %s", ctx.rank, message.generation,
                  message.reason)
-        break_connections()
+        break_connections(reading_only=True)
 
     def leave_from(self, message: Abort) -> None:
         """A peer's process is gone: leave now if in step ``message.from_step`` or later, else at
@@ -134,7 +134,7 @@ class Commands:
             # (INFO: a handled fault's detail, config/console.py)
             log.info("rank %d: leaving generation %d in step %d: %s", ctx.rank,
                      message.generation, ctx.step_in_flight, message.reason)
-            break_connections()
+            break_connections(reading_only=True)
         else:
             log.info("rank %d: finishing step %d, then leaving generation %d: %s", ctx.rank,
                      ctx.step_in_flight, message.generation, message.reason)
@@ -162,7 +162,7 @@ class Commands:
             return  # the step loop took it (or the generation is gone already)
         log.info("rank %d: no step started in generation %d since the planned leave was asked; "
                  "leaving now", ctx.rank, message.generation)
-        break_connections()
+        break_connections(reading_only=True)
 
 
 def leave_early() -> None:

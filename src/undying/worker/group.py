@@ -136,8 +136,16 @@ def claim_existing_sockets() -> None:
     _group_sockets.update(_sockets())
 
 
-def break_connections() -> int:
-    """Shut down the current group's connections: peers blocked on us fail at once.
+def break_connections(*, reading_only: bool = False) -> int:
+    """Shut down the current group's connections.
+
+    Both ways (leaving the group): peers blocked on this rank fail at once.
+    ``reading_only`` (told to leave, while a collective may be under way): this
+    rank's own collective fails at once, its reads ended, but no write in flight
+    is failed under it. gloo queues a send whose write fails before gloo has
+    seen its connection end, and never wakes it: a survivor whose own shutdown
+    failed its write sat in its collective for the whole collective timeout.
+    Its peers learn when it leaves the group (``leave_group``), both ways.
 
     Checks each descriptor still names the same socket, so a number reused
     since is never touched. Returns how many connections were broken.
@@ -151,11 +159,12 @@ def break_connections() -> int:
             with socket.socket(fileno=os.dup(fd)) as s:
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue  # gloo's listener: shutting it down aborts the process
-                s.shutdown(socket.SHUT_RDWR)
+                s.shutdown(socket.SHUT_RD if reading_only else socket.SHUT_RDWR)
             broken += 1
         except OSError:
             pass
-    _group_sockets.clear()
+    if not reading_only:
+        _group_sockets.clear()
     return broken
 
 
