@@ -393,7 +393,9 @@ def test_ring_replica_restores_a_killed_rank_with_identical_losses(
 
     monkeypatch.setenv("UNDYING_REPLICATE", "ring")
     job_dir = tmp_path / "job"
-    run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4, crash=(rank, step, phase))
+    # A survivor left in a collective gloo never ends (a send to the dead rank it never wakes) that holds
+    # its shard's only copy is kept until gloo's own timeout ends that collective: 20 s here, not 600.
+    run(job_dir, FSDP_SCRIPT, FSDP_ARGS, 4, run_args=["--collective-timeout", "20"], crash=(rank, step, phase))
     outcome = load_run(job_dir / "events.db")
     comparison = compare_runs(fsdp_baseline, outcome)
     assert comparison.identical, comparison.reasons

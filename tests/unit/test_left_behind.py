@@ -121,6 +121,56 @@ def test_a_stuck_survivor_that_is_the_last_holder_of_the_state_is_waited_for_not
         manager.close()
 
 
+def test_a_kept_survivor_is_waited_for_until_its_collective_timeout_not_the_step_timeout(tmp_path: Path) -> None:
+    """A collective stuck on a send gloo never wakes ends at gloo's own timeout, and the rank then leaves with
+    its state: the step timeout's judgement (and the recovery timeout) wait for that; after it, it is judged
+    as any rank (the CI run that found this killed the last holder at the step timeout: the job failed)."""
+    manager, agent = running(tmp_path, ranks=2)
+    try:
+        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
+        recovery = manager.recoveries.current
+        assert recovery is not None and recovery.leave is not None
+        kept_at = recovery.leave.t + 6.0
+        manager.watch.left_behind.judge(kept_at)
+        survivor = manager.ranks[0].pid
+        assert manager.recoveries.kept == {survivor: kept_at}
+        timeouts = manager.core.config.timeouts
+        stuck = [RankProgress(0, survivor, 0, "step", 5, 40, recovery.started - 0.1)]
+        manager.on_stall(stuck, 30.0, recovery.started + 40.0)
+        assert agent.killed == [], "past the step timeout, but its collective's own timeout has not come"
+        assert manager.recoveries.overdue(recovery.started + timeouts.recovery_timeout + 1.0) == "", (
+            "the round is not overdue while it waits for the last holder")
+        after = kept_at + timeouts.collective_timeout + timeouts.heartbeat_timeout + 1.0
+        assert manager.recoveries.overdue(after) != ""
+        manager.on_stall(stuck, 30.0, after)
+        assert agent.killed == [0], "still there after its collective's timeout: judged as any rank"
+    finally:
+        manager.close()
+
+
+def test_a_kept_survivor_that_leaves_at_last_has_the_round_form_a_new_generation(tmp_path: Path) -> None:
+    """The ranks that went on may have given up forming the generation it was late for (gloo's connect
+    waits as long as its collective): a new one is opened in the same round, and every rank meets there."""
+    manager, agent = running(tmp_path, ranks=2)
+    try:
+        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
+        recovery = manager.recoveries.current
+        assert recovery is not None and recovery.leave is not None
+        manager.watch.left_behind.judge(recovery.leave.t + 6.0)
+        assert manager.core.generations.current == 1 and manager.recoveries.kept
+        manager.on_message(CommFailure(0, 0, 5, "Timed out waiting 20000ms for send operation to complete",
+                                       time.time()))
+        assert manager.core.generations.current == 2, "the round forms a new generation"
+        assert manager.recoveries.current is recovery and recovery.generation == 2, "in the same round"
+        assert manager.recoveries.kept == {}
+        assert [i.kind for i in manager.incidents] == [IncidentKind.CRASH.value], "no incident of its own"
+        assert (1, 1) in agent.aborted, "the rank that went on is told to leave generation 1"
+        manager.on_message(CommFailure(0, 1, 5, "peer closed", time.time()))
+        assert manager.core.generations.current == 2, "a rank not kept opens nothing"
+    finally:
+        manager.close()
+
+
 def test_a_stuck_survivor_whose_state_another_rank_holds_is_killed(tmp_path: Path) -> None:
     manager, agent = running(tmp_path, ranks=3)
     try:

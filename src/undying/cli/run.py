@@ -232,7 +232,8 @@ be written: a resume re-runs the steps after it, the last line counts them),
     add_setting(t, Timeouts, "--connect-timeout", type=finite_arg("--connect-timeout"),
                 help="building a process group (default %(default).0f)")
     add_setting(t, Timeouts, "--collective-timeout", type=finite_arg("--collective-timeout"),
-                help="one collective making no progress (default %(default).0f)")
+                help="one collective making no progress (default %(default).0f); also how long "
+                "a stuck survivor that alone holds some state is waited for")
     add_setting(t, Timeouts, "--recovery-timeout", type=finite_arg("--recovery-timeout"),
                 help="a recovery's deadline to its first step before the job fails (default "
                 "%(default).0f)")

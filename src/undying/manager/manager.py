@@ -110,7 +110,7 @@ class Manager:
                                  divergence=self.divergence, gasp=self.gasp,
                                  finish=self.comings.finish, tracking=self.trackers)
         self.faults = ReportedFaults(core, detection=self.detection, regrouping=self.regrouping,
-                                     moves=self.migrations)
+                                     moves=self.migrations, left_behind=left_behind)
         self.watch = Watch(core, recoveries=self.recoveries, detection=self.detection,
                            regrouping=self.regrouping, left_behind=left_behind)
         # What a node reports of its own (manager/node_reports.py's NodeEvents), to the part it

@@ -211,9 +211,12 @@ class Detection:
         recovery = self.recoveries.current
         phase = "step"
         if recovery is not None:
+            spared = self.recoveries.spared(t)  # last holders of the state, waited for
             culprits = sorted(p.rank for p in progress if p.phase == "step"
-                              and p.generation < generation
+                              and p.generation < generation and p.pid not in spared
                               and t - max(p.progress_t, recovery.started) > limit)
+            if not culprits and spared:
+                return  # the round waits for a kept rank to leave (Recoveries.spared)
             if not culprits:
                 # the new generation's first step, waiting past the limit for a rank that does
                 # not come to it (or all of them in one collective): the recovery failed

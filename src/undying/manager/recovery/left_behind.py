@@ -15,8 +15,15 @@ Unless it is the last holder of the state (``Recoveries.kill_keeps_state``): a
 2-rank job's survivor, a shard nobody else holds. Killing it would end the job
 (no peer to restore from) or roll it back to the checkpoint; waiting gives its
 collective the chance to end and the rank to leave. It is kept, with a
-``left_behind_kept`` event and one warning saying why, until it leaves or the
-step timeout's hang judgement (``--step-timeout``) ends it as any rank's.
+``left_behind_kept`` event and one warning saying why, until it leaves. A
+collective stuck on such a send ends at gloo's own timeout
+(``--collective-timeout``), and the rank leaves then with its state: until
+that timeout (and a heartbeat's time) has passed since it was kept, neither the
+step timeout's hang judgement nor the recovery timeout ends it
+(``Recoveries.spared``); after it, they judge it as any rank. When it leaves at
+last, the round forms a new generation (``on_kept_left``): the ranks that went
+on may have given up the one it was late for, since gloo waits for a peer's
+connection as long as for a collective.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ def keep_stuck(core: JobCore, info: RankInfo, waited: float, whose: str) -> None
     core.events.event("left_behind_kept", generation=info.generation, rank=info.rank,
                       pid=info.pid, step=info.step + 1, waited_s=waited)
     log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was told to "
-                "leave; it holds %s state no other rank has, so it is not killed here: waiting for "
-                "it to leave (until --step-timeout judges it hung)", core.config.job_id,
-                info.rank, info.pid, info.generation, waited, whose)
+                "leave; it holds %s state no other rank has, so it is not killed: waiting for it "
+                "to leave (a collective stuck in gloo ends at --collective-timeout, %.0fs)",
+                core.config.job_id, info.rank, info.pid, info.generation, waited, whose,
+                core.config.timeouts.collective_timeout)
 
 
 class LeftBehind:
@@ -49,8 +57,9 @@ class LeftBehind:
         self.recoveries = recoveries
         # pid -> its rank: killed for never leaving, replaced at its exit
         self.killed: dict[int, int] = {}
-        # pids stuck too, but the last holders of state: waited for, never killed
-        self.kept: set[int] = set()
+        # pids stuck too, but the last holders of state: waited for, not killed here (the
+        # round's record of them, shared with the regroup's judgement)
+        self.kept = recoveries.kept
 
     def judge(self, now: float, resumed: float = 0.0) -> None:
         """Tell each watched survivor still in its step to leave; kill each one ``stuck`` (once: its
@@ -68,7 +77,7 @@ class LeftBehind:
                 continue
             waited = round(now - order.t, 3)
             if not self.recoveries.kill_keeps_state(info.rank):
-                self.kept.add(info.pid)
+                self.kept[info.pid] = now
                 keep_stuck(self.core, info, waited, "the recovery's")
                 continue
             self.killed[info.pid] = info.rank
@@ -80,9 +89,24 @@ class LeftBehind:
                         info.rank, info.pid, info.generation, waited)
             self.core.kill(info.rank)
 
+    def on_kept_left(self, info: RankInfo, generation: int) -> None:
+        """A kept rank left ``generation`` at last (its collective ended, at gloo's timeout): the
+        round forms a new generation, so that it meets there the ranks that went on without it
+        (they may have given the one it was late for up)."""
+        if self.kept.pop(info.pid, None) is None:
+            return
+        recovery, core = self.recoveries.current, self.core
+        if recovery is None or generation >= core.generations.current:
+            return  # the round ended meanwhile, or the rank left the generation it is in
+        previous = core.generations.current
+        record = core.open_generation(
+            f"rank {info.rank} left generation {generation} at last, with the state it alone holds")
+        self.recoveries.tell_to_leave(previous, f"rank {info.rank} joins late", abort=True)
+        recovery.renew(record.generation)
+
     def on_exit(self, info: RankInfo, pid: int) -> bool:
         """True when this exit was a survivor's killed for never leaving: replaced in the round."""
-        self.kept.discard(pid)  # (a kept one's exit is judged as any other; its pid may come again)
+        self.kept.pop(pid, None)  # (a kept one's exit is judged as any other; its pid may recur)
         if self.killed.pop(pid, None) is None:
             return False
         recovery = self.recoveries.current

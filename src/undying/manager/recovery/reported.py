@@ -13,6 +13,7 @@ from typing import Protocol
 from undying.jobfiles.records import RankState
 from undying.manager.core import JobCore
 from undying.manager.recovery.detection import Detection
+from undying.manager.recovery.left_behind import LeftBehind
 from undying.manager.recovery.watch import Regroups
 from undying.protocol.worker_wire import CommFailure, Fatal, FaultInjected
 
@@ -30,11 +31,12 @@ class ReportedFaults:
     """The handlers of the faults workers report."""
 
     def __init__(self, core: JobCore, *, detection: Detection, regrouping: Regroups,
-                 moves: Moves) -> None:
+                 moves: Moves, left_behind: LeftBehind) -> None:
         self.core = core
         self.detection = detection
         self.regrouping = regrouping
         self.moves = moves
+        self.left_behind = left_behind
 
     def on_comm_failure(self, message: CommFailure) -> None:
         info = self.core.ranks[message.rank]
@@ -43,6 +45,8 @@ class ReportedFaults:
         self.core.events.event("comm_failure", generation=message.generation, rank=message.rank,
                                step=message.step, error=message.error, torn=message.torn)
         self.core.book.persist(info)
+        if not self.regrouping.active:
+            self.left_behind.on_kept_left(info, message.generation)
         # the regroup's group broke: it re-plans (after the grace), no retry
         if self.regrouping.active:
             self.regrouping.on_group_broke(message.generation,

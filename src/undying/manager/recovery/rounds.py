@@ -69,6 +69,10 @@ class Recoveries:
         # the round overtakes is cancelled first (manager.placement.migration), so its last holder
         # keeps the rank.
         self.round_opened: list[Callable[[Incident], None]] = []
+        # Stuck ranks kept as the last holders of state (a recovery's survivor, a regroup's
+        # member; recovery/left_behind.py): pid -> when kept. Waited for until their collective's
+        # own timeout can end it (``spared``).
+        self.kept: dict[int, float] = {}
 
     @property
     def step_api(self) -> bool:
@@ -124,6 +128,15 @@ class Recoveries:
             return False
         current = self.restore_plan
         return not found.needs_checkpoint or (current is not None and current.needs_checkpoint)
+
+    def spared(self, now: float) -> set[int]:
+        """The kept pids still waited for. gloo ends a collective stuck on a send it never wakes
+        only at its own timeout (``--collective-timeout``); the rank then leaves with its state.
+        Until then, and a heartbeat's time to say so, neither the step timeout nor the recovery
+        timeout ends it (``Detection.on_stall``, ``overdue``)."""
+        timeouts = self.core.config.timeouts
+        bound = timeouts.collective_timeout + timeouts.heartbeat_timeout
+        return {pid for pid, since in self.kept.items() if now - since < bound}
 
     def plan(self, incident: Incident) -> tuple[RestorePlan | None, str]:
         """Where every rank's state comes from after this incident, and its words
@@ -424,6 +437,8 @@ class Recoveries:
         timeouts = self.core.config.timeouts
         if recovery is None or now - max(recovery.started, resumed) <= timeouts.recovery_timeout:
             return ""
+        if self.spared(now):
+            return ""  # a last holder of the state is waited for (``spared``)
         return (f"recovery {recovery.id} did not complete within {timeouts.recovery_timeout:.0f}s "
                 f"(generation {recovery.generation}; ranks with a first step: "
                 f"{sorted(recovery.first_step)})")

@@ -62,8 +62,9 @@ class Regrouping:
         # (``recovery.leave_order``); and those killed for never leaving it: pid -> rank.
         self._leave: LeaveOrder | None = None
         self._left_behind: dict[int, int] = {}
-        # pids stuck too, but the last holders of the unsaved state: waited for, never killed
-        self._kept: set[int] = set()
+        # pids stuck too, but the last holders of the unsaved state: waited for, not killed (the
+        # round's record of them, ``Recoveries.kept``)
+        self._kept = recoveries.kept
 
     @property
     def active(self) -> bool:
@@ -291,7 +292,7 @@ class Regrouping:
             waited = round(now - order.t, 3)
             alone = self.checkpoints.sharded or regroup.remaining() == [info.rank]
             if not regroup.saved and alone:
-                self._kept.add(info.pid)
+                self._kept[info.pid] = now
                 keep_stuck(core, info, waited, "the regroup's unsaved")
                 continue
             self._left_behind[info.pid] = info.rank
@@ -308,7 +309,7 @@ class Regrouping:
         a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
-        self._kept.discard(pid)  # (a kept one's exit is judged as any other; its pid may recur)
+        self._kept.pop(pid, None)  # (a kept one's exit is judged as any other; its pid may recur)
         # Members leave once the state is saved;
         # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
