@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tests.unit.live_manager import logged, running
 from undying.jobfiles.records import IncidentKind, RankState
+from undying.manager.manager import Manager
+from undying.manager.recovery import Recovery
 from undying.protocol.node_wire import RankProgress
 from undying.protocol.worker_wire import CommFailure, StepCommitted
 
@@ -97,17 +99,25 @@ def test_a_recovery_whose_first_step_waits_for_the_replacement_kills_it_within_t
         manager.close()
 
 
+def _kept_survivor(manager: Manager) -> tuple[Recovery, float]:
+    """A 2-rank job loses rank 1 and its survivor stays stuck past the limit: kept as the last holder.
+    The round, and when the survivor was kept."""
+    manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
+    recovery = manager.recoveries.current
+    assert recovery is not None and recovery.leave is not None
+    kept_at = recovery.leave.t + 6.0
+    manager.watch.left_behind.judge(kept_at)
+    return recovery, kept_at
+
+
 def test_a_stuck_survivor_that_is_the_last_holder_of_the_state_is_waited_for_not_killed(tmp_path: Path) -> None:
     """A 2-rank job loses rank 1: rank 0 alone holds the newest step. Killed for being stuck, it would take
     the state with it (the job failed so under load: 'every rank that held the training state is gone');
     kept, its collective ends by itself and the round goes on. With a third rank holding it too, it is killed."""
     manager, agent = running(tmp_path, ranks=2)
     try:
-        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
-        told = manager.recoveries.current
-        assert told is not None and told.leave is not None
-        manager.watch.left_behind.judge(told.leave.t + 6.0)
-        assert [i.rank for i in manager.recoveries.stuck(told.leave.t + 6.0)] == [0], "stuck past the limit"
+        told, kept_at = _kept_survivor(manager)
+        assert [i.rank for i in manager.recoveries.stuck(kept_at)] == [0], "stuck past the limit"
         assert 0 not in agent.killed, "the last holder of the state is not killed"
         [kept] = logged(manager, tmp_path, "left_behind_kept")
         assert (kept["pid"], kept["step"]) == (manager.ranks[0].pid, 5), kept
@@ -127,11 +137,7 @@ def test_a_kept_survivor_is_waited_for_until_its_collective_timeout_not_the_step
     as any rank (the CI run that found this killed the last holder at the step timeout: the job failed)."""
     manager, agent = running(tmp_path, ranks=2)
     try:
-        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
-        recovery = manager.recoveries.current
-        assert recovery is not None and recovery.leave is not None
-        kept_at = recovery.leave.t + 6.0
-        manager.watch.left_behind.judge(kept_at)
+        recovery, kept_at = _kept_survivor(manager)
         survivor = manager.ranks[0].pid
         assert manager.recoveries.kept == {survivor: kept_at}
         timeouts = manager.core.config.timeouts
@@ -153,10 +159,7 @@ def test_a_kept_survivor_that_leaves_at_last_has_the_round_form_a_new_generation
     waits as long as its collective): a new one is opened in the same round, and every rank meets there."""
     manager, agent = running(tmp_path, ranks=2)
     try:
-        manager.on_exit(1, manager.ranks[1].pid, -9, time.time())
-        recovery = manager.recoveries.current
-        assert recovery is not None and recovery.leave is not None
-        manager.watch.left_behind.judge(recovery.leave.t + 6.0)
+        recovery, _ = _kept_survivor(manager)
         assert manager.core.generations.current == 1 and manager.recoveries.kept
         manager.on_message(CommFailure(0, 0, 5, "Timed out waiting 20000ms for send operation to complete",
                                        time.time()))
