@@ -326,7 +326,7 @@ class Rejoin:
         status."""
         ctx = self.ctx
         receivers = tuple(r for donor, r in plan.transfers() if donor == me)
-        sent: list[dist.Work] = []
+        sent: list[dist.Work | None] = []
         if receivers:
             assert state is not None
             # The donor's fingerprint travels with it: the receiver's state, once loaded, must show

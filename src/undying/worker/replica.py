@@ -169,7 +169,7 @@ def exchange(data: bytes, successor: int, predecessor: int, *, tag: int = TAG_RI
     if data:
         sent.append(dist.isend(_as_tensor(data), dst=successor, tag=tag + 1))
     received = [dist.irecv(incoming, src=predecessor, tag=tag + 1)] if incoming.numel() else []
-    settle([w for w in received if w is not None], [w for w in sent if w is not None])
+    settle(received, sent)
     return _checked(incoming, header_in, predecessor)
 
 

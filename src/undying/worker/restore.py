@@ -71,7 +71,7 @@ def exchange_statuses(status: RankStatus) -> list[RankStatus]:
     return statuses
 
 
-def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> list[dist.Work]:
+def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> list[dist.Work | None]:
     """Start sending the whole state to each receiver; finish with ``settle``."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -82,10 +82,10 @@ def send_state(state: dict[str, Any], receivers: tuple[int, ...]) -> list[dist.W
     works: list[dist.Work | None] = []
     for rank in receivers:
         works += [dist.isend(header, dst=rank), dist.isend(payload, dst=rank)]
-    return [w for w in works if w is not None]
+    return works
 
 
-def settle(received: Sequence[dist.Work], sent: Sequence[dist.Work]) -> None:
+def settle(received: Sequence[dist.Work | None], sent: Sequence[dist.Work | None]) -> None:
     """Finish a transfer every rank of the group takes part in: this rank's receives, a barrier,
     then its sends.
 
@@ -98,12 +98,15 @@ def settle(received: Sequence[dist.Work], sent: Sequence[dist.Work]) -> None:
     delivered and returns at once; a peer gone before that fails a receive or
     the barrier instead, at once. (The barrier's own sends keep a narrower
     window: a peer that leaves between posting its receive and taking the data.)
+    A None (what ``isend`` returns to a rank outside the group) is skipped.
     """
     for work in received:
-        work.wait()
+        if work is not None:
+            work.wait()
     dist.barrier()
     for work in sent:
-        work.wait()
+        if work is not None:
+            work.wait()
 
 
 def recv_state(donor: int) -> dict[str, Any]:

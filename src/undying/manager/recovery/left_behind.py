@@ -39,9 +39,13 @@ __all__ = ["LeftBehind", "keep_stuck"]
 log = logging.getLogger("undying.manager")
 
 
-def keep_stuck(core: JobCore, info: RankInfo, waited: float, whose: str) -> None:
-    """Record a stuck rank kept because it is the last holder of ``whose`` state: the
-    ``left_behind_kept`` event and the one warning (a recovery's survivor, a regroup's member)."""
+def keep_stuck(recoveries: Recoveries, info: RankInfo, now: float, waited: float,
+               whose: str) -> None:
+    """Keep a stuck rank that is the last holder of ``whose`` state (a recovery's survivor, a
+    regroup's member): waited for, not killed (``Recoveries.kept``), with the ``left_behind_kept``
+    event and one warning."""
+    recoveries.kept[info.pid] = now
+    core = recoveries.core
     core.events.event("left_behind_kept", generation=info.generation, rank=info.rank,
                       pid=info.pid, step=info.step + 1, waited_s=waited)
     log.warning("job %s: rank %d (pid %d) still in generation %d %.1fs after it was told to "
@@ -55,11 +59,10 @@ class LeftBehind:
     def __init__(self, core: JobCore, recoveries: Recoveries) -> None:
         self.core = core
         self.recoveries = recoveries
+        # pids stuck too, but the last holders of state (``Recoveries.keep``): waited for
+        self.kept = recoveries.kept
         # pid -> its rank: killed for never leaving, replaced at its exit
         self.killed: dict[int, int] = {}
-        # pids stuck too, but the last holders of state: waited for, not killed here (the
-        # round's record of them, shared with the regroup's judgement)
-        self.kept = recoveries.kept
 
     def judge(self, now: float, resumed: float = 0.0) -> None:
         """Tell each watched survivor still in its step to leave; kill each one ``stuck`` (once: its
@@ -77,8 +80,7 @@ class LeftBehind:
                 continue
             waited = round(now - order.t, 3)
             if not self.recoveries.kill_keeps_state(info.rank):
-                self.kept[info.pid] = now
-                keep_stuck(self.core, info, waited, "the recovery's")
+                keep_stuck(self.recoveries, info, now, waited, "the recovery's")
                 continue
             self.killed[info.pid] = info.rank
             self.core.events.event("left_behind", generation=info.generation, rank=info.rank,
@@ -89,11 +91,12 @@ class LeftBehind:
                         info.rank, info.pid, info.generation, waited)
             self.core.kill(info.rank)
 
-    def on_kept_left(self, info: RankInfo, generation: int) -> None:
-        """A kept rank left ``generation`` at last (its collective ended, at gloo's timeout): the
-        round forms a new generation, so that it meets there the ranks that went on without it
-        (they may have given the one it was late for up)."""
-        if self.kept.pop(info.pid, None) is None:
+    def on_kept_left(self, info: RankInfo, generation: int, *, reopen: bool) -> None:
+        """A kept rank left ``generation`` at last (its collective ended, at gloo's timeout): it is
+        kept no more, and (``reopen``: no regroup re-plans anyway) the round forms a new generation,
+        so that it meets there the ranks that went on without it (they may have given the one it
+        was late for up)."""
+        if self.kept.pop(info.pid, None) is None or not reopen:
             return
         recovery, core = self.recoveries.current, self.core
         if recovery is None or generation >= core.generations.current:

@@ -45,8 +45,7 @@ class ReportedFaults:
         self.core.events.event("comm_failure", generation=message.generation, rank=message.rank,
                                step=message.step, error=message.error, torn=message.torn)
         self.core.book.persist(info)
-        if not self.regrouping.active:
-            self.left_behind.on_kept_left(info, message.generation)
+        self.left_behind.on_kept_left(info, message.generation, reopen=not self.regrouping.active)
         # the regroup's group broke: it re-plans (after the grace), no retry
         if self.regrouping.active:
             self.regrouping.on_group_broke(message.generation,

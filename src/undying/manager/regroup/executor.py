@@ -62,9 +62,6 @@ class Regrouping:
         # (``recovery.leave_order``); and those killed for never leaving it: pid -> rank.
         self._leave: LeaveOrder | None = None
         self._left_behind: dict[int, int] = {}
-        # pids stuck too, but the last holders of the unsaved state: waited for, not killed (the
-        # round's record of them, ``Recoveries.kept``)
-        self._kept = recoveries.kept
 
     @property
     def active(self) -> bool:
@@ -287,13 +284,12 @@ class Regrouping:
             return
         for info in order.stuck(core.ranks, regroup.generation, now, resumed,
                                 core.clock.longest_rank_step_s()):
-            if info.pid in self._left_behind or info.pid in self._kept:
+            if info.pid in self._left_behind or info.pid in self.recoveries.kept:
                 continue
             waited = round(now - order.t, 3)
             alone = self.checkpoints.sharded or regroup.remaining() == [info.rank]
             if not regroup.saved and alone:
-                self._kept[info.pid] = now
-                keep_stuck(core, info, waited, "the regroup's unsaved")
+                keep_stuck(self.recoveries, info, now, waited, "the regroup's unsaved")
                 continue
             self._left_behind[info.pid] = info.rank
             core.events.event("left_behind", generation=info.generation, rank=info.rank,
@@ -309,7 +305,7 @@ class Regrouping:
         a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
-        self._kept.pop(pid, None)  # (a kept one's exit is judged as any other; its pid may recur)
+        self.recoveries.kept.pop(pid, None)  # (a kept one's exit is judged as any other)
         # Members leave once the state is saved;
         # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
