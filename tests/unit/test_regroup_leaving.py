@@ -8,11 +8,12 @@ when its connection closed waits out the whole collective timeout): it is killed
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 from tests.unit.live_manager import logged, running
-from undying.jobfiles.records import RankState
+from undying.jobfiles.records import JobState, RankState
 from undying.protocol.worker_wire import CommFailure
 
 
@@ -81,7 +82,9 @@ def test_a_planned_leave_is_judged_only_after_the_members_grace(tmp_path: Path) 
 
 def test_a_stuck_member_that_alone_holds_the_unsaved_state_is_waited_for_not_killed(tmp_path: Path) -> None:
     """Rank 1's process is gone: rank 0, stuck, is the only member left with the state, and nothing is
-    saved yet. Killing it would leave the regroup nothing to save (recovery/left_behind.py's rule)."""
+    saved yet. Killing it would leave the regroup nothing to save (recovery/left_behind.py's rule). The
+    regroup's recovery timeout waits for it as a recovery's does: until its collective's own timeout (and a
+    heartbeat) has passed since it was kept."""
     manager, agent = running(tmp_path, ranks=2)
     try:
         manager.regrouping.begin("node 1 lost")
@@ -95,5 +98,22 @@ def test_a_stuck_member_that_alone_holds_the_unsaved_state_is_waited_for_not_kil
         assert 0 not in agent.killed, "the last holder of the unsaved state is not killed"
         [kept] = logged(manager, tmp_path, "left_behind_kept")
         assert kept["pid"] == manager.ranks[0].pid and logged(manager, tmp_path, "left_behind") == []
+        timeouts = manager.core.config.timeouts
+        manager.regrouping.watch()  # (re-plans with the members left: rank 0)
+        regroup = manager.regrouping.regroup
+        assert regroup is not None and list(regroup.members) == [0], regroup
+        regroup.started -= timeouts.recovery_timeout + 1.0  # the regroup is past its recovery timeout
+        manager.regrouping.watch()
+        assert manager.core.state is JobState.RECOVERING, "not while its collective's own timeout may end it"
+
+        async def later() -> None:
+            # kept a collective timeout and a heartbeat ago
+            bound = timeouts.collective_timeout + timeouts.heartbeat_timeout
+            manager.recoveries.kept[kept["pid"]] = time.time() - bound - 1.0
+            manager.regrouping.watch()
+
+        asyncio.run(later())
+        assert manager.core.exit_reason and "did not save and leave" in manager.core.exit_reason, (
+            "past that, judged as any regroup")
     finally:
         manager.close()

@@ -102,6 +102,8 @@ class Comings:
                           returncode=returncode)
         # a moving rank's old process: the rank is its again
         self.migrations.before_exit(pid, returncode)
+        # a kept survivor's exit (recovery/left_behind.py) is judged as any other; its pid may recur
+        self.recoveries.kept.pop(pid, None)
         info = core.ranks.get(rank)
         if info is None or pid != info.pid:
             # a process already replaced (or numbered before a regroup); its exit is old news

@@ -109,7 +109,6 @@ class LeftBehind:
 
     def on_exit(self, info: RankInfo, pid: int) -> bool:
         """True when this exit was a survivor's killed for never leaving: replaced in the round."""
-        self.kept.pop(pid, None)  # (a kept one's exit is judged as any other; its pid may recur)
         if self.killed.pop(pid, None) is None:
             return False
         recovery = self.recoveries.current

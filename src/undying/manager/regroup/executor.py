@@ -262,6 +262,8 @@ class Regrouping:
                       fewest=config.fewest_nodes, available=core.nodes_available(),
                       saved_step=saved.step if saved is not None else regroup.step,
                       saved_at=saved.url if saved is not None else regroup.saved, resumed=resumed)
+        if why and not regroup.waiting_since and self.recoveries.spared(now):
+            return  # the unsaved state's last holder is waited for (``Recoveries.spared``)
         if why:
             self.recoveries.fail(why)
 
@@ -305,7 +307,6 @@ class Regrouping:
         a second fault, or old news."""
         regroup = self.regroup
         assert regroup is not None
-        self.recoveries.kept.pop(pid, None)  # (a kept one's exit is judged as any other)
         # Members leave once the state is saved;
         # any other process of the old layout is no fault now.
         if info.rank not in regroup.members or info.rank in regroup.left:
