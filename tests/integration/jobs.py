@@ -19,7 +19,8 @@ from undying.demo import TRAIN_SCRIPT
 from undying.demo.cluster import wait_for
 from undying.jobfiles.jobdir import JobDir
 
-__all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "job_table",
+__all__ = ["start_job", "wait_for", "manager_url", "status", "wait_running", "alive", "events", "rank_events",
+           "job_table",
            "run_demo_json"]
 
 
@@ -52,6 +53,17 @@ def events(db: Path, kind: str) -> list[dict[str, Any]]:
     con = sqlite3.connect(db)
     try:
         return [json.loads(d) for (d,) in con.execute("SELECT data FROM events WHERE kind = ? ORDER BY id", (kind,))]
+    finally:
+        con.close()
+
+
+def rank_events(db: Path, kind: str) -> list[dict[str, Any]]:
+    """Every event of ``kind``, oldest first, each with its ``rank`` and ``generation`` (columns of the log,
+    not of the event's data)."""
+    con = sqlite3.connect(db)
+    try:
+        return [{"rank": rank, "generation": generation, **json.loads(data)} for rank, generation, data in
+                con.execute("SELECT rank, generation, data FROM events WHERE kind = ? ORDER BY id", (kind,))]
     finally:
         con.close()
 

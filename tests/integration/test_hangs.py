@@ -7,7 +7,14 @@ import signal
 import time
 from pathlib import Path
 
-from tests.integration.jobs import events, manager_url, start_job, wait_running
+from tests.integration.jobs import (
+    events,
+    manager_url,
+    rank_events,
+    start_job,
+    wait_for,
+    wait_running,
+)
 from tests.oracle import Oracle, crash, hang, job_summary
 from undying.demo.oracle import compare_runs, load_run
 
@@ -102,6 +109,44 @@ def test_a_survivor_that_never_leaves_the_old_generation_is_replaced_without_wai
     assert sorted(e["rank"] for e in outcome.events("spawned") if e["joining"]) == [1, 2]
     assert outcome.events("hang_detected") == [], "no hang of its own"
     assert outcome.events("stall_detected") == [], "the step timeout played no part"
+
+
+# 2 ranks, 2 epochs of 32 steps paced at 0.05 s (the reference runs unpaced: the same losses).
+KEPT_ARGS = ["--epochs", "2", "--step-seconds", "0.05"]
+
+
+def test_a_stuck_last_holder_is_waited_for_and_the_round_goes_on_when_it_leaves(
+        oracle: Oracle, tmp_path: Path, reap: list[int]) -> None:
+    """Rank 1 stops (SIGSTOP) and rank 0 is killed: rank 1, stuck in the old generation past the 5 s the
+    survivors have to leave it, is judged left behind, but it alone holds the job's state, so it is kept
+    (`left_behind_kept`), not killed (which would end the job). Continued, it leaves as a survivor whose
+    collective ended at last (gloo's own timeout, in the fault this stands for): the round opens a new
+    generation where it meets rank 0's replacement, which takes its state from it. The losses are those of
+    the run without faults."""
+    job_dir = tmp_path / "job"
+    db = job_dir / "events.db"
+    launcher = start_job(job_dir, KEPT_ARGS, ranks=2, reap=reap,
+                         run_args=["--spares", "0", "--heartbeat-timeout", "60"])
+    assert wait_running(manager_url(job_dir), min_step=5)["step"] < 40
+    pids = {e["rank"]: e["pid"] for e in rank_events(db, "spawned")}
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        wait_for(lambda: events(db, "left_behind_kept"), 60, "rank 1 to be kept as the last holder")
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert launcher.wait(timeout=120) == 0, (job_dir.parent / "job.log").read_text()[-3000:]
+    run = load_run(db)
+    comparison = compare_runs(oracle.baseline(KEPT_ARGS, 2), run)
+    assert comparison.identical and comparison.lost_steps == 0, comparison.reasons
+    (crashed,) = run.incidents
+    assert (crashed["kind"], crashed["rank"], crashed["action"], crashed["status"]) == (
+        "crash", 0, "replace", "recovered"), crashed
+    (kept,) = rank_events(db, "left_behind_kept")
+    assert (kept["rank"], kept["pid"]) == (1, pids[1]) and kept["waited_s"] >= 5.0, kept
+    assert events(db, "left_behind") == [] and events(db, "hang_detected") == []
+    assert [e["rank"] for e in rank_events(db, "spawned") if e["joining"]] == [0], "rank 1 kept its process"
+    assert any("at last" in e["reason"] for e in events(db, "generation_opened")), events(db, "generation_opened")
 
 
 # 64 steps of 0.08 s on 2 ranks: the fault-free reference is test_checkpoints.py's (pacing is no part of it).

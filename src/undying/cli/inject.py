@@ -61,7 +61,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"one of {', '.join(p.value for p in (*InjectPhase, *SlowPhase))}: where in the "
         "step: step (its start, the default with --at-step), forward, "
         "backward (during the gradient all-reduce), optimizer, recovery (when the rank starts "
-        "recovering from another fault), rejoin (the rank's next replacement process, once it "
+        "recovering from another fault), join (once it left the old generation, before it "
+        "joins the next: a fault while the others form it), rejoin (the rank's next "
+        "replacement process, once it "
         "joined and received its state: a fault of the replacement itself); for slow: compute "
         "(the default: forward and backward), data (the wait for the next batch) or ckpt (the "
         "training loop's checkpoint stall, at steps that save)",

@@ -230,7 +230,10 @@ be written: a resume re-runs the steps after it, the last line counts them),
     add_setting(t, Timeouts, "--rendezvous-timeout", type=finite_arg("--rendezvous-timeout"),
                 help="a worker's wait for the next generation (default %(default).0f)")
     add_setting(t, Timeouts, "--connect-timeout", type=finite_arg("--connect-timeout"),
-                help="building a process group (default %(default).0f)")
+                help="building a process group: connecting to its store (default "
+                "%(default).0f); gloo waits for every member as long as one collective "
+                "(--collective-timeout), and a member that gave up tells the manager, which "
+                "opens the next generation")
     add_setting(t, Timeouts, "--collective-timeout", type=finite_arg("--collective-timeout"),
                 help="one collective making no progress (default %(default).0f); also how long "
                 "a stuck survivor that alone holds some state is waited for")

@@ -368,6 +368,9 @@ class StoreHandle:
         """The value of ``key``, which must be set (the manager reads only what it wrote)."""
         return self._checked(Request("get", [key])).values[0]
 
+    def list_keys(self) -> list[str]:
+        return [key.decode() for key in self._checked(Request("list_keys")).values]
+
     def close(self) -> None:
         self._server.drop(self.name)
 

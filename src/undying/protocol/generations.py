@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-__all__ = ["GenerationRecord", "generation_key", "rank_owner_key", "CURRENT_KEY"]
+__all__ = ["GenerationRecord", "generation_key", "rank_owner_key", "arrival_key", "CURRENT_KEY"]
 
 CURRENT_KEY = "gen/current"
 
@@ -32,6 +32,13 @@ def generation_key(generation: int) -> str:
 def rank_owner_key(rank: int) -> str:
     """The incarnation (a number the manager counts up) of the process that holds ``rank`` now."""
     return f"rank/{rank}/owner"
+
+
+def arrival_key(rank: int) -> str:
+    """Set in a generation's own store by ``rank`` (its number in the job) as it starts building
+    the group, outside the group's own keys: when the group fails to form, the manager reads who
+    came, and blames one that did not."""
+    return f"undying/arrived/{rank}"
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,11 @@ class InjectPhase(Choice):
     """Where a worker can be made to fault.
 
     At the start of a step (between steps), in the forward pass, in backward's
-    gradient all-reduce, in the optimizer step, when it starts a recovery, for
-    the rank's next replacement process once it joined and received its state
-    (``rejoin``), or in a regroup generation once the state is restored,
-    before it is saved (``regroup``, see worker.job).
+    gradient all-reduce, in the optimizer step, when it starts a recovery, when
+    it has left the old generation and is about to join the next (``join``:
+    while the others form it), for the rank's next replacement process once it
+    joined and received its state (``rejoin``), or in a regroup generation once
+    the state is restored, before it is saved (``regroup``, see worker.job).
     """
 
     STEP = "step"
@@ -50,6 +51,7 @@ class InjectPhase(Choice):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     RECOVERY = "recovery"
+    JOIN = "join"
     REJOIN = "rejoin"
     REGROUP = "regroup"
 

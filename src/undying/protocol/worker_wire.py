@@ -147,6 +147,8 @@ class CommFailure(Message, frozen=True):
 
     ``torn``: the rank's live state was already past ``step`` (its optimizer stepped, or the step's
     body ran to its end and the commit failed), so it is restored from a snapshot, not kept.
+    ``unformed``: the rank never had ``generation``'s group: it failed while forming (a member
+    that never came, a link that failed while connecting).
     """
 
     rank: int
@@ -155,6 +157,7 @@ class CommFailure(Message, frozen=True):
     error: str
     t: float
     torn: bool = False
+    unformed: bool = False
 
 
 class FaultInjected(Message, frozen=True):

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,7 +27,12 @@ from undying.errors import (
     RecoveryError,
 )
 from undying.protocol.env import GENERATION_ENV
-from undying.protocol.generations import GenerationRecord, generation_key, rank_owner_key
+from undying.protocol.generations import (
+    GenerationRecord,
+    arrival_key,
+    generation_key,
+    rank_owner_key,
+)
 from undying.protocol.store_client import JobStore, hold
 from undying.protocol.store_wire import generation_store
 
@@ -204,7 +210,7 @@ def leave_group() -> None:
 
 
 def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, collective_s: float,
-           key: bytes) -> None:
+           key: bytes, job_rank: int) -> None:
     before = _sockets()
     # The default group's name ("0") prefixes its keys in the store. A failed
     # init_process_group used the name without resetting the counter behind it
@@ -216,6 +222,7 @@ def _build(record: GenerationRecord, rank: int, backend: str, connect_s: float, 
     store = hold("generation", JobStore(record.store_host, record.store_port,
                                         generation_store(record.generation),
                                         key, timedelta(seconds=connect_s)))
+    store.set(arrival_key(job_rank), "1")  # (who came, should the group fail to form)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("default_pg", store),
@@ -243,8 +250,17 @@ def join_generation(
     incarnation: int = 0,
     deadline: float | None = None,
     key: bytes,
+    unformed: Callable[[int, Exception], None] | None = None,
 ) -> GenerationRecord:
-    """Join generation ``first`` or, if it was superseded, the one that replaced it."""
+    """Join generation ``first`` or, if it was superseded, the one that replaced it.
+
+    ``unformed(generation, error)`` is told when a generation failed to form here (a peer that
+    never came, a link that failed while connecting) and is still open, before this rank waits
+    for the manager to replace it: the manager hears it as the generation's failure
+    (``CommFailure``), where no exit or silence would tell it, and opens the next one instead of
+    waiting out its recovery timeout. One superseded meanwhile (its store closed, which failed the
+    wait) is followed at once, untold.
+    """
     deadline = time.monotonic() + rendezvous_s if deadline is None else deadline
     generation = first
     while True:
@@ -259,7 +275,7 @@ def join_generation(
                               f"({record.reason}): the job regroups without this process")
         leave_group()
         try:
-            _build(record, member, backend, connect_s, collective_s, key)
+            _build(record, member, backend, connect_s, collective_s, key, rank)
             return record
         except Exception as e:
             if not is_comm_failure(e):
@@ -267,18 +283,29 @@ def join_generation(
             leave_group()
             log.info("rank %d: generation %d failed to form (%s); waiting for the next",
                      rank, generation, e)
-            generation = _wait_superseded(control, generation, deadline)
+            after = _superseded_by(control, generation)
+            if after is None and unformed is not None:
+                unformed(generation, e)  # (superseded already: its store closed, the manager knows)
+            generation = after if after is not None else _wait_superseded(control, generation,
+                                                                         deadline)
+
+
+def _superseded_by(control: dist.Store, generation: int) -> int | None:
+    """The generation that replaced ``generation``; None while it is open."""
+    try:
+        record = GenerationRecord.from_json(control.get(generation_key(generation)))
+    except dist.DistError as e:
+        raise ControlStoreLostError(f"the manager's control store is unreachable: {e}") from e
+    return record.superseded_by if record.status == "superseded" else None
 
 
 def _wait_superseded(control: dist.Store, generation: int, deadline: float) -> int:
-    """A generation that failed to form is superseded by the manager soon; follow it."""
+    """A generation that failed to form is superseded by the manager soon (told by ``unformed``, or
+    by a member's exit); follow it."""
     while time.monotonic() < deadline:
-        try:
-            record = GenerationRecord.from_json(control.get(generation_key(generation)))
-        except dist.DistError as e:
-            raise ControlStoreLostError(f"the manager's control store is unreachable: {e}") from e
-        if record.status == "superseded":
-            return record.superseded_by
+        after = _superseded_by(control, generation)
+        if after is not None:
+            return after
         time.sleep(0.02)
     raise GenerationSupersededError(
         f"generation {generation} failed to form and the manager opened no replacement in time"

@@ -130,7 +130,7 @@ class Rejoin:
                     self.control, generation, rank=ctx.rank, backend=env.backend,
                     rendezvous_s=t.rendezvous_timeout, connect_s=t.connect_timeout,
                     collective_s=t.collective_timeout, incarnation=env.incarnation,
-                    deadline=deadline, key=env.store_key,
+                    deadline=deadline, key=env.store_key, unformed=self._unformed,
                 )
                 break
             except FencedError as e:
@@ -208,6 +208,14 @@ class Rejoin:
             self.ctx.report_fatal(self.ctx.current_step + 1, e)
             raise
 
+    def _unformed(self, generation: int, error: Exception) -> None:
+        """A generation failed to form on this rank: the manager hears it as that generation's
+        failure (``group.join_generation``)."""
+        ctx = self.ctx
+        ctx.send(CommFailure(ctx.rank, generation, ctx.current_step,
+                             f"generation {generation} failed to form: {error}", time.time(),
+                             unformed=True))
+
     def _comm_failure(self, *, torn: bool = False) -> None:
         ctx = self.ctx
         ctx.send(CommFailure(ctx.rank, ctx.generation, ctx.current_step, ctx.abort_reason,
@@ -225,6 +233,7 @@ class Rejoin:
                 for wrapper in self.wrappers:
                     wrapper.invalidate()
                 leave_group()  # now, not when the next generation opens: peers wait on our sockets
+                ctx.faults.check("join", ctx.current_step)
                 self.join(generation)
             joined = False
             regroup = self.purpose == "regroup"

@@ -18,7 +18,7 @@ operator who wants it now leaves the step out); a step past the job's last
 (rank 0's plan says which, once its loop started); a rank that ran its last
 step; and any fault armed in a script without the step API, which has no
 steps (only crash and hang, now, reach it: they are signals). The phases of
-an event (recovery, rejoin, regroup) take their step as "not before": a step
+an event (recovery, join, rejoin, regroup) take their step as "not before": a step
 passed means the next such event.
 """
 
@@ -48,7 +48,7 @@ _INJECT_SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
 # (manager.recovery.leaving).
 _LEAVE_PHASES = ("step", "forward", "optimizer")
 # The phases that come once at every step: a step passed never comes back for them. (recovery,
-# rejoin and regroup come with an event, at a step not before the one armed.)
+# join, rejoin and regroup come with an event, at a step not before the one armed.)
 _EVERY_STEP = frozenset({"step", "forward", "backward", "optimizer", *SlowPhase})
 
 

@@ -12,12 +12,14 @@ and stays out.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from undying.errors import UsageError
-from undying.manager.stores import StoreHandle, StoreServer
+from undying.manager.stores import StoreClosedError, StoreHandle, StoreServer
 from undying.protocol.generations import (
     CURRENT_KEY,
     GenerationRecord,
+    arrival_key,
     generation_key,
     rank_owner_key,
 )
@@ -83,6 +85,18 @@ class Generations:
 
     def store_port(self) -> int:
         return self._open[self.current].port
+
+    def arrived(self, generation: int, ranks: Iterable[int]) -> set[int] | None:
+        """Which of ``ranks`` (numbers in the job) came to build ``generation``'s group (each sets
+        ``arrival_key`` in its store); None once its store is closed (superseded)."""
+        store = self._open.get(generation)
+        if store is None:
+            return None
+        try:
+            keys = set(store.list_keys())
+        except StoreClosedError:
+            return None
+        return {rank for rank in ranks if arrival_key(rank) in keys}
 
     def _announce(self, generation: int, world_size: int, reason: str, *, members: dict[int, int],
                   purpose: str) -> GenerationRecord:

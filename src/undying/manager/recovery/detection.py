@@ -281,18 +281,32 @@ class Detection:
             return  # already escalated: a rank of this failure is being replaced
         if self.leavers.explains(message.rank, message.step, "its collective failed"):
             return  # a rank that exited 0 before this step left the others waiting
-        # An injected link fault names its rank and time; otherwise the first to report.
+        # An injected link fault names its rank and time; a group that never formed, a member that
+        # never came; otherwise the first to report.
         injected = [(t, r) for r, (t, kind) in self.injected.items() if kind == "comm-error"]
-        rank, fault_t = message.rank, message.t
+        rank, fault_t, error = message.rank, message.t, message.error
+        absent = self._absent(message) if message.unformed else []
         if injected:
             fault_t, rank = min(injected)
             del self.injected[rank]
+        elif absent:
+            rank = absent[0]
+            error = (f"generation {message.generation} failed to form: rank"
+                     f"{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never came "
+                     f"(rank {message.rank}: {message.error})")
         incident: Incident = self.recoveries.new_incident(kind=IncidentKind.COMM_ERROR, rank=rank,
                                                           step=message.step, fault_t=fault_t,
-                                                          detected_t=time.time(),
-                                                          error=message.error)
+                                                          detected_t=time.time(), error=error)
         incident.detail["injected"] = bool(injected)
         self.recoveries.handle(incident)
+
+    def _absent(self, message: CommFailure) -> list[int]:
+        """The ranks with a live process that never came to build the generation ``message`` could
+        not form (``arrival_key``): the one to blame, and to replace if it keeps failing."""
+        ranks = [info.rank for info in self.core.ranks.values()
+                 if info.state not in (RankState.EXITED, RankState.DONE)]
+        arrived = self.core.generations.arrived(message.generation, ranks)
+        return [] if arrived is None else sorted(set(ranks) - arrived)
 
     def cancel(self) -> None:
         for task in list(self.grace_tasks):
