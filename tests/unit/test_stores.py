@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.unit.store_server import KEY, serving
 from undying.manager.stores import StoreServer
 from undying.protocol.env import STORE_KEY_ENV
 from undying.protocol.store_client import JobStore
@@ -33,18 +34,13 @@ from undying.protocol.store_wire import (
     store_key_from_token,
 )
 
-KEY = store_key_from_token("the job's token")
 T = timedelta(seconds=5)
 
 
 @pytest.fixture
 def server() -> Iterator[StoreServer]:
-    made = StoreServer("127.0.0.1", 0, KEY, handshake_timeout=1.0, max_pending=8)
-    made.open("control")
-    try:
+    with serving() as made:
         yield made
-    finally:
-        made.close()
 
 
 def client(server: StoreServer, name: str = "control", key: bytes = KEY) -> JobStore:

@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
+from tests.unit.store_server import KEY, serving
 from undying.demo.cluster import wait_for
 from undying.manager.membership.generations import Generations
 from undying.manager.stores import StoreHandle, StoreServer
 from undying.protocol.generations import GenerationRecord, arrival_key, generation_key
 from undying.protocol.store_client import JobStore
-from undying.protocol.store_wire import generation_store, store_key_from_token
+from undying.protocol.store_wire import generation_store
 from undying.protocol.worker_wire import CommFailure
 
-KEY = store_key_from_token("the job's token")
 FORMING_S = 1.5  # --collective-timeout
 
 
@@ -61,12 +61,8 @@ def _join(port: int, forming_s: float, out: Any) -> None:
 
 @pytest.fixture
 def server() -> Iterator[StoreServer]:
-    made = StoreServer("127.0.0.1", 0, KEY, handshake_timeout=1.0, max_pending=8)
-    made.open("control")
-    try:
+    with serving() as made:
         yield made
-    finally:
-        made.close()
 
 
 def _member(server: StoreServer, reap: list[int], forming_s: float) -> tuple[Any, Any]:
