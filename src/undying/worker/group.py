@@ -283,11 +283,9 @@ def join_generation(
             leave_group()
             log.info("rank %d: generation %d failed to form (%s); waiting for the next",
                      rank, generation, e)
-            after = _superseded_by(control, generation)
-            if after is None and unformed is not None:
+            if unformed is not None and _superseded_by(control, generation) is None:
                 unformed(generation, e)  # (superseded already: its store closed, the manager knows)
-            generation = after if after is not None else _wait_superseded(control, generation,
-                                                                         deadline)
+            generation = _wait_superseded(control, generation, deadline)
 
 
 def _superseded_by(control: dist.Store, generation: int) -> int | None:

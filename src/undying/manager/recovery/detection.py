@@ -285,11 +285,10 @@ class Detection:
         # never came; otherwise the first to report.
         injected = [(t, r) for r, (t, kind) in self.injected.items() if kind == "comm-error"]
         rank, fault_t, error = message.rank, message.t, message.error
-        absent = self._absent(message) if message.unformed else []
         if injected:
             fault_t, rank = min(injected)
             del self.injected[rank]
-        elif absent:
+        elif message.unformed and (absent := self._absent(message)):
             rank = absent[0]
             error = (f"generation {message.generation} failed to form: rank"
                      f"{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never came "

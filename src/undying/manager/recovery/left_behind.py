@@ -59,7 +59,7 @@ class LeftBehind:
     def __init__(self, core: JobCore, recoveries: Recoveries) -> None:
         self.core = core
         self.recoveries = recoveries
-        # pids stuck too, but the last holders of state (``Recoveries.keep``): waited for
+        # pids stuck too, but the last holders of state (``keep_stuck``): waited for
         self.kept = recoveries.kept
         # pid -> its rank: killed for never leaving, replaced at its exit
         self.killed: dict[int, int] = {}
