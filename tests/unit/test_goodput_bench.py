@@ -163,3 +163,29 @@ def test_summary_names_the_slope_and_the_phase_that_grew() -> None:
     u4 = out["undying"]["sizes"][4]["recovery_s"]
     assert (u4["median"], u4["min"], u4["max"]) == (0.45, 0.40, 0.50)
     assert out["undying"]["slope"] == pytest.approx(0.0)
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+goodput = _load("goodput")
+
+
+def test_the_driver_asks_the_step_as_often_as_the_distance_needs() -> None:
+    """Half the least time the steps left take, so a fault is still armed ahead of its step;
+    never more often than every 50 ms, never less than every 10 s."""
+    assert goodput.poll_interval(10, 0.1) == pytest.approx(0.5)
+    assert goodput.poll_interval(1, 0.1) == goodput.POLL_MIN_S
+    assert goodput.poll_interval(0, 0.1) == goodput.POLL_MIN_S
+    assert goodput.poll_interval(-3, 0.1) == goodput.POLL_MIN_S  # passed: asked again soon
+    assert goodput.poll_interval(10_000, 0.1) == goodput.POLL_MAX_S
+    for left in range(0, 400):
+        assert goodput.poll_interval(left, 0.1) <= max(goodput.POLL_MIN_S, left * 0.1)
+
+
+def test_skip_names_runs_the_report_can_do_without() -> None:
+    args = goodput.parse_args(["--skip", "torchrun,undying_fault_free", "--no-torchrun-fault-free"])
+    assert args.skip == {"torchrun", "undying_fault_free", "torchrun_fault_free"}
+    assert goodput.parse_args([]).skip == set()
+    for bad in ("reference", "undying", "torchrun,nonsense"):
+        with pytest.raises(SystemExit):
+            goodput.parse_args(["--skip", bad])
